@@ -1,0 +1,45 @@
+"""statefulremat: PyTorch-like stateful modules with JAX's memory and compile-time tools.
+
+>>> import jax.numpy as jnp, statefulremat as sr
+>>> model = sr.nn.Linear(4, 2, rngs=sr.Rngs(0))
+>>> model(jnp.ones((3, 4))).shape
+(3, 2)
+"""
+
+from ._containers import ModuleDict as ModuleDict
+from ._containers import ModuleList as ModuleList
+from ._errors import GraphError as GraphError
+from ._errors import StatefulRematError as StatefulRematError
+from ._errors import StateMismatchError as StateMismatchError
+from ._errors import TraceContextError as TraceContextError
+from ._filters import All as All
+from ._filters import Any as Any
+from ._filters import Not as Not
+from ._filters import PathContains as PathContains
+from ._graph import GraphDef as GraphDef
+from ._graph import clone as clone
+from ._graph import graphdef as graphdef
+from ._graph import merge as merge
+from ._graph import split as split
+from ._graph import state as state
+from ._graph import update as update
+from ._module import Module as Module
+from ._optimizer import OptState as OptState
+from ._optimizer import Optimizer as Optimizer
+from ._rngs import Rngs as Rngs
+from ._rngs import RngStream as RngStream
+from ._state import State as State
+from ._transforms._autodiff import grad as grad
+from ._transforms._autodiff import value_and_grad as value_and_grad
+from ._transforms._jit import jit as jit
+from ._variables import BatchStat as BatchStat
+from ._variables import Cache as Cache
+from ._variables import Intermediate as Intermediate
+from ._variables import Param as Param
+from ._variables import RngCount as RngCount
+from ._variables import RngKey as RngKey
+from ._variables import RngState as RngState
+from ._variables import Variable as Variable
+from . import nn as nn
+
+__version__ = "0.1.0"

@@ -1,0 +1,349 @@
+"""Split a module graph into a GraphDef and States, and merge them back.
+
+``split`` walks the graph depth first (a module's attributes in sorted order, list
+and dict items in order) and records each module and Variable the first time it is
+reached; later arrivals at the same object become references, so shared sub-modules,
+shared Variables and reference cycles survive a round trip as one object. The walk
+yields three things:
+
+* a ``GraphDef``: the structure — node classes, static attributes, Variable kinds and
+  metadata, and where references point. Hashable, so ``jax.jit`` can key on it;
+* the Variables in walk order, with their first path;
+* from those, ``State``s (per filter) holding the values.
+
+``merge`` replays the walk from the GraphDef, building fresh objects, and fills in
+the values; ``update`` writes values into an existing graph by path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from ._errors import GraphError, StateMismatchError, format_path
+from ._filters import Filter
+from ._module import Module, _record_owners
+from ._state import State, _Spec, freeze, partition
+from ._variables import Variable, current_trace
+
+_REF, _VAR, _NODE, _LIST, _TUPLE, _DICT, _STATIC = range(7)
+
+
+class GraphDef:
+  """The structure of a module graph (everything but the variables' values).
+
+  Hashable and equal for equal structure and static attributes, so it can be a static
+  argument of ``jax.jit``. ``var_paths`` lists the path of each variable in order.
+
+  >>> import statefulremat as sr
+  >>> g1 = sr.graphdef(sr.nn.Linear(2, 3, rngs=sr.Rngs(0)))
+  >>> g2 = sr.graphdef(sr.nn.Linear(2, 3, rngs=sr.Rngs(1)))
+  >>> g1 == g2, hash(g1) == hash(g2), g1.var_paths
+  (True, True, (('bias',), ('kernel',)))
+  """
+
+  __slots__ = ("tree", "var_paths", "_hash")
+
+  def __init__(self, tree: tuple, var_paths: tuple):
+    self.tree = tree
+    self.var_paths = var_paths
+    self._hash = hash(tree)
+
+  def __eq__(self, other):
+    return isinstance(other, GraphDef) and (
+        self._hash == other._hash and self.tree == other.tree)
+
+  def __hash__(self):
+    return self._hash
+
+  def __repr__(self):
+    return f"GraphDef(<{len(self.var_paths)} variables>)"
+
+
+# -- flattening -----------------------------------------------------------------
+
+
+def _static(obj, path):
+  if isinstance(obj, (jax.Array, np.ndarray)):
+    raise GraphError(
+        f"attribute `{format_path(path)}` holds an array "
+        f"({getattr(obj, 'dtype', '?')}{list(np.shape(obj))}) that is not in a Variable, "
+        "so transforms would bake it in as a constant and never update it. Fix: wrap "
+        "it, e.g. `self.w = sr.Param(w)` (or sr.BatchStat / sr.Variable), or make it a "
+        "Python number if it is configuration."
+    )
+  try:
+    hash(obj)
+  except TypeError:
+    raise GraphError(
+        f"attribute `{format_path(path)}` holds a {type(obj).__name__}, which is not "
+        "hashable. Attributes other than modules, Variables and lists/tuples/dicts of "
+        "them are static configuration and become part of the GraphDef, so they must be "
+        "hashable. Fix: use a tuple or a frozen dataclass, or wrap array data in a "
+        "Variable."
+    ) from None
+  return (_STATIC, obj)
+
+
+def flatten(roots: Sequence[Any]) -> tuple[GraphDef, list[Variable]]:
+  """Walks ``roots`` jointly: their GraphDef and their Variables in walk order."""
+  index: dict[int, int] = {}
+  variables: list[Variable] = []
+  paths: list[tuple] = []
+
+  def walk(obj, path):
+    if isinstance(obj, Variable):
+      seen = index.get(id(obj))
+      if seen is not None:
+        return (_REF, seen)
+      index[id(obj)] = len(index)
+      variables.append(obj)
+      paths.append(path)
+      try:
+        meta = freeze(obj._metadata)
+      except TypeError:
+        raise GraphError(
+            f"the metadata of `{format_path(path)}` is not hashable: "
+            f"{obj._metadata!r}. Use tuples, strings and numbers in metadata."
+        ) from None
+      return (_VAR, type(obj), meta)
+    if isinstance(obj, Module):
+      seen = index.get(id(obj))
+      if seen is not None:
+        return (_REF, seen)
+      index[id(obj)] = len(index)
+      attrs = vars(obj)
+      return (_NODE, type(obj), tuple(
+          (k, walk(attrs[k], path + (k,))) for k in sorted(attrs)
+          if not k.startswith("_sr_")))
+    if isinstance(obj, list):
+      return (_LIST, type(obj), tuple(walk(x, path + (i,)) for i, x in enumerate(obj)))
+    if isinstance(obj, tuple):
+      return (_TUPLE, type(obj), tuple(walk(x, path + (i,)) for i, x in enumerate(obj)))
+    if isinstance(obj, dict):
+      return (_DICT, type(obj), tuple((k, walk(v, path + (k,))) for k, v in obj.items()))
+    return _static(obj, path)
+
+  tree = tuple(walk(root, (i,) if len(roots) > 1 else ()) for i, root in enumerate(roots))
+  return GraphDef(tree, tuple(paths)), variables
+
+
+def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
+              trace=None) -> tuple[list[Any], list[Variable]]:
+  """Builds fresh objects from ``graphdef``; the i-th Variable gets ``values[i]``.
+
+  ``kinds`` / ``metas`` override the GraphDef's Variable kinds and metadata.
+  Returns the roots and the new Variables in walk order.
+  """
+  trace = current_trace() if trace is None else trace
+  objects: list[Any] = []
+  variables: list[Variable] = []
+
+  def build(d):
+    tag = d[0]
+    if tag == _REF:
+      return objects[d[1]]
+    if tag == _VAR:
+      i = len(variables)
+      kind = d[1] if kinds is None else kinds[i]
+      var = kind.__new__(kind)
+      var._value = values[i]
+      var._metadata = dict(d[2] if metas is None else metas[i])
+      var._trace = trace
+      var._owner = None
+      objects.append(var)
+      variables.append(var)
+      return var
+    if tag == _NODE:
+      node = d[1].__new__(d[1])
+      objects.append(node)
+      attrs = {k: build(sub) for k, sub in d[2]}
+      for k, v in attrs.items():
+        _record_owners(node, v, (k,))
+      node.__dict__.update(attrs)
+      return node
+    if tag == _LIST:
+      return d[1](build(x) for x in d[2])
+    if tag == _TUPLE:
+      items = [build(x) for x in d[2]]
+      return d[1]._make(items) if hasattr(d[1], "_fields") else d[1](items)
+    if tag == _DICT:
+      return d[1]((k, build(v)) for k, v in d[2])
+    return d[1]
+
+  roots = [build(d) for d in graphdef.tree]
+  return roots, variables
+
+
+def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
+  """Yields ``(path, object)`` for each module and Variable reachable from ``node``, once."""
+  seen: set[int] = set()
+
+  def walk(obj, path):
+    if isinstance(obj, (Variable, Module)):
+      if id(obj) in seen:
+        return
+      seen.add(id(obj))
+      yield path, obj
+      if isinstance(obj, Module):
+        attrs = vars(obj)
+        for k in sorted(attrs):
+          if not k.startswith("_sr_"):
+            yield from walk(attrs[k], path + (k,))
+    elif isinstance(obj, (list, tuple)):
+      for i, x in enumerate(obj):
+        yield from walk(x, path + (i,))
+    elif isinstance(obj, dict):
+      for k, v in obj.items():
+        yield from walk(v, path + (k,))
+
+  yield from walk(node, ())
+
+
+# -- the public functions ---------------------------------------------------------
+
+
+def _check_node(node, fn: str):
+  if not isinstance(node, (Module, Variable, list, tuple, dict)):
+    raise TypeError(
+        f"sr.{fn} takes a Module (or a list/tuple/dict of them), got "
+        f"{type(node).__name__}."
+    )
+
+
+def _states(graphdef: GraphDef, variables: list[Variable], filters) -> list[State]:
+  items = list(zip(graphdef.var_paths, variables))
+  groups = partition(items, filters)
+  return [State.from_variables(items[i] for i in group) for group in groups]
+
+
+def split(node, *filters: Filter) -> tuple:
+  """Splits a graph into its GraphDef and one State per filter.
+
+  Each variable lands in the State of the first filter that matches it; a variable
+  matched by none is an error unless the last filter is ``...``.
+
+  >>> import statefulremat as sr
+  >>> model = sr.nn.BatchNorm(3, rngs=sr.Rngs(0))
+  >>> graphdef, state = sr.split(model)
+  >>> graphdef, params, rest = sr.split(model, sr.Param, ...)
+  >>> sorted(params.flat()), sorted(rest.flat())
+  ([('bias',), ('scale',)], [('mean',), ('var',)])
+  >>> sr.merge(graphdef, params, rest).scale.shape
+  (3,)
+  """
+  _check_node(node, "split")
+  graphdef, variables = flatten([node])
+  return (graphdef, *_states(graphdef, variables, filters))
+
+
+def merge(graphdef: GraphDef, *states: State) -> Any:
+  """Builds a new object graph from a GraphDef and the States ``split`` gave.
+
+  Together the States must hold exactly the GraphDef's variables (by path).
+
+  >>> import statefulremat as sr
+  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
+  >>> copy = sr.merge(*sr.split(model))
+  >>> copy is model, bool((copy.kernel.value == model.kernel.value).all())
+  (False, True)
+  """
+  if not isinstance(graphdef, GraphDef):
+    raise TypeError(
+        f"sr.merge takes a GraphDef first (from sr.split), got {type(graphdef).__name__}")
+  merged = State.merge(*states)
+  spec = merged._spec
+  where = {p: i for i, p in enumerate(spec.paths)}
+  missing = [p for p in graphdef.var_paths if p not in where]
+  if missing:
+    raise StateMismatchError(
+        f"sr.merge: no value for the variable `{format_path(missing[0])}`"
+        f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}. Pass every "
+        "State that sr.split returned: `sr.merge(graphdef, *states)`."
+    )
+  extra = set(where) - set(graphdef.var_paths)
+  if extra:
+    first = sorted(extra, key=str)[0]
+    raise StateMismatchError(
+        f"sr.merge: the State has an entry `{format_path(first)}` that the GraphDef "
+        "has no variable for. The State and GraphDef come from different graphs; split "
+        "the model you mean to rebuild."
+    )
+  order = [where[p] for p in graphdef.var_paths]
+  roots, _ = unflatten(
+      graphdef, [merged._values[i] for i in order],
+      kinds=[spec.kinds[i] for i in order], metas=[spec.metas[i] for i in order])
+  return roots[0]
+
+
+def state(node, *filters: Filter) -> State | tuple[State, ...]:
+  """The State of ``node``: all of it, the entries a filter matches, or a tuple for several.
+
+  >>> import statefulremat as sr
+  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
+  >>> sorted(sr.state(model, sr.Param).flat())
+  [('bias',), ('kernel',)]
+  """
+  _check_node(node, "state")
+  graphdef, variables = flatten([node])
+  items = list(zip(graphdef.var_paths, variables))
+  if not filters:
+    return State.from_variables(items)
+  whole = State.from_variables(items)
+  return whole.filter(*filters)
+
+
+def graphdef(node) -> GraphDef:
+  """The GraphDef of ``node`` (``sr.split(node)[0]``)."""
+  _check_node(node, "graphdef")
+  return flatten([node])[0]
+
+
+def update(node, *states: State) -> None:
+  """Writes the values of ``states`` into the variables of ``node`` with the same paths.
+
+  >>> import jax, statefulremat as sr
+  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
+  >>> sr.update(model, jax.tree.map(lambda x: x * 0, sr.state(model)))
+  >>> float(abs(model.kernel.value).sum())
+  0.0
+  """
+  _check_node(node, "update")
+  graphdef, variables = flatten([node])
+  where = dict(zip(graphdef.var_paths, variables))
+  pending = []
+  for st in states:
+    if not isinstance(st, State):
+      raise TypeError(f"sr.update takes States after the module, got {type(st).__name__}")
+    for path, value in zip(st._spec.paths, st._values):
+      var = where.get(path)
+      if var is None:
+        raise StateMismatchError(
+            f"sr.update: the State has an entry `{format_path(path)}` but the module has "
+            "no variable at that path (nothing was written). Update with a State taken "
+            "from an equally structured module (`sr.state(model)`)."
+        )
+      pending.append((var, value))
+  written = []
+  try:
+    for var, value in pending:
+      old = var._value
+      var.value = value
+      written.append((var, old))
+  except BaseException:
+    for var, old in reversed(written):
+      var._value = old
+    raise
+
+
+def clone(node):
+  """A deep copy of the graph: new modules and Variables, same values and sharing.
+
+  >>> import statefulremat as sr
+  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
+  >>> sr.clone(model).kernel is model.kernel
+  False
+  """
+  return merge(*split(node))

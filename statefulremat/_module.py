@@ -1,0 +1,104 @@
+"""Module: plain Python objects that own Variables, PyTorch style.
+
+Write ``__init__`` eagerly (create the Variables and sub-modules there) and
+``__call__`` to use them; there is no ``super().__init__()`` to call and no lazy
+shape inference. A module's *graph* is everything reachable through its attributes:
+sub-modules, Variables, and lists/tuples/dicts of them. Every other attribute is
+static configuration and must be hashable (it becomes part of the GraphDef).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from ._containers import adopt
+from ._variables import Variable, set_owner, structure_epoch
+
+
+def _record_owners(parent, value, key_path: tuple) -> None:
+  if isinstance(value, (Variable, Module)):
+    set_owner(value, parent, key_path)
+  elif isinstance(value, (list, tuple)):
+    for i, item in enumerate(value):
+      _record_owners(parent, item, key_path + (i,))
+  elif isinstance(value, dict):
+    for key, item in value.items():
+      _record_owners(parent, item, key_path + (key,))
+
+
+class Module:
+  """Base class of stateful modules.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> class Scale(sr.Module):
+  ...   def __init__(self, n):
+  ...     self.w = sr.Param(jnp.ones(n))
+  ...     self.deterministic = False
+  ...   def __call__(self, x):
+  ...     return x * self.w
+  >>> m = Scale(3)
+  >>> m(jnp.arange(3.0)).tolist()
+  [0.0, 1.0, 2.0]
+  >>> m.eval().deterministic
+  True
+  >>> [(path, type(v).__name__) for path, v in m.iter_variables()]
+  [(('w',), 'Param')]
+  """
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    value = adopt(value)
+    if not name.startswith("_sr_"):
+      _record_owners(self, value, (name,))
+    object.__setattr__(self, name, value)
+    structure_epoch.bump()
+
+  def __delattr__(self, name: str) -> None:
+    object.__delattr__(self, name)
+    structure_epoch.bump()
+
+  # -- modes -----------------------------------------------------------------
+
+  def set_attributes(self, **attributes: Any) -> Module:
+    """Sets each given attribute on every module of the graph that already has it.
+
+    >>> import statefulremat as sr
+    >>> d = sr.nn.Dropout(0.5, rngs=sr.Rngs(0))
+    >>> d.set_attributes(deterministic=True).deterministic
+    True
+    """
+    for _, module in self.iter_modules():
+      for name, value in attributes.items():
+        if name in vars(module):
+          setattr(module, name, value)
+    return self
+
+  def train(self) -> Module:
+    """Training mode: ``deterministic=False``, ``use_running_average=False`` everywhere."""
+    return self.set_attributes(deterministic=False, use_running_average=False)
+
+  def eval(self) -> Module:
+    """Evaluation mode: ``deterministic=True``, ``use_running_average=True`` everywhere."""
+    return self.set_attributes(deterministic=True, use_running_average=True)
+
+  # -- iteration -------------------------------------------------------------
+
+  def iter_modules(self) -> Iterator[tuple[tuple, Module]]:
+    """Yields ``(path, module)`` for every module of the graph once, this one first."""
+    from ._graph import iter_graph
+
+    for path, node in iter_graph(self):
+      if isinstance(node, Module):
+        yield path, node
+
+  def iter_variables(self) -> Iterator[tuple[tuple, Variable]]:
+    """Yields ``(path, variable)`` for every Variable of the graph once."""
+    from ._graph import iter_graph
+
+    for path, node in iter_graph(self):
+      if isinstance(node, Variable):
+        yield path, node
+
+  def __repr__(self) -> str:
+    from ._repr import module_repr
+
+    return module_repr(self)

@@ -1,0 +1,83 @@
+"""Optimizer: an optax transformation bound to a model, updating it in place."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ._errors import StateMismatchError, format_path
+from ._filters import Filter
+from ._graph import state, update
+from ._module import Module
+from ._state import State
+from ._variables import Param, Variable
+
+
+class OptState(Variable):
+  """Optimizer state (collection ``"opt_state"``): moments, step counts.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.OptState(jnp.zeros(2)).collection
+  'opt_state'
+  """
+
+  collection = "opt_state"
+
+
+class Optimizer(Module):
+  """Holds a model, an optax transformation and its state; ``update(grads)`` steps.
+
+  The optimizer is a module, so it goes through ``sr.jit`` with the model (pass both;
+  the model is shared, not copied) and its state is saved like any other.
+
+  >>> import jax.numpy as jnp, optax, statefulremat as sr
+  >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))
+  >>> opt = sr.Optimizer(model, optax.sgd(0.1))
+  >>> @sr.jit
+  ... def train_step(model, opt, x, y):
+  ...   loss, grads = sr.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(model)
+  ...   opt.update(grads)
+  ...   return loss
+  >>> x, y = jnp.ones((8, 2)), jnp.zeros((8, 1))
+  >>> first = train_step(model, opt, x, y)
+  >>> bool(train_step(model, opt, x, y) < first), int(opt.step.value)
+  (True, 2)
+  """
+
+  def __init__(self, model: Module, tx, *, wrt: Filter = Param):
+    self.model = model
+    self.tx = tx
+    self.wrt = wrt
+    self.step = OptState(jnp.zeros((), jnp.uint32))
+    leaves, treedef = jax.tree.flatten(tx.init(state(model, wrt)))
+    self.opt_state = [OptState(leaf) for leaf in leaves]
+    self.opt_state_def = treedef
+
+  def update(self, grads: State) -> None:
+    """Applies one optax step to the model's ``wrt`` variables, in place."""
+    params = state(self.model, self.wrt)
+    if not isinstance(grads, State):
+      raise TypeError(
+          f"Optimizer.update takes the State of gradients from sr.grad, got "
+          f"{type(grads).__name__}.")
+    if grads._spec.paths != params._spec.paths:
+      missing = [p for p in params._spec.paths if p not in set(grads._spec.paths)]
+      extra = [p for p in grads._spec.paths if p not in set(params._spec.paths)]
+      where = (f"no gradient for `{format_path(missing[0])}`" if missing else
+               f"a gradient for `{format_path(extra[0])}`, which is not optimized"
+               if extra else "the entries are in another order")
+      raise StateMismatchError(
+          f"Optimizer.update: the gradients do not match the optimized variables "
+          f"({where}). Take the gradients with the same filter: "
+          f"`sr.grad(loss_fn, wrt={self.wrt!r})(model, ...)`."
+      )
+    opt_state = jax.tree.unflatten(self.opt_state_def, [v.value for v in self.opt_state])
+    grads = State._make(params._spec, grads._values)
+    updates, opt_state = self.tx.update(grads, opt_state, params)
+    import optax
+
+    new_params = optax.apply_updates(params, updates)
+    update(self.model, new_params)
+    for var, leaf in zip(self.opt_state, jax.tree.leaves(opt_state)):
+      var.value = leaf
+    self.step.value = self.step.value + 1

@@ -1,0 +1,52 @@
+"""Plain-text reprs of variables and modules (treescope rendering comes later)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def value_summary(value) -> str:
+  if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval"):
+    dtype = str(value.dtype)
+    return f"{dtype}[{','.join(map(str, value.shape))}]"
+  return repr(value)
+
+
+def variable_repr(var) -> str:
+  parts = [value_summary(var._value)]
+  parts += [f"{k}={v!r}" for k, v in var._metadata.items()]
+  return f"{type(var).__name__}({', '.join(parts)})"
+
+
+def module_repr(module, indent: int = 0, seen=None) -> str:
+  from ._module import Module
+  from ._variables import Variable
+
+  seen = set() if seen is None else seen
+  if id(module) in seen:
+    return f"{type(module).__name__}(...)"
+  seen.add(id(module))
+  pad = "  " * (indent + 1)
+
+  def show(value, depth):
+    if isinstance(value, Module):
+      return module_repr(value, depth, seen)
+    if isinstance(value, Variable):
+      return variable_repr(value)
+    if isinstance(value, (list, tuple)) and value:
+      inner = ",\n".join("  " * (depth + 2) + show(v, depth + 1) for v in value)
+      open_, close = ("[", "]") if isinstance(value, list) else ("(", ")")
+      return f"{open_}\n{inner}\n{'  ' * (depth + 1)}{close}"
+    if isinstance(value, dict) and value:
+      inner = ",\n".join(
+          f"{'  ' * (depth + 2)}{k!r}: {show(v, depth + 1)}" for k, v in value.items()
+      )
+      return f"{{\n{inner}\n{'  ' * (depth + 1)}}}"
+    return repr(value)
+
+  attrs = [(k, v) for k, v in vars(module).items() if not k.startswith("_sr_")]
+  if not attrs:
+    return f"{type(module).__name__}()"
+  body = ",\n".join(f"{pad}{k}={show(v, indent)}" for k, v in attrs)
+  return f"{type(module).__name__}(\n{body}\n{'  ' * indent})"

@@ -1,0 +1,120 @@
+"""Rngs: named PRNG streams whose counters live in the module graph's State.
+
+Each stream holds a base key (``RngKey``) and a counter (``RngCount``). Drawing
+folds the counter into the key and advances it, so every draw is fresh, across calls
+and through transforms (the counter is state that transforms carry out like any other
+variable). ``Rngs(0)`` makes a ``default`` stream that serves any name asked for;
+``Rngs(params=0, dropout=1)`` makes named streams; both may be combined.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._module import Module
+from ._variables import RngCount, RngKey
+
+
+def _as_key(seed) -> jax.Array:
+  if isinstance(seed, int):
+    return jax.random.key(seed)
+  seed = jnp.asarray(seed)
+  if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+    return seed
+  if seed.dtype == jnp.uint32 and seed.shape[-1:] == (2,):
+    return jax.random.wrap_key_data(seed)
+  if seed.ndim == 0 and jnp.issubdtype(seed.dtype, jnp.integer):
+    return jax.random.key(seed)
+  raise TypeError(
+      f"an RNG seed must be an int, a typed key (jax.random.key) or a raw uint32 key, "
+      f"got {seed.dtype}{list(seed.shape)}."
+  )
+
+
+class RngStream(Module):
+  """One named stream: ``stream()`` returns a fresh key and advances the counter.
+
+  >>> import jax, statefulremat as sr
+  >>> stream = sr.RngStream(0, tag="dropout")
+  >>> k1, k2 = stream(), stream()
+  >>> bool((jax.random.key_data(k1) != jax.random.key_data(k2)).any()), int(stream.count.value)
+  (True, 2)
+  """
+
+  def __init__(self, seed, *, tag: str):
+    self.key = RngKey(_as_key(seed), tag=tag)
+    self.count = RngCount(jnp.zeros((), jnp.uint32), tag=tag)
+    self.tag = tag
+
+  def __call__(self) -> jax.Array:
+    count = self.count.value
+    self.count.value = count + 1
+    return jax.random.fold_in(self.key.value, count)
+
+
+_RESERVED = {"fork", "default_stream", "stream_names"}
+
+
+class Rngs(Module):
+  """Named PRNG streams: ``rngs.params()``, ``rngs["dropout"]()``.
+
+  ``Rngs(0)`` serves every name from one ``default`` stream;
+  ``Rngs(params=0, dropout=1)`` gives each name its own stream;
+  ``Rngs(0, dropout=1)`` has a ``dropout`` stream and a default for the rest.
+  Stored on a module, an Rngs is part of the module's graph (collection ``"rngs"``).
+
+  >>> import statefulremat as sr
+  >>> rngs = sr.Rngs(0, dropout=1)
+  >>> rngs.params().shape, sorted(rngs.stream_names())
+  ((), ['default', 'dropout'])
+  """
+
+  def __init__(self, default: Any = None, /, **streams: Any):
+    for name in streams:
+      if name in _RESERVED or name.startswith("_"):
+        raise ValueError(f"{name!r} cannot name an RNG stream: it is an Rngs method.")
+    if default is not None:
+      streams = {"default": default, **streams}
+    if not streams:
+      raise ValueError("Rngs needs a seed: sr.Rngs(0) or sr.Rngs(params=0, dropout=1).")
+    for name, seed in streams.items():
+      setattr(self, name, RngStream(seed, tag=name))
+
+  def stream_names(self) -> list[str]:
+    """The names of the streams this Rngs holds (``default`` included)."""
+    return [k for k, v in vars(self).items() if isinstance(v, RngStream)]
+
+  def default_stream(self, name: str) -> RngStream:
+    """The stream that serves ``name``: its own, else ``default``; raises if neither."""
+    stream = vars(self).get(name)
+    if stream is None:
+      stream = vars(self).get("default")
+    if stream is None:
+      raise AttributeError(
+          f"this Rngs has no {name!r} stream and no default stream (it has "
+          f"{self.stream_names()}). Fix: add one, e.g. sr.Rngs({name}=0, ...), or give "
+          "a default seed: sr.Rngs(0)."
+      )
+    return stream
+
+  def __getattr__(self, name: str) -> RngStream:
+    # Only reached for names that are not attributes: serve them from `default`.
+    if name.startswith("__") or name.startswith("_sr_"):
+      raise AttributeError(name)
+    return self.default_stream(name)
+
+  def __getitem__(self, name: str) -> RngStream:
+    return self.default_stream(name)
+
+  def __contains__(self, name: str) -> bool:
+    return isinstance(vars(self).get(name), RngStream)
+
+  def fork(self) -> Rngs:
+    """A new, independent Rngs with the same stream names, seeded from this one."""
+    new = object.__new__(Rngs)
+    for name in self.stream_names():
+      setattr(new, name, RngStream(getattr(self, name)(), tag=name))
+    return new

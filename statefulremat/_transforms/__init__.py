@@ -1,0 +1,1 @@
+"""Transforms: one file each, sharing the lifting helper in ``_lift``."""

@@ -1,0 +1,128 @@
+"""sr.grad / sr.value_and_grad: gradients with respect to a module's variables."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+
+from .._filters import Filter, to_predicate
+from .._module import Module
+from .._state import State, _Spec, freeze
+from .._variables import Param
+from ._lift import Lifted, check_no_nodes, split_call, write_back
+from .._graph import flatten
+
+
+def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
+                   wrt: Filter = Param, has_aux: bool = False) -> Callable:
+  """Like ``jax.value_and_grad``; a module argument's gradient is a State.
+
+  For a module at ``argnums`` the gradient is taken with respect to its variables
+  matched by ``wrt`` and returned as a ``State`` with the paths of
+  ``sr.state(module, wrt)``; other arguments at ``argnums`` get ordinary gradients.
+  Changes the function makes to other variables (batch stats, RNG counts) are written
+  back to the caller's modules; if it raises, nothing is.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))
+  >>> def loss(model, x):
+  ...   return (model(x) ** 2).mean()
+  >>> value, grads = sr.value_and_grad(loss)(model, jnp.ones((4, 2)))
+  >>> sorted(grads.flat()), grads["kernel"].shape
+  ([('bias',), ('kernel',)], (2, 1))
+  """
+  single = isinstance(argnums, int)
+  targets = (argnums,) if single else tuple(argnums)
+  predicate = to_predicate(wrt)
+  what = f"sr.grad({getattr(fn, '__name__', 'fn')})"
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    for t in targets:
+      if t >= len(args):
+        raise TypeError(f"{what}: argnums={argnums} but only {len(args)} positional "
+                        "arguments were given.")
+    module_targets = {t for t in targets if isinstance(args[t], Module)}
+    array_targets = [t for t in targets if t not in module_targets]
+    held = tuple(args[t] for t in array_targets)
+    args = tuple(None if t in array_targets else a for t, a in enumerate(args))
+    nodes, leaves, treedef, positions = split_call(args, kwargs)
+    graphdef, variables = flatten(nodes)
+    lifted = Lifted(graphdef, treedef, positions)
+    root_of = {id(n): i for i, n in enumerate(nodes)}
+    target_roots = {root_of[id(args[t])]: t for t in module_targets}
+    multi = len(nodes) > 1
+
+    # Which flat variables each module target differentiates, with their local paths.
+    diff_index = {t: [] for t in module_targets}
+    for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
+      root, local = (path[0], path[1:]) if multi else (0, path)
+      t = target_roots.get(root)
+      if t is not None and predicate(local, var):
+        diff_index[t].append((i, local))
+    diffed = {i for entries in diff_index.values() for i, _ in entries}
+    values = [v._value for v in variables]
+
+    def pure(diff_values, array_values, other_values):
+      flat = list(other_values)
+      for t in module_targets:
+        for (i, _), value in zip(diff_index[t], diff_values[t]):
+          flat[i] = value
+      tree, _, roots = lifted.rebuild(flat, leaves)
+      call_args, call_kwargs = tree
+      call_args = list(call_args)
+      for t, value in zip(array_targets, array_values):
+        call_args[t] = value
+      out = fn(*call_args, **call_kwargs)
+      if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+          raise TypeError(f"{what}: has_aux=True needs the function to return a pair "
+                          f"(loss, aux), got {type(out).__name__}.")
+        loss, aux = out
+      else:
+        loss, aux = out, None
+      check_no_nodes(aux, what)
+      return loss, (aux, lifted.collect(roots, flat, what))
+
+    diff_values = {t: [values[i] for i, _ in diff_index[t]] for t in module_targets}
+    others = [None if i in diffed else v for i, v in enumerate(values)]
+    (loss, (aux, changed)), (g_mod, g_arr) = jax.value_and_grad(
+        pure, argnums=(0, 1), has_aux=True)(diff_values, held, others)
+    write_back(variables, changed)
+
+    grads = []
+    for t in targets:
+      if t in module_targets:
+        entries = diff_index[t]
+        spec = _Spec(tuple(p for _, p in entries),
+                     tuple(type(variables[i]) for i, _ in entries),
+                     tuple(freeze(variables[i]._metadata) for i, _ in entries))
+        grads.append(State._make(spec, g_mod[t]))
+      else:
+        grads.append(g_arr[array_targets.index(t)])
+    grads = grads[0] if single else tuple(grads)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return wrapper
+
+
+def grad(fn: Callable, argnums: int | Sequence[int] = 0, *, wrt: Filter = Param,
+         has_aux: bool = False) -> Callable:
+  """Like ``jax.grad``; a module argument's gradient is a State (see ``value_and_grad``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))
+  >>> grads = sr.grad(lambda m, x: m(x).sum())(model, jnp.ones((3, 2)))
+  >>> grads["bias"].tolist()
+  [3.0]
+  """
+  vg = value_and_grad(fn, argnums, wrt=wrt, has_aux=has_aux)
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    value, grads = vg(*args, **kwargs)
+    return (grads, value[1]) if has_aux else grads
+
+  return wrapper

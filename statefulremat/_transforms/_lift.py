@@ -1,0 +1,163 @@
+"""Lifting: how every transform moves modules through a pure JAX function.
+
+Outside the trace, the call's arguments are split into
+
+* the *nodes* (modules and Variables, wherever they sit in the arguments), walked
+  jointly into one GraphDef and a flat list of their Variables (shared objects once);
+* the remaining pytree leaves (arrays and the like);
+* a treedef of the arguments with the nodes as leaves.
+
+Inside the trace, ``Lifted.rebuild`` merges fresh objects from the GraphDef and the
+traced values, the user's function runs on them, and ``Lifted.collect`` reads back
+which Variables it changed. The caller's objects are written only after the whole
+transform succeeded, by direct assignment — so an exception anywhere leaves them
+exactly as they were.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import jax
+
+from .._errors import GraphError, format_path
+from .._graph import _DICT, _LIST, _NODE, _TUPLE, GraphDef, flatten, unflatten
+from .._module import Module
+from .._variables import Variable, structure_epoch
+
+
+def is_node(x) -> bool:
+  return isinstance(x, (Module, Variable))
+
+
+class Lifted:
+  """The static description of one call's arguments (hashable: a jit cache key)."""
+
+  __slots__ = ("graphdef", "treedef", "node_positions", "_hash")
+
+  def __init__(self, graphdef: GraphDef, treedef, node_positions: tuple):
+    self.graphdef = graphdef
+    self.treedef = treedef
+    self.node_positions = node_positions
+    self._hash = hash((graphdef, treedef, node_positions))
+
+  def __eq__(self, other):
+    return isinstance(other, Lifted) and self._hash == other._hash and (
+        self.graphdef == other.graphdef and self.treedef == other.treedef
+        and self.node_positions == other.node_positions)
+
+  def __hash__(self):
+    return self._hash
+
+  def rebuild(self, values: Sequence[Any], leaves: Sequence[Any]):
+    """Inside a trace: fresh objects holding ``values``; returns (tree, variables)."""
+    roots, variables = unflatten(self.graphdef, values)
+    merged = list(leaves)
+    for pos, root in zip(self.node_positions, roots):
+      merged.insert(pos, root)
+    return jax.tree_util.tree_unflatten(self.treedef, merged), variables, roots
+
+  def collect(self, roots, values: Sequence[Any], what: str) -> dict[int, Any]:
+    """After the user's function: ``{index: new value}`` of each Variable it changed.
+
+    Raises if the function changed the graph's structure, which cannot be carried out.
+    """
+    graphdef, variables = flatten(roots)
+    if graphdef != self.graphdef:
+      raise GraphError(
+          f"{what}: the function changed the structure of its modules "
+          f"({describe_change(self.graphdef, graphdef)}). Changes to structure (new "
+          "or removed sub-modules and Variables, new static attribute values such as "
+          "`.deterministic`) cannot be carried out of a transform. Create sub-modules "
+          "and Variables in `__init__` (e.g. `self.h = sr.Intermediate(jnp.zeros(...))`)"
+          ", and change static attributes outside the transformed function "
+          "(`model.eval()` before calling it)."
+      )
+    return {i: v._value for i, (v, old) in enumerate(zip(variables, values))
+            if v._value is not old}
+
+
+def describe_change(before: GraphDef, after: GraphDef) -> str:
+  added = [p for p in after.var_paths if p not in set(before.var_paths)]
+  removed = [p for p in before.var_paths if p not in set(after.var_paths)]
+  if added:
+    return f"a new variable at `{format_path(added[0])}`"
+  if removed:
+    return f"the variable at `{format_path(removed[0])}` was removed"
+  for a, b in zip(before.tree, after.tree):
+    path = _first_difference(a, b, ())
+    if path is not None:
+      return f"attribute `{format_path(path)}` changed"
+  return "its structure changed"
+
+
+def _first_difference(a, b, path):
+  """The path of the first place two GraphDef trees differ."""
+  if a == b:
+    return None
+  if a[0] != b[0] or a[0] not in (_NODE, _LIST, _TUPLE, _DICT) or a[1] != b[1]:
+    return path
+  if len(a[2]) != len(b[2]):
+    return path
+  keyed = a[0] in (_NODE, _DICT)
+  for i, (x, y) in enumerate(zip(a[2], b[2])):
+    if keyed:
+      if x[0] != y[0]:
+        return path
+      found = _first_difference(x[1], y[1], path + (x[0],))
+    else:
+      found = _first_difference(x, y, path + (i,))
+    if found is not None:
+      return found
+  return path
+
+
+def split_call(args: tuple, kwargs: dict):
+  """Splits ``(args, kwargs)``: (nodes, other leaves, treedef, node positions)."""
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
+  nodes, others, positions = [], [], []
+  for i, leaf in enumerate(leaves):
+    if isinstance(leaf, (Module, Variable)):
+      nodes.append(leaf)
+      positions.append(i)
+    else:
+      others.append(leaf)
+  return nodes, others, treedef, tuple(positions)
+
+
+class FlattenCache:
+  """Per-transform cache of graph walks, valid while no module structure changed."""
+
+  def __init__(self, size: int = 16):
+    self._entries: OrderedDict = OrderedDict()
+    self._size = size
+
+  def lift(self, nodes, treedef, positions) -> tuple[Lifted, list[Variable]]:
+    key = (treedef, tuple(map(id, nodes)), structure_epoch.value)
+    hit = self._entries.get(key)
+    if hit is not None:
+      return hit[0], hit[1]
+    graphdef, variables = flatten(nodes)
+    lifted = Lifted(graphdef, treedef, positions)
+    # Holding `nodes` keeps their ids from being reused while the entry lives.
+    self._entries[key] = (lifted, variables, nodes)
+    if len(self._entries) > self._size:
+      self._entries.popitem(last=False)
+    return lifted, variables
+
+
+def check_no_nodes(out, what: str) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(out, is_leaf=is_node):
+    if is_node(leaf):
+      kind = "a Variable" if isinstance(leaf, Variable) else "a module"
+      raise GraphError(
+          f"{what}: the function returned {kind} ({type(leaf).__name__}) at output "
+          f"`{jax.tree_util.keystr(path)}`. Modules passed in are updated in place; "
+          "return arrays (for a Variable, its `.value`)."
+      )
+
+
+def write_back(variables: Sequence[Variable], changed: dict[int, Any]) -> None:
+  for i, value in changed.items():
+    variables[i]._value = value

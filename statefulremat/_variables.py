@@ -1,0 +1,307 @@
+"""Variables: the mutable boxes that hold a module's arrays.
+
+A module's state lives in Variables and only there. Each Variable kind names the
+*collection* it belongs to (``Param`` -> ``"params"``, ``BatchStat`` ->
+``"batch_stats"`` ...); transforms and filters treat variables by collection.
+A Variable remembers the JAX trace it was created in: writing a traced value into a
+Variable that belongs to another trace (a plain ``jax.jit`` closing over a module)
+would leak the tracer, so it raises at the assignment instead.
+
+Everything a transform needs to know about the graph's *shape* changes only through
+``Module.__setattr__`` and ``Variable.set_metadata``; both bump ``structure_epoch`` so
+cached flattenings (``sr.jit``'s fast path) know when to look again.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import weakref
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+from jax.extend.core import get_opaque_trace_state
+
+from ._errors import TraceContextError, format_path
+
+_Tracer = jax.core.Tracer
+
+
+class _Epoch:
+  """A counter bumped by every structural change to any module graph."""
+
+  __slots__ = ("value",)
+
+  def __init__(self):
+    self.value = 0
+
+  def bump(self):
+    self.value += 1
+
+
+structure_epoch = _Epoch()
+
+
+def current_trace():
+  return get_opaque_trace_state(convention="statefulremat")
+
+
+def _snake_case(name: str) -> str:
+  return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _contains_tracer(value) -> bool:
+  if isinstance(value, _Tracer):
+    return True
+  if isinstance(value, (jax.Array, np.ndarray, int, float, complex, bool)):
+    return False
+  return any(isinstance(leaf, _Tracer) for leaf in jax.tree.leaves(value))
+
+
+class Variable:
+  """A mutable box holding one array (or pytree) of a module's state.
+
+  ``Variable(value, **metadata)``: ``metadata`` is free-form (``sharding=("embed",
+  "mlp")`` is read by ``sr.get_partition_spec``) and readable as attributes.
+  Subclass it to define a new kind; a direct subclass names its collection with a
+  ``collection`` class attribute (default: the class name in snake case), deeper
+  subclasses inherit their parent's.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> w = sr.Param(jnp.ones((2, 3)), sharding=("embed", "mlp"))
+  >>> w.shape, w.collection, w.sharding
+  ((2, 3), 'params', ('embed', 'mlp'))
+  >>> w.value = w.value * 2
+  >>> float(w[0, 0] + 1)
+  3.0
+  >>> class Counter(sr.Variable): pass
+  >>> Counter(0).collection
+  'counter'
+  """
+
+  __slots__ = ("_value", "_metadata", "_trace", "_owner", "__weakref__")
+  collection: ClassVar[str] = "variables"
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if "collection" not in cls.__dict__ and Variable in cls.__bases__:
+      cls.collection = _snake_case(cls.__name__)
+
+  def __init__(self, value: Any, **metadata: Any):
+    if isinstance(value, Variable):
+      raise TypeError(
+          f"{type(self).__name__}(...) got a {type(value).__name__} as its value; a "
+          "Variable holds arrays, not other Variables. Pass `other.value` instead."
+      )
+    self._trace = current_trace()
+    self._owner = None
+    self._metadata = metadata
+    self.value = value
+
+  # -- value -----------------------------------------------------------------
+
+  @property
+  def value(self) -> Any:
+    """The array held; assign to replace it."""
+    return self._value
+
+  @value.setter
+  def value(self, new: Any):
+    if isinstance(new, Variable):
+      raise TypeError(
+          f"cannot assign a {type(new).__name__} to `{self.path_str()}.value`; assign "
+          "its array: `var.value = other.value`."
+      )
+    if _contains_tracer(new) and self._trace != current_trace():
+      raise TraceContextError(
+          f"a traced value was assigned to `{self.path_str()}` "
+          f"({type(self).__name__}) from inside a JAX transform that does not own it "
+          "(e.g. a plain `jax.jit`, `jax.grad` or `jax.vmap` whose function closes over "
+          "the module). The tracer would leak out of its trace, so the old value is "
+          "kept. Fix: pass the module as an argument to `sr.jit` / `sr.grad` / "
+          "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
+      )
+    self._value = new
+
+  def path_str(self) -> str:
+    """The variable's last known path from its root module, e.g. ``block.linear.kernel``."""
+    return format_path(path_of(self))
+
+  # -- metadata --------------------------------------------------------------
+
+  @property
+  def metadata(self) -> dict[str, Any]:
+    """A copy of the metadata; change it with ``set_metadata``."""
+    return dict(self._metadata)
+
+  def set_metadata(self, **metadata: Any) -> None:
+    """Adds or replaces metadata entries (e.g. ``sharding=("embed", None)``)."""
+    self._metadata = {**self._metadata, **metadata}
+    structure_epoch.bump()
+
+  def __getattr__(self, name: str) -> Any:
+    # Only reached when normal lookup fails: metadata entries read as attributes.
+    try:
+      return object.__getattribute__(self, "_metadata")[name]
+    except (KeyError, AttributeError):
+      raise AttributeError(
+          f"{type(self).__name__} has no attribute or metadata entry {name!r}"
+      ) from None
+
+  def replace(self, value: Any) -> Variable:
+    """A new Variable of the same kind and metadata holding ``value``."""
+    return type(self)(value, **self._metadata)
+
+  # -- array-like use --------------------------------------------------------
+
+  def __jax_array__(self):
+    return self._value
+
+  def __array__(self, dtype=None, copy=None):
+    return np.asarray(self._value, dtype=dtype)
+
+  shape = property(lambda self: self._value.shape, doc="The value's shape.")
+  dtype = property(lambda self: self._value.dtype, doc="The value's dtype.")
+  ndim = property(lambda self: self._value.ndim, doc="The value's rank.")
+  size = property(lambda self: self._value.size, doc="The value's element count.")
+
+  def __getitem__(self, index):
+    return self._value[index]
+
+  def __len__(self):
+    return len(self._value)
+
+  def __iter__(self):
+    return iter(self._value)
+
+  def __bool__(self):
+    return bool(self._value)
+
+  def __float__(self):
+    return float(self._value)
+
+  def __int__(self):
+    return int(self._value)
+
+  def __repr__(self) -> str:
+    from ._repr import variable_repr
+
+    return variable_repr(self)
+
+
+def _binary(op):
+  def forward(self, other):
+    return op(self._value, other._value if isinstance(other, Variable) else other)
+
+  def backward(self, other):
+    return op(other, self._value)
+
+  return forward, backward
+
+
+for _name, _op in [
+    ("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
+    ("truediv", operator.truediv), ("floordiv", operator.floordiv),
+    ("mod", operator.mod), ("pow", operator.pow), ("matmul", operator.matmul),
+    ("and", operator.and_), ("or", operator.or_), ("xor", operator.xor),
+]:
+  _fwd, _bwd = _binary(_op)
+  setattr(Variable, f"__{_name}__", _fwd)
+  setattr(Variable, f"__r{_name}__", _bwd)
+for _name, _op in [("lt", operator.lt), ("le", operator.le), ("gt", operator.gt),
+                   ("ge", operator.ge)]:
+  setattr(Variable, f"__{_name}__", _binary(_op)[0])
+Variable.__neg__ = lambda self: -self._value
+Variable.__pos__ = lambda self: +self._value
+Variable.__abs__ = lambda self: abs(self._value)
+
+
+class Param(Variable):
+  """A trainable parameter (collection ``"params"``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.Param(jnp.zeros(3)).collection
+  'params'
+  """
+
+  collection = "params"
+
+
+class BatchStat(Variable):
+  """A running statistic updated in training mode (collection ``"batch_stats"``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.BatchStat(jnp.zeros(3)).collection
+  'batch_stats'
+  """
+
+  collection = "batch_stats"
+
+
+class Cache(Variable):
+  """A decoding cache or similar scratch state (collection ``"cache"``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.Cache(jnp.zeros(3)).collection
+  'cache'
+  """
+
+  collection = "cache"
+
+
+class Intermediate(Variable):
+  """A value kept for inspection, such as an activation (collection ``"intermediates"``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.Intermediate(jnp.zeros(3)).collection
+  'intermediates'
+  """
+
+  collection = "intermediates"
+
+
+class RngState(Variable):
+  """Base kind of the state of an RNG stream (collection ``"rngs"``).
+
+  >>> import statefulremat as sr
+  >>> sr.RngKey.collection, sr.RngCount.collection
+  ('rngs', 'rngs')
+  """
+
+  collection = "rngs"
+
+
+class RngKey(RngState):
+  """The base key of an RNG stream (a typed ``jax.random.key``)."""
+
+
+class RngCount(RngState):
+  """How many keys an RNG stream has handed out (a uint32 scalar)."""
+
+
+# -- owners: where a variable or module sits, for error messages ---------------
+
+
+def set_owner(obj, parent, key_path: tuple) -> None:
+  """Records that ``obj`` hangs off ``parent`` at ``key_path`` (first owner wins)."""
+  if isinstance(obj, Variable):
+    if obj._owner is None:
+      obj._owner = (weakref.ref(parent), key_path)
+  elif obj.__dict__.get("_sr_owner") is None:
+    obj.__dict__["_sr_owner"] = (weakref.ref(parent), key_path)
+
+
+def path_of(obj) -> tuple:
+  """The last known path of a Variable or module from its root (best effort)."""
+  path: tuple = ()
+  seen = set()
+  while obj is not None and id(obj) not in seen:
+    seen.add(id(obj))
+    owner = obj._owner if isinstance(obj, Variable) else vars(obj).get("_sr_owner")
+    if owner is None:
+      break
+    parent = owner[0]()
+    path = owner[1] + path
+    obj = parent
+  return path
