@@ -166,8 +166,17 @@ def to_predicate(filter: Filter) -> Predicate:
   """Turns a filter into a ``(path, variable) -> bool`` predicate (see module doc)."""
   if isinstance(filter, _Predicate):
     return filter
-  if isinstance(filter, type) and issubclass(filter, Variable):
-    return _OfType(filter)
+  if isinstance(filter, type):
+    if issubclass(filter, Variable):
+      return _OfType(filter)
+    # A class is callable, but calling it with (path, variable) would construct an
+    # instance (or fail obscurely) instead of answering a question: refuse it here.
+    raise TypeError(
+        f"{filter.__name__} is a class but not a Variable kind, so it is not a filter. "
+        "Filter by a Variable subclass (sr.Param, sr.BatchStat, ...), a collection name "
+        "('batch_stats'), or a (path, variable) -> bool callable such as "
+        "`lambda path, v: isinstance(v.value, jax.Array)`."
+    )
   if isinstance(filter, str):
     return _InCollection(filter)
   if filter is Ellipsis or filter is True:

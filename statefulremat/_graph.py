@@ -25,7 +25,7 @@ import numpy as np
 from ._errors import GraphError, StateMismatchError, format_path
 from ._filters import Filter
 from ._module import Module, _record_owners
-from ._state import State, _Spec, freeze, partition
+from ._state import State, _Spec, freeze, partition, thaw_metadata
 from ._variables import Variable, current_trace
 
 _REF, _VAR, _NODE, _LIST, _TUPLE, _DICT, _STATIC = range(7)
@@ -52,6 +52,8 @@ class GraphDef:
     self._hash = hash(tree)
 
   def __eq__(self, other):
+    if self is other:
+      return True
     return isinstance(other, GraphDef) and (
         self._hash == other._hash and self.tree == other.tree)
 
@@ -84,7 +86,10 @@ def _static(obj, path):
         "hashable. Fix: use a tuple or a frozen dataclass, or wrap array data in a "
         "Variable."
     ) from None
-  return (_STATIC, obj)
+  # The type is part of the entry: 2 == 2.0 == True, but a module holding `2.0`
+  # computes in another dtype than one holding `2`, so they must not share a GraphDef
+  # (and so a compiled function).
+  return (_STATIC, type(obj), obj)
 
 
 def flatten(roots: Sequence[Any]) -> tuple[GraphDef, list[Variable]]:
@@ -134,7 +139,8 @@ def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
               trace=None) -> tuple[list[Any], list[Variable]]:
   """Builds fresh objects from ``graphdef``; the i-th Variable gets ``values[i]``.
 
-  ``kinds`` / ``metas`` override the GraphDef's Variable kinds and metadata.
+  ``kinds`` / ``metas`` override the GraphDef's Variable kinds and metadata (an entry
+  ``None`` keeps the GraphDef's).
   Returns the roots and the new Variables in walk order.
   """
   trace = current_trace() if trace is None else trace
@@ -147,10 +153,11 @@ def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
       return objects[d[1]]
     if tag == _VAR:
       i = len(variables)
-      kind = d[1] if kinds is None else kinds[i]
+      kind = d[1] if kinds is None or kinds[i] is None else kinds[i]
       var = kind.__new__(kind)
       var._value = values[i]
-      var._metadata = dict(d[2] if metas is None else metas[i])
+      var._metadata = thaw_metadata(
+          d[2] if metas is None or metas[i] is None else metas[i])
       var._trace = trace
       var._owner = None
       objects.append(var)
@@ -171,7 +178,7 @@ def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
       return d[1]._make(items) if hasattr(d[1], "_fields") else d[1](items)
     if tag == _DICT:
       return d[1]((k, build(v)) for k, v in d[2])
-    return d[1]
+    return d[2]
 
   roots = [build(d) for d in graphdef.tree]
   return roots, variables
@@ -242,7 +249,9 @@ def split(node, *filters: Filter) -> tuple:
 def merge(graphdef: GraphDef, *states: State) -> Any:
   """Builds a new object graph from a GraphDef and the States ``split`` gave.
 
-  Together the States must hold exactly the GraphDef's variables (by path).
+  Together the States must hold exactly the GraphDef's variables (by path). Each
+  Variable gets the kind and metadata its State entry remembers; entries of a State
+  built by hand (``sr.State({"kernel": w})``, which knows no kinds) take the GraphDef's.
 
   >>> import statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
@@ -272,9 +281,14 @@ def merge(graphdef: GraphDef, *states: State) -> Any:
         "the model you mean to rebuild."
     )
   order = [where[p] for p in graphdef.var_paths]
+  # A plain `()` (not a frozen dict) marks an entry of a hand-built State: it knows
+  # neither metadata nor, if its kind is the base Variable, the kind.
+  unknown = [type(spec.metas[i]) is tuple for i in order]
   roots, _ = unflatten(
       graphdef, [merged._values[i] for i in order],
-      kinds=[spec.kinds[i] for i in order], metas=[spec.metas[i] for i in order])
+      kinds=[None if u and spec.kinds[i] is Variable else spec.kinds[i]
+             for u, i in zip(unknown, order)],
+      metas=[None if u else spec.metas[i] for u, i in zip(unknown, order)])
   return roots[0]
 
 

@@ -24,6 +24,44 @@ class OptState(Variable):
   collection = "opt_state"
 
 
+class _Paths:
+  """The optimized variables' paths at creation: one static, hashable attribute."""
+
+  __slots__ = ("paths", "_hash")
+
+  def __init__(self, paths: tuple):
+    self.paths = paths
+    self._hash = hash(paths)
+
+  def __eq__(self, other):
+    return isinstance(other, _Paths) and self.paths == other.paths
+
+  def __hash__(self):
+    return self._hash
+
+  def __repr__(self):
+    return f"<{len(self.paths)} paths>"
+
+
+def _difference(before: tuple, after: tuple) -> str:
+  added = [p for p in after if p not in set(before)]
+  removed = [p for p in before if p not in set(after)]
+  if added:
+    return f"a new variable at `{format_path(added[0])}`"
+  if removed:
+    return f"`{format_path(removed[0])}` is gone"
+  return "their order changed"
+
+
+def _filter_repr(f) -> str:
+  if isinstance(f, type):
+    public = f.__module__.startswith("statefulremat")
+    return f"sr.{f.__name__}" if public else f.__name__
+  if isinstance(f, tuple):
+    return "(" + ", ".join(map(_filter_repr, f)) + ("," if len(f) == 1 else "") + ")"
+  return repr(f)
+
+
 class Optimizer(Module):
   """Holds a model, an optax transformation and its state; ``update(grads)`` steps.
 
@@ -49,9 +87,11 @@ class Optimizer(Module):
     self.tx = tx
     self.wrt = wrt
     self.step = OptState(jnp.zeros((), jnp.uint32))
-    leaves, treedef = jax.tree.flatten(tx.init(state(model, wrt)))
+    params = state(model, wrt)
+    leaves, treedef = jax.tree.flatten(tx.init(params))
     self.opt_state = [OptState(leaf) for leaf in leaves]
     self.opt_state_def = treedef
+    self.opt_paths = _Paths(params._spec.paths)
 
   def update(self, grads: State) -> None:
     """Applies one optax step to the model's ``wrt`` variables, in place."""
@@ -60,6 +100,13 @@ class Optimizer(Module):
       raise TypeError(
           f"Optimizer.update takes the State of gradients from sr.grad, got "
           f"{type(grads).__name__}.")
+    if params._spec.paths != self.opt_paths.paths:
+      raise StateMismatchError(
+          "Optimizer.update: the model's optimized variables changed since the "
+          f"Optimizer was made ({_difference(self.opt_paths.paths, params._spec.paths)})"
+          ", so its optax state no longer fits them. Make a new "
+          "`sr.Optimizer(model, tx)` after changing the model's structure."
+      )
     if grads._spec.paths != params._spec.paths:
       missing = [p for p in params._spec.paths if p not in set(grads._spec.paths)]
       extra = [p for p in grads._spec.paths if p not in set(params._spec.paths)]
@@ -69,7 +116,7 @@ class Optimizer(Module):
       raise StateMismatchError(
           f"Optimizer.update: the gradients do not match the optimized variables "
           f"({where}). Take the gradients with the same filter: "
-          f"`sr.grad(loss_fn, wrt={self.wrt!r})(model, ...)`."
+          f"`sr.grad(loss_fn, wrt={_filter_repr(self.wrt)})(model, ...)`."
       )
     opt_state = jax.tree.unflatten(self.opt_state_def, [v.value for v in self.opt_state])
     grads = State._make(params._spec, grads._values)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -13,9 +15,21 @@ def value_summary(value) -> str:
   return repr(value)
 
 
+def static_repr(value) -> str:
+  """A static attribute as it would be written: functions and classes by name, and
+  never a memory address (``<function f at 0x...>`` changes from run to run)."""
+  if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
+    # Classes, functions and wrapped functions (jax.nn.relu is a custom_jvp object).
+    return value.__qualname__
+  if isinstance(value, functools.partial):
+    return f"partial({static_repr(value.func)}, ...)"
+  text = repr(value)
+  return f"<{type(value).__name__}>" if " at 0x" in text else text
+
+
 def variable_repr(var) -> str:
   parts = [value_summary(var._value)]
-  parts += [f"{k}={v!r}" for k, v in var._metadata.items()]
+  parts += [f"{k}={static_repr(v)}" for k, v in var._metadata.items()]
   return f"{type(var).__name__}({', '.join(parts)})"
 
 
@@ -31,7 +45,7 @@ def module_repr(module, indent: int = 0, seen=None) -> str:
 
   def show(value, depth):
     if isinstance(value, Module):
-      return module_repr(value, depth, seen)
+      return module_repr(value, depth + 1, seen)
     if isinstance(value, Variable):
       return variable_repr(value)
     if isinstance(value, (list, tuple)) and value:
@@ -43,7 +57,7 @@ def module_repr(module, indent: int = 0, seen=None) -> str:
           f"{'  ' * (depth + 2)}{k!r}: {show(v, depth + 1)}" for k, v in value.items()
       )
       return f"{{\n{inner}\n{'  ' * (depth + 1)}}}"
-    return repr(value)
+    return static_repr(value)
 
   attrs = [(k, v) for k, v in vars(module).items() if not k.startswith("_sr_")]
   if not attrs:

@@ -21,7 +21,13 @@ from ._variables import RngCount, RngKey
 def _as_key(seed) -> jax.Array:
   if isinstance(seed, int):
     return jax.random.key(seed)
-  seed = jnp.asarray(seed)
+  try:
+    seed = jnp.asarray(seed)
+  except (TypeError, ValueError):
+    raise TypeError(
+        f"an RNG seed must be an int, a typed key (jax.random.key) or a raw uint32 key, "
+        f"got {seed!r}."
+    ) from None
   if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
     return seed
   if seed.dtype == jnp.uint32 and seed.shape[-1:] == (2,):
@@ -55,9 +61,6 @@ class RngStream(Module):
     return jax.random.fold_in(self.key.value, count)
 
 
-_RESERVED = {"fork", "default_stream", "stream_names"}
-
-
 class Rngs(Module):
   """Named PRNG streams: ``rngs.params()``, ``rngs["dropout"]()``.
 
@@ -74,9 +77,20 @@ class Rngs(Module):
 
   def __init__(self, default: Any = None, /, **streams: Any):
     for name in streams:
-      if name in _RESERVED or name.startswith("_"):
-        raise ValueError(f"{name!r} cannot name an RNG stream: it is an Rngs method.")
+      if name.startswith("_"):
+        raise ValueError(
+            f"{name!r} cannot name an RNG stream: names starting with '_' are reserved.")
+      # Every Rngs attribute (fork, stream_names, and Module's train, eval, ...):
+      # a stream of that name would shadow the method.
+      if hasattr(Rngs, name):
+        raise ValueError(
+            f"{name!r} cannot name an RNG stream: it is an Rngs method "
+            f"(`rngs.{name}`). Choose another name.")
     if default is not None:
+      if "default" in streams:
+        raise ValueError(
+            "Rngs got two default seeds: a positional one and `default=`. Pass one: "
+            "sr.Rngs(0) or sr.Rngs(default=0).")
       streams = {"default": default, **streams}
     if not streams:
       raise ValueError("Rngs needs a seed: sr.Rngs(0) or sr.Rngs(params=0, dropout=1).")
@@ -102,7 +116,9 @@ class Rngs(Module):
 
   def __getattr__(self, name: str) -> RngStream:
     # Only reached for names that are not attributes: serve them from `default`.
-    if name.startswith("__") or name.startswith("_sr_"):
+    # Never for private names: tools probe `_repr_html_`, `_ipython_display_` & co.,
+    # and serving those would hand out (and count) keys.
+    if name.startswith("_"):
       raise AttributeError(name)
     return self.default_stream(name)
 

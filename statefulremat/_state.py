@@ -19,14 +19,62 @@ from ._filters import Filter, to_predicate
 from ._variables import Variable
 
 
+class _Frozen(tuple):
+  """A frozen list or dict: a tuple that is never equal to a plain tuple (or the other
+  kind), so ``thaw`` gives back exactly what was frozen."""
+
+  __slots__ = ()
+
+  def __eq__(self, other):
+    return type(self) is type(other) and tuple.__eq__(self, other)
+
+  def __ne__(self, other):
+    return not self == other
+
+  def __hash__(self):
+    return hash((type(self).__name__, tuple(self)))
+
+
+class _FrozenList(_Frozen):
+  __slots__ = ()
+
+
+class _FrozenDict(_Frozen):
+  """``((key, frozen value), ...)`` in the dict's order."""
+
+  __slots__ = ()
+
+
 def freeze(value, where: str = "metadata"):
-  """A hashable copy of a metadata value (lists become tuples, dicts sorted tuples)."""
+  """A hashable copy of a metadata value; ``thaw`` undoes it.
+
+  Dicts keep their order (as Python dicts compare regardless of order, two dicts equal
+  as dicts but in another order freeze unequal: a harmless cache miss at worst).
+  """
   if isinstance(value, dict):
-    return tuple(sorted((k, freeze(v, where)) for k, v in value.items()))
-  if isinstance(value, (list, tuple)):
+    return _FrozenDict((k, freeze(v, where)) for k, v in value.items())
+  if isinstance(value, list):
+    return _FrozenList(freeze(v, where) for v in value)
+  if type(value) is tuple:
     return tuple(freeze(v, where) for v in value)
   hash(value)
   return value
+
+
+def thaw(value):
+  """The value ``freeze`` was given (lists and dicts again)."""
+  if isinstance(value, _FrozenDict):
+    return {k: thaw(v) for k, v in value}
+  if isinstance(value, _FrozenList):
+    return [thaw(v) for v in value]
+  if type(value) is tuple:
+    return tuple(thaw(v) for v in value)
+  return value
+
+
+def thaw_metadata(frozen) -> dict:
+  """A Variable's metadata dict from its frozen form (``()`` means none)."""
+  return {k: thaw(v) for k, v in frozen}
 
 
 def make_variable(kind: type, value: Any, metadata: dict, trace) -> Variable:
@@ -103,6 +151,8 @@ class State(Mapping):
     """Builds a State from ``{path_tuple: value}`` or a nested dict of values.
 
     ``kinds`` optionally maps paths to Variable subclasses (default ``Variable``).
+    Such a State knows no metadata; ``sr.merge`` takes kinds it does not know and the
+    metadata from the GraphDef.
     """
     flat = {} if entries is None else _flatten_entries(entries)
     kinds = kinds or {}
@@ -137,7 +187,7 @@ class State(Mapping):
     """``{path: Variable}``: each entry as a fresh Variable of its kind and metadata."""
     trace = None
     return {
-        p: make_variable(k, v, dict(m), trace)
+        p: make_variable(k, v, thaw_metadata(m), trace)
         for p, k, v, m in zip(self._spec.paths, self._spec.kinds, self._values,
                               self._spec.metas)
     }

@@ -7,6 +7,13 @@ A Variable remembers the JAX trace it was created in: writing a traced value int
 Variable that belongs to another trace (a plain ``jax.jit`` closing over a module)
 would leak the tracer, so it raises at the assignment instead.
 
+Variables are also pytrees with one leaf, the value, so ``jnp.sum(w)``,
+``jax.nn.relu(w)`` and ``jax.tree.map(f, w)`` work on them (JAX no longer converts
+objects through ``__jax_array__`` at a jit boundary, and many ``jnp`` functions are
+jitted). A Variable rebuilt from its leaf (``jax.tree.map``, or the argument of a plain
+``jax.jit``) is a detached copy: it refuses traced values, so a mutation inside a plain
+JAX transform raises instead of being dropped; use ``sr.jit`` & co. to mutate modules.
+
 Everything a transform needs to know about the graph's *shape* changes only through
 ``Module.__setattr__`` and ``Variable.set_metadata``; both bump ``structure_epoch`` so
 cached flattenings (``sr.jit``'s fast path) know when to look again.
@@ -51,6 +58,11 @@ def _snake_case(name: str) -> str:
   return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
+def _dtype_of(value):
+  dtype = getattr(value, "dtype", None)
+  return jax.numpy.result_type(value) if dtype is None else dtype
+
+
 def _contains_tracer(value) -> bool:
   if isinstance(value, _Tracer):
     return True
@@ -87,6 +99,7 @@ class Variable:
     super().__init_subclass__(**kwargs)
     if "collection" not in cls.__dict__ and Variable in cls.__bases__:
       cls.collection = _snake_case(cls.__name__)
+    _register_pytree(cls)
 
   def __init__(self, value: Any, **metadata: Any):
     if isinstance(value, Variable):
@@ -118,9 +131,10 @@ class Variable:
           f"a traced value was assigned to `{self.path_str()}` "
           f"({type(self).__name__}) from inside a JAX transform that does not own it "
           "(e.g. a plain `jax.jit`, `jax.grad` or `jax.vmap` whose function closes over "
-          "the module). The tracer would leak out of its trace, so the old value is "
-          "kept. Fix: pass the module as an argument to `sr.jit` / `sr.grad` / "
-          "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
+          "the module, or gets the Variable as a plain argument). The tracer would leak "
+          "out of its trace, so the old value is kept. Fix: pass the module as an "
+          "argument to `sr.jit` / `sr.grad` / `sr.vmap` (or sr.scan/sr.remat) instead "
+          "of closing over it."
       )
     self._value = new
 
@@ -161,10 +175,12 @@ class Variable:
   def __array__(self, dtype=None, copy=None):
     return np.asarray(self._value, dtype=dtype)
 
-  shape = property(lambda self: self._value.shape, doc="The value's shape.")
-  dtype = property(lambda self: self._value.dtype, doc="The value's dtype.")
-  ndim = property(lambda self: self._value.ndim, doc="The value's rank.")
-  size = property(lambda self: self._value.size, doc="The value's element count.")
+  # np.shape & co. also answer for Python scalars (a plain AttributeError here would
+  # fall through to the metadata lookup and blame a missing metadata entry).
+  shape = property(lambda self: np.shape(self._value), doc="The value's shape.")
+  dtype = property(lambda self: _dtype_of(self._value), doc="The value's dtype.")
+  ndim = property(lambda self: np.ndim(self._value), doc="The value's rank.")
+  size = property(lambda self: np.size(self._value), doc="The value's element count.")
 
   def __getitem__(self, index):
     return self._value[index]
@@ -215,6 +231,58 @@ for _name, _op in [("lt", operator.lt), ("le", operator.le), ("gt", operator.gt)
 Variable.__neg__ = lambda self: -self._value
 Variable.__pos__ = lambda self: +self._value
 Variable.__abs__ = lambda self: abs(self._value)
+
+
+# -- pytree registration ---------------------------------------------------------
+
+
+class _DetachedTrace:
+  """The trace of a Variable rebuilt from its pytree leaf: equal to no real trace."""
+
+  __slots__ = ()
+
+
+_DETACHED = _DetachedTrace()
+
+
+class _MetadataAux:
+  """A Variable's metadata as pytree aux data: compared by value, hashed by its keys
+  (values such as lists need not be hashable for ``jax.tree.map``)."""
+
+  __slots__ = ("metadata",)
+
+  def __init__(self, metadata: dict):
+    self.metadata = metadata
+
+  def __eq__(self, other):
+    return isinstance(other, _MetadataAux) and self.metadata == other.metadata
+
+  def __hash__(self):
+    return hash(tuple(sorted(self.metadata)))
+
+  def __repr__(self):
+    return repr(self.metadata)
+
+
+def _register_pytree(cls) -> None:
+  def unflatten(aux, children):
+    var = cls.__new__(cls)
+    var._value = children[0]
+    var._metadata = dict(aux.metadata)
+    var._trace = _DETACHED
+    var._owner = None
+    return var
+
+  jax.tree_util.register_pytree_with_keys(
+      cls,
+      lambda v: (((jax.tree_util.GetAttrKey("value"), v._value),),
+                 _MetadataAux(v._metadata)),
+      unflatten,
+      flatten_func=lambda v: ((v._value,), _MetadataAux(v._metadata)),
+  )
+
+
+_register_pytree(Variable)
 
 
 class Param(Variable):

@@ -6,7 +6,9 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
+from .._errors import format_path
 from .._filters import Filter, to_predicate
 from .._module import Module
 from .._state import State, _Spec, freeze
@@ -49,9 +51,17 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
     held = tuple(args[t] for t in array_targets)
     args = tuple(None if t in array_targets else a for t, a in enumerate(args))
     nodes, leaves, treedef, positions = split_call(args, kwargs)
+    # Walk the differentiated modules first, so a variable they share with another
+    # argument (an Optimizer holding the model) is reached, and named, through them.
+    first = {id(args[t]) for t in module_targets}
+    order = sorted(range(len(nodes)), key=lambda i: id(nodes[i]) not in first)
+    nodes = [nodes[i] for i in order]
+    positions = tuple(positions[i] for i in order)
     graphdef, variables = flatten(nodes)
     lifted = Lifted(graphdef, treedef, positions)
-    root_of = {id(n): i for i, n in enumerate(nodes)}
+    root_of = {}
+    for i, n in enumerate(nodes):
+      root_of.setdefault(id(n), i)
     target_roots = {root_of[id(args[t])]: t for t in module_targets}
     multi = len(nodes) > 1
 
@@ -64,6 +74,15 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
         diff_index[t].append((i, local))
     diffed = {i for entries in diff_index.values() for i, _ in entries}
     values = [v._value for v in variables]
+    for t in module_targets:
+      for i, local in diff_index[t]:
+        dtype = _non_float_dtype(values[i])
+        if dtype is not None:
+          raise TypeError(
+              f"{what}: the `wrt` filter matches `{format_path(local)}` "
+              f"({type(variables[i]).__name__}, {dtype}), which is not a float array "
+              "and has no gradient. Narrow the filter to the variables to "
+              "differentiate, e.g. `wrt=sr.Param`.")
 
     def pure(diff_values, array_values, other_values):
       flat = list(other_values)
@@ -77,9 +96,13 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
         call_args[t] = value
       out = fn(*call_args, **call_kwargs)
       if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+          got = ("a single array" if isinstance(out, jax.Array) else
+                 f"a {type(out).__name__} of length {len(out)}"
+                 if isinstance(out, (tuple, list)) else f"a {type(out).__name__}")
           raise TypeError(f"{what}: has_aux=True needs the function to return a pair "
-                          f"(loss, aux), got {type(out).__name__}.")
+                          f"(loss, aux), got {got}. Return `loss, aux`, or drop "
+                          "has_aux=True if there is no aux.")
         loss, aux = out
       else:
         loss, aux = out, None
@@ -90,7 +113,7 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
     others = [None if i in diffed else v for i, v in enumerate(values)]
     (loss, (aux, changed)), (g_mod, g_arr) = jax.value_and_grad(
         pure, argnums=(0, 1), has_aux=True)(diff_values, held, others)
-    write_back(variables, changed)
+    write_back(variables, changed, what)
 
     grads = []
     for t in targets:
@@ -106,6 +129,17 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
     return ((loss, aux) if has_aux else loss), grads
 
   return wrapper
+
+
+def _non_float_dtype(value):
+  """The dtype of a leaf of ``value`` that cannot be differentiated, or None."""
+  for leaf in (value,) if hasattr(value, "dtype") else jax.tree.leaves(value):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+      dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      return dtype
+  return None
 
 
 def grad(fn: Callable, argnums: int | Sequence[int] = 0, *, wrt: Filter = Param,

@@ -6,14 +6,18 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
+from .._module import Module
+from .._variables import Variable
 from ._lift import FlattenCache, check_no_nodes, split_call, write_back
 
 _PASSED_THROUGH = {"keep_unused", "inline", "compiler_options", "backend", "device"}
 
 
 def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
-        donate_state: bool = False, **jit_kwargs: Any) -> Callable:
+        static_argnames: str | Sequence[str] = (), donate_state: bool = False,
+        **jit_kwargs: Any) -> Callable:
   """Compiles ``fn`` with ``jax.jit``; modules in its arguments are updated in place.
 
   Every Variable the function changes (params, batch stats, RNG counts, optimizer
@@ -24,6 +28,7 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
   Args:
     fn: the function; modules may sit anywhere in its arguments.
     static_argnums: positions of hashable, non-array arguments to compile for.
+    static_argnames: names of hashable, non-array keyword arguments to compile for.
     donate_state: donate the modules' current buffers to the computation (saves memory;
       every Variable is then written back, changed or not).
     **jit_kwargs: ``keep_unused``, ``inline``, ``compiler_options``, ``backend``, ``device``.
@@ -40,23 +45,27 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
   """
   if fn is None:
     return functools.partial(jit, static_argnums=static_argnums,
-                             donate_state=donate_state, **jit_kwargs)
+                             static_argnames=static_argnames, donate_state=donate_state,
+                             **jit_kwargs)
   unknown = set(jit_kwargs) - _PASSED_THROUGH
   if unknown:
     raise TypeError(
-        f"sr.jit does not take {sorted(unknown)}: shardings and donation of plain "
-        "arguments refer to positions sr.jit rearranges. Use `donate_state=True` to "
-        "donate module state, and place state with jax.device_put / sharding metadata."
+        f"sr.jit does not take {sorted(unknown)}; besides static_argnums, "
+        f"static_argnames and donate_state it passes on {sorted(_PASSED_THROUGH)} to "
+        "jax.jit. Shardings and donation of plain arguments refer to positions sr.jit "
+        "rearranges: use `donate_state=True` to donate module state, and place state "
+        "with jax.device_put / sharding metadata."
     )
   static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+  names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
   cache = FlattenCache()
   what = f"sr.jit({getattr(fn, '__name__', 'fn')})"
 
   def pure(lifted, statics, values, leaves):
     tree, _, roots = lifted.rebuild(values, leaves)
     args, kwargs = tree
-    args = _insert(args, statics)
-    out = fn(*args, **kwargs)
+    positional, named = statics
+    out = fn(*_insert(args, positional), **kwargs, **dict(named))
     check_no_nodes(out, what)
     changed = lifted.collect(roots, values, what)
     if donate_state:
@@ -68,30 +77,83 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
-    statics = ()
-    if static:
-      statics = tuple((i, args[i]) for i in static)
-      args = tuple(a for i, a in enumerate(args) if i not in static)
+    statics, args, kwargs = _split_statics(static, names, args, kwargs, what)
     nodes, leaves, treedef, positions = split_call(args, kwargs)
     lifted, variables = cache.lift(nodes, treedef, positions)
-    out, changed = compiled(lifted, statics, [v._value for v in variables], leaves)
-    write_back(variables, changed)
+    values = [v._value for v in variables]
+    if donate_state:
+      values = _unaliased(values, leaves)
+    out, changed = compiled(lifted, statics, values, leaves)
+    write_back(variables, changed, what)
     return out
 
-  wrapper.lower = lambda *a, **k: _lower(compiled, cache, static, *a, **k)
+  wrapper.lower = lambda *a, **k: _lower(compiled, cache, static, names, what, *a, **k)
   return wrapper
+
+
+def _split_statics(static: tuple, names: tuple, args: tuple, kwargs: dict,
+                   what: str) -> tuple[tuple, tuple, dict]:
+  """Takes out the static arguments: ``((positional, named), other args, other kwargs)``.
+
+  ``positional`` is ``((index, value), ...)`` in ascending order, ``named`` is
+  ``((name, value), ...)`` in the order of ``static_argnames``; both are hashable.
+  """
+  if not static and not names:
+    return ((), ()), args, kwargs
+  n = len(args)
+  indices = sorted({i + n if i < 0 else i for i in static})
+  if indices and (indices[0] < 0 or indices[-1] >= n):
+    raise TypeError(f"{what}: static_argnums={static} but only {n} positional "
+                    "arguments were given.")
+  positional = tuple((i, args[i]) for i in indices)
+  named = tuple((k, kwargs[k]) for k in names if k in kwargs)
+  for where, value in positional + named:
+    label = f"argument {where}" if isinstance(where, int) else f"argument {where!r}"
+    if isinstance(value, (Module, Variable)):
+      raise TypeError(
+          f"{what}: {label} is a {type(value).__name__} and is marked static. sr.jit "
+          "lifts modules and Variables itself; remove it from static_argnums/argnames.")
+    try:
+      hash(value)
+    except TypeError:
+      raise TypeError(
+          f"{what}: static {label} ({type(value).__name__}) is not hashable. "
+          "Static arguments key the compilation cache; pass a tuple or a frozen "
+          "dataclass, or pass arrays as ordinary (non-static) arguments.") from None
+  if indices:
+    args = tuple(a for i, a in enumerate(args) if i not in indices)
+  if named:
+    kwargs = {k: v for k, v in kwargs.items() if k not in names}
+  return (positional, named), args, kwargs
+
+
+def _unaliased(values: list, leaves: list) -> list:
+  """``values`` with a copy of each array that would be donated twice or also passed.
+
+  XLA refuses to donate one buffer twice in a call (two Variables holding the same
+  array, as after ``sr.clone``) or to donate a buffer also passed as a plain argument.
+  """
+  seen = {id(x) for x in jax.tree.leaves(leaves) if isinstance(x, jax.Array)}
+
+  def fresh(x):
+    if isinstance(x, jax.Array):
+      if id(x) in seen:
+        return jnp.copy(x)
+      seen.add(id(x))
+    return x
+
+  return jax.tree.map(fresh, values)
 
 
 def _insert(args: tuple, statics: tuple) -> tuple:
   args = list(args)
-  for i, value in statics:
+  for i, value in statics:  # ascending, so each lands at its original position
     args.insert(i, value)
   return tuple(args)
 
 
-def _lower(compiled, cache, static, *args, **kwargs):
-  statics = tuple((i, args[i]) for i in static)
-  args = tuple(a for i, a in enumerate(args) if i not in static)
+def _lower(compiled, cache, static, names, what, *args, **kwargs):
+  statics, args, kwargs = _split_statics(static, names, args, kwargs, what)
   nodes, leaves, treedef, positions = split_call(args, kwargs)
   lifted, variables = cache.lift(nodes, treedef, positions)
   return compiled.lower(lifted, statics, [v._value for v in variables], leaves)

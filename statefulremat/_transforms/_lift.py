@@ -21,10 +21,10 @@ from typing import Any, Sequence
 
 import jax
 
-from .._errors import GraphError, format_path
+from .._errors import GraphError, TraceContextError, format_path
 from .._graph import _DICT, _LIST, _NODE, _TUPLE, GraphDef, flatten, unflatten
 from .._module import Module
-from .._variables import Variable, structure_epoch
+from .._variables import Variable, _contains_tracer, current_trace, structure_epoch
 
 
 def is_node(x) -> bool:
@@ -43,6 +43,8 @@ class Lifted:
     self._hash = hash((graphdef, treedef, node_positions))
 
   def __eq__(self, other):
+    if self is other:
+      return True
     return isinstance(other, Lifted) and self._hash == other._hash and (
         self.graphdef == other.graphdef and self.treedef == other.treedef
         and self.node_positions == other.node_positions)
@@ -53,9 +55,10 @@ class Lifted:
   def rebuild(self, values: Sequence[Any], leaves: Sequence[Any]):
     """Inside a trace: fresh objects holding ``values``; returns (tree, variables)."""
     roots, variables = unflatten(self.graphdef, values)
-    merged = list(leaves)
-    for pos, root in zip(self.node_positions, roots):
-      merged.insert(pos, root)
+    # Positions need not be ascending: sr.grad puts the differentiated modules first.
+    at = dict(zip(self.node_positions, roots))
+    rest = iter(leaves)
+    merged = [at[i] if i in at else next(rest) for i in range(len(leaves) + len(roots))]
     return jax.tree_util.tree_unflatten(self.treedef, merged), variables, roots
 
   def collect(self, roots, values: Sequence[Any], what: str) -> dict[int, Any]:
@@ -79,38 +82,57 @@ class Lifted:
 
 
 def describe_change(before: GraphDef, after: GraphDef) -> str:
+  """Where ``after`` first differs from ``before``, in words, for an error message."""
+  multi = len(before.tree) > 1
+
+  def where(path):
+    if not multi:
+      return f"`{format_path(path)}`"
+    root = before.tree[path[0]]
+    kind = root[1].__name__ if isinstance(root[1], type) else "module"
+    return f"`{format_path(path[1:])}` of a {kind} argument"
+
   added = [p for p in after.var_paths if p not in set(before.var_paths)]
   removed = [p for p in before.var_paths if p not in set(after.var_paths)]
   if added:
-    return f"a new variable at `{format_path(added[0])}`"
+    return f"a new variable at {where(added[0])}"
   if removed:
-    return f"the variable at `{format_path(removed[0])}` was removed"
-  for a, b in zip(before.tree, after.tree):
-    path = _first_difference(a, b, ())
-    if path is not None:
-      return f"attribute `{format_path(path)}` changed"
+    return f"the variable at {where(removed[0])} was removed"
+  for i, (a, b) in enumerate(zip(before.tree, after.tree)):
+    found = _first_difference(a, b, (i,) if multi else ())
+    if found is not None:
+      path, verb = found
+      return f"attribute {where(path)} {verb}"
   return "its structure changed"
 
 
 def _first_difference(a, b, path):
-  """The path of the first place two GraphDef trees differ."""
+  """``(path, verb)`` of the first place two GraphDef trees differ, or None."""
   if a == b:
     return None
   if a[0] != b[0] or a[0] not in (_NODE, _LIST, _TUPLE, _DICT) or a[1] != b[1]:
-    return path
-  if len(a[2]) != len(b[2]):
-    return path
+    return path, "changed"
   keyed = a[0] in (_NODE, _DICT)
+  if keyed:
+    keys_a, keys_b = [x[0] for x in a[2]], [y[0] for y in b[2]]
+    new = [k for k in keys_b if k not in keys_a]
+    if new:
+      return path + (new[0],), "was added"
+    gone = [k for k in keys_a if k not in keys_b]
+    if gone:
+      return path + (gone[0],), "was deleted"
+  if len(a[2]) != len(b[2]):
+    return path, f"changed length from {len(a[2])} to {len(b[2])}"
   for i, (x, y) in enumerate(zip(a[2], b[2])):
     if keyed:
       if x[0] != y[0]:
-        return path
+        return path, "changed the order of its entries"
       found = _first_difference(x[1], y[1], path + (x[0],))
     else:
       found = _first_difference(x, y, path + (i,))
     if found is not None:
       return found
-  return path
+  return path, "changed"
 
 
 def split_call(args: tuple, kwargs: dict):
@@ -134,7 +156,8 @@ class FlattenCache:
     self._size = size
 
   def lift(self, nodes, treedef, positions) -> tuple[Lifted, list[Variable]]:
-    key = (treedef, tuple(map(id, nodes)), structure_epoch.value)
+    # `positions` belong in the key: f(model, x) and f(x, model) share treedef and ids.
+    key = (treedef, positions, tuple(map(id, nodes)), structure_epoch.value)
     hit = self._entries.get(key)
     if hit is not None:
       return hit[0], hit[1]
@@ -158,6 +181,25 @@ def check_no_nodes(out, what: str) -> None:
       )
 
 
-def write_back(variables: Sequence[Variable], changed: dict[int, Any]) -> None:
+def write_back(variables: Sequence[Variable], changed: dict[int, Any],
+               what: str = "the transform") -> None:
+  """Writes the changed values into the caller's Variables: all of them or none.
+
+  The transform may itself run inside a plain JAX transform (``jax.vmap(lambda x:
+  step(model, x))`` closing over ``model``); its results are then that trace's tracers,
+  and writing them into a Variable created outside would leak them, so it raises.
+  """
+  trace = current_trace()
+  for i, value in changed.items():
+    var = variables[i]
+    if var._trace != trace and _contains_tracer(value):
+      raise TraceContextError(
+          f"{what} ran inside a JAX transform (e.g. a plain `jax.jit`, `jax.vmap` or "
+          f"`jax.grad` whose function closes over the module) that does not own "
+          f"`{var.path_str()}` ({type(var).__name__}): its new value is a tracer of that "
+          "transform and would leak out of it, so nothing was written. Fix: pass the "
+          "module as an argument to the outer transform, using `sr.jit` / `sr.grad` / "
+          "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
+      )
   for i, value in changed.items():
     variables[i]._value = value
