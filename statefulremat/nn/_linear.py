@@ -1,37 +1,77 @@
-"""Linear: y = x @ kernel + bias."""
+"""Linear: ``y = x @ kernel + bias`` over the last axis, as ``flax.nnx.Linear``."""
 
 from __future__ import annotations
 
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .._module import Module
 from .._rngs import Rngs
 from .._variables import Param
+from ._dtypes import promote_dtype as default_promote_dtype
 
 default_kernel_init = jax.nn.initializers.lecun_normal()
+default_bias_init = jax.nn.initializers.zeros
+
+
+def check_features(layer: str, x: jax.Array, axis: int, expected: int,
+                   name: str = "in_features") -> None:
+  """Raises a ValueError naming the layer when ``x.shape[axis] != expected``."""
+  if x.ndim == 0 or x.shape[axis] != expected:
+    raise ValueError(
+        f"{layer} was built with {name}={expected} but got an input of shape "
+        f"{tuple(x.shape)} (axis {axis} must have size {expected}). Fix the input, or "
+        f"build the layer with {name}={x.shape[axis] if x.ndim else '?'}."
+    )
 
 
 class Linear(Module):
   """A dense layer with ``kernel`` (in, out) and ``bias`` (out,), as ``flax.nnx.Linear``.
 
+  Parameters, defaults and numerics are nnx's: ``lecun_normal`` kernel, zero bias,
+  float32 parameters, and the computation in ``dtype`` (default: the promotion of
+  the input's and the parameters' dtypes) through ``lax.dot_general``.
+
+  Args:
+    in_features: size of the input's last axis.
+    out_features: size of the output's last axis.
+    use_bias: add ``bias``.
+    dtype: computation dtype (default: inferred from inputs and parameters).
+    param_dtype: dtype the parameters are initialised in.
+    precision: ``lax.Precision`` of the matmul.
+    kernel_init, bias_init: ``jax.nn.initializers``-style initialisers.
+    dot_general: the contraction (default ``lax.dot_general``).
+    promote_dtype: ``(inputs, kernel, bias), dtype=`` -> promoted arrays.
+    preferred_element_type: accumulation/output dtype passed to ``dot_general``.
+    rngs: draws ``rngs.params()`` for the kernel, then the bias.
+    kernel_metadata, bias_metadata: metadata put on the Variables (e.g.
+      ``{"sharding": ("embed", "mlp")}``).
+
   >>> import jax.numpy as jnp, statefulremat as sr
-  >>> layer = sr.nn.Linear(3, 4, rngs=sr.Rngs(0))
-  >>> layer(jnp.ones((2, 3))).shape
-  (2, 4)
+  >>> layer = sr.nn.Linear(3, 4, kernel_metadata={"sharding": ("embed", "mlp")},
+  ...                      rngs=sr.Rngs(0))
+  >>> layer(jnp.ones((2, 3))).shape, layer.kernel.sharding
+  ((2, 4), ('embed', 'mlp'))
   """
 
   def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
                dtype: Any = None, param_dtype: Any = jnp.float32,
                precision: Any = None,
-               kernel_init=default_kernel_init,
-               bias_init=jax.nn.initializers.zeros,
-               kernel_metadata: dict | None = None, bias_metadata: dict | None = None,
-               rngs: Rngs):
-    self.kernel = Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype),
-                        **(kernel_metadata or {}))
+               kernel_init: Callable = default_kernel_init,
+               bias_init: Callable = default_bias_init,
+               dot_general: Callable = lax.dot_general,
+               promote_dtype: Callable = default_promote_dtype,
+               preferred_element_type: Any = None,
+               rngs: Rngs,
+               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+    self.kernel = Param(
+        kernel_init(rngs.params(), (in_features, out_features), param_dtype),
+        **(kernel_metadata or {}))
     self.bias = (Param(bias_init(rngs.params(), (out_features,), param_dtype),
                        **(bias_metadata or {})) if use_bias else None)
     self.in_features = in_features
@@ -40,12 +80,22 @@ class Linear(Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.precision = precision
+    self.dot_general = dot_general
+    self.promote_dtype = promote_dtype
+    self.preferred_element_type = preferred_element_type
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    kernel, bias = self.kernel.value, self.bias.value if self.bias is not None else None
-    dtype = self.dtype or jnp.result_type(x, kernel)
-    x, kernel = x.astype(dtype), kernel.astype(dtype)
-    y = jnp.matmul(x, kernel, precision=self.precision)
+  def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+    """Applies the layer to the last axis of ``inputs``."""
+    check_features("Linear", inputs, -1, self.in_features)
+    bias = self.bias.value if self.bias is not None else None
+    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
+                                              dtype=self.dtype)
+    # Only pass what is set, so a user's dot_general without these keywords works.
+    kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+    if self.preferred_element_type is not None:
+      kwargs["preferred_element_type"] = self.preferred_element_type
+    y = self.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
+                         precision=self.precision, **kwargs)
     if bias is not None:
-      y = y + jnp.reshape(bias.astype(dtype), (1,) * (y.ndim - 1) + (-1,))
+      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     return y

@@ -1,0 +1,197 @@
+"""Attention functions and masks, with flax.nnx's signatures and numerics.
+
+Shapes follow nnx: ``query`` ``[batch..., q_length, num_heads, depth]``, ``key`` /
+``value`` ``[batch..., kv_length, num_kv_heads, depth]``, masks and weights
+``[batch..., num_heads, q_length, kv_length]``; ``num_heads`` may be a multiple of
+``num_kv_heads`` (grouped-query attention). Without dropout,
+``dot_product_attention`` calls ``jax.nn.dot_product_attention``, as nnx does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from ._dtypes import promote_dtype as default_promote_dtype
+
+
+def _validate_qkv_shapes(query, key, value=None):
+  arrays = (query, key) if value is None else (query, key, value)
+  names = "q, k" if value is None else "q, k, v"
+  if not all(a.ndim == arrays[0].ndim for a in arrays[1:]):
+    raise ValueError(f"{names} must have the same rank, got "
+                     f"{', '.join(str(a.ndim) for a in arrays)}.")
+  if not all(a.shape[:-3] == arrays[0].shape[:-3] for a in arrays[1:]):
+    raise ValueError(f"{names} batch dims must match, got shapes "
+                     f"{', '.join(str(a.shape) for a in arrays)}.")
+
+
+def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.float32) -> jax.Array | None:
+  """The logical AND of the given masks (``None``s skipped), or ``None`` if none given.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.nn.combine_masks(jnp.array([1, 1, 0]), None, jnp.array([0, 1, 1])).tolist()
+  [0.0, 1.0, 0.0]
+  """
+  masks = [m for m in masks if m is not None]
+  if not masks:
+    return None
+  if not all(m.ndim == masks[0].ndim for m in masks):
+    raise ValueError(f"masks must have the same rank, got {tuple(m.ndim for m in masks)}.")
+  mask, *others = masks
+  for other in others:
+    mask = jnp.logical_and(mask, other)
+  return mask.astype(dtype)
+
+
+def make_attention_mask(query_input: jax.Array, key_input: jax.Array,
+                        pairwise_fn: Callable = jnp.multiply, extra_batch_dims: int = 0,
+                        dtype: Any = jnp.float32) -> jax.Array:
+  """A ``[batch..., 1, q_len, kv_len]`` mask from per-position query and key inputs.
+
+  ``mask[..., 0, i, j] = pairwise_fn(query_input[..., i], key_input[..., j])``; e.g. a
+  padding mask from two 0/1 validity vectors.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> valid = jnp.array([[1, 1, 0]])
+  >>> sr.nn.make_attention_mask(valid, valid).shape
+  (1, 1, 3, 3)
+  """
+  mask = pairwise_fn(jnp.expand_dims(query_input, -1), jnp.expand_dims(key_input, -2))
+  mask = jnp.expand_dims(mask, -3)
+  mask = jnp.expand_dims(mask, tuple(range(extra_batch_dims)))
+  return mask.astype(dtype)
+
+
+def make_causal_mask(x: jax.Array, extra_batch_dims: int = 0,
+                     dtype: Any = jnp.float32) -> jax.Array:
+  """A ``[batch..., 1, len, len]`` lower-triangular mask for ``x`` ``[batch..., len]``.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.nn.make_causal_mask(jnp.ones((1, 3)))[0, 0].tolist()
+  [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+  """
+  idxs = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
+  return make_attention_mask(idxs, idxs, jnp.greater_equal,
+                             extra_batch_dims=extra_batch_dims, dtype=dtype)
+
+
+def dot_product_attention_weights(
+    query: jax.Array, key: jax.Array, bias: jax.Array | None = None,
+    mask: jax.Array | None = None, broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
+    deterministic: bool = False, dtype: Any = None, precision: Any = None,
+    promote_dtype: Callable = default_promote_dtype,
+    is_causal: bool = False) -> jax.Array:
+  """Attention weights ``softmax(q k^T / sqrt(depth) + bias)``: ``[batch..., heads, q, kv]``.
+
+  ``mask`` is False (0) where a query must not attend; ``broadcast_dropout`` shares
+  one dropout mask across the batch and head axes.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> q = k = jnp.ones((2, 5, 4, 8))
+  >>> sr.nn.dot_product_attention_weights(q, k).shape
+  (2, 4, 5, 5)
+  """
+  query, key = promote_dtype((query, key), dtype=dtype)
+  dtype = query.dtype
+  _validate_qkv_shapes(query, key)
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"q, k depths must match, got {query.shape[-1]} and {key.shape[-1]}.")
+
+  q_heads, k_heads = query.shape[-2], key.shape[-2]
+  is_gqa = q_heads != k_heads
+  if is_gqa:
+    if q_heads % k_heads:
+      raise ValueError(f"query heads ({q_heads}) must be a multiple of key heads "
+                       f"({k_heads}) for grouped-query attention.")
+    query = query.reshape(query.shape[:-2] + (k_heads, q_heads // k_heads, query.shape[-1]))
+    key = jnp.expand_dims(key, -2)
+    einsum_str = "...qhgd,...kh1d->...hgqk"
+  else:
+    einsum_str = "...qhd,...khd->...hqk"
+
+  query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
+  weights = jnp.einsum(einsum_str, query, key, precision=precision)
+  if is_gqa:
+    weights = weights.reshape(weights.shape[:-4] + (q_heads,) + weights.shape[-2:])
+
+  if bias is not None:
+    weights = weights + bias
+  if mask is not None or is_causal:
+    masks = [] if mask is None else [mask]
+    if is_causal:
+      causal = jnp.tril(jnp.ones(weights.shape[-2:], dtype=dtype))
+      masks.append(jnp.broadcast_to(causal, mask.shape if mask is not None
+                                    else weights.shape))
+    weights = jnp.where(combine_masks(*masks, dtype=dtype), weights,
+                        jnp.finfo(dtype).min)
+  weights = jax.nn.softmax(weights).astype(dtype)
+
+  if not deterministic and dropout_rate > 0.0:
+    keep_prob = 1.0 - dropout_rate
+    # The rank of the (unexpanded) key is the rank of the weights.
+    ndim = key.ndim - 1 if is_gqa else key.ndim
+    if broadcast_dropout:
+      shape = (1,) * (ndim - 2) + weights.shape[-2:]
+    else:
+      shape = weights.shape
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+    weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
+  return weights
+
+
+def dot_product_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
+    mask: jax.Array | None = None, broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
+    deterministic: bool = False, dtype: Any = None, precision: Any = None,
+    promote_dtype: Callable = default_promote_dtype,
+    is_causal: bool = False) -> jax.Array:
+  """Attention of ``query`` over ``key``/``value``: ``[batch..., q_len, heads, v_depth]``.
+
+  The same function as ``flax.nnx.dot_product_attention`` (without its ``module``
+  argument for sowing weights): ``weights @ value`` with the weights of
+  ``dot_product_attention_weights``; without dropout it is
+  ``jax.nn.dot_product_attention`` (batch axes flattened to one).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> q = k = v = jnp.ones((2, 5, 4, 8))
+  >>> sr.nn.dot_product_attention(q, k, v).shape
+  (2, 5, 4, 8)
+  """
+  query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  dtype = query.dtype
+  _validate_qkv_shapes(query, key, value)
+  if key.shape[-3] != value.shape[-3]:
+    raise ValueError(f"k, v lengths must match, got {key.shape[-3]} and {value.shape[-3]}.")
+
+  if dropout_rate == 0.0:
+    shape = query.shape
+    if len(shape) > 4:
+      def to_4d(x):
+        return None if x is None else jnp.reshape(
+            x, (math.prod(x.shape[:-3]), *x.shape[-3:]))
+      query, key, value, bias, mask = map(to_4d, (query, key, value, bias, mask))
+    if mask is not None:
+      mask = mask.astype(jnp.bool_)
+    out = jax.nn.dot_product_attention(query, key, value, bias, mask, is_causal=is_causal)
+    return jnp.reshape(out, shape) if len(shape) > 4 else out
+
+  weights = dot_product_attention_weights(
+      query, key, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+      deterministic, dtype, precision, promote_dtype, is_causal)
+  q_heads, v_heads = weights.shape[-3], value.shape[-2]
+  if q_heads != v_heads:
+    if q_heads % v_heads:
+      raise ValueError(f"query heads ({q_heads}) must be a multiple of value heads "
+                       f"({v_heads}).")
+    weights = weights.reshape(weights.shape[:-3] + (v_heads, q_heads // v_heads)
+                              + weights.shape[-2:])
+    out = jnp.einsum("...hgqk,...kh1d->...qhgd", weights, jnp.expand_dims(value, -2),
+                     precision=precision)
+    return out.reshape(out.shape[:-3] + (q_heads, out.shape[-1]))
+  return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)

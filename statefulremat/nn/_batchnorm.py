@@ -1,0 +1,125 @@
+"""BatchNorm: normalisation by batch statistics, with running averages in BatchStats."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from .._module import Module
+from .._rngs import Rngs
+from .._variables import BatchStat, Param
+from ._dtypes import promote_dtype as default_promote_dtype
+from ._normalization import (check_feature_axes, canonicalize_axes, compute_stats,
+                             freeze_axes, normalize)
+
+
+class BatchNorm(Module):
+  """Batch normalisation with Params ``scale``, ``bias`` and BatchStats ``mean``, ``var``.
+
+  In training mode (``use_running_average=False``) it normalises with the statistics
+  of the batch (every axis but ``axis``) and updates the running averages,
+  ``mean <- momentum * mean + (1 - momentum) * batch_mean`` (likewise ``var``); in
+  evaluation mode it normalises with the running averages and changes nothing.
+  ``model.train()`` / ``model.eval()`` flip ``use_running_average``. Everything —
+  defaults, statistics in float32, the update rule — is ``flax.nnx.BatchNorm``'s.
+
+  Args:
+    num_features: size of the feature axis.
+    use_running_average: evaluation mode (the call argument overrides it).
+    axis: the feature axis (an int, or a tuple of axes whose sizes multiply to
+      ``num_features``).
+    momentum: decay of the running averages.
+    epsilon: added to the variance.
+    dtype: result dtype (default: inferred); param_dtype: parameter dtype.
+    use_bias, use_scale: whether ``bias`` / ``scale`` exist.
+    bias_init, scale_init: initialisers (zeros, ones).
+    axis_name, axis_index_groups: average the batch statistics over a mapped axis.
+    use_fast_variance: ``E[x^2] - E[x]^2`` instead of ``E[(x - E[x])^2]``.
+    promote_dtype: ``(x, mean, var, scale, bias), dtype=`` -> promoted arrays.
+    rngs: draws ``rngs.params()`` per parameter, as nnx does.
+    scale_metadata, bias_metadata, mean_metadata, var_metadata: Variable metadata.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> bn = sr.nn.BatchNorm(3, momentum=0.5, rngs=sr.Rngs(0))
+  >>> x = jnp.arange(12.0).reshape(4, 3)   # column means 4.5, 5.5, 6.5
+  >>> _ = bn(x)                      # training: uses and updates the statistics
+  >>> bn.mean.value.tolist()
+  [2.25, 2.75, 3.25]
+  >>> y = bn.eval()(x)               # evaluation: uses the running averages
+  >>> bn.mean.value.tolist()
+  [2.25, 2.75, 3.25]
+  """
+
+  def __init__(self, num_features: int, *, use_running_average: bool | None = False,
+               axis: int | tuple[int, ...] = -1, momentum: float = 0.99,
+               epsilon: float = 1e-5, dtype: Any = None,
+               param_dtype: Any = jnp.float32, use_bias: bool = True,
+               use_scale: bool = True,
+               bias_init: Callable = jax.nn.initializers.zeros,
+               scale_init: Callable = jax.nn.initializers.ones,
+               axis_name: str | None = None, axis_index_groups: Any = None,
+               use_fast_variance: bool = True,
+               promote_dtype: Callable = default_promote_dtype,
+               rngs: Rngs,
+               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+               scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+               mean_metadata: Mapping[str, Any] = MappingProxyType({}),
+               var_metadata: Mapping[str, Any] = MappingProxyType({})):
+    shape = (num_features,)
+    self.mean = BatchStat(jnp.zeros(shape, jnp.float32), **(mean_metadata or {}))
+    self.var = BatchStat(jnp.ones(shape, jnp.float32), **(var_metadata or {}))
+    self.scale = (Param(scale_init(rngs.params(), shape, param_dtype),
+                        **(scale_metadata or {})) if use_scale else None)
+    self.bias = (Param(bias_init(rngs.params(), shape, param_dtype),
+                       **(bias_metadata or {})) if use_bias else None)
+    self.num_features = num_features
+    self.use_running_average = use_running_average
+    self.axis = freeze_axes(axis)
+    self.momentum = momentum
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.use_bias = use_bias
+    self.use_scale = use_scale
+    self.axis_name = axis_name
+    self.axis_index_groups = freeze_axes(axis_index_groups)
+    self.use_fast_variance = use_fast_variance
+    self.promote_dtype = promote_dtype
+
+  def __call__(self, x: jax.Array, use_running_average: bool | None = None, *,
+               mask: jax.Array | None = None) -> jax.Array:
+    """Normalises ``x``; ``use_running_average`` overrides the layer's mode for this call.
+
+    ``mask`` (same rank as ``x``) restricts the batch statistics to its entries.
+    """
+    if use_running_average is None:
+      use_running_average = self.use_running_average
+    if use_running_average is None:
+      raise ValueError(
+          "BatchNorm does not know whether to use batch statistics: its "
+          "use_running_average is None. Either set the mode on the model "
+          "(`model.train()` / `model.eval()`), build it with "
+          "`BatchNorm(..., use_running_average=False)`, or call "
+          "`bn(x, use_running_average=True)`."
+      )
+    check_feature_axes("BatchNorm", x, self.axis, self.num_features)
+    feature_axes = canonicalize_axes(x.ndim, self.axis)
+    reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+    scale = self.scale.value if self.scale is not None else None
+    bias = self.bias.value if self.bias is not None else None
+    x, mean, var, scale, bias = self.promote_dtype(
+        (x, self.mean.value, self.var.value, scale, bias), dtype=self.dtype)
+    if not use_running_average:
+      mean, var = compute_stats(x, reduction_axes, self.dtype, self.axis_name,
+                                self.axis_index_groups,
+                                use_fast_variance=self.use_fast_variance, mask=mask)
+      # Batch statistics are a flat (features,) vector whatever the feature axes.
+      mean, var = mean.reshape(-1), var.reshape(-1)
+      m = self.momentum
+      self.mean.value = m * self.mean.value + (1 - m) * mean
+      self.var.value = m * self.var.value + (1 - m) * var
+    return normalize(x, mean, var, scale, bias, reduction_axes, feature_axes,
+                     self.dtype, self.epsilon)

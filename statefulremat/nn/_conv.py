@@ -1,0 +1,187 @@
+"""Conv: an N-d convolution over channels-last inputs, as ``flax.nnx.Conv``."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._module import Module
+from .._rngs import Rngs
+from .._variables import Param
+from ._dtypes import promote_dtype as default_promote_dtype
+from ._linear import check_features, default_bias_init, default_kernel_init
+
+
+def _freeze(x):
+  """Lists (at any depth) as tuples, so configuration stays hashable."""
+  if isinstance(x, (list, tuple)):
+    return tuple(_freeze(v) for v in x)
+  return x
+
+
+def canonicalize_padding(padding: Any, rank: int) -> Any:
+  """A padding string as is, or ``rank`` ``(low, high)`` pairs for ``lax``.
+
+  >>> from statefulremat.nn._conv import canonicalize_padding
+  >>> canonicalize_padding(1, 2), canonicalize_padding((1, (0, 2)), 2)
+  (((1, 1), (1, 1)), ((1, 1), (0, 2)))
+  """
+  if isinstance(padding, str):
+    return padding
+  if isinstance(padding, int):
+    return ((padding, padding),) * rank
+  if isinstance(padding, Sequence) and len(padding) == rank:
+    pairs = []
+    for p in padding:
+      if isinstance(p, int):
+        pairs.append((p, p))
+      elif isinstance(p, Sequence) and len(p) == 2:
+        pairs.append(tuple(p))
+      else:
+        break
+    if len(pairs) == rank:
+      return tuple(pairs)
+  raise ValueError(
+      f"invalid Conv padding {padding!r}: use 'SAME', 'VALID', 'CIRCULAR', 'REFLECT', "
+      f"'CAUSAL', an int, or a sequence of {rank} ints or (low, high) pairs."
+  )
+
+
+class Conv(Module):
+  """A convolution with ``kernel`` ``(*kernel_size, in // groups, out)`` and ``bias``.
+
+  As ``flax.nnx.Conv`` (wrapping ``lax.conv_general_dilated``): inputs are channels
+  last, ``(*batch, *spatial, in_features)``; several batch axes are flattened for
+  the convolution and restored, and an input without a batch axis is accepted.
+
+  Args:
+    in_features, out_features: channel counts.
+    kernel_size: an int (1-D) or one size per spatial axis.
+    strides, input_dilation, kernel_dilation: an int or one per spatial axis
+      (``None`` means 1). ``input_dilation`` d is a transposed convolution of stride d.
+    padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'`` (periodic), ``'REFLECT'``,
+      ``'CAUSAL'`` (1-D, left padding), an int, or ``(low, high)`` pairs per axis.
+    feature_group_count: split the channels into this many groups (depthwise when
+      equal to ``in_features``).
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init, promote_dtype,
+    preferred_element_type, rngs, kernel_metadata, bias_metadata: as ``Linear``.
+    conv_general_dilated: the convolution (default ``lax.conv_general_dilated``).
+
+  nnx's weight ``mask`` argument is not supported (it would be an array attribute
+  outside any Variable); multiply the kernel yourself if you need one.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> conv = sr.nn.Conv(3, 4, kernel_size=(3, 3), strides=2, padding="CIRCULAR",
+  ...                   rngs=sr.Rngs(0))
+  >>> conv.kernel.shape, conv(jnp.ones((1, 8, 8, 3))).shape
+  ((3, 3, 3, 4), (1, 4, 4, 4))
+  """
+
+  def __init__(self, in_features: int, out_features: int,
+               kernel_size: int | Sequence[int],
+               strides: None | int | Sequence[int] = 1, *,
+               padding: Any = "SAME",
+               input_dilation: None | int | Sequence[int] = 1,
+               kernel_dilation: None | int | Sequence[int] = 1,
+               feature_group_count: int = 1,
+               use_bias: bool = True,
+               dtype: Any = None, param_dtype: Any = jnp.float32,
+               precision: Any = None,
+               kernel_init: Callable = default_kernel_init,
+               bias_init: Callable = default_bias_init,
+               conv_general_dilated: Callable = lax.conv_general_dilated,
+               promote_dtype: Callable = default_promote_dtype,
+               preferred_element_type: Any = None,
+               rngs: Rngs,
+               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+    kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
+    if in_features % feature_group_count or out_features % feature_group_count:
+      raise ValueError(
+          f"Conv: in_features={in_features} and out_features={out_features} must both "
+          f"be divisible by feature_group_count={feature_group_count}."
+      )
+    canonicalize_padding(padding, len(kernel_size))  # fail early on a bad padding
+    self.kernel_shape = kernel_size + (in_features // feature_group_count, out_features)
+    self.kernel = Param(kernel_init(rngs.params(), self.kernel_shape, param_dtype),
+                        **(kernel_metadata or {}))
+    self.bias = (Param(bias_init(rngs.params(), (out_features,), param_dtype),
+                       **(bias_metadata or {})) if use_bias else None)
+    self.in_features = in_features
+    self.out_features = out_features
+    self.kernel_size = kernel_size
+    self.strides = _freeze(strides)
+    self.padding = _freeze(padding)
+    self.input_dilation = _freeze(input_dilation)
+    self.kernel_dilation = _freeze(kernel_dilation)
+    self.feature_group_count = feature_group_count
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.precision = precision
+    self.conv_general_dilated = conv_general_dilated
+    self.promote_dtype = promote_dtype
+    self.preferred_element_type = preferred_element_type
+
+  def _per_axis(self, x) -> tuple[int, ...]:
+    x = 1 if x is None else x
+    return (x,) * len(self.kernel_size) if isinstance(x, int) else tuple(x)
+
+  def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+    """Convolves ``inputs`` of shape ``(*batch, *spatial, in_features)``."""
+    n_spatial = len(self.kernel_size)
+    if inputs.ndim < n_spatial + 1:
+      raise ValueError(
+          f"Conv with kernel_size={self.kernel_size} needs inputs of shape (*batch, "
+          f"{n_spatial} spatial axes, {self.in_features}), got {tuple(inputs.shape)}."
+      )
+    check_features("Conv", inputs, -1, self.in_features)
+    # Combine all input batch dimensions into a single leading batch axis.
+    n_batch = inputs.ndim - (n_spatial + 1)
+    if n_batch != 1:
+      batch_shape = inputs.shape[:n_batch]
+      inputs = jnp.reshape(inputs, (-1,) + inputs.shape[n_batch:])
+    strides = self._per_axis(self.strides)
+    input_dilation = self._per_axis(self.input_dilation)
+    kernel_dilation = self._per_axis(self.kernel_dilation)
+
+    padding = canonicalize_padding(self.padding, n_spatial)
+    if padding in ("CIRCULAR", "REFLECT"):
+      dilated = [(k - 1) * d + 1 for k, d in zip(self.kernel_size, kernel_dilation)]
+      pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
+      mode = {"CIRCULAR": "wrap", "REFLECT": "reflect"}[padding]
+      inputs = jnp.pad(inputs, pads, mode=mode)
+      padding = "VALID"
+    elif padding == "CAUSAL":
+      if n_spatial != 1:
+        raise ValueError(
+            "Conv: 'CAUSAL' padding is only implemented for 1-D convolutions.")
+      left = kernel_dilation[0] * (self.kernel_size[0] - 1)
+      inputs = jnp.pad(inputs, [(0, 0), (left, 0), (0, 0)])
+      padding = "VALID"
+
+    ndim = inputs.ndim
+    lhs_spec = (0, ndim - 1) + tuple(range(1, ndim - 1))
+    rhs_spec = (ndim - 1, ndim - 2) + tuple(range(0, ndim - 2))
+    dimension_numbers = lax.ConvDimensionNumbers(lhs_spec, rhs_spec, lhs_spec)
+
+    bias = self.bias.value if self.bias is not None else None
+    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
+                                              dtype=self.dtype)
+    kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+    if self.preferred_element_type is not None:
+      kwargs["preferred_element_type"] = self.preferred_element_type
+    y = self.conv_general_dilated(
+        inputs, kernel, strides, padding, lhs_dilation=input_dilation,
+        rhs_dilation=kernel_dilation, dimension_numbers=dimension_numbers,
+        feature_group_count=self.feature_group_count, precision=self.precision,
+        **kwargs)
+    if bias is not None:
+      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    if n_batch != 1:
+      y = jnp.reshape(y, batch_shape + y.shape[1:])
+    return y

@@ -1,0 +1,45 @@
+"""Dtype promotion shared by the layers, with flax.nnx's rules.
+
+A layer computes in ``dtype`` when one is given, else in the promoted dtype of its
+inputs and parameters (``jnp.result_type``), raised to a float when ``inexact`` (an
+integer input to a float layer computes in float32, not in int).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+
+def canonicalize_dtype(*args: Any, dtype: Any = None, inexact: bool = True) -> Any:
+  """The dtype ``args`` should be cast to: ``dtype`` if given, else their promotion.
+
+  >>> import jax.numpy as jnp
+  >>> from statefulremat.nn._dtypes import canonicalize_dtype
+  >>> canonicalize_dtype(jnp.ones(2, jnp.int32), None)
+  dtype('float32')
+  """
+  if dtype is None:
+    dtype = jnp.result_type(*[jnp.asarray(x) for x in args if x is not None])
+    if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+      dtype = jnp.promote_types(jnp.float32, dtype)
+  if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+    raise ValueError(f"a layer's computation dtype must be a float type, got {dtype}.")
+  return dtype
+
+
+def promote_dtype(args: tuple, /, *, dtype: Any = None, inexact: bool = True) -> tuple:
+  """Casts every array of ``args`` (``None`` passes through) to one common dtype.
+
+  The signature is flax.nnx's ``promote_dtype``, so either can be passed as a layer's
+  ``promote_dtype``.
+
+  >>> import jax.numpy as jnp
+  >>> from statefulremat.nn._dtypes import promote_dtype
+  >>> x, w, b = promote_dtype((jnp.ones(2, jnp.bfloat16), jnp.ones(2), None))
+  >>> x.dtype, w.dtype, b
+  (dtype('float32'), dtype('float32'), None)
+  """
+  dtype = canonicalize_dtype(*args, dtype=dtype, inexact=inexact)
+  return tuple(None if x is None else jnp.asarray(x, dtype) for x in args)

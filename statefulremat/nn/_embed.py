@@ -1,0 +1,86 @@
+"""Embed: a lookup table from integer ids to vectors, as ``flax.nnx.Embed``."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from .._module import Module
+from .._rngs import Rngs
+from .._variables import Param
+from ._dtypes import promote_dtype as default_promote_dtype
+
+default_embed_init = jax.nn.initializers.variance_scaling(
+    1.0, "fan_in", "normal", out_axis=0)
+
+
+class Embed(Module):
+  """An ``embedding`` table of shape ``(num_embeddings, features)``.
+
+  Calling it looks rows up by integer id (``jnp.take``; out-of-range ids give NaN,
+  negative ids count from the end); ``attend(query)`` is the transposed use, the
+  logits of tied input/output embeddings. Defaults and numerics are nnx's.
+
+  Args:
+    num_embeddings: vocabulary size.
+    features: size of each embedding vector.
+    dtype: dtype of the looked-up vectors (default: the embedding's).
+    param_dtype: dtype the table is initialised in.
+    embedding_init: initialiser (default: variance scaling 1.0, fan-in, normal).
+    promote_dtype: ``(arrays,), dtype=, inexact=`` -> promoted arrays.
+    rngs: draws ``rngs.params()`` once.
+    embedding_metadata: metadata put on ``embedding`` (e.g. ``{"sharding": ...}``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> embed = sr.nn.Embed(10, 4, rngs=sr.Rngs(0))
+  >>> embed(jnp.array([[1, 2, 3]])).shape, embed.attend(jnp.ones((2, 4))).shape
+  ((1, 3, 4), (2, 10))
+  """
+
+  def __init__(self, num_embeddings: int, features: int, *, dtype: Any = None,
+               param_dtype: Any = jnp.float32,
+               embedding_init: Callable = default_embed_init,
+               promote_dtype: Callable = default_promote_dtype,
+               rngs: Rngs,
+               embedding_metadata: Mapping[str, Any] = MappingProxyType({})):
+    self.embedding = Param(
+        embedding_init(rngs.params(), (num_embeddings, features), param_dtype),
+        **(embedding_metadata or {}))
+    self.num_embeddings = num_embeddings
+    self.features = features
+    self.dtype = dtype or self.embedding.dtype
+    self.param_dtype = param_dtype
+    self.promote_dtype = promote_dtype
+
+  def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+    """Looks up integer ``inputs`` of any shape: returns ``inputs.shape + (features,)``."""
+    inputs = jnp.asarray(inputs)
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError(
+          f"Embed takes integer ids, got an input of dtype {inputs.dtype}. Cast the ids "
+          "(`x.astype(jnp.int32)`), or use `embed.attend(x)` for float queries."
+      )
+    (embedding,) = self.promote_dtype((self.embedding.value,), dtype=self.dtype,
+                                      inexact=False)
+    if self.num_embeddings == 1:
+      return jnp.broadcast_to(embedding, inputs.shape + (self.features,))
+    if out_sharding is not None:
+      take = jax.sharding.auto_axes(lambda e, i: jnp.take(e, i, axis=0),
+                                    out_sharding=out_sharding)
+      return take(embedding, inputs)
+    return jnp.take(embedding, inputs, axis=0)
+
+  def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
+    """Inner products of ``query`` (last axis ``features``) with every embedding.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> embed = sr.nn.Embed(5, 3, rngs=sr.Rngs(0))
+    >>> embed.attend(jnp.ones(3)).shape
+    (5,)
+    """
+    query, embedding = self.promote_dtype((query, self.embedding.value), dtype=self.dtype)
+    kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+    return jnp.dot(query, embedding.T, **kwargs)

@@ -1,0 +1,93 @@
+"""MLP: the two-layer feed-forward block of transformers and mixers."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from .._module import Module
+from .._rngs import Rngs, RngStream
+from ._dropout import Dropout
+from ._linear import Linear, default_bias_init, default_kernel_init
+
+
+class MLP(Module):
+  """``fc1`` -> ``activation`` -> ``dropout`` -> ``fc2`` -> ``dropout``.
+
+  Equivalent to::
+
+    h = dropout(activation(fc1(x)))
+    y = dropout(fc2(h))
+
+  with ``fc1 = Linear(in_features, hidden_features)``, ``fc2 = Linear(hidden_features,
+  out_features)`` and one ``Dropout(dropout_rate)`` drawn twice (a fresh mask each
+  time), the placement of timm's ``Mlp`` and scenic's ``MlpBlock``. There is no
+  flax.nnx counterpart; the sub-layers are ordinary ``Linear`` / ``Dropout``.
+
+  Args:
+    in_features: size of the input's last axis.
+    hidden_features: size of the hidden layer.
+    out_features: output size (default ``in_features``).
+    activation: applied after ``fc1`` (default ``jax.nn.gelu``, tanh approximation).
+    dropout_rate: rate of ``dropout`` (0 disables it; no RNG is drawn then).
+    deterministic: initial mode of ``dropout``; ``model.train()`` / ``eval()`` flip it.
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init: passed to both
+      ``Linear``s.
+    rngs: draws ``fc1``'s then ``fc2``'s parameters; kept by ``dropout``.
+    kernel_metadata, bias_metadata: metadata of ``fc1`` (and of ``fc2`` unless
+      ``out_kernel_metadata`` / ``out_bias_metadata`` are given), e.g.
+      ``kernel_metadata={"sharding": ("embed", "mlp")}``,
+      ``out_kernel_metadata={"sharding": ("mlp", "embed")}``.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> mlp = sr.nn.MLP(4, 16, dropout_rate=0.1, rngs=sr.Rngs(0))
+  >>> mlp(jnp.ones((2, 4))).shape, mlp.fc1.kernel.shape, mlp.fc2.kernel.shape
+  ((2, 4), (4, 16), (16, 4))
+  >>> mlp.eval().dropout.deterministic
+  True
+  """
+
+  def __init__(self, in_features: int, hidden_features: int,
+               out_features: int | None = None, *,
+               activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+               dropout_rate: float = 0.0, deterministic: bool | None = False,
+               use_bias: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
+               precision: Any = None,
+               kernel_init: Callable = default_kernel_init,
+               bias_init: Callable = default_bias_init,
+               rngs: Rngs,
+               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+               out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               out_bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+    out_features = in_features if out_features is None else out_features
+    common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                  precision=precision, kernel_init=kernel_init, bias_init=bias_init,
+                  rngs=rngs)
+    self.fc1 = Linear(in_features, hidden_features, kernel_metadata=kernel_metadata,
+                      bias_metadata=bias_metadata, **common)
+    self.fc2 = Linear(hidden_features, out_features,
+                      kernel_metadata=out_kernel_metadata or kernel_metadata,
+                      bias_metadata=out_bias_metadata or bias_metadata, **common)
+    self.dropout = Dropout(dropout_rate, deterministic=deterministic, rngs=rngs)
+    self.activation = activation
+    self.in_features = in_features
+    self.hidden_features = hidden_features
+    self.out_features = out_features
+
+  def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
+               rngs: Rngs | RngStream | jax.Array | None = None) -> jax.Array:
+    """Applies the block to the last axis of ``x``; arguments override ``dropout``'s.
+
+    A key passed as ``rngs`` is split in two, one per dropout.
+    """
+    if isinstance(rngs, jax.Array):
+      rngs = tuple(jax.random.split(rngs))
+    else:
+      rngs = (rngs, rngs)
+    h = self.dropout(self.activation(self.fc1(x)), deterministic=deterministic,
+                     rngs=rngs[0])
+    return self.dropout(self.fc2(h), deterministic=deterministic, rngs=rngs[1])

@@ -1,0 +1,265 @@
+"""MultiHeadAttention: projections to heads, dot-product attention, projection back."""
+
+from __future__ import annotations
+
+import functools
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._module import Module
+from .._rngs import Rngs, RngStream
+from .._variables import Cache
+from ._attention import combine_masks, dot_product_attention
+from ._dropout import draw_key
+from ._dtypes import promote_dtype as default_promote_dtype
+from ._linear import default_kernel_init
+from ._linear_general import LinearGeneral
+from ._normalization import LayerNorm
+
+
+class MultiHeadAttention(Module):
+  """Multi-head (and grouped-query) attention, as ``flax.nnx.MultiHeadAttention``.
+
+  Sub-layers and parameter shapes are nnx's, so parameters map one to one:
+  ``query`` (``LinearGeneral`` with kernel ``(in_features, num_heads, head_dim)``),
+  ``key`` / ``value`` (``(in_kv_features, num_kv_heads, head_dim)``), ``out``
+  (``(num_heads, head_dim, out_features)``), and, with ``normalize_qk``,
+  ``query_ln`` / ``key_ln`` (``LayerNorm(head_dim, use_bias=False)``).
+  ``head_dim = qkv_features // num_heads``.
+
+  Called with one input it is self-attention; ``(inputs_q, inputs_k)`` and
+  ``(inputs_q, inputs_k, inputs_v)`` are cross-attention (a missing ``inputs_v`` is
+  ``inputs_k``). ``mask`` (``[batch..., heads or 1, q_len, kv_len]``, False = do not
+  attend) comes from ``make_attention_mask`` / ``make_causal_mask``.
+
+  Differences from nnx: a ``decode=None`` layer runs without the cache (nnx raises);
+  the ``rngs`` kept for attention dropout is the one given, shared, not a fork (it
+  draws ``self.rngs["dropout"]()``); the deprecated ``*_dot_general*`` arguments and
+  the ``sow_weights`` call argument (which adds a Variable while running) are left
+  out.
+
+  Args:
+    num_heads: number of query heads.
+    in_features: size of ``inputs_q``'s last axis.
+    qkv_features: total query/key/value size (default ``in_features``); divisible
+      by ``num_heads``.
+    out_features: output size (default ``in_features``).
+    num_kv_heads: key/value heads (default ``num_heads``); fewer means grouped-query
+      attention.
+    in_kv_features: size of ``inputs_k`` / ``inputs_v``'s last axis (default
+      ``in_features``).
+    dtype, param_dtype, precision, use_bias: passed to the projections.
+    broadcast_dropout: one attention-dropout mask across batch and heads.
+    dropout_rate: attention-dropout rate.
+    deterministic: evaluation mode for dropout (``model.train()`` / ``eval()`` flip it).
+    kernel_init, bias_init, out_kernel_init, out_bias_init: projection initialisers
+      (``out_*`` default to the others).
+    attention_fn: ``dot_product_attention`` or a function with its signature.
+    decode: autoregressive decoding with a key/value cache (see ``init_cache``).
+    normalize_qk: LayerNorm the projected queries and keys (ViT-22B).
+    qkv_promote_dtype, out_promote_dtype, ln_promote_dtype: promotion functions of
+      the sub-layers.
+    rngs: draws the projections' parameters; kept for dropout if ``keep_rngs``.
+    keep_rngs: store ``rngs`` (when ``dropout_rate > 0``) as ``self.rngs``.
+    kernel_metadata, bias_metadata, out_kernel_metadata, out_bias_metadata,
+    query_ln_scale_metadata, key_ln_scale_metadata: Variable metadata (``out_*``
+      default to the others).
+
+  >>> import jax, statefulremat as sr
+  >>> attn = sr.nn.MultiHeadAttention(num_heads=2, in_features=8, rngs=sr.Rngs(0))
+  >>> x = jax.random.normal(jax.random.key(0), (3, 5, 8))
+  >>> attn(x).shape, attn.query.kernel.shape, attn.out.kernel.shape
+  ((3, 5, 8), (8, 2, 4), (2, 4, 8))
+  >>> mask = sr.nn.make_causal_mask(x[..., 0])
+  >>> attn(x, mask=mask).shape
+  (3, 5, 8)
+  """
+
+  def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+               out_features: int | None = None, num_kv_heads: int | None = None,
+               in_kv_features: int | None = None, *,
+               dtype: Any = None, param_dtype: Any = jnp.float32,
+               broadcast_dropout: bool = True, dropout_rate: float = 0.0,
+               deterministic: bool | None = None, precision: Any = None,
+               kernel_init: Callable = default_kernel_init,
+               out_kernel_init: Callable | None = None,
+               bias_init: Callable = jax.nn.initializers.zeros,
+               out_bias_init: Callable | None = None,
+               use_bias: bool = True,
+               attention_fn: Callable = dot_product_attention,
+               decode: bool | None = None, normalize_qk: bool = False,
+               qkv_promote_dtype: Callable = default_promote_dtype,
+               out_promote_dtype: Callable = default_promote_dtype,
+               ln_promote_dtype: Callable = default_promote_dtype,
+               rngs: Rngs, keep_rngs: bool = True,
+               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+               out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+               query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+               key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+    self.num_heads = num_heads
+    self.in_features = in_features
+    self.qkv_features = qkv_features if qkv_features is not None else in_features
+    self.out_features = out_features if out_features is not None else in_features
+    self.in_kv_features = in_kv_features if in_kv_features is not None else in_features
+    self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"MultiHeadAttention: num_heads ({num_heads}) must be divisible "
+                       f"by num_kv_heads ({self.num_kv_heads}).")
+    if self.qkv_features % self.num_heads:
+      raise ValueError(f"MultiHeadAttention: qkv_features ({self.qkv_features}) must be "
+                       f"divisible by num_heads ({num_heads}).")
+    self.head_dim = self.qkv_features // self.num_heads
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.broadcast_dropout = broadcast_dropout
+    self.dropout_rate = dropout_rate
+    self.deterministic = deterministic
+    self.precision = precision
+    self.use_bias = use_bias
+    self.attention_fn = attention_fn
+    self.decode = decode
+    self.normalize_qk = normalize_qk
+    self.qkv_promote_dtype = qkv_promote_dtype
+    self.out_promote_dtype = out_promote_dtype
+    self.ln_promote_dtype = ln_promote_dtype
+
+    linear = functools.partial(
+        LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+        bias_init=bias_init, use_bias=use_bias, precision=precision,
+        promote_dtype=qkv_promote_dtype, kernel_metadata=kernel_metadata,
+        bias_metadata=bias_metadata, rngs=rngs)
+    self.query = linear(in_features, (self.num_heads, self.head_dim))
+    self.key = linear(self.in_kv_features, (self.num_kv_heads, self.head_dim))
+    self.value = linear(self.in_kv_features, (self.num_kv_heads, self.head_dim))
+    if normalize_qk:
+      norm = functools.partial(LayerNorm, self.head_dim, use_bias=False, dtype=dtype,
+                               param_dtype=param_dtype, promote_dtype=ln_promote_dtype,
+                               rngs=rngs)
+      self.query_ln = norm(scale_metadata=query_ln_scale_metadata)
+      self.key_ln = norm(scale_metadata=key_ln_scale_metadata)
+    else:
+      self.query_ln = None
+      self.key_ln = None
+    self.out = LinearGeneral(
+        (self.num_heads, self.head_dim), self.out_features, axis=(-2, -1),
+        kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
+        use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
+        promote_dtype=out_promote_dtype, rngs=rngs,
+        kernel_metadata=out_kernel_metadata or kernel_metadata,
+        bias_metadata=out_bias_metadata or bias_metadata)
+    self.rngs = rngs if keep_rngs and dropout_rate > 0 else None
+    self.cached_key = None
+    self.cached_value = None
+    self.cache_index = None
+
+  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
+               inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
+               deterministic: bool | None = None,
+               rngs: Rngs | RngStream | jax.Array | None = None,
+               decode: bool | None = None, is_causal: bool = False,
+               out_sharding: Any = None, qkv_sharding: Any = None) -> jax.Array:
+    """Attends from ``inputs_q`` ``[batch..., q_len, in_features]`` to ``inputs_k``/``_v``.
+
+    ``deterministic``, ``rngs`` (an ``sr.Rngs``, whose ``dropout`` stream is drawn,
+    an ``sr.RngStream`` or a key) and ``decode`` override the layer's for this call;
+    ``is_causal`` overlays a causal mask. Returns ``[batch..., q_len, out_features]``.
+    """
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError(
+            "MultiHeadAttention: inputs_k cannot be None when inputs_v is given. To "
+            "use one array for both, pass it as inputs_k and leave inputs_v None.")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+    if inputs_q.shape[-1] != self.in_features:
+      raise ValueError(
+          f"MultiHeadAttention was built with in_features={self.in_features} but "
+          f"inputs_q has shape {tuple(inputs_q.shape)}.")
+    for name, x in (("inputs_k", inputs_k), ("inputs_v", inputs_v)):
+      if x.shape[-1] != self.in_kv_features:
+        raise ValueError(
+            f"MultiHeadAttention was built with in_kv_features={self.in_kv_features} "
+            f"but {name} has shape {tuple(x.shape)}.")
+
+    query = self.query(inputs_q, out_sharding=qkv_sharding)
+    key = self.key(inputs_k, out_sharding=qkv_sharding)
+    value = self.value(inputs_v, out_sharding=qkv_sharding)
+    if self.normalize_qk:
+      query = self.query_ln(query)
+      key = self.key_ln(key)
+
+    decode = self.decode if decode is None else decode
+    if decode:
+      key, value, mask = self._decode_step(key, value, mask)
+
+    dropout_rng = None
+    if self.dropout_rate > 0.0:
+      if deterministic is None:
+        deterministic = self.deterministic
+      if deterministic is None:
+        raise ValueError(
+            "MultiHeadAttention has dropout_rate > 0 but its deterministic is None. Set "
+            "the mode (`model.train()` / `model.eval()`), build it with "
+            "`deterministic=False/True`, or pass `deterministic=` to the call.")
+      if not deterministic:
+        dropout_rng = draw_key(rngs if rngs is not None else self.rngs, "dropout",
+                               "MultiHeadAttention")
+    else:
+      deterministic = True
+
+    x = self.attention_fn(
+        query, key, value, mask=mask, dropout_rng=dropout_rng,
+        dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
+        deterministic=deterministic, dtype=self.dtype, precision=self.precision,
+        is_causal=is_causal)
+    return self.out(x, out_sharding=out_sharding)
+
+  def _decode_step(self, key, value, mask):
+    """Writes this step's key/value into the cache; returns the cached ones and a mask."""
+    if self.cached_key is None:
+      raise ValueError(
+          "MultiHeadAttention: decode=True needs the key/value cache. Call "
+          "`attn.init_cache((batch, max_length, in_features))` first (outside any "
+          "transform: it creates Variables).")
+    *batch_dims, max_length, num_kv_heads, depth = self.cached_key.shape
+    expected = tuple(batch_dims) + (1, num_kv_heads, depth)
+    if key.shape != expected:
+      raise ValueError(
+          f"MultiHeadAttention decode feeds one position at a time: expected a key of "
+          f"shape {expected} (from an input of length 1), got {key.shape}.")
+    index = self.cache_index.value
+    zero = jnp.array(0, dtype=lax.dtype(index.dtype))
+    indices = (zero,) * len(batch_dims) + (index, zero, zero)
+    key = lax.dynamic_update_slice(self.cached_key.value, key, indices)
+    value = lax.dynamic_update_slice(self.cached_value.value, value, indices)
+    self.cached_key.value = key
+    self.cached_value.value = value
+    self.cache_index.value = index + 1
+    # The single query may attend only to the positions already cached.
+    mask = combine_masks(mask, jnp.broadcast_to(
+        jnp.arange(max_length) <= index, tuple(batch_dims) + (1, 1, max_length)))
+    return key, value, mask
+
+  def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
+    """Creates the ``Cache`` Variables for decoding inputs ``(batch..., max_length, features)``.
+
+    Call it outside any transform (it adds Variables), then call the layer with
+    ``decode=True`` one position (length 1) at a time.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> attn = sr.nn.MultiHeadAttention(2, 4, decode=True, rngs=sr.Rngs(0))
+    >>> attn.init_cache((1, 6, 4))
+    >>> attn(jnp.ones((1, 1, 4))).shape, int(attn.cache_index.value)
+    ((1, 1, 4), 1)
+    """
+    shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
+    self.cached_key = Cache(jnp.zeros(shape, dtype))
+    self.cached_value = Cache(jnp.zeros(shape, dtype))
+    self.cache_index = Cache(jnp.array(0, dtype=jnp.int32))

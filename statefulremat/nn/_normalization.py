@@ -1,0 +1,241 @@
+"""LayerNorm and RMSNorm, and the statistics helpers BatchNorm shares.
+
+The numerics are flax.nnx's: statistics in at least float32 (half-precision inputs
+are promoted for the reductions), the fast variance ``E[x^2] - E[x]^2`` clipped at
+zero by default, and ``(x - mean) * rsqrt(var + epsilon) * scale + bias``.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._module import Module
+from .._rngs import Rngs
+from .._variables import Param
+from ._dtypes import canonicalize_dtype
+from ._dtypes import promote_dtype as default_promote_dtype
+
+
+def freeze_axes(axes: Any) -> Any:
+  """An int as is, any sequence (nested too) as a tuple: hashable configuration."""
+  if isinstance(axes, Sequence):
+    return tuple(freeze_axes(a) for a in axes)
+  return axes
+
+
+def canonicalize_axes(rank: int, axes: int | Sequence[int]) -> tuple[int, ...]:
+  """Sorted, de-duplicated, non-negative axes."""
+  axes = axes if isinstance(axes, Sequence) else (axes,)
+  return tuple(sorted({rank + a if a < 0 else a for a in axes}))
+
+
+def _abs_sq(x):
+  if jnp.iscomplexobj(x):
+    return lax.square(lax.real(x)) + lax.square(lax.imag(x))
+  return lax.square(x)
+
+
+def compute_stats(x: jax.Array, axes, dtype: Any, axis_name: str | None = None,
+                  axis_index_groups: Any = None, use_mean: bool = True,
+                  use_fast_variance: bool = True,
+                  mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """``(mean, var)`` of ``x`` over ``axes``, in at least float32 (nnx's numerics).
+
+  ``axis_name`` also averages over a ``pmap`` / ``shard_map`` axis; ``use_mean=False``
+  gives a zero mean and the mean square (RMSNorm); ``mask`` selects the entries.
+
+  >>> import jax.numpy as jnp
+  >>> from statefulremat.nn._normalization import compute_stats
+  >>> mean, var = compute_stats(jnp.array([[1., 3.], [5., 7.]]), (0,), None)
+  >>> mean.tolist(), var.tolist()
+  ([3.0, 5.0], [4.0, 4.0])
+  """
+  dtype = jnp.promote_types(jnp.result_type(x) if dtype is None else dtype, jnp.float32)
+  x = jnp.asarray(x, dtype)
+  axes = canonicalize_axes(x.ndim, axes)
+
+  def mean(*xs):
+    mus = tuple(v.mean(axes, where=mask) for v in xs)
+    if axis_name is None:
+      return mus if len(xs) > 1 else mus[0]
+    # One collective for both statistics: stack them.
+    if len(xs) > 1:
+      reduced = lax.pmean(jnp.stack(mus, axis=0), axis_name,
+                          axis_index_groups=axis_index_groups)
+      return tuple(reduced[i] for i in range(len(xs)))
+    return lax.pmean(mus[0], axis_name, axis_index_groups=axis_index_groups)
+
+  if not use_mean:
+    var = mean(_abs_sq(x))
+    return jnp.zeros_like(var), var
+  if use_fast_variance:
+    mu, mu2 = mean(x, _abs_sq(x))
+    # mu2 - mu^2 can dip below zero by round-off; a negative variance would NaN.
+    return mu, jnp.maximum(0.0, mu2 - _abs_sq(mu))
+  mu = mean(x)
+  return mu, mean(_abs_sq(x - jnp.expand_dims(mu, axes)))
+
+
+def normalize(x: jax.Array, mean: jax.Array, var: jax.Array, scale, bias,
+              reduction_axes, feature_axes, dtype: Any, epsilon: float) -> jax.Array:
+  """``(x - mean) * rsqrt(var + epsilon) * scale + bias``, broadcast explicitly."""
+  reduction_axes = canonicalize_axes(x.ndim, reduction_axes)
+  feature_axes = canonicalize_axes(x.ndim, feature_axes)
+  stats_shape = tuple(1 if i in reduction_axes else n for i, n in enumerate(x.shape))
+  feature_shape = tuple(n if i in feature_axes else 1 for i, n in enumerate(x.shape))
+  y = x - mean.reshape(stats_shape)
+  mul = lax.rsqrt(var.reshape(stats_shape) + epsilon)
+  args = [x]
+  if scale is not None:
+    scale = scale.reshape(feature_shape)
+    mul *= scale
+    args.append(scale)
+  y *= mul
+  if bias is not None:
+    bias = bias.reshape(feature_shape)
+    y += bias
+    args.append(bias)
+  return jnp.asarray(y, canonicalize_dtype(*args, dtype=dtype))
+
+
+class LayerNorm(Module):
+  """Layer normalisation with ``scale`` and ``bias`` of shape ``(num_features,)``.
+
+  Normalises each example over ``reduction_axes`` (default the last), then scales
+  and shifts per feature. Defaults are nnx's: ``epsilon=1e-6``, scale ones, bias
+  zeros, the fast variance.
+
+  Args:
+    num_features: size of the feature axis (``scale``/``bias`` shape).
+    epsilon: added to the variance.
+    dtype: result dtype (default: inferred); param_dtype: parameter dtype.
+    use_bias, use_scale: whether ``bias`` / ``scale`` exist.
+    bias_init, scale_init: initialisers.
+    reduction_axes: axes of the statistics; feature_axes: axes of scale and bias.
+    axis_name, axis_index_groups: average the statistics over a mapped axis too.
+    use_fast_variance: ``E[x^2] - E[x]^2`` instead of ``E[(x - E[x])^2]``.
+    promote_dtype: ``(x, scale, bias), dtype=`` -> promoted arrays.
+    rngs: draws ``rngs.params()`` per parameter, as nnx does.
+    scale_metadata, bias_metadata: metadata put on the Variables.
+
+  >>> import jax, statefulremat as sr
+  >>> norm = sr.nn.LayerNorm(6, rngs=sr.Rngs(0))
+  >>> y = norm(jax.random.normal(jax.random.key(0), (3, 6)))
+  >>> y.shape, round(float(y.mean()), 5) == 0
+  ((3, 6), True)
+  """
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Any = None,
+               param_dtype: Any = jnp.float32, use_bias: bool = True,
+               use_scale: bool = True,
+               bias_init: Callable = jax.nn.initializers.zeros,
+               scale_init: Callable = jax.nn.initializers.ones,
+               reduction_axes: int | Sequence[int] = -1,
+               feature_axes: int | Sequence[int] = -1,
+               axis_name: str | None = None, axis_index_groups: Any = None,
+               use_fast_variance: bool = True,
+               promote_dtype: Callable = default_promote_dtype,
+               rngs: Rngs,
+               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+               scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+    shape = (num_features,)
+    self.scale = (Param(scale_init(rngs.params(), shape, param_dtype),
+                        **(scale_metadata or {})) if use_scale else None)
+    self.bias = (Param(bias_init(rngs.params(), shape, param_dtype),
+                       **(bias_metadata or {})) if use_bias else None)
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.use_bias = use_bias
+    self.use_scale = use_scale
+    self.reduction_axes = freeze_axes(reduction_axes)
+    self.feature_axes = freeze_axes(feature_axes)
+    self.axis_name = axis_name
+    self.axis_index_groups = freeze_axes(axis_index_groups)
+    self.use_fast_variance = use_fast_variance
+    self.promote_dtype = promote_dtype
+
+  def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+    """Normalises ``x``; ``mask`` (same rank) restricts the statistics to its entries."""
+    check_feature_axes("LayerNorm", x, self.feature_axes, self.num_features)
+    scale = self.scale.value if self.scale is not None else None
+    bias = self.bias.value if self.bias is not None else None
+    x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+    mean, var = compute_stats(x, self.reduction_axes, self.dtype, self.axis_name,
+                              self.axis_index_groups,
+                              use_fast_variance=self.use_fast_variance, mask=mask)
+    return normalize(x, mean, var, scale, bias, self.reduction_axes, self.feature_axes,
+                     self.dtype, self.epsilon)
+
+
+class RMSNorm(Module):
+  """Root-mean-square normalisation with ``scale`` of shape ``(num_features,)``.
+
+  ``x * rsqrt(mean(x^2) + epsilon) * scale`` over ``reduction_axes``: no centring,
+  no bias. Defaults are nnx's (``epsilon=1e-6``, scale ones).
+
+  Args: as ``LayerNorm``, without the bias ones.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> norm = sr.nn.RMSNorm(2, rngs=sr.Rngs(0))
+  >>> x = jnp.array([[3.0, 4.0]])
+  >>> bool(jnp.allclose(norm(x), x / jnp.sqrt(jnp.mean(x ** 2))))
+  True
+  """
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Any = None,
+               param_dtype: Any = jnp.float32, use_scale: bool = True,
+               scale_init: Callable = jax.nn.initializers.ones,
+               reduction_axes: int | Sequence[int] = -1,
+               feature_axes: int | Sequence[int] = -1,
+               axis_name: str | None = None, axis_index_groups: Any = None,
+               use_fast_variance: bool = True,
+               promote_dtype: Callable = default_promote_dtype,
+               rngs: Rngs,
+               scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+    self.scale = (Param(scale_init(rngs.params(), (num_features,), param_dtype),
+                        **(scale_metadata or {})) if use_scale else None)
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.use_scale = use_scale
+    self.reduction_axes = freeze_axes(reduction_axes)
+    self.feature_axes = freeze_axes(feature_axes)
+    self.axis_name = axis_name
+    self.axis_index_groups = freeze_axes(axis_index_groups)
+    self.use_fast_variance = use_fast_variance
+    self.promote_dtype = promote_dtype
+
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Normalises ``x``; ``mask`` (same rank) restricts the statistics to its entries."""
+    check_feature_axes("RMSNorm", x, self.feature_axes, self.num_features)
+    scale = self.scale.value if self.scale is not None else None
+    x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+    mean, var = compute_stats(x, self.reduction_axes, self.dtype, self.axis_name,
+                              self.axis_index_groups, use_mean=False,
+                              use_fast_variance=self.use_fast_variance, mask=mask)
+    return normalize(x, mean, var, scale, None, self.reduction_axes, self.feature_axes,
+                     self.dtype, self.epsilon)
+
+
+def check_feature_axes(layer: str, x: jax.Array, feature_axes, num_features: int):
+  """A clear error when the feature axes do not hold ``num_features`` values."""
+  axes = canonicalize_axes(x.ndim, feature_axes)
+  if any(not 0 <= a < x.ndim for a in axes):
+    raise ValueError(f"{layer}: feature_axes={feature_axes} is out of range for an input "
+                     f"of shape {tuple(x.shape)}.")
+  size = 1
+  for a in axes:
+    size *= x.shape[a]
+  if size != num_features:
+    raise ValueError(
+        f"{layer} was built with num_features={num_features} but the input of shape "
+        f"{tuple(x.shape)} has {size} features on feature_axes={feature_axes}."
+    )
