@@ -32,6 +32,13 @@ from ._state import State as State
 from ._transforms._autodiff import grad as grad
 from ._transforms._autodiff import value_and_grad as value_and_grad
 from ._transforms._jit import jit as jit
+from ._transforms._remat import remat as remat
+from ._transforms._remat_scan import remat_scan as remat_scan
+from ._transforms._rules import TransformError as TransformError
+from ._transforms._scan import scan as scan
+from ._transforms._stacked import stack as stack
+from ._transforms._stacked import unstack as unstack
+from ._transforms._vmap import vmap as vmap
 from ._variables import BatchStat as BatchStat
 from ._variables import Cache as Cache
 from ._variables import Intermediate as Intermediate

@@ -92,9 +92,15 @@ def _static(obj, path):
   return (_STATIC, type(obj), obj)
 
 
-def flatten(roots: Sequence[Any]) -> tuple[GraphDef, list[Variable]]:
-  """Walks ``roots`` jointly: their GraphDef and their Variables in walk order."""
+def flatten(roots: Sequence[Any], *, objects: list | None = None
+            ) -> tuple[GraphDef, list[Variable]]:
+  """Walks ``roots`` jointly: their GraphDef and their Variables in walk order.
+
+  If ``objects`` is given, every module and Variable is appended to it in the order
+  the GraphDef numbers them (what ``unflatten(..., substitute=objects)`` takes).
+  """
   index: dict[int, int] = {}
+  objects = [] if objects is None else objects
   variables: list[Variable] = []
   paths: list[tuple] = []
 
@@ -104,6 +110,7 @@ def flatten(roots: Sequence[Any]) -> tuple[GraphDef, list[Variable]]:
       if seen is not None:
         return (_REF, seen)
       index[id(obj)] = len(index)
+      objects.append(obj)
       variables.append(obj)
       paths.append(path)
       try:
@@ -119,6 +126,7 @@ def flatten(roots: Sequence[Any]) -> tuple[GraphDef, list[Variable]]:
       if seen is not None:
         return (_REF, seen)
       index[id(obj)] = len(index)
+      objects.append(obj)
       attrs = vars(obj)
       return (_NODE, type(obj), tuple(
           (k, walk(attrs[k], path + (k,))) for k in sorted(attrs)
@@ -136,11 +144,13 @@ def flatten(roots: Sequence[Any]) -> tuple[GraphDef, list[Variable]]:
 
 
 def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
-              trace=None) -> tuple[list[Any], list[Variable]]:
+              trace=None, substitute: Sequence[Any] = ()) -> tuple[list[Any], list[Variable]]:
   """Builds fresh objects from ``graphdef``; the i-th Variable gets ``values[i]``.
 
   ``kinds`` / ``metas`` override the GraphDef's Variable kinds and metadata (an entry
-  ``None`` keeps the GraphDef's).
+  ``None`` keeps the GraphDef's). The first ``len(substitute)`` objects are not built:
+  ``substitute`` (from ``flatten(..., objects=...)``) gives existing ones, so a graph
+  that refers into existing modules is rebuilt pointing at them.
   Returns the roots and the new Variables in walk order.
   """
   trace = current_trace() if trace is None else trace
@@ -151,10 +161,21 @@ def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
     tag = d[0]
     if tag == _REF:
       return objects[d[1]]
+    if tag == _VAR and len(objects) < len(substitute):
+      var = substitute[len(objects)]
+      objects.append(var)
+      variables.append(var)
+      return var
+    if tag == _NODE and len(objects) < len(substitute):
+      node = substitute[len(objects)]
+      objects.append(node)
+      for _, sub in d[2]:
+        build(sub)  # consumes the numbering of the existing node's contents
+      return node
     if tag == _VAR:
       i = len(variables)
       kind = d[1] if kinds is None or kinds[i] is None else kinds[i]
-      var = kind.__new__(kind)
+      var = object.__new__(kind)
       var._value = values[i]
       var._metadata = thaw_metadata(
           d[2] if metas is None or metas[i] is None else metas[i])
@@ -164,7 +185,7 @@ def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
       variables.append(var)
       return var
     if tag == _NODE:
-      node = d[1].__new__(d[1])
+      node = object.__new__(d[1])
       objects.append(node)
       attrs = {k: build(sub) for k, sub in d[2]}
       for k, v in attrs.items():
@@ -182,6 +203,34 @@ def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
 
   roots = [build(d) for d in graphdef.tree]
   return roots, variables
+
+
+def rewrite(graphdef: GraphDef, *, root_classes: dict[int, type] | None = None,
+            metadata=None) -> GraphDef:
+  """A GraphDef with some roots' classes replaced and/or Variable metadata mapped.
+
+  ``root_classes`` maps root positions (negative counts from the end) to new classes.
+
+  ``metadata(i, meta) -> meta`` maps the frozen metadata of the i-th Variable.
+  """
+  count = [0]
+
+  def walk(d):
+    tag = d[0]
+    if tag == _VAR:
+      i = count[0]
+      count[0] += 1
+      return d if metadata is None else (_VAR, d[1], metadata(i, d[2]))
+    if tag == _NODE or tag == _DICT:
+      return (tag, d[1], tuple((k, walk(sub)) for k, sub in d[2]))
+    if tag == _LIST or tag == _TUPLE:
+      return (tag, d[1], tuple(walk(sub) for sub in d[2]))
+    return d
+
+  tree = [walk(d) for d in graphdef.tree]
+  for position, cls in (root_classes or {}).items():
+    tree[position] = (tree[position][0], cls, tree[position][2])
+  return GraphDef(tuple(tree), graphdef.var_paths)
 
 
 def iter_graph(node) -> Iterator[tuple[tuple, Any]]:

@@ -1,0 +1,174 @@
+"""The layer loop shared by scan and remat_scan.
+
+One iteration rebuilds the modules from a per-iteration set of values — stacked
+variables sliced, carried ones from the carry, broadcast and read-only ones closed
+over, each unstacked RNG stream replaced by the key of this iteration and a fresh
+count — runs the body, and reads back what it changed. The iterations run under
+``jax.lax.scan``; for ``remat_scan`` the layer axis of size ``prod(lengths)`` is folded
+into ``len(lengths)`` nested scans, each level wrapped in ``jax.checkpoint``.
+
+Only what the body changed leaves the loop: stacked variables that were written come
+out as stacked outputs, parameters that were only read do not (no extra copy).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from .._errors import format_path
+from .._state import State, _Spec
+from ._lift import Lifted, check_no_nodes
+from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, Plan, TransformError, layer_keys
+
+
+def _aval(x):
+  return (tuple(jnp.shape(x)), jnp.result_type(x))
+
+
+def check_same_type(before, after, what: str, label: str) -> None:
+  """Raises if ``after`` does not have the structure, shapes and dtypes of ``before``."""
+  tb, ta = jax.tree.structure(before), jax.tree.structure(after)
+  if tb != ta:
+    raise TransformError(
+        f"{what}: the {label} changed structure between iterations: it went in as "
+        f"{tb} and came out as {ta}. A carry must keep its structure, shapes and "
+        "dtypes; return it in the same form.")
+  for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(before),
+                          jax.tree.leaves(after)):
+    if _aval(b) != _aval(a):
+      (sb, db), (sa, da) = _aval(b), _aval(a)
+      raise TransformError(
+          f"{what}: the {label} leaf `{jax.tree_util.keystr(path) or '<carry>'}` went in "
+          f"as {db}{list(sb)} and came out as {da}{list(sa)}. A carry must keep its "
+          "shape and dtype across iterations: cast or reshape it back "
+          f"(e.g. `.astype(jnp.{db})`), or make it part of the scanned outputs.")
+
+
+class LayerLoop:
+  """Runs a body once per layer over the lifted modules (see module docstring)."""
+
+  def __init__(self, lifted: Lifted, plan: Plan, variables: list, leaves: list, what: str,
+               data_transform: Callable | None = None):
+    self.lifted, self.plan, self.leaves = lifted, plan, leaves
+    self.variables = variables
+    self.values = [v._value for v in variables]
+    self.what, self.data_transform = what, data_transform
+    self.stacked = plan.indices(STACKED)
+    self.carried = plan.indices(CARRY)
+    self.count_of = {s.count: s for s in plan.streams}
+    self.used: set[int] = set()
+    self.carry_written: set[int] = set()
+
+  # -- one iteration ---------------------------------------------------------------
+
+  def _layer(self, body, state, x):
+    carry_values, user_carry = state
+    slices, xs_slice, index = x
+    flat = list(self.values)
+    if self.data_transform is not None and self.stacked:
+      slices = self._transform_data(slices)
+    for i, value in zip(self.stacked, slices):
+      flat[i] = value
+    for i, value in zip(self.carried, carry_values):
+      flat[i] = value
+    for s in self.plan.streams:
+      flat[s.key] = layer_keys(self.values[s.key], self.values[s.count], s.split, index)
+      flat[s.count] = jnp.zeros((), jnp.uint32)
+    tree, _, roots = self.lifted.rebuild(flat, self.leaves)
+    new_carry, ys = body(tree, user_carry, xs_slice)
+    check_no_nodes((new_carry, ys), self.what)
+    changed = self.lifted.collect(roots, flat, self.what)
+    for i in changed:
+      self._check_writable(i)
+    check_same_type(user_carry, new_carry, self.what, "carry")
+    new_carry_values = []
+    for i in self.carried:
+      value = changed.get(i, flat[i])
+      if i in changed:
+        self.carry_written.add(i)
+        check_same_type(flat[i], value, self.what,
+                        f"carried variable `{self._name(i)}`: its value")
+      new_carry_values.append(value)
+    written = {i: changed[i] for i in self.stacked if i in changed}
+    return (new_carry_values, new_carry), (written, ys)
+
+  def _transform_data(self, slices):
+    spec = self.lifted.graphdef
+    paths = tuple(spec.var_paths[i] for i in self.stacked)
+    state = State._make(_Spec(paths, tuple(type(None) for _ in paths),
+                              tuple(() for _ in paths)), slices)
+    out = self.data_transform(state)
+    if not isinstance(out, State) or out._spec.paths != paths:
+      raise TransformError(
+          f"{self.what}: data_transform must return a State with the same entries it "
+          "was given (e.g. `lambda s: jax.tree.map(constrain, s)`).")
+    return list(out._values)
+
+  def _name(self, i: int) -> str:
+    return format_path(self.plan.display_path(self.lifted.graphdef.var_paths[i]))
+
+  def _check_writable(self, i: int) -> None:
+    kind = self.plan.kinds[i]
+    if kind == RNG:
+      if i in self.count_of:
+        self.used.add(i)
+        return
+      kind = READONLY
+    if kind in (BROADCAST, READONLY):
+      var_kind = type(self.variables[i])
+      how = ("is broadcast (variable_broadcast), so it is read-only in every iteration"
+             if kind == BROADCAST else
+             "is matched by no collection rule, so it is read-only in every iteration")
+      raise TransformError(
+          f"{self.what}: the body wrote to `{self._name(i)}` ({var_kind.__name__}, "
+          f"collection {var_kind.collection!r}), which {how}; the write would be lost. "
+          f"Fix: carry it from iteration to iteration with "
+          f"`variable_carry={var_kind.collection!r}`, or give each iteration its own "
+          f"slice with `variable_axes={{{var_kind.collection!r}: 0}}`.")
+
+  # -- the loop --------------------------------------------------------------------
+
+  def run(self, body: Callable, carry: Any, xs: Any, lengths: Sequence[int], *,
+          reverse: bool = False, unroll: int | bool = 1, remat: bool = False,
+          policy: Callable | None = None, prevent_cse: bool = True):
+    """Runs the layers; returns ``(carry, ys, changed)`` — ``changed`` by flat index.
+
+    ``xs`` leaves have the layer axis first (size ``prod(lengths)``); so do ``ys``.
+    """
+    lengths = tuple(lengths)
+    n = math.prod(lengths)
+    fold = lambda x: jnp.reshape(x, lengths + jnp.shape(x)[1:])
+    unfold = lambda x: jnp.reshape(x, (n,) + jnp.shape(x)[len(lengths):])
+    stacked_in = [fold(jnp.moveaxis(self.values[i], self.plan.axes[i], 0))
+                  for i in self.stacked]
+    index = jnp.arange(n, dtype=jnp.uint32).reshape(lengths)
+    state = ([self.values[i] for i in self.carried], carry)
+    layer = functools.partial(self._layer, body)
+    depth = len(lengths)
+
+    def level(d, state, x):
+      if d == depth:
+        return layer(state, x)
+      step = functools.partial(level, d + 1)
+      if remat:
+        step = jax.checkpoint(step, policy=policy if d == depth - 1 else None,
+                              prevent_cse=prevent_cse)
+      return jax.lax.scan(step, state, x, length=lengths[d], reverse=reverse,
+                          unroll=unroll if d == depth - 1 else 1)
+
+    (carry_values, carry), (written, ys) = level(
+        0, state, (stacked_in, jax.tree.map(fold, xs), index))
+    changed = {}
+    for i, value in written.items():
+      changed[i] = jnp.moveaxis(unfold(value), 0, self.plan.axes[i])
+    for i, value in zip(self.carried, carry_values):
+      if i in self.carry_written:
+        changed[i] = value
+    for i in self.used:
+      changed[i] = self.values[i] + jnp.uint32(1)
+    return carry, jax.tree.map(unfold, ys), changed

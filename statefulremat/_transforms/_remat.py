@@ -1,0 +1,125 @@
+"""sr.remat: ``jax.checkpoint`` over functions and methods of modules."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+
+from .._filters import Filter, to_predicate
+from .._graph import flatten
+from .._variables import RngState
+from ._class_form import is_module_class, transformed_class
+from ._rules import stream_predicate
+from ._lift import Lifted, check_no_nodes, split_call, write_back
+from .._errors import GraphError
+
+
+def remat(target: Callable | type | None = None, *, policy: Callable | None = None,
+          prevent_cse: bool = True, static_argnums: int | Sequence[int] = (),
+          variables: Filter = True, rngs: Filter = True,
+          methods: Sequence[str] | None = None, concrete: bool = False):
+  """Rematerialises ``target`` in the backward pass (``jax.checkpoint``), modules included.
+
+  Equivalent to calling ``target`` directly — same outputs, same gradients, same
+  mutations written back to the modules — but the forward intermediates are recomputed
+  during differentiation instead of stored, except those ``policy`` saves.
+
+  Args:
+    target: a function whose arguments may contain modules (or a method: works as a
+      decorator), or a Module class (returns a subclass whose ``methods`` are rematted).
+    policy: a ``jax.checkpoint_policies`` entry; names come from
+      ``jax.ad_checkpoint.checkpoint_name``. ``None`` saves nothing.
+    prevent_cse: as in ``jax.checkpoint``; may be ``False`` under ``scan``.
+    static_argnums: argument positions (the module or ``self`` is 0) of Python values
+      the computation branches on.
+    variables: the Variables passed into the checkpoint as traced inputs (a filter);
+      the rest are closed over as constants of the checkpointed function.
+    rngs: the RNG streams (by name) that may be drawn from inside; drawing from another
+      raises.
+    methods: for a class target, the methods to remat (default ``["__call__"]``).
+    concrete: removed from JAX; ``True`` raises an error pointing at ``static_argnums``.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> model = sr.nn.Linear(3, 3, rngs=sr.Rngs(0))
+  >>> def loss(model, x):
+  ...   return jnp.sum(sr.remat(lambda m, x: jnp.sin(m(x)))(model, x) ** 2)
+  >>> g = sr.grad(loss)(model, jnp.ones((2, 3)))
+  >>> g0 = sr.grad(lambda m, x: jnp.sum(jnp.sin(m(x)) ** 2))(model, jnp.ones((2, 3)))
+  >>> bool(jnp.allclose(g["kernel"], g0["kernel"]))
+  True
+  >>> RematLinear = sr.remat(sr.nn.Linear)   # class form
+  >>> RematLinear(3, 3, rngs=sr.Rngs(0))(jnp.ones((1, 3))).shape
+  (1, 3)
+  """
+  if concrete:
+    raise TypeError(
+        "sr.remat(concrete=True) is gone: JAX removed `concrete` from jax.checkpoint. "
+        "If the function branches on a Python value, mark that argument static: "
+        "`sr.remat(f, static_argnums=(i,))` (argument 0 is the module or `self`).")
+  options = dict(policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums,
+                 variables=variables, rngs=rngs)
+  if target is None:
+    return functools.partial(remat, methods=methods, **options)
+  if is_module_class(target):
+    return transformed_class(target, lambda m: remat(m, **options), methods, "Remat")
+  if methods is not None:
+    raise TypeError("sr.remat(methods=...) applies to a Module class, not a function.")
+  return _remat_function(target, **options)
+
+
+def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variables,
+                    rngs) -> Callable:
+  static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+  traced_pred = to_predicate(variables)
+  stream_pred = stream_predicate(rngs)
+  what = f"sr.remat({getattr(fn, '__name__', 'fn')})"
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    statics = {i: args[i] for i in static if i < len(args)}
+    dynamic = tuple(a for i, a in enumerate(args) if i not in statics)
+    nodes, leaves, treedef, positions = split_call(dynamic, kwargs)
+    graphdef, variables_ = flatten(nodes)
+    lifted = Lifted(graphdef, treedef, positions)
+    values = [v._value for v in variables_]
+    traced, frozen_rngs = [], set()
+    for i, (path, var) in enumerate(zip(graphdef.var_paths, variables_)):
+      if isinstance(var, RngState):
+        if stream_pred(var._metadata.get("tag", "default")):
+          traced.append(i)
+        else:
+          frozen_rngs.add(i)
+      elif traced_pred(path, var):
+        traced.append(i)
+
+    def pure(traced_values, leaves):
+      flat = list(values)
+      for i, value in zip(traced, traced_values):
+        flat[i] = value
+      tree, _, roots = lifted.rebuild(flat, leaves)
+      call_args, call_kwargs = tree
+      call_args = list(call_args)
+      for i in sorted(statics):
+        call_args.insert(i, statics[i])
+      out = fn(*call_args, **call_kwargs)
+      check_no_nodes(out, what)
+      changed = lifted.collect(roots, flat, what)
+      for i in changed:
+        if i in frozen_rngs:
+          var = variables_[i]
+          raise GraphError(
+              f"{what}: the function drew from the RNG stream {var.tag!r} "
+              f"(`{var.path_str()}`), which is not lifted by `rngs={rngs!r}`. Fix: "
+              f"include it, e.g. `sr.remat(..., rngs=True)` or `rngs=({var.tag!r}, ...)`.")
+      return out, changed
+
+    checkpointed = jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)
+    out, changed = checkpointed([values[i] for i in traced], leaves)
+    write_back(variables_, changed, what)
+    return out
+
+  return wrapper
+
+

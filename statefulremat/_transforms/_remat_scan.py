@@ -1,0 +1,105 @@
+"""sr.remat_scan: N = prod(lengths) layers in nested, rematerialised scans."""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+from ._class_form import is_module_class
+from ._layers import LayerLoop
+from ._lift import write_back
+from ._rules import Rules, TransformError
+from ._scan import check_no_modules, lift_module_arg, resolve_length, stacked_sources
+from ._stacked import stacked_class
+
+_ALL = MappingProxyType({True: 0})
+_SPLIT_ALL = MappingProxyType({True: True})
+
+
+def remat_scan(target: Callable | type | None = None, lengths: Sequence[int] = (), *,
+               policy: Callable | None = None, variable_broadcast: Any = False,
+               variable_carry: Any = False, variable_axes: Mapping = _ALL,
+               split_rngs: Mapping = _SPLIT_ALL, prevent_cse: bool = False,
+               metadata_params: Mapping = MappingProxyType({}),
+               methods: Sequence[str] | None = None):
+  """Applies N = prod(lengths) layers with memory ~ N^(1/d) and flat compile time.
+
+  ``remat_scan(f, lengths)(module, carry) -> carry`` is equivalent to::
+
+      for layer in sr.unstack(module):     # N layers
+        carry = f(layer, carry)
+
+  but runs as ``d = len(lengths)`` nested ``jax.lax.scan``s, every level (the innermost
+  included) under ``jax.checkpoint``: the backward pass keeps only each level's
+  carries and recomputes the rest. ``policy`` applies to the innermost level only;
+  outer levels save nothing but their carries (a saving policy there would keep every
+  layer's residuals alive). Stacked variables keep ONE flat layer axis of size N — the
+  nested shape exists only inside the trace, so changing ``lengths`` never changes the
+  state. The defaults stack every variable (``variable_axes={True: 0}``) and split every
+  RNG stream.
+
+  The class form ``sr.remat_scan(Block, lengths=(10, 10))(*args, rngs=...)`` builds
+  the N layers in one vmapped init; calling it runs ``Block.__call__(carry) -> carry``.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> Deep = sr.remat_scan(sr.nn.Linear, lengths=(4, 5))
+  >>> deep = Deep(3, 3, rngs=sr.Rngs(0))
+  >>> len(deep), deep.kernel.shape
+  (20, (20, 3, 3))
+  >>> y = deep(jnp.ones((2, 3)))
+  >>> x = jnp.ones((2, 3))
+  >>> for layer in sr.unstack(deep):
+  ...   x = layer(x)
+  >>> bool(jnp.allclose(x, y, rtol=1e-4))
+  True
+  """
+  options = dict(policy=policy, variable_broadcast=variable_broadcast,
+                 variable_carry=variable_carry, variable_axes=variable_axes,
+                 split_rngs=split_rngs, prevent_cse=prevent_cse,
+                 metadata_params=metadata_params)
+  lengths = tuple(lengths)
+  if target is None:
+    return functools.partial(remat_scan, lengths=lengths, methods=methods, **options)
+  name = getattr(target, "__name__", "fn")
+  what = f"sr.remat_scan({name})"
+  if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
+    raise TransformError(
+        f"{what}: lengths={lengths!r} must be a non-empty tuple of positive ints whose "
+        "product is the number of layers, e.g. lengths=(10, 10) for 100 layers.")
+  if is_module_class(target):
+    rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
+                  variable_carry=variable_carry, split_rngs=split_rngs)
+    return stacked_class(target, "RematScan", rules=rules, length=math.prod(lengths),
+                         wrap=lambda m: remat_scan(m, lengths, **options),
+                         methods=methods, metadata_params=metadata_params)
+  if methods is not None:
+    raise TypeError("sr.remat_scan(methods=...) applies to a Module class, not a function.")
+  return _remat_scan_function(target, lengths, what=what, **options)
+
+
+def _remat_scan_function(fn: Callable, lengths: tuple, *, what, policy, variable_broadcast,
+                         variable_carry, variable_axes, split_rngs, prevent_cse,
+                         metadata_params) -> Callable:
+  rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
+                variable_carry=variable_carry, split_rngs=split_rngs)
+  n = math.prod(lengths)
+
+  @functools.wraps(fn)
+  def wrapper(module, carry):
+    check_no_modules(carry, what, "the carry")
+    lifted, variables, plan, leaves = lift_module_arg(module, what, rules, metadata_params)
+    sources = stacked_sources(plan, lifted, variables)
+    resolve_length(what, None, [(f"lengths={lengths} (product)", n)] + sources)
+    loop = LayerLoop(lifted, plan, variables, leaves, what)
+
+    def body(tree, c, _):
+      return fn(tree[0][0], c), None
+
+    carry, _, changed = loop.run(body, carry, None, lengths, remat=True, policy=policy,
+                                 prevent_cse=prevent_cse)
+    write_back(variables, changed, what)
+    return carry
+
+  return wrapper

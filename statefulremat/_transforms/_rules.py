@@ -1,0 +1,196 @@
+"""Collection rules: how scan, remat_scan and vmap treat each variable.
+
+Every variable of the lifted modules gets exactly one treatment:
+
+* ``broadcast`` (``variable_broadcast``) — the same value in every iteration, read-only;
+* ``carry`` (``variable_carry``) — threaded from one iteration to the next and out;
+* ``stacked`` (``variable_axes={filter: axis}``) — sliced along ``axis`` per iteration
+  and stacked back;
+* ``rng`` — the key and count of an (unstacked) RNG stream, handled by ``split_rngs``:
+  a split stream gives each iteration its own key, a non-split one the same key to
+  every iteration; either way the stream advances once per call;
+* ``read-only`` — matched by nothing: readable, and writing it is an error.
+
+Broadcast and carry take precedence over ``variable_axes``; a variable matched by both
+is an error. RNG state that is already stacked (from a vmapped init) is ``stacked``.
+
+A *stream filter* (the keys of ``split_rngs``, the ``rngs`` of remat) is
+``True``/``...`` (every stream), ``False``/``None`` (none), a stream name
+(``"dropout"``), a ``name -> bool`` callable, or a tuple of these. Names served by a
+``default`` stream count under the name asked for, so a default stream is split when
+``split_rngs`` splits ``"default"`` or any name the Rngs has no stream of its own for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from .._errors import StatefulRematError, format_path
+from .._filters import to_predicate
+from .._graph import iter_graph
+from .._rngs import RngStream, Rngs
+
+STACKED, BROADCAST, CARRY, RNG, READONLY = "stacked", "broadcast", "carry", "rng", "read-only"
+
+
+class TransformError(StatefulRematError, ValueError):
+  """A transform was asked for something that does not fit its arguments."""
+
+
+def stream_predicate(filter) -> Callable[[str], bool]:
+  """Turns a stream filter into a ``name -> bool`` predicate."""
+  if filter is True or filter is Ellipsis:
+    return lambda name: True
+  if filter is False or filter is None:
+    return lambda name: False
+  if isinstance(filter, str):
+    return lambda name: name == filter
+  if isinstance(filter, (tuple, list)):
+    preds = [stream_predicate(f) for f in filter]
+    return lambda name: any(p(name) for p in preds)
+  if callable(filter):
+    return filter
+  raise TypeError(
+      f"{filter!r} is not a stream filter: use True/False, a stream name such as "
+      "'dropout', a tuple of names, or a name -> bool callable.")
+
+
+def _explicit_names(filter) -> list[str]:
+  if isinstance(filter, str):
+    return [filter]
+  if isinstance(filter, (tuple, list)):
+    return [n for f in filter for n in _explicit_names(f)]
+  return []
+
+
+class Rules:
+  """The collection rules of one transform (see the module docstring)."""
+
+  def __init__(self, what: str, *, variable_axes: Mapping, variable_broadcast: Any,
+               variable_carry: Any, split_rngs: Any):
+    self.what = what
+    if not isinstance(variable_axes, Mapping):
+      raise TypeError(
+          f"{what}: variable_axes must map filters to axes, e.g. "
+          f"`variable_axes={{sr.Param: 0}}`, got {variable_axes!r}.")
+    for axis in variable_axes.values():
+      if not isinstance(axis, int):
+        raise TypeError(f"{what}: variable_axes values must be ints (the stacked axis), "
+                        f"got {axis!r}.")
+    self.axes = [(to_predicate(f), axis) for f, axis in variable_axes.items()]
+    self.broadcast = to_predicate(variable_broadcast)
+    self.carry = to_predicate(variable_carry)
+    entries = split_rngs.items() if isinstance(split_rngs, Mapping) else [(split_rngs, True)]
+    self.split_entries = [(stream_predicate(f), bool(v), _explicit_names(f))
+                          for f, v in entries]
+
+  def splits(self, name: str) -> bool:
+    for pred, value, _ in self.split_entries:
+      if pred(name):
+        return value
+    return False
+
+  def splits_default(self, own_names: list[str]) -> bool:
+    """Whether a ``default`` stream is split: as itself, or for a name it serves."""
+    if self.splits("default"):
+      return True
+    return any(value and any(n not in own_names for n in names)
+               for _, value, names in self.split_entries)
+
+  def classify(self, path: tuple, var) -> tuple[str, int | None]:
+    broadcast, carry = self.broadcast(path, var), self.carry(path, var)
+    if broadcast and carry:
+      raise TransformError(
+          f"{self.what}: `{format_path(path)}` ({type(var).__name__}) is matched by both "
+          "variable_broadcast and variable_carry. A variable is either read-only in "
+          "every iteration or carried from one to the next: narrow one of the filters.")
+    if broadcast:
+      return BROADCAST, None
+    if carry:
+      return CARRY, None
+    for pred, axis in self.axes:
+      if pred(path, var):
+        return STACKED, axis
+    return READONLY, None
+
+
+class Stream:
+  """An unstacked RNG stream found in the lifted graph: flat indices and whether split."""
+
+  __slots__ = ("key", "count", "name", "split")
+
+  def __init__(self, key: int, count: int, name: str, split: bool):
+    self.key, self.count, self.name, self.split = key, count, name, split
+
+
+class Plan:
+  """The treatment of every flat variable of one call, and the RNG streams."""
+
+  def __init__(self, rules: Rules, graphdef, variables, nodes, *, display_path=None,
+               rng_streams: bool = True, rank_offset: int = 0, skip: int = 0):
+    """``rng_streams=False`` classifies RNG state by the rules like any variable;
+    ``rank_offset=1`` checks axes for values that do not have the layer axis yet;
+    the first ``skip`` variables are not classified (read-only)."""
+    self.rules = rules
+    self.display_path = display_path or (lambda p: p)
+    index = {id(v): i for i, v in enumerate(variables)}
+    self.streams: list[Stream] = []
+    stream_vars: dict[int, Stream] = {}
+    for node in nodes if rng_streams else ():
+      for _, obj in iter_graph(node):
+        if isinstance(obj, Rngs):
+          own = obj.stream_names()
+          for name in own:
+            stream = vars(obj)[name]
+            self._add_stream(stream, index, stream_vars, name,
+                             rules.splits_default(own) if name == "default"
+                             else rules.splits(name))
+        elif isinstance(obj, RngStream) and id(obj.key) not in stream_vars:
+          self._add_stream(obj, index, stream_vars, obj.tag, rules.splits(obj.tag))
+    self.kinds: list[str] = []
+    self.axes: list[int | None] = []
+    for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
+      if i < skip:
+        self.kinds.append(READONLY)
+        self.axes.append(None)
+        continue
+      if i in stream_vars:
+        self.kinds.append(RNG)
+        self.axes.append(None)
+        continue
+      kind, axis = rules.classify(self.display_path(path), var)
+      if kind == STACKED:
+        ndim = jnp.ndim(var._value) + rank_offset
+        if not -ndim <= axis < ndim:
+          raise TransformError(
+              f"{rules.what}: variable_axes puts the layer axis of "
+              f"`{format_path(self.display_path(path))}` at {axis}, but its value has "
+              f"shape {tuple(jnp.shape(var._value))} (rank {ndim}). Fix: choose an axis "
+              f"in [-{ndim}, {ndim}), or exclude this variable from variable_axes.")
+        axis = axis % ndim
+      self.kinds.append(kind)
+      self.axes.append(axis)
+
+  def _add_stream(self, stream, index, stream_vars, name, split):
+    key_i, count_i = index.get(id(stream.key)), index.get(id(stream.count))
+    if key_i is None or count_i is None or key_i in stream_vars:
+      return
+    # A stream whose key already carries a layer axis (vmapped init) is stacked state.
+    if jnp.ndim(stream.key.value) > 0:
+      return
+    s = Stream(key_i, count_i, name, split)
+    self.streams.append(s)
+    stream_vars[key_i] = stream_vars[count_i] = s
+
+  def indices(self, kind: str) -> list[int]:
+    return [i for i, k in enumerate(self.kinds) if k == kind]
+
+
+def layer_keys(key, count, split: bool, index):
+  """The key a stream hands one iteration: its own when split, else a shared one."""
+  base = jax.random.fold_in(key, count)
+  return jax.random.fold_in(base, index) if split else base

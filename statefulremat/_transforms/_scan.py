@@ -1,0 +1,221 @@
+"""sr.scan: ``jax.lax.scan`` over modules, with per-collection rules."""
+
+from __future__ import annotations
+
+import functools
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from .._errors import format_path
+from .._graph import flatten
+from .._module import Module
+from ._class_form import is_module_class
+from ._layers import LayerLoop
+from ._lift import Lifted, is_node, split_call, write_back
+from ._rules import STACKED, Plan, Rules, TransformError
+from ._stacked import is_stacked, layer_view, stacked_class
+
+_EMPTY = MappingProxyType({})
+
+
+def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMPTY,
+         variable_broadcast: Any = False, variable_carry: Any = False,
+         split_rngs: Mapping = _EMPTY, in_axes: Any = 0, out_axes: int = 0,
+         length: int | None = None, reverse: bool = False, unroll: int | bool = 1,
+         data_transform: Callable | None = None, metadata_params: Mapping = _EMPTY,
+         methods: Sequence[str] | None = None):
+  """``jax.lax.scan`` over a module: ``scan(f)(module, carry, *xs) -> (carry, ys)``.
+
+  Equivalent to this Python loop over the layers (``sr.unstack``), but traced once::
+
+      for i in range(length):                      # reversed if reverse=True
+        carry, y_i = f(layer_i, carry, *(x[i] for x in xs))
+      ys = stack(y_i)
+
+  where ``layer_i`` holds slice ``i`` of each variable matched by ``variable_axes``,
+  the same value of each ``variable_broadcast`` (and unmatched, read-only) variable,
+  and the running value of each ``variable_carry`` variable. RNG streams give every
+  iteration its own key when split (``split_rngs``), else the same key.
+
+  Args:
+    target: ``f(module, carry, *xs) -> (carry, ys)`` (also a method), or a Module
+      class: the class form builds ``length`` independently initialised layers in one
+      traced init and scans its ``methods`` (default ``__call__``).
+    variable_axes: ``{filter: axis}`` — variables sliced along ``axis`` per iteration.
+    variable_broadcast: filter of variables read-only in every iteration.
+    variable_carry: filter of variables threaded from iteration to iteration.
+    split_rngs: ``{stream filter: bool}`` — streams that give each iteration its key.
+    in_axes: the scanned axis of each ``xs`` argument (int, ``None`` to broadcast,
+      a tuple per argument, or a pytree prefix).
+    out_axes: the axis of ``ys`` that stacks the iterations.
+    length: the number of iterations; required when nothing else tells it.
+    reverse, unroll: as in ``jax.lax.scan``.
+    data_transform: ``State -> State`` applied to each iteration's stacked values
+      (e.g. ``jax.lax.with_sharding_constraint``).
+    metadata_params: ``{"partition_name": name}`` puts ``name`` into the ``sharding``
+      metadata of stacked variables at the layer axis (removed inside the body).
+    methods: for a class target, the methods to scan.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> class Layer(sr.Module):
+  ...   def __init__(self, *, rngs):
+  ...     self.w = sr.Param(jax.random.normal(rngs.params(), (3, 3)))
+  ...   def __call__(self, x):
+  ...     return jnp.tanh(x @ self.w.value), None
+  >>> import jax
+  >>> Stack = sr.scan(Layer, length=4, variable_axes={sr.Param: 0},
+  ...                 split_rngs={"params": True})
+  >>> stack = Stack(rngs=sr.Rngs(0))
+  >>> stack.w.shape
+  (4, 3, 3)
+  >>> y, _ = stack(jnp.ones((2, 3)))
+  >>> x = jnp.ones((2, 3))
+  >>> for layer in sr.unstack(stack):
+  ...   x, _ = layer(x)
+  >>> bool(jnp.allclose(x, y, atol=1e-6))
+  True
+  """
+  options = dict(variable_axes=variable_axes, variable_broadcast=variable_broadcast,
+                 variable_carry=variable_carry, split_rngs=split_rngs, in_axes=in_axes,
+                 out_axes=out_axes, length=length, reverse=reverse, unroll=unroll,
+                 data_transform=data_transform, metadata_params=metadata_params)
+  if target is None:
+    return functools.partial(scan, methods=methods, **options)
+  if is_module_class(target):
+    rules = Rules(f"sr.scan({target.__name__})", variable_axes=variable_axes,
+                  variable_broadcast=variable_broadcast, variable_carry=variable_carry,
+                  split_rngs=split_rngs)
+    return stacked_class(target, "Scan", rules=rules, length=length,
+                         wrap=lambda m: scan(m, **options), methods=methods,
+                         metadata_params=metadata_params)
+  if methods is not None:
+    raise TypeError("sr.scan(methods=...) applies to a Module class, not a function.")
+  return _scan_function(target, **options)
+
+
+def lift_module_arg(module, what: str, rules: Rules, metadata_params):
+  """Lifts argument 0 of scan / remat_scan / vmap: (lifted, variables, plan, leaves)."""
+  nodes, leaves, treedef, positions = split_call((module,), {})
+  if not nodes:
+    raise TypeError(
+        f"{what}: argument 0 must be the module (or a pytree of modules) to scan over, "
+        f"got {type(module).__name__}. The body is called as f(module, carry, *xs).")
+  graphdef, variables = flatten(nodes)
+  multi = len(nodes) > 1
+  plan = Plan(rules, graphdef, variables, nodes,
+              display_path=(lambda p: p) if not multi else (lambda p: p))
+  stacked_cls = type(module) if is_stacked(module) else None
+  inner = layer_view(graphdef, plan, stacked_cls, metadata_params or
+                     (stacked_cls._sr_metadata_params if stacked_cls else {}))
+  return Lifted(inner, treedef, positions), variables, plan, leaves
+
+
+def check_no_modules(tree, what: str, label: str) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_node):
+    if is_node(leaf):
+      raise TypeError(
+          f"{what}: {label} `{jax.tree_util.keystr(path)}` is a {type(leaf).__name__}. "
+          "Modules go in argument 0 only; their variables are governed by the "
+          "collection rules (variable_axes, variable_broadcast, variable_carry).")
+
+
+def _axes_per_leaf(in_axes, xs: tuple, what: str) -> list:
+  if isinstance(in_axes, int) or in_axes is None:
+    prefix = tuple(in_axes for _ in xs)
+  elif isinstance(in_axes, (tuple, list)) and len(in_axes) == len(xs):
+    prefix = tuple(in_axes)
+  else:
+    raise TransformError(
+        f"{what}: in_axes={in_axes!r} does not fit {len(xs)} xs argument(s): give an int, "
+        "None, or a tuple with one entry (an int, None or a pytree prefix) per argument.")
+  out = []
+  for axes, x in zip(prefix, xs):
+    try:
+      jax.tree.map(lambda a, sub: out.extend([a] * len(jax.tree.leaves(sub))), axes, x,
+                   is_leaf=lambda a: a is None)
+    except ValueError:
+      raise TransformError(
+          f"{what}: in_axes entry {axes!r} is not a prefix of its argument's structure "
+          f"{jax.tree.structure(x)}.") from None
+  return out
+
+
+def resolve_length(what: str, length, sources: list[tuple[str, int]]) -> int:
+  """The iteration count all sources agree on (each ``(description, size)``)."""
+  if length is not None:
+    sources = [("length", int(length))] + sources
+  if not sources:
+    raise TransformError(
+        f"{what}: cannot tell how many iterations to run: nothing is scanned (no xs, no "
+        "stacked variables). Pass `length=`.")
+  name0, n0 = sources[0]
+  for name, n in sources[1:]:
+    if n != n0:
+      raise TransformError(
+          f"{what}: {name0} says {n0} iterations but {name} has {n}. All scanned inputs "
+          "and stacked variables must agree on the layer count.")
+  return n0
+
+
+def stacked_sources(plan: Plan, lifted: Lifted, variables) -> list[tuple[str, int]]:
+  out = []
+  for i, (kind, axis) in enumerate(zip(plan.kinds, plan.axes)):
+    if kind == STACKED:
+      path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
+      out.append((f"the stacked variable `{path}` (axis {axis})",
+                  jnp.shape(variables[i]._value)[axis]))
+  return out
+
+
+def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_carry,
+                   split_rngs, in_axes, out_axes, length, reverse, unroll,
+                   data_transform, metadata_params) -> Callable:
+  what = f"sr.scan({getattr(fn, '__name__', 'fn')})"
+  rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
+                variable_carry=variable_carry, split_rngs=split_rngs)
+  if not isinstance(out_axes, int):
+    raise TypeError(f"{what}: out_axes must be an int (the axis of ys that stacks the "
+                    f"iterations), got {out_axes!r}.")
+
+  @functools.wraps(fn)
+  def wrapper(module, carry, *xs):
+    check_no_modules(carry, what, "the carry")
+    check_no_modules(xs, what, "the xs argument")
+    lifted, variables, plan, leaves = lift_module_arg(module, what, rules, metadata_params)
+    x_leaves, x_tree = jax.tree.flatten(xs)
+    axes = _axes_per_leaf(in_axes, xs, what)
+    scanned, sources = [], []
+    for j, (x, axis) in enumerate(zip(x_leaves, axes)):
+      if axis is None:
+        continue
+      ndim = jnp.ndim(x)
+      if not -ndim <= axis < ndim:
+        raise TransformError(
+            f"{what}: in_axes puts the scanned axis of xs leaf {j} at {axis}, but it has "
+            f"shape {tuple(jnp.shape(x))}. Fix in_axes, or use None to broadcast it.")
+      scanned.append(j)
+      sources.append((f"xs leaf {j} (axis {axis})", jnp.shape(x)[axis]))
+    n = resolve_length(what, length, sources + stacked_sources(plan, lifted, variables))
+    loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
+
+    def body(tree, c, x_scanned):
+      full = list(x_leaves)
+      for j, x in zip(scanned, x_scanned):
+        full[j] = x
+      out = fn(tree[0][0], c, *jax.tree.unflatten(x_tree, full))
+      if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(f"{what}: the body must return a pair (carry, ys), got "
+                        f"{type(out).__name__}. Return `carry, None` if there are no ys.")
+      return tuple(out)
+
+    moved = [jnp.moveaxis(x_leaves[j], axes[j], 0) for j in scanned]
+    carry, ys, changed = loop.run(body, carry, moved, (n,), reverse=reverse, unroll=unroll)
+    write_back(variables, changed, what)
+    if out_axes != 0:
+      ys = jax.tree.map(lambda y: jnp.moveaxis(y, 0, out_axes), ys)
+    return carry, ys
+
+  return wrapper

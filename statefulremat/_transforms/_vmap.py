@@ -1,0 +1,121 @@
+"""sr.vmap: ``jax.vmap`` over modules — stacked init and vectorised application."""
+
+from __future__ import annotations
+
+import functools
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ._class_form import is_module_class
+from ._lift import check_no_nodes, write_back
+from ._rules import BROADCAST, READONLY, RNG, STACKED, Rules, TransformError, layer_keys
+from ._scan import check_no_modules, lift_module_arg, resolve_length, stacked_sources
+from ._stacked import stacked_class
+
+_ALL = MappingProxyType({True: 0})
+_SPLIT_ALL = MappingProxyType({True: True})
+
+
+def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: Any = 0,
+         axis_size: int | None = None, axis_name: str | None = None,
+         variable_axes: Mapping = _ALL, split_rngs: Mapping = _SPLIT_ALL,
+         variable_broadcast: Any = False, metadata_params: Mapping = MappingProxyType({}),
+         methods: Sequence[str] | None = None):
+  """``jax.vmap`` over a module: ``vmap(f)(module, *args)``; or a stacked init.
+
+  Function form: equivalent to ``stack([f(layer_i, *args_i) for i ...])`` where
+  ``layer_i`` holds slice ``i`` of each variable matched by ``variable_axes`` (default:
+  every variable not broadcast), and the same value of each broadcast one. ``in_axes`` /
+  ``out_axes`` describe the non-module arguments and the outputs, as in ``jax.vmap``.
+
+  Class form: ``sr.vmap(Block, axis_size=8)(*args, rngs=...)`` builds 8 independently
+  initialised layers (an ensemble) in one traced init; calling it maps ``methods``
+  (default ``__call__``) over the layers.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> Ensemble = sr.vmap(sr.nn.Linear, axis_size=5, in_axes=None)
+  >>> ensemble = Ensemble(3, 2, rngs=sr.Rngs(0))
+  >>> ensemble.kernel.shape, ensemble(jnp.ones((4, 3))).shape
+  ((5, 3, 2), (5, 4, 2))
+  """
+  options = dict(in_axes=in_axes, out_axes=out_axes, axis_size=axis_size,
+                 axis_name=axis_name, variable_axes=variable_axes, split_rngs=split_rngs,
+                 variable_broadcast=variable_broadcast, metadata_params=metadata_params)
+  if target is None:
+    return functools.partial(vmap, methods=methods, **options)
+  what = f"sr.vmap({getattr(target, '__name__', 'fn')})"
+  rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
+                variable_carry=False, split_rngs=split_rngs)
+  if is_module_class(target):
+    return stacked_class(target, "Vmap", rules=rules, length=axis_size,
+                         wrap=lambda m: vmap(m, **options), methods=methods,
+                         metadata_params=metadata_params)
+  if methods is not None:
+    raise TypeError("sr.vmap(methods=...) applies to a Module class, not a function.")
+  return _vmap_function(target, what=what, rules=rules, **options)
+
+
+def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, axis_name,
+                   variable_axes, split_rngs, variable_broadcast, metadata_params):
+
+  @functools.wraps(fn)
+  def wrapper(module, *args):
+    check_no_modules(args, what, "the argument")
+    lifted, variables, plan, leaves = lift_module_arg(module, what, rules, metadata_params)
+    values = [v._value for v in variables]
+    stacked = plan.indices(STACKED)
+    arg_axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+    if len(arg_axes) != len(args):
+      raise TransformError(f"{what}: in_axes={in_axes!r} has {len(arg_axes)} entries for "
+                           f"{len(args)} arguments (the module excluded).")
+    sources = stacked_sources(plan, lifted, variables)
+    for j, (a, ax) in enumerate(zip(args, arg_axes)):
+      if isinstance(ax, int):
+        for leaf in jax.tree.leaves(a):
+          if not -jnp.ndim(leaf) <= ax < jnp.ndim(leaf):
+            raise TransformError(
+                f"{what}: in_axes puts the mapped axis of argument {j + 1} at {ax}, but a "
+                f"leaf has shape {tuple(jnp.shape(leaf))}. Fix in_axes (None broadcasts).")
+          sources.append((f"argument {j + 1} (axis {ax})", jnp.shape(leaf)[ax]))
+    n = resolve_length(what, axis_size, sources)
+    used: set[int] = set()
+
+    def one(stacked_values, index, call_args):
+      flat = list(values)
+      for i, value in zip(stacked, stacked_values):
+        flat[i] = value
+      for s in plan.streams:
+        flat[s.key] = layer_keys(values[s.key], values[s.count], s.split, index)
+        flat[s.count] = jnp.zeros((), jnp.uint32)
+      tree, _, roots = lifted.rebuild(flat, leaves)
+      out = fn(tree[0][0], *call_args)
+      check_no_nodes(out, what)
+      changed = lifted.collect(roots, flat, what)
+      counts = {s.count for s in plan.streams}
+      for i in changed:
+        if i in counts:
+          used.add(i)
+        elif plan.kinds[i] != STACKED:
+          var = variables[i]
+          path = lifted.graphdef.var_paths[i]
+          raise TransformError(
+              f"{what}: the function wrote to `{var.path_str() or path}` "
+              f"({type(var).__name__}, collection {var.collection!r}), which is not mapped "
+              "(broadcast or matched by no rule), so each layer's write would disagree. "
+              f"Fix: map it with `variable_axes={{{var.collection!r}: 0}}`.")
+      return out, {i: changed[i] for i in stacked if i in changed}
+
+    stacked_in = [values[i] for i in stacked]
+    mapped = jax.vmap(one, in_axes=([plan.axes[i] for i in stacked], 0, tuple(arg_axes)),
+                      out_axes=(out_axes, 0), axis_size=n, axis_name=axis_name)
+    out, written = mapped(stacked_in, jnp.arange(n, dtype=jnp.uint32), args)
+    changed = {i: jnp.moveaxis(v, 0, plan.axes[i]) for i, v in written.items()}
+    for i in used:
+      changed[i] = values[i] + jnp.uint32(1)
+    write_back(variables, changed, what)
+    return out
+
+  return wrapper
