@@ -189,10 +189,13 @@ def write_back(variables: Sequence[Variable], changed: dict[int, Any],
   step(model, x))`` closing over ``model``); its results are then that trace's tracers,
   and writing them into a Variable created outside would leak them, so it raises.
   """
-  trace = current_trace()
+  trace = None
   for i, value in changed.items():
+    if not _contains_tracer(value):  # the common case: concrete results, no trace needed
+      continue
     var = variables[i]
-    if var._trace != trace and _contains_tracer(value):
+    trace = current_trace() if trace is None else trace
+    if var._trace != trace:
       raise TraceContextError(
           f"{what} ran inside a JAX transform (e.g. a plain `jax.jit`, `jax.vmap` or "
           f"`jax.grad` whose function closes over the module) that does not own "
