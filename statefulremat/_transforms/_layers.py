@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import format_path
+from .._graph import _DICT, _LIST, _NODE, _TUPLE, _VAR
 from .._state import State, _Spec
 from ._lift import Lifted, check_no_nodes
 from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, Plan, TransformError, layer_keys
@@ -47,6 +48,25 @@ def check_same_type(before, after, what: str, label: str) -> None:
           f"as {db}{list(sb)} and came out as {da}{list(sa)}. A carry must keep its "
           "shape and dtype across iterations: cast or reshape it back "
           f"(e.g. `.astype(jnp.{db})`), or make it part of the scanned outputs.")
+
+
+def var_entries(graphdef) -> list[tuple[type, Any]]:
+  """``(kind, frozen metadata)`` of each Variable of ``graphdef``, in flat order."""
+  out = []
+
+  def walk(d):
+    if d[0] == _VAR:
+      out.append((d[1], d[2]))
+    elif d[0] in (_NODE, _DICT):
+      for _, sub in d[2]:
+        walk(sub)
+    elif d[0] in (_LIST, _TUPLE):
+      for sub in d[2]:
+        walk(sub)
+
+  for d in graphdef.tree:
+    walk(d)
+  return out
 
 
 class LayerLoop:
@@ -98,10 +118,13 @@ class LayerLoop:
     return (new_carry_values, new_carry), (written, ys)
 
   def _transform_data(self, slices):
-    spec = self.lifted.graphdef
-    paths = tuple(spec.var_paths[i] for i in self.stacked)
-    state = State._make(_Spec(paths, tuple(type(None) for _ in paths),
-                              tuple(() for _ in paths)), slices)
+    graphdef = self.lifted.graphdef
+    paths = tuple(graphdef.var_paths[i] for i in self.stacked)
+    # Each entry keeps its kind and the layer's metadata (the partition name removed),
+    # so the hook can filter (`state.filter(sr.Param)`) and read `sharding`.
+    entries = var_entries(graphdef)
+    state = State._make(_Spec(paths, tuple(entries[i][0] for i in self.stacked),
+                              tuple(entries[i][1] for i in self.stacked)), slices)
     out = self.data_transform(state)
     if not isinstance(out, State) or out._spec.paths != paths:
       raise TransformError(

@@ -8,11 +8,12 @@ from typing import Any, Callable, Sequence
 import jax
 
 from .._filters import Filter, to_predicate
-from .._graph import flatten
+from .._graph import flatten, iter_graph
+from .._rngs import Rngs, RngStream
 from .._variables import RngState
 from ._class_form import is_module_class, transformed_class
-from ._rules import stream_predicate
-from ._lift import Lifted, check_no_nodes, split_call, write_back
+from ._rules import Rules
+from ._lift import Lifted, check_no_nodes, is_node, split_call, write_back
 from .._errors import GraphError
 
 
@@ -33,11 +34,12 @@ def remat(target: Callable | type | None = None, *, policy: Callable | None = No
       ``jax.ad_checkpoint.checkpoint_name``. ``None`` saves nothing.
     prevent_cse: as in ``jax.checkpoint``; may be ``False`` under ``scan``.
     static_argnums: argument positions (the module or ``self`` is 0) of Python values
-      the computation branches on.
+      the computation branches on; a position holding a module is an error.
     variables: the Variables passed into the checkpoint as traced inputs (a filter);
       the rest are closed over as constants of the checkpointed function.
-    rngs: the RNG streams (by name) that may be drawn from inside; drawing from another
-      raises.
+    rngs: the RNG streams that may be drawn from inside (a stream filter: ``True``, a
+      name, a tuple of names, a ``name -> bool`` callable); drawing from another
+      raises. A name served by a ``default`` stream (``sr.Rngs(0)``) lifts that stream.
     methods: for a class target, the methods to remat (default ``["__call__"]``).
     concrete: removed from JAX; ``True`` raises an error pointing at ``static_argnums``.
 
@@ -73,21 +75,37 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
                     rngs) -> Callable:
   static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
   traced_pred = to_predicate(variables)
-  stream_pred = stream_predicate(rngs)
   what = f"sr.remat({getattr(fn, '__name__', 'fn')})"
+  # The stream rules of scan's split_rngs, so a name served by a default stream counts
+  # under the name asked for (`rngs="dropout"` lifts `sr.Rngs(0)`'s default stream).
+  stream_rules = Rules(what, variable_axes={}, variable_broadcast=False,
+                       variable_carry=False, split_rngs=rngs)
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
-    statics = {i: args[i] for i in static if i < len(args)}
+    # Normalised like jax.checkpoint's: negative positions count from the end.
+    statics = {i % len(args): None for i in static if -len(args) <= i < len(args)}
+    statics = {i: args[i] for i in sorted(statics)}
+    for i, arg in statics.items():
+      if any(is_node(leaf) for leaf in jax.tree.leaves(arg, is_leaf=is_node)):
+        raise GraphError(
+            f"{what}: static_argnums={static_argnums!r} marks argument {i}, which holds "
+            "a module. Modules are lifted into the checkpoint (their variables traced, "
+            f"their mutations written back), never static: remove {i} from "
+            "static_argnums and mark only the Python values the function branches on.")
     dynamic = tuple(a for i, a in enumerate(args) if i not in statics)
     nodes, leaves, treedef, positions = split_call(dynamic, kwargs)
     graphdef, variables_ = flatten(nodes)
     lifted = Lifted(graphdef, treedef, positions)
     values = [v._value for v in variables_]
+    lifted_streams = _lifted_streams(nodes, stream_rules)
     traced, frozen_rngs = [], set()
     for i, (path, var) in enumerate(zip(graphdef.var_paths, variables_)):
       if isinstance(var, RngState):
-        if stream_pred(var._metadata.get("tag", "default")):
+        lift = lifted_streams.get(id(var))
+        if lift is None:
+          lift = stream_rules.splits(var._metadata.get("tag", "default"))
+        if lift:
           traced.append(i)
         else:
           frozen_rngs.add(i)
@@ -123,3 +141,24 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
   return wrapper
 
 
+def _lifted_streams(nodes, rules: Rules) -> dict[int, bool]:
+  """``{id(key or count Variable): lifted}`` of the RNG streams reachable from ``nodes``.
+
+  An Rngs's ``default`` stream is lifted as itself or for a name it serves (one the
+  Rngs has no stream of its own for); a bare RngStream by its tag.
+  """
+  graph = [obj for node in nodes for _, obj in iter_graph(node)]
+  out: dict[int, bool] = {}
+  for obj in graph:
+    if isinstance(obj, Rngs):
+      own = obj.stream_names()
+      for name in own:
+        stream = vars(obj)[name]
+        lift = rules.splits_default(own) if name == "default" else rules.splits(name)
+        out.setdefault(id(stream.key), lift)
+        out.setdefault(id(stream.count), lift)
+  for obj in graph:
+    if isinstance(obj, RngStream):
+      out.setdefault(id(obj.key), rules.splits(obj.tag))
+      out.setdefault(id(obj.count), rules.splits(obj.tag))
+  return out

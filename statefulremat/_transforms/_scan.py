@@ -54,7 +54,8 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
     length: the number of iterations; required when nothing else tells it.
     reverse, unroll: as in ``jax.lax.scan``.
     data_transform: ``State -> State`` applied to each iteration's stacked values
-      (e.g. ``jax.lax.with_sharding_constraint``).
+      (e.g. ``jax.lax.with_sharding_constraint``); its entries keep their Variable
+      kinds and the layer's metadata, so it can filter and read ``sharding``.
     metadata_params: ``{"partition_name": name}`` puts ``name`` into the ``sharding``
       metadata of stacked variables at the layer axis (removed inside the body).
     methods: for a class target, the methods to scan.
@@ -207,8 +208,12 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
         full[j] = x
       out = fn(tree[0][0], c, *jax.tree.unflatten(x_tree, full))
       if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise TypeError(f"{what}: the body must return a pair (carry, ys), got "
-                        f"{type(out).__name__}. Return `carry, None` if there are no ys.")
+        # Name what came back in user terms: a tracer's class name means nothing here.
+        got = ("a single array" if isinstance(out, jax.Array) else
+               f"a {type(out).__name__} of length {len(out)}"
+               if isinstance(out, (tuple, list)) else f"a {type(out).__name__}")
+        raise TypeError(f"{what}: the body must return a pair (carry, ys), got {got}. "
+                        "Return `carry, None` if there are no ys.")
       return tuple(out)
 
     moved = [jnp.moveaxis(x_leaves[j], axes[j], 0) for j in scanned]

@@ -57,8 +57,15 @@ def partition_metadata(metadata_params: dict, plan: Plan, *, insert: bool):
 
 
 def layer_view(graphdef, plan: Plan, stacked_cls: type | None, metadata_params: dict):
-  """The GraphDef of one layer of a stack: plain layer class, no partition name."""
-  classes = {0: stacked_cls._sr_layer_class} if stacked_cls is not None else None
+  """The GraphDef of one layer of a stack: plain layer class, no partition name.
+
+  Every stacked root becomes its layer class, not only ``stacked_cls`` (root 0): a
+  transform may map a tuple of stacks, and each must be one layer inside.
+  """
+  classes = {0: stacked_cls._sr_layer_class} if stacked_cls is not None else {}
+  for j, root in enumerate(graphdef.tree):
+    if isinstance(root[1], type) and "_sr_layer_class" in root[1].__dict__:
+      classes.setdefault(j, root[1]._sr_layer_class)
   return rewrite(graphdef, root_classes=classes,
                  metadata=partition_metadata(metadata_params, plan, insert=False))
 
@@ -69,12 +76,14 @@ def stacked_class(layer_cls: type, label: str, *, rules: Rules, length: int | No
   """The class form: ``{label}{layer_cls}`` building and running a stack of layers."""
   methods = ["__call__"] if methods is None else [methods] if isinstance(
       methods, str) else list(methods)
+  transform = "sr." + "".join("_" + c.lower() if c.isupper() and i else c.lower()
+                              for i, c in enumerate(label))  # RematScan -> remat_scan
   namespace: dict[str, Any] = {
       "_sr_layer_class": layer_cls, "_sr_rules": rules, "_sr_length": length,
       "_sr_metadata_params": dict(metadata_params or {}),
       "__module__": layer_cls.__module__,
       "__qualname__": f"{label}{layer_cls.__qualname__}",
-      "__doc__": f"A stack of {layer_cls.__name__} layers under sr.{label.lower()}.",
+      "__doc__": f"A stack of {layer_cls.__name__} layers under {transform}.",
       "__new__": _new_stack, "__init__": _init_nothing, "layer": _layer,
       "__len__": _len,
   }
@@ -82,7 +91,7 @@ def stacked_class(layer_cls: type, label: str, *, rules: Rules, length: int | No
     method = getattr(layer_cls, name, None)
     if not callable(method):
       raise AttributeError(
-          f"sr.{label.lower()}({layer_cls.__name__}, methods={methods!r}): "
+          f"{transform}({layer_cls.__name__}, methods={methods!r}): "
           f"{layer_cls.__name__} has no method {name!r}.")
     wrapped = wrap(method)
     wrapped.__name__ = name
@@ -134,7 +143,10 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     prefix = len(roots)
     # RNG streams the layer creates itself become per-layer state: classified by the
     # rules like any variable, not split like the streams passed in.
+    # rank_offset=1: the axes index the stacked value, which has one more axis than
+    # a layer's (variable_axes={Param: -1} puts the layer axis last).
     plan = Plan(rules, graphdef, variables, [layer], rng_streams=False, skip=n_in,
+                rank_offset=1,
                 display_path=lambda p: p[1:] if p and p[0] == prefix else p)
     record["plan"] = plan
     return [v._value for v in new_vars]

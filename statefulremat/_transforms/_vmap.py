@@ -80,7 +80,13 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
                 f"{what}: in_axes puts the mapped axis of argument {j + 1} at {ax}, but a "
                 f"leaf has shape {tuple(jnp.shape(leaf))}. Fix in_axes (None broadcasts).")
           sources.append((f"argument {j + 1} (axis {ax})", jnp.shape(leaf)[ax]))
-    n = resolve_length(what, axis_size, sources)
+    if axis_size is not None:
+      sources.insert(0, (f"axis_size={axis_size}", int(axis_size)))
+    if not sources:
+      raise TransformError(
+          f"{what}: cannot tell the size of the mapped axis: no argument is mapped "
+          "(in_axes is None for all) and no variable is stacked. Pass `axis_size=`.")
+    n = resolve_length(what, None, sources)
     used: set[int] = set()
 
     def one(stacked_values, index, call_args):
