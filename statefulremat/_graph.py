@@ -25,7 +25,7 @@ import numpy as np
 from ._errors import GraphError, StateMismatchError, format_path
 from ._filters import Filter
 from ._module import Module, _record_owners
-from ._state import State, _Spec, freeze, partition, thaw_metadata
+from ._state import State, freeze, partition, thaw_metadata
 from ._variables import Variable, current_trace
 
 _REF, _VAR, _NODE, _LIST, _TUPLE, _DICT, _STATIC = range(7)

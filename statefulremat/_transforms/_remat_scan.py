@@ -11,7 +11,8 @@ from ._class_form import is_module_class
 from ._layers import LayerLoop
 from ._lift import write_back
 from ._rules import Rules, TransformError
-from ._scan import check_no_modules, lift_module_arg, resolve_length, stacked_sources
+from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
+                          resolve_length, stacked_sources)
 from ._stacked import stacked_class
 
 _ALL = MappingProxyType({True: 0})
@@ -89,7 +90,8 @@ def _remat_scan_function(fn: Callable, lengths: tuple, *, what, policy, variable
   @functools.wraps(fn)
   def wrapper(module, carry):
     check_no_modules(carry, what, "the carry")
-    lifted, variables, plan, leaves = lift_module_arg(module, what, rules, metadata_params)
+    lifted, variables, plan, leaves = lift_module_arg(
+        module, what, rules, metadata_params, "f(module, carry) -> carry")
     sources = stacked_sources(plan, lifted, variables)
     resolve_length(what, None, [(f"lengths={lengths} (product)", n)] + sources)
     loop = LayerLoop(lifted, plan, variables, leaves, what)
@@ -102,4 +104,4 @@ def _remat_scan_function(fn: Callable, lengths: tuple, *, what, policy, variable
     write_back(variables, changed, what)
     return carry
 
-  return wrapper
+  return compiled_when_eager(wrapper)

@@ -9,14 +9,13 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from .._errors import format_path
-from .._graph import flatten
-from .._module import Module
 from ._class_form import is_module_class
 from ._layers import LayerLoop
-from ._lift import Lifted, is_node, split_call, write_back
-from ._rules import STACKED, Plan, Rules, TransformError
-from ._stacked import is_stacked, layer_view, stacked_class
+from ._lift import write_back
+from ._rules import Rules, TransformError
+from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
+                          resolve_length, stacked_sources)
+from ._stacked import stacked_class
 
 _EMPTY = MappingProxyType({})
 
@@ -97,32 +96,6 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
   return _scan_function(target, **options)
 
 
-def lift_module_arg(module, what: str, rules: Rules, metadata_params):
-  """Lifts argument 0 of scan / remat_scan / vmap: (lifted, variables, plan, leaves)."""
-  nodes, leaves, treedef, positions = split_call((module,), {})
-  if not nodes:
-    raise TypeError(
-        f"{what}: argument 0 must be the module (or a pytree of modules) to scan over, "
-        f"got {type(module).__name__}. The body is called as f(module, carry, *xs).")
-  graphdef, variables = flatten(nodes)
-  multi = len(nodes) > 1
-  plan = Plan(rules, graphdef, variables, nodes,
-              display_path=(lambda p: p) if not multi else (lambda p: p))
-  stacked_cls = type(module) if is_stacked(module) else None
-  inner = layer_view(graphdef, plan, stacked_cls, metadata_params or
-                     (stacked_cls._sr_metadata_params if stacked_cls else {}))
-  return Lifted(inner, treedef, positions), variables, plan, leaves
-
-
-def check_no_modules(tree, what: str, label: str) -> None:
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_node):
-    if is_node(leaf):
-      raise TypeError(
-          f"{what}: {label} `{jax.tree_util.keystr(path)}` is a {type(leaf).__name__}. "
-          "Modules go in argument 0 only; their variables are governed by the "
-          "collection rules (variable_axes, variable_broadcast, variable_carry).")
-
-
 def _axes_per_leaf(in_axes, xs: tuple, what: str) -> list:
   if isinstance(in_axes, int) or in_axes is None:
     prefix = tuple(in_axes for _ in xs)
@@ -144,33 +117,6 @@ def _axes_per_leaf(in_axes, xs: tuple, what: str) -> list:
   return out
 
 
-def resolve_length(what: str, length, sources: list[tuple[str, int]]) -> int:
-  """The iteration count all sources agree on (each ``(description, size)``)."""
-  if length is not None:
-    sources = [("length", int(length))] + sources
-  if not sources:
-    raise TransformError(
-        f"{what}: cannot tell how many iterations to run: nothing is scanned (no xs, no "
-        "stacked variables). Pass `length=`.")
-  name0, n0 = sources[0]
-  for name, n in sources[1:]:
-    if n != n0:
-      raise TransformError(
-          f"{what}: {name0} says {n0} iterations but {name} has {n}. All scanned inputs "
-          "and stacked variables must agree on the layer count.")
-  return n0
-
-
-def stacked_sources(plan: Plan, lifted: Lifted, variables) -> list[tuple[str, int]]:
-  out = []
-  for i, (kind, axis) in enumerate(zip(plan.kinds, plan.axes)):
-    if kind == STACKED:
-      path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
-      out.append((f"the stacked variable `{path}` (axis {axis})",
-                  jnp.shape(variables[i]._value)[axis]))
-  return out
-
-
 def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_carry,
                    split_rngs, in_axes, out_axes, length, reverse, unroll,
                    data_transform, metadata_params) -> Callable:
@@ -185,7 +131,8 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
   def wrapper(module, carry, *xs):
     check_no_modules(carry, what, "the carry")
     check_no_modules(xs, what, "the xs argument")
-    lifted, variables, plan, leaves = lift_module_arg(module, what, rules, metadata_params)
+    lifted, variables, plan, leaves = lift_module_arg(
+        module, what, rules, metadata_params, "f(module, carry, *xs) -> (carry, ys)")
     x_leaves, x_tree = jax.tree.flatten(xs)
     axes = _axes_per_leaf(in_axes, xs, what)
     scanned, sources = [], []
@@ -223,4 +170,4 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
       ys = jax.tree.map(lambda y: jnp.moveaxis(y, 0, out_axes), ys)
     return carry, ys
 
-  return wrapper
+  return compiled_when_eager(wrapper)

@@ -24,7 +24,7 @@ from .._graph import flatten, rewrite, unflatten
 from .._module import Module
 from .._state import freeze, thaw_metadata
 from ._lift import Lifted, split_call, write_back
-from ._rules import BROADCAST, RNG, READONLY, STACKED, Plan, Rules, TransformError, layer_keys
+from ._rules import READONLY, STACKED, Plan, Rules, TransformError, layer_keys
 
 
 def is_stacked(module) -> bool:
@@ -56,16 +56,19 @@ def partition_metadata(metadata_params: dict, plan: Plan, *, insert: bool):
   return edit
 
 
-def layer_view(graphdef, plan: Plan, stacked_cls: type | None, metadata_params: dict):
+def layer_view(graphdef, plan: Plan, metadata_params: dict | None = None):
   """The GraphDef of one layer of a stack: plain layer class, no partition name.
 
-  Every stacked root becomes its layer class, not only ``stacked_cls`` (root 0): a
-  transform may map a tuple of stacks, and each must be one layer inside.
+  Every stacked root becomes its layer class (a transform may map a tuple of stacks,
+  and each must be one layer inside). The partition name is the one given, else that
+  of the first stacked root.
   """
-  classes = {0: stacked_cls._sr_layer_class} if stacked_cls is not None else {}
+  classes = {}
   for j, root in enumerate(graphdef.tree):
     if isinstance(root[1], type) and "_sr_layer_class" in root[1].__dict__:
-      classes.setdefault(j, root[1]._sr_layer_class)
+      classes[j] = root[1]._sr_layer_class
+      if not metadata_params:
+        metadata_params = root[1]._sr_metadata_params
   return rewrite(graphdef, root_classes=classes,
                  metadata=partition_metadata(metadata_params, plan, insert=False))
 
@@ -218,7 +221,7 @@ def _layer(self, i: int):
   graphdef, variables, plan = stack_plan(self)
   values = [jnp.take(v._value, i, axis=axis) if kind == STACKED else v._value
             for v, kind, axis in zip(variables, plan.kinds, plan.axes)]
-  view = layer_view(graphdef, plan, type(self), type(self)._sr_metadata_params)
+  view = layer_view(graphdef, plan)
   roots, _ = unflatten(view, values)
   roots[0].__dict__["_sr_stacked_from"] = type(self)
   roots[0].__dict__["_sr_stacked_paths"] = {

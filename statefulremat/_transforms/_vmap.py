@@ -11,8 +11,9 @@ import jax.numpy as jnp
 
 from ._class_form import is_module_class
 from ._lift import check_no_nodes, write_back
-from ._rules import BROADCAST, READONLY, RNG, STACKED, Rules, TransformError, layer_keys
-from ._scan import check_no_modules, lift_module_arg, resolve_length, stacked_sources
+from ._rules import STACKED, Rules, TransformError, layer_keys
+from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
+                          resolve_length, stacked_sources)
 from ._stacked import stacked_class
 
 _ALL = MappingProxyType({True: 0})
@@ -64,7 +65,8 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
   @functools.wraps(fn)
   def wrapper(module, *args):
     check_no_modules(args, what, "the argument")
-    lifted, variables, plan, leaves = lift_module_arg(module, what, rules, metadata_params)
+    lifted, variables, plan, leaves = lift_module_arg(
+        module, what, rules, metadata_params, "f(module, *args)")
     values = [v._value for v in variables]
     stacked = plan.indices(STACKED)
     arg_axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
@@ -124,4 +126,4 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
     write_back(variables, changed, what)
     return out
 
-  return wrapper
+  return compiled_when_eager(wrapper)

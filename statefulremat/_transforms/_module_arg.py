@@ -1,0 +1,104 @@
+"""Argument 0 of scan, remat_scan and vmap: the modules the layers come from.
+
+Shared by the three: lifting the module argument (with the one-layer view of stacked
+modules), refusing modules anywhere else, agreeing on the layer count, and running
+eager calls through a cached ``sr.jit`` so they compile once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from .._errors import format_path
+from .._graph import flatten
+from ._lift import Lifted, is_node, split_call
+from ._rules import STACKED, Plan, Rules, TransformError
+from ._stacked import layer_view
+
+
+def lift_module_arg(module, what: str, rules: Rules, metadata_params, call_form: str):
+  """Lifts argument 0: ``(lifted, variables, plan, leaves)``; inside, one layer."""
+  nodes, leaves, treedef, positions = split_call((module,), {})
+  if not nodes:
+    raise TypeError(
+        f"{what}: argument 0 must be the module (or a pytree of modules), got "
+        f"{type(module).__name__}. The function is called as {call_form}.")
+  graphdef, variables = flatten(nodes)
+  plan = Plan(rules, graphdef, variables, nodes)
+  inner = layer_view(graphdef, plan, metadata_params)
+  return Lifted(inner, treedef, positions), variables, plan, leaves
+
+
+def check_no_modules(tree, what: str, label: str) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_node):
+    if is_node(leaf):
+      raise TypeError(
+          f"{what}: {label} `{jax.tree_util.keystr(path)}` is a {type(leaf).__name__}. "
+          "Modules go in argument 0 only; their variables are governed by the "
+          "collection rules (variable_axes, variable_broadcast, variable_carry).")
+
+
+def resolve_length(what: str, length, sources: list[tuple[str, int]]) -> int:
+  """The iteration count all sources agree on (each ``(description, size)``)."""
+  if length is not None:
+    sources = [("length", int(length))] + sources
+  if not sources:
+    raise TransformError(
+        f"{what}: cannot tell how many iterations to run: nothing is scanned (no xs, no "
+        "stacked variables). Pass `length=`.")
+  name0, n0 = sources[0]
+  for name, n in sources[1:]:
+    if n != n0:
+      raise TransformError(
+          f"{what}: {name0} says {n0} iterations but {name} has {n}. All scanned inputs "
+          "and stacked variables must agree on the layer count.")
+  return n0
+
+
+def stacked_sources(plan: Plan, lifted: Lifted, variables) -> list[tuple[str, int]]:
+  out = []
+  for i, (kind, axis) in enumerate(zip(plan.kinds, plan.axes)):
+    if kind == STACKED:
+      path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
+      out.append((f"the stacked variable `{path}` (axis {axis})",
+                  jnp.shape(variables[i]._value)[axis]))
+  return out
+
+
+def compiled_when_eager(wrapper: Callable) -> Callable:
+  """Runs ``wrapper`` through a cached ``sr.jit`` when called outside any trace.
+
+  An eager ``jax.lax.scan`` (or ``vmap``) over a fresh body closure recompiles on every
+  call; under ``sr.jit`` the compiled call is cached per module structure. Inside a
+  trace (``sr.jit``, ``sr.grad``, another transform) the wrapper runs as is.
+  """
+  jitted = None
+
+  @functools.wraps(wrapper)
+  def call(*args):
+    nonlocal jitted
+    if _tracing(args) or not any(map(is_node, jax.tree.leaves(args[:1], is_leaf=is_node))):
+      return wrapper(*args)  # inside a trace already, or misused: let it explain
+    if jitted is None:
+      from ._jit import jit
+
+      jitted = jit(wrapper)
+    return jitted(*args)
+
+  return call
+
+
+def _tracing(args) -> bool:
+  leaves = jax.tree.leaves(args, is_leaf=is_node)
+  for leaf in leaves:
+    if is_node(leaf):
+      _, variables = flatten([leaf])
+      if any(isinstance(v._value, jax.core.Tracer) for v in variables):
+        return True
+    elif isinstance(leaf, jax.core.Tracer):
+      return True
+  return False
