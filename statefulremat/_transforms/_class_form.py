@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .._module import Module
 
@@ -11,27 +11,39 @@ def is_module_class(target) -> bool:
   return isinstance(target, type) and issubclass(target, Module)
 
 
-def transformed_class(cls: type, wrap: Callable, methods: Sequence[str] | None,
-                      label: str) -> type:
-  """``class LabelCls(cls)`` whose ``methods`` (default ``__call__``) are ``wrap(method)``.
+def transform_name(label: str) -> str:
+  """``"RematScan"`` -> ``"sr.remat_scan"``."""
+  return "sr." + "".join("_" + c.lower() if c.isupper() and i else c.lower()
+                         for i, c in enumerate(label))
 
-  The method is wrapped as a function whose argument 0 is ``self``, so it goes through
+
+def subclass(cls: type, label: str, wrap: Callable, methods: Sequence[str] | str | None,
+             namespace: dict[str, Any], doc: str) -> type:
+  """``class {label}{cls}(cls)`` with ``namespace`` and ``methods`` replaced by ``wrap(m)``.
+
+  Each method is wrapped as a function whose argument 0 is ``self``, so it goes through
   the transform's function form like any module argument.
   """
-  methods = ["__call__"] if methods is None else list(methods)
-  if isinstance(methods, str):
-    methods = [methods]
-  namespace = {}
+  methods = ["__call__"] if methods is None else [methods] if isinstance(
+      methods, str) else list(methods)
+  namespace = {**namespace, "__module__": cls.__module__, "__doc__": doc,
+               "__qualname__": f"{label}{cls.__qualname__}"}
   for name in methods:
     method = getattr(cls, name, None)
     if not callable(method):
       raise AttributeError(
-          f"sr.{label.lower()}({cls.__name__}, methods={methods!r}): {cls.__name__} has "
-          f"no method {name!r}. Name methods the class defines.")
+          f"{transform_name(label)}({cls.__name__}, methods={methods!r}): {cls.__name__} "
+          f"has no method {name!r}. Name methods the class defines.")
     wrapped = wrap(method)
     wrapped.__name__ = name
     namespace[name] = wrapped
-  namespace["__module__"] = cls.__module__
-  namespace["__qualname__"] = f"{label}{cls.__qualname__}"
-  namespace["__doc__"] = f"{cls.__name__} with {', '.join(methods)} under sr.{label.lower()}."
   return type(f"{label}{cls.__name__}", (cls,), namespace)
+
+
+def transformed_class(cls: type, wrap: Callable, methods: Sequence[str] | None,
+                      label: str) -> type:
+  """``class {label}{cls}(cls)`` whose ``methods`` (default ``__call__``) are transformed."""
+  names = ", ".join(["__call__"] if methods is None else [methods] if isinstance(
+      methods, str) else methods)
+  return subclass(cls, label, wrap, methods, {},
+                  f"{cls.__name__} with {names} under {transform_name(label)}.")

@@ -23,6 +23,7 @@ from .._errors import format_path
 from .._graph import flatten, rewrite, unflatten
 from .._module import Module
 from .._state import freeze, thaw_metadata
+from ._class_form import subclass, transform_name
 from ._lift import Lifted, split_call, write_back
 from ._rules import READONLY, STACKED, Plan, Rules, TransformError, layer_keys
 
@@ -77,29 +78,14 @@ def stacked_class(layer_cls: type, label: str, *, rules: Rules, length: int | No
                   wrap: Callable, methods: Sequence[str] | None,
                   metadata_params: dict) -> type:
   """The class form: ``{label}{layer_cls}`` building and running a stack of layers."""
-  methods = ["__call__"] if methods is None else [methods] if isinstance(
-      methods, str) else list(methods)
-  transform = "sr." + "".join("_" + c.lower() if c.isupper() and i else c.lower()
-                              for i, c in enumerate(label))  # RematScan -> remat_scan
   namespace: dict[str, Any] = {
       "_sr_layer_class": layer_cls, "_sr_rules": rules, "_sr_length": length,
       "_sr_metadata_params": dict(metadata_params or {}),
-      "__module__": layer_cls.__module__,
-      "__qualname__": f"{label}{layer_cls.__qualname__}",
-      "__doc__": f"A stack of {layer_cls.__name__} layers under {transform}.",
       "__new__": _new_stack, "__init__": _init_nothing, "layer": _layer,
       "__len__": _len,
   }
-  for name in methods:
-    method = getattr(layer_cls, name, None)
-    if not callable(method):
-      raise AttributeError(
-          f"{transform}({layer_cls.__name__}, methods={methods!r}): "
-          f"{layer_cls.__name__} has no method {name!r}.")
-    wrapped = wrap(method)
-    wrapped.__name__ = name
-    namespace[name] = wrapped
-  return type(f"{label}{layer_cls.__name__}", (layer_cls,), namespace)
+  return subclass(layer_cls, label, wrap, methods, namespace,
+                  f"A stack of {layer_cls.__name__} layers under {transform_name(label)}.")
 
 
 def _init_nothing(self, *args, **kwargs):
