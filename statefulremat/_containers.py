@@ -25,13 +25,30 @@ def _bumping(method_name, base):
 
 
 class ModuleList(list):
-  """A ``list`` held by a module; its mutations are tracked."""
+  """A ``list`` held by a module; its mutations are tracked.
+
+  >>> import statefulremat as sr
+  >>> class Net(sr.Module):
+  ...   def __init__(self):
+  ...     self.layers = [sr.nn.Linear(2, 2, rngs=sr.Rngs(i)) for i in range(2)]
+  >>> net = Net()
+  >>> type(net.layers).__name__, isinstance(net.layers, list)
+  ('ModuleList', True)
+  """
 
   __slots__ = ()
 
 
 class ModuleDict(dict):
-  """A ``dict`` held by a module; its mutations are tracked."""
+  """A ``dict`` held by a module; its mutations are tracked.
+
+  >>> import statefulremat as sr
+  >>> class Heads(sr.Module):
+  ...   def __init__(self):
+  ...     self.heads = {"a": sr.nn.Linear(2, 1, rngs=sr.Rngs(0))}
+  >>> type(Heads().heads).__name__
+  'ModuleDict'
+  """
 
   __slots__ = ()
 

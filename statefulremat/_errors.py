@@ -8,19 +8,56 @@ from __future__ import annotations
 
 
 class StatefulRematError(Exception):
-  """Base class of every error statefulremat raises on purpose."""
+  """Base class of every error statefulremat raises on purpose.
+
+  >>> import statefulremat as sr
+  >>> issubclass(sr.GraphError, sr.StatefulRematError)
+  True
+  """
 
 
 class TraceContextError(StatefulRematError):
-  """A traced value crossed into a Variable that belongs to another trace."""
+  """A traced value crossed into a Variable that belongs to another trace.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> w = sr.Param(jnp.zeros(2))
+  >>> def leak(x):
+  ...   w.value = x       # a plain jax.jit closing over a Variable
+  ...   return x
+  >>> try:
+  ...   jax.jit(leak)(jnp.ones(2))
+  ... except sr.TraceContextError:
+  ...   print("refused; old value kept:", w.value.tolist())
+  refused; old value kept: [0.0, 0.0]
+  """
 
 
 class GraphError(StatefulRematError, TypeError):
-  """A module graph cannot be split, merged, or changed the way it was asked."""
+  """A module graph cannot be split, merged, or changed the way it was asked.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> class Bad(sr.Module):
+  ...   def __init__(self):
+  ...     self.w = jnp.zeros(2)   # an array outside any Variable
+  >>> try:
+  ...   sr.split(Bad())
+  ... except sr.GraphError as e:
+  ...   print(str(e)[:40])
+  attribute `w` holds an array (float32[2]
+  """
 
 
 class StateMismatchError(StatefulRematError, ValueError):
-  """A State does not fit the module (or the other State) it is combined with."""
+  """A State does not fit the module (or the other State) it is combined with.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> model = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
+  >>> try:
+  ...   sr.update(model, sr.State({"weight": jnp.zeros((2, 2))}))
+  ... except sr.StateMismatchError:
+  ...   print("no variable at `weight`")
+  no variable at `weight`
+  """
 
 
 def format_path(path: tuple) -> str:

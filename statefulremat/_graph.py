@@ -359,7 +359,12 @@ def state(node, *filters: Filter) -> State | tuple[State, ...]:
 
 
 def graphdef(node) -> GraphDef:
-  """The GraphDef of ``node`` (``sr.split(node)[0]``)."""
+  """The GraphDef of ``node`` (``sr.split(node)[0]``).
+
+  >>> import statefulremat as sr
+  >>> sr.graphdef(sr.nn.Linear(2, 3, rngs=sr.Rngs(0))).var_paths
+  (('bias',), ('kernel',))
+  """
   _check_node(node, "graphdef")
   return flatten([node])[0]
 

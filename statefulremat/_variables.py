@@ -341,11 +341,23 @@ class RngState(Variable):
 
 
 class RngKey(RngState):
-  """The base key of an RNG stream (a typed ``jax.random.key``)."""
+  """The base key of an RNG stream (a typed ``jax.random.key``).
+
+  >>> import statefulremat as sr
+  >>> type(sr.Rngs(0).default.key).__name__
+  'RngKey'
+  """
 
 
 class RngCount(RngState):
-  """How many keys an RNG stream has handed out (a uint32 scalar)."""
+  """How many keys an RNG stream has handed out (a uint32 scalar).
+
+  >>> import statefulremat as sr
+  >>> rngs = sr.Rngs(0)
+  >>> _ = rngs.params(), rngs.params()
+  >>> int(rngs.default.count.value)
+  2
+  """
 
 
 # -- owners: where a variable or module sits, for error messages ---------------

@@ -38,7 +38,15 @@ STACKED, BROADCAST, CARRY, RNG, READONLY = "stacked", "broadcast", "carry", "rng
 
 
 class TransformError(StatefulRematError, ValueError):
-  """A transform was asked for something that does not fit its arguments."""
+  """A transform was asked for something that does not fit its arguments.
+
+  >>> import statefulremat as sr
+  >>> try:
+  ...   sr.remat_scan(lambda m, c: c, lengths=())
+  ... except sr.TransformError as e:
+  ...   print(str(e)[:52])
+  sr.remat_scan(<lambda>): lengths=() must be a non-em
+  """
 
 
 def stream_predicate(filter) -> Callable[[str], bool]:
