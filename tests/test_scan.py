@@ -826,3 +826,27 @@ def test_grad_of_scan_of_remat_takes_the_memory_of_raw_jax():
   # The outputs are the gradient alone: no extra copy of the parameters.
   assert mem.output_size_in_bytes == raw_mem.output_size_in_bytes == w.nbytes
   close(ours_c(params, x)["w"], raw_c(w, x))
+
+
+def test_keyword_arguments_pass_unchanged_to_every_layer():
+  class Scaled(sr.Module):
+    def __init__(self, *, rngs):
+      self.w = sr.Param(jax.random.normal(rngs.params(), (3, 3)))
+
+    def __call__(self, x, *, double=False):
+      y = jnp.tanh(x @ self.w.value)
+      return (2 * y if double else y), None
+
+  Stack = sr.scan(Scaled, length=3, variable_axes={sr.Param: 0},
+                  split_rngs={"params": True})
+  stack = Stack(rngs=sr.Rngs(0))
+  x = jnp.ones((2, 3))
+  plain, _ = stack(x)
+  doubled, _ = stack(x, double=True)
+  expected = x
+  for layer in sr.unstack(stack):
+    expected, _ = layer(expected, double=True)
+  np.testing.assert_allclose(doubled, expected, rtol=1e-6)
+  assert not np.allclose(plain, doubled)
+  with pytest.raises(TypeError, match=r"the keyword argument `\['extra'\]` is a Rngs"):
+    stack(x, extra=sr.Rngs(0))

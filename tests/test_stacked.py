@@ -231,3 +231,15 @@ def test_update_moves_state_between_a_layer_and_a_plain_module(stack):
   rebuilt = sr.stack(layers)
   assert_same_state(rebuilt.layer(2), fresh)
   assert_same_state(rebuilt.layer(0), stack.layer(0))
+
+
+def test_a_restacked_subset_of_layers_runs_with_its_own_count():
+  Stack = sr.vmap(sr.nn.Linear, axis_size=4, in_axes=None)
+  stack = Stack(2, 3, rngs=sr.Rngs(0))
+  layers = sr.unstack(stack)
+  smaller = sr.stack(layers[:2])
+  x = jnp.ones((5, 2))
+  assert len(smaller) == 2
+  out = smaller(x)
+  assert out.shape == (2, 5, 3)
+  np.testing.assert_allclose(out[1], layers[1](x), rtol=1e-6)

@@ -399,3 +399,11 @@ def test_jit_and_grad_of_vmap_write_back_batch_stats():
     np.testing.assert_allclose(g, want.flat()[path], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(ens.norm.mean.value, reference.norm.mean.value, rtol=1e-6)
   assert not np.allclose(ens.norm.mean.value, 0.0)
+
+
+def test_keyword_arguments_are_not_mapped():
+  Ensemble = sr.vmap(sr.nn.Dropout, axis_size=2, in_axes=0)
+  ensemble = Ensemble(0.5, rngs=sr.Rngs(0))
+  x = jnp.ones((2, 8))
+  assert np.array_equal(ensemble(x, deterministic=True), x)
+  assert not np.array_equal(ensemble(x, deterministic=False), x)

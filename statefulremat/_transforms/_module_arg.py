@@ -17,7 +17,7 @@ from .._errors import format_path
 from .._graph import flatten
 from ._lift import Lifted, is_node, split_call
 from ._rules import STACKED, Plan, Rules, TransformError
-from ._stacked import layer_view
+from ._stacked import is_stacked, layer_view
 
 
 def lift_module_arg(module, what: str, rules: Rules, metadata_params, call_form: str):
@@ -42,10 +42,21 @@ def check_no_modules(tree, what: str, label: str) -> None:
           "collection rules (variable_axes, variable_broadcast, variable_carry).")
 
 
-def resolve_length(what: str, length, sources: list[tuple[str, int]]) -> int:
-  """The iteration count all sources agree on (each ``(description, size)``)."""
+def class_length(module) -> int | None:
+  """The layer count a stacked module's class was built with (None for a function)."""
+  return getattr(type(module), "_sr_length", None) if is_stacked(module) else None
+
+
+def resolve_length(what: str, length, sources: list[tuple[str, int]],
+                   fallback: int | None = None) -> int:
+  """The iteration count all sources agree on (each ``(description, size)``).
+
+  ``fallback`` (a stack's class length) counts only when nothing else tells.
+  """
   if length is not None:
     sources = [("length", int(length))] + sources
+  if not sources and fallback is not None:
+    return fallback
   if not sources:
     raise TransformError(
         f"{what}: cannot tell how many iterations to run: nothing is scanned (no xs, no "
@@ -79,10 +90,13 @@ def compiled_when_eager(wrapper: Callable) -> Callable:
   jitted = None
 
   @functools.wraps(wrapper)
-  def call(*args):
+  def call(*args, **kwargs):
     nonlocal jitted
-    if _tracing(args) or not any(map(is_node, jax.tree.leaves(args[:1], is_leaf=is_node))):
-      return wrapper(*args)  # inside a trace already, or misused: let it explain
+    # Keyword arguments are Python-level options (flags) passed to every layer as they
+    # are; compiling them would trace them, so such calls run directly.
+    if kwargs or _tracing(args) or not any(
+        map(is_node, jax.tree.leaves(args[:1], is_leaf=is_node))):
+      return wrapper(*args, **kwargs)  # in a trace already, or misused: let it explain
     if jitted is None:
       from ._jit import jit
 

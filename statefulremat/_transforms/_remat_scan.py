@@ -39,7 +39,8 @@ def remat_scan(target: Callable | type | None = None, lengths: Sequence[int] = (
   layer's residuals alive). Stacked variables keep ONE flat layer axis of size N — the
   nested shape exists only inside the trace, so changing ``lengths`` never changes the
   state. The defaults stack every variable (``variable_axes={True: 0}``) and split every
-  RNG stream.
+  RNG stream. Keyword arguments (``remat_scan(f, lengths)(module, carry, flag=True)``)
+  pass unchanged to every layer.
 
   The class form ``sr.remat_scan(Block, lengths=(10, 10))(*args, rngs=...)`` builds
   the N layers in one vmapped init; calling it runs ``Block.__call__(carry) -> carry``.
@@ -88,8 +89,9 @@ def _remat_scan_function(fn: Callable, lengths: tuple, *, what, policy, variable
   n = math.prod(lengths)
 
   @functools.wraps(fn)
-  def wrapper(module, carry):
+  def wrapper(module, carry, **kwargs):
     check_no_modules(carry, what, "the carry")
+    check_no_modules(kwargs, what, "the keyword argument")
     lifted, variables, plan, leaves = lift_module_arg(
         module, what, rules, metadata_params, "f(module, carry) -> carry")
     sources = stacked_sources(plan, lifted, variables)
@@ -97,7 +99,7 @@ def _remat_scan_function(fn: Callable, lengths: tuple, *, what, policy, variable
     loop = LayerLoop(lifted, plan, variables, leaves, what)
 
     def body(tree, c, _):
-      return fn(tree[0][0], c), None
+      return fn(tree[0][0], c, **kwargs), None
 
     carry, _, changed = loop.run(body, carry, None, lengths, remat=True, policy=policy,
                                  prevent_cse=prevent_cse)

@@ -13,7 +13,7 @@ from ._class_form import is_module_class
 from ._layers import LayerLoop
 from ._lift import write_back
 from ._rules import Rules, TransformError
-from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
+from ._module_arg import (check_no_modules, class_length, compiled_when_eager, lift_module_arg,
                           resolve_length, stacked_sources)
 from ._stacked import stacked_class
 
@@ -37,7 +37,9 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
   where ``layer_i`` holds slice ``i`` of each variable matched by ``variable_axes``,
   the same value of each ``variable_broadcast`` (and unmatched, read-only) variable,
   and the running value of each ``variable_carry`` variable. RNG streams give every
-  iteration its own key when split (``split_rngs``), else the same key.
+  iteration its own key when split (``split_rngs``), else the same key. Keyword
+  arguments pass unchanged to every iteration (Python flags such as
+  ``deterministic=True`` stay Python values).
 
   Args:
     target: ``f(module, carry, *xs) -> (carry, ys)`` (also a method), or a Module
@@ -89,7 +91,10 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
                   variable_broadcast=variable_broadcast, variable_carry=variable_carry,
                   split_rngs=split_rngs)
     return stacked_class(target, "Scan", rules=rules, length=length,
-                         wrap=lambda m: scan(m, **options), methods=methods,
+                         # At call time the layer count comes from the stacked
+                         # variables (a stack rebuilt by sr.stack may have another).
+                         wrap=lambda m: scan(m, **{**options, "length": None}),
+                         methods=methods,
                          metadata_params=metadata_params)
   if methods is not None:
     raise TypeError("sr.scan(methods=...) applies to a Module class, not a function.")
@@ -128,9 +133,10 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
                     f"iterations), got {out_axes!r}.")
 
   @functools.wraps(fn)
-  def wrapper(module, carry, *xs):
+  def wrapper(module, carry, *xs, **kwargs):
     check_no_modules(carry, what, "the carry")
     check_no_modules(xs, what, "the xs argument")
+    check_no_modules(kwargs, what, "the keyword argument")
     lifted, variables, plan, leaves = lift_module_arg(
         module, what, rules, metadata_params, "f(module, carry, *xs) -> (carry, ys)")
     x_leaves, x_tree = jax.tree.flatten(xs)
@@ -146,14 +152,15 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
             f"shape {tuple(jnp.shape(x))}. Fix in_axes, or use None to broadcast it.")
       scanned.append(j)
       sources.append((f"xs leaf {j} (axis {axis})", jnp.shape(x)[axis]))
-    n = resolve_length(what, length, sources + stacked_sources(plan, lifted, variables))
+    n = resolve_length(what, length, sources + stacked_sources(plan, lifted, variables),
+                       fallback=class_length(module))
     loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
 
     def body(tree, c, x_scanned):
       full = list(x_leaves)
       for j, x in zip(scanned, x_scanned):
         full[j] = x
-      out = fn(tree[0][0], c, *jax.tree.unflatten(x_tree, full))
+      out = fn(tree[0][0], c, *jax.tree.unflatten(x_tree, full), **kwargs)
       if not (isinstance(out, (tuple, list)) and len(out) == 2):
         # Name what came back in user terms: a tracer's class name means nothing here.
         got = ("a single array" if isinstance(out, jax.Array) else

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from ._class_form import is_module_class
 from ._lift import check_no_nodes, write_back
 from ._rules import STACKED, Rules, TransformError, layer_keys
-from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
+from ._module_arg import (check_no_modules, class_length, compiled_when_eager, lift_module_arg,
                           resolve_length, stacked_sources)
 from ._stacked import stacked_class
 
@@ -30,7 +30,8 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
   Function form: equivalent to ``stack([f(layer_i, *args_i) for i ...])`` where
   ``layer_i`` holds slice ``i`` of each variable matched by ``variable_axes`` (default:
   every variable not broadcast), and the same value of each broadcast one. ``in_axes`` /
-  ``out_axes`` describe the non-module arguments and the outputs, as in ``jax.vmap``.
+  ``out_axes`` describe the non-module positional arguments and the outputs, as in
+  ``jax.vmap``; keyword arguments pass unmapped to every layer (e.g. Python flags).
 
   Class form: ``sr.vmap(Block, axis_size=8)(*args, rngs=...)`` builds 8 independently
   initialised layers (an ensemble) in one traced init; calling it maps ``methods``
@@ -52,7 +53,8 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
                 variable_carry=False, split_rngs=split_rngs)
   if is_module_class(target):
     return stacked_class(target, "Vmap", rules=rules, length=axis_size,
-                         wrap=lambda m: vmap(m, **options), methods=methods,
+                         wrap=lambda m: vmap(m, **{**options, "axis_size": None}),
+                         methods=methods,
                          metadata_params=metadata_params)
   if methods is not None:
     raise TypeError("sr.vmap(methods=...) applies to a Module class, not a function.")
@@ -63,8 +65,9 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
                    variable_axes, split_rngs, variable_broadcast, metadata_params):
 
   @functools.wraps(fn)
-  def wrapper(module, *args):
+  def wrapper(module, *args, **kwargs):
     check_no_modules(args, what, "the argument")
+    check_no_modules(kwargs, what, "the keyword argument")
     lifted, variables, plan, leaves = lift_module_arg(
         module, what, rules, metadata_params, "f(module, *args)")
     values = [v._value for v in variables]
@@ -84,6 +87,8 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
           sources.append((f"argument {j + 1} (axis {ax})", jnp.shape(leaf)[ax]))
     if axis_size is not None:
       sources.insert(0, (f"axis_size={axis_size}", int(axis_size)))
+    if not sources and class_length(module) is not None:
+      sources.append(("the stack's axis_size", class_length(module)))
     if not sources:
       raise TransformError(
           f"{what}: cannot tell the size of the mapped axis: no argument is mapped "
@@ -99,7 +104,7 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
         flat[s.key] = layer_keys(values[s.key], values[s.count], s.split, index)
         flat[s.count] = jnp.zeros((), jnp.uint32)
       tree, _, roots = lifted.rebuild(flat, leaves)
-      out = fn(tree[0][0], *call_args)
+      out = fn(tree[0][0], *call_args, **kwargs)
       check_no_nodes(out, what)
       changed = lifted.collect(roots, flat, what)
       counts = {s.count for s in plan.streams}
