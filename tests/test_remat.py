@@ -487,3 +487,16 @@ def test_rngs_filter_counts_a_default_stream_under_the_name_asked_for():
   with pytest.raises(sr.GraphError, match=r"RNG stream 'default'"):
     sr.remat(body, rngs=False)(rematted, X)
   assert_same_state(values(rematted), before)
+
+
+def test_variables_filter_sees_paths_within_each_module():
+  seen = []
+
+  def record(path, var):
+    seen.append(path)
+    return True
+
+  a, b = sr.nn.Linear(2, 2, rngs=sr.Rngs(0)), sr.nn.Linear(2, 2, rngs=sr.Rngs(1))
+  out = sr.remat(lambda a, b, x: b(a(x)), variables=record)(a, b, jnp.ones((1, 2)))
+  assert out.shape == (1, 2)
+  assert set(seen) == {("kernel",), ("bias",)}

@@ -109,8 +109,8 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
           traced.append(i)
         else:
           frozen_rngs.add(i)
-      elif traced_pred(path, var):
-        traced.append(i)
+      elif traced_pred(path[1:] if len(nodes) > 1 else path, var):
+        traced.append(i)  # filters see paths within their module, as in sr.state
 
     def pure(traced_values, leaves):
       flat = list(values)
