@@ -84,8 +84,9 @@ def compiled_when_eager(wrapper: Callable) -> Callable:
   """Runs ``wrapper`` through a cached ``sr.jit`` when called outside any trace.
 
   An eager ``jax.lax.scan`` (or ``vmap``) over a fresh body closure recompiles on every
-  call; under ``sr.jit`` the compiled call is cached per module structure. Inside a
-  trace (``sr.jit``, ``sr.grad``, another transform) the wrapper runs as is.
+  call; under ``sr.jit`` the compiled call is cached per module structure. As with any
+  jit, Python values the body closes over are read when it is traced. Inside a trace
+  (``sr.jit``, ``sr.grad``, another transform) the wrapper runs as is.
   """
   jitted = None
 

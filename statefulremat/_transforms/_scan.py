@@ -39,7 +39,9 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
   and the running value of each ``variable_carry`` variable. RNG streams give every
   iteration its own key when split (``split_rngs``), else the same key. Keyword
   arguments pass unchanged to every iteration (Python flags such as
-  ``deterministic=True`` stay Python values).
+  ``deterministic=True`` stay Python values). Called outside any trace, the scan is
+  compiled once per module structure and reused, as under ``sr.jit``: Python values the
+  body closes over are read when it is first traced.
 
   Args:
     target: ``f(module, carry, *xs) -> (carry, ys)`` (also a method), or a Module
