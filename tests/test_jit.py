@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import statefulremat as sr
@@ -382,3 +383,94 @@ def test_static_argnames():
   g = sr.jit(lambda m, *, other: m.w.value, static_argnames="other")
   with pytest.raises(TypeError, match=r"argument 'other' is a Scale and is marked static"):
     g(m, other=Scale(2))
+
+
+def test_repeated_calls_walk_no_graph_on_any_argument_form(monkeypatch):
+  # Arguments that are only modules and arrays skip tree_flatten; kwargs, nested
+  # containers and other leaves take the general path. Either way a repeated call
+  # reuses the cached graph walk, and every mutation is written back.
+  from statefulremat._transforms import _lift
+
+  walks = []
+  real = _lift.flatten
+  monkeypatch.setattr(_lift, "flatten", lambda *a, **k: walks.append(1) or real(*a, **k))
+  m = Scale(2)
+  opt = sr.Optimizer(m, optax.sgd(1.0))
+
+  @sr.jit
+  def step(m, opt, x, extra=None, *, scale=1.0):
+    loss, grads = sr.value_and_grad(lambda m: (m.w.value * x * scale).sum())(m)
+    opt.update(grads)
+    return loss if extra is None else loss + extra[0]
+
+  forms = [
+      ((jnp.ones(2),), {}),  # the fast path
+      ((np.ones(2, np.float32),), {}),
+      ((2.0,), {}),
+      ((jnp.ones(2), [jnp.ones(())]), {}),  # nested: the general path
+      ((jnp.ones(2),), {"scale": 2.0}),  # kwargs
+      ((np.float32(1.0), None), {}),
+  ]
+  for args, kwargs in forms:
+    step(m, opt, *args, **kwargs)  # traces (walks inside the trace) and caches
+    before, w, count = len(walks), m.w.value, int(opt.step.value)
+    for _ in range(3):
+      step(m, opt, *args, **kwargs)
+    assert len(walks) == before, (args, kwargs)
+    assert int(opt.step.value) == count + 3
+    assert bool((m.w.value < w).all())
+
+
+def test_flat_and_general_paths_share_one_compiled_function():
+  m = Scale(2)
+  traces = []
+
+  @sr.jit
+  def f(m, x):
+    traces.append(1)
+    m.w.value = m.w.value + x
+    return m.w.value.sum()
+
+  x = jnp.ones(2)
+  f(m, x)  # modules and arrays only: no tree_flatten
+  f(m, jax.device_put(x))
+  f(m, x=x)  # kwargs: the general path, another treedef, traced once more
+  assert len(traces) == 2
+  np.testing.assert_array_equal(m.w.value, [4.0, 4.0])
+
+
+def test_structure_change_between_flat_calls_retraces():
+  m = Scale(2)
+  traces = []
+
+  @sr.jit
+  def f(m, x):
+    traces.append(hasattr(m, "offset"))
+    return m.w.value * x + (m.offset.value if hasattr(m, "offset") else 0.0)
+
+  x = jnp.ones(2)
+  np.testing.assert_array_equal(f(m, x), [1.0, 1.0])
+  m.offset = sr.Param(jnp.full(2, 5.0))
+  np.testing.assert_array_equal(f(m, x), [6.0, 6.0])
+  del m.offset
+  np.testing.assert_array_equal(f(m, x), [1.0, 1.0])
+  assert traces == [False, True]  # the first structure is back: compiled already
+
+
+def test_alternating_modules_each_get_their_own_write_back():
+  a, b, c = Scale(2), Scale(3), Scale(2)
+
+  @sr.jit
+  def f(m, x):
+    m.w.value = m.w.value + x
+    return m.w.value.sum()
+
+  for _ in range(2):
+    for m, x in ((a, 1.0), (b, 2.0), (a, 1.0), (c, 3.0)):
+      f(m, x)
+  np.testing.assert_array_equal(a.w.value, [5.0, 5.0])
+  np.testing.assert_array_equal(b.w.value, [5.0, 5.0, 5.0])
+  np.testing.assert_array_equal(c.w.value, [7.0, 7.0])
+  a.w = sr.Param(jnp.zeros(2))  # a new Variable object at the same place
+  f(a, 1.0)
+  np.testing.assert_array_equal(a.w.value, [1.0, 1.0])

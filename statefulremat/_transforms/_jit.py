@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .._module import Module
 from .._variables import Variable
-from ._lift import FlattenCache, check_no_nodes, split_call, write_back
+from ._lift import FlattenCache, check_no_nodes, write_back
 
 _PASSED_THROUGH = {"keep_unused", "inline", "compiler_options", "backend", "device"}
 
@@ -75,11 +75,15 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
   compiled = jax.jit(pure, static_argnums=(0, 1), donate_argnums=(2,) if donate_state
                      else (), **jit_kwargs)
 
+  no_statics = ((), ())
+
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
-    statics, args, kwargs = _split_statics(static, names, args, kwargs, what)
-    nodes, leaves, treedef, positions = split_call(args, kwargs)
-    lifted, variables = cache.lift(nodes, treedef, positions)
+    if static or names:
+      statics, args, kwargs = _split_statics(static, names, args, kwargs, what)
+    else:
+      statics = no_statics
+    lifted, variables, leaves = cache.lift_call(args, kwargs)
     values = [v._value for v in variables]
     if donate_state:
       values = _unaliased(values, leaves)
@@ -98,8 +102,6 @@ def _split_statics(static: tuple, names: tuple, args: tuple, kwargs: dict,
   ``positional`` is ``((index, value), ...)`` in ascending order, ``named`` is
   ``((name, value), ...)`` in the order of ``static_argnames``; both are hashable.
   """
-  if not static and not names:
-    return ((), ()), args, kwargs
   n = len(args)
   indices = sorted({i + n if i < 0 else i for i in static})
   if indices and (indices[0] < 0 or indices[-1] >= n):
@@ -154,6 +156,5 @@ def _insert(args: tuple, statics: tuple) -> tuple:
 
 def _lower(compiled, cache, static, names, what, *args, **kwargs):
   statics, args, kwargs = _split_statics(static, names, args, kwargs, what)
-  nodes, leaves, treedef, positions = split_call(args, kwargs)
-  lifted, variables = cache.lift(nodes, treedef, positions)
+  lifted, variables, leaves = cache.lift_call(args, kwargs)
   return compiled.lower(lifted, statics, [v._value for v in variables], leaves)

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 
 from .._errors import GraphError, TraceContextError, format_path
 from .._graph import _DICT, _LIST, _NODE, _TUPLE, GraphDef, flatten, unflatten
@@ -135,17 +136,47 @@ def _first_difference(a, b, path):
   return path, "changed"
 
 
+# Types whose values are pytree leaves holding no tracer. Arguments and results of these
+# types skip tree_flatten (whose `is_leaf` runs Python per node) and the trace check.
+# JAX's concrete array class is private, so it is learnt from the first one seen.
+_PLAIN = {np.ndarray, int, float, bool, complex}
+
+
+def _learn_plain(value) -> None:
+  if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+    _PLAIN.add(type(value))
+
+
+_NODE_TYPES = (Module, Variable)
+
+
 def split_call(args: tuple, kwargs: dict):
   """Splits ``(args, kwargs)``: (nodes, other leaves, treedef, node positions)."""
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
   nodes, others, positions = [], [], []
   for i, leaf in enumerate(leaves):
-    if isinstance(leaf, (Module, Variable)):
+    if isinstance(leaf, _NODE_TYPES):
       nodes.append(leaf)
       positions.append(i)
     else:
       others.append(leaf)
+      if type(leaf) not in _PLAIN:
+        _learn_plain(leaf)
   return nodes, others, treedef, tuple(positions)
+
+
+def _split_flat(args: tuple):
+  """``split_call(args, {})`` when every argument is a node or a known leaf, else None."""
+  nodes, leaves, positions = [], [], []
+  for i, a in enumerate(args):
+    if type(a) in _PLAIN:
+      leaves.append(a)
+    elif isinstance(a, _NODE_TYPES):
+      nodes.append(a)
+      positions.append(i)
+    else:
+      return None
+  return nodes, leaves, tuple(positions)
 
 
 class FlattenCache:
@@ -154,6 +185,9 @@ class FlattenCache:
   def __init__(self, size: int = 16):
     self._entries: OrderedDict = OrderedDict()
     self._size = size
+    self._flat_treedefs: dict[int, Any] = {}  # len(args) -> treedef of ((*,) * n, {})
+    # The last flat call: (epoch, per argument its node or None, lifted, variables).
+    self._last: tuple | None = None
 
   def lift(self, nodes, treedef, positions) -> tuple[Lifted, list[Variable]]:
     # `positions` belong in the key: f(model, x) and f(x, model) share treedef and ids.
@@ -168,6 +202,45 @@ class FlattenCache:
     if len(self._entries) > self._size:
       self._entries.popitem(last=False)
     return lifted, variables
+
+  def lift_call(self, args: tuple, kwargs: dict
+                ) -> tuple[Lifted, list[Variable], list[Any]]:
+    """``(lifted, variables, other leaves)`` of a call's arguments.
+
+    The common call, ``step(model, opt, x, y)`` (only modules, Variables and arrays, no
+    keyword arguments), skips ``tree_flatten``: its treedef depends only on the number
+    of arguments, and both paths give the same treedef, so they share cache entries.
+    A repeat of the last such call (the same nodes, no structure change since) is
+    recognised by identity alone.
+    """
+    last = self._last
+    if not kwargs and last is not None and last[0] == structure_epoch.value and (
+        len(args) == len(last[1])):
+      leaves = []
+      for a, node in zip(args, last[1]):
+        if node is None:
+          if type(a) not in _PLAIN:
+            break
+          leaves.append(a)
+        elif a is not node:
+          break
+      else:
+        return last[2], last[3], leaves
+    split = None if kwargs else _split_flat(args)
+    if split is None:
+      nodes, leaves, treedef, positions = split_call(args, kwargs)
+      lifted, variables = self.lift(nodes, treedef, positions)
+      return lifted, variables, leaves
+    nodes, leaves, positions = split
+    treedef = self._flat_treedefs.get(len(args))
+    if treedef is None:
+      treedef = jax.tree_util.tree_structure(((0,) * len(args), {}))
+      self._flat_treedefs[len(args)] = treedef
+    lifted, variables = self.lift(nodes, treedef, positions)
+    at = dict(zip(positions, nodes))
+    self._last = (structure_epoch.value, tuple(at.get(i) for i in range(len(args))),
+                  lifted, variables)
+    return lifted, variables, leaves
 
 
 def check_no_nodes(out, what: str) -> None:
@@ -189,9 +262,17 @@ def write_back(variables: Sequence[Variable], changed: dict[int, Any],
   step(model, x))`` closing over ``model``); its results are then that trace's tracers,
   and writing them into a Variable created outside would leak them, so it raises.
   """
+  if not _PLAIN.issuperset(map(type, changed.values())):
+    _check_traces(variables, changed, what)
+  for i, value in changed.items():
+    variables[i]._value = value
+
+
+def _check_traces(variables, changed, what):
   trace = None
   for i, value in changed.items():
-    if not _contains_tracer(value):  # the common case: concrete results, no trace needed
+    if not _contains_tracer(value):
+      _learn_plain(value)
       continue
     var = variables[i]
     trace = current_trace() if trace is None else trace
@@ -204,5 +285,3 @@ def write_back(variables: Sequence[Variable], changed: dict[int, Any],
           "module as an argument to the outer transform, using `sr.jit` / `sr.grad` / "
           "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
       )
-  for i, value in changed.items():
-    variables[i]._value = value

@@ -1,0 +1,1 @@
+"""statefulremat's benchmark suite: ``python -m benchmarks [--quick] [--out DIR]``."""

@@ -1,0 +1,487 @@
+"""Dispatch overhead of one jitted training step: statefulremat against raw JAX,
+flax.linen, flax.nnx and equinox.
+
+One step is forward + gradient + optimizer update, compiled once, on models whose
+arrays are tiny, so what differs between the variants is the work around the
+compiled computation (flattening, checks, write-back):
+
+* ``tiny``: 4 x (Linear 8->8, tanh), batch 2;
+* ``wide``: 48 unstacked residual blocks (Linear, LayerNorm, tanh, Linear, LayerNorm:
+  8 variables each, 384 in all), width 8, batch 2. On CPU its thousands of small
+  XLA operations take milliseconds, so the ratios there are closer to 1 than the
+  Python costs alone would be; ``overhead_us`` gives the difference in µs.
+
+Each library runs the step with a hand-written SGD update (``sgd``) and with an optax
+transformation (``optax``: ``optax.adam``; for statefulremat that is ``sr.Optimizer``).
+The variants are timed interleaved: in every batch each variant makes as many calls
+as fill a fixed time budget (at most ``calls``), each one blocked with
+``jax.block_until_ready``, in an order that rotates from batch to batch. A variant's
+min/median/max are over its per-batch means; its ratio is its median over raw
+``jax.jit``'s with the same optimizer kind.
+
+    python -m benchmarks.dispatch            # 30 batches of <= 50 calls
+    python -m benchmarks.dispatch --quick    # seconds: smaller graphs, a check only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import statefulremat as sr
+
+LR = 0.1
+TARGETS = {"tiny": 1.3, "wide": 1.5}  # sr.jit's median / raw jax.jit's median, at most
+SR_VARIANT = "sr.jit"
+
+
+def _tx():
+  return optax.adam(1e-3)
+
+
+def _loss(out):
+  return jnp.mean(out ** 2)
+
+
+# -- the models: one construction per library, same computation ---------------------
+
+
+def _raw_params(blocks: int, width: int, norm: bool):
+  keys = iter(jax.random.split(jax.random.key(0), 2 * blocks))
+  dense = lambda: {"kernel": jax.random.normal(next(keys), (width, width)) / width**0.5,
+                   "bias": jnp.zeros(width)}
+  ln = lambda: {"scale": jnp.ones(width), "bias": jnp.zeros(width)}
+  if not norm:
+    return [dense() for _ in range(blocks)]
+  return [{"l1": dense(), "n1": ln(), "l2": dense(), "n2": ln()} for _ in range(blocks)]
+
+
+def _layer_norm(p, x):
+  # The same operations as sr.nn.LayerNorm / nnx.LayerNorm (fast variance), so that
+  # every variant runs the same computation.
+  mean = x.mean(-1, keepdims=True)
+  var = jnp.maximum(0.0, jnp.square(x).mean(-1, keepdims=True) - jnp.square(mean))
+  return (x - mean) * (jax.lax.rsqrt(var + 1e-6) * p["scale"]) + p["bias"]
+
+
+def _raw_apply(params, x, norm: bool):
+  for p in params:
+    if norm:
+      h = _layer_norm(p["n1"], x @ p["l1"]["kernel"] + p["l1"]["bias"])
+      x = x + _layer_norm(p["n2"], jnp.tanh(h) @ p["l2"]["kernel"] + p["l2"]["bias"])
+    else:
+      x = jnp.tanh(x @ p["kernel"] + p["bias"])
+  return x
+
+
+class _SrBlock(sr.Module):
+  def __init__(self, width, *, rngs):
+    self.l1 = sr.nn.Linear(width, width, rngs=rngs)
+    self.n1 = sr.nn.LayerNorm(width, rngs=rngs)
+    self.l2 = sr.nn.Linear(width, width, rngs=rngs)
+    self.n2 = sr.nn.LayerNorm(width, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.n2(self.l2(jnp.tanh(self.n1(self.l1(x)))))
+
+
+class _SrModel(sr.Module):
+  def __init__(self, blocks, width, norm, *, rngs):
+    self.layers = [_SrBlock(width, rngs=rngs) if norm else
+                   sr.nn.Linear(width, width, rngs=rngs) for _ in range(blocks)]
+    self.norm = norm
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = layer(x) if self.norm else jnp.tanh(layer(x))
+    return x
+
+
+def _nnx_model(blocks, width, norm):
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(width, width, rngs=rngs)
+      self.n1 = nnx.LayerNorm(width, rngs=rngs)
+      self.l2 = nnx.Linear(width, width, rngs=rngs)
+      self.n2 = nnx.LayerNorm(width, rngs=rngs)
+
+    def __call__(self, x):
+      return x + self.n2(self.l2(jnp.tanh(self.n1(self.l1(x)))))
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List([Block(rngs) if norm else nnx.Linear(width, width, rngs=rngs)
+                              for _ in range(blocks)])
+
+    def __call__(self, x):
+      for layer in self.layers:
+        x = layer(x) if norm else jnp.tanh(layer(x))
+      return x
+
+  return Model(nnx.Rngs(0))
+
+
+def _linen_model(blocks, width, norm):
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(blocks):
+        if norm:
+          h = nn.LayerNorm(epsilon=1e-6)(nn.Dense(width)(x))
+          x = x + nn.LayerNorm(epsilon=1e-6)(nn.Dense(width)(jnp.tanh(h)))
+        else:
+          x = jnp.tanh(nn.Dense(width)(x))
+      return x
+
+  return Model()
+
+
+def _eqx_model(blocks, width, norm):
+  keys = iter(jax.random.split(jax.random.key(0), 2 * blocks))
+
+  class Block(eqx.Module):
+    l1: eqx.nn.Linear
+    n1: eqx.nn.LayerNorm
+    l2: eqx.nn.Linear
+    n2: eqx.nn.LayerNorm
+
+    def __call__(self, x):  # one example; the model vmaps over the batch
+      return x + self.n2(self.l2(jnp.tanh(self.n1(self.l1(x)))))
+
+  class Model(eqx.Module):
+    layers: list
+
+    def __call__(self, x):
+      def one(x):
+        for layer in self.layers:
+          x = layer(x) if norm else jnp.tanh(layer(x))
+        return x
+      return jax.vmap(one)(x)
+
+  def linear():
+    return eqx.nn.Linear(width, width, key=next(keys))
+
+  make = (lambda: Block(linear(), eqx.nn.LayerNorm(width, eps=1e-6), linear(),
+                        eqx.nn.LayerNorm(width, eps=1e-6))) if norm else linear
+  return Model([make() for _ in range(blocks)])
+
+
+# -- the steps: each builder returns a zero-argument call that runs one step --------
+
+
+def _sgd(params, grads):
+  return jax.tree.map(lambda p, g: p - LR * g, params, grads)
+
+
+def raw_jit(cfg, kind, x):
+  params = _raw_params(**cfg)
+  tx = _tx()
+  loss_fn = lambda params, x: _loss(_raw_apply(params, x, cfg["norm"]))
+
+  @jax.jit
+  def sgd_step(params, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    return _sgd(params, grads), loss
+
+  @jax.jit
+  def optax_step(params, opt_state, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  box = [params, tx.init(params)]
+
+  def call():
+    if kind == "sgd":
+      box[0], loss = sgd_step(box[0], x)
+    else:
+      box[0], box[1], loss = optax_step(box[0], box[1], x)
+    return loss
+
+  return call
+
+
+def linen_apply(cfg, kind, x):
+  model = _linen_model(**cfg)
+  params = model.init(jax.random.key(0), x)["params"]
+  tx = _tx()
+  loss_fn = lambda params, x: _loss(model.apply({"params": params}, x))
+
+  @jax.jit
+  def sgd_step(params, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    return _sgd(params, grads), loss
+
+  @jax.jit
+  def optax_step(params, opt_state, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  box = [params, tx.init(params)]
+
+  def call():
+    if kind == "sgd":
+      box[0], loss = sgd_step(box[0], x)
+    else:
+      box[0], box[1], loss = optax_step(box[0], box[1], x)
+    return loss
+
+  return call
+
+
+def _nnx_steps(graph: bool | None):
+  def sgd_step(model, x):
+    loss, grads = nnx.value_and_grad(lambda m: _loss(m(x)), graph=graph)(model)
+    if not isinstance(grads, nnx.State):  # tree mode: the gradient is a module
+      grads = nnx.state(grads, nnx.Param)
+    nnx.update(model, _sgd(nnx.state(model, nnx.Param), grads))
+    return loss
+
+  def optax_step(model, opt, x):
+    loss, grads = nnx.value_and_grad(lambda m: _loss(m(x)), graph=graph)(model)
+    opt.update(model, grads)
+    return loss
+
+  return sgd_step, optax_step
+
+
+def _nnx_setup(cfg, kind, graph=None):
+  model = _nnx_model(**cfg)
+  opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param, graph=graph)
+  sgd_step, optax_step = _nnx_steps(graph)
+  fn, bound = (sgd_step, (model,)) if kind == "sgd" else (optax_step, (model, opt))
+  return fn, bound
+
+
+def nnx_jit(cfg, kind, x):
+  fn, bound = _nnx_setup(cfg, kind)
+  step = nnx.jit(fn)
+  return lambda: step(*bound, x)
+
+
+def nnx_cached_partial(cfg, kind, x):
+  fn, bound = _nnx_setup(cfg, kind)
+  with nnx.set_graph_mode(True), nnx.set_graph_updates(True):
+    step = nnx.cached_partial(nnx.jit(fn, graph=True, graph_updates=True), *bound)
+  return lambda: step(x)
+
+
+def nnx_jit_partial(cfg, kind, x):
+  fn, bound = _nnx_setup(cfg, kind, graph=False)
+  step = nnx.jit_partial(fn, *bound, graph=False)
+  return lambda: step(x)
+
+
+def eqx_filter_jit(cfg, kind, x):
+  model = _eqx_model(**cfg)
+  tx = _tx()
+  loss_fn = lambda model, x: _loss(model(x))
+
+  @eqx.filter_jit
+  def sgd_step(model, x):
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x)
+    return eqx.apply_updates(model, jax.tree.map(lambda g: -LR * g, grads)), loss
+
+  @eqx.filter_jit
+  def optax_step(model, opt_state, x):
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x)
+    updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+  box = [model, tx.init(eqx.filter(model, eqx.is_array))]
+
+  def call():
+    if kind == "sgd":
+      box[0], loss = sgd_step(box[0], x)
+    else:
+      box[0], box[1], loss = optax_step(box[0], box[1], x)
+    return loss
+
+  return call
+
+
+def sr_jit(cfg, kind, x):
+  model = _SrModel(**cfg, rngs=sr.Rngs(0))
+
+  @sr.jit
+  def sgd_step(model, x):
+    loss, grads = sr.value_and_grad(lambda m: _loss(m(x)))(model)
+    sr.update(model, _sgd(sr.state(model, sr.Param), grads))
+    return loss
+
+  @sr.jit
+  def optax_step(model, opt, x):
+    loss, grads = sr.value_and_grad(lambda m: _loss(m(x)))(model)
+    opt.update(grads)
+    return loss
+
+  if kind == "sgd":
+    return lambda: sgd_step(model, x)
+  opt = sr.Optimizer(model, _tx())
+  return lambda: optax_step(model, opt, x)
+
+
+VARIANTS: dict[str, Callable] = {
+    "raw jax.jit": raw_jit,
+    "linen apply in jax.jit": linen_apply,
+    "nnx.jit": nnx_jit,
+    "nnx.cached_partial": nnx_cached_partial,
+    "nnx.jit_partial(graph=False)": nnx_jit_partial,
+    "eqx.filter_jit": eqx_filter_jit,
+    SR_VARIANT: sr_jit,
+}
+KINDS = ("sgd", "optax")
+
+
+def models(quick: bool) -> dict[str, dict]:
+  # Quick mode only checks that every variant runs: small graphs compile in seconds.
+  return {"tiny": {"blocks": 2 if quick else 4, "width": 8, "norm": False},
+          "wide": {"blocks": 1 if quick else 48, "width": 8, "norm": True}}
+
+
+# -- timing ---------------------------------------------------------------------------
+
+
+def _calls_for(call: Callable, budget_us: float, most: int) -> int:
+  """How many calls of ``call`` fill one batch's time budget (1 to ``most``)."""
+  start = time.perf_counter()
+  for _ in range(3):
+    jax.block_until_ready(call())
+  per_call = (time.perf_counter() - start) / 3 * 1e6
+  return max(1, min(most, int(budget_us / per_call)))
+
+
+def _time(steps: dict, calls: dict, batches: int) -> dict:
+  """Per-call µs of each batch, the variants interleaved in a rotating order."""
+  names = list(steps)
+  samples = {name: [] for name in names}
+  for b in range(batches):
+    shift = b % len(names)
+    for name in names[shift:] + names[:shift]:
+      call, n = steps[name], calls[name]
+      start = time.perf_counter()
+      for _ in range(n):
+        jax.block_until_ready(call())
+      samples[name].append((time.perf_counter() - start) / n * 1e6)
+  return samples
+
+
+def _stats(us: list[float]) -> dict:
+  return {"min_us": min(us), "median_us": statistics.median(us), "max_us": max(us)}
+
+
+def _n_variables(cfg) -> int:
+  return len(sr.state(_SrModel(**cfg, rngs=sr.Rngs(0))).flat())
+
+
+def run(quick: bool = False, *, batches: int | None = None, calls: int | None = None
+        ) -> dict:
+  """Times every variant on both models; returns a JSON-serialisable dict.
+
+  ``result["models"][model]["variants"][variant][kind]`` (``kind`` is ``"sgd"`` or
+  ``"optax"``) holds ``min_us``, ``median_us``, ``max_us``, ``calls`` (per batch),
+  ``ratio`` (median over raw ``jax.jit``'s with the same kind) and ``overhead_us``
+  (median minus raw's); ``result["targets"]`` lists sr.jit's ratios against their
+  targets. Each variant makes as many calls per batch (at most ``calls``) as fill
+  a fixed time budget, so slow variants on the wide graph do not dominate the run.
+
+  ``quick=True`` runs in seconds: smaller graphs, 3 short batches, XLA's
+  optimisations off. Its times are no measurement, only a check that everything runs.
+  """
+  if not quick:
+    return _run(quick, batches, calls)
+  before = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    return _run(quick, batches, calls)
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+def _run(quick: bool, batches: int | None, calls: int | None) -> dict:
+  """The body of ``run``."""
+  batches = batches or (3 if quick else 30)
+  calls = calls or (3 if quick else 50)
+  budget_us = 2_000 if quick else 30_000
+  x = jnp.ones((2, 8))
+  result = {"config": {"quick": quick, "batches": batches, "max_calls_per_batch": calls,
+                       "batch_budget_us": budget_us, "batch_size": 2,
+                       "optax": "adam(1e-3)", "xla_optimizations": not quick,
+                       "backend": jax.default_backend(),
+                       "device": str(jax.devices()[0])},
+            "models": {}, "targets": []}
+  for model, cfg in models(quick).items():
+    steps, counts = {}, {}
+    for name, build in VARIANTS.items():
+      for kind in KINDS:
+        call = build(cfg, kind, x)
+        jax.block_until_ready(call())  # compiles
+        steps[name, kind] = call
+        counts[name, kind] = _calls_for(call, budget_us, calls)
+    samples = _time(steps, counts, batches)
+    variants: dict = {}
+    for name, kind in steps:
+      variants.setdefault(name, {})[kind] = {**_stats(samples[name, kind]),
+                                             "calls": counts[name, kind]}
+    for name in variants:
+      for kind in KINDS:
+        base = variants["raw jax.jit"][kind]["median_us"]
+        entry = variants[name][kind]
+        entry["ratio"] = entry["median_us"] / base
+        entry["overhead_us"] = entry["median_us"] - base
+    result["models"][model] = {**cfg, "variables": _n_variables(cfg),
+                               "variants": variants}
+    for kind in KINDS:
+      ratio = variants[SR_VARIANT][kind]["ratio"]
+      result["targets"].append({
+          "model": model, "variant": SR_VARIANT, "optimizer": kind, "ratio": ratio,
+          "target": TARGETS[model], "met": ratio <= TARGETS[model]})
+  return result
+
+
+def table(result: dict) -> str:
+  """A markdown table of ``run``'s result: µs per step and ratio to raw jax.jit."""
+  lines = []
+  for model, entry in result["models"].items():
+    lines += [f"\n**{model}**: {entry['blocks']} blocks, {entry['variables']} variables "
+              f"(target for {SR_VARIANT}: <= {TARGETS[model]}x raw)\n",
+              "| variant | optimizer | min µs | median µs | max µs | ratio | +µs |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for name, kinds in entry["variants"].items():
+      for kind, s in kinds.items():
+        lines.append(f"| {name} | {kind} | {s['min_us']:.1f} | {s['median_us']:.1f} | "
+                     f"{s['max_us']:.1f} | {s['ratio']:.2f}x | {s['overhead_us']:+.0f} |")
+  lines.append("")
+  for t in result["targets"]:
+    lines.append(f"- {t['model']}, {t['optimizer']}: {t['ratio']:.2f}x (target <= "
+                 f"{t['target']}x) {'met' if t['met'] else 'NOT met'}")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--batches", type=int)
+  parser.add_argument("--calls", type=int)
+  parser.add_argument("--json", help="also write the result to this file")
+  args = parser.parse_args(argv)
+  result = run(args.quick, batches=args.batches, calls=args.calls)
+  print(table(result))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

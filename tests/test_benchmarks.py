@@ -1,0 +1,105 @@
+"""The benchmark suite's quick mode runs end to end: every variant ran, files written.
+
+No timing assertions: the suite measures, it never fails on a slow figure. Part 4
+(dispatch) has its own module and is left out here; its rendering is checked on a small
+result of the documented shape.
+"""
+
+import json
+
+import pytest
+
+from benchmarks import plots, report
+from benchmarks import run as suite
+from benchmarks.models import LIBRARIES, STRATEGIES
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+  out = tmp_path_factory.mktemp("results")
+  suite.run(quick=True, out=out, with_dispatch=False, log=lambda *a: None)
+  return out, json.loads((out / "results.json").read_text())
+
+
+def _by_key(entries):
+  return {(e["library"], e["strategy"], e["n"]): e for e in entries}
+
+
+def test_every_variant_compiled_with_positive_bytes(quick):
+  _, results = quick
+  entries = _by_key(results["deep_stack"])
+  for lib in LIBRARIES:
+    for strategy in STRATEGIES:
+      for n in suite.QUICK["depths"]:
+        e = entries[(lib, strategy, n)]
+        if e["status"] == "n/a":
+          assert e["reason"]
+          continue
+        assert e["status"] == "ok"
+        assert all(e["bytes"][k] > 0 for k in ("temp", "arguments", "outputs"))
+        assert e["trace_lower_s"]["median"] > 0 and e["compile_s"]["median"] > 0
+        assert set(e["ratio"]) >= {"temp", "outputs", "trace_lower", "compile"}
+
+
+def test_every_variant_was_timed(quick):
+  _, results = quick
+  entries = _by_key(results["step"])
+  for lib in LIBRARIES:
+    for strategy in STRATEGIES:
+      for n in suite.QUICK["step"]["depths"]:
+        e = entries[(lib, strategy, n)]
+        assert e["status"] == "ok" or e["reason"]
+        if e["status"] == "ok":
+          assert len(e["ms"]["samples"]) == suite.QUICK["step"]["calls"]
+          assert e["ratio"] > 0
+
+
+def test_same_arguments_as_raw(quick):
+  # Every library differentiates the same parameters: equal argument bytes.
+  _, results = quick
+  for e in results["deep_stack"]:
+    if e["status"] == "ok":
+      assert e["ratio"]["arguments"] == 1.0, e
+
+
+def test_targets_and_files(quick):
+  out, results = quick
+  assert results["targets"]
+  assert all(isinstance(t["met"], bool) for t in results["targets"])
+  assert {t["part"] for t in results["targets"]} == {"memory", "compile", "step"}
+  text = (out / "results.md").read_text()
+  assert "## 1. XLA compiled memory" in text and "met" in text
+  for name in ("memory.png", "compile.png"):
+    assert (out / name).stat().st_size > 0
+
+
+def test_dispatch_rendering(quick, tmp_path):
+  _, results = quick
+  stats = {"min_us": 1.0, "median_us": 2.0, "max_us": 3.0, "ratio": 1.0}
+  dispatch = {"models": {"tiny": {"variables": 8, "variants": {
+      "raw jax.jit": {"sgd": stats, "optax": stats},
+      "sr.jit": {"sgd": stats, "optax": stats}}}}}
+  plots.dispatch(dispatch, tmp_path / "dispatch.png")
+  assert (tmp_path / "dispatch.png").stat().st_size > 0
+  text = report.markdown({**results, "dispatch": dispatch}, "| dispatch table |")
+  assert "## 4. Dispatch overhead" in text and "| dispatch table |" in text
+
+
+def test_lengths_are_the_issues():
+  from benchmarks.models import lengths_for
+  assert [lengths_for(n, 2) for n in (16, 64, 100, 256)] == [(4, 4), (8, 8), (10, 10),
+                                                             (16, 16)]
+  assert [lengths_for(n, 3) for n in (16, 64, 100, 256)] == [(2, 2, 4), (4, 4, 4),
+                                                             (4, 5, 5), (4, 8, 8)]
+
+
+def test_compile_growth_exponent():
+  # Flat for scan forms, about linear for the unrolled loop (the quick run has one N).
+  entries = [{"library": "sr", "strategy": strategy, "n": n, "status": "ok",
+              "compile_s": {"median": seconds}}
+             for strategy, per_n in (("scan", {16: 1.0, 256: 1.1}),
+                                     ("unrolled", {16: 1.0, 256: 16.0}))
+             for n, seconds in per_n.items()]
+  rows = {row["strategy"]: row for row in report.flatness(entries)}
+  assert rows["scan"]["met"] and rows["scan"]["exponent"] < 0.05
+  assert rows["unrolled"]["met"] is None and abs(rows["unrolled"]["exponent"] - 1) < 1e-9
