@@ -181,7 +181,7 @@ class Conv(Module):
         feature_group_count=self.feature_group_count, precision=self.precision,
         **kwargs)
     if bias is not None:
-      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+      y += lax.expand_dims(bias, tuple(range(y.ndim - 1)))  # lax: cheap to trace
     if n_batch != 1:
       y = jnp.reshape(y, batch_shape + y.shape[1:])
     return y

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -90,12 +91,33 @@ class Linear(Module):
     bias = self.bias.value if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
                                               dtype=self.dtype)
+    if self.dot_general is lax.dot_general and out_sharding is None:
+      return _dense(inputs, kernel, bias, precision=self.precision,
+                    preferred_element_type=self.preferred_element_type)
     # Only pass what is set, so a user's dot_general without these keywords works.
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
     if self.preferred_element_type is not None:
       kwargs["preferred_element_type"] = self.preferred_element_type
-    y = self.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
-                         precision=self.precision, **kwargs)
-    if bias is not None:
-      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    return y
+    return _add_bias(self.dot_general(inputs, kernel, _last_axis(inputs),
+                                      precision=self.precision, **kwargs), bias)
+
+
+def _last_axis(inputs: jax.Array) -> tuple:
+  """``dot_general`` dimension numbers contracting ``inputs``' last axis with axis 0."""
+  return (((inputs.ndim - 1,), (0,)), ((), ()))
+
+
+def _add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
+  # lax, not jnp.reshape: a jnp call is a nested jit, several times the tracing cost
+  return y if bias is None else y + lax.expand_dims(bias, tuple(range(y.ndim - 1)))
+
+
+# An inline jit, like jnp's own functions: identical layers (a 100-layer unrolled stack)
+# share one trace and one linearisation instead of tracing the same ops again each time.
+# It is inlined into the caller's jaxpr, so the program is the same.
+@functools.partial(jax.jit, inline=True,
+                   static_argnames=("precision", "preferred_element_type"))
+def _dense(inputs, kernel, bias, *, precision, preferred_element_type):
+  return _add_bias(lax.dot_general(inputs, kernel, _last_axis(inputs),
+                                   precision=precision,
+                                   preferred_element_type=preferred_element_type), bias)

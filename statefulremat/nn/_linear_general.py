@@ -126,6 +126,6 @@ class LinearGeneral(Module):
                       ((axis, contract), (batch_axis, tuple(range(n_batch)))),
                       precision=self.precision, **kwargs)
     if bias is not None:
-      out += jnp.reshape(bias, (*expanded_batch_shape, *self.out_features))
+      out += lax.reshape(bias, (*expanded_batch_shape, *self.out_features))  # cheap to trace
     return out
 
