@@ -399,14 +399,17 @@ def run(quick: bool = False, *, batches: int | None = None, calls: int | None = 
   ``quick=True`` runs in seconds: smaller graphs, 3 short batches, XLA's
   optimisations off. Its times are no measurement, only a check that everything runs.
   """
-  if not quick:
-    return _run(quick, batches, calls)
-  before = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  try:
-    return _run(quick, batches, calls)
-  finally:
-    jax.config.update("jax_disable_most_optimizations", before)
+  # The models broadcast biases implicitly, as users write them (the test suite raises
+  # on implicit rank promotion).
+  with jax.numpy_rank_promotion("allow"):
+    if not quick:
+      return _run(quick, batches, calls)
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+      return _run(quick, batches, calls)
+    finally:
+      jax.config.update("jax_disable_most_optimizations", before)
 
 
 def _run(quick: bool, batches: int | None, calls: int | None) -> dict:
@@ -436,17 +439,24 @@ def _run(quick: bool, batches: int | None, calls: int | None) -> dict:
                                              "calls": counts[name, kind]}
     for name in variants:
       for kind in KINDS:
-        base = variants["raw jax.jit"][kind]["median_us"]
+        base = variants["raw jax.jit"][kind]
         entry = variants[name][kind]
-        entry["ratio"] = entry["median_us"] / base
-        entry["overhead_us"] = entry["median_us"] - base
+        entry["ratio"] = entry["median_us"] / base["median_us"]
+        entry["min_ratio"] = entry["min_us"] / base["min_us"]
+        # Each batch's mean over raw's in the same batch: a load spike that slows
+        # neighbouring batches alike cancels out.
+        entry["paired_ratio"] = statistics.median(
+            s / r for s, r in zip(samples[name, kind], samples["raw jax.jit", kind]))
+        entry["overhead_us"] = entry["median_us"] - base["median_us"]
     result["models"][model] = {**cfg, "variables": _n_variables(cfg),
                                "variants": variants}
     for kind in KINDS:
-      ratio = variants[SR_VARIANT][kind]["ratio"]
+      entry = variants[SR_VARIANT][kind]
       result["targets"].append({
-          "model": model, "variant": SR_VARIANT, "optimizer": kind, "ratio": ratio,
-          "target": TARGETS[model], "met": ratio <= TARGETS[model]})
+          "model": model, "variant": SR_VARIANT, "optimizer": kind,
+          "ratio": entry["ratio"], "paired_ratio": entry["paired_ratio"],
+          "min_ratio": entry["min_ratio"], "target": TARGETS[model],
+          "met": entry["ratio"] <= TARGETS[model]})
   return result
 
 
@@ -456,15 +466,20 @@ def table(result: dict) -> str:
   for model, entry in result["models"].items():
     lines += [f"\n**{model}**: {entry['blocks']} blocks, {entry['variables']} variables "
               f"(target for {SR_VARIANT}: <= {TARGETS[model]}x raw)\n",
-              "| variant | optimizer | min µs | median µs | max µs | ratio | +µs |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+              "| variant | optimizer | min µs | median µs | max µs | ratio | paired | "
+              "min ratio | +µs |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, kinds in entry["variants"].items():
       for kind, s in kinds.items():
         lines.append(f"| {name} | {kind} | {s['min_us']:.1f} | {s['median_us']:.1f} | "
-                     f"{s['max_us']:.1f} | {s['ratio']:.2f}x | {s['overhead_us']:+.0f} |")
-  lines.append("")
+                     f"{s['max_us']:.1f} | {s['ratio']:.2f}x | {s['paired_ratio']:.2f}x | "
+                     f"{s['min_ratio']:.2f}x | {s['overhead_us']:+.0f} |")
+  lines += ["", "ratio: median over raw jax.jit's median; paired: the median of each "
+            "batch's mean over raw's in the same batch; min ratio: min over raw's min.",
+            ""]
   for t in result["targets"]:
-    lines.append(f"- {t['model']}, {t['optimizer']}: {t['ratio']:.2f}x (target <= "
+    lines.append(f"- {t['model']}, {t['optimizer']}: {t['ratio']:.2f}x (paired "
+                 f"{t['paired_ratio']:.2f}x, min {t['min_ratio']:.2f}x; target <= "
                  f"{t['target']}x) {'met' if t['met'] else 'NOT met'}")
   return "\n".join(lines)
 

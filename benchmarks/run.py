@@ -10,7 +10,7 @@ mean(out**2), gradient over the params; see ``benchmarks/models.py``):
    W=256, B=4096: unrolled, scan, scan(remat), remat_scan d=2 and d=3, in each library;
 2. trace+lower and compile seconds against N (min / median / max of fresh functions);
 3. step time of the jitted gradient as a ratio to raw JAX (interleaved calls);
-4. dispatch overhead (``benchmarks/dispatch.py``), when that module is present.
+4. dispatch overhead of one training step (``benchmarks/dispatch.py``).
 
 Writes ``results.json``, ``results.md`` (every figure with its target, met or not) and
 ``memory.png``, ``compile.png`` (and ``dispatch.png``) to ``--out`` (default
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import platform
@@ -35,7 +34,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/run.py`
 import flax  # noqa: E402
 import jax  # noqa: E402
 
-from benchmarks import compiling, plots, report, timing  # noqa: E402
+from benchmarks import compiling, dispatch, plots, report, timing  # noqa: E402
 from benchmarks.models import lengths_for  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -84,17 +83,6 @@ def machine() -> str:
   return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
 
 
-def _dispatch_module(log):
-  """``benchmarks.dispatch`` (part 4), or None with a note if it does not exist."""
-  try:
-    return importlib.import_module("benchmarks.dispatch")
-  except ModuleNotFoundError as e:
-    if e.name != "benchmarks.dispatch":  # a missing dependency of the module: report it
-      raise
-    log("part 4 (dispatch) skipped: benchmarks/dispatch.py does not exist")
-    return None
-
-
 def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool = True,
         log=print) -> dict:
   """Runs the suite, writes the result files to ``out`` and returns the results dict."""
@@ -115,11 +103,10 @@ def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool =
     steps = timing.run(step["depths"], step["width"], step["batch"], step["calls"],
                        compiled=kept, log=log)
   del kept
-  dispatch_module = _dispatch_module(log) if with_dispatch else None
   dispatch_result = None
-  if dispatch_module is not None:
+  if with_dispatch:
     log("part 4: dispatch overhead")
-    dispatch_result = dispatch_module.run(quick)
+    dispatch_result = dispatch.run(quick)
   results = {
       "config": {
           "quick": quick, "width": cfg["width"], "batch": cfg["batch"],
@@ -135,18 +122,18 @@ def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool =
   }
   results["targets"] = report.targets(results)
   results["config"]["seconds"] = time.perf_counter() - start
-  write(results, Path(out), dispatch_module)
+  write(results, Path(out))
   return results
 
 
-def write(results: dict, out: Path, dispatch_module=None) -> None:
+def write(results: dict, out: Path) -> None:
   """``results.json``, ``results.md`` and the PNG plots, into ``out``."""
   out.mkdir(parents=True, exist_ok=True)
   with open(out / "results.json", "w") as f:
     json.dump(results, f, indent=1)
   table = None
   if results.get("dispatch") is not None:
-    table = dispatch_module.table(results["dispatch"]) if dispatch_module else None
+    table = dispatch.table(results["dispatch"])
     plots.dispatch(results["dispatch"], out / "dispatch.png")
   (out / "results.md").write_text(report.markdown(results, table))
   plots.memory(results["deep_stack"], out / "memory.png")

@@ -1,23 +1,22 @@
 """The benchmark suite's quick mode runs end to end: every variant ran, files written.
 
-No timing assertions: the suite measures, it never fails on a slow figure. Part 4
-(dispatch) has its own module and is left out here; its rendering is checked on a small
-result of the documented shape.
+No timing assertions: the suite measures, it never fails on a slow figure.
 """
 
 import json
 
 import pytest
 
-from benchmarks import plots, report
+from benchmarks import report
 from benchmarks import run as suite
+from benchmarks.dispatch import KINDS, VARIANTS
 from benchmarks.models import LIBRARIES, STRATEGIES
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
   out = tmp_path_factory.mktemp("results")
-  suite.run(quick=True, out=out, with_dispatch=False, log=lambda *a: None)
+  suite.run(quick=True, out=out, log=lambda *a: None)
   return out, json.loads((out / "results.json").read_text())
 
 
@@ -66,23 +65,28 @@ def test_targets_and_files(quick):
   out, results = quick
   assert results["targets"]
   assert all(isinstance(t["met"], bool) for t in results["targets"])
-  assert {t["part"] for t in results["targets"]} == {"memory", "compile", "step"}
+  assert {t["part"] for t in results["targets"]} == {"memory", "compile", "step",
+                                                     "dispatch"}
   text = (out / "results.md").read_text()
-  assert "## 1. XLA compiled memory" in text and "met" in text
-  for name in ("memory.png", "compile.png"):
+  assert "## 1. XLA compiled memory" in text and "## 4. Dispatch overhead" in text
+  for name in ("memory.png", "compile.png", "dispatch.png"):
     assert (out / name).stat().st_size > 0
 
 
-def test_dispatch_rendering(quick, tmp_path):
+def test_every_dispatch_variant_was_timed(quick):
   _, results = quick
-  stats = {"min_us": 1.0, "median_us": 2.0, "max_us": 3.0, "ratio": 1.0}
-  dispatch = {"models": {"tiny": {"variables": 8, "variants": {
-      "raw jax.jit": {"sgd": stats, "optax": stats},
-      "sr.jit": {"sgd": stats, "optax": stats}}}}}
-  plots.dispatch(dispatch, tmp_path / "dispatch.png")
-  assert (tmp_path / "dispatch.png").stat().st_size > 0
-  text = report.markdown({**results, "dispatch": dispatch}, "| dispatch table |")
-  assert "## 4. Dispatch overhead" in text and "| dispatch table |" in text
+  dispatch = results["dispatch"]
+  for model in ("tiny", "wide"):
+    entry = dispatch["models"][model]
+    assert entry["variables"] > 0
+    assert set(entry["variants"]) == set(VARIANTS)
+    for kinds in entry["variants"].values():
+      assert set(kinds) == set(KINDS)
+      for s in kinds.values():
+        assert 0 < s["min_us"] <= s["median_us"] <= s["max_us"]
+        assert s["ratio"] > 0 and s["paired_ratio"] > 0 and s["calls"] >= 1
+  assert {(t["model"], t["optimizer"]) for t in dispatch["targets"]} == {
+      (m, k) for m in ("tiny", "wide") for k in KINDS}
 
 
 def test_lengths_are_the_issues():
