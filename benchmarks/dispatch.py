@@ -15,7 +15,8 @@ Each library runs the step with a hand-written SGD update (``sgd``) and with an 
 transformation (``optax``: ``optax.adam``; for statefulremat that is ``sr.Optimizer``).
 The variants are timed interleaved: in every batch each variant makes as many calls
 as fill a fixed time budget (at most ``calls``), each one blocked with
-``jax.block_until_ready``, in an order that rotates from batch to batch. A variant's
+``jax.block_until_ready``, in an order that rotates from batch to batch; the garbage
+collector runs before each batch and is off during it. A variant's
 min/median/max are over its per-batch means; its ratio is its median over raw
 ``jax.jit``'s with the same optimizer kind.
 
@@ -26,6 +27,7 @@ min/median/max are over its per-batch means; its ratio is its median over raw
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -370,10 +372,17 @@ def _time(steps: dict, calls: dict, batches: int) -> dict:
     shift = b % len(names)
     for name in names[shift:] + names[:shift]:
       call, n = steps[name], calls[name]
-      start = time.perf_counter()
-      for _ in range(n):
-        jax.block_until_ready(call())
-      samples[name].append((time.perf_counter() - start) / n * 1e6)
+      # A collection triggered by the garbage of the variant before (nnx.jit makes
+      # thousands of objects a step) would be charged to whichever runs next.
+      gc.collect()
+      gc.disable()
+      try:
+        start = time.perf_counter()
+        for _ in range(n):
+          jax.block_until_ready(call())
+        samples[name].append((time.perf_counter() - start) / n * 1e6)
+      finally:
+        gc.enable()
   return samples
 
 

@@ -421,6 +421,36 @@ def test_repeated_calls_walk_no_graph_on_any_argument_form(monkeypatch):
     assert bool((m.w.value < w).all())
 
 
+def test_unrelated_structure_change_leaves_repeated_calls_without_graph_compares(
+    monkeypatch):
+  # Building another module starts new flatten-cache entries; their equal GraphDef is
+  # the same object as before, so the compiled function is found by identity.
+  from statefulremat import _graph
+
+  compares = []
+  real = _graph.GraphDef.__eq__
+  monkeypatch.setattr(_graph.GraphDef, "__eq__",
+                      lambda a, b: compares.append(1) or real(a, b))
+  m = Scale(2)
+  traces = []
+
+  @sr.jit
+  def f(m, x):
+    traces.append(1)
+    m.w.value = m.w.value + x
+    return m.w.value.sum()
+
+  x = jnp.ones(2)
+  f(m, x)
+  Scale(3)  # an unrelated new module: a structure change
+  f(m, x)
+  before = len(compares)
+  for _ in range(5):
+    f(m, x)
+  assert len(compares) == before and len(traces) == 1
+  np.testing.assert_array_equal(m.w.value, [8.0, 8.0])
+
+
 def test_flat_and_general_paths_share_one_compiled_function():
   m = Scale(2)
   traces = []

@@ -16,6 +16,7 @@ exactly as they were.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -35,7 +36,7 @@ def is_node(x) -> bool:
 class Lifted:
   """The static description of one call's arguments (hashable: a jit cache key)."""
 
-  __slots__ = ("graphdef", "treedef", "node_positions", "_hash")
+  __slots__ = ("graphdef", "treedef", "node_positions", "_hash", "__weakref__")
 
   def __init__(self, graphdef: GraphDef, treedef, node_positions: tuple):
     self.graphdef = graphdef
@@ -179,6 +180,16 @@ def _split_flat(args: tuple):
   return nodes, leaves, tuple(positions)
 
 
+# Equal Lifted objects are made one object, so a compilation cache keyed on them finds
+# its entry by identity. Otherwise, after any structure change anywhere (which starts
+# new cache entries), each call would compare two equal GraphDefs in Python.
+_INTERNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _intern(lifted: Lifted) -> Lifted:
+  return _INTERNED.setdefault(lifted, lifted)
+
+
 class FlattenCache:
   """Per-transform cache of graph walks, valid while no module structure changed."""
 
@@ -196,7 +207,7 @@ class FlattenCache:
     if hit is not None:
       return hit[0], hit[1]
     graphdef, variables = flatten(nodes)
-    lifted = Lifted(graphdef, treedef, positions)
+    lifted = _intern(Lifted(graphdef, treedef, positions))
     # Holding `nodes` keeps their ids from being reused while the entry lives.
     self._entries[key] = (lifted, variables, nodes)
     if len(self._entries) > self._size:
