@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .._errors import format_path
 from .._graph import _DICT, _LIST, _NODE, _TUPLE, _VAR
@@ -165,11 +166,17 @@ class LayerLoop:
     """
     lengths = tuple(lengths)
     n = math.prod(lengths)
-    fold = lambda x: jnp.reshape(x, lengths + jnp.shape(x)[1:])
-    unfold = lambda x: jnp.reshape(x, (n,) + jnp.shape(x)[len(lengths):])
-    stacked_in = [fold(jnp.moveaxis(self.values[i], self.plan.axes[i], 0))
+    # lax, and nothing for a single level or axis 0: each jnp call is a nested jit,
+    # which under grad costs about a millisecond of tracing.
+    if len(lengths) == 1:
+      fold = unfold = lambda x: x
+    else:
+      fold = lambda x: lax.reshape(x, lengths + jnp.shape(x)[1:])
+      unfold = lambda x: lax.reshape(x, (n,) + jnp.shape(x)[len(lengths):])
+    stacked_in = [fold(_move_axis(self.values[i], self.plan.axes[i], 0))
                   for i in self.stacked]
-    index = jnp.arange(n, dtype=jnp.uint32).reshape(lengths)
+    # The layer index only feeds the RNG streams' per-layer keys.
+    index = lax.reshape(lax.iota(jnp.uint32, n), lengths) if self.plan.streams else None
     state = ([self.values[i] for i in self.carried], carry)
     layer = functools.partial(self._layer, body)
     depth = len(lengths)
@@ -188,10 +195,14 @@ class LayerLoop:
         0, state, (stacked_in, jax.tree.map(fold, xs), index))
     changed = {}
     for i, value in written.items():
-      changed[i] = jnp.moveaxis(unfold(value), 0, self.plan.axes[i])
+      changed[i] = _move_axis(unfold(value), 0, self.plan.axes[i])
     for i, value in zip(self.carried, carry_values):
       if i in self.carry_written:
         changed[i] = value
     for i in self.used:
       changed[i] = self.values[i] + jnp.uint32(1)
     return carry, jax.tree.map(unfold, ys), changed
+
+
+def _move_axis(x, source: int, destination: int):
+  return x if source == destination else jnp.moveaxis(x, source, destination)
