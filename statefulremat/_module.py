@@ -102,3 +102,8 @@ class Module:
     from ._repr import module_repr
 
     return module_repr(self)
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from ._treescope import render_module
+
+    return render_module(self, path, subtree_renderer)

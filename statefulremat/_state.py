@@ -283,6 +283,11 @@ class State(Mapping):
     ]
     return "State({\n" + "\n".join(lines) + "\n})" if lines else "State({})"
 
+  def __treescope_repr__(self, path, subtree_renderer):
+    from ._treescope import render_state
+
+    return render_state(self, path, subtree_renderer)
+
 
 def _flatten_entries(entries: Mapping) -> dict:
   if entries and all(isinstance(k, tuple) for k in entries):

@@ -205,6 +205,11 @@ class Variable:
 
     return variable_repr(self)
 
+  def __treescope_repr__(self, path, subtree_renderer):
+    from ._treescope import render_variable
+
+    return render_variable(self, path, subtree_renderer)
+
 
 def _binary(op):
   def forward(self, other):
