@@ -597,3 +597,14 @@ def test_bad_inputs_raise_clear_errors():
     sr.nn.LinearGeneral((2, 2), 4, axis=(1, -1), rngs=rngs)(X)
   with pytest.raises(AttributeError, match="no 'params' stream"):
     sr.nn.Linear(4, 4, rngs=sr.Rngs(dropout=0))
+
+
+def test_linear_takes_precision_as_none_string_enum_or_tuple():
+  x = jnp.ones((2, 3))
+  outs = []
+  for precision in (None, "highest", jax.lax.Precision.HIGHEST,
+                    (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)):
+    layer = sr.nn.Linear(3, 4, precision=precision, rngs=sr.Rngs(0))
+    outs.append(layer(x))
+  for out in outs[1:]:
+    np.testing.assert_allclose(out, outs[0], rtol=1e-6)
