@@ -185,10 +185,9 @@ def _sgd(params, grads):
   return jax.tree.map(lambda p, g: p - LR * g, params, grads)
 
 
-def raw_jit(cfg, kind, x):
-  params = _raw_params(**cfg)
+def _pytree_step(params, loss_fn, kind, x):
+  """``call()`` of a ``jax.jit`` step on a params pytree: raw JAX's and linen's loop."""
   tx = _tx()
-  loss_fn = lambda params, x: _loss(_raw_apply(params, x, cfg["norm"]))
 
   @jax.jit
   def sgd_step(params, x):
@@ -211,35 +210,18 @@ def raw_jit(cfg, kind, x):
     return loss
 
   return call
+
+
+def raw_jit(cfg, kind, x):
+  return _pytree_step(_raw_params(**cfg),
+                      lambda params, x: _loss(_raw_apply(params, x, cfg["norm"])), kind, x)
 
 
 def linen_apply(cfg, kind, x):
   model = _linen_model(**cfg)
   params = model.init(jax.random.key(0), x)["params"]
-  tx = _tx()
-  loss_fn = lambda params, x: _loss(model.apply({"params": params}, x))
-
-  @jax.jit
-  def sgd_step(params, x):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x)
-    return _sgd(params, grads), loss
-
-  @jax.jit
-  def optax_step(params, opt_state, x):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  box = [params, tx.init(params)]
-
-  def call():
-    if kind == "sgd":
-      box[0], loss = sgd_step(box[0], x)
-    else:
-      box[0], box[1], loss = optax_step(box[0], box[1], x)
-    return loss
-
-  return call
+  return _pytree_step(params, lambda params, x: _loss(model.apply({"params": params}, x)),
+                      kind, x)
 
 
 def _nnx_steps(graph: bool | None):

@@ -433,13 +433,7 @@ def test_unrelated_structure_change_leaves_repeated_calls_without_graph_compares
                       lambda a, b: compares.append(1) or real(a, b))
   m = Scale(2)
   traces = []
-
-  @sr.jit
-  def f(m, x):
-    traces.append(1)
-    m.w.value = m.w.value + x
-    return m.w.value.sum()
-
+  f = _counting_add(traces)
   x = jnp.ones(2)
   f(m, x)
   Scale(3)  # an unrelated new module: a structure change
@@ -451,9 +445,8 @@ def test_unrelated_structure_change_leaves_repeated_calls_without_graph_compares
   np.testing.assert_array_equal(m.w.value, [8.0, 8.0])
 
 
-def test_flat_and_general_paths_share_one_compiled_function():
-  m = Scale(2)
-  traces = []
+def _counting_add(traces: list):
+  """``sr.jit`` of ``m.w += x``, appending to ``traces`` each time it is traced."""
 
   @sr.jit
   def f(m, x):
@@ -461,6 +454,13 @@ def test_flat_and_general_paths_share_one_compiled_function():
     m.w.value = m.w.value + x
     return m.w.value.sum()
 
+  return f
+
+
+def test_flat_and_general_paths_share_one_compiled_function():
+  m = Scale(2)
+  traces = []
+  f = _counting_add(traces)
   x = jnp.ones(2)
   f(m, x)  # modules and arrays only: no tree_flatten
   f(m, jax.device_put(x))
