@@ -61,7 +61,14 @@ class GraphDef:
     return self._hash
 
   def __repr__(self):
-    return f"GraphDef(<{len(self.var_paths)} variables>)"
+    from ._treescope import text_repr
+
+    return text_repr(self, lambda g: f"GraphDef(<{len(g.var_paths)} variables>)")
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from ._treescope import render_graphdef
+
+    return render_graphdef(self, path, subtree_renderer)
 
 
 # -- flattening -----------------------------------------------------------------

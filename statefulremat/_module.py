@@ -100,8 +100,9 @@ class Module:
 
   def __repr__(self) -> str:
     from ._repr import module_repr
+    from ._treescope import text_repr
 
-    return module_repr(self)
+    return text_repr(self, module_repr)
 
   def __treescope_repr__(self, path, subtree_renderer):
     from ._treescope import render_module

@@ -1,4 +1,4 @@
-"""Plain-text reprs of variables and modules (treescope rendering comes later)."""
+"""Plain-text reprs: what `repr` falls back to when treescope cannot draw an object."""
 
 from __future__ import annotations
 

@@ -275,6 +275,11 @@ class State(Mapping):
     return State._make(_Spec(tuple(paths), tuple(kinds), tuple(metas)), values)
 
   def __repr__(self) -> str:
+    from ._treescope import text_repr
+
+    return text_repr(self, State._plain_repr)
+
+  def _plain_repr(self) -> str:
     from ._repr import value_summary
 
     lines = [

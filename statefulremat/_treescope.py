@@ -9,9 +9,13 @@ treescope internals); Variables are coloured by collection. Two things are ours:
   partition name, else ``layers``. The value is wrapped in a ``LayeredArray``, which
   treescope's array visualiser reads through an ``NDArrayAdapter``, so the HTML figure
   labels its axes with the same names;
-* a module or Variable reached twice (shared) is drawn once; later places say where:
+* a module or Variable reached twice (shared) is drawn once, with a comment naming
+  its other places (``# shared: also at tied``); later places say where it is drawn:
   ``Param(<shared: drawn at first.w>)`` (and treescope's own "repeated object"
   comment, which carries a memory address, never fires).
+
+A GraphDef draws as the module tree it describes, each Variable with its kind and
+metadata but no value. ``repr()`` of any of these objects is treescope's text.
 
 treescope is imported on first render, so ``import statefulremat`` stays light.
 """
@@ -28,9 +32,47 @@ from ._errors import format_path
 # id(variable) -> (layer axis, axis name), for the variables of the stack being drawn.
 _LAYER_AXES: contextvars.ContextVar[dict] = contextvars.ContextVar("sr_layer_axes",
                                                                   default={})
-# id(module or variable) -> the path where one top-level render first draws it.
+# id(module or variable) -> every path where one top-level render reaches it, the
+# first being where it is drawn.
 _FIRST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("sr_first",
                                                                     default=None)
+
+
+# True while drawing a repr: Variables' arrays that would take several lines are
+# drawn as treescope's own one-line summary (what an expanded display folds them to).
+_COMPACT: contextvars.ContextVar[bool] = contextvars.ContextVar("sr_compact",
+                                                               default=False)
+
+
+def text_repr(obj, fallback) -> str:
+  """treescope's compact text for ``obj``; ``fallback(obj)`` if treescope cannot."""
+  token = _COMPACT.set(True)
+  try:
+    import treescope
+
+    return treescope.render_to_text(obj)
+  except Exception:  # a repr must never raise: e.g. a value that refuses to print
+    return fallback(obj)
+  finally:
+    _COMPACT.reset(token)
+
+
+def _is_tracer(value) -> bool:
+  import jax
+
+  return isinstance(value, jax.core.Tracer)
+
+
+def _is_long(value) -> bool:
+  """Whether numpy would print ``value`` on several lines or elide part of it."""
+  import jax
+
+  if not isinstance(value, (np.ndarray, jax.Array)) or _is_tracer(value):
+    return False
+  if isinstance(value, jax.Array) and value.is_deleted():
+    return False
+  text = repr(value) if value.size < 1000 else "..."
+  return "\n" in text or "..." in text
 
 
 def collection_color(kind: type) -> str:
@@ -43,18 +85,19 @@ def _attributes(module) -> dict[str, Any]:
   return {k: v for k, v in vars(module).items() if not k.startswith("_sr_")}
 
 
-def _first_paths(root) -> dict[int, tuple]:
-  """Where each module and Variable under ``root`` is first reached, in drawing order."""
+def _first_paths(root) -> dict[int, list[tuple]]:
+  """Every path reaching each module and Variable under ``root``, in drawing order."""
   from ._module import Module
   from ._variables import Variable
 
-  first: dict[int, tuple] = {}
+  first: dict[int, list[tuple]] = {}
 
   def walk(obj, path):
     if isinstance(obj, (Module, Variable)):
       if id(obj) in first:
+        first[id(obj)].append(path)
         return
-      first[id(obj)] = path
+      first[id(obj)] = [path]
       if isinstance(obj, Module):
         for k, v in _attributes(obj).items():
           walk(v, path + (k,))
@@ -75,7 +118,7 @@ def _mark_shared(value, path: tuple, first: dict):
   from ._variables import Variable
 
   if isinstance(value, (Module, Variable)):
-    where = first.get(id(value), path)
+    where = first.get(id(value), [path])[0]
     return value if where == path else _SharedMark(value, where)
   if isinstance(value, (list, tuple, dict)):
     items = value.items() if isinstance(value, dict) else enumerate(value)
@@ -88,7 +131,31 @@ def _mark_shared(value, path: tuple, first: dict):
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
       return type(value)(*marked.values())
     return type(value)(marked.values())
-  return value
+  return _without_address(value)
+
+
+def _without_address(value):
+  """``value``, or its name when treescope would print a memory address for it."""
+  if (isinstance(value, (str, int, float, type(None)))
+      or hasattr(value, "__treescope_repr__") or " at 0x" not in repr(value)):
+    return value
+  if isinstance(value, type) or "<" not in getattr(value, "__qualname__", "<"):
+    return value  # treescope names importable functions and classes by qualified name
+  from ._repr import static_repr
+
+  return _Text(static_repr(value))
+
+
+class _Text:
+  """Drawn as the given text."""
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import rendering_parts
+
+    return rendering_parts.text(self.text)
 
 
 def render_module(module, path, subtree_renderer):
@@ -110,11 +177,12 @@ def render_module(module, path, subtree_renderer):
                  in zip(variables, plan.kinds, plan.axes) if kind == STACKED})
     tokens.append((_LAYER_AXES, _LAYER_AXES.set(axes)))
   try:
-    here = first.get(id(module), ())
+    here = first.get(id(module), [()])[0]
     attributes = {k: _mark_shared(v, here + (k,), first)
                   for k, v in _attributes(module).items()}
-    return repr_lib.render_object_constructor(type(module), attributes, path,
-                                              subtree_renderer)
+    rendering = repr_lib.render_object_constructor(type(module), attributes, path,
+                                                   subtree_renderer)
+    return _with_other_places(rendering, first.get(id(module), ()))
   finally:
     for var, token in reversed(tokens):
       var.reset(token)
@@ -127,9 +195,28 @@ def render_variable(var, path, subtree_renderer):
   layer = _LAYER_AXES.get().get(id(var))
   if layer is not None and hasattr(value, "shape"):
     value = LayeredArray(value, layer[0], layer[1], var._metadata.get("sharding"))
-  attributes = {"value": value, **var._metadata}
-  return repr_lib.render_object_constructor(
+  elif _COMPACT.get() and _is_long(value):
+    value = ArraySummary(value)
+  elif _is_tracer(value):  # treescope would add the tracer's default repr, an address
+    value = _Text(repr(value))
+  attributes = {k: _without_address(v) for k, v in {"value": value, **var._metadata}.items()}
+  rendering = repr_lib.render_object_constructor(
       type(var), attributes, path, subtree_renderer, color=collection_color(type(var)))
+  return _with_other_places(rendering, (_FIRST.get() or {}).get(id(var), ()))
+
+
+def _with_other_places(rendering, paths):
+  """``rendering`` with a ``# shared: also at ...`` comment if it has other places."""
+  if len(paths) < 2:
+    return rendering
+  from treescope import rendering_parts
+
+  others = ", ".join(format_path(p) if p else "the root" for p in paths[1:])
+  comment = rendering_parts.comment_color(
+      rendering_parts.text(f"  # shared: also at {others}"))
+  return rendering_parts.RenderableAndLineAnnotations(
+      renderable=rendering.renderable,
+      annotations=rendering_parts.siblings(comment, rendering.annotations))
 
 
 def render_state(state, path, subtree_renderer):
@@ -148,8 +235,8 @@ def render_state(state, path, subtree_renderer):
 class _SharedMark:
   """A module or Variable drawn earlier: ``Param(<shared: also at a.kernel>)``."""
 
-  def __init__(self, obj, where: tuple):
-    self.kind, self.where = type(obj), where
+  def __init__(self, obj, where: tuple, is_type: bool = False):
+    self.kind, self.where = (obj if is_type else type(obj)), where
 
   def __treescope_repr__(self, path, subtree_renderer):
     from treescope import rendering_parts
@@ -158,7 +245,41 @@ class _SharedMark:
     return rendering_parts.text(f"{self.kind.__name__}(<shared: drawn at {where}>)")
 
 
-class LayeredArray:
+class ArraySummary:
+  """An array drawn on one line: dtype, shape (named axes after a ``|``), statistics.
+
+  >>> import jax.numpy as jnp
+  >>> from statefulremat._treescope import ArraySummary
+  >>> ArraySummary(jnp.zeros((2, 3))).axes_text()
+  'float32(2, 3)'
+  >>> ArraySummary(jnp.zeros((6, 8)), [None, "embed"]).axes_text()
+  'float32(6 | embed:8)'
+  """
+
+  def __init__(self, array, names=None):
+    self.array = array
+    self.names = [None] * np.ndim(array) if names is None else list(names)
+
+  def axes_text(self) -> str:
+    shape = np.shape(self.array)
+    positional = [str(n) for n, label in zip(shape, self.names) if label is None]
+    named = [f"{label}:{n}" for n, label in zip(shape, self.names) if label is not None]
+    dtype = np.dtype(self.array.dtype).name
+    if not named:
+      return f"{dtype}({', '.join(positional)})"
+    positional = ", ".join(positional) + " " if positional else ""
+    return f"{dtype}({positional}| {', '.join(named)})"
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import rendering_parts
+
+    kind = "np.ndarray" if isinstance(self.array, np.ndarray) else "jax.Array"
+    stats = _data_summary(self.array)
+    body = f"<{kind} {self.axes_text()}{' ' + stats.strip() if stats else ''}>"
+    return rendering_parts.text(body)
+
+
+class LayeredArray(ArraySummary):
   """An array whose ``axis`` is a stack's layer axis named ``name`` (for display).
 
   >>> import jax.numpy as jnp
@@ -168,25 +289,9 @@ class LayeredArray:
   """
 
   def __init__(self, array, axis: int, name: str, sharding=None):
-    self.array, self.axis, self.name = array, axis, name
-    self.names = _axis_names(np.ndim(array), axis, name, sharding)
+    super().__init__(array, _axis_names(np.ndim(array), axis, name, sharding))
+    self.axis, self.name = axis, name
     _register_adapter()  # before treescope looks for an adapter to visualise it
-
-  def axes_text(self) -> str:
-    shape = np.shape(self.array)
-    positional = [str(n) for n, label in zip(shape, self.names) if label is None]
-    named = [f"{label}:{n}" for n, label in zip(shape, self.names) if label is not None]
-    dtype = np.dtype(self.array.dtype).name
-    positional = ", ".join(positional) + " " if positional else ""
-    return f"{dtype}({positional}| {', '.join(named)})"
-
-  def __treescope_repr__(self, path, subtree_renderer):
-    from treescope import rendering_parts
-
-    summary = self.axes_text()
-    stats = _data_summary(self.array)
-    body = f"<jax.Array {summary}{' ' + stats.strip() if stats else ''}>"
-    return rendering_parts.text(body)
 
 
 def _axis_names(ndim: int, axis: int, name: str, sharding) -> list:
@@ -223,3 +328,88 @@ def _register_adapter() -> None:
 
   type_registries.NDARRAY_ADAPTER_REGISTRY[LayeredArray] = LayeredArrayAdapter()
   _ADAPTER_REGISTERED = True
+
+
+def render_graphdef(graphdef, path, subtree_renderer):
+  """A GraphDef as the module tree it describes: classes, static attributes and each
+  Variable's kind and metadata, with no values; references say where they point."""
+  from treescope import rendering_parts
+
+  from ._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR
+  from ._state import thaw_metadata
+
+  drawn: list[tuple[type, tuple]] = []  # (class, path) of each numbered object
+
+  def skeleton(d, where):
+    tag = d[0]
+    if tag == _REF:
+      kind, first = drawn[d[1]]
+      return _SharedMark(kind, first, is_type=True)
+    if tag == _VAR:
+      drawn.append((d[1], where))
+      return _Skeleton(d[1], dict(thaw_metadata(d[2])), collection_color(d[1]))
+    if tag == _NODE:
+      drawn.append((d[1], where))
+      return _Skeleton(d[1], {k: skeleton(sub, where + (k,)) for k, sub in d[2]})
+    if tag in (_LIST, _TUPLE):
+      items = [skeleton(sub, where + (i,)) for i, sub in enumerate(d[2])]
+      return _Sequence(d[1], items)
+    if tag == _DICT:
+      return _Mapping(d[1], {k: skeleton(sub, where + (k,)) for k, sub in d[2]})
+    return d[2]
+
+  roots = [skeleton(d, (i,) if len(graphdef.tree) > 1 else ())
+           for i, d in enumerate(graphdef.tree)]
+  children = [
+      rendering_parts.build_full_line_with_annotations(
+          subtree_renderer(root), rendering_parts.fold_condition(
+              expanded=rendering_parts.text(","),
+              collapsed=rendering_parts.text(", " if i < len(roots) - 1 else "")))
+      for i, root in enumerate(roots)]
+  return rendering_parts.build_foldable_tree_node_from_children(
+      prefix=rendering_parts.text(f"{type(graphdef).__name__}("),
+      children=children, suffix=rendering_parts.text(")"), path=path)
+
+
+class _Skeleton:
+  """One module or Variable of a GraphDef, drawn like the object without values."""
+
+  def __init__(self, kind: type, attributes: dict, color: str | None = None):
+    self.kind, self.attributes, self.color = kind, attributes, color
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import repr_lib
+
+    return repr_lib.render_object_constructor(self.kind, self.attributes, None,
+                                              subtree_renderer, color=self.color)
+
+
+class _Sequence:
+  """A list or tuple of a GraphDef (a ``ModuleList`` shows its class)."""
+
+  def __init__(self, kind: type, items: list):
+    self.kind, self.items = kind, items
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import repr_lib
+
+    if self.kind is list:
+      return subtree_renderer(self.items)
+    if self.kind is tuple:
+      return subtree_renderer(tuple(self.items))
+    return repr_lib.render_list_wrapper(self.kind, self.items, None, subtree_renderer)
+
+
+class _Mapping:
+  """A dict of a GraphDef (a ``ModuleDict`` shows its class)."""
+
+  def __init__(self, kind: type, items: dict):
+    self.kind, self.items = kind, items
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import repr_lib
+
+    if self.kind is dict:
+      return subtree_renderer(self.items)
+    return repr_lib.render_dictionary_wrapper(self.kind, self.items, None,
+                                              subtree_renderer)

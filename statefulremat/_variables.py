@@ -202,8 +202,9 @@ class Variable:
 
   def __repr__(self) -> str:
     from ._repr import variable_repr
+    from ._treescope import text_repr
 
-    return variable_repr(self)
+    return text_repr(self, variable_repr)
 
   def __treescope_repr__(self, path, subtree_renderer):
     from ._treescope import render_variable

@@ -294,7 +294,8 @@ def test_graphdef_is_a_jit_static_argument():
 
 
 def test_graphdef_repr():
-  assert repr(sr.graphdef(Block(2))) == "GraphDef(<2 variables>)"
+  assert repr(sr.graphdef(Block(2))) == (
+      "GraphDef(Block(kernel=Param(), mean=BatchStat(), scale=1))")
 
 
 # -- split / merge / state ---------------------------------------------------------

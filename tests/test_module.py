@@ -254,8 +254,9 @@ def test_cycle_does_not_hang_iteration_or_repr():
   assert not thread.is_alive(), "iteration or repr hung on a reference cycle"
   assert len(result["modules"]) == 7
   assert len(result["variables"]) == 8
-  assert "self_ref=Net(...)" in result["repr"]
-  assert "parent=Net(...)" in result["repr"]
+  assert "self_ref=Net(<shared: drawn at the root>)" in result["repr"]
+  assert "parent=Net(<shared: drawn at the root>)" in result["repr"]
+  assert result["repr"].endswith("# shared: also at layers[0].parent, self_ref")
 
 
 # -- repr --------------------------------------------------------------------------
@@ -265,10 +266,11 @@ def test_repr_is_readable():
   model = Net(rngs=sr.Rngs(0))
   text = repr(model)
   assert "object at 0x" not in text and " at 0x" not in text
-  assert text.startswith("Net(\n  layers=[\n    Dense(\n      kernel=Param(float32[2,4])")
+  assert text.startswith("Net(\n  layers=ModuleList([\n    Dense(\n      kernel=Param("
+                         "value=<jax.Array float32(2, 4) ≈")
   assert "depth=2" in text
-  assert "'a': Drop(\n" in text
-  assert "mean=BatchStat(float32[4])" in text
+  assert "'a': Drop(deterministic=False)," in text
+  assert "mean=BatchStat(value=<jax.Array([0., 0., 0., 0.], dtype=float32)>)" in text
 
 
 def test_repr_of_nested_module_is_indented():
@@ -279,10 +281,10 @@ def test_repr_of_nested_module_is_indented():
   assert repr(Outer()) == (
       "Outer(\n"
       "  inner=Norm(\n"
-      "    scale=Param(float32[2]),\n"
-      "    mean=BatchStat(float32[2]),\n"
-      "    use_running_average=False\n"
-      "  )\n"
+      "    scale=Param(value=<jax.Array([1., 1.], dtype=float32)>),\n"
+      "    mean=BatchStat(value=<jax.Array([0., 0.], dtype=float32)>),\n"
+      "    use_running_average=False,\n"
+      "  ),\n"
       ")")
 
 
@@ -295,11 +297,16 @@ def test_repr_of_empty_module_and_static_callables():
       self.act = jax.nn.relu
       self.dtype = jnp.float32
       self.thing = object()
+      self.local = lambda x: x
 
   assert repr(Empty()) == "Empty()"
-  text = repr(WithFn())
-  assert " at 0x" not in text
-  assert "act=relu" in text and "dtype=float32" in text and "thing=<object>" in text
+  assert repr(WithFn()) == """\
+WithFn(
+  act=jax.nn.relu,
+  dtype=jax.numpy.float32,
+  thing=<object>,
+  local=test_repr_of_empty_module_and_static_callables.<locals>.WithFn.__init__.<locals>.<lambda>,
+)"""
 
 
 def test_repr_of_linear_has_no_addresses():

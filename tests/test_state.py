@@ -152,8 +152,14 @@ def test_missing_key_error_lists_the_keys():
 
 def test_repr_lists_paths_and_kinds():
   text = repr(sr.state(Inner(2)))
-  assert text == ("State({\n  kernel: Param(float32[2])\n  mean: BatchStat(float32[2])"
-                  "\n})")
+  assert text == """\
+State({
+  'kernel': Param(
+    value=<jax.Array([0., 1.], dtype=float32)>,
+    sharding=('embed',),
+  ),
+  'mean': BatchStat(value=<jax.Array([0., 0.], dtype=float32)>),
+})"""
   assert repr(sr.State()) == "State({})"
 
 

@@ -69,10 +69,10 @@ Pair(
     w=Param(
       value=<jax.Array([[0., 0.]], dtype=float32)>,
       sharding=('embed', None),
-    ),
+    ),  # shared: also at tied
     count=BatchStat(value=<jax.Array(1., dtype=float32)>),
     label='tiny',
-  ),
+  ),  # shared: also at again[0]
   tied=Param(<shared: drawn at first.w>),
   again=ModuleList([Tiny(<shared: drawn at first>)]),
 )"""
@@ -116,3 +116,58 @@ def test_rendering_leaves_the_model_unchanged():
   after = sr.graphdef(stack), sr.state(stack)
   assert before[0] == after[0]
   assert before[1].flat().keys() == after[1].flat().keys()
+
+
+def test_graphdef_draws_the_structure_without_values():
+  class Pair(sr.Module):
+    def __init__(self):
+      self.first = Tiny(1)
+      self.tied = self.first.w
+      self.heads = {"a": Tiny(1)}
+
+  # The GraphDef walks attributes in sorted order, so `first` is reached second.
+  assert text(sr.graphdef(Pair())) == """\
+GraphDef(
+  Pair(
+    first=Tiny(
+      count=BatchStat(),
+      label='tiny',
+      w=Param(sharding=('embed', None)),
+    ),
+    heads=ModuleDict({
+      'a': Tiny(
+        count=BatchStat(),
+        label='tiny',
+        w=Param(sharding=('embed', None)),
+      ),
+    }),
+    tied=Param(<shared: drawn at first.w>),
+  ),
+)"""
+
+
+def test_repr_is_the_compact_text():
+  model = sr.nn.Linear(2, 3, use_bias=False, rngs=sr.Rngs(0))
+  # Multi-line arrays fold to treescope's one-line summary; one-line arrays stay.
+  assert repr(model).startswith("""\
+Linear(
+  kernel=Param(
+    value=<jax.Array float32(2, 3) ≈""")
+  assert repr(Tiny(1)) == text(Tiny(1))
+  for obj in (model, sr.state(model), sr.graphdef(model), model.kernel, sr.Rngs(0)):
+    assert " at 0x" not in repr(obj)
+
+
+def test_repr_inside_a_transform_shows_the_tracer():
+  seen = []
+
+  @sr.jit
+  def peek(model):
+    seen.append(repr(model.w))
+
+  peek(Tiny(1))
+  assert seen == ["""\
+Param(
+  value=JitTracer(float32[1,2]),
+  sharding=('embed', None),
+)"""]

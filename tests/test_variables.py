@@ -209,9 +209,14 @@ def test_numpy_conversion():
 
 def test_repr_is_readable():
   w = sr.Param(jnp.zeros((2, 3)), sharding=("a", "b"))
-  assert repr(w) == "Param(float32[2,3], sharding=('a', 'b'))"
-  assert repr(sr.Variable(7)) == "Variable(7)"
-  assert "object at 0x" not in repr(w)
+  assert repr(w) == """\
+Param(
+  value=<jax.Array float32(2, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:6>,
+  sharding=('a', 'b'),
+)"""
+  assert repr(sr.Variable(7)) == "Variable(value=7)"
+  assert repr(sr.Variable(object(), note=print)) == (
+      "Variable(value=<object>, note=builtins.print)")
 
 
 def test_variables_compare_and_hash_by_identity():

@@ -1,0 +1,182 @@
+"""treescope's HTML for a 100-layer remat_scan model with BatchNorm, in a real headless
+Chromium (Debian's chromium and chromedriver, driven by selenium): it draws, the class
+names and the named layer axis are visible, and a folded Param unfolds on a click into
+an array figure whose layer axis is labelled."""
+
+import importlib.util
+import os
+import re
+import struct
+
+import jax.numpy as jnp
+import pytest
+import treescope
+
+import statefulremat as sr
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+WIDTH, HEIGHT = 1280, 1024
+LAYERS, FEATURES = 100, 8
+TIMEOUT = 30  # seconds: only ever reached when something is broken
+# The figure's axis label, e.g. "layers (axis 0): 100".
+FIGURE_LABEL = re.compile(rf"^layers\b.*\b{LAYERS}$", re.MULTILINE)
+
+
+class NormBlock(sr.Module):
+  def __init__(self, dim, *, rngs):
+    self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
+    self.norm = sr.nn.BatchNorm(dim, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jnp.tanh(self.norm(self.linear(x)))
+
+
+def require_browser():
+  missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
+  if importlib.util.find_spec("selenium") is None:
+    missing.append("the selenium package")
+  if not missing:
+    return
+  what = " and ".join(missing)
+  if os.environ.get("CI") == "true":
+    pytest.fail(f"CI=true, but missing {what}: .ci/run should have installed Debian's "
+                "chromium and chromium-driver (apt-get) and selenium (the dev extra).",
+                pytrace=False)
+  pytest.skip(f"real-browser test, missing {what} (Debian: apt-get install chromium "
+              "chromium-driver; selenium comes with pip install -e '.[dev]')")
+
+
+@pytest.fixture(scope="module")
+def driver():
+  require_browser()
+  from selenium import webdriver
+  from selenium.webdriver.chrome.service import Service
+
+  options = webdriver.ChromeOptions()
+  options.binary_location = CHROMIUM
+  for arg in ("--headless=new", "--no-sandbox", "--disable-gpu",
+              "--disable-dev-shm-usage", f"--window-size={WIDTH},{HEIGHT}",
+              "--force-device-scale-factor=1"):
+    options.add_argument(arg)
+  with pytest.MonkeyPatch.context() as env:
+    # Debian's browser and driver or nothing: Selenium Manager must never download one,
+    # and SE_CHROMEDRIVER would override the Service's path.
+    env.setenv("SE_OFFLINE", "true")
+    env.delenv("SE_CHROMEDRIVER", raising=False)
+    browser = webdriver.Chrome(options=options,
+                               service=Service(executable_path=CHROMEDRIVER))
+  try:
+    yield browser
+  finally:
+    browser.quit()
+
+
+@pytest.fixture(scope="module")
+def model():
+  deep = sr.remat_scan(NormBlock, lengths=(10, 10))(FEATURES, rngs=sr.Rngs(0))
+  assert deep.linear.kernel.shape == (LAYERS, FEATURES, FEATURES)
+  assert deep.norm.mean.shape == (LAYERS, FEATURES)  # a BatchStat per layer
+  return deep
+
+
+@pytest.fixture(scope="module")
+def url(driver, model, tmp_path_factory):  # driver first: a skip builds no model
+  with treescope.active_autovisualizer.set_scoped(treescope.ArrayAutovisualizer()):
+    html = treescope.render_to_html(model, compressed=True)  # as notebooks get it
+  path = tmp_path_factory.mktemp("browser") / "model.html"
+  path.write_text(html, encoding="utf-8")
+  return path.as_uri()
+
+
+def open_page(driver, url):
+  """Loads the page; returns the shadow root treescope draws into, once it has drawn."""
+  from selenium.common.exceptions import NoSuchShadowRootException
+  from selenium.webdriver.common.by import By
+  from selenium.webdriver.support.ui import WebDriverWait
+
+  driver.get(url)
+  host = driver.find_element(By.CSS_SELECTOR, "treescope-container")
+  # The content arrives deflated in a <template>; treescope's script inflates it
+  # asynchronously into the container's open shadow root.
+  WebDriverWait(driver, TIMEOUT, ignored_exceptions=(NoSuchShadowRootException,)).until(
+      lambda _: host.shadow_root.find_elements(By.CSS_SELECTOR, ".treescope_root"))
+  return host.shadow_root
+
+
+def shown(elements):
+  return [e for e in elements
+          if e.is_displayed() and e.size["width"] > 0 and e.size["height"] > 0]
+
+
+def png_size(path) -> tuple[int, int]:
+  data = path.read_bytes()
+  assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+  return struct.unpack(">II", data[16:24])
+
+
+def test_screenshot(driver, url, tmp_path):
+  open_page(driver, url)
+  png = tmp_path / "model.png"
+  assert driver.save_screenshot(png)
+  width, height = png_size(png)
+  assert width == WIDTH and HEIGHT // 2 < height <= HEIGHT
+  assert png.stat().st_size > 10_000  # coloured text, not a blank page
+
+
+def test_class_names_and_layer_axis_are_visible(driver, url, model):
+  from selenium.webdriver.common.by import By
+
+  root = open_page(driver, url)
+  labels = [e.text for e in
+            shown(root.find_elements(By.CSS_SELECTOR, ".foldable_node > label"))]
+  for name in (type(model).__name__, "Linear", "BatchNorm", "Param", "BatchStat"):
+    assert any(name in label for label in labels), (name, labels)
+  # Every stacked variable (Linear's 2 Params, BatchNorm's 2 Params and 2 BatchStats)
+  # shows its layer axis by name in its summary.
+  summaries = [label for label in labels if f"layers:{LAYERS}" in label]
+  assert len(summaries) >= 6, labels
+
+
+def test_clicking_a_folded_param_draws_its_layer_axis(driver, url, tmp_path):
+  from selenium.webdriver.common.by import By
+  from selenium.webdriver.support.ui import WebDriverWait
+
+  root = open_page(driver, url)
+
+  def label_of(node):
+    return node.find_element(By.CSS_SELECTOR, ":scope > label")
+
+  def is_open(node):
+    return label_of(node).find_element(By.CSS_SELECTOR, ":scope > input").is_selected()
+
+  params = [n for n in shown(root.find_elements(By.CSS_SELECTOR, ".foldable_node"))
+            if label_of(n).text.startswith("Param") and f"layers:{LAYERS}" in n.text]
+  assert len(params) >= 4, "Linear's and BatchNorm's Params should show a layer axis"
+  # The longest summary is Linear's kernel: random (not constant), so its figure has
+  # many colours to check for.
+  param = max(params, key=lambda n: len(n.text))
+  assert not is_open(param)
+  assert not FIGURE_LABEL.search(param.text)  # folded: no figure shown
+
+  label_of(param).click()
+  WebDriverWait(driver, TIMEOUT).until(lambda _: is_open(param))
+  # Its value is itself folded (summary only); unfolding it draws the figure.
+  value = param.find_element(By.CSS_SELECTOR, ".foldable_node")
+  assert f"layers:{LAYERS}" in label_of(value).text and not is_open(value)
+  label_of(value).click()
+  WebDriverWait(driver, TIMEOUT).until(lambda _: FIGURE_LABEL.search(value.text))
+
+  axis = [e for e in shown(value.find_elements(By.CSS_SELECTOR, "div"))
+          if FIGURE_LABEL.fullmatch(e.text)]
+  assert axis, value.text
+  canvas = shown(value.find_elements(By.CSS_SELECTOR, "canvas"))
+  assert canvas, "the array figure has no visible canvas"
+  colours = driver.execute_script("""
+      const c = arguments[0];
+      const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+      const seen = new Set();
+      for (let i = 0; i < d.length; i += 4) seen.add(d.slice(i, i + 4).join());
+      return seen.size;""", canvas[0])
+  assert colours > 32, f"the figure's canvas is (nearly) blank: {colours} colours"
+  assert driver.save_screenshot(tmp_path / "unfolded.png")
