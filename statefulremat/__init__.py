@@ -29,6 +29,10 @@ from ._optimizer import Optimizer as Optimizer
 from ._rngs import Rngs as Rngs
 from ._rngs import RngStream as RngStream
 from ._state import State as State
+from ._summary import Summary as Summary
+from ._summary import SummaryRow as SummaryRow
+from ._summary import summary as summary
+from ._display import display as display
 from ._transforms._autodiff import grad as grad
 from ._transforms._autodiff import value_and_grad as value_and_grad
 from ._transforms._jit import jit as jit

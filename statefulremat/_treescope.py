@@ -44,17 +44,23 @@ _COMPACT: contextvars.ContextVar[bool] = contextvars.ContextVar("sr_compact",
                                                                default=False)
 
 
-def text_repr(obj, fallback) -> str:
-  """treescope's compact text for ``obj``; ``fallback(obj)`` if treescope cannot."""
+def compact_text(obj) -> str:
+  """treescope's text for ``obj``, Variables' long arrays folded to one-line summaries."""
+  import treescope
+
   token = _COMPACT.set(True)
   try:
-    import treescope
-
     return treescope.render_to_text(obj)
-  except Exception:  # a repr must never raise: e.g. a value that refuses to print
-    return fallback(obj)
   finally:
     _COMPACT.reset(token)
+
+
+def text_repr(obj, fallback) -> str:
+  """``compact_text(obj)``, or ``fallback(obj)`` if treescope cannot draw it."""
+  try:
+    return compact_text(obj)
+  except Exception:  # a repr must never raise: e.g. a value that refuses to print
+    return fallback(obj)
 
 
 def _is_tracer(value) -> bool:
@@ -264,7 +270,7 @@ class ArraySummary:
     shape = np.shape(self.array)
     positional = [str(n) for n, label in zip(shape, self.names) if label is None]
     named = [f"{label}:{n}" for n, label in zip(shape, self.names) if label is not None]
-    dtype = np.dtype(self.array.dtype).name
+    dtype = str(self.array.dtype)
     if not named:
       return f"{dtype}({', '.join(positional)})"
     positional = ", ".join(positional) + " " if positional else ""

@@ -304,4 +304,4 @@ def test_rng_stream_directly():
 def test_repr_has_no_addresses():
   text = repr(sr.Rngs(0, dropout=1))
   assert " at 0x" not in text
-  assert "RngKey(key<fry>[], tag='dropout')" in text
+  assert "key=RngKey(value=<jax.Array key<fry>()>, tag='dropout')" in text

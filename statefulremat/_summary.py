@@ -1,0 +1,391 @@
+"""``sr.summary``: a table of a model's modules — class, parameter count, bytes per
+collection and output shapes — traced with ``jax.eval_shape``, so nothing is computed.
+
+Output shapes are caught by wrapping, for the length of the trace, the ``__call__`` of
+each module class in the model; a module called inside a transform's body (a scan
+layer, rebuilt from the stack) takes the path of the module whose call is running plus
+its own path below the layer, so a stack's sub-layers get rows like ``blocks.linear``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._errors import format_path
+
+_PATCH_LOCK = threading.Lock()  # one summary at a time wraps the classes' __call__
+
+
+@dataclasses.dataclass(frozen=True)
+class SummaryRow:
+  """One module of a summary: its counts cover the module and everything below it.
+
+  ``layers`` is the number of layers its stacked variables hold (1 outside a stack),
+  ``params_per_layer`` the stacked parameters of one layer and ``params_unstacked`` the
+  ones a stack broadcasts (held once). ``outputs`` has one shape text per call.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> Stack = sr.vmap(sr.nn.Linear, axis_size=4)
+  >>> row = sr.summary(Stack(2, 3, rngs=sr.Rngs(0)), jnp.ones((4, 5, 2))).rows[0]
+  >>> row.params, row.layers, row.params_per_layer, row.params_text(), row.outputs
+  (36, 4, 9, '36 (4 × 9)', ('float32[4,5,3]',))
+  """
+
+  path: tuple
+  class_name: str
+  params: int
+  bytes: dict[str, int]
+  layers: int = 1
+  params_per_layer: int = 0
+  params_unstacked: int = 0
+  outputs: tuple[str, ...] = ()
+
+  @property
+  def path_text(self) -> str:
+    return format_path(self.path) if self.path else "(root)"
+
+  def params_text(self) -> str:
+    if self.layers == 1:
+      return f"{self.params:,}"
+    extra = f" + {self.params_unstacked:,}" if self.params_unstacked else ""
+    return f"{self.params:,} ({self.layers} × {self.params_per_layer:,}{extra})"
+
+  def outputs_text(self) -> str:
+    if not self.outputs:
+      return "-"
+    distinct = list(dict.fromkeys(self.outputs))
+    calls = f" ×{len(self.outputs)}" if len(self.outputs) > 1 else ""
+    return " / ".join(distinct) + calls
+
+
+class Summary:
+  """The table ``sr.summary`` returns; ``str()`` is the text table, treescope draws it.
+
+  ``rows`` lists every module (the root first, then depth first in definition order);
+  ``total_params`` and ``total_bytes`` count each Variable once, shared or not.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> table = sr.summary(sr.nn.Linear(3, 2, rngs=sr.Rngs(0)), jnp.ones((5, 3)))
+  >>> table.total_params, table.rows[0].outputs
+  (8, ('float32[5,2]',))
+  """
+
+  def __init__(self, rows: list[SummaryRow], collections: list[str], total_params: int,
+               total_bytes: dict[str, int]):
+    self.rows, self.collections = rows, collections
+    self.total_params, self.total_bytes = total_params, total_bytes
+
+  def lines(self) -> list[str]:
+    header = ["path", "class", "params", *(f"{c} bytes" for c in self.collections),
+              "output"]
+    body = [[r.path_text, r.class_name, r.params_text(),
+             *(_bytes_text(r.bytes.get(c, 0)) or "-" for c in self.collections),
+             r.outputs_text()]
+            for r in self.rows]
+    total = ["Total", "", f"{self.total_params:,}",
+             *(_bytes_text(self.total_bytes.get(c, 0)) for c in self.collections), ""]
+    table = [header, *body, total]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    numeric = {2, *range(3, 3 + len(self.collections))}
+
+    def line(cells):
+      return "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
+                       for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    lines = [line(cells) for cells in table]
+    rule = "-" * max(map(len, lines))
+    return [lines[0], rule, *lines[1:-1], rule, lines[-1]]
+
+  def __str__(self) -> str:
+    return "\n".join(self.lines())
+
+  def __repr__(self) -> str:
+    return str(self)
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import rendering_parts
+
+    lines = self.lines()
+    return rendering_parts.build_foldable_tree_node_from_children(
+        prefix=rendering_parts.text(
+            f"Summary(  # {self.total_params:,} params, {len(self.rows)} modules"),
+        children=[rendering_parts.text(line) for line in lines],
+        suffix=rendering_parts.text(")"), path=path)
+
+
+def summary(model, *example_inputs, method: str = "__call__", **kwargs) -> Summary:
+  """A table of ``model``'s modules: class, parameter count, bytes per collection and
+  the output shapes of a call on ``example_inputs`` (arrays or ``jax.ShapeDtypeStruct``).
+
+  The call is traced with ``jax.eval_shape`` on a copy, so nothing is computed and the
+  model is left as it was (BatchNorm statistics, RNG counts). Counts cover each module
+  and everything below it; stacked modules (scan, remat_scan, vmap) also give their
+  layer count and the count of one layer. ``print`` it for text; treescope (and
+  ``sr.display``) draw it too. With no inputs, the output column stays empty.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> class MLP(sr.Module):
+  ...   def __init__(self, rngs):
+  ...     self.hidden = sr.nn.Linear(4, 8, rngs=rngs)
+  ...     self.out = sr.nn.Linear(8, 2, rngs=rngs)
+  ...   def __call__(self, x):
+  ...     return self.out(jax.nn.relu(self.hidden(x)))
+  >>> print(sr.summary(MLP(sr.Rngs(0)), jnp.ones((16, 4))))
+  path    class   params  params bytes  output
+  ---------------------------------------------------
+  (root)  MLP         58         232 B  float32[16,2]
+  hidden  Linear      40         160 B  float32[16,8]
+  out     Linear      18          72 B  float32[16,2]
+  ---------------------------------------------------
+  Total               58         232 B
+  """
+  from ._module import Module
+
+  if not isinstance(model, Module):
+    raise TypeError(
+        f"sr.summary takes a module, got {type(model).__name__}. Fix: pass the model "
+        "first, then example inputs: `sr.summary(model, x)`.")
+  if example_inputs or kwargs:
+    if not callable(getattr(model, method, None)):
+      raise AttributeError(
+          f"sr.summary(..., method={method!r}): {type(model).__name__} has no method "
+          f"{method!r}. Fix: name a method the class defines (default `__call__`).")
+  modules, variables = _walk(model)
+  layers = _layer_counts(modules)
+  outputs = _trace_outputs(model, modules, example_inputs, method, kwargs) if (
+      example_inputs or kwargs) else {}
+
+  collections = list(dict.fromkeys(type(v).collection for _, v in variables))
+  rows = [_row(path, module, layers, outputs.get(path, ())) for path, module in modules]
+  total_bytes: dict[str, int] = {}
+  for _, var in variables:
+    total_bytes[type(var).collection] = (
+        total_bytes.get(type(var).collection, 0) + _nbytes(var._value))
+  total_params = sum(_size(v._value) for _, v in variables if _is_param(v))
+  return Summary(rows, collections, total_params, total_bytes)
+
+
+# -- counting ---------------------------------------------------------------------
+
+
+def _walk(root) -> tuple[list, list]:
+  """Modules and Variables under ``root``, once each, depth first in definition order."""
+  from ._module import Module
+  from ._variables import Variable
+
+  seen: set[int] = set()
+  modules: list[tuple[tuple, Any]] = []
+  variables: list[tuple[tuple, Any]] = []
+
+  def walk(obj, path):
+    if isinstance(obj, (Module, Variable)):
+      if id(obj) in seen:
+        return
+      seen.add(id(obj))
+      if isinstance(obj, Variable):
+        variables.append((path, obj))
+        return
+      modules.append((path, obj))
+      for k, v in vars(obj).items():
+        if not k.startswith("_sr_"):
+          walk(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+      for i, v in enumerate(obj):
+        walk(v, path + (i,))
+    elif isinstance(obj, dict):
+      for k, v in obj.items():
+        walk(v, path + (k,))
+
+  walk(root, ())
+  return modules, variables
+
+
+def _layer_counts(modules) -> dict[int, int]:
+  """id(Variable) -> how many layers it holds (the product over the stacks it is in)."""
+  from ._transforms._rules import STACKED
+  from ._transforms._stacked import is_stacked, stack_plan
+
+  counts: dict[int, int] = {}
+  for _, module in modules:
+    if is_stacked(module):
+      _, stacked, plan = stack_plan(module)
+      for var, kind, axis in zip(stacked, plan.kinds, plan.axes):
+        if kind == STACKED:
+          counts[id(var)] = counts.get(id(var), 1) * int(np.shape(var._value)[axis])
+  return counts
+
+
+def _row(path, module, layers: dict[int, int], outputs) -> SummaryRow:
+  _, variables = _walk(module)
+  sizes: dict[str, int] = {}
+  params = per_layer = unstacked = 0
+  counts = set()
+  for _, var in variables:
+    sizes[type(var).collection] = sizes.get(type(var).collection, 0) + _nbytes(var._value)
+    if not _is_param(var):
+      continue
+    size = _size(var._value)
+    params += size
+    n = layers.get(id(var))
+    if n is None:
+      unstacked += size
+    else:
+      counts.add(n)
+      per_layer += size // n
+  # The breakdown only reads right when the row's stacked variables agree on a count.
+  n = counts.pop() if len(counts) == 1 else 1
+  return SummaryRow(path, type(module).__name__, params, sizes, n,
+                    per_layer if n > 1 else 0, unstacked if n > 1 else 0, tuple(outputs))
+
+
+def _is_param(var) -> bool:
+  from ._variables import Param
+
+  return isinstance(var, Param)
+
+
+def _size(value) -> int:
+  return int(np.size(value)) if not hasattr(value, "size") else int(value.size)
+
+
+def _nbytes(value) -> int:
+  dtype = getattr(value, "dtype", None)
+  if dtype is None:
+    return int(np.asarray(value).nbytes)
+  return _size(value) * dtype.itemsize
+
+
+def _bytes_text(n: int) -> str:
+  if n == 0:
+    return ""
+  for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if n >= scale:
+      return f"{n / scale:.1f} {unit}"
+  return f"{n} B"
+
+
+# -- output shapes ----------------------------------------------------------------
+
+
+def _trace_outputs(model, modules, inputs, method, kwargs) -> dict[tuple, list[str]]:
+  from ._graph import merge, split
+  from ._variables import path_of
+
+  graphdef, state = split(model)
+  row_paths = {id(m): path for path, m in modules}
+  outputs: dict[tuple, list[str]] = {}
+  running: list[tuple] = []  # paths of the module calls in progress
+  originals: dict[int, Any] = {}  # id(module of the traced copy) -> the model's module
+  roots: dict[int, tuple] = {}  # id(root of a rebuilt layer) -> (root, path of its stack)
+
+  def path_of_call(module) -> tuple:
+    original = originals.get(id(module))
+    if original is not None:
+      return row_paths[id(original)]
+    # A module rebuilt inside a transform's body (a layer of a stack): below the path
+    # of the call that first reached its root.
+    root = _root_of(module)
+    if id(root) not in roots:
+      roots[id(root)] = (root, running[-1] if running else ())
+    return roots[id(root)][1] + path_of(module)
+
+  def record(call):
+    def recording(self, *args, **kw):
+      path = path_of_call(self)
+      running.append(path)
+      try:
+        out = call(self, *args, **kw)
+      finally:
+        running.pop()
+      outputs.setdefault(path, []).append(_shapes_text(out))
+      return out
+
+    return recording
+
+  def run(state, *inputs):
+    copy = merge(graphdef, state)
+    _pair(model, copy, originals)
+    return getattr(copy, method)(*inputs, **kwargs)
+
+  with _PATCH_LOCK:
+    patched = _patch_calls({type(m) for _, m in modules}, record)
+    try:
+      jax.eval_shape(run, state, *inputs)
+    except Exception as e:
+      shapes = ", ".join(_shapes_text(x) for x in inputs)
+      e.add_note(f"(while sr.summary traced {type(model).__name__}.{method}({shapes}))")
+      raise
+    finally:
+      for cls, original in patched:
+        cls.__call__ = original
+  return outputs
+
+
+def _pair(original, copy, pairs: dict) -> None:
+  """Maps id(each module of ``copy``) to the module of ``original`` in its place."""
+  from ._module import Module
+
+  if isinstance(original, Module):
+    if id(copy) in pairs:
+      return
+    pairs[id(copy)] = original
+    for k, v in vars(original).items():
+      if not k.startswith("_sr_"):
+        _pair(v, vars(copy)[k], pairs)
+  elif isinstance(original, (list, tuple)):
+    for a, b in zip(original, copy):
+      _pair(a, b, pairs)
+  elif isinstance(original, dict):
+    for k, v in original.items():
+      _pair(v, copy[k], pairs)
+
+
+def _patch_calls(classes, record) -> list[tuple[type, Any]]:
+  """Wraps ``__call__`` where each class (or the base it inherits it from) defines it."""
+  owners = {}
+  for cls in classes:
+    for base in cls.__mro__:
+      if "__call__" in base.__dict__:
+        owners[base] = base.__dict__["__call__"]
+        break
+  patched = []
+  for cls, original in owners.items():
+    if cls is object:
+      continue
+    cls.__call__ = record(original)
+    patched.append((cls, original))
+  return patched
+
+
+def _root_of(obj):
+  """The object at the top of ``obj``'s owner chain."""
+  from ._variables import Variable
+
+  seen = set()
+  while id(obj) not in seen:
+    seen.add(id(obj))
+    owner = obj._owner if isinstance(obj, Variable) else vars(obj).get("_sr_owner")
+    parent = None if owner is None else owner[0]()
+    if parent is None:
+      return obj
+    obj = parent
+  return obj
+
+
+def _shapes_text(tree) -> str:
+  """``float32[5,2]`` for an array; containers keep their brackets."""
+
+  class Shape:
+    def __init__(self, x):
+      self.text = f"{x.dtype}[{','.join(map(str, np.shape(x)))}]" if hasattr(
+          x, "dtype") else type(x).__name__
+
+    def __repr__(self):
+      return self.text
+
+  return repr(jax.tree.map(Shape, tree)) if not hasattr(tree, "dtype") else repr(Shape(tree))

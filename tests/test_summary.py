@@ -1,0 +1,242 @@
+"""sr.summary: counts equal the State's sizes, stacks give per-layer counts, output
+shapes come from an abstract trace that leaves the model (and the classes) unchanged;
+sr.display draws stacked arrays as figures."""
+
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import treescope
+
+import statefulremat as sr
+
+
+class Block(sr.Module):
+  def __init__(self, dim, *, rngs):
+    self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
+    self.norm = sr.nn.BatchNorm(dim, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jnp.tanh(self.norm(self.linear(x)))
+
+
+class Net(sr.Module):
+  def __init__(self, rngs, lengths=(5, 4)):
+    self.embed = sr.nn.Linear(3, 8, rngs=rngs)
+    self.blocks = sr.remat_scan(Block, lengths=lengths)(8, rngs=rngs)
+    self.head = sr.nn.Linear(8, 2, rngs=rngs)
+    self.drop = sr.nn.Dropout(0.1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.drop(self.blocks(self.embed(x))))
+
+
+def param_count(model):
+  return sum(x.size for x in jax.tree.leaves(sr.state(model, sr.Param)))
+
+
+def snapshot(model):
+  def data(x):
+    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+  return sr.graphdef(model), [np.asarray(data(x)) for x in jax.tree.leaves(sr.state(model))]
+
+
+def assert_unchanged(model, before):
+  after = snapshot(model)
+  assert after[0] == before[0]
+  for a, b in zip(after[1], before[1], strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def row(table, path):
+  (found,) = [r for r in table.rows if r.path_text == path]
+  return found
+
+
+def test_totals_equal_the_sizes_in_the_param_state():
+  model = Net(sr.Rngs(0))
+  table = sr.summary(model, jnp.ones((4, 3)))
+  assert table.total_params == param_count(model) == 3 * 8 + 8 + 20 * 88 + 18
+  assert table.rows[0].params == table.total_params
+  assert table.total_bytes["params"] == 4 * param_count(model)
+  assert table.total_bytes["batch_stats"] == 4 * 20 * 16
+  for r in table.rows:  # every row counts the Params below it
+    sub = model
+    for key in r.path:
+      sub = sub[key] if isinstance(key, int) else getattr(sub, key)
+    assert r.params == param_count(sub)
+
+
+def test_stacked_rows_give_the_layer_count_and_one_layer():
+  table = sr.summary(Net(sr.Rngs(0)), jnp.ones((4, 3)))
+  blocks, linear = row(table, "blocks"), row(table, "blocks.linear")
+  assert (blocks.layers, blocks.params_per_layer, blocks.params) == (20, 88, 1760)
+  assert (linear.layers, linear.params_per_layer, linear.params) == (20, 72, 1440)
+  assert blocks.params_text() == "1,760 (20 × 88)"
+  root = table.rows[0]  # the stack plus unstacked embed and head
+  assert root.params_text() == "1,810 (20 × 88 + 50)"
+  assert row(table, "head").params_text() == "18"
+
+
+def test_output_shapes_per_module_path_including_layers_inside_the_stack():
+  table = sr.summary(Net(sr.Rngs(0)), jax.ShapeDtypeStruct((4, 3), jnp.float32))
+  assert row(table, "(root)").outputs == ("float32[4,2]",)
+  assert row(table, "embed").outputs == ("float32[4,8]",)
+  assert row(table, "blocks").outputs == ("float32[4,8]",)
+  # Layers run inside the scan body; their calls still land on the stack's rows.
+  assert row(table, "blocks.linear").outputs_text() == "float32[4,8]"
+  assert row(table, "blocks.norm").outputs_text() == "float32[4,8]"
+  assert row(table, "drop.rngs.default").outputs == ("key<fry>[]",)
+  assert row(table, "drop.rngs").outputs_text() == "-"
+
+
+def test_the_text_table():
+  class MLP(sr.Module):
+    def __init__(self, rngs):
+      self.hidden = sr.nn.Linear(4, 8, rngs=rngs)
+      self.norm = sr.nn.BatchNorm(8, rngs=rngs)
+      self.out = sr.nn.Linear(8, 2, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+      h = self.hidden(x)
+      return self.out(self.norm(h)), h
+
+  table = sr.summary(MLP(sr.Rngs(0)), jnp.ones((16, 4)))
+  assert str(table) == """\
+path    class      params  params bytes  batch_stats bytes  output
+------------------------------------------------------------------------------------------
+(root)  MLP            72         288 B               64 B  (float32[16,2], float32[16,8])
+hidden  Linear         40         160 B                  -  float32[16,8]
+norm    BatchNorm      16          64 B               64 B  float32[16,8]
+out     Linear         16          64 B                  -  float32[16,2]
+------------------------------------------------------------------------------------------
+Total                  72         288 B               64 B"""
+  assert repr(table) == str(table)
+  rendered = treescope.render_to_text(table)
+  assert rendered.startswith("Summary(  # 72 params, 4 modules\n  path    class")
+  assert "  hidden  Linear         40         160 B" in rendered
+  html = treescope.render_to_html(table, compressed=False)
+  assert "hidden  Linear" in html
+
+
+def test_repeated_calls_and_shared_modules():
+  class Twice(sr.Module):
+    def __init__(self, rngs):
+      self.a = sr.nn.Linear(2, 2, rngs=rngs)
+      self.b = self.a  # shared: one row, its parameters counted once
+
+    def __call__(self, x):
+      return self.b(self.a(x[:3]))
+
+  table = sr.summary(Twice(sr.Rngs(0)), jnp.ones((5, 2)))
+  assert [r.path_text for r in table.rows] == ["(root)", "a"]
+  assert table.total_params == 6
+  assert row(table, "a").outputs_text() == "float32[3,2] ×2"
+
+
+def test_without_inputs_counts_only():
+  table = sr.summary(Net(sr.Rngs(0)))
+  assert table.total_params == param_count(Net(sr.Rngs(0)))
+  assert all(r.outputs == () for r in table.rows)
+
+
+def test_nothing_is_computed_and_nothing_changes():
+  model = Net(sr.Rngs(0))
+  before = snapshot(model)
+  calls = Block.__call__
+  sr.summary(model, jnp.ones((4, 3)))
+  assert_unchanged(model, before)  # BatchNorm statistics and RNG counts included
+  assert Block.__call__ is calls and "__call__" not in vars(sr.Module)
+
+
+# -- misuse --------------------------------------------------------------------------
+
+
+def test_a_call_that_fails_names_the_summary_and_restores_everything():
+  model = Net(sr.Rngs(0))
+  before = snapshot(model)
+  linear_call = sr.nn.Linear.__call__
+  with pytest.raises(Exception) as info:
+    sr.summary(model, jnp.ones((4, 5)))  # embed takes 3 features
+  assert "while sr.summary traced Net.__call__(float32[4,5])" in "\n".join(
+      info.value.__notes__)
+  assert sr.nn.Linear.__call__ is linear_call
+  assert_unchanged(model, before)
+
+
+def test_keyboard_interrupt_inside_the_call_restores_the_classes():
+  class Stop(sr.Module):
+    def __init__(self):
+      self.inner = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
+
+    def __call__(self, x):
+      raise KeyboardInterrupt
+
+  calls = Stop.__call__
+  with pytest.raises(KeyboardInterrupt):
+    sr.summary(Stop(), jnp.ones((1, 2)))
+  assert Stop.__call__ is calls
+
+
+def test_not_a_module():
+  model = Net(sr.Rngs(0))
+  with pytest.raises(TypeError, match=r"sr.summary takes a module, got State.*"
+                                      r"`sr.summary\(model, x\)`"):
+    sr.summary(sr.state(model))
+  with pytest.raises(TypeError, match="got type"):
+    sr.summary(Net, jnp.ones((4, 3)))
+
+
+def test_a_method_the_class_lacks():
+  with pytest.raises(AttributeError, match=r"method='encode'\): Net has no method "
+                                           r"'encode'. Fix: name a method"):
+    sr.summary(Net(sr.Rngs(0)), jnp.ones((4, 3)), method="encode")
+
+
+# -- display -------------------------------------------------------------------------
+
+
+class Tiny(sr.Module):
+  def __init__(self, *, rngs=None):
+    self.w = sr.Param(jnp.arange(6.0).reshape(2, 3))
+
+
+def test_display_outside_a_notebook_prints_the_compact_text(capsys, monkeypatch):
+  monkeypatch.setitem(sys.modules, "IPython", None)  # as if IPython were absent
+  sr.display(Tiny())
+  assert capsys.readouterr().out == repr(Tiny()) + "\n"
+
+
+def test_display_in_a_notebook_draws_only_stacked_arrays_as_figures(monkeypatch):
+  shown = []
+  fake = types.SimpleNamespace(get_ipython=lambda: object())
+  monkeypatch.setitem(sys.modules, "IPython", fake)
+  monkeypatch.setattr(treescope, "display",
+                      lambda obj, autovisualize: shown.append((obj, autovisualize)))
+  class Holder(sr.Module):
+    def __init__(self):
+      self.plain = Tiny()
+      self.stack = sr.vmap(Tiny, axis_size=4)()
+
+  holder = Holder()
+  sr.display(holder)
+  (obj, visualizer), = shown
+  assert obj is holder
+  with treescope.active_autovisualizer.set_scoped(visualizer):
+    html = treescope.render_to_html(holder, compressed=False)
+  assert html.count('"label": "layers (axis 0): 4"') == 1  # the stacked array's figure
+  assert html.count("(axis 0)") == 1  # and no figure for the plain (2, 3) array
+
+  shown.clear()
+  sr.display(holder, arrays="none")
+  assert shown[0][1] is False
+
+
+def test_display_with_an_unknown_arrays_option():
+  with pytest.raises(ValueError, match=r"arrays='some'\): say which arrays .* 'stacked', "
+                                       r"'all', 'none'"):
+    sr.display(Tiny(), arrays="some")
