@@ -20,7 +20,6 @@ used by ``--quick`` to compile faster) go to the library's jit where it takes th
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable
 
 import jax

@@ -160,7 +160,9 @@ def summary(model, *example_inputs, method: str = "__call__", **kwargs) -> Summa
   outputs = _trace_outputs(model, modules, example_inputs, method, kwargs) if (
       example_inputs or kwargs) else {}
 
-  collections = list(dict.fromkeys(type(v).collection for _, v in variables))
+  collections = list(dict.fromkeys(
+      ["params"] * any(map(_is_param, (v for _, v in variables)))
+      + [type(v).collection for _, v in variables]))
   rows = [_row(path, module, layers, outputs.get(path, ())) for path, module in modules]
   total_bytes: dict[str, int] = {}
   for _, var in variables:

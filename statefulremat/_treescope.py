@@ -45,12 +45,17 @@ _COMPACT: contextvars.ContextVar[bool] = contextvars.ContextVar("sr_compact",
 
 
 def compact_text(obj) -> str:
-  """treescope's text for ``obj``, Variables' long arrays folded to one-line summaries."""
+  """treescope's text for ``obj``, Variables' long arrays folded to one-line summaries.
+
+  Any node wider than treescope's target width goes on several lines, however tall
+  that makes the text (text cannot be unfolded later, as HTML can).
+  """
   import treescope
 
   token = _COMPACT.set(True)
   try:
-    return treescope.render_to_text(obj)
+    with treescope.using_expansion_strategy(max_height=None):
+      return treescope.render_to_text(obj)
   finally:
     _COMPACT.reset(token)
 

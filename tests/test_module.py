@@ -266,11 +266,12 @@ def test_repr_is_readable():
   model = Net(rngs=sr.Rngs(0))
   text = repr(model)
   assert "object at 0x" not in text and " at 0x" not in text
-  assert text.startswith("Net(\n  layers=ModuleList([\n    Dense(\n      kernel=Param("
-                         "value=<jax.Array float32(2, 4) ≈")
-  assert "depth=2" in text
+  assert text.startswith("Net(\n  layers=ModuleList([\n    Dense(\n      kernel=Param(\n"
+                         "        value=<jax.Array float32(2, 4) ≈")
+  assert "\n  depth=2,\n" in text
   assert "'a': Drop(deterministic=False)," in text
-  assert "mean=BatchStat(value=<jax.Array([0., 0., 0., 0.], dtype=float32)>)" in text
+  assert "mean=BatchStat(\n      value=<jax.Array([0., 0., 0., 0.], dtype=float32)>,\n" in text
+  assert max(map(len, text.splitlines())) <= 80
 
 
 def test_repr_of_nested_module_is_indented():
