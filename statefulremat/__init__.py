@@ -28,6 +28,10 @@ from ._optimizer import OptState as OptState
 from ._optimizer import Optimizer as Optimizer
 from ._rngs import Rngs as Rngs
 from ._rngs import RngStream as RngStream
+from ._sharding import ShardingError as ShardingError
+from ._sharding import get_partition_spec as get_partition_spec
+from ._sharding import logical_to_mesh as logical_to_mesh
+from ._sharding import shard as shard
 from ._state import State as State
 from ._summary import Summary as Summary
 from ._summary import SummaryRow as SummaryRow

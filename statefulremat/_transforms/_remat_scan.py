@@ -23,6 +23,7 @@ def remat_scan(target: Callable | type | None = None, lengths: Sequence[int] = (
                policy: Callable | None = None, variable_broadcast: Any = False,
                variable_carry: Any = False, variable_axes: Mapping = _ALL,
                split_rngs: Mapping = _SPLIT_ALL, prevent_cse: bool = False,
+               data_transform: Callable | None = None,
                metadata_params: Mapping = MappingProxyType({}),
                methods: Sequence[str] | None = None):
   """Applies N = prod(lengths) layers with memory ~ N^(1/d) and flat compile time.
@@ -40,7 +41,10 @@ def remat_scan(target: Callable | type | None = None, lengths: Sequence[int] = (
   nested shape exists only inside the trace, so changing ``lengths`` never changes the
   state. The defaults stack every variable (``variable_axes={True: 0}``) and split every
   RNG stream. Keyword arguments (``remat_scan(f, lengths)(module, carry, flag=True)``)
-  pass unchanged to every layer.
+  pass unchanged to every layer. ``data_transform`` and ``metadata_params`` are
+  ``sr.scan``'s: a ``State -> State`` map of each layer's stacked values (e.g. a
+  ``jax.lax.with_sharding_constraint``), and ``{"partition_name": name}`` for the layer
+  axis's name in ``sharding`` metadata.
 
   The class form ``sr.remat_scan(Block, lengths=(10, 10))(*args, rngs=...)`` builds
   the N layers in one vmapped init; calling it runs ``Block.__call__(carry) -> carry``.
@@ -60,7 +64,7 @@ def remat_scan(target: Callable | type | None = None, lengths: Sequence[int] = (
   options = dict(policy=policy, variable_broadcast=variable_broadcast,
                  variable_carry=variable_carry, variable_axes=variable_axes,
                  split_rngs=split_rngs, prevent_cse=prevent_cse,
-                 metadata_params=metadata_params)
+                 data_transform=data_transform, metadata_params=metadata_params)
   lengths = tuple(lengths)
   if target is None:
     return functools.partial(remat_scan, lengths=lengths, methods=methods, **options)
@@ -83,7 +87,7 @@ def remat_scan(target: Callable | type | None = None, lengths: Sequence[int] = (
 
 def _remat_scan_function(fn: Callable, lengths: tuple, *, what, policy, variable_broadcast,
                          variable_carry, variable_axes, split_rngs, prevent_cse,
-                         metadata_params) -> Callable:
+                         data_transform, metadata_params) -> Callable:
   rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
                 variable_carry=variable_carry, split_rngs=split_rngs)
   n = math.prod(lengths)
@@ -96,7 +100,7 @@ def _remat_scan_function(fn: Callable, lengths: tuple, *, what, policy, variable
         module, what, rules, metadata_params, "f(module, carry) -> carry")
     sources = stacked_sources(plan, lifted, variables)
     resolve_length(what, None, [(f"lengths={lengths} (product)", n)] + sources)
-    loop = LayerLoop(lifted, plan, variables, leaves, what)
+    loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
 
     def body(tree, c, _):
       return fn(tree[0][0], c, **kwargs), None
