@@ -33,6 +33,9 @@ from ._sharding import get_partition_spec as get_partition_spec
 from ._sharding import logical_to_mesh as logical_to_mesh
 from ._sharding import shard as shard
 from ._state import State as State
+from ._checkpoint import restore as restore
+from ._checkpoint import save as save
+from ._checkpoint_files import CheckpointError as CheckpointError
 from ._summary import Summary as Summary
 from ._summary import SummaryRow as SummaryRow
 from ._summary import summary as summary

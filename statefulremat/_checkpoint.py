@@ -1,0 +1,289 @@
+"""sr.save / sr.restore: a model's State on disk, with orbax-checkpoint.
+
+Every Variable of the model is saved (params, batch stats, RNG keys and counts,
+optimizer state, ...), one array each, with a small JSON list of their paths, kinds,
+dtypes and shapes beside the orbax data. Restoring checks that list against the model
+first, so a mismatch is reported by path before any array is read, and writes the
+values into the model only once all of them are read: the model is either fully
+restored or left as it was. The directory layout and why a save is atomic:
+``_checkpoint_files``.
+
+Saved as: arrays as they are (restored onto the model's current shardings); typed
+PRNG keys as their ``key_data`` (rewrapped with the model's key impl, which must
+match); numpy arrays and Python ``bool``/``int``/``float`` as numpy arrays (restored
+as the model holds them). Variable metadata is configuration, not state: the model's
+own is kept.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from ._checkpoint_files import (CheckpointError, FORMAT, abandon, begin, commit,
+                                current, read_json, resolve, write_json)
+from ._errors import StateMismatchError, format_path
+from ._graph import flatten, update
+from ._module import Module
+from ._state import State
+from ._variables import Variable
+
+# Python numbers are stored as these (a Python int too large for int64 is refused).
+_PYTHON = {bool: np.bool_, int: np.int64, float: np.float64}
+
+
+class _Key:
+  """A path key other than str/int, known by its repr (JSON cannot hold it)."""
+
+  __slots__ = ("text",)
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __repr__(self):
+    return self.text
+
+  def __eq__(self, other):
+    return isinstance(other, _Key) and self.text == other.text
+
+  def __hash__(self):
+    return hash(self.text)
+
+
+def _path_to_json(path: tuple) -> list:
+  return [k if type(k) in (str, int) else {"repr": repr(k)} for k in path]
+
+
+def _path_from_json(keys: list) -> tuple:
+  return tuple(_Key(k["repr"]) if isinstance(k, dict) else k for k in keys)
+
+
+def _describe(value) -> tuple[str, str | None]:
+  """``(spec, how)``: the spec compared on restore (``float32[8,4]``) and how the value
+  is stored (``None``: it cannot be)."""
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    dims = ",".join(map(str, np.shape(value)))
+    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(
+        value.dtype, jax.dtypes.prng_key):
+      return f"{value.dtype}[{dims}]", "key"
+    if isinstance(value, jax.Array):
+      return f"{value.dtype}[{dims}]", "array"
+    return f"{value.dtype}[{dims}]", None if value.dtype == object else "numpy"
+  if type(value) in _PYTHON:
+    return f"Python {type(value).__name__}", "python"
+  return f"{type(value).__name__} (not an array)", None
+
+
+def _check_model(model, fn: str) -> None:
+  if isinstance(model, State):
+    raise TypeError(
+        f"sr.{fn} takes the model itself, got a State. A checkpoint holds all of a "
+        "model's variables and restore writes them back in place, so pass the "
+        f"module: sr.{fn}(path, model) (a State is what sr.state(model) gives after).")
+  if not isinstance(model, (Module, Variable, list, tuple, dict)):
+    raise TypeError(
+        f"sr.{fn} takes a path and a Module (or a list/tuple/dict of them), got "
+        f"{type(model).__name__} as the model. Call it as sr.{fn}(path, model).")
+
+
+def _variables(model) -> list[tuple[tuple, Variable]]:
+  graphdef, variables = flatten([model])
+  return list(zip(graphdef.var_paths, variables))
+
+
+def _refuse_traced(variables, fn: str) -> None:
+  for var_path, var in variables:
+    if isinstance(var._value, jax.core.Tracer):
+      raise TypeError(
+          f"sr.{fn}: `{format_path(var_path)}` ({type(var).__name__}) holds a traced "
+          f"value: sr.{fn} was called inside a JAX transform. Fix: call it outside, "
+          "before or after the jitted step.")
+
+
+def save(path: str | os.PathLike, model) -> None:
+  """Saves every Variable of ``model`` to the directory ``path``, atomically.
+
+  Saving over an earlier checkpoint replaces it; a save that fails or is interrupted
+  part way leaves the earlier one in place and loadable.
+
+  Args:
+    path: a directory (str or os.PathLike; relative to the current directory) that
+      does not exist, is empty, or holds an earlier ``sr.save``.
+    model: a Module (or a list/tuple/dict of them, as ``sr.state`` takes). Variables
+      must hold jax/numpy arrays (typed PRNG keys included) or Python numbers.
+
+  >>> import os, tempfile, jax.numpy as jnp, statefulremat as sr
+  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
+  >>> with tempfile.TemporaryDirectory() as tmp:
+  ...   sr.save(os.path.join(tmp, "ckpt"), model)
+  ...   fresh = sr.nn.Linear(2, 3, rngs=sr.Rngs(1))
+  ...   sr.restore(os.path.join(tmp, "ckpt"), fresh)
+  >>> bool((fresh.kernel.value == model.kernel.value).all())
+  True
+  """
+  root = resolve(path, "save")
+  _check_model(model, "save")
+  entries, arrays = [], {}
+  variables = _variables(model)
+  _refuse_traced(variables, "save")
+  for i, (var_path, var) in enumerate(variables):
+    value = var._value
+    spec, how = _describe(value)
+    where = f"`{format_path(var_path)}` ({type(var).__name__})"
+    if how is None:
+      raise TypeError(
+          f"sr.save: {where} holds a {spec}; a checkpoint takes jax or numpy arrays "
+          "(typed PRNG keys included) and Python bool/int/float. Nothing was written. "
+          "Fix: store an array in it (e.g. `jnp.asarray(...)`), or keep that value "
+          "out of the model's Variables (a plain attribute is configuration).")
+    if how == "key":
+      value = jax.random.key_data(value)
+    elif how == "python":
+      try:
+        value = np.asarray(value, _PYTHON[type(value)])
+      except OverflowError:
+        raise TypeError(
+            f"sr.save: {where} holds the Python int {value}, which does not fit in "
+            "64 bits. Fix: store it as an array of a wider representation, or as "
+            "several smaller numbers.") from None
+    arrays[str(i)] = value
+    entries.append({"path": _path_to_json(var_path), "kind": type(var).__name__,
+                    "spec": spec})
+
+  import orbax.checkpoint as ocp
+
+  version = begin(root)
+  try:
+    if arrays:  # orbax refuses an empty tree; a model without variables is just JSON
+      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        checkpointer.save(os.path.join(version, "state"),
+                          args=ocp.args.StandardSave(arrays))
+    write_json(os.path.join(version, "variables.json"),
+               {"format": FORMAT, "variables": entries})
+    commit(root, version)
+  except BaseException:
+    abandon(root, version)
+    raise
+
+
+def _target(value, how: str):
+  """What orbax should restore to: the model's shape, dtype and sharding."""
+  if how == "key":
+    value = jax.random.key_data(value)
+  elif how == "python":
+    value = np.asarray(value, _PYTHON[type(value)])
+  if isinstance(value, jax.Array):
+    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+  return np.empty(np.shape(value), np.asarray(value).dtype)
+
+
+def _as_model_holds(restored, old, how: str):
+  if how == "key":
+    return jax.random.wrap_key_data(restored, impl=jax.random.key_impl(old))
+  if how == "python":
+    return type(old)(restored.item())
+  if isinstance(old, np.generic):
+    return restored[()]
+  return restored
+
+
+def restore(path: str | os.PathLike, model) -> None:
+  """Reads the checkpoint ``sr.save`` wrote at ``path`` into ``model``, in place.
+
+  The checkpoint must hold exactly the model's variables, with the same kinds, shapes
+  and dtypes (``sr.StateMismatchError`` names the first that differs). Arrays are
+  restored onto the model's current shardings, so the model may be placed
+  differently than the saved one (another mesh, one device). ``remat_scan`` stacks
+  keep one flat layer axis, so a stack restores from one saved with other
+  ``lengths``. On any error (``KeyboardInterrupt`` included) the model is unchanged.
+
+  Raises ``FileNotFoundError`` if there is no checkpoint at ``path``,
+  ``sr.CheckpointError`` if ``path`` holds something else.
+
+  >>> import os, tempfile, statefulremat as sr
+  >>> with tempfile.TemporaryDirectory() as tmp:
+  ...   sr.save(tmp, sr.nn.Linear(2, 3, rngs=sr.Rngs(0)))
+  ...   try:
+  ...     sr.restore(tmp, sr.nn.Linear(2, 4, rngs=sr.Rngs(0)))
+  ...   except sr.StateMismatchError as e:
+  ...     print(str(e).split(";")[0])
+  sr.restore: `bias`: the checkpoint has a Param float32[3], the model a Param
+  float32[4] (and 1 more difference)
+  """
+  root = resolve(path, "restore")
+  _check_model(model, "restore")
+  version = current(root)
+  saved = _read_entries(version)
+  variables = _variables(model)
+  _refuse_traced(variables, "restore")
+  specs = [_describe(var._value) for _, var in variables]
+  keys = [_path_from_json(_path_to_json(p)) for p, _ in variables]
+  _check_match(saved, variables, keys, [s for s, _ in specs], root)
+
+  import orbax.checkpoint as ocp
+
+  where = {p: i for i, (p, _, _) in enumerate(saved)}
+  order = [where[key] for key in keys]
+  targets = {str(j): _target(var._value, how)
+             for j, ((_, var), (_, how)) in zip(order, zip(variables, specs))}
+  restored = {}
+  if targets:
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+      restored = checkpointer.restore(os.path.join(version, "state"),
+                                      args=ocp.args.StandardRestore(targets))
+  values = {}
+  for j, (var_path, var), (spec, how) in zip(order, variables, specs):
+    value = _as_model_holds(restored[str(j)], var._value, how)
+    if _describe(value)[0] != spec:  # the JSON and the orbax data disagree
+      raise CheckpointError(
+          f"sr.restore: `{format_path(var_path)}` in {root!r} reads back as "
+          f"{_describe(value)[0]}, though the checkpoint lists {spec}: the checkpoint "
+          "is damaged (nothing was restored). Fix: restore from another checkpoint.")
+    values[var_path] = value
+  update(model, State(values))
+
+
+def _read_entries(version: str) -> list[tuple[tuple, str, str]]:
+  """``(path, kind, spec)`` per saved variable, in the order saved."""
+  try:
+    meta = read_json(os.path.join(version, "variables.json"))
+    if meta["format"] != FORMAT:
+      raise ValueError(meta["format"])
+    return [(_path_from_json(e["path"]), e["kind"], e["spec"])
+            for e in meta["variables"]]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(
+        f"sr.restore: the checkpoint in {version!r} is damaged: its variables.json "
+        f"cannot be read ({type(e).__name__}: {e}). Fix: restore from another "
+        "checkpoint.") from None
+
+
+def _check_match(saved, variables, keys, specs, root: str) -> None:
+  """Raises ``StateMismatchError`` naming the first variable that differs."""
+  theirs = {p: (kind, spec) for p, kind, spec in saved}
+  ours = {key: (type(var).__name__, spec)
+          for key, (_, var), spec in zip(keys, variables, specs)}
+  problems = []
+  for path, (kind, spec) in ours.items():
+    if path not in theirs:
+      problems.append(
+          f"the model has `{format_path(path)}` (a {kind} {spec}) but the checkpoint "
+          "does not")
+    elif theirs[path] != (kind, spec):
+      problems.append(
+          f"`{format_path(path)}`: the checkpoint has a {theirs[path][0]} "
+          f"{theirs[path][1]}, the model a {kind} {spec}")
+  problems += [
+      f"the checkpoint has `{format_path(path)}` (a {kind} {spec}) but the model does "
+      "not" for path, (kind, spec) in theirs.items() if path not in ours]
+  if problems:
+    more = len(problems) - 1
+    more = f" (and {more} more difference{'s' * (more > 1)})" if more else ""
+    raise StateMismatchError(
+        f"sr.restore: {problems[0]}{more};"
+        f" nothing was restored from {root!r}. Fix: restore into a model built the "
+        "way the saved one was (same layers, sizes, dtypes, RNG key impl and "
+        "constructor options); to reuse part of a checkpoint, restore it into such a "
+        "model and copy the variables over with sr.update.")
