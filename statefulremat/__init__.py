@@ -59,5 +59,6 @@ from ._variables import RngKey as RngKey
 from ._variables import RngState as RngState
 from ._variables import Variable as Variable
 from . import nn as nn
+from . import interop as interop
 
 __version__ = "0.1.0"

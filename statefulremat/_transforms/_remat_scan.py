@@ -77,9 +77,11 @@ def remat_scan(target: Callable | type | None = None, lengths: Sequence[int] = (
   if is_module_class(target):
     rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
                   variable_carry=variable_carry, split_rngs=split_rngs)
-    return stacked_class(target, "RematScan", rules=rules, length=math.prod(lengths),
-                         wrap=lambda m: remat_scan(m, lengths, **options),
-                         methods=methods, metadata_params=metadata_params)
+    cls = stacked_class(target, "RematScan", rules=rules, length=math.prod(lengths),
+                        wrap=lambda m: remat_scan(m, lengths, **options),
+                        methods=methods, metadata_params=metadata_params)
+    cls._sr_lengths = lengths  # the nested layout, for sr.interop.to_linen
+    return cls
   if methods is not None:
     raise TypeError("sr.remat_scan(methods=...) applies to a Module class, not a function.")
   return _remat_scan_function(target, lengths, what=what, **options)

@@ -1,0 +1,73 @@
+"""InteropError, and the list of problems a mapping collects before it writes anything."""
+
+from __future__ import annotations
+
+from .._errors import StateMismatchError
+
+_SHOWN = 12
+
+
+class InteropError(StateMismatchError):
+  """Our model and the flax variables do not map onto each other; nothing was written.
+
+  The message lists every variable that does not fit (a missing or unused entry, a
+  shape, dtype or collection that differs), each with both paths.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
+  >>> try:
+  ...   sr.interop.from_linen(model, {"params": {"kernel": jnp.zeros((2, 3))}})
+  ... except sr.interop.InteropError as e:
+  ...   print(str(e).splitlines()[0])
+  sr.interop.from_linen: `bias` (Param): linen has no `params/bias` (`params` has: kernel).
+  """
+
+
+class Problems:
+  """Collects what does not fit, then raises one InteropError naming all of it."""
+
+  def __init__(self, what: str, unchanged: str):
+    self.what = what
+    self.unchanged = unchanged
+    self.lines: list[str] = []
+    self.fixes: list[str] = []
+
+  def add(self, line: str, fix: str | None = None) -> None:
+    self.lines.append(line)
+    if fix and fix not in self.fixes:
+      self.fixes.append(fix)
+
+  def __bool__(self) -> bool:
+    return bool(self.lines)
+
+  def raise_if_any(self) -> None:
+    if not self.lines:
+      return
+    if len(self.lines) == 1:
+      text = f"{self.what}: {self.lines[0]}"
+    else:
+      shown = "\n".join(f"  - {line}" for line in self.lines[:_SHOWN])
+      more = len(self.lines) - _SHOWN
+      text = (f"{self.what}: {len(self.lines)} variables do not map:\n{shown}"
+              + (f"\n  ... and {more} more" if more > 0 else ""))
+    fixes = "".join(f"\nFix: {fix}" for fix in self.fixes)
+    raise InteropError(f"{text}{fixes}\nNothing was written: {self.unchanged}.")
+
+
+def shape_str(shape) -> str:
+  return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def array_str(value) -> str:
+  """``float32[4, 8]`` for an array, the type name for anything else."""
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  if shape is None or dtype is None:
+    return type(value).__name__
+  return f"{dtype}[{', '.join(str(n) for n in shape)}]"
+
+
+def keys_str(keys) -> str:
+  keys = sorted((str(k) for k in keys))
+  if len(keys) > 8:
+    keys = keys[:8] + [f"... {len(keys) - 8} more"]
+  return ", ".join(keys) if keys else "nothing"
