@@ -60,6 +60,130 @@ for _name in ["__setitem__", "__delitem__", "pop", "popitem", "clear", "update",
               "setdefault", "__ior__"]:
   setattr(ModuleDict, _name, _bumping(_name, dict))
 
+# The mutators above are generated, so their docstrings are attached here.
+_LIST_DOCS = {
+    "append": """``list.append``, and bumps the structure epoch so cached flattenings
+    of the graph (``sr.jit``'s fast path) see the new item. Unlike attribute
+    assignment, it does not adopt the item (a list in it stays plain) or record its
+    owner.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1])
+    >>> xs.append([2])
+    >>> xs, type(xs[1]).__name__
+    ([1, [2]], 'list')
+    """,
+    "extend": """``list.extend``, and bumps the structure epoch. Like ``append``, the
+    items are not adopted and get no owner recorded.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1])
+    >>> xs.extend([2, 3])
+    >>> xs
+    [1, 2, 3]
+    """,
+    "insert": """``list.insert``, and bumps the structure epoch (later items move to new
+    paths). Like ``append``, the item is not adopted and gets no owner recorded.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1, 3])
+    >>> xs.insert(1, 2)
+    >>> xs
+    [1, 2, 3]
+    """,
+    "pop": """``list.pop`` (returns the item), and bumps the structure epoch.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1, 2, 3])
+    >>> xs.pop(0), xs
+    (1, [2, 3])
+    """,
+    "remove": """``list.remove`` (the first item equal to ``value``), and bumps the
+    structure epoch.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1, 2, 1])
+    >>> xs.remove(1)
+    >>> xs
+    [2, 1]
+    """,
+    "clear": """``list.clear``, and bumps the structure epoch.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1, 2])
+    >>> xs.clear()
+    >>> xs, type(xs).__name__
+    ([], 'ModuleList')
+    """,
+    "sort": """``list.sort`` in place (same ``key`` and ``reverse``), and bumps the
+    structure epoch: items change paths.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList(["b", "c", "a"])
+    >>> xs.sort(reverse=True)
+    >>> xs
+    ['c', 'b', 'a']
+    """,
+    "reverse": """``list.reverse`` in place, and bumps the structure epoch: items
+    change paths.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1, 2, 3])
+    >>> xs.reverse()
+    >>> xs
+    [3, 2, 1]
+    """,
+}
+_DICT_DOCS = {
+    "pop": """``dict.pop`` (the value, or ``default`` for a missing key), and bumps
+    the structure epoch.
+
+    >>> import statefulremat as sr
+    >>> d = sr.ModuleDict(a=1, b=2)
+    >>> d.pop("a"), d.pop("z", None), d
+    (1, None, {'b': 2})
+    """,
+    "popitem": """``dict.popitem`` (the last inserted ``(key, value)``), and bumps the
+    structure epoch.
+
+    >>> import statefulremat as sr
+    >>> d = sr.ModuleDict(a=1, b=2)
+    >>> d.popitem(), d
+    (('b', 2), {'a': 1})
+    """,
+    "clear": """``dict.clear``, and bumps the structure epoch.
+
+    >>> import statefulremat as sr
+    >>> d = sr.ModuleDict(a=1)
+    >>> d.clear()
+    >>> d, type(d).__name__
+    ({}, 'ModuleDict')
+    """,
+    "update": """``dict.update``, and bumps the structure epoch. Unlike attribute
+    assignment, it does not adopt the values (a dict in them stays plain) or record
+    their owner.
+
+    >>> import statefulremat as sr
+    >>> d = sr.ModuleDict(a=1)
+    >>> d.update({"b": {"c": 2}})
+    >>> d, type(d["b"]).__name__
+    ({'a': 1, 'b': {'c': 2}}, 'dict')
+    """,
+    "setdefault": """``dict.setdefault``, and bumps the structure epoch on every call,
+    even when the key is already there. A new value is not adopted and gets no owner
+    recorded.
+
+    >>> import statefulremat as sr
+    >>> d = sr.ModuleDict(a=1)
+    >>> d.setdefault("a", 5), d.setdefault("b", 2), d
+    (1, 2, {'a': 1, 'b': 2})
+    """,
+}
+for _name, _doc in _LIST_DOCS.items():
+  getattr(ModuleList, _name).__doc__ = _doc
+for _name, _doc in _DICT_DOCS.items():
+  getattr(ModuleDict, _name).__doc__ = _doc
+
 jax.tree_util.register_pytree_with_keys(
     ModuleList,
     lambda xs: ([(jax.tree_util.SequenceKey(i), x) for i, x in enumerate(xs)], None),

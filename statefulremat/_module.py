@@ -73,17 +73,42 @@ class Module:
     return self
 
   def train(self) -> Module:
-    """Training mode: ``deterministic=False``, ``use_running_average=False`` everywhere."""
+    """Training mode: sets ``deterministic=False`` and ``use_running_average=False`` on
+    every module of the graph that has that attribute; returns ``self``.
+
+    >>> import statefulremat as sr
+    >>> bn = sr.nn.BatchNorm(3, use_running_average=True, rngs=sr.Rngs(0))
+    >>> bn.train().use_running_average
+    False
+    """
     return self.set_attributes(deterministic=False, use_running_average=False)
 
   def eval(self) -> Module:
-    """Evaluation mode: ``deterministic=True``, ``use_running_average=True`` everywhere."""
+    """Evaluation mode: sets ``deterministic=True`` and ``use_running_average=True`` on
+    every module of the graph that has that attribute; returns ``self``.
+
+    >>> import statefulremat as sr
+    >>> drop = sr.nn.Dropout(0.5, rngs=sr.Rngs(0))
+    >>> drop.deterministic, drop.eval().deterministic
+    (False, True)
+    """
     return self.set_attributes(deterministic=True, use_running_average=True)
 
   # -- iteration -------------------------------------------------------------
 
   def iter_modules(self) -> Iterator[tuple[tuple, Module]]:
-    """Yields ``(path, module)`` for every module of the graph once, this one first."""
+    """Yields ``(path, module)`` for every module of the graph once, this one first.
+
+    Depth first, attributes in name order; a module reached twice is yielded at its
+    first path only.
+
+    >>> import statefulremat as sr
+    >>> class Net(sr.Module):
+    ...   def __init__(self):
+    ...     self.layers = [sr.nn.Linear(2, 2, rngs=sr.Rngs(i)) for i in range(2)]
+    >>> [(path, type(m).__name__) for path, m in Net().iter_modules()]
+    [((), 'Net'), (('layers', 0), 'Linear'), (('layers', 1), 'Linear')]
+    """
     from ._graph import iter_graph
 
     for path, node in iter_graph(self):
@@ -91,7 +116,19 @@ class Module:
         yield path, node
 
   def iter_variables(self) -> Iterator[tuple[tuple, Variable]]:
-    """Yields ``(path, variable)`` for every Variable of the graph once."""
+    """Yields ``(path, variable)`` for every Variable of the graph once.
+
+    Same order as ``iter_modules``; a shared Variable comes at its first path only.
+
+    >>> import statefulremat as sr
+    >>> class Tied(sr.Module):
+    ...   def __init__(self):
+    ...     self.a = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
+    ...     self.b = sr.nn.Linear(2, 2, rngs=sr.Rngs(1))
+    ...     self.b.kernel = self.a.kernel
+    >>> [path for path, _ in Tied().iter_variables()]
+    [('a', 'bias'), ('a', 'kernel'), ('b', 'bias')]
+    """
     from ._graph import iter_graph
 
     for path, node in iter_graph(self):

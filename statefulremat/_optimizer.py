@@ -94,7 +94,20 @@ class Optimizer(Module):
     self.opt_paths = _Paths(params._spec.paths)
 
   def update(self, grads: State) -> None:
-    """Applies one optax step to the model's ``wrt`` variables, in place."""
+    """Applies one optax step to the model's ``wrt`` variables, in place.
+
+    ``grads`` is the State ``sr.grad`` gives for those variables; the optax state and
+    ``step`` advance too. Raises ``StateMismatchError`` if the gradients' paths, or the
+    model's since the Optimizer was made, differ from the optimized ones.
+
+    >>> import jax, jax.numpy as jnp, optax, statefulremat as sr
+    >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))
+    >>> opt = sr.Optimizer(model, optax.sgd(0.5))
+    >>> grads = jax.tree.map(jnp.ones_like, sr.state(model, sr.Param))
+    >>> opt.update(grads)
+    >>> model.bias.value.tolist(), int(opt.step.value)
+    ([-0.5], 1)
+    """
     params = state(self.model, self.wrt)
     if not isinstance(grads, State):
       raise TypeError(

@@ -98,11 +98,31 @@ class Rngs(Module):
       setattr(self, name, RngStream(seed, tag=name))
 
   def stream_names(self) -> list[str]:
-    """The names of the streams this Rngs holds (``default`` included)."""
+    """The names of the streams this Rngs holds (``default`` included).
+
+    Names served by ``default`` are not streams of their own and are not listed.
+
+    >>> import statefulremat as sr
+    >>> rngs = sr.Rngs(0, dropout=1)
+    >>> _ = rngs.params()
+    >>> rngs.stream_names(), "params" in rngs
+    (['default', 'dropout'], False)
+    """
     return [k for k, v in vars(self).items() if isinstance(v, RngStream)]
 
   def default_stream(self, name: str) -> RngStream:
-    """The stream that serves ``name``: its own, else ``default``; raises if neither."""
+    """The stream that serves ``name``: its own, else ``default``; raises if neither.
+
+    ``rngs.name`` and ``rngs["name"]`` go through it.
+
+    >>> import statefulremat as sr
+    >>> rngs = sr.Rngs(0, dropout=1)
+    >>> rngs.default_stream("dropout").tag, rngs.default_stream("params").tag
+    ('dropout', 'default')
+    >>> sr.Rngs(dropout=1).default_stream("params")
+    Traceback (most recent call last):
+    AttributeError: this Rngs has no 'params' stream and no default stream ...
+    """
     stream = vars(self).get(name)
     if stream is None:
       stream = vars(self).get("default")
@@ -129,7 +149,22 @@ class Rngs(Module):
     return isinstance(vars(self).get(name), RngStream)
 
   def fork(self) -> Rngs:
-    """A new, independent Rngs with the same stream names, seeded from this one."""
+    """A new, independent Rngs with the same stream names, seeded from this one.
+
+    Each new stream's seed is one key drawn from the stream of the same name here, so
+    forking advances this Rngs's counters once; drawing from the fork does not.
+
+    >>> import jax, statefulremat as sr
+    >>> rngs = sr.Rngs(0, dropout=1)
+    >>> child = rngs.fork()
+    >>> child.stream_names(), int(rngs.dropout.count.value)
+    (['default', 'dropout'], 1)
+    >>> k1, k2 = child.dropout(), rngs.dropout()
+    >>> bool((jax.random.key_data(k1) != jax.random.key_data(k2)).any())
+    True
+    >>> int(child.dropout.count.value), int(rngs.dropout.count.value)
+    (1, 2)
+    """
     new = object.__new__(Rngs)
     for name in self.stream_names():
       setattr(new, name, RngStream(getattr(self, name)(), tag=name))

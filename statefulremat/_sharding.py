@@ -24,7 +24,20 @@ Rules = Sequence[tuple[str, Any]]
 
 
 class ShardingError(StatefulRematError, ValueError):
-  """A ``sharding`` annotation that does not fit the array, the rules or the mesh."""
+  """A ``sharding`` annotation that does not fit the array, the rules or the mesh.
+
+  Also a ``ValueError`` and an ``sr.StatefulRematError``; the message names the path.
+
+  >>> import statefulremat as sr
+  >>> layer = sr.nn.Linear(2, 4, kernel_metadata={"sharding": ("embed",)},
+  ...                      rngs=sr.Rngs(0))
+  >>> try:
+  ...   sr.get_partition_spec(layer)
+  ... except sr.ShardingError as e:
+  ...   print(e)
+  `kernel` has sharding=('embed',) for an array of shape (2, 4): give one axis name
+  (or None) per dimension. It is one short: ...
+  """
 
 
 def get_partition_spec(state) -> State:

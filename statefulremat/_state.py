@@ -180,11 +180,30 @@ class State(Mapping):
   # -- reading ---------------------------------------------------------------
 
   def flat(self) -> dict[tuple, Any]:
-    """``{path: value}`` for every entry."""
+    """``{path: value}`` for every entry, paths as full tuples.
+
+    >>> import statefulremat as sr
+    >>> class Net(sr.Module):
+    ...   def __init__(self):
+    ...     self.layers = [sr.nn.Linear(2, 3, rngs=sr.Rngs(0))]
+    >>> {path: v.shape for path, v in sr.state(Net()).flat().items()}
+    {('layers', 0, 'bias'): (3,), ('layers', 0, 'kernel'): (2, 3)}
+    """
     return dict(zip(self._spec.paths, self._values))
 
   def flat_variables(self) -> dict[tuple, Variable]:
-    """``{path: Variable}``: each entry as a fresh Variable of its kind and metadata."""
+    """``{path: Variable}``: each entry as a fresh Variable of its kind and metadata.
+
+    The Variables are new boxes, not the module's: setting their values changes
+    neither the module nor this State.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> layer = sr.nn.Linear(2, 3, kernel_metadata={"sharding": ("embed", "mlp")},
+    ...                      rngs=sr.Rngs(0))
+    >>> kernel = sr.state(layer).flat_variables()[("kernel",)]
+    >>> type(kernel).__name__, kernel.sharding, kernel is layer.kernel
+    ('Param', ('embed', 'mlp'), False)
+    """
     trace = None
     return {
         p: make_variable(k, v, thaw_metadata(m), trace)
@@ -244,7 +263,18 @@ class State(Mapping):
   def split(self, *filters: Filter) -> tuple[State, ...]:
     """Partitions the entries: each goes to the first filter that matches it.
 
-    Every entry must land somewhere; end with ``...`` to catch the rest.
+    Every entry must land somewhere (else ``StateMismatchError``); end with ``...``
+    to catch the rest.
+
+    >>> import statefulremat as sr
+    >>> state = sr.state(sr.nn.BatchNorm(3, rngs=sr.Rngs(0)))
+    >>> stats, rest = state.split(sr.BatchStat, ...)
+    >>> sorted(stats.flat()), sorted(rest.flat())
+    ([('mean',), ('var',)], [('bias',), ('scale',)])
+    >>> state.split(sr.BatchStat)
+    Traceback (most recent call last):
+    statefulremat...StateMismatchError: the variable `bias` (Param, collection 'params')
+    matches none of the filters ...
     """
     groups = partition(list(self.flat_variables().items()), filters)
     return tuple(self._select(g) for g in groups)

@@ -50,12 +50,31 @@ class SummaryRow:
     return format_path(self.path) if self.path else "(root)"
 
   def params_text(self) -> str:
+    """The parameter count as the table shows it: with thousands separators, and for
+    a stacked row ``(layers × per layer + unstacked)``.
+
+    >>> import statefulremat as sr
+    >>> sr.SummaryRow(("mlp",), "MLP", 1234, {}).params_text()
+    '1,234'
+    >>> sr.SummaryRow(("blocks",), "Block", 12100, {}, layers=3, params_per_layer=4000,
+    ...               params_unstacked=100).params_text()
+    '12,100 (3 × 4,000 + 100)'
+    """
     if self.layers == 1:
       return f"{self.params:,}"
     extra = f" + {self.params_unstacked:,}" if self.params_unstacked else ""
     return f"{self.params:,} ({self.layers} × {self.params_per_layer:,}{extra})"
 
   def outputs_text(self) -> str:
+    """The output column: the distinct shapes joined by `` / `` and ``×n`` for ``n``
+    calls; ``-`` when the module was not called.
+
+    >>> import statefulremat as sr
+    >>> row = sr.SummaryRow(("head",), "Linear", 8, {},
+    ...                     outputs=("float32[5,2]", "float32[5,2]", "float32[1,2]"))
+    >>> row.outputs_text(), sr.SummaryRow((), "Linear", 8, {}).outputs_text()
+    ('float32[5,2] / float32[1,2] ×3', '-')
+    """
     if not self.outputs:
       return "-"
     distinct = list(dict.fromkeys(self.outputs))
@@ -81,6 +100,18 @@ class Summary:
     self.total_params, self.total_bytes = total_params, total_bytes
 
   def lines(self) -> list[str]:
+    """The text table as a list of lines: header, rule, one line per row, rule, total.
+    ``str(summary)`` joins them.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> table = sr.summary(sr.nn.Linear(3, 2, rngs=sr.Rngs(0)), jnp.ones((5, 3)))
+    >>> for line in table.lines(): print(line)
+    path    class   params  params bytes  output
+    --------------------------------------------------
+    (root)  Linear       8          32 B  float32[5,2]
+    --------------------------------------------------
+    Total                8          32 B
+    """
     header = ["path", "class", "params", *(f"{c} bytes" for c in self.collections),
               "output"]
     body = [[r.path_text, r.class_name, r.params_text(),

@@ -139,7 +139,19 @@ class Variable:
     self._value = new
 
   def path_str(self) -> str:
-    """The variable's last known path from its root module, e.g. ``block.linear.kernel``."""
+    """The variable's last known path from its root module, e.g. ``block.linear.kernel``.
+
+    Recorded when it (or a module holding it) is assigned as a module attribute, the
+    first owner winning; ``<root>`` for a variable no module holds.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> class Net(sr.Module):
+    ...   def __init__(self):
+    ...     self.layers = [sr.nn.Linear(2, 2, rngs=sr.Rngs(0))]
+    >>> net = Net()
+    >>> net.layers[0].kernel.path_str(), sr.Param(jnp.zeros(2)).path_str()
+    ('layers[0].kernel', '<root>')
+    """
     return format_path(path_of(self))
 
   # -- metadata --------------------------------------------------------------
@@ -150,7 +162,17 @@ class Variable:
     return dict(self._metadata)
 
   def set_metadata(self, **metadata: Any) -> None:
-    """Adds or replaces metadata entries (e.g. ``sharding=("embed", None)``)."""
+    """Adds or replaces metadata entries (e.g. ``sharding=("embed", None)``).
+
+    Other entries are kept. Metadata is part of the graph's structure, so this bumps
+    the structure epoch (``sr.jit`` traces again).
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> w = sr.Param(jnp.ones((2, 3)), sharding=("embed", "mlp"), tied=False)
+    >>> w.set_metadata(sharding=("embed", None))
+    >>> w.metadata
+    {'sharding': ('embed', None), 'tied': False}
+    """
     self._metadata = {**self._metadata, **metadata}
     structure_epoch.bump()
 
@@ -164,7 +186,16 @@ class Variable:
       ) from None
 
   def replace(self, value: Any) -> Variable:
-    """A new Variable of the same kind and metadata holding ``value``."""
+    """A new Variable of the same kind and metadata holding ``value``.
+
+    ``self`` is left as it is, and the new Variable belongs to no module yet.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> w = sr.Param(jnp.ones(2), sharding=("embed",))
+    >>> w2 = w.replace(jnp.zeros(2))
+    >>> type(w2).__name__, w2.sharding, w2.value.tolist(), w.value.tolist()
+    ('Param', ('embed',), [0.0, 0.0], [1.0, 1.0])
+    """
     return type(self)(value, **self._metadata)
 
   # -- array-like use --------------------------------------------------------
