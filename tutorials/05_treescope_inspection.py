@@ -1,0 +1,139 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+# ---
+
+# %% [markdown]
+# # 5. Inspecting models with treescope
+#
+# Every statefulremat object (modules, Variables, `State`, `GraphDef`) renders through
+# [treescope](https://treescope.readthedocs.io): as text in a terminal, as a foldable
+# tree in a notebook. A stacked model (built by `scan`, `remat_scan` or `vmap`) names
+# its layer axis, so a `(100, 8, 8)` kernel reads as 100 layers of `8 x 8`, not as a
+# three-dimensional weight. This tutorial prints a small model, a stacked one, its
+# summary table and one of its layers, and writes the interactive view to an HTML file.
+
+# %%
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import treescope
+
+import statefulremat as sr
+
+QUICK = os.environ.get("SR_TUTORIAL_QUICK") == "1"
+LAYERS = 12 if QUICK else 100
+DIM = 8
+OUT = pathlib.Path(os.environ.get("SR_TUTORIAL_OUT", "tutorial_out"))
+OUT.mkdir(parents=True, exist_ok=True)
+
+# %% [markdown]
+# ## `repr` is treescope's text
+#
+# `repr` gives the compact text: an array that would take several lines is summarised
+# on one (dtype, shape, mean, standard deviation, range). A Variable shows its kind and
+# its metadata, here the logical axis names in `sharding` that tutorial 6 uses to place
+# arrays on devices.
+
+# %%
+layer = sr.nn.Linear(2, 3, kernel_metadata={"sharding": ("embed", "mlp")}, rngs=sr.Rngs(0))
+print(repr(layer))
+
+# %% [markdown]
+# `treescope.render_to_text` gives the full text, small arrays printed in full. A
+# `State` shows only the variables, keyed by path:
+
+# %%
+print(treescope.render_to_text(layer.kernel))
+print(treescope.render_to_text(sr.state(layer)))
+
+# %% [markdown]
+# ## A stacked model names its layer axis
+#
+# `sr.display` draws a model: in a notebook as a foldable tree where stacked arrays are
+# figures with the layer axis labelled; in a script it prints the text. In the text,
+# axes after the `|` are named: `float32(8 | layers:12)` is a bias of 8 features in each
+# of 12 layers, and the kernel's other two axes take their names from its `sharding`
+# metadata. The layer axis is called `layers` unless `metadata_params={"partition_name":
+# ...}` names it otherwise.
+
+# %%
+class Block(sr.Module):
+  def __init__(self, dim, *, rngs):
+    self.linear = sr.nn.Linear(dim, dim, kernel_metadata={"sharding": ("embed", "mlp")},
+                               rngs=rngs)
+    self.norm = sr.nn.BatchNorm(dim, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jnp.tanh(self.norm(self.linear(x))), None
+
+
+Stack = sr.scan(Block, length=LAYERS, variable_axes={sr.Param: 0, sr.BatchStat: 0},
+                split_rngs={"params": True},
+                metadata_params={"partition_name": "layers"})
+
+
+class Net(sr.Module):
+  def __init__(self, *, rngs):
+    self.embed = sr.nn.Linear(3, DIM, rngs=rngs)
+    self.blocks = Stack(DIM, rngs=rngs)
+    self.head = sr.nn.Linear(DIM, 1, rngs=rngs)
+
+  def __call__(self, x):
+    h, _ = self.blocks(self.embed(x))
+    return self.head(h)
+
+
+net = Net(rngs=sr.Rngs(0))
+sr.display(net.blocks)
+
+# %% [markdown]
+# The partition name also goes into the stacked variables' `sharding` metadata, in
+# front of the names each layer gave (without it, the metadata keeps the layer's names):
+
+# %%
+print("stacked kernel:", net.blocks.linear.kernel.shape, net.blocks.linear.kernel.sharding)
+
+# %% [markdown]
+# ## A summary table
+#
+# `sr.summary(model, *inputs)` lists every module path with its class, parameter count,
+# bytes per collection and output shapes. The call is traced with `jax.eval_shape`, so
+# nothing is computed and the model's state does not change; inputs may be
+# `jax.ShapeDtypeStruct`s. A stacked row counts `layers x per layer`.
+
+# %%
+print(sr.summary(net, jax.ShapeDtypeStruct((16, 3), jnp.float32)))
+
+# %% [markdown]
+# ## One layer as an ordinary module
+#
+# `stack.layer(i)` returns layer `i` as a plain `Block` (a copy): its arrays have lost
+# the layer axis, and its metadata the partition name.
+
+# %%
+layer3 = net.blocks.layer(3)
+print(type(layer3).__name__, layer3.linear.kernel.shape, layer3.linear.kernel.sharding)
+print("equals slice 3 of the stack:",
+      np.array_equal(layer3.linear.kernel.value, net.blocks.linear.kernel.value[3]))
+print(repr(layer3.norm.mean))
+
+# %% [markdown]
+# ## The interactive view as an HTML file
+#
+# `treescope.render_to_html` returns a self-contained page: open it in a browser to fold
+# and unfold the tree. Under treescope's array autovisualizer, stacked arrays are drawn
+# as figures with the layer axis labelled.
+
+# %%
+with treescope.active_autovisualizer.set_scoped(treescope.ArrayAutovisualizer()):
+  html = treescope.render_to_html(net)
+path = OUT / "05_net.html"
+path.write_text(html)
+print(f"wrote {path} ({len(html) / 1024:.0f} KiB)")
