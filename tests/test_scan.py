@@ -850,3 +850,10 @@ def test_keyword_arguments_pass_unchanged_to_every_layer():
   assert not np.allclose(plain, doubled)
   with pytest.raises(TypeError, match=r"the keyword argument `\['extra'\]` is a Rngs"):
     stack(x, extra=sr.Rngs(0))
+
+
+def test_class_form_errors_name_the_class_and_method():
+  stack = sr.vmap(Dense, axis_size=3, in_axes=0)(jnp.ones((3, D, D)))
+  with pytest.raises(sr.TransformError, match=r"^sr\.vmap\(Dense\.__call__\): the stacked "
+                                              r"variable `w` \(axis 0\) says 3"):
+    stack(jnp.ones((4, D)), jnp.ones((4, D)))

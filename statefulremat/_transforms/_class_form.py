@@ -11,6 +11,12 @@ def is_module_class(target) -> bool:
   return isinstance(target, type) and issubclass(target, Module)
 
 
+def display_name(fn) -> str:
+  """How errors name a transformed function: ``f``, or ``Cell.__call__`` for a method."""
+  parts = getattr(fn, "__qualname__", getattr(fn, "__name__", "fn")).split(".")
+  return ".".join(parts[-2:]) if len(parts) > 1 and parts[-2] != "<locals>" else parts[-1]
+
+
 def transform_name(label: str) -> str:
   """``"RematScan"`` -> ``"sr.remat_scan"``."""
   return "sr." + "".join("_" + c.lower() if c.isupper() and i else c.lower()

@@ -11,7 +11,7 @@ from .._filters import Filter, to_predicate
 from .._graph import flatten, iter_graph
 from .._rngs import Rngs, RngStream
 from .._variables import RngState
-from ._class_form import is_module_class, transformed_class
+from ._class_form import display_name, is_module_class, transformed_class
 from ._rules import Rules
 from ._lift import Lifted, check_no_nodes, is_node, split_call, write_back
 from .._errors import GraphError
@@ -75,7 +75,7 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
                     rngs) -> Callable:
   static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
   traced_pred = to_predicate(variables)
-  what = f"sr.remat({getattr(fn, '__name__', 'fn')})"
+  what = f"sr.remat({display_name(fn)})"
   # The stream rules of scan's split_rngs, so a name served by a default stream counts
   # under the name asked for (`rngs="dropout"` lifts `sr.Rngs(0)`'s default stream).
   stream_rules = Rules(what, variable_axes={}, variable_broadcast=False,

@@ -7,7 +7,7 @@ import math
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
-from ._class_form import is_module_class
+from ._class_form import display_name, is_module_class
 from ._layers import LayerLoop
 from ._lift import write_back
 from ._rules import Rules, TransformError
@@ -68,8 +68,7 @@ def remat_scan(target: Callable | type | None = None, lengths: Sequence[int] = (
   lengths = tuple(lengths)
   if target is None:
     return functools.partial(remat_scan, lengths=lengths, methods=methods, **options)
-  name = getattr(target, "__name__", "fn")
-  what = f"sr.remat_scan({name})"
+  what = f"sr.remat_scan({display_name(target)})"
   if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
     raise TransformError(
         f"{what}: lengths={lengths!r} must be a non-empty tuple of positive ints whose "

@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from ._class_form import is_module_class
+from ._class_form import display_name, is_module_class
 from ._layers import LayerLoop
 from ._lift import write_back
 from ._rules import Rules, TransformError
@@ -127,7 +127,7 @@ def _axes_per_leaf(in_axes, xs: tuple, what: str) -> list:
 def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_carry,
                    split_rngs, in_axes, out_axes, length, reverse, unroll,
                    data_transform, metadata_params) -> Callable:
-  what = f"sr.scan({getattr(fn, '__name__', 'fn')})"
+  what = f"sr.scan({display_name(fn)})"
   rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
                 variable_carry=variable_carry, split_rngs=split_rngs)
   if not isinstance(out_axes, int):

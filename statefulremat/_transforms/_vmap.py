@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from ._class_form import is_module_class
+from ._class_form import display_name, is_module_class
 from ._lift import check_no_nodes, write_back
 from ._rules import STACKED, Rules, TransformError, layer_keys
 from ._module_arg import (check_no_modules, class_length, compiled_when_eager, lift_module_arg,
@@ -48,7 +48,7 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
                  variable_broadcast=variable_broadcast, metadata_params=metadata_params)
   if target is None:
     return functools.partial(vmap, methods=methods, **options)
-  what = f"sr.vmap({getattr(target, '__name__', 'fn')})"
+  what = f"sr.vmap({display_name(target)})"
   rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
                 variable_carry=False, split_rngs=split_rngs)
   if is_module_class(target):
