@@ -185,7 +185,12 @@ def _write_outputs(model, losses: list[float], out: Path) -> dict[str, Path]:
 
   plot = out / "loss.png"
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  ax.plot(range(1, len(losses) + 1), losses, linewidth=1)
+  steps = range(1, len(losses) + 1)
+  ax.plot(steps, losses, linewidth=0.8, alpha=0.35, label="per step")
+  window = max(1, len(losses) // 15)
+  ax.plot(steps, _running_mean(losses, window), linewidth=1.6,
+          label=f"mean of the last {window}")
+  ax.legend()
   ax.set(xlabel="step", ylabel="training loss (MSE)", yscale="log",
          title=f"{len(model.blocks)}-layer residual MLP, remat_scan")
   ax.grid(True, alpha=0.3)
@@ -193,3 +198,12 @@ def _write_outputs(model, losses: list[float], out: Path) -> dict[str, Path]:
   fig.savefig(plot, dpi=120)
   plt.close(fig)
   return {"checkpoint": checkpoint, "treescope": page, "plot": plot}
+
+
+def _running_mean(values: list[float], window: int) -> list[float]:
+  """The mean of each value and the ``window - 1`` before it (fewer at the start)."""
+  out, total = [], 0.0
+  for i, v in enumerate(values):
+    total += v - (values[i - window] if i >= window else 0.0)
+    out.append(total / min(i + 1, window))
+  return out
