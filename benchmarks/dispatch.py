@@ -200,7 +200,11 @@ def _pytree_step(params, loss_fn, kind, x):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  box = [params, tx.init(params)]
+  return _boxed_steps(kind, [params, tx.init(params)], sgd_step, optax_step, x)
+
+
+def _boxed_steps(kind, box, sgd_step, optax_step, x):
+  """A step closure for functional steps: ``box`` holds [params, optimizer state]."""
 
   def call():
     if kind == "sgd":
@@ -283,16 +287,8 @@ def eqx_filter_jit(cfg, kind, x):
     updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
     return eqx.apply_updates(model, updates), opt_state, loss
 
-  box = [model, tx.init(eqx.filter(model, eqx.is_array))]
-
-  def call():
-    if kind == "sgd":
-      box[0], loss = sgd_step(box[0], x)
-    else:
-      box[0], box[1], loss = optax_step(box[0], box[1], x)
-    return loss
-
-  return call
+  return _boxed_steps(kind, [model, tx.init(eqx.filter(model, eqx.is_array))], sgd_step,
+                      optax_step, x)
 
 
 def sr_jit(cfg, kind, x):

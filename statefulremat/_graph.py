@@ -268,6 +268,31 @@ def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
 # -- the public functions ---------------------------------------------------------
 
 
+def arrivals(root) -> Iterator[tuple[tuple, Any, bool]]:
+  """Yields ``(path, object, first)`` each time the walk reaches a module or Variable,
+  in definition order (attributes as assigned, as drawn and tabled); a module reached
+  again is not entered again. ``iter_graph`` walks in the GraphDef's sorted order."""
+  seen: set[int] = set()
+
+  def walk(obj, path):
+    if isinstance(obj, (Variable, Module)):
+      first = id(obj) not in seen
+      seen.add(id(obj))
+      yield path, obj, first
+      if first and isinstance(obj, Module):
+        for k, v in vars(obj).items():
+          if not k.startswith("_sr_"):
+            yield from walk(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+      for i, x in enumerate(obj):
+        yield from walk(x, path + (i,))
+    elif isinstance(obj, dict):
+      for k, v in obj.items():
+        yield from walk(v, path + (k,))
+
+  yield from walk(root, ())
+
+
 def _check_node(node, fn: str):
   if not isinstance(node, (Module, Variable, list, tuple, dict)):
     raise TypeError(

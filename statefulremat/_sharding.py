@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import StatefulRematError, format_path
-from ._state import State, _Spec, thaw_metadata
+from ._state import State, thaw_metadata
 
 Rules = Sequence[tuple[str, Any]]
 

@@ -208,33 +208,14 @@ def summary(model, *example_inputs, method: str = "__call__", **kwargs) -> Summa
 
 def _walk(root) -> tuple[list, list]:
   """Modules and Variables under ``root``, once each, depth first in definition order."""
+  from ._graph import arrivals
   from ._module import Module
-  from ._variables import Variable
 
-  seen: set[int] = set()
   modules: list[tuple[tuple, Any]] = []
   variables: list[tuple[tuple, Any]] = []
-
-  def walk(obj, path):
-    if isinstance(obj, (Module, Variable)):
-      if id(obj) in seen:
-        return
-      seen.add(id(obj))
-      if isinstance(obj, Variable):
-        variables.append((path, obj))
-        return
-      modules.append((path, obj))
-      for k, v in vars(obj).items():
-        if not k.startswith("_sr_"):
-          walk(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-      for i, v in enumerate(obj):
-        walk(v, path + (i,))
-    elif isinstance(obj, dict):
-      for k, v in obj.items():
-        walk(v, path + (k,))
-
-  walk(root, ())
+  for path, obj, first in arrivals(root):
+    if first:
+      (modules if isinstance(obj, Module) else variables).append((path, obj))
   return modules, variables
 
 

@@ -98,29 +98,12 @@ def _attributes(module) -> dict[str, Any]:
 
 def _first_paths(root) -> dict[int, list[tuple]]:
   """Every path reaching each module and Variable under ``root``, in drawing order."""
-  from ._module import Module
-  from ._variables import Variable
+  from ._graph import arrivals
 
-  first: dict[int, list[tuple]] = {}
-
-  def walk(obj, path):
-    if isinstance(obj, (Module, Variable)):
-      if id(obj) in first:
-        first[id(obj)].append(path)
-        return
-      first[id(obj)] = [path]
-      if isinstance(obj, Module):
-        for k, v in _attributes(obj).items():
-          walk(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-      for i, v in enumerate(obj):
-        walk(v, path + (i,))
-    elif isinstance(obj, dict):
-      for k, v in obj.items():
-        walk(v, path + (k,))
-
-  walk(root, ())
-  return first
+  places: dict[int, list[tuple]] = {}
+  for path, obj, _ in arrivals(root):
+    places.setdefault(id(obj), []).append(path)
+  return places
 
 
 def _mark_shared(value, path: tuple, first: dict):
