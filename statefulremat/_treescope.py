@@ -152,24 +152,47 @@ class _Text:
     return rendering_parts.text(self.text)
 
 
-def render_module(module, path, subtree_renderer):
-  from treescope import repr_lib
-
+def _stack_axes(module) -> dict:
+  """id(stacked Variable) -> (layer axis, axis name) for a stacked module, else {}."""
   from ._transforms._rules import STACKED
   from ._transforms._stacked import is_stacked, stack_plan
 
+  if not is_stacked(module):
+    return {}
+  _, variables, plan = stack_plan(module)
+  name = type(module)._sr_metadata_params.get("partition_name") or "layers"
+  return {id(v): (axis, name) for v, kind, axis in zip(variables, plan.kinds, plan.axes)
+          if kind == STACKED}
+
+
+def _enclosing_stack_axes(obj) -> dict:
+  """The layer axes of the stacks ``obj`` hangs under (by its recorded owners), so
+  ``repr(stack.linear)`` names the layer axis as ``repr(stack)`` does."""
+  from ._variables import Variable
+
+  axes: dict = {}
+  seen = {id(obj)}
+  while True:
+    owner = obj._owner if isinstance(obj, Variable) else vars(obj).get("_sr_owner")
+    obj = None if owner is None else owner[0]()
+    if obj is None or id(obj) in seen:
+      return axes
+    seen.add(id(obj))
+    axes = {**_stack_axes(obj), **axes}  # an inner stack's axis wins
+
+
+def render_module(module, path, subtree_renderer):
+  from treescope import repr_lib
+
   first = _FIRST.get()
   tokens = []
-  if first is None:
+  if first is None:  # drawn from here: stacks above it still name their layer axis
     first = _first_paths(module)
     tokens.append((_FIRST, _FIRST.set(first)))
-  if is_stacked(module):
-    _, variables, plan = stack_plan(module)
-    name = type(module)._sr_metadata_params.get("partition_name") or "layers"
-    axes = dict(_LAYER_AXES.get())
-    axes.update({id(v): (axis, name) for v, kind, axis
-                 in zip(variables, plan.kinds, plan.axes) if kind == STACKED})
-    tokens.append((_LAYER_AXES, _LAYER_AXES.set(axes)))
+    tokens.append((_LAYER_AXES, _LAYER_AXES.set(_enclosing_stack_axes(module))))
+  own = _stack_axes(module)
+  if own:
+    tokens.append((_LAYER_AXES, _LAYER_AXES.set({**_LAYER_AXES.get(), **own})))
   try:
     here = first.get(id(module), [()])[0]
     attributes = {k: _mark_shared(v, here + (k,), first)
@@ -186,7 +209,8 @@ def render_variable(var, path, subtree_renderer):
   from treescope import repr_lib
 
   value = var._value
-  layer = _LAYER_AXES.get().get(id(var))
+  axes = _LAYER_AXES.get() if _FIRST.get() is not None else _enclosing_stack_axes(var)
+  layer = axes.get(id(var))
   if layer is not None and hasattr(value, "shape"):
     value = LayeredArray(value, layer[0], layer[1], var._metadata.get("sharding"))
   elif _COMPACT.get() and _is_long(value):

@@ -171,3 +171,15 @@ Param(
   value=JitTracer(float32[1,2]),
   sharding=('embed', None),
 )"""]
+
+
+def test_parts_of_a_stack_drawn_alone_still_name_the_layer_axis():
+  class Holder(sr.Module):
+    def __init__(self, *, rngs=None):
+      self.inner = Tiny(1)
+
+  stack = sr.vmap(Holder, axis_size=3)()
+  # inner.w is (3, 1, 2): the layer axis, then `embed` (1), then an unnamed 2.
+  assert "float32(2 | layers:3, embed:1)" in text(stack.inner)
+  assert "float32(2 | layers:3, embed:1)" in text(stack.inner.w)
+  assert "layers:" not in text(Tiny(1).w)  # an ordinary Variable: no layer axis
