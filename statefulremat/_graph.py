@@ -241,18 +241,27 @@ def rewrite(graphdef: GraphDef, *, root_classes: dict[int, type] | None = None,
 
 
 def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
-  """Yields ``(path, object)`` for each module and Variable reachable from ``node``, once."""
+  """Yields ``(path, object)`` for each module and Variable reachable from ``node``,
+  once, in the GraphDef's order (a module's attributes sorted)."""
+  for path, obj, first in arrivals(node, sort=True):
+    if first:
+      yield path, obj
+
+
+def arrivals(root, *, sort: bool = False) -> Iterator[tuple[tuple, Any, bool]]:
+  """Yields ``(path, object, first)`` each time the walk reaches a module or Variable,
+  a module's attributes in definition order (as drawn and tabled) or, with ``sort``,
+  sorted (the GraphDef's order); a module reached again is not entered again."""
   seen: set[int] = set()
 
   def walk(obj, path):
     if isinstance(obj, (Variable, Module)):
-      if id(obj) in seen:
-        return
+      first = id(obj) not in seen
       seen.add(id(obj))
-      yield path, obj
-      if isinstance(obj, Module):
+      yield path, obj, first
+      if first and isinstance(obj, Module):
         attrs = vars(obj)
-        for k in sorted(attrs):
+        for k in (sorted(attrs) if sort else attrs):
           if not k.startswith("_sr_"):
             yield from walk(attrs[k], path + (k,))
     elif isinstance(obj, (list, tuple)):
@@ -262,35 +271,10 @@ def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
       for k, v in obj.items():
         yield from walk(v, path + (k,))
 
-  yield from walk(node, ())
+  yield from walk(root, ())
 
 
 # -- the public functions ---------------------------------------------------------
-
-
-def arrivals(root) -> Iterator[tuple[tuple, Any, bool]]:
-  """Yields ``(path, object, first)`` each time the walk reaches a module or Variable,
-  in definition order (attributes as assigned, as drawn and tabled); a module reached
-  again is not entered again. ``iter_graph`` walks in the GraphDef's sorted order."""
-  seen: set[int] = set()
-
-  def walk(obj, path):
-    if isinstance(obj, (Variable, Module)):
-      first = id(obj) not in seen
-      seen.add(id(obj))
-      yield path, obj, first
-      if first and isinstance(obj, Module):
-        for k, v in vars(obj).items():
-          if not k.startswith("_sr_"):
-            yield from walk(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-      for i, x in enumerate(obj):
-        yield from walk(x, path + (i,))
-    elif isinstance(obj, dict):
-      for k, v in obj.items():
-        yield from walk(v, path + (k,))
-
-  yield from walk(root, ())
 
 
 def _check_node(node, fn: str):

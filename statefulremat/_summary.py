@@ -378,15 +378,11 @@ def _patch_calls(classes, record) -> list[tuple[type, Any]]:
 
 def _root_of(obj):
   """The object at the top of ``obj``'s owner chain."""
-  from ._variables import Variable
+  from ._variables import owner_chain
 
-  seen = set()
-  while id(obj) not in seen:
-    seen.add(id(obj))
-    owner = obj._owner if isinstance(obj, Variable) else vars(obj).get("_sr_owner")
-    parent = None if owner is None else owner[0]()
+  for parent, _ in owner_chain(obj):
     if parent is None:
-      return obj
+      break
     obj = parent
   return obj
 

@@ -168,17 +168,13 @@ def _stack_axes(module) -> dict:
 def _enclosing_stack_axes(obj) -> dict:
   """The layer axes of the stacks ``obj`` hangs under (by its recorded owners), so
   ``repr(stack.linear)`` names the layer axis as ``repr(stack)`` does."""
-  from ._variables import Variable
+  from ._variables import owner_chain
 
   axes: dict = {}
-  seen = {id(obj)}
-  while True:
-    owner = obj._owner if isinstance(obj, Variable) else vars(obj).get("_sr_owner")
-    obj = None if owner is None else owner[0]()
-    if obj is None or id(obj) in seen:
-      return axes
-    seen.add(id(obj))
-    axes = {**_stack_axes(obj), **axes}  # an inner stack's axis wins
+  for parent, _ in owner_chain(obj):
+    if parent is not None:
+      axes = {**_stack_axes(parent), **axes}  # an inner stack's axis wins
+  return axes
 
 
 def render_module(module, path, subtree_renderer):

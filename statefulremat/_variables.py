@@ -409,16 +409,26 @@ def set_owner(obj, parent, key_path: tuple) -> None:
     obj.__dict__["_sr_owner"] = (weakref.ref(parent), key_path)
 
 
+def owner_chain(obj):
+  """Yields ``(parent, key_path)`` from ``obj`` up its recorded (first) owners; the
+  chain ends at an object with no owner, at a parent that is gone (``None``) or where
+  it comes back round a cycle."""
+  seen = {id(obj)}
+  while True:
+    owner = obj._owner if isinstance(obj, Variable) else vars(obj).get("_sr_owner")
+    if owner is None:
+      return
+    parent = owner[0]()
+    yield parent, owner[1]
+    if parent is None or id(parent) in seen:
+      return
+    seen.add(id(parent))
+    obj = parent
+
+
 def path_of(obj) -> tuple:
   """The last known path of a Variable or module from its root (best effort)."""
   path: tuple = ()
-  seen = set()
-  while obj is not None and id(obj) not in seen:
-    seen.add(id(obj))
-    owner = obj._owner if isinstance(obj, Variable) else vars(obj).get("_sr_owner")
-    if owner is None:
-      break
-    parent = owner[0]()
-    path = owner[1] + path
-    obj = parent
+  for _, key_path in owner_chain(obj):
+    path = key_path + path
   return path

@@ -16,7 +16,7 @@ from .._graph import update
 from .._state import State
 from ._paths import (Entry, entries, flat_tree, nearest, placed_like,
                      select_collections)
-from ._report import Problems, array_str, keys_str, shape_str
+from ._report import Problems, array_str, keys_str, shape_str, where_str
 
 _FIX_NAMES = (
     "name the linen submodules after our attributes (in a compact method "
@@ -141,7 +141,7 @@ def from_linen(model, variables: Mapping, *, collections: Any = None):
       problems.add(
           f"linen variables have no `{c}` collection (they have: "
           f"{keys_str(variables)}), but ours has {len(mine)} variable(s) in it: "
-          f"{', '.join(e.where() for e in mine[:3])}{', ...' if len(mine) > 3 else ''}.",
+          f"{where_str(mine)}.",
           "pass the whole variables dict (every collection `init` returned), or load "
           "only some with collections=('params',).")
   used: set[tuple] = set()

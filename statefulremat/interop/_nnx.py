@@ -15,7 +15,7 @@ from .._errors import format_path
 from .._graph import update
 from .._state import State
 from ._paths import entries, flat_tree, nearest, placed_like, select_collections
-from ._report import Problems, array_str, keys_str, shape_str
+from ._report import Problems, array_str, keys_str, shape_str, where_str
 
 _FIX_NAMES = ("give the nnx module the same attribute names and nesting as ours "
               "(lists as `nnx.List`, index `i` <-> our `[i]`).")
@@ -88,8 +88,7 @@ def _match(model, flat: dict, collections, what: str, problems: Problems):
         absent.add(c)
         problems.add(
             f"the nnx side has no variables of collection `{c}`, but ours has "
-            f"{len(mine)}: {', '.join(e.where() for e in mine[:3])}"
-            f"{', ...' if len(mine) > 3 else ''}.",
+            f"{len(mine)}: {where_str(mine)}.",
             "pass the whole nnx module or state, or transfer only some collections "
             "with collections=('params',).")
   used, pairs = set(), []

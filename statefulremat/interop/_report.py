@@ -66,6 +66,12 @@ def array_str(value) -> str:
   return f"{dtype}[{', '.join(str(n) for n in shape)}]"
 
 
+def where_str(entries, shown: int = 3) -> str:
+  """The first few entries' places, ``a.kernel, a.bias, b.kernel, ...``."""
+  more = ", ..." if len(entries) > shown else ""
+  return ", ".join(e.where() for e in entries[:shown]) + more
+
+
 def keys_str(keys) -> str:
   keys = sorted((str(k) for k in keys))
   if len(keys) > 8:
