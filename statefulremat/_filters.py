@@ -196,3 +196,14 @@ def to_predicate(filter: Filter) -> Predicate:
 
 def is_everything(filter: Filter) -> bool:
   return isinstance(to_predicate(filter), _Everything)
+
+
+def filter_repr(filter: Filter) -> str:
+  """How error messages write a filter: ``sr.Param``, ``'params'``, ``(sr.Param, 'cache')``."""
+  if isinstance(filter, type):
+    public = filter.__module__.startswith("statefulremat")
+    return f"sr.{filter.__name__}" if public else filter.__name__
+  if isinstance(filter, tuple):
+    return ("(" + ", ".join(map(filter_repr, filter)) + ("," if len(filter) == 1 else "")
+            + ")")
+  return repr(filter)

@@ -26,7 +26,7 @@ from ._errors import GraphError, StateMismatchError, format_path
 from ._filters import Filter
 from ._module import Module, _record_owners
 from ._state import State, freeze, partition, thaw_metadata
-from ._variables import Variable, current_trace
+from ._variables import Variable, _dtype_of, bare_variable, current_trace
 
 _REF, _VAR, _NODE, _LIST, _TUPLE, _DICT, _STATIC = range(7)
 
@@ -182,12 +182,8 @@ def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
     if tag == _VAR:
       i = len(variables)
       kind = d[1] if kinds is None or kinds[i] is None else kinds[i]
-      var = object.__new__(kind)
-      var._value = values[i]
-      var._metadata = thaw_metadata(
-          d[2] if metas is None or metas[i] is None else metas[i])
-      var._trace = trace
-      var._owner = None
+      var = bare_variable(kind, values[i], thaw_metadata(
+          d[2] if metas is None or metas[i] is None else metas[i]), trace)
       objects.append(var)
       variables.append(var)
       return var
@@ -409,7 +405,19 @@ def update(node, *states: State) -> None:
             "no variable at that path (nothing was written). Update with a State taken "
             "from an equally structured module (`sr.state(model)`)."
         )
-      pending.append((var, value))
+      pending.append((path, var, value))
+  mismatched = [(path, why) for path, var, value in pending
+                if (why := type_change(var._value, value)) is not None]
+  if mismatched:
+    lines = "".join(f"\n  `{format_path(path)}`: {why}" for path, why in mismatched[:5])
+    more = f"\n  ... and {len(mismatched) - 5} more" if len(mismatched) > 5 else ""
+    raise StateMismatchError(
+        f"sr.update: {len(mismatched)} value(s) do not have the shape and dtype of the "
+        f"variable they would replace (nothing was written):{lines}{more}\nA module's "
+        "arrays keep their shapes and dtypes: convert the values first (e.g. "
+        "`jax.tree.map(lambda x: x.astype(jnp.float32), state)`), or, to change a "
+        "variable's shape, assign it directly (`model.w.value = new`).")
+  pending = [(var, value) for _, var, value in pending]
   written = []
   try:
     for var, value in pending:
@@ -420,6 +428,23 @@ def update(node, *states: State) -> None:
     for var, old in reversed(written):
       var._value = old
     raise
+
+
+def _avals(value) -> tuple:
+  leaves, treedef = jax.tree.flatten(value)
+  return treedef, [(tuple(np.shape(x)), jax.dtypes.canonicalize_dtype(
+      _dtype_of(x), allow_extended_dtype=True)) for x in leaves]
+
+
+def type_change(old, new) -> str | None:
+  """How ``new`` differs from ``old`` in structure, shape or dtype, in words; or None."""
+  (old_def, old_avals), (new_def, new_avals) = _avals(old), _avals(new)
+  if old_def != new_def:
+    return f"structure {old_def} -> {new_def}"
+  for (s0, d0), (s1, d1) in zip(old_avals, new_avals):
+    if (s0, d0) != (s1, d1):
+      return f"{d0}{list(s0)} -> {d1}{list(s1)}"
+  return None
 
 
 def clone(node):

@@ -9,10 +9,34 @@ static configuration and must be hashable (it becomes part of the GraphDef).
 
 from __future__ import annotations
 
+import numbers
+import pickle
 from typing import Any, Iterator
 
+import jax
+import numpy as np
+
 from ._containers import adopt
-from ._variables import Variable, set_owner, structure_epoch
+from ._errors import GraphError, format_path
+from ._variables import Variable, path_of, set_owner, structure_epoch
+
+
+def _is_array_like(value) -> bool:
+  return isinstance(value, (jax.Array, np.ndarray, np.generic, numbers.Number))
+
+
+def _refuse_array_over_variable(module, name: str, value) -> None:
+  var = module.__dict__[name]
+  path = format_path(path_of(module) + (name,))
+  what = (f"a {value.dtype}{list(np.shape(value))} array" if hasattr(value, "dtype")
+          else f"a Python {type(value).__name__}")
+  raise GraphError(
+      f"`{path}` holds a {type(var).__name__}; assigning {what} over it would replace "
+      "the Variable with a plain value that leaves the model's state (PyTorch refuses "
+      "a tensor over a Parameter for the same reason). Fix: write the Variable's "
+      f"value, `{path}.value = ...` (or `{path}[...] = ...`; `{path} += x` updates "
+      "in place too). To replace the Variable itself, assign a Variable, or `del` it "
+      "first.")
 
 
 def _record_owners(parent, value, key_path: tuple) -> None:
@@ -46,6 +70,8 @@ class Module:
   """
 
   def __setattr__(self, name: str, value: Any) -> None:
+    if isinstance(self.__dict__.get(name), Variable) and _is_array_like(value):
+      _refuse_array_over_variable(self, name, value)
     value = adopt(value)
     if not name.startswith("_sr_"):
       _record_owners(self, value, (name,))
@@ -72,15 +98,21 @@ class Module:
           setattr(module, name, value)
     return self
 
-  def train(self) -> Module:
+  def train(self, mode: bool = True) -> Module:
     """Training mode: sets ``deterministic=False`` and ``use_running_average=False`` on
     every module of the graph that has that attribute; returns ``self``.
 
+    ``train(False)`` is ``eval()``, as in PyTorch.
+
     >>> import statefulremat as sr
     >>> bn = sr.nn.BatchNorm(3, use_running_average=True, rngs=sr.Rngs(0))
-    >>> bn.train().use_running_average
-    False
+    >>> bn.train().use_running_average, bn.train(False).use_running_average
+    (False, True)
     """
+    if not isinstance(mode, bool):
+      raise TypeError(f"train(mode) takes True or False (as PyTorch's), got {mode!r}.")
+    if not mode:
+      return self.eval()
     return self.set_attributes(deterministic=False, use_running_average=False)
 
   def eval(self) -> Module:
@@ -134,6 +166,25 @@ class Module:
     for path, node in iter_graph(self):
       if isinstance(node, Variable):
         yield path, node
+
+  # -- pickling ----------------------------------------------------------------
+
+  def __getstate__(self):
+    if type(self).__dict__.get("_sr_transformed"):
+      raise pickle.PicklingError(
+          f"cannot pickle a {type(self).__name__}: its class was made by a transform "
+          "(sr.scan / sr.remat_scan / sr.vmap / sr.remat of a class) and cannot be "
+          "found again by name. Save its state instead: `sr.save(path, model)` (then "
+          "`sr.restore(path, Model(...))`), or pickle `sr.state(model)` and load it "
+          "with `sr.update(model, state)`.")
+    # Owner links are weak references: rebuilt on load, never saved.
+    return {k: v for k, v in vars(self).items() if k != "_sr_owner"}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    for name, value in state.items():
+      if not name.startswith("_sr_"):
+        _record_owners(self, value, (name,))
 
   def __repr__(self) -> str:
     from ._repr import module_repr

@@ -61,6 +61,42 @@ class RngStream(Module):
     return jax.random.fold_in(self.key.value, count)
 
 
+class LayerKeys:
+  """One iteration's keys for the names a ``default`` stream serves, inside a transform.
+
+  A transform that splits RNG streams per iteration (scan, vmap, a stacked init) puts
+  this on its per-iteration copy of an ``Rngs``, so the split rule holds for the name
+  asked even when one default stream serves several names (``split_rngs={"params":
+  True, "dropout": False}`` with ``sr.Rngs(0)``). ``base`` is the stream's key for this
+  call, ``index`` the iteration, ``splits(name)`` the rule.
+  """
+
+  __slots__ = ("base", "index", "splits")
+
+  def __init__(self, base, index, splits):
+    self.base, self.index, self.splits = base, index, splits
+
+
+class _ServedStream:
+  """The default stream as drawn for one name whose split rule differs from its own."""
+
+  __slots__ = ("stream", "name", "layer")
+
+  def __init__(self, stream: RngStream, name: str, layer: LayerKeys):
+    self.stream, self.name, self.layer = stream, name, layer
+
+  def __call__(self) -> jax.Array:
+    count = self.stream.count.value
+    self.stream.count.value = count + 1
+    key = self.layer.base
+    if self.layer.splits(self.name):
+      key = jax.random.fold_in(key, self.layer.index)
+    return jax.random.fold_in(key, count)
+
+  def __getattr__(self, name):
+    return getattr(self.stream, name)
+
+
 class Rngs(Module):
   """Named PRNG streams: ``rngs.params()``, ``rngs["dropout"]()``.
 
@@ -126,6 +162,10 @@ class Rngs(Module):
     stream = vars(self).get(name)
     if stream is None:
       stream = vars(self).get("default")
+      layer = vars(self).get("_sr_layer_keys")
+      if layer is not None and stream is not None and (
+          layer.splits(name) != layer.splits("default")):
+        return _ServedStream(stream, name, layer)
     if stream is None:
       raise AttributeError(
           f"this Rngs has no {name!r} stream and no default stream (it has "

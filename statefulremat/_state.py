@@ -16,7 +16,7 @@ import jax
 
 from ._errors import StateMismatchError, format_path
 from ._filters import Filter, to_predicate
-from ._variables import Variable
+from ._variables import Variable, bare_variable
 
 
 class _Frozen(tuple):
@@ -75,16 +75,6 @@ def thaw(value):
 def thaw_metadata(frozen) -> dict:
   """A Variable's metadata dict from its frozen form (``()`` means none)."""
   return {k: thaw(v) for k, v in frozen}
-
-
-def make_variable(kind: type, value: Any, metadata: dict, trace) -> Variable:
-  """Builds a Variable without running ``__init__`` (no checks, no owner)."""
-  var = kind.__new__(kind)
-  var._value = value
-  var._metadata = metadata
-  var._trace = trace
-  var._owner = None
-  return var
 
 
 class _PathKey:
@@ -206,7 +196,7 @@ class State(Mapping):
     """
     trace = None
     return {
-        p: make_variable(k, v, thaw_metadata(m), trace)
+        p: bare_variable(k, v, thaw_metadata(m), trace)
         for p, k, v, m in zip(self._spec.paths, self._spec.kinds, self._values,
                               self._spec.metas)
     }

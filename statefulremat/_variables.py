@@ -21,6 +21,8 @@ cached flattenings (``sr.jit``'s fast path) know when to look again.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import operator
 import re
 import weakref
@@ -52,6 +54,71 @@ structure_epoch = _Epoch()
 
 def current_trace():
   return get_opaque_trace_state(convention="statefulremat")
+
+
+# Every Variable gets a serial number when it is made. While statefulremat traces a
+# user's function (sr.jit, sr.grad, a transform's body), a Variable made before the
+# outermost such trace began cannot be one the transform lifted (those are rebuilt
+# inside): it was reached by closure, and its concrete value would be baked into the
+# compiled function as a constant, stale after the next update. Reading it raises.
+_serials = itertools.count()
+
+
+class _ClosureGuard:
+  """The outermost user-code trace in progress: its depth, first serial and name."""
+
+  __slots__ = ("depth", "start", "what")
+
+  def __init__(self):
+    self.depth, self.start, self.what = 0, 0, ""
+
+
+_guard = _ClosureGuard()
+
+
+@contextlib.contextmanager
+def tracing_user_code(what: str):
+  """Marks the trace of a user's function by ``what`` (e.g. ``sr.jit(step)``).
+
+  Used only while tracing, so it costs nothing on a compiled call.
+  """
+  outermost = _guard.depth == 0
+  if outermost:
+    _guard.start, _guard.what = next(_serials), what
+  _guard.depth += 1
+  try:
+    yield
+  finally:
+    _guard.depth -= 1
+
+
+def _closure_read(var) -> None:
+  if _contains_tracer(var._value):
+    return  # a tracer of an enclosing trace: current, not a baked-in constant
+  root = None
+  for parent, _ in owner_chain(var):
+    root = parent if parent is not None else root
+  name = type(root).__name__ if root is not None else ""
+  of = f" of {'an' if name[:1] in 'AEIOU' else 'a'} {name}" if name else ""
+  raise TraceContextError(
+      f"{_guard.what} read `{var.path_str()}` ({type(var).__name__}){of} that it was "
+      "not given as an argument: a module reached by closure. Its value would be "
+      "baked into the traced function as a constant and go stale when the module "
+      "changes (e.g. after `opt.update`), and no write to it could come back. Fix: "
+      "pass the module as an argument (`step(model, x)` instead of a function that "
+      "closes over `model`)."
+  )
+
+
+def bare_variable(kind: type, value: Any, metadata: dict, trace) -> Variable:
+  """Builds a Variable without running ``__init__`` (no checks, no owner)."""
+  var = object.__new__(kind)
+  var._value = value
+  var._metadata = metadata
+  var._trace = trace
+  var._owner = None
+  var._serial = next(_serials)
+  return var
 
 
 def _snake_case(name: str) -> str:
@@ -87,12 +154,15 @@ class Variable:
   >>> w.value = w.value * 2
   >>> float(w[0, 0] + 1)
   3.0
+  >>> w += 1              # in place: `w` stays the same Param
+  >>> float(w[0, 0])
+  3.0
   >>> class Counter(sr.Variable): pass
   >>> Counter(0).collection
   'counter'
   """
 
-  __slots__ = ("_value", "_metadata", "_trace", "_owner", "__weakref__")
+  __slots__ = ("_value", "_metadata", "_trace", "_owner", "_serial", "__weakref__")
   collection: ClassVar[str] = "variables"
 
   def __init_subclass__(cls, **kwargs):
@@ -109,6 +179,7 @@ class Variable:
       )
     self._trace = current_trace()
     self._owner = None
+    self._serial = next(_serials)
     self._metadata = metadata
     self.value = value
 
@@ -117,6 +188,8 @@ class Variable:
   @property
   def value(self) -> Any:
     """The array held; assign to replace it."""
+    if _guard.depth and self._serial < _guard.start:
+      _closure_read(self)
     return self._value
 
   @value.setter
@@ -201,10 +274,10 @@ class Variable:
   # -- array-like use --------------------------------------------------------
 
   def __jax_array__(self):
-    return self._value
+    return self.value
 
   def __array__(self, dtype=None, copy=None):
-    return np.asarray(self._value, dtype=dtype)
+    return np.asarray(self.value, dtype=dtype)
 
   # np.shape & co. also answer for Python scalars (a plain AttributeError here would
   # fall through to the metadata lookup and blame a missing metadata entry).
@@ -214,22 +287,55 @@ class Variable:
   size = property(lambda self: np.size(self._value), doc="The value's element count.")
 
   def __getitem__(self, index):
-    return self._value[index]
+    return self.value[index]
+
+  def __setitem__(self, index, new):
+    """``var[index] = x`` writes into the value (``var[...] = x`` replaces it whole).
+
+    A new array is made (``.at[index].set``); the Variable keeps its identity.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> w = sr.Param(jnp.zeros((2, 2)))
+    >>> w[0, 1] = 5.0
+    >>> w[...] = w[...] + 1
+    >>> w.value.tolist()
+    [[1.0, 6.0], [1.0, 1.0]]
+    """
+    old = self.value
+    if isinstance(new, Variable):
+      new = new.value
+    if index is Ellipsis and jax.numpy.shape(new) == jax.numpy.shape(old):
+      self.value = new
+    else:
+      self.value = jax.numpy.asarray(old).at[index].set(new)
 
   def __len__(self):
-    return len(self._value)
+    return len(self.value)
 
   def __iter__(self):
-    return iter(self._value)
+    return iter(self.value)
 
   def __bool__(self):
-    return bool(self._value)
+    return bool(self.value)
 
   def __float__(self):
-    return float(self._value)
+    return float(self.value)
 
   def __int__(self):
-    return int(self._value)
+    return int(self.value)
+
+  # -- pickling ----------------------------------------------------------------
+
+  def __getstate__(self):
+    # The trace and owner are per process and per graph: rebuilt, not saved.
+    return {"value": self._value, "metadata": self._metadata}
+
+  def __setstate__(self, state):
+    self._value = state["value"]
+    self._metadata = state["metadata"]
+    self._trace = current_trace()
+    self._owner = None
+    self._serial = next(_serials)
 
   def __repr__(self) -> str:
     from ._repr import variable_repr
@@ -245,12 +351,18 @@ class Variable:
 
 def _binary(op):
   def forward(self, other):
-    return op(self._value, other._value if isinstance(other, Variable) else other)
+    return op(self.value, other.value if isinstance(other, Variable) else other)
 
   def backward(self, other):
-    return op(other, self._value)
+    return op(other, self.value)
 
-  return forward, backward
+  def inplace(self, other):
+    # `model.w += 1` updates the Variable (as flax.nnx does) instead of replacing the
+    # module's attribute with a plain array.
+    self.value = forward(self, other)
+    return self
+
+  return forward, backward, inplace
 
 
 for _name, _op in [
@@ -259,15 +371,16 @@ for _name, _op in [
     ("mod", operator.mod), ("pow", operator.pow), ("matmul", operator.matmul),
     ("and", operator.and_), ("or", operator.or_), ("xor", operator.xor),
 ]:
-  _fwd, _bwd = _binary(_op)
+  _fwd, _bwd, _inplace = _binary(_op)
   setattr(Variable, f"__{_name}__", _fwd)
   setattr(Variable, f"__r{_name}__", _bwd)
+  setattr(Variable, f"__i{_name}__", _inplace)
 for _name, _op in [("lt", operator.lt), ("le", operator.le), ("gt", operator.gt),
                    ("ge", operator.ge)]:
   setattr(Variable, f"__{_name}__", _binary(_op)[0])
-Variable.__neg__ = lambda self: -self._value
-Variable.__pos__ = lambda self: +self._value
-Variable.__abs__ = lambda self: abs(self._value)
+Variable.__neg__ = lambda self: -self.value
+Variable.__pos__ = lambda self: +self.value
+Variable.__abs__ = lambda self: abs(self.value)
 
 
 # -- pytree registration ---------------------------------------------------------
@@ -303,12 +416,7 @@ class _MetadataAux:
 
 def _register_pytree(cls) -> None:
   def unflatten(aux, children):
-    var = cls.__new__(cls)
-    var._value = children[0]
-    var._metadata = dict(aux.metadata)
-    var._trace = _DETACHED
-    var._owner = None
-    return var
+    return bare_variable(cls, children[0], dict(aux.metadata), _DETACHED)
 
   jax.tree_util.register_pytree_with_keys(
       cls,

@@ -62,6 +62,9 @@ X = jnp.ones((3, 2))
 
 # -- (1) traced values leaking out of a plain JAX transform ---------------------------
 
+CLOSURE = (r"sr\.jit\(f\) read `block\.linear\.kernel` \(Param\) of an Outer that it was "
+           r"not given as an argument: a module reached by closure.*Fix: pass the module "
+           r"as an argument")
 LEAK = (r"a traced value was assigned to `block\.linear\.kernel` \(Param\) from inside "
         r"a JAX transform that does not own it.*the old value is kept\. Fix: pass the "
         r"module as an argument to `sr\.jit`")
@@ -98,8 +101,19 @@ def test_sr_jit_closing_over_a_module_it_was_not_given_raises():
     model.block.linear.kernel.value = model.block.linear.kernel.value * x
     return other.w.value
 
-  with pytest.raises(sr.TraceContextError, match=LEAK):
+  # The read is refused first (its value would be a stale constant) ...
+  with pytest.raises(sr.TraceContextError, match=CLOSURE):
     f(other, 2.0)
+  assert_unchanged(model, snap)
+
+  # ... and a write alone (no read) still cannot leak its tracer.
+  @sr.jit
+  def g(other, x):
+    model.block.linear.kernel.value = x * jnp.ones((2, 2))
+    return other.w.value
+
+  with pytest.raises(sr.TraceContextError, match=LEAK):
+    g(other, 2.0)
   assert_unchanged(model, snap)
 
 

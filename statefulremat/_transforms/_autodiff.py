@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 from typing import Callable, Sequence
 
@@ -9,11 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import format_path
-from .._filters import Filter, to_predicate
+from .._filters import Filter, filter_repr, to_predicate
 from .._module import Module
 from .._state import State, _Spec, freeze
-from .._variables import Param
+from .._variables import Param, tracing_user_code
 from ._lift import Lifted, check_no_nodes, split_call, write_back
+from ._rules import TransformError
 from .._graph import flatten
 
 
@@ -72,6 +74,9 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
       t = target_roots.get(root)
       if t is not None and predicate(local, var):
         diff_index[t].append((i, local))
+    for t in module_targets:
+      if not diff_index[t]:
+        _nothing_to_differentiate(what, wrt, t, args[t])
     diffed = {i for entries in diff_index.values() for i, _ in entries}
     values = [v._value for v in variables]
     for t in module_targets:
@@ -89,12 +94,13 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
       for t in module_targets:
         for (i, _), value in zip(diff_index[t], diff_values[t]):
           flat[i] = value
-      tree, _, roots = lifted.rebuild(flat, leaves)
-      call_args, call_kwargs = tree
-      call_args = list(call_args)
-      for t, value in zip(array_targets, array_values):
-        call_args[t] = value
-      out = fn(*call_args, **call_kwargs)
+      with tracing_user_code(what):
+        tree, _, roots = lifted.rebuild(flat, leaves)
+        call_args, call_kwargs = tree
+        call_args = list(call_args)
+        for t, value in zip(array_targets, array_values):
+          call_args[t] = value
+        out = fn(*call_args, **call_kwargs)
       if has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
           got = ("a single array" if isinstance(out, jax.Array) else
@@ -104,6 +110,12 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
                           f"(loss, aux), got {got}. Return `loss, aux`, or drop "
                           "has_aux=True if there is no aux.")
         loss, aux = out
+      elif isinstance(out, (tuple, list, dict)):
+        raise TypeError(
+            f"{what}: the function returned a {type(out).__name__}"
+            f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}, "
+            "not a scalar loss. If it returns `(loss, aux)`, pass `has_aux=True`: "
+            f"`sr.value_and_grad(fn, has_aux=True)` gives `(loss, aux), grads`.")
       else:
         loss, aux = out, None
       check_no_nodes(aux, what)
@@ -129,6 +141,24 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
     return ((loss, aux) if has_aux else loss), grads
 
   return wrapper
+
+
+def _nothing_to_differentiate(what: str, wrt, position: int, module) -> None:
+  counts: dict[str, int] = {}
+  for _, var in module.iter_variables():
+    counts[var.collection] = counts.get(var.collection, 0) + 1
+  have = ", ".join(f"{name!r} ({n})" for name, n in counts.items()) or "none"
+  hint = ""
+  if isinstance(wrt, str):
+    close = difflib.get_close_matches(wrt, list(counts), n=1)
+    if close:
+      hint = f" Did you mean `wrt={close[0]!r}`?"
+  raise TransformError(
+      f"{what}: wrt={filter_repr(wrt)} matches no variable of argument {position} (a "
+      f"{type(module).__name__}), so there is nothing to differentiate and the gradient "
+      f"would be an empty State. Its variables are in the collections: {have}.{hint} "
+      "Fix: pass a filter that matches the variables to differentiate, e.g. "
+      "`wrt=sr.Param` (the default) or `wrt='params'`.")
 
 
 def _non_float_dtype(value):

@@ -33,6 +33,7 @@ def subclass(cls: type, label: str, wrap: Callable, methods: Sequence[str] | str
   methods = ["__call__"] if methods is None else [methods] if isinstance(
       methods, str) else list(methods)
   namespace = {**namespace, "__module__": cls.__module__, "__doc__": doc,
+               "_sr_transformed": True,
                "__qualname__": f"{label}{cls.__qualname__}"}
   for name in methods:
     method = getattr(cls, name, None)

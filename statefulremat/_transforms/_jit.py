@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .._module import Module
-from .._variables import Variable
+from .._variables import Variable, tracing_user_code
 from ._lift import FlattenCache, check_no_nodes, write_back
 
 _PASSED_THROUGH = {"keep_unused", "inline", "compiler_options", "backend", "device"}
@@ -63,10 +63,11 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
   what = f"sr.jit({getattr(fn, '__name__', 'fn')})"
 
   def pure(lifted, statics, values, leaves):
-    tree, _, roots = lifted.rebuild(values, leaves)
-    args, kwargs = tree
-    positional, named = statics
-    out = fn(*_insert(args, positional), **kwargs, **dict(named))
+    with tracing_user_code(what):
+      tree, _, roots = lifted.rebuild(values, leaves)
+      args, kwargs = tree
+      positional, named = statics
+      out = fn(*_insert(args, positional), **kwargs, **dict(named))
     check_no_nodes(out, what)
     changed = lifted.collect(roots, values, what)
     if donate_state:

@@ -24,8 +24,9 @@ from jax import lax
 from .._errors import format_path
 from .._graph import _DICT, _LIST, _NODE, _TUPLE, _VAR
 from .._state import State, _Spec
+from .._variables import tracing_user_code
 from ._lift import Lifted, check_no_nodes
-from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, Plan, TransformError, layer_keys
+from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, Plan, TransformError
 
 
 def _aval(x):
@@ -36,10 +37,12 @@ def check_same_type(before, after, what: str, label: str) -> None:
   """Raises if ``after`` does not have the structure, shapes and dtypes of ``before``."""
   tb, ta = jax.tree.structure(before), jax.tree.structure(after)
   if tb != ta:
+    where, was, now = _structure_difference(before, after, ())
     raise TransformError(
-        f"{what}: the {label} changed structure between iterations: it went in as "
-        f"{tb} and came out as {ta}. A carry must keep its structure, shapes and "
-        "dtypes; return it in the same form.")
+        f"{what}: the {label} changed structure between iterations: "
+        f"`{jax.tree_util.keystr(where) or '<carry>'}` went in as {was} and came out as "
+        f"{now} (as trees: {tb} -> {ta}). A carry must keep its structure, shapes and "
+        "dtypes; return it in the same form (e.g. `tuple(...)` around a list).")
   for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(before),
                           jax.tree.leaves(after)):
     if _aval(b) != _aval(a):
@@ -49,6 +52,34 @@ def check_same_type(before, after, what: str, label: str) -> None:
           f"as {db}{list(sb)} and came out as {da}{list(sa)}. A carry must keep its "
           "shape and dtype across iterations: cast or reshape it back "
           f"(e.g. `.astype(jnp.{db})`), or make it part of the scanned outputs.")
+
+
+def _describe(x) -> str:
+  if isinstance(x, (tuple, list, dict)):
+    return f"a {type(x).__name__} of {len(x)}"
+  if x is None:
+    return "None"
+  if jax.tree_util.treedef_is_leaf(jax.tree.structure(x)):
+    return "an array"
+  return f"a {type(x).__name__}"
+
+
+def _structure_difference(a, b, path: tuple) -> tuple[tuple, str, str]:
+  """``(key path, was, now)`` of the first node where two pytrees' structures differ,
+  in Python terms (``tuple of 2`` -> ``list of 2``)."""
+  containers = (tuple, list, dict)
+  if type(a) is not type(b) or not isinstance(a, containers) or len(a) != len(b):
+    return path, _describe(a), _describe(b)
+  if isinstance(a, dict):
+    if set(a) != set(b):
+      return path, f"a dict with keys {sorted(a)}", f"a dict with keys {sorted(b)}"
+    pairs = [(jax.tree_util.DictKey(k), a[k], b[k]) for k in a]
+  else:
+    pairs = [(jax.tree_util.SequenceKey(i), x, y) for i, (x, y) in enumerate(zip(a, b))]
+  for key, x, y in pairs:
+    if jax.tree.structure(x) != jax.tree.structure(y):
+      return _structure_difference(x, y, path + (key,))
+  return path, _describe(a), _describe(b)
 
 
 def var_entries(graphdef) -> list[tuple[type, Any]]:
@@ -97,11 +128,11 @@ class LayerLoop:
       flat[i] = value
     for i, value in zip(self.carried, carry_values):
       flat[i] = value
-    for s in self.plan.streams:
-      flat[s.key] = layer_keys(self.values[s.key], self.values[s.count], s.split, index)
-      flat[s.count] = jnp.zeros((), jnp.uint32)
-    tree, _, roots = self.lifted.rebuild(flat, self.leaves)
-    new_carry, ys = body(tree, user_carry, xs_slice)
+    served = self.plan.seed_layer(flat, self.values, index)
+    with tracing_user_code(self.what):
+      tree, variables, roots = self.lifted.rebuild(flat, self.leaves)
+      self.plan.serve_names(served, variables, index)
+      new_carry, ys = body(tree, user_carry, xs_slice)
     check_no_nodes((new_carry, ys), self.what)
     changed = self.lifted.collect(roots, flat, self.what)
     for i in changed:

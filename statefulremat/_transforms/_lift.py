@@ -101,14 +101,14 @@ def describe_change(before: GraphDef, after: GraphDef) -> str:
   if removed:
     return f"the variable at {where(removed[0])} was removed"
   for i, (a, b) in enumerate(zip(before.tree, after.tree)):
-    found = _first_difference(a, b, (i,) if multi else ())
+    found = first_difference(a, b, (i,) if multi else ())
     if found is not None:
       path, verb = found
       return f"attribute {where(path)} {verb}"
   return "its structure changed"
 
 
-def _first_difference(a, b, path):
+def first_difference(a, b, path):
   """``(path, verb)`` of the first place two GraphDef trees differ, or None."""
   if a == b:
     return None
@@ -129,9 +129,9 @@ def _first_difference(a, b, path):
     if keyed:
       if x[0] != y[0]:
         return path, "changed the order of its entries"
-      found = _first_difference(x[1], y[1], path + (x[0],))
+      found = first_difference(x[1], y[1], path + (x[0],))
     else:
-      found = _first_difference(x, y, path + (i,))
+      found = first_difference(x, y, path + (i,))
     if found is not None:
       return found
   return path, "changed"

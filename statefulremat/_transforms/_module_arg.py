@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import format_path
+from .._filters import filter_repr
 from .._graph import flatten
 from ._lift import Lifted, is_node, split_call
 from ._rules import STACKED, Plan, Rules, TransformError
-from ._stacked import is_stacked, layer_view
+from ._stacked import is_stacked, layer_view, stack_plan
 
 
 def lift_module_arg(module, what: str, rules: Rules, metadata_params, call_form: str):
@@ -29,8 +30,42 @@ def lift_module_arg(module, what: str, rules: Rules, metadata_params, call_form:
         f"{type(module).__name__}. The function is called as {call_form}.")
   graphdef, variables = flatten(nodes)
   plan = Plan(rules, graphdef, variables, nodes)
+  check_stacks_sliced(nodes, variables, plan, what)
   inner = layer_view(graphdef, plan, metadata_params)
   return Lifted(inner, treedef, positions), variables, plan, leaves
+
+
+def check_stacks_sliced(nodes, variables, plan: Plan, what: str) -> None:
+  """Raises if a stacked module's layer axis is not sliced per iteration by ``plan``.
+
+  Otherwise every iteration would compute with the whole stack where one layer was
+  meant (a ``(3, 4, 4)`` kernel broadcasting against one layer's input).
+  """
+  layer_axis = {}
+  for node in nodes:
+    if is_stacked(node):
+      stack_graphdef, stack_vars, stack_plan_ = stack_plan(node)
+      for path, var, kind, axis in zip(stack_graphdef.var_paths, stack_vars,
+                                       stack_plan_.kinds, stack_plan_.axes):
+        if kind == STACKED:
+          layer_axis.setdefault(id(var), (axis, path, type(node)))
+  if not layer_axis:
+    return
+  for i, var in enumerate(variables):
+    found = layer_axis.get(id(var))
+    if found is None or (plan.kinds[i], plan.axes[i]) == (STACKED, found[0]):
+      continue
+    axis, path, stack_cls = found
+    n = jnp.shape(var._value)[axis]
+    got = (f"slice it along axis {plan.axes[i]}" if plan.kinds[i] == STACKED else
+           f"treat it as {plan.kinds[i]}")
+    raise TransformError(
+        f"{what}: `{format_path(path)}` ({type(var).__name__}) of the stacked "
+        f"{stack_cls.__name__} carries the layer axis (axis {axis}, {n} layers), but "
+        f"this transform's rules {got}, so every iteration would compute with the "
+        f"whole stack where one layer was meant. Fix: slice it per layer, e.g. "
+        f"`variable_axes={{{filter_repr(type(var))}: {axis}}}` (collection "
+        f"{var.collection!r}), or pass one layer (`stack.layer(i)`).")
 
 
 def check_no_modules(tree, what: str, label: str) -> None:

@@ -10,7 +10,7 @@ import jax
 from .._filters import Filter, to_predicate
 from .._graph import flatten, iter_graph
 from .._rngs import Rngs, RngStream
-from .._variables import RngState
+from .._variables import RngState, tracing_user_code
 from ._class_form import display_name, is_module_class, transformed_class
 from ._rules import Rules
 from ._lift import Lifted, check_no_nodes, is_node, split_call, write_back
@@ -84,7 +84,14 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
     # Normalised like jax.checkpoint's: negative positions count from the end.
-    statics = {i % len(args): None for i in static if -len(args) <= i < len(args)}
+    outside = [i for i in static if not -len(args) <= i < len(args)]
+    if outside:
+      raise TypeError(
+          f"{what}: static_argnums={static_argnums!r} names position {outside[0]}, but "
+          f"the call has {len(args)} positional argument(s) (the module or `self` is "
+          "argument 0; keyword arguments are not counted). Fix static_argnums, or pass "
+          "that value positionally.")
+    statics = {i % len(args): None for i in static}
     statics = {i: args[i] for i in sorted(statics)}
     for i, arg in statics.items():
       if any(is_node(leaf) for leaf in jax.tree.leaves(arg, is_leaf=is_node)):
@@ -116,12 +123,13 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
       flat = list(values)
       for i, value in zip(traced, traced_values):
         flat[i] = value
-      tree, _, roots = lifted.rebuild(flat, leaves)
-      call_args, call_kwargs = tree
-      call_args = list(call_args)
-      for i in sorted(statics):
-        call_args.insert(i, statics[i])
-      out = fn(*call_args, **call_kwargs)
+      with tracing_user_code(what):
+        tree, _, roots = lifted.rebuild(flat, leaves)
+        call_args, call_kwargs = tree
+        call_args = list(call_args)
+        for i in sorted(statics):
+          call_args.insert(i, statics[i])
+        out = fn(*call_args, **call_kwargs)
       check_no_nodes(out, what)
       changed = lifted.collect(roots, flat, what)
       for i in changed:

@@ -23,6 +23,7 @@ A *stream filter* (the keys of ``split_rngs``, the ``rngs`` of remat) is
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -30,9 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import StatefulRematError, format_path
-from .._filters import to_predicate
+from .._filters import filter_repr, is_everything, to_predicate
 from .._graph import iter_graph
-from .._rngs import RngStream, Rngs
+from .._rngs import LayerKeys, RngStream, Rngs
+from .._variables import owner_chain
 
 STACKED, BROADCAST, CARRY, RNG, READONLY = "stacked", "broadcast", "carry", "rng", "read-only"
 
@@ -90,11 +92,24 @@ class Rules:
         raise TypeError(f"{what}: variable_axes values must be ints (the stacked axis), "
                         f"got {axis!r}.")
     self.axes = [(to_predicate(f), axis) for f, axis in variable_axes.items()]
+    # Filters named on purpose; `{True: 0}` (every variable) yields to broadcast/carry.
+    self.named_axes = [(to_predicate(f), f) for f in variable_axes
+                       if not is_everything(f)]
     self.broadcast = to_predicate(variable_broadcast)
     self.carry = to_predicate(variable_carry)
     entries = split_rngs.items() if isinstance(split_rngs, Mapping) else [(split_rngs, True)]
     self.split_entries = [(stream_predicate(f), bool(v), _explicit_names(f))
                           for f, v in entries]
+
+  def for_init(self) -> Rules:
+    """The rules a stacked class form initialises its layers with: ``params`` split
+    unless ``split_rngs`` says otherwise, so the layers are not all the same."""
+    if any(pred("params") for pred, _, _ in self.split_entries):
+      return self
+    rules = copy.copy(self)
+    rules.split_entries = self.split_entries + [(lambda name: name == "params", True,
+                                                 ["params"])]
+    return rules
 
   def splits(self, name: str) -> bool:
     for pred, value, _ in self.split_entries:
@@ -116,10 +131,17 @@ class Rules:
           f"{self.what}: `{format_path(path)}` ({type(var).__name__}) is matched by both "
           "variable_broadcast and variable_carry. A variable is either read-only in "
           "every iteration or carried from one to the next: narrow one of the filters.")
-    if broadcast:
-      return BROADCAST, None
-    if carry:
-      return CARRY, None
+    if broadcast or carry:
+      rule, role = (("variable_broadcast", "read-only in every iteration") if broadcast
+                    else ("variable_carry", "carried from one iteration to the next"))
+      for pred, f in self.named_axes:
+        if pred(path, var):
+          raise TransformError(
+              f"{self.what}: `{format_path(path)}` ({type(var).__name__}) is matched by "
+              f"both variable_axes ({filter_repr(f)}: sliced per iteration) and {rule} "
+              f"({role}). Choose one: narrow the variable_axes filter (e.g. "
+              f"`sr.All({filter_repr(f)}, sr.Not(...))`) or the {rule} one.")
+      return (BROADCAST if broadcast else CARRY), None
     for pred, axis in self.axes:
       if pred(path, var):
         return STACKED, axis
@@ -127,12 +149,17 @@ class Rules:
 
 
 class Stream:
-  """An unstacked RNG stream found in the lifted graph: flat indices and whether split."""
+  """An unstacked RNG stream found in the lifted graph: flat indices and whether split.
 
-  __slots__ = ("key", "count", "name", "split")
+  ``serves``: it is an Rngs's ``default`` stream, so the names it serves are split or
+  not by their own rule (see ``Plan.serve_names``).
+  """
 
-  def __init__(self, key: int, count: int, name: str, split: bool):
+  __slots__ = ("key", "count", "name", "split", "serves")
+
+  def __init__(self, key: int, count: int, name: str, split: bool, serves: bool = False):
     self.key, self.count, self.name, self.split = key, count, name, split
+    self.serves = serves
 
 
 class Plan:
@@ -153,10 +180,8 @@ class Plan:
         if isinstance(obj, Rngs):
           own = obj.stream_names()
           for name in own:
-            stream = vars(obj)[name]
-            self._add_stream(stream, index, stream_vars, name,
-                             rules.splits_default(own) if name == "default"
-                             else rules.splits(name))
+            self._add_stream(vars(obj)[name], index, stream_vars, name,
+                             rules.splits(name), serves=name == "default")
         elif isinstance(obj, RngStream) and id(obj.key) not in stream_vars:
           self._add_stream(obj, index, stream_vars, obj.tag, rules.splits(obj.tag))
     self.kinds: list[str] = []
@@ -173,6 +198,16 @@ class Plan:
       kind, axis = rules.classify(self.display_path(path), var)
       if kind == STACKED:
         ndim = jnp.ndim(var._value) + rank_offset
+        if ndim == 0:
+          raise TransformError(
+              f"{rules.what}: variable_axes slices `{format_path(self.display_path(path))}`"
+              f" ({type(var).__name__}) along axis {axis} per layer, but it is a scalar "
+              "(shape ()): it has no layer axis, so it is not stacked. A variable made "
+              "on one layer's path of a stack after the stack was built (e.g. a KV cache "
+              "made by `init_cache` on `stack.attn`) lacks the layer axis. Fix: make it "
+              "per layer, with the layer axis in front (`jnp.zeros((num_layers, ...))`, "
+              "or inside a `sr.vmap`-ped function of the stack), or keep it out of "
+              f"variable_axes (e.g. `variable_broadcast={filter_repr(type(var))}`).")
         if not -ndim <= axis < ndim:
           raise TransformError(
               f"{rules.what}: variable_axes puts the layer axis of "
@@ -183,22 +218,37 @@ class Plan:
       self.kinds.append(kind)
       self.axes.append(axis)
 
-  def _add_stream(self, stream, index, stream_vars, name, split):
+  def _add_stream(self, stream, index, stream_vars, name, split, serves=False):
     key_i, count_i = index.get(id(stream.key)), index.get(id(stream.count))
     if key_i is None or count_i is None or key_i in stream_vars:
       return
     # A stream whose key already carries a layer axis (vmapped init) is stacked state.
-    if jnp.ndim(stream.key.value) > 0:
+    if jnp.ndim(stream.key._value) > 0:
       return
-    s = Stream(key_i, count_i, name, split)
+    s = Stream(key_i, count_i, name, split, serves)
     self.streams.append(s)
     stream_vars[key_i] = stream_vars[count_i] = s
 
   def indices(self, kind: str) -> list[int]:
     return [i for i, k in enumerate(self.kinds) if k == kind]
 
+  def seed_layer(self, flat: list, values, index) -> list:
+    """Puts one iteration's RNG state into ``flat``: each stream's key for this call,
+    folded with ``index`` when split (else shared by every iteration), and a fresh
+    count. Returns what ``serve_names`` needs after the rebuild."""
+    served = []
+    for s in self.streams:
+      base = jax.random.fold_in(values[s.key], values[s.count])
+      flat[s.key] = jax.random.fold_in(base, index) if s.split else base
+      flat[s.count] = jnp.zeros((), jnp.uint32)
+      if s.serves:
+        served.append((s.key, base))
+    return served
 
-def layer_keys(key, count, split: bool, index):
-  """The key a stream hands one iteration: its own when split, else a shared one."""
-  base = jax.random.fold_in(key, count)
-  return jax.random.fold_in(base, index) if split else base
+  def serve_names(self, served: list, variables, index) -> None:
+    """On the rebuilt Rngs of each default stream: keys per name asked (LayerKeys)."""
+    for key_i, base in served:
+      stream_owner = next(owner_chain(variables[key_i]), (None,))[0]
+      rngs_owner = next(owner_chain(stream_owner), (None,))[0] if stream_owner else None
+      if isinstance(rngs_owner, Rngs):
+        rngs_owner.__dict__["_sr_layer_keys"] = LayerKeys(base, index, self.rules.splits)

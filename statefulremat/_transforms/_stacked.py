@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import format_path
-from .._graph import flatten, rewrite, unflatten
+from .._graph import flatten, rewrite, type_change, unflatten
 from .._module import Module
+from .._variables import Variable
 from .._state import freeze, thaw_metadata
 from ._class_form import subclass, transform_name
-from ._lift import Lifted, split_call, write_back
-from ._rules import READONLY, STACKED, Plan, Rules, TransformError, layer_keys
+from ._lift import Lifted, first_difference, describe_change, split_call, write_back
+from ._rules import READONLY, STACKED, Plan, Rules, TransformError
 
 
 def is_stacked(module) -> bool:
@@ -104,17 +105,16 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   nodes, leaves, treedef, positions = split_call(args, kwargs)
   in_graphdef, in_vars = flatten(nodes)
   lifted = Lifted(in_graphdef, treedef, positions)
-  in_plan = Plan(rules, in_graphdef, in_vars, nodes)
+  in_plan = Plan(rules.for_init(), in_graphdef, in_vars, nodes)
   in_values = [v._value for v in in_vars]
   n_in = len(in_vars)
   record: dict[str, Any] = {}
 
   def init_one(index):
     flat = list(in_values)
-    for s in in_plan.streams:
-      flat[s.key] = layer_keys(in_values[s.key], in_values[s.count], s.split, index)
-      flat[s.count] = jnp.zeros((), jnp.uint32)
-    tree, _, roots = lifted.rebuild(flat, leaves)
+    served = in_plan.seed_layer(flat, in_values, index)
+    tree, rebuilt, roots = lifted.rebuild(flat, leaves)
+    in_plan.serve_names(served, rebuilt, index)
     call_args, call_kwargs = tree
     layer = cls._sr_layer_class(*call_args, **call_kwargs)
     counts = {s.count for s in in_plan.streams}
@@ -216,6 +216,32 @@ def _layer(self, i: int):
   return roots[0]
 
 
+def _layer_difference(first, other, g0, g1) -> str:
+  """The first place two layers differ in structure, with both values if static."""
+  found = None
+  for i, (a, b) in enumerate(zip(g0.tree, g1.tree)):
+    found = first_difference(a, b, ())
+    if found is not None:
+      break
+  if found is None:
+    return describe_change(g0, g1)
+  path, verb = found
+  if verb == "changed":
+    try:
+      was, now = _value_at(first, path), _value_at(other, path)
+    except (AttributeError, KeyError, IndexError, TypeError):
+      return f"`{format_path(path)}` differs"
+    if not isinstance(was, (Module, Variable)) and not isinstance(now, (Module, Variable)):
+      return f"`{format_path(path)}` is {was!r} in layer 0 but {now!r} here"
+  return f"attribute `{format_path(path)}` {verb}"
+
+
+def _value_at(root, path: tuple):
+  for key in path:
+    root = getattr(root, key) if isinstance(root, Module) else root[key]
+  return root
+
+
 def unstack(stack) -> list:
   """The layers of a stacked module, as ordinary modules: ``[stack.layer(i) ...]``.
 
@@ -259,11 +285,20 @@ def stack(layers: Sequence[Module], *, like: Any = None):
     raise TypeError(f"sr.stack(like=...) takes a stacked module or class, got {cls!r}.")
   flats = [flatten([layer]) for layer in layers]
   graphdef, variables = flats[0]
-  for i, (g, _) in enumerate(flats[1:], 1):
+  for i, (g, layer_vars) in enumerate(flats[1:], 1):
     if g != graphdef:
       raise TransformError(
-          f"sr.stack: layer {i} is not structured like layer 0 (other sub-modules, "
-          "Variables or static attributes); only identical layers can be stacked.")
+          f"sr.stack: layer {i} is not structured like layer 0: "
+          f"{_layer_difference(layers[0], layers[i], graphdef, g)}. Only identical "
+          "layers can be stacked: build them with the same arguments (and the same "
+          "mode, `.train()` / `.eval()`).")
+    for path, v0, v in zip(graphdef.var_paths, variables, layer_vars):
+      why = type_change(v0._value, v._value)
+      if why is not None:
+        raise TransformError(
+            f"sr.stack: `{format_path(path)}` of layer {i} does not have the shape and "
+            f"dtype of layer 0's: {why.replace(' -> ', f' (layer 0) vs ')} (layer {i}). "
+            "Only identical layers can be stacked: build them with the same sizes.")
   plan = Plan(cls._sr_rules, graphdef, variables, [layers[0]], rank_offset=1)
   # Which variables the source stack held stacked (an RNG stream a layer made itself
   # is stacked; one passed to the constructor is shared): known from the layers' origin.

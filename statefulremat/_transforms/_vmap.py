@@ -9,9 +9,10 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from .._variables import tracing_user_code
 from ._class_form import display_name, is_module_class
 from ._lift import check_no_nodes, write_back
-from ._rules import STACKED, Rules, TransformError, layer_keys
+from ._rules import STACKED, Rules, TransformError
 from ._module_arg import (check_no_modules, class_length, compiled_when_eager, lift_module_arg,
                           resolve_length, stacked_sources)
 from ._stacked import stacked_class
@@ -100,11 +101,11 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
       flat = list(values)
       for i, value in zip(stacked, stacked_values):
         flat[i] = value
-      for s in plan.streams:
-        flat[s.key] = layer_keys(values[s.key], values[s.count], s.split, index)
-        flat[s.count] = jnp.zeros((), jnp.uint32)
-      tree, _, roots = lifted.rebuild(flat, leaves)
-      out = fn(tree[0][0], *call_args, **kwargs)
+      served = plan.seed_layer(flat, values, index)
+      with tracing_user_code(what):
+        tree, rebuilt, roots = lifted.rebuild(flat, leaves)
+        plan.serve_names(served, rebuilt, index)
+        out = fn(tree[0][0], *call_args, **kwargs)
       check_no_nodes(out, what)
       changed = lifted.collect(roots, flat, what)
       counts = {s.count for s in plan.streams}
