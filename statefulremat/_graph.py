@@ -384,6 +384,10 @@ def graphdef(node) -> GraphDef:
 def update(node, *states: State) -> None:
   """Writes the values of ``states`` into the variables of ``node`` with the same paths.
 
+  Every value must have the structure, shape and dtype of the value it replaces;
+  otherwise ``StateMismatchError`` lists the paths that differ and nothing is written
+  (to change a variable's shape, assign ``var.value`` directly).
+
   >>> import jax, statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
   >>> sr.update(model, jax.tree.map(lambda x: x * 0, sr.state(model)))

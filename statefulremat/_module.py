@@ -5,6 +5,12 @@ Write ``__init__`` eagerly (create the Variables and sub-modules there) and
 shape inference. A module's *graph* is everything reachable through its attributes:
 sub-modules, Variables, and lists/tuples/dicts of them. Every other attribute is
 static configuration and must be hashable (it becomes part of the GraphDef).
+
+An attribute that holds a Variable keeps it: ``model.w += 1`` updates the Variable in
+place, and assigning an array over it (``model.w = model.w * 2``) raises, pointing at
+``model.w.value = ...``, since the array would silently leave the model's state.
+Modules pickle (their Variables' values, not their traces or owner links); a stack,
+whose class a transform made, points to ``sr.save`` / ``sr.state`` instead.
 """
 
 from __future__ import annotations

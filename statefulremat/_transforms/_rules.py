@@ -17,8 +17,11 @@ is an error. RNG state that is already stacked (from a vmapped init) is ``stacke
 A *stream filter* (the keys of ``split_rngs``, the ``rngs`` of remat) is
 ``True``/``...`` (every stream), ``False``/``None`` (none), a stream name
 (``"dropout"``), a ``name -> bool`` callable, or a tuple of these. Names served by a
-``default`` stream count under the name asked for, so a default stream is split when
-``split_rngs`` splits ``"default"`` or any name the Rngs has no stream of its own for.
+``default`` stream count under the name asked for: with ``sr.Rngs(0)`` and
+``split_rngs={"params": True, "dropout": False}``, ``rngs.params()`` gives each
+iteration its own key and ``rngs.dropout()`` the same key to all (``Plan.serve_names``).
+The class forms initialise their layers with ``params`` split unless ``split_rngs``
+names it (``Rules.for_init``), so the layers differ.
 """
 
 from __future__ import annotations
