@@ -46,6 +46,7 @@ from ._transforms._jit import jit as jit
 from ._transforms._remat import remat as remat
 from ._transforms._remat_scan import remat_scan as remat_scan
 from ._transforms._rules import TransformError as TransformError
+from ._transforms._scan import broadcast as broadcast
 from ._transforms._scan import scan as scan
 from ._transforms._stacked import stack as stack
 from ._transforms._stacked import unstack as unstack

@@ -383,8 +383,8 @@ def test_a_carry_that_changes_structure_names_the_python_types():
                      r"came out as a list of 2"):
     sr.remat_scan(lambda m, c: [m(c[0]), c[1]], lengths=(2, 2))(
         stack, (jnp.ones((1, 2)), jnp.ones(2)))
-  with pytest.raises(sr.TransformError, match=r"`\['b'\]` went in as an array and came "
-                     r"out as a tuple of 1"):
+  with pytest.raises(sr.TransformError, match=r"`\['b'\]` went in as an array of shape "
+                     r"\(2,\) and came out as a tuple of 1"):
     sr.remat_scan(lambda m, c: {"a": m(c["a"]), "b": (c["b"],)}, lengths=(4,))(
         stack, {"a": jnp.ones((1, 2)), "b": jnp.ones(2)})
 

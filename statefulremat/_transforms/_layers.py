@@ -54,14 +54,15 @@ def check_same_type(before, after, what: str, label: str) -> None:
           f"(e.g. `.astype(jnp.{db})`), or make it part of the scanned outputs.")
 
 
-def _describe(x) -> str:
-  if isinstance(x, (tuple, list, dict)):
-    return f"a {type(x).__name__} of {len(x)}"
-  if x is None:
-    return "None"
-  if jax.tree_util.treedef_is_leaf(jax.tree.structure(x)):
-    return "an array"
-  return f"a {type(x).__name__}"
+def describe_node(node) -> str:
+  """A pytree node in Python terms, for error messages: ``a tuple of 2``."""
+  if isinstance(node, dict):
+    return f"a dict with keys {list(node)}"
+  if isinstance(node, (tuple, list)):
+    return f"a {type(node).__name__} of {len(node)}"
+  if hasattr(node, "shape"):
+    return f"an array of shape {tuple(node.shape)}"
+  return repr(node) if node is None else f"a {type(node).__name__}"
 
 
 def _structure_difference(a, b, path: tuple) -> tuple[tuple, str, str]:
@@ -69,17 +70,17 @@ def _structure_difference(a, b, path: tuple) -> tuple[tuple, str, str]:
   in Python terms (``tuple of 2`` -> ``list of 2``)."""
   containers = (tuple, list, dict)
   if type(a) is not type(b) or not isinstance(a, containers) or len(a) != len(b):
-    return path, _describe(a), _describe(b)
+    return path, describe_node(a), describe_node(b)
   if isinstance(a, dict):
     if set(a) != set(b):
-      return path, f"a dict with keys {sorted(a)}", f"a dict with keys {sorted(b)}"
+      return path, describe_node(a), describe_node(b)
     pairs = [(jax.tree_util.DictKey(k), a[k], b[k]) for k in a]
   else:
     pairs = [(jax.tree_util.SequenceKey(i), x, y) for i, (x, y) in enumerate(zip(a, b))]
   for key, x, y in pairs:
     if jax.tree.structure(x) != jax.tree.structure(y):
       return _structure_difference(x, y, path + (key,))
-  return path, _describe(a), _describe(b)
+  return path, describe_node(a), describe_node(b)
 
 
 def var_entries(graphdef) -> list[tuple[type, Any]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import numbers
+import operator
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
@@ -10,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ._class_form import display_name, is_module_class
-from ._layers import LayerLoop
+from ._layers import LayerLoop, describe_node
 from ._lift import write_back
 from ._rules import Rules, TransformError
 from ._module_arg import (check_no_modules, class_length, compiled_when_eager, lift_module_arg,
@@ -20,9 +22,43 @@ from ._stacked import stacked_class
 _EMPTY = MappingProxyType({})
 
 
+class _Broadcast:
+  """``sr.broadcast``: in ``sr.scan``'s ``in_axes``, the value is not scanned.
+
+  Gives the whole value to every iteration: the same as ``None`` there, and as
+  flax.linen's ``nn.broadcast``. Not allowed in ``out_axes`` (ys differ per
+  iteration; return a value computed once through the carry).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.broadcast
+  sr.broadcast
+  >>> class Scale(sr.Module):
+  ...   def __init__(self, w):
+  ...     self.w = sr.Param(w)
+  >>> def body(m, c, x, bias):
+  ...   return c + m.w.value * x + bias, None
+  >>> stack = Scale(jnp.arange(3.0))  # one weight per iteration
+  >>> c, _ = sr.scan(body, variable_axes={sr.Param: 0}, in_axes=(0, sr.broadcast))(
+  ...     stack, 0.0, jnp.ones(3), 10.0)
+  >>> float(c)  # the loop: sum of w[i] * 1 + 10 over i
+  33.0
+  """
+
+  __slots__ = ()
+
+  def __repr__(self) -> str:
+    return "sr.broadcast"
+
+  def __reduce__(self) -> str:
+    return "broadcast"  # pickles and copies as the one instance
+
+
+broadcast = _Broadcast()
+
+
 def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMPTY,
          variable_broadcast: Any = False, variable_carry: Any = False,
-         split_rngs: Mapping = _EMPTY, in_axes: Any = 0, out_axes: int = 0,
+         split_rngs: Mapping = _EMPTY, in_axes: Any = 0, out_axes: Any = 0,
          length: int | None = None, reverse: bool = False, unroll: int | bool = 1,
          data_transform: Callable | None = None, metadata_params: Mapping = _EMPTY,
          methods: Sequence[str] | None = None):
@@ -36,9 +72,11 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
 
   where ``layer_i`` holds slice ``i`` of each variable matched by ``variable_axes``,
   the same value of each ``variable_broadcast`` (and unmatched, read-only) variable,
-  and the running value of each ``variable_carry`` variable. RNG streams give every
-  iteration its own key when split (``split_rngs``), else the same key. Keyword
-  arguments pass unchanged to every iteration (Python flags such as
+  and the running value of each ``variable_carry`` variable; ``x[i]`` is slice ``i`` of
+  each ``xs`` leaf along its ``in_axes`` axis (the whole leaf where that is ``None``),
+  and ``stack`` puts the iterations at each ys leaf's ``out_axes`` axis. RNG streams
+  give every iteration its own key when split (``split_rngs``), else the same key.
+  Keyword arguments pass unchanged to every iteration (Python flags such as
   ``deterministic=True`` stay Python values). Called outside any trace, the scan is
   compiled once per module structure and reused, as under ``sr.jit``: Python values the
   body closes over are read when it is first traced.
@@ -46,14 +84,22 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
   Args:
     target: ``f(module, carry, *xs) -> (carry, ys)`` (also a method), or a Module
       class: the class form builds ``length`` independently initialised layers in one
-      traced init and scans its ``methods`` (default ``__call__``).
+      traced init (the ``params`` stream split per layer unless ``split_rngs`` names
+      it) and scans its ``methods`` (default ``__call__``).
     variable_axes: ``{filter: axis}`` — variables sliced along ``axis`` per iteration.
     variable_broadcast: filter of variables read-only in every iteration.
     variable_carry: filter of variables threaded from iteration to iteration.
     split_rngs: ``{stream filter: bool}`` — streams that give each iteration its key.
-    in_axes: the scanned axis of each ``xs`` argument (int, ``None`` to broadcast,
-      a tuple per argument, or a pytree prefix).
-    out_axes: the axis of ``ys`` that stacks the iterations.
+    in_axes: where each ``xs`` leaf is sliced, as a prefix tree of ``xs`` (as in
+      flax.linen.scan): an int is the scanned axis of every leaf below it (negative
+      counts from the end); ``None`` or ``sr.broadcast`` gives the whole value to every
+      iteration; at the top a tuple/list has one entry per ``xs`` argument, and each
+      entry may itself be a tuple/list/dict following that argument's structure down
+      to any depth.
+    out_axes: where the iterations are stacked in each ``ys`` leaf: an int for every
+      leaf, or a prefix tree of ``ys`` (tuple/list/dict) with an int per subtree;
+      negative axes count against the stacked output's rank. ``None`` is an error, as
+      ys differ per iteration (return a value computed once through the carry).
     length: the number of iterations; required when nothing else tells it.
     reverse, unroll: as in ``jax.lax.scan``.
     data_transform: ``State -> State`` applied to each iteration's stacked values
@@ -81,6 +127,20 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
   ...   x, _ = layer(x)
   >>> bool(jnp.allclose(x, y, atol=1e-6))
   True
+
+  A prefix tree gives each leaf its own axis: below, ``xs["a"]`` is scanned along its
+  axis 1, ``xs["b"]`` is given whole to every iteration, and the two ys are stacked at
+  axis 0 and at the last axis:
+
+  >>> def body(layer, c, x):
+  ...   c, _ = layer(c + x["a"] + x["b"])
+  ...   return c, (c, c.sum(-1))
+  >>> xs = {"a": jnp.ones((2, 4, 3)), "b": jnp.zeros((2, 3))}
+  >>> c, (cs, sums) = sr.scan(body, variable_axes={sr.Param: 0},
+  ...                         in_axes=({"a": 1, "b": None},), out_axes=(0, -1))(
+  ...     stack, jnp.ones((2, 3)), xs)
+  >>> cs.shape, sums.shape
+  ((4, 2, 3), (2, 4))
   """
   options = dict(variable_axes=variable_axes, variable_broadcast=variable_broadcast,
                  variable_carry=variable_carry, split_rngs=split_rngs, in_axes=in_axes,
@@ -89,6 +149,7 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
   if target is None:
     return functools.partial(scan, methods=methods, **options)
   if is_module_class(target):
+    _check_axes(f"sr.scan({target.__name__})", in_axes, out_axes)
     rules = Rules(f"sr.scan({target.__name__})", variable_axes=variable_axes,
                   variable_broadcast=variable_broadcast, variable_carry=variable_carry,
                   split_rngs=split_rngs)
@@ -103,46 +164,147 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
   return _scan_function(target, **options)
 
 
-def _axes_per_leaf(in_axes, xs: tuple, what: str) -> list:
-  if isinstance(in_axes, int) or in_axes is None:
-    prefix = tuple(in_axes for _ in xs)
-  elif isinstance(in_axes, (tuple, list)) and len(in_axes) == len(xs):
-    prefix = tuple(in_axes)
+# -- in_axes / out_axes prefix trees ------------------------------------------------------
+# Checked in two steps: the tree itself when the transform is built (before anything is
+# traced), then its fit against xs / ys at call time. An int (the common case) fits
+# anything and is never walked.
+
+
+def _is_axis(a) -> bool:
+  return isinstance(a, numbers.Integral) and not isinstance(a, bool)
+
+
+def _check_axes(what: str, in_axes, out_axes) -> None:
+  """Raises unless both are prefix trees of ints / None / sr.broadcast (none in out)."""
+  for name, axes in (("in_axes", in_axes), ("out_axes", out_axes)):
+    if isinstance(axes, int) and not isinstance(axes, bool):
+      continue
+    for path, a in _axes_leaves(axes, ()):
+      where = f"{name}={axes!r}" + (f" has {a!r} at `{name}{jax.tree_util.keystr(path)}`"
+                                     if path else "")
+      if a is None or a is broadcast:
+        if name == "out_axes":
+          raise TransformError(
+              f"{what}: {where}, but ys differ per iteration, so every ys leaf needs the "
+              "axis that stacks them. Fix: give an int there (e.g. 0); return a value "
+              "computed once through the carry.")
+      elif not _is_axis(a):
+        whole = ", None or sr.broadcast (the whole value)" if name == "in_axes" else ""
+        which = ", which" if path else ""
+        raise TransformError(
+            f"{what}: {where}{which} is not an axis: expected an int (the axis){whole}, "
+            "or a tuple/list/dict of them following the structure. Fix that entry.")
+
+
+def _axes_leaves(axes, path):
+  if isinstance(axes, (tuple, list)):
+    for i, a in enumerate(axes):
+      yield from _axes_leaves(a, path + (jax.tree_util.SequenceKey(i),))
+  elif isinstance(axes, dict):
+    for k, a in axes.items():
+      yield from _axes_leaves(a, path + (jax.tree_util.DictKey(k),))
   else:
-    raise TransformError(
-        f"{what}: in_axes={in_axes!r} does not fit {len(xs)} xs argument(s): give an int, "
-        "None, or a tuple with one entry (an int, None or a pytree prefix) per argument.")
+    yield path, axes
+
+
+def _fit(prefix, tree, path: tuple, mismatch: Callable) -> list:
+  """One axis (an int, or None to broadcast) per leaf of ``tree``, in its leaf order.
+
+  ``prefix`` follows ``tree`` through tuples/lists (either for either) and dicts (the
+  same keys) down to an axis, which then covers the whole subtree below it.
+  """
+  if not isinstance(prefix, (tuple, list, dict)):
+    axis = None if prefix is None or prefix is broadcast else operator.index(prefix)
+    return [axis] * len(jax.tree.leaves(tree))
+  # One level of ``tree``, in jax's own order (dict keys sorted, namedtuple fields).
+  children = [(keys[0], child) for keys, child in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda n: n is not tree)[0] if len(keys) == 1]
+  if isinstance(prefix, dict):
+    fits = isinstance(tree, dict) and set(prefix) == {k.key for k, _ in children}
+    entries = [prefix[k.key] for k, _ in children] if fits else []
+  else:
+    fits = isinstance(tree, (tuple, list)) and len(prefix) == len(children)
+    entries = prefix
+  if not fits:
+    mismatch(path, prefix, tree)
   out = []
-  for axes, x in zip(prefix, xs):
-    try:
-      jax.tree.map(lambda a, sub: out.extend([a] * len(jax.tree.leaves(sub))), axes, x,
-                   is_leaf=lambda a: a is None)
-    except ValueError:
-      raise TransformError(
-          f"{what}: in_axes entry {axes!r} is not a prefix of its argument's structure "
-          f"{jax.tree.structure(x)}.") from None
+  for entry, (key, child) in zip(entries, children):
+    out.extend(_fit(entry, child, path + (key,), mismatch))
   return out
+
+
+def _in_axes_per_leaf(what: str, in_axes, xs: tuple, n_leaves: int) -> list:
+  if not isinstance(in_axes, (tuple, list, dict)):
+    return [None if in_axes is broadcast else in_axes] * n_leaves
+  if isinstance(in_axes, dict) or len(in_axes) != len(xs):
+    raise TransformError(
+        f"{what}: in_axes={in_axes!r} does not fit {len(xs)} xs argument(s): give an "
+        "int, None (or sr.broadcast), or a tuple with one entry (an int, None, or a "
+        "prefix tree of the argument) per argument.")
+  out = []
+  for i, (entry, x) in enumerate(zip(in_axes, xs)):
+
+    def mismatch(path, sub, node, entry=entry, i=i):
+      where = f"xs{jax.tree_util.keystr(path)}"
+      raise TransformError(
+          f"{what}: in_axes entry {entry!r} is not a prefix of xs argument {i}: at "
+          f"`{where}` it has {describe_node(sub)} where the argument has "
+          f"{describe_node(node)}. "
+          "Fix: follow the argument's structure there, or give one int (or None) for all "
+          f"of `{where}`.")
+
+    out.extend(_fit(entry, x, (jax.tree_util.SequenceKey(i),), mismatch))
+  return out
+
+
+def _leaf_path(tree, j: int) -> str:
+  return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][j][0])
+
+
+def _stack_ys(what: str, out_axes, ys):
+  """Moves the iteration axis of each ``ys`` leaf (first, from lax.scan) to out_axes."""
+  leaves, treedef = jax.tree.flatten(ys)
+  if isinstance(out_axes, int):
+    axes = [out_axes] * len(leaves)
+  else:
+
+    def mismatch(path, sub, node):
+      where = f"ys{jax.tree_util.keystr(path)}"
+      raise TransformError(
+          f"{what}: out_axes={out_axes!r} is not a prefix of the body's ys: at `{where}` "
+          f"it has {describe_node(sub)} where ys has {describe_node(node)} (stacked over the "
+          "iterations). Fix: follow the structure of ys there, or give one int for all "
+          f"of `{where}`.")
+
+    axes = _fit(out_axes, ys, (), mismatch)
+  moved = []
+  for j, (y, axis) in enumerate(zip(leaves, axes)):
+    rank = jnp.ndim(y)
+    if not -rank <= axis < rank:
+      raise TransformError(
+          f"{what}: out_axes puts the iteration axis of `ys{_leaf_path(ys, j)}` at "
+          f"{axis}, but stacked over the iterations it has shape "
+          f"{tuple(jnp.shape(y))} (rank {rank}). Fix: choose an axis in [-{rank}, {rank}).")
+    moved.append(y if axis % rank == 0 else jnp.moveaxis(y, 0, axis))
+  return jax.tree.unflatten(treedef, moved)
 
 
 def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_carry,
                    split_rngs, in_axes, out_axes, length, reverse, unroll,
                    data_transform, metadata_params) -> Callable:
   what = f"sr.scan({display_name(fn)})"
+  _check_axes(what, in_axes, out_axes)
   rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
                 variable_carry=variable_carry, split_rngs=split_rngs)
-  if not isinstance(out_axes, int):
-    raise TypeError(f"{what}: out_axes must be an int (the axis of ys that stacks the "
-                    f"iterations), got {out_axes!r}.")
 
   @functools.wraps(fn)
   def wrapper(module, carry, *xs, **kwargs):
     check_no_modules(carry, what, "the carry")
     check_no_modules(xs, what, "the xs argument")
     check_no_modules(kwargs, what, "the keyword argument")
-    lifted, variables, plan, leaves = lift_module_arg(
-        module, what, rules, metadata_params, "f(module, carry, *xs) -> (carry, ys)")
     x_leaves, x_tree = jax.tree.flatten(xs)
-    axes = _axes_per_leaf(in_axes, xs, what)
+    # Checked before the module is lifted or anything traced.
+    axes = _in_axes_per_leaf(what, in_axes, xs, len(x_leaves))
     scanned, sources = [], []
     for j, (x, axis) in enumerate(zip(x_leaves, axes)):
       if axis is None:
@@ -151,9 +313,13 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
       if not -ndim <= axis < ndim:
         raise TransformError(
             f"{what}: in_axes puts the scanned axis of xs leaf {j} at {axis}, but it has "
-            f"shape {tuple(jnp.shape(x))}. Fix in_axes, or use None to broadcast it.")
+            f"shape {tuple(jnp.shape(x))} (rank {ndim}) at `xs{_leaf_path(xs, j)}`. Fix: "
+            f"choose an axis in [-{ndim}, {ndim}), or use None to broadcast it (every "
+            "iteration sees it whole).")
       scanned.append(j)
       sources.append((f"xs leaf {j} (axis {axis})", jnp.shape(x)[axis]))
+    lifted, variables, plan, leaves = lift_module_arg(
+        module, what, rules, metadata_params, "f(module, carry, *xs) -> (carry, ys)")
     n = resolve_length(what, length, sources + stacked_sources(plan, lifted, variables),
                        fallback=class_length(module))
     loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
@@ -172,11 +338,13 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
                         "Return `carry, None` if there are no ys.")
       return tuple(out)
 
-    moved = [jnp.moveaxis(x_leaves[j], axes[j], 0) for j in scanned]
+    # Each jnp call is a nested jit; leaves already scanned along axis 0 skip it.
+    moved = [x_leaves[j] if axes[j] % jnp.ndim(x_leaves[j]) == 0 else
+             jnp.moveaxis(x_leaves[j], axes[j], 0) for j in scanned]
     carry, ys, changed = loop.run(body, carry, moved, (n,), reverse=reverse, unroll=unroll)
+    if ys is not None and not (isinstance(out_axes, int) and out_axes == 0):
+      ys = _stack_ys(what, out_axes, ys)  # may raise: before anything is written back
     write_back(variables, changed, what)
-    if out_axes != 0:
-      ys = jax.tree.map(lambda y: jnp.moveaxis(y, 0, out_axes), ys)
     return carry, ys
 
   return compiled_when_eager(wrapper)
