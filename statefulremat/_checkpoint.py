@@ -10,28 +10,37 @@ restored or left as it was. The directory layout and why a save is atomic:
 
 Saved as: arrays as they are (restored onto the model's current shardings); typed
 PRNG keys as their ``key_data`` (rewrapped with the model's key impl, which must
-match); numpy arrays and Python ``bool``/``int``/``float`` as numpy arrays (restored
-as the model holds them). Variable metadata is configuration, not state: the model's
-own is kept.
+match); numpy arrays as numpy arrays (restored as numpy arrays). A Python
+``bool``/``int``/``float`` is the 0-d array JAX makes of it (``jnp.result_type``:
+``int32``/``float32`` unless ``jax_enable_x64``), which is what it becomes after one
+jitted step; so a model saved before training restores after it and vice versa. A
+Variable keeps its kind of value: one holding a Python number gets a Python number of
+the same type back, one holding an array an array. Variable metadata is
+configuration, not state: the model's own is kept.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from ._checkpoint_files import (CheckpointError, FORMAT, abandon, begin, commit,
-                                current, read_json, resolve, write_json)
+from ._checkpoint_files import (CheckpointError, FORMAT, abandon, begin, check_files,
+                                commit, current, file_sizes, read_json, resolve,
+                                write_json)
 from ._errors import StateMismatchError, format_path
 from ._graph import flatten, update
 from ._module import Module
 from ._state import State
 from ._variables import Variable
 
-# Python numbers are stored as these (a Python int too large for int64 is refused).
-_PYTHON = {bool: np.bool_, int: np.int64, float: np.float64}
+_PYTHON = (bool, int, float)  # exactly these types: a numpy scalar is not one
+
+# How many differences a StateMismatchError lists before "and N more".
+_LISTED = 5
 
 
 class _Key:
@@ -72,7 +81,7 @@ def _describe(value) -> tuple[str, str | None]:
       return f"{value.dtype}[{dims}]", "array"
     return f"{value.dtype}[{dims}]", None if value.dtype == object else "numpy"
   if type(value) in _PYTHON:
-    return f"Python {type(value).__name__}", "python"
+    return f"{jnp.result_type(value)}[]", "python"
   return f"{type(value).__name__} (not an array)", None
 
 
@@ -112,7 +121,9 @@ def save(path: str | os.PathLike, model) -> None:
     path: a directory (str or os.PathLike; relative to the current directory) that
       does not exist, is empty, or holds an earlier ``sr.save``.
     model: a Module (or a list/tuple/dict of them, as ``sr.state`` takes). Variables
-      must hold jax/numpy arrays (typed PRNG keys included) or Python numbers.
+      must hold jax/numpy arrays (typed PRNG keys included) or Python numbers; a
+      Python number is saved as the 0-d array JAX makes of it (``int32[]`` for an
+      int unless ``jax_enable_x64``), and one that does not fit is refused.
 
   >>> import os, tempfile, jax.numpy as jnp, statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
@@ -141,13 +152,7 @@ def save(path: str | os.PathLike, model) -> None:
     if how == "key":
       value = jax.random.key_data(value)
     elif how == "python":
-      try:
-        value = np.asarray(value, _PYTHON[type(value)])
-      except OverflowError:
-        raise TypeError(
-            f"sr.save: {where} holds the Python int {value}, which does not fit in "
-            "64 bits. Fix: store it as an array of a wider representation, or as "
-            "several smaller numbers.") from None
+      value = _python_as_array(value, where)
     arrays[str(i)] = value
     entries.append({"path": _path_to_json(var_path), "kind": type(var).__name__,
                     "spec": spec})
@@ -161,11 +166,32 @@ def save(path: str | os.PathLike, model) -> None:
         checkpointer.save(os.path.join(version, "state"),
                           args=ocp.args.StandardSave(arrays))
     write_json(os.path.join(version, "variables.json"),
-               {"format": FORMAT, "variables": entries})
+               {"format": FORMAT, "variables": entries, "files": file_sizes(version)})
     commit(root, version)
   except BaseException:
     abandon(root, version)
     raise
+
+
+def _python_as_array(value, where: str) -> np.ndarray:
+  """A Python number as the 0-d array JAX makes of it (``jnp.asarray(value)``)."""
+  dtype = jnp.result_type(value)
+  try:
+    with np.errstate(over="raise"):  # a float beyond float32 would become inf
+      return np.asarray(value, dtype)
+  except (OverflowError, FloatingPointError):
+    pass
+  kind = type(value).__name__
+  if type(value) is float or -2 ** 63 <= value < 2 ** 63:
+    raise TypeError(
+        f"sr.save: {where} holds the Python {kind} {value}, which does not fit in "
+        f"{dtype}, the dtype JAX gives a Python {kind} (it is saved and restored as "
+        "that). Fix: enable 64-bit types (jax.config.update('jax_enable_x64', True)) "
+        f"or store a 64-bit numpy value in it (np.{kind}64(...)).")
+  raise TypeError(
+      f"sr.save: {where} holds the Python int {value}, which does not fit in 64 "
+      "bits. Fix: store it as an array of a wider representation, or as several "
+      "smaller numbers.")
 
 
 def _target(value, how: str):
@@ -173,7 +199,7 @@ def _target(value, how: str):
   if how == "key":
     value = jax.random.key_data(value)
   elif how == "python":
-    value = np.asarray(value, _PYTHON[type(value)])
+    return np.empty((), jnp.result_type(value))
   if isinstance(value, jax.Array):
     return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
   return np.empty(np.shape(value), np.asarray(value).dtype)
@@ -193,14 +219,23 @@ def restore(path: str | os.PathLike, model) -> None:
   """Reads the checkpoint ``sr.save`` wrote at ``path`` into ``model``, in place.
 
   The checkpoint must hold exactly the model's variables, with the same kinds, shapes
-  and dtypes (``sr.StateMismatchError`` names the first that differs). Arrays are
-  restored onto the model's current shardings, so the model may be placed
-  differently than the saved one (another mesh, one device). ``remat_scan`` stacks
-  keep one flat layer axis, so a stack restores from one saved with other
-  ``lengths``. On any error (``KeyboardInterrupt`` included) the model is unchanged.
+  and dtypes; ``sr.StateMismatchError`` lists the first five that differ (missing,
+  extra, or another kind/shape/dtype) and how many more. Arrays are restored onto the
+  model's current shardings, so the model may be placed differently than the saved
+  one (another mesh, one device). ``remat_scan`` stacks keep one flat layer axis, so
+  a stack restores from one saved with other ``lengths``. A Variable holding a Python
+  number matches the 0-d array JAX makes of it (``sr.Param(1.0)`` is ``float32[]``)
+  and gets a Python number of its type back. On any error
+  (``KeyboardInterrupt`` included) the model is unchanged.
 
-  Raises ``FileNotFoundError`` if there is no checkpoint at ``path``,
-  ``sr.CheckpointError`` if ``path`` holds something else.
+  Raises:
+    FileNotFoundError: there is no checkpoint at ``path`` (the path does not exist,
+      or no save into it finished); it is also an ``sr.CheckpointError``. So a
+      resume loop may read ``except FileNotFoundError: start fresh``.
+    sr.CheckpointError: ``path`` holds something else, or a damaged checkpoint (a
+      file of it missing or unreadable); not an ``OSError``, so the resume loop
+      above stops on it rather than silently starting over.
+    sr.StateMismatchError: the checkpoint does not fit the model.
 
   >>> import os, tempfile, statefulremat as sr
   >>> with tempfile.TemporaryDirectory() as tmp:
@@ -209,13 +244,16 @@ def restore(path: str | os.PathLike, model) -> None:
   ...     sr.restore(tmp, sr.nn.Linear(2, 4, rngs=sr.Rngs(0)))
   ...   except sr.StateMismatchError as e:
   ...     print(str(e).split(";")[0])
+  ...     print(str(e).splitlines()[1])
   sr.restore: `bias`: the checkpoint has a Param float32[3], the model a Param
   float32[4] (and 1 more difference)
+    also `kernel`: the checkpoint has a Param float32[2,3], the model a Param float32[2,4]
   """
   root = resolve(path, "restore")
   _check_model(model, "restore")
   version = current(root)
-  saved = _read_entries(version)
+  saved, files = _read_meta(version)
+  check_files(version, files)
   variables = _variables(model)
   _refuse_traced(variables, "restore")
   specs = [_describe(var._value) for _, var in variables]
@@ -230,9 +268,14 @@ def restore(path: str | os.PathLike, model) -> None:
              for j, ((_, var), (_, how)) in zip(order, zip(variables, specs))}
   restored = {}
   if targets:
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-      restored = checkpointer.restore(os.path.join(version, "state"),
-                                      args=ocp.args.StandardRestore(targets))
+    try:
+      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        restored = checkpointer.restore(os.path.join(version, "state"),
+                                        args=ocp.args.StandardRestore(targets))
+    except (OSError, ValueError, KeyError) as e:
+      # Orbax's FileNotFoundError must not escape: `except FileNotFoundError: start
+      # fresh` would silently throw away a run whose checkpoint is merely damaged.
+      raise _damaged(e, version, saved) from e
   values = {}
   for j, (var_path, var), (spec, how) in zip(order, variables, specs):
     value = _as_model_holds(restored[str(j)], var._value, how)
@@ -245,15 +288,42 @@ def restore(path: str | os.PathLike, model) -> None:
   update(model, State(values))
 
 
-def _read_entries(version: str) -> list[tuple[tuple, str, str]]:
-  """``(path, kind, spec)`` per saved variable, in the order saved."""
+def _damaged(error: Exception, version: str, saved) -> CheckpointError:
+  """The error for orbax data that cannot be read, naming the array and file if known."""
+  text = str(error).split(" [tensorstore_spec")[0].strip()
+  # tensorstore names the array by its key in the saved tree (the index in `saved`)
+  # and the file it failed on; neither is guaranteed, so each is reported if found.
+  array = re.search(r'"(\d+)/[^"]*"', text)
+  what = "its array data"
+  if array and int(array.group(1)) < len(saved):
+    what = f"the array of `{format_path(saved[int(array.group(1))][0])}`"
+  files = re.findall(r'local file "([^"]+)"', text)
+  files = [f for f in files if not f.endswith(os.sep)]
+  status = text.split(":")[0]  # tensorstore's status code, e.g. NOT_FOUND
+  reason = (f"tensorstore: {status}" if re.fullmatch(r"[A-Z_]+", status) else
+            f"{type(error).__name__}: {text[:200]}")
+  reason += f", file {files[-1]!r}" if files else ""
+  return CheckpointError(
+      f"sr.restore: the checkpoint in {version!r} is damaged: {what} cannot be "
+      f"read ({reason}). Its variables.json is intact, so this is not a "
+      "missing checkpoint; nothing was restored and the model is unchanged. Fix: "
+      "restore from another (earlier) checkpoint, or, to start over on purpose, "
+      "delete the directory.")
+
+
+def _read_meta(version: str) -> tuple[list[tuple[tuple, str, str]], dict[str, int]]:
+  """``(path, kind, spec)`` per saved variable, in the order saved; the files' sizes.
+
+  A checkpoint saved before the sizes were recorded has none to check.
+  """
   try:
     meta = read_json(os.path.join(version, "variables.json"))
     if meta["format"] != FORMAT:
       raise ValueError(meta["format"])
+    files = {str(k): int(v) for k, v in meta.get("files", {}).items()}
     return [(_path_from_json(e["path"]), e["kind"], e["spec"])
-            for e in meta["variables"]]
-  except (OSError, ValueError, KeyError, TypeError) as e:
+            for e in meta["variables"]], files
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
     raise CheckpointError(
         f"sr.restore: the checkpoint in {version!r} is damaged: its variables.json "
         f"cannot be read ({type(e).__name__}: {e}). Fix: restore from another "
@@ -261,7 +331,7 @@ def _read_entries(version: str) -> list[tuple[tuple, str, str]]:
 
 
 def _check_match(saved, variables, keys, specs, root: str) -> None:
-  """Raises ``StateMismatchError`` naming the first variable that differs."""
+  """Raises ``StateMismatchError`` listing the first ``_LISTED`` variables that differ."""
   theirs = {p: (kind, spec) for p, kind, spec in saved}
   ours = {key: (type(var).__name__, spec)
           for key, (_, var), spec in zip(keys, variables, specs)}
@@ -279,11 +349,15 @@ def _check_match(saved, variables, keys, specs, root: str) -> None:
       f"the checkpoint has `{format_path(path)}` (a {kind} {spec}) but the model does "
       "not" for path, (kind, spec) in theirs.items() if path not in ours]
   if problems:
+    # The first keeps the one-line summary; the next few follow, one per line.
     more = len(problems) - 1
-    more = f" (and {more} more difference{'s' * (more > 1)})" if more else ""
+    summary = f" (and {more} more difference{'s' * (more > 1)})" if more else ""
+    listed = "".join(f"\n  also {p}" for p in problems[1:_LISTED])
+    if len(problems) > _LISTED:
+      listed += f"\n  and {len(problems) - _LISTED} more"
     raise StateMismatchError(
-        f"sr.restore: {problems[0]}{more};"
-        f" nothing was restored from {root!r}. Fix: restore into a model built the "
-        "way the saved one was (same layers, sizes, dtypes, RNG key impl and "
-        "constructor options); to reuse part of a checkpoint, restore it into such a "
-        "model and copy the variables over with sr.update.")
+        f"sr.restore: {problems[0]}{summary}; nothing was restored from {root!r}."
+        f"{listed}\nFix: restore into a model built the way the saved one was (same "
+        "layers, sizes, dtypes, RNG key impl and constructor options); to reuse part "
+        "of a checkpoint, restore it into such a model and copy the variables over "
+        "with sr.update.")

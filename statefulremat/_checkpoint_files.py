@@ -8,6 +8,11 @@ A checkpoint is a directory::
       state/               orbax-checkpoint data (one array per variable)
       variables.json       per variable: path, kind, dtype and shape
 
+``variables.json`` also lists every file of ``state/`` with its size, so a restore
+finds a file deleted or cut short (an interrupted copy) and names it before orbax
+reads anything (orbax's own read errors on such a file are a ``FileNotFoundError``,
+or worse, a race of failing reads).
+
 A save writes a new ``sr-<n>`` next to the current one, then replaces the pointer
 with ``os.replace`` (atomic on POSIX), and only then deletes the older versions.
 Whatever point a save dies at, the pointer names a version that was complete
@@ -32,11 +37,13 @@ FORMAT = "statefulremat-checkpoint"
 _VERSION = re.compile(r"sr-(\d+)")
 
 
-class CheckpointError(StatefulRematError, OSError):
-  """A path holds something other than an ``sr.save`` checkpoint, or cannot take one.
+class CheckpointError(StatefulRematError):
+  """A path holds something other than a sound ``sr.save`` checkpoint, or cannot take one.
 
   A path with no checkpoint at all raises ``FileNotFoundError`` (also a
   ``CheckpointError``), so resuming reads ``except FileNotFoundError: start fresh``.
+  Every other ``CheckpointError`` (a damaged checkpoint, a foreign directory) is
+  deliberately not an ``OSError``: that loop must stop on it, not start over.
 
   >>> import os, tempfile, statefulremat as sr
   >>> with tempfile.TemporaryDirectory() as tmp:
@@ -138,6 +145,38 @@ def current(root: str, fn: str = "restore") -> str | None:
          else "the path does not exist")
       + "). Fix: check the path (relative paths are from the current directory, "
       f"{os.getcwd()!r}), or save one first with sr.save(path, model).")
+
+
+def file_sizes(version: str) -> dict[str, int]:
+  """Every file under ``version``: its path there (``/``-separated) -> its size."""
+  sizes = {}
+  for parent, _, names in os.walk(version):
+    for name in names:
+      path = os.path.join(parent, name)
+      sizes[os.path.relpath(path, version).replace(os.sep, "/")] = os.path.getsize(path)
+  return dict(sorted(sizes.items()))
+
+
+def check_files(version: str, sizes: dict[str, int]) -> None:
+  """Raises ``CheckpointError`` naming the files of ``sizes`` missing or resized."""
+  problems = []
+  for name, size in sizes.items():
+    path = os.path.join(version, *name.split("/"))
+    try:
+      actual = os.path.getsize(path)
+    except OSError:
+      problems.append(f"{path!r} is missing")
+      continue
+    if actual != size:
+      problems.append(f"{path!r} has {actual} bytes instead of the {size} saved")
+  if problems:
+    more = len(problems) - 1
+    more = f" (and {more} more file{'s' * (more > 1)})" if more else ""
+    raise CheckpointError(
+        f"sr.restore: the checkpoint in {version!r} is damaged: {problems[0]}{more}. "
+        "This is not a missing checkpoint; nothing was restored and the model is "
+        "unchanged. Fix: restore from another (earlier) checkpoint or a complete copy "
+        "of this one, or, to start over on purpose, delete the directory.")
 
 
 def begin(root: str) -> str:
