@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from ._errors import StateMismatchError, format_path
-from ._filters import Filter
+from ._filters import Filter, filter_repr
 from ._graph import state, update
 from ._module import Module
 from ._state import State
@@ -22,6 +22,14 @@ class OptState(Variable):
   """
 
   collection = "opt_state"
+
+  def __call__(self, *args, **kwargs):
+    # `opt.step` is the step count, so PyTorch's `opt.step()` lands here.
+    raise AttributeError(
+        f"`{self.path_str()}` is optimizer state (an sr.OptState; `opt.step` is the "
+        "step count, read as `opt.step.value`), not a method: sr.Optimizer has no "
+        "PyTorch-style step(). Fix: take the gradients with `grads = "
+        "sr.grad(loss_fn)(model, ...)` and apply them with `opt.update(grads)`.")
 
 
 class _Paths:
@@ -51,15 +59,6 @@ def _difference(before: tuple, after: tuple) -> str:
   if removed:
     return f"`{format_path(removed[0])}` is gone"
   return "their order changed"
-
-
-def _filter_repr(f) -> str:
-  if isinstance(f, type):
-    public = f.__module__.startswith("statefulremat")
-    return f"sr.{f.__name__}" if public else f.__name__
-  if isinstance(f, tuple):
-    return "(" + ", ".join(map(_filter_repr, f)) + ("," if len(f) == 1 else "") + ")"
-  return repr(f)
 
 
 class Optimizer(Module):
@@ -93,26 +92,35 @@ class Optimizer(Module):
     self.opt_state_def = treedef
     self.opt_paths = _Paths(params._spec.paths)
 
-  def update(self, grads: State) -> None:
-    """Applies one optax step to the model's ``wrt`` variables, in place.
+  def update(self, *args: Module | State) -> None:
+    """``update(grads)``: applies one optax step to the model's ``wrt`` variables.
 
-    ``grads`` is the State ``sr.grad`` gives for those variables; the optax state and
-    ``step`` advance too. Raises ``StateMismatchError`` if the gradients' paths, or the
-    model's since the Optimizer was made, differ from the optimized ones.
+    ``grads`` is the State ``sr.grad`` gives for those variables; the model is
+    updated in place and the optax state and ``step`` advance too. flax.nnx's
+    ``update(model, grads)`` (nnx >= 0.11) is accepted and the same, provided
+    ``model`` is this optimizer's own ``opt.model``. Raises ``StateMismatchError`` if
+    the gradients' paths, or the model's since the Optimizer was made, differ from
+    the optimized ones.
 
     >>> import jax, jax.numpy as jnp, optax, statefulremat as sr
     >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))
     >>> opt = sr.Optimizer(model, optax.sgd(0.5))
     >>> grads = jax.tree.map(jnp.ones_like, sr.state(model, sr.Param))
     >>> opt.update(grads)
+    >>> opt.update(model, grads)      # the flax.nnx spelling
     >>> model.bias.value.tolist(), int(opt.step.value)
-    ([-0.5], 1)
+    ([-1.0], 2)
     """
+    if len(args) == 1:
+      grads = args[0]
+    else:
+      grads = self._nnx_grads(args)
     params = state(self.model, self.wrt)
     if not isinstance(grads, State):
       raise TypeError(
           f"Optimizer.update takes the State of gradients from sr.grad, got "
-          f"{type(grads).__name__}.")
+          f"{type(grads).__name__}. Fix: `grads = sr.grad(loss_fn)(model, ...)`, then "
+          "`opt.update(grads)`.")
     if params._spec.paths != self.opt_paths.paths:
       raise StateMismatchError(
           "Optimizer.update: the model's optimized variables changed since the "
@@ -129,7 +137,7 @@ class Optimizer(Module):
       raise StateMismatchError(
           f"Optimizer.update: the gradients do not match the optimized variables "
           f"({where}). Take the gradients with the same filter: "
-          f"`sr.grad(loss_fn, wrt={_filter_repr(self.wrt)})(model, ...)`."
+          f"`sr.grad(loss_fn, wrt={filter_repr(self.wrt)})(model, ...)`."
       )
     opt_state = jax.tree.unflatten(self.opt_state_def, [v.value for v in self.opt_state])
     grads = State._make(params._spec, grads._values)
@@ -141,3 +149,34 @@ class Optimizer(Module):
     for var, leaf in zip(self.opt_state, jax.tree.leaves(opt_state)):
       var.value = leaf
     self.step.value = self.step.value + 1
+
+  def _nnx_grads(self, args: tuple) -> State:
+    """The gradients of flax.nnx's ``update(model, grads)``; refuses other calls."""
+    if len(args) != 2:
+      raise TypeError(
+          f"Optimizer.update takes the gradients, got {len(args)} arguments. Fix: "
+          "`opt.update(grads)` with `grads = sr.grad(loss_fn)(model, ...)` (flax.nnx's "
+          "`opt.update(model, grads)` works too).")
+    model, grads = args
+    if model is self.model:
+      return grads
+    if grads is self.model and isinstance(model, State):
+      raise TypeError(
+          "Optimizer.update got (grads, model): the model goes first. Fix: "
+          "`opt.update(model, grads)`, or just `opt.update(grads)`.")
+    raise ValueError(
+        f"Optimizer.update(model, grads) got a model (a {type(model).__name__}) that "
+        f"is not the one this Optimizer updates (opt.model, a "
+        f"{type(self.model).__name__}); its gradients would be applied to opt.model. "
+        "Fix: call `opt.update(grads)` to update opt.model, or make an optimizer for "
+        "that model: `sr.Optimizer(model, tx)`. Inside sr.jit, pass the model and the "
+        "optimizer as arguments so they stay the same object.")
+
+  @property
+  def zero_grad(self):
+    # A property, not a method: `hasattr(opt, "zero_grad")` stays False.
+    raise AttributeError(
+        "sr.Optimizer has no zero_grad(): there is nothing to zero in JAX. Gradients "
+        "are not accumulated on the parameters; `sr.grad` returns fresh ones on "
+        "every call. Fix: delete the call; each step is `grads = sr.grad(loss_fn)"
+        "(model, ...)` then `opt.update(grads)`.")

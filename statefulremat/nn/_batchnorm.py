@@ -14,6 +14,7 @@ from .._variables import BatchStat, Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._normalization import (check_feature_axes, canonicalize_axes, compute_stats,
                              freeze_axes, normalize)
+from ._rngs_arg import check_rngs
 
 
 class BatchNorm(Module):
@@ -68,6 +69,7 @@ class BatchNorm(Module):
                scale_metadata: Mapping[str, Any] = MappingProxyType({}),
                mean_metadata: Mapping[str, Any] = MappingProxyType({}),
                var_metadata: Mapping[str, Any] = MappingProxyType({})):
+    check_rngs("BatchNorm", rngs)
     shape = (num_features,)
     self.mean = BatchStat(jnp.zeros(shape, jnp.float32), **(mean_metadata or {}))
     self.var = BatchStat(jnp.ones(shape, jnp.float32), **(var_metadata or {}))

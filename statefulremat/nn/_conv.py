@@ -13,7 +13,8 @@ from .._module import Module
 from .._rngs import Rngs
 from .._variables import Param
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import check_features, default_bias_init, default_kernel_init
+from ._linear import default_bias_init, default_kernel_init
+from ._rngs_arg import check_rngs
 
 
 def _freeze(x):
@@ -49,6 +50,39 @@ def canonicalize_padding(padding: Any, rank: int) -> Any:
       f"invalid Conv padding {padding!r}: use 'SAME', 'VALID', 'CIRCULAR', 'REFLECT', "
       f"'CAUSAL', an int, or a sequence of {rank} ints or (low, high) pairs."
   )
+
+
+def _refuse_channels(shape: tuple, n_spatial: int, in_features: int) -> None:
+  """The error for an input whose last axis is not ``in_features`` channels.
+
+  An input laid out channels-first (PyTorch's NCHW), ``(*batch, in_features,
+  *spatial)``, gets the transpose that fixes it instead of a misleading
+  ``in_features=<width>``.
+
+  >>> from statefulremat.nn._conv import _refuse_channels
+  >>> try:
+  ...   _refuse_channels((8, 3, 32, 32), 2, 3)
+  ... except ValueError as e:
+  ...   print(str(e)[str(e).index("Fix"):])
+  Fix: move the channel axis last, `jnp.moveaxis(x, 1, -1)` (the same as
+  `x.transpose(0, 2, 3, 1)`), once on the data; outputs are channels-last too.
+  """
+  channel = len(shape) - n_spatial - 1  # where channels-first inputs hold them
+  if shape[channel] == in_features:
+    perm = tuple(i for i in range(len(shape)) if i != channel) + (channel,)
+    names = {1: "W", 2: "HW", 3: "DHW"}.get(n_spatial, "")
+    layout = f" (N{names}C, as flax; not PyTorch's NC{names})" if names else ""
+    raise ValueError(
+        f"Conv takes channels-last inputs{layout}: (*batch, *spatial, in_features="
+        f"{in_features}), but got an input of shape {tuple(shape)}, whose axis "
+        f"{channel} has the {in_features} channels (channels-first). Fix: move the "
+        f"channel axis last, `jnp.moveaxis(x, {channel}, -1)` (the same as "
+        f"`x.transpose{perm}`), once on the data; outputs are channels-last too.")
+  raise ValueError(
+      f"Conv was built with in_features={in_features} but got an input of shape "
+      f"{tuple(shape)}: inputs are channels-last, (*batch, *spatial, channels), so "
+      f"the last axis must have size {in_features}. Fix the input, or build the "
+      f"layer with in_features={shape[-1]}.")
 
 
 class Conv(Module):
@@ -99,6 +133,7 @@ class Conv(Module):
                rngs: Rngs,
                kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+    check_rngs("Conv", rngs)
     kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
     if in_features % feature_group_count or out_features % feature_group_count:
       raise ValueError(
@@ -139,7 +174,8 @@ class Conv(Module):
           f"Conv with kernel_size={self.kernel_size} needs inputs of shape (*batch, "
           f"{n_spatial} spatial axes, {self.in_features}), got {tuple(inputs.shape)}."
       )
-    check_features("Conv", inputs, -1, self.in_features)
+    if inputs.shape[-1] != self.in_features:
+      _refuse_channels(inputs.shape, n_spatial, self.in_features)
     # Combine all input batch dimensions into a single leading batch axis.
     n_batch = inputs.ndim - (n_spatial + 1)
     if n_batch != 1:

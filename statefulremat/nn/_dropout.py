@@ -10,6 +10,7 @@ from jax import lax
 
 from .._module import Module
 from .._rngs import Rngs, RngStream
+from ._rngs_arg import check_rngs
 
 
 def draw_key(rngs, name: str, layer: str) -> jax.Array:
@@ -64,11 +65,9 @@ class Dropout(Module):
   def __init__(self, rate: float, *, broadcast_dims: Sequence[int] = (),
                deterministic: bool | None = False, rng_collection: str = "dropout",
                rngs: Rngs | RngStream | None = None):
+    check_rngs("Dropout", rngs, optional=True, stream=True)
     if not 0.0 <= rate <= 1.0:
       raise ValueError(f"Dropout rate must be in [0, 1], got {rate}.")
-    if rngs is not None and not isinstance(rngs, (Rngs, RngStream)):
-      raise TypeError(f"Dropout: rngs must be an sr.Rngs, an sr.RngStream or None, got "
-                      f"{type(rngs).__name__}.")
     self.rate = rate
     self.broadcast_dims = tuple(broadcast_dims)
     self.deterministic = deterministic

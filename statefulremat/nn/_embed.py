@@ -12,6 +12,7 @@ from .._module import Module
 from .._rngs import Rngs
 from .._variables import Param
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._rngs_arg import check_rngs
 
 default_embed_init = jax.nn.initializers.variance_scaling(
     1.0, "fan_in", "normal", out_axis=0)
@@ -46,6 +47,7 @@ class Embed(Module):
                promote_dtype: Callable = default_promote_dtype,
                rngs: Rngs,
                embedding_metadata: Mapping[str, Any] = MappingProxyType({})):
+    check_rngs("Embed", rngs)
     self.embedding = Param(
         embedding_init(rngs.params(), (num_embeddings, features), param_dtype),
         **(embedding_metadata or {}))

@@ -14,6 +14,7 @@ from .._module import Module
 from .._rngs import Rngs
 from .._variables import Param
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._rngs_arg import check_rngs
 
 default_kernel_init = jax.nn.initializers.lecun_normal()
 default_bias_init = jax.nn.initializers.zeros
@@ -70,6 +71,7 @@ class Linear(Module):
                rngs: Rngs,
                kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+    check_rngs("Linear", rngs)
     self.kernel = Param(
         kernel_init(rngs.params(), (in_features, out_features), param_dtype),
         **(kernel_metadata or {}))

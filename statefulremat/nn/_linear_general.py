@@ -15,6 +15,7 @@ from .._rngs import Rngs
 from .._variables import Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._linear import default_bias_init, default_kernel_init
+from ._rngs_arg import check_rngs
 
 
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
@@ -63,6 +64,7 @@ class LinearGeneral(Module):
                rngs: Rngs,
                kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+    check_rngs("LinearGeneral", rngs)
     self.in_features = _as_tuple(in_features)
     self.out_features = _as_tuple(out_features)
     self.axis = _as_tuple(axis)

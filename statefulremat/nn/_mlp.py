@@ -12,6 +12,7 @@ from .._module import Module
 from .._rngs import Rngs, RngStream
 from ._dropout import Dropout
 from ._linear import Linear, default_bias_init, default_kernel_init
+from ._rngs_arg import check_rngs
 
 
 class MLP(Module):
@@ -63,6 +64,7 @@ class MLP(Module):
                bias_metadata: Mapping[str, Any] = MappingProxyType({}),
                out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                out_bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+    check_rngs("MLP", rngs)
     out_features = in_features if out_features is None else out_features
     common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                   precision=precision, kernel_init=kernel_init, bias_init=bias_init,

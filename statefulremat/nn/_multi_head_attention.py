@@ -19,6 +19,7 @@ from ._dtypes import promote_dtype as default_promote_dtype
 from ._linear import default_kernel_init
 from ._linear_general import LinearGeneral
 from ._normalization import LayerNorm
+from ._rngs_arg import check_rngs
 
 
 class MultiHeadAttention(Module):
@@ -102,6 +103,7 @@ class MultiHeadAttention(Module):
                out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
                query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
                key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+    check_rngs("MultiHeadAttention", rngs)
     self.num_heads = num_heads
     self.in_features = in_features
     self.qkv_features = qkv_features if qkv_features is not None else in_features

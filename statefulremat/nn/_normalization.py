@@ -19,6 +19,7 @@ from .._rngs import Rngs
 from .._variables import Param
 from ._dtypes import canonicalize_dtype
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._rngs_arg import check_rngs
 
 
 def freeze_axes(axes: Any) -> Any:
@@ -143,6 +144,7 @@ class LayerNorm(Module):
                rngs: Rngs,
                bias_metadata: Mapping[str, Any] = MappingProxyType({}),
                scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+    check_rngs("LayerNorm", rngs)
     shape = (num_features,)
     self.scale = (Param(scale_init(rngs.params(), shape, param_dtype),
                         **(scale_metadata or {})) if use_scale else None)
@@ -199,6 +201,7 @@ class RMSNorm(Module):
                promote_dtype: Callable = default_promote_dtype,
                rngs: Rngs,
                scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+    check_rngs("RMSNorm", rngs)
     self.scale = (Param(scale_init(rngs.params(), (num_features,), param_dtype),
                         **(scale_metadata or {})) if use_scale else None)
     self.num_features = num_features
