@@ -12,6 +12,7 @@ from ._errors import GraphError as GraphError
 from ._errors import StatefulRematError as StatefulRematError
 from ._errors import StateMismatchError as StateMismatchError
 from ._errors import TraceContextError as TraceContextError
+from ._errors import TransformError as TransformError
 from ._filters import All as All
 from ._filters import Any as Any
 from ._filters import Not as Not
@@ -32,6 +33,8 @@ from ._sharding import ShardingError as ShardingError
 from ._sharding import get_partition_spec as get_partition_spec
 from ._sharding import logical_to_mesh as logical_to_mesh
 from ._sharding import shard as shard
+from ._stacks import stack as stack
+from ._stacks import unstack as unstack
 from ._state import State as State
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
@@ -45,11 +48,8 @@ from ._transforms._autodiff import value_and_grad as value_and_grad
 from ._transforms._jit import jit as jit
 from ._transforms._remat import remat as remat
 from ._transforms._remat_scan import remat_scan as remat_scan
-from ._transforms._rules import TransformError as TransformError
 from ._transforms._scan import broadcast as broadcast
 from ._transforms._scan import scan as scan
-from ._transforms._stacked import stack as stack
-from ._transforms._stacked import unstack as unstack
 from ._transforms._vmap import vmap as vmap
 from ._variables import BatchStat as BatchStat
 from ._variables import Cache as Cache

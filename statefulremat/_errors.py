@@ -60,6 +60,18 @@ class StateMismatchError(StatefulRematError, ValueError):
   """
 
 
+class TransformError(StatefulRematError, ValueError):
+  """A transform was asked for something that does not fit its arguments.
+
+  >>> import statefulremat as sr
+  >>> try:
+  ...   sr.remat_scan(lambda m, c: c, lengths=())
+  ... except sr.TransformError as e:
+  ...   print(str(e)[:52])
+  sr.remat_scan(<lambda>): lengths=() must be a non-em
+  """
+
+
 def format_path(path: tuple) -> str:
   """Formats a graph path as Python would reach it: ``('layers', 0, 'kernel')`` -> ``layers[0].kernel``."""
   out = []

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import StatefulRematError, format_path
+from ._stacks import LAYER_AXIS
 from ._state import State, thaw_metadata
 
 Rules = Sequence[tuple[str, Any]]
@@ -54,7 +55,7 @@ def get_partition_spec(state) -> State:
   (P('embed', 'mlp'), P())
   """
   state = _as_state(state, "sr.get_partition_spec")
-  specs = [_spec_of(path, value, thaw_metadata(meta).get("sharding"))
+  specs = [_spec_of(path, value, thaw_metadata(meta))
            for path, value, meta in zip(state._spec.paths, state._values, state._spec.metas)]
   return State._make(state._spec, specs)
 
@@ -132,10 +133,16 @@ def _as_state(obj, fn: str) -> State:
                   "`model` or `sr.state(model)`.")
 
 
-def _spec_of(path: tuple, value, sharding) -> PartitionSpec:
+def _spec_of(path: tuple, value, metadata: dict) -> PartitionSpec:
+  sharding = metadata.get("sharding")
   if sharding is None:
     return PartitionSpec()
   ndim = np.ndim(value)
+  layer = metadata.get(LAYER_AXIS, ((None, ""),))[0]
+  if layer[1] is None and isinstance(sharding, (tuple, list)) and (
+      len(sharding) == ndim - 1):
+    # A stack whose layer axis has no partition name: that axis is replicated.
+    sharding = (*sharding[:layer[0]], None, *sharding[layer[0]:])
   if not isinstance(sharding, (tuple, list)) or len(sharding) != ndim:
     hint = ""
     if isinstance(sharding, (tuple, list)) and len(sharding) == ndim - 1:

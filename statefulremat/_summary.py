@@ -221,16 +221,13 @@ def _walk(root) -> tuple[list, list]:
 
 def _layer_counts(modules) -> dict[int, int]:
   """id(Variable) -> how many layers it holds (the product over the stacks it is in)."""
-  from ._transforms._rules import STACKED
-  from ._transforms._stacked import is_stacked, stack_plan
+  from ._stacks import is_stacked, stacked_variables
 
   counts: dict[int, int] = {}
   for _, module in modules:
     if is_stacked(module):
-      _, stacked, plan = stack_plan(module)
-      for var, kind, axis in zip(stacked, plan.kinds, plan.axes):
-        if kind == STACKED:
-          counts[id(var)] = counts.get(id(var), 1) * int(np.shape(var._value)[axis])
+      for _, var, axis, _ in stacked_variables(module):
+        counts[id(var)] = counts.get(id(var), 1) * int(np.shape(var._value)[axis])
   return counts
 
 

@@ -29,9 +29,6 @@ import numpy as np
 
 from ._errors import format_path
 
-# id(variable) -> (layer axis, axis name), for the variables of the stack being drawn.
-_LAYER_AXES: contextvars.ContextVar[dict] = contextvars.ContextVar("sr_layer_axes",
-                                                                  default={})
 # id(module or variable) -> every path where one top-level render reaches it, the
 # first being where it is drawn.
 _FIRST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("sr_first",
@@ -152,31 +149,6 @@ class _Text:
     return rendering_parts.text(self.text)
 
 
-def _stack_axes(module) -> dict:
-  """id(stacked Variable) -> (layer axis, axis name) for a stacked module, else {}."""
-  from ._transforms._rules import STACKED
-  from ._transforms._stacked import is_stacked, stack_plan
-
-  if not is_stacked(module):
-    return {}
-  _, variables, plan = stack_plan(module)
-  name = type(module)._sr_metadata_params.get("partition_name") or "layers"
-  return {id(v): (axis, name) for v, kind, axis in zip(variables, plan.kinds, plan.axes)
-          if kind == STACKED}
-
-
-def _enclosing_stack_axes(obj) -> dict:
-  """The layer axes of the stacks ``obj`` hangs under (by its recorded owners), so
-  ``repr(stack.linear)`` names the layer axis as ``repr(stack)`` does."""
-  from ._variables import owner_chain
-
-  axes: dict = {}
-  for parent, _ in owner_chain(obj):
-    if parent is not None:
-      axes = {**_stack_axes(parent), **axes}  # an inner stack's axis wins
-  return axes
-
-
 def render_module(module, path, subtree_renderer):
   from treescope import repr_lib
 
@@ -185,10 +157,6 @@ def render_module(module, path, subtree_renderer):
   if first is None:  # drawn from here: stacks above it still name their layer axis
     first = _first_paths(module)
     tokens.append((_FIRST, _FIRST.set(first)))
-    tokens.append((_LAYER_AXES, _LAYER_AXES.set(_enclosing_stack_axes(module))))
-  own = _stack_axes(module)
-  if own:
-    tokens.append((_LAYER_AXES, _LAYER_AXES.set({**_LAYER_AXES.get(), **own})))
   try:
     here = first.get(id(module), [()])[0]
     attributes = {k: _mark_shared(v, here + (k,), first)
@@ -204,16 +172,19 @@ def render_module(module, path, subtree_renderer):
 def render_variable(var, path, subtree_renderer):
   from treescope import repr_lib
 
+  from ._stacks import LAYER_AXIS, axis_name, layer_axis
+
   value = var._value
-  axes = _LAYER_AXES.get() if _FIRST.get() is not None else _enclosing_stack_axes(var)
-  layer = axes.get(id(var))
+  layer = layer_axis(var)
   if layer is not None and hasattr(value, "shape"):
-    value = LayeredArray(value, layer[0], layer[1], var._metadata.get("sharding"))
+    value = LayeredArray(value, layer[0], axis_name(layer[1]), var._metadata.get("sharding"))
   elif _COMPACT.get() and _is_long(value):
     value = ArraySummary(value)
   elif _is_tracer(value):  # treescope would add the tracer's default repr, an address
     value = _Text(repr(value))
-  attributes = {k: _without_address(v) for k, v in {"value": value, **var._metadata}.items()}
+  # The layer axis is drawn in the array's shape: not repeated as metadata.
+  attributes = {k: _without_address(v) for k, v in {"value": value, **var._metadata}.items()
+                if k != LAYER_AXIS}
   rendering = repr_lib.render_object_constructor(
       type(var), attributes, path, subtree_renderer, color=collection_color(type(var)))
   return _with_other_places(rendering, (_FIRST.get() or {}).get(id(var), ()))

@@ -88,12 +88,20 @@ def test_logical_to_mesh_follows_flax_rules():
   assert specs["down"]["bias"] == P(None, None)
 
 
-def test_a_stack_without_a_partition_name_says_how_to_name_the_layer_axis():
+def test_a_stack_without_a_partition_name_replicates_its_layer_axis():
+  # The layer axis is recorded in each stacked Variable's metadata, so an unnamed one
+  # is known and replicated (None) instead of leaving the spec one entry short.
   stack = sr.remat_scan(Block, lengths=LENGTHS)(D, rngs=sr.Rngs(0))
+  specs = sr.get_partition_spec(stack)
+  assert specs["down"]["bias"] == P(None, "embed")
+  assert sr.get_partition_spec(sr.state(stack))["down"]["bias"] == P(None, "embed")
+  # A hand-made array that is one short is still an error, with the hint.
+  layer = stack.layer(0)
+  layer.down.bias = sr.Param(jnp.zeros((4, D)), sharding=("embed",))
   with pytest.raises(sr.ShardingError, match=(
       r"`down.bias` has sharding=\('embed',\) for an array of shape \(4, 8\): give one "
       r"axis name .* one short: .* metadata_params=\{'partition_name': 'layers'\}")):
-    sr.get_partition_spec(stack)
+    sr.get_partition_spec(layer)
 
 
 def test_bad_rules_and_bad_arguments():

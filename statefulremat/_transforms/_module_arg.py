@@ -16,9 +16,10 @@ import jax.numpy as jnp
 from .._errors import format_path
 from .._filters import filter_repr
 from .._graph import flatten
+from .._stacks import is_stacked, stacked_variables
 from ._lift import Lifted, is_node, split_call
 from ._rules import STACKED, Plan, Rules, TransformError
-from ._stacked import is_stacked, layer_view, stack_plan
+from ._stacked import layer_view
 
 
 def lift_module_arg(module, what: str, rules: Rules, metadata_params, call_form: str):
@@ -44,11 +45,8 @@ def check_stacks_sliced(nodes, variables, plan: Plan, what: str) -> None:
   layer_axis = {}
   for node in nodes:
     if is_stacked(node):
-      stack_graphdef, stack_vars, stack_plan_ = stack_plan(node)
-      for path, var, kind, axis in zip(stack_graphdef.var_paths, stack_vars,
-                                       stack_plan_.kinds, stack_plan_.axes):
-        if kind == STACKED:
-          layer_axis.setdefault(id(var), (axis, path, type(node)))
+      for path, var, axis, _ in stacked_variables(node):
+        layer_axis.setdefault(id(var), (axis, path, type(node)))
   if not layer_axis:
     return
   for i, var in enumerate(variables):

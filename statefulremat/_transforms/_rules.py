@@ -33,25 +33,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from .._errors import StatefulRematError, format_path
+from .._errors import TransformError, format_path
 from .._filters import filter_repr, is_everything, to_predicate
 from .._graph import iter_graph
 from .._rngs import LayerKeys, RngStream, Rngs
 from .._variables import owner_chain
 
 STACKED, BROADCAST, CARRY, RNG, READONLY = "stacked", "broadcast", "carry", "rng", "read-only"
-
-
-class TransformError(StatefulRematError, ValueError):
-  """A transform was asked for something that does not fit its arguments.
-
-  >>> import statefulremat as sr
-  >>> try:
-  ...   sr.remat_scan(lambda m, c: c, lengths=())
-  ... except sr.TransformError as e:
-  ...   print(str(e)[:52])
-  sr.remat_scan(<lambda>): lengths=() must be a non-em
-  """
 
 
 def stream_predicate(filter) -> Callable[[str], bool]:

@@ -27,8 +27,7 @@ import jax.numpy as jnp
 from .._errors import format_path
 from .._graph import flatten
 from .._module import Module
-from .._transforms._rules import STACKED
-from .._transforms._stacked import is_stacked, stack_plan
+from .._stacks import is_stacked, stacked_variables
 from .._variables import Variable
 
 
@@ -105,9 +104,7 @@ def _walk(root, path: tuple) -> tuple[tuple, Any]:
 
 
 def _stack_axes(stack) -> tuple[dict, tuple | None]:
-  _, variables, plan = stack_plan(stack)
-  axes = {id(v): axis for v, kind, axis in zip(variables, plan.kinds, plan.axes)
-          if kind == STACKED}
+  axes = {id(v): axis for _, v, axis, _ in stacked_variables(stack)}
   return axes, remat_scan_lengths(type(stack))
 
 
