@@ -34,6 +34,7 @@ from ._checkpoint_files import (CheckpointError, FORMAT, abandon, begin, check_f
 from ._errors import StateMismatchError, format_path
 from ._graph import flatten, update
 from ._module import Module
+from ._stacks import LAYER_AXIS
 from ._state import State
 from ._variables import Variable
 
@@ -155,7 +156,7 @@ def save(path: str | os.PathLike, model) -> None:
       value = _python_as_array(value, where)
     arrays[str(i)] = value
     entries.append({"path": _path_to_json(var_path), "kind": type(var).__name__,
-                    "spec": spec})
+                    "spec": spec, "layer_axis": _layer_axis_json(var)})
 
   import orbax.checkpoint as ocp
 
@@ -252,13 +253,13 @@ def restore(path: str | os.PathLike, model) -> None:
   root = resolve(path, "restore")
   _check_model(model, "restore")
   version = current(root)
-  saved, files = _read_meta(version)
+  saved, files, layer_axes = _read_meta(version)
   check_files(version, files)
   variables = _variables(model)
   _refuse_traced(variables, "restore")
   specs = [_describe(var._value) for _, var in variables]
   keys = [_path_from_json(_path_to_json(p)) for p, _ in variables]
-  _check_match(saved, variables, keys, [s for s, _ in specs], root)
+  _check_match(saved, variables, keys, [s for s, _ in specs], root, layer_axes)
 
   import orbax.checkpoint as ocp
 
@@ -311,18 +312,33 @@ def _damaged(error: Exception, version: str, saved) -> CheckpointError:
       "delete the directory.")
 
 
-def _read_meta(version: str) -> tuple[list[tuple[tuple, str, str]], dict[str, int]]:
-  """``(path, kind, spec)`` per saved variable, in the order saved; the files' sizes.
+def _axes_words(levels) -> str:
+  if not levels:
+    return "no axis (not stacked)"
+  return " then ".join(f"axis {a}" + (f" ({n!r})" if n else "") for a, n in levels)
 
-  A checkpoint saved before the sizes were recorded has none to check.
+
+def _layer_axis_json(var: Variable):
+  """The Variable's layer axes (``[[axis, partition name], ...]``), or None."""
+  levels = var._metadata.get(LAYER_AXIS)
+  return [list(level) for level in levels] if levels else None
+
+
+def _read_meta(version: str) -> tuple[list[tuple[tuple, str, str]], dict[str, int], dict]:
+  """``(path, kind, spec)`` per saved variable, in the order saved; the files' sizes;
+  ``{path: layer axes}`` for the variables whose layer axes were recorded.
+
+  A checkpoint saved before the sizes (or layer axes) were recorded has none to check.
   """
   try:
     meta = read_json(os.path.join(version, "variables.json"))
     if meta["format"] != FORMAT:
       raise ValueError(meta["format"])
     files = {str(k): int(v) for k, v in meta.get("files", {}).items()}
+    layer_axes = {_path_from_json(e["path"]): e["layer_axis"] for e in meta["variables"]
+                  if "layer_axis" in e}
     return [(_path_from_json(e["path"]), e["kind"], e["spec"])
-            for e in meta["variables"]], files
+            for e in meta["variables"]], files, layer_axes
   except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
     raise CheckpointError(
         f"sr.restore: the checkpoint in {version!r} is damaged: its variables.json "
@@ -330,13 +346,17 @@ def _read_meta(version: str) -> tuple[list[tuple[tuple, str, str]], dict[str, in
         "checkpoint.") from None
 
 
-def _check_match(saved, variables, keys, specs, root: str) -> None:
-  """Raises ``StateMismatchError`` listing the first ``_LISTED`` variables that differ."""
+def _check_match(saved, variables, keys, specs, root: str, layer_axes: dict) -> None:
+  """Raises ``StateMismatchError`` listing the first ``_LISTED`` variables that differ.
+
+  A stacked variable whose layer axis moved (same shape, another axis stacks the
+  layers) differs too: restoring it would silently mix layers with features.
+  """
   theirs = {p: (kind, spec) for p, kind, spec in saved}
-  ours = {key: (type(var).__name__, spec)
+  ours = {key: (type(var).__name__, spec, var)
           for key, (_, var), spec in zip(keys, variables, specs)}
   problems = []
-  for path, (kind, spec) in ours.items():
+  for path, (kind, spec, var) in ours.items():
     if path not in theirs:
       problems.append(
           f"the model has `{format_path(path)}` (a {kind} {spec}) but the checkpoint "
@@ -345,9 +365,15 @@ def _check_match(saved, variables, keys, specs, root: str) -> None:
       problems.append(
           f"`{format_path(path)}`: the checkpoint has a {theirs[path][0]} "
           f"{theirs[path][1]}, the model a {kind} {spec}")
+    elif path in layer_axes and layer_axes[path] != _layer_axis_json(var):
+      problems.append(
+          f"`{format_path(path)}`: the checkpoint stacks its layers along "
+          f"{_axes_words(layer_axes[path])}, the model along "
+          f"{_axes_words(_layer_axis_json(var))}")
   problems += [
       f"the checkpoint has `{format_path(path)}` (a {kind} {spec}) but the model does "
       "not" for path, (kind, spec) in theirs.items() if path not in ours]
+
   if problems:
     # The first keeps the one-line summary; the next few follow, one per line.
     more = len(problems) - 1
