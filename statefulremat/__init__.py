@@ -36,6 +36,7 @@ from ._sharding import shard as shard
 from ._stacks import stack as stack
 from ._stacks import unstack as unstack
 from ._state import State as State
+from . import _pytree  # noqa: F401  (registers every Module class as a JAX pytree)
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
 from ._checkpoint_files import CheckpointError as CheckpointError

@@ -17,7 +17,7 @@ the values; ``update`` writes values into an existing graph by path.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -234,40 +234,6 @@ def rewrite(graphdef: GraphDef, *, root_classes: dict[int, type] | None = None,
   for position, cls in (root_classes or {}).items():
     tree[position] = (tree[position][0], cls, tree[position][2])
   return GraphDef(tuple(tree), graphdef.var_paths)
-
-
-def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
-  """Yields ``(path, object)`` for each module and Variable reachable from ``node``,
-  once, in the GraphDef's order (a module's attributes sorted)."""
-  for path, obj, first in arrivals(node, sort=True):
-    if first:
-      yield path, obj
-
-
-def arrivals(root, *, sort: bool = False) -> Iterator[tuple[tuple, Any, bool]]:
-  """Yields ``(path, object, first)`` each time the walk reaches a module or Variable,
-  a module's attributes in definition order (as drawn and tabled) or, with ``sort``,
-  sorted (the GraphDef's order); a module reached again is not entered again."""
-  seen: set[int] = set()
-
-  def walk(obj, path):
-    if isinstance(obj, (Variable, Module)):
-      first = id(obj) not in seen
-      seen.add(id(obj))
-      yield path, obj, first
-      if first and isinstance(obj, Module):
-        attrs = vars(obj)
-        for k in (sorted(attrs) if sort else attrs):
-          if not k.startswith("_sr_"):
-            yield from walk(attrs[k], path + (k,))
-    elif isinstance(obj, (list, tuple)):
-      for i, x in enumerate(obj):
-        yield from walk(x, path + (i,))
-    elif isinstance(obj, dict):
-      for k, v in obj.items():
-        yield from walk(v, path + (k,))
-
-  yield from walk(root, ())
 
 
 def describe_change(before: GraphDef, after: GraphDef) -> str:

@@ -75,6 +75,13 @@ class Module:
   [(('w',), 'Param')]
   """
 
+  def __init_subclass__(cls, **kwargs):
+    # Every Module class is a pytree (raw jax.jit / jax.grad / jax.tree.map take
+    # modules, see _pytree.py); JAX registers exact types, so each subclass once here.
+    super().__init_subclass__(**kwargs)
+    for hook in _class_hooks:
+      hook(cls)
+
   def __setattr__(self, name: str, value: Any) -> None:
     if isinstance(self.__dict__.get(name), Variable) and _is_array_like(value):
       _refuse_array_over_variable(self, name, value)
@@ -147,8 +154,6 @@ class Module:
     >>> [(path, type(m).__name__) for path, m in Net().iter_modules()]
     [((), 'Net'), (('layers', 0), 'Linear'), (('layers', 1), 'Linear')]
     """
-    from ._graph import iter_graph
-
     for path, node in iter_graph(self):
       if isinstance(node, Module):
         yield path, node
@@ -167,8 +172,6 @@ class Module:
     >>> [path for path, _ in Tied().iter_variables()]
     [('a', 'bias'), ('a', 'kernel'), ('b', 'bias')]
     """
-    from ._graph import iter_graph
-
     for path, node in iter_graph(self):
       if isinstance(node, Variable):
         yield path, node
@@ -202,3 +205,54 @@ class Module:
     from ._treescope import render_module
 
     return render_module(self, path, subtree_renderer)
+
+
+
+# Functions called with every Module class as it is defined (the pytree registration
+# in _pytree.py): a hook list, so that this file imports nothing above itself.
+_class_hooks: list = []
+
+
+def on_new_class(hook) -> None:
+  """Calls ``hook(cls)`` for every Module class: those defined already, and each new
+  one as it is defined."""
+  _class_hooks.append(hook)
+  todo = [Module]
+  while todo:
+    cls = todo.pop()
+    hook(cls)
+    todo.extend(cls.__subclasses__())
+
+
+def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
+  """Yields ``(path, object)`` for each module and Variable reachable from ``node``,
+  once, in the GraphDef's order (a module's attributes sorted)."""
+  for path, obj, first in arrivals(node, sort=True):
+    if first:
+      yield path, obj
+
+
+def arrivals(root, *, sort: bool = False) -> Iterator[tuple[tuple, Any, bool]]:
+  """Yields ``(path, object, first)`` each time the walk reaches a module or Variable,
+  a module's attributes in definition order (as drawn and tabled) or, with ``sort``,
+  sorted (the GraphDef's order); a module reached again is not entered again."""
+  seen: set[int] = set()
+
+  def walk(obj, path):
+    if isinstance(obj, (Variable, Module)):
+      first = id(obj) not in seen
+      seen.add(id(obj))
+      yield path, obj, first
+      if first and isinstance(obj, Module):
+        attrs = vars(obj)
+        for k in (sorted(attrs) if sort else attrs):
+          if not k.startswith("_sr_"):
+            yield from walk(attrs[k], path + (k,))
+    elif isinstance(obj, (list, tuple)):
+      for i, x in enumerate(obj):
+        yield from walk(x, path + (i,))
+    elif isinstance(obj, dict):
+      for k, v in obj.items():
+        yield from walk(v, path + (k,))
+
+  yield from walk(root, ())

@@ -208,7 +208,7 @@ def summary(model, *example_inputs, method: str = "__call__", **kwargs) -> Summa
 
 def _walk(root) -> tuple[list, list]:
   """Modules and Variables under ``root``, once each, depth first in definition order."""
-  from ._graph import arrivals
+  from ._module import arrivals
   from ._module import Module
 
   modules: list[tuple[tuple, Any]] = []

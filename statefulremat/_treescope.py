@@ -95,7 +95,7 @@ def _attributes(module) -> dict[str, Any]:
 
 def _first_paths(root) -> dict[int, list[tuple]]:
   """Every path reaching each module and Variable under ``root``, in drawing order."""
-  from ._graph import arrivals
+  from ._module import arrivals
 
   places: dict[int, list[tuple]] = {}
   for path, obj, _ in arrivals(root):

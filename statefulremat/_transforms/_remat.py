@@ -8,7 +8,8 @@ from typing import Callable, Sequence
 import jax
 
 from .._filters import Filter, to_predicate
-from .._graph import flatten, iter_graph
+from .._graph import flatten
+from .._module import iter_graph
 from .._rngs import Rngs, RngStream
 from .._variables import RngState, tracing_user_code
 from ._class_form import display_name, is_module_class, transformed_class

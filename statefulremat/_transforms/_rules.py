@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from .._errors import TransformError, format_path
 from .._filters import filter_repr, is_everything, to_predicate
-from .._graph import iter_graph
+from .._module import iter_graph
 from .._rngs import LayerKeys, RngStream, Rngs
 from .._variables import owner_chain
 
