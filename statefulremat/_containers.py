@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from ._variables import structure_epoch
+from ._tracing import structure_epoch
 
 
 def _bumping(method_name, base):

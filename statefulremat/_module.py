@@ -24,7 +24,8 @@ import numpy as np
 
 from ._containers import adopt
 from ._errors import GraphError, format_path
-from ._variables import Variable, path_of, set_owner, structure_epoch
+from ._tracing import structure_epoch
+from ._variables import Variable, path_of, set_owner
 
 
 def _is_array_like(value) -> bool:

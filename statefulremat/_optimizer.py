@@ -10,7 +10,8 @@ from ._filters import Filter, filter_repr
 from ._graph import state, update
 from ._module import Module
 from ._state import State
-from ._variables import Param, Variable
+from ._kinds import Param
+from ._variables import Variable
 
 
 class OptState(Variable):

@@ -52,7 +52,8 @@ from typing import Any
 import jax
 
 from . import _graph, _module
-from ._variables import _closure_read, _guard
+from ._tracing import guard as _guard
+from ._variables import _closure_read
 
 _GetAttrKey = jax.tree_util.GetAttrKey
 _SequenceKey = jax.tree_util.SequenceKey

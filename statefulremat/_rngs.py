@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ._module import Module
-from ._variables import RngCount, RngKey
+from ._kinds import RngCount, RngKey
 
 
 def _as_key(seed) -> jax.Array:

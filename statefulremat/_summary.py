@@ -255,7 +255,7 @@ def _row(path, module, layers: dict[int, int], outputs) -> SummaryRow:
 
 
 def _is_param(var) -> bool:
-  from ._variables import Param
+  from ._kinds import Param
 
   return isinstance(var, Param)
 

@@ -21,8 +21,6 @@ cached flattenings (``sr.jit``'s fast path) know when to look again.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import operator
 import re
 import weakref
@@ -30,66 +28,10 @@ from typing import Any, ClassVar
 
 import jax
 import numpy as np
-from jax.extend.core import get_opaque_trace_state
-
 from ._errors import TraceContextError, format_path
-
-_Tracer = jax.core.Tracer
-
-
-class _Epoch:
-  """A counter bumped by every structural change to any module graph."""
-
-  __slots__ = ("value",)
-
-  def __init__(self):
-    self.value = 0
-
-  def bump(self):
-    self.value += 1
-
-
-structure_epoch = _Epoch()
-
-
-def current_trace():
-  return get_opaque_trace_state(convention="statefulremat")
-
-
-# Every Variable gets a serial number when it is made. While statefulremat traces a
-# user's function (sr.jit, sr.grad, a transform's body), a Variable made before the
-# outermost such trace began cannot be one the transform lifted (those are rebuilt
-# inside): it was reached by closure, and its concrete value would be baked into the
-# compiled function as a constant, stale after the next update. Reading it raises.
-_serials = itertools.count()
-
-
-class _ClosureGuard:
-  """The outermost user-code trace in progress: its depth, first serial and name."""
-
-  __slots__ = ("depth", "start", "what")
-
-  def __init__(self):
-    self.depth, self.start, self.what = 0, 0, ""
-
-
-_guard = _ClosureGuard()
-
-
-@contextlib.contextmanager
-def tracing_user_code(what: str):
-  """Marks the trace of a user's function by ``what`` (e.g. ``sr.jit(step)``).
-
-  Used only while tracing, so it costs nothing on a compiled call.
-  """
-  outermost = _guard.depth == 0
-  if outermost:
-    _guard.start, _guard.what = next(_serials), what
-  _guard.depth += 1
-  try:
-    yield
-  finally:
-    _guard.depth -= 1
+from ._tracing import contains_tracer as _contains_tracer
+from ._tracing import current_trace, serials, structure_epoch
+from ._tracing import guard as _guard
 
 
 def _closure_read(var) -> None:
@@ -117,7 +59,7 @@ def bare_variable(kind: type, value: Any, metadata: dict, trace) -> Variable:
   var._metadata = metadata
   var._trace = trace
   var._owner = None
-  var._serial = next(_serials)
+  var._serial = next(serials)
   return var
 
 
@@ -128,14 +70,6 @@ def _snake_case(name: str) -> str:
 def _dtype_of(value):
   dtype = getattr(value, "dtype", None)
   return jax.numpy.result_type(value) if dtype is None else dtype
-
-
-def _contains_tracer(value) -> bool:
-  if isinstance(value, _Tracer):
-    return True
-  if isinstance(value, (jax.Array, np.ndarray, int, float, complex, bool)):
-    return False
-  return any(isinstance(leaf, _Tracer) for leaf in jax.tree.leaves(value))
 
 
 class Variable:
@@ -179,7 +113,7 @@ class Variable:
       )
     self._trace = current_trace()
     self._owner = None
-    self._serial = next(_serials)
+    self._serial = next(serials)
     self._metadata = metadata
     self.value = value
 
@@ -335,7 +269,7 @@ class Variable:
     self._metadata = state["metadata"]
     self._trace = current_trace()
     self._owner = None
-    self._serial = next(_serials)
+    self._serial = next(serials)
 
   def __repr__(self) -> str:
     from ._repr import variable_repr
@@ -428,81 +362,6 @@ def _register_pytree(cls) -> None:
 
 
 _register_pytree(Variable)
-
-
-class Param(Variable):
-  """A trainable parameter (collection ``"params"``).
-
-  >>> import jax.numpy as jnp, statefulremat as sr
-  >>> sr.Param(jnp.zeros(3)).collection
-  'params'
-  """
-
-  collection = "params"
-
-
-class BatchStat(Variable):
-  """A running statistic updated in training mode (collection ``"batch_stats"``).
-
-  >>> import jax.numpy as jnp, statefulremat as sr
-  >>> sr.BatchStat(jnp.zeros(3)).collection
-  'batch_stats'
-  """
-
-  collection = "batch_stats"
-
-
-class Cache(Variable):
-  """A decoding cache or similar scratch state (collection ``"cache"``).
-
-  >>> import jax.numpy as jnp, statefulremat as sr
-  >>> sr.Cache(jnp.zeros(3)).collection
-  'cache'
-  """
-
-  collection = "cache"
-
-
-class Intermediate(Variable):
-  """A value kept for inspection, such as an activation (collection ``"intermediates"``).
-
-  >>> import jax.numpy as jnp, statefulremat as sr
-  >>> sr.Intermediate(jnp.zeros(3)).collection
-  'intermediates'
-  """
-
-  collection = "intermediates"
-
-
-class RngState(Variable):
-  """Base kind of the state of an RNG stream (collection ``"rngs"``).
-
-  >>> import statefulremat as sr
-  >>> sr.RngKey.collection, sr.RngCount.collection
-  ('rngs', 'rngs')
-  """
-
-  collection = "rngs"
-
-
-class RngKey(RngState):
-  """The base key of an RNG stream (a typed ``jax.random.key``).
-
-  >>> import statefulremat as sr
-  >>> type(sr.Rngs(0).default.key).__name__
-  'RngKey'
-  """
-
-
-class RngCount(RngState):
-  """How many keys an RNG stream has handed out (a uint32 scalar).
-
-  >>> import statefulremat as sr
-  >>> rngs = sr.Rngs(0)
-  >>> _ = rngs.params(), rngs.params()
-  >>> int(rngs.default.count.value)
-  2
-  """
 
 
 # -- owners: where a variable or module sits, for error messages ---------------

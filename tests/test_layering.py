@@ -1,8 +1,9 @@
 """Imports run one way: the package's layers, read from its import statements.
 
-From the bottom: errors; Variables; filters and containers; State; Module; split/merge
-and Rngs; modules as pytrees; stacks (the layer axis as data); the transforms; and on
-top everything built on them (optimizer, sharding, checkpoints, summary, display,
+From the bottom: errors; traces (which trace a Variable belongs to, the structure
+epoch); Variables; filters, containers and the shipped Variable kinds; State; Module;
+split/merge and Rngs; GraphDef differences and modules as pytrees; stacks (the layer
+axis as data); the transforms; and on top everything built on them (optimizer, sharding, checkpoints, summary, display,
 treescope, nn, interop, the demo). A file imports only from layers below its own (the
 transforms and the top layer also among themselves, without cycles), function-level
 imports included. The one exception: the core's repr hooks (``__repr__``,
@@ -19,12 +20,13 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "statefulremat"
 
 LAYERS = [
     {"_errors"},
+    {"_tracing"},
     {"_variables"},
-    {"_filters", "_containers"},
+    {"_filters", "_containers", "_kinds"},
     {"_state"},
     {"_module"},
     {"_graph", "_rngs"},
-    {"_pytree"},
+    {"_graph_diff", "_pytree"},
     {"_stacks"},
     {"_transforms"},
     {"_optimizer", "_sharding", "_checkpoint_files", "_checkpoint", "_summary",

@@ -13,7 +13,8 @@ from .._errors import format_path
 from .._filters import Filter, filter_repr, to_predicate
 from .._module import Module
 from .._state import State, _Spec, freeze
-from .._variables import Param, tracing_user_code
+from .._kinds import Param
+from .._tracing import tracing_user_code
 from ._lift import Lifted, check_no_nodes, split_call, write_back
 from ._rules import TransformError
 from .._graph import flatten

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from .._module import Module
-from .._variables import Variable, tracing_user_code
+from .._tracing import tracing_user_code
+from .._variables import Variable
 from ._lift import FlattenCache, check_no_nodes, write_back
 
 _PASSED_THROUGH = {"keep_unused", "inline", "compiler_options", "backend", "device"}
@@ -116,7 +117,12 @@ class _JitPerStructure:
     if jitted is not None:
       self._jitted.move_to_end(key)
       return jitted
-    jitted = jax.jit(functools.partial(self._pure, lifted, statics), **self._options)
+    pure = self._pure
+
+    def bound(values, leaves):  # a closure: jax inspects a partial's signature slowly
+      return pure(lifted, statics, values, leaves)
+
+    jitted = jax.jit(bound, **self._options)
     self._jitted[key] = jitted
     if len(self._jitted) > self._size:
       self._jitted.popitem(last=False)

@@ -13,7 +13,6 @@ out as stacked outputs, parameters that were only read do not (no extra copy).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -24,7 +23,7 @@ from jax import lax
 from .._errors import format_path
 from .._graph import _DICT, _LIST, _NODE, _TUPLE, _VAR
 from .._state import State, _Spec
-from .._variables import tracing_user_code
+from .._tracing import tracing_user_code
 from ._lift import Lifted, check_no_nodes
 from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, Plan, TransformError
 
@@ -210,13 +209,17 @@ class LayerLoop:
     # The layer index only feeds the RNG streams' per-layer keys.
     index = lax.reshape(lax.iota(jnp.uint32, n), lengths) if self.plan.streams else None
     state = ([self.values[i] for i in self.carried], carry)
-    layer = functools.partial(self._layer, body)
     depth = len(lengths)
 
+    # Closures rather than functools.partial: jax inspects a partial's signature at
+    # every scan and checkpoint, which costs tens of microseconds each.
     def level(d, state, x):
       if d == depth:
-        return layer(state, x)
-      step = functools.partial(level, d + 1)
+        return self._layer(body, state, x)
+
+      def step(state, x):
+        return level(d + 1, state, x)
+
       if remat:
         step = jax.checkpoint(step, policy=policy if d == depth - 1 else None,
                               prevent_cse=prevent_cse)

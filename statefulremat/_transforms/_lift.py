@@ -24,13 +24,28 @@ import jax
 import numpy as np
 
 from .._errors import GraphError, TraceContextError, format_path
-from .._graph import GraphDef, describe_change, flatten, unflatten
+from .._graph import GraphDef, flatten, unflatten
+from .._graph_diff import describe_change
 from .._module import Module
-from .._variables import Variable, _contains_tracer, current_trace, structure_epoch
+from .._tracing import contains_tracer as _contains_tracer
+from .._tracing import current_trace, structure_epoch
+from .._variables import Variable
 
 
 def is_node(x) -> bool:
   return isinstance(x, (Module, Variable))
+
+
+class Roots(list):
+  """The objects ``Lifted.rebuild`` made, with their Variables and the structure epoch
+  then. Every change to a graph's structure bumps the epoch, so while it stands,
+  ``collect`` reads the Variables directly instead of walking the graph again."""
+
+  __slots__ = ("variables", "epoch")
+
+  def __init__(self, roots, variables):
+    super().__init__(roots)
+    self.variables, self.epoch = variables, structure_epoch.value
 
 
 class Lifted:
@@ -55,8 +70,10 @@ class Lifted:
     return self._hash
 
   def rebuild(self, values: Sequence[Any], leaves: Sequence[Any]):
-    """Inside a trace: fresh objects holding ``values``; returns (tree, variables)."""
-    roots, variables = unflatten(self.graphdef, values)
+    """Inside a trace: fresh objects holding ``values``; returns
+    ``(tree, variables, roots)``, ``roots`` for ``collect``."""
+    built, variables = unflatten(self.graphdef, values)
+    roots = Roots(built, variables)
     # Positions need not be ascending: sr.grad puts the differentiated modules first.
     at = dict(zip(self.node_positions, roots))
     rest = iter(leaves)
@@ -68,6 +85,9 @@ class Lifted:
 
     Raises if the function changed the graph's structure, which cannot be carried out.
     """
+    if roots.epoch == structure_epoch.value:  # no structure changed anywhere since
+      return {i: v._value for i, (v, old) in enumerate(zip(roots.variables, values))
+              if v._value is not old}
     graphdef, variables = flatten(roots)
     if graphdef != self.graphdef:
       raise GraphError(

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from .._errors import format_path
 from .._filters import filter_repr
 from .._graph import flatten
+from .._module import iter_graph
+from .._variables import Variable
 from .._stacks import is_stacked, stacked_variables
 from ._lift import Lifted, is_node, split_call
 from ._rules import STACKED, Plan, Rules, TransformError
@@ -144,8 +146,8 @@ def _tracing(args) -> bool:
   leaves = jax.tree.leaves(args, is_leaf=is_node)
   for leaf in leaves:
     if is_node(leaf):
-      _, variables = flatten([leaf])
-      if any(isinstance(v._value, jax.core.Tracer) for v in variables):
+      if any(isinstance(obj, Variable) and isinstance(obj._value, jax.core.Tracer)
+             for _, obj in iter_graph(leaf)):
         return True
     elif isinstance(leaf, jax.core.Tracer):
       return True

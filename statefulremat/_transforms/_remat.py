@@ -11,7 +11,8 @@ from .._filters import Filter, to_predicate
 from .._graph import flatten
 from .._module import iter_graph
 from .._rngs import Rngs, RngStream
-from .._variables import RngState, tracing_user_code
+from .._kinds import RngState
+from .._tracing import tracing_user_code
 from ._class_form import display_name, is_module_class, transformed_class
 from ._rules import Rules
 from ._lift import Lifted, check_no_nodes, is_node, split_call, write_back

@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from .._variables import tracing_user_code
+from .._tracing import tracing_user_code
 from ._class_form import display_name, is_module_class
 from ._lift import check_no_nodes, write_back
 from ._rules import STACKED, Rules, TransformError

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .._module import Module
 from .._rngs import Rngs
-from .._variables import BatchStat, Param
+from .._kinds import BatchStat, Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._normalization import (check_feature_axes, canonicalize_axes, compute_stats,
                              freeze_axes, normalize)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 
@@ -41,5 +42,26 @@ def promote_dtype(args: tuple, /, *, dtype: Any = None, inexact: bool = True) ->
   >>> x.dtype, w.dtype, b
   (dtype('float32'), dtype('float32'), None)
   """
+  if dtype is None and _one_float_dtype(args):
+    return args  # the common case, already promoted: no jnp calls while tracing
   dtype = canonicalize_dtype(*args, dtype=dtype, inexact=inexact)
   return tuple(None if x is None else jnp.asarray(x, dtype) for x in args)
+
+
+def _one_float_dtype(args: tuple) -> bool:
+  """Whether every array of ``args`` is a jax array of one float dtype, none weakly
+  typed (``jnp.asarray`` would make it strong)."""
+  dtype = None
+  for x in args:
+    if x is None:
+      continue
+    aval = getattr(x, "aval", None)
+    if not isinstance(x, jax.Array) or aval is None or aval.weak_type:
+      return False
+    if dtype is None:
+      dtype = x.dtype
+      if not jnp.issubdtype(dtype, jnp.inexact):
+        return False
+    elif x.dtype != dtype:
+      return False
+  return True

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .._module import Module
 from .._rngs import Rngs
-from .._variables import Param
+from .._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._rngs_arg import check_rngs
 

@@ -12,7 +12,7 @@ from jax import lax
 
 from .._module import Module
 from .._rngs import Rngs
-from .._variables import Param
+from .._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._linear import default_bias_init, default_kernel_init
 from ._rngs_arg import check_rngs

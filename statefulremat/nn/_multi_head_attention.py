@@ -12,7 +12,7 @@ from jax import lax
 
 from .._module import Module
 from .._rngs import Rngs, RngStream
-from .._variables import Cache
+from .._kinds import Cache
 from ._attention import combine_masks, dot_product_attention
 from ._dropout import draw_key
 from ._dtypes import promote_dtype as default_promote_dtype

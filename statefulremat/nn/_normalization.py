@@ -16,7 +16,7 @@ from jax import lax
 
 from .._module import Module
 from .._rngs import Rngs
-from .._variables import Param
+from .._kinds import Param
 from ._dtypes import canonicalize_dtype
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._rngs_arg import check_rngs

@@ -1,0 +1,85 @@
+"""The Variable kinds statefulremat ships, one per collection.
+
+``Param`` (``"params"``), ``BatchStat`` (``"batch_stats"``), ``Cache`` (``"cache"``),
+``Intermediate`` (``"intermediates"``) and the RNG state kinds (``"rngs"``). A user
+kind subclasses ``sr.Variable`` (a new collection) or one of these (the same one).
+"""
+
+from __future__ import annotations
+
+from ._variables import Variable
+
+
+class Param(Variable):
+  """A trainable parameter (collection ``"params"``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.Param(jnp.zeros(3)).collection
+  'params'
+  """
+
+  collection = "params"
+
+
+class BatchStat(Variable):
+  """A running statistic updated in training mode (collection ``"batch_stats"``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.BatchStat(jnp.zeros(3)).collection
+  'batch_stats'
+  """
+
+  collection = "batch_stats"
+
+
+class Cache(Variable):
+  """A decoding cache or similar scratch state (collection ``"cache"``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.Cache(jnp.zeros(3)).collection
+  'cache'
+  """
+
+  collection = "cache"
+
+
+class Intermediate(Variable):
+  """A value kept for inspection, such as an activation (collection ``"intermediates"``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.Intermediate(jnp.zeros(3)).collection
+  'intermediates'
+  """
+
+  collection = "intermediates"
+
+
+class RngState(Variable):
+  """Base kind of the state of an RNG stream (collection ``"rngs"``).
+
+  >>> import statefulremat as sr
+  >>> sr.RngKey.collection, sr.RngCount.collection
+  ('rngs', 'rngs')
+  """
+
+  collection = "rngs"
+
+
+class RngKey(RngState):
+  """The base key of an RNG stream (a typed ``jax.random.key``).
+
+  >>> import statefulremat as sr
+  >>> type(sr.Rngs(0).default.key).__name__
+  'RngKey'
+  """
+
+
+class RngCount(RngState):
+  """How many keys an RNG stream has handed out (a uint32 scalar).
+
+  >>> import statefulremat as sr
+  >>> rngs = sr.Rngs(0)
+  >>> _ = rngs.params(), rngs.params()
+  >>> int(rngs.default.count.value)
+  2
+  """

@@ -1,0 +1,80 @@
+"""Traces: which JAX trace a Variable belongs to, and which user code is being traced.
+
+A Variable remembers the JAX trace it was made in (``current_trace``) and a serial
+number (``next(serials)``). While statefulremat traces a user's function (``sr.jit``,
+``sr.grad``, a transform's body; ``tracing_user_code``), a Variable made before the
+outermost such trace began cannot be one the transform lifted (those are rebuilt
+inside): it was reached by closure, and its concrete value would be baked into the
+compiled function as a constant, stale after the next update. ``guard`` says what is
+being traced, so reading such a Variable can raise. ``structure_epoch`` counts changes
+to any graph's structure, so cached flattenings know when to look again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import jax
+import numpy as np
+from jax.extend.core import get_opaque_trace_state
+
+_Tracer = jax.core.Tracer
+
+
+class _Epoch:
+  """A counter bumped by every structural change to any module graph."""
+
+  __slots__ = ("value",)
+
+  def __init__(self):
+    self.value = 0
+
+  def bump(self):
+    self.value += 1
+
+
+structure_epoch = _Epoch()
+
+
+def current_trace():
+  return get_opaque_trace_state(convention="statefulremat")
+
+
+serials = itertools.count()  # every Variable gets the next one when it is made
+
+
+class _ClosureGuard:
+  """The outermost user-code trace in progress: its depth, first serial and name."""
+
+  __slots__ = ("depth", "start", "what")
+
+  def __init__(self):
+    self.depth, self.start, self.what = 0, 0, ""
+
+
+guard = _ClosureGuard()
+
+
+@contextlib.contextmanager
+def tracing_user_code(what: str):
+  """Marks the trace of a user's function by ``what`` (e.g. ``sr.jit(step)``).
+
+  Used only while tracing, so it costs nothing on a compiled call.
+  """
+  outermost = guard.depth == 0
+  if outermost:
+    guard.start, guard.what = next(serials), what
+  guard.depth += 1
+  try:
+    yield
+  finally:
+    guard.depth -= 1
+
+
+def contains_tracer(value) -> bool:
+  if isinstance(value, _Tracer):
+    return True
+  if isinstance(value, (jax.Array, np.ndarray, int, float, complex, bool)):
+    return False
+  return any(isinstance(leaf, _Tracer) for leaf in jax.tree.leaves(value))
