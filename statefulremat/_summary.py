@@ -395,4 +395,9 @@ def _shapes_text(tree) -> str:
     def __repr__(self):
       return self.text
 
-  return repr(jax.tree.map(Shape, tree)) if not hasattr(tree, "dtype") else repr(Shape(tree))
+  from ._module import Module
+
+  if hasattr(tree, "dtype"):
+    return repr(Shape(tree))
+  # Modules are pytrees too: a returned module shows as its class name, not its leaves.
+  return repr(jax.tree.map(Shape, tree, is_leaf=lambda x: isinstance(x, Module)))

@@ -240,3 +240,25 @@ def test_display_with_an_unknown_arrays_option():
   with pytest.raises(ValueError, match=r"arrays='some'\): say which arrays .* 'stacked', "
                                        r"'all', 'none'"):
     sr.display(Tiny(), arrays="some")
+
+
+def test_a_call_that_returns_a_module_shows_its_class_not_its_leaves():
+  # Modules are pytrees: the output column must not expand one into its arrays.
+  class Inner(sr.Module):
+    def __init__(self):
+      self.w = sr.Param(jnp.ones(2))
+
+    def __call__(self, x):
+      return self
+
+  class Outer(sr.Module):
+    def __init__(self):
+      self.inner = Inner()
+
+    def __call__(self, x):
+      self.inner(x)
+      return x
+
+  rows = {row.path: row for row in sr.summary(Outer(), jnp.ones(2)).rows}
+  assert rows[("inner",)].outputs == ("Inner",)
+  assert rows[()].outputs == ("float32[2]",)
