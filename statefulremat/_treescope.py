@@ -127,6 +127,10 @@ def _mark_shared(value, path: tuple, first: dict):
 
 def _without_address(value):
   """``value``, or its name when treescope would print a memory address for it."""
+  from jax.sharding import PartitionSpec
+
+  if isinstance(value, PartitionSpec):  # treescope's fallback adds `# <jax.P at 0x…>`
+    return _Text(repr(value))
   if (isinstance(value, (str, int, float, type(None)))
       or hasattr(value, "__treescope_repr__") or " at 0x" not in repr(value)):
     return value

@@ -102,3 +102,8 @@ def test_layer_axis_survives_split_merge_and_pytree_round_trips():
   assert merged.w.metadata == stack.w.metadata
   mapped = jax.tree.map(lambda x: x + 1, sr.state(stack))
   assert "layers:4" in repr(mapped)
+
+
+def test_a_state_of_partition_specs_prints_without_addresses():
+  text = repr(sr.get_partition_spec(named_stack()))
+  assert "value=P('layers', 'embed', 'mlp')" in text and "0x" not in text
