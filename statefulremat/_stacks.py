@@ -105,8 +105,14 @@ def stacked_variables(stack) -> list[tuple[tuple, Variable, int, str | None]]:
 
 def num_layers(stack) -> int:
   """The number of layers: ``len(stack)``."""
-  for _, var, axis, _ in stacked_variables(stack):
-    return jnp.shape(var._value)[axis]
+  _, variables = flatten([stack])
+  return _count(stack, variables, [layer_axis(v) for v in variables])
+
+
+def _count(stack, variables, axes) -> int:
+  for var, axis in zip(variables, axes):
+    if axis is not None:
+      return jnp.shape(var._value)[axis[0]]
   if type(stack)._sr_length is not None:
     return type(stack)._sr_length
   raise TypeError(f"{type(stack).__name__} has no stacked variables, so no layer count.")
@@ -129,12 +135,12 @@ def layer(stack, i: int):
   >>> len(stack), type(stack.layer(1)).__name__, stack.layer(1).kernel.shape
   (3, 'Linear', (2, 2))
   """
-  n = num_layers(stack)
+  graphdef, variables = flatten([stack])
+  axes = [layer_axis(v) for v in variables]
+  n = _count(stack, variables, axes)
   if not -n <= i < n:
     raise IndexError(f"layer {i} of a stack of {n} layers: use 0..{n - 1} (or -{n}..-1).")
   i %= n
-  graphdef, variables = flatten([stack])
-  axes = [layer_axis(v) for v in variables]
   values = [v._value if a is None else jnp.take(v._value, i, axis=a[0])
             for v, a in zip(variables, axes)]
   roots, _ = unflatten(layer_graphdef(graphdef), values)

@@ -18,7 +18,7 @@ from .._filters import filter_repr
 from .._graph import flatten
 from .._module import iter_graph
 from .._variables import Variable
-from .._stacks import is_stacked, stacked_variables
+from .._stacks import is_stacked, layer_axis
 from ._lift import Lifted, is_node, split_call
 from ._rules import STACKED, Plan, Rules, TransformError
 from ._stacked import layer_view
@@ -33,29 +33,28 @@ def lift_module_arg(module, what: str, rules: Rules, metadata_params, call_form:
         f"{type(module).__name__}. The function is called as {call_form}.")
   graphdef, variables = flatten(nodes)
   plan = Plan(rules, graphdef, variables, nodes)
-  check_stacks_sliced(nodes, variables, plan, what)
+  check_stacks_sliced(nodes, graphdef, variables, plan, what)
   inner = layer_view(graphdef, plan, metadata_params)
   return Lifted(inner, treedef, positions), variables, plan, leaves
 
 
-def check_stacks_sliced(nodes, variables, plan: Plan, what: str) -> None:
+def check_stacks_sliced(nodes, graphdef, variables, plan: Plan, what: str) -> None:
   """Raises if a stacked module's layer axis is not sliced per iteration by ``plan``.
 
   Otherwise every iteration would compute with the whole stack where one layer was
-  meant (a ``(3, 4, 4)`` kernel broadcasting against one layer's input).
+  meant (a ``(3, 4, 4)`` kernel broadcasting against one layer's input). Only the
+  stacks passed in are checked (a stack nested inside is its own transform's business);
+  their Variables' metadata says which axis is the layer axis.
   """
-  layer_axis = {}
-  for node in nodes:
-    if is_stacked(node):
-      for path, var, axis, _ in stacked_variables(node):
-        layer_axis.setdefault(id(var), (axis, path, type(node)))
-  if not layer_axis:
+  if not any(map(is_stacked, nodes)):
     return
-  for i, var in enumerate(variables):
-    found = layer_axis.get(id(var))
+  multi = len(nodes) > 1
+  for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
+    root = nodes[path[0]] if multi else nodes[0]
+    found = layer_axis(var) if is_stacked(root) else None
     if found is None or (plan.kinds[i], plan.axes[i]) == (STACKED, found[0]):
       continue
-    axis, path, stack_cls = found
+    axis, path, stack_cls = found[0], path[1:] if multi else path, type(root)
     n = jnp.shape(var._value)[axis]
     got = (f"slice it along axis {plan.axes[i]}" if plan.kinds[i] == STACKED else
            f"treat it as {plan.kinds[i]}")
