@@ -78,7 +78,11 @@ def run(depths, width: int, batch: int, reps: int, trace_reps: int = 0, *,
   sweeps = max(reps, trace_reps)
   for rep in range(sweeps):
     log(f"  sweep {rep + 1} of {sweeps}" + ("" if rep < reps else " (trace+lower only)"))
-    for (lib, strategy, n), case in cases.items():
+    # One construction's libraries run back to back, in reversed order every other
+    # sweep, so each library's sample has a raw sample taken moments apart and neither
+    # always goes first (``_add_ratios`` pairs them).
+    order = list(cases.items()) if rep % 2 == 0 else _reversed_within_groups(cases)
+    for (lib, strategy, n), case in order:
       lower_s, compile_s, nbytes, fn = _measure(case, compiler_options, rep < reps)
       samples[(lib, strategy, n)][0].append(lower_s)
       if compile_s is None:
@@ -103,8 +107,30 @@ def run(depths, width: int, batch: int, reps: int, trace_reps: int = 0, *,
   return entries, kept
 
 
+def _reversed_within_groups(cases: dict) -> list:
+  groups: dict = {}
+  for key, case in cases.items():
+    groups.setdefault(key[1:], []).append((key, case))
+  return [item for group in groups.values() for item in reversed(group)]
+
+
+def paired_ratio(mine: list[float], raw: list[float]) -> float:
+  """The median over sweeps of ``mine[i] / raw[i]``: each ratio compares two samples
+  taken moments apart, so a change in the machine's load cancels out of it.
+
+  >>> paired_ratio([2.0, 9.0, 3.0], [1.0, 10.0, 2.0])
+  1.5
+  """
+  return statistics.median(a / b for a, b in zip(mine, raw))
+
+
 def _add_ratios(results: dict) -> None:
-  """Each library's figures over raw JAX's with the same construction."""
+  """Each library's figures over raw JAX's with the same construction.
+
+  Bytes are exact. Trace+lower is the paired ratio (tens of milliseconds, where a
+  shared machine's noise is as large as the differences); compile, seconds long, the
+  ratio of medians.
+  """
   raw = results.get("raw")
   if raw is None or raw["status"] != "ok":
     return
@@ -113,7 +139,10 @@ def _add_ratios(results: dict) -> None:
       continue
     entry["ratio"] = {
         **{k: _ratio(entry["bytes"][k], raw["bytes"][k]) for k in entry["bytes"]},
-        "trace_lower": entry["trace_lower_s"]["median"] / raw["trace_lower_s"]["median"],
+        "trace_lower": paired_ratio(entry["trace_lower_s"]["samples"],
+                                    raw["trace_lower_s"]["samples"]),
+        "trace_lower_of_medians": (entry["trace_lower_s"]["median"]
+                                   / raw["trace_lower_s"]["median"]),
         "compile": entry["compile_s"]["median"] / raw["compile_s"]["median"],
     }
 

@@ -40,7 +40,7 @@ from benchmarks.models import lengths_for  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 FULL = {"width": 256, "batch": 4096, "depths": (16, 64, 100, 256), "reps": 3,
-        "trace_reps": 7,
+        "trace_reps": 15,
         "step": {"width": 256, "batch": 256, "depths": (16, 64), "calls": 40,
                  "note": "Step time runs at B=256 and N in {16, 64} (not B=4096 and "
                          "every N) to keep the suite to minutes on a 2-core CPU; the "

@@ -17,6 +17,7 @@ the values; ``update`` writes values into an existing graph by path.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import jax
@@ -26,7 +27,7 @@ from ._errors import GraphError, StateMismatchError, format_path
 from ._filters import Filter
 from ._module import Module, _record_owners
 from ._state import State, freeze, partition, thaw_metadata
-from ._tracing import current_trace
+from ._tracing import current_trace, rebuilt_graphs, structure_epoch
 from ._variables import Variable, _dtype_of, bare_variable
 
 _REF, _VAR, _NODE, _LIST, _TUPLE, _DICT, _STATIC = range(7)
@@ -107,6 +108,10 @@ def flatten(roots: Sequence[Any], *, objects: list | None = None
   If ``objects`` is given, every module and Variable is appended to it in the order
   the GraphDef numbers them (what ``unflatten(..., substitute=objects)`` takes).
   """
+  if objects is None:
+    known = _rebuilt(roots)
+    if known is not None:
+      return known
   index: dict[int, int] = {}
   objects = [] if objects is None else objects
   variables: list[Variable] = []
@@ -206,7 +211,33 @@ def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
     return d[2]
 
   roots = [build(d) for d in graphdef.tree]
+  if kinds is None and metas is None and not substitute:
+    _remember(graphdef, roots, variables)
   return roots, variables
+
+
+# A transform inside another (grad inside jit, remat inside a scan body) receives
+# exactly the roots the outer one rebuilt; flattening them again would walk the whole
+# graph once per level per trace to find the GraphDef the outer level already has.
+# While no structure has changed since (the epoch), unflatten's result is the answer.
+
+
+def _remember(graphdef: GraphDef, roots: list, variables: list) -> None:
+  if not all(isinstance(r, Module) for r in roots):
+    return
+  refs = tuple(weakref.ref(r) for r in roots)
+  rebuilt_graphs.append((structure_epoch.value, refs, graphdef, variables))
+  if len(rebuilt_graphs) > 8:
+    del rebuilt_graphs[0]
+
+
+def _rebuilt(roots: Sequence[Any]) -> tuple[GraphDef, list[Variable]] | None:
+  epoch = structure_epoch.value
+  for seen, refs, graphdef, variables in reversed(rebuilt_graphs):
+    if seen == epoch and len(refs) == len(roots) and all(
+        ref() is root for ref, root in zip(refs, roots)):
+      return graphdef, list(variables)
+  return None
 
 
 def rewrite(graphdef: GraphDef, *, root_classes: dict[int, type] | None = None,

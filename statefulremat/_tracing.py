@@ -55,6 +55,10 @@ class _ClosureGuard:
 
 guard = _ClosureGuard()
 
+# Graphs that ``_graph.unflatten`` rebuilt inside the current user-code trace, for
+# ``_graph.flatten`` to recognise; they hold tracers, so they go when the trace ends.
+rebuilt_graphs: list[tuple] = []
+
 
 @contextlib.contextmanager
 def tracing_user_code(what: str):
@@ -70,6 +74,8 @@ def tracing_user_code(what: str):
     yield
   finally:
     guard.depth -= 1
+    if guard.depth == 0:
+      rebuilt_graphs.clear()
 
 
 def contains_tracer(value) -> bool:
