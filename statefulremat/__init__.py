@@ -46,6 +46,7 @@ from ._summary import summary as summary
 from ._display import display as display
 from ._transforms._autodiff import grad as grad
 from ._transforms._autodiff import value_and_grad as value_and_grad
+from ._transforms._eval_shape import eval_shape as eval_shape
 from ._transforms._jit import jit as jit
 from ._transforms._remat import remat as remat
 from ._transforms._remat_scan import remat_scan as remat_scan

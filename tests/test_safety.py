@@ -333,7 +333,7 @@ def test_assigning_a_raw_array_inside_a_transform_is_an_error():
   assert not hasattr(model, "cache")
 
 
-def test_returning_a_module_or_variable_from_sr_jit_is_an_error():
+def test_returning_modules_sr_jit_returns_the_callers_objects_grad_refuses():
   model = Outer()
   snap = snapshot(model)
 
@@ -341,13 +341,14 @@ def test_returning_a_module_or_variable_from_sr_jit_is_an_error():
     m.block.mean.value = m.block.mean.value + 1
     return x.sum(), m.block
 
-  with pytest.raises(sr.GraphError, match=r"sr\.jit\(returns_module\): the function "
-                     r"returned a module \(Block\) at output `\[1\]`\. Modules passed in are "
-                     r"updated in place; return arrays"):
-    sr.jit(returns_module)(model, X)
-  with pytest.raises(sr.GraphError, match=r"returned a Variable \(Param\) at output "
-                     r"`\['w'\]`.*\(for a Variable, its `\.value`\)"):
-    sr.jit(lambda m, x: {"w": m.block.linear.kernel})(model, X)
+  # sr.jit may return modules (issue 14): those passed in come back as the caller's.
+  before = np.asarray(model.block.mean.value)
+  _, block = sr.jit(returns_module)(model, X)
+  assert block is model.block
+  assert sr.jit(lambda m, x: {"w": m.block.linear.kernel})(model, X)["w"] is (
+      model.block.linear.kernel)
+  np.testing.assert_array_equal(model.block.mean.value, before + 1)
+  snap = snapshot(model)
   with pytest.raises(sr.GraphError, match=r"sr\.grad\(.*\): the function returned a "
                      r"module \(Outer\) at output `\[0\]`"):
     sr.grad(lambda m, x: (m(x).sum(), [m]), has_aux=True)(model, X)

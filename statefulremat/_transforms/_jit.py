@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from .._module import Module
 from .._tracing import tracing_user_code
 from .._variables import Variable
-from ._lift import FlattenCache, check_no_nodes, write_back
+from ._lift import FlattenCache, split_call, write_back
+from ._outputs import ModulesOut, lift_outputs
 
 _PASSED_THROUGH = {"keep_unused", "inline", "compiler_options", "backend", "device"}
 
@@ -26,6 +27,15 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
   state) is written back to the caller's objects after the call; if the call raises,
   nothing is written. Repeated calls on the same objects skip the graph walk: the
   flattening is cached until a module's structure changes.
+
+  The function may return modules and Variables: one passed in comes back as the
+  caller's own object (updated), one made inside as a new object whose Variables hold
+  the jitted outputs. So ``sr.jit(create)()`` builds a model on device in one
+  compiled call, and with ``sr.shard`` inside, each array directly in its sharding.
+
+  ``sr.jit(fn).lower(*args)`` returns JAX's ``jax.stages.Lowered`` without running
+  anything: ``.as_text()`` is the StableHLO, ``.compile().memory_analysis()`` XLA's
+  exact temp, argument and output bytes.
 
   Args:
     fn: the function; modules may sit anywhere in its arguments.
@@ -44,6 +54,12 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
   >>> _ = shift(model, jnp.ones((1, 2)))
   >>> model.bias.value.tolist()
   [1.0, 1.0]
+  >>> made = sr.jit(lambda: sr.nn.Linear(2, 3, rngs=sr.Rngs(0)))()
+  >>> made.kernel.value.shape
+  (2, 3)
+  >>> lowered = shift.lower(model, jnp.ones((1, 2)))
+  >>> lowered.compile().memory_analysis().output_size_in_bytes >= 4 * 2 + 4 * 2
+  True
   """
   if fn is None:
     return functools.partial(jit, static_argnums=static_argnums,
@@ -69,8 +85,8 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
       args, kwargs = tree
       positional, named = statics
       out = fn(*_insert(args, positional), **kwargs, **dict(named))
-    check_no_nodes(out, what)
-    changed = lifted.collect(roots, values, what)
+      changed = lifted.collect(roots, values, what)
+      out = lift_outputs(out, roots, len(values))
     if donate_state:
       changed = {i: changed.get(i, v) for i, v in enumerate(values)}
     return out, changed
@@ -90,6 +106,8 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
       values = _unaliased(values, leaves)
     out, changed = compiled.get(lifted, statics)(values, leaves)
     write_back(variables, changed, what)
+    if type(out) is ModulesOut:
+      out = out.rebuild(split_call(args, kwargs)[0])
     return out
 
   wrapper.lower = lambda *a, **k: _lower(compiled, cache, static, names, what, *a, **k)
