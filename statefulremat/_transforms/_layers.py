@@ -228,6 +228,10 @@ class LayerLoop:
 
     (carry_values, carry), (written, ys) = level(
         0, state, (stacked_in, jax.tree.map(fold, xs), index))
+    changed = self._changed(written, carry_values, unfold)
+    return carry, jax.tree.map(unfold, ys), changed
+
+  def _changed(self, written: dict, carry_values: list, unfold: Callable) -> dict:
     changed = {}
     for i, value in written.items():
       changed[i] = _move_axis(unfold(value), 0, self.plan.axes[i])
@@ -236,7 +240,62 @@ class LayerLoop:
         changed[i] = value
     for i in self.used:
       changed[i] = self.values[i] + jnp.uint32(1)
-    return carry, jax.tree.map(unfold, ys), changed
+    return changed
+
+  def run_segments(self, body: Callable, carry: Any, n: int, lengths: Sequence[int], *,
+                   policy: Callable | None = None, prevent_cse: bool = False):
+    """``run(body, carry, None, lengths, remat=True)`` for ``n < prod(lengths)`` layers.
+
+    Level ``d`` runs ``n_d // m`` full steps of ``m = prod(lengths[d+1:])`` layers as a
+    scan, then, if some are left, one short step; every step under
+    ``jax.checkpoint``, as in ``run``. A step takes its layers' parameters as one
+    ``dynamic_slice`` of the flat stacked arrays: a prefix sliced statically (or a
+    reshape, which needs ``m`` to divide it) would be a copy of nearly every layer's
+    parameters, 20 % more temp memory at N=97; the slices cost one step's worth.
+    Returns ``(carry, None, changed)``.
+    """
+    lengths = tuple(lengths)
+    depth = len(lengths)
+    stacked = [_move_axis(self.values[i], self.plan.axes[i], 0) for i in self.stacked]
+    streams = bool(self.plan.streams)
+
+    def layers(state, start, count):  # the innermost level: `count` single layers
+      slices = [lax.dynamic_slice_in_dim(a, start, count) for a in stacked]
+      index = (lax.iota(jnp.uint32, count) + lax.convert_element_type(start, jnp.uint32)
+               if streams else None)
+      step = jax.checkpoint(lambda state, x: self._layer(body, state, x), policy=policy,
+                            prevent_cse=prevent_cse)
+      state, (written, _) = lax.scan(step, state, (slices, None, index), length=count)
+      return state, written
+
+    def segment(d, state, start, count):
+      if d == depth - 1:
+        return layers(state, start, count)
+      m = math.prod(lengths[d + 1:])
+      full, rest = divmod(count, m)
+      parts = []
+      if full:
+        def step(state, i):
+          return segment(d + 1, state, start + i * m, m)
+
+        step = jax.checkpoint(step, prevent_cse=prevent_cse)
+        state, written = lax.scan(step, state, lax.iota(jnp.int32, full))
+        parts.append({i: lax.reshape(v, (full * m,) + v.shape[2:])
+                      for i, v in written.items()})
+      if rest:
+        # Outside a scan, XLA would merge the recomputation with the forward pass
+        # (common subexpressions) and keep the residuals after all: prevent it.
+        last = jax.checkpoint(lambda state: segment(d + 1, state, start + full * m, rest),
+                              prevent_cse=True)
+        state, written = last(state)
+        parts.append(written)
+      if len(parts) == 1:
+        return state, parts[0]
+      return state, {i: lax.concatenate([p[i] for p in parts], 0) for i in parts[0]}
+
+    state = ([self.values[i] for i in self.carried], carry)
+    (carry_values, carry), written = segment(0, state, 0, n)
+    return carry, None, self._changed(written, carry_values, lambda x: x)
 
 
 def _move_axis(x, source: int, destination: int):
