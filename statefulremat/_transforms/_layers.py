@@ -248,55 +248,63 @@ class LayerLoop:
 
     Level ``d`` runs ``n_d // m`` full steps of ``m = prod(lengths[d+1:])`` layers as a
     scan, then, if some are left, one short step; every step under
-    ``jax.checkpoint``, as in ``run``. A step takes its layers' parameters as one
-    ``dynamic_slice`` of the flat stacked arrays: a prefix sliced statically (or a
-    reshape, which needs ``m`` to divide it) would be a copy of nearly every layer's
-    parameters, 20 % more temp memory at N=97; the slices cost one step's worth.
-    Returns ``(carry, None, changed)``.
+    ``jax.checkpoint``, as in ``run``. A step takes its layers' stacked values as one
+    ``dynamic_slice`` of its level's values and hands that slice down: a prefix
+    sliced statically (or reshaped, which needs ``m`` to divide it) would copy nearly
+    every layer's parameters (20 % more temp memory at N=97), and slicing the whole
+    stack at every level would give every level a gradient accumulator of the whole
+    stack. Returns ``(carry, None, changed)``.
     """
     lengths = tuple(lengths)
     depth = len(lengths)
-    stacked = [_move_axis(self.values[i], self.plan.axes[i], 0) for i in self.stacked]
     streams = bool(self.plan.streams)
 
-    def layers(state, start, count):  # the innermost level: `count` single layers
-      slices = [lax.dynamic_slice_in_dim(a, start, count) for a in stacked]
-      index = (lax.iota(jnp.uint32, count) + lax.convert_element_type(start, jnp.uint32)
+    def layers(state, values, count, offset):  # the innermost level: single layers
+      index = (lax.iota(jnp.uint32, count) + lax.convert_element_type(offset, jnp.uint32)
                if streams else None)
       step = jax.checkpoint(lambda state, x: self._layer(body, state, x), policy=policy,
                             prevent_cse=prevent_cse)
-      state, (written, _) = lax.scan(step, state, (slices, None, index), length=count)
+      state, (written, _) = lax.scan(step, state, (values, None, index), length=count)
       return state, written
 
-    def segment(d, state, start, count):
+    def segment(d, state, values, count, offset):
+      """Layers ``[offset, offset + count)``, whose stacked values are ``values``."""
       if d == depth - 1:
-        return layers(state, start, count)
+        return layers(state, values, count, offset)
       m = math.prod(lengths[d + 1:])
       full, rest = divmod(count, m)
       parts = []
-      if full:
+      if full > 1:
         def step(state, i):
-          return segment(d + 1, state, start + i * m, m)
+          sub = [lax.dynamic_slice_in_dim(v, i * m, m) for v in values]
+          return segment(d + 1, state, sub, m, offset + i * m)
 
         step = jax.checkpoint(step, prevent_cse=prevent_cse)
         state, written = lax.scan(step, state, lax.iota(jnp.int32, full))
         parts.append({i: lax.reshape(v, (full * m,) + v.shape[2:])
                       for i, v in written.items()})
-      if rest:
-        # Outside a scan, XLA would merge the recomputation with the forward pass
-        # (common subexpressions) and keep the residuals after all: prevent it.
-        last = jax.checkpoint(lambda state: segment(d + 1, state, start + full * m, rest),
-                              prevent_cse=True)
-        state, written = last(state)
+      # A single step (a short last one, or a lone full one) runs outside any scan,
+      # where XLA would merge its recomputation with the forward pass (common
+      # subexpressions) and keep the residuals after all: prevent_cse=True stops it.
+      # (Two single steps in a row still hold both their residuals at once: XLA
+      # schedules the recomputations together. sr.plan_remat never proposes that.)
+      singles = ([(0, m)] if full == 1 else []) + ([(full * m, rest)] if rest else [])
+      for begin, size in singles:
+        sub = [lax.slice_in_dim(v, begin, begin + size) for v in values]
+
+        def single(state, sub, begin=begin, size=size):
+          return segment(d + 1, state, sub, size, offset + begin)
+
+        state, written = jax.checkpoint(single, prevent_cse=True)(state, sub)
         parts.append(written)
       if len(parts) == 1:
         return state, parts[0]
       return state, {i: lax.concatenate([p[i] for p in parts], 0) for i in parts[0]}
 
+    stacked = [_move_axis(self.values[i], self.plan.axes[i], 0) for i in self.stacked]
     state = ([self.values[i] for i in self.carried], carry)
-    (carry_values, carry), written = segment(0, state, 0, n)
+    (carry_values, carry), written = segment(0, state, stacked, n, 0)
     return carry, None, self._changed(written, carry_values, lambda x: x)
-
 
 def _move_axis(x, source: int, destination: int):
   return x if source == destination else jnp.moveaxis(x, source, destination)

@@ -7,20 +7,29 @@ import math
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
+
+from .._stacks import is_stacked, num_layers
+from ._autodiff import grad
 from ._class_form import display_name, is_module_class
+from ._jit import jit
 from ._layers import LayerLoop
 from ._lift import write_back
 from ._rules import Rules, TransformError
 from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
                           resolve_length, stacked_sources)
+from ._remat_plan import (RematPlan, block_inputs, choose, parse_bytes, residual_bytes,
+                          tree_bytes, POLICIES)
 from ._stacked import stacked_class
 
 _ALL = MappingProxyType({True: 0})
 _SPLIT_ALL = MappingProxyType({True: True})
 
 
-def remat_scan(target: Callable | type | None = None, lengths: Sequence[int] = (), *,
-               length: int | None = None, policy: Callable | None = None,
+def remat_scan(target: Callable | type | None = None,
+               lengths: Sequence[int] | str | RematPlan = (), *, length: int | None = None,
+               memory_budget: int | str | None = None, policy: Callable | None = None,
                variable_broadcast: Any = False, variable_carry: Any = False,
                variable_axes: Mapping = _ALL,
                split_rngs: Mapping = _SPLIT_ALL, prevent_cse: bool = False,
@@ -70,23 +79,65 @@ def remat_scan(target: Callable | type | None = None, lengths: Sequence[int] = (
                  variable_carry=variable_carry, variable_axes=variable_axes,
                  split_rngs=split_rngs, prevent_cse=prevent_cse,
                  data_transform=data_transform, metadata_params=metadata_params)
-  lengths = tuple(lengths)
   if target is None:
-    return functools.partial(remat_scan, lengths=lengths, length=length, methods=methods,
-                             **options)
+    return functools.partial(remat_scan, lengths=lengths, length=length,
+                             memory_budget=memory_budget, methods=methods, **options)
   what = f"sr.remat_scan({display_name(target)})"
-  n = _check_lengths(what, lengths, length)
+  lengths, length, policy, budget = _resolve_plan(what, lengths, length, policy,
+                                                  memory_budget)
+  options["policy"] = policy
+  auto = lengths == AUTO
+  n = length if auto else _check_lengths(what, lengths, length)
   if is_module_class(target):
+    if n is None:
+      raise TransformError(
+          f"{what}: the class form with lengths='auto' needs `length=N`, the number of "
+          "layers to build (the plan is made at call time, from the carry's shapes).")
     rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
                   variable_carry=variable_carry, split_rngs=split_rngs)
     cls = stacked_class(target, "RematScan", rules=rules, length=n,
-                        wrap=lambda m: remat_scan(m, lengths, length=n, **options),
+                        wrap=lambda m: remat_scan(m, lengths, length=n,
+                                                  memory_budget=budget, **options),
                         methods=methods, metadata_params=metadata_params)
-    cls._sr_lengths = lengths  # the nested layout, for sr.interop.to_linen
+    if not auto:
+      cls._sr_lengths = lengths  # the nested layout, for sr.interop.to_linen
     return cls
   if methods is not None:
     raise TypeError("sr.remat_scan(methods=...) applies to a Module class, not a function.")
-  return _remat_scan_function(target, lengths, n, what=what, **options)
+  return _remat_scan_function(target, lengths, n, budget, what=what, **options)
+
+
+AUTO = "auto"
+
+
+def _resolve_plan(what, lengths, length, policy, memory_budget):
+  """``(lengths, length, policy, budget)`` from a RematPlan, ``"auto"`` or a tuple."""
+  if isinstance(lengths, RematPlan):
+    plan = lengths
+    if length is not None and length != plan.n:
+      raise TransformError(f"{what}: the plan is for {plan.n} layers but length={length}.")
+    if policy is not None:
+      raise TransformError(
+          f"{what}: the plan chose its innermost policy ({plan.policy_name}); drop "
+          "`policy=`, or pass `lengths=plan.lengths, policy=...` to override it.")
+    if memory_budget is not None:
+      raise TransformError(f"{what}: memory_budget plans lengths='auto'; the plan "
+                           f"given was made for budget {plan.memory_budget}.")
+    return plan.lengths, plan.n, plan.policy, None
+  if isinstance(lengths, str):
+    if lengths != AUTO:
+      raise TransformError(f"{what}: lengths={lengths!r}; the only string it takes is "
+                           "'auto' (plan the nesting at trace time).")
+    if policy is not None:
+      raise TransformError(
+          f"{what}: lengths='auto' chooses the innermost policy too (nothing saveable "
+          "or dots saveable); drop `policy=`, or give `lengths=` yourself to use it.")
+    return AUTO, length, None, parse_bytes(memory_budget)
+  if memory_budget is not None:
+    raise TransformError(
+        f"{what}: memory_budget={memory_budget!r} is for planning; pass "
+        "lengths='auto' with it (or sr.plan_remat(...) to see the plan first).")
+  return tuple(lengths), length, policy, None
 
 
 def _check_lengths(what: str, lengths: tuple, length: int | None) -> int:
@@ -127,13 +178,19 @@ def _covering(n: int, depth: int) -> str:
   return f"lengths={tuple(lengths)}"
 
 
-def _remat_scan_function(fn: Callable, lengths: tuple, n: int, *, what, policy,
-                         variable_broadcast, variable_carry, variable_axes, split_rngs,
-                         prevent_cse, data_transform, metadata_params) -> Callable:
+def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
+                         budget: int | None, *, what, policy, variable_broadcast,
+                         variable_carry, variable_axes, split_rngs, prevent_cse,
+                         data_transform, metadata_params) -> Callable:
   rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
                 variable_carry=variable_carry, split_rngs=split_rngs)
-  ragged = n != math.prod(lengths)
-  label = f"length={n}" if ragged else f"lengths={lengths} (product)"
+  auto = lengths == AUTO
+  if auto:
+    label = None if n is None else f"length={n}"
+    plans: dict = {}  # one plan per (module structure, N, carry and keyword shapes)
+  else:
+    label = (f"length={n}" if n != math.prod(lengths) else
+             f"lengths={lengths} (product)")
 
   @functools.wraps(fn)
   def wrapper(module, carry, **kwargs):
@@ -142,19 +199,85 @@ def _remat_scan_function(fn: Callable, lengths: tuple, n: int, *, what, policy,
     lifted, variables, plan, leaves = lift_module_arg(
         module, what, rules, metadata_params, "f(module, carry) -> carry")
     sources = stacked_sources(plan, lifted, variables)
-    resolve_length(what, None, [(label, n)] + sources)
+    count = resolve_length(what, None, ([(label, n)] if label else []) + sources)
     loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
 
     def body(tree, c, _):
       return fn(tree[0][0], c, **kwargs), None
 
-    if ragged:
-      carry, _, changed = loop.run_segments(body, carry, n, lengths, policy=policy,
+    nesting, innermost = lengths, policy
+    if auto:
+      key = (lifted, count, _avals(carry), _avals(kwargs))
+      chosen = plans.get(key)
+      if chosen is None:
+        chosen = plans[key] = plan_remat(
+            module, carry, fn=lambda layer, c: fn(layer, c, **kwargs),
+            memory_budget=budget)
+      nesting, innermost = chosen.lengths, chosen.policy
+    if count != math.prod(nesting):
+      carry, _, changed = loop.run_segments(body, carry, count, nesting, policy=innermost,
                                             prevent_cse=prevent_cse)
     else:
-      carry, _, changed = loop.run(body, carry, None, lengths, remat=True, policy=policy,
-                                   prevent_cse=prevent_cse)
+      carry, _, changed = loop.run(body, carry, None, nesting, remat=True,
+                                   policy=innermost, prevent_cse=prevent_cse)
     write_back(variables, changed, what)
     return carry
 
   return compiled_when_eager(wrapper)
+
+
+def plan_remat(stack, carry, *, fn: Callable | None = None,
+               memory_budget: int | str | None = None, max_depth: int = 4) -> RematPlan:
+  """Plans ``sr.remat_scan`` over ``stack`` for a ``carry`` of these shapes.
+
+  Every nesting of up to ``max_depth`` levels (short last segments included) and both
+  innermost policies (nothing saveable, dots saveable) are ranked by a memory model
+  (see ``sr.RematPlan``): with ``memory_budget`` (bytes, or ``"512MiB"``) the fewest
+  block evaluations whose temp memory fits, else the least memory at no more than 3N
+  evaluations. Nothing is compiled; ``plan.verify()`` compiles once and measures.
+
+  Args:
+    stack: a stacked module (N layers), or its ``sr.eval_shape``.
+    carry: the carry, or ``jax.ShapeDtypeStruct`` s of it.
+    fn: the body ``(layer, carry) -> carry``; default ``layer(carry)``.
+    memory_budget: bytes or a string; None for the least memory at <= 3N evaluations.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> stack = sr.vmap(sr.nn.Linear, axis_size=97)(256, 256, rngs=sr.Rngs(0))
+  >>> carry = jax.ShapeDtypeStruct((4096, 256), jnp.float32)
+  >>> plan = sr.plan_remat(stack, carry, fn=lambda layer, h: jnp.tanh(layer(h)))
+  >>> plan.lengths, plan.policy_name, plan.evals == 3 * 97
+  ((11, 9), 'nothing_saveable', True)
+  >>> y = sr.remat_scan(lambda layer, h: jnp.tanh(layer(h)), lengths=plan)(
+  ...     stack, jnp.ones((8, 256)))
+  """
+  if not is_stacked(stack):
+    raise TypeError(
+        f"sr.plan_remat plans a stack of layers; got {type(stack).__name__}. Fix: pass "
+        "the stacked module (e.g. `sr.vmap(Block, axis_size=N)(...)` or a class form of "
+        "sr.remat_scan / sr.scan), or its sr.eval_shape.")
+  fn = _call if fn is None else fn
+  budget = parse_bytes(memory_budget)
+  n = num_layers(stack)
+  inputs = block_inputs(stack, fn)
+  carry_bytes = tree_bytes(carry)
+  residuals = {name: residual_bytes(inputs.layer_fn, inputs.params, carry, policy)
+               for name, policy in POLICIES.items()}
+  best, ranked = choose(n, carry_bytes, inputs.layer_bytes, residuals, budget, max_depth)
+
+  def verify(plan: RematPlan) -> int:
+    run = remat_scan(fn, lengths=plan)
+    loss = lambda m, c: sum(jnp.sum(x) for x in jax.tree.leaves(run(m, c)))
+    lowered = jit(grad(loss)).lower(stack, carry)
+    return int(lowered.compile().memory_analysis().temp_size_in_bytes)
+
+  return RematPlan(n, best.lengths, best.policy, best.evals, best.temp_bytes, budget,
+                   tuple(ranked), carry_bytes, inputs.layer_bytes, verify)
+
+
+def _avals(tree):
+  return tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree))
+
+
+def _call(layer, carry):
+  return layer(carry)

@@ -1,0 +1,127 @@
+"""sr.plan_remat, sr.RematPlan and remat_scan(lengths="auto" | plan, memory_budget=)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import statefulremat as sr
+
+W, B = 64, 256
+CARRY = jax.ShapeDtypeStruct((B, W), jnp.float32)
+
+
+def body(layer, h):
+  return jnp.tanh(layer(h))
+
+
+def _stack(n, width=W):
+  return sr.vmap(sr.nn.Linear, axis_size=n)(width, width, rngs=sr.Rngs(0))
+
+
+def _temp(run, stack, carry=CARRY):
+  step = sr.jit(sr.grad(lambda m, x: jnp.mean(run(m, x) ** 2)))
+  return step.lower(stack, carry).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_a_plan_covers_the_depth_and_predicts_xla_within_five_percent():
+  stack = _stack(23)
+  plan = sr.plan_remat(stack, CARRY, fn=body)
+  assert isinstance(plan, sr.RematPlan)
+  lengths = plan.lengths
+  assert np.prod(lengths) >= 23 and plan.policy is None  # nothing saveable, least memory
+  assert plan.evals == (len(lengths) + 1) * 23 <= 3 * 23
+  assert plan.candidates[0].lengths == lengths
+  measured = plan.verify()
+  assert abs(plan.temp_bytes / measured - 1) < 0.05
+  assert abs(measured / _temp(sr.remat_scan(body, lengths=plan), stack) - 1) < 1e-3
+  table = str(plan)
+  assert f"->{lengths}".replace(" ", "") in table.replace(" ", "") and "evals" in table
+
+
+def test_a_budget_gets_the_fewest_evaluations_that_fit():
+  stack = _stack(37)
+  least = sr.plan_remat(stack, CARRY, fn=body)
+  roomy = sr.plan_remat(stack, CARRY, fn=body, memory_budget=10 * least.temp_bytes)
+  assert roomy.evals == 2 * 37  # one level (scan of remat) fits
+  assert roomy.policy == jax.checkpoint_policies.dots_saveable  # and recomputes less
+  tight = sr.plan_remat(stack, CARRY, fn=body, memory_budget=least.temp_bytes)
+  assert tight.temp_bytes <= least.temp_bytes and tight.evals <= 3 * 37
+  deep = min(least.candidates, key=lambda c: c.temp_bytes)
+  squeezed = sr.plan_remat(stack, CARRY, fn=body, memory_budget=deep.temp_bytes)
+  assert squeezed.temp_bytes <= deep.temp_bytes
+  assert _temp(sr.remat_scan(body, lengths=squeezed), stack) <= deep.temp_bytes * 1.05
+
+
+def test_an_impossible_budget_names_the_smallest_achievable():
+  with pytest.raises(sr.RematPlanError, match=r"no remat plan for 37 layers fits "
+                     r"memory_budget=1.00 KiB: the smallest needs .* \(lengths=\("):
+    sr.plan_remat(_stack(37), CARRY, fn=body, memory_budget="1KiB")
+
+
+@pytest.mark.parametrize("budget", ["lots", -5, "0MiB", 2.5])
+def test_a_budget_that_is_not_an_amount_of_memory_raises(budget):
+  with pytest.raises(sr.RematPlanError, match="is not an amount of memory"):
+    sr.plan_remat(_stack(5), CARRY, fn=body, memory_budget=budget)
+
+
+def test_plan_remat_wants_a_stack():
+  with pytest.raises(TypeError, match="sr.plan_remat plans a stack of layers; got Linear"):
+    sr.plan_remat(sr.nn.Linear(2, 2, rngs=sr.Rngs(0)), CARRY)
+
+
+def test_auto_equals_the_loop_and_plans_once_per_shape():
+  stack = _stack(13, width=4)
+  run = sr.remat_scan(body, lengths="auto")
+  x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+  h = x
+  for layer in sr.unstack(stack):
+    h = body(layer, h)
+  np.testing.assert_allclose(run(stack, x), h, rtol=1e-5)
+  g_auto = sr.grad(lambda m, x: jnp.sum(run(m, x)))(stack, x)
+  g_loop = sr.grad(lambda m, x: jnp.sum(sr.remat_scan(body, lengths=(13,))(m, x)))(stack, x)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), g_auto, g_loop)
+
+
+def test_auto_with_a_budget_fits_it():
+  stack = _stack(37)
+  budget = sr.plan_remat(stack, CARRY, fn=body).temp_bytes
+  run = sr.remat_scan(body, lengths="auto", memory_budget=budget)
+  assert _temp(run, stack) <= budget * 1.05
+
+
+def test_the_class_form_plans_at_call_time():
+  Deep = sr.remat_scan(sr.nn.Linear, lengths="auto", length=11)
+  deep = Deep(4, 4, rngs=sr.Rngs(0))
+  assert len(deep) == 11
+  x = jnp.ones((2, 4))
+  h = x
+  for layer in sr.unstack(deep):
+    h = layer(h)
+  np.testing.assert_allclose(deep(x), h, rtol=1e-5)
+  with pytest.raises(sr.TransformError, match=r"lengths='auto' needs `length=N`"):
+    sr.remat_scan(sr.nn.Linear, lengths="auto")
+
+
+def test_a_checkpoint_of_one_nesting_restores_into_auto(tmp_path):
+  saved = sr.remat_scan(sr.nn.Linear, lengths=(3, 4))(4, 4, rngs=sr.Rngs(0))
+  sr.save(tmp_path / "ckpt", saved)
+  auto = sr.remat_scan(sr.nn.Linear, lengths="auto", length=12)(4, 4, rngs=sr.Rngs(1))
+  sr.restore(tmp_path / "ckpt", auto)
+  x = jnp.ones((2, 4))
+  np.testing.assert_allclose(auto(x), saved(x), rtol=1e-5)
+
+
+def test_misused_planning_options_explain_themselves():
+  plan = sr.plan_remat(_stack(13), CARRY, fn=body)
+  with pytest.raises(sr.TransformError, match=r"the only string it takes is 'auto'"):
+    sr.remat_scan(body, lengths="atuo")
+  with pytest.raises(sr.TransformError, match=r"chooses the innermost policy too"):
+    sr.remat_scan(body, lengths="auto", policy=jax.checkpoint_policies.dots_saveable)
+  with pytest.raises(sr.TransformError, match=r"memory_budget='1GiB' is for planning; "
+                                              r"pass lengths='auto'"):
+    sr.remat_scan(body, lengths=(4, 4), memory_budget="1GiB")
+  with pytest.raises(sr.TransformError, match=r"the plan is for 13 layers but length=12"):
+    sr.remat_scan(body, lengths=plan, length=12)
+  with pytest.raises(sr.TransformError, match=r"the plan chose its innermost policy"):
+    sr.remat_scan(body, lengths=plan, policy=jax.checkpoint_policies.dots_saveable)
