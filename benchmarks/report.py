@@ -81,6 +81,18 @@ def targets(results: dict) -> list[dict]:
     out.append({"part": "step", "strategy": e["strategy"], "n": e["n"],
                 "figure": "median step / raw", "value": e["ratio"],
                 "target": f"<= {STEP_RATIO}", "met": e["ratio"] <= STEP_RATIO})
+  for r in results.get("remat_plan", []):
+    where = {"strategy": f"plan {r['budget']}", "n": r["n"]}
+    out.append({"part": "planning", **where, "figure": "pick fits (measured <= budget)",
+                "value": float(r["fits"]), "target": "1", "met": r["fits"]})
+    out.append({"part": "planning", **where, "figure": "pick evals / exhaustive best's",
+                "value": r["evals"] / (r["exhaustive_best_evals"] or float("nan")),
+                "target": "1", "met": r["evals"] == r["exhaustive_best_evals"]})
+    out.append({"part": "planning", **where, "figure": "|predicted / measured - 1|",
+                "value": abs(r["prediction_error"]), "target": "<= 0.05",
+                "met": abs(r["prediction_error"]) <= 0.05})
+    out.append({"part": "planning", **where, "figure": "planning seconds",
+                "value": r["plan_seconds"], "target": "<= 2", "met": r["plan_seconds"] <= 2})
   for t in (results.get("dispatch") or {}).get("targets", []):
     out.append({"part": "dispatch", "strategy": f"{t['model']} model, {t['optimizer']}",
                 "n": "-", "figure": "median step / raw jax.jit", "value": t["ratio"],
@@ -173,7 +185,7 @@ def summary(results: dict) -> list[str]:
   rows = results["targets"]
   met = sum(t["met"] for t in rows)
   lines = [f"statefulremat meets {met} of its {len(rows)} targets.", ""]
-  for part in ("memory", "compile", "step", "dispatch"):
+  for part in ("memory", "compile", "step", "planning", "dispatch"):
     mine = [t for t in rows if t["part"] == part]
     if mine:
       lines.append(f"- {part}: {sum(t['met'] for t in mine)} of {len(mine)} met")
@@ -212,6 +224,14 @@ def markdown(results: dict, dispatch_table: str | None = None) -> str:
       step["note"], "", *step_table(results["step"]), ""]
   if dispatch_table is not None:
     lines += ["## 4. Dispatch overhead", "", dispatch_table.strip(), ""]
+  if results.get("remat_plan"):
+    from .remat_plan import table as plan_table
+    lines += ["## 5. Remat planning against an exhaustive compile", "",
+              "`sr.plan_remat`'s pick (what `lengths=\"auto\"` runs) for each budget; "
+              "then every candidate with no more evaluations that the model puts under "
+              "1.15x the budget compiled, fewest evaluations first: the exhaustive "
+              "best is the first whose measured temp fits.", "",
+              plan_table(results["remat_plan"]), ""]
   lines += ["![memory](memory.png)", "", "![compile](compile.png)", ""]
   if dispatch_table is not None:
     lines += ["![dispatch](dispatch.png)", ""]

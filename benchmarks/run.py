@@ -10,7 +10,9 @@ mean(out**2), gradient over the params; see ``benchmarks/models.py``):
    W=256, B=4096: unrolled, scan, scan(remat), remat_scan d=2 and d=3, in each library;
 2. trace+lower and compile seconds against N (min / median / max of fresh functions);
 3. step time of the jitted gradient as a ratio to raw JAX (interleaved calls);
-4. dispatch overhead of one training step (``benchmarks/dispatch.py``).
+4. dispatch overhead of one training step (``benchmarks/dispatch.py``);
+5. remat planning: ``lengths="auto"``'s pick against an exhaustive compile, for N in
+   {61, 97, 127, 256, 1000} and three memory budgets (``benchmarks/remat_plan.py``).
 
 Writes ``results.json``, ``results.md`` (every figure with its target, met or not) and
 ``memory.png``, ``compile.png`` (and ``dispatch.png``) to ``--out`` (default
@@ -34,20 +36,23 @@ if __package__ in (None, ""):  # run as `python benchmarks/run.py`
 import flax  # noqa: E402
 import jax  # noqa: E402
 
-from benchmarks import compiling, dispatch, plots, report, timing  # noqa: E402
+from benchmarks import compiling, dispatch, plots, remat_plan, report, timing  # noqa: E402
 from benchmarks.models import lengths_for  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 FULL = {"width": 256, "batch": 4096, "depths": (16, 64, 100, 256), "reps": 3,
-        "trace_reps": 15,
+        "trace_reps": 15, "plan_depths": (61, 97, 127, 256, 1000),
+        "plan_size": (256, 4096),
         "step": {"width": 256, "batch": 256, "depths": (16, 64), "calls": 40,
                  "note": "Step time runs at B=256 and N in {16, 64} (not B=4096 and "
                          "every N) to keep the suite to minutes on a 2-core CPU; the "
                          "ratio compares the same computation in every library, and "
                          "at 10+ ms a step dispatch is well under 1% of it."}}
 # One depth: every compile costs ~0.1 s here, and the test suite runs quick mode.
+# Planning at W=16, B=8 would measure XLA's small constant buffers, not the model.
 QUICK = {"width": 16, "batch": 8, "depths": (8,), "reps": 1, "trace_reps": 1,
+         "plan_depths": (13,), "plan_size": (64, 256),
          "step": {"width": 16, "batch": 8, "depths": (8,), "calls": 20,
                   "note": "Quick mode: tiny sizes, so the times are mostly dispatch."}}
 # Quick mode compiles 3-4x faster with LLVM optimisation and the fusion emitters off
@@ -103,6 +108,10 @@ def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool =
     steps = timing.run(step["depths"], step["width"], step["batch"], step["calls"],
                        compiled=kept, log=log)
   del kept
+  log(f"part 5: remat planning against an exhaustive compile (N in "
+      f"{list(cfg['plan_depths'])}, three budgets each)")
+  with _fast_compiles(quick):
+    planning = remat_plan.run(cfg["plan_depths"], *cfg["plan_size"], log=log)
   dispatch_result = None
   if with_dispatch:
     log("part 4: dispatch overhead")
@@ -119,6 +128,7 @@ def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool =
                        "python": platform.python_version()},
       },
       "deep_stack": entries, "step": steps, "dispatch": dispatch_result,
+      "remat_plan": planning,
   }
   results["targets"] = report.targets(results)
   results["config"]["seconds"] = time.perf_counter() - start

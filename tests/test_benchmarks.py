@@ -66,11 +66,21 @@ def test_targets_and_files(quick):
   assert results["targets"]
   assert all(isinstance(t["met"], bool) for t in results["targets"])
   assert {t["part"] for t in results["targets"]} == {"memory", "compile", "step",
-                                                     "dispatch"}
+                                                     "planning", "dispatch"}
   text = (out / "results.md").read_text()
   assert "## 1. XLA compiled memory" in text and "## 4. Dispatch overhead" in text
+  assert "## 5. Remat planning" in text
   for name in ("memory.png", "compile.png", "dispatch.png"):
     assert (out / name).stat().st_size > 0
+
+
+def test_every_planned_pick_fits_and_was_checked_by_compiling(quick):
+  _, results = quick
+  rows = results["remat_plan"]
+  assert len(rows) == 3  # one depth, three budgets
+  for r in rows:
+    assert r["fits"] and r["compiled"] >= 1 and r["measured"] > 0
+    assert r["evals"] >= r["exhaustive_best_evals"] > 0
 
 
 def test_every_dispatch_variant_was_timed(quick):

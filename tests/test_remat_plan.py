@@ -45,12 +45,19 @@ def test_a_budget_gets_the_fewest_evaluations_that_fit():
   roomy = sr.plan_remat(stack, CARRY, fn=body, memory_budget=10 * least.temp_bytes)
   assert roomy.evals == 2 * 37  # one level (scan of remat) fits
   assert roomy.policy == jax.checkpoint_policies.dots_saveable  # and recomputes less
-  tight = sr.plan_remat(stack, CARRY, fn=body, memory_budget=least.temp_bytes)
+  # A plan fits when the model puts it at most 97 % of the budget (its error margin).
+  tight = sr.plan_remat(stack, CARRY, fn=body, memory_budget=_room(least.temp_bytes))
   assert tight.temp_bytes <= least.temp_bytes and tight.evals <= 3 * 37
   deep = min(least.candidates, key=lambda c: c.temp_bytes)
-  squeezed = sr.plan_remat(stack, CARRY, fn=body, memory_budget=deep.temp_bytes)
+  budget = _room(deep.temp_bytes)
+  squeezed = sr.plan_remat(stack, CARRY, fn=body, memory_budget=budget)
   assert squeezed.temp_bytes <= deep.temp_bytes
-  assert _temp(sr.remat_scan(body, lengths=squeezed), stack) <= deep.temp_bytes * 1.05
+  assert _temp(sr.remat_scan(body, lengths=squeezed), stack) <= budget
+
+
+def _room(predicted: int) -> int:
+  """The smallest budget a plan predicted at ``predicted`` bytes is taken to fit."""
+  return int(predicted / 0.97) + 1
 
 
 def test_an_impossible_budget_names_the_smallest_achievable():
@@ -85,9 +92,9 @@ def test_auto_equals_the_loop_and_plans_once_per_shape():
 
 def test_auto_with_a_budget_fits_it():
   stack = _stack(37)
-  budget = sr.plan_remat(stack, CARRY, fn=body).temp_bytes
+  budget = _room(sr.plan_remat(stack, CARRY, fn=body).temp_bytes)
   run = sr.remat_scan(body, lengths="auto", memory_budget=budget)
-  assert _temp(run, stack) <= budget * 1.05
+  assert _temp(run, stack) <= budget
 
 
 def test_the_class_form_plans_at_call_time():

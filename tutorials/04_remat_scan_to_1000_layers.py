@@ -16,9 +16,12 @@
 # backward pass keeps a carries of the outer scan and, while it recomputes one outer
 # step, b carries of the inner one. Memory grows like `a + b`, about `2 * sqrt(N)`.
 #
-# This tutorial measures it: XLA's memory analysis of the gradient for the three
-# constructions at several depths, up to 1000 layers. Only compilation happens, on
-# abstract shapes; no 1000-layer model is allocated or run.
+# Which nesting is best depends on N, the carry and the block; `lengths="auto"` lets
+# statefulremat plan it when it traces (the carry's shapes are known then), for any N,
+# primes included (the last segment is short). This tutorial measures it: XLA's memory
+# analysis of the gradient for the three constructions at several depths, up to 1000
+# layers, then a plan under a memory budget. Only compilation happens, on abstract
+# shapes; no 1000-layer model is allocated or run.
 
 # %%
 import math
@@ -61,19 +64,13 @@ class ScanBlock(Block):
     return super().__call__(x), None
 
 
-def lengths_for(n):
-  """Two nested levels as even as n allows: 100 -> (10, 10), 1000 -> (25, 40)."""
-  outer = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
-  return (outer, n // outer)
-
-
 def stack_class(kind, n):
   scan_options = dict(length=n, variable_axes={sr.Param: 0}, split_rngs={"params": True})
   if kind == "scan":
     return sr.scan(ScanBlock, **scan_options)
   if kind == "scan(remat)":
     return sr.scan(sr.remat(ScanBlock, prevent_cse=False), **scan_options)
-  return sr.remat_scan(Block, lengths=lengths_for(n))
+  return sr.remat_scan(Block, lengths="auto", length=n)
 
 
 # %% [markdown]
@@ -95,8 +92,7 @@ def abstract_model(cls):
 
 
 stack_shapes = abstract_model(stack_class("remat_scan", max(DEPTHS)))[1]
-print(f"{max(DEPTHS)} layers, kernel {stack_shapes['linear']['kernel'].shape}, "
-      f"lengths {lengths_for(max(DEPTHS))}")
+print(f"{max(DEPTHS)} layers, kernel {stack_shapes['linear']['kernel'].shape}")
 
 
 def compile_gradient(kind, n):
@@ -156,7 +152,33 @@ if "ipykernel" in sys.modules:
 plt.close(fig)
 
 # %% [markdown]
-# The price of the saving is recomputation: `remat_scan` runs each layer's forward pass
-# up to three times per gradient (forward, outer recompute, inner recompute) instead of
-# once. `policy=` (applied at the innermost level) can buy some of that back by saving
-# cheap-to-store values, as in tutorial 3.
+# ## Planning against a memory budget
+#
+# The price of the saving is recomputation: with `d` nested levels each layer's
+# forward pass runs `d + 1` times per gradient step (the forward pass and one
+# recomputation per level). `sr.plan_remat` shows the trade before anything runs: it
+# ranks every nesting of up to four levels, short last segments included, and two
+# innermost policies (save nothing, or save the matmuls' outputs), with a memory model
+# that needs no compilation. With a budget it picks the fewest evaluations that fit;
+# without one, the least memory at no more than 3N evaluations. A prime depth is no
+# harder than any other.
+
+# %%
+N = 97 if QUICK else 997
+stack = sr.eval_shape(lambda: stack_class("remat_scan", N)(WIDTH, rngs=sr.Rngs(0)))
+carry = jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32)
+least = sr.plan_remat(stack, carry)
+print(least)
+smallest = min(c.temp_bytes for c in least.candidates)
+budget = int(smallest / 0.95)  # near the smallest plan: less than two levels need
+plan = sr.plan_remat(stack, carry, memory_budget=budget)
+measured = plan.verify()  # one compile
+print(f"budget {budget / 2**20:.2f} MiB -> lengths {plan.lengths}, {plan.evals // N}N "
+      f"evaluations, predicted {plan.temp_bytes / 2**20:.2f} MiB, "
+      f"measured {measured / 2**20:.2f} MiB, fits: {measured <= budget}")
+
+# %% [markdown]
+# `sr.remat_scan(Block, lengths=plan)` runs that plan; `lengths="auto",
+# memory_budget="512MiB"` makes the same choice when it traces. The layer axis stays
+# flat whatever the nesting, so a checkpoint saved under one plan restores under any
+# other.
