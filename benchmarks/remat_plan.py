@@ -5,10 +5,11 @@
 The block is Dense W->W + tanh (W=256, B=4096, as the deep-stack suite). For every
 depth N and three memory budgets (well above and just above the least memory one can
 have at 3N evaluations, and just above the least of all), ``sr.plan_remat`` picks a
-plan; then every candidate with fewer or equal evaluations that could fit is compiled (``memory_analysis`` temp bytes), to find
-the exhaustive best: the fewest evaluations that fit, measured. Candidates the model
-puts above 1.15x the budget are not compiled: the model is within 5 % wherever it was
-checked (this script reports its error on everything it compiles). Reports, per case:
+plan; then every candidate with fewer or equal evaluations that could fit is compiled
+(``memory_analysis`` temp bytes), to find the exhaustive best: the fewest evaluations
+that fit, measured. Candidates the model puts above 1.15x the budget are not compiled:
+the model is within 5 % wherever it was checked (this script reports its error on
+everything it compiles). Reports, per case:
 the pick, its predicted and measured temp, whether it fits, its evaluations against
 the exhaustive best's, and planning seconds. Writes ``remat_plan.json`` / ``.md``.
 """
@@ -79,7 +80,8 @@ def case(n: int, width: int = W, batch: int = B, log=print) -> list[dict]:
       if m <= budget:
         best_evals = c.evals
         break
-    row = {"n": n, "width": width, "batch": batch, "budget": label, "budget_bytes": budget, "lengths": list(plan.lengths),
+    row = {"n": n, "width": width, "batch": batch, "budget": label,
+           "budget_bytes": budget, "lengths": list(plan.lengths),
            "policy": plan.policy_name, "evals": plan.evals, "predicted": plan.temp_bytes,
            "measured": measured, "fits": measured <= budget,
            "prediction_error": plan.temp_bytes / measured - 1,
