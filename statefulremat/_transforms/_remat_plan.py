@@ -61,7 +61,8 @@ class RematPlan:
   ``lengths`` and ``policy`` (None: nothing saveable; or ``dots_saveable``) are what
   it runs; ``evals`` the block evaluations per gradient step; ``temp_bytes`` the
   predicted temp memory of the gradient; ``candidates`` every plan considered, best
-  first; ``str(plan)`` a table of the first few.
+  first; ``str(plan)`` a table of the first few; ``measured_bytes`` XLA's figure where
+  planning compiled it (with a budget), else None.
   """
 
   n: int
@@ -74,6 +75,7 @@ class RematPlan:
   carry_bytes: int
   layer_bytes: int
   _verify: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
+  measured_bytes: int | None = None
 
   @property
   def policy(self):
@@ -205,13 +207,14 @@ def format_bytes(n: int) -> str:
 
 
 def choose(n: int, carry: int, layer: int, residuals: dict[str, int],
-           memory_budget: int | None, max_depth: int = 4) -> tuple[Candidate, list]:
+           memory_budget: int | None, max_depth: int = 4,
+           scale: float = 1.0) -> tuple[Candidate, list]:
   """The best candidate and all of them, best first.
 
   With a budget: the fewest evaluations whose predicted temp fits (with 3 %
   headroom for the model's error), at equal evaluations the one that recomputes less
   (dots saved) and then the smaller. Without: the least memory at no more than 3N
-  evaluations.
+  evaluations. ``scale`` multiplies every prediction (a calibration from one compile).
   """
   candidates = []
   for lengths in nestings(n, max_depth):
@@ -220,7 +223,8 @@ def choose(n: int, carry: int, layer: int, residuals: dict[str, int],
     fixed = (carry * sum(steps[:-1]) + 2 * layer * sum(per_step[:-1])
              + (3 + (len(lengths) >= 2)) * carry)
     for policy, residual in residuals.items():
-      candidates.append(Candidate(lengths, policy, evals, int(fixed + residual * steps[-1])))
+      candidates.append(Candidate(lengths, policy, evals,
+                                  int(scale * (fixed + residual * steps[-1]))))
   rank = {DOTS: 0, NOTHING: 1}
   if memory_budget is None:
     pool = [c for c in candidates if c.evals <= 3 * n]

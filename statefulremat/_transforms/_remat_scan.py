@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from types import MappingProxyType
@@ -19,8 +20,8 @@ from ._lift import write_back
 from ._rules import Rules, TransformError
 from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
                           resolve_length, stacked_sources)
-from ._remat_plan import (RematPlan, block_inputs, choose, parse_bytes, residual_bytes,
-                          tree_bytes, POLICIES)
+from ._remat_plan import (POLICIES, RematPlan, RematPlanError, block_inputs, choose,
+                          format_bytes, parse_bytes, residual_bytes, tree_bytes)
 from ._stacked import stacked_class
 
 _ALL = MappingProxyType({True: 0})
@@ -234,7 +235,10 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
   innermost policies (nothing saveable, dots saveable) are ranked by a memory model
   (see ``sr.RematPlan``): with ``memory_budget`` (bytes, or ``"512MiB"``) the fewest
   block evaluations whose temp memory fits, else the least memory at no more than 3N
-  evaluations. Nothing is compiled; ``plan.verify()`` compiles once and measures.
+  evaluations. Without a budget nothing is compiled (``plan.verify()`` compiles once
+  and measures); with one, the pick is compiled once to check it fits, and where the
+  model was off for this block, it is rescaled by XLA's figure and the choice made
+  again (``plan.measured_bytes``).
 
   Args:
     stack: a stacked module (N layers), or its ``sr.eval_shape``.
@@ -260,19 +264,43 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
   budget = parse_bytes(memory_budget)
   n = num_layers(stack)
   inputs = block_inputs(stack, fn)
+  carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                       carry)
   carry_bytes = tree_bytes(carry)
   residuals = {name: residual_bytes(inputs.layer_fn, inputs.params, carry, policy)
                for name, policy in POLICIES.items()}
-  best, ranked = choose(n, carry_bytes, inputs.layer_bytes, residuals, budget, max_depth)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                          stack)
 
   def verify(plan: RematPlan) -> int:
     run = remat_scan(fn, lengths=plan)
     loss = lambda m, c: sum(jnp.sum(x) for x in jax.tree.leaves(run(m, c)))
-    lowered = jit(grad(loss)).lower(stack, carry)
+    lowered = jit(grad(loss)).lower(abstract, carry)
     return int(lowered.compile().memory_analysis().temp_size_in_bytes)
 
-  return RematPlan(n, best.lengths, best.policy, best.evals, best.temp_bytes, budget,
-                   tuple(ranked), carry_bytes, inputs.layer_bytes, verify)
+  def make(scale: float = 1.0, measured: int | None = None) -> RematPlan:
+    best, ranked = choose(n, carry_bytes, inputs.layer_bytes, residuals, budget,
+                          max_depth, scale=scale)
+    return RematPlan(n, best.lengths, best.policy, best.evals, best.temp_bytes, budget,
+                     tuple(ranked), carry_bytes, inputs.layer_bytes, verify, measured)
+
+  plan = make()
+  if budget is None:
+    return plan
+  # A budget is a promise: compile the pick once, and where the model was off for this
+  # block or backend, scale it by what XLA said and choose again.
+  scale = 1.0
+  for _ in range(3):
+    measured = verify(plan)
+    if measured <= budget:
+      return dataclasses.replace(plan, measured_bytes=measured)
+    scale *= measured / plan.temp_bytes
+    plan = make(scale)
+  raise RematPlanError(
+      f"no remat plan for {n} layers fits memory_budget={format_bytes(budget)} once "
+      f"compiled: the last pick, lengths={plan.lengths}, measured "
+      f"{format_bytes(measured)}. Fix: a larger budget (the smallest plan is predicted "
+      f"at {format_bytes(min(c.temp_bytes for c in plan.candidates))}).")
 
 
 def _avals(tree):
