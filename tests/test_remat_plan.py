@@ -132,3 +132,18 @@ def test_misused_planning_options_explain_themselves():
     sr.remat_scan(body, lengths=plan, length=12)
   with pytest.raises(sr.TransformError, match=r"the plan chose its innermost policy"):
     sr.remat_scan(body, lengths=plan, policy=jax.checkpoint_policies.dots_saveable)
+
+
+def test_a_budget_is_checked_by_one_compile_where_the_model_is_off():
+  # At 16 x 8 activations XLA's small buffers dominate and the model under-predicts;
+  # the plan compiles its pick, rescales, and what it returns fits.
+  stack = sr.vmap(sr.nn.Linear, axis_size=13)(16, 16, rngs=sr.Rngs(0))
+  carry = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+  least = sr.plan_remat(stack, carry, fn=body)
+  assert least.measured_bytes is None  # no budget, nothing compiled
+  budget = 2 * least.verify()
+  plan = sr.plan_remat(stack, carry, fn=body, memory_budget=budget)
+  assert plan.measured_bytes is not None and plan.measured_bytes <= budget
+  with pytest.raises(sr.RematPlanError, match=r"fits memory_budget=.* (once compiled|"
+                                              r"the smallest needs)"):
+    sr.plan_remat(stack, carry, fn=body, memory_budget=int(least.verify() * 0.9))
