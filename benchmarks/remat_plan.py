@@ -55,37 +55,43 @@ def case(n: int, width: int = W, batch: int = B, log=print) -> list[dict]:
       lambda: sr.vmap(sr.nn.Linear, axis_size=n)(width, width, rngs=sr.Rngs(0)))
   carry = jax.ShapeDtypeStruct((batch, width), jnp.float32)
   least = sr.plan_remat(stack, carry, fn=body)  # the least memory at <= 3N evaluations
-  smallest = min(c.temp_bytes for c in least.candidates)
+  cache: dict = {}
+  # The least memory of all, measured: the model's error is largest for the deepest
+  # nestings, so the five it ranks smallest are compiled.
+  lowest = sorted(least.candidates, key=lambda c: c.temp_bytes)[:5]
+  smallest = min(_measure(stack, carry, n, c, cache) for c in lowest)
   # The planner takes a plan to fit when its prediction is at most HEADROOM of the
   # budget; each budget is 1 % above what its reference plan needs that way.
   fit = lambda predicted: int(predicted / HEADROOM * 1.01)
   budgets = {"roomy (1.5x least at 3N)": int(1.5 * least.temp_bytes),
              "just above the least at 3N": fit(least.temp_bytes),
              "just above the smallest": fit(smallest)}
-  cache: dict = {}
   rows = []
   for label, budget in budgets.items():
     start = time.perf_counter()
     plan = sr.plan_remat(stack, carry, fn=body, memory_budget=budget)
     seconds = time.perf_counter() - start
-    measured = _measure(stack, carry, n, plan.candidates[0], cache)
+    measured = plan.measured_bytes or _measure(stack, carry, n, plan.candidates[0], cache)
     # The exhaustive best: fewest evaluations whose measured temp fits.
     pool = sorted((c for c in plan.candidates if c.evals <= plan.evals
                    and c.temp_bytes <= MARGIN * budget),
                   key=lambda c: (c.evals, c.temp_bytes))
-    best_evals, errors = None, []
+    best, errors = None, []
     for c in pool:  # fewest evaluations first: the first that fits is the best
       m = _measure(stack, carry, n, c, cache)
       errors.append(c.temp_bytes / m - 1)
       if m <= budget:
-        best_evals = c.evals
+        best = c
         break
+    best_evals = best.evals if best else None
     row = {"n": n, "width": width, "batch": batch, "budget": label,
            "budget_bytes": budget, "lengths": list(plan.lengths),
            "policy": plan.policy_name, "evals": plan.evals, "predicted": plan.temp_bytes,
            "measured": measured, "fits": measured <= budget,
            "prediction_error": plan.temp_bytes / measured - 1,
-           "exhaustive_best_evals": best_evals, "compiled": len(errors),
+           "exhaustive_best_evals": best_evals,
+           "exhaustive_best_lengths": list(best.lengths) if best else None,
+           "compiled": len(errors),
            "max_model_error_compiled": max(map(abs, errors)) if errors else None,
            "plan_seconds": seconds}
     log(f"  N={n:<5d} {label:45s} {str(plan.lengths):16s} {plan.policy_name:17s} "

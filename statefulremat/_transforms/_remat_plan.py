@@ -208,13 +208,14 @@ def format_bytes(n: int) -> str:
 
 def choose(n: int, carry: int, layer: int, residuals: dict[str, int],
            memory_budget: int | None, max_depth: int = 4,
-           scale: float = 1.0) -> tuple[Candidate, list]:
+           scales: dict[int, float] | None = None) -> tuple[Candidate, list]:
   """The best candidate and all of them, best first.
 
   With a budget: the fewest evaluations whose predicted temp fits (with 3 %
   headroom for the model's error), at equal evaluations the one that recomputes less
   (dots saved) and then the smaller. Without: the least memory at no more than 3N
-  evaluations. ``scale`` multiplies every prediction (a calibration from one compile).
+  evaluations. ``scales`` multiplies the predictions of nestings of each depth (a
+  calibration from compiling).
   """
   candidates = []
   for lengths in nestings(n, max_depth):
@@ -222,6 +223,7 @@ def choose(n: int, carry: int, layer: int, residuals: dict[str, int],
     steps, per_step = structure(n, lengths)
     fixed = (carry * sum(steps[:-1]) + 2 * layer * sum(per_step[:-1])
              + (3 + (len(lengths) >= 2)) * carry)
+    scale = (scales or {}).get(len(lengths), 1.0)
     for policy, residual in residuals.items():
       candidates.append(Candidate(lengths, policy, evals,
                                   int(scale * (fixed + residual * steps[-1]))))

@@ -238,7 +238,9 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
   evaluations. Without a budget nothing is compiled (``plan.verify()`` compiles once
   and measures); with one, the pick is compiled once to check it fits, and where the
   model was off for this block, it is rescaled by XLA's figure and the choice made
-  again (``plan.measured_bytes``).
+  again; plans with fewer evaluations that the model put just over the budget (within
+  5 %) are compiled too, up to 8, and the first that fits is taken
+  (``plan.measured_bytes``: XLA's figure for the plan returned).
 
   Args:
     stack: a stacked module (N layers), or its ``sr.eval_shape``.
@@ -278,29 +280,57 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
     lowered = jit(grad(loss)).lower(abstract, carry)
     return int(lowered.compile().memory_analysis().temp_size_in_bytes)
 
-  def make(scale: float = 1.0, measured: int | None = None) -> RematPlan:
+  def make(scales: dict | None = None) -> RematPlan:
     best, ranked = choose(n, carry_bytes, inputs.layer_bytes, residuals, budget,
-                          max_depth, scale=scale)
+                          max_depth, scales=scales)
     return RematPlan(n, best.lengths, best.policy, best.evals, best.temp_bytes, budget,
-                     tuple(ranked), carry_bytes, inputs.layer_bytes, verify, measured)
+                     tuple(ranked), carry_bytes, inputs.layer_bytes, verify)
 
   plan = make()
   if budget is None:
     return plan
-  # A budget is a promise: compile the pick once, and where the model was off for this
-  # block or backend, scale it by what XLA said and choose again.
-  scale = 1.0
-  for _ in range(3):
+  # A budget is a promise: compile the pick, and where the model was off for this
+  # block (small shapes, other backends, deep nestings), scale its figures for nestings
+  # of that depth by what XLA said and choose again.
+  scales: dict[int, float] = {}
+  for _ in range(4):
     measured = verify(plan)
     if measured <= budget:
-      return dataclasses.replace(plan, measured_bytes=measured)
-    scale *= measured / plan.temp_bytes
-    plan = make(scale)
+      return _fewer_evaluations(dataclasses.replace(plan, measured_bytes=measured),
+                                budget, verify)
+    depth = len(plan.lengths)
+    scales[depth] = scales.get(depth, 1.0) * measured / plan.temp_bytes
+    try:
+      plan = make(scales)
+    except RematPlanError:
+      break
   raise RematPlanError(
       f"no remat plan for {n} layers fits memory_budget={format_bytes(budget)} once "
       f"compiled: the last pick, lengths={plan.lengths}, measured "
-      f"{format_bytes(measured)}. Fix: a larger budget (the smallest plan is predicted "
-      f"at {format_bytes(min(c.temp_bytes for c in plan.candidates))}).")
+      f"{format_bytes(measured)}. Fix: a larger budget (at least "
+      f"{format_bytes(measured)} fits that plan).")
+
+
+def _fewer_evaluations(plan: RematPlan, budget: int, verify: Callable) -> RematPlan:
+  """``plan``, or one with fewer evaluations that fits once compiled though the model
+  put it just over the budget (by up to its error): the model resolves a few per cent,
+  and a tight budget sits within that of several nestings."""
+  near = sorted((c for c in plan.candidates if c.evals < plan.evals
+                 and c.temp_bytes <= NEAR_MISS * budget),
+                key=lambda c: (-c.evals, c.temp_bytes))
+  for probe in near[:PROBES]:  # the next fewer evaluations first, likeliest first
+    measured = verify(dataclasses.replace(plan, lengths=probe.lengths,
+                                          policy_name=probe.policy))
+    if measured <= budget:
+      rest = tuple(c for c in plan.candidates if c is not probe)
+      return dataclasses.replace(plan, lengths=probe.lengths, policy_name=probe.policy,
+                                 evals=probe.evals, temp_bytes=probe.temp_bytes,
+                                 candidates=(probe,) + rest, measured_bytes=measured)
+  return plan
+
+
+NEAR_MISS = 1.05  # the model's error band, above the budget
+PROBES = 8        # compiles at most, to find a plan with fewer evaluations
 
 
 def _avals(tree):
