@@ -240,7 +240,9 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
   model was off for this block, it is rescaled by XLA's figure and the choice made
   again; plans with fewer evaluations that the model put just over the budget (within
   5 %) are compiled too, up to 8, and the first that fits is taken
-  (``plan.measured_bytes``: XLA's figure for the plan returned).
+  (``plan.measured_bytes``: XLA's figure for the plan returned). When the model puts
+  every plan over the budget, those within its error of it are compiled before
+  planning raises.
 
   Args:
     stack: a stacked module (N layers), or its ``sr.eval_shape``.
@@ -280,15 +282,25 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
     lowered = jit(grad(loss)).lower(abstract, carry)
     return int(lowered.compile().memory_analysis().temp_size_in_bytes)
 
-  def make(scales: dict | None = None) -> RematPlan:
+  def make(scales: dict | None = None, budget: int | None = budget) -> RematPlan:
     best, ranked = choose(n, carry_bytes, inputs.layer_bytes, residuals, budget,
                           max_depth, scales=scales)
     return RematPlan(n, best.lengths, best.policy, best.evals, best.temp_bytes, budget,
                      tuple(ranked), carry_bytes, inputs.layer_bytes, verify)
 
-  plan = make()
+  def make_unbudgeted() -> RematPlan:
+    return dataclasses.replace(make(budget=None), memory_budget=budget)
+
   if budget is None:
-    return plan
+    return make()
+  try:
+    plan = make()
+  except RematPlanError:
+    # The model puts every plan over the budget; those within its error of it may
+    # still fit once compiled.
+    plan = _smallest_that_fits(make_unbudgeted(), budget, verify)
+    if plan is None:
+      raise
   # A budget is a promise: compile the pick, and where the model was off for this
   # block (small shapes, other backends, deep nestings), scale its figures for nestings
   # of that depth by what XLA said and choose again.
@@ -327,6 +339,23 @@ def _fewer_evaluations(plan: RematPlan, budget: int, verify: Callable) -> RematP
                                  evals=probe.evals, temp_bytes=probe.temp_bytes,
                                  candidates=(probe,) + rest, measured_bytes=measured)
   return plan
+
+
+def _smallest_that_fits(plan: RematPlan, budget: int, verify: Callable):
+  """The plan with the fewest evaluations among those the model puts just over the
+  budget (within its error) that fit once compiled, the smallest tried first; or None."""
+  near = sorted((c for c in plan.candidates if c.temp_bytes <= NEAR_MISS * budget),
+                key=lambda c: c.temp_bytes)
+  for probe in near[:PROBES]:
+    candidate = dataclasses.replace(plan, lengths=probe.lengths, policy_name=probe.policy,
+                                    evals=probe.evals, temp_bytes=probe.temp_bytes,
+                                    candidates=(probe,) + tuple(
+                                        c for c in plan.candidates if c is not probe))
+    measured = verify(candidate)
+    if measured <= budget:
+      return _fewer_evaluations(dataclasses.replace(candidate, measured_bytes=measured),
+                                budget, verify)
+  return None
 
 
 NEAR_MISS = 1.05  # the model's error band, above the budget
