@@ -84,9 +84,11 @@ def shard(model, mesh: jax.sharding.Mesh, rules: Rules = ()) -> State:
   (through ``rules``), in place; returns the State of ``NamedSharding`` s used.
 
   Outside a trace the arrays move (``jax.device_put``); inside ``sr.jit`` they are
-  constrained (``jax.lax.with_sharding_constraint``), so a training step keeps its
-  parameters where their specs say. Nothing moves unless every entry fits: a mesh axis
-  the mesh lacks or a dimension the mesh axis does not divide raises, naming the path.
+  constrained (``jax.lax.with_sharding_constraint``; on a mesh with ``Explicit`` axes,
+  ``jax.make_mesh``'s default, ``jax.sharding.reshard``, and the trace must run under
+  that mesh: ``with jax.set_mesh(mesh):``), so a training step keeps its parameters
+  where their specs say. Nothing moves unless every entry fits: a mesh axis the mesh
+  lacks or a dimension the mesh axis does not divide raises, naming the path.
 
   >>> import jax, jax.numpy as jnp, numpy as np, statefulremat as sr
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
@@ -113,6 +115,7 @@ def shard(model, mesh: jax.sharding.Mesh, rules: Rules = ()) -> State:
   for path, value, spec in zip(state._spec.paths, state._values, specs._values):
     _check_fits(path, value, spec, mesh)
     shardings.append(NamedSharding(mesh, spec))
+  _check_trace_mesh(state, mesh)
   placed = [_place(v, s) for v, s in zip(state._values, shardings)]
   update(model, State._make(state._spec, placed))
   return State._make(state._spec, shardings)
@@ -205,9 +208,48 @@ def _check_fits(path: tuple, value, spec: PartitionSpec, mesh) -> None:
           "Fix: map that logical axis to a smaller mesh axis or None in the rules.")
 
 
+def _check_trace_mesh(state: State, mesh) -> None:
+  """Traced under explicit axes, the mesh is part of each array's type: the trace must
+  run under that mesh (``jax.set_mesh``), or the program cannot be placed."""
+  path = next((p for p, v in zip(state._spec.paths, state._values)
+               if isinstance(v, jax.core.Tracer)), None)
+  if path is None or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return
+  context = jax.sharding.get_abstract_mesh()
+  if context != mesh.abstract_mesh:
+    where = "no mesh" if context.empty else f"mesh {describe_mesh(context)}"
+    raise ShardingError(
+        f"sr.shard inside a traced function (sr.jit, a transform) on mesh "
+        f"{describe_mesh(mesh)}, whose Explicit axes become part of each array's type "
+        f"(`{format_path(path)}` first), but the trace runs under {where}. Fix: call "
+        "the jitted function inside `with jax.set_mesh(mesh):` with this mesh, or "
+        "call sr.shard(model, mesh, rules) outside it, before the step.")
+
+
+def describe_mesh(mesh) -> str:
+  """``{'data': 2 Explicit, 'model': 4 Explicit}``."""
+  return "{" + ", ".join(f"{name!r}: {size} {kind.name}" for (name, size), kind in
+                         zip(mesh.shape.items(), mesh.axis_types)) + "}"
+
+
 def _place(value, sharding: NamedSharding):
   if isinstance(value, jax.core.Tracer):
+    if _needs_reshard(sharding):
+      # An explicit axis is part of the array's type: with_sharding_constraint only
+      # asserts it, reshard changes it.
+      return jax.sharding.reshard(value, sharding)
     return jax.lax.with_sharding_constraint(value, sharding)
   if isinstance(value, (jax.Array, np.ndarray)):
     return jax.device_put(value, sharding)
   return value  # a Python number in a Variable: nothing to place
+
+
+def _needs_reshard(sharding: NamedSharding) -> bool:
+  """Whether ``sharding``'s mesh has ``AxisType.Explicit`` axes (then even a replicated
+  spec is part of the type) and its spec names no ``AxisType.Auto`` one."""
+  kinds = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+  if jax.sharding.AxisType.Explicit not in kinds.values():
+    return False
+  return all(kinds[axis] != jax.sharding.AxisType.Auto for entry in sharding.spec
+             if entry is not None
+             for axis in ((entry,) if isinstance(entry, str) else entry))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._explicit import drop_dims, explicit_specs, sharding_like
 
 
 def _validate_qkv_shapes(query, key, value=None):
@@ -139,7 +140,12 @@ def dot_product_attention_weights(
       shape = (1,) * (ndim - 2) + weights.shape[-2:]
     else:
       shape = weights.shape
-    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+    kwargs = {}
+    if specs := explicit_specs("dot_product_attention", weights=weights):
+      # Explicit mesh axes: the mask lives where the weights do (but broadcast axes).
+      spec = drop_dims(specs[0], range(ndim - 2)) if broadcast_dropout else specs[0]
+      kwargs["out_sharding"] = sharding_like(spec, weights)
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape, **kwargs)
     weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
   return weights
 

@@ -13,6 +13,7 @@ from .._module import Module
 from .._rngs import Rngs
 from .._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._explicit import explicit_specs, sharding_like
 from ._linear import default_bias_init, default_kernel_init
 from ._rngs_arg import check_rngs
 
@@ -167,7 +168,12 @@ class Conv(Module):
     return (x,) * len(self.kernel_size) if isinstance(x, int) else tuple(x)
 
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
-    """Convolves ``inputs`` of shape ``(*batch, *spatial, in_features)``."""
+    """Convolves ``inputs`` of shape ``(*batch, *spatial, in_features)``.
+
+    Under explicit mesh axes the output keeps the input's batch (and spatial)
+    sharding and takes the kernel's output-channel sharding, unless ``out_sharding``
+    is given.
+    """
     n_spatial = len(self.kernel_size)
     if inputs.ndim < n_spatial + 1:
       raise ValueError(
@@ -208,6 +214,12 @@ class Conv(Module):
     bias = self.bias.value if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
                                               dtype=self.dtype)
+    specs = None if out_sharding is not None else explicit_specs(
+        "Conv", inputs=inputs, kernel=kernel)
+    if specs:
+      # Explicit mesh axes: the input's batch (and spatial) axes, the kernel's output
+      # channels.
+      out_sharding = sharding_like(specs[0][:-1] + specs[1][-1:], inputs, kernel)
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
     if self.preferred_element_type is not None:
       kwargs["preferred_element_type"] = self.preferred_element_type

@@ -10,6 +10,7 @@ from jax import lax
 
 from .._module import Module
 from .._rngs import Rngs, RngStream
+from ._explicit import drop_dims, explicit_specs, sharding_like
 from ._rngs_arg import check_rngs
 
 
@@ -76,7 +77,10 @@ class Dropout(Module):
 
   def __call__(self, inputs: jax.Array, *, deterministic: bool | None = None,
                rngs: Rngs | RngStream | jax.Array | None = None) -> jax.Array:
-    """Applies dropout; ``deterministic`` / ``rngs`` override the layer's, this call."""
+    """Applies dropout; ``deterministic`` / ``rngs`` override the layer's, this call.
+
+    Under explicit mesh axes the mask is drawn with the input's sharding.
+    """
     if deterministic is None:
       deterministic = self.deterministic
     if deterministic is None:
@@ -96,6 +100,14 @@ class Dropout(Module):
     shape = list(inputs.shape)
     for dim in self.broadcast_dims:
       shape[dim] = 1
-    mask = jax.random.bernoulli(key, p=keep_prob, shape=shape)
-    mask = jnp.broadcast_to(mask, inputs.shape)
+    if specs := explicit_specs("Dropout", inputs=inputs):
+      # Explicit mesh axes: draw the mask where the input lives (as flax.nnx does),
+      # replicated along the broadcast (size-1) axes, then broadcast it back there.
+      drawn = sharding_like(drop_dims(specs[0], self.broadcast_dims), inputs)
+      mask = jax.random.bernoulli(key, p=keep_prob, shape=shape, out_sharding=drawn)
+      mask = jnp.broadcast_to(mask, inputs.shape,
+                              out_sharding=jax.typeof(inputs).sharding)
+    else:
+      mask = jax.random.bernoulli(key, p=keep_prob, shape=shape)
+      mask = jnp.broadcast_to(mask, inputs.shape)
     return lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))

@@ -12,6 +12,7 @@ from .._module import Module
 from .._rngs import Rngs
 from .._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._explicit import explicit_specs, sharding_like
 from ._rngs_arg import check_rngs
 
 default_embed_init = jax.nn.initializers.variance_scaling(
@@ -58,7 +59,11 @@ class Embed(Module):
     self.promote_dtype = promote_dtype
 
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
-    """Looks up integer ``inputs`` of any shape: returns ``inputs.shape + (features,)``."""
+    """Looks up integer ``inputs`` of any shape: returns ``inputs.shape + (features,)``.
+
+    Under explicit mesh axes the output keeps the ids' sharding and takes the
+    table's feature-axis sharding, unless ``out_sharding`` is given.
+    """
     inputs = jnp.asarray(inputs)
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError(
@@ -67,8 +72,17 @@ class Embed(Module):
       )
     (embedding,) = self.promote_dtype((self.embedding.value,), dtype=self.dtype,
                                       inexact=False)
+    shape = inputs.shape + (self.features,)
+    if out_sharding is None and (specs := explicit_specs("Embed", embedding=embedding,
+                                                          inputs=inputs)):
+      # Explicit mesh axes: the ids' axes, then the table's feature axis.
+      sharding = sharding_like(specs[1] + specs[0][1:], embedding, inputs)
+      if self.num_embeddings == 1:
+        return jnp.broadcast_to(embedding, shape, out_sharding=sharding)
+      # jnp.take's gather: out-of-range ids fill with NaN, negative ones wrap.
+      return embedding.at[inputs].get(mode="fill", out_sharding=sharding)
     if self.num_embeddings == 1:
-      return jnp.broadcast_to(embedding, inputs.shape + (self.features,))
+      return jnp.broadcast_to(embedding, shape)
     if out_sharding is not None:
       take = jax.sharding.auto_axes(lambda e, i: jnp.take(e, i, axis=0),
                                     out_sharding=out_sharding)
@@ -78,11 +92,18 @@ class Embed(Module):
   def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
     """Inner products of ``query`` (last axis ``features``) with every embedding.
 
+    Under explicit mesh axes the logits keep the query's batch sharding and take the
+    table's vocabulary-axis sharding, unless ``out_sharding`` is given.
+
     >>> import jax.numpy as jnp, statefulremat as sr
     >>> embed = sr.nn.Embed(5, 3, rngs=sr.Rngs(0))
     >>> embed.attend(jnp.ones(3)).shape
     (5,)
     """
     query, embedding = self.promote_dtype((query, self.embedding.value), dtype=self.dtype)
+    if out_sharding is None and (specs := explicit_specs("Embed.attend", query=query,
+                                                          embedding=embedding)):
+      # Explicit mesh axes: the query's batch axes, then the table's vocabulary axis.
+      out_sharding = sharding_like(specs[0][:-1] + specs[1][:1], query, embedding)
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
     return jnp.dot(query, embedding.T, **kwargs)

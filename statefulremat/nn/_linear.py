@@ -14,6 +14,7 @@ from .._module import Module
 from .._rngs import Rngs
 from .._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._explicit import explicit_specs, sharding_like
 from ._rngs_arg import check_rngs
 
 default_kernel_init = jax.nn.initializers.lecun_normal()
@@ -88,11 +89,21 @@ class Linear(Module):
     self.preferred_element_type = preferred_element_type
 
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
-    """Applies the layer to the last axis of ``inputs``."""
+    """Applies the layer to the last axis of ``inputs``.
+
+    Under explicit mesh axes (``jax.make_mesh``'s default) the output keeps the
+    input's batch sharding and takes the kernel's output-axis sharding, unless
+    ``out_sharding`` is given; elsewhere ``out_sharding`` is passed to ``dot_general``.
+    """
     check_features("Linear", inputs, -1, self.in_features)
     bias = self.bias.value if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
                                               dtype=self.dtype)
+    specs = None if out_sharding is not None else explicit_specs(
+        "Linear", inputs=inputs, kernel=kernel)
+    if specs:
+      # Explicit mesh axes: the input's batch axes, then the kernel's output axis.
+      out_sharding = sharding_like(specs[0][:-1] + specs[1][1:], inputs, kernel)
     if self.dot_general is lax.dot_general and out_sharding is None:
       return _dense(inputs, kernel, bias, precision=self.precision,
                     preferred_element_type=self.preferred_element_type)

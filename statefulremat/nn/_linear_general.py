@@ -14,6 +14,7 @@ from .._module import Module
 from .._rngs import Rngs
 from .._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._explicit import explicit_specs, sharding_like
 from ._linear import default_bias_init, default_kernel_init
 from ._rngs_arg import check_rngs
 
@@ -101,7 +102,11 @@ class LinearGeneral(Module):
     self.preferred_element_type = preferred_element_type
 
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
-    """Contracts ``inputs`` over ``axis``; the output axes are appended at the end."""
+    """Contracts ``inputs`` over ``axis``; the output axes are appended at the end.
+
+    Under explicit mesh axes the output keeps the sharding of the input's batch and
+    free axes and takes the kernel's output axes', unless ``out_sharding`` is given.
+    """
     ndim = inputs.ndim
     axis = _normalize_axes(self.axis, ndim)
     # nnx pairs the sorted input axes with the kernel's input axes in order.
@@ -119,6 +124,15 @@ class LinearGeneral(Module):
     bias = self.bias.value if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
                                               dtype=self.dtype)
+    if out_sharding is None and (specs := explicit_specs("LinearGeneral", inputs=inputs,
+                                                          kernel=kernel)):
+      # Explicit mesh axes: dot_general's output order, batch axes, the input's free
+      # axes, then the kernel's output axes.
+      xs, ks = specs
+      free = [xs[ax] for ax in range(ndim) if ax not in axis and ax not in batch_axis]
+      out_sharding = sharding_like(
+          [xs[ax] for ax in batch_axis] + free + list(ks[n_batch + len(axis):]),
+          inputs, kernel)
     dot_general = self.dot_general or lax.dot_general
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
     if self.preferred_element_type is not None:

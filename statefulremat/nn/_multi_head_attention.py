@@ -16,6 +16,7 @@ from .._kinds import Cache
 from ._attention import combine_masks, dot_product_attention
 from ._dropout import draw_key
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._explicit import explicit_specs
 from ._linear import default_kernel_init
 from ._linear_general import LinearGeneral
 from ._normalization import LayerNorm
@@ -236,6 +237,11 @@ class MultiHeadAttention(Module):
       raise ValueError(
           f"MultiHeadAttention decode feeds one position at a time: expected a key of "
           f"shape {expected} (from an input of length 1), got {key.shape}.")
+    if explicit_specs("MultiHeadAttention", key=key, cached_key=self.cached_key.value):
+      # Explicit mesh axes: the step is written where the cache lives (init_cache
+      # makes it replicated; sr.shard or a reshard may place it otherwise).
+      key = jax.sharding.reshard(key, jax.typeof(self.cached_key.value).sharding)
+      value = jax.sharding.reshard(value, jax.typeof(self.cached_value.value).sharding)
     index = self.cache_index.value
     zero = jnp.array(0, dtype=lax.dtype(index.dtype))
     indices = (zero,) * len(batch_dims) + (index, zero, zero)
