@@ -40,6 +40,7 @@ from . import _pytree  # noqa: F401  (registers every Module class as a JAX pytr
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
 from ._checkpoint_files import CheckpointError as CheckpointError
+from ._checkpoint_sync import SaveHandle as SaveHandle
 from ._summary import Summary as Summary
 from ._summary import SummaryRow as SummaryRow
 from ._summary import summary as summary

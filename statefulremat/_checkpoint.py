@@ -21,6 +21,7 @@ configuration, not state: the model's own is kept.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 
@@ -28,10 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checkpoint_files import (CheckpointError, FORMAT, abandon, begin, check_files,
-                                commit, current, file_sizes, read_json, resolve,
-                                write_json)
+from ._checkpoint_files import (CheckpointError, FORMAT, abandon, check_files, commit,
+                                current, file_sizes, read_json, resolve, write_json)
+from ._checkpoint_sync import Saves, SaveHandle, is_primary, wait_previous
 from ._errors import StateMismatchError, format_path
+from ._filters import filter_repr, to_predicate
 from ._graph import flatten, update
 from ._module import Module
 from ._stacks import LAYER_AXIS
@@ -112,11 +114,19 @@ def _refuse_traced(variables, fn: str) -> None:
           "before or after the jitted step.")
 
 
-def save(path: str | os.PathLike, model) -> None:
+def save(path: str | os.PathLike, model, *, blocking: bool = True) -> SaveHandle | None:
   """Saves every Variable of ``model`` to the directory ``path``, atomically.
 
   Saving over an earlier checkpoint replaces it; a save that fails or is interrupted
-  part way leaves the earlier one in place and loadable.
+  part way (even killed) leaves the earlier one in place and loadable.
+
+  ``blocking=False`` returns a ``SaveHandle`` as soon as the arrays are copied to host
+  memory: the model may change at once without changing what is saved, and
+  ``handle.wait()`` blocks until the checkpoint is committed (raising the save's
+  error, if any). A later ``sr.save`` or ``sr.restore`` of the same path waits for it
+  first. In a multi-process run (``jax.distributed.initialize``) every process calls
+  ``sr.save`` with the same path; each writes its own shards, and the call returns
+  (or the handle's ``wait``) once the checkpoint is committed for all of them.
 
   Args:
     path: a directory (str or os.PathLike; relative to the current directory) that
@@ -125,6 +135,11 @@ def save(path: str | os.PathLike, model) -> None:
       must hold jax/numpy arrays (typed PRNG keys included) or Python numbers; a
       Python number is saved as the 0-d array JAX makes of it (``int32[]`` for an
       int unless ``jax_enable_x64``), and one that does not fit is refused.
+    blocking: wait for the checkpoint to be committed (the default), or return a
+      ``SaveHandle`` while it is written in the background.
+
+  Returns:
+    None, or with ``blocking=False`` a ``SaveHandle``.
 
   >>> import os, tempfile, jax.numpy as jnp, statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
@@ -137,6 +152,53 @@ def save(path: str | os.PathLike, model) -> None:
   """
   root = resolve(path, "save")
   _check_model(model, "save")
+  if not isinstance(blocking, bool):
+    raise TypeError(f"sr.save: blocking must be True or False, got {blocking!r}.")
+  entries, arrays = _snapshot(model)
+  wait_previous(root, "save")
+
+  import orbax.checkpoint as ocp
+
+  saves = Saves(root)
+  version = saves.begin()
+  checkpointer = (ocp.Checkpointer if blocking else ocp.AsyncCheckpointer)(
+      ocp.StandardCheckpointHandler())
+
+  def abandon_version():
+    checkpointer.close()
+    if is_primary():
+      abandon(root, version)
+
+  try:
+    if arrays:  # orbax refuses an empty tree; a model without variables is just JSON
+      checkpointer.save(os.path.join(version, "state"), args=ocp.args.StandardSave(arrays))
+  except BaseException:
+    abandon_version()
+    raise
+
+  def finish():
+    try:
+      if not blocking:
+        checkpointer.wait_until_finished()
+      checkpointer.close()
+      if is_primary():
+        write_json(os.path.join(version, "variables.json"),
+                   {"format": FORMAT, "variables": entries, "files": file_sizes(version)})
+        commit(root, version)
+      saves.barrier("committed")
+    except BaseException:
+      abandon_version()
+      raise
+
+  if blocking:
+    finish()
+    return None
+  return SaveHandle(root, finish)
+
+
+def _snapshot(model) -> tuple[list[dict], dict[str, object]]:
+  """What a save writes: per Variable its JSON entry and its value as stored (copied
+  where it is mutable, so the model may change while a save is under way)."""
   entries, arrays = [], {}
   variables = _variables(model)
   _refuse_traced(variables, "save")
@@ -154,24 +216,12 @@ def save(path: str | os.PathLike, model) -> None:
       value = jax.random.key_data(value)
     elif how == "python":
       value = _python_as_array(value, where)
+    elif how == "numpy":
+      value = np.array(value)  # a copy: numpy arrays change in place
     arrays[str(i)] = value
     entries.append({"path": _path_to_json(var_path), "kind": type(var).__name__,
                     "spec": spec, "layer_axis": _layer_axis_json(var)})
-
-  import orbax.checkpoint as ocp
-
-  version = begin(root)
-  try:
-    if arrays:  # orbax refuses an empty tree; a model without variables is just JSON
-      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-        checkpointer.save(os.path.join(version, "state"),
-                          args=ocp.args.StandardSave(arrays))
-    write_json(os.path.join(version, "variables.json"),
-               {"format": FORMAT, "variables": entries, "files": file_sizes(version)})
-    commit(root, version)
-  except BaseException:
-    abandon(root, version)
-    raise
+  return entries, arrays
 
 
 def _python_as_array(value, where: str) -> np.ndarray:
@@ -216,12 +266,18 @@ def _as_model_holds(restored, old, how: str):
   return restored
 
 
-def restore(path: str | os.PathLike, model) -> None:
+def restore(path: str | os.PathLike, model, *filters) -> None:
   """Reads the checkpoint ``sr.save`` wrote at ``path`` into ``model``, in place.
 
   The checkpoint must hold exactly the model's variables, with the same kinds, shapes
   and dtypes; ``sr.StateMismatchError`` lists the first five that differ (missing,
-  extra, or another kind/shape/dtype) and how many more. Arrays are restored onto the
+  extra, or another kind/shape/dtype) and how many more. With ``filters`` (any of
+  them, as ``sr.state`` takes them: ``sr.Param``, ``"batch_stats"``,
+  ``sr.PathContains("encoder")``, …) only the model's variables they match are read
+  and checked, and the checkpoint may hold others: fine-tuning from pretrained
+  parameters is ``sr.restore(path, model, sr.Param)``. A filter that matches none of
+  the model's variables raises. In a multi-process run every process calls it; each
+  reads its own shards (a checkpoint saved by another number of processes restores). Arrays are restored onto the
   model's current shardings, so the model may be placed differently than the saved
   one (another mesh, one device). ``remat_scan`` stacks keep one flat layer axis, so
   a stack restores from one saved with other ``lengths``. A Variable holding a Python
@@ -252,27 +308,33 @@ def restore(path: str | os.PathLike, model) -> None:
   """
   root = resolve(path, "restore")
   _check_model(model, "restore")
+  variables = _selected(_variables(model), filters)
+  wait_previous(root, "restore")
   version = current(root)
   saved, files, layer_axes = _read_meta(version)
   check_files(version, files)
-  variables = _variables(model)
   _refuse_traced(variables, "restore")
   specs = [_describe(var._value) for _, var in variables]
   keys = [_path_from_json(_path_to_json(p)) for p, _ in variables]
-  _check_match(saved, variables, keys, [s for s, _ in specs], root, layer_axes)
+  _check_match(saved, variables, keys, [s for s, _ in specs], root, layer_axes,
+               partial=bool(filters))
 
   import orbax.checkpoint as ocp
 
   where = {p: i for i, (p, _, _) in enumerate(saved)}
   order = [where[key] for key in keys]
-  targets = {str(j): _target(var._value, how)
-             for j, ((_, var), (_, how)) in zip(order, zip(variables, specs))}
+  # Orbax reads the arrays named here; the rest of the checkpoint stays on disk.
+  targets = {str(j): ocp.PLACEHOLDER for j in range(len(saved))}
+  targets.update({str(j): _target(var._value, how)
+                  for j, ((_, var), (_, how)) in zip(order, zip(variables, specs))})
   restored = {}
-  if targets:
+  if variables:
     try:
-      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-        restored = checkpointer.restore(os.path.join(version, "state"),
-                                        args=ocp.args.StandardRestore(targets))
+      with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        restored = checkpointer.restore(
+            os.path.join(version, "state"), args=ocp.args.PyTreeRestore(
+                item=targets,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(targets)))
     except (OSError, ValueError, KeyError) as e:
       # Orbax's FileNotFoundError must not escape: `except FileNotFoundError: start
       # fresh` would silently throw away a run whose checkpoint is merely damaged.
@@ -287,6 +349,29 @@ def restore(path: str | os.PathLike, model) -> None:
           "is damaged (nothing was restored). Fix: restore from another checkpoint.")
     values[var_path] = value
   update(model, State(values))
+
+
+def _selected(variables: list, filters: tuple) -> list:
+  """The variables ``filters`` match (all of them without filters)."""
+  if not filters:
+    return variables
+  predicate = to_predicate(filters)
+  chosen = [(p, v) for p, v in variables if predicate(p, v)]
+  if not chosen:
+    counts: dict[str, int] = {}
+    for _, var in variables:
+      counts[var.collection] = counts.get(var.collection, 0) + 1
+    have = ", ".join(f"{name!r} ({n})" for name, n in counts.items()) or "none"
+    close = [m for f in filters if isinstance(f, str)
+             for m in difflib.get_close_matches(f, list(counts), n=1)]
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise TypeError(
+        f"sr.restore: the filters {', '.join(map(filter_repr, filters))} match no "
+        f"variable of the model, so nothing would be restored. Its variables are in "
+        f"the collections: {have}.{hint} Fix: pass filters that match what to "
+        "restore, e.g. `sr.restore(path, model, sr.Param)`, or none to restore "
+        "everything.")
+  return chosen
 
 
 def _damaged(error: Exception, version: str, saved) -> CheckpointError:
@@ -346,8 +431,10 @@ def _read_meta(version: str) -> tuple[list[tuple[tuple, str, str]], dict[str, in
         "checkpoint.") from None
 
 
-def _check_match(saved, variables, keys, specs, root: str, layer_axes: dict) -> None:
-  """Raises ``StateMismatchError`` listing the first ``_LISTED`` variables that differ.
+def _check_match(saved, variables, keys, specs, root: str, layer_axes: dict,
+                 partial: bool = False) -> None:
+  """Raises ``StateMismatchError`` listing the first ``_LISTED`` variables that differ
+  (with ``partial``, the checkpoint may hold variables the model's selection lacks).
 
   A stacked variable whose layer axis moved (same shape, another axis stacks the
   layers) differs too: restoring it would silently mix layers with features.
@@ -372,7 +459,7 @@ def _check_match(saved, variables, keys, specs, root: str, layer_axes: dict) -> 
           f"{_axes_words(_layer_axis_json(var))}")
   problems += [
       f"the checkpoint has `{format_path(path)}` (a {kind} {spec}) but the model does "
-      "not" for path, (kind, spec) in theirs.items() if path not in ours]
+      "not" for path, (kind, spec) in theirs.items() if path not in ours and not partial]
 
   if problems:
     # The first keeps the one-line summary; the next few follow, one per line.

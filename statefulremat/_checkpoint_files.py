@@ -20,7 +20,9 @@ before it was flipped, so the previous checkpoint stays loadable; a dead save's
 ``sr-<n>`` is invisible (nothing points at it) and the next save deletes it. Orbax's
 own ``force=True`` overwrite would not do: it deletes the old checkpoint first.
 
-Only one process may save to a path at a time (no locking, no multi-host support).
+One program saves to a path at a time (no locking). In a multi-process run, every
+process calls ``sr.save`` and the primary alone creates versions and flips the
+pointer: ``_checkpoint_sync``.
 """
 
 from __future__ import annotations
@@ -187,6 +189,17 @@ def begin(root: str) -> str:
   version = os.path.join(root, f"sr-{max(taken, default=0) + 1}")
   os.mkdir(version)
   return version
+
+
+def newest(root: str) -> str:
+  """The directory of ``root``'s highest-numbered version (the one ``begin`` made)."""
+  taken = [int(m.group(1)) for m in map(_VERSION.fullmatch, os.listdir(root)) if m]
+  if not taken:
+    raise CheckpointError(
+        f"sr.save: no version directory in {root!r} after the primary process began "
+        "one: the processes do not share this path. Fix: save to a path every "
+        "process sees (a shared filesystem).")
+  return os.path.join(root, f"sr-{max(taken)}")
 
 
 def commit(root: str, version: str) -> None:
