@@ -23,54 +23,24 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._checkpoint_files import (CheckpointError, FORMAT, abandon, check_files, commit,
-                                current, file_sizes, read_json, resolve, write_json)
+                                current, file_sizes, resolve, write_json)
+from ._checkpoint_meta import (check_match, damaged, layer_axis_json, path_from_json,
+                               path_to_json, read_meta)
 from ._checkpoint_sync import Saves, SaveHandle, is_primary, wait_previous
-from ._errors import StateMismatchError, format_path
+from ._errors import format_path
 from ._filters import filter_repr, to_predicate
 from ._graph import flatten, update
 from ._module import Module
-from ._stacks import LAYER_AXIS
 from ._state import State
 from ._variables import Variable
 
 _PYTHON = (bool, int, float)  # exactly these types: a numpy scalar is not one
-
-# How many differences a StateMismatchError lists before "and N more".
-_LISTED = 5
-
-
-class _Key:
-  """A path key other than str/int, known by its repr (JSON cannot hold it)."""
-
-  __slots__ = ("text",)
-
-  def __init__(self, text: str):
-    self.text = text
-
-  def __repr__(self):
-    return self.text
-
-  def __eq__(self, other):
-    return isinstance(other, _Key) and self.text == other.text
-
-  def __hash__(self):
-    return hash(self.text)
-
-
-def _path_to_json(path: tuple) -> list:
-  return [k if type(k) in (str, int) else {"repr": repr(k)} for k in path]
-
-
-def _path_from_json(keys: list) -> tuple:
-  return tuple(_Key(k["repr"]) if isinstance(k, dict) else k for k in keys)
-
 
 def _describe(value) -> tuple[str, str | None]:
   """``(spec, how)``: the spec compared on restore (``float32[8,4]``) and how the value
@@ -219,8 +189,8 @@ def _snapshot(model) -> tuple[list[dict], dict[str, object]]:
     elif how == "numpy":
       value = np.array(value)  # a copy: numpy arrays change in place
     arrays[str(i)] = value
-    entries.append({"path": _path_to_json(var_path), "kind": type(var).__name__,
-                    "spec": spec, "layer_axis": _layer_axis_json(var)})
+    entries.append({"path": path_to_json(var_path), "kind": type(var).__name__,
+                    "spec": spec, "layer_axis": layer_axis_json(var)})
   return entries, arrays
 
 
@@ -311,12 +281,12 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
   variables = _selected(_variables(model), filters)
   wait_previous(root, "restore")
   version = current(root)
-  saved, files, layer_axes = _read_meta(version)
+  saved, files, layer_axes = read_meta(version)
   check_files(version, files)
   _refuse_traced(variables, "restore")
   specs = [_describe(var._value) for _, var in variables]
-  keys = [_path_from_json(_path_to_json(p)) for p, _ in variables]
-  _check_match(saved, variables, keys, [s for s, _ in specs], root, layer_axes,
+  keys = [path_from_json(path_to_json(p)) for p, _ in variables]
+  check_match(saved, variables, keys, [s for s, _ in specs], root, layer_axes,
                partial=bool(filters))
 
   import orbax.checkpoint as ocp
@@ -338,7 +308,7 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
     except (OSError, ValueError, KeyError) as e:
       # Orbax's FileNotFoundError must not escape: `except FileNotFoundError: start
       # fresh` would silently throw away a run whose checkpoint is merely damaged.
-      raise _damaged(e, version, saved) from e
+      raise damaged(e, version, saved) from e
   values = {}
   for j, (var_path, var), (spec, how) in zip(order, variables, specs):
     value = _as_model_holds(restored[str(j)], var._value, how)
@@ -372,105 +342,3 @@ def _selected(variables: list, filters: tuple) -> list:
         "restore, e.g. `sr.restore(path, model, sr.Param)`, or none to restore "
         "everything.")
   return chosen
-
-
-def _damaged(error: Exception, version: str, saved) -> CheckpointError:
-  """The error for orbax data that cannot be read, naming the array and file if known."""
-  text = str(error).split(" [tensorstore_spec")[0].strip()
-  # tensorstore names the array by its key in the saved tree (the index in `saved`)
-  # and the file it failed on; neither is guaranteed, so each is reported if found.
-  array = re.search(r'"(\d+)/[^"]*"', text)
-  what = "its array data"
-  if array and int(array.group(1)) < len(saved):
-    what = f"the array of `{format_path(saved[int(array.group(1))][0])}`"
-  files = re.findall(r'local file "([^"]+)"', text)
-  files = [f for f in files if not f.endswith(os.sep)]
-  status = text.split(":")[0]  # tensorstore's status code, e.g. NOT_FOUND
-  reason = (f"tensorstore: {status}" if re.fullmatch(r"[A-Z_]+", status) else
-            f"{type(error).__name__}: {text[:200]}")
-  reason += f", file {files[-1]!r}" if files else ""
-  return CheckpointError(
-      f"sr.restore: the checkpoint in {version!r} is damaged: {what} cannot be "
-      f"read ({reason}). Its variables.json is intact, so this is not a "
-      "missing checkpoint; nothing was restored and the model is unchanged. Fix: "
-      "restore from another (earlier) checkpoint, or, to start over on purpose, "
-      "delete the directory.")
-
-
-def _axes_words(levels) -> str:
-  if not levels:
-    return "no axis (not stacked)"
-  return " then ".join(f"axis {a}" + (f" ({n!r})" if n else "") for a, n in levels)
-
-
-def _layer_axis_json(var: Variable):
-  """The Variable's layer axes (``[[axis, partition name], ...]``), or None."""
-  levels = var._metadata.get(LAYER_AXIS)
-  return [list(level) for level in levels] if levels else None
-
-
-def _read_meta(version: str) -> tuple[list[tuple[tuple, str, str]], dict[str, int], dict]:
-  """``(path, kind, spec)`` per saved variable, in the order saved; the files' sizes;
-  ``{path: layer axes}`` for the variables whose layer axes were recorded.
-
-  A checkpoint saved before the sizes (or layer axes) were recorded has none to check.
-  """
-  try:
-    meta = read_json(os.path.join(version, "variables.json"))
-    if meta["format"] != FORMAT:
-      raise ValueError(meta["format"])
-    files = {str(k): int(v) for k, v in meta.get("files", {}).items()}
-    layer_axes = {_path_from_json(e["path"]): e["layer_axis"] for e in meta["variables"]
-                  if "layer_axis" in e}
-    return [(_path_from_json(e["path"]), e["kind"], e["spec"])
-            for e in meta["variables"]], files, layer_axes
-  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-    raise CheckpointError(
-        f"sr.restore: the checkpoint in {version!r} is damaged: its variables.json "
-        f"cannot be read ({type(e).__name__}: {e}). Fix: restore from another "
-        "checkpoint.") from None
-
-
-def _check_match(saved, variables, keys, specs, root: str, layer_axes: dict,
-                 partial: bool = False) -> None:
-  """Raises ``StateMismatchError`` listing the first ``_LISTED`` variables that differ
-  (with ``partial``, the checkpoint may hold variables the model's selection lacks).
-
-  A stacked variable whose layer axis moved (same shape, another axis stacks the
-  layers) differs too: restoring it would silently mix layers with features.
-  """
-  theirs = {p: (kind, spec) for p, kind, spec in saved}
-  ours = {key: (type(var).__name__, spec, var)
-          for key, (_, var), spec in zip(keys, variables, specs)}
-  problems = []
-  for path, (kind, spec, var) in ours.items():
-    if path not in theirs:
-      problems.append(
-          f"the model has `{format_path(path)}` (a {kind} {spec}) but the checkpoint "
-          "does not")
-    elif theirs[path] != (kind, spec):
-      problems.append(
-          f"`{format_path(path)}`: the checkpoint has a {theirs[path][0]} "
-          f"{theirs[path][1]}, the model a {kind} {spec}")
-    elif path in layer_axes and layer_axes[path] != _layer_axis_json(var):
-      problems.append(
-          f"`{format_path(path)}`: the checkpoint stacks its layers along "
-          f"{_axes_words(layer_axes[path])}, the model along "
-          f"{_axes_words(_layer_axis_json(var))}")
-  problems += [
-      f"the checkpoint has `{format_path(path)}` (a {kind} {spec}) but the model does "
-      "not" for path, (kind, spec) in theirs.items() if path not in ours and not partial]
-
-  if problems:
-    # The first keeps the one-line summary; the next few follow, one per line.
-    more = len(problems) - 1
-    summary = f" (and {more} more difference{'s' * (more > 1)})" if more else ""
-    listed = "".join(f"\n  also {p}" for p in problems[1:_LISTED])
-    if len(problems) > _LISTED:
-      listed += f"\n  and {len(problems) - _LISTED} more"
-    raise StateMismatchError(
-        f"sr.restore: {problems[0]}{summary}; nothing was restored from {root!r}."
-        f"{listed}\nFix: restore into a model built the way the saved one was (same "
-        "layers, sizes, dtypes, RNG key impl and constructor options); to reuse part "
-        "of a checkpoint, restore it into such a model and copy the variables over "
-        "with sr.update.")

@@ -29,7 +29,8 @@ LAYERS = [
     {"_graph_diff", "_pytree"},
     {"_stacks"},
     {"_transforms"},
-    {"_optimizer", "_sharding", "_checkpoint_files", "_checkpoint", "_summary",
+    {"_optimizer", "_sharding", "_checkpoint_files", "_checkpoint_meta",
+     "_checkpoint_sync", "_checkpoint", "_summary",
      "_display", "_treescope", "_treescope_adapter", "_repr", "_demo", "__main__", "nn",
      "interop"},
 ]
