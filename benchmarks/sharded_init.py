@@ -10,8 +10,15 @@ the layer axis replicated) is built three ways and compiled:
   it: every array is drawn directly in its sharding;
 * raw JAX: the same arrays drawn by ``jax.random`` in one ``jax.jit`` with
   ``out_shardings``, the reference;
+* raw JAX drawing each array with its ``out_sharding`` (under Explicit axes the only
+  partitionable draw: ``out_shardings`` there re-types a replicated draw);
 * for contrast, the whole model on one device, as an eager build followed by
   ``sr.shard`` would hold it before moving it.
+
+Under Explicit axes an array's sharding is its type, and a draw whose type is
+replicated is computed whole on every device before ``sr.shard`` (or raw
+``out_shardings``) re-types it: build under an Auto-axes mesh (partitionable, as the
+Auto row shows), then ``sr.shard`` the result onto the Explicit mesh (no data moves).
 
 XLA's ``memory_analysis()`` is per device and exact. Writes ``sharded_init.json`` and
 ``sharded_init.md`` to ``--out`` (default ``benchmarks/results``).
@@ -62,7 +69,8 @@ def measure(layers: int, width: int, axis_type=AxisType.Auto) -> dict:
     sr.shard(stack, mesh, RULES)
     return stack
 
-  ours = _bytes(sr.jit(create).lower().compile())
+  with jax.set_mesh(mesh):  # Explicit axes are part of the types: trace under the mesh
+    ours = _bytes(sr.jit(create).lower().compile())
 
   shapes = [(layers, width, 4 * width), (layers, 4 * width), (layers, 4 * width, width),
             (layers, width)]
@@ -75,11 +83,27 @@ def measure(layers: int, width: int, axis_type=AxisType.Auto) -> dict:
     return (init(keys[0], shapes[0]), jnp.zeros(shapes[1]), init(keys[1], shapes[2]),
             jnp.zeros(shapes[3]))
 
-  theirs = _bytes(jax.jit(raw, out_shardings=tuple(NamedSharding(mesh, s) for s in specs))
-                  .lower(jax.random.key(0)).compile())
+  with jax.set_mesh(mesh):
+    theirs = _bytes(jax.jit(raw, out_shardings=tuple(NamedSharding(mesh, s)
+                                                     for s in specs))
+                    .lower(jax.random.key(0)).compile())
+  def drawn_sharded(key):  # each draw told its sharding: partitionable in both modes
+    keys = jax.random.split(key, 2)
+    init = jax.nn.initializers.lecun_normal()
+    out = [NamedSharding(mesh, s) for s in specs]
+    return (init(keys[0], shapes[0], out_sharding=out[0]),
+            jnp.zeros(shapes[1], out_sharding=out[1]),
+            init(keys[1], shapes[2], out_sharding=out[2]),
+            jnp.zeros(shapes[3], out_sharding=out[3]))
+
+  drawn = theirs  # under Auto axes a draw takes no out_sharding: out_shardings is it
+  if axis_type == AxisType.Explicit:
+    with jax.set_mesh(mesh):
+      drawn = _bytes(jax.jit(drawn_sharded).lower(jax.random.key(0)).compile())
   whole = sum(4 * int(jnp.prod(jnp.array(s))) for s in shapes)
   return {"layers": layers, "width": width, "axis_type": axis_type.name,
           "devices": len(jax.devices()), "sr": ours, "raw": theirs,
+          "raw_drawn_sharded": drawn,
           "whole_model_bytes": whole,
           "outputs_ratio": ours["outputs"] / theirs["outputs"],
           "temp_ratio": ours["temp"] / max(theirs["temp"], 1)}
@@ -88,13 +112,15 @@ def measure(layers: int, width: int, axis_type=AxisType.Auto) -> dict:
 def table(rows: list[dict]) -> str:
   mib = lambda b: f"{b / 2**20:.2f}"
   lines = ["| mesh axes | layers x width | sr outputs MiB/device | raw outputs MiB/device | "
-           "ratio | sr temp MiB | raw temp MiB | whole model MiB (one device) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+           "ratio | sr temp MiB | raw temp MiB | raw, each draw given out_sharding, temp "
+           "MiB | whole model MiB (one device) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     lines.append(f"| {r['axis_type']} | {r['layers']} x {r['width']} | "
                  f"{mib(r['sr']['outputs'])} | {mib(r['raw']['outputs'])} | "
                  f"{r['outputs_ratio']:.4f} | {mib(r['sr']['temp'])} | "
-                 f"{mib(r['raw']['temp'])} | {mib(r['whole_model_bytes'])} |")
+                 f"{mib(r['raw']['temp'])} | {mib(r['raw_drawn_sharded']['temp'])} | "
+                 f"{mib(r['whole_model_bytes'])} |")
   return "\n".join(lines)
 
 

@@ -212,3 +212,28 @@ def test_sharded_init_creates_every_variable_in_its_sharding():
   # The RNG streams' key and count are outputs too (a few bytes, replicated).
   assert params <= ours.output_size_in_bytes <= params * 1.05
   assert ours.temp_size_in_bytes <= max(1.5 * theirs.temp_size_in_bytes, 1024)
+
+
+def test_explicit_meshes_build_under_auto_axes_then_place_without_moving():
+  # Under Explicit axes a draw's sharding is its type: built under an Auto-axes mesh
+  # (partitionable) and then placed on the Explicit mesh of the same devices, every
+  # array keeps its layout and takes the Explicit type.
+  auto = _mesh()
+  explicit = jax.make_mesh((2, 4), ("data", "model"))
+
+  def create():
+    model = Big(rngs=sr.Rngs(0))
+    sr.shard(model, auto, RULES)
+    return model
+
+  model = sr.jit(create)()
+  shards = {path: [s.data for s in v.addressable_shards]
+            for path, v in sr.state(model).flat().items()}
+  sr.shard(model, explicit, RULES)
+  assert jax.typeof(model.up.kernel.value).sharding.spec == P("data", "model")
+  assert jax.typeof(model.up.kernel.value).sharding.mesh == explicit.abstract_mesh
+  for path, value in sr.state(model).flat().items():
+    for before, after in zip(shards[path], value.addressable_shards):
+      np.testing.assert_array_equal(after.data, before)
+  eager = Big(rngs=sr.Rngs(0))
+  jax.tree.map(np.testing.assert_array_equal, sr.state(model), sr.state(eager))
