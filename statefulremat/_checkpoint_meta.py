@@ -139,6 +139,6 @@ def check_match(saved, variables, keys, specs, root: str, layer_axes: dict,
     raise StateMismatchError(
         f"sr.restore: {problems[0]}{summary}; nothing was restored from {root!r}."
         f"{listed}\nFix: restore into a model built the way the saved one was (same "
-        "layers, sizes, dtypes, RNG key impl and constructor options); to reuse part "
-        "of a checkpoint, restore it into such a model and copy the variables over "
-        "with sr.update.")
+        "layers, sizes, dtypes, RNG key impl and constructor options); to restore part "
+        "of a checkpoint, name it with filters: `sr.restore(path, model, sr.Param)` or "
+        "`sr.restore(path, model, sr.PathContains('encoder'))`.")

@@ -126,6 +126,56 @@ print("up.kernel still", stack.up.kernel.value.sharding.spec,
       np.allclose(stack.up.kernel.value, single.up.kernel.value, atol=1e-6))
 
 # %% [markdown]
+# ## JAX's default mesh: Explicit axes
+#
+# `jax.make_mesh` makes `AxisType.Explicit` axes by default: an array's sharding is
+# part of its type (`jax.typeof(x)` shows `float32[8@data,16]`), and an op whose
+# output placement is ambiguous must be told it. Every `sr.nn` layer does that from the
+# shardings of its input and its parameters (the batch axes of the input, the feature
+# axes of the kernel), so the same step runs unchanged. Trace it under the mesh
+# (`jax.set_mesh`): there the mesh is part of the types.
+
+# %%
+explicit = jax.make_mesh((2, 4), ("data", "model"))  # Explicit axes, the default
+with jax.set_mesh(explicit):
+  typed = Stack(DIM, rngs=sr.Rngs(0))
+  sr.shard(typed, explicit, rules)
+  typed_opt = sr.Optimizer(typed, optax.adam(1e-3))
+  batch_explicit = NamedSharding(explicit, P("data"))
+  xe, ye = jax.device_put(x, batch_explicit), jax.device_put(y, batch_explicit)
+  losses = [float(train_step(typed, typed_opt, xe, ye)) for _ in range(STEPS)]
+print("Explicit axes:", jax.typeof(typed.up.kernel.value), "| last loss",
+      f"{losses[-1]:.6f} (Auto axes: {float(loss):.6f})")
+
+# %% [markdown]
+# ## Sharded init: no device holds a whole array
+#
+# Built eagerly, a model lives on one device before `sr.shard` spreads it, so it must
+# fit there. Built inside `sr.jit`, it never exists whole: `sr.shard` inside the trace
+# constrains every Variable, XLA partitions the random draws, and `sr.jit` returns the
+# module with every array already in its sharding. XLA's memory analysis (per device)
+# shows it: the outputs are the shards, not the model.
+#
+# Under Explicit axes a draw's sharding is its type, and one drawn replicated is
+# computed whole before it is re-typed; so build under an Auto-axes mesh of the same
+# devices, and `sr.shard` the result onto the Explicit mesh (no data moves).
+
+# %%
+def create():
+  model = Stack(DIM, rngs=sr.Rngs(0))
+  sr.shard(model, mesh, rules)  # `mesh` has Auto axes
+  return model
+
+
+per_device = sr.jit(create).lower().compile().memory_analysis().output_size_in_bytes
+whole = sum(v.nbytes for v in jax.tree.leaves(sr.state(single)))
+built = sr.jit(create)()
+print(f"outputs per device {per_device} bytes; the whole model {whole} bytes;",
+      "up.kernel:", built.up.kernel.value.sharding.spec)
+sr.shard(built, explicit, rules)  # the same layout, now typed on the Explicit mesh
+print("on the Explicit mesh:", jax.typeof(built.up.kernel.value))
+
+# %% [markdown]
 # ## Saving and restoring
 #
 # `sr.save(path, model)` writes every Variable with orbax-checkpoint. `sr.restore(path,
@@ -140,6 +190,24 @@ fresh = Stack(DIM, rngs=sr.Rngs(1))
 sr.restore(path, fresh)
 print("restored onto", type(fresh.up.kernel.value.sharding).__name__, "| equal:",
       np.array_equal(fresh.up.kernel.value, stack.up.kernel.value))
+
+# %% [markdown]
+# A save can run in the background: `sr.save(path, model, blocking=False)` returns a
+# handle once the arrays are copied to host memory, so training goes on at once (the
+# model may change without changing what is saved); `handle.wait()` blocks until the
+# checkpoint is committed. A save is atomic: one interrupted, even killed, leaves the
+# previous checkpoint loadable. Filters restore part of a checkpoint, e.g. pretrained
+# parameters into a model whose batch statistics and RNG streams start fresh:
+
+# %%
+at_save = stack.down.kernel.value
+handle = sr.save(OUT / "06_async", stack, blocking=False)
+loss = train_step(stack, opt, x_sharded, y_sharded)  # trains on while it writes
+handle.wait()
+params_only = Stack(DIM, rngs=sr.Rngs(3))
+sr.restore(OUT / "06_async", params_only, sr.Param)  # only the Params are read
+print(handle, "| the params as they were at the save:",
+      np.array_equal(params_only.down.kernel.value, at_save))
 
 # %% [markdown]
 # A `remat_scan` stack keeps one flat layer axis, whatever its `lengths`: the nested
@@ -166,3 +234,33 @@ try:
 except sr.StateMismatchError as error:
   print(error)
 print("wider is unchanged:", wider.up.kernel.value is before)
+
+# %% [markdown]
+# ## Several processes
+#
+# Past one machine, JAX runs one program in every process (multi-controller SPMD), and
+# so does statefulremat: run the same script on every host, with
+# `jax.distributed.initialize()` first (its arguments, or none where JAX detects the
+# cluster: Cloud TPU, SLURM). `jax.devices()` then lists every host's devices and the
+# mesh spans them all. Every host builds the model from the same seed and feeds its own
+# rows of the batch; `sr.save` / `sr.restore` are called by every process, each writes
+# and reads its own shards, and a checkpoint written by one number of processes
+# restores in another. `tests/test_multiprocess.py` runs this on one machine, 2
+# processes of 4 CPU devices each on 127.0.0.1:
+#
+# ```python
+# jax.distributed.initialize(coordinator_address="10.0.0.1:1234",  # host 0
+#                            num_processes=2, process_id=int(os.environ["RANK"]))
+# mesh = jax.make_mesh((2, 4), ("data", "model"))          # all 8 devices
+# model = Stack(DIM, rngs=sr.Rngs(0))                      # same seed everywhere
+# sr.shard(model, mesh, rules)
+# opt = sr.Optimizer(model, optax.adam(1e-3))
+# sharding = NamedSharding(mesh, P("data"))
+# with jax.set_mesh(mesh):
+#   for step, (x_local, y_local) in enumerate(my_rows_of_each_batch):
+#     x = jax.make_array_from_process_local_data(sharding, x_local)
+#     y = jax.make_array_from_process_local_data(sharding, y_local)
+#     loss = train_step(model, opt, x, y)
+#   sr.save("/shared/ckpt", opt)                            # every process calls it
+# ```
+
