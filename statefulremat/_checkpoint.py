@@ -21,7 +21,6 @@ configuration, not state: the model's own is kept.
 
 from __future__ import annotations
 
-import difflib
 import os
 
 import jax
@@ -34,7 +33,7 @@ from ._checkpoint_meta import (check_match, damaged, layer_axis_json, path_from_
                                path_to_json, read_meta)
 from ._checkpoint_sync import Saves, SaveHandle, is_primary, wait_previous
 from ._errors import format_path
-from ._filters import filter_repr, to_predicate
+from ._filters import collections_and_guess, filter_repr, to_predicate
 from ._graph import flatten, update
 from ._module import Module
 from ._state import State
@@ -328,13 +327,8 @@ def _selected(variables: list, filters: tuple) -> list:
   predicate = to_predicate(filters)
   chosen = [(p, v) for p, v in variables if predicate(p, v)]
   if not chosen:
-    counts: dict[str, int] = {}
-    for _, var in variables:
-      counts[var.collection] = counts.get(var.collection, 0) + 1
-    have = ", ".join(f"{name!r} ({n})" for name, n in counts.items()) or "none"
-    close = [m for f in filters if isinstance(f, str)
-             for m in difflib.get_close_matches(f, list(counts), n=1)]
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    have, guess = collections_and_guess(filters, variables)
+    hint = f" Did you mean {guess!r}?" if guess else ""
     raise TypeError(
         f"sr.restore: the filters {', '.join(map(filter_repr, filters))} match no "
         f"variable of the model, so nothing would be restored. Its variables are in "

@@ -15,6 +15,7 @@ are hashable and compare equal when built from equal filters, so they can key ca
 
 from __future__ import annotations
 
+import difflib
 from typing import Any as _AnyType, Callable
 
 from ._variables import Variable
@@ -207,3 +208,22 @@ def filter_repr(filter: Filter) -> str:
     return ("(" + ", ".join(map(filter_repr, filter)) + ("," if len(filter) == 1 else "")
             + ")")
   return repr(filter)
+
+
+def collections_and_guess(filters: tuple, variables) -> tuple[str, str | None]:
+  """For filters that matched none of ``variables`` (``(path, Variable)`` pairs): the
+  collections there with their counts, and the collection a misspelt name may mean.
+
+  >>> import statefulremat as sr
+  >>> from statefulremat._filters import collections_and_guess
+  >>> model = sr.nn.BatchNorm(2, rngs=sr.Rngs(0))
+  >>> collections_and_guess(("param",), model.iter_variables())
+  ("'params' (2), 'batch_stats' (2)", 'params')
+  """
+  counts: dict[str, int] = {}
+  for _, var in variables:
+    counts[var.collection] = counts.get(var.collection, 0) + 1
+  have = ", ".join(f"{name!r} ({n})" for name, n in counts.items()) or "none"
+  close = [m for f in filters if isinstance(f, str)
+           for m in difflib.get_close_matches(f, list(counts), n=1)]
+  return have, (close[0] if close else None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 from typing import Callable, Sequence
 
@@ -10,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import format_path
-from .._filters import Filter, filter_repr, to_predicate
+from .._filters import Filter, collections_and_guess, filter_repr, to_predicate
 from .._module import Module
 from .._state import State, _Spec, freeze
 from .._kinds import Param
@@ -145,15 +144,8 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
 
 
 def _nothing_to_differentiate(what: str, wrt, position: int, module) -> None:
-  counts: dict[str, int] = {}
-  for _, var in module.iter_variables():
-    counts[var.collection] = counts.get(var.collection, 0) + 1
-  have = ", ".join(f"{name!r} ({n})" for name, n in counts.items()) or "none"
-  hint = ""
-  if isinstance(wrt, str):
-    close = difflib.get_close_matches(wrt, list(counts), n=1)
-    if close:
-      hint = f" Did you mean `wrt={close[0]!r}`?"
+  have, guess = collections_and_guess((wrt,), module.iter_variables())
+  hint = f" Did you mean `wrt={guess!r}`?" if guess else ""
   raise TransformError(
       f"{what}: wrt={filter_repr(wrt)} matches no variable of argument {position} (a "
       f"{type(module).__name__}), so there is nothing to differentiate and the gradient "
