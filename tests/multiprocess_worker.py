@@ -8,7 +8,7 @@ trains, saves and restores with ``sr.save`` / ``sr.restore``. It writes its loss
 JSON to ``--out`` and ends by itself (a timeout guards every wait).
 
     python tests/multiprocess_worker.py --port P --process-id I --num-processes N \\
-        --out FILE train --steps 3 --save DIR
+        --out FILE train --steps 3 --save DIR --save-in-background DIR2
     python tests/multiprocess_worker.py ... resume --steps 2 DIR [DIR ...]
 
 The model, batch and step live in ``build`` / ``batch`` / ``train_step``, which the
@@ -100,6 +100,7 @@ def main() -> None:
   train = sub.add_parser("train")
   train.add_argument("--steps", type=int, required=True)
   train.add_argument("--save", required=True)
+  train.add_argument("--save-in-background", required=True)
   resume = sub.add_parser("resume")
   resume.add_argument("--steps", type=int, required=True)
   resume.add_argument("--first", type=int, required=True)
@@ -118,6 +119,8 @@ def main() -> None:
       model, opt = build(m)
       result["losses"] = run_steps(model, opt, m, 0, args.steps)
       sr.save(args.save, opt)  # the optimizer holds the model: one checkpoint of both
+      handle = sr.save(args.save_in_background, opt, blocking=False)
+      handle.wait()
     else:
       result["losses"] = {}
       for path in args.checkpoints:

@@ -2,7 +2,8 @@
 ``jax.distributed.initialize`` on 127.0.0.1 with gloo collectives, train a sharded
 ``remat_scan`` stack on the 8 global devices (Explicit axes), save one checkpoint
 from both, restore it in 2 processes and in 1, and restore a 1-process checkpoint in
-2 — every loss equal to this one process's on its own 8 devices.
+2 — every loss equal to this one process's on its own 8 devices. Both processes also
+save in the background (``blocking=False``), and that checkpoint restores too.
 
 The program each process runs is ``tests/multiprocess_worker.py``.
 """
@@ -85,21 +86,24 @@ def reference():
 def test_two_processes_train_save_and_restore_in_two_and_in_one(tmp_path, reference):
   first, rest, state_at_3 = reference
   two = str(tmp_path / "saved-by-2")
+  two_async = str(tmp_path / "saved-by-2-in-the-background")
   one = str(tmp_path / "saved-by-1")
   mesh = worker.mesh()
   with jax.set_mesh(mesh):
     sr.save(one, state_at_3)
 
-  trained = run_processes(tmp_path, "train", "train", "--steps", "3", "--save", two)
+  trained = run_processes(tmp_path, "train", "train", "--steps", "3", "--save", two,
+                          "--save-in-background", two_async)
   assert [r["devices"] for r in trained] == [8, 8]
   assert [r["local_devices"] for r in trained] == [4, 4]
   for r in trained:  # every process sees the same (global) losses
     np.testing.assert_allclose(r["losses"], first, rtol=1e-5)
 
   resumed = run_processes(tmp_path, "resume", "resume", "--steps", "2", "--first", "3",
-                          two, one)
+                          two, two_async, one)
   for r in resumed:
     np.testing.assert_allclose(r["losses"][two], rest, rtol=1e-5)  # written by 2
+    np.testing.assert_allclose(r["losses"][two_async], rest, rtol=1e-5)
     np.testing.assert_allclose(r["losses"][one], rest, rtol=1e-5)  # written by 1
 
   # The 2-process checkpoint restores in this one process and continues the same.
