@@ -20,7 +20,7 @@ from ._lift import write_back
 from ._rules import Rules, TransformError
 from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
                           resolve_length, stacked_sources)
-from ._remat_plan import (POLICIES, RematPlan, RematPlanError, block_inputs, choose,
+from ._remat_plan import (DOTS, POLICIES, RematPlan, RematPlanError, block_inputs, choose,
                           format_bytes, parse_bytes, residual_bytes, tree_bytes)
 from ._stacked import stacked_class
 
@@ -236,13 +236,15 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
   (see ``sr.RematPlan``): with ``memory_budget`` (bytes, or ``"512MiB"``) the fewest
   block evaluations whose temp memory fits, else the least memory at no more than 3N
   evaluations. Without a budget nothing is compiled (``plan.verify()`` compiles once
-  and measures); with one, the pick is compiled once to check it fits, and where the
-  model was off for this block, it is rescaled by XLA's figure and the choice made
-  again; plans with fewer evaluations that the model put just over the budget (within
-  5 %) are compiled too, up to 8, and the first that fits is taken
-  (``plan.measured_bytes``: XLA's figure for the plan returned). When the model puts
-  every plan over the budget, those within its error of it are compiled before
-  planning raises.
+  and measures); with one, the pick is compiled once to check it fits (a plan the
+  model puts inside the budget's 3 % headroom, or, tried first, one with fewer
+  evaluations that it puts under the budget itself: where it fits, one compile is
+  all), and where the model was off for this block, it is rescaled by XLA's figure and
+  the choice made again; plans with fewer evaluations that the model put just over the
+  budget (within its error on the pick plus 1 %, at most 5 %) are compiled too, up to
+  8, and the first that fits is taken (``plan.measured_bytes``: XLA's figure for the
+  plan returned). When the model puts every plan over the budget, those within its error
+  of it are compiled before planning raises.
 
   Args:
     stack: a stacked module (N layers), or its ``sr.eval_shape``.
@@ -293,23 +295,41 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
 
   if budget is None:
     return make()
+  compiled: dict = {}
+
+  def measure(plan: RematPlan) -> int:  # one compile per plan while planning
+    key = (plan.lengths, plan.policy_name)
+    if key not in compiled:
+      compiled[key] = verify(plan)
+    return compiled[key]
+
   try:
     plan = make()
   except RematPlanError:
     # The model puts every plan over the budget; those within its error of it may
     # still fit once compiled.
-    plan = _smallest_that_fits(make_unbudgeted(), budget, verify)
-    if plan is None:
+    fitting = _smallest_that_fits(make_unbudgeted(), budget, measure)
+    if fitting is None:
       raise
+    return fitting
+  # Where the model is exact (Dense + tanh: to 0.1 % of XLA's figure), a plan with fewer
+  # evaluations that it puts under the budget itself, inside the headroom kept for
+  # other blocks, is compiled first: where it fits, that one compile is all.
+  bold = _bolder(plan, budget)
+  if bold is not None:
+    measured = measure(bold)
+    if measured <= budget:
+      return _fewer_evaluations(dataclasses.replace(bold, measured_bytes=measured),
+                                budget, measure)
   # A budget is a promise: compile the pick, and where the model was off for this
   # block (small shapes, other backends, deep nestings), scale its figures for nestings
   # of that depth by what XLA said and choose again.
   scales: dict[int, float] = {}
   for _ in range(4):
-    measured = verify(plan)
+    measured = measure(plan)
     if measured <= budget:
       return _fewer_evaluations(dataclasses.replace(plan, measured_bytes=measured),
-                                budget, verify)
+                                budget, measure)
     depth = len(plan.lengths)
     scales[depth] = scales.get(depth, 1.0) * measured / plan.temp_bytes
     try:
@@ -323,21 +343,40 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
       f"{format_bytes(measured)} fits that plan).")
 
 
+def _picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
+  """``plan`` with the candidate ``pick`` chosen (first among its candidates)."""
+  rest = tuple(c for c in plan.candidates if c is not pick)
+  return dataclasses.replace(plan, lengths=pick.lengths, policy_name=pick.policy,
+                             evals=pick.evals, temp_bytes=pick.temp_bytes,
+                             candidates=(pick,) + rest, measured_bytes=measured)
+
+
+def _bolder(plan: RematPlan, budget: int) -> RematPlan | None:
+  """The plan with the fewest evaluations, fewer than ``plan``'s, that the model puts
+  at most at the budget (no headroom); or None."""
+  bolder = [c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= budget]
+  if not bolder:
+    return None
+  return _picking(plan, min(bolder, key=lambda c: (c.evals, c.policy != DOTS,
+                                                   c.temp_bytes, len(c.lengths))))
+
+
 def _fewer_evaluations(plan: RematPlan, budget: int, verify: Callable) -> RematPlan:
   """``plan``, or one with fewer evaluations that fits once compiled though the model
-  put it just over the budget (by up to its error): the model resolves a few per cent,
-  and a tight budget sits within that of several nestings."""
+  put it over the budget's headroom by up to its error on this block (read from the
+  compile of ``plan``: ``measured_bytes`` against ``temp_bytes``, plus 1 %, at most
+  5 %): where the model is exact only plans it puts under the budget itself are
+  compiled, where it was off a few per cent a tight budget sits within that of
+  several nestings."""
+  error = abs(plan.measured_bytes / plan.temp_bytes - 1) if plan.temp_bytes else 1.0
+  band = min(NEAR_MISS, 1 + error + MODEL_SLACK)
   near = sorted((c for c in plan.candidates if c.evals < plan.evals
-                 and c.temp_bytes <= NEAR_MISS * budget),
+                 and c.temp_bytes <= band * budget),
                 key=lambda c: (-c.evals, c.temp_bytes))
   for probe in near[:PROBES]:  # the next fewer evaluations first, likeliest first
-    measured = verify(dataclasses.replace(plan, lengths=probe.lengths,
-                                          policy_name=probe.policy))
+    measured = verify(_picking(plan, probe))
     if measured <= budget:
-      rest = tuple(c for c in plan.candidates if c is not probe)
-      return dataclasses.replace(plan, lengths=probe.lengths, policy_name=probe.policy,
-                                 evals=probe.evals, temp_bytes=probe.temp_bytes,
-                                 candidates=(probe,) + rest, measured_bytes=measured)
+      return _picking(plan, probe, measured)
   return plan
 
 
@@ -347,10 +386,7 @@ def _smallest_that_fits(plan: RematPlan, budget: int, verify: Callable):
   near = sorted((c for c in plan.candidates if c.temp_bytes <= NEAR_MISS * budget),
                 key=lambda c: c.temp_bytes)
   for probe in near[:PROBES]:
-    candidate = dataclasses.replace(plan, lengths=probe.lengths, policy_name=probe.policy,
-                                    evals=probe.evals, temp_bytes=probe.temp_bytes,
-                                    candidates=(probe,) + tuple(
-                                        c for c in plan.candidates if c is not probe))
+    candidate = _picking(plan, probe)
     measured = verify(candidate)
     if measured <= budget:
       return _fewer_evaluations(dataclasses.replace(candidate, measured_bytes=measured),
@@ -359,6 +395,7 @@ def _smallest_that_fits(plan: RematPlan, budget: int, verify: Callable):
 
 
 NEAR_MISS = 1.05  # the model's error band, above the budget
+MODEL_SLACK = 0.01  # what the band adds to the model's error measured on the pick
 PROBES = 8        # compiles at most, to find a plan with fewer evaluations
 
 
