@@ -1,21 +1,119 @@
-"""``sr.display``: treescope's notebook display, with stacked arrays drawn as figures."""
+"""``sr.display``: treescope's notebook display, with stacked arrays drawn as figures
+that step through the layer axis with a slider."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 _ARRAYS = ("stacked", "all", "none")
+
+# Cells one layer's slice may draw (treescope's ArrayAutovisualizer draws 4,000 for a
+# whole array), and at most this many for all the layers of one array together.
+_CELLS_PER_LAYER = 4_000
+_CELLS = 200_000
+_EDGE = 5  # entries kept at each end of an axis that is cut
 
 
 def stacked_arrays(value, path):
-  """A treescope autovisualizer that draws stacked (layered) arrays and nothing else."""
+  """A treescope autovisualizer that draws stacked (layered) arrays and nothing else:
+  one layer at a time, a slider over the layer axis picks which.
+
+  Every layer stays reachable: where a layer is too big to draw whole, its other
+  axes are cut to their first and last entries (the figure's axis labels say so
+  and its tooltips give the original indices), never the layer axis.
+  """
   from ._treescope import LayeredArray
 
   if not isinstance(value, LayeredArray):
     return None
   import treescope
 
-  return treescope.ArrayAutovisualizer()(value, path)
+  try:
+    figure = layer_slider_figure(value)
+  except Exception:  # a tracer, a deleted or not fully addressable array, a key array
+    return None
+  if figure is None:
+    return None
+  from treescope import rendering_parts as rp
+
+  from ._treescope import _data_summary
+
+  stats = _data_summary(value.array).strip()
+  label = rp.abbreviation_color(rp.text(f"<{value.axes_text()}{' ' + stats if stats else ''}"))
+  node = rp.build_custom_foldable_tree_node(
+      label=label,
+      contents=rp.siblings(
+          rp.fold_condition(expanded=rp.indented_children([figure.treescope_part])),
+          rp.abbreviation_color(rp.text(">"))),
+      # Open: the figure shows as soon as its Variable is (a click), not a click later.
+      path=path, expand_state=rp.ExpandState.EXPANDED)
+  return treescope.VisualizationFromTreescopePart(node)
+
+
+def layer_slider_figure(value):
+  """treescope's ``render_array`` of a ``LayeredArray`` with ``sliders=`` its layer
+  axis; None for what it cannot draw (key arrays, one element).
+
+  >>> import jax.numpy as jnp
+  >>> from statefulremat._treescope import LayeredArray
+  >>> from statefulremat._display import layer_slider_figure
+  >>> type(layer_slider_figure(LayeredArray(jnp.zeros((3, 2)), 0, "layers"))).__name__
+  'TreescopeFigure'
+  """
+  import treescope
+  from treescope import dtype_util
+
+  from ._treescope import LayeredArray
+
+  array = value.array
+  dtype = np.dtype(array.dtype) if not hasattr(array.dtype, "_rules") else None
+  if dtype is None or not (dtype_util.is_integer_dtype(dtype)
+                           or dtype_util.is_floating_dtype(dtype)
+                           or np.issubdtype(dtype, np.bool_)) or np.size(array) <= 1:
+    return None
+  shape = np.shape(array)
+  layers = shape[value.axis]
+  kept = _kept_per_axis(shape, value.axis, min(_CELLS_PER_LAYER, _CELLS // max(layers, 1)))
+  data = np.asarray(array)
+  labels, item_labels = {}, {}
+  for axis, (size, keep) in enumerate(zip(shape, kept)):
+    if keep >= size:
+      continue
+    index = np.r_[0:keep // 2, size - keep // 2:size]
+    data = np.take(data, index, axis=axis)
+    key = value.names[axis] if value.names[axis] is not None else axis
+    what = value.names[axis] or f"axis {axis}"
+    labels[key] = f"{what}: {size}, the first and last {keep // 2} shown"
+    item_labels[key] = [str(i) for i in index]
+  cut = LayeredArray(data, value.axis, value.name)
+  cut.names = value.names
+  return treescope.render_array(cut, sliders=[value.axis], axis_labels=labels or None,
+                                axis_item_labels=item_labels or None)
+
+
+def _kept_per_axis(shape, layer_axis: int, budget: int) -> list[int]:
+  """How many entries of each axis one layer's figure keeps: all of them while the
+  slice fits ``budget`` cells, else the longest axis is halved (an even count, at
+  least ``2 * _EDGE``) until it does. The layer axis is always kept whole.
+
+  >>> from statefulremat._display import _kept_per_axis
+  >>> _kept_per_axis((6, 8, 8), 0, 4000), _kept_per_axis((4, 768, 3072), 0, 4000)
+  ([6, 8, 8], [4, 48, 48])
+  """
+  kept = list(shape)
+  others = [a for a in range(len(shape)) if a != layer_axis]
+
+  def cells():
+    return int(np.prod([kept[a] for a in others]))
+
+  while others and cells() > budget:
+    axis = max(others, key=lambda a: kept[a])
+    if kept[axis] <= 2 * _EDGE:
+      break
+    kept[axis] = max(2 * _EDGE, (kept[axis] // 2) // 2 * 2)
+  return kept
 
 
 def autovisualizer(arrays: str):
@@ -29,15 +127,25 @@ def autovisualizer(arrays: str):
   if arrays == "all":
     import treescope
 
-    return treescope.ArrayAutovisualizer()
+    others = treescope.ArrayAutovisualizer()
+
+    def every_array(value, path):
+      return stacked_arrays(value, path) or others(value, path)
+
+    return every_array
   return None
 
 
 def display(obj: Any, *, arrays: str = "stacked") -> None:
   """Shows ``obj`` with treescope: a foldable, coloured tree in a notebook (IPython),
-  its text elsewhere. Stacked arrays (the layer axis of scan, remat_scan and vmap
-  modules) are drawn as array figures with the layer axis labelled; ``arrays="all"``
-  draws every array, ``arrays="none"`` none.
+  its text elsewhere.
+
+  In a notebook, modules open with their sub-modules and Variables; each module's
+  settings at their constructor defaults sit in one folded line, and RNG streams are
+  folded (a click opens either). Stacked arrays (the layer axis of scan, remat_scan
+  and vmap modules) are drawn as array figures of one layer at a time, with a slider
+  over the layer axis; ``arrays="all"`` draws every array, ``arrays="none"`` none.
+  Outside a notebook it prints the repr's text.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.display(sr.Param(jnp.zeros(2)))  # outside a notebook: the text

@@ -228,12 +228,46 @@ def test_display_in_a_notebook_draws_only_stacked_arrays_as_figures(monkeypatch)
   assert obj is holder
   with treescope.active_autovisualizer.set_scoped(visualizer):
     html = treescope.render_to_html(holder, compressed=False)
-  assert html.count('"label": "layers (axis 0): 4"') == 1  # the stacked array's figure
-  assert html.count("(axis 0)") == 1  # and no figure for the plain (2, 3) array
+  # The stacked array's figure shows one layer at a time, a slider over the 4 layers;
+  # no figure for the plain (2, 3) array.
+  assert html.count('"slicedAxisSpecs": [{"name": "a0", "label": "layers (axis 0)", '
+                    '"start": 0, "end": 4}]') == 1
+  assert html.count("(axis 0)") == 1
 
   shown.clear()
   sr.display(holder, arrays="none")
   assert shown[0][1] is False
+
+
+def test_a_big_layer_is_cut_within_the_layer_never_across_layers():
+  from statefulremat._display import layer_slider_figure
+  from statefulremat._treescope import LayeredArray
+
+  # 12 layers of 768 x 3072: every layer stays reachable by the slider; each layer's
+  # axes keep their first and last entries, and say so.
+  array = LayeredArray(jnp.zeros((12, 768, 3072)), 0, "layers", ("embed", "mlp"))
+  html = treescope.render_to_html(layer_slider_figure(array), compressed=False)
+  html = html.replace("&quot;", '"')
+  assert '"label": "layers (axis 0)", "start": 0, "end": 12}' in html
+  assert '"label": "embed: 768, the first and last 24 shown", "start": 0, "end": 48}' in html
+  assert '"label": "mlp: 3072, the first and last 24 shown", "start": 0, "end": 48}' in html
+  # Key arrays (stacked RNG streams) and tracers are left to the text.
+  keys = LayeredArray(jax.random.split(jax.random.key(0), 3), 0, "layers")
+  assert layer_slider_figure(keys) is None
+
+
+def test_display_all_arrays_slides_the_stacked_ones():
+  from statefulremat._display import autovisualizer
+
+  class Holder(sr.Module):
+    def __init__(self):
+      self.plain = Tiny()
+      self.stack = sr.vmap(Tiny, axis_size=4)()
+
+  with treescope.active_autovisualizer.set_scoped(autovisualizer("all")):
+    html = treescope.render_to_html(Holder(), compressed=False)
+  assert html.count('"label": "layers (axis 0)", "start": 0, "end": 4}') == 1
+  assert html.count('"label": "axis 0: 2"') == 1  # the plain array, whole
 
 
 def test_display_with_an_unknown_arrays_option():
