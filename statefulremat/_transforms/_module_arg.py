@@ -64,7 +64,22 @@ def check_stacks_sliced(nodes, graphdef, variables, plan: Plan, what: str) -> No
         f"this transform's rules {got}, so every iteration would compute with the "
         f"whole stack where one layer was meant. Fix: slice it per layer, e.g. "
         f"`variable_axes={{{filter_repr(type(var))}: {axis}}}` (collection "
-        f"{var.collection!r}), or pass one layer (`stack.layer(i)`).")
+        f"{var.collection!r}), or pass one layer (`stack.layer(i)`)."
+        f"{_class_rules_hint(stack_cls, path, var, axis)}")
+
+
+def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
+  """When the stack's own class form does not slice ``var`` either (e.g. a KV cache
+  made after building ``sr.scan(Block, variable_axes={sr.Param: 0})``), calling the
+  stack cannot work: the fix is a class built with the rule."""
+  rules = getattr(stack_cls, "_sr_rules", None)
+  if rules is None or rules.classify(path, var)[0] == STACKED:
+    return ""
+  kind = filter_repr(type(var))
+  return (f" Calling the stack runs {stack_cls.__name__}'s own rules, those of the "
+          f"class form that built it: build the class with the rule (add `{kind}: "
+          f"{axis}` to its variable_axes, or use `{{True: {axis}}}`) and move the "
+          "values over with `stack = sr.stack(sr.unstack(stack), like=NewClass)`.")
 
 
 def check_no_modules(tree, what: str, label: str) -> None:
