@@ -87,6 +87,47 @@ def unmark_frozen(i, frozen):
   return freeze(unmark(thaw_metadata(frozen)))
 
 
+def layer_levels(variables, what: str) -> tuple[tuple[int, str | None], ...]:
+  """The layer axes ``variables`` share: ``(layers, partition name)`` per level,
+  outermost first; ``()`` when none of them is stacked.
+
+  How a sub-module reached through a stack (``stack.attn``) knows it is one: its own
+  Variables carry the layer axis. ``per_layer`` gives a new Variable the same levels.
+  Variables without a layer axis (shared ones) are skipped; stacked ones that
+  disagree are an error, as they cannot be one stack's layers.
+  """
+  found, first = None, None
+  for path, var in variables:
+    levels = var._metadata.get(LAYER_AXIS)
+    if not levels:
+      continue
+    these = tuple((jnp.shape(var._value)[axis], name) for axis, name in levels)
+    if found is None:
+      found, first = these, path
+    elif these != found:
+      raise TransformError(
+          f"{what}: `{format_path(first)}` and `{format_path(path)}` carry different "
+          f"layer axes ({_levels_words(found)} vs {_levels_words(these)}), so they are "
+          "not the layers of one stack and a per-layer Variable cannot follow them. "
+          "Fix: give the module's stacked Variables one layer axis (the class form "
+          "of one transform stacks them alike).")
+  return found or ()
+
+
+def _levels_words(levels) -> str:
+  return " x ".join(f"{n} {axis_name(name)}" for n, name in levels)
+
+
+def per_layer(levels) -> tuple[tuple[int, ...], dict]:
+  """``(leading shape, metadata)`` of a new Variable with one value per layer of
+  ``levels`` (from ``layer_levels``): the layer axes in front, outermost first, as
+  the class forms stack with ``variable_axes={...: 0}``; ``((), {})`` for none."""
+  metadata: dict = {}
+  for _, name in reversed(levels):
+    metadata = mark(metadata, 0, name)
+  return tuple(n for n, _ in levels), metadata
+
+
 def is_stacked(module) -> bool:
   """Whether ``module`` is a stack (its class was made by a transform's class form)."""
   return isinstance(module, Module) and "_sr_layer_class" in type(module).__dict__

@@ -408,7 +408,7 @@ def test_stack_of_differing_layers_names_the_first_difference():
     sr.stack(layers)
 
 
-def test_a_cache_made_on_one_layers_path_of_a_stack_says_it_is_not_stacked():
+def test_a_variable_made_on_one_layers_path_of_a_stack_says_it_is_not_stacked():
   class Attn(sr.Module):
     def __init__(self, *, rngs):
       self.attn = sr.nn.MultiHeadAttention(2, 4, decode=True, rngs=rngs)
@@ -417,10 +417,11 @@ def test_a_cache_made_on_one_layers_path_of_a_stack_says_it_is_not_stacked():
       return self.attn(x)
 
   stack = sr.vmap(Attn, axis_size=2)(rngs=sr.Rngs(0))
-  stack.attn.init_cache((1, 6, 4))  # one layer's cache, on the stack's path
+  stack.attn.init_cache((1, 6, 4))  # stacked: one cache per layer (tests/test_stack_decode)
+  stack.attn.cache_index = sr.Cache(jnp.array(0))  # one layer's counter, by hand
   with pytest.raises(sr.TransformError,
                      match=r"`attn\.cache_index` \(Cache\) along axis 0 per layer, but it "
-                     r"is a scalar.*not stacked.*`init_cache` on `stack\.attn`.*Fix: make "
+                     r"is a scalar.*not stacked.*assigned on a stack's path.*Fix: make "
                      r"it per layer"):
     sr.scan(lambda m, x: (m(x), None), variable_axes={True: 0})(stack, jnp.ones((1, 1, 4)))
 

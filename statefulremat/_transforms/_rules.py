@@ -193,11 +193,12 @@ class Plan:
           raise TransformError(
               f"{rules.what}: variable_axes slices `{format_path(self.display_path(path))}`"
               f" ({type(var).__name__}) along axis {axis} per layer, but it is a scalar "
-              "(shape ()): it has no layer axis, so it is not stacked. A variable made "
-              "on one layer's path of a stack after the stack was built (e.g. a KV cache "
-              "made by `init_cache` on `stack.attn`) lacks the layer axis. Fix: make it "
-              "per layer, with the layer axis in front (`jnp.zeros((num_layers, ...))`, "
-              "or inside a `sr.vmap`-ped function of the stack), or keep it out of "
+              "(shape ()): it has no layer axis, so it is not stacked. A variable "
+              "assigned on a stack's path after the stack was built (e.g. "
+              "`stack.block.count = sr.Cache(jnp.array(0))`) lacks the layer axis "
+              "(`init_cache` on a stack's attention, `stack.attn.init_cache(...)`, "
+              "makes stacked caches). Fix: make it per layer, with the layer axis in "
+              "front (`jnp.zeros((len(stack), ...))`), or keep it out of "
               f"variable_axes (e.g. `variable_broadcast={filter_repr(type(var))}`).")
         if not -ndim <= axis < ndim:
           raise TransformError(

@@ -8,11 +8,15 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from .._errors import format_path
 from .._module import Module
 from .._rngs import Rngs, RngStream
 from .._kinds import Cache
+from .._stacks import layer_levels, per_layer
+from .._variables import path_of
 from ._attention import combine_masks, dot_product_attention
 from ._dropout import draw_key
 from ._dtypes import promote_dtype as default_promote_dtype
@@ -171,7 +175,10 @@ class MultiHeadAttention(Module):
 
     ``deterministic``, ``rngs`` (an ``sr.Rngs``, whose ``dropout`` stream is drawn,
     an ``sr.RngStream`` or a key) and ``decode`` override the layer's for this call;
-    ``is_causal`` overlays a causal mask. Returns ``[batch..., q_len, out_features]``.
+    ``is_causal`` overlays a causal mask. Under ``decode`` the cache's own mask (the
+    positions decoded so far) is already causal, so ``is_causal`` is ignored there and
+    one block's code both trains (whole sequences) and decodes (one position at a
+    time). Returns ``[batch..., q_len, out_features]``.
     """
     if inputs_k is None:
       if inputs_v is not None:
@@ -201,6 +208,7 @@ class MultiHeadAttention(Module):
     decode = self.decode if decode is None else decode
     if decode:
       key, value, mask = self._decode_step(key, value, mask)
+      is_causal = False  # the decode mask lets the query see exactly the past
 
     dropout_rng = None
     if self.dropout_rate > 0.0:
@@ -228,9 +236,11 @@ class MultiHeadAttention(Module):
     """Writes this step's key/value into the cache; returns the cached ones and a mask."""
     if self.cached_key is None:
       raise ValueError(
-          "MultiHeadAttention: decode=True needs the key/value cache. Call "
-          "`attn.init_cache((batch, max_length, in_features))` first (outside any "
-          "transform: it creates Variables).")
+          f"{self._where()}: decode=True needs the key/value cache, and it has none. "
+          f"Fix: call `init_cache((batch, max_length, {self.in_features}))` on it "
+          "before decoding, outside any transform (it creates Variables); on a stack, "
+          "`stack.attn.init_cache(...)` makes one cache per layer, stacked along the "
+          "layer axis.")
     *batch_dims, max_length, num_kv_heads, depth = self.cached_key.shape
     expected = tuple(batch_dims) + (1, num_kv_heads, depth)
     if key.shape != expected:
@@ -242,7 +252,7 @@ class MultiHeadAttention(Module):
       # makes it replicated; sr.shard or a reshard may place it otherwise).
       key = jax.sharding.reshard(key, jax.typeof(self.cached_key.value).sharding)
       value = jax.sharding.reshard(value, jax.typeof(self.cached_value.value).sharding)
-    index = self.cache_index.value
+    index = self._check_room(self.cache_index.value, max_length)
     zero = jnp.array(0, dtype=lax.dtype(index.dtype))
     indices = (zero,) * len(batch_dims) + (index, zero, zero)
     key = lax.dynamic_update_slice(self.cached_key.value, key, indices)
@@ -255,19 +265,79 @@ class MultiHeadAttention(Module):
         jnp.arange(max_length) <= index, tuple(batch_dims) + (1, 1, max_length)))
     return key, value, mask
 
+  def _where(self) -> str:
+    path = path_of(self)
+    return f"MultiHeadAttention at `{format_path(path)}`" if path else "MultiHeadAttention"
+
+  def _check_room(self, index, max_length: int):
+    """Raises when every cache position is used: a write there would be clamped
+    onto the last position (``dynamic_update_slice``), a silently wrong result.
+    Returns ``index``."""
+
+    def report(index):
+      if (np.asarray(index) >= max_length).any():
+        raise ValueError(
+            f"{where}: decoding past the end of the key/value cache: it holds "
+            f"max_length={max_length} positions and all are used (cache_index="
+            f"{int(index.max())}). Fix: give the sequence a longer cache, "
+            f"`init_cache((batch, max_length, {self.in_features}))` with max_length at "
+            "least the number of positions decoded (it also starts a new sequence); on "
+            "a stack call it on the stack's attention, `stack.attn.init_cache(...)`.")
+      return index
+
+    where = self._where()
+    if not isinstance(index, jax.core.Tracer):
+      return report(index)  # eager: raise before anything is written
+    # Traced (sr.jit, a stack's scan): the host is called only when the cache is full,
+    # and its error stops the call before the transform writes anything back. A
+    # pure_callback whose result the write uses, so it is not pruned: the effect of
+    # jax.debug.callback cost every decode call ~0.2 ms on CPU where this costs ~0.03.
+    checked = functools.partial(jax.pure_callback, report,
+                                jax.ShapeDtypeStruct(index.shape, index.dtype),
+                                vmap_method="broadcast_all")
+    return lax.cond(index >= max_length, checked, lambda i: i, index)
+
   def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
     """Creates the ``Cache`` Variables for decoding inputs ``(batch..., max_length, features)``.
 
     Call it outside any transform (it adds Variables), then call the layer with
-    ``decode=True`` one position (length 1) at a time.
+    ``decode=True`` one position (length 1) at a time; calling it again starts a new
+    sequence. ``cached_key`` / ``cached_value`` have shape ``(batch..., max_length,
+    num_kv_heads, head_dim)`` and ``cache_index`` (the next position) shape ``()``.
+
+    On the attention of a stack (``stack.attn``, whose Variables carry the layer
+    axis) it makes one cache per layer, stacked along the layer axis in front:
+    shapes ``(num_layers, ...)`` with the ``layer_axis`` metadata, so ``sr.state``,
+    checkpoints, ``stack.layer(i)`` and the scan over the stack treat them as stacked,
+    and each layer decodes with its own slice. The stack's rules must slice the
+    ``Cache`` collection along axis 0: ``sr.remat_scan``'s default ``{True: 0}``
+    does; give ``sr.scan`` ``variable_axes={True: 0}`` or ``{sr.Param: 0, sr.Cache:
+    0}`` (linen's ``{'params': 0, 'cache': 0}``).
 
     >>> import jax.numpy as jnp, statefulremat as sr
     >>> attn = sr.nn.MultiHeadAttention(2, 4, decode=True, rngs=sr.Rngs(0))
     >>> attn.init_cache((1, 6, 4))
     >>> attn(jnp.ones((1, 1, 4))).shape, int(attn.cache_index.value)
     ((1, 1, 4), 1)
+
+    A stack of three attention layers decodes with a cache per layer:
+
+    >>> Stack = sr.remat_scan(sr.nn.MultiHeadAttention, lengths=(3,))
+    >>> stack = Stack(2, 4, decode=True, rngs=sr.Rngs(0))
+    >>> stack.init_cache((1, 6, 4))
+    >>> stack.cached_key.shape, stack.cache_index.value.tolist()
+    ((3, 1, 6, 2, 2), [0, 0, 0])
+    >>> stack(jnp.ones((1, 1, 4))).shape, stack.cache_index.value.tolist()
+    ((1, 1, 4), [1, 1, 1])
+    >>> len(stack), stack.layer(0).cached_key.shape
+    (3, (1, 6, 2, 2))
     """
-    shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
-    self.cached_key = Cache(jnp.zeros(shape, dtype))
-    self.cached_value = Cache(jnp.zeros(shape, dtype))
-    self.cache_index = Cache(jnp.array(0, dtype=jnp.int32))
+    caches = {id(self.cached_key), id(self.cached_value), id(self.cache_index)}
+    levels = layer_levels(
+        [(p, v) for p, v in self.iter_variables() if id(v) not in caches],
+        f"{self._where()}.init_cache")
+    lead, metadata = per_layer(levels)
+    shape = (*lead, *input_shape[:-1], self.num_kv_heads, self.head_dim)
+    self.cached_key = Cache(jnp.zeros(shape, dtype), **metadata)
+    self.cached_value = Cache(jnp.zeros(shape, dtype), **metadata)
+    self.cache_index = Cache(jnp.zeros(lead, dtype=jnp.int32), **metadata)
