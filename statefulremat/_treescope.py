@@ -14,6 +14,13 @@ treescope internals); Variables are coloured by collection. Two things are ours:
   ``Param(<shared: drawn at first.w>)`` (and treescope's own "repeated object"
   comment, which carries a memory address, never fires).
 
+A module shows its attributes as constructor arguments, except its settings at their
+constructor defaults (``precision=None``, ``dot_general=jax.lax.dot_general``; see
+``_repr.settings_at_defaults``): ``repr()`` leaves them out, and treescope's foldable
+view (``sr.display``, HTML) keeps them in one folded line, ``# 7 at defaults: ...``.
+That view opens every module on its sub-modules and Variables and starts RNG plumbing
+(an Rngs, its streams) folded; a click opens or shuts any of them.
+
 A GraphDef draws as the module tree it describes, each Variable with its kind and
 metadata but no value. ``repr()`` of any of these objects is treescope's text.
 
@@ -154,7 +161,7 @@ class _Text:
 
 
 def render_module(module, path, subtree_renderer):
-  from treescope import repr_lib
+  from ._repr import settings_at_defaults
 
   first = _FIRST.get()
   tokens = []
@@ -163,14 +170,94 @@ def render_module(module, path, subtree_renderer):
     tokens.append((_FIRST, _FIRST.set(first)))
   try:
     here = first.get(id(module), [()])[0]
-    attributes = {k: _mark_shared(v, here + (k,), first)
-                  for k, v in _attributes(module).items()}
-    rendering = repr_lib.render_object_constructor(type(module), attributes, path,
-                                                   subtree_renderer)
+    own = _attributes(module)
+    at_defaults = set(settings_at_defaults(module, own))
+    attributes = {k: _mark_shared(v, here + (k,), first) for k, v in own.items()}
+    shown = {k: v for k, v in attributes.items() if k not in at_defaults}
+    if _COMPACT.get():  # a repr: what differs from the defaults, laid out as it fits
+      rendering = _constructor(type(module), shown, {}, path, subtree_renderer)
+    else:
+      folded = {k: v for k, v in attributes.items() if k in at_defaults}
+      rendering = _constructor(type(module), shown, folded, path, subtree_renderer,
+                               plumbing=_is_rng_plumbing(module))
     return _with_other_places(rendering, first.get(id(module), ()))
   finally:
     for var, token in reversed(tokens):
       var.reset(token)
+
+
+def _is_rng_plumbing(module) -> bool:
+  from ._rngs import Rngs, RngStream
+
+  return isinstance(module, (Rngs, RngStream))
+
+
+def _constructor(kind: type, shown: dict, folded: dict, path, subtree_renderer,
+                 plumbing: bool | None = None):
+  """``Kind(name=value, ...)`` as ``repr_lib.render_object_constructor`` draws it, and
+  in treescope's foldable view (``plumbing`` not None) how it first shows:
+
+  * a module opens; the ``folded`` attributes (its settings at their defaults) sit in
+    one line of their own that starts folded: ``# 7 at defaults: dtype, ...``;
+  * RNG plumbing (``plumbing``: an Rngs, a stream) starts folded, its modules and
+    Variables as ``…``: ``Rngs(params=…, dropout=…)``.
+
+  A user can click any of them open or shut.
+  """
+  from treescope import rendering_parts as rp
+
+  from ._module import Module
+  from ._variables import Variable
+
+  children = []
+  for i, (name, value) in enumerate(shown.items()):
+    drawn = subtree_renderer(value, path=None if path is None else f"{path}.{name}")
+    if plumbing and isinstance(value, (Module, Variable)):
+      drawn = rp.RenderableAndLineAnnotations(rp.fold_condition(
+          collapsed=rp.text("…"), expanded=drawn.renderable), drawn.annotations)
+    children.append(rp.build_full_line_with_annotations(
+        rp.siblings_with_annotations(f"{name}=", drawn), _comma(last=i == len(shown) - 1)))
+  if folded:
+    # Only in the open module: folded to one line, the module shows what differs.
+    children.append(rp.fold_condition(expanded=_defaults_group(
+        folded, path, subtree_renderer).renderable))
+  prefix = rp.siblings(rp.roundtrip_condition(roundtrip=rp.text("<")),
+                       rp.maybe_qualified_type_name(kind), "(")
+  suffix = rp.siblings(")", rp.roundtrip_condition(roundtrip=rp.text(">")))
+  state = {None: rp.ExpandState.WEAKLY_COLLAPSED, False: rp.ExpandState.EXPANDED,
+           True: rp.ExpandState.COLLAPSED}[plumbing]
+  return rp.build_foldable_tree_node_from_children(
+      prefix=prefix, children=children, suffix=suffix, path=path, expand_state=state)
+
+
+def _comma(last: bool):
+  from treescope import rendering_parts as rp
+
+  if last:
+    return rp.fold_condition(expanded=rp.text(","))
+  return rp.siblings(",", rp.fold_condition(collapsed=rp.text(" ")))
+
+
+def _defaults_group(folded: dict, path, subtree_renderer):
+  """A folded line naming the attributes at their defaults; open, one per line."""
+  from treescope import rendering_parts as rp
+
+  names = ", ".join(folded)
+  if len(names) > _NAMES_WIDTH:
+    names = names[:_NAMES_WIDTH].rsplit(", ", 1)[0] + ", …"
+  label = rp.comment_color(rp.fold_condition(
+      collapsed=rp.text(f"# {len(folded)} at defaults: {names}"),
+      expanded=rp.text(f"# {len(folded)} at defaults:")))
+  lines = [rp.build_full_line_with_annotations(
+      rp.siblings_with_annotations(f"{name}=", subtree_renderer(
+          value, path=None if path is None else f"{path}.{name}")), rp.text(","))
+      for name, value in folded.items()]
+  return rp.build_custom_foldable_tree_node(
+      contents=rp.fold_condition(expanded=rp.indented_children(lines)), label=label,
+      expand_state=rp.ExpandState.COLLAPSED)
+
+
+_NAMES_WIDTH = 60  # characters of names a folded defaults line lists
 
 
 def render_variable(var, path, subtree_renderer):

@@ -1,7 +1,13 @@
 """treescope rendering: exact text of small zero-filled models, stacked axis names,
-shared variables drawn once, State, and the axis labels in the HTML array figure."""
+shared variables drawn once, State, and the axis labels in the HTML array figure; a repr
+leaves out settings at their constructor defaults, the foldable view folds them (and
+RNG streams) and opens the modules."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import treescope
 
 import statefulremat as sr
@@ -183,3 +189,144 @@ def test_parts_of_a_stack_drawn_alone_still_name_the_layer_axis():
   assert "float32(2 | layers:3, embed:1)" in text(stack.inner)
   assert "float32(2 | layers:3, embed:1)" in text(stack.inner.w)
   assert "layers:" not in text(Tiny(1).w)  # an ordinary Variable: no layer axis
+
+
+# -- settings at their defaults, what the foldable view opens ------------------------
+
+
+def zero_linear(**kwargs):
+  return sr.nn.Linear(2, 3, kernel_init=jax.nn.initializers.zeros, rngs=sr.Rngs(0),
+                      **kwargs)
+
+
+def test_repr_leaves_out_settings_at_their_defaults():
+  # use_bias, dtype, param_dtype, precision, dot_general, promote_dtype and
+  # preferred_element_type are all at their defaults: only what differs is shown.
+  assert repr(zero_linear()) == """\
+Linear(
+  kernel=Param(
+    value=<jax.Array float32(2, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:6>,
+  ),
+  bias=Param(value=<jax.Array([0., 0., 0.], dtype=float32)>),
+  in_features=2,
+  out_features=3,
+)"""
+  # Settings that differ are shown; `bias=None` is an empty slot, left out.
+  assert repr(zero_linear(use_bias=False, param_dtype=jnp.bfloat16,
+                          precision="highest")) == """\
+Linear(
+  kernel=Param(
+    value=<jax.Array bfloat16(2, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:6>,
+  ),
+  in_features=2,
+  out_features=3,
+  use_bias=False,
+  param_dtype=jax.numpy.bfloat16,
+  precision='highest',
+)"""
+
+
+def test_the_foldable_view_keeps_the_defaults_folded_on_one_line():
+  assert text(zero_linear()) == """\
+Linear(
+  kernel=Param(
+    value=# jax.Array float32(2, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:6
+      Array([[0., 0., 0.],
+             [0., 0., 0.]], dtype=float32)
+    ,
+  ),
+  bias=Param(value=<jax.Array([0., 0., 0.], dtype=float32)>),
+  in_features=2,
+  out_features=3,
+  # 7 at defaults: use_bias, dtype, param_dtype, precision, dot_general, …
+)"""
+  # All of them are in the page, one click away.
+  html = treescope.render_to_html(zero_linear(), compressed=False)
+  for name in ("use_bias", "dtype", "param_dtype", "precision", "dot_general",
+               "promote_dtype", "preferred_element_type"):
+    assert f"{name}=" in html, name
+
+
+def test_rng_streams_start_folded_in_the_foldable_view_and_whole_in_the_repr():
+  drop = sr.nn.Dropout(0.5, rngs=sr.Rngs(0))
+  assert text(drop) == """\
+Dropout(
+  rate=0.5,
+  rngs=Rngs(default=…),
+  # 3 at defaults: broadcast_dims, deterministic, rng_collection
+)"""
+  assert repr(drop) == """\
+Dropout(
+  rate=0.5,
+  rngs=Rngs(
+    default=RngStream(
+      key=RngKey(value=<jax.Array key<fry>()>, tag='default'),
+      count=RngCount(value=<jax.Array(0, dtype=uint32)>, tag='default'),
+      tag='default',
+    ),
+  ),
+)"""
+
+
+def test_the_demo_page_opens_on_the_layers_and_folds_the_rng_streams():
+  from statefulremat._demo import ResidualMLP
+  from statefulremat._display import stacked_arrays
+
+  model = ResidualMLP(100, 8, rngs=sr.Rngs(params=0, dropout=1))
+  with treescope.active_autovisualizer.set_scoped(stacked_arrays):
+    page = text(model.blocks)  # the layout the HTML page opens with
+  assert page.startswith("""\
+RematScanBlock(
+  drop=Dropout(
+    rate=0.1,
+    rngs=Rngs(params=…, dropout=…),
+    # 3 at defaults: broadcast_dims, deterministic, rng_collection
+  ),
+  fc1=Linear(
+    bias=Param(value=<float32(8 | layers:100) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:800>),
+    in_features=8,
+    kernel=Param(value=<float32(8, 8 | layers:100) ≈""")
+  for line in ("  norm=BatchNorm(\n", "    momentum=0.9,\n",
+               "    # 11 at defaults: axis, axis_index_groups, axis_name, dtype, epsilon, …"):
+    assert line in page
+
+
+def test_which_settings_are_at_their_defaults():
+  from statefulremat._repr import settings_at_defaults
+
+  def double(x):
+    return 2 * x
+
+  class Layer(sr.Module):
+    def __init__(self, n, *, scale=jnp.ones(2), fn=jax.nn.relu, dtype=jnp.float32,
+                 axis=-1, names=(), gate=functools.partial(double), flag=True):
+      self.n, self.scale, self.fn, self.dtype = n, scale, fn, dtype
+      self.axis, self.names, self.gate, self.flag = (axis,), names, gate, flag
+      self.cache = None  # an empty slot, not a constructor argument
+      self.w = sr.Param(jnp.zeros(2))
+
+  assert settings_at_defaults(Layer(3)) == [
+      "scale", "fn", "dtype", "axis", "names", "gate", "flag", "cache"]
+  changed = Layer(3, scale=jnp.ones(3), fn=jax.nn.gelu, dtype="bfloat16", axis=0,
+                  names=("a",), gate=functools.partial(double, 1), flag=1)
+  assert settings_at_defaults(changed) == ["cache"]  # 1 is not True
+  assert settings_at_defaults(Layer(3, dtype=np.dtype("float32"))) == [
+      "scale", "fn", "dtype", "axis", "names", "gate", "flag", "cache"]
+  # A stack's class takes *args, **kwargs: its layer class's defaults apply.
+  stack = sr.vmap(sr.nn.Dropout, axis_size=2)(0.5)
+  assert settings_at_defaults(stack) == [
+      "broadcast_dims", "deterministic", "rng_collection", "rngs"]
+
+
+def test_settings_inside_a_trace_compare_without_raising():
+  from statefulremat._repr import same_setting
+
+  seen = []
+
+  @jax.jit
+  def f(x):
+    seen.append((same_setting(x, jnp.zeros(2)), same_setting((x,), ())))
+    return x
+
+  f(jnp.zeros(2))
+  assert seen == [(False, False)]
