@@ -59,6 +59,7 @@ STACKS = {
     "remat_scan": lambda: sr.remat_scan(Block, lengths=(N,)),
     "remat_scan_nested": lambda: sr.remat_scan(Block, lengths=(2, 2)),
     "remat_scan_ragged": lambda: sr.remat_scan(Block, lengths=(2, 3), length=N + 1),
+    "remat_scan_auto": lambda: sr.remat_scan(Block, "auto", length=N),  # planned per call
 }
 
 
