@@ -1,5 +1,11 @@
 """``sr.summary``: a table of a model's modules — class, parameter count, bytes per
-collection and output shapes — traced with ``jax.eval_shape``, so nothing is computed.
+collection and output shapes — traced with ``jax.eval_shape``, so nothing is computed;
+for each stack, the L2 norm of each layer's parameters (and of their gradients, given
+``grads``), as levanter logs them for its scanned stacks.
+
+Every module and Variable is listed once, at the path ``sr.state`` gives it: a shared
+one (an Rngs handed to several layers) under the owner the GraphDef's sorted walk
+reaches first, wherever the definition order meets it first.
 
 Output shapes are caught by wrapping, for the length of the trace, the ``__call__`` of
 each module class in the model; a module called inside a transform's body (a scan
@@ -17,6 +23,8 @@ import jax
 import numpy as np
 
 from ._errors import format_path
+from ._summary_norms import LayerNorms as LayerNorms
+from ._summary_norms import Norms, columns, norm_text
 
 _PATCH_LOCK = threading.Lock()  # one summary at a time wraps the classes' __call__
 
@@ -28,6 +36,9 @@ class SummaryRow:
   ``layers`` is the number of layers its stacked variables hold (1 outside a stack),
   ``params_per_layer`` the stacked parameters of one layer and ``params_unstacked`` the
   ones a stack broadcasts (held once). ``outputs`` has one shape text per call.
+  ``param_norm`` is the L2 norm of the module's Params and ``grad_norm`` that of their
+  gradients, given ``grads`` (the table shows both then); None where there is none
+  (no Params, no ``grads``, an abstract model).
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> Stack = sr.vmap(sr.nn.Linear, axis_size=4)
@@ -44,6 +55,8 @@ class SummaryRow:
   params_per_layer: int = 0
   params_unstacked: int = 0
   outputs: tuple[str, ...] = ()
+  param_norm: float | None = None
+  grad_norm: float | None = None
 
   @property
   def path_text(self) -> str:
@@ -87,6 +100,8 @@ class Summary:
 
   ``rows`` lists every module (the root first, then depth first in definition order);
   ``total_params`` and ``total_bytes`` count each Variable once, shared or not.
+  ``layer_norms`` has a ``LayerNorms`` per stack; ``norms()`` gives every norm under
+  the keys a metrics logger takes.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> table = sr.summary(sr.nn.Linear(3, 2, rngs=sr.Rngs(0)), jnp.ones((5, 3)))
@@ -95,13 +110,31 @@ class Summary:
   """
 
   def __init__(self, rows: list[SummaryRow], collections: list[str], total_params: int,
-               total_bytes: dict[str, int]):
+               total_bytes: dict[str, int], layer_norms: list[LayerNorms] | None = None,
+               norms: dict[str, float] | None = None):
     self.rows, self.collections = rows, collections
     self.total_params, self.total_bytes = total_params, total_bytes
+    self.layer_norms = list(layer_norms or [])
+    self._norms = dict(norms or {})
+
+  def norms(self) -> dict[str, float]:
+    """Every L2 norm, levanter's way: ``params/norm/<path>`` for each Param (a stacked
+    one once per layer, the layer index after the stack's path:
+    ``params/norm/blocks.3.linear.kernel``), ``params/norm/total`` for all Params
+    together, and the same under ``grad/norm/`` given ``grads``. Ready for
+    ``wandb.log`` or a TensorBoard writer.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> Stack = sr.vmap(sr.nn.Linear, axis_size=2)
+    >>> norms = sr.summary(Stack(2, 2, use_bias=False, rngs=sr.Rngs(0))).norms()
+    >>> list(norms)
+    ['params/norm/0.kernel', 'params/norm/1.kernel', 'params/norm/total']
+    """
+    return dict(self._norms)
 
   def lines(self) -> list[str]:
-    """The text table as a list of lines: header, rule, one line per row, rule, total.
-    ``str(summary)`` joins them.
+    """The text table as a list of lines: header, rule, one line per row, rule, total;
+    then, for each stack, its per-layer norms. ``str(summary)`` joins them.
 
     >>> import jax.numpy as jnp, statefulremat as sr
     >>> table = sr.summary(sr.nn.Linear(3, 2, rngs=sr.Rngs(0)), jnp.ones((5, 3)))
@@ -112,25 +145,26 @@ class Summary:
     --------------------------------------------------
     Total                8          32 B
     """
+    with_norms = any(r.grad_norm is not None for r in self.rows)
+    norm_header = ["params norm", "grads norm"] if with_norms else []
     header = ["path", "class", "params", *(f"{c} bytes" for c in self.collections),
-              "output"]
+              *norm_header, "output"]
     body = [[r.path_text, r.class_name, r.params_text(),
              *(_bytes_text(r.bytes.get(c, 0)) or "-" for c in self.collections),
+             *([norm_text(r.param_norm), norm_text(r.grad_norm)] if with_norms else []),
              r.outputs_text()]
             for r in self.rows]
     total = ["Total", "", f"{self.total_params:,}",
-             *(_bytes_text(self.total_bytes.get(c, 0)) for c in self.collections), ""]
-    table = [header, *body, total]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    numeric = {2, *range(3, 3 + len(self.collections))}
-
-    def line(cells):
-      return "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
-                       for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    lines = [line(cells) for cells in table]
+             *(_bytes_text(self.total_bytes.get(c, 0)) for c in self.collections),
+             *([norm_text(self._norms.get("params/norm/total")),
+                norm_text(self._norms.get("grad/norm/total"))] if with_norms else []), ""]
+    numeric = set(range(2, len(header) - 1))
+    lines = columns([header, *body, total], numeric)
     rule = "-" * max(map(len, lines))
-    return [lines[0], rule, *lines[1:-1], rule, lines[-1]]
+    out = [lines[0], rule, *lines[1:-1], rule, lines[-1]]
+    for stack in self.layer_norms:
+      out += ["", *stack.lines()]
+    return out
 
   def __str__(self) -> str:
     return "\n".join(self.lines())
@@ -149,15 +183,28 @@ class Summary:
         suffix=rendering_parts.text(")"), path=path)
 
 
-def summary(model, *example_inputs, method: str = "__call__", **kwargs) -> Summary:
+def summary(model, *example_inputs, method: str = "__call__", grads=None,
+            **kwargs) -> Summary:
   """A table of ``model``'s modules: class, parameter count, bytes per collection and
-  the output shapes of a call on ``example_inputs`` (arrays or ``jax.ShapeDtypeStruct``).
+  the output shapes of a call on ``example_inputs`` (arrays or ``jax.ShapeDtypeStruct``);
+  for each stack, the L2 norm of each layer's parameters.
 
-  The call is traced with ``jax.eval_shape`` on a copy, so nothing is computed and the
-  model is left as it was (BatchNorm statistics, RNG counts). Counts cover each module
+  The call is traced with ``jax.eval_shape`` on a copy, so it computes nothing and the
+  model is left as it was (BatchNorm statistics, RNG counts); the norms take one
+  reduction per parameter array. Counts cover each module
   and everything below it; stacked modules (scan, remat_scan, vmap) also give their
-  layer count and the count of one layer. ``print`` it for text; treescope (and
-  ``sr.display``) draw it too. With no inputs, the output column stays empty.
+  layer count and the count of one layer. Each module and Variable is listed once, at
+  the path ``sr.state`` gives it (a shared Rngs under the same owner). ``print`` it
+  for text; treescope (and ``sr.display``) draw it too. With no inputs, the output
+  column stays empty.
+
+  Norms are what one looks at when a deep model diverges, and what levanter logs for
+  its scanned stacks: ``grads`` (the ``State`` ``sr.grad`` returns, same paths as
+  ``sr.state(model, sr.Param)``) adds a ``grads norm`` column, next to ``params
+  norm``, to every row and a gradient column to each stack's per-layer table.
+  ``summary.norms()`` has them all as ``params/norm/...`` and ``grad/norm/...``
+  (levanter's keys), ``summary.layer_norms`` as arrays. Norms need values: for an
+  abstract model (``sr.eval_shape``) there are none.
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> class MLP(sr.Module):
@@ -174,6 +221,35 @@ def summary(model, *example_inputs, method: str = "__call__", **kwargs) -> Summa
   out     Linear      18          72 B  float32[16,2]
   ---------------------------------------------------
   Total               58         232 B
+
+  A stack of 3 layers (an ensemble: member ``i`` sees ``i * x``), with the gradients
+  of a loss:
+
+  >>> class Ensemble(sr.Module):
+  ...   def __init__(self, rngs):
+  ...     self.members = sr.vmap(sr.nn.Linear, axis_size=3)(
+  ...         4, 4, use_bias=False, kernel_init=jax.nn.initializers.ones, rngs=rngs)
+  ...   def __call__(self, x):
+  ...     return self.members(x)
+  >>> model = Ensemble(sr.Rngs(0))
+  >>> x = jnp.arange(3.0)[:, None, None] * jnp.ones((3, 2, 4))
+  >>> grads = sr.grad(lambda m, x: jnp.sum(m(x)))(model, x)
+  >>> table = sr.summary(model, x, grads=grads)
+  >>> print(table)
+  path     class            params  params bytes  params norm  grads norm  output
+  ---------------------------------------------------------------------------------------
+  (root)   Ensemble    48 (3 × 16)         192 B        6.928       17.89  float32[3,2,4]
+  members  VmapLinear  48 (3 × 16)         192 B        6.928       17.89  float32[3,2,4]
+  ---------------------------------------------------------------------------------------
+  Total                         48         192 B        6.928       17.89
+  <BLANKLINE>
+  members: VmapLinear, 3 layers, L2 norm of each layer's Params and gradients
+  layer  params  grads
+      0       4      0
+      1       4      8
+      2       4     16
+  >>> table.norms()["grad/norm/members.2.kernel"], table.layer_norms[0].grads.tolist()
+  (16.0, [0.0, 8.0, 16.0])
   """
   from ._module import Module
 
@@ -190,32 +266,53 @@ def summary(model, *example_inputs, method: str = "__call__", **kwargs) -> Summa
   layers = _layer_counts(modules)
   outputs = _trace_outputs(model, modules, example_inputs, method, kwargs) if (
       example_inputs or kwargs) else {}
+  norms = Norms(modules, variables, grads)
 
   collections = list(dict.fromkeys(
       ["params"] * any(map(_is_param, (v for _, v in variables)))
       + [type(v).collection for _, v in variables]))
-  rows = [_row(path, module, layers, outputs.get(path, ())) for path, module in modules]
+  rows = [_row(path, module, layers, outputs.get(path, ()), norms)
+          for path, module in modules]
   total_bytes: dict[str, int] = {}
   for _, var in variables:
     total_bytes[type(var).collection] = (
         total_bytes.get(type(var).collection, 0) + _nbytes(var._value))
   total_params = sum(_size(v._value) for _, v in variables if _is_param(v))
-  return Summary(rows, collections, total_params, total_bytes)
+  return Summary(rows, collections, total_params, total_bytes, norms.layer_norms(modules),
+                 norms.flat(modules, variables))
 
 
 # -- counting ---------------------------------------------------------------------
 
 
 def _walk(root) -> tuple[list, list]:
-  """Modules and Variables under ``root``, once each, depth first in definition order."""
-  from ._module import arrivals
-  from ._module import Module
+  """Modules and Variables under ``root``, once each, depth first in definition order,
+  each at the path ``sr.state`` gives it: the first in the GraphDef's sorted walk. A
+  shared one is listed where that path meets it, not where definition order does."""
+  from ._module import Module, iter_graph
+  from ._variables import Variable
 
+  at = {id(obj): path for path, obj in iter_graph(root)}
   modules: list[tuple[tuple, Any]] = []
   variables: list[tuple[tuple, Any]] = []
-  for path, obj, first in arrivals(root):
-    if first:
+
+  def walk(obj, path):
+    if isinstance(obj, (Module, Variable)):
+      if at.get(id(obj)) != path:
+        return  # listed at its own path
       (modules if isinstance(obj, Module) else variables).append((path, obj))
+      if isinstance(obj, Module):
+        for k, v in vars(obj).items():
+          if not k.startswith("_sr_"):
+            walk(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+      for i, x in enumerate(obj):
+        walk(x, path + (i,))
+    elif isinstance(obj, dict):
+      for k, v in obj.items():
+        walk(v, path + (k,))
+
+  walk(root, ())
   return modules, variables
 
 
@@ -231,12 +328,12 @@ def _layer_counts(modules) -> dict[int, int]:
   return counts
 
 
-def _row(path, module, layers: dict[int, int], outputs) -> SummaryRow:
-  _, variables = _walk(module)
+def _row(path, module, layers: dict[int, int], outputs, norms) -> SummaryRow:
+  variables = [var for _, var in _walk(module)[1]]
   sizes: dict[str, int] = {}
   params = per_layer = unstacked = 0
   counts = set()
-  for _, var in variables:
+  for var in variables:
     sizes[type(var).collection] = sizes.get(type(var).collection, 0) + _nbytes(var._value)
     if not _is_param(var):
       continue
@@ -251,7 +348,9 @@ def _row(path, module, layers: dict[int, int], outputs) -> SummaryRow:
   # The breakdown only reads right when the row's stacked variables agree on a count.
   n = counts.pop() if len(counts) == 1 else 1
   return SummaryRow(path, type(module).__name__, params, sizes, n,
-                    per_layer if n > 1 else 0, unstacked if n > 1 else 0, tuple(outputs))
+                    per_layer if n > 1 else 0, unstacked if n > 1 else 0, tuple(outputs),
+                    norms.total(variables, norms.params),
+                    norms.total(variables, norms.grads))
 
 
 def _is_param(var) -> bool:

@@ -30,7 +30,7 @@ LAYERS = [
     {"_stacks"},
     {"_transforms"},
     {"_optimizer", "_sharding", "_checkpoint_files", "_checkpoint_meta",
-     "_checkpoint_sync", "_checkpoint", "_summary",
+     "_checkpoint_sync", "_checkpoint", "_summary", "_summary_norms",
      "_display", "_treescope", "_treescope_adapter", "_repr", "_demo", "__main__", "nn",
      "interop"},
 ]

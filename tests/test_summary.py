@@ -1,6 +1,7 @@
 """sr.summary: counts equal the State's sizes, stacks give per-layer counts, output
-shapes come from an abstract trace that leaves the model (and the classes) unchanged;
-sr.display draws stacked arrays as figures."""
+shapes come from an abstract trace that leaves the model (and the classes) unchanged,
+a shared module sits at its sr.state path, per-layer norms of Params and gradients
+equal numpy's; sr.display draws stacked arrays as figures with a layer slider."""
 
 import sys
 import types
@@ -249,8 +250,8 @@ def test_a_big_layer_is_cut_within_the_layer_never_across_layers():
   html = treescope.render_to_html(layer_slider_figure(array), compressed=False)
   html = html.replace("&quot;", '"')
   assert '"label": "layers (axis 0)", "start": 0, "end": 12}' in html
-  assert '"label": "embed: 768, the first and last 24 shown", "start": 0, "end": 48}' in html
-  assert '"label": "mlp: 3072, the first and last 24 shown", "start": 0, "end": 48}' in html
+  for axis in ("embed: 768", "mlp: 3072"):
+    assert f'"label": "{axis}, the first and last 24 shown", "start": 0, "end": 48}}' in html
   # Key arrays (stacked RNG streams) and tracers are left to the text.
   keys = LayeredArray(jax.random.split(jax.random.key(0), 3), 0, "layers")
   assert layer_slider_figure(keys) is None
@@ -296,3 +297,129 @@ def test_a_call_that_returns_a_module_shows_its_class_not_its_leaves():
   rows = {row.path: row for row in sr.summary(Outer(), jnp.ones(2)).rows}
   assert rows[("inner",)].outputs == ("Inner",)
   assert rows[()].outputs == ("float32[2]",)
+
+
+# -- paths of shared modules, norms ----------------------------------------------------
+
+
+def test_a_shared_rngs_is_listed_at_its_path_in_the_state():
+  class Shared(sr.Module):
+    def __init__(self, rngs):
+      # Definition order meets the Rngs first in mlp.dropout; sr.state's sorted walk
+      # in drop.
+      self.mlp = sr.nn.MLP(4, 8, dropout_rate=0.1, rngs=rngs)
+      self.drop = sr.nn.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+      return self.drop(self.mlp(x))
+
+  model = Shared(sr.Rngs(0))
+  state_paths = {p[:-1] for p in sr.state(model, "rngs").flat()}
+  assert state_paths == {("drop", "rngs", "default")}
+  table = sr.summary(model, jnp.ones((2, 4)))
+  paths = [r.path_text for r in table.rows]
+  assert paths == ["(root)", "mlp", "mlp.fc1", "mlp.fc2", "mlp.dropout", "drop",
+                   "drop.rngs", "drop.rngs.default"]
+  # Both Dropouts draw from it: its calls land on its one row.
+  assert row(table, "drop.rngs.default").outputs_text() == "key<fry>[] ×3"
+  assert row(table, "mlp.dropout").bytes == {"rngs": 12}  # what it holds, shared or not
+
+
+def per_layer_norm(*arrays):
+  return np.sqrt(sum(np.sum(np.square(np.asarray(a)), axis=tuple(range(1, np.ndim(a))))
+                     for a in arrays))
+
+
+def test_per_layer_norms_of_a_stack():
+  model = Net(sr.Rngs(0))
+  table = sr.summary(model)
+  (stack,) = table.layer_norms
+  b = model.blocks
+  expected = per_layer_norm(b.linear.kernel.value, b.linear.bias.value,
+                            b.norm.scale.value, b.norm.bias.value)  # Params only
+  assert stack.path == ("blocks",) and stack.grads is None
+  np.testing.assert_allclose(stack.params, expected, rtol=1e-6)
+  lines = str(table).split("\n")
+  start = lines.index("blocks: RematScanBlock, 20 layers, L2 norm of each layer's Params")
+  assert lines[start + 1] == "layer  params"
+  assert lines[start + 2] == f"    0  {expected[0]:6.4g}"
+  assert len(lines) == start + 2 + 20
+  # Without grads, the main table has no norm columns.
+  assert "norm" not in lines[0]
+  norms = table.norms()
+  assert norms["params/norm/blocks.3.linear.kernel"] == pytest.approx(
+      np.linalg.norm(b.linear.kernel.value[3]), rel=1e-6)
+  assert norms["params/norm/embed.kernel"] == pytest.approx(
+      np.linalg.norm(model.embed.kernel.value), rel=1e-6)
+  everything = jax.tree.leaves(sr.state(model, sr.Param))
+  assert norms["params/norm/total"] == pytest.approx(
+      np.sqrt(sum(np.sum(np.square(x)) for x in everything)), rel=1e-6)
+  assert "params/norm/blocks.20.linear.kernel" not in norms
+  assert len(norms) == 4 + 4 * 20 + 1  # embed, head; 4 per layer; the total
+
+
+def test_gradient_norms_given_grads():
+  model = Net(sr.Rngs(0), lengths=(2, 3))
+  x = jax.random.normal(jax.random.key(1), (16, 3))
+  model.eval()  # running statistics: gradients of a sane size
+  grads = sr.grad(lambda m, x: jnp.mean(m(x) ** 2))(model, x)
+  table = sr.summary(model, x, grads=grads)
+  (stack,) = table.layer_norms
+  g = grads["blocks"]
+  expected = per_layer_norm(g["linear"]["kernel"], g["linear"]["bias"],
+                            g["norm"]["scale"], g["norm"]["bias"])
+  np.testing.assert_allclose(stack.grads, expected, rtol=1e-5)
+  assert row(table, "head").grad_norm == pytest.approx(
+      np.sqrt(np.sum(np.square(grads["head"]["kernel"]))
+              + np.sum(np.square(grads["head"]["bias"]))), rel=1e-5)
+  assert row(table, "drop").grad_norm is None  # no Params: "-"
+  lines = str(table).split("\n")
+  assert lines[0].split() == ["path", "class", "params", "params", "bytes", "batch_stats",
+                              "bytes", "rngs", "bytes", "params", "norm", "grads", "norm",
+                              "output"]
+  start = lines.index(
+      "blocks: RematScanBlock, 6 layers, L2 norm of each layer's Params and gradients")
+  assert lines[start + 1].split() == ["layer", "params", "grads"]
+  assert lines[start + 2].split() == ["0", f"{stack.params[0]:.4g}", f"{expected[0]:.4g}"]
+  assert len(lines) == start + 2 + 6
+  norms = table.norms()
+  assert norms["grad/norm/blocks.5.norm.scale"] == pytest.approx(
+      np.linalg.norm(g["norm"]["scale"][5]), rel=1e-5)
+  assert norms["grad/norm/total"] == pytest.approx(
+      np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(grads))), rel=1e-5)
+
+
+def test_long_stacks_list_the_ends_and_the_largest_layers():
+  from statefulremat._summary import LayerNorms
+
+  stack = LayerNorms(("blocks",), "Block", np.where(np.arange(40) == 11, 9.0, 1.0),
+                     np.where(np.arange(40) == 20, 1e6, 1.0))
+  lines = stack.lines()
+  layers = [line.split()[0] for line in lines[2:]]
+  # 0-7, the largest params norm (11), the largest gradient (20), 32-39; `…` between.
+  assert layers == ["0", "1", "2", "3", "4", "5", "6", "7", "…", "11", "…", "20", "…",
+                    "32", "33", "34", "35", "36", "37", "38", "39"]
+  assert lines[2 + layers.index("11")].split() == ["11", "9", "1"]
+  assert lines[2 + layers.index("20")].split() == ["20", "1", "1e+06"]
+
+
+def test_no_norms_for_an_abstract_model():
+  abstract = sr.eval_shape(lambda: Net(sr.Rngs(0)))
+  table = sr.summary(abstract)
+  assert table.layer_norms == [] and table.norms() == {}
+  assert all(r.param_norm is None for r in table.rows)
+
+
+def test_grads_that_do_not_fit_the_model():
+  model = Net(sr.Rngs(0))
+  grads = sr.grad(lambda m, x: jnp.sum(m(x)))(model, jnp.ones((2, 3)))
+  with pytest.raises(TypeError, match=r"grads=...\) takes the State sr.grad returns, got "
+                                      r"dict"):
+    sr.summary(model, grads={"head": {}})
+  other = sr.grad(lambda m: jnp.sum(m.kernel.value))(sr.nn.Linear(3, 8, rngs=sr.Rngs(0)))
+  with pytest.raises(ValueError, match=r"`bias` is not a Param of this model"):
+    sr.summary(model, grads=other)
+  small = Net(sr.Rngs(0), lengths=(2, 2))
+  with pytest.raises(ValueError, match=r"gradient at `blocks.linear.bias` has shape "
+                                       r"\(20, 8\), the Param \(4, 8\)"):
+    sr.summary(small, grads=grads)
