@@ -41,7 +41,8 @@ def stacked_arrays(value, path):
   from ._treescope import _data_summary
 
   stats = _data_summary(value.array).strip()
-  label = rp.abbreviation_color(rp.text(f"<{value.axes_text()}{' ' + stats if stats else ''}"))
+  summary = f"{value.axes_text()} {stats}".strip()
+  label = rp.abbreviation_color(rp.text(f"<{summary}"))
   node = rp.build_custom_foldable_tree_node(
       label=label,
       contents=rp.siblings(
@@ -75,7 +76,8 @@ def layer_slider_figure(value):
     return None
   shape = np.shape(array)
   layers = shape[value.axis]
-  kept = _kept_per_axis(shape, value.axis, min(_CELLS_PER_LAYER, _CELLS // max(layers, 1)))
+  budget = min(_CELLS_PER_LAYER, _CELLS // max(layers, 1))
+  kept = _kept_per_axis(shape, value.axis, budget)
   data = np.asarray(array)
   labels, item_labels = {}, {}
   for axis, (size, keep) in enumerate(zip(shape, kept)):

@@ -216,7 +216,8 @@ def _constructor(kind: type, shown: dict, folded: dict, path, subtree_renderer,
       drawn = rp.RenderableAndLineAnnotations(rp.fold_condition(
           collapsed=rp.text("…"), expanded=drawn.renderable), drawn.annotations)
     children.append(rp.build_full_line_with_annotations(
-        rp.siblings_with_annotations(f"{name}=", drawn), _comma(last=i == len(shown) - 1)))
+        rp.siblings_with_annotations(f"{name}=", drawn),
+        _comma(last=i == len(shown) - 1)))
   if folded:
     # Only in the open module: folded to one line, the module shows what differs.
     children.append(rp.fold_condition(expanded=_defaults_group(

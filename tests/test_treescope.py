@@ -286,8 +286,8 @@ RematScanBlock(
     bias=Param(value=<float32(8 | layers:100) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:800>),
     in_features=8,
     kernel=Param(value=<float32(8, 8 | layers:100) ≈""")
-  for line in ("  norm=BatchNorm(\n", "    momentum=0.9,\n",
-               "    # 11 at defaults: axis, axis_index_groups, axis_name, dtype, epsilon, …"):
+  for line in ("  norm=BatchNorm(\n", "    momentum=0.9,\n", "    # 11 at defaults: "
+               "axis, axis_index_groups, axis_name, dtype, epsilon, …"):
     assert line in page
 
 
