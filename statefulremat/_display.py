@@ -63,33 +63,36 @@ def layer_slider_figure(value):
   >>> type(layer_slider_figure(LayeredArray(jnp.zeros((3, 2)), 0, "layers"))).__name__
   'TreescopeFigure'
   """
+  import jax
   import treescope
   from treescope import dtype_util
 
   from ._treescope import LayeredArray
 
   array = value.array
-  dtype = np.dtype(array.dtype) if not hasattr(array.dtype, "_rules") else None
-  if dtype is None or not (dtype_util.is_integer_dtype(dtype)
-                           or dtype_util.is_floating_dtype(dtype)
-                           or np.issubdtype(dtype, np.bool_)) or np.size(array) <= 1:
+  if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+    return None
+  dtype = np.dtype(array.dtype)
+  drawable = (dtype_util.is_integer_dtype(dtype) or dtype_util.is_floating_dtype(dtype)
+              or np.issubdtype(dtype, np.bool_))
+  if not drawable or np.size(array) <= 1:
     return None
   shape = np.shape(array)
   layers = shape[value.axis]
   budget = min(_CELLS_PER_LAYER, _CELLS // max(layers, 1))
   kept = _kept_per_axis(shape, value.axis, budget)
-  data = np.asarray(array)
+  data = array  # cut where it lives: only what is drawn comes to the host
   labels, item_labels = {}, {}
   for axis, (size, keep) in enumerate(zip(shape, kept)):
     if keep >= size:
       continue
     index = np.r_[0:keep // 2, size - keep // 2:size]
-    data = np.take(data, index, axis=axis)
+    data = data.take(index, axis=axis)
     key = value.names[axis] if value.names[axis] is not None else axis
     what = value.names[axis] or f"axis {axis}"
     labels[key] = f"{what}: {size}, the first and last {keep // 2} shown"
     item_labels[key] = [str(i) for i in index]
-  cut = LayeredArray(data, value.axis, value.name)
+  cut = LayeredArray(np.asarray(data), value.axis, value.name)
   cut.names = value.names
   return treescope.render_array(cut, sliders=[value.axis], axis_labels=labels or None,
                                 axis_item_labels=item_labels or None)
