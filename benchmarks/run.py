@@ -1,7 +1,7 @@
 """The benchmark suite: statefulremat against raw JAX, flax.linen and flax.nnx.
 
-    python -m benchmarks [--quick] [--out DIR] [--no-dispatch]
-    python benchmarks/run.py [--quick] [--out DIR] [--no-dispatch]
+    python -m benchmarks [--quick] [--out DIR] [--no-dispatch] [--no-transformer]
+    python benchmarks/run.py [--quick] [--out DIR] [--no-dispatch] [--no-transformer]
 
 Runs every part in one process, on the deep-stack model (N x Linear W->W + tanh, loss
 mean(out**2), gradient over the params; see ``benchmarks/models.py``):
@@ -12,7 +12,9 @@ mean(out**2), gradient over the params; see ``benchmarks/models.py``):
 3. step time of the jitted gradient as a ratio to raw JAX (interleaved calls);
 4. dispatch overhead of one training step (``benchmarks/dispatch.py``);
 5. remat planning: ``lengths="auto"``'s pick against an exhaustive compile, for N in
-   {61, 97, 127, 256, 1000} and three memory budgets (``benchmarks/remat_plan.py``).
+   {61, 97, 127, 256, 1000} and three memory budgets (``benchmarks/remat_plan.py``);
+6. the transformer family: pre-LN GPT blocks, N in {16, 64}, d=256, seq 256, batch 8
+   (``benchmarks/transformer.py``; its own ``transformer.json`` / ``.md``).
 
 Writes ``results.json``, ``results.md`` (every figure with its target, met or not) and
 ``memory.png``, ``compile.png`` (and ``dispatch.png``) to ``--out`` (default
@@ -36,7 +38,8 @@ if __package__ in (None, ""):  # run as `python benchmarks/run.py`
 import flax  # noqa: E402
 import jax  # noqa: E402
 
-from benchmarks import compiling, dispatch, plots, remat_plan, report, timing  # noqa: E402
+from benchmarks import (compiling, dispatch, plots, remat_plan, report,  # noqa: E402
+                        timing, transformer)
 from benchmarks.models import lengths_for  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -89,7 +92,7 @@ def machine() -> str:
 
 
 def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool = True,
-        log=print) -> dict:
+        with_transformer: bool = True, log=print) -> dict:
   """Runs the suite, writes the result files to ``out`` and returns the results dict."""
   cfg = QUICK if quick else FULL
   step = cfg["step"]
@@ -116,6 +119,10 @@ def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool =
   if with_dispatch:
     log("part 4: dispatch overhead")
     dispatch_result = dispatch.run(quick)
+  transformer_targets = None
+  if with_transformer:
+    log("part 6: the transformer family")
+    transformer_targets = transformer.run(quick, out, log=log)["targets"]
   results = {
       "config": {
           "quick": quick, "width": cfg["width"], "batch": cfg["batch"],
@@ -128,7 +135,7 @@ def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool =
                        "python": platform.python_version()},
       },
       "deep_stack": entries, "step": steps, "dispatch": dispatch_result,
-      "remat_plan": planning,
+      "remat_plan": planning, "transformer_targets": transformer_targets,
   }
   results["targets"] = report.targets(results)
   results["config"]["seconds"] = time.perf_counter() - start
@@ -156,10 +163,14 @@ def main(argv=None) -> None:
   parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
   parser.add_argument("--out", default=RESULTS, help=f"output folder (default {RESULTS})")
   parser.add_argument("--no-dispatch", action="store_true", help="skip part 4")
+  parser.add_argument("--no-transformer", action="store_true", help="skip part 6")
   args = parser.parse_args(argv)
-  results = run(args.quick, args.out, with_dispatch=not args.no_dispatch)
+  results = run(args.quick, args.out, with_dispatch=not args.no_dispatch,
+                with_transformer=not args.no_transformer)
   print()
   print("\n".join(report.summary(results)))
+  if results["transformer_targets"] is not None:
+    print("\n".join(transformer.summary({"targets": results["transformer_targets"]})))
   print(f"\nwritten to {args.out}")
 
 
