@@ -9,9 +9,9 @@ levels) and ``remat_scan_auto`` (statefulremat's ``lengths="auto"``; raw JAX run
 pick by hand). For every library x construction x N, in one run:
 
 * temp memory: ``memory_analysis()`` of the compiled gradient (exact);
-* first call: trace + lower + compile + the first step, of a freshly made function
-  (min / median / max of ``reps`` sweeps; every sweep takes all variants of a depth in
-  turn, in reversed order every other sweep);
+* first call: trace + lower + compile of a freshly made function (min / median / max
+  of ``reps`` sweeps; every sweep takes all variants of a depth in turn, in reversed
+  order every other sweep);
 * step time: ``calls`` synchronised calls per variant, the libraries of a construction
   interleaved (one call each per round, the order rotating); min / median / max;
 * dispatch: from the same calls, the time until the call returns (before
@@ -48,19 +48,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TEMP_RATIO, STEP_RATIO, FIRST_CALL_RATIO = 1.01, 1.05, 1.2
 NAMES = {"raw": "raw JAX", "linen": "flax.linen", "nnx": "flax.nnx", "sr": "statefulremat"}
 
+# A step is ~4 s at N=16 and ~20 s at N=64 on the 2-core CPU: few calls, no untimed
+# warm-up call (the compile before them is not timed with them), to stay near 15 min.
 FULL = {"sizes": dict(d=256, heads=4, seq=256, batch=8), "depths": (16, 64),
-        "reps": 3, "calls": {16: 10, 64: 5}}
+        "reps": 2, "calls": {16: 5, 64: 3}, "warmup": 0}
 # Tiny sizes: the test suite runs this; the times are mostly dispatch and compile.
 QUICK = {"sizes": dict(d=16, heads=2, seq=8, batch=2), "depths": (4,), "reps": 1,
-         "calls": {4: 5}}
+         "calls": {4: 5}, "warmup": 1}
 
 
 def _first_call(case):
-  """``(seconds, trace+lower s, compile s, bytes, fn)`` of a fresh function's first call.
-
-  ``lower(...).compile()`` fills the same cache the call uses, so the call after it
-  runs the step only; the three together are what a user's first call costs.
-  """
+  """``(seconds, trace+lower s, compile s, bytes, fn)`` of a fresh function's first call,
+  less its step: ``lower(...).compile()`` fills the cache the call uses, so ``fn``'s
+  calls after it run the step only."""
   fn = case.new()
   gc.disable()
   try:
@@ -69,14 +69,12 @@ def _first_call(case):
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     compiled_at = time.perf_counter()
-    jax.block_until_ready(fn(*case.args))
-    done = time.perf_counter()
   finally:
     gc.enable()
   m = compiled.memory_analysis()
   nbytes = {"temp": int(m.temp_size_in_bytes), "arguments": int(m.argument_size_in_bytes),
             "outputs": int(m.output_size_in_bytes)}
-  return done - start, lowered_at - start, compiled_at - lowered_at, nbytes, fn
+  return compiled_at - start, lowered_at - start, compiled_at - lowered_at, nbytes, fn
 
 
 def _interleaved(fns: dict, calls: int) -> tuple[dict, dict]:
@@ -97,7 +95,8 @@ def _interleaved(fns: dict, calls: int) -> tuple[dict, dict]:
   return steps, dispatch
 
 
-def measure(cfg: Config, reps: int, calls: int, log=print) -> list[dict]:
+def measure(cfg: Config, reps: int, calls: int, warmup: int = 1,
+            log=print) -> list[dict]:
   """One entry per library x construction at this depth."""
   plan = sr_plan(cfg)
   log(f"  N={cfg.n}: lengths='auto' plans {plan.lengths} ({plan.policy_name})")
@@ -127,14 +126,16 @@ def measure(cfg: Config, reps: int, calls: int, log=print) -> list[dict]:
       if previous != nbytes:
         raise AssertionError(f"{key}: bytes changed between repetitions")
       fns[key] = (fn, cases[key].args)
-    log(f"  N={cfg.n}: first-call sweep {rep + 1} of {reps} done")
+    log(f"  N={cfg.n}: first-call sweep {rep + 1} of {reps} done "
+        f"({time.strftime('%H:%M:%S')})")
   for key, (seconds, lower_s, compile_s) in first.items():
     entries[key].update(first_call_s=stats(seconds), trace_lower_s=stats(lower_s),
                         compile_s=stats(compile_s))
   for c in CONSTRUCTIONS:
     group = {lib: fns[(c, lib)] for lib in LIBRARIES if (c, lib) in fns}
-    for fn, args in group.values():
-      jax.block_until_ready(fn(*args))  # settle
+    for _ in range(warmup):
+      for fn, args in group.values():
+        jax.block_until_ready(fn(*args))
     steps, dispatch = _interleaved(group, calls)
     for lib in group:
       entries[(c, lib)]["step_ms"] = stats(steps[lib])
@@ -184,11 +185,13 @@ def run(quick: bool = False, out: str | Path = RESULTS, log=print) -> dict:
     for n in cfg["depths"]:
       log(f"transformer: N={n}, {cfg['sizes']}, {cfg['reps']} first calls, "
           f"{cfg['calls'][n]} timed calls")
-      entries += measure(Config(n=n, **cfg["sizes"]), cfg["reps"], cfg["calls"][n], log)
+      entries += measure(Config(n=n, **cfg["sizes"]), cfg["reps"], cfg["calls"][n],
+                         cfg["warmup"], log)
   results = {
       "config": {"quick": quick, **cfg["sizes"], "mlp_hidden": 4 * cfg["sizes"]["d"],
                  "dropout": Config(n=1).dropout, "depths": list(cfg["depths"]),
-                 "reps": cfg["reps"], "calls": {str(k): v for k, v in cfg["calls"].items()},
+                 "reps": cfg["reps"], "warmup": cfg["warmup"],
+                 "calls": {str(k): v for k, v in cfg["calls"].items()},
                  "machine": machine(), "device": str(jax.devices()[0]),
                  "versions": {"jax": jax.__version__, "flax": flax.__version__,
                               "python": platform.python_version()}},
@@ -227,11 +230,12 @@ def markdown(results: dict) -> str:
       f"{c['seconds'] / 60:.1f} min" + (" (quick mode: tiny sizes, optimisations off; "
                                         "the times say little)." if c["quick"] else "."),
       "",
-      f"First call: trace + lower + compile + one step of a fresh function, min / median "
-      f"/ max of {c['reps']} sweeps. Step: min / median / max of "
+      f"First call: trace + lower + compile of a fresh function (its step not included), "
+      f"min / median / max of {c['reps']} sweeps. Step: min / median / max of "
       + ", ".join(f"{v} calls at N={k}" for k, v in c["calls"].items())
-      + ", the libraries of a construction interleaved (few calls: a step is seconds "
-      "long on this CPU, and the run is kept under ~15 minutes). Dispatch: time until "
+      + f", the libraries of a construction interleaved, after {c['warmup']} untimed "
+      "call(s) each (few calls, few sweeps: a step takes seconds on a 2-core CPU, and "
+      "the run is kept near 15 minutes). Dispatch: time until "
       "the call returned, before blocking on its result. Ratios are medians over raw "
       "JAX's with the same construction; remat_scan_auto in raw JAX runs the lengths and "
       "policy statefulremat's planner picks.",
