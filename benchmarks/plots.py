@@ -114,3 +114,31 @@ def dispatch(result: dict, path: Path) -> None:
     ax.legend()
     ax.grid(True, axis="y", which="both", alpha=0.3)
   _save(fig, path, bottom=0.3)
+
+
+def transformer(results: dict, path: Path) -> None:
+  """The transformer family: temp MiB, median step s and median first call s, a group
+  of bars per (N, construction), a bar per library (an absent bar: not applicable)."""
+  entries = [e for e in results["entries"] if e["status"] == "ok"]
+  groups = sorted({(e["n"], e["construction"]) for e in entries},
+                  key=lambda g: (g[0], g[1]))
+  libs = [lib for lib in LIBRARIES if any(e["library"] == lib for e in entries)]
+  measures = (("temp MiB", lambda e: e["bytes"]["temp"] / 2**20),
+              ("step s (median)", lambda e: e["step_ms"]["median"] / 1000),
+              ("first call s (median)", lambda e: e["first_call_s"]["median"]))
+  fig, axes = plt.subplots(1, len(measures), figsize=(6 * len(measures), 4.5))
+  width = 0.8 / len(libs)
+  for ax, (title, value) in zip(axes, measures):
+    for i, lib in enumerate(libs):
+      xs, ys = [], []
+      for x, group in enumerate(groups):
+        found = [e for e in entries if (e["n"], e["construction"]) == group
+                 and e["library"] == lib]
+        if found:
+          xs.append(x + (i - (len(libs) - 1) / 2) * width)
+          ys.append(value(found[0]))
+      ax.bar(xs, ys, width, color=STYLE[lib][0], label=NAMES[lib])
+    ax.set_xticks(range(len(groups)), [f"N={n}\n{c}" for n, c in groups], fontsize=7)
+    ax.set_title(title)
+  axes[0].legend(fontsize=8)
+  _save(fig, path, bottom=0.2)

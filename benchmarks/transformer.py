@@ -203,6 +203,8 @@ def run(quick: bool = False, out: str | Path = RESULTS, log=print) -> dict:
   out.mkdir(parents=True, exist_ok=True)
   (out / "transformer.json").write_text(json.dumps(results, indent=1))
   (out / "transformer.md").write_text(markdown(results))
+  from benchmarks import plots
+  plots.transformer(results, out / "transformer.png")
   return results
 
 

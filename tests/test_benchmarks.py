@@ -119,6 +119,7 @@ def test_every_transformer_variant_ran_with_positive_bytes(quick):
   assert results["transformer_targets"] == family["targets"]
   assert len(family["targets"]) == 3 * len(tm.CONSTRUCTIONS)
   assert "| statefulremat |" in (out / "transformer.md").read_text()
+  assert (out / "transformer.png").stat().st_size > 0
 
 
 def test_transformer_sr_loss_equals_raw_with_the_same_params():
