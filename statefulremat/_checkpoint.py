@@ -34,7 +34,8 @@ from ._checkpoint_meta import (check_match, damaged, layer_axis_json, path_from_
 from ._checkpoint_sync import Saves, SaveHandle, is_primary, wait_previous
 from ._errors import format_path
 from ._filters import collections_and_guess, filter_repr, to_predicate
-from ._graph import flatten, update
+from ._graph import flatten
+from ._split_merge import update
 from ._module import Module
 from ._state import State
 from ._variables import Variable

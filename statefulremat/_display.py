@@ -24,7 +24,7 @@ def stacked_arrays(value, path):
   axes are cut to their first and last entries (the figure's axis labels say so
   and its tooltips give the original indices), never the layer axis.
   """
-  from ._treescope import LayeredArray
+  from ._treescope_arrays import LayeredArray
 
   if not isinstance(value, LayeredArray):
     return None
@@ -38,7 +38,7 @@ def stacked_arrays(value, path):
     return None
   from treescope import rendering_parts as rp
 
-  from ._treescope import _data_summary
+  from ._treescope_arrays import _data_summary
 
   stats = _data_summary(value.array).strip()
   summary = f"{value.axes_text()} {stats}".strip()
@@ -58,7 +58,7 @@ def layer_slider_figure(value):
   axis; None for what it cannot draw (key arrays, one element).
 
   >>> import jax.numpy as jnp
-  >>> from statefulremat._treescope import LayeredArray
+  >>> from statefulremat._treescope_arrays import LayeredArray
   >>> from statefulremat._display import layer_slider_figure
   >>> type(layer_slider_figure(LayeredArray(jnp.zeros((3, 2)), 0, "layers"))).__name__
   'TreescopeFigure'
@@ -67,7 +67,7 @@ def layer_slider_figure(value):
   import treescope
   from treescope import dtype_util
 
-  from ._treescope import LayeredArray
+  from ._treescope_arrays import LayeredArray
 
   array = value.array
   if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):

@@ -1,4 +1,4 @@
-"""Split a module graph into a GraphDef and States, and merge them back.
+"""The graph walk: a module graph as a GraphDef plus its Variables, and back.
 
 ``split`` walks the graph depth first (a module's attributes in sorted order, list
 and dict items in order) and records each module and Variable the first time it is
@@ -11,8 +11,9 @@ yields three things:
 * the Variables in walk order, with their first path;
 * from those, ``State``s (per filter) holding the values.
 
-``merge`` replays the walk from the GraphDef, building fresh objects, and fills in
-the values; ``update`` writes values into an existing graph by path.
+``unflatten`` replays the walk from the GraphDef, building fresh objects, and fills
+in the values. The public ``split`` / ``merge`` / ``update`` on top of it are in
+``_split_merge``.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from ._errors import GraphError, StateMismatchError, format_path
-from ._filters import Filter
+from ._errors import GraphError, format_path
 from ._module import Module, _record_owners
-from ._state import State, freeze, partition, thaw_metadata
+from ._state import freeze, thaw_metadata
 from ._tracing import current_trace, rebuilt_graphs, structure_epoch
-from ._variables import Variable, _dtype_of, bare_variable
+from ._variables import Variable, bare_variable
 
 _REF, _VAR, _NODE, _LIST, _TUPLE, _DICT, _STATIC = range(7)
 
@@ -266,195 +266,3 @@ def rewrite(graphdef: GraphDef, *, root_classes: dict[int, type] | None = None,
   for position, cls in (root_classes or {}).items():
     tree[position] = (tree[position][0], cls, tree[position][2])
   return GraphDef(tuple(tree), graphdef.var_paths)
-
-
-# -- the public functions ---------------------------------------------------------
-
-
-def _check_node(node, fn: str):
-  if not isinstance(node, (Module, Variable, list, tuple, dict)):
-    raise TypeError(
-        f"sr.{fn} takes a Module (or a list/tuple/dict of them), got "
-        f"{type(node).__name__}."
-    )
-
-
-def _states(graphdef: GraphDef, variables: list[Variable], filters) -> list[State]:
-  items = list(zip(graphdef.var_paths, variables))
-  groups = partition(items, filters)
-  return [State.from_variables(items[i] for i in group) for group in groups]
-
-
-def split(node, *filters: Filter) -> tuple:
-  """Splits a graph into its GraphDef and one State per filter.
-
-  Each variable lands in the State of the first filter that matches it; a variable
-  matched by none is an error unless the last filter is ``...``.
-
-  >>> import statefulremat as sr
-  >>> model = sr.nn.BatchNorm(3, rngs=sr.Rngs(0))
-  >>> graphdef, state = sr.split(model)
-  >>> graphdef, params, rest = sr.split(model, sr.Param, ...)
-  >>> sorted(params.flat()), sorted(rest.flat())
-  ([('bias',), ('scale',)], [('mean',), ('var',)])
-  >>> sr.merge(graphdef, params, rest).scale.shape
-  (3,)
-  """
-  _check_node(node, "split")
-  graphdef, variables = flatten([node])
-  return (graphdef, *_states(graphdef, variables, filters))
-
-
-def merge(graphdef: GraphDef, *states: State) -> Any:
-  """Builds a new object graph from a GraphDef and the States ``split`` gave.
-
-  Together the States must hold exactly the GraphDef's variables (by path). Each
-  Variable gets the kind and metadata its State entry remembers; entries of a State
-  built by hand (``sr.State({"kernel": w})``, which knows no kinds) take the GraphDef's.
-
-  >>> import statefulremat as sr
-  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
-  >>> copy = sr.merge(*sr.split(model))
-  >>> copy is model, bool((copy.kernel.value == model.kernel.value).all())
-  (False, True)
-  """
-  if not isinstance(graphdef, GraphDef):
-    raise TypeError(
-        f"sr.merge takes a GraphDef first (from sr.split), got {type(graphdef).__name__}")
-  merged = State.merge(*states)
-  spec = merged._spec
-  where = {p: i for i, p in enumerate(spec.paths)}
-  missing = [p for p in graphdef.var_paths if p not in where]
-  if missing:
-    raise StateMismatchError(
-        f"sr.merge: no value for the variable `{format_path(missing[0])}`"
-        f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}. Pass every "
-        "State that sr.split returned: `sr.merge(graphdef, *states)`."
-    )
-  extra = set(where) - set(graphdef.var_paths)
-  if extra:
-    first = sorted(extra, key=str)[0]
-    raise StateMismatchError(
-        f"sr.merge: the State has an entry `{format_path(first)}` that the GraphDef "
-        "has no variable for. The State and GraphDef come from different graphs; split "
-        "the model you mean to rebuild."
-    )
-  order = [where[p] for p in graphdef.var_paths]
-  # A plain `()` (not a frozen dict) marks an entry of a hand-built State: it knows
-  # neither metadata nor, if its kind is the base Variable, the kind.
-  unknown = [type(spec.metas[i]) is tuple for i in order]
-  roots, _ = unflatten(
-      graphdef, [merged._values[i] for i in order],
-      kinds=[None if u and spec.kinds[i] is Variable else spec.kinds[i]
-             for u, i in zip(unknown, order)],
-      metas=[None if u else spec.metas[i] for u, i in zip(unknown, order)])
-  return roots[0]
-
-
-def state(node, *filters: Filter) -> State | tuple[State, ...]:
-  """The State of ``node``: all of it, the entries a filter matches, or a tuple for several.
-
-  >>> import statefulremat as sr
-  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
-  >>> sorted(sr.state(model, sr.Param).flat())
-  [('bias',), ('kernel',)]
-  """
-  _check_node(node, "state")
-  graphdef, variables = flatten([node])
-  items = list(zip(graphdef.var_paths, variables))
-  if not filters:
-    return State.from_variables(items)
-  whole = State.from_variables(items)
-  return whole.filter(*filters)
-
-
-def graphdef(node) -> GraphDef:
-  """The GraphDef of ``node`` (``sr.split(node)[0]``).
-
-  >>> import statefulremat as sr
-  >>> sr.graphdef(sr.nn.Linear(2, 3, rngs=sr.Rngs(0))).var_paths
-  (('bias',), ('kernel',))
-  """
-  _check_node(node, "graphdef")
-  return flatten([node])[0]
-
-
-def update(node, *states: State) -> None:
-  """Writes the values of ``states`` into the variables of ``node`` with the same paths.
-
-  Every value must have the structure, shape and dtype of the value it replaces;
-  otherwise ``StateMismatchError`` lists the paths that differ and nothing is written
-  (to change a variable's shape, assign ``var.value`` directly).
-
-  >>> import jax, statefulremat as sr
-  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
-  >>> sr.update(model, jax.tree.map(lambda x: x * 0, sr.state(model)))
-  >>> float(abs(model.kernel.value).sum())
-  0.0
-  """
-  _check_node(node, "update")
-  graphdef, variables = flatten([node])
-  where = dict(zip(graphdef.var_paths, variables))
-  pending = []
-  for st in states:
-    if not isinstance(st, State):
-      raise TypeError(f"sr.update takes States after the module, got {type(st).__name__}")
-    for path, value in zip(st._spec.paths, st._values):
-      var = where.get(path)
-      if var is None:
-        raise StateMismatchError(
-            f"sr.update: the State has an entry `{format_path(path)}` but the module has "
-            "no variable at that path (nothing was written). Update with a State taken "
-            "from an equally structured module (`sr.state(model)`)."
-        )
-      pending.append((path, var, value))
-  mismatched = [(path, why) for path, var, value in pending
-                if (why := type_change(var._value, value)) is not None]
-  if mismatched:
-    lines = "".join(f"\n  `{format_path(path)}`: {why}" for path, why in mismatched[:5])
-    more = f"\n  ... and {len(mismatched) - 5} more" if len(mismatched) > 5 else ""
-    raise StateMismatchError(
-        f"sr.update: {len(mismatched)} value(s) do not have the shape and dtype of the "
-        f"variable they would replace (nothing was written):{lines}{more}\nA module's "
-        "arrays keep their shapes and dtypes: convert the values first (e.g. "
-        "`jax.tree.map(lambda x: x.astype(jnp.float32), state)`), or, to change a "
-        "variable's shape, assign it directly (`model.w.value = new`).")
-  pending = [(var, value) for _, var, value in pending]
-  written = []
-  try:
-    for var, value in pending:
-      old = var._value
-      var.value = value
-      written.append((var, old))
-  except BaseException:
-    for var, old in reversed(written):
-      var._value = old
-    raise
-
-
-def _avals(value) -> tuple:
-  leaves, treedef = jax.tree.flatten(value)
-  return treedef, [(tuple(np.shape(x)), jax.dtypes.canonicalize_dtype(
-      _dtype_of(x), allow_extended_dtype=True)) for x in leaves]
-
-
-def type_change(old, new) -> str | None:
-  """How ``new`` differs from ``old`` in structure, shape or dtype, in words; or None."""
-  (old_def, old_avals), (new_def, new_avals) = _avals(old), _avals(new)
-  if old_def != new_def:
-    return f"structure {old_def} -> {new_def}"
-  for (s0, d0), (s1, d1) in zip(old_avals, new_avals):
-    if (s0, d0) != (s1, d1):
-      return f"{d0}{list(s0)} -> {d1}{list(s1)}"
-  return None
-
-
-def clone(node):
-  """A deep copy of the graph: new modules and Variables, same values and sharing.
-
-  >>> import statefulremat as sr
-  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
-  >>> sr.clone(model).kernel is model.kernel
-  False
-  """
-  return merge(*split(node))

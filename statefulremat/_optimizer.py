@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from ._errors import StateMismatchError, format_path
 from ._filters import Filter, filter_repr
-from ._graph import state, update
+from ._split_merge import state, update
 from ._module import Module
 from ._state import State
 from ._kinds import Param

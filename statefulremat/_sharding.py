@@ -98,7 +98,7 @@ def shard(model, mesh: jax.sharding.Mesh, rules: Rules = ()) -> State:
   >>> shardings["kernel"].spec, layer.kernel.value.sharding == shardings["kernel"]
   (P(None, 'model'), True)
   """
-  from ._graph import update
+  from ._split_merge import update
   from ._module import Module
 
   if not isinstance(model, Module):
@@ -125,7 +125,7 @@ def shard(model, mesh: jax.sharding.Mesh, rules: Rules = ()) -> State:
 
 
 def _as_state(obj, fn: str) -> State:
-  from ._graph import state as state_of
+  from ._split_merge import state as state_of
   from ._module import Module
 
   if isinstance(obj, State):

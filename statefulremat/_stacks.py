@@ -27,7 +27,8 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 
 from ._errors import TransformError, format_path
-from ._graph import flatten, rewrite, type_change, unflatten
+from ._graph import flatten, rewrite, unflatten
+from ._split_merge import type_change
 from ._graph_diff import first_difference
 from ._module import Module
 from ._state import freeze, thaw_metadata

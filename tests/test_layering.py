@@ -26,12 +26,12 @@ LAYERS = [
     {"_state"},
     {"_module"},
     {"_graph", "_rngs"},
-    {"_graph_diff", "_pytree"},
+    {"_graph_diff", "_pytree", "_split_merge"},
     {"_stacks"},
     {"_transforms"},
     {"_optimizer", "_sharding", "_checkpoint_files", "_checkpoint_meta",
      "_checkpoint_sync", "_checkpoint", "_summary", "_summary_norms",
-     "_display", "_treescope", "_treescope_adapter", "_repr", "_demo", "__main__", "nn",
+     "_display", "_treescope", "_treescope_adapter", "_treescope_arrays", "_summary_outputs", "_repr", "_demo", "__main__", "nn",
      "interop"},
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -242,7 +242,7 @@ def test_display_in_a_notebook_draws_only_stacked_arrays_as_figures(monkeypatch)
 
 def test_a_big_layer_is_cut_within_the_layer_never_across_layers():
   from statefulremat._display import layer_slider_figure
-  from statefulremat._treescope import LayeredArray
+  from statefulremat._treescope_arrays import LayeredArray
 
   # 12 layers of 768 x 3072: every layer stays reachable by the slider; each layer's
   # axes keep their first and last entries, and say so.

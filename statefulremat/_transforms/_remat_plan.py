@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from .._errors import StatefulRematError
-from .._graph import merge, split
+from .._split_merge import merge, split
 from .._stacks import num_layers, stacked_variables
 
 # A plan fits a budget when the model puts it at most this fraction of it: on Dense +

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .._graph import update
+from .._split_merge import update
 from .._state import State
 from ._paths import (Entry, entries, flat_tree, nearest, placed_like,
                      select_collections)
