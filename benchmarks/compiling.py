@@ -3,9 +3,10 @@
 For every depth N and construction, each library's gradient function is made afresh
 for every sample (new closures and transform wrappers, so no trace or compile cache
 can hide the cost), lowered and compiled; every sweep takes all of them in turn, so a
-busy machine slows them alike. ``memory_analysis()`` of the compiled
-executable gives temp, argument and output bytes; they are exact, and the same in
-every repetition.
+busy machine slows them alike, each where CPython's frame stack has room
+(``benchmarks/roomy_stack.py`` says why).
+``memory_analysis()`` of the compiled executable gives temp, argument and output
+bytes; they are exact, and the same in every repetition.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import statistics
 import time
 
 from .models import LIBRARIES, STRATEGIES, NotApplicable, builders, strategy_lengths
+from .roomy_stack import in_roomy_stack
 
 
 def stats(samples: list[float]) -> dict:
@@ -83,7 +85,8 @@ def run(depths, width: int, batch: int, reps: int, trace_reps: int = 0, *,
     # always goes first (``_add_ratios`` pairs them).
     order = list(cases.items()) if rep % 2 == 0 else _reversed_within_groups(cases)
     for (lib, strategy, n), case in order:
-      lower_s, compile_s, nbytes, fn = _measure(case, compiler_options, rep < reps)
+      lower_s, compile_s, nbytes, fn = in_roomy_stack(
+          lambda: _measure(case, compiler_options, rep < reps))
       samples[(lib, strategy, n)][0].append(lower_s)
       if compile_s is None:
         continue

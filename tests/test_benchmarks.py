@@ -4,14 +4,16 @@ No timing assertions: the suite measures, it never fails on a slow figure.
 """
 
 import json
+import sys
 
 import pytest
 
 from benchmarks import report
 from benchmarks import run as suite
-from benchmarks.dispatch import KINDS, VARIANTS
+from benchmarks.dispatch_variants import KINDS, VARIANTS
 from benchmarks import transformer_models as tm
 from benchmarks.models import LIBRARIES, STRATEGIES
+from benchmarks.roomy_stack import in_roomy_stack
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +160,11 @@ def test_compile_growth_exponent():
   rows = {row["strategy"]: row for row in report.flatness(entries)}
   assert rows["scan"]["met"] and rows["scan"]["exponent"] < 0.05
   assert rows["unrolled"]["met"] is None and abs(rows["unrolled"]["exponent"] - 1) < 1e-9
+
+
+def test_measurements_run_under_a_512_kib_frame_and_errors_pass_through():
+  callers = []
+  assert in_roomy_stack(lambda: callers.append(sys._getframe(1)) or 7) == 7
+  assert callers[0].f_code.co_nlocals >= 1 << 16  # 8 bytes a slot: CPython's own chunk
+  with pytest.raises(ZeroDivisionError):
+    in_roomy_stack(lambda: 1 / 0)
