@@ -215,6 +215,10 @@ def markdown(results: dict, dispatch_table: str | None = None) -> str:
       *memory_table(results["deep_stack"]), "",
       f"## 2. Trace+lower and compile seconds ({c['trace_reps']} lowerings and "
       f"{c['reps']} compiles of fresh functions each)", "",
+      "Every sample is taken where CPython's frame stack has room, so no library pays "
+      "for where a 16 KiB frame chunk happens to end (`benchmarks/roomy_stack.py`: "
+      "CPython up to 3.12 maps and frees a chunk at every call across a boundary, "
+      "which moved these ratios by 10-20 % with the caller's stack depth alone).", "",
       *compile_table(results["deep_stack"]), "",
       "Compile seconds against N (medians; b is the slope of a line through them on "
       "log-log axes, so 16x deeper costs 16^b times the compile time):", "",
