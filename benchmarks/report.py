@@ -217,7 +217,7 @@ def markdown(results: dict, dispatch_table: str | None = None) -> str:
       f"{c['reps']} compiles of fresh functions each)", "",
       "Every sample is taken where CPython's frame stack has room, so no library pays "
       "for where a 16 KiB frame chunk happens to end (`benchmarks/roomy_stack.py`: "
-      "CPython up to 3.12 maps and frees a chunk at every call across a boundary, "
+      "CPython 3.11 and 3.12 map and free a chunk at every call across a boundary, "
       "which moved these ratios by 10-20 % with the caller's stack depth alone).", "",
       *compile_table(results["deep_stack"]), "",
       "Compile seconds against N (medians; b is the slope of a line through them on "

@@ -13,6 +13,7 @@ from benchmarks import run as suite
 from benchmarks.dispatch_variants import KINDS, VARIANTS
 from benchmarks import transformer_models as tm
 from benchmarks.models import LIBRARIES, STRATEGIES
+from benchmarks.frame_chunks import ALIGNMENTS, CHUNK, ChunkedStack, simulate
 from benchmarks.roomy_stack import in_roomy_stack
 
 
@@ -168,3 +169,21 @@ def test_measurements_run_under_a_512_kib_frame_and_errors_pass_through():
   assert callers[0].f_code.co_nlocals >= 1 << 16  # 8 bytes a slot: CPython's own chunk
   with pytest.raises(ZeroDivisionError):
     in_roomy_stack(lambda: 1 / 0)
+
+
+def test_the_chunk_simulation_maps_a_chunk_at_every_call_across_a_boundary():
+  near_the_end = ChunkedStack(CHUNK - 100)
+  for _ in range(3):
+    near_the_end.push(200)
+    near_the_end.pop()
+  assert near_the_end.mapped == 3 and near_the_end.used == [CHUNK - 100]
+  roomy = ChunkedStack(0)
+  roomy.push(200)
+  roomy.pop()
+  assert roomy.mapped == 0
+
+  def recurse(k):
+    return 0 if k == 0 else recurse(k - 1)
+
+  mapped = simulate(lambda: recurse(200))  # far more than one chunk of frames
+  assert len(mapped) == len(ALIGNMENTS) and min(mapped) >= 1

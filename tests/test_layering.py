@@ -3,12 +3,13 @@
 From the bottom: errors; traces (which trace a Variable belongs to, the structure
 epoch); Variables; filters, containers and the shipped Variable kinds; State; Module;
 split/merge and Rngs; GraphDef differences and modules as pytrees; stacks (the layer
-axis as data); the transforms; and on top everything built on them (optimizer, sharding, checkpoints, summary, display,
-treescope, nn, interop, the demo). A file imports only from layers below its own (the
-transforms and the top layer also among themselves, without cycles), function-level
-imports included. The one exception: the core's repr hooks (``__repr__``,
-``__treescope_repr__`` and the helpers named ``*repr*``) draw with the display layer.
-Nothing outside ``_transforms/`` imports from it but the package's ``__init__``.
+axis as data); the transforms; and on top everything built on them (optimizer,
+sharding, checkpoints, summary, display, treescope, nn, interop, the demo). A file
+imports only from layers below its own (the transforms and the top layer also among
+themselves, without cycles), function-level imports included. The one exception: the
+core's repr hooks (``__repr__``, ``__treescope_repr__`` and the helpers named
+``*repr*``) draw with the display layer. Nothing outside ``_transforms/`` imports from
+it but the package's ``__init__``.
 """
 
 import ast
@@ -31,8 +32,8 @@ LAYERS = [
     {"_transforms"},
     {"_optimizer", "_sharding", "_checkpoint_files", "_checkpoint_meta",
      "_checkpoint_sync", "_checkpoint", "_summary", "_summary_norms",
-     "_display", "_treescope", "_treescope_adapter", "_treescope_arrays", "_summary_outputs", "_repr", "_demo", "__main__", "nn",
-     "interop"},
+     "_summary_outputs", "_display", "_treescope", "_treescope_adapter",
+     "_treescope_arrays", "_repr", "_demo", "__main__", "nn", "interop"},
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 TRANSFORMS, TOP = LAYER_OF["_transforms"], len(LAYERS) - 1
