@@ -144,7 +144,7 @@ def dot_product_attention_weights(
     if specs := explicit_specs("dot_product_attention", weights=weights):
       # Explicit mesh axes: the mask lives where the weights do (but broadcast axes).
       spec = drop_dims(specs[0], range(ndim - 2)) if broadcast_dropout else specs[0]
-      kwargs["out_sharding"] = sharding_like(spec, weights)
+      kwargs["out_sharding"] = sharding_like(spec, specs)
     keep = jax.random.bernoulli(dropout_rng, keep_prob, shape, **kwargs)
     weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
   return weights

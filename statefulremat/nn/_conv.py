@@ -214,12 +214,11 @@ class Conv(Module):
     bias = self.bias.value if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
                                               dtype=self.dtype)
-    specs = None if out_sharding is not None else explicit_specs(
-        "Conv", inputs=inputs, kernel=kernel)
-    if specs:
+    if out_sharding is None and (specs := explicit_specs("Conv", inputs=inputs,
+                                                          kernel=kernel)):
       # Explicit mesh axes: the input's batch (and spatial) axes, the kernel's output
       # channels.
-      out_sharding = sharding_like(specs[0][:-1] + specs[1][-1:], inputs, kernel)
+      out_sharding = sharding_like(specs[0][:-1] + specs[1][-1:], specs)
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
     if self.preferred_element_type is not None:
       kwargs["preferred_element_type"] = self.preferred_element_type

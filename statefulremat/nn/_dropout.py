@@ -103,7 +103,7 @@ class Dropout(Module):
     if specs := explicit_specs("Dropout", inputs=inputs):
       # Explicit mesh axes: draw the mask where the input lives (as flax.nnx does),
       # replicated along the broadcast (size-1) axes, then broadcast it back there.
-      drawn = sharding_like(drop_dims(specs[0], self.broadcast_dims), inputs)
+      drawn = sharding_like(drop_dims(specs[0], self.broadcast_dims), specs)
       mask = jax.random.bernoulli(key, p=keep_prob, shape=shape, out_sharding=drawn)
       mask = jnp.broadcast_to(mask, inputs.shape,
                               out_sharding=jax.typeof(inputs).sharding)

@@ -76,7 +76,7 @@ class Embed(Module):
     if out_sharding is None and (specs := explicit_specs("Embed", embedding=embedding,
                                                           inputs=inputs)):
       # Explicit mesh axes: the ids' axes, then the table's feature axis.
-      sharding = sharding_like(specs[1] + specs[0][1:], embedding, inputs)
+      sharding = sharding_like(specs[1] + specs[0][1:], specs)
       if self.num_embeddings == 1:
         return jnp.broadcast_to(embedding, shape, out_sharding=sharding)
       # jnp.take's gather: out-of-range ids fill with NaN, negative ones wrap.
@@ -104,6 +104,6 @@ class Embed(Module):
     if out_sharding is None and (specs := explicit_specs("Embed.attend", query=query,
                                                           embedding=embedding)):
       # Explicit mesh axes: the query's batch axes, then the table's vocabulary axis.
-      out_sharding = sharding_like(specs[0][:-1] + specs[1][:1], query, embedding)
+      out_sharding = sharding_like(specs[0][:-1] + specs[1][:1], specs)
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
     return jnp.dot(query, embedding.T, **kwargs)

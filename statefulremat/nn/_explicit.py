@@ -27,7 +27,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._sharding import ShardingError, describe_mesh
 
 
-def explicit_specs(layer: str, **arrays) -> tuple[tuple, ...] | None:
+class Specs(tuple):
+  """Each array's spec (one entry per dimension), and ``mesh``: the mesh they share."""
+
+  mesh: jax.sharding.AbstractMesh
+
+
+def explicit_specs(layer: str, **arrays) -> Specs | None:
   """Each array's spec, one entry per dimension, or ``None`` if none has explicit axes.
 
   ``None`` covers no mesh, an ``AxisType.Auto`` mesh (whose axes never show in a
@@ -43,9 +49,10 @@ def explicit_specs(layer: str, **arrays) -> tuple[tuple, ...] | None:
       break
   else:
     return None
-  _check_one_mesh(layer, arrays, avals)
-  return tuple(tuple(aval.sharding.spec) + (None,) * (aval.ndim - len(aval.sharding.spec))
-               for aval in avals)
+  specs = Specs(tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
+                for a in avals)
+  specs.mesh = _one_mesh(layer, arrays, avals)
+  return specs
 
 
 def _aval(x):
@@ -53,25 +60,26 @@ def _aval(x):
   return jax.typeof(x) if aval is None else aval
 
 
-def _check_one_mesh(layer: str, arrays: dict, avals: list) -> None:
+def _one_mesh(layer: str, arrays: dict, avals: list):
+  """The mesh of every array that has one; raises if two differ."""
   named = [(name, aval.sharding.mesh) for name, aval in zip(arrays, avals)
            if not aval.sharding.mesh.empty]
+  first, first_mesh = named[0]
   for name, mesh in named[1:]:
-    if mesh != named[0][1]:
-      first, first_mesh = named[0]
+    if mesh != first_mesh:
       raise ShardingError(
           f"{layer}: `{name}` lives on mesh {describe_mesh(mesh)} but `{first}` on "
           f"{describe_mesh(first_mesh)}; under explicit mesh axes every array of one op "
           "must be on the same mesh. Fix: shard the model on the mesh its inputs use, "
           "`sr.shard(model, mesh, rules)` with the mesh you put the batch on (and "
           "`with jax.set_mesh(mesh):` around the calls).")
+  return first_mesh
 
 
-def sharding_like(entries: Sequence, *arrays) -> NamedSharding:
+def sharding_like(entries: Sequence, specs: Specs) -> NamedSharding:
   """A ``NamedSharding`` with the spec ``entries`` (each mesh axis kept only where it
-  first appears, ``dedupe``) on the mesh of the first of ``arrays`` that has one."""
-  mesh = next(m for m in (jax.typeof(a).sharding.mesh for a in arrays) if not m.empty)
-  return NamedSharding(mesh, PartitionSpec(*dedupe(entries)))
+  first appears, ``dedupe``) on the mesh of ``specs`` (from ``explicit_specs``)."""
+  return NamedSharding(specs.mesh, PartitionSpec(*dedupe(entries)))
 
 
 def dedupe(entries: Sequence) -> tuple:

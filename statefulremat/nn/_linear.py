@@ -99,11 +99,10 @@ class Linear(Module):
     bias = self.bias.value if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
                                               dtype=self.dtype)
-    specs = None if out_sharding is not None else explicit_specs(
-        "Linear", inputs=inputs, kernel=kernel)
-    if specs:
+    if out_sharding is None and (specs := explicit_specs("Linear", inputs=inputs,
+                                                          kernel=kernel)):
       # Explicit mesh axes: the input's batch axes, then the kernel's output axis.
-      out_sharding = sharding_like(specs[0][:-1] + specs[1][1:], inputs, kernel)
+      out_sharding = sharding_like(specs[0][:-1] + specs[1][1:], specs)
     if self.dot_general is lax.dot_general and out_sharding is None:
       return _dense(inputs, kernel, bias, precision=self.precision,
                     preferred_element_type=self.preferred_element_type)

@@ -131,8 +131,7 @@ class LinearGeneral(Module):
       xs, ks = specs
       free = [xs[ax] for ax in range(ndim) if ax not in axis and ax not in batch_axis]
       out_sharding = sharding_like(
-          [xs[ax] for ax in batch_axis] + free + list(ks[n_batch + len(axis):]),
-          inputs, kernel)
+          [xs[ax] for ax in batch_axis] + free + list(ks[n_batch + len(axis):]), specs)
     dot_general = self.dot_general or lax.dot_general
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
     if self.preferred_element_type is not None:

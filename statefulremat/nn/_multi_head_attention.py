@@ -274,25 +274,26 @@ class MultiHeadAttention(Module):
     onto the last position (``dynamic_update_slice``), a silently wrong result.
     Returns ``index``."""
 
-    def report(index):
+    def report(index, where=None):  # eager: the path is read only when it raises
       if (np.asarray(index) >= max_length).any():
         raise ValueError(
-            f"{where}: decoding past the end of the key/value cache: it holds "
-            f"max_length={max_length} positions and all are used (cache_index="
+            f"{where or self._where()}: decoding past the end of the key/value cache: "
+            f"it holds max_length={max_length} positions and all are used (cache_index="
             f"{int(index.max())}). Fix: give the sequence a longer cache, "
             f"`init_cache((batch, max_length, {self.in_features}))` with max_length at "
             "least the number of positions decoded (it also starts a new sequence); on "
             "a stack call it on the stack's attention, `stack.attn.init_cache(...)`.")
       return index
 
-    where = self._where()
     if not isinstance(index, jax.core.Tracer):
       return report(index)  # eager: raise before anything is written
     # Traced (sr.jit, a stack's scan): the host is called only when the cache is full,
     # and its error stops the call before the transform writes anything back. A
     # pure_callback whose result the write uses, so it is not pruned: the effect of
     # jax.debug.callback cost every decode call ~0.2 ms on CPU where this costs ~0.03.
-    checked = functools.partial(jax.pure_callback, report,
+    # The path is read now: the host call runs after the trace's modules are gone.
+    checked = functools.partial(jax.pure_callback,
+                                functools.partial(report, where=self._where()),
                                 jax.ShapeDtypeStruct(index.shape, index.dtype),
                                 vmap_method="broadcast_all")
     return lax.cond(index >= max_length, checked, lambda i: i, index)
