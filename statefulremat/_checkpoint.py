@@ -241,18 +241,18 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
 
   The checkpoint must hold exactly the model's variables, with the same kinds, shapes
   and dtypes; ``sr.StateMismatchError`` lists the first five that differ (missing,
-  extra, or another kind/shape/dtype) and how many more. With ``filters`` (any of
-  them, as ``sr.state`` takes them: ``sr.Param``, ``"batch_stats"``,
-  ``sr.PathContains("encoder")``, …) only the model's variables they match are read
-  and checked, and the checkpoint may hold others: fine-tuning from pretrained
-  parameters is ``sr.restore(path, model, sr.Param)``. A filter that matches none of
-  the model's variables raises. In a multi-process run every process calls it; each
-  reads its own shards (a checkpoint saved by another number of processes restores). Arrays are restored onto the
-  model's current shardings, so the model may be placed differently than the saved
-  one (another mesh, one device). ``remat_scan`` stacks keep one flat layer axis, so
-  a stack restores from one saved with other ``lengths``. A Variable holding a Python
-  number matches the 0-d array JAX makes of it (``sr.Param(1.0)`` is ``float32[]``)
-  and gets a Python number of its type back. On any error
+  extra, or another kind/shape/dtype) and how many more. With ``filters`` (any of them,
+  as ``sr.state`` takes them: ``sr.Param``, ``"batch_stats"``,
+  ``sr.PathContains("encoder")``, …) only the model's variables they match are read and
+  checked, and the checkpoint may hold others: fine-tuning from pretrained parameters is
+  ``sr.restore(path, model, sr.Param)``. A filter that matches none of the model's
+  variables raises. In a multi-process run every process calls it; each reads its own
+  shards (a checkpoint saved by another number of processes restores). Arrays are
+  restored onto the model's current shardings, so the model may be placed differently
+  than the saved one (another mesh, one device). ``remat_scan`` stacks keep one flat
+  layer axis, so a stack restores from one saved with other ``lengths``. A Variable
+  holding a Python number matches the 0-d array JAX makes of it (``sr.Param(1.0)`` is
+  ``float32[]``) and gets a Python number of its type back. On any error
   (``KeyboardInterrupt`` included) the model is unchanged.
 
   Raises:
