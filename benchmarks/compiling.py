@@ -31,21 +31,21 @@ def _memory(compiled) -> dict:
           "outputs": int(m.output_size_in_bytes)}
 
 
-def _measure(case, compiler_options, compile: bool = True):
-  """``(trace+lower s, compile s, bytes, jitted)``; only the first without compile."""
-  fn = case.new(compiler_options)
+def measure(fn, args: tuple, compile: bool = True):
+  """``(trace+lower s, compile s, bytes)`` of a fresh jitted ``fn`` on ``args``; the
+  last two None without ``compile``. Compiling fills the cache ``fn``'s calls use."""
   gc.disable()  # a collection inside the timed region would be charged to one library
   try:
     start = time.perf_counter()
-    lowered = fn.lower(*case.args)
+    lowered = fn.lower(*args)
     lowered_at = time.perf_counter()
     if not compile:
-      return lowered_at - start, None, None, None
+      return lowered_at - start, None, None
     compiled = lowered.compile()
     compiled_at = time.perf_counter()
   finally:
     gc.enable()
-  return lowered_at - start, compiled_at - lowered_at, _memory(compiled), fn
+  return lowered_at - start, compiled_at - lowered_at, _memory(compiled)
 
 
 def run(depths, width: int, batch: int, reps: int, trace_reps: int = 0, *,
@@ -85,8 +85,9 @@ def run(depths, width: int, batch: int, reps: int, trace_reps: int = 0, *,
     # always goes first (``_add_ratios`` pairs them).
     order = list(cases.items()) if rep % 2 == 0 else _reversed_within_groups(cases)
     for (lib, strategy, n), case in order:
-      lower_s, compile_s, nbytes, fn = in_roomy_stack(
-          lambda: _measure(case, compiler_options, rep < reps))
+      fn = case.new(compiler_options)
+      lower_s, compile_s, nbytes = in_roomy_stack(
+          lambda: measure(fn, case.args, rep < reps))
       samples[(lib, strategy, n)][0].append(lower_s)
       if compile_s is None:
         continue

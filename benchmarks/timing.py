@@ -16,17 +16,24 @@ from .compiling import stats
 from .models import LIBRARIES, STRATEGIES, NotApplicable, builders
 
 
-def _interleaved(fns: dict, calls: int) -> dict[str, list[float]]:
+def interleaved(fns: dict, calls: int) -> tuple[dict, dict]:
+  """``(ms, µs)`` per name: milliseconds per synchronised call, and microseconds until
+  each call returned (its dispatch). ``fns`` maps a name to ``(fn, args)``; every round
+  calls each once, in an order that rotates from round to round."""
   names = list(fns)
-  samples = {name: [] for name in names}
+  steps = {name: [] for name in names}
+  dispatch = {name: [] for name in names}
   for i in range(calls):
     shift = i % len(names)
     for name in names[shift:] + names[:shift]:
       fn, args = fns[name]
       start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      samples[name].append((time.perf_counter() - start) * 1e3)
-  return samples
+      out = fn(*args)
+      returned = time.perf_counter()
+      jax.block_until_ready(out)
+      steps[name].append((time.perf_counter() - start) * 1e3)
+      dispatch[name].append((returned - start) * 1e6)
+  return steps, dispatch
 
 
 def run(depths, width: int, batch: int, calls: int, *, compiled=None,
@@ -54,7 +61,7 @@ def run(depths, width: int, batch: int, calls: int, *, compiled=None,
           jax.block_until_ready(fn(*args))
         fns[lib] = (fn, args)
         results[lib]["status"] = "ok"
-      samples = _interleaved(fns, calls)
+      samples, _ = interleaved(fns, calls)
       for lib, ms in samples.items():
         results[lib]["ms"] = stats(ms)
       if "raw" in samples:

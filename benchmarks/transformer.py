@@ -26,10 +26,8 @@ beside them. Writes ``transformer.json`` and ``transformer.md`` to ``--out`` (de
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,7 +38,9 @@ if __package__ in (None, ""):  # run as `python benchmarks/transformer.py`
 import flax  # noqa: E402
 import jax  # noqa: E402
 
+from benchmarks.compiling import measure as measure_compile  # noqa: E402
 from benchmarks.compiling import stats  # noqa: E402
+from benchmarks.timing import interleaved  # noqa: E402
 from benchmarks.transformer_models import (CONSTRUCTIONS, LIBRARIES, Config,  # noqa: E402
                                            NotApplicable, build, sr_plan)
 
@@ -55,44 +55,6 @@ FULL = {"sizes": dict(d=256, heads=4, seq=256, batch=8), "depths": (16, 64),
 # Tiny sizes: the test suite runs this; the times are mostly dispatch and compile.
 QUICK = {"sizes": dict(d=16, heads=2, seq=8, batch=2), "depths": (4,), "reps": 1,
          "calls": {4: 5}, "warmup": 1}
-
-
-def _first_call(case):
-  """``(seconds, trace+lower s, compile s, bytes, fn)`` of a fresh function's first call,
-  less its step: ``lower(...).compile()`` fills the cache the call uses, so ``fn``'s
-  calls after it run the step only."""
-  fn = case.new()
-  gc.disable()
-  try:
-    start = time.perf_counter()
-    lowered = fn.lower(*case.args)
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile()
-    compiled_at = time.perf_counter()
-  finally:
-    gc.enable()
-  m = compiled.memory_analysis()
-  nbytes = {"temp": int(m.temp_size_in_bytes), "arguments": int(m.argument_size_in_bytes),
-            "outputs": int(m.output_size_in_bytes)}
-  return compiled_at - start, lowered_at - start, compiled_at - lowered_at, nbytes, fn
-
-
-def _interleaved(fns: dict, calls: int) -> tuple[dict, dict]:
-  """Milliseconds per synchronised call, and microseconds until each call returned."""
-  names = list(fns)
-  steps = {name: [] for name in names}
-  dispatch = {name: [] for name in names}
-  for i in range(calls):
-    shift = i % len(names)
-    for name in names[shift:] + names[:shift]:
-      fn, args = fns[name]
-      start = time.perf_counter()
-      out = fn(*args)
-      returned = time.perf_counter()
-      jax.block_until_ready(out)
-      steps[name].append((time.perf_counter() - start) * 1e3)
-      dispatch[name].append((returned - start) * 1e6)
-  return steps, dispatch
 
 
 def measure(cfg: Config, reps: int, calls: int, warmup: int = 1,
@@ -119,7 +81,11 @@ def measure(cfg: Config, reps: int, calls: int, warmup: int = 1,
   for rep in range(reps):
     order = list(cases) if rep % 2 == 0 else list(reversed(cases))
     for key in order:
-      seconds, lower_s, compile_s, nbytes, fn = _first_call(cases[key])
+      # A first call less its step: lower(...).compile() fills the cache fn's calls
+      # use, so the calls after it run the step only.
+      fn = cases[key].new()
+      lower_s, compile_s, nbytes = measure_compile(fn, cases[key].args)
+      seconds = lower_s + compile_s
       for samples, value in zip(first[key], (seconds, lower_s, compile_s)):
         samples.append(value)
       previous = entries[key].setdefault("bytes", nbytes)
@@ -136,7 +102,7 @@ def measure(cfg: Config, reps: int, calls: int, warmup: int = 1,
     for _ in range(warmup):
       for fn, args in group.values():
         jax.block_until_ready(fn(*args))
-    steps, dispatch = _interleaved(group, calls)
+    steps, dispatch = interleaved(group, calls)
     for lib in group:
       entries[(c, lib)]["step_ms"] = stats(steps[lib])
       entries[(c, lib)]["dispatch_us"] = stats(dispatch[lib])
