@@ -50,6 +50,7 @@ from ._transforms._autodiff import value_and_grad as value_and_grad
 from ._transforms._eval_shape import eval_shape as eval_shape
 from ._transforms._jit import jit as jit
 from ._transforms._remat import remat as remat
+from ._transforms._saved_residuals import saved_residuals as saved_residuals
 from ._transforms._remat_plan import RematPlan as RematPlan
 from ._transforms._remat_plan import RematPlanError as RematPlanError
 from ._transforms._remat_scan import plan_remat as plan_remat

@@ -28,14 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._checkpoint_files import (CheckpointError, FORMAT, abandon, check_files, commit,
-                                current, file_sizes, resolve, write_json)
+                                file_sizes, reading, resolve, write_json)
 from ._checkpoint_meta import (check_match, damaged, layer_axis_json, path_from_json,
                                path_to_json, read_meta)
 from ._checkpoint_sync import Saves, SaveHandle, is_primary, wait_previous
 from ._errors import format_path
 from ._filters import collections_and_guess, filter_repr, to_predicate
 from ._graph import flatten
-from ._split_merge import update
+from ._split_merge import deleted_error, update
 from ._module import Module
 from ._state import State
 from ._variables import Variable
@@ -94,9 +94,12 @@ def save(path: str | os.PathLike, model, *, blocking: bool = True) -> SaveHandle
   memory: the model may change at once without changing what is saved, and
   ``handle.wait()`` blocks until the checkpoint is committed (raising the save's
   error, if any). A later ``sr.save`` or ``sr.restore`` of the same path waits for it
-  first. In a multi-process run (``jax.distributed.initialize``) every process calls
-  ``sr.save`` with the same path; each writes its own shards, and the call returns
-  (or the handle's ``wait``) once the checkpoint is committed for all of them.
+  first. Saves to one path from several threads or processes run one after the other
+  (a lock on the path) and the last one's checkpoint stays; a restore meanwhile reads
+  the last committed one. In a multi-process run (``jax.distributed.initialize``)
+  every process calls ``sr.save`` with the same path; each writes its own shards, and
+  the call returns (or the handle's ``wait``) once the checkpoint is committed for all
+  of them.
 
   Args:
     path: a directory (str or os.PathLike; relative to the current directory) that
@@ -130,16 +133,27 @@ def save(path: str | os.PathLike, model, *, blocking: bool = True) -> SaveHandle
   import orbax.checkpoint as ocp
 
   saves = Saves(root)
-  version = saves.begin()
-  checkpointer = (ocp.Checkpointer if blocking else ocp.AsyncCheckpointer)(
-      ocp.StandardCheckpointHandler())
+  version = saves.begin()  # the path's lock is held from here until saves.end()
+  checkpointer = None
 
   def abandon_version():
-    checkpointer.close()
-    if is_primary():
-      abandon(root, version)
+    try:
+      if checkpointer is not None:
+        checkpointer.close()
+      if is_primary():
+        abandon(root, version)
+    finally:
+      saves.end()
 
   try:
+    if blocking:
+      checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    else:
+      # Directories made before returning: orbax's thread making them after a failed
+      # save would recreate the abandoned version, or write into the next save's.
+      checkpointer = ocp.AsyncCheckpointer(
+          ocp.StandardCheckpointHandler(),
+          async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     if arrays:  # orbax refuses an empty tree; a model without variables is just JSON
       checkpointer.save(os.path.join(version, "state"), args=ocp.args.StandardSave(arrays))
   except BaseException:
@@ -155,15 +169,20 @@ def save(path: str | os.PathLike, model, *, blocking: bool = True) -> SaveHandle
         write_json(os.path.join(version, "variables.json"),
                    {"format": FORMAT, "variables": entries, "files": file_sizes(version)})
         commit(root, version)
-      saves.barrier("committed")
     except BaseException:
       abandon_version()
       raise
+    saves.end()
+    saves.barrier("committed")
 
   if blocking:
     finish()
     return None
-  return SaveHandle(root, finish)
+  try:
+    return SaveHandle(root, finish)  # its thread ends the save, and releases the lock
+  except BaseException:  # the thread did not start
+    abandon_version()
+    raise
 
 
 def _snapshot(model) -> tuple[list[dict], dict[str, object]]:
@@ -172,6 +191,11 @@ def _snapshot(model) -> tuple[list[dict], dict[str, object]]:
   entries, arrays = [], {}
   variables = _variables(model)
   _refuse_traced(variables, "save")
+  # Checked before orbax sees the arrays: a background save would fail out of sight.
+  deleted = deleted_error([var for _, var in variables], "sr.save: ", CheckpointError,
+                          " Nothing was written.")
+  if deleted is not None:
+    raise deleted
   for i, (var_path, var) in enumerate(variables):
     value = var._value
     spec, how = _describe(value)
@@ -280,35 +304,36 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
   _check_model(model, "restore")
   variables = _selected(_variables(model), filters)
   wait_previous(root, "restore")
-  version = current(root)
-  saved, files, layer_axes = read_meta(version)
-  check_files(version, files)
-  _refuse_traced(variables, "restore")
-  specs = [_describe(var._value) for _, var in variables]
-  keys = [path_from_json(path_to_json(p)) for p, _ in variables]
-  check_match(saved, variables, keys, [s for s, _ in specs], root, layer_axes,
-               partial=bool(filters))
+  # The version read stays on disk until the block ends, whatever saves do meanwhile.
+  with reading(root) as version:
+    saved, files, layer_axes = read_meta(version)
+    check_files(version, files)
+    _refuse_traced(variables, "restore")
+    specs = [_describe(var._value) for _, var in variables]
+    keys = [path_from_json(path_to_json(p)) for p, _ in variables]
+    check_match(saved, variables, keys, [s for s, _ in specs], root, layer_axes,
+                 partial=bool(filters))
 
-  import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp
 
-  where = {p: i for i, (p, _, _) in enumerate(saved)}
-  order = [where[key] for key in keys]
-  # Orbax reads the arrays named here; the rest of the checkpoint stays on disk.
-  targets = {str(j): ocp.PLACEHOLDER for j in range(len(saved))}
-  targets.update({str(j): _target(var._value, how)
-                  for j, ((_, var), (_, how)) in zip(order, zip(variables, specs))})
-  restored = {}
-  if variables:
-    try:
-      with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        restored = checkpointer.restore(
-            os.path.join(version, "state"), args=ocp.args.PyTreeRestore(
-                item=targets,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(targets)))
-    except (OSError, ValueError, KeyError) as e:
-      # Orbax's FileNotFoundError must not escape: `except FileNotFoundError: start
-      # fresh` would silently throw away a run whose checkpoint is merely damaged.
-      raise damaged(e, version, saved) from e
+    where = {p: i for i, (p, _, _) in enumerate(saved)}
+    order = [where[key] for key in keys]
+    # Orbax reads the arrays named here; the rest of the checkpoint stays on disk.
+    targets = {str(j): ocp.PLACEHOLDER for j in range(len(saved))}
+    targets.update({str(j): _target(var._value, how)
+                    for j, ((_, var), (_, how)) in zip(order, zip(variables, specs))})
+    restored = {}
+    if variables:
+      try:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+          restored = checkpointer.restore(
+              os.path.join(version, "state"), args=ocp.args.PyTreeRestore(
+                  item=targets,
+                  restore_args=ocp.checkpoint_utils.construct_restore_args(targets)))
+      except (OSError, ValueError, KeyError) as e:
+        # Orbax's FileNotFoundError must not escape: `except FileNotFoundError: start
+        # fresh` would silently throw away a run whose checkpoint is merely damaged.
+        raise damaged(e, version, saved) from e
   values = {}
   for j, (var_path, var), (spec, how) in zip(order, variables, specs):
     value = _as_model_holds(restored[str(j)], var._value, how)

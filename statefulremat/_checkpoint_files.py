@@ -20,17 +20,38 @@ before it was flipped, so the previous checkpoint stays loadable; a dead save's
 ``sr-<n>`` is invisible (nothing points at it) and the next save deletes it. Orbax's
 own ``force=True`` overwrite would not do: it deletes the old checkpoint first.
 
-One program saves to a path at a time (no locking). In a multi-process run, every
-process calls ``sr.save`` and the primary alone creates versions and flips the
-pointer: ``_checkpoint_sync``.
+Saves to one path from several threads or processes run one after the other: a save
+holds an exclusive lock on the checkpoint directory from choosing its version number
+to its commit (or abandon), writes its pointer through a temporary of its own, and
+deletes only what its version supersedes (the previously current version and dead
+ones numbered below its own), never a version numbered above it. A restore holds a
+shared lock on the version it reads, from reading the pointer until its arrays are
+read; a save takes that lock exclusively only to delete the superseded version, so a
+restore during a save reads the last committed version and never waits for a whole
+save. The locks are ``flock`` locks on the directories themselves (no lock files:
+the directory holds only the pointer and versions) and, for the threads of one
+process, in-process locks. Where ``flock`` does not exist (Windows) or the filesystem
+refuses it, only the threads of one process are ordered; on NFS a directory's
+``flock`` orders the processes of one host, not processes on different hosts. In a
+multi-process run, every process calls ``sr.save`` and the primary alone takes the
+lock, creates versions and flips the pointer: ``_checkpoint_sync``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
+import secrets
 import shutil
+import threading
+
+try:
+  import fcntl
+except ImportError:  # Windows: the threads of one process are still ordered
+  fcntl = None
 
 from ._errors import StatefulRematError
 
@@ -73,7 +94,7 @@ def resolve(path, fn: str) -> str:
 
 
 def _ours(name: str) -> bool:
-  # Versions, what orbax leaves beside them, and the pointer's temporary.
+  # Versions, what orbax leaves beside them, and the pointer's temporaries.
   return name.startswith(POINTER) or _VERSION.match(name) is not None
 
 
@@ -111,19 +132,22 @@ def current(root: str, fn: str = "restore") -> str | None:
   if os.path.isdir(root):
     pointer = os.path.join(root, POINTER)
     if os.path.isfile(pointer):
-      try:
-        name = read_json(pointer)["current"]
-      except (OSError, ValueError, KeyError, TypeError):
-        name = None
-      version = os.path.join(root, name) if isinstance(name, str) else ""
-      if not (isinstance(name, str) and _VERSION.fullmatch(name)
-              and os.path.isdir(version)):
-        raise CheckpointError(
-            f"sr.{fn}: the checkpoint pointer {pointer!r} is damaged or names a "
-            f"missing version ({name!r}). Something other than sr.save changed the "
-            "directory. Fix: restore from another checkpoint, or delete the "
-            "directory and save again.")
-      return version
+      name = _pointed(pointer)
+      while True:
+        if isinstance(name, str) and _VERSION.fullmatch(name):
+          version = os.path.join(root, name)
+          if os.path.isdir(version):
+            return version
+        # A save may have superseded (and deleted) it since the pointer was read.
+        again = _pointed(pointer)
+        if again == name:
+          break
+        name = again
+      raise CheckpointError(
+          f"sr.{fn}: the checkpoint pointer {pointer!r} is damaged or names a "
+          f"missing version ({name!r}). Something other than sr.save changed the "
+          "directory. Fix: restore from another checkpoint, or delete the "
+          "directory and save again.")
     foreign = sorted(n for n in os.listdir(root) if not _ours(n))
     if foreign:
       raise CheckpointError(
@@ -147,6 +171,14 @@ def current(root: str, fn: str = "restore") -> str | None:
          else "the path does not exist")
       + "). Fix: check the path (relative paths are from the current directory, "
       f"{os.getcwd()!r}), or save one first with sr.save(path, model).")
+
+
+def _pointed(pointer: str):
+  """What the pointer file names (``None`` if it cannot be read)."""
+  try:
+    return read_json(pointer)["current"]
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
 
 
 def file_sizes(version: str) -> dict[str, int]:
@@ -181,14 +213,171 @@ def check_files(version: str, sizes: dict[str, int]) -> None:
         "of this one, or, to start over on purpose, delete the directory.")
 
 
-def begin(root: str) -> str:
-  """Creates and returns the directory of a new, not yet visible version."""
-  current(root, "save")  # refuses files and foreign directories
+# -- locks: saves of a path one after the other, no version deleted under a restore ------
+
+# What flock raises where the filesystem has no such locks (Lustre without -o flock,
+# some FUSE and network filesystems): saving goes on with the threads' locks alone.
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF,
+             getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+def _flock(path: str, shared: bool) -> int | None:
+  """An open descriptor of ``path`` (a directory), ``flock``-ed; ``None`` where there is
+  no such lock. Raises ``FileNotFoundError`` if ``path`` is gone."""
+  if fcntl is None:
+    return None
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except FileNotFoundError:
+    raise
+  except OSError:
+    return None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+  except BaseException as e:
+    os.close(fd)
+    if isinstance(e, OSError) and e.errno in _NO_FLOCK:
+      return None
+    raise
+  return fd
+
+
+def _unlock(fd: int | None) -> None:
+  if fd is None:
+    return
+  try:
+    # Explicitly: a child forked meanwhile shares the descriptor, and closing ours
+    # alone would leave the path locked for as long as the child lives.
+    fcntl.flock(fd, fcntl.LOCK_UN)
+  finally:
+    os.close(fd)
+
+
+class _Threads:
+  """A path's locks among this process's threads (what ``flock`` gives between
+  processes, also where it is missing): one save at a time, and restores (shared)
+  against the deletion of superseded versions (exclusive, and served first)."""
+
+  def __init__(self):
+    self.save = threading.Lock()
+    self._changed = threading.Condition()
+    self._readers = 0
+    self._deleters = 0  # waiting or deleting
+
+  @contextlib.contextmanager
+  def reading(self):
+    with self._changed:
+      while self._deleters:
+        self._changed.wait()
+      self._readers += 1
+    try:
+      yield
+    finally:
+      with self._changed:
+        self._readers -= 1
+        self._changed.notify_all()
+
+  @contextlib.contextmanager
+  def deleting(self):
+    with self._changed:
+      self._deleters += 1
+      try:
+        while self._readers:
+          self._changed.wait()
+      except BaseException:
+        self._deleters -= 1
+        self._changed.notify_all()
+        raise
+    try:
+      yield
+    finally:
+      with self._changed:
+        self._deleters -= 1
+        self._changed.notify_all()
+
+
+_by_path: dict[str, _Threads] = {}
+_by_path_lock = threading.Lock()
+
+
+def _threads_of(root: str) -> _Threads:
+  key = os.path.normcase(os.path.realpath(root))
+  with _by_path_lock:
+    return _by_path.setdefault(key, _Threads())
+
+
+class SaveLock:
+  """What a save holds on its path from ``begin`` to the end of its ``commit`` or
+  ``abandon``: the threads' lock and an exclusive ``flock`` of the directory."""
+
+  def __init__(self, root: str):
+    self._threads = _threads_of(root).save
+    self._threads.acquire()
+    try:
+      self._fd = _flock(root, shared=False)
+    except BaseException:
+      self._threads.release()
+      raise
+    self._held = True
+
+  def release(self) -> None:
+    """Releases the lock (once; later calls do nothing), from any thread."""
+    if not self._held:
+      return
+    self._held = False
+    try:
+      _unlock(self._fd)
+    finally:
+      self._threads.release()
+
+
+@contextlib.contextmanager
+def reading(root: str):
+  """The directory of the version ``root``'s pointer names (raising as ``current``
+  does), which no save deletes before the block ends: a shared lock on it."""
+  version = current(root)
+  threads = _threads_of(root)
+  while True:
+    with threads.reading():
+      try:
+        fd = _flock(version, shared=True)
+      except FileNotFoundError:  # superseded and deleted since the pointer was read
+        fd = None
+        still = False
+      else:
+        # The lock keeps the version only if it was not superseded before: a save
+        # deletes a version only after pointing away from it.
+        still = current(root) == version
+      try:
+        if still:
+          yield version
+          return
+      finally:
+        _unlock(fd)
+    version = current(root)
+
+
+def begin(root: str) -> tuple[str, SaveLock]:
+  """Takes ``root``'s save lock and creates the directory of a new, not yet visible
+  version; the caller releases the lock once it has committed or abandoned it."""
+  current(root, "save")  # refuses files and foreign directories before writing any
   os.makedirs(root, exist_ok=True)
-  taken = [int(m.group(1)) for m in map(_VERSION.match, os.listdir(root)) if m]
-  version = os.path.join(root, f"sr-{max(taken, default=0) + 1}")
-  os.mkdir(version)
-  return version
+  lock = SaveLock(root)
+  try:
+    current(root, "save")  # again: the directory may have changed before the lock
+    taken = [int(m.group(1)) for m in map(_VERSION.match, os.listdir(root)) if m]
+    number = max(taken, default=0) + 1
+    while True:
+      version = os.path.join(root, f"sr-{number}")
+      try:
+        os.mkdir(version)
+        break
+      except FileExistsError:  # a writer the lock does not reach (no flock there)
+        number += 1
+  except BaseException:
+    lock.release()
+    raise
+  return version, lock
 
 
 def newest(root: str) -> str:
@@ -203,14 +392,47 @@ def newest(root: str) -> str:
 
 
 def commit(root: str, version: str) -> None:
-  """Points ``root`` at ``version`` atomically, then deletes every other version."""
-  temporary = os.path.join(root, POINTER + ".tmp")
-  write_json(temporary, {"format": FORMAT, "current": os.path.basename(version)})
-  os.replace(temporary, os.path.join(root, POINTER))
+  """Points ``root`` at ``version`` atomically, then deletes what it supersedes.
+
+  That is the previously current version and dead ones (never committed) numbered
+  below it, and dead saves' temporary pointers; never a version numbered above it.
+  The caller holds the save lock, so no other save is under way.
+  """
+  name = os.path.basename(version)
+  number = int(_VERSION.fullmatch(name).group(1))
+  # A name of this writer's own: another writer's temporary is never replaced.
+  temporary = os.path.join(root, f"{POINTER}.tmp-{os.getpid()}-{threading.get_ident()}"
+                                 f"-{secrets.token_hex(4)}")
+  try:
+    write_json(temporary, {"format": FORMAT, "current": name})
+    os.replace(temporary, os.path.join(root, POINTER))
+  except BaseException:
+    _remove(temporary)
+    raise
   _fsync_dir(root)
-  for name in os.listdir(root):
-    if _ours(name) and name != POINTER and name != os.path.basename(version):
-      _remove(os.path.join(root, name))
+  superseded = []
+  for entry in os.listdir(root):
+    match = _VERSION.match(entry)
+    if match and entry != name and int(match.group(1)) < number:
+      superseded.append(os.path.join(root, entry))
+    elif entry.startswith(POINTER + ".tmp"):
+      _remove(os.path.join(root, entry))
+  if superseded:
+    with _threads_of(root).deleting():
+      for path in superseded:
+        _delete_unread(path)
+
+
+def _delete_unread(path: str) -> None:
+  """Deletes ``path`` once no restore reads it (an exclusive lock on it)."""
+  try:
+    fd = _flock(path, shared=False)
+  except FileNotFoundError:
+    return
+  try:
+    _remove(path)
+  finally:
+    _unlock(fd)
 
 
 def abandon(root: str, version: str) -> None:
@@ -221,7 +443,6 @@ def abandon(root: str, version: str) -> None:
   except CheckpointError:
     pass
   _remove(version)
-  _remove(os.path.join(root, POINTER + ".tmp"))
 
 
 def _remove(path: str) -> None:

@@ -19,8 +19,14 @@ process picked its own version and orbax waited for the primary's).
 A save with ``blocking=False`` returns once orbax has copied the arrays to host
 memory, so the model may change at once; writing and committing go on in a thread
 (``SaveHandle``). Saves and restores of one path in one process run in order: each
-first waits for that path's previous background save, and raises its error if it
-failed and nobody has seen it, so a failed background save is never silent.
+first waits for that path's earlier background saves, and raises the error of one
+that failed and nobody has seen, so a failed background save is never silent.
+
+Saves of one path from other threads or processes wait for the path's lock
+(``_checkpoint_files.SaveLock``), which the primary process holds from choosing the
+version to its commit or abandon; a background save takes it before returning and
+its thread releases it. Only the primary takes it: the others would wait for it at
+the barrier the primary can pass only by reaching them.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from typing import Callable
 
 import jax
 
-from ._checkpoint_files import CheckpointError, begin, current, newest
+from ._checkpoint_files import CheckpointError, abandon, begin, current, newest
 
 
 def is_primary() -> bool:
@@ -48,7 +54,9 @@ class Saves:
 
   def __init__(self, root: str):
     self.root = root
-    self.seq = Saves._count[root] = Saves._count.get(root, 0) + 1
+    self._lock = None  # the path's SaveLock, in the primary process from begin()
+    with _lock:
+      self.seq = Saves._count[root] = Saves._count.get(root, 0) + 1
 
   def barrier(self, stage: str) -> None:
     if jax.process_count() == 1:
@@ -61,11 +69,25 @@ class Saves:
         f"statefulremat.save.{zlib.crc32(self.root.encode()):08x}.{self.seq}.{stage}")
 
   def begin(self) -> str:
-    """The new version's directory, the same in every process."""
+    """The new version's directory, the same in every process; the primary holds the
+    path's lock from now until ``end``."""
     current(self.root, "save")  # every process refuses a foreign path by itself
-    version = begin(self.root) if is_primary() else None
-    self.barrier("begun")
+    version = None
+    if is_primary():
+      version, self._lock = begin(self.root)
+    try:
+      self.barrier("begun")
+    except BaseException:
+      if version is not None:
+        abandon(self.root, version)
+      self.end()
+      raise
     return version if version is not None else newest(self.root)
+
+  def end(self) -> None:
+    """Releases the path's lock, if this process holds it (again: does nothing)."""
+    if self._lock is not None:
+      self._lock.release()
 
 
 class SaveHandle:
@@ -88,9 +110,9 @@ class SaveHandle:
     self._seen = False
     self._thread = threading.Thread(target=self._run, args=(finish,), daemon=False,
                                     name=f"sr.save({path!r})")
-    with _lock:
-      _pending[path] = self
     self._thread.start()
+    with _lock:
+      _pending.setdefault(path, []).append(self)
 
   def _run(self, finish) -> None:
     try:
@@ -120,18 +142,23 @@ class SaveHandle:
     return f"SaveHandle({self.path!r}, {state})"
 
 
-_pending: dict[str, SaveHandle] = {}
+_pending: dict[str, list[SaveHandle]] = {}  # per path, its background saves
 _lock = threading.Lock()
 
 
 def wait_previous(root: str, fn: str) -> None:
-  """Waits for ``root``'s background save, if any; raises its error if unseen."""
+  """Waits for ``root``'s background saves, if any; raises the error of one that
+  failed unseen (the others' are raised by the next calls)."""
   with _lock:
-    handle = _pending.pop(root, None)
-  if handle is None:
-    return
-  handle._thread.join()
-  if handle._error is not None and not handle._seen:
+    handles = _pending.pop(root, [])
+  for handle in handles:
+    handle._thread.join()
+  failed = [h for h in handles if h._error is not None and not h._seen]
+  if failed:
+    handle = failed[0]
+    if failed[1:]:
+      with _lock:
+        _pending[root] = failed[1:] + _pending.get(root, [])
     handle._seen = True
     raise CheckpointError(
         f"sr.{fn}: the earlier sr.save({root!r}, ..., blocking=False) failed "
@@ -144,7 +171,7 @@ def wait_previous(root: str, fn: str) -> None:
 @atexit.register
 def _report_unseen_failures() -> None:
   # Threads are joined before atexit runs: every background save has ended by now.
-  for handle in list(_pending.values()):
+  for handle in [h for handles in list(_pending.values()) for h in handles]:
     if handle._error is not None and not handle._seen:
       print(f"statefulremat: sr.save({handle.path!r}, ..., blocking=False) failed and "
             f"was never waited on: {type(handle._error).__name__}: {handle._error}",

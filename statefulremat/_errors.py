@@ -72,6 +72,22 @@ class TransformError(StatefulRematError, ValueError):
   """
 
 
+def refuse_hash(obj) -> None:
+  """``__hash__`` of mutable graph objects (modules, Variables): always raises.
+
+  A hash would let ``jax.jit(f, static_argnums=0)(model, x)`` cache on the object and
+  serve its old output after the values change.
+  """
+  kind = type(obj).__name__
+  raise TypeError(
+      f"unhashable type: {kind!r}. A module or Variable is mutable (its values change "
+      "in place), so a hash of it would go stale: as a static argument of jax.jit "
+      "(static_argnums / static_argnames), the compiled result would be served again "
+      "after its values changed. Fix: pass it as an ordinary argument (modules and "
+      "Variables are pytrees: `jax.jit(f)(model, x)`), or use `sr.jit`; to key a dict "
+      "or set by it, use `id(obj)`.")
+
+
 def format_path(path: tuple) -> str:
   """Formats a graph path as Python would reach it: ``('layers', 0, 'kernel')`` -> ``layers[0].kernel``."""
   out = []

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from ._containers import adopt
-from ._errors import GraphError, format_path
+from ._errors import GraphError, format_path, refuse_hash
 from ._tracing import structure_epoch
 from ._variables import Variable, path_of, set_owner
 
@@ -82,6 +82,9 @@ class Module:
     super().__init_subclass__(**kwargs)
     for hook in _class_hooks:
       hook(cls)
+
+  def __hash__(self):
+    refuse_hash(self)  # mutable: see refuse_hash
 
   def __setattr__(self, name: str, value: Any) -> None:
     if isinstance(self.__dict__.get(name), Variable) and _is_array_like(value):

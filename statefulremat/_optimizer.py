@@ -7,6 +7,8 @@ import jax.numpy as jnp
 
 from ._errors import StateMismatchError, format_path
 from ._filters import Filter, filter_repr
+from ._graph import flatten
+from ._graph_lock import hold, holding, let_go
 from ._split_merge import state, update
 from ._module import Module
 from ._state import State
@@ -101,7 +103,8 @@ class Optimizer(Module):
     ``update(model, grads)`` (nnx >= 0.11) is accepted and the same, provided
     ``model`` is this optimizer's own ``opt.model``. Raises ``StateMismatchError`` if
     the gradients' paths, or the model's since the Optimizer was made, differ from
-    the optimized ones.
+    the optimized ones. Updates from several threads run one at a time (the model's
+    graph lock, as ``sr.jit`` holds it), so none is lost.
 
     >>> import jax, jax.numpy as jnp, optax, statefulremat as sr
     >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))
@@ -112,6 +115,15 @@ class Optimizer(Module):
     >>> model.bias.value.tolist(), int(opt.step.value)
     ([-1.0], 2)
     """
+    # Called outside sr.jit, it reads, computes and writes like a transform: threads
+    # updating one model take turns (inside a transform the outer call holds the lock).
+    lock = None if holding() else hold(flatten([self])[1])
+    try:
+      self._update(args)
+    finally:
+      let_go(lock)
+
+  def _update(self, args: tuple) -> None:
     if len(args) == 1:
       grads = args[0]
     else:

@@ -40,6 +40,19 @@ def _as_key(seed) -> jax.Array:
   )
 
 
+def _refuse_split_keys(shape: tuple, tag: str) -> None:
+  n = shape[0]
+  one = "sr.Rngs(key)" if tag == "default" else f"sr.Rngs({tag}=key)"
+  raise ValueError(
+      f"sr.Rngs: the stream {tag!r} got a key array of shape {tuple(shape)} ({n} keys, "
+      "as `jax.random.split(key, n)` makes), but an Rngs takes one key (or seed) per "
+      "stream and draws fresh keys from it itself. Pre-split keys are what a stack of "
+      "layers needs, one per layer, and the class forms of sr.vmap, sr.scan and "
+      "sr.remat_scan split them for it: `sr.vmap(Block, axis_size="
+      f"{n})(..., rngs=sr.Rngs(key))` builds {n} layers, each initialised from its own "
+      f"key (split_rngs). Fix: pass the single key, `{one}`.")
+
+
 class RngStream(Module):
   """One named stream: ``stream()`` returns a fresh key and advances the counter.
 
@@ -51,7 +64,10 @@ class RngStream(Module):
   """
 
   def __init__(self, seed, *, tag: str):
-    self.key = RngKey(_as_key(seed), tag=tag)
+    key = _as_key(seed)
+    if key.shape:
+      _refuse_split_keys(key.shape, tag)
+    self.key = RngKey(key, tag=tag)
     self.count = RngCount(jnp.zeros((), jnp.uint32), tag=tag)
     self.tag = tag
 
@@ -68,13 +84,15 @@ class LayerKeys:
   this on its per-iteration copy of an ``Rngs``, so the split rule holds for the name
   asked even when one default stream serves several names (``split_rngs={"params":
   True, "dropout": False}`` with ``sr.Rngs(0)``). ``base`` is the stream's key for this
-  call, ``index`` the iteration, ``splits(name)`` the rule.
+  call, ``index`` the iteration, ``splits(name)`` the rule; ``asked`` collects the
+  names drawn, so the transform can check the names its ``split_rngs`` typed.
   """
 
-  __slots__ = ("base", "index", "splits")
+  __slots__ = ("base", "index", "splits", "asked")
 
-  def __init__(self, base, index, splits):
+  def __init__(self, base, index, splits, asked: set | None = None):
     self.base, self.index, self.splits = base, index, splits
+    self.asked = set() if asked is None else asked
 
 
 class _ServedStream:
@@ -163,9 +181,10 @@ class Rngs(Module):
     if stream is None:
       stream = vars(self).get("default")
       layer = vars(self).get("_sr_layer_keys")
-      if layer is not None and stream is not None and (
-          layer.splits(name) != layer.splits("default")):
-        return _ServedStream(stream, name, layer)
+      if layer is not None and stream is not None:
+        layer.asked.add(name)
+        if layer.splits(name) != layer.splits("default"):
+          return _ServedStream(stream, name, layer)
     if stream is None:
       raise AttributeError(
           f"this Rngs has no {name!r} stream and no default stream (it has "

@@ -2,7 +2,7 @@
 public face of the graph walk (``_graph``). ``split`` flattens a graph and partitions
 its Variables into States by filter; ``merge`` unflattens a GraphDef with States into
 fresh objects; ``update`` writes values into an existing graph by path, all or
-nothing.
+nothing; ``clone`` copies a graph, buffers included.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import StateMismatchError, format_path
+from ._errors import StateMismatchError, TransformError, format_path
 from ._filters import Filter
 from ._graph import GraphDef, flatten, unflatten
+from ._graph_lock import hold, let_go
 from ._module import Module
 from ._state import State, partition
 from ._variables import Variable, _dtype_of
@@ -142,6 +143,14 @@ def update(node, *states: State) -> None:
   """
   _check_node(node, "update")
   graphdef, variables = flatten([node])
+  lock = hold(variables)  # another thread's step on this graph writes before or after
+  try:
+    _update(graphdef, variables, states)
+  finally:
+    let_go(lock)
+
+
+def _update(graphdef: GraphDef, variables: list[Variable], states) -> None:
   where = dict(zip(graphdef.var_paths, variables))
   pending = []
   for st in states:
@@ -198,11 +207,73 @@ def type_change(old, new) -> str | None:
 
 
 def clone(node):
-  """A deep copy of the graph: new modules and Variables, same values and sharing.
+  """A deep copy of the graph: new modules and Variables holding copies of the values.
+
+  Shared modules and Variables stay shared within the copy. JAX arrays (typed PRNG
+  keys included) are copied into new buffers with the same sharding and numpy arrays
+  are copied, so nothing done to the original's buffers reaches the copy: a
+  ``best = sr.clone(model)`` taken before ``sr.jit(step, donate_state=True)`` steps
+  the model stays intact. Python numbers are kept as they are.
 
   >>> import statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
-  >>> sr.clone(model).kernel is model.kernel
-  False
+  >>> copy = sr.clone(model)
+  >>> copy.kernel is model.kernel, copy.kernel.value is model.kernel.value
+  (False, False)
+  >>> bool((copy.kernel.value == model.kernel.value).all())
+  True
   """
-  return merge(*split(node))
+  _check_node(node, "clone")
+  graphdef, variables = flatten([node])
+  lock = hold(variables)  # the values of one step, not half of another thread's
+  try:
+    whole = State.from_variables(zip(graphdef.var_paths, variables))
+    values = _copies(whole._values)
+  except RuntimeError:
+    error = deleted_error(variables, "sr.clone: ", TransformError)
+    if error is None:
+      raise
+    raise error from None
+  finally:
+    let_go(lock)
+  return merge(graphdef, State._make(whole._spec, values))
+
+
+def _copies(values) -> list:
+  """``values`` with each JAX and numpy array copied; JAX's in one batched call."""
+  leaves, treedef = jax.tree.flatten(list(values))
+  at = [i for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+  # may_alias=False makes device_put copy even where the placement is unchanged.
+  copied = jax.device_put([leaves[i] for i in at], may_alias=False) if at else []
+  leaves = [np.copy(x) if isinstance(x, np.ndarray) else x for x in leaves]
+  for i, x in zip(at, copied):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def deleted_error(variables, what: str, kind: type, after: str = "") -> Exception | None:
+  """The error naming the Variable that holds a deleted (donated or freed) array, or
+  None if none does. Asked after JAX refused an array, not on every call."""
+  found = []
+  for var in variables:
+    for leaf in jax.tree.leaves(var._value):
+      if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and (
+          leaf.is_deleted()):
+        found.append((var, leaf))
+        break
+  if not found:
+    return None
+  var, leaf = found[0]
+  more = f" (and {len(found) - 1} more Variable(s))" if len(found) > 1 else ""
+  spec = f"{leaf.dtype}[{','.join(map(str, leaf.shape))}]"
+  return kind(
+      f"{what}`{var.path_str()}` ({type(var).__name__}, {spec}){more} holds an array "
+      "that has been deleted, so it cannot be read: its buffer was donated to an "
+      "earlier computation (`sr.jit(..., donate_state=True)`, or `jax.jit(..., "
+      "donate_argnums=...)` given the model's State) or freed with "
+      f"`.delete()`.{after} Fix: use the model that donating call "
+      "updated (sr.jit writes the new values into the model passed to it; after a "
+      "plain jax.jit, `sr.update(model, new_state)` with the State it returned). To "
+      "keep a copy that outlives donation (e.g. the best model so far), take "
+      "`sr.clone(model)` before the donating call: it copies the buffers.")

@@ -189,6 +189,13 @@ def layer(stack, i: int):
   roots[0].__dict__["_sr_stacked_from"] = type(stack)
   roots[0].__dict__["_sr_stacked_paths"] = {
       p: a for p, a in zip(graphdef.var_paths, axes) if a is not None}
+  # The RNG streams the layers share are split when the stack runs; the class's hook
+  # gives this copy the keys layer i draws there (and says what the stack held).
+  seed = getattr(type(stack), "_sr_layer_rngs", None)
+  shared = {j for j, a in enumerate(axes) if a is None}
+  before = seed(roots[0], i, shared) if seed is not None else {}
+  roots[0].__dict__["_sr_stream_origins"] = {
+      graphdef.var_paths[j]: value for j, value in before.items()}
   return roots[0]
 
 
@@ -239,10 +246,15 @@ def stack(layers: Sequence[Module], *, like: Any = None):
   graphdef, variables = flats[0]
   _check_alike(layers, flats)
   axes = _layer_axes_of(layers, like, cls, graphdef, variables)
+  # A shared RNG stream that `layer(i)` split per layer goes back as the stack held it.
+  origins = layers[0].__dict__.get("_sr_stream_origins", {})
   values = []
   for j, axis in enumerate(axes):
     column = [flat[1][j]._value for flat in flats]
-    values.append(column[0] if axis is None else jnp.stack(column, axis=axis[0]))
+    if axis is None:
+      values.append(origins.get(graphdef.var_paths[j], column[0]))
+    else:
+      values.append(jnp.stack(column, axis=axis[0]))
   graphdef = rewrite(graphdef, root_classes={0: cls},
                      metadata=lambda i, m: m if axes[i] is None else mark_frozen(m, *axes[i]))
   roots, _ = unflatten(graphdef, values)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 
 import jax
 import numpy as np
@@ -44,10 +45,11 @@ def current_trace():
 serials = itertools.count()  # every Variable gets the next one when it is made
 
 
-class _ClosureGuard:
-  """The outermost user-code trace in progress: its depth, first serial and name."""
+class _ClosureGuard(threading.local):
+  """The outermost user-code trace in progress: its depth, first serial and name.
 
-  __slots__ = ("depth", "start", "what")
+  Per thread: another thread's trace must not make this thread's reads look like
+  closures (no ``__slots__``: slots would be shared by all threads)."""
 
   def __init__(self):
     self.depth, self.start, self.what = 0, 0, ""

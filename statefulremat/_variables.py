@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import jax
 import numpy as np
-from ._errors import TraceContextError, format_path
+from ._errors import TraceContextError, format_path, refuse_hash
 from ._tracing import contains_tracer as _contains_tracer
 from ._tracing import current_trace, serials, structure_epoch
 from ._tracing import guard as _guard
@@ -104,6 +104,9 @@ class Variable:
     if "collection" not in cls.__dict__ and Variable in cls.__bases__:
       cls.collection = _snake_case(cls.__name__)
     _register_pytree(cls)
+
+  def __hash__(self):
+    refuse_hash(self)  # mutable: see refuse_hash
 
   def __init__(self, value: Any, **metadata: Any):
     if isinstance(value, Variable):

@@ -386,7 +386,7 @@ def test_merged_lists_are_tracked_containers():
 
 @pytest.mark.parametrize("fn", [sr.split, sr.state, sr.graphdef, sr.update, sr.clone])
 def test_non_graph_argument_is_refused(fn):
-  name = fn.__name__ if fn is not sr.clone else "split"
+  name = fn.__name__
   with pytest.raises(TypeError, match=rf"sr\.{name} takes a Module \(or a list/tuple/"
                      r"dict of them\), got int"):
     fn(3)

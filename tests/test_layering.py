@@ -26,7 +26,7 @@ LAYERS = [
     {"_filters", "_containers", "_kinds"},
     {"_state"},
     {"_module"},
-    {"_graph", "_rngs"},
+    {"_graph", "_rngs", "_graph_lock"},
     {"_graph_diff", "_pytree", "_split_merge"},
     {"_stacks"},
     {"_transforms"},

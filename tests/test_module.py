@@ -317,9 +317,13 @@ def test_repr_of_linear_has_no_addresses():
 # -- misc --------------------------------------------------------------------------
 
 
-def test_modules_hash_by_identity():
+def test_modules_compare_by_identity_and_refuse_to_hash():
+  # A hash would let jax.jit(static_argnums=...) serve a stale output (issue 22).
   a, b = Drop(), Drop()
-  assert a != b and len({a, b}) == 2
+  assert a != b and a == a
+  with pytest.raises(TypeError, match="unhashable type: 'Drop'.*use `id\\(obj\\)`"):
+    {a, b}
+  assert len({id(a), id(b)}) == 2
 
 
 def test_private_sr_attributes_are_not_part_of_the_graph():

@@ -1,5 +1,6 @@
 """sr.remat: jax.checkpoint over modules — same results, gradients and mutations."""
 
+import contextlib
 import functools
 
 import jax
@@ -257,11 +258,19 @@ def test_every_policy_is_accepted_and_keeps_gradients(name):
   plain, rematted = Mlp(4, rngs=sr.Rngs(0)), Mlp(4, rngs=sr.Rngs(0))
   f = lambda m, x: jnp.sum(m(x) ** 2)
   g0 = sr.grad(f)(plain, X)
-  g = sr.grad(lambda m, x: jnp.sum(sr.remat(Mlp.__call__, policy=policy)(m, x) ** 2))(
-      rematted, X)
+  loss = lambda m, x: jnp.sum(sr.remat(Mlp.__call__, policy=policy)(m, x) ** 2)
+  if name == "save_anything_except_these_names":  # JAX 0.10's saves what it excludes
+    with pytest.raises(sr.TransformError, match="save_any_names_but_these"):
+      sr.grad(loss)(rematted, X)
+    return
+  # On CPU an offload moves nothing, and sr.remat says so (tests/test_remat_policy.py).
+  offload = "offload" in name and jax.default_backend() == "cpu"
+  with pytest.warns(UserWarning, match="nothing is offloaded") if offload else (
+      contextlib.nullcontext()):
+    g = sr.grad(loss)(rematted, X)
+    jaxpr = jax.make_jaxpr(lambda x: sr.remat(Mlp.__call__, policy=policy)(rematted, x))(X)
   for path, value in g0.flat().items():
     np.testing.assert_allclose(g.flat()[path], value, rtol=1e-6, atol=1e-7)
-  jaxpr = jax.make_jaxpr(lambda x: sr.remat(Mlp.__call__, policy=policy)(rematted, x))(X)
   (eqn,) = checkpoint_eqns(jaxpr.jaxpr)
   assert eqn.params["policy"] is policy
 

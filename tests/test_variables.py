@@ -219,9 +219,12 @@ Param(
       "Variable(value=<object>, note=builtins.print)")
 
 
-def test_variables_compare_and_hash_by_identity():
+def test_variables_compare_by_identity_and_refuse_to_hash():
+  # A hash would let jax.jit(static_argnums=...) serve a stale output (issue 22).
   a, b = sr.Param(jnp.zeros(1)), sr.Param(jnp.zeros(1))
-  assert len({a, b, a}) == 2
+  assert a is not b and len({id(a), id(b), id(a)}) == 2
+  with pytest.raises(TypeError, match="unhashable type: 'Param'.*sr.jit"):
+    hash(a)
 
 
 # -- kinds and collections ---------------------------------------------------------

@@ -10,11 +10,12 @@ import jax.numpy as jnp
 
 from .._errors import format_path
 from .._filters import Filter, collections_and_guess, filter_repr, to_predicate
+from .._graph_lock import hold, let_go
 from .._module import Module
 from .._state import State, _Spec, freeze
 from .._kinds import Param
 from .._tracing import tracing_user_code
-from ._lift import Lifted, check_no_nodes, split_call, write_back
+from ._lift import Lifted, check_no_nodes, raise_if_deleted, split_call, write_back
 from ._rules import TransformError
 from .._graph import flatten
 
@@ -78,54 +79,61 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
       if not diff_index[t]:
         _nothing_to_differentiate(what, wrt, t, args[t])
     diffed = {i for entries in diff_index.values() for i, _ in entries}
-    values = [v._value for v in variables]
-    for t in module_targets:
-      for i, local in diff_index[t]:
-        dtype = _non_float_dtype(values[i])
-        if dtype is not None:
-          raise TypeError(
-              f"{what}: the `wrt` filter matches `{format_path(local)}` "
-              f"({type(variables[i]).__name__}, {dtype}), which is not a float array "
-              "and has no gradient. Narrow the filter to the variables to "
-              "differentiate, e.g. `wrt=sr.Param`.")
-
-    def pure(diff_values, array_values, other_values):
-      flat = list(other_values)
+    lock = hold(variables)  # None when nested in a call that holds it
+    try:
+      values = [v._value for v in variables]
       for t in module_targets:
-        for (i, _), value in zip(diff_index[t], diff_values[t]):
-          flat[i] = value
-      with tracing_user_code(what):
-        tree, _, roots = lifted.rebuild(flat, leaves)
-        call_args, call_kwargs = tree
-        call_args = list(call_args)
-        for t, value in zip(array_targets, array_values):
-          call_args[t] = value
-        out = fn(*call_args, **call_kwargs)
-      if has_aux:
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-          got = ("a single array" if isinstance(out, jax.Array) else
-                 f"a {type(out).__name__} of length {len(out)}"
-                 if isinstance(out, (tuple, list)) else f"a {type(out).__name__}")
-          raise TypeError(f"{what}: has_aux=True needs the function to return a pair "
-                          f"(loss, aux), got {got}. Return `loss, aux`, or drop "
-                          "has_aux=True if there is no aux.")
-        loss, aux = out
-      elif isinstance(out, (tuple, list, dict)):
-        raise TypeError(
-            f"{what}: the function returned a {type(out).__name__}"
-            f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}, "
-            "not a scalar loss. If it returns `(loss, aux)`, pass `has_aux=True`: "
-            f"`sr.value_and_grad(fn, has_aux=True)` gives `(loss, aux), grads`.")
-      else:
-        loss, aux = out, None
-      check_no_nodes(aux, what)
-      return loss, (aux, lifted.collect(roots, flat, what))
+        for i, local in diff_index[t]:
+          dtype = _non_float_dtype(values[i])
+          if dtype is not None:
+            raise TypeError(
+                f"{what}: the `wrt` filter matches `{format_path(local)}` "
+                f"({type(variables[i]).__name__}, {dtype}), which is not a float array "
+                "and has no gradient. Narrow the filter to the variables to "
+                "differentiate, e.g. `wrt=sr.Param`.")
 
-    diff_values = {t: [values[i] for i, _ in diff_index[t]] for t in module_targets}
-    others = [None if i in diffed else v for i, v in enumerate(values)]
-    (loss, (aux, changed)), (g_mod, g_arr) = jax.value_and_grad(
-        pure, argnums=(0, 1), has_aux=True)(diff_values, held, others)
-    write_back(variables, changed, what)
+      def pure(diff_values, array_values, other_values):
+        flat = list(other_values)
+        for t in module_targets:
+          for (i, _), value in zip(diff_index[t], diff_values[t]):
+            flat[i] = value
+        with tracing_user_code(what):
+          tree, _, roots = lifted.rebuild(flat, leaves)
+          call_args, call_kwargs = tree
+          call_args = list(call_args)
+          for t, value in zip(array_targets, array_values):
+            call_args[t] = value
+          out = fn(*call_args, **call_kwargs)
+        if has_aux:
+          if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            got = ("a single array" if isinstance(out, jax.Array) else
+                   f"a {type(out).__name__} of length {len(out)}"
+                   if isinstance(out, (tuple, list)) else f"a {type(out).__name__}")
+            raise TypeError(f"{what}: has_aux=True needs the function to return a pair "
+                            f"(loss, aux), got {got}. Return `loss, aux`, or drop "
+                            "has_aux=True if there is no aux.")
+          loss, aux = out
+        elif isinstance(out, (tuple, list, dict)):
+          raise TypeError(
+              f"{what}: the function returned a {type(out).__name__}"
+              f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}, "
+              "not a scalar loss. If it returns `(loss, aux)`, pass `has_aux=True`: "
+              f"`sr.value_and_grad(fn, has_aux=True)` gives `(loss, aux), grads`.")
+        else:
+          loss, aux = out, None
+        check_no_nodes(aux, what)
+        return loss, (aux, lifted.collect(roots, flat, what))
+
+      diff_values = {t: [values[i] for i, _ in diff_index[t]] for t in module_targets}
+      others = [None if i in diffed else v for i, v in enumerate(values)]
+      (loss, (aux, changed)), (g_mod, g_arr) = jax.value_and_grad(
+          pure, argnums=(0, 1), has_aux=True)(diff_values, held, others)
+      write_back(variables, changed, what)
+    except RuntimeError:
+      raise_if_deleted(variables)
+      raise
+    finally:
+      let_go(lock)
 
     grads = []
     for t in targets:

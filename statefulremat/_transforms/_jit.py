@@ -9,10 +9,11 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from .._graph_lock import hold, let_go
 from .._module import Module
 from .._tracing import tracing_user_code
 from .._variables import Variable
-from ._lift import FlattenCache, split_call, write_back
+from ._lift import FlattenCache, raise_if_deleted, split_call, write_back
 from ._outputs import ModulesOut, lift_outputs
 
 _PASSED_THROUGH = {"keep_unused", "inline", "compiler_options", "backend", "device"}
@@ -27,6 +28,14 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
   state) is written back to the caller's objects after the call; if the call raises,
   nothing is written. Repeated calls on the same objects skip the graph walk: the
   flattening is cached until a module's structure changes.
+
+  Calls on one model from several threads run one at a time, so no update is lost:
+  from reading the model's values to writing the new ones back, a call holds the lock
+  of the model's graph (the Variables it reaches), and another thread's call on that
+  graph waits its turn. Models that share no Variable have separate locks; transforms
+  nested in the function take none. (``sr.grad``, the other transforms,
+  ``Optimizer.update``, ``sr.update`` and ``sr.clone`` called outside ``sr.jit`` hold
+  it too.)
 
   The function may return modules and Variables: one passed in comes back as the
   caller's own object (updated), one made inside as a new object whose Variables hold
@@ -101,11 +110,18 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
     else:
       statics = no_statics
     lifted, variables, leaves = cache.lift_call(args, kwargs)
-    values = [v._value for v in variables]
-    if donate_state:
-      values = _unaliased(values, leaves)
-    out, changed = compiled.get(lifted, statics)(values, leaves)
-    write_back(variables, changed, what)
+    lock = hold(variables)  # None when nested in a call that holds it
+    try:
+      values = [v._value for v in variables]
+      if donate_state:
+        values = _unaliased(values, leaves)
+      out, changed = compiled.get(lifted, statics)(values, leaves)
+      write_back(variables, changed, what)
+    except RuntimeError:
+      raise_if_deleted(variables)
+      raise
+    finally:
+      let_go(lock)
     if type(out) is ModulesOut:
       out = out.rebuild(split_call(args, kwargs)[0])
     return out

@@ -232,6 +232,7 @@ class LayerLoop:
     return carry, jax.tree.map(unfold, ys), changed
 
   def _changed(self, written: dict, carry_values: list, unfold: Callable) -> dict:
+    self.plan.check_stream_names()  # the body is traced: the names drawn are known
     changed = {}
     for i, value in written.items():
       changed[i] = _move_axis(unfold(value), 0, self.plan.axes[i])

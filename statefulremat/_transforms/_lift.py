@@ -11,22 +11,27 @@ Inside the trace, ``Lifted.rebuild`` merges fresh objects from the GraphDef and 
 traced values, the user's function runs on them, and ``Lifted.collect`` reads back
 which Variables it changed. The caller's objects are written only after the whole
 transform succeeded, by direct assignment — so an exception anywhere leaves them
-exactly as they were.
+exactly as they were. From the read to the write-back the outermost call on a thread
+holds its graph's lock (``_graph_lock``), so two threads stepping one model take turns.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from .._errors import GraphError, TraceContextError, format_path
+from .._errors import GraphError, TraceContextError, TransformError, format_path
 from .._graph import GraphDef, flatten, unflatten
 from .._graph_diff import describe_change
+from .._graph_lock import Reached, hold, holding, let_go
 from .._module import Module
+from .._split_merge import deleted_error
+from .._stacks import is_stacked
 from .._tracing import contains_tracer as _contains_tracer
 from .._tracing import current_trace, structure_epoch
 from .._variables import Variable
@@ -173,6 +178,7 @@ class FlattenCache:
     if hit is not None:
       return hit[0], hit[1]
     graphdef, variables = flatten(nodes)
+    variables = Reached(variables)  # keeps the graph's lock group with the entry
     lifted = _intern(Lifted(graphdef, treedef, positions))
     # Holding `nodes` keeps their ids from being reused while the entry lives.
     self._entries[key] = (lifted, variables, nodes)
@@ -262,3 +268,60 @@ def _check_traces(variables, changed, what):
           "module as an argument to the outer transform, using `sr.jit` / `sr.grad` / "
           "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
       )
+
+
+def serialised(wrapper: Callable) -> Callable:
+  """``wrapper`` holding its modules' graph lock when it is a thread's outermost call.
+
+  For the transforms that do not cache their graph walk (``sr.jit`` holds the lock
+  itself, on the Variables it cached). A failure on a deleted array is named by the
+  Variable that holds it (``raise_if_deleted``).
+  """
+
+  @functools.wraps(wrapper)
+  def call(*args, **kwargs):
+    if holding():  # nested: the outer call holds the lock
+      return wrapper(*args, **kwargs)
+    try:
+      variables = flatten(split_call(args, kwargs)[0])[1]
+    except TypeError:  # not a module graph: the transform says what is wrong
+      return wrapper(*args, **kwargs)
+    lock = hold(variables)
+    try:
+      return wrapper(*args, **kwargs)
+    except RuntimeError:
+      raise_if_deleted(variables)
+      raise
+    finally:
+      let_go(lock)
+
+  return call
+
+
+def raise_if_deleted(variables: Sequence[Variable]) -> None:
+  """After a call failed: raises naming the Variable that holds a deleted array, if
+  any. Asked only once JAX has refused an array (``Array has been deleted``), so a
+  call that succeeds never asks each array whether it was deleted."""
+  error = deleted_error(variables, "", TransformError)
+  if error is not None:
+    raise error from None
+
+
+def refuse_layer_list(module, what: str, call: str) -> None:
+  """Raises if argument 0 is a list (or tuple) of two or more unstacked modules of one
+  class: layers not yet stacked, where the transform runs over one stacked module."""
+  if not (isinstance(module, (list, tuple)) and len(module) > 1):
+    return
+  if not all(isinstance(m, Module) and not is_stacked(m) for m in module) or len(
+      {type(m) for m in module}) != 1:
+    return
+  n, cls, kind = len(module), type(module[0]).__name__, type(module).__name__
+  raise TransformError(
+      f"{what}: argument 0 is a {kind} of {n} {cls} modules, but "
+      f"{what.partition('(')[0]} runs over one stacked module (each Variable with a "
+      "layer axis in front) and calls the function with one layer at a time; a Python "
+      f"{kind} of layers is not stacked. Fix: stack them first, `stack = "
+      f"sr.stack(layers, like=sr.vmap({cls}, axis_size={n}))` (`like=` names the "
+      "stacked class; layers that came out of `sr.unstack` need none), or build the "
+      f"stack at once with a class form, e.g. `sr.vmap({cls}, axis_size={n})(..., "
+      f"rngs=sr.Rngs(0))`; then pass the stack: `{call}`.")

@@ -19,7 +19,8 @@ from .._graph import flatten
 from .._module import iter_graph
 from .._variables import Variable
 from .._stacks import is_stacked, layer_axis
-from ._lift import Lifted, is_node, split_call
+from ._closures import Watch
+from ._lift import Lifted, is_node, serialised, split_call
 from ._rules import STACKED, Plan, Rules, TransformError
 from ._stacked import layer_view
 
@@ -133,23 +134,28 @@ def compiled_when_eager(wrapper: Callable) -> Callable:
   """Runs ``wrapper`` through a cached ``sr.jit`` when called outside any trace.
 
   An eager ``jax.lax.scan`` (or ``vmap``) over a fresh body closure recompiles on every
-  call; under ``sr.jit`` the compiled call is cached per module structure. As with any
-  jit, Python values the body closes over are read when it is traced. Inside a trace
-  (``sr.jit``, ``sr.grad``, another transform) the wrapper runs as is.
+  call; under ``sr.jit`` the compiled call is cached per module structure. The Python
+  values the body (``wrapper.__wrapped__``) closes over are watched (``Watch``): when
+  one changes, the next call compiles again, so an eager call never serves a result
+  computed from stale values. Inside a trace (``sr.jit``, ``sr.grad``, another
+  transform) the wrapper runs as is, and reads them as any traced function does.
   """
-  jitted = None
+  jitted, watch = None, None
+  body = getattr(wrapper, "__wrapped__", wrapper)
+  direct = serialised(wrapper)  # run without sr.jit, it holds the graph lock itself
 
   @functools.wraps(wrapper)
   def call(*args, **kwargs):
-    nonlocal jitted
+    nonlocal jitted, watch
     # Keyword arguments are Python-level options (flags) passed to every layer as they
     # are; compiling them would trace them, so such calls run directly.
     if kwargs or _tracing(args) or not any(
         map(is_node, jax.tree.leaves(args[:1], is_leaf=is_node))):
-      return wrapper(*args, **kwargs)  # in a trace already, or misused: let it explain
-    if jitted is None:
+      return direct(*args, **kwargs)  # in a trace already, or misused: let it explain
+    if jitted is None or watch.changed():
       from ._jit import jit
 
+      watch = Watch(body)  # before tracing: what the compiled body will have read
       jitted = jit(wrapper)
     return jitted(*args)
 

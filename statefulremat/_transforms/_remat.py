@@ -15,7 +15,8 @@ from .._kinds import RngState
 from .._tracing import tracing_user_code
 from ._class_form import display_name, is_module_class, transformed_class
 from ._rules import Rules
-from ._lift import Lifted, check_no_nodes, is_node, split_call, write_back
+from ._lift import Lifted, check_no_nodes, is_node, serialised, split_call, write_back
+from ._policy_check import policy_check
 from .._errors import GraphError
 
 
@@ -33,7 +34,11 @@ def remat(target: Callable | type | None = None, *, policy: Callable | None = No
     target: a function whose arguments may contain modules (or a method: works as a
       decorator), or a Module class (returns a subclass whose ``methods`` are rematted).
     policy: a ``jax.checkpoint_policies`` entry; names come from
-      ``jax.ad_checkpoint.checkpoint_name``. ``None`` saves nothing.
+      ``jax.ad_checkpoint.checkpoint_name``. ``None`` saves nothing. Checked when
+      traced: a name no ``checkpoint_name`` in the body gives raises (listing the
+      body's names), as does ``save_anything_except_these_names`` where it saves what
+      it should exclude; an offload policy on a backend that offloads nothing (CPU)
+      warns. ``sr.saved_residuals`` shows what a policy saves.
     prevent_cse: as in ``jax.checkpoint``; may be ``False`` under ``scan``.
     static_argnums: argument positions (the module or ``self`` is 0) of Python values
       the computation branches on; a position holding a module is an error.
@@ -78,6 +83,7 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
   static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
   traced_pred = to_predicate(variables)
   what = f"sr.remat({display_name(fn)})"
+  check = policy_check(policy, what)  # None for most policies: nothing to do per trace
   # The stream rules of scan's split_rngs, so a name served by a default stream counts
   # under the name asked for (`rngs="dropout"` lifts `sr.Rngs(0)`'s default stream).
   stream_rules = Rules(what, variable_axes={}, variable_broadcast=False,
@@ -144,11 +150,15 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
       return out, changed
 
     checkpointed = jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)
-    out, changed = checkpointed([values[i] for i in traced], leaves)
+    inputs = [values[i] for i in traced]
+    if check is None:
+      out, changed = checkpointed(inputs, leaves)
+    else:
+      out, changed = check.run(checkpointed, inputs, leaves)
     write_back(variables_, changed, what)
     return out
 
-  return wrapper
+  return serialised(wrapper)  # threads on one model take turns; names deleted arrays
 
 
 def _lifted_streams(nodes, rules: Rules) -> dict[int, bool]:

@@ -16,10 +16,11 @@ from ._autodiff import grad
 from ._class_form import display_name, is_module_class
 from ._jit import jit
 from ._layers import LayerLoop
-from ._lift import write_back
+from ._lift import refuse_layer_list, write_back
 from ._rules import Rules, TransformError
 from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
                           resolve_length, stacked_sources)
+from ._policy_check import policy_check
 from ._remat_plan import (DOTS, POLICIES, RematPlan, RematPlanError, block_inputs, choose,
                           format_bytes, parse_bytes, residual_bytes, tree_bytes)
 from ._stacked import stacked_class
@@ -49,11 +50,13 @@ def remat_scan(target: Callable | type | None = None,
   included) under ``jax.checkpoint``: the backward pass keeps only each level's
   carries and recomputes the rest. ``policy`` applies to the innermost level only;
   outer levels save nothing but their carries (a saving policy there would keep every
-  layer's residuals alive). Stacked variables keep ONE flat layer axis of size N — the
-  nested shape exists only inside the trace, so changing ``lengths`` never changes the
-  state. Any N works, primes included: with ``length=N < prod(lengths)`` the last
-  segment is short (``lengths=(10, 10), length=97`` runs 9 full outer steps of 10 and
-  one of 7), with no padding and no copies of parameter slices. The defaults stack
+  layer's residuals alive). It is checked as ``sr.remat`` checks it: names that no
+  ``checkpoint_name`` in the body gives raise, an offload that the backend drops warns.
+  Stacked variables keep ONE flat layer axis of size N — the nested shape exists only
+  inside the trace, so changing ``lengths`` never changes the state. Any N works,
+  primes included: with ``length=N < prod(lengths)`` the last segment is short
+  (``lengths=(10, 10), length=97`` runs 9 full outer steps of 10 and one of 7), with
+  no padding and no copies of parameter slices. The defaults stack
   every variable (``variable_axes={True: 0}``) and split every RNG stream. Keyword
   arguments (``remat_scan(f, lengths)(module, carry, flag=True)``)
   pass unchanged to every layer. ``data_transform`` and ``metadata_params`` are
@@ -186,6 +189,7 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
   rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
                 variable_carry=variable_carry, split_rngs=split_rngs)
   auto = lengths == AUTO
+  check = policy_check(policy, what)  # the innermost level's policy, once per trace
   if auto:
     label = None if n is None else f"length={n}"
     plans: dict = {}  # one plan per (module structure, N, carry and keyword shapes)
@@ -195,6 +199,7 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
 
   @functools.wraps(fn)
   def wrapper(module, carry, **kwargs):
+    refuse_layer_list(module, what, "sr.remat_scan(f, lengths=...)(stack, carry)")
     check_no_modules(carry, what, "the carry")
     check_no_modules(kwargs, what, "the keyword argument")
     lifted, variables, plan, leaves = lift_module_arg(
@@ -215,12 +220,15 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
             module, carry, fn=lambda layer, c: fn(layer, c, **kwargs),
             memory_budget=budget)
       nesting, innermost = chosen.lengths, chosen.policy
-    if count != math.prod(nesting):
-      carry, _, changed = loop.run_segments(body, carry, count, nesting, policy=innermost,
-                                            prevent_cse=prevent_cse)
-    else:
-      carry, _, changed = loop.run(body, carry, None, nesting, remat=True,
-                                   policy=innermost, prevent_cse=prevent_cse)
+
+    def run(carry):
+      if count != math.prod(nesting):
+        return loop.run_segments(body, carry, count, nesting, policy=innermost,
+                                 prevent_cse=prevent_cse)
+      return loop.run(body, carry, None, nesting, remat=True, policy=innermost,
+                      prevent_cse=prevent_cse)
+
+    carry, _, changed = run(carry) if check is None else check.run(run, carry)
     write_back(variables, changed, what)
     return carry
 

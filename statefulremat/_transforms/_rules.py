@@ -27,6 +27,7 @@ names it (``Rules.for_init``), so the layers differ.
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -37,7 +38,7 @@ from .._errors import TransformError, format_path
 from .._filters import filter_repr, is_everything, to_predicate
 from .._module import iter_graph
 from .._rngs import LayerKeys, RngStream, Rngs
-from .._variables import owner_chain
+from .._variables import Variable, owner_chain
 
 STACKED, BROADCAST, CARRY, RNG, READONLY = "stacked", "broadcast", "carry", "rng", "read-only"
 
@@ -91,6 +92,12 @@ class Rules:
     entries = split_rngs.items() if isinstance(split_rngs, Mapping) else [(split_rngs, True)]
     self.split_entries = [(stream_predicate(f), bool(v), _explicit_names(f))
                           for f, v in entries]
+    # Collection names typed into a rule, checked against the modules (Plan).
+    self.typed_collections = [
+        (label, name) for label, filters in (
+            ("variable_axes", list(variable_axes)), ("variable_broadcast", [variable_broadcast]),
+            ("variable_carry", [variable_carry]))
+        for f in filters for name in _explicit_names(f)]
 
   def for_init(self) -> Rules:
     """The rules a stacked class form initialises its layers with: ``params`` split
@@ -139,6 +146,38 @@ class Rules:
     return READONLY, None
 
 
+def _known_collections() -> set[str]:
+  """The collection of every Variable kind defined so far (the user's included)."""
+  known, todo = set(), [Variable]
+  while todo:
+    cls = todo.pop()
+    known.add(cls.collection)
+    todo.extend(cls.__subclasses__())
+  return known
+
+
+def _check_collection_names(rules: Rules, variables) -> None:
+  """Raises for a collection name in a rule that no Variable kind has: a misspelling
+  (``variable_broadcast="param"``) would otherwise leave the variables meant to the
+  other rules. A real collection absent from these modules passes (generic code)."""
+  present = {v.collection for v in variables}
+  known = None
+  for label, name in rules.typed_collections:
+    if name in present:
+      continue
+    known = _known_collections() if known is None else known
+    if name in known:
+      continue
+    guess = difflib.get_close_matches(name, sorted(present | known), n=1)
+    hint = f" Did you mean {guess[0]!r}?" if guess else ""
+    raise TransformError(
+        f"{rules.what}: {label} names the collection {name!r}, which no Variable kind "
+        f"has, so it matches nothing and the variables meant fall to the other rules."
+        f"{hint} The modules' collections: {sorted(present) or 'none'}. Fix: spell the "
+        f"collection as its kind names it (sr.Param is 'params', sr.BatchStat "
+        f"'batch_stats'), or pass the kind itself (e.g. `sr.Param`).")
+
+
 class Stream:
   """An unstacked RNG stream found in the lifted graph: flat indices and whether split.
 
@@ -165,15 +204,19 @@ class Plan:
     self.display_path = display_path or (lambda p: p)
     index = {id(v): i for i, v in enumerate(variables)}
     self.streams: list[Stream] = []
+    self.own_streams: set[str] = set()  # the names of the streams found, for checks
+    self.asked: set[str] = set()  # the names drawn from a default stream while traced
     stream_vars: dict[int, Stream] = {}
     for node in nodes if rng_streams else ():
       for _, obj in iter_graph(node):
         if isinstance(obj, Rngs):
           own = obj.stream_names()
+          self.own_streams.update(own)
           for name in own:
             self._add_stream(vars(obj)[name], index, stream_vars, name,
                              rules.splits(name), serves=name == "default")
         elif isinstance(obj, RngStream) and id(obj.key) not in stream_vars:
+          self.own_streams.add(obj.tag)
           self._add_stream(obj, index, stream_vars, obj.tag, rules.splits(obj.tag))
     self.kinds: list[str] = []
     self.axes: list[int | None] = []
@@ -209,6 +252,8 @@ class Plan:
         axis = axis % ndim
       self.kinds.append(kind)
       self.axes.append(axis)
+    if rules.typed_collections:
+      _check_collection_names(rules, variables[skip:])
 
   def _add_stream(self, stream, index, stream_vars, name, split, serves=False):
     key_i, count_i = index.get(id(stream.key)), index.get(id(stream.count))
@@ -243,4 +288,36 @@ class Plan:
       stream_owner = next(owner_chain(variables[key_i]), (None,))[0]
       rngs_owner = next(owner_chain(stream_owner), (None,))[0] if stream_owner else None
       if isinstance(rngs_owner, Rngs):
-        rngs_owner.__dict__["_sr_layer_keys"] = LayerKeys(base, index, self.rules.splits)
+        rngs_owner.__dict__["_sr_layer_keys"] = LayerKeys(base, index, self.rules.splits,
+                                                          self.asked)
+
+  def check_stream_names(self) -> None:
+    """Raises if ``split_rngs`` names a stream that matches nothing while a stream of
+    the modules is left to no named rule: the misspelling case (``"dropuot"``), where
+    every layer would silently get the same key of the stream meant.
+
+    Called once the body is traced, so names drawn from a ``default`` stream count.
+    A name that matches nothing while every stream has its rule changes nothing and
+    passes: linen's habit of ``split_rngs={"params": True, "dropout": True}`` on any
+    stack, and a stack called in evaluation mode (no dropout drawn), stay valid.
+    """
+    named = {n for _, _, names in self.rules.split_entries for n in names}
+    if not named:
+      return
+    # Streams already stacked (one key per layer) follow no split rule.
+    live = {s.name for s in self.streams} - {"default"}
+    dangling = sorted(named - self.own_streams - self.asked)
+    unruled = sorted((live | self.asked) - named)
+    if not dangling or not unruled:
+      return
+    guesses = [m for n in dangling for m in difflib.get_close_matches(n, unruled, n=1)]
+    hint = f" Did you mean {guesses[0]!r}?" if guesses else ""
+    raise TransformError(
+        f"{self.rules.what}: split_rngs names the RNG stream{'s' * (len(dangling) > 1)} "
+        f"{', '.join(map(repr, dangling))}, but the modules have no stream of that name "
+        f"and the body drew none, so the rule splits nothing; meanwhile "
+        f"{', '.join(map(repr, unruled))} (drawn or held by the modules) follow"
+        f"{'s' * (len(unruled) == 1)} no named rule, so every iteration gets the same "
+        f"key.{hint} The streams: held {sorted(self.own_streams) or 'none'}, drawn from "
+        f"a default stream {sorted(self.asked) or 'none'}. Fix: spell the name as the "
+        f"stream is named, e.g. `split_rngs={{{(guesses or unruled)[0]!r}: True}}`.")

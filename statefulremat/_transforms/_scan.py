@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from ._class_form import display_name, is_module_class
 from ._layers import LayerLoop, describe_node
-from ._lift import write_back
+from ._lift import refuse_layer_list, write_back
 from ._rules import Rules, TransformError
 from ._module_arg import (check_no_modules, class_length, compiled_when_eager, lift_module_arg,
                           resolve_length, stacked_sources)
@@ -299,6 +299,8 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
 
   @functools.wraps(fn)
   def wrapper(module, carry, *xs, **kwargs):
+    refuse_layer_list(module, what, "sr.scan(f, variable_axes={sr.Param: 0}, ...)(stack, "
+                      "carry, *xs)")
     check_no_modules(carry, what, "the carry")
     check_no_modules(xs, what, "the xs argument")
     check_no_modules(kwargs, what, "the keyword argument")

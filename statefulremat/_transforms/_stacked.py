@@ -60,6 +60,7 @@ def stacked_class(layer_cls: type, label: str, *, rules: Rules, length: int | No
       "_sr_metadata_params": dict(metadata_params or {}),
       "__new__": _new_stack, "__init__": _init_nothing, "layer": layer,
       "__len__": num_layers, "_sr_classify": _classifier(rules),
+      "_sr_layer_rngs": _layer_rngs(rules),
   }
   return subclass(layer_cls, label, wrap, methods, namespace,
                   f"A stack of {layer_cls.__name__} layers under {transform_name(label)}.")
@@ -117,6 +118,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     return [v._value for v in new_vars]
 
   jax.eval_shape(init_one, jnp.uint32(0))
+  in_plan.check_stream_names()
   plan: Plan = record["plan"]
   stacked = [k == STACKED for k in plan.kinds[n_in:]]
   if length is None:
@@ -150,6 +152,40 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   roots, _ = unflatten(graphdef, [None] * n_in + list(values), substitute=objects)
   write_back(in_vars, {i: in_values[i] + jnp.uint32(1) for i in record["used"]}, what)
   return roots[-1]
+
+
+def _layer_rngs(rules: Rules):
+  """How ``stack.layer(i)`` gives layer ``i`` the keys it draws inside the stack.
+
+  A stream the layers share (not stacked) is split at call time: in the transform,
+  layer ``i`` draws from ``fold_in(fold_in(key, count), i)`` (without the last fold
+  when ``split_rngs`` does not split it) with a count from 0, and a ``default`` stream
+  serves each name by that name's rule. The hook puts exactly that into layer ``i``'s
+  copy of the stream, so ``stack.layer(i)(x)`` and the loop over ``sr.unstack(stack)``
+  draw what the stack's next call draws. Returns ``{flat index: value before}`` of the
+  Variables it rewrote, so ``sr.stack`` can put the stack's own stream back.
+  """
+
+  def seed(layer_module, index: int, shared: set[int]) -> dict[int, Any]:
+    """``shared``: the flat indices that had no layer axis in the stack."""
+    graphdef, variables = flatten([layer_module])
+    plan = Plan(rules, graphdef, variables, [layer_module], rank_offset=1)
+    # A stream with one key per layer (stacked by the init) is the layer's own already.
+    plan.streams = [s for s in plan.streams if s.key in shared]
+    if not plan.streams:
+      return {}
+    values = [v._value for v in variables]
+    flat = list(values)
+    served = plan.seed_layer(flat, values, jnp.uint32(index))
+    plan.serve_names(served, variables, jnp.uint32(index))
+    before = {}
+    for s in plan.streams:
+      for i in (s.key, s.count):
+        before[i] = values[i]
+        variables[i]._value = flat[i]
+    return before
+
+  return staticmethod(seed)
 
 
 def _classifier(rules: Rules):

@@ -9,6 +9,9 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from .._errors import format_path
+from .._filters import filter_repr
+from .._stacks import layer_axis
 from .._tracing import tracing_user_code
 from ._class_form import display_name, is_module_class
 from ._lift import check_no_nodes, write_back
@@ -33,6 +36,10 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
   every variable not broadcast), and the same value of each broadcast one. ``in_axes`` /
   ``out_axes`` describe the non-module positional arguments and the outputs, as in
   ``jax.vmap``; keyword arguments pass unmapped to every layer (e.g. Python flags).
+  Under the default ``variable_axes`` only a stack's Variables (those carrying a layer
+  axis) are mapped: a plain module's parameters raise rather than hand each example
+  one slice of them. Per-example use of one module is ``variable_broadcast=True``;
+  explicit ``variable_axes`` map what they name.
 
   Class form: ``sr.vmap(Block, axis_size=8)(*args, rngs=...)`` builds 8 independently
   initialised layers (an ensemble) in one traced init; calling it maps ``methods``
@@ -43,6 +50,9 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
   >>> ensemble = Ensemble(3, 2, rngs=sr.Rngs(0))
   >>> ensemble.kernel.shape, ensemble(jnp.ones((4, 3))).shape
   ((5, 3, 2), (5, 4, 2))
+  >>> linear = sr.nn.Linear(3, 2, rngs=sr.Rngs(0))      # one module, per example:
+  >>> sr.vmap(lambda m, x: m(x), variable_broadcast=True)(linear, jnp.ones((4, 3))).shape
+  (4, 2)
   """
   options = dict(in_axes=in_axes, out_axes=out_axes, axis_size=axis_size,
                  axis_name=axis_name, variable_axes=variable_axes, split_rngs=split_rngs,
@@ -59,6 +69,14 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
                          metadata_params=metadata_params)
   if methods is not None:
     raise TypeError("sr.vmap(methods=...) applies to a Module class, not a function.")
+  if getattr(target, "__name__", None) == "__init__":
+    owner = getattr(target, "__qualname__", "__init__").rsplit(".", 1)[0]
+    raise TypeError(
+        f"sr.vmap on `{owner}.__init__` would map a constructor: the function form maps "
+        "an existing module's variables, and a constructor has none yet (it creates "
+        "them). Fix: decorate nothing, and build the stacked (ensemble) class with the "
+        f"class form, `sr.vmap({owner}, axis_size=n)(...)`: each member is initialised "
+        "with its own RNG keys (the `params` stream split) in one traced init.")
   return _vmap_function(target, what=what, rules=rules, **options)
 
 
@@ -73,6 +91,8 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
         module, what, rules, metadata_params, "f(module, *args)")
     values = [v._value for v in variables]
     stacked = plan.indices(STACKED)
+    if variable_axes is _ALL:
+      _refuse_mapping_plain(what, lifted, plan, variables, stacked)
     arg_axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
     if len(arg_axes) != len(args):
       raise TransformError(f"{what}: in_axes={in_axes!r} has {len(arg_axes)} entries for "
@@ -126,6 +146,7 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
     mapped = jax.vmap(one, in_axes=([plan.axes[i] for i in stacked], 0, tuple(arg_axes)),
                       out_axes=(out_axes, 0), axis_size=n, axis_name=axis_name)
     out, written = mapped(stacked_in, jnp.arange(n, dtype=jnp.uint32), args)
+    plan.check_stream_names()
     changed = {i: jnp.moveaxis(v, 0, plan.axes[i]) for i, v in written.items()}
     for i in used:
       changed[i] = values[i] + jnp.uint32(1)
@@ -133,3 +154,26 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
     return out
 
   return compiled_when_eager(wrapper)
+
+
+def _refuse_mapping_plain(what, lifted, plan, variables, stacked) -> None:
+  """Under the default ``variable_axes``, mapping a Variable that carries no layer axis
+  would hand each example one row of a parameter: the per-example case
+  (``sr.vmap(lambda m, x: m(x))(linear, xs)``) computes wrong numbers of the right
+  shape. Only Variables of a stack (layer axis in their metadata) map by default."""
+  for i in stacked:
+    var = variables[i]
+    if layer_axis(var) is not None:
+      continue
+    path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
+    kind = filter_repr(type(var))
+    raise TransformError(
+        f"{what}: `{path}` ({type(var).__name__}, shape {tuple(jnp.shape(var._value))}) belongs to a "
+        "plain module and carries no layer axis, but the default variable_axes="
+        "{True: 0} would map its axis 0 alongside the inputs, giving each example one "
+        "slice of it. Nothing was run. Fix: to apply the same module to every example, "
+        "pass `variable_broadcast=True` (read-only; or e.g. "
+        f"`variable_broadcast={kind}`); for an ensemble of independently initialised "
+        "modules, build it with the class form (`sr.vmap(Block, axis_size=n)(...)`) or "
+        "`sr.stack(layers)`; to map this variable on purpose, give the rule explicitly "
+        f"(`variable_axes={{{kind}: 0}}`).")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 
+from .._errors import format_path
 from .._module import Module
 from .._rngs import Rngs
+from .._variables import path_of
 from .._kinds import BatchStat, Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._normalization import (check_feature_axes, canonicalize_axes, compute_stats,
@@ -26,6 +29,8 @@ class BatchNorm(Module):
   evaluation mode it normalises with the running averages and changes nothing.
   ``model.train()`` / ``model.eval()`` flip ``use_running_average``. Everything —
   defaults, statistics in float32, the update rule — is ``flax.nnx.BatchNorm``'s.
+  Training on an empty batch raises (its statistics would be NaN, the running
+  averages with them); evaluation on one returns an empty output.
 
   Args:
     num_features: size of the feature axis.
@@ -115,6 +120,8 @@ class BatchNorm(Module):
     x, mean, var, scale, bias = self.promote_dtype(
         (x, self.mean.value, self.var.value, scale, bias), dtype=self.dtype)
     if not use_running_average:
+      if not math.prod(x.shape[a] for a in reduction_axes):
+        self._refuse_empty(x.shape, reduction_axes)
       mean, var = compute_stats(x, reduction_axes, self.dtype, self.axis_name,
                                 self.axis_index_groups,
                                 use_fast_variance=self.use_fast_variance, mask=mask)
@@ -125,3 +132,15 @@ class BatchNorm(Module):
       self.var.value = m * self.var.value + (1 - m) * var
     return normalize(x, mean, var, scale, bias, reduction_axes, feature_axes,
                      self.dtype, self.epsilon)
+
+  def _refuse_empty(self, shape: tuple, reduction_axes: tuple) -> None:
+    # Shapes are static, so this raises while tracing too: before anything is written.
+    path = path_of(self)
+    where = f"BatchNorm at `{format_path(path)}`" if path else "BatchNorm"
+    raise ValueError(
+        f"{where}: training on an empty batch (input shape {tuple(shape)}, no entries "
+        f"along the axes {reduction_axes} it averages over). Its batch statistics would "
+        "be NaN, and so, for good, would the running averages `mean` and `var`; nothing "
+        "was changed. Fix: skip the step when the batch is empty (e.g. `if "
+        "x.shape[0]:`), or normalise with the running averages: "
+        "`bn(x, use_running_average=True)` or `model.eval()`.")
