@@ -174,7 +174,7 @@ def _write_outputs(model, losses: list[float], out: Path) -> dict[str, Path]:
   import matplotlib.pyplot as plt
   import treescope
 
-  from ._display import stacked_arrays
+  from .display._display import stacked_arrays
 
   checkpoint = out / "checkpoint"
   sr.save(checkpoint, model)

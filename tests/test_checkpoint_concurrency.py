@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import statefulremat as sr
-import statefulremat._checkpoint_files as files
+import statefulremat.checkpoint._files as files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 POINTER = "sr_checkpoint.json"

@@ -62,7 +62,7 @@ def test_saves_and_restores_of_a_path_run_in_order(tmp_path):
 
 def test_a_failed_background_save_raises_at_wait_and_keeps_the_previous(tmp_path,
                                                                        monkeypatch):
-  import statefulremat._checkpoint as checkpoint
+  import statefulremat.checkpoint._save_restore as checkpoint
 
   old = trained(0)
   sr.save(tmp_path, old)
@@ -83,7 +83,7 @@ def test_a_failed_background_save_raises_at_wait_and_keeps_the_previous(tmp_path
 
 def test_a_failed_background_save_nobody_waited_on_is_reported_by_the_next_call(
     tmp_path, monkeypatch):
-  import statefulremat._checkpoint as checkpoint
+  import statefulremat.checkpoint._save_restore as checkpoint
 
   old = trained(0)
   sr.save(tmp_path, old)

@@ -389,7 +389,7 @@ def test_repeated_calls_walk_no_graph_on_any_argument_form(monkeypatch):
   # Arguments that are only modules and arrays skip tree_flatten; kwargs, nested
   # containers and other leaves take the general path. Either way a repeated call
   # reuses the cached graph walk, and every mutation is written back.
-  from statefulremat._transforms import _lift
+  from statefulremat.transforms import _lift
 
   walks = []
   real = _lift.flatten
@@ -425,7 +425,7 @@ def test_unrelated_structure_change_leaves_repeated_calls_without_graph_compares
     monkeypatch):
   # Building another module starts new flatten-cache entries; their equal GraphDef is
   # the same object as before, so the compiled function is found by identity.
-  from statefulremat import _graph
+  from statefulremat.core import _graph
 
   compares = []
   real = _graph.GraphDef.__eq__

@@ -1,15 +1,17 @@
-"""Imports run one way: the package's layers, read from its import statements.
+"""Imports run one way: the floors of the house, read from its import statements.
 
-From the bottom: errors; traces (which trace a Variable belongs to, the structure
-epoch); Variables; filters, containers and the shipped Variable kinds; State; Module;
-split/merge and Rngs; GraphDef differences and modules as pytrees; stacks (the layer
-axis as data); the transforms; and on top everything built on them (optimizer,
-sharding, checkpoints, summary, display, treescope, nn, interop, the demo). A file
-imports only from layers below its own (the transforms and the top layer also among
-themselves, without cycles), function-level imports included. The one exception: the
-core's repr hooks (``__repr__``, ``__treescope_repr__`` and the helpers named
-``*repr*``) draw with the display layer. Nothing outside ``_transforms/`` imports from
-it but the package's ``__init__``.
+The package's folders are its floors (../shared/DESIGN.md, "The pieces"), bottom up:
+
+  core/                 Variables, filters, State, the graph walk, Module, Rngs, stacks
+  transforms/ display/ checkpoint/ distributed/ optim/   each built on the core alone
+  nn/                   layers, on the core and the sharding rules
+  interop/              weights from flax, on the core
+  the package itself    ``__init__``, the demo, ``__main__``, the old module paths
+
+A file imports only from floors below its own and from its own folder, function-level
+imports included, and never in a cycle. Inside the core the files keep an order of their
+own (errors first, stacks last). The core draws itself through the renderers the display
+floor registers (``core._display_hooks``): it imports nothing above it, not even there.
 """
 
 import ast
@@ -19,8 +21,18 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "statefulremat"
 
-LAYERS = [
-    {"_errors"},
+FLOORS = [
+    {"core"},
+    {"transforms", "display", "checkpoint", "distributed", "optim"},
+    {"nn"},
+    {"interop"},
+    {"__init__", "__main__", "_demo", "_old_paths"},
+]
+FLOOR_OF = {name: i for i, names in enumerate(FLOORS) for name in names}
+TOP = len(FLOORS) - 1
+
+CORE_ORDER = [
+    {"_errors", "_display_hooks"},
     {"_tracing"},
     {"_variables"},
     {"_filters", "_containers", "_kinds"},
@@ -29,44 +41,36 @@ LAYERS = [
     {"_graph", "_rngs", "_graph_lock"},
     {"_graph_diff", "_pytree", "_split_merge"},
     {"_stacks"},
-    {"_transforms"},
-    {"_optimizer", "_sharding", "_checkpoint_files", "_checkpoint_meta",
-     "_checkpoint_sync", "_checkpoint", "_summary", "_summary_norms",
-     "_summary_outputs", "_display", "_treescope", "_treescope_adapter",
-     "_treescope_arrays", "_repr", "_demo", "__main__", "nn", "interop"},
 ]
-LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
-TRANSFORMS, TOP = LAYER_OF["_transforms"], len(LAYERS) - 1
-DISPLAY = {"_repr", "_treescope"}
+CORE_LAYER = {name: i for i, names in enumerate(CORE_ORDER) for name in names}
 
 
-def unit(module: str) -> str:
-  """The layer unit of a dotted module name inside the package: `_transforms._scan`
-  -> `_transforms`, `nn._linear` -> `nn`, `_graph` -> `_graph`."""
-  return module.split(".")[0]
+def folder(module: str) -> str:
+  """The floor unit of a dotted module name inside the package: `transforms._scan` ->
+  `transforms`, `_demo` -> `_demo`, the package's own `__init__` -> `__init__`."""
+  return module.split(".")[0] or "__init__"
 
 
 def imports():
-  """``(file, importer module, imported module, enclosing function or None)``."""
+  """``(file, importer module, imported module, enclosing function or None)``; module
+  names are dotted inside the package, ``""`` for the package's ``__init__``."""
   for path in sorted(PACKAGE.rglob("*.py")):
-    rel = path.relative_to(PACKAGE).with_suffix("")
-    parts = list(rel.parts)
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
     is_init = parts[-1] == "__init__"
     module = ".".join(parts[:-1] if is_init else parts)
-    package = parts[:-1] if not is_init else parts[:-1]
+    package = parts[:-1]
     tree = ast.parse(path.read_text())
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     for node in ast.walk(tree):
       if isinstance(node, ast.ImportFrom) and node.level:
         base = package[:len(package) - node.level + 1]
-        target = ".".join(base + ([node.module] if node.module else []))
-        targets = [target] if node.module else [
-            ".".join(base + [alias.name]) for alias in node.names]
-      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+        targets = ([".".join(base + [node.module])] if node.module else
+                   [".".join(base + [alias.name]) for alias in node.names])
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == (
           "statefulremat"):
-        targets = [node.module.partition(".")[2] or "__init__"]
+        targets = [node.module.partition(".")[2]]
       elif isinstance(node, ast.Import):
-        targets = [a.name.partition(".")[2] or "__init__" for a in node.names
+        targets = [a.name.partition(".")[2] for a in node.names
                    if a.name.split(".")[0] == "statefulremat"]
       else:
         continue
@@ -80,46 +84,58 @@ def imports():
         yield path.relative_to(PACKAGE), module, target, function
 
 
-def is_repr_hook(function) -> bool:
-  return function is not None and "repr" in function
+def test_every_folder_is_a_floor_and_no_private_file_sits_at_the_top():
+  units = {folder(m) for _, m, _, _ in imports()} | {folder(t) for _, _, t, _ in imports()}
+  assert units <= set(FLOOR_OF), f"give these a floor: {sorted(units - set(FLOOR_OF))}"
+  top_files = sorted(p.name for p in PACKAGE.glob("*.py"))
+  assert top_files == ["__init__.py", "__main__.py", "_demo.py", "_old_paths.py"]
 
 
-def test_every_file_has_a_layer():
-  units = {unit(m) for _, m, _, _ in imports()} - {""}
-  assert units <= set(LAYER_OF), f"give these a layer: {sorted(units - set(LAYER_OF))}"
-
-
-def test_imports_run_one_way():
+def test_imports_run_down_the_floors():
   wrong = []
   for file, module, target, function in imports():
-    if module == "" or target in ("", "__init__"):  # the package's own __init__
-      if module and target in ("", "__init__") and LAYER_OF[unit(module)] != TOP:
-        wrong.append(f"{file} imports the whole package")
+    here, there = folder(module), folder(target)
+    where = f" (in {function})" if function else ""
+    if here == there or FLOOR_OF[here] == FLOOR_OF[there] == TOP:
+      continue  # the package itself: its files among themselves (no cycle, below)
+    if target == "" and FLOOR_OF[here] != TOP:
+      wrong.append(f"{file}{where} imports the whole package")
+    elif FLOOR_OF[there] >= FLOOR_OF[here]:
+      wrong.append(f"{file}{where} imports {target} (floor {FLOOR_OF[there]} >= "
+                   f"{FLOOR_OF[here]})")
+  assert not wrong, "imports that do not run down the floors:\n  " + "\n  ".join(wrong)
+
+
+def test_the_core_keeps_its_order_and_never_reaches_up():
+  wrong = []
+  for file, module, target, function in imports():
+    if folder(module) != "core" or module == "core":
       continue
-    here, there = LAYER_OF[unit(module)], LAYER_OF[unit(target)]
-    if unit(target) == unit(module) or (here == there and here in (TRANSFORMS, TOP)):
+    if folder(target) != "core":
+      wrong.append(f"{file} imports {target}")
       continue
-    if here < there and is_repr_hook(function) and unit(target) in DISPLAY:
+    if target == "core":
       continue
-    if here <= there:
+    here, there = CORE_LAYER[module.split(".")[1]], CORE_LAYER[target.split(".")[1]]
+    if here <= there and module != target:
       where = f" (in {function})" if function else ""
-      wrong.append(f"{file}{where} imports {target} (layer {there} >= {here})")
-  assert not wrong, "imports that run upwards:\n  " + "\n  ".join(wrong)
+      wrong.append(f"{file}{where} imports {target} (core layer {there} >= {here})")
+  assert not wrong, "\n  ".join(wrong)
 
 
-def test_nothing_outside_the_transforms_imports_them():
-  wrong = [f"{file} imports {target}" for file, module, target, _ in imports()
-           if unit(target) == "_transforms" and module != "" and
-           unit(module) != "_transforms"]
-  assert not wrong, "\n".join(wrong)
+def test_every_core_file_has_its_place():
+  names = {p.stem for p in (PACKAGE / "core").glob("_*.py")} - {"__init__"}
+  assert names == set(CORE_LAYER), sorted(names ^ set(CORE_LAYER))
 
 
-@pytest.mark.parametrize("layer", [TRANSFORMS, TOP])
-def test_no_cycles_within_a_layer(layer):
+@pytest.mark.parametrize("unit", sorted(set(FLOOR_OF) - {"__init__"} | {"top"}))
+def test_no_import_cycle_inside_a_folder(unit):
+  def unit_of(module):
+    return "top" if FLOOR_OF[folder(module)] == TOP else folder(module)
+
   edges: dict[str, set] = {}
-  for _, module, target, function in imports():
-    if module and LAYER_OF.get(unit(module)) == layer and (
-        LAYER_OF.get(unit(target)) == layer) and not is_repr_hook(function):
+  for _, module, target, _ in imports():
+    if unit_of(module) == unit_of(target) == unit and module != target:
       edges.setdefault(module, set()).add(target)
 
   def visit(node, stack):
@@ -130,3 +146,11 @@ def test_no_cycles_within_a_layer(layer):
 
   for start in edges:
     visit(start, [])
+
+
+def test_the_old_module_paths_name_every_moved_module():
+  from statefulremat import _old_paths
+
+  for old, new in _old_paths.MOVED.items():
+    assert (PACKAGE / (new.replace(".", "/") + ".py")).exists() or (
+        PACKAGE / new / "__init__.py").exists(), (old, new)

@@ -185,7 +185,7 @@ def test_a_budget_the_model_is_exact_for_takes_one_compile(monkeypatch):
   # A budget between a 3N plan's prediction and that over the 3 % headroom: the 3N
   # plan is compiled first and fits; the 4N pick the headroom alone gives is never
   # compiled.
-  from statefulremat._transforms import _remat_scan
+  from statefulremat.transforms import _remat_scan
   stack, carry = _stack(61), jax.ShapeDtypeStruct((1024, W), jnp.float32)
   least = sr.plan_remat(stack, carry, fn=body)
   three = min((c for c in least.candidates if c.evals == 3 * 61),

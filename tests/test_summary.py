@@ -241,8 +241,8 @@ def test_display_in_a_notebook_draws_only_stacked_arrays_as_figures(monkeypatch)
 
 
 def test_a_big_layer_is_cut_within_the_layer_never_across_layers():
-  from statefulremat._display import layer_slider_figure
-  from statefulremat._treescope_arrays import LayeredArray
+  from statefulremat.display._display import layer_slider_figure
+  from statefulremat.display._treescope_arrays import LayeredArray
 
   # 12 layers of 768 x 3072: every layer stays reachable by the slider; each layer's
   # axes keep their first and last entries, and say so.
@@ -258,7 +258,7 @@ def test_a_big_layer_is_cut_within_the_layer_never_across_layers():
 
 
 def test_display_all_arrays_slides_the_stacked_ones():
-  from statefulremat._display import autovisualizer
+  from statefulremat.display._display import autovisualizer
 
   class Holder(sr.Module):
     def __init__(self):
@@ -390,7 +390,7 @@ def test_gradient_norms_given_grads():
 
 
 def test_long_stacks_list_the_ends_and_the_largest_layers():
-  from statefulremat._summary import LayerNorms
+  from statefulremat.display._summary import LayerNorms
 
   stack = LayerNorms(("blocks",), "Block", np.where(np.arange(40) == 11, 9.0, 1.0),
                      np.where(np.arange(40) == 20, 1e6, 1.0))

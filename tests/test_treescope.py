@@ -270,7 +270,7 @@ Dropout(
 
 def test_the_demo_page_opens_on_the_layers_and_folds_the_rng_streams():
   from statefulremat._demo import ResidualMLP
-  from statefulremat._display import stacked_arrays
+  from statefulremat.display._display import stacked_arrays
 
   model = ResidualMLP(100, 8, rngs=sr.Rngs(params=0, dropout=1))
   with treescope.active_autovisualizer.set_scoped(stacked_arrays):
@@ -292,7 +292,7 @@ RematScanBlock(
 
 
 def test_which_settings_are_at_their_defaults():
-  from statefulremat._repr import settings_at_defaults
+  from statefulremat.display._repr import settings_at_defaults
 
   def double(x):
     return 2 * x
@@ -319,7 +319,7 @@ def test_which_settings_are_at_their_defaults():
 
 
 def test_settings_inside_a_trace_compare_without_raising():
-  from statefulremat._repr import same_setting
+  from statefulremat.display._repr import same_setting
 
   seen = []
 

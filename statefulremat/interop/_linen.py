@@ -12,8 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .._split_merge import update
-from .._state import State
+from ..core._split_merge import update
+from ..core._state import State
 from ._paths import (Entry, entries, flat_tree, nearest, placed_like,
                      select_collections)
 from ._report import Problems, array_str, keys_str, shape_str, where_str

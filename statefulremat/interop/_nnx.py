@@ -11,9 +11,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import format_path
-from .._split_merge import update
-from .._state import State
+from ..core._errors import format_path
+from ..core._split_merge import update
+from ..core._state import State
 from ._paths import entries, flat_tree, nearest, placed_like, select_collections
 from ._report import Problems, array_str, keys_str, shape_str, where_str
 

@@ -24,11 +24,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._errors import format_path
-from .._graph import flatten
-from .._module import Module
-from .._stacks import is_stacked, stacked_variables
-from .._variables import Variable
+from ..core._errors import format_path
+from ..core._graph import flatten
+from ..core._module import Module
+from ..core._stacks import is_stacked, stacked_variables
+from ..core._variables import Variable
 
 
 @dataclass(frozen=True)

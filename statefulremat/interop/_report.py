@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._errors import StateMismatchError
+from ..core._errors import StateMismatchError
 
 _SHOWN = 12
 

@@ -9,11 +9,11 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from .._errors import format_path
-from .._module import Module
-from .._rngs import Rngs
-from .._variables import path_of
-from .._kinds import BatchStat, Param
+from ..core._errors import format_path
+from ..core._module import Module
+from ..core._rngs import Rngs
+from ..core._variables import path_of
+from ..core._kinds import BatchStat, Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._normalization import (check_feature_axes, canonicalize_axes, compute_stats,
                              freeze_axes, normalize)

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._module import Module
-from .._rngs import Rngs
-from .._kinds import Param
+from ..core._module import Module
+from ..core._rngs import Rngs
+from ..core._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
 from ._linear import default_bias_init, default_kernel_init

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._module import Module
-from .._rngs import Rngs, RngStream
+from ..core._module import Module
+from ..core._rngs import Rngs, RngStream
 from ._explicit import drop_dims, explicit_specs, sharding_like
 from ._rngs_arg import check_rngs
 

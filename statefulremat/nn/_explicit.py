@@ -24,7 +24,7 @@ from typing import Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._sharding import ShardingError, describe_mesh
+from ..distributed._sharding import ShardingError, describe_mesh
 
 
 class Specs(tuple):

@@ -8,8 +8,8 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from .._module import Module
-from .._rngs import Rngs, RngStream
+from ..core._module import Module
+from ..core._rngs import Rngs, RngStream
 from ._dropout import Dropout
 from ._linear import Linear, default_bias_init, default_kernel_init
 from ._rngs_arg import check_rngs

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._errors import format_path
-from .._module import Module
-from .._rngs import Rngs, RngStream
-from .._kinds import Cache
-from .._stacks import layer_levels, per_layer
-from .._variables import path_of
+from ..core._errors import format_path
+from ..core._module import Module
+from ..core._rngs import Rngs, RngStream
+from ..core._kinds import Cache
+from ..core._stacks import layer_levels, per_layer
+from ..core._variables import path_of
 from ._attention import combine_masks, dot_product_attention
 from ._dropout import draw_key
 from ._dtypes import promote_dtype as default_promote_dtype

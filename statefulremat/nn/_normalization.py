@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._module import Module
-from .._rngs import Rngs
-from .._kinds import Param
+from ..core._module import Module
+from ..core._rngs import Rngs
+from ..core._kinds import Param
 from ._dtypes import canonicalize_dtype
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._rngs_arg import check_rngs

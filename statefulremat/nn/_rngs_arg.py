@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from .._rngs import Rngs, RngStream
+from ..core._rngs import Rngs, RngStream
 
 
 def check_rngs(layer: str, rngs, *, optional: bool = False,

@@ -1,0 +1,1 @@
+"""The checkpoint floor: ``sr.save`` / ``sr.restore`` on orbax-checkpoint."""

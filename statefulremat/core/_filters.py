@@ -1,0 +1,229 @@
+"""Filters: which variables a rule applies to.
+
+A filter is any of
+
+* a ``Variable`` subclass — variables of that kind (``sr.Param``);
+* a collection name — ``"batch_stats"``;
+* ``...`` or ``True`` — everything; ``False`` or ``None`` — nothing;
+* a callable ``(path, variable) -> bool``;
+* ``PathContains(key)``, ``Not(f)``, ``Any(f, ...)``, ``All(f, ...)``;
+* a tuple or list of filters — any of them.
+
+``to_predicate`` turns one into a ``(path, variable) -> bool`` function. Predicates
+are hashable and compare equal when built from equal filters, so they can key caches.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any as _AnyType, Callable
+
+from ._variables import Variable
+
+Filter = _AnyType
+Predicate = Callable[[tuple, Variable], bool]
+
+
+class _Predicate:
+  __slots__ = ()
+
+  def __repr__(self):
+    return f"{type(self).__name__}({', '.join(map(repr, self._args()))})"
+
+  def __eq__(self, other):
+    return type(self) is type(other) and self._args() == other._args()
+
+  def __hash__(self):
+    return hash((type(self), self._args()))
+
+
+class _OfType(_Predicate):
+  __slots__ = ("kind",)
+
+  def __init__(self, kind):
+    self.kind = kind
+
+  def _args(self):
+    return (self.kind,)
+
+  def __call__(self, path, variable):
+    return isinstance(variable, self.kind)
+
+
+class _InCollection(_Predicate):
+  __slots__ = ("name",)
+
+  def __init__(self, name):
+    self.name = name
+
+  def _args(self):
+    return (self.name,)
+
+  def __call__(self, path, variable):
+    return variable.collection == self.name
+
+
+class _Everything(_Predicate):
+  __slots__ = ()
+
+  def _args(self):
+    return ()
+
+  def __call__(self, path, variable):
+    return True
+
+
+class _Nothing(_Predicate):
+  __slots__ = ()
+
+  def _args(self):
+    return ()
+
+  def __call__(self, path, variable):
+    return False
+
+
+class PathContains(_Predicate):
+  """Matches variables whose path contains ``key`` (an attribute name or index).
+
+  >>> import statefulremat as sr
+  >>> sr.PathContains("norm")(("block", "norm", "scale"), None)
+  True
+  """
+
+  __slots__ = ("key",)
+
+  def __init__(self, key):
+    self.key = key
+
+  def _args(self):
+    return (self.key,)
+
+  def __call__(self, path, variable):
+    return self.key in path
+
+
+class Not(_Predicate):
+  """Matches what ``filter`` does not match.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.Not(sr.Param)((), sr.BatchStat(jnp.zeros(1)))
+  True
+  """
+
+  __slots__ = ("predicate",)
+
+  def __init__(self, filter: Filter):
+    self.predicate = to_predicate(filter)
+
+  def _args(self):
+    return (self.predicate,)
+
+  def __call__(self, path, variable):
+    return not self.predicate(path, variable)
+
+
+class Any(_Predicate):
+  """Matches what at least one of ``filters`` matches.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.Any(sr.Param, "batch_stats")((), sr.BatchStat(jnp.zeros(1)))
+  True
+  """
+
+  __slots__ = ("predicates",)
+
+  def __init__(self, *filters: Filter):
+    self.predicates = tuple(to_predicate(f) for f in filters)
+
+  def _args(self):
+    return self.predicates
+
+  def __call__(self, path, variable):
+    return any(p(path, variable) for p in self.predicates)
+
+
+class All(_Predicate):
+  """Matches what every one of ``filters`` matches.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.All(sr.Param, sr.PathContains("w"))(("w",), sr.Param(jnp.zeros(1)))
+  True
+  """
+
+  __slots__ = ("predicates",)
+
+  def __init__(self, *filters: Filter):
+    self.predicates = tuple(to_predicate(f) for f in filters)
+
+  def _args(self):
+    return self.predicates
+
+  def __call__(self, path, variable):
+    return all(p(path, variable) for p in self.predicates)
+
+
+def to_predicate(filter: Filter) -> Predicate:
+  """Turns a filter into a ``(path, variable) -> bool`` predicate (see module doc)."""
+  if isinstance(filter, _Predicate):
+    return filter
+  if isinstance(filter, type):
+    if issubclass(filter, Variable):
+      return _OfType(filter)
+    # A class is callable, but calling it with (path, variable) would construct an
+    # instance (or fail obscurely) instead of answering a question: refuse it here.
+    raise TypeError(
+        f"{filter.__name__} is a class but not a Variable kind, so it is not a filter. "
+        "Filter by a Variable subclass (sr.Param, sr.BatchStat, ...), a collection name "
+        "('batch_stats'), or a (path, variable) -> bool callable such as "
+        "`lambda path, v: isinstance(v.value, jax.Array)`."
+    )
+  if isinstance(filter, str):
+    return _InCollection(filter)
+  if filter is Ellipsis or filter is True:
+    return _Everything()
+  if filter is False or filter is None:
+    return _Nothing()
+  if isinstance(filter, (tuple, list)):
+    return Any(*filter)
+  if callable(filter):
+    return filter
+  raise TypeError(
+      f"{filter!r} is not a filter. A filter is a Variable subclass (sr.Param), a "
+      "collection name ('batch_stats'), ..., True/False/None, a (path, variable) -> bool "
+      "callable, sr.PathContains/Not/Any/All, or a tuple of these."
+  )
+
+
+def is_everything(filter: Filter) -> bool:
+  return isinstance(to_predicate(filter), _Everything)
+
+
+def filter_repr(filter: Filter) -> str:
+  """How error messages write a filter: ``sr.Param``, ``'params'``, ``(sr.Param, 'cache')``."""
+  if isinstance(filter, type):
+    public = filter.__module__.startswith("statefulremat")
+    return f"sr.{filter.__name__}" if public else filter.__name__
+  if isinstance(filter, tuple):
+    return ("(" + ", ".join(map(filter_repr, filter)) + ("," if len(filter) == 1 else "")
+            + ")")
+  return repr(filter)
+
+
+def collections_and_guess(filters: tuple, variables) -> tuple[str, str | None]:
+  """For filters that matched none of ``variables`` (``(path, Variable)`` pairs): the
+  collections there with their counts, and the collection a misspelt name may mean.
+
+  >>> import statefulremat as sr
+  >>> from statefulremat.core._filters import collections_and_guess
+  >>> model = sr.nn.BatchNorm(2, rngs=sr.Rngs(0))
+  >>> collections_and_guess(("param",), model.iter_variables())
+  ("'params' (2), 'batch_stats' (2)", 'params')
+  """
+  counts: dict[str, int] = {}
+  for _, var in variables:
+    counts[var.collection] = counts.get(var.collection, 0) + 1
+  have = ", ".join(f"{name!r} ({n})" for name, n in counts.items()) or "none"
+  close = [m for f in filters if isinstance(f, str)
+           for m in difflib.get_close_matches(f, list(counts), n=1)]
+  return have, (close[0] if close else None)

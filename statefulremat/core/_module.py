@@ -1,0 +1,258 @@
+"""Module: plain Python objects that own Variables, PyTorch style.
+
+Write ``__init__`` eagerly (create the Variables and sub-modules there) and
+``__call__`` to use them; there is no ``super().__init__()`` to call and no lazy
+shape inference. A module's *graph* is everything reachable through its attributes:
+sub-modules, Variables, and lists/tuples/dicts of them. Every other attribute is
+static configuration and must be hashable (it becomes part of the GraphDef).
+
+An attribute that holds a Variable keeps it: ``model.w += 1`` updates the Variable in
+place, and assigning an array over it (``model.w = model.w * 2``) raises, pointing at
+``model.w.value = ...``, since the array would silently leave the model's state.
+Modules pickle (their Variables' values, not their traces or owner links); a stack,
+whose class a transform made, points to ``sr.save`` / ``sr.state`` instead.
+"""
+
+from __future__ import annotations
+
+import numbers
+import pickle
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+from ._containers import adopt
+from . import _display_hooks
+from ._errors import GraphError, format_path, refuse_hash
+from ._tracing import structure_epoch
+from ._variables import Variable, path_of, set_owner
+
+
+def _is_array_like(value) -> bool:
+  return isinstance(value, (jax.Array, np.ndarray, np.generic, numbers.Number))
+
+
+def _refuse_array_over_variable(module, name: str, value) -> None:
+  var = module.__dict__[name]
+  path = format_path(path_of(module) + (name,))
+  what = (f"a {value.dtype}{list(np.shape(value))} array" if hasattr(value, "dtype")
+          else f"a Python {type(value).__name__}")
+  raise GraphError(
+      f"`{path}` holds a {type(var).__name__}; assigning {what} over it would replace "
+      "the Variable with a plain value that leaves the model's state (PyTorch refuses "
+      "a tensor over a Parameter for the same reason). Fix: write the Variable's "
+      f"value, `{path}.value = ...` (or `{path}[...] = ...`; `{path} += x` updates "
+      "in place too). To replace the Variable itself, assign a Variable, or `del` it "
+      "first.")
+
+
+def _record_owners(parent, value, key_path: tuple) -> None:
+  if isinstance(value, (Variable, Module)):
+    set_owner(value, parent, key_path)
+  elif isinstance(value, (list, tuple)):
+    for i, item in enumerate(value):
+      _record_owners(parent, item, key_path + (i,))
+  elif isinstance(value, dict):
+    for key, item in value.items():
+      _record_owners(parent, item, key_path + (key,))
+
+
+class Module:
+  """Base class of stateful modules.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> class Scale(sr.Module):
+  ...   def __init__(self, n):
+  ...     self.w = sr.Param(jnp.ones(n))
+  ...     self.deterministic = False
+  ...   def __call__(self, x):
+  ...     return x * self.w
+  >>> m = Scale(3)
+  >>> m(jnp.arange(3.0)).tolist()
+  [0.0, 1.0, 2.0]
+  >>> m.eval().deterministic
+  True
+  >>> [(path, type(v).__name__) for path, v in m.iter_variables()]
+  [(('w',), 'Param')]
+  """
+
+  def __init_subclass__(cls, **kwargs):
+    # Every Module class is a pytree (raw jax.jit / jax.grad / jax.tree.map take
+    # modules, see _pytree.py); JAX registers exact types, so each subclass once here.
+    super().__init_subclass__(**kwargs)
+    for hook in _class_hooks:
+      hook(cls)
+
+  def __hash__(self):
+    refuse_hash(self)  # mutable: see refuse_hash
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    if isinstance(self.__dict__.get(name), Variable) and _is_array_like(value):
+      _refuse_array_over_variable(self, name, value)
+    value = adopt(value)
+    if not name.startswith("_sr_"):
+      _record_owners(self, value, (name,))
+    object.__setattr__(self, name, value)
+    structure_epoch.bump()
+
+  def __delattr__(self, name: str) -> None:
+    object.__delattr__(self, name)
+    structure_epoch.bump()
+
+  # -- modes -----------------------------------------------------------------
+
+  def set_attributes(self, **attributes: Any) -> Module:
+    """Sets each given attribute on every module of the graph that already has it.
+
+    >>> import statefulremat as sr
+    >>> d = sr.nn.Dropout(0.5, rngs=sr.Rngs(0))
+    >>> d.set_attributes(deterministic=True).deterministic
+    True
+    """
+    for _, module in self.iter_modules():
+      for name, value in attributes.items():
+        if name in vars(module):
+          setattr(module, name, value)
+    return self
+
+  def train(self, mode: bool = True) -> Module:
+    """Training mode: sets ``deterministic=False`` and ``use_running_average=False`` on
+    every module of the graph that has that attribute; returns ``self``.
+
+    ``train(False)`` is ``eval()``, as in PyTorch.
+
+    >>> import statefulremat as sr
+    >>> bn = sr.nn.BatchNorm(3, use_running_average=True, rngs=sr.Rngs(0))
+    >>> bn.train().use_running_average, bn.train(False).use_running_average
+    (False, True)
+    """
+    if not isinstance(mode, bool):
+      raise TypeError(f"train(mode) takes True or False (as PyTorch's), got {mode!r}.")
+    if not mode:
+      return self.eval()
+    return self.set_attributes(deterministic=False, use_running_average=False)
+
+  def eval(self) -> Module:
+    """Evaluation mode: sets ``deterministic=True`` and ``use_running_average=True`` on
+    every module of the graph that has that attribute; returns ``self``.
+
+    >>> import statefulremat as sr
+    >>> drop = sr.nn.Dropout(0.5, rngs=sr.Rngs(0))
+    >>> drop.deterministic, drop.eval().deterministic
+    (False, True)
+    """
+    return self.set_attributes(deterministic=True, use_running_average=True)
+
+  # -- iteration -------------------------------------------------------------
+
+  def iter_modules(self) -> Iterator[tuple[tuple, Module]]:
+    """Yields ``(path, module)`` for every module of the graph once, this one first.
+
+    Depth first, attributes in name order; a module reached twice is yielded at its
+    first path only.
+
+    >>> import statefulremat as sr
+    >>> class Net(sr.Module):
+    ...   def __init__(self):
+    ...     self.layers = [sr.nn.Linear(2, 2, rngs=sr.Rngs(i)) for i in range(2)]
+    >>> [(path, type(m).__name__) for path, m in Net().iter_modules()]
+    [((), 'Net'), (('layers', 0), 'Linear'), (('layers', 1), 'Linear')]
+    """
+    for path, node in iter_graph(self):
+      if isinstance(node, Module):
+        yield path, node
+
+  def iter_variables(self) -> Iterator[tuple[tuple, Variable]]:
+    """Yields ``(path, variable)`` for every Variable of the graph once.
+
+    Same order as ``iter_modules``; a shared Variable comes at its first path only.
+
+    >>> import statefulremat as sr
+    >>> class Tied(sr.Module):
+    ...   def __init__(self):
+    ...     self.a = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
+    ...     self.b = sr.nn.Linear(2, 2, rngs=sr.Rngs(1))
+    ...     self.b.kernel = self.a.kernel
+    >>> [path for path, _ in Tied().iter_variables()]
+    [('a', 'bias'), ('a', 'kernel'), ('b', 'bias')]
+    """
+    for path, node in iter_graph(self):
+      if isinstance(node, Variable):
+        yield path, node
+
+  # -- pickling ----------------------------------------------------------------
+
+  def __getstate__(self):
+    if type(self).__dict__.get("_sr_transformed"):
+      raise pickle.PicklingError(
+          f"cannot pickle a {type(self).__name__}: its class was made by a transform "
+          "(sr.scan / sr.remat_scan / sr.vmap / sr.remat of a class) and cannot be "
+          "found again by name. Save its state instead: `sr.save(path, model)` (then "
+          "`sr.restore(path, Model(...))`), or pickle `sr.state(model)` and load it "
+          "with `sr.update(model, state)`.")
+    # Owner links are weak references: rebuilt on load, never saved.
+    return {k: v for k, v in vars(self).items() if k != "_sr_owner"}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    for name, value in state.items():
+      if not name.startswith("_sr_"):
+        _record_owners(self, value, (name,))
+
+  def __repr__(self) -> str:
+    return _display_hooks.text(self)
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    return _display_hooks.treescope(self, path, subtree_renderer)
+
+
+
+# Functions called with every Module class as it is defined (the pytree registration
+# in _pytree.py): a hook list, so that this file imports nothing above itself.
+_class_hooks: list = []
+
+
+def on_new_class(hook) -> None:
+  """Calls ``hook(cls)`` for every Module class: those defined already, and each new
+  one as it is defined."""
+  _class_hooks.append(hook)
+  todo = [Module]
+  while todo:
+    cls = todo.pop()
+    hook(cls)
+    todo.extend(cls.__subclasses__())
+
+
+def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
+  """Yields ``(path, object)`` for each module and Variable reachable from ``node``,
+  once, in the GraphDef's order (a module's attributes sorted)."""
+  for path, obj, first in arrivals(node, sort=True):
+    if first:
+      yield path, obj
+
+
+def arrivals(root, *, sort: bool = False) -> Iterator[tuple[tuple, Any, bool]]:
+  """Yields ``(path, object, first)`` each time the walk reaches a module or Variable,
+  a module's attributes in definition order (as drawn and tabled) or, with ``sort``,
+  sorted (the GraphDef's order); a module reached again is not entered again."""
+  seen: set[int] = set()
+
+  def walk(obj, path):
+    if isinstance(obj, (Variable, Module)):
+      first = id(obj) not in seen
+      seen.add(id(obj))
+      yield path, obj, first
+      if first and isinstance(obj, Module):
+        attrs = vars(obj)
+        for k in (sorted(attrs) if sort else attrs):
+          if not k.startswith("_sr_"):
+            yield from walk(attrs[k], path + (k,))
+    elif isinstance(obj, (list, tuple)):
+      for i, x in enumerate(obj):
+        yield from walk(x, path + (i,))
+    elif isinstance(obj, dict):
+      for k, v in obj.items():
+        yield from walk(v, path + (k,))
+
+  yield from walk(root, ())

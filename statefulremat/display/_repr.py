@@ -1,0 +1,236 @@
+"""Plain-text reprs: what `repr` falls back to when treescope cannot draw an object,
+and which of a module's settings are at their constructor defaults (a repr leaves
+those out; treescope's foldable view keeps them, folded)."""
+
+from __future__ import annotations
+
+import collections.abc
+import functools
+import inspect
+import types
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def value_summary(value) -> str:
+  if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval"):
+    dtype = str(value.dtype)
+    return f"{dtype}[{','.join(map(str, value.shape))}]"
+  return repr(value)
+
+
+def static_repr(value) -> str:
+  """A static attribute as it would be written: functions and classes by name, and
+  never a memory address (``<function f at 0x...>`` changes from run to run)."""
+  if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
+    # Classes, functions and wrapped functions (jax.nn.relu is a custom_jvp object).
+    return value.__qualname__
+  if isinstance(value, functools.partial):
+    return f"partial({static_repr(value.func)}, ...)"
+  text = repr(value)
+  return f"<{type(value).__name__}>" if " at 0x" in text else text
+
+
+def variable_repr(var) -> str:
+  parts = [value_summary(var._value)]
+  parts += [f"{k}={static_repr(v)}" for k, v in var._metadata.items()]
+  return f"{type(var).__name__}({', '.join(parts)})"
+
+
+_NO_DEFAULT = inspect.Parameter.empty
+_DEFAULTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def constructor_defaults(cls: type) -> dict[str, Any]:
+  """``{name: default}`` for each parameter of ``cls.__init__`` that has a default.
+
+  An ``__init__`` taking ``*args`` or ``**kwargs`` (the class forms of the transforms
+  pass them on to the layer class) adds the defaults of the bases' ``__init__``; the
+  most derived class's default wins.
+
+  >>> import statefulremat as sr
+  >>> from statefulremat.display._repr import constructor_defaults
+  >>> d = constructor_defaults(sr.nn.Dropout)
+  >>> d["deterministic"], d["rng_collection"], "rate" in d
+  (False, 'dropout', False)
+  """
+  cached = _DEFAULTS.get(cls)
+  if cached is not None:
+    return cached
+  defaults: dict[str, Any] = {}
+  for base in cls.__mro__:
+    init = base.__dict__.get("__init__")
+    if init is None or base is object:
+      continue
+    try:
+      params = inspect.signature(init).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C __init__: no defaults to read
+      break
+    for p in params:
+      if p.default is not _NO_DEFAULT and p.kind is not p.POSITIONAL_ONLY:
+        defaults.setdefault(p.name, p.default)
+    if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+      break  # this __init__ takes no more: the bases' defaults are not its own
+  _DEFAULTS[cls] = defaults
+  return defaults
+
+
+def settings_at_defaults(module, attributes: dict[str, Any] | None = None) -> list[str]:
+  """The names of ``module``'s attributes a repr leaves out: settings at their
+  constructor defaults, and empty slots.
+
+  An attribute is left out when its value is the default of the constructor argument
+  of the same name (``precision=None``, ``dot_general=jax.lax.dot_general``,
+  ``param_dtype=jnp.float32``; see ``same_setting`` for what counts as the same), or
+  when it is ``None`` and the constructor gives no other default (a cache not made
+  yet, a norm left out). Sub-modules and Variables are always shown.
+
+  >>> import statefulremat as sr
+  >>> from statefulremat.display._repr import settings_at_defaults
+  >>> settings_at_defaults(sr.nn.Dropout(0.1))
+  ['broadcast_dims', 'deterministic', 'rng_collection', 'rngs']
+  >>> settings_at_defaults(sr.nn.Dropout(0.1, deterministic=True))
+  ['broadcast_dims', 'rng_collection', 'rngs']
+  """
+  from ..core._module import Module
+  from ..core._variables import Variable
+
+  defaults = constructor_defaults(type(module))
+  if attributes is None:
+    attributes = {k: v for k, v in vars(module).items() if not k.startswith("_sr_")}
+  hidden = []
+  for name, value in attributes.items():
+    if isinstance(value, (Module, Variable)):
+      continue
+    default = defaults.get(name, None)
+    if (value is None and default is None) or (
+        name in defaults and same_setting(value, default)):
+      hidden.append(name)
+  return hidden
+
+
+def same_setting(value, default) -> bool:
+  """Whether ``value`` is the setting ``default`` names.
+
+  The same object; equal values of the same type (``True`` is not ``1``); the same
+  dtype however written (``jnp.float32``, ``np.dtype("float32")``, ``"float32"``);
+  arrays of equal shape, dtype and values; ``functools.partial`` of the same function
+  and arguments; and two normal forms constructors apply: an axis ``-1`` stored as
+  ``(-1,)``, an empty mapping stored as ``()``. Functions compare by identity, and
+  anything whose comparison fails or is not a plain bool (a tracer) is not the same.
+
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> from statefulremat.display._repr import same_setting
+  >>> same_setting(jax.lax.dot_general, jax.lax.dot_general), same_setting(1, True)
+  (True, False)
+  >>> same_setting(np.dtype("float32"), jnp.float32), same_setting((-1,), -1)
+  (True, True)
+  >>> same_setting(jnp.zeros(2), jnp.zeros(2)), same_setting(jnp.zeros(2), jnp.ones(2))
+  (True, False)
+  """
+  if value is default:
+    return True
+  if _is_array(value) or _is_array(default):
+    return _same_array(value, default)
+  if _is_dtype(default) and (_is_dtype(value) or isinstance(value, str)):
+    try:
+      return np.dtype(value) == np.dtype(default)
+    except TypeError:  # a string that names no dtype
+      return False
+  if isinstance(value, functools.partial) and isinstance(default, functools.partial):
+    return (same_setting(value.func, default.func)
+            and _same_items(value.args, default.args)
+            and _same_items(value.keywords, default.keywords))
+  if isinstance(value, types.MethodType) and isinstance(default, types.MethodType):
+    return value.__func__ is default.__func__ and value.__self__ is default.__self__
+  if callable(value) or callable(default):
+    return False  # functions and classes: only the same object is the same
+  if type(value) is not type(default):
+    if isinstance(value, tuple) and len(value) == 1 and not isinstance(
+        default, (tuple, list, str)):
+      return same_setting(value[0], default)  # an axis -1 kept as (-1,)
+    return _is_empty(value) and _is_empty(default)  # {} kept as ()
+  return _equal(value, default)
+
+
+def _same_items(a, b) -> bool:
+  if isinstance(a, dict):
+    return (isinstance(b, dict) and a.keys() == b.keys()
+            and all(same_setting(a[k], b[k]) for k in a))
+  return len(a) == len(b) and all(same_setting(x, y) for x, y in zip(a, b))
+
+
+def _equal(a, b) -> bool:
+  try:
+    eq = a == b
+  except Exception:  # e.g. tuples of arrays: "the truth value ... is ambiguous"
+    return False
+  return bool(eq) if isinstance(eq, (bool, np.bool_)) else False
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval")
+
+
+def _same_array(a, b) -> bool:
+  if not (_is_array(a) and _is_array(b)) or isinstance(a, jax.core.Tracer) or isinstance(
+      b, jax.core.Tracer):
+    return False
+  if np.shape(a) != np.shape(b) or np.dtype(a.dtype) != np.dtype(b.dtype):
+    return False
+  try:
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+  except Exception:  # a deleted buffer, an array spread over processes
+    return False
+
+
+def _is_dtype(x) -> bool:
+  if isinstance(x, np.dtype):
+    return True
+  if isinstance(x, type) and issubclass(x, np.generic):
+    return True
+  # jnp.float32 & co.: scalar types that carry a dtype, with no shape of their own.
+  return isinstance(getattr(x, "dtype", None), np.dtype) and not hasattr(x, "shape")
+
+
+def _is_empty(x) -> bool:
+  return (isinstance(x, (collections.abc.Sequence, collections.abc.Mapping))
+          and not isinstance(x, (str, bytes)) and len(x) == 0)
+
+
+def module_repr(module, indent: int = 0, seen=None) -> str:
+  from ..core._module import Module
+  from ..core._variables import Variable
+
+  seen = set() if seen is None else seen
+  if id(module) in seen:
+    return f"{type(module).__name__}(...)"
+  seen.add(id(module))
+  pad = "  " * (indent + 1)
+
+  def show(value, depth):
+    if isinstance(value, Module):
+      return module_repr(value, depth + 1, seen)
+    if isinstance(value, Variable):
+      return variable_repr(value)
+    if isinstance(value, (list, tuple)) and value:
+      inner = ",\n".join("  " * (depth + 2) + show(v, depth + 1) for v in value)
+      open_, close = ("[", "]") if isinstance(value, list) else ("(", ")")
+      return f"{open_}\n{inner}\n{'  ' * (depth + 1)}{close}"
+    if isinstance(value, dict) and value:
+      inner = ",\n".join(
+          f"{'  ' * (depth + 2)}{k!r}: {show(v, depth + 1)}" for k, v in value.items()
+      )
+      return f"{{\n{inner}\n{'  ' * (depth + 1)}}}"
+    return static_repr(value)
+
+  attrs = [(k, v) for k, v in vars(module).items() if not k.startswith("_sr_")]
+  hidden = set(settings_at_defaults(module, dict(attrs)))
+  attrs = [(k, v) for k, v in attrs if k not in hidden]
+  if not attrs:
+    return f"{type(module).__name__}()"
+  body = ",\n".join(f"{pad}{k}={show(v, indent)}" for k, v in attrs)
+  return f"{type(module).__name__}(\n{body}\n{'  ' * indent})"

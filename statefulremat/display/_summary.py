@@ -1,0 +1,373 @@
+"""``sr.summary``: a table of a model's modules — class, parameter count, bytes per
+collection and output shapes — traced with ``jax.eval_shape``, so nothing is computed;
+for each stack, the L2 norm of each layer's parameters (and of their gradients, given
+``grads``), as levanter logs them for its scanned stacks.
+
+Every module and Variable is listed once, at the path ``sr.state`` gives it: a shared
+one (an Rngs handed to several layers) under the owner the GraphDef's sorted walk
+reaches first, wherever the definition order meets it first.
+
+Output shapes are caught while tracing (``_summary_outputs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ..core._errors import format_path
+from ._summary_norms import LayerNorms as LayerNorms
+from ._summary_norms import Norms, columns, norm_text
+from ._summary_outputs import trace_outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class SummaryRow:
+  """One module of a summary: its counts cover the module and everything below it.
+
+  ``layers`` is the number of layers its stacked variables hold (1 outside a stack),
+  ``params_per_layer`` the stacked parameters of one layer and ``params_unstacked`` the
+  ones a stack broadcasts (held once). ``outputs`` has one shape text per call.
+  ``param_norm`` is the L2 norm of the module's Params and ``grad_norm`` that of their
+  gradients, given ``grads`` (the table shows both then); None where there is none
+  (no Params, no ``grads``, an abstract model).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> Stack = sr.vmap(sr.nn.Linear, axis_size=4)
+  >>> row = sr.summary(Stack(2, 3, rngs=sr.Rngs(0)), jnp.ones((4, 5, 2))).rows[0]
+  >>> row.params, row.layers, row.params_per_layer, row.params_text(), row.outputs
+  (36, 4, 9, '36 (4 × 9)', ('float32[4,5,3]',))
+  """
+
+  path: tuple
+  class_name: str
+  params: int
+  bytes: dict[str, int]
+  layers: int = 1
+  params_per_layer: int = 0
+  params_unstacked: int = 0
+  outputs: tuple[str, ...] = ()
+  param_norm: float | None = None
+  grad_norm: float | None = None
+
+  @property
+  def path_text(self) -> str:
+    return format_path(self.path) if self.path else "(root)"
+
+  def params_text(self) -> str:
+    """The parameter count as the table shows it: with thousands separators, and for
+    a stacked row ``(layers × per layer + unstacked)``.
+
+    >>> import statefulremat as sr
+    >>> sr.SummaryRow(("mlp",), "MLP", 1234, {}).params_text()
+    '1,234'
+    >>> sr.SummaryRow(("blocks",), "Block", 12100, {}, layers=3, params_per_layer=4000,
+    ...               params_unstacked=100).params_text()
+    '12,100 (3 × 4,000 + 100)'
+    """
+    if self.layers == 1:
+      return f"{self.params:,}"
+    extra = f" + {self.params_unstacked:,}" if self.params_unstacked else ""
+    return f"{self.params:,} ({self.layers} × {self.params_per_layer:,}{extra})"
+
+  def outputs_text(self) -> str:
+    """The output column: the distinct shapes joined by `` / `` and ``×n`` for ``n``
+    calls; ``-`` when the module was not called.
+
+    >>> import statefulremat as sr
+    >>> row = sr.SummaryRow(("head",), "Linear", 8, {},
+    ...                     outputs=("float32[5,2]", "float32[5,2]", "float32[1,2]"))
+    >>> row.outputs_text(), sr.SummaryRow((), "Linear", 8, {}).outputs_text()
+    ('float32[5,2] / float32[1,2] ×3', '-')
+    """
+    if not self.outputs:
+      return "-"
+    distinct = list(dict.fromkeys(self.outputs))
+    calls = f" ×{len(self.outputs)}" if len(self.outputs) > 1 else ""
+    return " / ".join(distinct) + calls
+
+
+class Summary:
+  """The table ``sr.summary`` returns; ``str()`` is the text table, treescope draws it.
+
+  ``rows`` lists every module (the root first, then depth first in definition order);
+  ``total_params`` and ``total_bytes`` count each Variable once, shared or not.
+  ``layer_norms`` has a ``LayerNorms`` per stack; ``norms()`` gives every norm under
+  the keys a metrics logger takes.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> table = sr.summary(sr.nn.Linear(3, 2, rngs=sr.Rngs(0)), jnp.ones((5, 3)))
+  >>> table.total_params, table.rows[0].outputs
+  (8, ('float32[5,2]',))
+  """
+
+  def __init__(self, rows: list[SummaryRow], collections: list[str], total_params: int,
+               total_bytes: dict[str, int], layer_norms: list[LayerNorms] | None = None,
+               norms: dict[str, float] | None = None):
+    self.rows, self.collections = rows, collections
+    self.total_params, self.total_bytes = total_params, total_bytes
+    self.layer_norms = list(layer_norms or [])
+    self._norms = dict(norms or {})
+
+  def norms(self) -> dict[str, float]:
+    """Every L2 norm, levanter's way: ``params/norm/<path>`` for each Param (a stacked
+    one once per layer, the layer index after the stack's path:
+    ``params/norm/blocks.3.linear.kernel``), ``params/norm/total`` for all Params
+    together, and the same under ``grad/norm/`` given ``grads``. Ready for
+    ``wandb.log`` or a TensorBoard writer.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> Stack = sr.vmap(sr.nn.Linear, axis_size=2)
+    >>> norms = sr.summary(Stack(2, 2, use_bias=False, rngs=sr.Rngs(0))).norms()
+    >>> list(norms)
+    ['params/norm/0.kernel', 'params/norm/1.kernel', 'params/norm/total']
+    """
+    return dict(self._norms)
+
+  def lines(self) -> list[str]:
+    """The text table as a list of lines: header, rule, one line per row, rule, total;
+    then, for each stack, its per-layer norms. ``str(summary)`` joins them.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> table = sr.summary(sr.nn.Linear(3, 2, rngs=sr.Rngs(0)), jnp.ones((5, 3)))
+    >>> for line in table.lines(): print(line)
+    path    class   params  params bytes  output
+    --------------------------------------------------
+    (root)  Linear       8          32 B  float32[5,2]
+    --------------------------------------------------
+    Total                8          32 B
+    """
+    with_norms = any(r.grad_norm is not None for r in self.rows)
+    norm_header = ["params norm", "grads norm"] if with_norms else []
+    header = ["path", "class", "params", *(f"{c} bytes" for c in self.collections),
+              *norm_header, "output"]
+    body = [[r.path_text, r.class_name, r.params_text(),
+             *(_bytes_text(r.bytes.get(c, 0)) or "-" for c in self.collections),
+             *([norm_text(r.param_norm), norm_text(r.grad_norm)] if with_norms else []),
+             r.outputs_text()]
+            for r in self.rows]
+    total = ["Total", "", f"{self.total_params:,}",
+             *(_bytes_text(self.total_bytes.get(c, 0)) for c in self.collections),
+             *([norm_text(self._norms.get("params/norm/total")),
+                norm_text(self._norms.get("grad/norm/total"))] if with_norms else []), ""]
+    numeric = set(range(2, len(header) - 1))
+    lines = columns([header, *body, total], numeric)
+    rule = "-" * max(map(len, lines))
+    out = [lines[0], rule, *lines[1:-1], rule, lines[-1]]
+    for stack in self.layer_norms:
+      out += ["", *stack.lines()]
+    return out
+
+  def __str__(self) -> str:
+    return "\n".join(self.lines())
+
+  def __repr__(self) -> str:
+    return str(self)
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import rendering_parts
+
+    lines = self.lines()
+    return rendering_parts.build_foldable_tree_node_from_children(
+        prefix=rendering_parts.text(
+            f"Summary(  # {self.total_params:,} params, {len(self.rows)} modules"),
+        children=[rendering_parts.text(line) for line in lines],
+        suffix=rendering_parts.text(")"), path=path)
+
+
+def summary(model, *example_inputs, method: str = "__call__", grads=None,
+            **kwargs) -> Summary:
+  """A table of ``model``'s modules: class, parameter count, bytes per collection and
+  the output shapes of a call on ``example_inputs`` (arrays or ``jax.ShapeDtypeStruct``);
+  for each stack, the L2 norm of each layer's parameters.
+
+  The call is traced with ``jax.eval_shape`` on a copy, so it computes nothing and the
+  model is left as it was (BatchNorm statistics, RNG counts); the norms take one
+  reduction per parameter array. Counts cover each module
+  and everything below it; stacked modules (scan, remat_scan, vmap) also give their
+  layer count and the count of one layer. Each module and Variable is listed once, at
+  the path ``sr.state`` gives it (a shared Rngs under the same owner). ``print`` it
+  for text; treescope (and ``sr.display``) draw it too. With no inputs, the output
+  column stays empty.
+
+  Norms are what one looks at when a deep model diverges, and what levanter logs for
+  its scanned stacks: ``grads`` (the ``State`` ``sr.grad`` returns, same paths as
+  ``sr.state(model, sr.Param)``) adds a ``grads norm`` column, next to ``params
+  norm``, to every row and a gradient column to each stack's per-layer table.
+  ``summary.norms()`` has them all as ``params/norm/...`` and ``grad/norm/...``
+  (levanter's keys), ``summary.layer_norms`` as arrays. Norms need values: for an
+  abstract model (``sr.eval_shape``) there are none.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> class MLP(sr.Module):
+  ...   def __init__(self, rngs):
+  ...     self.hidden = sr.nn.Linear(4, 8, rngs=rngs)
+  ...     self.out = sr.nn.Linear(8, 2, rngs=rngs)
+  ...   def __call__(self, x):
+  ...     return self.out(jax.nn.relu(self.hidden(x)))
+  >>> print(sr.summary(MLP(sr.Rngs(0)), jnp.ones((16, 4))))
+  path    class   params  params bytes  output
+  ---------------------------------------------------
+  (root)  MLP         58         232 B  float32[16,2]
+  hidden  Linear      40         160 B  float32[16,8]
+  out     Linear      18          72 B  float32[16,2]
+  ---------------------------------------------------
+  Total               58         232 B
+
+  A stack of 3 layers (an ensemble: member ``i`` sees ``i * x``), with the gradients
+  of a loss:
+
+  >>> class Ensemble(sr.Module):
+  ...   def __init__(self, rngs):
+  ...     self.members = sr.vmap(sr.nn.Linear, axis_size=3)(
+  ...         4, 4, use_bias=False, kernel_init=jax.nn.initializers.ones, rngs=rngs)
+  ...   def __call__(self, x):
+  ...     return self.members(x)
+  >>> model = Ensemble(sr.Rngs(0))
+  >>> x = jnp.arange(3.0)[:, None, None] * jnp.ones((3, 2, 4))
+  >>> grads = sr.grad(lambda m, x: jnp.sum(m(x)))(model, x)
+  >>> table = sr.summary(model, x, grads=grads)
+  >>> print(table)
+  path     class            params  params bytes  params norm  grads norm  output
+  ---------------------------------------------------------------------------------------
+  (root)   Ensemble    48 (3 × 16)         192 B        6.928       17.89  float32[3,2,4]
+  members  VmapLinear  48 (3 × 16)         192 B        6.928       17.89  float32[3,2,4]
+  ---------------------------------------------------------------------------------------
+  Total                         48         192 B        6.928       17.89
+  <BLANKLINE>
+  members: VmapLinear, 3 layers, L2 norm of each layer's Params and gradients
+  layer  params  grads
+      0       4      0
+      1       4      8
+      2       4     16
+  >>> table.norms()["grad/norm/members.2.kernel"], table.layer_norms[0].grads.tolist()
+  (16.0, [0.0, 8.0, 16.0])
+  """
+  from ..core._module import Module
+
+  if not isinstance(model, Module):
+    raise TypeError(
+        f"sr.summary takes a module, got {type(model).__name__}. Fix: pass the model "
+        "first, then example inputs: `sr.summary(model, x)`.")
+  if example_inputs or kwargs:
+    if not callable(getattr(model, method, None)):
+      raise AttributeError(
+          f"sr.summary(..., method={method!r}): {type(model).__name__} has no method "
+          f"{method!r}. Fix: name a method the class defines (default `__call__`).")
+  modules, variables = _walk(model)
+  layers = _layer_counts(modules)
+  outputs = trace_outputs(model, modules, example_inputs, method, kwargs) if (
+      example_inputs or kwargs) else {}
+  norms = Norms(modules, variables, grads)
+
+  collections = list(dict.fromkeys(
+      ["params"] * any(map(_is_param, (v for _, v in variables)))
+      + [type(v).collection for _, v in variables]))
+  rows = [_row(path, module, layers, outputs.get(path, ()), norms)
+          for path, module in modules]
+  total_bytes: dict[str, int] = {}
+  for _, var in variables:
+    total_bytes[type(var).collection] = (
+        total_bytes.get(type(var).collection, 0) + _nbytes(var._value))
+  total_params = sum(_size(v._value) for _, v in variables if _is_param(v))
+  return Summary(rows, collections, total_params, total_bytes, norms.layer_norms(modules),
+                 norms.flat(modules, variables))
+
+
+# -- counting ---------------------------------------------------------------------
+
+
+def _walk(root) -> tuple[list, list]:
+  """Modules and Variables under ``root``, once each, depth first in definition order,
+  each at the path ``sr.state`` gives it: the first in the GraphDef's sorted walk. A
+  shared one is listed where that path meets it, not where definition order does."""
+  from ..core._module import Module, iter_graph
+  from ..core._variables import Variable
+
+  at = {id(obj): path for path, obj in iter_graph(root)}
+  modules: list[tuple[tuple, Any]] = []
+  variables: list[tuple[tuple, Any]] = []
+
+  def walk(obj, path):
+    if isinstance(obj, (Module, Variable)):
+      if at.get(id(obj)) != path:
+        return  # listed at its own path
+      (modules if isinstance(obj, Module) else variables).append((path, obj))
+      if isinstance(obj, Module):
+        for k, v in vars(obj).items():
+          if not k.startswith("_sr_"):
+            walk(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+      for i, x in enumerate(obj):
+        walk(x, path + (i,))
+    elif isinstance(obj, dict):
+      for k, v in obj.items():
+        walk(v, path + (k,))
+
+  walk(root, ())
+  return modules, variables
+
+
+def _layer_counts(modules) -> dict[int, int]:
+  """id(Variable) -> how many layers it holds (the product over the stacks it is in)."""
+  from ..core._stacks import is_stacked, stacked_variables
+
+  counts: dict[int, int] = {}
+  for _, module in modules:
+    if is_stacked(module):
+      for _, var, axis, _ in stacked_variables(module):
+        counts[id(var)] = counts.get(id(var), 1) * int(np.shape(var._value)[axis])
+  return counts
+
+
+def _row(path, module, layers: dict[int, int], outputs, norms) -> SummaryRow:
+  variables = [var for _, var in _walk(module)[1]]
+  sizes: dict[str, int] = {}
+  params = per_layer = unstacked = 0
+  counts = set()
+  for var in variables:
+    sizes[type(var).collection] = sizes.get(type(var).collection, 0) + _nbytes(var._value)
+    if not _is_param(var):
+      continue
+    size = _size(var._value)
+    params += size
+    n = layers.get(id(var))
+    if n is None:
+      unstacked += size
+    else:
+      counts.add(n)
+      per_layer += size // n
+  # The breakdown only reads right when the row's stacked variables agree on a count.
+  n = counts.pop() if len(counts) == 1 else 1
+  return SummaryRow(path, type(module).__name__, params, sizes, n,
+                    per_layer if n > 1 else 0, unstacked if n > 1 else 0, tuple(outputs),
+                    norms.total(variables, norms.params),
+                    norms.total(variables, norms.grads))
+
+
+def _is_param(var) -> bool:
+  from ..core._kinds import Param
+
+  return isinstance(var, Param)
+
+
+def _size(value) -> int:
+  return int(np.size(value)) if not hasattr(value, "size") else int(value.size)
+
+
+def _nbytes(value) -> int:
+  dtype = getattr(value, "dtype", None)
+  if dtype is None:
+    return int(np.asarray(value).nbytes)
+  return _size(value) * dtype.itemsize
+
+
+def _bytes_text(n: int) -> str:
+  if n == 0:
+    return ""
+  for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if n >= scale:
+      return f"{n / scale:.1f} {unit}"
+  return f"{n} B"

@@ -1,0 +1,201 @@
+"""Norms for ``sr.summary``: the L2 norm of each Param (and of its gradient), per layer
+where it has a layer axis — what levanter logs for its scanned stacks, and what one looks
+at when a deep model diverges.
+
+Each array takes one reduction on its device (a sum of squares, per layer for a stacked
+one); the small results come back to the host together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..core._errors import format_path
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerNorms:
+  """The L2 norm of each layer's Params of one stack (its stacked Params; the ones it
+  broadcasts belong to no layer), and of their gradients when ``sr.summary`` was given
+  ``grads`` (else None). ``params[i]`` is the norm of layer ``i``.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> Stack = sr.vmap(sr.nn.Linear, axis_size=3)
+  >>> norms = sr.summary(Stack(2, 2, rngs=sr.Rngs(0))).layer_norms[0]
+  >>> norms.path_text, norms.params.shape, norms.grads
+  ('(root)', (3,), None)
+  """
+
+  path: tuple
+  class_name: str
+  params: np.ndarray
+  grads: np.ndarray | None = None
+
+  @property
+  def path_text(self) -> str:
+    return format_path(self.path) if self.path else "(root)"
+
+  def lines(self, show: int = 32) -> list[str]:
+    """A title and one line per layer; past ``show`` layers, the first and last 8,
+    and the layers with the largest norms, ``…`` between them."""
+    layers = len(self.params)
+    has_grads = self.grads is not None
+    title = (f"{self.path_text}: {self.class_name}, {layers} layers, L2 norm of each "
+             f"layer's Params{' and gradients' if has_grads else ''}")
+    keep = set(range(layers))
+    if layers > show:
+      keep = {*range(8), *range(layers - 8, layers), int(np.nanargmax(self.params))}
+      if has_grads:
+        keep.add(int(np.nanargmax(self.grads)))
+    header = ["layer", "params", *(["grads"] * has_grads)]
+    body, last = [], -1
+    for i in sorted(keep):
+      if i > last + 1:
+        body.append(["…", "", *([""] * has_grads)])
+      body.append([str(i), norm_text(self.params[i]),
+                   *([norm_text(self.grads[i])] if has_grads else [])])
+      last = i
+    if last < layers - 1:
+      body.append(["…", "", *([""] * has_grads)])
+    return [title, *columns([header, *body], numeric=set(range(len(header))))]
+
+
+class Norms:
+  """Each Param's sum of squares (of its value and its gradient), per layer where it
+  has a layer axis: one reduction per array, fetched from the device together."""
+
+  def __init__(self, modules, variables, grads):
+    from ..core._stacks import is_stacked, layer_axis
+
+    params = [(p, v) for p, v in variables if _is_param(v)]
+    by_path = _grads_by_path(grads, params) if grads is not None else None
+    self.axes = {id(v): (layer_axis(v) or (None,))[0] for _, v in params}
+    sums = {}
+    if all(_is_concrete(v._value) for _, v in params):
+      sums["p"] = {id(v): _squares(v._value, self.axes[id(v)]) for _, v in params}
+    if by_path is not None and "p" in sums:
+      sums["g"] = {id(v): _squares(by_path[p], self.axes[id(v)])
+                   for p, v in params if p in by_path}
+    sums = jax.device_get(sums)
+    self.params, self.grads = sums.get("p"), sums.get("g")
+    # Innermost first: a Variable's stack is the longest stack path above it.
+    self.stacks = sorted((p for p, m in modules if is_stacked(m)), key=len, reverse=True)
+
+  def stack_of(self, path: tuple) -> tuple | None:
+    return next((s for s in self.stacks if path[:len(s)] == s), None)
+
+  @staticmethod
+  def total(variables, sums) -> float | None:
+    """The L2 norm of ``variables``' entries in ``sums``; None where it has none."""
+    held = [sums[id(v)] for v in variables if id(v) in sums] if sums is not None else []
+    if not held:
+      return None
+    return float(np.sqrt(sum(float(np.sum(x)) for x in held)))
+
+  def layer_norms(self, modules) -> list[LayerNorms]:
+    from ..core._stacks import is_stacked, stacked_variables
+
+    if self.params is None:
+      return []
+    out = []
+    for path, module in modules:
+      if not is_stacked(module):
+        continue
+      stacked = [v for _, v, _, _ in stacked_variables(module) if id(v) in self.params]
+      lengths = {np.shape(self.params[id(v)]) for v in stacked}
+      if len(lengths) != 1:  # no stacked Params, or nested stacks of other lengths
+        continue
+
+      def per_layer(sums):
+        return np.sqrt(sum(sums[id(v)] for v in stacked if id(v) in sums))
+
+      grads = per_layer(self.grads) if self.grads is not None else None
+      out.append(LayerNorms(path, type(module).__name__, per_layer(self.params), grads))
+    return out
+
+  def flat(self, modules, variables) -> dict[str, float]:
+    out = {}
+    for prefix, sums in (("params", self.params), ("grad", self.grads)):
+      if sums is None:
+        continue
+      for path, var in variables:
+        if id(var) not in sums:
+          continue
+        value = sums[id(var)]
+        stack = self.stack_of(path) if np.ndim(value) else None
+        if stack is None:
+          out[f"{prefix}/norm/{_dotted(path)}"] = float(np.sqrt(np.sum(value)))
+          continue
+        for i, sq in enumerate(value):
+          key = _dotted(path[:len(stack)] + (i,) + path[len(stack):])
+          out[f"{prefix}/norm/{key}"] = float(np.sqrt(sq))
+      out[f"{prefix}/norm/total"] = float(np.sqrt(sum(float(np.sum(x))
+                                                      for x in sums.values())))
+    return out
+
+
+def _grads_by_path(grads, params) -> dict[tuple, Any]:
+  """``grads`` (a State, as ``sr.grad`` returns) by path, checked against the Params."""
+  flat = getattr(grads, "flat", None)
+  if not callable(flat):
+    raise TypeError(
+        f"sr.summary(..., grads=...) takes the State sr.grad returns, got "
+        f"{type(grads).__name__}. Fix: `grads = sr.grad(loss)(model, x)`, then "
+        "`sr.summary(model, grads=grads)`.")
+  shapes = {p: np.shape(v._value) for p, v in params}
+  out = {}
+  for path, g in flat().items():
+    if path not in shapes:
+      raise ValueError(
+          f"sr.summary(..., grads=...): `{format_path(path)}` is not a Param of this "
+          "model. Fix: pass the gradients of this model's Params, as "
+          "`sr.grad(loss)(model, x)` gives them.")
+    if np.shape(g) != shapes[path]:
+      raise ValueError(
+          f"sr.summary(..., grads=...): the gradient at `{format_path(path)}` has shape "
+          f"{np.shape(g)}, the Param {shapes[path]}. Fix: pass the gradients of this "
+          "model, taken at its current structure.")
+    out[path] = g
+  return out
+
+
+def _squares(x, layer_axis):
+  """The sum of squares of ``x``: one per layer along ``layer_axis``, else a scalar."""
+  import jax.numpy as jnp
+
+  x = jnp.asarray(x)
+  x = jnp.abs(x) if jnp.iscomplexobj(x) else x.astype(jnp.float32)
+  axes = tuple(a for a in range(x.ndim) if a != layer_axis)
+  return jnp.sum(jnp.square(x), axis=axes)
+
+
+def _is_concrete(value) -> bool:
+  if isinstance(value, jax.core.Tracer) or not isinstance(value, (jax.Array, np.ndarray)):
+    return False
+  return not (isinstance(value, jax.Array) and value.is_deleted())
+
+
+def _dotted(path: tuple) -> str:
+  return ".".join(map(str, path))
+
+
+def columns(table: list[list[str]], numeric: set[int]) -> list[str]:
+  """Each row's cells padded to their column's width: numbers to the right."""
+  widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+  return ["  ".join(c.rjust(w) if i in numeric else c.ljust(w)
+                    for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+          for cells in table]
+
+
+def norm_text(x) -> str:
+  return "-" if x is None else f"{float(x):.4g}"
+
+
+def _is_param(var) -> bool:
+  from ..core._kinds import Param
+
+  return isinstance(var, Param)

@@ -1,0 +1,408 @@
+"""treescope rendering of modules, variables and State.
+
+Every object renders through ``__treescope_repr__`` and ``treescope.repr_lib`` (no
+treescope internals); Variables are coloured by collection. Two things are ours:
+
+* a stacked module (the class forms of scan, remat_scan and vmap) shows each stacked
+  variable's layer axis by name, penzai-style: ``float32(8, 8 | layers:6)``, or with
+  ``sharding`` names ``float32(| layers:6, embed:8, mlp:8)``. The name is the stack's
+  partition name, else ``layers``. The value is wrapped in a ``LayeredArray``, which
+  treescope's array visualiser reads through an ``NDArrayAdapter``, so the HTML figure
+  labels its axes with the same names;
+* a module or Variable reached twice (shared) is drawn once, with a comment naming
+  its other places (``# shared: also at tied``); later places say where it is drawn:
+  ``Param(<shared: drawn at first.w>)`` (and treescope's own "repeated object"
+  comment, which carries a memory address, never fires).
+
+A module shows its attributes as constructor arguments, except its settings at their
+constructor defaults (``precision=None``, ``dot_general=jax.lax.dot_general``; see
+``_repr.settings_at_defaults``): ``repr()`` leaves them out, and treescope's foldable
+view (``sr.display``, HTML) keeps them in one folded line, ``# 7 at defaults: ...``.
+That view opens every module on its sub-modules and Variables and starts RNG plumbing
+(an Rngs, its streams) folded; a click opens or shuts any of them.
+
+A GraphDef draws as the module tree it describes, each Variable with its kind and
+metadata but no value. ``repr()`` of any of these objects is treescope's text.
+
+treescope is imported on first render, so ``import statefulremat`` stays light.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import numpy as np
+
+from ..core._errors import format_path
+from ._treescope_arrays import ArraySummary, LayeredArray
+
+# id(module or variable) -> every path where one top-level render reaches it, the
+# first being where it is drawn.
+_FIRST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("sr_first",
+                                                                    default=None)
+
+
+# True while drawing a repr: Variables' arrays that would take several lines are
+# drawn as treescope's own one-line summary (what an expanded display folds them to).
+_COMPACT: contextvars.ContextVar[bool] = contextvars.ContextVar("sr_compact",
+                                                               default=False)
+
+
+def compact_text(obj) -> str:
+  """treescope's text for ``obj``, Variables' long arrays folded to one-line summaries.
+
+  Any node wider than treescope's target width goes on several lines, however tall
+  that makes the text (text cannot be unfolded later, as HTML can).
+  """
+  import treescope
+
+  token = _COMPACT.set(True)
+  try:
+    with treescope.using_expansion_strategy(max_height=None):
+      return treescope.render_to_text(obj)
+  finally:
+    _COMPACT.reset(token)
+
+
+def text_repr(obj, fallback) -> str:
+  """``compact_text(obj)``, or ``fallback(obj)`` if treescope cannot draw it."""
+  try:
+    return compact_text(obj)
+  except Exception:  # a repr must never raise: e.g. a value that refuses to print
+    return fallback(obj)
+
+
+def _is_tracer(value) -> bool:
+  import jax
+
+  return isinstance(value, jax.core.Tracer)
+
+
+def _is_long(value) -> bool:
+  """Whether numpy would print ``value`` on several lines or elide part of it."""
+  import jax
+
+  if not isinstance(value, (np.ndarray, jax.Array)) or _is_tracer(value):
+    return False
+  if isinstance(value, jax.Array) and value.is_deleted():
+    return False
+  text = repr(value) if value.size < 1000 else "..."
+  return "\n" in text or "..." in text
+
+
+def collection_color(kind: type) -> str:
+  from treescope import formatting_util
+
+  return formatting_util.color_from_string(kind.collection)
+
+
+def _attributes(module) -> dict[str, Any]:
+  return {k: v for k, v in vars(module).items() if not k.startswith("_sr_")}
+
+
+def _first_paths(root) -> dict[int, list[tuple]]:
+  """Every path reaching each module and Variable under ``root``, in drawing order."""
+  from ..core._module import arrivals
+
+  places: dict[int, list[tuple]] = {}
+  for path, obj, _ in arrivals(root):
+    places.setdefault(id(obj), []).append(path)
+  return places
+
+
+def _mark_shared(value, path: tuple, first: dict):
+  """``value`` with every module or Variable drawn elsewhere first replaced by a mark."""
+  from ..core._module import Module
+  from ..core._variables import Variable
+
+  if isinstance(value, (Module, Variable)):
+    where = first.get(id(value), [path])[0]
+    return value if where == path else _SharedMark(value, where)
+  if isinstance(value, (list, tuple, dict)):
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    marked = {k: _mark_shared(v, path + (k,), first) for k, v in items}
+    if all(marked[k] is v for k, v in (value.items() if isinstance(value, dict)
+                                       else enumerate(value))):
+      return value  # nothing shared below: draw the user's own object
+    if isinstance(value, dict):
+      return type(value)(marked)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+      return type(value)(*marked.values())
+    return type(value)(marked.values())
+  return _without_address(value)
+
+
+def _without_address(value):
+  """``value``, or its name when treescope would print a memory address for it."""
+  from jax.sharding import PartitionSpec
+
+  if isinstance(value, PartitionSpec):  # treescope's fallback adds `# <jax.P at 0x…>`
+    return _Text(repr(value))
+  if (isinstance(value, (str, int, float, type(None)))
+      or hasattr(value, "__treescope_repr__") or " at 0x" not in repr(value)):
+    return value
+  if isinstance(value, type) or "<" not in getattr(value, "__qualname__", "<"):
+    return value  # treescope names importable functions and classes by qualified name
+  from ._repr import static_repr
+
+  return _Text(static_repr(value))
+
+
+class _Text:
+  """Drawn as the given text."""
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import rendering_parts
+
+    return rendering_parts.text(self.text)
+
+
+def render_module(module, path, subtree_renderer):
+  from ._repr import settings_at_defaults
+
+  first = _FIRST.get()
+  tokens = []
+  if first is None:  # drawn from here: stacks above it still name their layer axis
+    first = _first_paths(module)
+    tokens.append((_FIRST, _FIRST.set(first)))
+  try:
+    here = first.get(id(module), [()])[0]
+    own = _attributes(module)
+    at_defaults = set(settings_at_defaults(module, own))
+    attributes = {k: _mark_shared(v, here + (k,), first) for k, v in own.items()}
+    shown = {k: v for k, v in attributes.items() if k not in at_defaults}
+    if _COMPACT.get():  # a repr: what differs from the defaults, laid out as it fits
+      rendering = _constructor(type(module), shown, {}, path, subtree_renderer)
+    else:
+      folded = {k: v for k, v in attributes.items() if k in at_defaults}
+      rendering = _constructor(type(module), shown, folded, path, subtree_renderer,
+                               plumbing=_is_rng_plumbing(module))
+    return _with_other_places(rendering, first.get(id(module), ()))
+  finally:
+    for var, token in reversed(tokens):
+      var.reset(token)
+
+
+def _is_rng_plumbing(module) -> bool:
+  from ..core._rngs import Rngs, RngStream
+
+  return isinstance(module, (Rngs, RngStream))
+
+
+def _constructor(kind: type, shown: dict, folded: dict, path, subtree_renderer,
+                 plumbing: bool | None = None):
+  """``Kind(name=value, ...)`` as ``repr_lib.render_object_constructor`` draws it, and
+  in treescope's foldable view (``plumbing`` not None) how it first shows:
+
+  * a module opens; the ``folded`` attributes (its settings at their defaults) sit in
+    one line of their own that starts folded: ``# 7 at defaults: dtype, ...``;
+  * RNG plumbing (``plumbing``: an Rngs, a stream) starts folded, its modules and
+    Variables as ``…``: ``Rngs(params=…, dropout=…)``.
+
+  A user can click any of them open or shut.
+  """
+  from treescope import rendering_parts as rp
+
+  from ..core._module import Module
+  from ..core._variables import Variable
+
+  children = []
+  for i, (name, value) in enumerate(shown.items()):
+    drawn = subtree_renderer(value, path=None if path is None else f"{path}.{name}")
+    if plumbing and isinstance(value, (Module, Variable)):
+      drawn = rp.RenderableAndLineAnnotations(rp.fold_condition(
+          collapsed=rp.text("…"), expanded=drawn.renderable), drawn.annotations)
+    children.append(rp.build_full_line_with_annotations(
+        rp.siblings_with_annotations(f"{name}=", drawn),
+        _comma(last=i == len(shown) - 1)))
+  if folded:
+    # Only in the open module: folded to one line, the module shows what differs.
+    children.append(rp.fold_condition(expanded=_defaults_group(
+        folded, path, subtree_renderer).renderable))
+  prefix = rp.siblings(rp.roundtrip_condition(roundtrip=rp.text("<")),
+                       rp.maybe_qualified_type_name(kind), "(")
+  suffix = rp.siblings(")", rp.roundtrip_condition(roundtrip=rp.text(">")))
+  state = {None: rp.ExpandState.WEAKLY_COLLAPSED, False: rp.ExpandState.EXPANDED,
+           True: rp.ExpandState.COLLAPSED}[plumbing]
+  return rp.build_foldable_tree_node_from_children(
+      prefix=prefix, children=children, suffix=suffix, path=path, expand_state=state)
+
+
+def _comma(last: bool):
+  from treescope import rendering_parts as rp
+
+  if last:
+    return rp.fold_condition(expanded=rp.text(","))
+  return rp.siblings(",", rp.fold_condition(collapsed=rp.text(" ")))
+
+
+def _defaults_group(folded: dict, path, subtree_renderer):
+  """A folded line naming the attributes at their defaults; open, one per line."""
+  from treescope import rendering_parts as rp
+
+  names = ", ".join(folded)
+  if len(names) > _NAMES_WIDTH:
+    names = names[:_NAMES_WIDTH].rsplit(", ", 1)[0] + ", …"
+  label = rp.comment_color(rp.fold_condition(
+      collapsed=rp.text(f"# {len(folded)} at defaults: {names}"),
+      expanded=rp.text(f"# {len(folded)} at defaults:")))
+  lines = [rp.build_full_line_with_annotations(
+      rp.siblings_with_annotations(f"{name}=", subtree_renderer(
+          value, path=None if path is None else f"{path}.{name}")), rp.text(","))
+      for name, value in folded.items()]
+  return rp.build_custom_foldable_tree_node(
+      contents=rp.fold_condition(expanded=rp.indented_children(lines)), label=label,
+      expand_state=rp.ExpandState.COLLAPSED)
+
+
+_NAMES_WIDTH = 60  # characters of names a folded defaults line lists
+
+
+def render_variable(var, path, subtree_renderer):
+  from treescope import repr_lib
+
+  from ..core._stacks import LAYER_AXIS, axis_name, layer_axis
+
+  value = var._value
+  layer = layer_axis(var)
+  if layer is not None and hasattr(value, "shape"):
+    value = LayeredArray(value, layer[0], axis_name(layer[1]), var._metadata.get("sharding"))
+  elif _COMPACT.get() and _is_long(value):
+    value = ArraySummary(value)
+  elif _is_tracer(value):  # treescope would add the tracer's default repr, an address
+    value = _Text(repr(value))
+  # The layer axis is drawn in the array's shape: not repeated as metadata.
+  attributes = {k: _without_address(v) for k, v in {"value": value, **var._metadata}.items()
+                if k != LAYER_AXIS}
+  rendering = repr_lib.render_object_constructor(
+      type(var), attributes, path, subtree_renderer, color=collection_color(type(var)))
+  return _with_other_places(rendering, (_FIRST.get() or {}).get(id(var), ()))
+
+
+def _with_other_places(rendering, paths):
+  """``rendering`` with a ``# shared: also at ...`` comment if it has other places."""
+  if len(paths) < 2:
+    return rendering
+  from treescope import rendering_parts
+
+  others = ", ".join(format_path(p) if p else "the root" for p in paths[1:])
+  comment = rendering_parts.comment_color(
+      rendering_parts.text(f"  # shared: also at {others}"))
+  return rendering_parts.RenderableAndLineAnnotations(
+      renderable=rendering.renderable,
+      annotations=rendering_parts.siblings(comment, rendering.annotations))
+
+
+def render_state(state, path, subtree_renderer):
+  """A State as the nested dict its indexing follows, each entry its Variable kind."""
+  from treescope import repr_lib
+
+  nested: dict = {}
+  for p, var in state.flat_variables().items():
+    node = nested
+    for key in p[:-1]:
+      node = node.setdefault(key, {})
+    node[p[-1]] = var
+  return repr_lib.render_dictionary_wrapper(type(state), nested, path, subtree_renderer)
+
+
+class _SharedMark:
+  """A module or Variable drawn earlier: ``Param(<shared: also at a.kernel>)``."""
+
+  def __init__(self, obj, where: tuple, is_type: bool = False):
+    self.kind, self.where = (obj if is_type else type(obj)), where
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import rendering_parts
+
+    where = format_path(self.where) if self.where else "the root"
+    return rendering_parts.text(f"{self.kind.__name__}(<shared: drawn at {where}>)")
+
+
+def render_graphdef(graphdef, path, subtree_renderer):
+  """A GraphDef as the module tree it describes: classes, static attributes and each
+  Variable's kind and metadata, with no values; references say where they point."""
+  from treescope import rendering_parts
+
+  from ..core._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR
+  from ..core._state import thaw_metadata
+
+  drawn: list[tuple[type, tuple]] = []  # (class, path) of each numbered object
+
+  def skeleton(d, where):
+    tag = d[0]
+    if tag == _REF:
+      kind, first = drawn[d[1]]
+      return _SharedMark(kind, first, is_type=True)
+    if tag == _VAR:
+      drawn.append((d[1], where))
+      return _Skeleton(d[1], dict(thaw_metadata(d[2])), collection_color(d[1]))
+    if tag == _NODE:
+      drawn.append((d[1], where))
+      return _Skeleton(d[1], {k: skeleton(sub, where + (k,)) for k, sub in d[2]})
+    if tag in (_LIST, _TUPLE):
+      items = [skeleton(sub, where + (i,)) for i, sub in enumerate(d[2])]
+      return _Sequence(d[1], items)
+    if tag == _DICT:
+      return _Mapping(d[1], {k: skeleton(sub, where + (k,)) for k, sub in d[2]})
+    return d[2]
+
+  roots = [skeleton(d, (i,) if len(graphdef.tree) > 1 else ())
+           for i, d in enumerate(graphdef.tree)]
+  children = [
+      rendering_parts.build_full_line_with_annotations(
+          subtree_renderer(root), rendering_parts.fold_condition(
+              expanded=rendering_parts.text(","),
+              collapsed=rendering_parts.text(", " if i < len(roots) - 1 else "")))
+      for i, root in enumerate(roots)]
+  return rendering_parts.build_foldable_tree_node_from_children(
+      prefix=rendering_parts.text(f"{type(graphdef).__name__}("),
+      children=children, suffix=rendering_parts.text(")"), path=path)
+
+
+class _Skeleton:
+  """One module or Variable of a GraphDef, drawn like the object without values."""
+
+  def __init__(self, kind: type, attributes: dict, color: str | None = None):
+    self.kind, self.attributes, self.color = kind, attributes, color
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import repr_lib
+
+    return repr_lib.render_object_constructor(self.kind, self.attributes, None,
+                                              subtree_renderer, color=self.color)
+
+
+class _Sequence:
+  """A list or tuple of a GraphDef (a ``ModuleList`` shows its class)."""
+
+  def __init__(self, kind: type, items: list):
+    self.kind, self.items = kind, items
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import repr_lib
+
+    if self.kind is list:
+      return subtree_renderer(self.items)
+    if self.kind is tuple:
+      return subtree_renderer(tuple(self.items))
+    return repr_lib.render_list_wrapper(self.kind, self.items, None, subtree_renderer)
+
+
+class _Mapping:
+  """A dict of a GraphDef (a ``ModuleDict`` shows its class)."""
+
+  def __init__(self, kind: type, items: dict):
+    self.kind, self.items = kind, items
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import repr_lib
+
+    if self.kind is dict:
+      return subtree_renderer(self.items)
+    return repr_lib.render_dictionary_wrapper(self.kind, self.items, None,
+                                              subtree_renderer)

@@ -1,0 +1,1 @@
+"""The distributed floor: logical sharding rules, ``sr.shard``, partition specs."""

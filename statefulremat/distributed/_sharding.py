@@ -1,0 +1,255 @@
+"""SPMD sharding from ``sharding`` metadata: logical axis names -> PartitionSpecs ->
+mesh axes -> NamedShardings, all of it JAX's own (``jax.sharding``), nothing home-made.
+
+A Variable names its axes logically (``sr.Param(w, sharding=("embed", "mlp"))``, or
+``kernel_metadata={"sharding": ...}`` on a layer); a stack adds its layer axis's name
+(``metadata_params={"partition_name": "layers"}``). ``get_partition_spec`` turns that
+into ``PartitionSpec("layers", "embed", "mlp")``; ``logical_to_mesh`` maps logical
+names to mesh axes with flax-style rules (``[("mlp", "model"), ("embed", None)]``);
+``shard`` puts a model's arrays on a ``Mesh`` in place (or, traced, constrains them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..core._errors import StatefulRematError, format_path
+from ..core._stacks import LAYER_AXIS
+from ..core._state import State, thaw_metadata
+
+Rules = Sequence[tuple[str, Any]]
+
+
+class ShardingError(StatefulRematError, ValueError):
+  """A ``sharding`` annotation that does not fit the array, the rules or the mesh.
+
+  Also a ``ValueError`` and an ``sr.StatefulRematError``; the message names the path.
+
+  >>> import statefulremat as sr
+  >>> layer = sr.nn.Linear(2, 4, kernel_metadata={"sharding": ("embed",)},
+  ...                      rngs=sr.Rngs(0))
+  >>> try:
+  ...   sr.get_partition_spec(layer)
+  ... except sr.ShardingError as e:
+  ...   print(e)
+  `kernel` has sharding=('embed',) for an array of shape (2, 4): give one axis name
+  (or None) per dimension. It is one short: ...
+  """
+
+
+def get_partition_spec(state) -> State:
+  """A State like ``state`` whose values are the ``PartitionSpec`` of each entry's
+  ``sharding`` metadata (``PartitionSpec()``, replicated, where it has none).
+
+  Takes a State or a module (its whole State).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> layer = sr.nn.Linear(2, 4, kernel_metadata={"sharding": ("embed", "mlp")},
+  ...                      rngs=sr.Rngs(0))
+  >>> specs = sr.get_partition_spec(layer)
+  >>> specs["kernel"], specs["bias"]
+  (P('embed', 'mlp'), P())
+  """
+  state = _as_state(state, "sr.get_partition_spec")
+  specs = [_spec_of(path, value, thaw_metadata(meta))
+           for path, value, meta in zip(state._spec.paths, state._values, state._spec.metas)]
+  return State._make(state._spec, specs)
+
+
+def logical_to_mesh(specs, rules: Rules):
+  """``specs`` (a PartitionSpec, or any pytree of them such as ``get_partition_spec``'s
+  State) with logical axis names replaced by mesh axes through ``rules``.
+
+  ``rules`` is a sequence of ``(logical name, mesh axis | tuple of mesh axes | None)``,
+  as in flax: for each name the first rule whose mesh axes this spec has not used yet
+  applies; a name with no rule is replicated (None).
+
+  >>> from jax.sharding import PartitionSpec as P
+  >>> import statefulremat as sr
+  >>> rules = [("batch", "data"), ("mlp", "model"), ("embed", None)]
+  >>> sr.logical_to_mesh(P("layers", "embed", "mlp"), rules)
+  P(None, None, 'model')
+  """
+  rules = _check_rules(rules)
+  return jax.tree.map(lambda spec: _to_mesh(spec, rules), specs,
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def shard(model, mesh: jax.sharding.Mesh, rules: Rules = ()) -> State:
+  """Places every array of ``model`` on ``mesh`` as its ``sharding`` metadata says
+  (through ``rules``), in place; returns the State of ``NamedSharding`` s used.
+
+  Outside a trace the arrays move (``jax.device_put``); inside ``sr.jit`` they are
+  constrained (``jax.lax.with_sharding_constraint``; on a mesh with ``Explicit`` axes,
+  ``jax.make_mesh``'s default, ``jax.sharding.reshard``, and the trace must run under
+  that mesh: ``with jax.set_mesh(mesh):``), so a training step keeps its parameters
+  where their specs say. Nothing moves unless every entry fits: a mesh axis the mesh
+  lacks or a dimension the mesh axis does not divide raises, naming the path.
+
+  >>> import jax, jax.numpy as jnp, numpy as np, statefulremat as sr
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+  >>> layer = sr.nn.Linear(2, 4, kernel_metadata={"sharding": (None, "mlp")},
+  ...                      rngs=sr.Rngs(0))
+  >>> shardings = sr.shard(layer, mesh, rules=[("mlp", "model")])
+  >>> shardings["kernel"].spec, layer.kernel.value.sharding == shardings["kernel"]
+  (P(None, 'model'), True)
+  """
+  from ..core._split_merge import update
+  from ..core._module import Module
+
+  if not isinstance(model, Module):
+    raise TypeError(
+        f"sr.shard places a module's arrays; got {type(model).__name__}. Fix: pass the "
+        "model (for a State of specs, use sr.get_partition_spec and sr.logical_to_mesh).")
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(
+        f"sr.shard(model, mesh, rules): mesh must be a jax.sharding.Mesh, got "
+        f"{type(mesh).__name__}. Fix: e.g. jax.make_mesh((2, 4), ('data', 'model')).")
+  state = _as_state(model, "sr.shard")
+  specs = logical_to_mesh(get_partition_spec(state), rules)
+  shardings = []
+  for path, value, spec in zip(state._spec.paths, state._values, specs._values):
+    _check_fits(path, value, spec, mesh)
+    shardings.append(NamedSharding(mesh, spec))
+  _check_trace_mesh(state, mesh)
+  placed = [_place(v, s) for v, s in zip(state._values, shardings)]
+  update(model, State._make(state._spec, placed))
+  return State._make(state._spec, shardings)
+
+
+# -- helpers ----------------------------------------------------------------------
+
+
+def _as_state(obj, fn: str) -> State:
+  from ..core._split_merge import state as state_of
+  from ..core._module import Module
+
+  if isinstance(obj, State):
+    return obj
+  if isinstance(obj, Module):
+    return state_of(obj)
+  raise TypeError(f"{fn} takes a State or a module, got {type(obj).__name__}. Fix: pass "
+                  "`model` or `sr.state(model)`.")
+
+
+def _spec_of(path: tuple, value, metadata: dict) -> PartitionSpec:
+  sharding = metadata.get("sharding")
+  if sharding is None:
+    return PartitionSpec()
+  ndim = np.ndim(value)
+  layer = metadata.get(LAYER_AXIS, ((None, ""),))[0]
+  if layer[1] is None and isinstance(sharding, (tuple, list)) and (
+      len(sharding) == ndim - 1):
+    # A stack whose layer axis has no partition name: that axis is replicated.
+    sharding = (*sharding[:layer[0]], None, *sharding[layer[0]:])
+  if not isinstance(sharding, (tuple, list)) or len(sharding) != ndim:
+    hint = ""
+    if isinstance(sharding, (tuple, list)) and len(sharding) == ndim - 1:
+      hint = (" It is one short: if this is a stacked variable, name the layer axis with "
+              "metadata_params={'partition_name': 'layers'} on its scan/remat_scan/vmap "
+              "(a name with no rule stays replicated).")
+    raise ShardingError(
+        f"`{format_path(path)}` has sharding={sharding!r} for an array of shape "
+        f"{tuple(np.shape(value))}: give one axis name (or None) per dimension.{hint}")
+  return PartitionSpec(*sharding)
+
+
+def _check_rules(rules) -> list[tuple[str, tuple]]:
+  checked = []
+  for rule in rules:
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ShardingError(
+          f"logical_to_mesh: each rule is a (logical name, mesh axis) pair, got {rule!r}. "
+          "Fix: e.g. rules=[('batch', 'data'), ('mlp', 'model'), ('embed', None)].")
+    name, axes = rule
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    checked.append((name, axes))
+  return checked
+
+
+def _to_mesh(spec, rules) -> PartitionSpec:
+  if not isinstance(spec, PartitionSpec):
+    return spec
+  used: set[str] = set()
+  out = []
+  for entry in spec:
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    axes: list[str] = []
+    for name in names:
+      for logical, mesh_axes in rules:
+        if logical == name and not used.intersection(mesh_axes):
+          axes.extend(mesh_axes)
+          used.update(mesh_axes)
+          break
+    out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  return PartitionSpec(*out)
+
+
+def _check_fits(path: tuple, value, spec: PartitionSpec, mesh) -> None:
+  shape = np.shape(value)
+  for dim, entry in enumerate(spec):
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    size = 1
+    for axis in axes:
+      if axis not in mesh.shape:
+        raise ShardingError(
+            f"`{format_path(path)}`: its spec {spec} names mesh axis {axis!r}, but the "
+            f"mesh has {tuple(mesh.axis_names)}. Fix: map the logical name to one of "
+            "those in the rules.")
+      size *= mesh.shape[axis]
+    if dim < len(shape) and shape[dim] % size:
+      raise ShardingError(
+          f"`{format_path(path)}`: dimension {dim} (size {shape[dim]}) does not divide "
+          f"over mesh axes {axes} ({size} devices); shape {tuple(shape)}, spec {spec}. "
+          "Fix: map that logical axis to a smaller mesh axis or None in the rules.")
+
+
+def _check_trace_mesh(state: State, mesh) -> None:
+  """Traced under explicit axes, the mesh is part of each array's type: the trace must
+  run under that mesh (``jax.set_mesh``), or the program cannot be placed."""
+  path = next((p for p, v in zip(state._spec.paths, state._values)
+               if isinstance(v, jax.core.Tracer)), None)
+  if path is None or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return
+  context = jax.sharding.get_abstract_mesh()
+  if context != mesh.abstract_mesh:
+    where = "no mesh" if context.empty else f"mesh {describe_mesh(context)}"
+    raise ShardingError(
+        f"sr.shard inside a traced function (sr.jit, a transform) on mesh "
+        f"{describe_mesh(mesh)}, whose Explicit axes become part of each array's type "
+        f"(`{format_path(path)}` first), but the trace runs under {where}. Fix: call "
+        "the jitted function inside `with jax.set_mesh(mesh):` with this mesh, or "
+        "call sr.shard(model, mesh, rules) outside it, before the step.")
+
+
+def describe_mesh(mesh) -> str:
+  """``{'data': 2 Explicit, 'model': 4 Explicit}``."""
+  return "{" + ", ".join(f"{name!r}: {size} {kind.name}" for (name, size), kind in
+                         zip(mesh.shape.items(), mesh.axis_types)) + "}"
+
+
+def _place(value, sharding: NamedSharding):
+  if isinstance(value, jax.core.Tracer):
+    if _needs_reshard(sharding):
+      # An explicit axis is part of the array's type: with_sharding_constraint only
+      # asserts it, reshard changes it.
+      return jax.sharding.reshard(value, sharding)
+    return jax.lax.with_sharding_constraint(value, sharding)
+  if isinstance(value, (jax.Array, np.ndarray)):
+    return jax.device_put(value, sharding)
+  return value  # a Python number in a Variable: nothing to place
+
+
+def _needs_reshard(sharding: NamedSharding) -> bool:
+  """Whether ``sharding``'s mesh has ``AxisType.Explicit`` axes (then even a replicated
+  spec is part of the type) and its spec names no ``AxisType.Auto`` one."""
+  kinds = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+  if jax.sharding.AxisType.Explicit not in kinds.values():
+    return False
+  return all(kinds[axis] != jax.sharding.AxisType.Auto for entry in sharding.spec
+             if entry is not None
+             for axis in ((entry,) if isinstance(entry, str) else entry))

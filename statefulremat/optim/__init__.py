@@ -1,0 +1,1 @@
+"""The optimiser floor: ``sr.Optimizer`` on optax."""

@@ -1,0 +1,193 @@
+"""sr.grad / sr.value_and_grad: gradients with respect to a module's variables."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ..core._errors import format_path
+from ..core._filters import Filter, collections_and_guess, filter_repr, to_predicate
+from ..core._graph_lock import hold, let_go
+from ..core._module import Module
+from ..core._state import State, _Spec, freeze
+from ..core._kinds import Param
+from ..core._tracing import tracing_user_code
+from ._lift import Lifted, check_no_nodes, raise_if_deleted, split_call, write_back
+from ._rules import TransformError
+from ..core._graph import flatten
+
+
+def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
+                   wrt: Filter = Param, has_aux: bool = False) -> Callable:
+  """Like ``jax.value_and_grad``; a module argument's gradient is a State.
+
+  For a module at ``argnums`` the gradient is taken with respect to its variables
+  matched by ``wrt`` and returned as a ``State`` with the paths of
+  ``sr.state(module, wrt)``; other arguments at ``argnums`` get ordinary gradients.
+  Changes the function makes to other variables (batch stats, RNG counts) are written
+  back to the caller's modules; if it raises, nothing is.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))
+  >>> def loss(model, x):
+  ...   return (model(x) ** 2).mean()
+  >>> value, grads = sr.value_and_grad(loss)(model, jnp.ones((4, 2)))
+  >>> sorted(grads.flat()), grads["kernel"].shape
+  ([('bias',), ('kernel',)], (2, 1))
+  """
+  single = isinstance(argnums, int)
+  targets = (argnums,) if single else tuple(argnums)
+  predicate = to_predicate(wrt)
+  what = f"sr.grad({getattr(fn, '__name__', 'fn')})"
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    for t in targets:
+      if t >= len(args):
+        raise TypeError(f"{what}: argnums={argnums} but only {len(args)} positional "
+                        "arguments were given.")
+    module_targets = {t for t in targets if isinstance(args[t], Module)}
+    array_targets = [t for t in targets if t not in module_targets]
+    held = tuple(args[t] for t in array_targets)
+    args = tuple(None if t in array_targets else a for t, a in enumerate(args))
+    nodes, leaves, treedef, positions = split_call(args, kwargs)
+    # Walk the differentiated modules first, so a variable they share with another
+    # argument (an Optimizer holding the model) is reached, and named, through them.
+    first = {id(args[t]) for t in module_targets}
+    order = sorted(range(len(nodes)), key=lambda i: id(nodes[i]) not in first)
+    nodes = [nodes[i] for i in order]
+    positions = tuple(positions[i] for i in order)
+    graphdef, variables = flatten(nodes)
+    lifted = Lifted(graphdef, treedef, positions)
+    root_of = {}
+    for i, n in enumerate(nodes):
+      root_of.setdefault(id(n), i)
+    target_roots = {root_of[id(args[t])]: t for t in module_targets}
+    multi = len(nodes) > 1
+
+    # Which flat variables each module target differentiates, with their local paths.
+    diff_index = {t: [] for t in module_targets}
+    for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
+      root, local = (path[0], path[1:]) if multi else (0, path)
+      t = target_roots.get(root)
+      if t is not None and predicate(local, var):
+        diff_index[t].append((i, local))
+    for t in module_targets:
+      if not diff_index[t]:
+        _nothing_to_differentiate(what, wrt, t, args[t])
+    diffed = {i for entries in diff_index.values() for i, _ in entries}
+    lock = hold(variables)  # None when nested in a call that holds it
+    try:
+      values = [v._value for v in variables]
+      for t in module_targets:
+        for i, local in diff_index[t]:
+          dtype = _non_float_dtype(values[i])
+          if dtype is not None:
+            raise TypeError(
+                f"{what}: the `wrt` filter matches `{format_path(local)}` "
+                f"({type(variables[i]).__name__}, {dtype}), which is not a float array "
+                "and has no gradient. Narrow the filter to the variables to "
+                "differentiate, e.g. `wrt=sr.Param`.")
+
+      def pure(diff_values, array_values, other_values):
+        flat = list(other_values)
+        for t in module_targets:
+          for (i, _), value in zip(diff_index[t], diff_values[t]):
+            flat[i] = value
+        with tracing_user_code(what):
+          tree, _, roots = lifted.rebuild(flat, leaves)
+          call_args, call_kwargs = tree
+          call_args = list(call_args)
+          for t, value in zip(array_targets, array_values):
+            call_args[t] = value
+          out = fn(*call_args, **call_kwargs)
+        if has_aux:
+          if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            got = ("a single array" if isinstance(out, jax.Array) else
+                   f"a {type(out).__name__} of length {len(out)}"
+                   if isinstance(out, (tuple, list)) else f"a {type(out).__name__}")
+            raise TypeError(f"{what}: has_aux=True needs the function to return a pair "
+                            f"(loss, aux), got {got}. Return `loss, aux`, or drop "
+                            "has_aux=True if there is no aux.")
+          loss, aux = out
+        elif isinstance(out, (tuple, list, dict)):
+          raise TypeError(
+              f"{what}: the function returned a {type(out).__name__}"
+              f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}, "
+              "not a scalar loss. If it returns `(loss, aux)`, pass `has_aux=True`: "
+              f"`sr.value_and_grad(fn, has_aux=True)` gives `(loss, aux), grads`.")
+        else:
+          loss, aux = out, None
+        check_no_nodes(aux, what)
+        return loss, (aux, lifted.collect(roots, flat, what))
+
+      diff_values = {t: [values[i] for i, _ in diff_index[t]] for t in module_targets}
+      others = [None if i in diffed else v for i, v in enumerate(values)]
+      (loss, (aux, changed)), (g_mod, g_arr) = jax.value_and_grad(
+          pure, argnums=(0, 1), has_aux=True)(diff_values, held, others)
+      write_back(variables, changed, what)
+    except RuntimeError:
+      raise_if_deleted(variables)
+      raise
+    finally:
+      let_go(lock)
+
+    grads = []
+    for t in targets:
+      if t in module_targets:
+        entries = diff_index[t]
+        spec = _Spec(tuple(p for _, p in entries),
+                     tuple(type(variables[i]) for i, _ in entries),
+                     tuple(freeze(variables[i]._metadata) for i, _ in entries))
+        grads.append(State._make(spec, g_mod[t]))
+      else:
+        grads.append(g_arr[array_targets.index(t)])
+    grads = grads[0] if single else tuple(grads)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return wrapper
+
+
+def _nothing_to_differentiate(what: str, wrt, position: int, module) -> None:
+  have, guess = collections_and_guess((wrt,), module.iter_variables())
+  hint = f" Did you mean `wrt={guess!r}`?" if guess else ""
+  raise TransformError(
+      f"{what}: wrt={filter_repr(wrt)} matches no variable of argument {position} (a "
+      f"{type(module).__name__}), so there is nothing to differentiate and the gradient "
+      f"would be an empty State. Its variables are in the collections: {have}.{hint} "
+      "Fix: pass a filter that matches the variables to differentiate, e.g. "
+      "`wrt=sr.Param` (the default) or `wrt='params'`.")
+
+
+def _non_float_dtype(value):
+  """The dtype of a leaf of ``value`` that cannot be differentiated, or None."""
+  for leaf in (value,) if hasattr(value, "dtype") else jax.tree.leaves(value):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+      dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      return dtype
+  return None
+
+
+def grad(fn: Callable, argnums: int | Sequence[int] = 0, *, wrt: Filter = Param,
+         has_aux: bool = False) -> Callable:
+  """Like ``jax.grad``; a module argument's gradient is a State (see ``value_and_grad``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))
+  >>> grads = sr.grad(lambda m, x: m(x).sum())(model, jnp.ones((3, 2)))
+  >>> grads["bias"].tolist()
+  [3.0]
+  """
+  vg = value_and_grad(fn, argnums, wrt=wrt, has_aux=has_aux)
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    value, grads = vg(*args, **kwargs)
+    return (grads, value[1]) if has_aux else grads
+
+  return wrapper

@@ -1,0 +1,68 @@
+"""sr.eval_shape: ``jax.eval_shape`` for functions that take and return modules."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+from ..core._graph import flatten
+from ..core._module import Module
+from ..core._tracing import tracing_user_code
+from ._lift import Lifted, split_call
+from ._outputs import ModulesOut, lift_outputs
+
+
+def eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+  """What ``fn(*args, **kwargs)`` would return, with ``jax.ShapeDtypeStruct`` values,
+  computing nothing.
+
+  Modules and Variables may sit in the arguments and in the result. The result's
+  modules are new objects of the same classes and metadata whose Variables hold
+  ``ShapeDtypeStruct`` s (each with the sharding JAX infers, where it knows one); a
+  stacked module stays a stack, its Variables naming the layer axis, so
+  ``sr.get_partition_spec`` of it includes the layer axis. The arguments are left
+  exactly as they were, whatever ``fn`` does to them. ``sr.eval_shape(model, x)``
+  is ``sr.eval_shape(lambda model, x: model(x), model, x)``.
+
+  The usual use: the shapes, bytes and partition specs of a model too big to build,
+  before building it sharded with ``sr.jit`` (see ``sr.shard``).
+
+  >>> import jax, statefulremat as sr
+  >>> class Block(sr.Module):
+  ...   def __init__(self, *, rngs):
+  ...     self.linear = sr.nn.Linear(1024, 1024, kernel_metadata={"sharding": (
+  ...         "embed", "mlp")}, rngs=rngs)
+  >>> Stack = sr.vmap(Block, axis_size=64, metadata_params={"partition_name": "layers"})
+  >>> abstract = sr.eval_shape(lambda: Stack(rngs=sr.Rngs(0)))
+  >>> abstract.linear.kernel.value
+  ShapeDtypeStruct(shape=(64, 1024, 1024), dtype=float32)
+  >>> sr.get_partition_spec(sr.state(abstract))["linear"]["kernel"]
+  P('layers', 'embed', 'mlp')
+  """
+  if isinstance(fn, Module):  # sr.eval_shape(model, x): the module is an argument
+    args, fn = (fn, *args), _call
+  elif not callable(fn):
+    raise TypeError(
+        f"sr.eval_shape takes a function (or a module) first, then its arguments; got "
+        f"{type(fn).__name__}. Fix: `sr.eval_shape(f, *args)`, e.g. "
+        "`sr.eval_shape(lambda: Model(rngs=sr.Rngs(0)))` or `sr.eval_shape(model, x)`.")
+  what = f"sr.eval_shape({getattr(fn, '__name__', 'fn')})"
+  nodes, leaves, treedef, positions = split_call(args, kwargs)
+  graphdef, variables = flatten(nodes)
+  lifted = Lifted(graphdef, treedef, positions)
+
+  def pure(values, leaves):
+    with tracing_user_code(what):
+      (args, kwargs), _, _ = lifted.rebuild(values, leaves)
+      out = fn(*args, **kwargs)
+      # Every output object is new: an argument returned comes back as an abstract
+      # copy, never as the caller's object (whose values stay concrete).
+      return lift_outputs(out)
+
+  out = jax.eval_shape(pure, [v._value for v in variables], leaves)
+  return out.rebuild() if isinstance(out, ModulesOut) else out
+
+
+def _call(module, *args, **kwargs):
+  return module(*args, **kwargs)

@@ -1,0 +1,311 @@
+"""The layer loop shared by scan and remat_scan.
+
+One iteration rebuilds the modules from a per-iteration set of values — stacked
+variables sliced, carried ones from the carry, broadcast and read-only ones closed
+over, each unstacked RNG stream replaced by the key of this iteration and a fresh
+count — runs the body, and reads back what it changed. The iterations run under
+``jax.lax.scan``; for ``remat_scan`` the layer axis of size ``prod(lengths)`` is folded
+into ``len(lengths)`` nested scans, each level wrapped in ``jax.checkpoint``.
+
+Only what the body changed leaves the loop: stacked variables that were written come
+out as stacked outputs, parameters that were only read do not (no extra copy).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..core._errors import format_path
+from ..core._graph import _DICT, _LIST, _NODE, _TUPLE, _VAR
+from ..core._state import State, _Spec
+from ..core._tracing import tracing_user_code
+from ._lift import Lifted, check_no_nodes
+from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, Plan, TransformError
+
+
+def _aval(x):
+  return (tuple(jnp.shape(x)), jnp.result_type(x))
+
+
+def check_same_type(before, after, what: str, label: str) -> None:
+  """Raises if ``after`` does not have the structure, shapes and dtypes of ``before``."""
+  tb, ta = jax.tree.structure(before), jax.tree.structure(after)
+  if tb != ta:
+    where, was, now = _structure_difference(before, after, ())
+    raise TransformError(
+        f"{what}: the {label} changed structure between iterations: "
+        f"`{jax.tree_util.keystr(where) or '<carry>'}` went in as {was} and came out as "
+        f"{now} (as trees: {tb} -> {ta}). A carry must keep its structure, shapes and "
+        "dtypes; return it in the same form (e.g. `tuple(...)` around a list).")
+  for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(before),
+                          jax.tree.leaves(after)):
+    if _aval(b) != _aval(a):
+      (sb, db), (sa, da) = _aval(b), _aval(a)
+      raise TransformError(
+          f"{what}: the {label} leaf `{jax.tree_util.keystr(path) or '<carry>'}` went in "
+          f"as {db}{list(sb)} and came out as {da}{list(sa)}. A carry must keep its "
+          "shape and dtype across iterations: cast or reshape it back "
+          f"(e.g. `.astype(jnp.{db})`), or make it part of the scanned outputs.")
+
+
+def describe_node(node) -> str:
+  """A pytree node in Python terms, for error messages: ``a tuple of 2``."""
+  if isinstance(node, dict):
+    return f"a dict with keys {list(node)}"
+  if isinstance(node, (tuple, list)):
+    return f"a {type(node).__name__} of {len(node)}"
+  if hasattr(node, "shape"):
+    return f"an array of shape {tuple(node.shape)}"
+  return repr(node) if node is None else f"a {type(node).__name__}"
+
+
+def _structure_difference(a, b, path: tuple) -> tuple[tuple, str, str]:
+  """``(key path, was, now)`` of the first node where two pytrees' structures differ,
+  in Python terms (``tuple of 2`` -> ``list of 2``)."""
+  containers = (tuple, list, dict)
+  if type(a) is not type(b) or not isinstance(a, containers) or len(a) != len(b):
+    return path, describe_node(a), describe_node(b)
+  if isinstance(a, dict):
+    if set(a) != set(b):
+      return path, describe_node(a), describe_node(b)
+    pairs = [(jax.tree_util.DictKey(k), a[k], b[k]) for k in a]
+  else:
+    pairs = [(jax.tree_util.SequenceKey(i), x, y) for i, (x, y) in enumerate(zip(a, b))]
+  for key, x, y in pairs:
+    if jax.tree.structure(x) != jax.tree.structure(y):
+      return _structure_difference(x, y, path + (key,))
+  return path, describe_node(a), describe_node(b)
+
+
+def var_entries(graphdef) -> list[tuple[type, Any]]:
+  """``(kind, frozen metadata)`` of each Variable of ``graphdef``, in flat order."""
+  out = []
+
+  def walk(d):
+    if d[0] == _VAR:
+      out.append((d[1], d[2]))
+    elif d[0] in (_NODE, _DICT):
+      for _, sub in d[2]:
+        walk(sub)
+    elif d[0] in (_LIST, _TUPLE):
+      for sub in d[2]:
+        walk(sub)
+
+  for d in graphdef.tree:
+    walk(d)
+  return out
+
+
+class LayerLoop:
+  """Runs a body once per layer over the lifted modules (see module docstring)."""
+
+  def __init__(self, lifted: Lifted, plan: Plan, variables: list, leaves: list, what: str,
+               data_transform: Callable | None = None):
+    self.lifted, self.plan, self.leaves = lifted, plan, leaves
+    self.variables = variables
+    self.values = [v._value for v in variables]
+    self.what, self.data_transform = what, data_transform
+    self.stacked = plan.indices(STACKED)
+    self.carried = plan.indices(CARRY)
+    self.count_of = {s.count: s for s in plan.streams}
+    self.used: set[int] = set()
+    self.carry_written: set[int] = set()
+
+  # -- one iteration ---------------------------------------------------------------
+
+  def _layer(self, body, state, x):
+    carry_values, user_carry = state
+    slices, xs_slice, index = x
+    flat = list(self.values)
+    if self.data_transform is not None and self.stacked:
+      slices = self._transform_data(slices)
+    for i, value in zip(self.stacked, slices):
+      flat[i] = value
+    for i, value in zip(self.carried, carry_values):
+      flat[i] = value
+    served = self.plan.seed_layer(flat, self.values, index)
+    with tracing_user_code(self.what):
+      tree, variables, roots = self.lifted.rebuild(flat, self.leaves)
+      self.plan.serve_names(served, variables, index)
+      new_carry, ys = body(tree, user_carry, xs_slice)
+    check_no_nodes((new_carry, ys), self.what)
+    changed = self.lifted.collect(roots, flat, self.what)
+    for i in changed:
+      self._check_writable(i)
+    check_same_type(user_carry, new_carry, self.what, "carry")
+    new_carry_values = []
+    for i in self.carried:
+      value = changed.get(i, flat[i])
+      if i in changed:
+        self.carry_written.add(i)
+        check_same_type(flat[i], value, self.what,
+                        f"carried variable `{self._name(i)}`: its value")
+      new_carry_values.append(value)
+    written = {i: changed[i] for i in self.stacked if i in changed}
+    return (new_carry_values, new_carry), (written, ys)
+
+  def _transform_data(self, slices):
+    graphdef = self.lifted.graphdef
+    paths = tuple(graphdef.var_paths[i] for i in self.stacked)
+    # Each entry keeps its kind and the layer's metadata (the partition name removed),
+    # so the hook can filter (`state.filter(sr.Param)`) and read `sharding`.
+    entries = var_entries(graphdef)
+    state = State._make(_Spec(paths, tuple(entries[i][0] for i in self.stacked),
+                              tuple(entries[i][1] for i in self.stacked)), slices)
+    out = self.data_transform(state)
+    if not isinstance(out, State) or out._spec.paths != paths:
+      raise TransformError(
+          f"{self.what}: data_transform must return a State with the same entries it "
+          "was given (e.g. `lambda s: jax.tree.map(constrain, s)`).")
+    return list(out._values)
+
+  def _name(self, i: int) -> str:
+    return format_path(self.plan.display_path(self.lifted.graphdef.var_paths[i]))
+
+  def _check_writable(self, i: int) -> None:
+    kind = self.plan.kinds[i]
+    if kind == RNG:
+      if i in self.count_of:
+        self.used.add(i)
+        return
+      kind = READONLY
+    if kind in (BROADCAST, READONLY):
+      var_kind = type(self.variables[i])
+      how = ("is broadcast (variable_broadcast), so it is read-only in every iteration"
+             if kind == BROADCAST else
+             "is matched by no collection rule, so it is read-only in every iteration")
+      raise TransformError(
+          f"{self.what}: the body wrote to `{self._name(i)}` ({var_kind.__name__}, "
+          f"collection {var_kind.collection!r}), which {how}; the write would be lost. "
+          f"Fix: carry it from iteration to iteration with "
+          f"`variable_carry={var_kind.collection!r}`, or give each iteration its own "
+          f"slice with `variable_axes={{{var_kind.collection!r}: 0}}`.")
+
+  # -- the loop --------------------------------------------------------------------
+
+  def run(self, body: Callable, carry: Any, xs: Any, lengths: Sequence[int], *,
+          reverse: bool = False, unroll: int | bool = 1, remat: bool = False,
+          policy: Callable | None = None, prevent_cse: bool = True):
+    """Runs the layers; returns ``(carry, ys, changed)`` — ``changed`` by flat index.
+
+    ``xs`` leaves have the layer axis first (size ``prod(lengths)``); so do ``ys``.
+    """
+    lengths = tuple(lengths)
+    n = math.prod(lengths)
+    # lax, and nothing for a single level or axis 0: each jnp call is a nested jit,
+    # which under grad costs about a millisecond of tracing.
+    if len(lengths) == 1:
+      fold = unfold = lambda x: x
+    else:
+      fold = lambda x: lax.reshape(x, lengths + jnp.shape(x)[1:])
+      unfold = lambda x: lax.reshape(x, (n,) + jnp.shape(x)[len(lengths):])
+    stacked_in = [fold(_move_axis(self.values[i], self.plan.axes[i], 0))
+                  for i in self.stacked]
+    # The layer index only feeds the RNG streams' per-layer keys.
+    index = lax.reshape(lax.iota(jnp.uint32, n), lengths) if self.plan.streams else None
+    state = ([self.values[i] for i in self.carried], carry)
+    depth = len(lengths)
+
+    # Closures rather than functools.partial: jax inspects a partial's signature at
+    # every scan and checkpoint, which costs tens of microseconds each.
+    def level(d, state, x):
+      if d == depth:
+        return self._layer(body, state, x)
+
+      def step(state, x):
+        return level(d + 1, state, x)
+
+      if remat:
+        step = jax.checkpoint(step, policy=policy if d == depth - 1 else None,
+                              prevent_cse=prevent_cse)
+      return jax.lax.scan(step, state, x, length=lengths[d], reverse=reverse,
+                          unroll=unroll if d == depth - 1 else 1)
+
+    (carry_values, carry), (written, ys) = level(
+        0, state, (stacked_in, jax.tree.map(fold, xs), index))
+    changed = self._changed(written, carry_values, unfold)
+    return carry, jax.tree.map(unfold, ys), changed
+
+  def _changed(self, written: dict, carry_values: list, unfold: Callable) -> dict:
+    self.plan.check_stream_names()  # the body is traced: the names drawn are known
+    changed = {}
+    for i, value in written.items():
+      changed[i] = _move_axis(unfold(value), 0, self.plan.axes[i])
+    for i, value in zip(self.carried, carry_values):
+      if i in self.carry_written:
+        changed[i] = value
+    for i in self.used:
+      changed[i] = self.values[i] + jnp.uint32(1)
+    return changed
+
+  def run_segments(self, body: Callable, carry: Any, n: int, lengths: Sequence[int], *,
+                   policy: Callable | None = None, prevent_cse: bool = False):
+    """``run(body, carry, None, lengths, remat=True)`` for ``n < prod(lengths)`` layers.
+
+    Level ``d`` runs ``n_d // m`` full steps of ``m = prod(lengths[d+1:])`` layers as a
+    scan, then, if some are left, one short step; every step under
+    ``jax.checkpoint``, as in ``run``. A step takes its layers' stacked values as one
+    ``dynamic_slice`` of its level's values and hands that slice down: a prefix
+    sliced statically (or reshaped, which needs ``m`` to divide it) would copy nearly
+    every layer's parameters (20 % more temp memory at N=97), and slicing the whole
+    stack at every level would give every level a gradient accumulator of the whole
+    stack. Returns ``(carry, None, changed)``.
+    """
+    lengths = tuple(lengths)
+    depth = len(lengths)
+    streams = bool(self.plan.streams)
+
+    def layers(state, values, count, offset):  # the innermost level: single layers
+      index = (lax.iota(jnp.uint32, count) + lax.convert_element_type(offset, jnp.uint32)
+               if streams else None)
+      step = jax.checkpoint(lambda state, x: self._layer(body, state, x), policy=policy,
+                            prevent_cse=prevent_cse)
+      state, (written, _) = lax.scan(step, state, (values, None, index), length=count)
+      return state, written
+
+    def segment(d, state, values, count, offset):
+      """Layers ``[offset, offset + count)``, whose stacked values are ``values``."""
+      if d == depth - 1:
+        return layers(state, values, count, offset)
+      m = math.prod(lengths[d + 1:])
+      full, rest = divmod(count, m)
+      parts = []
+      if full > 1:
+        def step(state, i):
+          sub = [lax.dynamic_slice_in_dim(v, i * m, m) for v in values]
+          return segment(d + 1, state, sub, m, offset + i * m)
+
+        step = jax.checkpoint(step, prevent_cse=prevent_cse)
+        state, written = lax.scan(step, state, lax.iota(jnp.int32, full))
+        parts.append({i: lax.reshape(v, (full * m,) + v.shape[2:])
+                      for i, v in written.items()})
+      # A single step (a short last one, or a lone full one) runs outside any scan,
+      # where XLA would merge its recomputation with the forward pass (common
+      # subexpressions) and keep the residuals after all: prevent_cse=True stops it.
+      # (Two single steps in a row still hold both their residuals at once: XLA
+      # schedules the recomputations together. sr.plan_remat never proposes that.)
+      singles = ([(0, m)] if full == 1 else []) + ([(full * m, rest)] if rest else [])
+      for begin, size in singles:
+        sub = [lax.slice_in_dim(v, begin, begin + size) for v in values]
+
+        def single(state, sub, begin=begin, size=size):
+          return segment(d + 1, state, sub, size, offset + begin)
+
+        state, written = jax.checkpoint(single, prevent_cse=True)(state, sub)
+        parts.append(written)
+      if len(parts) == 1:
+        return state, parts[0]
+      return state, {i: lax.concatenate([p[i] for p in parts], 0) for i in parts[0]}
+
+    stacked = [_move_axis(self.values[i], self.plan.axes[i], 0) for i in self.stacked]
+    state = ([self.values[i] for i in self.carried], carry)
+    (carry_values, carry), written = segment(0, state, stacked, n, 0)
+    return carry, None, self._changed(written, carry_values, lambda x: x)
+
+def _move_axis(x, source: int, destination: int):
+  return x if source == destination else jnp.moveaxis(x, source, destination)

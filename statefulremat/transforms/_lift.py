@@ -1,0 +1,327 @@
+"""Lifting: how every transform moves modules through a pure JAX function.
+
+Outside the trace, the call's arguments are split into
+
+* the *nodes* (modules and Variables, wherever they sit in the arguments), walked
+  jointly into one GraphDef and a flat list of their Variables (shared objects once);
+* the remaining pytree leaves (arrays and the like);
+* a treedef of the arguments with the nodes as leaves.
+
+Inside the trace, ``Lifted.rebuild`` merges fresh objects from the GraphDef and the
+traced values, the user's function runs on them, and ``Lifted.collect`` reads back
+which Variables it changed. The caller's objects are written only after the whole
+transform succeeded, by direct assignment — so an exception anywhere leaves them
+exactly as they were. From the read to the write-back the outermost call on a thread
+holds its graph's lock (``_graph_lock``), so two threads stepping one model take turns.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from ..core._errors import GraphError, TraceContextError, TransformError, format_path
+from ..core._graph import GraphDef, flatten, unflatten
+from ..core._graph_diff import describe_change
+from ..core._graph_lock import Reached, hold, holding, let_go
+from ..core._module import Module
+from ..core._split_merge import deleted_error
+from ..core._stacks import is_stacked
+from ..core._tracing import contains_tracer as _contains_tracer
+from ..core._tracing import current_trace, structure_epoch
+from ..core._variables import Variable
+
+
+def is_node(x) -> bool:
+  return isinstance(x, (Module, Variable))
+
+
+class Roots(list):
+  """The objects ``Lifted.rebuild`` made, with their Variables and the structure epoch
+  then. Every change to a graph's structure bumps the epoch, so while it stands,
+  ``collect`` reads the Variables directly instead of walking the graph again."""
+
+  __slots__ = ("variables", "epoch")
+
+  def __init__(self, roots, variables):
+    super().__init__(roots)
+    self.variables, self.epoch = variables, structure_epoch.value
+
+
+class Lifted:
+  """The static description of one call's arguments (hashable: a jit cache key)."""
+
+  __slots__ = ("graphdef", "treedef", "node_positions", "_hash", "__weakref__")
+
+  def __init__(self, graphdef: GraphDef, treedef, node_positions: tuple):
+    self.graphdef = graphdef
+    self.treedef = treedef
+    self.node_positions = node_positions
+    self._hash = hash((graphdef, treedef, node_positions))
+
+  def __eq__(self, other):
+    if self is other:
+      return True
+    return isinstance(other, Lifted) and self._hash == other._hash and (
+        self.graphdef == other.graphdef and self.treedef == other.treedef
+        and self.node_positions == other.node_positions)
+
+  def __hash__(self):
+    return self._hash
+
+  def rebuild(self, values: Sequence[Any], leaves: Sequence[Any]):
+    """Inside a trace: fresh objects holding ``values``; returns
+    ``(tree, variables, roots)``, ``roots`` for ``collect``."""
+    built, variables = unflatten(self.graphdef, values)
+    roots = Roots(built, variables)
+    # Positions need not be ascending: sr.grad puts the differentiated modules first.
+    at = dict(zip(self.node_positions, roots))
+    rest = iter(leaves)
+    merged = [at[i] if i in at else next(rest) for i in range(len(leaves) + len(roots))]
+    return jax.tree_util.tree_unflatten(self.treedef, merged), variables, roots
+
+  def collect(self, roots, values: Sequence[Any], what: str) -> dict[int, Any]:
+    """After the user's function: ``{index: new value}`` of each Variable it changed.
+
+    Raises if the function changed the graph's structure, which cannot be carried out.
+    """
+    if roots.epoch == structure_epoch.value:  # no structure changed anywhere since
+      return {i: v._value for i, (v, old) in enumerate(zip(roots.variables, values))
+              if v._value is not old}
+    graphdef, variables = flatten(roots)
+    if graphdef != self.graphdef:
+      raise GraphError(
+          f"{what}: the function changed the structure of its modules "
+          f"({describe_change(self.graphdef, graphdef)}). Changes to structure (new "
+          "or removed sub-modules and Variables, new static attribute values such as "
+          "`.deterministic`) cannot be carried out of a transform. Create sub-modules "
+          "and Variables in `__init__` (e.g. `self.h = sr.Intermediate(jnp.zeros(...))`)"
+          ", and change static attributes outside the transformed function "
+          "(`model.eval()` before calling it)."
+      )
+    return {i: v._value for i, (v, old) in enumerate(zip(variables, values))
+            if v._value is not old}
+
+
+# Types whose values are pytree leaves holding no tracer. Arguments and results of these
+# types skip tree_flatten (whose `is_leaf` runs Python per node) and the trace check.
+# JAX's concrete array class is private, so it is learnt from the first one seen.
+_PLAIN = {np.ndarray, int, float, bool, complex}
+
+
+def _learn_plain(value) -> None:
+  if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+    _PLAIN.add(type(value))
+
+
+_NODE_TYPES = (Module, Variable)
+
+
+def split_call(args: tuple, kwargs: dict):
+  """Splits ``(args, kwargs)``: (nodes, other leaves, treedef, node positions)."""
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
+  nodes, others, positions = [], [], []
+  for i, leaf in enumerate(leaves):
+    if isinstance(leaf, _NODE_TYPES):
+      nodes.append(leaf)
+      positions.append(i)
+    else:
+      others.append(leaf)
+      if type(leaf) not in _PLAIN:
+        _learn_plain(leaf)
+  return nodes, others, treedef, tuple(positions)
+
+
+def _split_flat(args: tuple):
+  """``split_call(args, {})`` when every argument is a node or a known leaf, else None."""
+  nodes, leaves, positions = [], [], []
+  for i, a in enumerate(args):
+    if type(a) in _PLAIN:
+      leaves.append(a)
+    elif isinstance(a, _NODE_TYPES):
+      nodes.append(a)
+      positions.append(i)
+    else:
+      return None
+  return nodes, leaves, tuple(positions)
+
+
+# Equal Lifted objects are made one object, so a compilation cache keyed on them finds
+# its entry by identity. Otherwise, after any structure change anywhere (which starts
+# new cache entries), each call would compare two equal GraphDefs in Python.
+_INTERNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _intern(lifted: Lifted) -> Lifted:
+  return _INTERNED.setdefault(lifted, lifted)
+
+
+class FlattenCache:
+  """Per-transform cache of graph walks, valid while no module structure changed."""
+
+  def __init__(self, size: int = 16):
+    self._entries: OrderedDict = OrderedDict()
+    self._size = size
+    self._flat_treedefs: dict[int, Any] = {}  # len(args) -> treedef of ((*,) * n, {})
+    # The last flat call: (epoch, per argument its node or None, lifted, variables).
+    self._last: tuple | None = None
+
+  def lift(self, nodes, treedef, positions) -> tuple[Lifted, list[Variable]]:
+    # `positions` belong in the key: f(model, x) and f(x, model) share treedef and ids.
+    key = (treedef, positions, tuple(map(id, nodes)), structure_epoch.value)
+    hit = self._entries.get(key)
+    if hit is not None:
+      return hit[0], hit[1]
+    graphdef, variables = flatten(nodes)
+    variables = Reached(variables)  # keeps the graph's lock group with the entry
+    lifted = _intern(Lifted(graphdef, treedef, positions))
+    # Holding `nodes` keeps their ids from being reused while the entry lives.
+    self._entries[key] = (lifted, variables, nodes)
+    if len(self._entries) > self._size:
+      self._entries.popitem(last=False)
+    return lifted, variables
+
+  def lift_call(self, args: tuple, kwargs: dict
+                ) -> tuple[Lifted, list[Variable], list[Any]]:
+    """``(lifted, variables, other leaves)`` of a call's arguments.
+
+    The common call, ``step(model, opt, x, y)`` (only modules, Variables and arrays, no
+    keyword arguments), skips ``tree_flatten``: its treedef depends only on the number
+    of arguments, and both paths give the same treedef, so they share cache entries.
+    A repeat of the last such call (the same nodes, no structure change since) is
+    recognised by identity alone.
+    """
+    last = self._last
+    if not kwargs and last is not None and last[0] == structure_epoch.value and (
+        len(args) == len(last[1])):
+      leaves = []
+      for a, node in zip(args, last[1]):
+        if node is None:
+          if type(a) not in _PLAIN:
+            break
+          leaves.append(a)
+        elif a is not node:
+          break
+      else:
+        return last[2], last[3], leaves
+    split = None if kwargs else _split_flat(args)
+    if split is None:
+      nodes, leaves, treedef, positions = split_call(args, kwargs)
+      lifted, variables = self.lift(nodes, treedef, positions)
+      return lifted, variables, leaves
+    nodes, leaves, positions = split
+    treedef = self._flat_treedefs.get(len(args))
+    if treedef is None:
+      treedef = jax.tree_util.tree_structure(((0,) * len(args), {}))
+      self._flat_treedefs[len(args)] = treedef
+    lifted, variables = self.lift(nodes, treedef, positions)
+    at = dict(zip(positions, nodes))
+    self._last = (structure_epoch.value, tuple(at.get(i) for i in range(len(args))),
+                  lifted, variables)
+    return lifted, variables, leaves
+
+
+def check_no_nodes(out, what: str) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(out, is_leaf=is_node):
+    if is_node(leaf):
+      kind = "a Variable" if isinstance(leaf, Variable) else "a module"
+      raise GraphError(
+          f"{what}: the function returned {kind} ({type(leaf).__name__}) at output "
+          f"`{jax.tree_util.keystr(path)}`. Modules passed in are updated in place; "
+          "return arrays (for a Variable, its `.value`)."
+      )
+
+
+def write_back(variables: Sequence[Variable], changed: dict[int, Any],
+               what: str = "the transform") -> None:
+  """Writes the changed values into the caller's Variables: all of them or none.
+
+  The transform may itself run inside a plain JAX transform (``jax.vmap(lambda x:
+  step(model, x))`` closing over ``model``); its results are then that trace's tracers,
+  and writing them into a Variable created outside would leak them, so it raises.
+  """
+  if not _PLAIN.issuperset(map(type, changed.values())):
+    _check_traces(variables, changed, what)
+  for i, value in changed.items():
+    variables[i]._value = value
+
+
+def _check_traces(variables, changed, what):
+  trace = None
+  for i, value in changed.items():
+    if not _contains_tracer(value):
+      _learn_plain(value)
+      continue
+    var = variables[i]
+    trace = current_trace() if trace is None else trace
+    if var._trace != trace:
+      raise TraceContextError(
+          f"{what} ran inside a JAX transform (e.g. a plain `jax.jit`, `jax.vmap` or "
+          f"`jax.grad` whose function closes over the module) that does not own "
+          f"`{var.path_str()}` ({type(var).__name__}): its new value is a tracer of that "
+          "transform and would leak out of it, so nothing was written. Fix: pass the "
+          "module as an argument to the outer transform, using `sr.jit` / `sr.grad` / "
+          "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
+      )
+
+
+def serialised(wrapper: Callable) -> Callable:
+  """``wrapper`` holding its modules' graph lock when it is a thread's outermost call.
+
+  For the transforms that do not cache their graph walk (``sr.jit`` holds the lock
+  itself, on the Variables it cached). A failure on a deleted array is named by the
+  Variable that holds it (``raise_if_deleted``).
+  """
+
+  @functools.wraps(wrapper)
+  def call(*args, **kwargs):
+    if holding():  # nested: the outer call holds the lock
+      return wrapper(*args, **kwargs)
+    try:
+      variables = flatten(split_call(args, kwargs)[0])[1]
+    except TypeError:  # not a module graph: the transform says what is wrong
+      return wrapper(*args, **kwargs)
+    lock = hold(variables)
+    try:
+      return wrapper(*args, **kwargs)
+    except RuntimeError:
+      raise_if_deleted(variables)
+      raise
+    finally:
+      let_go(lock)
+
+  return call
+
+
+def raise_if_deleted(variables: Sequence[Variable]) -> None:
+  """After a call failed: raises naming the Variable that holds a deleted array, if
+  any. Asked only once JAX has refused an array (``Array has been deleted``), so a
+  call that succeeds never asks each array whether it was deleted."""
+  error = deleted_error(variables, "", TransformError)
+  if error is not None:
+    raise error from None
+
+
+def refuse_layer_list(module, what: str, call: str) -> None:
+  """Raises if argument 0 is a list (or tuple) of two or more unstacked modules of one
+  class: layers not yet stacked, where the transform runs over one stacked module."""
+  if not (isinstance(module, (list, tuple)) and len(module) > 1):
+    return
+  if not all(isinstance(m, Module) and not is_stacked(m) for m in module) or len(
+      {type(m) for m in module}) != 1:
+    return
+  n, cls, kind = len(module), type(module[0]).__name__, type(module).__name__
+  raise TransformError(
+      f"{what}: argument 0 is a {kind} of {n} {cls} modules, but "
+      f"{what.partition('(')[0]} runs over one stacked module (each Variable with a "
+      "layer axis in front) and calls the function with one layer at a time; a Python "
+      f"{kind} of layers is not stacked. Fix: stack them first, `stack = "
+      f"sr.stack(layers, like=sr.vmap({cls}, axis_size={n}))` (`like=` names the "
+      "stacked class; layers that came out of `sr.unstack` need none), or build the "
+      f"stack at once with a class form, e.g. `sr.vmap({cls}, axis_size={n})(..., "
+      f"rngs=sr.Rngs(0))`; then pass the stack: `{call}`.")

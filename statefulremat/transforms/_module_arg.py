@@ -1,0 +1,174 @@
+"""Argument 0 of scan, remat_scan and vmap: the modules the layers come from.
+
+Shared by the three: lifting the module argument (with the one-layer view of stacked
+modules), refusing modules anywhere else, agreeing on the layer count, and running
+eager calls through a cached ``sr.jit`` so they compile once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ..core._errors import format_path
+from ..core._filters import filter_repr
+from ..core._graph import flatten
+from ..core._module import iter_graph
+from ..core._variables import Variable
+from ..core._stacks import is_stacked, layer_axis
+from ._closures import Watch
+from ._lift import Lifted, is_node, serialised, split_call
+from ._rules import STACKED, Plan, Rules, TransformError
+from ._stacked import layer_view
+
+
+def lift_module_arg(module, what: str, rules: Rules, metadata_params, call_form: str):
+  """Lifts argument 0: ``(lifted, variables, plan, leaves)``; inside, one layer."""
+  nodes, leaves, treedef, positions = split_call((module,), {})
+  if not nodes:
+    raise TypeError(
+        f"{what}: argument 0 must be the module (or a pytree of modules), got "
+        f"{type(module).__name__}. The function is called as {call_form}.")
+  graphdef, variables = flatten(nodes)
+  plan = Plan(rules, graphdef, variables, nodes)
+  check_stacks_sliced(nodes, graphdef, variables, plan, what)
+  inner = layer_view(graphdef, plan, metadata_params)
+  return Lifted(inner, treedef, positions), variables, plan, leaves
+
+
+def check_stacks_sliced(nodes, graphdef, variables, plan: Plan, what: str) -> None:
+  """Raises if a stacked module's layer axis is not sliced per iteration by ``plan``.
+
+  Otherwise every iteration would compute with the whole stack where one layer was
+  meant (a ``(3, 4, 4)`` kernel broadcasting against one layer's input). Only the
+  stacks passed in are checked (a stack nested inside is its own transform's business);
+  their Variables' metadata says which axis is the layer axis.
+  """
+  if not any(map(is_stacked, nodes)):
+    return
+  multi = len(nodes) > 1
+  for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
+    root = nodes[path[0]] if multi else nodes[0]
+    found = layer_axis(var) if is_stacked(root) else None
+    if found is None or (plan.kinds[i], plan.axes[i]) == (STACKED, found[0]):
+      continue
+    axis, path, stack_cls = found[0], path[1:] if multi else path, type(root)
+    n = jnp.shape(var._value)[axis]
+    got = (f"slice it along axis {plan.axes[i]}" if plan.kinds[i] == STACKED else
+           f"treat it as {plan.kinds[i]}")
+    raise TransformError(
+        f"{what}: `{format_path(path)}` ({type(var).__name__}) of the stacked "
+        f"{stack_cls.__name__} carries the layer axis (axis {axis}, {n} layers), but "
+        f"this transform's rules {got}, so every iteration would compute with the "
+        f"whole stack where one layer was meant. Fix: slice it per layer, e.g. "
+        f"`variable_axes={{{filter_repr(type(var))}: {axis}}}` (collection "
+        f"{var.collection!r}), or pass one layer (`stack.layer(i)`)."
+        f"{_class_rules_hint(stack_cls, path, var, axis)}")
+
+
+def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
+  """When the stack's own class form does not slice ``var`` either (e.g. a KV cache
+  made after building ``sr.scan(Block, variable_axes={sr.Param: 0})``), calling the
+  stack cannot work: the fix is a class built with the rule."""
+  rules = getattr(stack_cls, "_sr_rules", None)
+  if rules is None or rules.classify(path, var)[0] == STACKED:
+    return ""
+  kind = filter_repr(type(var))
+  return (f" Calling the stack runs {stack_cls.__name__}'s own rules, those of the "
+          f"class form that built it: build the class with the rule (add `{kind}: "
+          f"{axis}` to its variable_axes, or use `{{True: {axis}}}`) and move the "
+          "values over with `stack = sr.stack(sr.unstack(stack), like=NewClass)`.")
+
+
+def check_no_modules(tree, what: str, label: str) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_node):
+    if is_node(leaf):
+      raise TypeError(
+          f"{what}: {label} `{jax.tree_util.keystr(path)}` is a {type(leaf).__name__}. "
+          "Modules go in argument 0 only; their variables are governed by the "
+          "collection rules (variable_axes, variable_broadcast, variable_carry).")
+
+
+def class_length(module) -> int | None:
+  """The layer count a stacked module's class was built with (None for a function)."""
+  return getattr(type(module), "_sr_length", None) if is_stacked(module) else None
+
+
+def resolve_length(what: str, length, sources: list[tuple[str, int]],
+                   fallback: int | None = None) -> int:
+  """The iteration count all sources agree on (each ``(description, size)``).
+
+  ``fallback`` (a stack's class length) counts only when nothing else tells.
+  """
+  if length is not None:
+    sources = [("length", int(length))] + sources
+  if not sources and fallback is not None:
+    return fallback
+  if not sources:
+    raise TransformError(
+        f"{what}: cannot tell how many iterations to run: nothing is scanned (no xs, no "
+        "stacked variables). Pass `length=`.")
+  name0, n0 = sources[0]
+  for name, n in sources[1:]:
+    if n != n0:
+      raise TransformError(
+          f"{what}: {name0} says {n0} iterations but {name} has {n}. All scanned inputs "
+          "and stacked variables must agree on the layer count.")
+  return n0
+
+
+def stacked_sources(plan: Plan, lifted: Lifted, variables) -> list[tuple[str, int]]:
+  out = []
+  for i, (kind, axis) in enumerate(zip(plan.kinds, plan.axes)):
+    if kind == STACKED:
+      path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
+      out.append((f"the stacked variable `{path}` (axis {axis})",
+                  jnp.shape(variables[i]._value)[axis]))
+  return out
+
+
+def compiled_when_eager(wrapper: Callable) -> Callable:
+  """Runs ``wrapper`` through a cached ``sr.jit`` when called outside any trace.
+
+  An eager ``jax.lax.scan`` (or ``vmap``) over a fresh body closure recompiles on every
+  call; under ``sr.jit`` the compiled call is cached per module structure. The Python
+  values the body (``wrapper.__wrapped__``) closes over are watched (``Watch``): when
+  one changes, the next call compiles again, so an eager call never serves a result
+  computed from stale values. Inside a trace (``sr.jit``, ``sr.grad``, another
+  transform) the wrapper runs as is, and reads them as any traced function does.
+  """
+  jitted, watch = None, None
+  body = getattr(wrapper, "__wrapped__", wrapper)
+  direct = serialised(wrapper)  # run without sr.jit, it holds the graph lock itself
+
+  @functools.wraps(wrapper)
+  def call(*args, **kwargs):
+    nonlocal jitted, watch
+    # Keyword arguments are Python-level options (flags) passed to every layer as they
+    # are; compiling them would trace them, so such calls run directly.
+    if kwargs or _tracing(args) or not any(
+        map(is_node, jax.tree.leaves(args[:1], is_leaf=is_node))):
+      return direct(*args, **kwargs)  # in a trace already, or misused: let it explain
+    if jitted is None or watch.changed():
+      from ._jit import jit
+
+      watch = Watch(body)  # before tracing: what the compiled body will have read
+      jitted = jit(wrapper)
+    return jitted(*args)
+
+  return call
+
+
+def _tracing(args) -> bool:
+  leaves = jax.tree.leaves(args, is_leaf=is_node)
+  for leaf in leaves:
+    if is_node(leaf):
+      if any(isinstance(obj, Variable) and isinstance(obj._value, jax.core.Tracer)
+             for _, obj in iter_graph(leaf)):
+        return True
+    elif isinstance(leaf, jax.core.Tracer):
+      return True
+  return False

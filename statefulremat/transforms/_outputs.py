@@ -1,0 +1,79 @@
+"""Modules in a traced function's results: how ``sr.jit`` and ``sr.eval_shape`` return them.
+
+Inside the trace, the modules and Variables in the results are walked after the
+inputs' graph (``flatten(input roots + output nodes)``), so an output that is, or
+refers into, an input object is recognised by its place in that walk. Only the values
+of the Variables made inside leave the trace, as ordinary outputs; the GraphDef that
+ties them together leaves as static aux data of ``ModulesOut``, a pytree JAX caches
+with the compiled function. Outside, ``unflatten(..., substitute=caller's objects)``
+builds the new objects pointing at the caller's own: a module passed in and returned
+comes back as the same Python object, updated in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+
+from ..core._graph import flatten, unflatten
+from ._lift import is_node
+
+
+class ModulesOut:
+  """A result holding modules, while it crosses the trace boundary (a pytree).
+
+  ``leaves``: the result's non-module leaves; ``values``: the values of the Variables
+  made inside; ``info``: ``(graphdef, treedef, node positions, number of input roots,
+  number of input Variables)``, static.
+  """
+
+  __slots__ = ("leaves", "values", "info")
+
+  def __init__(self, leaves: list, values: list, info: tuple):
+    self.leaves, self.values, self.info = leaves, values, info
+
+  def rebuild(self, input_nodes: Sequence[Any] = ()) -> Any:
+    """The result with its modules, outside the trace.
+
+    ``input_nodes`` are the caller's modules and Variables the traced function got
+    (in lifting order); outputs that were inputs come back as these very objects.
+    """
+    graphdef, treedef, positions, n_roots, n_variables = self.info
+    objects: list = []
+    if n_roots:
+      flatten(input_nodes, objects=objects)
+    roots, _ = unflatten(graphdef, [None] * n_variables + list(self.values),
+                         substitute=objects)
+    out_nodes, rest, positions = iter(roots[n_roots:]), iter(self.leaves), set(positions)
+    merged = [next(out_nodes) if i in positions else next(rest)
+              for i in range(len(self.leaves) + len(positions))]
+    return jax.tree_util.tree_unflatten(treedef, merged)
+
+
+jax.tree_util.register_pytree_node(
+    ModulesOut,
+    lambda out: ((out.leaves, out.values), out.info),
+    lambda info, children: ModulesOut(children[0], children[1], info))
+
+
+def lift_outputs(out: Any, input_roots: Sequence[Any] = (), n_variables: int = 0) -> Any:
+  """Inside a trace, after the user's function: ``out`` itself if it holds no module or
+  Variable (the common case, no cost after this walk), else a ``ModulesOut``.
+
+  ``input_roots`` are the objects the transform rebuilt from its inputs and
+  ``n_variables`` their number of Variables; with none, every output object is new.
+  Values are read through ``Variable.value``, so a module reached by closure and
+  returned raises as reading it inside the function does.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_node)
+  positions = tuple(i for i, leaf in enumerate(leaves) if is_node(leaf))
+  if not positions:
+    return out
+  nodes = [leaves[i] for i in positions]
+  graphdef, variables = flatten(list(input_roots) + nodes)
+  values = [v.value for v in variables[n_variables:]]
+  at = set(positions)
+  others = [leaf for i, leaf in enumerate(leaves) if i not in at]
+  info = (graphdef, treedef, positions, len(input_roots), n_variables)
+  return ModulesOut(others, values, info)

@@ -1,0 +1,184 @@
+"""sr.remat: ``jax.checkpoint`` over functions and methods of modules."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+
+from ..core._filters import Filter, to_predicate
+from ..core._graph import flatten
+from ..core._module import iter_graph
+from ..core._rngs import Rngs, RngStream
+from ..core._kinds import RngState
+from ..core._tracing import tracing_user_code
+from ._class_form import display_name, is_module_class, transformed_class
+from ._rules import Rules
+from ._lift import Lifted, check_no_nodes, is_node, serialised, split_call, write_back
+from ._policy_check import policy_check
+from ..core._errors import GraphError
+
+
+def remat(target: Callable | type | None = None, *, policy: Callable | None = None,
+          prevent_cse: bool = True, static_argnums: int | Sequence[int] = (),
+          variables: Filter = True, rngs: Filter = True,
+          methods: Sequence[str] | None = None, concrete: bool = False):
+  """Rematerialises ``target`` in the backward pass (``jax.checkpoint``), modules included.
+
+  Equivalent to calling ``target`` directly — same outputs, same gradients, same
+  mutations written back to the modules — but the forward intermediates are recomputed
+  during differentiation instead of stored, except those ``policy`` saves.
+
+  Args:
+    target: a function whose arguments may contain modules (or a method: works as a
+      decorator), or a Module class (returns a subclass whose ``methods`` are rematted).
+    policy: a ``jax.checkpoint_policies`` entry; names come from
+      ``jax.ad_checkpoint.checkpoint_name``. ``None`` saves nothing. Checked when
+      traced: a name no ``checkpoint_name`` in the body gives raises (listing the
+      body's names), as does ``save_anything_except_these_names`` where it saves what
+      it should exclude; an offload policy on a backend that offloads nothing (CPU)
+      warns. ``sr.saved_residuals`` shows what a policy saves.
+    prevent_cse: as in ``jax.checkpoint``; may be ``False`` under ``scan``.
+    static_argnums: argument positions (the module or ``self`` is 0) of Python values
+      the computation branches on; a position holding a module is an error.
+    variables: the Variables passed into the checkpoint as traced inputs (a filter);
+      the rest are closed over as constants of the checkpointed function.
+    rngs: the RNG streams that may be drawn from inside (a stream filter: ``True``, a
+      name, a tuple of names, a ``name -> bool`` callable); drawing from another
+      raises. A name served by a ``default`` stream (``sr.Rngs(0)``) lifts that stream.
+    methods: for a class target, the methods to remat (default ``["__call__"]``).
+    concrete: removed from JAX; ``True`` raises an error pointing at ``static_argnums``.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> model = sr.nn.Linear(3, 3, rngs=sr.Rngs(0))
+  >>> def loss(model, x):
+  ...   return jnp.sum(sr.remat(lambda m, x: jnp.sin(m(x)))(model, x) ** 2)
+  >>> g = sr.grad(loss)(model, jnp.ones((2, 3)))
+  >>> g0 = sr.grad(lambda m, x: jnp.sum(jnp.sin(m(x)) ** 2))(model, jnp.ones((2, 3)))
+  >>> bool(jnp.allclose(g["kernel"], g0["kernel"]))
+  True
+  >>> RematLinear = sr.remat(sr.nn.Linear)   # class form
+  >>> RematLinear(3, 3, rngs=sr.Rngs(0))(jnp.ones((1, 3))).shape
+  (1, 3)
+  """
+  if concrete:
+    raise TypeError(
+        "sr.remat(concrete=True) is gone: JAX removed `concrete` from jax.checkpoint. "
+        "If the function branches on a Python value, mark that argument static: "
+        "`sr.remat(f, static_argnums=(i,))` (argument 0 is the module or `self`).")
+  options = dict(policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums,
+                 variables=variables, rngs=rngs)
+  if target is None:
+    return functools.partial(remat, methods=methods, **options)
+  if is_module_class(target):
+    return transformed_class(target, lambda m: remat(m, **options), methods, "Remat")
+  if methods is not None:
+    raise TypeError("sr.remat(methods=...) applies to a Module class, not a function.")
+  return _remat_function(target, **options)
+
+
+def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variables,
+                    rngs) -> Callable:
+  static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+  traced_pred = to_predicate(variables)
+  what = f"sr.remat({display_name(fn)})"
+  check = policy_check(policy, what)  # None for most policies: nothing to do per trace
+  # The stream rules of scan's split_rngs, so a name served by a default stream counts
+  # under the name asked for (`rngs="dropout"` lifts `sr.Rngs(0)`'s default stream).
+  stream_rules = Rules(what, variable_axes={}, variable_broadcast=False,
+                       variable_carry=False, split_rngs=rngs)
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    # Normalised like jax.checkpoint's: negative positions count from the end.
+    outside = [i for i in static if not -len(args) <= i < len(args)]
+    if outside:
+      raise TypeError(
+          f"{what}: static_argnums={static_argnums!r} names position {outside[0]}, but "
+          f"the call has {len(args)} positional argument(s) (the module or `self` is "
+          "argument 0; keyword arguments are not counted). Fix static_argnums, or pass "
+          "that value positionally.")
+    statics = {i % len(args): None for i in static}
+    statics = {i: args[i] for i in sorted(statics)}
+    for i, arg in statics.items():
+      if any(is_node(leaf) for leaf in jax.tree.leaves(arg, is_leaf=is_node)):
+        raise GraphError(
+            f"{what}: static_argnums={static_argnums!r} marks argument {i}, which holds "
+            "a module. Modules are lifted into the checkpoint (their variables traced, "
+            f"their mutations written back), never static: remove {i} from "
+            "static_argnums and mark only the Python values the function branches on.")
+    dynamic = tuple(a for i, a in enumerate(args) if i not in statics)
+    nodes, leaves, treedef, positions = split_call(dynamic, kwargs)
+    graphdef, variables_ = flatten(nodes)
+    lifted = Lifted(graphdef, treedef, positions)
+    values = [v._value for v in variables_]
+    lifted_streams = _lifted_streams(nodes, stream_rules)
+    traced, frozen_rngs = [], set()
+    for i, (path, var) in enumerate(zip(graphdef.var_paths, variables_)):
+      if isinstance(var, RngState):
+        lift = lifted_streams.get(id(var))
+        if lift is None:
+          lift = stream_rules.splits(var._metadata.get("tag", "default"))
+        if lift:
+          traced.append(i)
+        else:
+          frozen_rngs.add(i)
+      elif traced_pred(path[1:] if len(nodes) > 1 else path, var):
+        traced.append(i)  # filters see paths within their module, as in sr.state
+
+    def pure(traced_values, leaves):
+      flat = list(values)
+      for i, value in zip(traced, traced_values):
+        flat[i] = value
+      with tracing_user_code(what):
+        tree, _, roots = lifted.rebuild(flat, leaves)
+        call_args, call_kwargs = tree
+        call_args = list(call_args)
+        for i in sorted(statics):
+          call_args.insert(i, statics[i])
+        out = fn(*call_args, **call_kwargs)
+      check_no_nodes(out, what)
+      changed = lifted.collect(roots, flat, what)
+      for i in changed:
+        if i in frozen_rngs:
+          var = variables_[i]
+          raise GraphError(
+              f"{what}: the function drew from the RNG stream {var.tag!r} "
+              f"(`{var.path_str()}`), which is not lifted by `rngs={rngs!r}`. Fix: "
+              f"include it, e.g. `sr.remat(..., rngs=True)` or `rngs=({var.tag!r}, ...)`.")
+      return out, changed
+
+    checkpointed = jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)
+    inputs = [values[i] for i in traced]
+    if check is None:
+      out, changed = checkpointed(inputs, leaves)
+    else:
+      out, changed = check.run(checkpointed, inputs, leaves)
+    write_back(variables_, changed, what)
+    return out
+
+  return serialised(wrapper)  # threads on one model take turns; names deleted arrays
+
+
+def _lifted_streams(nodes, rules: Rules) -> dict[int, bool]:
+  """``{id(key or count Variable): lifted}`` of the RNG streams reachable from ``nodes``.
+
+  An Rngs's ``default`` stream is lifted as itself or for a name it serves (one the
+  Rngs has no stream of its own for); a bare RngStream by its tag.
+  """
+  graph = [obj for node in nodes for _, obj in iter_graph(node)]
+  out: dict[int, bool] = {}
+  for obj in graph:
+    if isinstance(obj, Rngs):
+      own = obj.stream_names()
+      for name in own:
+        stream = vars(obj)[name]
+        lift = rules.splits_default(own) if name == "default" else rules.splits(name)
+        out.setdefault(id(stream.key), lift)
+        out.setdefault(id(stream.count), lift)
+  for obj in graph:
+    if isinstance(obj, RngStream):
+      out.setdefault(id(obj.key), rules.splits(obj.tag))
+      out.setdefault(id(obj.count), rules.splits(obj.tag))
+  return out

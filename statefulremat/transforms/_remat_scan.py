@@ -1,0 +1,415 @@
+"""sr.remat_scan: N = prod(lengths) layers in nested, rematerialised scans."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ..core._stacks import is_stacked, num_layers
+from ._autodiff import grad
+from ._class_form import display_name, is_module_class
+from ._jit import jit
+from ._layers import LayerLoop
+from ._lift import refuse_layer_list, write_back
+from ._rules import Rules, TransformError
+from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
+                          resolve_length, stacked_sources)
+from ._policy_check import policy_check
+from ._remat_plan import (DOTS, POLICIES, RematPlan, RematPlanError, block_inputs, choose,
+                          format_bytes, parse_bytes, residual_bytes, tree_bytes)
+from ._stacked import stacked_class
+
+_ALL = MappingProxyType({True: 0})
+_SPLIT_ALL = MappingProxyType({True: True})
+
+
+def remat_scan(target: Callable | type | None = None,
+               lengths: Sequence[int] | str | RematPlan = (), *, length: int | None = None,
+               memory_budget: int | str | None = None, policy: Callable | None = None,
+               variable_broadcast: Any = False, variable_carry: Any = False,
+               variable_axes: Mapping = _ALL,
+               split_rngs: Mapping = _SPLIT_ALL, prevent_cse: bool = False,
+               data_transform: Callable | None = None,
+               metadata_params: Mapping = MappingProxyType({}),
+               methods: Sequence[str] | None = None):
+  """Applies N layers (``length``, default prod(lengths)) with memory ~ N^(1/d) and
+  flat compile time.
+
+  ``remat_scan(f, lengths)(module, carry) -> carry`` is equivalent to::
+
+      for layer in sr.unstack(module):     # N layers
+        carry = f(layer, carry)
+
+  but runs as ``d = len(lengths)`` nested ``jax.lax.scan``s, every level (the innermost
+  included) under ``jax.checkpoint``: the backward pass keeps only each level's
+  carries and recomputes the rest. ``policy`` applies to the innermost level only;
+  outer levels save nothing but their carries (a saving policy there would keep every
+  layer's residuals alive). It is checked as ``sr.remat`` checks it: names that no
+  ``checkpoint_name`` in the body gives raise, an offload that the backend drops warns.
+  Stacked variables keep ONE flat layer axis of size N — the nested shape exists only
+  inside the trace, so changing ``lengths`` never changes the state. Any N works,
+  primes included: with ``length=N < prod(lengths)`` the last segment is short
+  (``lengths=(10, 10), length=97`` runs 9 full outer steps of 10 and one of 7), with
+  no padding and no copies of parameter slices. The defaults stack
+  every variable (``variable_axes={True: 0}``) and split every RNG stream. Keyword
+  arguments (``remat_scan(f, lengths)(module, carry, flag=True)``)
+  pass unchanged to every layer. ``data_transform`` and ``metadata_params`` are
+  ``sr.scan``'s: a ``State -> State`` map of each layer's stacked values (e.g. a
+  ``jax.lax.with_sharding_constraint``), and ``{"partition_name": name}`` for the layer
+  axis's name in ``sharding`` metadata.
+
+  The class form ``sr.remat_scan(Block, lengths=(10, 10))(*args, rngs=...)`` builds
+  the N layers in one vmapped init; calling it runs ``Block.__call__(carry) -> carry``.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> Deep = sr.remat_scan(sr.nn.Linear, lengths=(4, 5))
+  >>> deep = Deep(3, 3, rngs=sr.Rngs(0))
+  >>> len(deep), deep.kernel.shape
+  (20, (20, 3, 3))
+  >>> y = deep(jnp.ones((2, 3)))
+  >>> x = jnp.ones((2, 3))
+  >>> for layer in sr.unstack(deep):
+  ...   x = layer(x)
+  >>> bool(jnp.allclose(x, y, rtol=1e-4))
+  True
+  """
+  options = dict(policy=policy, variable_broadcast=variable_broadcast,
+                 variable_carry=variable_carry, variable_axes=variable_axes,
+                 split_rngs=split_rngs, prevent_cse=prevent_cse,
+                 data_transform=data_transform, metadata_params=metadata_params)
+  if target is None:
+    return functools.partial(remat_scan, lengths=lengths, length=length,
+                             memory_budget=memory_budget, methods=methods, **options)
+  what = f"sr.remat_scan({display_name(target)})"
+  lengths, length, policy, budget = _resolve_plan(what, lengths, length, policy,
+                                                  memory_budget)
+  options["policy"] = policy
+  auto = lengths == AUTO
+  n = length if auto else _check_lengths(what, lengths, length)
+  if is_module_class(target):
+    if n is None:
+      raise TransformError(
+          f"{what}: the class form with lengths='auto' needs `length=N`, the number of "
+          "layers to build (the plan is made at call time, from the carry's shapes).")
+    rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
+                  variable_carry=variable_carry, split_rngs=split_rngs)
+    cls = stacked_class(target, "RematScan", rules=rules, length=n,
+                        wrap=lambda m: remat_scan(m, lengths, length=n,
+                                                  memory_budget=budget, **options),
+                        methods=methods, metadata_params=metadata_params)
+    if not auto:
+      cls._sr_lengths = lengths  # the nested layout, for sr.interop.to_linen
+    return cls
+  if methods is not None:
+    raise TypeError("sr.remat_scan(methods=...) applies to a Module class, not a function.")
+  return _remat_scan_function(target, lengths, n, budget, what=what, **options)
+
+
+AUTO = "auto"
+
+
+def _resolve_plan(what, lengths, length, policy, memory_budget):
+  """``(lengths, length, policy, budget)`` from a RematPlan, ``"auto"`` or a tuple."""
+  if isinstance(lengths, RematPlan):
+    plan = lengths
+    if length is not None and length != plan.n:
+      raise TransformError(f"{what}: the plan is for {plan.n} layers but length={length}.")
+    if policy is not None:
+      raise TransformError(
+          f"{what}: the plan chose its innermost policy ({plan.policy_name}); drop "
+          "`policy=`, or pass `lengths=plan.lengths, policy=...` to override it.")
+    if memory_budget is not None:
+      raise TransformError(f"{what}: memory_budget plans lengths='auto'; the plan "
+                           f"given was made for budget {plan.memory_budget}.")
+    return plan.lengths, plan.n, plan.policy, None
+  if isinstance(lengths, str):
+    if lengths != AUTO:
+      raise TransformError(f"{what}: lengths={lengths!r}; the only string it takes is "
+                           "'auto' (plan the nesting at trace time).")
+    if policy is not None:
+      raise TransformError(
+          f"{what}: lengths='auto' chooses the innermost policy too (nothing saveable "
+          "or dots saveable); drop `policy=`, or give `lengths=` yourself to use it.")
+    return AUTO, length, None, parse_bytes(memory_budget)
+  if memory_budget is not None:
+    raise TransformError(
+        f"{what}: memory_budget={memory_budget!r} is for planning; pass "
+        "lengths='auto' with it (or sr.plan_remat(...) to see the plan first).")
+  return tuple(lengths), length, policy, None
+
+
+def _check_lengths(what: str, lengths: tuple, length: int | None) -> int:
+  """The number of layers N, after checking ``lengths`` and ``length`` agree."""
+  if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
+                        for n in lengths):
+    raise TransformError(
+        f"{what}: lengths={lengths!r} must be a non-empty tuple of positive ints, one "
+        "per level of nesting, e.g. lengths=(10, 10) for 100 layers (or "
+        "lengths=(10, 10), length=97 for 97).")
+  total = math.prod(lengths)
+  if length is None:
+    return total
+  if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+    raise TransformError(f"{what}: length={length!r} must be a positive int, the number "
+                         "of layers.")
+  if length > total:
+    raise TransformError(
+        f"{what}: lengths={lengths} cover {total} layers, fewer than length={length}. "
+        f"Fix: lengths whose product is at least {length}, e.g. "
+        f"{_covering(length, len(lengths))}; the last segment may be short.")
+  if total - length >= total // lengths[0]:
+    raise TransformError(
+        f"{what}: lengths={lengths} cover {total} layers; with length={length} at least "
+        f"one whole outer step ({total // lengths[0]} layers) would run nothing. Fix: "
+        f"{_covering(length, len(lengths))}.")
+  return length
+
+
+def _covering(n: int, depth: int) -> str:
+  """The smallest balanced ``lengths`` of ``depth`` levels covering ``n`` layers."""
+  base = max(1, round(n ** (1 / depth)))
+  lengths = [base] * depth
+  i = 0
+  while math.prod(lengths) < n:
+    lengths[i % depth] += 1
+    i += 1
+  return f"lengths={tuple(lengths)}"
+
+
+def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
+                         budget: int | None, *, what, policy, variable_broadcast,
+                         variable_carry, variable_axes, split_rngs, prevent_cse,
+                         data_transform, metadata_params) -> Callable:
+  rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
+                variable_carry=variable_carry, split_rngs=split_rngs)
+  auto = lengths == AUTO
+  check = policy_check(policy, what)  # the innermost level's policy, once per trace
+  if auto:
+    label = None if n is None else f"length={n}"
+    plans: dict = {}  # one plan per (module structure, N, carry and keyword shapes)
+  else:
+    label = (f"length={n}" if n != math.prod(lengths) else
+             f"lengths={lengths} (product)")
+
+  @functools.wraps(fn)
+  def wrapper(module, carry, **kwargs):
+    refuse_layer_list(module, what, "sr.remat_scan(f, lengths=...)(stack, carry)")
+    check_no_modules(carry, what, "the carry")
+    check_no_modules(kwargs, what, "the keyword argument")
+    lifted, variables, plan, leaves = lift_module_arg(
+        module, what, rules, metadata_params, "f(module, carry) -> carry")
+    sources = stacked_sources(plan, lifted, variables)
+    count = resolve_length(what, None, ([(label, n)] if label else []) + sources)
+    loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
+
+    def body(tree, c, _):
+      return fn(tree[0][0], c, **kwargs), None
+
+    nesting, innermost = lengths, policy
+    if auto:
+      key = (lifted, count, _avals(carry), _avals(kwargs))
+      chosen = plans.get(key)
+      if chosen is None:
+        chosen = plans[key] = plan_remat(
+            module, carry, fn=lambda layer, c: fn(layer, c, **kwargs),
+            memory_budget=budget)
+      nesting, innermost = chosen.lengths, chosen.policy
+
+    def run(carry):
+      if count != math.prod(nesting):
+        return loop.run_segments(body, carry, count, nesting, policy=innermost,
+                                 prevent_cse=prevent_cse)
+      return loop.run(body, carry, None, nesting, remat=True, policy=innermost,
+                      prevent_cse=prevent_cse)
+
+    carry, _, changed = run(carry) if check is None else check.run(run, carry)
+    write_back(variables, changed, what)
+    return carry
+
+  return compiled_when_eager(wrapper)
+
+
+def plan_remat(stack, carry, *, fn: Callable | None = None,
+               memory_budget: int | str | None = None, max_depth: int = 4) -> RematPlan:
+  """Plans ``sr.remat_scan`` over ``stack`` for a ``carry`` of these shapes.
+
+  Every nesting of up to ``max_depth`` levels (short last segments included) and both
+  innermost policies (nothing saveable, dots saveable) are ranked by a memory model
+  (see ``sr.RematPlan``): with ``memory_budget`` (bytes, or ``"512MiB"``) the fewest
+  block evaluations whose temp memory fits, else the least memory at no more than 3N
+  evaluations. Without a budget nothing is compiled (``plan.verify()`` compiles once
+  and measures); with one, the pick is compiled once to check it fits (a plan the
+  model puts inside the budget's 3 % headroom, or, tried first, one with fewer
+  evaluations that it puts under the budget itself: where it fits, one compile is
+  all), and where the model was off for this block, it is rescaled by XLA's figure and
+  the choice made again; plans with fewer evaluations that the model put just over the
+  budget (within its error on the pick plus 1 %, at most 5 %) are compiled too, up to
+  8, and the first that fits is taken (``plan.measured_bytes``: XLA's figure for the
+  plan returned). When the model puts every plan over the budget, those within its error
+  of it are compiled before planning raises.
+
+  Args:
+    stack: a stacked module (N layers), or its ``sr.eval_shape``.
+    carry: the carry, or ``jax.ShapeDtypeStruct`` s of it.
+    fn: the body ``(layer, carry) -> carry``; default ``layer(carry)``.
+    memory_budget: bytes or a string; None for the least memory at <= 3N evaluations.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> stack = sr.vmap(sr.nn.Linear, axis_size=97)(256, 256, rngs=sr.Rngs(0))
+  >>> carry = jax.ShapeDtypeStruct((4096, 256), jnp.float32)
+  >>> plan = sr.plan_remat(stack, carry, fn=lambda layer, h: jnp.tanh(layer(h)))
+  >>> plan.lengths, plan.policy_name, plan.evals == 3 * 97
+  ((11, 9), 'nothing_saveable', True)
+  >>> y = sr.remat_scan(lambda layer, h: jnp.tanh(layer(h)), lengths=plan)(
+  ...     stack, jnp.ones((8, 256)))
+  """
+  if not is_stacked(stack):
+    raise TypeError(
+        f"sr.plan_remat plans a stack of layers; got {type(stack).__name__}. Fix: pass "
+        "the stacked module (e.g. `sr.vmap(Block, axis_size=N)(...)` or a class form of "
+        "sr.remat_scan / sr.scan), or its sr.eval_shape.")
+  fn = _call if fn is None else fn
+  budget = parse_bytes(memory_budget)
+  n = num_layers(stack)
+  inputs = block_inputs(stack, fn)
+  carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                       carry)
+  carry_bytes = tree_bytes(carry)
+  residuals = {name: residual_bytes(inputs.layer_fn, inputs.params, carry, policy)
+               for name, policy in POLICIES.items()}
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                          stack)
+
+  def verify(plan: RematPlan) -> int:
+    run = remat_scan(fn, lengths=plan)
+    loss = lambda m, c: sum(jnp.sum(x) for x in jax.tree.leaves(run(m, c)))
+    lowered = jit(grad(loss)).lower(abstract, carry)
+    return int(lowered.compile().memory_analysis().temp_size_in_bytes)
+
+  def make(scales: dict | None = None, budget: int | None = budget) -> RematPlan:
+    best, ranked = choose(n, carry_bytes, inputs.layer_bytes, residuals, budget,
+                          max_depth, scales=scales)
+    return RematPlan(n, best.lengths, best.policy, best.evals, best.temp_bytes, budget,
+                     tuple(ranked), carry_bytes, inputs.layer_bytes, verify)
+
+  def make_unbudgeted() -> RematPlan:
+    return dataclasses.replace(make(budget=None), memory_budget=budget)
+
+  if budget is None:
+    return make()
+  compiled: dict = {}
+
+  def measure(plan: RematPlan) -> int:  # one compile per plan while planning
+    key = (plan.lengths, plan.policy_name)
+    if key not in compiled:
+      compiled[key] = verify(plan)
+    return compiled[key]
+
+  try:
+    plan = make()
+  except RematPlanError:
+    # The model puts every plan over the budget; those within its error of it may
+    # still fit once compiled.
+    fitting = _smallest_that_fits(make_unbudgeted(), budget, measure)
+    if fitting is None:
+      raise
+    return fitting
+  # Where the model is exact (Dense + tanh: to 0.1 % of XLA's figure), a plan with fewer
+  # evaluations that it puts under the budget itself, inside the headroom kept for
+  # other blocks, is compiled first: where it fits, that one compile is all.
+  bold = _bolder(plan, budget)
+  if bold is not None:
+    measured = measure(bold)
+    if measured <= budget:
+      return _fewer_evaluations(dataclasses.replace(bold, measured_bytes=measured),
+                                budget, measure)
+  # A budget is a promise: compile the pick, and where the model was off for this
+  # block (small shapes, other backends, deep nestings), scale its figures for nestings
+  # of that depth by what XLA said and choose again.
+  scales: dict[int, float] = {}
+  for _ in range(4):
+    measured = measure(plan)
+    if measured <= budget:
+      return _fewer_evaluations(dataclasses.replace(plan, measured_bytes=measured),
+                                budget, measure)
+    depth = len(plan.lengths)
+    scales[depth] = scales.get(depth, 1.0) * measured / plan.temp_bytes
+    try:
+      plan = make(scales)
+    except RematPlanError:
+      break
+  raise RematPlanError(
+      f"no remat plan for {n} layers fits memory_budget={format_bytes(budget)} once "
+      f"compiled: the last pick, lengths={plan.lengths}, measured "
+      f"{format_bytes(measured)}. Fix: a larger budget (at least "
+      f"{format_bytes(measured)} fits that plan).")
+
+
+def _picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
+  """``plan`` with the candidate ``pick`` chosen (first among its candidates)."""
+  rest = tuple(c for c in plan.candidates if c is not pick)
+  return dataclasses.replace(plan, lengths=pick.lengths, policy_name=pick.policy,
+                             evals=pick.evals, temp_bytes=pick.temp_bytes,
+                             candidates=(pick,) + rest, measured_bytes=measured)
+
+
+def _bolder(plan: RematPlan, budget: int) -> RematPlan | None:
+  """The plan with the fewest evaluations, fewer than ``plan``'s, that the model puts
+  at most at the budget (no headroom); or None."""
+  bolder = [c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= budget]
+  if not bolder:
+    return None
+  return _picking(plan, min(bolder, key=lambda c: (c.evals, c.policy != DOTS,
+                                                   c.temp_bytes, len(c.lengths))))
+
+
+def _fewer_evaluations(plan: RematPlan, budget: int, verify: Callable) -> RematPlan:
+  """``plan``, or one with fewer evaluations that fits once compiled though the model
+  put it over the budget's headroom by up to its error on this block (read from the
+  compile of ``plan``: ``measured_bytes`` against ``temp_bytes``, plus 1 %, at most
+  5 %): where the model is exact only plans it puts under the budget itself are
+  compiled, where it was off a few per cent a tight budget sits within that of
+  several nestings."""
+  error = abs(plan.measured_bytes / plan.temp_bytes - 1) if plan.temp_bytes else 1.0
+  band = min(NEAR_MISS, 1 + error + MODEL_SLACK)
+  near = sorted((c for c in plan.candidates if c.evals < plan.evals
+                 and c.temp_bytes <= band * budget),
+                key=lambda c: (-c.evals, c.temp_bytes))
+  for probe in near[:PROBES]:  # the next fewer evaluations first, likeliest first
+    measured = verify(_picking(plan, probe))
+    if measured <= budget:
+      return _picking(plan, probe, measured)
+  return plan
+
+
+def _smallest_that_fits(plan: RematPlan, budget: int, verify: Callable):
+  """The plan with the fewest evaluations among those the model puts just over the
+  budget (within its error) that fit once compiled, the smallest tried first; or None."""
+  near = sorted((c for c in plan.candidates if c.temp_bytes <= NEAR_MISS * budget),
+                key=lambda c: c.temp_bytes)
+  for probe in near[:PROBES]:
+    candidate = _picking(plan, probe)
+    measured = verify(candidate)
+    if measured <= budget:
+      return _fewer_evaluations(dataclasses.replace(candidate, measured_bytes=measured),
+                                budget, verify)
+  return None
+
+
+NEAR_MISS = 1.05  # the model's error band, above the budget
+MODEL_SLACK = 0.01  # what the band adds to the model's error measured on the pick
+PROBES = 8        # compiles at most, to find a plan with fewer evaluations
+
+
+def _avals(tree):
+  return tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree))
+
+
+def _call(layer, carry):
+  return layer(carry)

@@ -1,0 +1,323 @@
+"""Collection rules: how scan, remat_scan and vmap treat each variable.
+
+Every variable of the lifted modules gets exactly one treatment:
+
+* ``broadcast`` (``variable_broadcast``) — the same value in every iteration, read-only;
+* ``carry`` (``variable_carry``) — threaded from one iteration to the next and out;
+* ``stacked`` (``variable_axes={filter: axis}``) — sliced along ``axis`` per iteration
+  and stacked back;
+* ``rng`` — the key and count of an (unstacked) RNG stream, handled by ``split_rngs``:
+  a split stream gives each iteration its own key, a non-split one the same key to
+  every iteration; either way the stream advances once per call;
+* ``read-only`` — matched by nothing: readable, and writing it is an error.
+
+Broadcast and carry take precedence over ``variable_axes``; a variable matched by both
+is an error. RNG state that is already stacked (from a vmapped init) is ``stacked``.
+
+A *stream filter* (the keys of ``split_rngs``, the ``rngs`` of remat) is
+``True``/``...`` (every stream), ``False``/``None`` (none), a stream name
+(``"dropout"``), a ``name -> bool`` callable, or a tuple of these. Names served by a
+``default`` stream count under the name asked for: with ``sr.Rngs(0)`` and
+``split_rngs={"params": True, "dropout": False}``, ``rngs.params()`` gives each
+iteration its own key and ``rngs.dropout()`` the same key to all (``Plan.serve_names``).
+The class forms initialise their layers with ``params`` split unless ``split_rngs``
+names it (``Rules.for_init``), so the layers differ.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from ..core._errors import TransformError, format_path
+from ..core._filters import filter_repr, is_everything, to_predicate
+from ..core._module import iter_graph
+from ..core._rngs import LayerKeys, RngStream, Rngs
+from ..core._variables import Variable, owner_chain
+
+STACKED, BROADCAST, CARRY, RNG, READONLY = "stacked", "broadcast", "carry", "rng", "read-only"
+
+
+def stream_predicate(filter) -> Callable[[str], bool]:
+  """Turns a stream filter into a ``name -> bool`` predicate."""
+  if filter is True or filter is Ellipsis:
+    return lambda name: True
+  if filter is False or filter is None:
+    return lambda name: False
+  if isinstance(filter, str):
+    return lambda name: name == filter
+  if isinstance(filter, (tuple, list)):
+    preds = [stream_predicate(f) for f in filter]
+    return lambda name: any(p(name) for p in preds)
+  if callable(filter):
+    return filter
+  raise TypeError(
+      f"{filter!r} is not a stream filter: use True/False, a stream name such as "
+      "'dropout', a tuple of names, or a name -> bool callable.")
+
+
+def _explicit_names(filter) -> list[str]:
+  if isinstance(filter, str):
+    return [filter]
+  if isinstance(filter, (tuple, list)):
+    return [n for f in filter for n in _explicit_names(f)]
+  return []
+
+
+class Rules:
+  """The collection rules of one transform (see the module docstring)."""
+
+  def __init__(self, what: str, *, variable_axes: Mapping, variable_broadcast: Any,
+               variable_carry: Any, split_rngs: Any):
+    self.what = what
+    if not isinstance(variable_axes, Mapping):
+      raise TypeError(
+          f"{what}: variable_axes must map filters to axes, e.g. "
+          f"`variable_axes={{sr.Param: 0}}`, got {variable_axes!r}.")
+    for axis in variable_axes.values():
+      if not isinstance(axis, int):
+        raise TypeError(f"{what}: variable_axes values must be ints (the stacked axis), "
+                        f"got {axis!r}.")
+    self.axes = [(to_predicate(f), axis) for f, axis in variable_axes.items()]
+    # Filters named on purpose; `{True: 0}` (every variable) yields to broadcast/carry.
+    self.named_axes = [(to_predicate(f), f) for f in variable_axes
+                       if not is_everything(f)]
+    self.broadcast = to_predicate(variable_broadcast)
+    self.carry = to_predicate(variable_carry)
+    entries = split_rngs.items() if isinstance(split_rngs, Mapping) else [(split_rngs, True)]
+    self.split_entries = [(stream_predicate(f), bool(v), _explicit_names(f))
+                          for f, v in entries]
+    # Collection names typed into a rule, checked against the modules (Plan).
+    self.typed_collections = [
+        (label, name) for label, filters in (
+            ("variable_axes", list(variable_axes)), ("variable_broadcast", [variable_broadcast]),
+            ("variable_carry", [variable_carry]))
+        for f in filters for name in _explicit_names(f)]
+
+  def for_init(self) -> Rules:
+    """The rules a stacked class form initialises its layers with: ``params`` split
+    unless ``split_rngs`` says otherwise, so the layers are not all the same."""
+    if any(pred("params") for pred, _, _ in self.split_entries):
+      return self
+    rules = copy.copy(self)
+    rules.split_entries = self.split_entries + [(lambda name: name == "params", True,
+                                                 ["params"])]
+    return rules
+
+  def splits(self, name: str) -> bool:
+    for pred, value, _ in self.split_entries:
+      if pred(name):
+        return value
+    return False
+
+  def splits_default(self, own_names: list[str]) -> bool:
+    """Whether a ``default`` stream is split: as itself, or for a name it serves."""
+    if self.splits("default"):
+      return True
+    return any(value and any(n not in own_names for n in names)
+               for _, value, names in self.split_entries)
+
+  def classify(self, path: tuple, var) -> tuple[str, int | None]:
+    broadcast, carry = self.broadcast(path, var), self.carry(path, var)
+    if broadcast and carry:
+      raise TransformError(
+          f"{self.what}: `{format_path(path)}` ({type(var).__name__}) is matched by both "
+          "variable_broadcast and variable_carry. A variable is either read-only in "
+          "every iteration or carried from one to the next: narrow one of the filters.")
+    if broadcast or carry:
+      rule, role = (("variable_broadcast", "read-only in every iteration") if broadcast
+                    else ("variable_carry", "carried from one iteration to the next"))
+      for pred, f in self.named_axes:
+        if pred(path, var):
+          raise TransformError(
+              f"{self.what}: `{format_path(path)}` ({type(var).__name__}) is matched by "
+              f"both variable_axes ({filter_repr(f)}: sliced per iteration) and {rule} "
+              f"({role}). Choose one: narrow the variable_axes filter (e.g. "
+              f"`sr.All({filter_repr(f)}, sr.Not(...))`) or the {rule} one.")
+      return (BROADCAST if broadcast else CARRY), None
+    for pred, axis in self.axes:
+      if pred(path, var):
+        return STACKED, axis
+    return READONLY, None
+
+
+def _known_collections() -> set[str]:
+  """The collection of every Variable kind defined so far (the user's included)."""
+  known, todo = set(), [Variable]
+  while todo:
+    cls = todo.pop()
+    known.add(cls.collection)
+    todo.extend(cls.__subclasses__())
+  return known
+
+
+def _check_collection_names(rules: Rules, variables) -> None:
+  """Raises for a collection name in a rule that no Variable kind has: a misspelling
+  (``variable_broadcast="param"``) would otherwise leave the variables meant to the
+  other rules. A real collection absent from these modules passes (generic code)."""
+  present = {v.collection for v in variables}
+  known = None
+  for label, name in rules.typed_collections:
+    if name in present:
+      continue
+    known = _known_collections() if known is None else known
+    if name in known:
+      continue
+    guess = difflib.get_close_matches(name, sorted(present | known), n=1)
+    hint = f" Did you mean {guess[0]!r}?" if guess else ""
+    raise TransformError(
+        f"{rules.what}: {label} names the collection {name!r}, which no Variable kind "
+        f"has, so it matches nothing and the variables meant fall to the other rules."
+        f"{hint} The modules' collections: {sorted(present) or 'none'}. Fix: spell the "
+        f"collection as its kind names it (sr.Param is 'params', sr.BatchStat "
+        f"'batch_stats'), or pass the kind itself (e.g. `sr.Param`).")
+
+
+class Stream:
+  """An unstacked RNG stream found in the lifted graph: flat indices and whether split.
+
+  ``serves``: it is an Rngs's ``default`` stream, so the names it serves are split or
+  not by their own rule (see ``Plan.serve_names``).
+  """
+
+  __slots__ = ("key", "count", "name", "split", "serves")
+
+  def __init__(self, key: int, count: int, name: str, split: bool, serves: bool = False):
+    self.key, self.count, self.name, self.split = key, count, name, split
+    self.serves = serves
+
+
+class Plan:
+  """The treatment of every flat variable of one call, and the RNG streams."""
+
+  def __init__(self, rules: Rules, graphdef, variables, nodes, *, display_path=None,
+               rng_streams: bool = True, rank_offset: int = 0, skip: int = 0):
+    """``rng_streams=False`` classifies RNG state by the rules like any variable;
+    ``rank_offset=1`` checks axes for values that do not have the layer axis yet;
+    the first ``skip`` variables are not classified (read-only)."""
+    self.rules = rules
+    self.display_path = display_path or (lambda p: p)
+    index = {id(v): i for i, v in enumerate(variables)}
+    self.streams: list[Stream] = []
+    self.own_streams: set[str] = set()  # the names of the streams found, for checks
+    self.asked: set[str] = set()  # the names drawn from a default stream while traced
+    stream_vars: dict[int, Stream] = {}
+    for node in nodes if rng_streams else ():
+      for _, obj in iter_graph(node):
+        if isinstance(obj, Rngs):
+          own = obj.stream_names()
+          self.own_streams.update(own)
+          for name in own:
+            self._add_stream(vars(obj)[name], index, stream_vars, name,
+                             rules.splits(name), serves=name == "default")
+        elif isinstance(obj, RngStream) and id(obj.key) not in stream_vars:
+          self.own_streams.add(obj.tag)
+          self._add_stream(obj, index, stream_vars, obj.tag, rules.splits(obj.tag))
+    self.kinds: list[str] = []
+    self.axes: list[int | None] = []
+    for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
+      if i < skip:
+        self.kinds.append(READONLY)
+        self.axes.append(None)
+        continue
+      if i in stream_vars:
+        self.kinds.append(RNG)
+        self.axes.append(None)
+        continue
+      kind, axis = rules.classify(self.display_path(path), var)
+      if kind == STACKED:
+        ndim = jnp.ndim(var._value) + rank_offset
+        if ndim == 0:
+          raise TransformError(
+              f"{rules.what}: variable_axes slices `{format_path(self.display_path(path))}`"
+              f" ({type(var).__name__}) along axis {axis} per layer, but it is a scalar "
+              "(shape ()): it has no layer axis, so it is not stacked. A variable "
+              "assigned on a stack's path after the stack was built (e.g. "
+              "`stack.block.count = sr.Cache(jnp.array(0))`) lacks the layer axis "
+              "(`init_cache` on a stack's attention, `stack.attn.init_cache(...)`, "
+              "makes stacked caches). Fix: make it per layer, with the layer axis in "
+              "front (`jnp.zeros((len(stack), ...))`), or keep it out of "
+              f"variable_axes (e.g. `variable_broadcast={filter_repr(type(var))}`).")
+        if not -ndim <= axis < ndim:
+          raise TransformError(
+              f"{rules.what}: variable_axes puts the layer axis of "
+              f"`{format_path(self.display_path(path))}` at {axis}, but its value has "
+              f"shape {tuple(jnp.shape(var._value))} (rank {ndim}). Fix: choose an axis "
+              f"in [-{ndim}, {ndim}), or exclude this variable from variable_axes.")
+        axis = axis % ndim
+      self.kinds.append(kind)
+      self.axes.append(axis)
+    if rules.typed_collections:
+      _check_collection_names(rules, variables[skip:])
+
+  def _add_stream(self, stream, index, stream_vars, name, split, serves=False):
+    key_i, count_i = index.get(id(stream.key)), index.get(id(stream.count))
+    if key_i is None or count_i is None or key_i in stream_vars:
+      return
+    # A stream whose key already carries a layer axis (vmapped init) is stacked state.
+    if jnp.ndim(stream.key._value) > 0:
+      return
+    s = Stream(key_i, count_i, name, split, serves)
+    self.streams.append(s)
+    stream_vars[key_i] = stream_vars[count_i] = s
+
+  def indices(self, kind: str) -> list[int]:
+    return [i for i, k in enumerate(self.kinds) if k == kind]
+
+  def seed_layer(self, flat: list, values, index) -> list:
+    """Puts one iteration's RNG state into ``flat``: each stream's key for this call,
+    folded with ``index`` when split (else shared by every iteration), and a fresh
+    count. Returns what ``serve_names`` needs after the rebuild."""
+    served = []
+    for s in self.streams:
+      base = jax.random.fold_in(values[s.key], values[s.count])
+      flat[s.key] = jax.random.fold_in(base, index) if s.split else base
+      flat[s.count] = jnp.zeros((), jnp.uint32)
+      if s.serves:
+        served.append((s.key, base))
+    return served
+
+  def serve_names(self, served: list, variables, index) -> None:
+    """On the rebuilt Rngs of each default stream: keys per name asked (LayerKeys)."""
+    for key_i, base in served:
+      stream_owner = next(owner_chain(variables[key_i]), (None,))[0]
+      rngs_owner = next(owner_chain(stream_owner), (None,))[0] if stream_owner else None
+      if isinstance(rngs_owner, Rngs):
+        rngs_owner.__dict__["_sr_layer_keys"] = LayerKeys(base, index, self.rules.splits,
+                                                          self.asked)
+
+  def check_stream_names(self) -> None:
+    """Raises if ``split_rngs`` names a stream that matches nothing while a stream of
+    the modules is left to no named rule: the misspelling case (``"dropuot"``), where
+    every layer would silently get the same key of the stream meant.
+
+    Called once the body is traced, so names drawn from a ``default`` stream count.
+    A name that matches nothing while every stream has its rule changes nothing and
+    passes: linen's habit of ``split_rngs={"params": True, "dropout": True}`` on any
+    stack, and a stack called in evaluation mode (no dropout drawn), stay valid.
+    """
+    named = {n for _, _, names in self.rules.split_entries for n in names}
+    if not named:
+      return
+    # Streams already stacked (one key per layer) follow no split rule.
+    live = {s.name for s in self.streams} - {"default"}
+    dangling = sorted(named - self.own_streams - self.asked)
+    unruled = sorted((live | self.asked) - named)
+    if not dangling or not unruled:
+      return
+    guesses = [m for n in dangling for m in difflib.get_close_matches(n, unruled, n=1)]
+    hint = f" Did you mean {guesses[0]!r}?" if guesses else ""
+    raise TransformError(
+        f"{self.rules.what}: split_rngs names the RNG stream{'s' * (len(dangling) > 1)} "
+        f"{', '.join(map(repr, dangling))}, but the modules have no stream of that name "
+        f"and the body drew none, so the rule splits nothing; meanwhile "
+        f"{', '.join(map(repr, unruled))} (drawn or held by the modules) follow"
+        f"{'s' * (len(unruled) == 1)} no named rule, so every iteration gets the same "
+        f"key.{hint} The streams: held {sorted(self.own_streams) or 'none'}, drawn from "
+        f"a default stream {sorted(self.asked) or 'none'}. Fix: spell the name as the "
+        f"stream is named, e.g. `split_rngs={{{(guesses or unruled)[0]!r}: True}}`.")

@@ -1,0 +1,236 @@
+"""sr.saved_residuals: what reverse-mode autodiff of a function of modules keeps.
+
+The same construction as ``jax.ad_checkpoint.print_saved_residuals``: trace
+``jax.vjp`` of the function to a jaxpr and read the residuals (the arrays the
+backward pass closes over) off its outputs, each classified as JAX classifies it (a
+literal, a constant, an input, or the output of an equation, looking through the
+``reduce_precision`` that remat puts on saved values). Modules are lifted as in
+``sr.grad``: their Variables become the traced inputs, so an input residual is named
+by its variable path. Two additions make the records useful for policies: a
+residual that a call (``jit``, ``scan``, a nested remat, custom derivatives) returns
+is traced back into that call's body, so the values an ``sr.scan`` or a one-level
+``sr.remat_scan`` saves per layer show their ``checkpoint_name`` and stacked shape;
+and the source line skips the library's own frames, so it points at the user's code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pathlib
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from ..core._errors import format_path
+from ..core._filters import Filter, to_predicate
+from ..core._graph import flatten
+from ..core._kinds import Param
+from ..core._module import Module
+from ..core._tracing import tracing_user_code
+from ._class_form import display_name
+from ._lift import Lifted, check_no_nodes, is_node, split_call
+from ._policy_check import name_primitive
+
+_PACKAGE = str(pathlib.Path(__file__).resolve().parent.parent) + os.sep
+
+
+class Residual(NamedTuple):
+  """One array that reverse-mode autodiff keeps from the forward pass.
+
+  ``name`` is its ``jax.ad_checkpoint.checkpoint_name`` (None if unnamed); ``op`` the
+  JAX primitive that computed it (None for an input or a constant); ``source`` where
+  it comes from: ``file:line (function)`` of the user's code that computed it, or the
+  input it is (``Param `model.linear.kernel```, ``argument `x```).
+  """
+
+  name: str | None
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  source: str
+  op: str | None = None
+
+  def __str__(self) -> str:
+    aval = f"{self.dtype}[{','.join(map(str, self.shape))}]"
+    if self.name is not None:
+      return f"{aval} named {self.name!r} from {self.source}"
+    if self.op is not None:
+      return f"{aval} output of {self.op} from {self.source}"
+    return f"{aval} from {self.source}"
+
+
+def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[Residual]:
+  """What reverse-mode autodiff of ``fn(*args, **kwargs)`` saves for the backward pass.
+
+  ``fn`` takes modules like ``sr.grad``'s functions (anywhere in its arguments), or is
+  a module (``sr.saved_residuals(model, x)`` for ``model(x)``). Its
+  gradient is taken with respect to the modules' variables matched by ``wrt`` and
+  every floating-point array argument, as ``jax.ad_checkpoint.print_saved_residuals``
+  does for arrays; the residuals of that ``jax.vjp`` are returned as ``Residual``
+  records ``(name, shape, dtype, source, op)``, ``print``-able one per line. Nothing
+  is computed (the function is only traced) and the modules are left unchanged.
+  ``sr.remat`` / ``sr.scan`` / ``sr.remat_scan`` inside ``fn`` show their policies'
+  effect; a value that a scan saves per layer has the layer axis in front.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> from jax.ad_checkpoint import checkpoint_name
+  >>> model = sr.nn.Linear(4, 4, rngs=sr.Rngs(0))
+  >>> def block(model, x):
+  ...   h = checkpoint_name(jnp.sin(model(x)), "h")
+  ...   return jnp.sum(jnp.sin(h))
+  >>> def saved(policy):
+  ...   res = sr.saved_residuals(sr.remat(block, policy=policy), model, jnp.ones((2, 4)))
+  ...   return [(r.name, r.shape) if r.name else (r.source.split(" ")[0], r.shape)
+  ...           for r in res]
+  >>> saved(jax.checkpoint_policies.nothing_saveable)   # only the inputs
+  [('Param', (4,)), ('Param', (4, 4)), ('argument', (2, 4))]
+  >>> saved(jax.checkpoint_policies.save_only_these_names("h"))   # and 'h'
+  [('Param', (4,)), ('Param', (4, 4)), ('argument', (2, 4)), ('h', (2, 4))]
+  """
+  if isinstance(fn, Module):  # a module is its own function: model(x)
+    fn, args = type(fn).__call__, (fn, *args)
+  what = f"sr.saved_residuals({display_name(fn)})"
+  predicate = to_predicate(wrt)
+  nodes, leaves, treedef, positions = split_call(args, kwargs)
+  graphdef, variables = flatten(nodes)
+  lifted = Lifted(graphdef, treedef, positions)
+  described = _argument_names(fn, args, kwargs)
+  node_names = [described[p] for p in positions]
+  at_nodes = set(positions)
+  leaf_names = [d for i, d in enumerate(described) if i not in at_nodes]
+
+  # Inputs: every Variable's value and every array argument; the differentiated ones
+  # are the float Variables that `wrt` matches and the float arrays.
+  multi = len(nodes) > 1
+  inputs = []  # (description, value, differentiated)
+  for path, var in zip(graphdef.var_paths, variables):
+    root, local = (path[0], path[1:]) if multi else (0, path)
+    where = f"{node_names[root]}.{format_path(local)}" if local else node_names[root]
+    diff = predicate(local, var) and _is_float(var._value)
+    inputs.append((f"{type(var).__name__} `{where}`", var._value, diff))
+  traced_leaves = [i for i, leaf in enumerate(leaves)
+                   if isinstance(leaf, (jax.Array, np.ndarray))]
+  for i in traced_leaves:
+    inputs.append((f"argument `{leaf_names[i]}`", leaves[i], _is_float(leaves[i])))
+  n_vars = len(variables)
+  order = ([k for k, (_, _, d) in enumerate(inputs) if d]
+           + [k for k, (_, _, d) in enumerate(inputs) if not d])
+  diff_count = sum(d for _, _, d in inputs)
+
+  def pure(diff_values, other_values):
+    flat_inputs = dict(zip(order, list(diff_values) + list(other_values)))
+    values = [flat_inputs[k] for k in range(n_vars)]
+    call_leaves = list(leaves)
+    for j, i in enumerate(traced_leaves):
+      call_leaves[i] = flat_inputs[n_vars + j]
+    with tracing_user_code(what):
+      tree, _, _ = lifted.rebuild(values, call_leaves)
+      call_args, call_kwargs = tree
+      out = fn(*call_args, **call_kwargs)
+    check_no_nodes(out, what)
+    return out
+
+  diff_values = [inputs[k][1] for k in order[:diff_count]]
+  other_values = [inputs[k][1] for k in order[diff_count:]]
+  closed, shapes = jax.make_jaxpr(
+      lambda d, o: jax.vjp(lambda d: pure(d, o), d), return_shape=True)(
+          diff_values, other_values)
+  jaxpr = closed.jaxpr
+  num_res = len(jax.tree.leaves(shapes[1]))
+  residuals = jaxpr.outvars[len(jaxpr.outvars) - num_res:]
+  # A Variable may hold a pytree (a tuple of arrays): its leaves share its description.
+  names = [inputs[k][0] for k in order for _ in jax.tree.leaves(inputs[k][1])]
+  return _classify(jaxpr, residuals, names)
+
+
+def _is_float(value) -> bool:
+  leaves = jax.tree.leaves(value)
+  return bool(leaves) and all(
+      jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in leaves)
+
+
+def _argument_names(fn, args: tuple, kwargs: dict) -> list[str]:
+  """How each leaf of ``(args, kwargs)`` (modules as leaves) is called: the parameter's
+  name where the signature tells it, with the path inside the argument."""
+  try:
+    params = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):
+    params = []
+  positional = [p.name for p in params if p.kind in (
+      inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+  names = []
+  for path, _ in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_node)[0]:
+    where, index, rest = path[0].idx, path[1], path[2:]
+    if where == 0:
+      i = index.idx
+      base = positional[i] if i < len(positional) else f"args[{i}]"
+    else:
+      base = str(index.key)
+    names.append(base + jax.tree_util.keystr(rest))
+  return names
+
+
+def _classify(jaxpr: Jaxpr, residuals: list, input_names: list[str]) -> list[Residual]:
+  """One record per distinct residual, in JAX's order: literals, constants, inputs, then
+  computed values in the order they are computed."""
+  rounding = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns
+              if e.primitive.name == "reduce_precision"}
+  wanted, seen = [], set()
+  for v in residuals:
+    v = v if isinstance(v, Literal) else rounding.get(v, v)
+    key = id(v) if isinstance(v, Literal) else v
+    if key not in seen:
+      seen.add(key)
+      wanted.append(v)
+  records = [_record(v.aval, None, "a literal") for v in wanted if isinstance(v, Literal)]
+  variables = {v for v in wanted if not isinstance(v, Literal)}
+  records += [_record(v.aval, None, "a constant")
+              for v in jaxpr.constvars if v in variables]
+  records += [_record(v.aval, None, input_names[i])
+              for i, v in enumerate(jaxpr.invars) if v in variables]
+  for eqn in jaxpr.eqns:
+    for k, v in enumerate(eqn.outvars):
+      if v in variables:
+        name, op, source = _origin(eqn, k)
+        records.append(_record(v.aval, name, source, op))
+  return records
+
+
+def _record(aval, name, source, op=None) -> Residual:
+  return Residual(name, tuple(aval.shape), aval.dtype, source, op)
+
+
+_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # a call's body, outputs one to one
+
+
+def _origin(eqn, k: int, depth: int = 0) -> tuple[str | None, str, str]:
+  """``(name, op, source)`` of output ``k`` of ``eqn``, traced into the bodies of calls
+  (jit, scan, remat, custom derivatives) whose outputs are the body's outputs."""
+  if eqn.primitive is name_primitive():
+    return eqn.params["name"], None, _where(eqn)
+  body = next((eqn.params[p] for p in _CALLS if p in eqn.params), None)
+  if isinstance(body, ClosedJaxpr):
+    body = body.jaxpr
+  if isinstance(body, Jaxpr) and len(body.outvars) == len(eqn.outvars) and depth < 16:
+    v = body.outvars[k]
+    producers = {out: (e, i) for e in body.eqns for i, out in enumerate(e.outvars)}
+    while v in producers and producers[v][0].primitive.name == "reduce_precision":
+      v = producers[v][0].invars[0]
+    if not isinstance(v, Literal) and v in producers:
+      return _origin(*producers[v], depth + 1)
+  op = eqn.primitive.name
+  if op in ("jit", "pjit"):
+    op = f"jit({eqn.params.get('name', '?')})"
+  return None, op, _where(eqn)
+
+
+def _where(eqn) -> str:
+  """``file:line (function)`` of the innermost frame outside JAX and statefulremat."""
+  # JAX's summary, outermost frame first, one line each.
+  lines = source_info_util.summarize(eqn.source_info, num_frames=64).splitlines()
+  return next((line for line in reversed(lines) if not line.startswith(_PACKAGE)),
+              lines[-1] if lines else "unknown")

@@ -1,0 +1,200 @@
+"""Stacked modules: the class forms of scan, remat_scan and vmap.
+
+``sr.scan(Block, length=12, ...)`` returns ``ScanBlock``, a subclass of ``Block``
+whose constructor builds all 12 layers in ONE traced init (``jax.vmap`` over the layer
+index, each layer drawing its own keys from the split RNG streams) and whose methods
+run under the transform. The result is an instance of the layer class whose stacked
+variables carry the layer axis; ``stack.layer(i)``, ``sr.unstack`` and ``sr.stack``
+move between it and ordinary single-layer modules.
+
+Constructor arguments pass unmapped to every layer's ``__init__``; only RNG streams
+are split (per ``split_rngs``). Inside a transformed method the module is one layer: an
+instance of the plain layer class, the layer axis (and its partition name) removed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ..core._errors import TransformError, format_path
+from ..core._graph import flatten, rewrite, unflatten
+from ..core._stacks import LAYER_AXIS, layer, layer_graphdef, mark_frozen, num_layers, unmark
+from ..core._state import freeze, thaw_metadata
+from ._class_form import subclass, transform_name
+from ._lift import Lifted, split_call, write_back
+from ._rules import STACKED, Plan, Rules
+
+
+def layer_view(graphdef, plan: Plan, metadata_params: dict | None = None):
+  """The GraphDef of one layer of the lifted modules: each stacked root its layer
+  class, each variable the plan slices without its layer axis in the metadata.
+
+  A variable sliced by the plan that records no layer axis (a function-form scan over
+  a module whose arrays were stacked by hand) loses the ``partition_name`` of
+  ``metadata_params`` from its ``sharding``, if there.
+  """
+  name = (metadata_params or {}).get("partition_name")
+
+  def edit(i, frozen):
+    if plan.kinds[i] != STACKED:
+      return frozen
+    meta = thaw_metadata(frozen)
+    if LAYER_AXIS not in meta:
+      if name is None:
+        return frozen
+      meta[LAYER_AXIS] = ((plan.axes[i], name),)
+    return freeze(unmark(meta))
+
+  return layer_graphdef(graphdef, edit)
+
+
+def stacked_class(layer_cls: type, label: str, *, rules: Rules, length: int | None,
+                  wrap: Callable, methods: Sequence[str] | None,
+                  metadata_params: dict) -> type:
+  """The class form: ``{label}{layer_cls}`` building and running a stack of layers."""
+  namespace: dict[str, Any] = {
+      "_sr_layer_class": layer_cls, "_sr_rules": rules, "_sr_length": length,
+      "_sr_metadata_params": dict(metadata_params or {}),
+      "__new__": _new_stack, "__init__": _init_nothing, "layer": layer,
+      "__len__": num_layers, "_sr_classify": _classifier(rules),
+      "_sr_layer_rngs": _layer_rngs(rules),
+  }
+  return subclass(layer_cls, label, wrap, methods, namespace,
+                  f"A stack of {layer_cls.__name__} layers under {transform_name(label)}.")
+
+
+def _init_nothing(self, *args, **kwargs):
+  """The stack was built by ``__new__``."""
+
+
+def _new_stack(cls, *args, **kwargs):
+  return build_stack(cls, args, kwargs)
+
+
+def build_stack(cls: type, args: tuple, kwargs: dict):
+  """Builds ``cls._sr_length`` layers of ``cls._sr_layer_class`` in one vmapped init."""
+  rules: Rules = cls._sr_rules
+  length = cls._sr_length
+  what = f"sr.{cls.__name__}(...)"
+  nodes, leaves, treedef, positions = split_call(args, kwargs)
+  in_graphdef, in_vars = flatten(nodes)
+  lifted = Lifted(in_graphdef, treedef, positions)
+  in_plan = Plan(rules.for_init(), in_graphdef, in_vars, nodes)
+  in_values = [v._value for v in in_vars]
+  n_in = len(in_vars)
+  record: dict[str, Any] = {}
+
+  def init_one(index):
+    flat = list(in_values)
+    served = in_plan.seed_layer(flat, in_values, index)
+    tree, rebuilt, roots = lifted.rebuild(flat, leaves)
+    in_plan.serve_names(served, rebuilt, index)
+    call_args, call_kwargs = tree
+    layer = cls._sr_layer_class(*call_args, **call_kwargs)
+    counts = {s.count for s in in_plan.streams}
+    changed = lifted.collect(roots, flat, what)
+    for i in changed:
+      if i not in counts:
+        raise TransformError(
+            f"{what}: the layer constructor wrote to `{format_path(in_graphdef.var_paths[i])}`"
+            " of an argument. Constructor arguments are shared by every layer and "
+            "read-only; only RNG streams may be drawn from.")
+    record["used"] = [s.count for s in in_plan.streams if s.count in changed]
+    graphdef, variables = flatten(list(roots) + [layer])
+    record["graphdef"] = graphdef
+    new_vars = variables[n_in:]
+    prefix = len(roots)
+    # RNG streams the layer creates itself become per-layer state: classified by the
+    # rules like any variable, not split like the streams passed in.
+    # rank_offset=1: the axes index the stacked value, which has one more axis than
+    # a layer's (variable_axes={Param: -1} puts the layer axis last).
+    plan = Plan(rules, graphdef, variables, [layer], rng_streams=False, skip=n_in,
+                rank_offset=1,
+                display_path=lambda p: p[1:] if p and p[0] == prefix else p)
+    record["plan"] = plan
+    return [v._value for v in new_vars]
+
+  jax.eval_shape(init_one, jnp.uint32(0))
+  in_plan.check_stream_names()
+  plan: Plan = record["plan"]
+  stacked = [k == STACKED for k in plan.kinds[n_in:]]
+  if length is None:
+    if any(stacked):
+      first = plan.kinds.index(STACKED)
+      raise TransformError(
+          f"{what}: `{format_path(plan.display_path(record['graphdef'].var_paths[first]))}` "
+          "is stacked by variable_axes, so the number of layers must be known at init: "
+          f"pass `length=` (or `axis_size=`) to the transform.")
+    values = init_one(jnp.uint32(0))
+  else:
+    out_axes = [plan.axes[n_in + j] if s else None for j, s in enumerate(stacked)]
+    try:
+      values = jax.vmap(init_one, out_axes=out_axes, axis_size=length)(
+          jnp.arange(length, dtype=jnp.uint32))
+    except ValueError as e:
+      if "out_axes" not in str(e):
+        raise
+      raise TransformError(
+          f"{what}: a variable that is not stacked (broadcast, carried or read-only) came "
+          "out different for each layer, usually because its initializer drew from a "
+          "split RNG stream. Stack it with variable_axes, or do not split the stream it "
+          f"draws from (e.g. split_rngs={{'params': False}}). JAX said: {e}") from None
+  name = cls._sr_metadata_params.get("partition_name")
+  graphdef = rewrite(
+      record["graphdef"], root_classes={-1: cls},
+      metadata=lambda i, m: mark_frozen(m, plan.axes[i], name) if plan.kinds[i] == STACKED
+      else m)
+  objects: list = []
+  flatten(nodes, objects=objects)
+  roots, _ = unflatten(graphdef, [None] * n_in + list(values), substitute=objects)
+  write_back(in_vars, {i: in_values[i] + jnp.uint32(1) for i in record["used"]}, what)
+  return roots[-1]
+
+
+def _layer_rngs(rules: Rules):
+  """How ``stack.layer(i)`` gives layer ``i`` the keys it draws inside the stack.
+
+  A stream the layers share (not stacked) is split at call time: in the transform,
+  layer ``i`` draws from ``fold_in(fold_in(key, count), i)`` (without the last fold
+  when ``split_rngs`` does not split it) with a count from 0, and a ``default`` stream
+  serves each name by that name's rule. The hook puts exactly that into layer ``i``'s
+  copy of the stream, so ``stack.layer(i)(x)`` and the loop over ``sr.unstack(stack)``
+  draw what the stack's next call draws. Returns ``{flat index: value before}`` of the
+  Variables it rewrote, so ``sr.stack`` can put the stack's own stream back.
+  """
+
+  def seed(layer_module, index: int, shared: set[int]) -> dict[int, Any]:
+    """``shared``: the flat indices that had no layer axis in the stack."""
+    graphdef, variables = flatten([layer_module])
+    plan = Plan(rules, graphdef, variables, [layer_module], rank_offset=1)
+    # A stream with one key per layer (stacked by the init) is the layer's own already.
+    plan.streams = [s for s in plan.streams if s.key in shared]
+    if not plan.streams:
+      return {}
+    values = [v._value for v in variables]
+    flat = list(values)
+    served = plan.seed_layer(flat, values, jnp.uint32(index))
+    plan.serve_names(served, variables, jnp.uint32(index))
+    before = {}
+    for s in plan.streams:
+      for i in (s.key, s.count):
+        before[i] = values[i]
+        variables[i]._value = flat[i]
+    return before
+
+  return staticmethod(seed)
+
+
+def _classifier(rules: Rules):
+  """How ``sr.stack(layers, like=StackedClass)`` learns which variables to stack: the
+  class's rules, as at its init (``{flat index: layer axis}``)."""
+
+  def classify(graphdef, variables, layer) -> dict[int, int]:
+    plan = Plan(rules, graphdef, variables, [layer], rank_offset=1)
+    return {i: axis for i, (kind, axis) in enumerate(zip(plan.kinds, plan.axes))
+            if kind == STACKED}
+
+  return staticmethod(classify)
