@@ -93,7 +93,9 @@ def test_every_dispatch_variant_was_timed(quick):
   for model in ("tiny", "wide"):
     entry = dispatch["models"][model]
     assert entry["variables"] > 0
-    assert set(entry["variants"]) == set(VARIANTS)
+    # An optional library that is not installed (SpectraX) is listed as skipped.
+    assert set(entry["variants"]) | set(dispatch["skipped"]) == set(VARIANTS)
+    assert not set(entry["variants"]) & set(dispatch["skipped"])
     for kinds in entry["variants"].values():
       assert set(kinds) == set(KINDS)
       for s in kinds.values():
@@ -187,3 +189,40 @@ def test_the_chunk_simulation_maps_a_chunk_at_every_call_across_a_boundary():
 
   mapped = simulate(lambda: recurse(200))  # far more than one chunk of frames
   assert len(mapped) == len(ALIGNMENTS) and min(mapped) >= 1
+
+
+def test_trace_depths_quick_runs_and_returns_the_keys():
+  from benchmarks import trace_depths
+  result = trace_depths.measure(quick=True)
+  json.dumps(result)  # JSON-able
+  assert set(result) == {"config", "target", "entries", "met", "worst"}
+  rows = {(e["construction"], e["n"], e["caller_depth"]) for e in result["entries"]}
+  assert rows == {(c, n, d) for c in trace_depths.CONSTRUCTIONS
+                  for n in trace_depths.QUICK["depths"]
+                  for d in trace_depths.QUICK["callers"]}
+  for e in result["entries"]:
+    for run in ("sr", "raw", "raw_roomy"):
+      assert len(e[run]["samples"]) == trace_depths.QUICK["reps"] and e[run]["min"] > 0
+    assert e["ratio_min"] <= e["ratio"] <= e["ratio_max"] and e["ratio_to_roomy_raw"] > 0
+    assert e["met"] == (e["ratio"] <= result["target"])
+  assert result["met"] == all(e["met"] for e in result["entries"])
+  text = trace_depths.markdown(result)
+  assert text.count("\n| remat_scan d=3 |") == len(trace_depths.QUICK["callers"])
+
+
+def test_pytree_flatten_quick_mode_measures_every_model_and_library():
+  from benchmarks import pytree_flatten
+
+  result = pytree_flatten.measure(quick=True)
+  json.dumps(result)  # JSON-able
+  assert set(result["models"]) == {"scan", "list", "blocks"}
+  for m in result["models"].values():
+    assert set(m["flatten_us"]) == {"sr", "equinox", "nnx", "dict"}
+    assert set(m["dispatch_us"]) == {"module", "state"}
+    assert all(s["min"] <= s["median"] <= s["max"] and s["min"] > 0
+               for s in [*m["flatten_us"].values(), *m["dispatch_us"].values()])
+    assert m["flatten_ratio"] > 0 and m["dispatch_ratio"] > 0
+    assert m["leaves"]["sr"] == m["variables"] > 0
+  table = pytree_flatten.markdown(result)
+  assert "sr / equinox" in table and "module / State" in table
+  assert table.count("met") + table.count("missed") >= 6

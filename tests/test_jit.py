@@ -504,3 +504,44 @@ def test_alternating_modules_each_get_their_own_write_back():
   a.w = sr.Param(jnp.zeros(2))  # a new Variable object at the same place
   f(a, 1.0)
   np.testing.assert_array_equal(a.w.value, [1.0, 1.0])
+
+
+def test_traces_run_in_a_roomy_frame_at_any_caller_depth():
+  # CPython 3.11/3.12 unmap a 16 KiB frame-stack chunk as soon as it empties, so a trace
+  # would pay per chunk boundary crossed, set by the caller's depth; sr.jit traces and
+  # lowers under a frame that reserves 512 KiB (transforms/_jit.py, `with_room`).
+  import sys
+  room = []
+
+  def deepest_frame_slots():
+    frame, most = sys._getframe(), 0
+    while frame is not None:
+      most, frame = max(most, frame.f_code.co_stacksize), frame.f_back
+    return most
+
+  def step(m, x):
+    room.append(deepest_frame_slots())
+    m.bias.value = m.bias.value + 1
+    return m(x)
+
+  def below(k, call):
+    return call() if k == 0 else below(k - 1, call)
+
+  for depth in (0, 40):
+    model = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
+    f, x = sr.jit(step), jnp.ones((1, 2))
+    below(depth, lambda: sr.jit(step).lower(model, x))
+    below(depth, lambda: f(model, x))
+    f(model, x)  # compiled: no trace
+    np.testing.assert_array_equal(model.bias.value, [2.0, 2.0])
+
+  def block(layer, h):
+    room.append(deepest_frame_slots())
+    return jnp.tanh(layer(h))
+
+  stack = sr.vmap(sr.nn.Linear, axis_size=4)(2, 2, rngs=sr.Rngs(0))
+  y = below(40, lambda: sr.remat_scan(block, lengths=(2, 2))(stack, jnp.ones((1, 2))))
+  assert y.shape == (1, 2)  # eager: compiled through sr.jit
+  assert len(room) == 2 * 2 + 1  # one trace per lower and per new function, no more
+  if sys.implementation.name == "cpython" and sys.version_info >= (3, 11):
+    assert min(room) >= 1 << 16

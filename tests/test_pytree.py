@@ -387,3 +387,140 @@ def test_the_readme_raw_jax_block_runs():
   assert type(grads) is type(lin2) is sr.nn.Linear
   np.testing.assert_allclose(
       lin2.kernel.value, lin.kernel.value - 0.1 * grads.kernel.value, rtol=1e-6)
+
+
+# -- the flatten cache: a walk is kept per module while no structure changes ----------
+
+
+def leaf_ids(module):
+  return [id(x) for x in jax.tree.leaves(module)]
+
+
+def test_cached_flatten_sees_a_new_attribute_and_a_replaced_sub_module():
+  model = Net(rngs=sr.Rngs(0))
+  treedef = jax.tree.structure(model)
+  assert len(jax.tree.leaves(model)) == 7
+  model.extra = sr.Param(jnp.full((3,), 5.0))
+  leaves, new_treedef = jax.tree.flatten(model)
+  assert new_treedef != treedef and len(leaves) == 8
+  np.testing.assert_array_equal(leaves[1], jnp.full((3,), 5.0))  # after `blocks`
+  model.norm = sr.nn.LayerNorm(2, rngs=sr.Rngs(1))  # BatchNorm (4) -> LayerNorm (2)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)]
+  assert paths[-2:] == [".norm.bias", ".norm.scale"] and len(paths) == 6
+  model.layers[0] = sr.nn.Linear(2, 5, rngs=sr.Rngs(2))  # an item of a tracked list
+  assert model.layers[0].kernel.value is jax.tree.leaves(model)[3]
+  assert jax.tree.leaves(model)[3].shape == (2, 5)
+  rebuilt = jax.tree.map(lambda x: x, model)
+  assert type(rebuilt.norm) is sr.nn.LayerNorm and rebuilt.layers[0].kernel.shape == (2, 5)
+
+
+def test_cached_flatten_sees_eval_and_metadata_changes():
+  model = Net(rngs=sr.Rngs(0))
+  before = jax.tree.structure(model)
+  model.eval()  # flips `use_running_average`, a static attribute
+  after = jax.tree.structure(model)
+  assert after != before
+  assert jax.tree.unflatten(after, jax.tree.leaves(model)).norm.use_running_average
+  model.norm.mean.set_metadata(sharding=("batch",))
+  assert jax.tree.structure(model) != after
+  assert jax.tree.map(lambda x: x, model).norm.mean.sharding == ("batch",)
+
+
+def test_cached_flatten_sees_values_changed_in_place():
+  model = Net(rngs=sr.Rngs(0))
+  jax.tree.leaves(model)
+  new = jnp.full((2, 2), 3.0)
+  model.layers[0].kernel.value = new
+  model.norm.mean[...] = jnp.ones(2)
+  leaves = jax.tree.leaves(model)
+  assert leaves[2] is new
+  np.testing.assert_array_equal(leaves[4], jnp.ones(2))
+  np.testing.assert_array_equal(jax.jit(lambda m: m.layers[0].kernel.value)(model), new)
+
+
+def test_two_models_of_one_structure_do_not_share_leaves():
+  a, b = Net(rngs=sr.Rngs(0)), Net(rngs=sr.Rngs(1))
+  (la, ta), (lb, tb) = jax.tree.flatten(a), jax.tree.flatten(b)
+  assert ta == tb
+  assert all(x is v.value for x, v in zip(la, variables(a)))
+  assert all(x is v.value for x, v in zip(lb, variables(b)))
+  assert not set(map(id, la)) & set(map(id, lb))
+  before = values(b)
+  a2 = jax.tree.map(lambda x: x + 1, a)
+  assert not set(leaf_ids(a2)) & set(leaf_ids(b))
+  for path, v in values(b).items():
+    np.testing.assert_array_equal(v, before[path])
+  # a module rebuilt by an unflatten has a walk of its own, too
+  a2.layers[0].kernel.value = jnp.zeros((2, 2))
+  assert jax.tree.leaves(a2)[2] is a2.layers[0].kernel.value
+  assert jax.tree.leaves(a)[2] is a.layers[0].kernel.value
+  a2.extra = sr.BatchStat(jnp.zeros(()))
+  assert len(jax.tree.leaves(a2)) == 8 and len(jax.tree.leaves(a)) == 7
+
+
+def test_a_copy_flattens_to_its_own_leaves():
+  import copy
+  import pickle
+
+  model = Net(rngs=sr.Rngs(0))
+  jax.tree.leaves(model)
+  for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+    assert leaf_ids(twin) == [id(v.value) for v in variables(twin)]
+    assert not set(leaf_ids(twin)) & set(leaf_ids(model))
+    assert jax.tree.structure(twin) == jax.tree.structure(model)
+
+
+def test_a_bad_attribute_after_a_cached_flatten_still_raises():
+  model = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
+  kernel = model.kernel.value
+  jax.tree.leaves(model)
+  model.bad = [np.zeros(2)]
+  with pytest.raises(sr.GraphError, match=r"`bad\[0\]` holds an array .* Fix: wrap it"):
+    jax.tree.leaves(model)
+  with pytest.raises(sr.GraphError, match=r"`bad\[0\]` holds an array"):
+    jax.jit(lambda m: m.kernel.value)(model)
+  assert model.kernel.value is kernel  # nothing changed
+  del model.bad
+  assert jax.tree.leaves(model)[1] is kernel
+
+
+def test_a_flattened_module_that_goes_releases_its_variables():
+  import gc
+  import weakref
+
+  model = Net(rngs=sr.Rngs(0))
+  jax.tree.leaves(model)
+  rebuilt = jax.tree.map(lambda x: x, model)
+  jax.tree.leaves(rebuilt)
+  gone = [weakref.ref(model.norm.mean), weakref.ref(rebuilt.norm.mean)]
+  del model, rebuilt
+  gc.collect()
+  assert [r() for r in gone] == [None, None]
+
+
+def test_threads_flattening_different_models():
+  import threading
+
+  models = [MLP(3, 4, rngs=sr.Rngs(i)) for i in range(2)]
+  errors, start = [], threading.Barrier(2)
+
+  def work(model, i):
+    try:
+      start.wait()
+      for step in range(200):
+        if step % 10 == 0:  # structural changes, which bump the shared epoch
+          model.tag = (i, step)
+        leaves, treedef = jax.tree.flatten(model)
+        assert [id(x) for x in leaves] == [id(v.value) for v in variables(model)]
+        rebuilt = treedef.unflatten(leaves)
+        assert rebuilt.tag == model.tag and type(rebuilt) is MLP
+        assert [id(x) for x in jax.tree.leaves(rebuilt)] == [id(x) for x in leaves]
+    except Exception as e:  # reported below, with the thread that raised it
+      errors.append((i, e))
+
+  threads = [threading.Thread(target=work, args=(m, i)) for i, m in enumerate(models)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert errors == []

@@ -154,6 +154,44 @@ def test_nothing_is_computed_and_nothing_changes():
   assert Block.__call__ is calls and "__call__" not in vars(sr.Module)
 
 
+def test_one_summary_walks_the_model_once(monkeypatch):
+  # The core's graph walkers, wherever a file of the package bound them, count each walk
+  # that starts at the model or one of its modules (a walker called by another walker
+  # is the same walk). Walks of the traced copy (remat_scan splitting its stack) are
+  # the model's own code running, not the summary's, and start elsewhere.
+  from statefulremat.core import _graph, _module
+
+  model = Net(sr.Rngs(0), lengths=(2, 3))
+  x = jnp.ones((4, 3))
+  grads = jax.tree.map(jnp.ones_like, sr.state(model, sr.Param))  # as sr.grad gives
+  ours = {id(m) for _, m in model.iter_modules()}
+  walkers = [_graph.flatten, _module.iter_graph, _module.arrivals]
+  codes = {w.__code__ for w in walkers}
+  walks = []
+
+  def counting(walker):
+    def counted(roots, *args, **kwargs):
+      starts = roots if isinstance(roots, (list, tuple)) else [roots]
+      if sys._getframe(1).f_code not in codes and any(id(r) in ours for r in starts):
+        walks.append((walker.__name__, starts))
+      return walker(roots, *args, **kwargs)
+
+    return counted
+
+  for name, module in list(sys.modules.items()):
+    if name.startswith("statefulremat") and module is not None:
+      for attr, value in list(vars(module).items()):
+        if any(value is w for w in walkers):
+          monkeypatch.setattr(module, attr, counting(value))
+  table = sr.summary(model, x, grads=grads)
+  monkeypatch.undo()
+  assert len(walks) == 1 and list(walks[0][1]) == [model], walks
+  # ...and the one walk gave every part what it shows.
+  assert row(table, "blocks.linear").outputs == ("float32[4,8]",)
+  assert row(table, "blocks").params_text() == "528 (6 × 88)"
+  assert table.layer_norms[0].grads.shape == (6,)
+
+
 # -- misuse --------------------------------------------------------------------------
 
 

@@ -10,6 +10,12 @@ pytree node whose
 * keys name each Variable's path: ``jax.tree_util.keystr`` gives ``.layers[0].kernel``
   (one ``ModulePathKey`` per leaf).
 
+The walk that finds a module's Variables is kept per module while no module's
+structure changes (``structure_epoch``), so a flatten reads the Variables' current
+values and no more; a module that raw JAX rebuilt comes with its walk. A new or
+deleted attribute, a replaced sub-module, ``.eval()`` or ``set_metadata`` is seen by
+the next flatten.
+
 Unflattening builds a fresh object graph, as ``sr.merge`` does: an instance of the
 same class (a stack stays a stack), shared sub-modules and Variables one object again.
 Sharing is kept within one module: two modules passed side by side are two pytree
@@ -47,6 +53,7 @@ flattening a module reached by closure raises, as reading its ``.value`` does.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -54,6 +61,7 @@ import jax
 from . import _graph
 from . import _module
 from ._tracing import guard as _guard
+from ._tracing import structure_epoch
 from ._variables import _closure_read
 
 _GetAttrKey = jax.tree_util.GetAttrKey
@@ -102,24 +110,52 @@ class ModulePathKey:
     return hash(self.keys)
 
 
-def _key(module, path: tuple) -> ModulePathKey:
-  """The key of the Variable at ``path`` (a first path from the GraphDef) in ``module``.
+# -- the walk, cached per module -----------------------------------------------------
+#
+# Raw JAX flattens a module on every call (a `jax.jit` dispatch, `jax.tree.map`), and
+# walking the graph costs microseconds per Variable. The walk depends only on the
+# graph's structure, and every structural change bumps `structure_epoch`, so a walk is
+# kept per module while the epoch stands, as `sr.jit` keeps its own: a flatten then
+# only reads the Variables' current values. Modules refuse hashing, so the cache is
+# keyed by `id` and guarded by a weak reference that also drops the entry when the
+# module goes; nothing is stored on the module itself.
 
-  ``var_paths`` say which keys, not whether each is an attribute, an index or a dict
-  key; following the path through the objects tells.
-  """
-  node, keys = module, []
-  for k in path:
-    if isinstance(node, _module.Module):
-      keys.append(_GetAttrKey(k))
-      node = vars(node)[k]
-    elif isinstance(node, dict):
-      keys.append(_DictKey(k))
-      node = node[k]
-    else:
-      keys.append(_SequenceKey(k))
-      node = node[k]
-  return ModulePathKey(tuple(keys))
+
+class _Walk(weakref.ref):
+  """A module's cache entry: a weak reference to it (the entry goes when the module
+  does) with its walk, the GraphDef and the Variables, valid while the structure epoch
+  is ``epoch``."""
+
+  __slots__ = ("epoch", "graphdef", "variables", "key")
+
+
+_walks: dict[int, _Walk] = {}
+
+# Equal GraphDefs are made one object: JAX compares a call's tree structure with the
+# one it compiled for, and two models of one structure then compare by identity.
+_graphdefs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _remember(module, epoch: int, graphdef: _graph.GraphDef, variables: list) -> _Walk:
+  walk = _Walk(module, _forget)
+  walk.epoch, walk.graphdef, walk.variables = epoch, graphdef, variables
+  walk.key = id(module)
+  _walks[walk.key] = walk
+  return walk
+
+
+def _forget(walk: _Walk) -> None:
+  if _walks.get(walk.key) is walk:  # not a newer module's under the same id
+    _walks.pop(walk.key, None)
+
+
+def _walk(module) -> _Walk:
+  epoch = structure_epoch.value  # read first: a change during the walk is a miss later
+  walk = _walks.get(id(module))
+  if walk is not None and walk.epoch == epoch and walk() is module:
+    return walk
+  graphdef, variables = _graph.flatten([module])
+  return _remember(module, epoch, _graphdefs.setdefault(graphdef, graphdef), variables)
 
 
 def _values(variables) -> list:
@@ -134,20 +170,55 @@ def _values(variables) -> list:
 
 
 def _flatten(module):
-  graphdef, variables = _graph.flatten([module])
-  return _values(variables), graphdef
+  # `_walk` and `_values` inlined for the cache hit: this runs on every raw JAX call.
+  walk = _walks.get(id(module))
+  if walk is None or walk.epoch != structure_epoch.value or walk() is not module:
+    walk = _walk(module)
+  if _guard.depth:
+    return _values(walk.variables), walk.graphdef
+  return [v._value for v in walk.variables], walk.graphdef
+
+
+_key_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _keys(graphdef: _graph.GraphDef) -> list[ModulePathKey]:
+  """The key of each Variable, in order: its first path, read off the GraphDef."""
+  keys = _key_cache.get(graphdef)
+  if keys is None:
+    keys = []
+
+    def walk(d, path):
+      tag = d[0]
+      if tag == _graph._VAR:
+        keys.append(ModulePathKey(path))
+      elif tag == _graph._NODE:
+        for name, sub in d[2]:
+          walk(sub, path + (_GetAttrKey(name),))
+      elif tag == _graph._LIST or tag == _graph._TUPLE:
+        for i, sub in enumerate(d[2]):
+          walk(sub, path + (_SequenceKey(i),))
+      elif tag == _graph._DICT:
+        for k, sub in d[2]:
+          walk(sub, path + (_DictKey(k),))
+
+    walk(graphdef.tree[0], ())
+    _key_cache[graphdef] = keys
+  return keys
 
 
 def _flatten_with_keys(module):
-  graphdef, variables = _graph.flatten([module])
-  return [(_key(module, path), value) for path, value in zip(
-      graphdef.var_paths, _values(variables))], graphdef
+  walk = _walk(module)
+  return list(zip(_keys(walk.graphdef), _values(walk.variables))), walk.graphdef
 
 
 def _unflatten(graphdef, leaves):
   # The Variables take the current trace: inside a raw `jax.jit` the function may
-  # change its (fresh) copy of the module and return it.
-  roots, _ = _graph.unflatten(graphdef, leaves)
+  # change its (fresh) copy of the module and return it. The new module's walk is
+  # known already, so flattening it again (the next step of a loop) walks nothing.
+  epoch = structure_epoch.value
+  roots, variables = _graph.unflatten(graphdef, leaves, remember=_guard.depth > 0)
+  _remember(roots[0], epoch, graphdef, variables)
   return roots[0]
 
 

@@ -7,20 +7,22 @@ Every module and Variable is listed once, at the path ``sr.state`` gives it: a s
 one (an Rngs handed to several layers) under the owner the GraphDef's sorted walk
 reaches first, wherever the definition order meets it first.
 
-Output shapes are caught while tracing (``_summary_outputs``).
+The parts run one way: ``_summary_walk`` walks the model once into a ``Description``;
+``_summary_norms`` (the norms) and ``_summary_outputs`` (output shapes, caught while
+tracing) read that description; this file puts the table together. None walks the
+model again, and none imports the file above it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import numpy as np
 
 from ..core._errors import format_path
+from ..core._module import Module
 from ._summary_norms import LayerNorms as LayerNorms
 from ._summary_norms import Norms, columns, norm_text
 from ._summary_outputs import trace_outputs
+from ._summary_walk import ModuleEntry, describe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,8 +247,6 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None,
   >>> table.norms()["grad/norm/members.2.kernel"], table.layer_norms[0].grads.tolist()
   (16.0, [0.0, 8.0, 16.0])
   """
-  from ..core._module import Module
-
   if not isinstance(model, Module):
     raise TypeError(
         f"sr.summary takes a module, got {type(model).__name__}. Fix: pass the model "
@@ -256,112 +256,45 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None,
       raise AttributeError(
           f"sr.summary(..., method={method!r}): {type(model).__name__} has no method "
           f"{method!r}. Fix: name a method the class defines (default `__call__`).")
-  modules, variables = _walk(model)
-  layers = _layer_counts(modules)
-  outputs = trace_outputs(model, modules, example_inputs, method, kwargs) if (
+  description = describe(model)
+  outputs = trace_outputs(model, description, example_inputs, method, kwargs) if (
       example_inputs or kwargs) else {}
-  norms = Norms(modules, variables, grads)
+  norms = Norms(description, grads)
 
+  variables = description.variables
   collections = list(dict.fromkeys(
-      ["params"] * any(map(_is_param, (v for _, v in variables)))
-      + [type(v).collection for _, v in variables]))
-  rows = [_row(path, module, layers, outputs.get(path, ()), norms)
-          for path, module in modules]
+      ["params"] * any(e.is_param for e in variables) + [e.collection for e in variables]))
+  rows = [_row(module, variables, outputs.get(module.path, ()), norms)
+          for module in description.modules]
   total_bytes: dict[str, int] = {}
-  for _, var in variables:
-    total_bytes[type(var).collection] = (
-        total_bytes.get(type(var).collection, 0) + _nbytes(var._value))
-  total_params = sum(_size(v._value) for _, v in variables if _is_param(v))
-  return Summary(rows, collections, total_params, total_bytes, norms.layer_norms(modules),
-                 norms.flat(modules, variables))
+  for entry in variables:
+    total_bytes[entry.collection] = total_bytes.get(entry.collection, 0) + entry.nbytes
+  total_params = sum(e.size for e in variables if e.is_param)
+  return Summary(rows, collections, total_params, total_bytes, norms.layer_norms(),
+                 norms.flat())
 
 
-# -- counting ---------------------------------------------------------------------
-
-
-def _walk(root) -> tuple[list, list]:
-  """Modules and Variables under ``root``, once each, depth first in definition order,
-  each at the path ``sr.state`` gives it: the first in the GraphDef's sorted walk. A
-  shared one is listed where that path meets it, not where definition order does."""
-  from ..core._module import Module, iter_graph
-  from ..core._variables import Variable
-
-  at = {id(obj): path for path, obj in iter_graph(root)}
-  modules: list[tuple[tuple, Any]] = []
-  variables: list[tuple[tuple, Any]] = []
-
-  def walk(obj, path):
-    if isinstance(obj, (Module, Variable)):
-      if at.get(id(obj)) != path:
-        return  # listed at its own path
-      (modules if isinstance(obj, Module) else variables).append((path, obj))
-      if isinstance(obj, Module):
-        for k, v in vars(obj).items():
-          if not k.startswith("_sr_"):
-            walk(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-      for i, x in enumerate(obj):
-        walk(x, path + (i,))
-    elif isinstance(obj, dict):
-      for k, v in obj.items():
-        walk(v, path + (k,))
-
-  walk(root, ())
-  return modules, variables
-
-
-def _layer_counts(modules) -> dict[int, int]:
-  """id(Variable) -> how many layers it holds (the product over the stacks it is in)."""
-  from ..core._stacks import is_stacked, stacked_variables
-
-  counts: dict[int, int] = {}
-  for _, module in modules:
-    if is_stacked(module):
-      for _, var, axis, _ in stacked_variables(module):
-        counts[id(var)] = counts.get(id(var), 1) * int(np.shape(var._value)[axis])
-  return counts
-
-
-def _row(path, module, layers: dict[int, int], outputs, norms) -> SummaryRow:
-  variables = [var for _, var in _walk(module)[1]]
+def _row(module: ModuleEntry, variables, outputs, norms: Norms) -> SummaryRow:
   sizes: dict[str, int] = {}
   params = per_layer = unstacked = 0
   counts = set()
-  for var in variables:
-    sizes[type(var).collection] = sizes.get(type(var).collection, 0) + _nbytes(var._value)
-    if not _is_param(var):
+  for i in module.variables:
+    entry = variables[i]
+    sizes[entry.collection] = sizes.get(entry.collection, 0) + entry.nbytes
+    if not entry.is_param:
       continue
-    size = _size(var._value)
-    params += size
-    n = layers.get(id(var))
-    if n is None:
-      unstacked += size
+    params += entry.size
+    if entry.layers is None:
+      unstacked += entry.size
     else:
-      counts.add(n)
-      per_layer += size // n
+      counts.add(entry.layers)
+      per_layer += entry.size // entry.layers
   # The breakdown only reads right when the row's stacked variables agree on a count.
   n = counts.pop() if len(counts) == 1 else 1
-  return SummaryRow(path, type(module).__name__, params, sizes, n,
+  return SummaryRow(module.path, module.cls.__name__, params, sizes, n,
                     per_layer if n > 1 else 0, unstacked if n > 1 else 0, tuple(outputs),
-                    norms.total(variables, norms.params),
-                    norms.total(variables, norms.grads))
-
-
-def _is_param(var) -> bool:
-  from ..core._kinds import Param
-
-  return isinstance(var, Param)
-
-
-def _size(value) -> int:
-  return int(np.size(value)) if not hasattr(value, "size") else int(value.size)
-
-
-def _nbytes(value) -> int:
-  dtype = getattr(value, "dtype", None)
-  if dtype is None:
-    return int(np.asarray(value).nbytes)
-  return _size(value) * dtype.itemsize
+                    norms.total(module.variables, norms.params),
+                    norms.total(module.variables, norms.grads))
 
 
 def _bytes_text(n: int) -> str:

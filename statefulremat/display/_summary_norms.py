@@ -12,9 +12,11 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..core._errors import format_path
+from ._summary_walk import Description
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,24 +68,24 @@ class LayerNorms:
 
 class Norms:
   """Each Param's sum of squares (of its value and its gradient), per layer where it
-  has a layer axis: one reduction per array, fetched from the device together."""
+  has a layer axis: one reduction per array, fetched from the device together. Keyed
+  by the Param's position in ``description.variables``."""
 
-  def __init__(self, modules, variables, grads):
-    from ..core._stacks import is_stacked, layer_axis
-
-    params = [(p, v) for p, v in variables if _is_param(v)]
+  def __init__(self, description: Description, grads):
+    self.description = description
+    params = [(i, e) for i, e in enumerate(description.variables) if e.is_param]
     by_path = _grads_by_path(grads, params) if grads is not None else None
-    self.axes = {id(v): (layer_axis(v) or (None,))[0] for _, v in params}
     sums = {}
-    if all(_is_concrete(v._value) for _, v in params):
-      sums["p"] = {id(v): _squares(v._value, self.axes[id(v)]) for _, v in params}
+    if all(_is_concrete(e.variable._value) for _, e in params):
+      sums["p"] = {i: _squares(e.variable._value, e.layer_axis) for i, e in params}
     if by_path is not None and "p" in sums:
-      sums["g"] = {id(v): _squares(by_path[p], self.axes[id(v)])
-                   for p, v in params if p in by_path}
+      sums["g"] = {i: _squares(by_path[e.path], e.layer_axis)
+                   for i, e in params if e.path in by_path}
     sums = jax.device_get(sums)
     self.params, self.grads = sums.get("p"), sums.get("g")
     # Innermost first: a Variable's stack is the longest stack path above it.
-    self.stacks = sorted((p for p, m in modules if is_stacked(m)), key=len, reverse=True)
+    self.stacks = sorted((m.path for m in description.modules if m.is_stack), key=len,
+                         reverse=True)
 
   def stack_of(self, path: tuple) -> tuple | None:
     return next((s for s in self.stacks if path[:len(s)] == s), None)
@@ -91,47 +93,46 @@ class Norms:
   @staticmethod
   def total(variables, sums) -> float | None:
     """The L2 norm of ``variables``' entries in ``sums``; None where it has none."""
-    held = [sums[id(v)] for v in variables if id(v) in sums] if sums is not None else []
+    held = [sums[i] for i in variables if i in sums] if sums is not None else []
     if not held:
       return None
     return float(np.sqrt(sum(float(np.sum(x)) for x in held)))
 
-  def layer_norms(self, modules) -> list[LayerNorms]:
-    from ..core._stacks import is_stacked, stacked_variables
-
+  def layer_norms(self) -> list[LayerNorms]:
     if self.params is None:
       return []
     out = []
-    for path, module in modules:
-      if not is_stacked(module):
+    for module in self.description.modules:
+      if not module.is_stack:
         continue
-      stacked = [v for _, v, _, _ in stacked_variables(module) if id(v) in self.params]
-      lengths = {np.shape(self.params[id(v)]) for v in stacked}
+      stacked = [i for i in module.stacked if i in self.params]
+      lengths = {np.shape(self.params[i]) for i in stacked}
       if len(lengths) != 1:  # no stacked Params, or nested stacks of other lengths
         continue
 
       def per_layer(sums):
-        return np.sqrt(sum(sums[id(v)] for v in stacked if id(v) in sums))
+        return np.sqrt(sum(sums[i] for i in stacked if i in sums))
 
       grads = per_layer(self.grads) if self.grads is not None else None
-      out.append(LayerNorms(path, type(module).__name__, per_layer(self.params), grads))
+      out.append(LayerNorms(module.path, module.cls.__name__, per_layer(self.params),
+                            grads))
     return out
 
-  def flat(self, modules, variables) -> dict[str, float]:
+  def flat(self) -> dict[str, float]:
     out = {}
     for prefix, sums in (("params", self.params), ("grad", self.grads)):
       if sums is None:
         continue
-      for path, var in variables:
-        if id(var) not in sums:
+      for i, entry in enumerate(self.description.variables):
+        if i not in sums:
           continue
-        value = sums[id(var)]
+        value, path = sums[i], entry.path
         stack = self.stack_of(path) if np.ndim(value) else None
         if stack is None:
           out[f"{prefix}/norm/{_dotted(path)}"] = float(np.sqrt(np.sum(value)))
           continue
-        for i, sq in enumerate(value):
-          key = _dotted(path[:len(stack)] + (i,) + path[len(stack):])
+        for n, sq in enumerate(value):
+          key = _dotted(path[:len(stack)] + (n,) + path[len(stack):])
           out[f"{prefix}/norm/{key}"] = float(np.sqrt(sq))
       out[f"{prefix}/norm/total"] = float(np.sqrt(sum(float(np.sum(x))
                                                       for x in sums.values())))
@@ -146,7 +147,7 @@ def _grads_by_path(grads, params) -> dict[tuple, Any]:
         f"sr.summary(..., grads=...) takes the State sr.grad returns, got "
         f"{type(grads).__name__}. Fix: `grads = sr.grad(loss)(model, x)`, then "
         "`sr.summary(model, grads=grads)`.")
-  shapes = {p: np.shape(v._value) for p, v in params}
+  shapes = {e.path: np.shape(e.variable._value) for _, e in params}
   out = {}
   for path, g in flat().items():
     if path not in shapes:
@@ -165,8 +166,6 @@ def _grads_by_path(grads, params) -> dict[tuple, Any]:
 
 def _squares(x, layer_axis):
   """The sum of squares of ``x``: one per layer along ``layer_axis``, else a scalar."""
-  import jax.numpy as jnp
-
   x = jnp.asarray(x)
   x = jnp.abs(x) if jnp.iscomplexobj(x) else x.astype(jnp.float32)
   axes = tuple(a for a in range(x.ndim) if a != layer_axis)
@@ -194,8 +193,3 @@ def columns(table: list[list[str]], numeric: set[int]) -> list[str]:
 def norm_text(x) -> str:
   return "-" if x is None else f"{float(x):.4g}"
 
-
-def _is_param(var) -> bool:
-  from ..core._kinds import Param
-
-  return isinstance(var, Param)

@@ -2,9 +2,11 @@
 
 For the length of one ``jax.eval_shape`` trace of a copy of the model, the
 ``__call__`` of each module class in it is wrapped to record its outputs' shapes (and
-restored in ``finally``). A module called inside a transform's body (a scan layer,
-rebuilt from the stack) takes the path of the module whose call is running plus its
-own path below the layer, so a stack's sub-layers get rows like ``blocks.linear``.
+restored in ``finally``). The copy is rebuilt from the description's GraphDef, so each
+row's module sits at the row's path in it: found there, not by walking the copy. A
+module called inside a transform's body (a scan layer, rebuilt from the stack) takes
+the path of the module whose call is running plus its own path below the layer, so a
+stack's sub-layers get rows like ``blocks.linear``.
 """
 
 from __future__ import annotations
@@ -15,24 +17,29 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..core._module import Module
+from ..core._split_merge import merge
+from ..core._state import State
+from ..core._variables import owner_chain, path_of
+from ._summary_walk import Description
+
 _PATCH_LOCK = threading.Lock()  # one summary at a time wraps the classes' __call__
 
 
-def trace_outputs(model, modules, inputs, method, kwargs) -> dict[tuple, list[str]]:
-  from ..core._split_merge import merge, split
-  from ..core._variables import path_of
-
-  graphdef, state = split(model)
-  row_paths = {id(m): path for path, m in modules}
+def trace_outputs(model, description: Description, inputs, method,
+                  kwargs) -> dict[tuple, list[str]]:
+  """Each module path's outputs, one shape text per call of ``method`` on ``inputs``."""
+  state = State.from_variables(zip(description.graphdef.var_paths,
+                                   description.graph_variables))
   outputs: dict[tuple, list[str]] = {}
   running: list[tuple] = []  # paths of the module calls in progress
-  originals: dict[int, Any] = {}  # id(module of the traced copy) -> the model's module
+  row_paths: dict[int, tuple] = {}  # id(module of the traced copy) -> its row's path
   roots: dict[int, tuple] = {}  # id(root of a rebuilt layer) -> (root, path of its stack)
 
   def path_of_call(module) -> tuple:
-    original = originals.get(id(module))
-    if original is not None:
-      return row_paths[id(original)]
+    path = row_paths.get(id(module))
+    if path is not None:
+      return path
     # A module rebuilt inside a transform's body (a layer of a stack): below the path
     # of the call that first reached its root.
     root = _root_of(module)
@@ -54,12 +61,13 @@ def trace_outputs(model, modules, inputs, method, kwargs) -> dict[tuple, list[st
     return recording
 
   def run(state, *inputs):
-    copy = merge(graphdef, state)
-    _pair(model, copy, originals)
+    copy = merge(description.graphdef, state)
+    # The copy has the model's structure: each row's module sits at the row's path.
+    row_paths.update((id(_at(copy, m.path)), m.path) for m in description.modules)
     return getattr(copy, method)(*inputs, **kwargs)
 
   with _PATCH_LOCK:
-    patched = _patch_calls({type(m) for _, m in modules}, record)
+    patched = _patch_calls({m.cls for m in description.modules}, record)
     try:
       jax.eval_shape(run, state, *inputs)
     except Exception as e:
@@ -72,23 +80,11 @@ def trace_outputs(model, modules, inputs, method, kwargs) -> dict[tuple, list[st
   return outputs
 
 
-def _pair(original, copy, pairs: dict) -> None:
-  """Maps id(each module of ``copy``) to the module of ``original`` in its place."""
-  from ..core._module import Module
-
-  if isinstance(original, Module):
-    if id(copy) in pairs:
-      return
-    pairs[id(copy)] = original
-    for k, v in vars(original).items():
-      if not k.startswith("_sr_"):
-        _pair(v, vars(copy)[k], pairs)
-  elif isinstance(original, (list, tuple)):
-    for a, b in zip(original, copy):
-      _pair(a, b, pairs)
-  elif isinstance(original, dict):
-    for k, v in original.items():
-      _pair(v, copy[k], pairs)
+def _at(root, path: tuple):
+  """The object at ``path`` below ``root``: attributes of modules, items of the rest."""
+  for key in path:
+    root = vars(root)[key] if isinstance(root, Module) else root[key]
+  return root
 
 
 def _patch_calls(classes, record) -> list[tuple[type, Any]]:
@@ -110,8 +106,6 @@ def _patch_calls(classes, record) -> list[tuple[type, Any]]:
 
 def _root_of(obj):
   """The object at the top of ``obj``'s owner chain."""
-  from ..core._variables import owner_chain
-
   for parent, _ in owner_chain(obj):
     if parent is None:
       break
@@ -129,8 +123,6 @@ def _shapes_text(tree) -> str:
 
     def __repr__(self):
       return self.text
-
-  from ..core._module import Module
 
   if hasattr(tree, "dtype"):
     return repr(Shape(tree))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
@@ -44,7 +45,9 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
 
   ``sr.jit(fn).lower(*args)`` returns JAX's ``jax.stages.Lowered`` without running
   anything: ``.as_text()`` is the StableHLO, ``.compile().memory_analysis()`` XLA's
-  exact temp, argument and output bytes.
+  exact temp, argument and output bytes. Tracing (``.lower`` and each new function's
+  first call) runs where CPython's frame stack has room, so its time does not depend
+  on how deep the caller stands.
 
   Args:
     fn: the function; modules may sit anywhere in its arguments.
@@ -126,7 +129,8 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
       out = out.rebuild(split_call(args, kwargs)[0])
     return out
 
-  wrapper.lower = lambda *a, **k: _lower(compiled, cache, static, names, what, *a, **k)
+  wrapper.lower = lambda *a, **k: with_room(_lower, compiled, cache, static, names, what,
+                                            *a, **k)
   return wrapper
 
 
@@ -146,11 +150,23 @@ class _JitPerStructure:
     self._size = size
 
   def get(self, lifted, statics) -> Callable:
+    """The jitted function; a new one's first call (its trace) runs ``with_room``."""
     key = (lifted, statics)
     jitted = self._jitted.get(key)
     if jitted is not None:
       self._jitted.move_to_end(key)
       return jitted
+    jitted = self._make(key)
+    return lambda values, leaves: with_room(jitted, values, leaves)
+
+  def lower(self, lifted, statics, values, leaves):
+    jitted = self._jitted.get((lifted, statics))
+    if jitted is None:
+      jitted = self._make((lifted, statics))
+    return jitted.lower(values, leaves)
+
+  def _make(self, key) -> Callable:
+    lifted, statics = key
     pure = self._pure
 
     def bound(values, leaves):  # a closure: jax inspects a partial's signature slowly
@@ -225,4 +241,34 @@ def _insert(args: tuple, statics: tuple) -> tuple:
 def _lower(compiled, cache, static, names, what, *args, **kwargs):
   statics, args, kwargs = _split_statics(static, names, args, kwargs, what)
   lifted, variables, leaves = cache.lift_call(args, kwargs)
-  return compiled.get(lifted, statics).lower([v._value for v in variables], leaves)
+  return compiled.lower(lifted, statics, [v._value for v in variables], leaves)
+
+
+# Tracing and lowering recurse thousands of Python calls deep. CPython 3.11 and 3.12
+# (and 3.13 before the fix of gh-142183) keep frames in 16 KiB chunks and unmap a chunk
+# as soon as its last frame returns, so every call of that recursion that crosses a
+# chunk boundary maps and unmaps one: a handful to hundreds of times per lowering, set
+# only by how deep the caller happens to stand. That moved a lowering's time by up to a
+# third between two stack depths of one script (benchmarks/trace_depths.py), raw JAX's
+# as much as ours. A frame that reserves 512 KiB is given a fresh chunk of its own
+# (1 MiB), so the trace above it runs in the room left and crosses no boundary,
+# wherever it was called from. The room is reserved as value-stack slots of the code
+# object, which CPython never initialises (unlike locals): entering it maps one chunk,
+# about 9 µs against the milliseconds of a trace. Only the tracing paths (`.lower` and
+# the first call of each new jitted function) take it, never a cached call.
+_ROOM_SLOTS = 1 << 16  # 8 bytes each: 512 KiB; the deepest trace measured used 40 KiB
+
+
+def with_room(fn: Callable, *args, **kwargs):
+  """``fn(*args, **kwargs)``, called where CPython's frame stack has 512 KiB free in
+  one chunk.
+
+  >>> with_room(max, 2, 3, key=abs)
+  3
+  """
+  return fn(*args, **kwargs)
+
+
+if sys.implementation.name == "cpython" and sys.version_info >= (3, 11):
+  with_room.__code__ = with_room.__code__.replace(
+      co_stacksize=with_room.__code__.co_stacksize + _ROOM_SLOTS)
