@@ -1,5 +1,5 @@
 """Dispatch overhead of one jitted training step: statefulremat against raw JAX,
-flax.linen, flax.nnx and equinox.
+flax.linen, flax.nnx, equinox and SpectraX.
 
 One step is forward + gradient + optimizer update, compiled once, on models whose
 arrays are tiny, so what differs between the variants is the work around the
@@ -13,7 +13,9 @@ compiled computation (flattening, checks, write-back):
 
 Each library runs the step with a hand-written SGD update (``sgd``) and with an optax
 transformation (``optax``: ``optax.adam``; for statefulremat that is ``sr.Optimizer``),
-as built in ``benchmarks/dispatch_variants.py``. The variants are timed interleaved:
+as built in ``benchmarks/dispatch_variants.py``; SpectraX (``spx.jit``) runs where
+``spectrax-lib`` is installed and is listed as skipped where it is not. The variants are
+timed interleaved:
 in every batch each variant makes as many calls as fill a fixed time budget (at most
 ``calls``), each one blocked with ``jax.block_until_ready``, in an order that rotates
 from batch to batch; the garbage collector runs before each batch and is off during
@@ -28,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
+import platform
 import statistics
 import time
 from typing import Callable
@@ -36,9 +40,21 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .dispatch_variants import KINDS, SR_VARIANT, VARIANTS, models, n_variables
+from .dispatch_variants import (KINDS, SR_VARIANT, VARIANTS, models, n_variables,
+                                unavailable)
 
 TARGETS = {"tiny": 1.3, "wide": 1.5}  # sr.jit's median / raw jax.jit's median, at most
+LIBRARIES = ("jax", "flax", "equinox", "optax", "spectrax-lib")  # versions recorded
+
+
+def _versions() -> dict:
+  found = {"python": platform.python_version()}
+  for dist in LIBRARIES:
+    try:
+      found[dist] = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+      found[dist] = None
+  return found
 
 
 # -- timing ---------------------------------------------------------------------------
@@ -90,6 +106,9 @@ def run(quick: bool = False, *, batches: int | None = None, calls: int | None = 
   targets. Each variant makes as many calls per batch (at most ``calls``) as fill
   a fixed time budget, so slow variants on the wide graph do not dominate the run.
 
+  ``result["skipped"]`` maps each variant whose library is not installed (SpectraX
+  is optional) to a note saying so; it has no entry under ``variants``.
+
   ``quick=True`` runs in seconds: smaller graphs, 3 short batches, XLA's
   optimisations off. Its times are no measurement, only a check that everything runs.
   """
@@ -116,11 +135,13 @@ def _run(quick: bool, batches: int | None, calls: int | None) -> dict:
                        "batch_budget_us": budget_us, "batch_size": 2,
                        "optax": "adam(1e-3)", "xla_optimizations": not quick,
                        "backend": jax.default_backend(),
-                       "device": str(jax.devices()[0])},
-            "models": {}, "targets": []}
+                       "device": str(jax.devices()[0]), "versions": _versions()},
+            "models": {}, "targets": [], "skipped": unavailable()}
   for model, cfg in models(quick).items():
     steps, counts = {}, {}
     for name, build in VARIANTS.items():
+      if name in result["skipped"]:
+        continue
       for kind in KINDS:
         call = build(cfg, kind, x)
         jax.block_until_ready(call())  # compiles
@@ -157,6 +178,13 @@ def _run(quick: bool, batches: int | None, calls: int | None) -> dict:
 def table(result: dict) -> str:
   """A markdown table of ``run``'s result: µs per step and ratio to raw jax.jit."""
   lines = []
+  c = result["config"]
+  if "date" in c:  # stamped by benchmarks/run.py
+    versions = ", ".join(f"{k} {v}" for k, v in c.get("versions", {}).items()
+                         if v is not None)
+    lines.append(f"Measured {c['date']} on {c['machine']} (`{c['command']}`, "
+                 f"{c['seconds']:.0f} s; {versions}): {c['batches']} interleaved "
+                 f"batches of up to {c['max_calls_per_batch']} calls per variant.")
   for model, entry in result["models"].items():
     lines += [f"\n**{model}**: {entry['blocks']} blocks, {entry['variables']} variables "
               f"(target for {SR_VARIANT}: <= {TARGETS[model]}x raw)\n",
@@ -168,6 +196,8 @@ def table(result: dict) -> str:
         lines.append(f"| {name} | {kind} | {s['min_us']:.1f} | {s['median_us']:.1f} | "
                      f"{s['max_us']:.1f} | {s['ratio']:.2f}x | {s['paired_ratio']:.2f}x | "
                      f"{s['min_ratio']:.2f}x | {s['overhead_us']:+.0f} |")
+  for name, note in result.get("skipped", {}).items():
+    lines.append(f"\n{name}: {note}.")
   lines += ["", "ratio: median over raw jax.jit's median; paired: the median of each "
             "batch's mean over raw's in the same batch; min ratio: min over raw's min.",
             ""]

@@ -1,14 +1,19 @@
 """The dispatch benchmark's variants: the same tiny training step built by raw JAX,
-flax.linen, flax.nnx, equinox and statefulremat, each with a hand-written SGD update
-(``sgd``) and with ``optax.adam`` (``optax``). ``benchmarks/dispatch.py`` times them.
+flax.linen, flax.nnx, equinox, SpectraX and statefulremat, each with a hand-written SGD
+update (``sgd``) and with ``optax.adam`` (``optax``). ``benchmarks/dispatch.py`` times
+them.
 
 A variant is ``build(cfg, kind, x) -> call``: ``call()`` runs one compiled step and
 returns its loss; ``VARIANTS`` names them all, ``models(quick)`` gives the two model
-configurations and ``n_variables`` counts a configuration's Variables.
+configurations and ``n_variables`` counts a configuration's Variables. SpectraX
+(``spectrax-lib``, not in any extra: ``pip install --no-deps spectrax-lib==0.1.4``, as
+its own pins would downgrade protobuf and fsspec under orbax-checkpoint) is optional: ``unavailable()`` names the
+variants whose library is not installed, and the benchmark skips them with that note.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable
 
 import equinox as eqx
@@ -268,6 +273,12 @@ def eqx_filter_jit(cfg, kind, x):
                       optax_step, x)
 
 
+def spx_jit(cfg, kind, x):
+  # Imported here: SpectraX is optional (not in the dev extra).
+  from . import dispatch_spectrax
+  return dispatch_spectrax.build(cfg, kind, x, loss=_loss, sgd=_sgd, tx=_tx)
+
+
 def sr_jit(cfg, kind, x):
   model = _SrModel(**cfg, rngs=sr.Rngs(0))
 
@@ -296,9 +307,19 @@ VARIANTS: dict[str, Callable] = {
     "nnx.cached_partial": nnx_cached_partial,
     "nnx.jit_partial(graph=False)": nnx_jit_partial,
     "eqx.filter_jit": eqx_filter_jit,
+    "spx.jit (SpectraX)": spx_jit,
     SR_VARIANT: sr_jit,
 }
 KINDS = ("sgd", "optax")
+# Variants whose library the dev extra does not install: (module, distribution).
+OPTIONAL = {"spx.jit (SpectraX)": ("spectrax", "spectrax-lib")}
+
+
+def unavailable() -> dict[str, str]:
+  """The optional variants whose library is not installed, each with a note saying so."""
+  return {name: f"skipped: {module} is not installed (pip install --no-deps {dist})"
+          for name, (module, dist) in OPTIONAL.items()
+          if importlib.util.find_spec(module) is None}
 
 
 def models(quick: bool) -> dict[str, dict]:

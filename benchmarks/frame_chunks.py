@@ -33,18 +33,30 @@ def frame_bytes(code) -> int:
   return 8 * slots
 
 
+def chunk_bytes(size: int) -> int:
+  """Data bytes of the chunk CPython maps for a frame of ``size`` bytes: 16 KiB,
+  doubled until the frame and 1000 slots more fit (a frame that reserves room, as
+  sr.jit's tracing does, gets a chunk of its own with that room), less the header."""
+  total = CHUNK + 24
+  while total < size + 8 * 1000:
+    total *= 2
+  return total - 24
+
+
 class ChunkedStack:
   """CPython's frame stack, as far as chunk allocation goes."""
 
   def __init__(self, used: int):
     self.used = [used]  # bytes used in each live chunk, the first holding the caller
+    self.capacity = [CHUNK]
     self.frames: list[tuple[int, bool]] = []  # (bytes, whether it opened a chunk)
     self.mapped = 0
 
   def push(self, size: int) -> None:
-    opens = self.used[-1] + size > CHUNK
+    opens = self.used[-1] + size > self.capacity[-1]
     if opens:
       self.used.append(size)
+      self.capacity.append(chunk_bytes(size))
       self.mapped += 1
     else:
       self.used[-1] += size
@@ -54,6 +66,7 @@ class ChunkedStack:
     size, opened = self.frames.pop()
     if opened:
       self.used.pop()
+      self.capacity.pop()
     else:
       self.used[-1] -= size
 

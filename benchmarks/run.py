@@ -2,6 +2,8 @@
 
     python -m benchmarks [--quick] [--out DIR] [--no-dispatch] [--no-transformer]
     python benchmarks/run.py [--quick] [--out DIR] [--no-dispatch] [--no-transformer]
+    python -m benchmarks --part dispatch [--quick] [--out DIR]
+    python -m benchmarks --part hotpaths [--quick] [--out DIR]
 
 Runs every part in one process, on the deep-stack model (N x Linear W->W + tanh, loss
 mean(out**2), gradient over the params; see ``benchmarks/models.py``):
@@ -19,12 +21,19 @@ mean(out**2), gradient over the params; see ``benchmarks/models.py``):
 Writes ``results.json``, ``results.md`` (every figure with its target, met or not) and
 ``memory.png``, ``compile.png`` (and ``dispatch.png``) to ``--out`` (default
 ``benchmarks/results``). ``--quick`` uses tiny sizes and finishes in seconds.
+``--part dispatch`` re-runs part 4 alone (9 to 14 minutes on a busy 2-core VM): it
+replaces the dispatch section of the ``results.json`` already in ``--out``, recomputes
+the targets and rewrites ``results.md`` and ``dispatch.png``, leaving the other parts'
+figures as they were. ``--part hotpaths`` runs issue 23's hot paths in one process
+(``benchmarks/hotpaths.py``: raw JAX on modules, trace+lower at several caller depths,
+and the dispatch part as ``--part dispatch`` does) into ``hotpaths.json`` / ``.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import platform
@@ -38,11 +47,12 @@ if __package__ in (None, ""):  # run as `python benchmarks/run.py`
 import flax  # noqa: E402
 import jax  # noqa: E402
 
-from benchmarks import (compiling, dispatch, plots, remat_plan, report,  # noqa: E402
-                        timing, transformer)
+from benchmarks import (compiling, dispatch, hotpaths, plots, remat_plan,  # noqa: E402
+                        report, timing, transformer)
 from benchmarks.models import lengths_for  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PARTS = ("dispatch", "hotpaths")  # the parts --part can run alone
 
 FULL = {"width": 256, "batch": 4096, "depths": (16, 64, 100, 256), "reps": 3,
         "trace_reps": 15, "plan_depths": (61, 97, 127, 256, 1000),
@@ -118,7 +128,7 @@ def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool =
   dispatch_result = None
   if with_dispatch:
     log("part 4: dispatch overhead")
-    dispatch_result = dispatch.run(quick)
+    dispatch_result = _dispatch(quick, "python -m benchmarks")
   transformer_targets = None
   if with_transformer:
     log("part 6: the transformer family")
@@ -143,6 +153,48 @@ def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool =
   return results
 
 
+def _dispatch(quick: bool, command: str) -> dict:
+  """Part 4, its result stamped with when, where and how it ran."""
+  start = time.perf_counter()
+  result = dispatch.run(quick)
+  result["config"].update(
+      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      machine=machine(), command=command, seconds=time.perf_counter() - start)
+  return result
+
+
+def run_part(part: str, quick: bool = False, out: str | Path = RESULTS, *,
+             log=print) -> dict:
+  """Re-runs one part (``PARTS``) into the results already in ``out``; returns them.
+
+  The part's section of ``results.json`` is replaced, the targets recomputed, and
+  ``results.md`` and the part's plot rewritten; the other parts' figures stay as
+  they were measured.
+  """
+  if part not in PARTS:
+    raise ValueError(f"--part {part!r}: the parts that run alone are {list(PARTS)}")
+  out = Path(out)
+  path = out / "results.json"
+  if not path.exists():
+    raise FileNotFoundError(
+        f"--part {part} updates {path}, which does not exist: run the whole suite "
+        f"first (python -m benchmarks --out {out}).")
+  if part == "hotpaths":
+    return hotpaths.run(quick, out, machine=machine(), log=log,
+                        dispatch_part=lambda: run_part("dispatch", quick, out, log=log))
+  results = json.loads(path.read_text())
+  log("part 4: dispatch overhead")
+  command = "python -m benchmarks --part dispatch" + (" --quick" if quick else "")
+  results["dispatch"] = _dispatch(quick, command)  # stamped with this command
+  results["targets"] = report.targets(results)
+  with open(path, "w") as f:
+    json.dump(results, f, indent=1)
+  (out / "results.md").write_text(
+      report.markdown(results, dispatch.table(results["dispatch"])))
+  plots.dispatch(results["dispatch"], out / "dispatch.png")
+  return results
+
+
 def write(results: dict, out: Path) -> None:
   """``results.json``, ``results.md`` and the PNG plots, into ``out``."""
   out.mkdir(parents=True, exist_ok=True)
@@ -164,7 +216,21 @@ def main(argv=None) -> None:
   parser.add_argument("--out", default=RESULTS, help=f"output folder (default {RESULTS})")
   parser.add_argument("--no-dispatch", action="store_true", help="skip part 4")
   parser.add_argument("--no-transformer", action="store_true", help="skip part 6")
+  parser.add_argument("--part", choices=PARTS,
+                      help="re-run this part alone into the results.json in --out")
   args = parser.parse_args(argv)
+  if args.part is not None:
+    if args.no_dispatch or args.no_transformer:
+      parser.error("--part runs one part alone: drop --no-dispatch / --no-transformer")
+    try:
+      results = run_part(args.part, args.quick, args.out)
+    except FileNotFoundError as e:
+      parser.error(str(e))
+    print()
+    print(hotpaths.markdown(results) if args.part == "hotpaths"
+          else dispatch.table(results["dispatch"]))
+    print(f"\nwritten to {args.out}")
+    return
   results = run(args.quick, args.out, with_dispatch=not args.no_dispatch,
                 with_transformer=not args.no_transformer)
   print()
