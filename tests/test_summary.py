@@ -461,3 +461,19 @@ def test_grads_that_do_not_fit_the_model():
   with pytest.raises(ValueError, match=r"gradient at `blocks.linear.bias` has shape "
                                        r"\(20, 8\), the Param \(4, 8\)"):
     sr.summary(small, grads=grads)
+
+
+def test_a_stack_in_a_stack_counts_outer_times_inner_layers():
+  class Pair(sr.Module):
+    def __init__(self, *, rngs):
+      self.ens = sr.vmap(sr.nn.Linear, axis_size=2, in_axes=None)(2, 1, rngs=rngs)
+
+    def __call__(self, x):
+      return x, None
+
+  stack = sr.scan(Pair, length=3, variable_axes={True: 0})(rngs=sr.Rngs(0))
+  rows = {row.path: row for row in sr.summary(stack).rows}
+  # 3 outer layers x 2 ensemble members, each a Linear(2, 1) of 3 parameters.
+  for path in [(), ("ens",)]:
+    assert (rows[path].params, rows[path].layers, rows[path].params_per_layer) == (18, 6, 3)
+    assert rows[path].params_text() == "18 (6 × 3)"

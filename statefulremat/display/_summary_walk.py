@@ -18,13 +18,14 @@ module's attribute order is read from the module itself (its ``vars``, not a wal
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
 
 from ..core._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR, GraphDef, flatten
 from ..core._kinds import Param
-from ..core._stacks import is_stacked, layer_axis
+from ..core._stacks import LAYER_AXIS, is_stacked, layer_axis
 from ..core._variables import Variable
 
 
@@ -95,14 +96,15 @@ def describe(model) -> Description:
   graph.read(root, (), None)
   reach = {i: graph.reach(i) for i in graph.modules}
 
-  # Layers: each stack that reaches a stacked Variable multiplies in its layer axis.
+  # Layers: a stacked Variable reached by a stack holds one copy per layer of every
+  # level of its layer axes (a stack in a stack: outer layers x inner layers).
   axes = {i: layer_axis(objects[i]) for i in graph.variables}
   layers: dict[int, int | None] = dict.fromkeys(graph.variables)
-  for i in graph.modules:
-    if is_stacked(objects[i]):
-      for j in reach[i]:
-        if axes.get(j) is not None:
-          layers[j] = (layers[j] or 1) * int(np.shape(objects[j]._value)[axes[j][0]])
+  stacked_reach = {j for i in graph.modules if is_stacked(objects[i]) for j in reach[i]}
+  for j in stacked_reach:
+    if axes.get(j) is not None:
+      shape = np.shape(objects[j]._value)
+      layers[j] = math.prod(int(shape[a]) for a, _ in objects[j]._metadata[LAYER_AXIS])
 
   order = graph.definition_order()
   in_order = [i for i in order if i in axes]
