@@ -20,7 +20,9 @@ from .core._filters import PathContains as PathContains
 from .core._graph import GraphDef as GraphDef
 from .core._split_merge import clone as clone
 from .core._split_merge import graphdef as graphdef
+from .core._split_merge import iter_graph as iter_graph
 from .core._split_merge import merge as merge
+from .core._split_merge import pop as pop
 from .core._split_merge import split as split
 from .core._split_merge import state as state
 from .core._split_merge import update as update
@@ -66,6 +68,7 @@ from .core._kinds import RngCount as RngCount
 from .core._kinds import RngKey as RngKey
 from .core._kinds import RngState as RngState
 from .core._variables import Variable as Variable
+from .nn._sequential import Sequential as Sequential
 from . import nn as nn
 from . import interop as interop
 from . import _old_paths
@@ -73,3 +76,16 @@ from . import _old_paths
 _old_paths.install()  # pickles of 0.1 name the modules before the floor folders
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+  # A name flax.nnx has and we spell differently says ours (nnx.tabulate -> sr.summary,
+  # nnx.Linear -> sr.nn.Linear); dunder and private names (probed by pytest, doctest,
+  # pickle, IPython) and names nnx lacks keep Python's plain AttributeError.
+  if not name.startswith("_"):
+    from .interop import _nnx_names
+
+    text = _nnx_names.message(__name__, name, name in vars(nn))
+    if text is not None:
+      raise AttributeError(text, name=name, obj=None)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

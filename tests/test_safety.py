@@ -290,7 +290,9 @@ STRUCTURE_CHANGES = [
 ]
 
 
-@pytest.mark.parametrize("transform", ["jit", "grad"])
+# sr.jit (and sr.scan / sr.vmap / sr.remat) carry structure changes out:
+# tests/test_nnx_guide.py. sr.grad still refuses them.
+@pytest.mark.parametrize("transform", ["grad"])
 @pytest.mark.parametrize("change, where", STRUCTURE_CHANGES,
                          ids=[c.__name__.strip("_") for c, _ in STRUCTURE_CHANGES])
 def test_changing_structure_inside_a_transform_is_an_error(change, where, transform):
@@ -319,9 +321,10 @@ def test_structure_change_names_which_module_argument():
 
   def fn(a, b):
     b.flag = True
+    return a.w.value.sum()
 
   with pytest.raises(sr.GraphError, match=r"attribute `flag` of a Scale argument changed"):
-    sr.jit(fn)(a, b)
+    sr.grad(fn)(a, b)
   assert b.flag is False
 
 

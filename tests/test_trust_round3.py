@@ -475,9 +475,11 @@ def test_a_list_of_stacks_is_still_a_module_argument():
 # -- 10c. pre-split keys in sr.Rngs ----------------------------------------------------
 
 
-SPLIT = (r"sr\.Rngs: the stream '{tag}' got a key array of shape \(4,\) \(4 keys.*an Rngs "
-         r"takes one key \(or seed\) per stream.*sr\.vmap\(Block, axis_size=4\)\(\.\.\., "
-         r"rngs=sr\.Rngs\(key\)\).*Fix: pass the single key, `{fix}`")
+# Pre-split keys make a per-layer Rngs (nnx's guide vmaps over one: tests/test_nnx_guide.py);
+# drawing from it outside a vmap that maps it says what it is.
+SPLIT = (r"sr\.Rngs: the stream '{tag}' holds a key array of shape \(4,\) \(4 keys.*only be "
+         r"drawn from inside an sr\.vmap that maps it.*Fix: pass the Rngs through sr\.vmap.*"
+         r"or draw from one key, `{fix}`.*sr\.vmap\(Block, axis_size=4\)")
 
 
 @pytest.mark.parametrize("make, tag, fix", [
@@ -488,8 +490,10 @@ SPLIT = (r"sr\.Rngs: the stream '{tag}' got a key array of shape \(4,\) \(4 keys
 ])
 def test_rngs_from_pre_split_keys_says_what_they_are(make, tag, fix):
   keys = jax.random.split(jax.random.key(0), 4)
+  rngs = make(keys)
   with pytest.raises(ValueError, match=SPLIT.format(tag=tag, fix=fix)):
-    make(keys)
+    rngs[tag]()
+  assert int(rngs[tag].count.value[0]) == 0
 
 
 def test_rngs_takes_one_key_and_the_class_form_splits_it():

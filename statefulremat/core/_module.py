@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numbers
 import pickle
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -56,6 +56,40 @@ def _record_owners(parent, value, key_path: tuple) -> None:
   elif isinstance(value, dict):
     for key, item in value.items():
       _record_owners(parent, item, key_path + (key,))
+
+
+_MISSING = object()
+
+
+def _append(values: tuple, value) -> tuple:
+  return (*values, value)
+
+
+def _kind_named(variable_type, module, name: str) -> type:
+  """The Variable kind ``sow`` was given: a Variable subclass, or a collection name
+  resolved to the most basic kind of that collection (``"intermediates"`` ->
+  ``Intermediate``)."""
+  if isinstance(variable_type, type) and issubclass(variable_type, Variable):
+    return variable_type
+  if isinstance(variable_type, str):
+    todo, found = [Variable], []
+    while todo:
+      cls = todo.pop(0)
+      if cls.collection == variable_type:
+        found.append(cls)
+        continue  # a subclass of a match is a refinement of it
+      todo.extend(cls.__subclasses__())
+    if found:
+      return found[0]
+    where = format_path(path_of(module) + (name,))
+    raise GraphError(
+        f"sow({variable_type!r}, {name!r}, ...) at `{where}`: no Variable kind has the "
+        f"collection {variable_type!r}. Fix: pass the kind itself, e.g. "
+        f"`self.sow(sr.Intermediate, {name!r}, value)`, or define one: `class "
+        f"MyKind(sr.Variable): collection = {variable_type!r}`.")
+  raise GraphError(
+      f"sow takes a Variable kind (e.g. sr.Intermediate) or a collection name first, got "
+      f"{variable_type!r}. Fix: `self.sow(sr.Intermediate, {name!r}, value)`.")
 
 
 class Module:
@@ -144,6 +178,64 @@ class Module:
     """
     return self.set_attributes(deterministic=True, use_running_average=True)
 
+  # -- intermediates -----------------------------------------------------------
+
+  def sow(self, variable_type: type[Variable] | str, name: str, value: Any,
+          reduce_fn: Callable[[Any, Any], Any] = _append,
+          init_fn: Callable[[], Any] = tuple) -> bool:
+    """Keeps ``value`` in the Variable ``self.<name>`` of kind ``variable_type``, as
+    flax.nnx's ``Module.sow``: by default appended to a tuple, so a module called
+    twice keeps both values. Returns True.
+
+    The first sow creates the Variable (``variable_type(reduce_fn(init_fn(), value))``);
+    later ones replace its value with ``reduce_fn(old, value)``. ``variable_type`` is a
+    Variable kind (usually ``sr.Intermediate``) or its collection name
+    (``"intermediates"``). Take the values out with ``sr.pop(model, sr.Intermediate)``,
+    which also removes the Variables, so the next call starts afresh.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> class Net(sr.Module):
+    ...   def __init__(self):
+    ...     self.linear = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
+    ...   def __call__(self, x):
+    ...     h = self.linear(x)
+    ...     self.sow(sr.Intermediate, "features", h)
+    ...     self.sow(sr.Intermediate, "total", h.sum(), init_fn=lambda: 0.0,
+    ...              reduce_fn=lambda old, new: old + new)
+    ...     return h
+    >>> net = Net()
+    >>> _ = net(jnp.ones((1, 2))); _ = net(jnp.ones((1, 2)))
+    >>> [h.shape for h in net.features.value]
+    [(1, 3), (1, 3)]
+    >>> sorted(sr.pop(net, sr.Intermediate).flat()), hasattr(net, "features")
+    ([('features',), ('total',)], False)
+    """
+    kind = _kind_named(variable_type, self, name)
+    old = vars(self).get(name, _MISSING)
+    if old is _MISSING:
+      if hasattr(type(self), name):
+        raise GraphError(
+            f"sow: `{format_path(path_of(self) + (name,))}` names a "
+            f"{type(getattr(type(self), name)).__name__} of the class "
+            f"{type(self).__name__}; a sown value needs a name of its own. Fix: sow under "
+            "another name.")
+      setattr(self, name, kind(reduce_fn(init_fn(), value)))
+      return True
+    if type(old) is not kind:
+      path = format_path(path_of(self) + (name,))
+      if isinstance(old, Variable):
+        what = f"a {type(old).__name__}"
+        fix = (f"sow under another name, or with the kind it holds: "
+               f"`self.sow({type(old).__name__}, {name!r}, value)`")
+      else:
+        what, fix = f"a plain {type(old).__name__} attribute", "sow under another name"
+      raise GraphError(
+          f"sow({kind.__name__}, {name!r}, ...): `{path}` is {what}, not of kind "
+          f"{kind.__name__}, so the value cannot be added to it (nothing was changed). "
+          f"Fix: {fix}.")
+    old.value = reduce_fn(old.value, value)
+    return True
+
   # -- iteration -------------------------------------------------------------
 
   def iter_modules(self) -> Iterator[tuple[tuple, Module]]:
@@ -226,7 +318,9 @@ def on_new_class(hook) -> None:
 
 def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
   """Yields ``(path, object)`` for each module and Variable reachable from ``node``,
-  once, in the GraphDef's order (a module's attributes sorted)."""
+  once, in the GraphDef's order (a module's attributes sorted), each before what it
+  holds. (The public ``sr.iter_graph``, in ``_split_merge``, follows flax.nnx instead:
+  children first, containers and static attributes included.)"""
   for path, obj, first in arrivals(node, sort=True):
     if first:
       yield path, obj

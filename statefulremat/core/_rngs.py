@@ -41,16 +41,17 @@ def _as_key(seed) -> jax.Array:
 
 
 def _refuse_split_keys(shape: tuple, tag: str) -> None:
+  """Drawing from a stream that holds one key per layer, outside a vmap mapping it."""
   n = shape[0]
   one = "sr.Rngs(key)" if tag == "default" else f"sr.Rngs({tag}=key)"
   raise ValueError(
-      f"sr.Rngs: the stream {tag!r} got a key array of shape {tuple(shape)} ({n} keys, "
-      "as `jax.random.split(key, n)` makes), but an Rngs takes one key (or seed) per "
-      "stream and draws fresh keys from it itself. Pre-split keys are what a stack of "
-      "layers needs, one per layer, and the class forms of sr.vmap, sr.scan and "
-      "sr.remat_scan split them for it: `sr.vmap(Block, axis_size="
-      f"{n})(..., rngs=sr.Rngs(key))` builds {n} layers, each initialised from its own "
-      f"key (split_rngs). Fix: pass the single key, `{one}`.")
+      f"sr.Rngs: the stream {tag!r} holds a key array of shape {tuple(shape)} ({n} keys, "
+      "as `jax.random.split(key, n)` makes): one key per layer, so it can only be drawn "
+      "from inside an sr.vmap that maps it (each layer then draws from its own key), "
+      "as in nnx's `nnx.vmap(create, in_axes=0)(nnx.Rngs(jax.random.split(key, n)))`. "
+      "Fix: pass the Rngs through sr.vmap (`sr.vmap(lambda rngs: Block(rngs=rngs))"
+      f"(rngs)` builds {n} layers), or draw from one key, `{one}` (the class forms, "
+      f"`sr.vmap(Block, axis_size={n})(..., rngs={one})`, split it themselves).")
 
 
 class RngStream(Module):
@@ -65,14 +66,21 @@ class RngStream(Module):
 
   def __init__(self, seed, *, tag: str):
     key = _as_key(seed)
-    if key.shape:
-      _refuse_split_keys(key.shape, tag)
-    self.key = RngKey(key, tag=tag)
-    self.count = RngCount(jnp.zeros((), jnp.uint32), tag=tag)
+    if key.ndim > 1:
+      raise ValueError(
+          f"sr.Rngs: the stream {tag!r} got keys of shape {tuple(key.shape)}; it takes "
+          "one key, or one key per layer (`jax.random.split(key, n)`, shape (n,)).")
+    # Pre-split keys (shape (n,)): one stream per layer, a stack's state (layer axis
+    # 0), drawn from inside an sr.vmap that maps it.
+    meta = {"layer_axis": ((0, None),)} if key.shape else {}
+    self.key = RngKey(key, tag=tag, **meta)
+    self.count = RngCount(jnp.zeros(key.shape, jnp.uint32), tag=tag, **meta)
     self.tag = tag
 
   def __call__(self) -> jax.Array:
     count = self.count.value
+    if jnp.ndim(count):  # one count per pre-split key
+      _refuse_split_keys(jnp.shape(count), self.tag)
     self.count.value = count + 1
     return jax.random.fold_in(self.key.value, count)
 
@@ -200,6 +208,27 @@ class Rngs(Module):
     if name.startswith("_"):
       raise AttributeError(name)
     return self.default_stream(name)
+
+  def __call__(self) -> jax.Array:
+    """A fresh key from the ``default`` stream, as flax.nnx's ``rngs()``: the same as
+    ``rngs.default()``.
+
+    >>> import jax, statefulremat as sr
+    >>> rngs = sr.Rngs(0)
+    >>> k1, k2 = rngs(), rngs()
+    >>> bool((jax.random.key_data(k1) != jax.random.key_data(k2)).any())
+    True
+    >>> int(rngs.default.count.value)
+    2
+    """
+    stream = vars(self).get("default")
+    if not isinstance(stream, RngStream):
+      names = self.stream_names()
+      raise AttributeError(
+          f"rngs() draws from the default stream, but this Rngs has none (it has "
+          f"{names}). Fix: draw from a named stream, e.g. `rngs.{names[0]}()`, or give "
+          f"a default seed: `sr.Rngs(0, {names[0]}=...)`.")
+    return stream()
 
   def __getitem__(self, name: str) -> RngStream:
     return self.default_stream(name)

@@ -1,24 +1,27 @@
-"""``split`` / ``merge`` / ``state`` / ``graphdef`` / ``update`` / ``clone``: the
-public face of the graph walk (``_graph``). ``split`` flattens a graph and partitions
-its Variables into States by filter; ``merge`` unflattens a GraphDef with States into
-fresh objects; ``update`` writes values into an existing graph by path, all or
-nothing; ``clone`` copies a graph, buffers included.
+"""``split`` / ``merge`` / ``state`` / ``graphdef`` / ``update`` / ``clone`` / ``pop``
+/ ``iter_graph``: the public face of the graph walk (``_graph``). ``split`` flattens a
+graph and partitions its Variables into States by filter; ``merge`` unflattens a
+GraphDef with States into fresh objects; ``update`` writes values into an existing
+graph by path, all or nothing; ``clone`` copies a graph, buffers included; ``pop``
+takes Variables out of a graph (nnx's, for sown intermediates); ``iter_graph`` lists
+every node and leaf as flax.nnx's does.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
 
-from ._errors import StateMismatchError, TransformError, format_path
-from ._filters import Filter
+from ._errors import GraphError, StateMismatchError, TransformError, format_path
+from ._filters import Filter, filter_repr, to_predicate
 from ._graph import GraphDef, flatten, unflatten
 from ._graph_lock import hold, let_go
-from ._module import Module
+from ._module import Module, arrivals
 from ._state import State, partition
 from ._variables import Variable, _dtype_of
+
 
 def _check_node(node, fn: str):
   if not isinstance(node, (Module, Variable, list, tuple, dict)):
@@ -277,3 +280,137 @@ def deleted_error(variables, what: str, kind: type, after: str = "") -> Exceptio
       "plain jax.jit, `sr.update(model, new_state)` with the State it returned). To "
       "keep a copy that outlives donation (e.g. the best model so far), take "
       "`sr.clone(model)` before the donating call: it copies the buffers.")
+
+
+def pop(node, *filters: Filter) -> State | tuple[State, ...]:
+  """Takes the Variables that ``filters`` match out of ``node`` and returns their State,
+  as flax.nnx's ``pop``: one State per filter (a tuple for several), each Variable in
+  the first that matches.
+
+  The usual use is collecting what ``Module.sow`` kept: after a call,
+  ``sr.pop(model, sr.Intermediate)`` returns the sown values and deletes the
+  attributes that held them, so the next call sows afresh and the model's structure is
+  what it was before. A filter that matches nothing gives an empty State (nothing was
+  sown). A Variable held at several paths is removed from all of them. The Variables
+  must be held by module attributes or dicts: one inside a list or tuple cannot be
+  removed without renumbering its neighbours, so that is an error, and nothing is
+  removed.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> class Net(sr.Module):
+  ...   def __init__(self):
+  ...     self.linear = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
+  ...   def __call__(self, x):
+  ...     h = self.linear(x)
+  ...     self.sow(sr.Intermediate, "hidden", h)
+  ...     return h.sum()
+  >>> net = Net()
+  >>> _ = net(jnp.ones((1, 2)))
+  >>> intermediates = sr.pop(net, sr.Intermediate)
+  >>> intermediates["hidden"][0].shape, hasattr(net, "hidden")
+  ((1, 3), False)
+  >>> len(sr.pop(net, sr.Intermediate))  # nothing left
+  0
+  """
+  if not filters:
+    raise TypeError(
+        "sr.pop takes at least one filter: what to take out, e.g. "
+        "`sr.pop(model, sr.Intermediate)`.")
+  _check_node(node, "pop")
+  graphdef, variables = flatten([node])
+  predicates = [to_predicate(f) for f in filters]
+  groups: list[list] = [[] for _ in filters]
+  popped: dict[int, Variable] = {}
+  for path, var in zip(graphdef.var_paths, variables):
+    for group, predicate in zip(groups, predicates):
+      if predicate(path, var):
+        group.append((path, var))
+        popped[id(var)] = var
+        break
+  states = [State.from_variables(group) for group in groups]
+  holders = []
+  for path, obj, _ in arrivals(node):
+    if id(obj) not in popped or not isinstance(obj, Variable):
+      continue
+    if not path:
+      raise GraphError(
+          f"sr.pop: the node given is itself a {type(obj).__name__} matched by "
+          f"{filter_repr(filters[0]) if len(filters) == 1 else 'the filters'}, and "
+          "cannot be taken out of itself (nothing was removed). Pass the module "
+          "holding it.")
+    parent = _node_at(node, path[:-1])
+    if not isinstance(parent, (Module, dict)):
+      raise GraphError(
+          f"sr.pop: `{format_path(path)}` ({type(obj).__name__}) sits in a "
+          f"{type(parent).__name__}, and taking it out would renumber the items after "
+          "it (nothing was removed). Fix: keep such Variables as module attributes or "
+          "in a dict, or pop with a filter that leaves them, e.g. "
+          f"`sr.All(filter, sr.Not(sr.PathContains({path[-2]!r})))`.")
+    holders.append((parent, path[-1]))
+  for parent, key in holders:
+    if isinstance(parent, Module):
+      delattr(parent, key)
+    else:
+      del parent[key]
+  return states[0] if len(states) == 1 else tuple(states)
+
+
+def _node_at(root, path: tuple):
+  obj = root
+  for key in path:
+    obj = vars(obj)[key] if isinstance(obj, Module) else obj[key]
+  return obj
+
+
+def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
+  """Yields ``(path, value)`` for everything reachable from ``node``, as flax.nnx's
+  ``iter_graph``: modules, Variables, the lists/tuples/dicts that hold them and the
+  static attributes (ints, strings, functions, ...), ``node`` itself last.
+
+  The order is nnx's: depth first, children before their parent, a module's
+  attributes and a dict's keys sorted, list items in order. A module, Variable or
+  container reached again (shared) is yielded at its first path only; a Variable is a
+  leaf (its value is not entered). Attributes statefulremat keeps for itself
+  (``_sr_...``) are left out, as nnx leaves out its own. For modules and Variables
+  alone, first path first, use ``model.iter_modules()`` / ``model.iter_variables()``.
+
+  >>> import statefulremat as sr
+  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
+  >>> [(path, type(v).__name__) for path, v in sr.iter_graph([model, model])
+  ...  if not path or path[-1] in ("kernel", "bias", 0, 1)]
+  [((0, 'bias'), 'Param'), ((0, 'kernel'), 'Param'), ((0,), 'Linear'), ((), 'list')]
+  """
+  seen: set[int] = set()
+  todo: list[tuple[tuple, Any, bool]] = [((), node, False)]
+  while todo:
+    path, obj, done = todo.pop()
+    if done:
+      yield path, obj
+      continue
+    if isinstance(obj, Module):
+      children = _sorted_items({k: v for k, v in vars(obj).items()
+                                if not k.startswith("_sr_")})
+    elif isinstance(obj, dict):
+      children = _sorted_items(obj)
+    elif isinstance(obj, (list, tuple)):
+      children = list(enumerate(obj))
+    elif isinstance(obj, Variable):
+      children = None
+    else:
+      yield path, obj  # a static leaf: yielded wherever it appears
+      continue
+    if id(obj) in seen:
+      continue
+    seen.add(id(obj))
+    if children is None:
+      yield path, obj
+      continue
+    todo.append((path, obj, True))
+    todo.extend((path + (k,), v, False) for k, v in reversed(children))
+
+
+def _sorted_items(mapping: dict) -> list:
+  try:
+    return sorted(mapping.items(), key=lambda kv: kv[0])
+  except TypeError:  # keys of mixed types: keep their order
+    return list(mapping.items())

@@ -1,10 +1,13 @@
-"""flax.linen / flax.nnx parameter import and export, by name.
+r"""flax.linen / flax.nnx parameter and state dict import and export, by name.
 
 ``from_linen(model, variables)`` / ``from_nnx(model, nnx_module_or_state)`` load flax
 variables into our modules in place; ``to_linen(model)`` returns linen variables and
-``to_nnx(model, nnx_module_or_state)`` writes ours into nnx. Every call checks the
-whole mapping first and raises ``InteropError`` naming each variable that does not fit
-(missing, unused, wrong collection, shape or dtype) before writing anything.
+``to_nnx(model, nnx_module_or_state)`` writes ours into nnx.
+``from_state_dict(model, flat)`` / ``to_state_dict(model)`` do the same for a flat
+``{name: array}`` mapping (safetensors files; ``layout="torch"`` for PyTorch's).
+Every call checks the whole mapping first and raises ``InteropError`` naming each
+variable that does not fit (missing, unused, two for one, wrong collection, shape or
+dtype, with the nearest names) before writing anything.
 
 The mapping:
 
@@ -28,6 +31,25 @@ The mapping:
   (its own ``lengths``) and the flat one otherwise (``flat_stacks=True``: always flat).
   nnx's scan-over-layers modules (a Block built under ``nnx.vmap``) keep ``(L, ...)``
   arrays: copied as they are.
+* **Lists of layers.** A stacked variable also takes a list of layers at the
+  stack's path, layer ``i`` from ``blocks[i]`` (nnx's ``nnx.List``, a list, linen's
+  ``blocks_i``, a state dict's ``blocks.i.…``), and ``to_nnx`` into such a list,
+  ``to_linen(unstack=True)`` and ``to_state_dict(unstack=True)`` write one back.
+* **rename.** Every function takes ``rename=``: a callable, or a mapping of regular
+  expressions to replacements applied in order like ``re.sub``
+  (``{r"^layers\.(\d+)\.": r"blocks.\1."}``). Names are dot-joined paths with list
+  indices as numbers, as PyTorch state dicts name them (``layers.3.linear.kernel``);
+  for linen, the name inside its collection (``ScanLRNNCell_0.Dense_0.kernel``; the
+  collection is matched by kind). Where the other side has names (``from_*``,
+  ``to_nnx``'s target) rename maps them to ours; where we make the names
+  (``to_linen``, ``to_state_dict``) it maps ours to theirs. A callable may return
+  None to leave an entry out. Two names onto one variable, or a variable of ours
+  left unfilled, is an error that lists them.
+* **PyTorch layout.** ``layout="torch"`` for state dicts: ``Linear.weight`` ``(out,
+  in)`` is our ``kernel`` ``(in, out)``, ``Conv.weight`` ``(out, in, *window)`` our
+  ``(*window, in, out)``; ``weight`` of Embedding / LayerNorm / RMSNorm / BatchNorm is
+  our ``embedding`` / ``scale``, BatchNorm's ``running_mean`` / ``running_var`` our
+  ``mean`` / ``var``. Other layers keep our layout and names.
 * **Values.** Shapes and dtypes must match exactly (no silent casts).
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn, statefulremat as sr
@@ -53,5 +75,8 @@ from ._linen import to_linen as to_linen
 from ._nnx import from_nnx as from_nnx
 from ._nnx import to_nnx as to_nnx
 from ._report import InteropError as InteropError
+from ._state_dict import from_state_dict as from_state_dict
+from ._state_dict import to_state_dict as to_state_dict
 
-__all__ = ["InteropError", "from_linen", "from_nnx", "to_linen", "to_nnx"]
+__all__ = ["InteropError", "from_linen", "from_nnx", "from_state_dict", "to_linen",
+           "to_nnx", "to_state_dict"]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from ..core._split_merge import update
 from ..core._state import State
+from ._names import Source, made_names, match
 from ._paths import (Entry, entries, flat_tree, nearest, placed_like,
                      select_collections)
 from ._report import Problems, array_str, keys_str, shape_str, where_str
@@ -21,7 +22,9 @@ from ._report import Problems, array_str, keys_str, shape_str, where_str
 _FIX_NAMES = (
     "name the linen submodules after our attributes (in a compact method "
     "`nn.Dense(..., name='linear')`, in setup `self.linear = nn.Dense(...)`); a list "
-    "attribute `layers` is linen's `layers_0`, `layers_1`, ... (see sr.interop).")
+    "attribute `layers` is linen's `layers_0`, `layers_1`, ..., which also fill our "
+    "stack at `layers`; or map linen's names (`Dense_0`) to ours with rename= (see "
+    "sr.interop).")
 _FIX_UNUSED = ("every linen entry needs a variable of ours at the same path: add the "
                "layer to our model, drop the entry, or transfer fewer collections with "
                "collections=(...).")
@@ -86,8 +89,9 @@ def _check_variables(variables, what: str) -> None:
         + ". Pass the whole variables dict (wrap bare params as {'params': params}).")
 
 
-def from_linen(model, variables: Mapping, *, collections: Any = None):
-  """Loads flax.linen variables into ``model``, in place, by name; returns ``model``.
+def from_linen(model, variables: Mapping, *, collections: Any = None,
+               rename: Any = None):
+  r"""Loads flax.linen variables into ``model``, in place, by name; returns ``model``.
 
   Each of our variables takes the linen entry at its collection and linen name (see
   ``sr.interop`` for the rules): ``sr.Param`` from ``params``, ``sr.BatchStat`` from
@@ -95,12 +99,14 @@ def from_linen(model, variables: Mapping, *, collections: Any = None):
   linen variables and is left as it is. A stacked variable (class form of
   ``sr.scan`` / ``sr.remat_scan`` / ``sr.vmap``) takes linen's ``nn.scan`` layout
   (``(L, ...)``) or ``nn.remat_scan``'s (``(a, b, ..., ...)`` with ``a * b * ... ==
-  L``), whatever our own ``lengths``. Shapes and dtypes must match exactly. The
-  model then holds linen's arrays (placed like the ones they replace), not copies.
+  L``), whatever our own ``lengths``, or a list of layers at the stack's name
+  (``blocks_0`` … ``blocks_{L-1}``, as linen's ``setup`` names a list). Shapes and
+  dtypes must match exactly. The model then holds linen's arrays (placed like the
+  ones they replace), not copies.
 
   Everything is checked before anything is written: a missing, unused or misplaced
   linen entry, or a shape or dtype that differs, raises ``InteropError`` naming each
-  one, and leaves the model unchanged.
+  one (with the nearest names), and leaves the model unchanged.
 
   Args:
     model: our module (``sr.Module``).
@@ -108,6 +114,13 @@ def from_linen(model, variables: Mapping, *, collections: Any = None):
     collections: transfer only these collections (names such as ``"params"`` or
       kinds such as ``sr.Param``). Default: every collection of ours and of
       ``variables``; each must map completely.
+    rename: linen's name inside its collection, dot-joined
+      (``ScanLRNNCell_0.Dense_0.kernel``), to ours: a callable (returning None leaves
+      the entry out) or a mapping of regular expressions to replacements, applied
+      in order like ``re.sub``. Ours is our path (``layers.0.kernel``; for layer 3 of
+      a stack at ``blocks``, ``blocks.3.linear.kernel``) or its linen name
+      (``layers_0.kernel``, ``blocks_3.linear.kernel``). The collection is matched by
+      kind, not renamed.
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn, statefulremat as sr
   >>> class Net(sr.Module):
@@ -118,6 +131,19 @@ def from_linen(model, variables: Mapping, *, collections: Any = None):
   >>> net = sr.interop.from_linen(Net(sr.Rngs(0)), variables)
   >>> bool((net.layers[1].kernel.value == variables["params"]["layers_1"]["kernel"]).all())
   True
+
+  Automatic names (``Dense_0``) map by ``rename``:
+
+  >>> class Compact(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     x = jax.nn.relu(nn.Dense(4)(x))  # Dense_0
+  ...     return nn.Dense(1)(x)  # Dense_1
+  >>> variables = Compact().init(jax.random.key(1), jnp.ones((1, 2)))
+  >>> net = sr.interop.from_linen(Net(sr.Rngs(0)), variables,
+  ...                             rename={r"^Dense_(\d+)\.": r"layers.\1."})
+  >>> bool((net.layers[0].bias.value == variables["params"]["Dense_0"]["bias"]).all())
+  True
   """
   what = "sr.interop.from_linen"
   _check_variables(variables, what)
@@ -126,13 +152,6 @@ def from_linen(model, variables: Mapping, *, collections: Any = None):
   want = select_collections(collections, what)
   if want is None:
     want = {e.collection for e in ours} | set(variables)
-  flats: dict[str, dict] = {}
-
-  def flat(c):
-    if c not in flats:
-      flats[c] = flat_tree(variables[c], _is_leaf)
-    return flats[c]
-
   absent = set()
   for c in sorted(want - set(variables)):
     mine = [e for e in ours if e.collection == c]
@@ -144,63 +163,94 @@ def from_linen(model, variables: Mapping, *, collections: Any = None):
           f"{where_str(mine)}.",
           "pass the whole variables dict (every collection `init` returned), or load "
           "only some with collections=('params',).")
-  used: set[tuple] = set()
-  new: dict[tuple, Any] = {}
-  for e in ours:
+  flats = {c: flat_tree(tree, _is_leaf) for c, tree in variables.items()}
+  sources = [Source((c, path), ".".join(str(k) for k in path),
+                    f"linen `{_linen_str(c, path)}`", value, c, extra=c not in want)
+             for c, flat in flats.items() for path, value in flat.items()]
+  found = match([e for e in ours if e.collection not in absent], sources, _names,
+                rename, what, problems, "linen")
+  for e in found.missing:
     c = e.collection
-    if c in absent:
-      continue
-    if e.linen in flat(c):
-      used.add((c, e.linen))
-      value = _from_linen_value(e, flat(c)[e.linen], _linen_str(c, e.linen), problems)
-      if value is not None:
-        new[e.path] = value
-      continue
-    elsewhere = [o for o in variables if o != c and e.linen in flat(o)]
-    if elsewhere:
-      used.add((elsewhere[0], e.linen))
-      problems.add(
-          f"{e.where()} belongs to collection `{c}`, but linen has it as "
-          f"`{_linen_str(elsewhere[0], e.linen)}` (collection `{elsewhere[0]}`).",
-          "keep each variable in its kind's collection (sr.Param <-> params, "
-          "sr.BatchStat <-> batch_stats); in linen, `self.variable('batch_stats', ...)`.")
-      continue
-    prefix, below = nearest(flat(c), e.linen)
-    problems.add(f"{e.where()}: linen has no `{_linen_str(c, e.linen)}` "
-                 f"(`{_linen_str(c, prefix)}` has: {keys_str(below)}).", _FIX_NAMES)
-  for c in sorted(want & set(variables), key=str):
-    for path, value in flat(c).items():
-      if (c, path) not in used:
-        problems.add(f"linen `{_linen_str(c, path)}` ({array_str(value)}) matches no "
-                     "variable of ours.", _FIX_UNUSED)
+    if rename is None:
+      prefix, below = nearest(flats[c], e.linen)
+      text = (f"linen has no `{_linen_str(c, e.linen)}` "
+              f"(`{_linen_str(c, prefix)}` has: {keys_str(below)}).")
+    else:
+      text = f"no linen `{c}` entry is renamed to {_answers(e)}."
+    problems.add(f"{e.where()}: {text}{found.nearest_sources(e)}", _FIX_NAMES)
+  for e, s in found.wrong:
+    problems.add(
+        f"{e.where()} belongs to collection `{e.collection}`, but linen has it as "
+        f"`{_linen_str(*s.key)}` (collection `{s.collection}`).",
+        "keep each variable in its kind's collection (sr.Param <-> params, "
+        "sr.BatchStat <-> batch_stats); in linen, `self.variable('batch_stats', ...)`.")
+  new: dict[tuple, Any] = {}
+  for fill in found.fills:
+    e = fill.entry
+    if fill.whole is not None:
+      value = _from_linen_value(e, fill.whole, problems)
+    else:
+      values = [_from_linen_value(e, s, problems, layer=i)
+                for i, s in enumerate(fill.layers)]
+      value = (None if any(v is None for v in values)
+               else placed_like(e.var, jnp.stack(values, axis=e.axis)))
+    if value is not None:
+      new[e.path] = value
+  for s in found.unused:
+    if not s.extra:
+      problems.add(f"{s.shown} ({array_str(_unboxed(s.leaf))})"
+                   + (f", renamed `{s.target}`," if s.target != s.name else "")
+                   + f" matches no variable of ours.{found.nearest_ours(s)}", _FIX_UNUSED)
   problems.raise_if_any()
   update(model, State(new))
   return model
 
 
-def _from_linen_value(e: Entry, value, where: str, problems: Problems):
-  """``value`` in our layout (layer axes flattened), or None after adding a problem."""
+def _names(e: Entry, layer: int | None) -> list[str]:
+  """The names ``e`` (or its layer) answers to: its linen name and our path."""
+  linen, ours = ".".join(e.linen_name(layer)), e.dotted(layer)
+  return [linen] if linen == ours else [linen, ours]
+
+
+def _answers(e: Entry) -> str:
+  words = " or ".join(f"`{n}`" for n in _names(e, None))
+  if e.layers:
+    words += (f" (or, layer by layer, {' or '.join(f'`{n}`' for n in _names(e, 0))} "
+              f"… for its {e.layers} layers)")
+  return words
+
+
+def _unboxed(value):
   unbox = getattr(value, "unbox", None)  # linen's nn.Partitioned & co. box arrays
-  if callable(unbox):
-    value = unbox()
+  return unbox() if callable(unbox) else value
+
+
+def _from_linen_value(e: Entry, s: Source, problems: Problems, layer: int | None = None):
+  """The value of ``s`` in our layout (layer axes flattened), or None after adding a
+  problem; with ``layer``, one layer's slice, kept as it is for stacking."""
+  value = _unboxed(s.leaf)
   shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  where = e.where() if layer is None else f"{e.where()} layer {layer}"
   if shape is None or dtype is None:
-    problems.add(f"{e.where()}: linen `{where}` is a {type(value).__name__}, not an "
-                 "array.")
+    problems.add(f"{where}: {s.label()} is a {type(value).__name__}, not an array.")
     return None
-  shape, ours = tuple(shape), e.shape
-  if shape != ours and not _nested_layout(e, shape):
-    layers = (f" ({ours[e.axis]} layers on axis {e.axis})" if e.axis is not None
-              else "")
-    problems.add(f"{e.where()}: shape mismatch: ours is {shape_str(ours)}{layers}, "
-                 f"linen `{where}` is {shape_str(shape)}.",
-                 _FIX_STACK if e.axis is not None else _FIX_SHAPE)
+  shape = tuple(shape)
+  ours = e.shape if layer is None else e.layer_shape()
+  if shape != ours and (layer is not None or not _nested_layout(e, shape)):
+    layers = (f" ({ours[e.axis]} layers on axis {e.axis})"
+              if e.axis is not None and layer is None else
+              " per layer" if layer is not None else "")
+    problems.add(f"{where}: shape mismatch: ours is {shape_str(ours)}{layers}, "
+                 f"{s.label()} is {shape_str(shape)}.",
+                 _FIX_STACK if e.axis is not None and layer is None else _FIX_SHAPE)
     return None
   if dtype != e.dtype:
-    problems.add(f"{e.where()}: dtype mismatch: ours is {e.dtype}, linen `{where}` is "
+    problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is "
                  f"{dtype}.", _FIX_DTYPE)
     return None
   value = jnp.asarray(value)
+  if layer is not None:
+    return value
   return placed_like(e.var, value if shape == ours else value.reshape(ours))
 
 
@@ -214,20 +264,29 @@ def _nested_layout(e: Entry, shape: tuple) -> bool:
           and math.prod(shape[a:a + k]) == ours[a])
 
 
-def to_linen(model, *, collections: Any = None, flat_stacks: bool = False) -> dict:
-  """``model``'s variables as flax.linen variables: ``{"params": {...}, ...}``.
+def to_linen(model, *, collections: Any = None, flat_stacks: bool = False,
+             unstack: bool = False, rename: Any = None) -> dict:
+  r"""``model``'s variables as flax.linen variables: ``{"params": {...}, ...}``.
 
   The reverse of ``from_linen``, with the same names (see ``sr.interop``). A
   ``sr.remat_scan`` stack gives linen's ``nn.remat_scan`` layout, its flat layer axis
   split into ``lengths``; a ``sr.scan`` / ``sr.vmap`` stack (or any stack, with
-  ``flat_stacks=True``) gives the ``nn.scan`` layout, one layer axis. RNG state is
-  left out. The arrays are ours, not copies (JAX arrays are immutable; but donating
-  them to a jitted function, ``donate_argnums``, would delete our model's buffers).
+  ``flat_stacks=True``) gives the ``nn.scan`` layout, one layer axis; with
+  ``unstack=True``, a list of layers (``blocks_0`` … ``blocks_{L-1}``, as linen's
+  ``setup`` names a list of submodules). RNG state is left out. The arrays are ours,
+  not copies (JAX arrays are immutable; but donating them to a jitted function,
+  ``donate_argnums``, would delete our model's buffers).
 
   Args:
     model: our module.
     collections: only these collections (names or kinds); default all but RNG state.
     flat_stacks: one flat layer axis for ``remat_scan`` stacks too.
+    unstack: each stacked variable as a list of layers.
+    rename: here the names are made, so it goes from ours to linen's: it takes our
+      dot-joined path (``layers.0.kernel``; with ``unstack``, layer 3 of a stack at
+      ``blocks`` is ``blocks.3.linear.kernel``) and returns linen's name inside the
+      collection, dot-joined (``Dense_0.kernel``; None leaves the variable out). A
+      callable, or a mapping of regular expressions applied in order like ``re.sub``.
 
   Returns:
     a dict of plain dicts, for ``linen_model.apply(variables, ...)``.
@@ -239,17 +298,28 @@ def to_linen(model, *, collections: Any = None, flat_stacks: bool = False) -> di
   {'params': {'bias': (2, 3, 4), 'kernel': (2, 3, 4, 4)}}
   >>> jax.tree.map(jnp.shape, sr.interop.to_linen(deep, flat_stacks=True))["params"]
   {'bias': (6, 4), 'kernel': (6, 4, 4)}
+  >>> sorted(sr.interop.to_linen(deep, unstack=True,
+  ...                            rename={r"^(\d+)\.": r"Dense_\1."})["params"])
+  ['Dense_0', 'Dense_1', 'Dense_2', 'Dense_3', 'Dense_4', 'Dense_5']
   """
   what = "sr.interop.to_linen"
   problems = Problems(what, "no variables were returned")
   ours = _linen_entries(model, collections, what, problems)
   problems.raise_if_any()
+  names = made_names(ours, unstack, Entry.dotted,
+                     lambda e, layer: ".".join(e.linen_name(layer)), rename, what,
+                     problems, "linen", nested=True)
+  problems.raise_if_any()
   out: dict[str, dict] = {}
-  for e in ours:
+  for e, layer, name in names:
     node = out.setdefault(e.collection, {})
-    for name in e.linen[:-1]:
-      node = node.setdefault(name, {})
+    *scope, last = e.linen_name(layer) if rename is None else name.split(".")
+    for key in scope:
+      node = node.setdefault(key, {})
     value = e.var.value
-    shape = e.linen_shape(flat=flat_stacks)
-    node[e.linen[-1]] = value if shape == e.shape else jnp.reshape(value, shape)
+    if layer is not None:
+      node[last] = jnp.take(value, layer, axis=e.axis)
+    else:
+      shape = e.linen_shape(flat=flat_stacks)
+      node[last] = value if shape == e.shape else jnp.reshape(value, shape)
   return out

@@ -11,14 +11,19 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
+
 from ..core._errors import format_path
 from ..core._split_merge import update
 from ..core._state import State
-from ._paths import entries, flat_tree, nearest, placed_like, select_collections
+from ._names import Source, match
+from ._paths import (Entry, dotted, entries, flat_tree, nearest, placed_like,
+                     select_collections)
 from ._report import Problems, array_str, keys_str, shape_str, where_str
 
 _FIX_NAMES = ("give the nnx module the same attribute names and nesting as ours "
-              "(lists as `nnx.List`, index `i` <-> our `[i]`).")
+              "(lists as `nnx.List`, index `i` <-> our `[i]`; a list of layers fills our "
+              "stack at the same path), or map nnx's names to ours with rename=.")
 _FIX_UNUSED = ("every nnx variable needs one of ours at the same path: add the layer "
                "to our model, or transfer fewer collections with collections=(...).")
 
@@ -69,8 +74,10 @@ def _is_leaf(node) -> bool:
   return not isinstance(node, Mapping)
 
 
-def _match(model, flat: dict, collections, what: str, problems: Problems):
-  """``[(entry, nnx path, nnx leaf)]`` for our variables in the chosen collections."""
+def _match(model, flat: dict, collections, rename, what: str, problems: Problems):
+  """``[(entry, [(nnx path, nnx leaf, layer or None)])]`` for our variables in the
+  chosen collections: one pair for a whole variable, one per layer for a stack
+  filled from a list of layers."""
   want = select_collections(collections, what)
   ours = entries(model, what)
   if want is None:
@@ -91,58 +98,80 @@ def _match(model, flat: dict, collections, what: str, problems: Problems):
             f"{len(mine)}: {where_str(mine)}.",
             "pass the whole nnx module or state, or transfer only some collections "
             "with collections=('params',).")
-  used, pairs = set(), []
-  for e in ours:
-    if e.collection in absent:
-      continue
-    leaf = flat.get(e.path)
-    if leaf is None:
+  sources = [Source(path, dotted(path), f"nnx `{format_path(path)}`", leaf,
+                    _collection(leaf), extra=path not in theirs)
+             for path, leaf in flat.items()]
+  found = match([e for e in ours if e.collection not in absent], sources, _names,
+                rename, what, problems, "nnx")
+  for e in found.missing:
+    if rename is None:
       prefix, below = nearest(flat, e.path)
-      problems.add(f"{e.where()}: nnx has no `{format_path(e.path)}` "
-                   f"(`{format_path(prefix)}` has: {keys_str(below)}).", _FIX_NAMES)
-      continue
-    used.add(e.path)
-    c = _collection(leaf)
-    if c is not None and c != e.collection:
-      problems.add(f"{e.where()} belongs to collection `{e.collection}`, but nnx has a "
-                   f"{type(leaf).__name__} there (collection `{c}`).",
-                   "use the same variable kinds on both sides (sr.Param <-> nnx.Param, "
-                   "sr.BatchStat <-> nnx.BatchStat).")
-      continue
-    value = _value(leaf)
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if shape is None or tuple(shape) != e.shape:
-      problems.add(f"{e.where()}: shape mismatch: ours is {shape_str(e.shape)}, nnx "
-                   f"`{format_path(e.path)}` is "
-                   f"{shape_str(shape) if shape is not None else type(value).__name__}.",
-                   "build both with the same sizes (a stack's layer axis must sit "
-                   "where the nnx module keeps it).")
-    elif dtype != e.dtype:
-      problems.add(f"{e.where()}: dtype mismatch: ours is {e.dtype}, nnx "
-                   f"`{format_path(e.path)}` is {dtype}.",
-                   "dtypes must match exactly (no silent casts): build both with the "
-                   "same param_dtype.")
+      text = (f"nnx has no `{format_path(e.path)}` "
+              f"(`{format_path(prefix)}` has: {keys_str(below)}).")
     else:
-      pairs.append((e, e.path, leaf))
-  for path, leaf in theirs.items():
-    if path not in used:
-      problems.add(f"nnx `{format_path(path)}` ({_describe(leaf)}) matches no variable "
-                   "of ours.", _FIX_UNUSED)
+      text = f"no nnx variable is renamed to `{e.dotted()}`" + (
+          f" (or, layer by layer, `{e.dotted(0)}` … for its {e.layers} layers)"
+          if e.layers else "") + "."
+    problems.add(f"{e.where()}: {text}{found.nearest_sources(e)}", _FIX_NAMES)
+  for e, s in found.wrong:
+    problems.add(f"{e.where()} belongs to collection `{e.collection}`, but nnx has a "
+                 f"{type(s.leaf).__name__} there (collection `{s.collection}`).",
+                 "use the same variable kinds on both sides (sr.Param <-> nnx.Param, "
+                 "sr.BatchStat <-> nnx.BatchStat).")
+  pairs = []
+  for fill in found.fills:
+    e = fill.entry
+    given = ([(fill.whole, None)] if fill.whole is not None
+             else [(s, i) for i, s in enumerate(fill.layers)])
+    if all(_fits(e, s, layer, problems) for s, layer in given):
+      pairs.append((e, [(s.key, s.leaf, layer) for s, layer in given]))
+  for s in found.unused:
+    if not s.extra:
+      problems.add(f"{s.shown} ({_describe(s.leaf)})"
+                   + (f", renamed `{s.target}`," if s.target != s.name else "")
+                   + f" matches no variable of ours.{found.nearest_ours(s)}", _FIX_UNUSED)
   return pairs
 
 
-def from_nnx(model, source, *, collections: Any = None):
-  """Loads the variables of a flax.nnx Module (or State) into ``model``, in place.
+def _names(e: Entry, layer: int | None) -> list[str]:
+  return [e.dotted(layer)]
+
+
+def _fits(e: Entry, s: Source, layer: int | None, problems: Problems) -> bool:
+  """Whether ``s`` has ``e``'s shape (one layer's, with ``layer``) and dtype."""
+  value = _value(s.leaf)
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  where = e.where() if layer is None else f"{e.where()} layer {layer}"
+  ours = e.shape if layer is None else e.layer_shape()
+  if shape is None or tuple(shape) != ours:
+    problems.add(f"{where}: shape mismatch: ours is {shape_str(ours)}"
+                 f"{' per layer' if layer is not None else ''}, {s.label()} is "
+                 f"{shape_str(shape) if shape is not None else type(value).__name__}.",
+                 "build both with the same sizes (a stack's layer axis must sit "
+                 "where the nnx module keeps it).")
+    return False
+  if dtype != e.dtype:
+    problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.",
+                 "dtypes must match exactly (no silent casts): build both with the "
+                 "same param_dtype.")
+    return False
+  return True
+
+
+def from_nnx(model, source, *, collections: Any = None, rename: Any = None):
+  r"""Loads the variables of a flax.nnx Module (or State) into ``model``, in place.
 
   Variables match by path (ours and nnx's are the same: attribute names, list
-  indices, dict keys) and by collection (``nnx.Param`` <-> ``sr.Param``,
-  ``nnx.BatchStat`` <-> ``sr.BatchStat``, other kinds by linen's collection name).
-  Shapes and dtypes must match exactly; a stacked variable is copied whole, so
-  nnx's scan-over-layers modules (built under ``nnx.vmap``, ``(L, ...)`` arrays)
-  map to our stacks with the layer axis at 0. RNG state is skipped unless
-  ``collections`` names ``"rngs"`` (nnx's ``Dropout`` keeps its stream elsewhere
-  than ours). Everything is checked first; on a mismatch ``InteropError`` names
-  every variable that does not fit and the model is unchanged.
+  indices, dict keys), after ``rename``, and by collection (``nnx.Param`` <->
+  ``sr.Param``, ``nnx.BatchStat`` <-> ``sr.BatchStat``, other kinds by linen's
+  collection name). Shapes and dtypes must match exactly. A stacked variable takes
+  either a stacked array at its path (nnx's scan-over-layers modules, built under
+  ``nnx.vmap``: ``(L, ...)`` arrays, the layer axis at 0) or a list of layers there
+  (``blocks[0]`` … ``blocks[L-1]``, an ``nnx.List`` or a list), one slice per layer.
+  RNG state is skipped unless ``collections`` names ``"rngs"`` (nnx's ``Dropout``
+  keeps its stream elsewhere than ours). Everything is checked first; on a mismatch
+  ``InteropError`` names every variable that does not fit (with the nearest names)
+  and the model is unchanged.
 
   Args:
     model: our module.
@@ -150,6 +179,11 @@ def from_nnx(model, source, *, collections: Any = None):
       arrays works too, its kinds unchecked).
     collections: only these collections (names or kinds). Default: every non-RNG
       collection of ours and of ``source``; each must map completely.
+    rename: nnx's path, dot-joined with list indices as numbers
+      (``layers.3.linear.kernel``), to ours (for layer 3 of our stack at ``blocks``:
+      ``blocks.3.linear.kernel``): a callable (returning None leaves the entry out)
+      or a mapping of regular expressions to replacements, applied in order like
+      ``re.sub``.
 
   Returns:
     ``model``.
@@ -160,23 +194,47 @@ def from_nnx(model, source, *, collections: Any = None):
   >>> ours = sr.interop.from_nnx(sr.nn.Linear(2, 3, rngs=sr.Rngs(0)), theirs)
   >>> bool((ours.kernel.value == theirs.kernel[...]).all())
   True
+
+  A list of nnx layers into our stack of them, renamed on the way:
+
+  >>> class Layers(nnx.Module):
+  ...   def __init__(self, rngs):
+  ...     self.layers = nnx.List([nnx.Linear(3, 3, rngs=rngs) for _ in range(4)])
+  >>> class Ours(sr.Module):
+  ...   def __init__(self, rngs):
+  ...     self.blocks = sr.vmap(sr.nn.Linear, axis_size=4)(3, 3, rngs=rngs)
+  >>> theirs = Layers(nnx.Rngs(1))
+  >>> ours = sr.interop.from_nnx(Ours(sr.Rngs(0)), theirs,
+  ...                            rename={r"^layers\.": "blocks."})
+  >>> ours.blocks.kernel.value.shape
+  (4, 3, 3)
+  >>> bool((ours.blocks.kernel.value[2] == theirs.layers[2].kernel[...]).all())
+  True
   """
   what = "sr.interop.from_nnx"
   flat, _ = _flat_nnx(source, what)
   problems = Problems(what, "the model is unchanged")
-  pairs = _match(model, flat, collections, what, problems)
+  pairs = _match(model, flat, collections, rename, what, problems)
   problems.raise_if_any()
-  update(model, State({path: placed_like(e.var, _value(leaf))
-                      for e, path, leaf in pairs}))
+  new = {}
+  for e, given in pairs:
+    if given[0][2] is None:
+      new[e.path] = placed_like(e.var, _value(given[0][1]))
+    else:
+      new[e.path] = placed_like(
+          e.var, jnp.stack([_value(leaf) for _, leaf, _ in given], axis=e.axis))
+  update(model, State(new))
   return model
 
 
-def to_nnx(model, target, *, collections: Any = None):
+def to_nnx(model, target, *, collections: Any = None, rename: Any = None):
   """Writes ``model``'s variables into a flax.nnx Module (in place) or State (a copy).
 
-  The reverse of ``from_nnx``, with the same matching rules. Given an nnx Module,
-  its variables are updated in place (``nnx.update``); given an nnx State, a new
-  State is returned and the one given is left as it is. Everything is checked
+  The reverse of ``from_nnx``, with the same matching rules and the same ``rename``
+  (the target's names, renamed, find ours): a list of layers in the target (an
+  ``nnx.List`` at our stack's path) gets one layer of our stack each. Given an nnx
+  Module, its variables are updated in place (``nnx.update``); given an nnx State,
+  a new State is returned and the one given is left as it is. Everything is checked
   first; on a mismatch ``InteropError`` names every variable that does not fit and
   the target is unchanged.
 
@@ -185,6 +243,7 @@ def to_nnx(model, target, *, collections: Any = None):
     target: an nnx Module, or an nnx State.
     collections: only these collections (names or kinds). Default: every non-RNG
       collection of ours and of ``target``; each must map completely.
+    rename: the target's path, dot-joined, to ours, as in ``from_nnx``.
 
   Returns:
     the nnx State of the target with our values in it (for a Module,
@@ -202,9 +261,10 @@ def to_nnx(model, target, *, collections: Any = None):
   nnx = _nnx()
   flat, is_module = _flat_nnx(target, what)
   problems = Problems(what, "the nnx target is unchanged")
-  pairs = _match(model, flat, collections, what, problems)
+  pairs = _match(model, flat, collections, rename, what, problems)
   problems.raise_if_any()
-  values = {path: e.var.value for e, path, _ in pairs}
+  values = {path: e.var.value if layer is None else jnp.take(e.var.value, layer, e.axis)
+            for e, given in pairs for path, _, layer in given}
   if is_module:
     nnx.update(target, nnx.from_flat_state(list(values.items())))
     return nnx.state(target)

@@ -12,7 +12,11 @@
   flat layer axis, and for a ``remat_scan`` stack its ``lengths`` (linen's
   ``nn.remat_scan`` nests the layer axes: ``(a, b, ...)`` in place of our ``a * b``).
   Stacks inside a stacked layer keep their axes as they are (a linen ``nn.scan``
-  inside an ``nn.scan`` stores the layer axes the same way).
+  inside an ``nn.scan`` stores the layer axes the same way);
+* ``depth`` / ``linen_depth``: where the stack sits on the path and the linen name, so
+  that layer ``i`` also answers to the list-of-layers names ``blocks.i.linear.kernel``
+  and linen's ``blocks_i`` (``Entry.dotted(i)``, ``Entry.linen_name(i)``);
+* ``owner``: the module holding the variable (its class decides PyTorch's layout).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class Entry:
   linen: tuple
   axis: int | None = None
   lengths: tuple | None = None
+  owner: Any = None  # the module whose attribute (or list, dict) holds the variable
+  depth: int = 0  # for a stacked variable: how many keys of ``path`` reach the stack
+  linen_depth: int = 0  # ... and of ``linen``
 
   @property
   def collection(self) -> str:
@@ -55,6 +62,34 @@ class Entry:
 
   def where(self) -> str:
     return f"`{format_path(self.path)}` ({type(self.var).__name__})"
+
+  @property
+  def layers(self) -> int | None:
+    """The number of layers of a stacked variable; None for others."""
+    return None if self.axis is None else self.shape[self.axis]
+
+  def layer_shape(self) -> tuple:
+    """The shape of one layer's slice (the whole shape if not stacked)."""
+    shape = self.shape
+    return shape if self.axis is None else shape[:self.axis] + shape[self.axis + 1:]
+
+  def dotted(self, layer: int | None = None) -> str:
+    """Our path dot-joined, ``layers.0.kernel``; with ``layer``, that layer's place in
+    a list of layers at the stack's path (``blocks.3.linear.kernel``)."""
+    path = self.path
+    if layer is not None:
+      path = path[:self.depth] + (layer,) + path[self.depth:]
+    return dotted(path)
+
+  def linen_name(self, layer: int | None = None) -> tuple:
+    """The linen name; with ``layer``, that layer's as linen's ``setup`` names a list
+    of submodules at the stack's name (``blocks_3``)."""
+    if layer is None:
+      return self.linen
+    d = self.linen_depth
+    if d == 0:
+      return (str(layer),) + self.linen
+    return self.linen[:d - 1] + (f"{self.linen[d - 1]}_{layer}",) + self.linen[d:]
 
   def linen_shape(self, flat: bool = False) -> tuple:
     """The shape linen keeps this variable in: nested layer axes for remat_scan."""
@@ -73,7 +108,7 @@ def entries(model, what: str) -> list[Entry]:
   stacks: dict[int, tuple[dict, tuple | None]] = {}
   out = []
   for path, var in zip(graphdef.var_paths, variables):
-    linen, stack = _walk(model, path)
+    linen, stack, owner, depth, linen_depth = _walk(model, path)
     axis = lengths = None
     if stack is not None:
       if id(stack) not in stacks:
@@ -83,24 +118,34 @@ def entries(model, what: str) -> list[Entry]:
       if axis is not None and stack_lengths is not None and (
           math.prod(stack_lengths) == jnp.shape(var._value)[axis]):
         lengths = stack_lengths
-    out.append(Entry(path, var, linen, axis, lengths))
+    if axis is None:
+      depth = linen_depth = 0
+    out.append(Entry(path, var, linen, axis, lengths, owner, depth, linen_depth))
   return out
 
 
-def _walk(root, path: tuple) -> tuple[tuple, Any]:
-  """The linen name of ``path`` and the outermost stacked module on the way."""
+def _walk(root, path: tuple) -> tuple[tuple, Any, Any, int, int]:
+  """The linen name of ``path``, the outermost stacked module on the way, the module
+  holding the variable, and how many keys of the path and of the name reach the stack."""
   scope: list[str] = []
-  name, obj, stack = None, root, None
-  for key in path:
+  name, obj, stack, owner = None, root, None, root
+  depth = linen_depth = 0
+  for n, key in enumerate(path):
     if isinstance(obj, Module):
       if stack is None and is_stacked(obj):
-        stack = obj
+        stack, depth, linen_depth = obj, n, len(scope) + (name is not None)
       if name is not None:
         scope.append(name)
+      owner = obj
       name, obj = str(key), vars(obj)[key]
     else:
       name, obj = f"{name}_{key}", obj[key]
-  return tuple(scope) + (name,), stack
+  return tuple(scope) + (name,), stack, owner, depth, linen_depth
+
+
+def dotted(path: tuple) -> str:
+  """A path as a PyTorch state dict names it: keys joined by dots, ``layers.0.kernel``."""
+  return ".".join(str(k) for k in path)
 
 
 def _stack_axes(stack) -> tuple[dict, tuple | None]:

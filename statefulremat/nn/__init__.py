@@ -5,18 +5,89 @@
 (1, 2)
 """
 
+from ._activations import PReLU as PReLU
+from ._activations import celu as celu
+from ._activations import elu as elu
+from ._activations import gelu as gelu
+from ._activations import glu as glu
+from ._activations import hard_sigmoid as hard_sigmoid
+from ._activations import hard_silu as hard_silu
+from ._activations import hard_swish as hard_swish
+from ._activations import hard_tanh as hard_tanh
+from ._activations import identity as identity
+from ._activations import leaky_relu as leaky_relu
+from ._activations import log_sigmoid as log_sigmoid
+from ._activations import log_softmax as log_softmax
+from ._activations import logsumexp as logsumexp
+from ._activations import one_hot as one_hot
+from ._activations import relu as relu
+from ._activations import relu6 as relu6
+from ._activations import selu as selu
+from ._activations import sigmoid as sigmoid
+from ._activations import silu as silu
+from ._activations import soft_sign as soft_sign
+from ._activations import softmax as softmax
+from ._activations import softplus as softplus
+from ._activations import standardize as standardize
+from ._activations import swish as swish
+from ._activations import tanh as tanh
 from ._attention import combine_masks as combine_masks
 from ._attention import dot_product_attention as dot_product_attention
 from ._attention import dot_product_attention_weights as dot_product_attention_weights
 from ._attention import make_attention_mask as make_attention_mask
 from ._attention import make_causal_mask as make_causal_mask
 from ._batchnorm import BatchNorm as BatchNorm
+from ._cells import GRUCell as GRUCell
+from ._cells import LSTMCell as LSTMCell
+from ._cells import OptimizedLSTMCell as OptimizedLSTMCell
+from ._cells import RNNCellBase as RNNCellBase
+from ._cells import SimpleCell as SimpleCell
 from ._conv import Conv as Conv
+from ._conv_transpose import ConvTranspose as ConvTranspose
 from ._dropout import Dropout as Dropout
+from ._einsum import Einsum as Einsum
 from ._embed import Embed as Embed
+from ._group_norm import GroupNorm as GroupNorm
+from ._group_norm import InstanceNorm as InstanceNorm
 from ._linear import Linear as Linear
 from ._linear_general import LinearGeneral as LinearGeneral
+from ._lora import LoRA as LoRA
+from ._lora import LoRALinear as LoRALinear
+from ._lora import LoRAParam as LoRAParam
 from ._mlp import MLP as MLP
 from ._multi_head_attention import MultiHeadAttention as MultiHeadAttention
 from ._normalization import LayerNorm as LayerNorm
 from ._normalization import RMSNorm as RMSNorm
+from ._pooling import avg_pool as avg_pool
+from ._pooling import max_pool as max_pool
+from ._pooling import min_pool as min_pool
+from ._pooling import pool as pool
+from ._rnn import Bidirectional as Bidirectional
+from ._rnn import RNN as RNN
+from ._rope import rope as rope
+from ._sequential import Sequential as Sequential
+from . import initializers as initializers
+
+
+# The module-level names of the package, as an nnx or linen user may look for them here.
+_AT_TOP = ("Module", "Variable", "Param", "BatchStat", "Cache", "Intermediate", "Rngs",
+           "RngStream", "State", "Optimizer", "jit", "grad", "value_and_grad", "remat",
+           "scan", "vmap", "split", "merge", "state", "update", "graphdef", "clone",
+           "pop", "iter_graph", "summary", "display", "eval_shape")
+_ELSEWHERE = {name: f"use sr.{name} (it is at the top of the package)" for name in _AT_TOP}
+_ELSEWHERE.update({
+    "Dict": "use sr.ModuleDict, or simply assign a dict to a Module attribute",
+    "List": "use sr.ModuleList, or simply assign a list to a Module attribute",
+    "tabulate": "use sr.summary(model, *inputs)",
+    "Dense": "use sr.nn.Linear (flax.linen's Dense; parameters kernel and bias)",
+    "DenseGeneral": "use sr.nn.LinearGeneral (flax.linen's DenseGeneral)",
+})
+
+
+def __getattr__(name: str):
+  # Names that live elsewhere say where; dunder and private names (probed by pytest,
+  # doctest, pickle) and unknown names keep Python's plain AttributeError.
+  if name in _ELSEWHERE:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}: "
+                         f"{_ELSEWHERE[name]}", name=name, obj=None)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

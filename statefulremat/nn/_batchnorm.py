@@ -112,7 +112,7 @@ class BatchNorm(Module):
           "`BatchNorm(..., use_running_average=False)`, or call "
           "`bn(x, use_running_average=True)`."
       )
-    check_feature_axes("BatchNorm", x, self.axis, self.num_features)
+    check_feature_axes("BatchNorm", x, self.axis, self.num_features, self, "axis")
     feature_axes = canonicalize_axes(x.ndim, self.axis)
     reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
     scale = self.scale.value if self.scale is not None else None

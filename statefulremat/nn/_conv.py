@@ -14,7 +14,7 @@ from ..core._rngs import Rngs
 from ..core._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
-from ._linear import default_bias_init, default_kernel_init
+from ._linear import default_bias_init, default_kernel_init, located
 from ._rngs_arg import check_rngs
 
 
@@ -53,12 +53,13 @@ def canonicalize_padding(padding: Any, rank: int) -> Any:
   )
 
 
-def _refuse_channels(shape: tuple, n_spatial: int, in_features: int) -> None:
+def _refuse_channels(shape: tuple, n_spatial: int, in_features: int,
+                     module: Any = None, layer: str = "Conv") -> None:
   """The error for an input whose last axis is not ``in_features`` channels.
 
   An input laid out channels-first (PyTorch's NCHW), ``(*batch, in_features,
   *spatial)``, gets the transpose that fixes it instead of a misleading
-  ``in_features=<width>``.
+  ``in_features=<width>``. ``module``'s path, when known, leads the message.
 
   >>> from statefulremat.nn._conv import _refuse_channels
   >>> try:
@@ -73,17 +74,37 @@ def _refuse_channels(shape: tuple, n_spatial: int, in_features: int) -> None:
     perm = tuple(i for i in range(len(shape)) if i != channel) + (channel,)
     names = {1: "W", 2: "HW", 3: "DHW"}.get(n_spatial, "")
     layout = f" (N{names}C, as flax; not PyTorch's NC{names})" if names else ""
-    raise ValueError(
-        f"Conv takes channels-last inputs{layout}: (*batch, *spatial, in_features="
+    raise ValueError(located(
+        f"{layer} takes channels-last inputs{layout}: (*batch, *spatial, in_features="
         f"{in_features}), but got an input of shape {tuple(shape)}, whose axis "
         f"{channel} has the {in_features} channels (channels-first). Fix: move the "
         f"channel axis last, `jnp.moveaxis(x, {channel}, -1)` (the same as "
-        f"`x.transpose{perm}`), once on the data; outputs are channels-last too.")
-  raise ValueError(
-      f"Conv was built with in_features={in_features} but got an input of shape "
+        f"`x.transpose{perm}`), once on the data; outputs are channels-last too.",
+        module))
+  raise ValueError(located(
+      f"{layer} was built with in_features={in_features} but got an input of shape "
       f"{tuple(shape)}: inputs are channels-last, (*batch, *spatial, channels), so "
-      f"the last axis must have size {in_features}. Fix the input, or build the "
-      f"layer with in_features={shape[-1]}.")
+      f"the last axis must have size {in_features}. Expected shape: "
+      f"{tuple(shape[:-1]) + (in_features,)}. Fix the input, or build the layer with "
+      f"in_features={shape[-1]}.", module))
+
+
+def check_conv_input(layer: str, inputs: jax.Array, kernel_size: tuple,
+                     in_features: int, module: Any = None) -> None:
+  """Raises a ValueError naming ``module``'s path and the expected shape unless
+  ``inputs`` is ``(*batch, *spatial, in_features)`` with one spatial axis per entry
+  of ``kernel_size``."""
+  n_spatial = len(kernel_size)
+  if inputs.ndim < n_spatial + 1:
+    spatial = ", ".join(f"s{i}" for i in range(n_spatial))
+    raise ValueError(located(
+        f"{layer} with kernel_size={kernel_size} needs inputs of shape (*batch, "
+        f"{spatial}, {in_features}), channels-last, of rank at least {n_spatial + 1}, "
+        f"but got one of shape {tuple(inputs.shape)}. Fix: add the "
+        f"missing spatial axes (a 1-D sequence of length n is (batch, n, "
+        f"{in_features})).", module))
+  if inputs.shape[-1] != in_features:
+    _refuse_channels(inputs.shape, n_spatial, in_features, module, layer)
 
 
 class Conv(Module):
@@ -175,13 +196,7 @@ class Conv(Module):
     is given.
     """
     n_spatial = len(self.kernel_size)
-    if inputs.ndim < n_spatial + 1:
-      raise ValueError(
-          f"Conv with kernel_size={self.kernel_size} needs inputs of shape (*batch, "
-          f"{n_spatial} spatial axes, {self.in_features}), got {tuple(inputs.shape)}."
-      )
-    if inputs.shape[-1] != self.in_features:
-      _refuse_channels(inputs.shape, n_spatial, self.in_features)
+    check_conv_input("Conv", inputs, self.kernel_size, self.in_features, self)
     # Combine all input batch dimensions into a single leading batch axis.
     n_batch = inputs.ndim - (n_spatial + 1)
     if n_batch != 1:

@@ -13,6 +13,7 @@ from ..core._rngs import Rngs
 from ..core._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
+from ._linear import check_features, located
 from ._rngs_arg import check_rngs
 
 default_embed_init = jax.nn.initializers.variance_scaling(
@@ -66,10 +67,11 @@ class Embed(Module):
     """
     inputs = jnp.asarray(inputs)
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
-      raise ValueError(
-          f"Embed takes integer ids, got an input of dtype {inputs.dtype}. Cast the ids "
-          "(`x.astype(jnp.int32)`), or use `embed.attend(x)` for float queries."
-      )
+      raise ValueError(located(
+          f"Embed takes integer ids, got an input of dtype {inputs.dtype} and shape "
+          f"{tuple(inputs.shape)}; expected an integer array (of any shape; the output "
+          f"is its shape + ({self.features},)). Fix: cast the ids "
+          "(`x.astype(jnp.int32)`), or use `embed.attend(x)` for float queries.", self))
     (embedding,) = self.promote_dtype((self.embedding.value,), dtype=self.dtype,
                                       inexact=False)
     shape = inputs.shape + (self.features,)
@@ -100,6 +102,8 @@ class Embed(Module):
     >>> embed.attend(jnp.ones(3)).shape
     (5,)
     """
+    check_features("Embed.attend", query, -1, self.features,
+                   name="features", module=self)
     query, embedding = self.promote_dtype((query, self.embedding.value), dtype=self.dtype)
     if out_sharding is None and (specs := explicit_specs("Embed.attend", query=query,
                                                           embedding=embedding)):

@@ -7,12 +7,15 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
+from ..core._errors import format_path
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ..core._kinds import Param
+from ..core._variables import path_of
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
 from ._rngs_arg import check_rngs
@@ -21,15 +24,43 @@ default_kernel_init = jax.nn.initializers.lecun_normal()
 default_bias_init = jax.nn.initializers.zeros
 
 
+def located(message: str, module: Any = None) -> str:
+  """``message`` prefixed with where ``module`` sits in its model, if it is known.
+
+  The path is the one ``Variable.path_str()`` gives (``blocks[0].mlp``); a layer
+  used on its own has none, and the message is returned as is.
+
+  >>> import statefulremat as sr
+  >>> from statefulremat.nn._linear import located
+  >>> class Net(sr.Module):
+  ...   def __init__(self):
+  ...     self.blocks = [sr.nn.Linear(2, 2, rngs=sr.Rngs(0))]
+  >>> located("Linear was built ...", Net().blocks[0])
+  'At `blocks[0]`: Linear was built ...'
+  """
+  path = path_of(module) if module is not None else ()
+  return f"At `{format_path(path)}`: {message}" if path else message
+
+
 def check_features(layer: str, x: jax.Array, axis: int, expected: int,
-                   name: str = "in_features") -> None:
-  """Raises a ValueError naming the layer when ``x.shape[axis] != expected``."""
+                   name: str = "in_features", module: Any = None) -> None:
+  """Raises a ValueError naming the layer (and ``module``'s path) when
+  ``x.shape[axis] != expected``."""
+  if not hasattr(x, "shape"):  # a list or a Python scalar
+    x = np.asarray(x)
   if x.ndim == 0 or x.shape[axis] != expected:
-    raise ValueError(
+    want = list(x.shape) if x.ndim else ["...", expected]
+    if x.ndim:
+      want[axis] = expected
+    raise ValueError(located(
         f"{layer} was built with {name}={expected} but got an input of shape "
-        f"{tuple(x.shape)} (axis {axis} must have size {expected}). Fix the input, or "
-        f"build the layer with {name}={x.shape[axis] if x.ndim else '?'}."
-    )
+        f"{tuple(x.shape)}; expected shape {_shape_str(want)} (axis {axis} must have "
+        f"size {expected}). Fix the input, or build the layer with "
+        f"{name}={x.shape[axis] if x.ndim else '?'}.", module))
+
+
+def _shape_str(dims: list) -> str:
+  return "(" + ", ".join(map(str, dims)) + ("," if len(dims) == 1 else "") + ")"
 
 
 class Linear(Module):
@@ -95,7 +126,7 @@ class Linear(Module):
     input's batch sharding and takes the kernel's output-axis sharding, unless
     ``out_sharding`` is given; elsewhere ``out_sharding`` is passed to ``dot_general``.
     """
-    check_features("Linear", inputs, -1, self.in_features)
+    check_features(type(self).__name__, inputs, -1, self.in_features, module=self)
     bias = self.bias.value if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
                                               dtype=self.dtype)

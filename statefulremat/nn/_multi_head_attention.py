@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -25,6 +26,7 @@ from ._linear import default_kernel_init
 from ._linear_general import LinearGeneral
 from ._normalization import LayerNorm
 from ._rngs_arg import check_rngs
+from ._rope import check_positions, rope
 
 
 class MultiHeadAttention(Module):
@@ -42,6 +44,19 @@ class MultiHeadAttention(Module):
   ``inputs_k``). ``mask`` (``[batch..., heads or 1, q_len, kv_len]``, False = do not
   attend) comes from ``make_attention_mask`` / ``make_causal_mask``.
 
+  Grouped-query attention (Llama 2 70B, Llama 3, Gemma): with ``num_kv_heads`` a
+  divisor of ``num_heads``, ``key`` / ``value`` project to ``num_kv_heads`` heads and
+  kv head ``j`` serves query heads ``j * g ... (j + 1) * g - 1``, ``g = num_heads //
+  num_kv_heads`` (as repeating each kv head ``g`` times); the decoding cache holds
+  ``num_kv_heads`` heads. ``num_kv_heads == num_heads`` is plain multi-head attention.
+
+  Rotary embeddings: with ``rope_base`` a float, ``sr.nn.rope`` (Gemma's and Llama's
+  "rotate half") rotates the projected queries and keys (after ``normalize_qk``'s
+  LayerNorms) by ``positions``, a call argument: ``[batch..., length]`` or
+  ``[length]``, by default ``arange(length)``; while decoding, the cache index (the
+  position being written), and the cache stores the rotated keys. Keys take the
+  queries' positions, so rope is for self-attention (key length = query length).
+
   Differences from nnx: a ``decode=None`` layer runs without the cache (nnx raises);
   the ``rngs`` kept for attention dropout is the one given, shared, not a fork (it
   draws ``self.rngs["dropout"]()``); the deprecated ``*_dot_general*`` arguments and
@@ -55,7 +70,7 @@ class MultiHeadAttention(Module):
       by ``num_heads``.
     out_features: output size (default ``in_features``).
     num_kv_heads: key/value heads (default ``num_heads``); fewer means grouped-query
-      attention.
+      attention. Must divide ``num_heads``.
     in_kv_features: size of ``inputs_k`` / ``inputs_v``'s last axis (default
       ``in_features``).
     dtype, param_dtype, precision, use_bias: passed to the projections.
@@ -65,6 +80,9 @@ class MultiHeadAttention(Module):
     kernel_init, bias_init, out_kernel_init, out_bias_init: projection initialisers
       (``out_*`` default to the others).
     attention_fn: ``dot_product_attention`` or a function with its signature.
+    rope_base: ``None`` (no rotary embeddings, nnx's layer) or the ``base`` of
+      ``sr.nn.rope`` applied to queries and keys (10000.0 for Llama 2 and Gemma);
+      ``head_dim`` must be even. Not an nnx argument; it adds no parameters.
     decode: autoregressive decoding with a key/value cache (see ``init_cache``).
     normalize_qk: LayerNorm the projected queries and keys (ViT-22B).
     qkv_promote_dtype, out_promote_dtype, ln_promote_dtype: promotion functions of
@@ -75,7 +93,7 @@ class MultiHeadAttention(Module):
     query_ln_scale_metadata, key_ln_scale_metadata: Variable metadata (``out_*``
       default to the others).
 
-  >>> import jax, statefulremat as sr
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> attn = sr.nn.MultiHeadAttention(num_heads=2, in_features=8, rngs=sr.Rngs(0))
   >>> x = jax.random.normal(jax.random.key(0), (3, 5, 8))
   >>> attn(x).shape, attn.query.kernel.shape, attn.out.kernel.shape
@@ -83,6 +101,16 @@ class MultiHeadAttention(Module):
   >>> mask = sr.nn.make_causal_mask(x[..., 0])
   >>> attn(x, mask=mask).shape
   (3, 5, 8)
+
+  Grouped-query attention with rotary embeddings, 4 query heads sharing 2 kv heads:
+
+  >>> gqa = sr.nn.MultiHeadAttention(4, 16, num_kv_heads=2, rope_base=10000.0,
+  ...                                rngs=sr.Rngs(0))
+  >>> gqa.query.kernel.shape, gqa.key.kernel.shape
+  ((16, 4, 4), (16, 2, 4))
+  >>> x = jax.random.normal(jax.random.key(0), (3, 5, 16))
+  >>> gqa(x, is_causal=True).shape, gqa(x, positions=jnp.arange(10, 15)).shape
+  ((3, 5, 16), (3, 5, 16))
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -97,6 +125,7 @@ class MultiHeadAttention(Module):
                out_bias_init: Callable | None = None,
                use_bias: bool = True,
                attention_fn: Callable = dot_product_attention,
+               rope_base: float | None = None,
                decode: bool | None = None, normalize_qk: bool = False,
                qkv_promote_dtype: Callable = default_promote_dtype,
                out_promote_dtype: Callable = default_promote_dtype,
@@ -115,13 +144,34 @@ class MultiHeadAttention(Module):
     self.out_features = out_features if out_features is not None else in_features
     self.in_kv_features = in_kv_features if in_kv_features is not None else in_features
     self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"MultiHeadAttention: num_heads ({num_heads}) must be divisible "
-                       f"by num_kv_heads ({self.num_kv_heads}).")
+    if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+      divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+      raise ValueError(
+          f"MultiHeadAttention(num_heads={num_heads}, num_kv_heads={self.num_kv_heads}): "
+          f"num_heads ({num_heads}) must be divisible by num_kv_heads "
+          f"({self.num_kv_heads}), each kv head serving num_heads // num_kv_heads "
+          f"query heads. Fix: pick num_kv_heads from {divisors} (num_kv_heads="
+          f"{num_heads} is plain multi-head attention).")
     if self.qkv_features % self.num_heads:
       raise ValueError(f"MultiHeadAttention: qkv_features ({self.qkv_features}) must be "
                        f"divisible by num_heads ({num_heads}).")
     self.head_dim = self.qkv_features // self.num_heads
+    if rope_base is not None:
+      if not isinstance(rope_base, numbers.Real) or isinstance(rope_base, bool) or not (
+          rope_base > 0):
+        raise ValueError(
+            f"MultiHeadAttention: rope_base={rope_base!r} must be a positive number, the "
+            "base of the rotary embeddings' wavelengths. Fix: rope_base=10000.0 (Llama "
+            "2, Gemma), 500000.0 (Llama 3), or None for no rotary embeddings.")
+      if self.head_dim % 2:
+        raise ValueError(
+            f"MultiHeadAttention(num_heads={num_heads}, qkv_features="
+            f"{self.qkv_features}, rope_base={rope_base}): rope rotates pairs of the "
+            f"head dimension, but head_dim = qkv_features // num_heads = "
+            f"{self.head_dim} is odd. Fix: choose qkv_features so that qkv_features // "
+            f"num_heads is even (e.g. qkv_features={2 * self.qkv_features}), or "
+            "rope_base=None.")
+    self.rope_base = None if rope_base is None else float(rope_base)
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.broadcast_dropout = broadcast_dropout
@@ -170,7 +220,8 @@ class MultiHeadAttention(Module):
                deterministic: bool | None = None,
                rngs: Rngs | RngStream | jax.Array | None = None,
                decode: bool | None = None, is_causal: bool = False,
-               out_sharding: Any = None, qkv_sharding: Any = None) -> jax.Array:
+               out_sharding: Any = None, qkv_sharding: Any = None,
+               positions: jax.Array | None = None) -> jax.Array:
     """Attends from ``inputs_q`` ``[batch..., q_len, in_features]`` to ``inputs_k``/``_v``.
 
     ``deterministic``, ``rngs`` (an ``sr.Rngs``, whose ``dropout`` stream is drawn,
@@ -178,7 +229,10 @@ class MultiHeadAttention(Module):
     ``is_causal`` overlays a causal mask. Under ``decode`` the cache's own mask (the
     positions decoded so far) is already causal, so ``is_causal`` is ignored there and
     one block's code both trains (whole sequences) and decodes (one position at a
-    time). Returns ``[batch..., q_len, out_features]``.
+    time). ``positions`` (``[batch..., q_len]`` or ``[q_len]``, only with
+    ``rope_base``) are the tokens' positions for the rotary embeddings; by default
+    ``arange(q_len)``, or the cache index when decoding. Returns ``[batch..., q_len,
+    out_features]``.
     """
     if inputs_k is None:
       if inputs_v is not None:
@@ -188,15 +242,12 @@ class MultiHeadAttention(Module):
       inputs_k = inputs_q
     if inputs_v is None:
       inputs_v = inputs_k
-    if inputs_q.shape[-1] != self.in_features:
+    self._check_inputs(inputs_q, inputs_k, inputs_v)
+    if positions is not None and self.rope_base is None:
       raise ValueError(
-          f"MultiHeadAttention was built with in_features={self.in_features} but "
-          f"inputs_q has shape {tuple(inputs_q.shape)}.")
-    for name, x in (("inputs_k", inputs_k), ("inputs_v", inputs_v)):
-      if x.shape[-1] != self.in_kv_features:
-        raise ValueError(
-            f"MultiHeadAttention was built with in_kv_features={self.in_kv_features} "
-            f"but {name} has shape {tuple(x.shape)}.")
+          f"{self._where()}: positions= was given but the layer has no rotary "
+          "embeddings (rope_base=None), so the positions would be ignored. Fix: build "
+          "it with rope_base=10000.0 (or your model's base), or drop positions=.")
 
     query = self.query(inputs_q, out_sharding=qkv_sharding)
     key = self.key(inputs_k, out_sharding=qkv_sharding)
@@ -207,8 +258,10 @@ class MultiHeadAttention(Module):
 
     decode = self.decode if decode is None else decode
     if decode:
-      key, value, mask = self._decode_step(key, value, mask)
+      query, key, value, mask = self._decode_step(query, key, value, mask, positions)
       is_causal = False  # the decode mask lets the query see exactly the past
+    elif self.rope_base is not None:
+      query, key = self._rotate(query, key, positions)
 
     dropout_rng = None
     if self.dropout_rate > 0.0:
@@ -232,8 +285,42 @@ class MultiHeadAttention(Module):
         is_causal=is_causal)
     return self.out(x, out_sharding=out_sharding)
 
-  def _decode_step(self, key, value, mask):
-    """Writes this step's key/value into the cache; returns the cached ones and a mask."""
+  def _check_inputs(self, inputs_q, inputs_k, inputs_v) -> None:
+    """Raises, naming the layer's path and the expected shape, on inputs that do not
+    fit the projections."""
+    for name, x, features, attr in (
+        ("inputs_q", inputs_q, self.in_features, "in_features"),
+        ("inputs_k", inputs_k, self.in_kv_features, "in_kv_features"),
+        ("inputs_v", inputs_v, self.in_kv_features, "in_kv_features")):
+      if x.ndim < 2:
+        raise ValueError(
+            f"{self._where()} takes {name} of shape [batch..., length, {features}], got "
+            f"shape {tuple(x.shape)}. Fix: add the length axis, e.g. `x[None]` for a "
+            "single sequence.")
+      if x.shape[-1] != features:
+        raise ValueError(
+            f"{self._where()} was built with {attr}={features} but {name} has shape "
+            f"{tuple(x.shape)}: expected [batch..., length, {features}]. Fix the input, "
+            f"or build the layer with {attr}={x.shape[-1]}.")
+
+  def _rotate(self, query, key, positions):
+    """``sr.nn.rope`` on queries and keys, both at ``positions`` (default arange)."""
+    if key.shape[-3] != query.shape[-3]:
+      raise ValueError(
+          f"{self._where()}: rope_base is set, and keys take the queries' positions, "
+          f"but inputs_k has length {key.shape[-3]} and inputs_q {query.shape[-3]}. "
+          "Fix: rope is for self-attention; for cross-attention build the layer with "
+          "rope_base=None (and rotate inside an attention_fn if you need to).")
+    if positions is None:
+      positions = jnp.arange(query.shape[-3])
+    else:
+      check_positions(self._where(), positions, query.shape)
+    return (rope(query, positions, base=self.rope_base),
+            rope(key, positions, base=self.rope_base))
+
+  def _decode_step(self, query, key, value, mask, positions):
+    """Writes this step's key/value (rotated, with rope) into the cache; returns the
+    query, the cached keys/values and a mask."""
     if self.cached_key is None:
       raise ValueError(
           f"{self._where()}: decode=True needs the key/value cache, and it has none. "
@@ -253,6 +340,10 @@ class MultiHeadAttention(Module):
       key = jax.sharding.reshard(key, jax.typeof(self.cached_key.value).sharding)
       value = jax.sharding.reshard(value, jax.typeof(self.cached_value.value).sharding)
     index = self._check_room(self.cache_index.value, max_length)
+    if self.rope_base is not None:
+      # The cache stores rotated keys: each is rotated once, at its own position.
+      query, key = self._rotate(query, key, index[None] if positions is None
+                                else positions)
     zero = jnp.array(0, dtype=lax.dtype(index.dtype))
     indices = (zero,) * len(batch_dims) + (index, zero, zero)
     key = lax.dynamic_update_slice(self.cached_key.value, key, indices)
@@ -263,7 +354,7 @@ class MultiHeadAttention(Module):
     # The single query may attend only to the positions already cached.
     mask = combine_masks(mask, jnp.broadcast_to(
         jnp.arange(max_length) <= index, tuple(batch_dims) + (1, 1, max_length)))
-    return key, value, mask
+    return query, key, value, mask
 
   def _where(self) -> str:
     path = path_of(self)

@@ -19,6 +19,7 @@ from ..core._rngs import Rngs
 from ..core._kinds import Param
 from ._dtypes import canonicalize_dtype
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._linear import located
 from ._rngs_arg import check_rngs
 
 
@@ -165,7 +166,7 @@ class LayerNorm(Module):
 
   def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
     """Normalises ``x``; ``mask`` (same rank) restricts the statistics to its entries."""
-    check_feature_axes("LayerNorm", x, self.feature_axes, self.num_features)
+    check_feature_axes("LayerNorm", x, self.feature_axes, self.num_features, self)
     scale = self.scale.value if self.scale is not None else None
     bias = self.bias.value if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
@@ -218,7 +219,7 @@ class RMSNorm(Module):
 
   def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Normalises ``x``; ``mask`` (same rank) restricts the statistics to its entries."""
-    check_feature_axes("RMSNorm", x, self.feature_axes, self.num_features)
+    check_feature_axes("RMSNorm", x, self.feature_axes, self.num_features, self)
     scale = self.scale.value if self.scale is not None else None
     x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
     mean, var = compute_stats(x, self.reduction_axes, self.dtype, self.axis_name,
@@ -228,17 +229,28 @@ class RMSNorm(Module):
                      self.dtype, self.epsilon)
 
 
-def check_feature_axes(layer: str, x: jax.Array, feature_axes, num_features: int):
-  """A clear error when the feature axes do not hold ``num_features`` values."""
-  axes = canonicalize_axes(x.ndim, feature_axes)
-  if any(not 0 <= a < x.ndim for a in axes):
-    raise ValueError(f"{layer}: feature_axes={feature_axes} is out of range for an input "
-                     f"of shape {tuple(x.shape)}.")
+def check_feature_axes(layer: str, x: jax.Array, feature_axes, num_features: int,
+                       module: Any = None, name: str = "feature_axes") -> None:
+  """A clear error, naming ``module``'s path and the expected shape, when the feature
+  axes of ``x`` do not hold ``num_features`` values."""
+  axes = feature_axes if isinstance(feature_axes, Sequence) else (feature_axes,)
+  if any(not -x.ndim <= a < x.ndim for a in axes):
+    raise ValueError(located(
+        f"{layer}: {name}={feature_axes} is out of range for an input of shape "
+        f"{tuple(x.shape)} (rank {x.ndim}). Fix: pass an input with those axes, or "
+        f"build the layer with axes within -{x.ndim}..{x.ndim - 1}.", module))
+  axes = canonicalize_axes(x.ndim, axes)
   size = 1
   for a in axes:
     size *= x.shape[a]
   if size != num_features:
-    raise ValueError(
+    expected = ""
+    if len(axes) == 1:
+      want = list(x.shape)
+      want[axes[0]] = num_features
+      expected = f"; expected shape {tuple(want)}"
+    raise ValueError(located(
         f"{layer} was built with num_features={num_features} but the input of shape "
-        f"{tuple(x.shape)} has {size} features on feature_axes={feature_axes}."
-    )
+        f"{tuple(x.shape)} has {size} features on {name}={feature_axes}"
+        f"{expected}. Fix the input, or build the layer with num_features={size}.",
+        module))

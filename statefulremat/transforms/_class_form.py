@@ -54,3 +54,12 @@ def transformed_class(cls: type, wrap: Callable, methods: Sequence[str] | None,
       methods, str) else methods)
   return subclass(cls, label, wrap, methods, {},
                   f"{cls.__name__} with {names} under {transform_name(label)}.")
+
+
+def refuse_init_axes(transform: str, target, init_in_axes) -> None:
+  """``init_in_axes`` maps constructor arguments: it only means something for a class."""
+  if init_in_axes is not None:
+    raise TypeError(
+        f"{transform}(init_in_axes=...) maps the constructor arguments of a Module class "
+        f"(the class form), but {display_name(target)} is a function. Fix: map the "
+        "function's arguments with in_axes.")

@@ -15,7 +15,8 @@ from ..core._module import Module
 from ..core._tracing import tracing_user_code
 from ..core._variables import Variable
 from ._lift import FlattenCache, raise_if_deleted, split_call, write_back
-from ._outputs import ModulesOut, lift_outputs
+from ._outputs import ModulesOut, Restructured, lift_outputs
+from ._restructure import split_new
 
 _PASSED_THROUGH = {"keep_unused", "inline", "compiler_options", "backend", "device"}
 
@@ -37,6 +38,11 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
   nested in the function take none. (``sr.grad``, the other transforms,
   ``Optimizer.update``, ``sr.update`` and ``sr.clone`` called outside ``sr.jit`` hold
   it too.)
+
+  The function may add or delete attributes of the modules it gets (a new sub-module
+  or Variable, an ``sr.Intermediate`` from ``sow``, ``del m.cache``, a new static
+  flag): after the call the change is carried out to the caller's objects, as nnx
+  does (not if the call raises).
 
   The function may return modules and Variables: one passed in comes back as the
   caller's own object (updated), one made inside as a new object whose Variables hold
@@ -97,8 +103,14 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
       args, kwargs = tree
       positional, named = statics
       out = fn(*_insert(args, positional), **kwargs, **dict(named))
-      changed = lifted.collect(roots, values, what)
-      out = lift_outputs(out, roots, len(values))
+      structure: list = []
+      changed = lifted.collect(roots, values, what, structure)
+      if structure:  # attributes added or deleted: carried out after the call
+        changed, made = split_new(changed)
+        out = lift_outputs(out, roots, len(structure[0].origin))
+        out = Restructured(out, made, structure[0])
+      else:
+        out = lift_outputs(out, roots, len(values))
     if donate_state:
       changed = {i: changed.get(i, v) for i, v in enumerate(values)}
     return out, changed
@@ -120,6 +132,9 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
         values = _unaliased(values, leaves)
       out, changed = compiled.get(lifted, statics)(values, leaves)
       write_back(variables, changed, what)
+      if type(out) is Restructured:
+        out.structure.apply(split_call(args, kwargs)[0], variables, out.made)
+        out = out.out
     except RuntimeError:
       raise_if_deleted(variables)
       raise

@@ -115,6 +115,8 @@ class LayerLoop:
     self.count_of = {s.count: s for s in plan.streams}
     self.used: set[int] = set()
     self.carry_written: set[int] = set()
+    self.structure = None  # a NewStructure, if the body added or deleted attributes
+    self.made: list = []  # then the values of the Variables made inside, stacked
 
   # -- one iteration ---------------------------------------------------------------
 
@@ -134,9 +136,13 @@ class LayerLoop:
       self.plan.serve_names(served, variables, index)
       new_carry, ys = body(tree, user_carry, xs_slice)
     check_no_nodes((new_carry, ys), self.what)
-    changed = self.lifted.collect(roots, flat, self.what)
+    structure: list = []
+    changed = self.lifted.collect(roots, flat, self.what, structure)
+    if structure:
+      self.structure = structure[0]
     for i in changed:
-      self._check_writable(i)
+      if i >= 0:
+        self._check_writable(i)
     check_same_type(user_carry, new_carry, self.what, "carry")
     new_carry_values = []
     for i in self.carried:
@@ -147,6 +153,8 @@ class LayerLoop:
                         f"carried variable `{self._name(i)}`: its value")
       new_carry_values.append(value)
     written = {i: changed[i] for i in self.stacked if i in changed}
+    # Variables made inside (keys -1, -2, ...): one per layer, stacked like the ys.
+    written.update({i: v for i, v in changed.items() if i < 0})
     return (new_carry_values, new_carry), (written, ys)
 
   def _transform_data(self, slices):
@@ -234,8 +242,11 @@ class LayerLoop:
   def _changed(self, written: dict, carry_values: list, unfold: Callable) -> dict:
     self.plan.check_stream_names()  # the body is traced: the names drawn are known
     changed = {}
+    self.made = [unfold(written[i]) for i in sorted((i for i in written if i < 0),
+                                                    reverse=True)]
     for i, value in written.items():
-      changed[i] = _move_axis(unfold(value), 0, self.plan.axes[i])
+      if i >= 0:
+        changed[i] = _move_axis(unfold(value), 0, self.plan.axes[i])
     for i, value in zip(self.carried, carry_values):
       if i in self.carry_written:
         changed[i] = value
@@ -309,3 +320,16 @@ class LayerLoop:
 
 def _move_axis(x, source: int, destination: int):
   return x if source == destination else jnp.moveaxis(x, source, destination)
+
+
+def carry_out_structure(loop: LayerLoop, module, variables, metadata_params) -> None:
+  """After the loop's write-back: the attributes its body added or deleted, carried
+  out to the caller's ``module``; a Variable made inside comes out stacked (layer axis
+  0, marked as a stack's)."""
+  if loop.structure is None:
+    return
+  from ._lift import split_call
+
+  loop.structure.apply(split_call((module,), {})[0], variables, loop.made, stacked_axis=0,
+                       partition_name=(metadata_params or {}).get("partition_name"),
+                       keep_metadata=True)

@@ -9,8 +9,9 @@ Outside the trace, the call's arguments are split into
 
 Inside the trace, ``Lifted.rebuild`` merges fresh objects from the GraphDef and the
 traced values, the user's function runs on them, and ``Lifted.collect`` reads back
-which Variables it changed. The caller's objects are written only after the whole
-transform succeeded, by direct assignment — so an exception anywhere leaves them
+which Variables it changed, and (for jit, remat, scan and vmap) how it changed the
+modules' structure (``_restructure``). The caller's objects are written only after
+the whole transform succeeded, by direct assignment — so an exception anywhere leaves them
 exactly as they were. From the read to the write-back the outermost call on a thread
 holds its graph's lock (``_graph_lock``), so two threads stepping one model take turns.
 """
@@ -35,6 +36,7 @@ from ..core._stacks import is_stacked
 from ..core._tracing import contains_tracer as _contains_tracer
 from ..core._tracing import current_trace, structure_epoch
 from ..core._variables import Variable
+from ._restructure import NewStructure
 
 
 def is_node(x) -> bool:
@@ -85,15 +87,28 @@ class Lifted:
     merged = [at[i] if i in at else next(rest) for i in range(len(leaves) + len(roots))]
     return jax.tree_util.tree_unflatten(self.treedef, merged), variables, roots
 
-  def collect(self, roots, values: Sequence[Any], what: str) -> dict[int, Any]:
+  def collect(self, roots, values: Sequence[Any], what: str,
+              structure: list | None = None) -> dict[int, Any]:
     """After the user's function: ``{index: new value}`` of each Variable it changed.
 
-    Raises if the function changed the graph's structure, which cannot be carried out.
+    If the function changed the graph's structure: with a ``structure`` list, appends
+    the ``NewStructure`` to it and adds the values of the Variables made inside under
+    the keys -1, -2, ... (in the new graph's order; ``split_new`` separates them);
+    without one (a transform that cannot carry it out), raises.
     """
     if roots.epoch == structure_epoch.value:  # no structure changed anywhere since
       return {i: v._value for i, (v, old) in enumerate(zip(roots.variables, values))
               if v._value is not old}
     graphdef, variables = flatten(roots)
+    if graphdef != self.graphdef and structure is not None:
+      index = {id(v): i for i, v in enumerate(roots.variables)}
+      origin = tuple(index.get(id(v), -1) for v in variables)
+      structure.append(NewStructure(graphdef, origin))
+      changed = {j: v._value for v, j in zip(variables, origin)
+                 if j >= 0 and v._value is not values[j]}
+      made = [v for v, j in zip(variables, origin) if j < 0]
+      changed.update({-1 - k: v._value for k, v in enumerate(made)})
+      return changed
     if graphdef != self.graphdef:
       raise GraphError(
           f"{what}: the function changed the structure of its modules "

@@ -77,3 +77,20 @@ def lift_outputs(out: Any, input_roots: Sequence[Any] = (), n_variables: int = 0
   others = [leaf for i, leaf in enumerate(leaves) if i not in at]
   info = (graphdef, treedef, positions, len(input_roots), n_variables)
   return ModulesOut(others, values, info)
+
+
+class Restructured:
+  """A result whose function changed its modules' structure, crossing the trace
+  boundary (a pytree): ``out``, the values of the Variables made inside (``made``)
+  and the ``NewStructure`` (static) that ``apply`` carries out."""
+
+  __slots__ = ("out", "made", "structure")
+
+  def __init__(self, out: Any, made: list, structure):
+    self.out, self.made, self.structure = out, made, structure
+
+
+jax.tree_util.register_pytree_node(
+    Restructured,
+    lambda r: ((r.out, r.made), r.structure),
+    lambda structure, children: Restructured(children[0], children[1], structure))

@@ -16,7 +16,9 @@ from ..core._tracing import tracing_user_code
 from ._class_form import display_name, is_module_class, transformed_class
 from ._rules import Rules
 from ._lift import Lifted, check_no_nodes, is_node, serialised, split_call, write_back
+from ._outputs import Restructured
 from ._policy_check import policy_check
+from ._restructure import split_new
 from ..core._errors import GraphError
 
 
@@ -27,8 +29,9 @@ def remat(target: Callable | type | None = None, *, policy: Callable | None = No
   """Rematerialises ``target`` in the backward pass (``jax.checkpoint``), modules included.
 
   Equivalent to calling ``target`` directly — same outputs, same gradients, same
-  mutations written back to the modules — but the forward intermediates are recomputed
-  during differentiation instead of stored, except those ``policy`` saves.
+  mutations written back to the modules (attributes added or deleted included) — but
+  the forward intermediates are recomputed during differentiation instead of stored,
+  except those ``policy`` saves.
 
   Args:
     target: a function whose arguments may contain modules (or a method: works as a
@@ -139,7 +142,11 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
           call_args.insert(i, statics[i])
         out = fn(*call_args, **call_kwargs)
       check_no_nodes(out, what)
-      changed = lifted.collect(roots, flat, what)
+      structure: list = []
+      changed = lifted.collect(roots, flat, what, structure)
+      if structure:  # attributes added or deleted: carried out after the call
+        changed, made = split_new(changed)
+        out = Restructured(out, made, structure[0])
       for i in changed:
         if i in frozen_rngs:
           var = variables_[i]
@@ -156,6 +163,9 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
     else:
       out, changed = check.run(checkpointed, inputs, leaves)
     write_back(variables_, changed, what)
+    if type(out) is Restructured:
+      out.structure.apply(nodes, variables_, out.made)
+      out = out.out
     return out
 
   return serialised(wrapper)  # threads on one model take turns; names deleted arrays

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 
 from ..core._stacks import is_stacked, num_layers
 from ._autodiff import grad
-from ._class_form import display_name, is_module_class
+from ._class_form import display_name, is_module_class, refuse_init_axes
 from ._jit import jit
-from ._layers import LayerLoop
+from ._layers import LayerLoop, carry_out_structure
 from ._lift import refuse_layer_list, write_back
 from ._rules import Rules, TransformError
 from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
@@ -37,7 +37,7 @@ def remat_scan(target: Callable | type | None = None,
                split_rngs: Mapping = _SPLIT_ALL, prevent_cse: bool = False,
                data_transform: Callable | None = None,
                metadata_params: Mapping = MappingProxyType({}),
-               methods: Sequence[str] | None = None):
+               methods: Sequence[str] | None = None, init_in_axes: Any = None):
   """Applies N layers (``length``, default prod(lengths)) with memory ~ N^(1/d) and
   flat compile time.
 
@@ -57,15 +57,18 @@ def remat_scan(target: Callable | type | None = None,
   primes included: with ``length=N < prod(lengths)`` the last segment is short
   (``lengths=(10, 10), length=97`` runs 9 full outer steps of 10 and one of 7), with
   no padding and no copies of parameter slices. The defaults stack
-  every variable (``variable_axes={True: 0}``) and split every RNG stream. Keyword
-  arguments (``remat_scan(f, lengths)(module, carry, flag=True)``)
-  pass unchanged to every layer. ``data_transform`` and ``metadata_params`` are
-  ``sr.scan``'s: a ``State -> State`` map of each layer's stacked values (e.g. a
+  every variable (``variable_axes={True: 0}``) and split every RNG stream. Arguments
+  after the carry (``remat_scan(f, lengths)(module, carry, position_ids, flag=True)``,
+  ``f(layer, carry, position_ids, flag=True)``: an attention mask, Llama's position
+  ids) are broadcast: every layer gets them whole, keyword ones unchanged.
+  ``data_transform`` and ``metadata_params`` are ``sr.scan``'s: a ``State -> State`` map of each layer's stacked values (e.g. a
   ``jax.lax.with_sharding_constraint``), and ``{"partition_name": name}`` for the layer
   axis's name in ``sharding`` metadata.
 
   The class form ``sr.remat_scan(Block, lengths=(10, 10))(*args, rngs=...)`` builds
-  the N layers in one vmapped init; calling it runs ``Block.__call__(carry) -> carry``.
+  the N layers in one vmapped init (``init_in_axes`` maps positional constructor
+  arguments per layer, as ``sr.scan``'s); calling it runs ``Block.__call__(carry, *args) ->
+  carry``, the extra arguments broadcast to every layer.
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> Deep = sr.remat_scan(sr.nn.Linear, lengths=(4, 5))
@@ -85,7 +88,8 @@ def remat_scan(target: Callable | type | None = None,
                  data_transform=data_transform, metadata_params=metadata_params)
   if target is None:
     return functools.partial(remat_scan, lengths=lengths, length=length,
-                             memory_budget=memory_budget, methods=methods, **options)
+                             memory_budget=memory_budget, methods=methods,
+                             init_in_axes=init_in_axes, **options)
   what = f"sr.remat_scan({display_name(target)})"
   lengths, length, policy, budget = _resolve_plan(what, lengths, length, policy,
                                                   memory_budget)
@@ -102,12 +106,14 @@ def remat_scan(target: Callable | type | None = None,
     cls = stacked_class(target, "RematScan", rules=rules, length=n,
                         wrap=lambda m: remat_scan(m, lengths, length=n,
                                                   memory_budget=budget, **options),
-                        methods=methods, metadata_params=metadata_params)
+                        methods=methods, metadata_params=metadata_params,
+                        init_in_axes=init_in_axes)
     if not auto:
       cls._sr_lengths = lengths  # the nested layout, for sr.interop.to_linen
     return cls
   if methods is not None:
     raise TypeError("sr.remat_scan(methods=...) applies to a Module class, not a function.")
+  refuse_init_axes("sr.remat_scan", target, init_in_axes)
   return _remat_scan_function(target, lengths, n, budget, what=what, **options)
 
 
@@ -198,9 +204,10 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
              f"lengths={lengths} (product)")
 
   @functools.wraps(fn)
-  def wrapper(module, carry, **kwargs):
+  def wrapper(module, carry, *args, **kwargs):
     refuse_layer_list(module, what, "sr.remat_scan(f, lengths=...)(stack, carry)")
     check_no_modules(carry, what, "the carry")
+    check_no_modules(args, what, "the extra argument")
     check_no_modules(kwargs, what, "the keyword argument")
     lifted, variables, plan, leaves = lift_module_arg(
         module, what, rules, metadata_params, "f(module, carry) -> carry")
@@ -209,15 +216,15 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
     loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
 
     def body(tree, c, _):
-      return fn(tree[0][0], c, **kwargs), None
+      return fn(tree[0][0], c, *args, **kwargs), None
 
     nesting, innermost = lengths, policy
     if auto:
-      key = (lifted, count, _avals(carry), _avals(kwargs))
+      key = (lifted, count, _avals(carry), _avals(args), _avals(kwargs))
       chosen = plans.get(key)
       if chosen is None:
         chosen = plans[key] = plan_remat(
-            module, carry, fn=lambda layer, c: fn(layer, c, **kwargs),
+            module, carry, fn=lambda layer, c: fn(layer, c, *args, **kwargs),
             memory_budget=budget)
       nesting, innermost = chosen.lengths, chosen.policy
 
@@ -230,6 +237,7 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
 
     carry, _, changed = run(carry) if check is None else check.run(run, carry)
     write_back(variables, changed, what)
+    carry_out_structure(loop, module, variables, metadata_params)
     return carry
 
   return compiled_when_eager(wrapper)

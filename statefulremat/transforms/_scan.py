@@ -11,8 +11,8 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from ._class_form import display_name, is_module_class
-from ._layers import LayerLoop, describe_node
+from ._class_form import display_name, is_module_class, refuse_init_axes
+from ._layers import LayerLoop, carry_out_structure, describe_node
 from ._lift import refuse_layer_list, write_back
 from ._rules import Rules, TransformError
 from ._module_arg import (check_no_modules, class_length, compiled_when_eager, lift_module_arg,
@@ -61,7 +61,7 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
          split_rngs: Mapping = _EMPTY, in_axes: Any = 0, out_axes: Any = 0,
          length: int | None = None, reverse: bool = False, unroll: int | bool = 1,
          data_transform: Callable | None = None, metadata_params: Mapping = _EMPTY,
-         methods: Sequence[str] | None = None):
+         methods: Sequence[str] | None = None, init_in_axes: Any = None):
   """``jax.lax.scan`` over a module: ``scan(f)(module, carry, *xs) -> (carry, ys)``.
 
   Equivalent to this Python loop over the layers (``sr.unstack``), but traced once::
@@ -76,6 +76,9 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
   each ``xs`` leaf along its ``in_axes`` axis (the whole leaf where that is ``None``),
   and ``stack`` puts the iterations at each ys leaf's ``out_axes`` axis. RNG streams
   give every iteration its own key when split (``split_rngs``), else the same key.
+  Attributes the body adds to or deletes from its module are carried out to the
+  caller's; a Variable made in the body (once per iteration) comes out stacked along
+  the layer axis, as nnx's ``sow`` inside ``nnx.scan``.
   Keyword arguments pass unchanged to every iteration (Python flags such as
   ``deterministic=True`` stay Python values). Called outside any trace, the scan is
   compiled once per module structure and reused, as under ``sr.jit``: Python values the
@@ -108,6 +111,13 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
     metadata_params: ``{"partition_name": name}`` puts ``name`` into the ``sharding``
       metadata of stacked variables at the layer axis (removed inside the body).
     methods: for a class target, the methods to scan.
+    init_in_axes: for a class target, the positional constructor arguments that differ
+      per layer: an axis (every positional argument) or a tuple with one entry per
+      positional argument, ``None`` for one passed whole to every layer (the default
+      for all). Layer ``i`` is built with slice ``i`` along that axis, as nnx's
+      ``nnx.vmap(create, in_axes=(0, ...))`` over the init arguments; e.g.
+      ``sr.scan(Block, length=4, init_in_axes=(0,))(jnp.arange(4.0), rngs=...)``.
+      Keyword arguments always pass whole.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> class Layer(sr.Module):
@@ -147,7 +157,7 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
                  out_axes=out_axes, length=length, reverse=reverse, unroll=unroll,
                  data_transform=data_transform, metadata_params=metadata_params)
   if target is None:
-    return functools.partial(scan, methods=methods, **options)
+    return functools.partial(scan, methods=methods, init_in_axes=init_in_axes, **options)
   if is_module_class(target):
     _check_axes(f"sr.scan({target.__name__})", in_axes, out_axes)
     rules = Rules(f"sr.scan({target.__name__})", variable_axes=variable_axes,
@@ -158,9 +168,10 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
                          # variables (a stack rebuilt by sr.stack may have another).
                          wrap=lambda m: scan(m, **{**options, "length": None}),
                          methods=methods,
-                         metadata_params=metadata_params)
+                         metadata_params=metadata_params, init_in_axes=init_in_axes)
   if methods is not None:
     raise TypeError("sr.scan(methods=...) applies to a Module class, not a function.")
+  refuse_init_axes("sr.scan", target, init_in_axes)
   return _scan_function(target, **options)
 
 
@@ -347,6 +358,7 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
     if ys is not None and not (isinstance(out_axes, int) and out_axes == 0):
       ys = _stack_ys(what, out_axes, ys)  # may raise: before anything is written back
     write_back(variables, changed, what)
+    carry_out_structure(loop, module, variables, metadata_params)
     return carry, ys
 
   return compiled_when_eager(wrapper)

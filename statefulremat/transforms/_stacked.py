@@ -7,8 +7,10 @@ run under the transform. The result is an instance of the layer class whose stac
 variables carry the layer axis; ``stack.layer(i)``, ``sr.unstack`` and ``sr.stack``
 move between it and ordinary single-layer modules.
 
-Constructor arguments pass unmapped to every layer's ``__init__``; only RNG streams
-are split (per ``split_rngs``). Inside a transformed method the module is one layer: an
+Constructor arguments pass unmapped to every layer's ``__init__`` (only RNG streams
+are split, per ``split_rngs``), except positional ones that ``init_in_axes`` maps:
+layer ``i`` gets slice ``i`` of each, along that axis (nnx's ``nnx.vmap(create,
+in_axes=...)`` over the init arguments). Inside a transformed method the module is one layer: an
 instance of the plain layer class, the layer axis (and its partition name) removed.
 """
 
@@ -21,6 +23,8 @@ import jax.numpy as jnp
 
 from ..core._errors import TransformError, format_path
 from ..core._graph import flatten, rewrite, unflatten
+from ..core._module import Module
+from ..core._variables import Variable
 from ..core._stacks import LAYER_AXIS, layer, layer_graphdef, mark_frozen, num_layers, unmark
 from ..core._state import freeze, thaw_metadata
 from ._class_form import subclass, transform_name
@@ -53,14 +57,14 @@ def layer_view(graphdef, plan: Plan, metadata_params: dict | None = None):
 
 def stacked_class(layer_cls: type, label: str, *, rules: Rules, length: int | None,
                   wrap: Callable, methods: Sequence[str] | None,
-                  metadata_params: dict) -> type:
+                  metadata_params: dict, init_in_axes: Any = None) -> type:
   """The class form: ``{label}{layer_cls}`` building and running a stack of layers."""
   namespace: dict[str, Any] = {
       "_sr_layer_class": layer_cls, "_sr_rules": rules, "_sr_length": length,
       "_sr_metadata_params": dict(metadata_params or {}),
       "__new__": _new_stack, "__init__": _init_nothing, "layer": layer,
       "__len__": num_layers, "_sr_classify": _classifier(rules),
-      "_sr_layer_rngs": _layer_rngs(rules),
+      "_sr_layer_rngs": _layer_rngs(rules), "_sr_init_in_axes": init_in_axes,
   }
   return subclass(layer_cls, label, wrap, methods, namespace,
                   f"A stack of {layer_cls.__name__} layers under {transform_name(label)}.")
@@ -80,6 +84,8 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   length = cls._sr_length
   what = f"sr.{cls.__name__}(...)"
   nodes, leaves, treedef, positions = split_call(args, kwargs)
+  mapped = _mapped_leaves(what, cls._sr_init_in_axes, args, length)
+  leaves = list(leaves)
   in_graphdef, in_vars = flatten(nodes)
   lifted = Lifted(in_graphdef, treedef, positions)
   in_plan = Plan(rules.for_init(), in_graphdef, in_vars, nodes)
@@ -87,10 +93,13 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   n_in = len(in_vars)
   record: dict[str, Any] = {}
 
-  def init_one(index):
+  def init_one(index, slices=()):
     flat = list(in_values)
     served = in_plan.seed_layer(flat, in_values, index)
-    tree, rebuilt, roots = lifted.rebuild(flat, leaves)
+    mine = list(leaves)
+    for (k, _), value in zip(mapped, slices):
+      mine[k] = value
+    tree, rebuilt, roots = lifted.rebuild(flat, mine)
     in_plan.serve_names(served, rebuilt, index)
     call_args, call_kwargs = tree
     layer = cls._sr_layer_class(*call_args, **call_kwargs)
@@ -117,7 +126,8 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     record["plan"] = plan
     return [v._value for v in new_vars]
 
-  jax.eval_shape(init_one, jnp.uint32(0))
+  firsts = [jnp.take(leaves[k], 0, axis=axis) for k, axis in mapped]
+  jax.eval_shape(init_one, jnp.uint32(0), firsts)
   in_plan.check_stream_names()
   plan: Plan = record["plan"]
   stacked = [k == STACKED for k in plan.kinds[n_in:]]
@@ -128,12 +138,13 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
           f"{what}: `{format_path(plan.display_path(record['graphdef'].var_paths[first]))}` "
           "is stacked by variable_axes, so the number of layers must be known at init: "
           f"pass `length=` (or `axis_size=`) to the transform.")
-    values = init_one(jnp.uint32(0))
+    values = init_one(jnp.uint32(0), firsts)
   else:
     out_axes = [plan.axes[n_in + j] if s else None for j, s in enumerate(stacked)]
     try:
-      values = jax.vmap(init_one, out_axes=out_axes, axis_size=length)(
-          jnp.arange(length, dtype=jnp.uint32))
+      values = jax.vmap(init_one, in_axes=(0, [axis for _, axis in mapped]),
+                        out_axes=out_axes, axis_size=length)(
+          jnp.arange(length, dtype=jnp.uint32), [leaves[k] for k, _ in mapped])
     except ValueError as e:
       if "out_axes" not in str(e):
         raise
@@ -152,6 +163,47 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   roots, _ = unflatten(graphdef, [None] * n_in + list(values), substitute=objects)
   write_back(in_vars, {i: in_values[i] + jnp.uint32(1) for i in record["used"]}, what)
   return roots[-1]
+
+
+def _mapped_leaves(what: str, init_in_axes, args: tuple, length) -> list[tuple[int, int]]:
+  """``(leaf number, axis)`` of each constructor-argument leaf ``init_in_axes`` maps
+  (numbered as ``split_call`` numbers the non-module leaves; keyword arguments come
+  after the positional ones and are never mapped)."""
+  if init_in_axes is None:
+    return []
+  if length is None:
+    raise TransformError(
+        f"{what}: init_in_axes maps constructor arguments per layer, so the number of "
+        "layers must be known at init: pass `length=` (or `axis_size=`) to the transform.")
+  axes = (tuple(init_in_axes) if isinstance(init_in_axes, (tuple, list)) else
+          (init_in_axes,) * len(args))
+  if len(axes) != len(args):
+    raise TransformError(
+        f"{what}: init_in_axes={init_in_axes!r} has {len(axes)} entries for {len(args)} "
+        "positional constructor arguments. Fix: one entry (an axis, or None to pass it "
+        "whole to every layer) per positional argument.")
+  out, k = [], 0
+  for j, (arg, axis) in enumerate(zip(args, axes)):
+    for leaf in jax.tree.leaves(arg, is_leaf=lambda x: isinstance(x, (Module, Variable))):
+      if isinstance(leaf, (Module, Variable)):
+        if axis is not None:
+          raise TransformError(
+              f"{what}: init_in_axes maps constructor argument {j}, which holds a "
+              f"{type(leaf).__name__}. Fix: give it None (modules and RNG streams pass to "
+              "every layer; streams are split by split_rngs).")
+        continue
+      if axis is not None:
+        shape = tuple(jnp.shape(leaf))
+        if not -len(shape) <= axis < len(shape) or (
+            length is not None and shape[axis] != length):
+          raise TransformError(
+              f"{what}: init_in_axes maps constructor argument {j} along axis {axis}, "
+              f"one slice per layer, so it needs {length} entries there; it has shape "
+              f"{shape}. Fix: give it shape with {length} at axis {axis} (a leading "
+              "layer axis), or None in init_in_axes to pass it whole to every layer.")
+        out.append((k, axis))
+      k += 1
+  return out
 
 
 def _layer_rngs(rules: Rules):

@@ -11,10 +11,15 @@ import jax.numpy as jnp
 
 from ..core._errors import format_path
 from ..core._filters import filter_repr
-from ..core._stacks import layer_axis
+from ..core._graph import _NODE, flatten, rewrite, unflatten
+from ..core._module import Module
+from ..core._stacks import layer_axis, mark_frozen
+from ..core._variables import Variable
 from ..core._tracing import tracing_user_code
-from ._class_form import display_name, is_module_class
-from ._lift import check_no_nodes, write_back
+from ._class_form import display_name, is_module_class, refuse_init_axes
+from ._lift import is_node, split_call, write_back
+from ._outputs import ModulesOut, lift_outputs
+from ._restructure import split_new
 from ._rules import STACKED, Rules, TransformError
 from ._module_arg import (check_no_modules, class_length, compiled_when_eager, lift_module_arg,
                           resolve_length, stacked_sources)
@@ -28,7 +33,7 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
          axis_size: int | None = None, axis_name: str | None = None,
          variable_axes: Mapping = _ALL, split_rngs: Mapping = _SPLIT_ALL,
          variable_broadcast: Any = False, metadata_params: Mapping = MappingProxyType({}),
-         methods: Sequence[str] | None = None):
+         methods: Sequence[str] | None = None, init_in_axes: Any = None):
   """``jax.vmap`` over a module: ``vmap(f)(module, *args)``; or a stacked init.
 
   Function form: equivalent to ``stack([f(layer_i, *args_i) for i ...])`` where
@@ -42,8 +47,22 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
   explicit ``variable_axes`` map what they name.
 
   Class form: ``sr.vmap(Block, axis_size=8)(*args, rngs=...)`` builds 8 independently
-  initialised layers (an ensemble) in one traced init; calling it maps ``methods``
-  (default ``__call__``) over the layers.
+  initialised layers (an ensemble) in one traced init (``init_in_axes`` maps positional
+  constructor arguments per member, as ``sr.scan``'s); calling it maps ``methods``
+  (default ``__call__``) over the layers, the call's arguments by ``in_axes``.
+
+  A function that takes no module (``sr.vmap(lambda key: Block(rngs=sr.Rngs(key)))(
+  keys)``) is ``jax.vmap`` over its arguments, and the modules it returns come out as
+  stacks: each Variable with the mapped axis in front, marked as the layer axis, each
+  returned module of the stacked class ``sr.vmap(Block, axis_size=n, in_axes=None)``,
+  so ``stack.layer(i)``, ``sr.unstack`` and scanning over it work. Decorating
+  ``__init__`` (``@sr.vmap(in_axes=(None, 0))``, nnx's guide) builds such a stack
+  from the mapped constructor arguments (``self`` is argument 0, never mapped).
+
+  Attributes the function adds to its module argument come out stacked (one per
+  layer), as do modules made inside. A write to a Variable that is not mapped is
+  kept when its value does not depend on the mapped axis (a step counter), else
+  raises.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> Ensemble = sr.vmap(sr.nn.Linear, axis_size=5, in_axes=None)
@@ -58,7 +77,7 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
                  axis_name=axis_name, variable_axes=variable_axes, split_rngs=split_rngs,
                  variable_broadcast=variable_broadcast, metadata_params=metadata_params)
   if target is None:
-    return functools.partial(vmap, methods=methods, **options)
+    return functools.partial(vmap, methods=methods, init_in_axes=init_in_axes, **options)
   what = f"sr.vmap({display_name(target)})"
   rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
                 variable_carry=False, split_rngs=split_rngs)
@@ -66,17 +85,12 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
     return stacked_class(target, "Vmap", rules=rules, length=axis_size,
                          wrap=lambda m: vmap(m, **{**options, "axis_size": None}),
                          methods=methods,
-                         metadata_params=metadata_params)
+                         metadata_params=metadata_params, init_in_axes=init_in_axes)
   if methods is not None:
     raise TypeError("sr.vmap(methods=...) applies to a Module class, not a function.")
+  refuse_init_axes("sr.vmap", target, init_in_axes)
   if getattr(target, "__name__", None) == "__init__":
-    owner = getattr(target, "__qualname__", "__init__").rsplit(".", 1)[0]
-    raise TypeError(
-        f"sr.vmap on `{owner}.__init__` would map a constructor: the function form maps "
-        "an existing module's variables, and a constructor has none yet (it creates "
-        "them). Fix: decorate nothing, and build the stacked (ensemble) class with the "
-        f"class form, `sr.vmap({owner}, axis_size=n)(...)`: each member is initialised "
-        "with its own RNG keys (the `params` stream split) in one traced init.")
+    return _vmapped_init(target, options)
   return _vmap_function(target, what=what, rules=rules, **options)
 
 
@@ -85,6 +99,10 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
 
   @functools.wraps(fn)
   def wrapper(module, *args, **kwargs):
+    if not any(map(is_node, jax.tree.leaves((module, args, kwargs), is_leaf=is_node))):
+      return _vmap_creating(fn, (module,) + args, kwargs, what=what, in_axes=in_axes,
+                            out_axes=out_axes, axis_size=axis_size, axis_name=axis_name,
+                            metadata_params=metadata_params)
     check_no_modules(args, what, "the argument")
     check_no_modules(kwargs, what, "the keyword argument")
     lifted, variables, plan, leaves = lift_module_arg(
@@ -126,31 +144,50 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
         tree, rebuilt, roots = lifted.rebuild(flat, leaves)
         plan.serve_names(served, rebuilt, index)
         out = fn(tree[0][0], *call_args, **kwargs)
-      check_no_nodes(out, what)
-      changed = lifted.collect(roots, flat, what)
+        # Modules made inside and returned come out stacked (after the call).
+        out = lift_outputs(out, roots, len(flat))
+      structure: list = []
+      changed = lifted.collect(roots, flat, what, structure)
+      if structure:
+        record["structure"] = structure[0]
+      changed, made = split_new(changed)
       counts = {s.count for s in plan.streams}
+      shared = {}
       for i in changed:
         if i in counts:
           used.add(i)
         elif plan.kinds[i] != STACKED:
-          var = variables[i]
-          path = lifted.graphdef.var_paths[i]
-          raise TransformError(
-              f"{what}: the function wrote to `{var.path_str() or path}` "
-              f"({type(var).__name__}, collection {var.collection!r}), which is not mapped "
-              "(broadcast or matched by no rule), so each layer's write would disagree. "
-              f"Fix: map it with `variable_axes={{{var.collection!r}: 0}}`.")
-      return out, {i: changed[i] for i in stacked if i in changed}
+          shared[i] = changed[i]
+      record["shared"] = sorted(shared)
+      return out, {i: changed[i] for i in stacked if i in changed}, shared, made
 
+    record: dict = {}
     stacked_in = [values[i] for i in stacked]
+    # A write to a Variable that is not mapped is kept when its value does not depend
+    # on the mapped axis (the same for every index, as nnx's guide's `count += 1`):
+    # out_axes=None, which JAX refuses for a value that varies along the axis.
     mapped = jax.vmap(one, in_axes=([plan.axes[i] for i in stacked], 0, tuple(arg_axes)),
-                      out_axes=(out_axes, 0), axis_size=n, axis_name=axis_name)
-    out, written = mapped(stacked_in, jnp.arange(n, dtype=jnp.uint32), args)
+                      out_axes=(out_axes, 0, None, 0), axis_size=n, axis_name=axis_name)
+    try:
+      out, written, shared, made = mapped(stacked_in, jnp.arange(n, dtype=jnp.uint32),
+                                          args)
+    except ValueError as e:
+      if not record.get("shared") or "out_axes" not in str(e):
+        raise
+      _refuse_shared_write(what, lifted, variables, record["shared"])
     plan.check_stream_names()
     changed = {i: jnp.moveaxis(v, 0, plan.axes[i]) for i, v in written.items()}
+    changed.update(shared)
     for i in used:
       changed[i] = values[i] + jnp.uint32(1)
     write_back(variables, changed, what)
+    if type(out) is ModulesOut:
+      out = _stacked_outputs(out, n, metadata_params).rebuild(split_call((module,), {})[0])
+    if "structure" in record:
+      record["structure"].apply(
+          split_call((module,), {})[0], variables, made, stacked_axis=0,
+          partition_name=(metadata_params or {}).get("partition_name"),
+          keep_metadata=True)
     return out
 
   return compiled_when_eager(wrapper)
@@ -177,3 +214,163 @@ def _refuse_mapping_plain(what, lifted, plan, variables, stacked) -> None:
         "modules, build it with the class form (`sr.vmap(Block, axis_size=n)(...)`) or "
         "`sr.stack(layers)`; to map this variable on purpose, give the rule explicitly "
         f"(`variable_axes={{{kind}: 0}}`).")
+
+
+def _refuse_shared_write(what, lifted, variables, written) -> None:
+  names = []
+  for i in written:
+    var = variables[i]
+    path = var.path_str() or format_path(lifted.graphdef.var_paths[i])
+    names.append(f"`{path}` ({type(var).__name__}, collection {var.collection!r})")
+  var = variables[written[0]]
+  also = f" (it also wrote to {', '.join(names[1:])})" if len(names) > 1 else ""
+  raise TransformError(
+      f"{what}: the function wrote to {names[0]}, which is not mapped (broadcast or "
+      f"matched by no rule){also}, and a value written depends on the mapped axis, so "
+      "each layer's write may differ. Nothing was written. (A write that does not depend "
+      "on it, e.g. a step counter, is kept: the caller sees the one value.) Fix: map it "
+      "with "
+      f"`variable_axes={{{var.collection!r}: 0}}`, or write a value that does not "
+      "depend on the mapped inputs.") from None
+
+
+def _vmap_creating(fn, args, kwargs, *, what, in_axes, out_axes, axis_size, axis_name,
+                   metadata_params):
+  """``sr.vmap(f)(*args)`` where no argument holds a module: ``jax.vmap(f)``, and the
+  modules ``f`` returns come out as stacks (each Variable with the mapped axis in
+  front and marked as a layer axis, each returned module of the stacked class
+  ``sr.vmap(Block, axis_size=n, in_axes=None)``), as nnx's
+  ``nnx.vmap(lambda key: Block(nnx.Rngs(key)))(keys)`` does."""
+  record: dict = {}
+
+  def one(*call_args):
+    with tracing_user_code(what):
+      out = fn(*call_args, **kwargs)
+    leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_node)
+    positions = tuple(i for i, leaf in enumerate(leaves) if is_node(leaf))
+    nodes = [leaves[i] for i in positions]
+    graphdef, variables = flatten(nodes)
+    record["info"] = (graphdef, treedef, positions)
+    others = [leaf for i, leaf in enumerate(leaves) if i not in set(positions)]
+    return [v.value for v in variables], others
+
+  ins = tuple(in_axes) if isinstance(in_axes, list) else in_axes
+  try:
+    values, others = jax.vmap(one, in_axes=ins, out_axes=(0, out_axes),
+                              axis_size=axis_size, axis_name=axis_name)(*args)
+  except ValueError as e:
+    if "axis size" not in str(e) and "in_axes" not in str(e):
+      raise
+    raise TransformError(
+        f"{what}: {e} No argument holds a module, so this maps the function over its "
+        "arguments as `jax.vmap` does (the modules it returns come out stacked). Fix "
+        "in_axes, or pass `axis_size=` when nothing is mapped; to map a module's "
+        "variables, argument 0 must be the module.") from None
+  graphdef, treedef, positions = record["info"]
+  if not positions:
+    return jax.tree.unflatten(treedef, others)
+  n = jnp.shape(values[0])[0] if values else axis_size
+  name = (metadata_params or {}).get("partition_name")
+  classes = {j: _stack_class(d[1], n) for j, d in enumerate(graphdef.tree)
+             if d[0] == _NODE and n is not None}
+  graphdef = rewrite(graphdef, root_classes=classes,
+                     metadata=lambda i, m: mark_frozen(m, 0, name))
+  roots, _ = unflatten(graphdef, values)
+  merged, nodes, rest = [], iter(roots), iter(others)
+  for i in range(len(positions) + len(others)):
+    merged.append(next(nodes) if i in positions else next(rest))
+  return jax.tree.unflatten(treedef, merged)
+
+
+def _stacked_outputs(out: ModulesOut, n: int, metadata_params) -> ModulesOut:
+  """``out`` with the Variables made inside marked as stacked (layer axis 0) and each
+  module made inside and returned of its stacked class."""
+  graphdef, treedef, positions, n_roots, n_variables = out.info
+  name = (metadata_params or {}).get("partition_name")
+  classes = {j: _stack_class(d[1], n) for j, d in enumerate(graphdef.tree)
+             if j >= n_roots and d[0] == _NODE}
+  graphdef = rewrite(graphdef, root_classes=classes, metadata=lambda i, m: (
+      mark_frozen(m, 0, name) if i >= n_variables else m))
+  return ModulesOut(out.leaves, out.values, (graphdef, treedef, positions, n_roots,
+                                             n_variables))
+
+
+def _vmapped_init(init: Callable, options: dict) -> Callable:
+  """``@sr.vmap(in_axes=(None, 0))`` on ``__init__``: the constructor builds a stack.
+
+  Each member is built by the undecorated ``__init__`` on a fresh instance, under
+  ``sr.vmap`` of a function that returns it (so its Variables come out with the mapped
+  axis in front); then ``self`` takes the stacked attributes. ``in_axes`` counts
+  ``self`` as argument 0, as nnx's does, and ignores its entry. Arguments holding
+  modules (an ``sr.Rngs`` of pre-split keys) are mapped by ``variable_axes``.
+  """
+  in_axes = options["in_axes"]
+
+  @functools.wraps(init)
+  def wrapper(self, *args, **kwargs):
+    cls = type(self)
+    axes = (list(in_axes[1:]) if isinstance(in_axes, (tuple, list)) else
+            [in_axes] * len(args))
+    holds = [any(map(is_node, jax.tree.leaves(a, is_leaf=is_node))) for a in args]
+    nodes = {"args": {j: a for j, (a, h) in enumerate(zip(args, holds)) if h},
+             "kwargs": {k: v for k, v in kwargs.items()
+                        if any(map(is_node, jax.tree.leaves(v, is_leaf=is_node)))}}
+    plain_kwargs = {k: v for k, v in kwargs.items() if k not in nodes["kwargs"]}
+    rest = [j for j, h in enumerate(holds) if not h]
+
+    def build(*call):
+      node_tree = call[0] if nodes["args"] or nodes["kwargs"] else {"args": {}, "kwargs": {}}
+      plain = call[1:] if nodes["args"] or nodes["kwargs"] else call
+      full = [None] * len(args)
+      for j, a in node_tree["args"].items():
+        full[j] = a
+      for j, a in zip(rest, plain):
+        full[j] = a
+      member = object.__new__(cls)
+      init(member, *full, **plain_kwargs, **node_tree["kwargs"])
+      return member
+
+    mapped_axes = tuple(axes[j] for j in rest) if len(axes) == len(args) else in_axes
+    plain_args = [args[j] for j in rest]
+    call_options = {**options, "in_axes": mapped_axes}
+    if nodes["args"] or nodes["kwargs"]:
+      stack = vmap(build, **call_options)(nodes, *plain_args)
+    else:
+      stack = vmap(build, **call_options)(*plain_args)
+    for k, v in list(vars(stack).items()):
+      if not k.startswith("_sr_"):
+        _release(v, stack)
+        setattr(self, k, v)
+
+  return wrapper
+
+
+def _release(value, owner) -> None:
+  """Clears the owner link of the objects directly under ``owner`` (they move)."""
+  if isinstance(value, Variable):
+    if value._owner is not None and value._owner[0]() is owner:
+      value._owner = None
+  elif isinstance(value, Module):
+    link = vars(value).get("_sr_owner")
+    if link is not None and link[0]() is owner:
+      vars(value)["_sr_owner"] = None
+  elif isinstance(value, (list, tuple)):
+    for v in value:
+      _release(v, owner)
+  elif isinstance(value, dict):
+    for v in value.values():
+      _release(v, owner)
+
+
+_STACK_CLASSES: dict = {}
+
+
+def _stack_class(cls: type, n: int) -> type:
+  """The stacked class a module built under ``sr.vmap`` comes out as (one per layer
+  class and size): ``sr.vmap(cls, axis_size=n, in_axes=None)``."""
+  if "_sr_layer_class" in cls.__dict__:  # a stack made per member: stays as it is
+    return cls
+  key = (cls, n)
+  if key not in _STACK_CLASSES:
+    _STACK_CLASSES[key] = vmap(cls, axis_size=n, in_axes=None)
+  return _STACK_CLASSES[key]

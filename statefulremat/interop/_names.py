@@ -1,0 +1,273 @@
+"""Matching by name: ``rename=``, a list of layers for a stack, and what does not fit.
+
+Both sides name variables by dot-joined paths, list indices as numbers, as PyTorch
+state dicts do (``layers.3.linear.kernel``). ``rename`` turns each source name into
+ours; then every source entry finds the variable of ours that answers to that name,
+whole or as one layer of a stack: a stacked variable at ``blocks.linear.kernel`` (the
+stack at ``blocks``) also answers to ``blocks.3.linear.kernel`` for its layer 3, so a
+list of layers at the stack's path fills it layer by layer. ``match`` collects every
+problem (two sources for one variable, a list of layers with gaps) before anything
+is written; the callers check values and word what is missing or unused for their side.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._paths import Entry
+from ._report import Problems
+
+_FIX_TWICE = ("make `rename` map each source name onto a different variable of ours "
+              "(a callable rename may return None to leave an entry out).")
+_FIX_LAYERS = ("a list of layers fills a stack only completely: one entry per layer, "
+               "numbered 0 to L-1 at the stack's path (`blocks.0.…` … "
+               "`blocks.{L-1}.…`); check the layer count, or give the whole stacked "
+               "array instead.")
+_NEAREST = 24  # problems that get their nearest names (the message shows 12)
+_FIX_BOTH = ("give a stacked variable either whole or as a list of layers, not both: "
+             "drop one of them (a callable rename may return None to leave it out).")
+
+
+@dataclass
+class Source:
+  """One entry of the other side: its own key, its dotted name and how to show it."""
+
+  key: Any
+  name: str
+  shown: str  # e.g. "linen `params/a/kernel`"
+  leaf: Any
+  collection: str | None = None  # None: any of ours (state dicts, raw nnx arrays)
+  extra: bool = False  # from a collection not transferred: never reported unused
+  target: str | None = None  # ``name`` after rename
+
+  def label(self) -> str:
+    if self.target is not None and self.target != self.name:
+      return f"{self.shown} (renamed `{self.target}`)"
+    return self.shown
+
+
+@dataclass
+class Fill:
+  """What fills one of our variables: a whole source entry, or one per layer."""
+
+  entry: Entry
+  whole: Source | None = None
+  layers: list[Source] | None = None
+
+
+@dataclass
+class Match:
+  fills: list[Fill] = field(default_factory=list)
+  missing: list[Entry] = field(default_factory=list)
+  wrong: list[tuple[Entry, Source]] = field(default_factory=list)  # other collection
+  unused: list[Source] = field(default_factory=list)
+  names: Callable[[Entry, int | None], list[str]] | None = None
+  # difflib is slow on thousands of names, and a message shows a dozen problems
+  asked: int = 0
+
+  def _ask(self) -> bool:
+    self.asked += 1
+    return self.asked <= _NEAREST
+
+  def nearest_sources(self, e: Entry) -> str:
+    """`` Nearest unused: …`` with the unused source names closest to ``e``'s."""
+    if not self._ask():
+      return ""
+    targets = {s.target: s for s in self.unused if not s.extra}
+    close: list[str] = []
+    for name in self.names(e, None):
+      close += [t for t in difflib.get_close_matches(name, list(targets), n=3)
+                if t not in close]
+    return (" Nearest unused: " + ", ".join(targets[t].label() for t in close[:3]) + "."
+            if close else "")
+
+  def nearest_ours(self, s: Source) -> str:
+    """`` Nearest of ours still unfilled: …`` for an unused source."""
+    if not self._ask():
+      return ""
+    names: dict[str, Entry] = {}
+    for e in self.missing:
+      for name in self.names(e, None):
+        names.setdefault(name, e)
+      for i in range(e.layers or 0):
+        for name in self.names(e, i):
+          names.setdefault(name, e)
+    close = difflib.get_close_matches(s.target, list(names), n=3)
+    return (" Nearest of ours still unfilled: "
+            + ", ".join(f"`{name}`" for name in close) + "." if close else "")
+
+
+def renamer(rename, what: str) -> Callable[[str], str | None]:
+  """``rename=`` as a function of a dotted name: a callable as it is, a mapping of
+  regular expressions applied in order like ``re.sub``, None the identity."""
+  if rename is None:
+    return lambda name: name
+  if isinstance(rename, Mapping):
+    rules = []
+    for pattern, repl in rename.items():
+      if not isinstance(pattern, (str, re.Pattern)) or not (
+          isinstance(repl, str) or callable(repl)):
+        raise TypeError(
+            f"{what}: rename= maps regular expressions to replacements (strings, as "
+            f"re.sub takes them), got {pattern!r}: {repl!r}. E.g. "
+            r"rename={r'^layers\.(\d+)\.': r'blocks.\1.'}.")
+      try:
+        rules.append((re.compile(pattern), repl))
+      except re.error as err:
+        raise ValueError(
+            f"{what}: rename= pattern {pattern!r} is not a valid regular expression: "
+            f"{err}. Fix the pattern (escape dots: `\\.`).") from None
+
+    def apply(name: str) -> str:
+      for regex, repl in rules:
+        name = regex.sub(repl, name)
+      return name
+
+    return apply
+  if callable(rename):
+
+    def call(name: str) -> str | None:
+      out = rename(name)
+      if out is not None and not isinstance(out, str):
+        raise TypeError(
+            f"{what}: rename({name!r}) returned {out!r}; it must return our name as a "
+            "dot-joined string (`layers.0.kernel`), or None to leave the entry out.")
+      return out
+
+    return call
+  raise TypeError(
+      f"{what}: rename= takes a callable from the source's name to ours or a mapping of "
+      f"regular expressions to replacements, got {type(rename).__name__}. E.g. "
+      r"rename={r'^model\.': ''} or rename=lambda name: name.replace('Dense_', 'layers.').")
+
+
+def match(ours: list[Entry], sources: list[Source],
+          names: Callable[[Entry, int | None], list[str]], rename, what: str,
+          problems: Problems, side: str) -> Match:
+  """Pairs ``sources`` (renamed) with ``ours`` by ``names(entry, layer or None)``.
+
+  Reports here what only names can tell: two sources for one slot, a stacked
+  variable given both whole and per layer, a list of layers with gaps. The rest
+  (missing, unused, wrong collection) is returned for the caller to word.
+  """
+  apply = renamer(rename, what)
+  table: dict[str, tuple[int, int | None]] = {}
+  for n, e in enumerate(ours):
+    for name in names(e, None):
+      table.setdefault(name, (n, None))
+  for n, e in enumerate(ours):
+    for i in range(e.layers or 0):
+      for name in names(e, i):
+        table.setdefault(name, (n, i))
+  result = Match(names=names)
+  by_slot: dict[tuple[int, int | None], list[Source]] = {}
+  for s in sources:
+    s.target = apply(s.name)
+    if s.target is None:
+      continue
+    slot = table.get(s.target)
+    if slot is None:
+      result.unused.append(s)
+    else:
+      by_slot.setdefault(slot, []).append(s)
+
+  def pick(e: Entry, cands: list[Source], where: str) -> Source | None:
+    right = [s for s in cands if s.collection is None or s.collection == e.collection]
+    if len(right) > 1:
+      problems.add(f"{where}: {len(right)} {side} entries map onto it: "
+                   + ", ".join(s.label() for s in right) + ".", _FIX_TWICE)
+      return None
+    if not right:  # one layer only in another collection: worded by the caller
+      result.wrong.append((e, cands[0]))
+      result.unused.extend(cands[1:])
+      return None
+    result.unused.extend(s for s in cands if s not in right)
+    return right[0]
+
+  for n, e in enumerate(ours):
+    cands = by_slot.get((n, None), [])
+    per_layer = {i: by_slot[(n, i)] for i in range(e.layers or 0) if (n, i) in by_slot}
+    if not cands and not per_layer:
+      result.missing.append(e)
+      continue
+    every = cands + [s for layer in per_layer.values() for s in layer]
+    if not any(s.collection is None or s.collection == e.collection for s in every):
+      result.wrong.append((e, every[0]))
+      result.unused.extend(every[1:])
+      continue
+    if cands and per_layer:
+      first = next(iter(per_layer.values()))[0]
+      problems.add(f"{e.where()}: given both whole ({cands[0].label()}) and as a list "
+                   f"of layers ({first.label()}, …).", _FIX_BOTH)
+      continue
+    if cands:
+      whole = pick(e, cands, e.where())
+      if whole is not None:
+        result.fills.append(Fill(e, whole=whole))
+      continue
+    layers = [pick(e, per_layer[i], f"{e.where()} layer {i}") if i in per_layer else None
+              for i in range(e.layers)]
+    gaps = [i for i in range(e.layers) if i not in per_layer]
+    if gaps:
+      have = [i for i in range(e.layers) if i in per_layer]
+      problems.add(
+          f"{e.where()} ({e.layers} layers on axis {e.axis}) is given as a list of "
+          f"layers with gaps: layer(s) {_ranges(have)} given, not {_ranges(gaps)} "
+          f"(layer {have[0]}: {per_layer[have[0]][0].label()}).", _FIX_LAYERS)
+    elif all(s is not None for s in layers):
+      result.fills.append(Fill(e, layers=layers))
+  return result
+
+
+def _ranges(numbers: list[int]) -> str:
+  """``0-3, 5`` for [0, 1, 2, 3, 5]."""
+  out, start = [], None
+  for k, n in enumerate(numbers):
+    if start is None:
+      start = n
+    if k + 1 == len(numbers) or numbers[k + 1] != n + 1:
+      out.append(str(start) if start == n else f"{start}-{n}")
+      start = None
+  return ", ".join(out)
+
+
+def made_names(ours: list[Entry], unstack: bool,
+               given: Callable[[Entry, int | None], str],
+               default: Callable[[Entry, int | None], str], rename, what: str,
+               problems: Problems, side: str,
+               nested: bool) -> list[tuple[Entry, int | None, str]]:
+  """``(entry, layer or None, name)`` for each variable (each layer, with ``unstack``)
+  we write out: ``default(entry, layer)``, or ``rename(given(entry, layer))``.
+
+  Two of ours written to one name, or (``nested``) to a name and a name below it,
+  are reported: an output must not lose a variable.
+  """
+  apply = None if rename is None else renamer(rename, what)
+  out, seen = [], {}
+  for e in ours:
+    for layer in (range(e.layers) if unstack and e.layers else [None]):
+      name = default(e, layer) if apply is None else apply(given(e, layer))
+      if name is None:
+        continue
+      where = e.where() if layer is None else f"{e.where()} layer {layer}"
+      if name in seen:
+        problems.add(f"{seen[name]} and {where} both become {side} `{name}`.",
+                     "make `rename` give each of our variables its own name (a callable "
+                     "rename may return None to leave one out).")
+        continue
+      seen[name] = where
+      out.append((e, layer, name))
+  if nested:
+    for name, where in seen.items():
+      parts = name.split(".")
+      for n in range(1, len(parts)):
+        above = ".".join(parts[:n])
+        if above in seen:
+          problems.add(f"{where} becomes {side} `{name}`, below {seen[above]}, which "
+                       f"becomes `{above}`: one name cannot be a variable and hold others.",
+                       "give the two different names (`rename`).")
+  return out

@@ -1,0 +1,283 @@
+r"""Flat state dicts <-> our modules: ``from_state_dict`` and ``to_state_dict``.
+
+A state dict is a flat ``{name: array}`` mapping, names dot-joined with list indices
+as numbers (``layers.3.linear.kernel``): what ``safetensors.numpy.load_file`` returns
+and ``save_file`` takes, and how PyTorch names a module's parameters. With
+``layout="torch"`` the arrays are in PyTorch's layout and names: for our ``sr.nn``
+layers, ``Linear.weight`` is ``(out, in)`` where our ``kernel`` is ``(in, out)``,
+``Conv.weight`` is ``(out, in, *window)`` where ours is ``(*window, in, out)``, and
+``weight`` / ``bias`` (``running_mean`` / ``running_var``) of Linear, Conv, Embedding,
+LayerNorm, RMSNorm and BatchNorm are our ``kernel`` / ``embedding`` / ``scale``,
+``bias`` (``mean`` / ``var``). Other variables keep their names and layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..core._split_merge import update
+from ..core._state import State
+from ..nn._batchnorm import BatchNorm
+from ..nn._conv import Conv
+from ..nn._embed import Embed
+from ..nn._linear import Linear
+from ..nn._normalization import LayerNorm, RMSNorm
+from ._names import Source, made_names, match
+from ._paths import Entry, entries, placed_like, select_collections
+from ._report import Problems, array_str, shape_str
+
+_LAYOUTS = ("jax", "torch")
+# our layer class -> {our variable name: PyTorch's name}
+_TORCH_NAMES = {
+    Linear: {"kernel": "weight"},
+    Conv: {"kernel": "weight"},
+    Embed: {"embedding": "weight"},
+    LayerNorm: {"scale": "weight"},
+    RMSNorm: {"scale": "weight"},
+    BatchNorm: {"scale": "weight", "mean": "running_mean", "var": "running_var"},
+}
+_FIX_NAMES = ("name the state dict's entries after our paths (`layers.0.linear.kernel`; "
+              "a list of layers `blocks.0.…` … `blocks.{L-1}.…` fills our stack at "
+              "`blocks`), or map them with rename={r'^model\\.': '', ...}.")
+_FIX_UNUSED = ("every entry needs a variable of ours: add the layer to our model, or "
+               "leave the entry out (a callable rename may return None for it, e.g. "
+               "PyTorch's `num_batches_tracked`).")
+_FIX_SHAPE = ("build our layers with the source model's sizes; with PyTorch weights, "
+              "pass layout='torch' (Linear and Conv weights are transposed).")
+_FIX_DTYPE = ("dtypes must match exactly (no silent casts): cast the arrays "
+              "(`{k: v.astype(...) for k, v in flat.items()}`) or build our model with "
+              "that param_dtype.")
+
+
+def _torch_rule(e: Entry) -> tuple[str, tuple | None] | None:
+  """``(PyTorch's name, axes)`` for a variable of a layer PyTorch lays out otherwise:
+  our layer's array is ``np.transpose(torch's, axes)`` (None: the same); None for
+  variables that keep our name and layout."""
+  for cls in type(e.owner).__mro__:
+    if "_sr_layer_class" in cls.__dict__:  # a stack's class: look at its layer class
+      continue
+    names = _TORCH_NAMES.get(cls)
+    if names is not None:
+      name = e.path[-1]
+      if name not in names:
+        return None
+      if name != "kernel":
+        return names[name], None
+      n = len(e.layer_shape())  # (out, in, *window) -> (*window, in, out)
+      return names[name], tuple(range(2, n)) + (1, 0)
+    if cls.__module__.startswith("statefulremat."):
+      return None  # one of our other layers (ConvTranspose & co.): our layout
+  return None
+
+
+def _full_axes(axes: tuple, e: Entry) -> tuple:
+  """``axes`` of one layer's transposition, for the whole stacked array."""
+  if e.axis is None:
+    return axes
+  a = e.axis
+  up = [j if j < a else j + 1 for j in range(len(axes))]
+  full = [up[k] for k in axes]
+  return tuple(full[:a]) + (a,) + tuple(full[a:])
+
+
+def _check(layout, flat, what: str) -> None:
+  if layout not in _LAYOUTS:
+    raise ValueError(f"{what}: layout= is 'jax' (our names and layouts) or 'torch' "
+                     f"(PyTorch's), got {layout!r}.")
+  if flat is not None and (not isinstance(flat, Mapping)
+                           or not all(isinstance(k, str) for k in flat)):
+    raise TypeError(
+        f"{what} takes a flat mapping of dot-joined names to arrays, "
+        "{'layers.0.kernel': array, ...} (what safetensors.numpy.load_file returns), "
+        f"got {type(flat).__name__}"
+        + (" with keys that are not strings" if isinstance(flat, Mapping) else "")
+        + ". Flatten nested dicts first; for nnx or linen, use from_nnx / from_linen.")
+
+
+def _entries(model, collections, what: str) -> list[Entry]:
+  want = select_collections(collections, what)
+  return [e for e in entries(model, what)
+          if (e.collection != "rngs" if want is None else e.collection in want)]
+
+
+def from_state_dict(model, flat: Mapping, *, rename: Any = None, layout: str = "jax",
+                    collections: Any = None):
+  r"""Loads a flat state dict ``{name: array}`` into ``model``, in place; returns it.
+
+  Names are dot-joined paths with list indices as numbers (``layers.0.kernel``), as
+  PyTorch and ``safetensors.numpy.load_file`` give them; ``rename`` maps them to
+  ours first. A stacked variable (``blocks.linear.kernel``, the stack at ``blocks``)
+  takes either the stacked array or a list of layers at the stack's path
+  (``blocks.0.linear.kernel`` … ``blocks.{L-1}.linear.kernel``). With
+  ``layout="torch"`` the arrays are PyTorch's: Linear and Conv weights are
+  transposed to ours, and PyTorch's names of Linear, Conv, Embedding, LayerNorm,
+  RMSNorm and BatchNorm (``weight``, ``running_mean``, ...) are accepted besides ours
+  (see ``sr.interop``). Shapes (after the transposition) and dtypes must match
+  exactly.
+
+  Everything is checked before anything is written: an entry that fills nothing,
+  a variable of ours left unfilled, two entries for one variable, or a shape or
+  dtype that differs raises ``InteropError`` naming each (with the nearest names),
+  and leaves the model unchanged.
+
+  Args:
+    model: our module.
+    flat: ``{name: array}`` (numpy or JAX arrays).
+    rename: the state dict's name to ours: a callable (returning None leaves the
+      entry out) or a mapping of regular expressions to replacements, applied in
+      order like ``re.sub``; e.g. ``{r"^model\.": ""}``.
+    layout: ``"jax"`` (our names and layouts) or ``"torch"``.
+    collections: fill only these collections (names or kinds). Default: every
+      non-RNG variable of ours.
+
+  Returns:
+    ``model``.
+
+  >>> import numpy as np, statefulremat as sr
+  >>> torch_linear = {"weight": np.arange(6.0, dtype=np.float32).reshape(3, 2),
+  ...                 "bias": np.zeros(3, np.float32)}  # torch.nn.Linear(2, 3)
+  >>> ours = sr.interop.from_state_dict(sr.nn.Linear(2, 3, rngs=sr.Rngs(0)),
+  ...                                   torch_linear, layout="torch")
+  >>> ours.kernel.value.tolist()  # (in, out)
+  [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
+  """
+  what = "sr.interop.from_state_dict"
+  _check(layout, flat, what)
+  problems = Problems(what, "the model is unchanged")
+  ours = _entries(model, collections, what)
+  torch = layout == "torch"
+
+  def names(e: Entry, layer: int | None) -> list[str]:
+    out = [e.dotted(layer)]
+    rule = _torch_rule(e) if torch else None
+    if rule is not None and rule[0] != e.path[-1]:
+      out.append(out[0][:len(out[0]) - len(str(e.path[-1]))] + rule[0])
+    return out
+
+  sources = [Source(name, name, f"state dict `{name}`", value)
+             for name, value in flat.items()]
+  found = match(ours, sources, names, rename, what, problems, "state dict")
+  for e in found.missing:
+    answers = " or ".join(f"`{n}`" for n in names(e, None))
+    if e.layers:
+      answers += (f" (or, layer by layer, {' or '.join(f'`{n}`' for n in names(e, 0))}"
+                  f" … for its {e.layers} layers)")
+    problems.add(f"{e.where()}: the state dict has no "
+                 f"{'entry renamed to ' if rename is not None else ''}{answers}."
+                 f"{found.nearest_sources(e)}", _FIX_NAMES)
+  new: dict[tuple, Any] = {}
+  for fill in found.fills:
+    e = fill.entry
+    rule = _torch_rule(e) if torch else None
+    axes = rule[1] if rule is not None else None
+    if fill.whole is not None:
+      value = _value(e, fill.whole, None, axes, problems)
+      if value is not None:
+        new[e.path] = placed_like(e.var, value)
+    else:
+      values = [_value(e, s, i, axes, problems) for i, s in enumerate(fill.layers)]
+      if all(v is not None for v in values):
+        new[e.path] = placed_like(e.var, jnp.stack(values, axis=e.axis))
+  for s in found.unused:
+    problems.add(f"{s.shown} ({array_str(s.leaf)})"
+                 + (f", renamed `{s.target}`," if s.target != s.name else "")
+                 + f" matches no variable of ours.{found.nearest_ours(s)}", _FIX_UNUSED)
+  problems.raise_if_any()
+  update(model, State(new))
+  return model
+
+
+def _value(e: Entry, s: Source, layer: int | None, axes: tuple | None,
+           problems: Problems):
+  """``s``'s array in our layout (one layer's with ``layer``), or None after adding a
+  problem."""
+  value = s.leaf
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  where = e.where() if layer is None else f"{e.where()} layer {layer}"
+  if shape is None or dtype is None:
+    problems.add(f"{where}: {s.label()} is a {type(value).__name__}, not an array.")
+    return None
+  ours = e.shape if layer is None else e.layer_shape()
+  full = None if axes is None else axes if layer is not None else _full_axes(axes, e)
+  expected = ours if full is None else tuple(ours[k] for k in np.argsort(full))
+  if tuple(shape) != expected:
+    per_layer = (" per layer" if layer is not None else
+                 f" ({e.layers} layers on axis {e.axis})" if e.layers else "")
+    torch = "" if full is None else f", in PyTorch's layout {shape_str(expected)}"
+    problems.add(f"{where}: shape mismatch: ours is {shape_str(ours)}{per_layer}{torch}, "
+                 f"{s.label()} is {shape_str(tuple(shape))}.", _FIX_SHAPE)
+    return None
+  if np.dtype(dtype) != np.dtype(e.dtype):
+    problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.",
+                 _FIX_DTYPE)
+    return None
+  value = jnp.asarray(value)
+  return value if full is None else jnp.transpose(value, full)
+
+
+def to_state_dict(model, *, rename: Any = None, layout: str = "jax",
+                  unstack: bool | None = None, collections: Any = None) -> dict:
+  r"""``model``'s variables as a flat state dict ``{name: numpy array}``.
+
+  The reverse of ``from_state_dict``: names are our paths dot-joined
+  (``layers.0.kernel``), arrays are numpy copies, ready for
+  ``safetensors.numpy.save_file``. With ``layout="torch"``, PyTorch's names and
+  layouts for our Linear, Conv, Embed, LayerNorm, RMSNorm and BatchNorm
+  (``weight (out, in)``, ``running_mean``, ...; see ``sr.interop``), and each stack
+  as a list of layers, as a PyTorch model keeps it.
+
+  Args:
+    model: our module.
+    rename: here the names are made, so it goes from ours (in the chosen layout's
+      names, ``blocks.3.linear.weight`` with ``"torch"``) to the name written: a
+      callable (None leaves the variable out) or a mapping of regular expressions
+      to replacements, applied in order like ``re.sub``.
+    layout: ``"jax"`` or ``"torch"``.
+    unstack: each stacked variable as a list of layers (``blocks.0.…`` …
+      ``blocks.{L-1}.…``) rather than one stacked array. Default: with
+      ``layout="torch"`` only.
+    collections: only these collections (names or kinds); default all but RNG state.
+
+  Returns:
+    a dict of numpy arrays.
+
+  >>> import statefulremat as sr
+  >>> Stack = sr.vmap(sr.nn.Linear, axis_size=2)
+  >>> flat = sr.interop.to_state_dict(Stack(3, 4, rngs=sr.Rngs(0)), layout="torch",
+  ...                                 rename={r"^": "layers."})
+  >>> {name: value.shape for name, value in flat.items()}
+  {'layers.0.bias': (4,), 'layers.1.bias': (4,),
+   'layers.0.weight': (4, 3), 'layers.1.weight': (4, 3)}
+  """
+  what = "sr.interop.to_state_dict"
+  _check(layout, None, what)
+  problems = Problems(what, "no state dict was returned")
+  ours = _entries(model, collections, what)
+  torch = layout == "torch"
+  unstack = torch if unstack is None else unstack
+
+  def given(e: Entry, layer: int | None) -> str:
+    name = e.dotted(layer)
+    rule = _torch_rule(e) if torch else None
+    if rule is None:
+      return name
+    return name[:len(name) - len(str(e.path[-1]))] + rule[0]
+
+  names = made_names(ours, unstack, given, given, rename, what, problems,
+                     "state dict entry", nested=False)
+  problems.raise_if_any()
+  out = {}
+  for e, layer, name in names:
+    value = np.asarray(e.var.value)
+    rule = _torch_rule(e) if torch else None
+    if layer is not None:
+      value = np.take(value, layer, axis=e.axis)
+    if rule is not None and rule[1] is not None:
+      axes = rule[1] if layer is not None else _full_axes(rule[1], e)
+      value = np.ascontiguousarray(np.transpose(value, np.argsort(axes)))
+    out[name] = value
+  return out

@@ -1,0 +1,447 @@
+"""Recurrent cells, as ``flax.nnx``'s: ``SimpleCell``, ``LSTMCell``,
+``OptimizedLSTMCell``, ``GRUCell``.
+
+A cell computes one time step, ``cell(carry, x) -> (carry, y)``; ``sr.nn.RNN`` scans it
+over a sequence. Names, constructor signatures, sub-layers (``Linear``s named as nnx
+names them) and numerics are nnx 0.12's, so ``sr.interop.from_nnx`` moves the weights
+of an nnx cell into ours with no rename.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from ..core._errors import format_path
+from ..core._module import Module
+from ..core._rngs import Rngs, RngStream
+from ..core._variables import path_of
+from ._dtypes import promote_dtype as default_promote_dtype
+from ._linear import Linear, default_bias_init, default_kernel_init
+from ._rngs_arg import check_rngs
+
+_orthogonal = jax.nn.initializers.orthogonal()
+
+
+def modified_orthogonal(key: jax.Array, shape: tuple, dtype: Any = jnp.float32) -> jax.Array:
+  """An orthogonal matrix drawn in float32, then cast to ``dtype`` (half precision works).
+
+  nnx's default ``recurrent_kernel_init`` of ``LSTMCell``.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from statefulremat.nn._cells import modified_orthogonal
+  >>> w = modified_orthogonal(jax.random.key(0), (3, 3), jnp.bfloat16)
+  >>> w.dtype, bool(jnp.allclose(w.astype(jnp.float32) @ w.T.astype(jnp.float32),
+  ...                            jnp.eye(3), atol=1e-2))
+  (dtype(bfloat16), True)
+  """
+  return _orthogonal(key, shape).astype(dtype)
+
+
+def where(module) -> str:
+  """``"LSTMCell at `path`"`` (the module's path in its model), or the class name."""
+  path = path_of(module)
+  name = type(module).__name__
+  return f"{name} at `{format_path(path)}`" if path else name
+
+
+class RNNCellBase(Module):
+  """Base class of the recurrent cells: one time step, ``cell(carry, x) -> (carry, y)``.
+
+  A cell of one's own (a ConvLSTM) subclasses it and defines ``__call__``,
+  ``initialize_carry(input_shape, rngs=None, carry_init=None)`` and
+  ``num_feature_axes`` (how many trailing axes of the input are features; ``RNN``
+  finds the time axis from it). The cells here also keep ``in_features`` and
+  ``hidden_features`` and check their inputs against them.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> cell = sr.nn.GRUCell(3, 4, rngs=sr.Rngs(0))
+  >>> isinstance(cell, sr.nn.RNNCellBase), cell.num_feature_axes
+  (True, 1)
+  """
+
+  #: carry arrays of the cell: 1 (``h``), or 2 for the LSTMs (``(c, h)``)
+  _carry_arity = 1
+  #: whether ``check_step`` knows the cell's input and carry (the cells here do; a
+  #: subclass of this base with a carry of its own is not checked)
+  _checks_steps = False
+
+  def _setup(self, name: str, in_features: int, hidden_features: int, *, dtype: Any,
+             param_dtype: Any, carry_init: Callable | None, promote_dtype: Callable,
+             keep_rngs: bool, rngs: Rngs) -> None:
+    check_rngs(name, rngs)
+    for arg, value in (("in_features", in_features), ("hidden_features", hidden_features)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}.")
+    self.in_features = in_features
+    self.hidden_features = hidden_features
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.promote_dtype = promote_dtype
+    if keep_rngs:
+      warnings.warn(
+          f"{name}(keep_rngs=True) is deprecated, as in flax.nnx: pass the rngs to "
+          "`initialize_carry(input_shape, rngs)` (or `RNN(...)(x, rngs=rngs)`) instead.",
+          DeprecationWarning, stacklevel=3)
+      self.rngs = RngStream(rngs.carry(), tag="carry")
+    else:
+      self.rngs = None
+    if carry_init is not None:
+      warnings.warn(
+          f"{name}: carry_init given to the constructor, as flax.nnx still allows but "
+          "warns about: two cells that differ only in it have different graph "
+          "definitions. Pass it to `initialize_carry(input_shape, rngs, carry_init=...)` "
+          "instead.", UserWarning, stacklevel=3)
+    self.carry_init = carry_init
+
+  @property
+  def num_feature_axes(self) -> int:
+    """How many trailing axes of the input are features (1 for these cells)."""
+    return 1
+
+  def initialize_carry(self, input_shape: tuple, rngs: Rngs | RngStream | None = None,
+                       carry_init: Callable | None = None):
+    """The carry for a time step of inputs of shape ``input_shape`` ``(*batch, in)``.
+
+    Each carry array has shape ``(*batch, hidden_features)`` and dtype ``param_dtype``:
+    zeros, or drawn from ``carry_init(key, shape, dtype)`` with keys from ``rngs`` (an
+    ``sr.Rngs``'s ``carry`` stream, an ``sr.RngStream``, or the cell's own stream
+    when built with ``keep_rngs=True``). Zeros need no keys, so ``rngs`` may be
+    omitted then (nnx insists on one).
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> c, h = sr.nn.LSTMCell(3, 4, rngs=sr.Rngs(0)).initialize_carry((2, 3))
+    >>> c.shape, h.shape
+    ((2, 4), (2, 4))
+    """
+    init = carry_init if carry_init is not None else self.carry_init
+    shape = tuple(input_shape)[:-1] + (self.hidden_features,)
+    if init is None:
+      zeros = jnp.zeros(shape, self.param_dtype)
+      return (zeros, zeros) if self._carry_arity == 2 else zeros
+    if rngs is None:
+      rngs = self.rngs
+    if isinstance(rngs, Rngs):
+      rngs = rngs.carry
+    if rngs is None:
+      raise ValueError(
+          f"{where(self)}: initialize_carry with carry_init={init!r} draws keys, but no "
+          "rngs was given and the cell keeps none. Fix: pass them, "
+          "`cell.initialize_carry(input_shape, sr.Rngs(0))` (its `carry` stream).")
+    carries = tuple(init(rngs(), shape, self.param_dtype) for _ in range(self._carry_arity))
+    return carries if self._carry_arity == 2 else carries[0]
+
+  def carry_shapes(self, input_shape: tuple):
+    """The shape of each carry array for inputs of ``input_shape`` (a pair for LSTMs).
+
+    >>> import statefulremat as sr
+    >>> sr.nn.GRUCell(3, 4, rngs=sr.Rngs(0)).carry_shapes((5, 3))
+    (5, 4)
+    """
+    shape = tuple(input_shape)[:-1] + (self.hidden_features,)
+    return (shape, shape) if self._carry_arity == 2 else shape
+
+  def check_step(self, carry, input_shape: tuple, *, exact: bool = False) -> None:
+    """Raises a ``ValueError`` naming the cell's path unless ``carry`` and an input of
+    ``input_shape`` fit it: features ``in_features``, carry arrays ``(..., hidden)``
+    (``exact``: exactly ``carry_shapes(input_shape)``, as a scan over time needs)."""
+    if not self._checks_steps:
+      return
+    input_shape = tuple(input_shape)
+    if not input_shape or input_shape[-1] != self.in_features:
+      fix = (f"build the cell with in_features={input_shape[-1]}" if input_shape else
+             "give the input a feature axis, e.g. `x[..., None]`")
+      raise ValueError(
+          f"{where(self)} was built with in_features={self.in_features} but got an "
+          f"input of shape {input_shape} (expected (*batch, {self.in_features})). Fix "
+          f"the input, or {fix}.")
+    expected = self.carry_shapes(input_shape)
+    if self._carry_arity == 2:
+      ok = isinstance(carry, (tuple, list)) and len(carry) == 2
+      leaves = list(carry) if ok else []
+      want = f"a pair (c, h) of arrays of shape {expected[0]}"
+    else:
+      ok = not isinstance(carry, (tuple, list, dict))
+      leaves = [carry] if ok else []
+      want = f"one array of shape {expected}"
+    shapes = [tuple(jnp.shape(leaf)) for leaf in leaves]
+    target = expected[0] if self._carry_arity == 2 else expected
+    ok = ok and all((s == target) if exact else (s[-1:] == target[-1:]) for s in shapes)
+    if not ok:
+      got = jax.tree.map(lambda leaf: tuple(jnp.shape(leaf)), carry)
+      raise ValueError(
+          f"{where(self)}: the carry has shapes {got}, but for inputs of shape "
+          f"{input_shape} it must be {want} (batch dims, then hidden_features="
+          f"{self.hidden_features}). Fix: start from "
+          f"`cell.initialize_carry({input_shape})`.")
+
+
+def _linear(in_features: int, out_features: int, *, use_bias: bool, kernel_init,
+            bias_init=default_bias_init, dtype, param_dtype, promote_dtype, rngs,
+            kernel_metadata, bias_metadata=MappingProxyType({})) -> Linear:
+  return Linear(in_features, out_features, use_bias=use_bias, kernel_init=kernel_init,
+                bias_init=bias_init, dtype=dtype, param_dtype=param_dtype,
+                promote_dtype=promote_dtype, rngs=rngs, kernel_metadata=kernel_metadata,
+                bias_metadata=bias_metadata if use_bias else MappingProxyType({}))
+
+
+_EMPTY = MappingProxyType({})
+
+
+class LSTMCell(RNNCellBase):
+  r"""A long short-term memory cell with one ``Linear`` per gate, as ``flax.nnx.LSTMCell``.
+
+  .. math::
+      i = \sigma(W_{ii} x + W_{hi} h + b_{hi}), \;
+      f = \sigma(W_{if} x + W_{hf} h + b_{hf}), \;
+      g = \tanh(W_{ig} x + W_{hg} h + b_{hg}), \;
+      o = \sigma(W_{io} x + W_{ho} h + b_{ho}), \;
+      c' = f c + i g, \; h' = o \tanh(c')
+
+  Sub-layers (nnx's names): ``ii``, ``if_``, ``ig``, ``io`` (input kernels
+  ``(in, hidden)``, no bias) and ``hi``, ``hf``, ``hg``, ``ho`` (recurrent kernels
+  ``(hidden, hidden)`` with the bias). The carry is ``(c, h)``; the output is ``h'``.
+
+  Args:
+    in_features, hidden_features: input and hidden sizes.
+    gate_fn: the gates' activation (sigmoid); activation_fn: the cell's (tanh).
+    kernel_init, recurrent_kernel_init, bias_init: initialisers (lecun_normal,
+      orthogonal computed in float32, zeros).
+    dtype: computation dtype (default: promoted from inputs and parameters);
+      param_dtype: parameters' and carry's dtype.
+    carry_init: the carry's initialiser (nnx warns here; prefer
+      ``initialize_carry(..., carry_init=)``).
+    promote_dtype: as ``Linear``'s.
+    keep_rngs: deprecated, as in nnx: keep a ``carry`` stream for ``initialize_carry``.
+    rngs: an ``sr.Rngs`` (``params`` stream).
+    kernel_metadata, recurrent_kernel_metadata, bias_metadata: Variable metadata.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> cell = sr.nn.LSTMCell(3, 4, rngs=sr.Rngs(0))
+  >>> carry = cell.initialize_carry((2, 3))
+  >>> (c, h), y = cell(carry, jnp.ones((2, 3)))
+  >>> c.shape, y.shape, cell.if_.kernel.shape, cell.hf.bias.shape
+  ((2, 4), (2, 4), (3, 4), (4,))
+  """
+
+  _carry_arity = 2
+  _checks_steps = True
+
+  def __init__(self, in_features: int, hidden_features: int, *,
+               gate_fn: Callable = jax.nn.sigmoid, activation_fn: Callable = jnp.tanh,
+               kernel_init: Callable = default_kernel_init,
+               recurrent_kernel_init: Callable = modified_orthogonal,
+               bias_init: Callable = default_bias_init, dtype: Any = None,
+               param_dtype: Any = jnp.float32, carry_init: Callable | None = None,
+               promote_dtype: Callable = default_promote_dtype, keep_rngs: bool = False,
+               rngs: Rngs, kernel_metadata: Mapping[str, Any] = _EMPTY,
+               recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
+               bias_metadata: Mapping[str, Any] = _EMPTY):
+    self._setup("LSTMCell", in_features, hidden_features, dtype=dtype,
+                param_dtype=param_dtype, carry_init=carry_init,
+                promote_dtype=promote_dtype, keep_rngs=keep_rngs, rngs=rngs)
+    self.gate_fn = gate_fn
+    self.activation_fn = activation_fn
+    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype,
+                  rngs=rngs)
+
+    def dense_i():  # input and recurrent terms are summed: one bias is enough
+      return _linear(in_features, hidden_features, use_bias=False,
+                     kernel_init=kernel_init, kernel_metadata=kernel_metadata, **common)
+
+    def dense_h():
+      return _linear(hidden_features, hidden_features, use_bias=True,
+                     kernel_init=recurrent_kernel_init, bias_init=bias_init,
+                     kernel_metadata=recurrent_kernel_metadata,
+                     bias_metadata=bias_metadata, **common)
+
+    self.ii, self.if_, self.ig, self.io = dense_i(), dense_i(), dense_i(), dense_i()
+    self.hi, self.hf, self.hg, self.ho = dense_h(), dense_h(), dense_h(), dense_h()
+
+  def __call__(self, carry, inputs: jax.Array):
+    """One step: ``((c, h), x) -> ((c', h'), h')``."""
+    self.check_step(carry, jnp.shape(inputs))
+    c, h = carry
+    i = self.gate_fn(self.ii(inputs) + self.hi(h))
+    f = self.gate_fn(self.if_(inputs) + self.hf(h))
+    g = self.activation_fn(self.ig(inputs) + self.hg(h))
+    o = self.gate_fn(self.io(inputs) + self.ho(h))
+    new_c = f * c + i * g
+    new_h = o * self.activation_fn(new_c)
+    return (new_c, new_h), new_h
+
+
+class OptimizedLSTMCell(RNNCellBase):
+  """An LSTM whose four gates share one input and one recurrent matmul, as
+  ``flax.nnx.OptimizedLSTMCell``.
+
+  The same function as ``LSTMCell``, with fused sub-layers (nnx's names):
+  ``dense_i`` (kernel ``(in, 4 * hidden)``, no bias) and ``dense_h`` (kernel
+  ``(hidden, 4 * hidden)`` and bias ``(4 * hidden,)``), the gates in the order
+  ``i, f, g, o``. Usually faster than ``LSTMCell`` up to a hidden size of about
+  2048. The arguments are ``LSTMCell``'s (the recurrent kernel's default initialiser
+  is ``orthogonal()``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> cell = sr.nn.OptimizedLSTMCell(3, 4, rngs=sr.Rngs(0))
+  >>> (c, h), y = cell(cell.initialize_carry((2, 3)), jnp.ones((2, 3)))
+  >>> y.shape, cell.dense_i.kernel.shape, cell.dense_h.bias.shape
+  ((2, 4), (3, 16), (16,))
+  """
+
+  _carry_arity = 2
+  _checks_steps = True
+
+  def __init__(self, in_features: int, hidden_features: int, *,
+               gate_fn: Callable = jax.nn.sigmoid, activation_fn: Callable = jnp.tanh,
+               kernel_init: Callable = default_kernel_init,
+               recurrent_kernel_init: Callable = _orthogonal,
+               bias_init: Callable = default_bias_init, dtype: Any = None,
+               param_dtype: Any = jnp.float32, carry_init: Callable | None = None,
+               promote_dtype: Callable = default_promote_dtype, keep_rngs: bool = False,
+               rngs: Rngs, kernel_metadata: Mapping[str, Any] = _EMPTY,
+               recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
+               bias_metadata: Mapping[str, Any] = _EMPTY):
+    self._setup("OptimizedLSTMCell", in_features, hidden_features, dtype=dtype,
+                param_dtype=param_dtype, carry_init=carry_init,
+                promote_dtype=promote_dtype, keep_rngs=keep_rngs, rngs=rngs)
+    self.gate_fn = gate_fn
+    self.activation_fn = activation_fn
+    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype,
+                  rngs=rngs)
+    self.dense_i = _linear(in_features, 4 * hidden_features, use_bias=False,
+                           kernel_init=kernel_init, kernel_metadata=kernel_metadata,
+                           **common)
+    self.dense_h = _linear(hidden_features, 4 * hidden_features, use_bias=True,
+                           kernel_init=recurrent_kernel_init, bias_init=bias_init,
+                           kernel_metadata=recurrent_kernel_metadata,
+                           bias_metadata=bias_metadata, **common)
+
+  def __call__(self, carry, inputs: jax.Array):
+    """One step: ``((c, h), x) -> ((c', h'), h')``."""
+    self.check_step(carry, jnp.shape(inputs))
+    c, h = carry
+    i, f, g, o = jnp.split(self.dense_i(inputs) + self.dense_h(h), 4, axis=-1)
+    new_c = self.gate_fn(f) * c + self.gate_fn(i) * self.activation_fn(g)
+    new_h = self.gate_fn(o) * self.activation_fn(new_c)
+    return (new_c, new_h), new_h
+
+
+class SimpleCell(RNNCellBase):
+  r"""The Elman cell ``h' = activation_fn(W_i x + b_i + W_h h [+ h])``, as
+  ``flax.nnx.SimpleCell``.
+
+  Sub-layers (nnx's names): ``dense_i`` (kernel ``(in, hidden)`` and bias) and
+  ``dense_h`` (kernel ``(hidden, hidden)``, no bias). ``residual=True`` adds ``h``
+  before the activation. As in nnx, ``dtype`` defaults to float32 here. The carry and
+  the output are ``h'``. Other arguments as ``LSTMCell``'s (recurrent kernel:
+  ``orthogonal()``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> cell = sr.nn.SimpleCell(3, 4, rngs=sr.Rngs(0))
+  >>> h, y = cell(cell.initialize_carry((2, 3)), jnp.ones((2, 3)))
+  >>> h.shape, cell.dense_i.bias.shape, cell.dense_h.bias
+  ((2, 4), (4,), None)
+  """
+
+  _checks_steps = True
+
+  def __init__(self, in_features: int, hidden_features: int, *,
+               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+               carry_init: Callable | None = None, residual: bool = False,
+               activation_fn: Callable = jnp.tanh,
+               kernel_init: Callable = default_kernel_init,
+               recurrent_kernel_init: Callable = _orthogonal,
+               bias_init: Callable = default_bias_init,
+               promote_dtype: Callable = default_promote_dtype, keep_rngs: bool = False,
+               rngs: Rngs, kernel_metadata: Mapping[str, Any] = _EMPTY,
+               recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
+               bias_metadata: Mapping[str, Any] = _EMPTY):
+    self._setup("SimpleCell", in_features, hidden_features, dtype=dtype,
+                param_dtype=param_dtype, carry_init=carry_init,
+                promote_dtype=promote_dtype, keep_rngs=keep_rngs, rngs=rngs)
+    self.residual = residual
+    self.activation_fn = activation_fn
+    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype,
+                  rngs=rngs)
+    # nnx builds the recurrent layer first: the same draws from rngs.params.
+    self.dense_h = _linear(hidden_features, hidden_features, use_bias=False,
+                           kernel_init=recurrent_kernel_init,
+                           kernel_metadata=recurrent_kernel_metadata, **common)
+    self.dense_i = _linear(in_features, hidden_features, use_bias=True,
+                           kernel_init=kernel_init, bias_init=bias_init,
+                           kernel_metadata=kernel_metadata, bias_metadata=bias_metadata,
+                           **common)
+
+  def __call__(self, carry: jax.Array, inputs: jax.Array):
+    """One step: ``(h, x) -> (h', h')``."""
+    self.check_step(carry, jnp.shape(inputs))
+    new = self.dense_i(inputs) + self.dense_h(carry)
+    if self.residual:
+      new = new + carry
+    new = self.activation_fn(new)
+    return new, new
+
+
+class GRUCell(RNNCellBase):
+  r"""A gated recurrent unit, as ``flax.nnx.GRUCell``.
+
+  .. math::
+      r = \sigma(W_{ir} x + b_{ir} + W_{hr} h), \;
+      z = \sigma(W_{iz} x + b_{iz} + W_{hz} h), \;
+      n = \tanh(W_{in} x + b_{in} + r \, W_{hn} h), \;
+      h' = (1 - z) n + z h
+
+  Sub-layers (nnx's names): ``dense_i`` (kernel ``(in, 3 * hidden)`` and bias, the
+  parts in the order ``r, z, n``) and ``dense_h`` (kernel ``(hidden, 3 * hidden)``,
+  no bias). The carry and the output are ``h'``. Other arguments as ``LSTMCell``'s
+  (recurrent kernel: ``orthogonal()``).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> cell = sr.nn.GRUCell(3, 4, rngs=sr.Rngs(0))
+  >>> h, y = cell(cell.initialize_carry((2, 3)), jnp.ones((2, 3)))
+  >>> y.shape, cell.dense_i.kernel.shape, cell.dense_h.kernel.shape
+  ((2, 4), (3, 12), (4, 12))
+  """
+
+  _checks_steps = True
+
+  def __init__(self, in_features: int, hidden_features: int, *,
+               gate_fn: Callable = jax.nn.sigmoid, activation_fn: Callable = jnp.tanh,
+               kernel_init: Callable = default_kernel_init,
+               recurrent_kernel_init: Callable = _orthogonal,
+               bias_init: Callable = default_bias_init, dtype: Any = None,
+               param_dtype: Any = jnp.float32, carry_init: Callable | None = None,
+               promote_dtype: Callable = default_promote_dtype, keep_rngs: bool = False,
+               rngs: Rngs, kernel_metadata: Mapping[str, Any] = _EMPTY,
+               recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
+               bias_metadata: Mapping[str, Any] = _EMPTY):
+    self._setup("GRUCell", in_features, hidden_features, dtype=dtype,
+                param_dtype=param_dtype, carry_init=carry_init,
+                promote_dtype=promote_dtype, keep_rngs=keep_rngs, rngs=rngs)
+    self.gate_fn = gate_fn
+    self.activation_fn = activation_fn
+    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype,
+                  rngs=rngs)
+    self.dense_i = _linear(in_features, 3 * hidden_features, use_bias=True,
+                           kernel_init=kernel_init, bias_init=bias_init,
+                           kernel_metadata=kernel_metadata, bias_metadata=bias_metadata,
+                           **common)
+    self.dense_h = _linear(hidden_features, 3 * hidden_features, use_bias=False,
+                           kernel_init=recurrent_kernel_init,
+                           kernel_metadata=recurrent_kernel_metadata, **common)
+
+  def __call__(self, carry: jax.Array, inputs: jax.Array):
+    """One step: ``(h, x) -> (h', h')``."""
+    self.check_step(carry, jnp.shape(inputs))
+    xi_r, xi_z, xi_n = jnp.split(self.dense_i(inputs), 3, axis=-1)
+    hh_r, hh_z, hh_n = jnp.split(self.dense_h(carry), 3, axis=-1)
+    r = self.gate_fn(xi_r + hh_r)
+    z = self.gate_fn(xi_z + hh_z)
+    n = self.activation_fn(xi_n + r * hh_n)
+    new = (1.0 - z) * n + z * carry
+    return new, new

@@ -1,0 +1,142 @@
+"""ConvTranspose: the transposed (fractionally strided) convolution, as ``flax.nnx.ConvTranspose``."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..core._kinds import Param
+from ..core._module import Module
+from ..core._rngs import Rngs
+from ._conv import _freeze, canonicalize_padding, check_conv_input
+from ._dtypes import promote_dtype as default_promote_dtype
+from ._linear import default_bias_init, default_kernel_init
+from ._rngs_arg import check_rngs
+
+
+class ConvTranspose(Module):
+  """A transposed convolution with ``kernel`` ``(*kernel_size, in, out)`` and ``bias``.
+
+  As ``flax.nnx.ConvTranspose`` (``lax.conv_transpose``): inputs are channels last,
+  ``(*batch, *spatial, in_features)``; several batch axes are flattened for the
+  convolution and restored, and an input without a batch axis is accepted. With
+  ``transpose_kernel=True`` the kernel is ``(*kernel_size, out, in)``, the layout of
+  the ``Conv`` it transposes, and the layer computes that convolution's gradient.
+
+  Args:
+    in_features, out_features: channel counts.
+    kernel_size: an int (1-D) or one size per spatial axis.
+    strides, kernel_dilation: an int or one per spatial axis (``None`` means 1).
+    padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'`` (periodic), an int, or
+      ``(low, high)`` pairs per axis, as ``lax.conv_transpose`` reads them.
+    transpose_kernel: flip the kernel's spatial axes and swap its channel axes.
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init, promote_dtype,
+    preferred_element_type, rngs, kernel_metadata, bias_metadata: as ``Conv``.
+
+  nnx's weight ``mask`` is not supported (an array outside any Variable), as in
+  ``Conv``; ``lax.conv_transpose`` takes no ``out_sharding``, so under explicit mesh
+  axes the output's sharding is jax's choice.
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> up = sr.nn.ConvTranspose(3, 4, kernel_size=(3, 3), strides=2, rngs=sr.Rngs(0))
+  >>> up.kernel.shape, up(jnp.ones((1, 4, 4, 3))).shape
+  ((3, 3, 3, 4), (1, 8, 8, 4))
+  """
+
+  def __init__(self, in_features: int, out_features: int,
+               kernel_size: int | Sequence[int],
+               strides: None | int | Sequence[int] = None, *,
+               padding: Any = "SAME",
+               kernel_dilation: None | int | Sequence[int] = None,
+               use_bias: bool = True,
+               dtype: Any = None, param_dtype: Any = jnp.float32,
+               precision: Any = None,
+               kernel_init: Callable = default_kernel_init,
+               bias_init: Callable = default_bias_init,
+               transpose_kernel: bool = False,
+               promote_dtype: Callable = default_promote_dtype,
+               preferred_element_type: Any = None,
+               rngs: Rngs,
+               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+    check_rngs("ConvTranspose", rngs)
+    kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
+    if isinstance(padding, str) and padding not in ("SAME", "VALID", "CIRCULAR"):
+      raise ValueError(
+          f"ConvTranspose: padding={padding!r} is not supported; use 'SAME', 'VALID', "
+          f"'CIRCULAR', an int, or a sequence of {len(kernel_size)} ints or (low, "
+          "high) pairs.")
+    canonicalize_padding(padding, len(kernel_size))  # fail early on a bad padding
+    channels = ((out_features, in_features) if transpose_kernel else
+                (in_features, out_features))
+    self.kernel_shape = kernel_size + channels
+    self.kernel = Param(kernel_init(rngs.params(), self.kernel_shape, param_dtype),
+                        **(kernel_metadata or {}))
+    self.bias = (Param(bias_init(rngs.params(), (out_features,), param_dtype),
+                       **(bias_metadata or {})) if use_bias else None)
+    self.in_features = in_features
+    self.out_features = out_features
+    self.kernel_size = kernel_size
+    self.strides = _freeze(strides)
+    self.padding = _freeze(padding)
+    self.kernel_dilation = _freeze(kernel_dilation)
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.precision = precision
+    self.transpose_kernel = transpose_kernel
+    self.promote_dtype = promote_dtype
+    self.preferred_element_type = preferred_element_type
+
+  def _per_axis(self, x) -> tuple[int, ...]:
+    x = 1 if x is None else x
+    return (x,) * len(self.kernel_size) if isinstance(x, int) else tuple(x)
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    """Applies the transposed convolution to ``inputs`` ``(*batch, *spatial, in_features)``."""
+    check_conv_input("ConvTranspose", inputs, self.kernel_size, self.in_features, self)
+    n_spatial = len(self.kernel_size)
+    n_batch = inputs.ndim - (n_spatial + 1)
+    if n_batch != 1:
+      batch_shape = inputs.shape[:n_batch]
+      inputs = jnp.reshape(inputs, (-1,) + inputs.shape[n_batch:])
+    strides = self._per_axis(self.strides)
+    padding = canonicalize_padding(self.padding, n_spatial)
+    bias = self.bias.value if self.bias is not None else None
+    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
+                                              dtype=self.dtype)
+    y = lax.conv_transpose(
+        inputs, kernel, strides, "VALID" if padding == "CIRCULAR" else padding,
+        rhs_dilation=self._per_axis(self.kernel_dilation),
+        transpose_kernel=self.transpose_kernel, precision=self.precision,
+        preferred_element_type=self.preferred_element_type)
+    if padding == "CIRCULAR":
+      y = self._wrap(y, [n * s for n, s in zip(inputs.shape[1:-1], strides)])
+    if bias is not None:
+      y += lax.expand_dims(bias, tuple(range(y.ndim - 1)))
+    if n_batch != 1:
+      y = jnp.reshape(y, batch_shape + y.shape[1:])
+    return y
+
+  def _wrap(self, y: jax.Array, periods: list[int]) -> jax.Array:
+    """Folds the full transposed convolution onto ``periods`` (input size x stride)
+    along each spatial axis: the circular result.
+
+    ``y`` is padded to two periods per axis so the input starts a whole number of
+    periods in (otherwise the result is shifted), then summed over the periods.
+    With ``transpose_kernel`` the odd pad goes right, mirroring ``Conv``'s
+    ``'CIRCULAR'``, so the layer is that convolution's transpose; otherwise left.
+    """
+    pads = []
+    for size, period in zip(y.shape[1:-1], periods):
+      extra = -(size - period) % (2 * period)
+      pads.append((extra // 2, (extra + 1) // 2) if self.transpose_kernel else
+                  ((extra + 1) // 2, extra // 2))
+    y = jnp.pad(y, [(0, 0)] + pads + [(0, 0)])
+    for i, period in enumerate(periods, start=1):
+      y = y.reshape(y.shape[:i] + (-1, period) + y.shape[i + 1:]).sum(axis=i)
+    return y

@@ -1,0 +1,165 @@
+"""Structure changes made inside a transform, carried out to the caller's objects.
+
+A traced function may add or delete attributes of the modules it was given (a new
+sub-module, an ``sr.Intermediate`` made by ``sow``, ``del self.cache``, a new static
+flag). Inside the trace, ``Lifted.collect`` walks the changed graph and records a
+``NewStructure``: its GraphDef, and for each of its Variables the flat index of the
+input Variable it is (or -1 for one made inside). The values of the new Variables
+leave the trace as ordinary outputs. After the whole transform succeeded,
+``NewStructure.apply`` rebuilds the caller's graph in the new shape: a module found at
+the same path (of the class, or a subclass of it) is the caller's own object, updated
+attribute by attribute; an input Variable is the caller's own; the rest is made fresh.
+Nothing is touched before that point, so a call that raises changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..core._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR, GraphDef
+from ..core._module import Module, _record_owners
+from ..core._stacks import mark
+from ..core._state import thaw_metadata
+from ..core._tracing import current_trace, structure_epoch
+from ..core._variables import Variable, bare_variable
+
+
+class NewStructure:
+  """The graph a traced function left behind: ``graphdef`` and, per Variable, the input
+  Variable's flat index (``origin``, -1 for a Variable made inside)."""
+
+  __slots__ = ("graphdef", "origin")
+
+  def __init__(self, graphdef: GraphDef, origin: tuple[int, ...]):
+    self.graphdef, self.origin = graphdef, origin
+
+  def __eq__(self, other):  # static pytree data: compared by JAX's tree structures
+    return isinstance(other, NewStructure) and (
+        self.graphdef == other.graphdef and self.origin == other.origin)
+
+  def __hash__(self):
+    return hash((self.graphdef, self.origin))
+
+  def new_indices(self) -> list[int]:
+    """Positions (in the new graph's Variable order) of the Variables made inside."""
+    return [k for k, j in enumerate(self.origin) if j < 0]
+
+  def apply(self, nodes: Sequence[Any], variables: Sequence[Variable],
+            new_values: Sequence[Any], *, stacked_axis: int | None = None,
+            partition_name: str | None = None, keep_metadata: bool = False) -> None:
+    """Reshapes the caller's graph (``nodes``, whose Variables are ``variables`` in
+    flat order) into ``graphdef``; the Variables made inside get ``new_values``.
+
+    ``stacked_axis``: the Variables made inside carry a layer axis there (made once per
+    layer of a scan or vmap) and are marked as a stack's are. ``keep_metadata``: the
+    input Variables keep their metadata (a layer view's differs from the caller's).
+    """
+    at_path = _objects_by_path(nodes)
+    new_values = iter(new_values)
+    trace = current_trace()
+    objects: list = []
+    count = [0]
+
+    def build(d, path):
+      tag = d[0]
+      if tag == _REF:
+        return objects[d[1]]
+      if tag == _VAR:
+        j = self.origin[count[0]]
+        count[0] += 1
+        if j >= 0:
+          var = variables[j]
+          if not keep_metadata:
+            meta = thaw_metadata(d[2])
+            if meta != var._metadata:
+              var._metadata = meta
+        else:
+          meta = thaw_metadata(d[2])
+          if stacked_axis is not None:
+            meta = mark(meta, stacked_axis, partition_name)
+          var = bare_variable(d[1], next(new_values), meta, trace)
+        objects.append(var)
+        return var
+      if tag == _NODE:
+        old = at_path.get(path)
+        reuse = isinstance(old, d[1]) and not any(o is old for o in objects)
+        node = old if reuse else object.__new__(d[1])
+        objects.append(node)
+        attrs = {k: build(sub, path + (k,)) for k, sub in d[2]}
+        if reuse:
+          _update_attributes(node, attrs)
+        else:
+          for k, v in attrs.items():
+            _record_owners(node, v, (k,))
+          node.__dict__.update(attrs)
+        return node
+      if tag == _LIST:
+        return d[1](build(x, path + (i,)) for i, x in enumerate(d[2]))
+      if tag == _TUPLE:
+        items = [build(x, path + (i,)) for i, x in enumerate(d[2])]
+        return d[1]._make(items) if hasattr(d[1], "_fields") else d[1](items)
+      if tag == _DICT:
+        return d[1]((k, build(v, path + (k,))) for k, v in d[2])
+      return d[2]
+
+    multi = len(self.graphdef.tree) > 1
+    for i, d in enumerate(self.graphdef.tree):
+      build(d, (i,) if multi else ())
+    structure_epoch.bump()
+
+
+def _update_attributes(module: Module, attrs: dict) -> None:
+  """Gives ``module`` exactly ``attrs`` (besides its ``_sr_`` bookkeeping)."""
+  current = vars(module)
+  for k in [k for k in current if not k.startswith("_sr_") and k not in attrs]:
+    object.__delattr__(module, k)
+  for k, v in attrs.items():
+    if k in current and _same(current[k], v):
+      continue
+    _record_owners(module, v, (k,))
+    object.__setattr__(module, k, v)
+
+
+def _same(a, b) -> bool:
+  if isinstance(a, (Module, Variable)) or isinstance(b, (Module, Variable)):
+    return a is b
+  if isinstance(a, (list, tuple, dict)) or isinstance(b, (list, tuple, dict)):
+    return False  # rebuilt: its items may be new objects
+  return type(a) is type(b) and a == b
+
+
+def _objects_by_path(nodes: Sequence[Any]) -> dict[tuple, Any]:
+  """Each module of the caller's graph by its first path, as ``flatten`` walks it."""
+  out: dict[tuple, Any] = {}
+  seen: set[int] = set()
+
+  def walk(obj, path):
+    if isinstance(obj, Module):
+      if id(obj) in seen:
+        return
+      seen.add(id(obj))
+      out[path] = obj
+      attrs = vars(obj)
+      for k in sorted(attrs):
+        if not k.startswith("_sr_"):
+          walk(attrs[k], path + (k,))
+    elif isinstance(obj, (list, tuple)):
+      for i, x in enumerate(obj):
+        walk(x, path + (i,))
+    elif isinstance(obj, dict):
+      for k, v in obj.items():
+        walk(v, path + (k,))
+
+  multi = len(nodes) > 1
+  for i, node in enumerate(nodes):
+    walk(node, (i,) if multi else ())
+  return out
+
+
+def split_new(changed: dict) -> tuple[dict, list]:
+  """``collect``'s result: (changes of input Variables, values of those made inside)."""
+  if not changed or min(changed) >= 0:
+    return changed, []
+  old = {i: v for i, v in changed.items() if i >= 0}
+  new = [changed[i] for i in sorted((i for i in changed if i < 0), reverse=True)]
+  return old, new
