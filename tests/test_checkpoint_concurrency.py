@@ -19,6 +19,7 @@ import pytest
 
 import statefulremat as sr
 import statefulremat.checkpoint._files as files
+import statefulremat.checkpoint._locks as file_locks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 POINTER = "sr_checkpoint.json"
@@ -89,9 +90,9 @@ def locks(request, monkeypatch):
   """Both layers of locks, or one: ``flock`` (what orders processes) or the threads'
   (all there is where ``flock`` is missing, as on Windows)."""
   if request.param == "os-locks-only":
-    monkeypatch.setattr(files, "_threads_of", lambda root: files._Threads())
+    monkeypatch.setattr(file_locks, "threads_of", lambda root: file_locks._Threads())
   elif request.param == "thread-locks-only":
-    monkeypatch.setattr(files, "fcntl", None)
+    monkeypatch.setattr(file_locks, "fcntl", None)
   return request.param
 
 

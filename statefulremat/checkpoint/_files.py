@@ -40,7 +40,6 @@ lock, creates versions and flips the pointer: ``_sync``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -48,12 +47,8 @@ import secrets
 import shutil
 import threading
 
-try:
-  import fcntl
-except ImportError:  # Windows: the threads of one process are still ordered
-  fcntl = None
-
 from ..core._errors import StatefulRematError
+from . import _locks
 
 POINTER = "sr_checkpoint.json"
 FORMAT = "statefulremat-checkpoint"
@@ -217,130 +212,16 @@ def check_files(version: str, sizes: dict[str, int]) -> None:
 
 # What flock raises where the filesystem has no such locks (Lustre without -o flock,
 # some FUSE and network filesystems): saving goes on with the threads' locks alone.
-_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF,
-             getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
-
-
-def _flock(path: str, shared: bool) -> int | None:
-  """An open descriptor of ``path`` (a directory), ``flock``-ed; ``None`` where there is
-  no such lock. Raises ``FileNotFoundError`` if ``path`` is gone."""
-  if fcntl is None:
-    return None
-  try:
-    fd = os.open(path, os.O_RDONLY)
-  except FileNotFoundError:
-    raise
-  except OSError:
-    return None
-  try:
-    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-  except BaseException as e:
-    os.close(fd)
-    if isinstance(e, OSError) and e.errno in _NO_FLOCK:
-      return None
-    raise
-  return fd
-
-
-def _unlock(fd: int | None) -> None:
-  if fd is None:
-    return
-  try:
-    # Explicitly: a child forked meanwhile shares the descriptor, and closing ours
-    # alone would leave the path locked for as long as the child lives.
-    fcntl.flock(fd, fcntl.LOCK_UN)
-  finally:
-    os.close(fd)
-
-
-class _Threads:
-  """A path's locks among this process's threads (what ``flock`` gives between
-  processes, also where it is missing): one save at a time, and restores (shared)
-  against the deletion of superseded versions (exclusive, and served first)."""
-
-  def __init__(self):
-    self.save = threading.Lock()
-    self._changed = threading.Condition()
-    self._readers = 0
-    self._deleters = 0  # waiting or deleting
-
-  @contextlib.contextmanager
-  def reading(self):
-    with self._changed:
-      while self._deleters:
-        self._changed.wait()
-      self._readers += 1
-    try:
-      yield
-    finally:
-      with self._changed:
-        self._readers -= 1
-        self._changed.notify_all()
-
-  @contextlib.contextmanager
-  def deleting(self):
-    with self._changed:
-      self._deleters += 1
-      try:
-        while self._readers:
-          self._changed.wait()
-      except BaseException:
-        self._deleters -= 1
-        self._changed.notify_all()
-        raise
-    try:
-      yield
-    finally:
-      with self._changed:
-        self._deleters -= 1
-        self._changed.notify_all()
-
-
-_by_path: dict[str, _Threads] = {}
-_by_path_lock = threading.Lock()
-
-
-def _threads_of(root: str) -> _Threads:
-  key = os.path.normcase(os.path.realpath(root))
-  with _by_path_lock:
-    return _by_path.setdefault(key, _Threads())
-
-
-class SaveLock:
-  """What a save holds on its path from ``begin`` to the end of its ``commit`` or
-  ``abandon``: the threads' lock and an exclusive ``flock`` of the directory."""
-
-  def __init__(self, root: str):
-    self._threads = _threads_of(root).save
-    self._threads.acquire()
-    try:
-      self._fd = _flock(root, shared=False)
-    except BaseException:
-      self._threads.release()
-      raise
-    self._held = True
-
-  def release(self) -> None:
-    """Releases the lock (once; later calls do nothing), from any thread."""
-    if not self._held:
-      return
-    self._held = False
-    try:
-      _unlock(self._fd)
-    finally:
-      self._threads.release()
-
-
 @contextlib.contextmanager
 def reading(root: str):
   """The directory of the version ``root``'s pointer names (raising as ``current``
   does), which no save deletes before the block ends: a shared lock on it."""
   version = current(root)
-  threads = _threads_of(root)
+  threads = _locks.threads_of(root)
   while True:
     with threads.reading():
       try:
-        fd = _flock(version, shared=True)
+        fd = _locks.flock(version, shared=True)
       except FileNotFoundError:  # superseded and deleted since the pointer was read
         fd = None
         still = False
@@ -353,16 +234,16 @@ def reading(root: str):
           yield version
           return
       finally:
-        _unlock(fd)
+        _locks.unlock(fd)
     version = current(root)
 
 
-def begin(root: str) -> tuple[str, SaveLock]:
+def begin(root: str) -> tuple[str, _locks.SaveLock]:
   """Takes ``root``'s save lock and creates the directory of a new, not yet visible
   version; the caller releases the lock once it has committed or abandoned it."""
   current(root, "save")  # refuses files and foreign directories before writing any
   os.makedirs(root, exist_ok=True)
-  lock = SaveLock(root)
+  lock = _locks.SaveLock(root)
   try:
     current(root, "save")  # again: the directory may have changed before the lock
     taken = [int(m.group(1)) for m in map(_VERSION.match, os.listdir(root)) if m]
@@ -418,7 +299,7 @@ def commit(root: str, version: str) -> None:
     elif entry.startswith(POINTER + ".tmp"):
       _remove(os.path.join(root, entry))
   if superseded:
-    with _threads_of(root).deleting():
+    with _locks.threads_of(root).deleting():
       for path in superseded:
         _delete_unread(path)
 
@@ -426,13 +307,13 @@ def commit(root: str, version: str) -> None:
 def _delete_unread(path: str) -> None:
   """Deletes ``path`` once no restore reads it (an exclusive lock on it)."""
   try:
-    fd = _flock(path, shared=False)
+    fd = _locks.flock(path, shared=False)
   except FileNotFoundError:
     return
   try:
     _remove(path)
   finally:
-    _unlock(fd)
+    _locks.unlock(fd)
 
 
 def abandon(root: str, version: str) -> None:

@@ -23,7 +23,7 @@ first waits for that path's earlier background saves, and raises the error of on
 that failed and nobody has seen, so a failed background save is never silent.
 
 Saves of one path from other threads or processes wait for the path's lock
-(``_files.SaveLock``), which the primary process holds from choosing the
+(``_locks.SaveLock``), which the primary process holds from choosing the
 version to its commit or abandon; a background save takes it before returning and
 its thread releases it. Only the primary takes it: the others would wait for it at
 the barrier the primary can pass only by reaching them.
