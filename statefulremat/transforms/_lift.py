@@ -289,16 +289,19 @@ def serialised(wrapper: Callable) -> Callable:
   """``wrapper`` holding its modules' graph lock when it is a thread's outermost call.
 
   For the transforms that do not cache their graph walk (``sr.jit`` holds the lock
-  itself, on the Variables it cached). A failure on a deleted array is named by the
-  Variable that holds it (``raise_if_deleted``).
+  itself, on the Variables it cached). The Variables come from a per-transform
+  ``FlattenCache``, so a repeated call finds them by identity instead of walking the
+  graph a second time. A failure on a deleted array is named by the Variable that
+  holds it (``raise_if_deleted``).
   """
+  cache = FlattenCache()
 
   @functools.wraps(wrapper)
   def call(*args, **kwargs):
     if holding():  # nested: the outer call holds the lock
       return wrapper(*args, **kwargs)
     try:
-      variables = flatten(split_call(args, kwargs)[0])[1]
+      variables = cache.lift_call(args, kwargs)[1]
     except TypeError:  # not a module graph: the transform says what is wrong
       return wrapper(*args, **kwargs)
     lock = hold(variables)
