@@ -25,6 +25,23 @@ def _freeze(x):
   return x
 
 
+def per_axis(x, rank: int) -> tuple[int, ...]:
+  """A stride or dilation as one int per spatial axis (``None`` is 1)."""
+  x = 1 if x is None else x
+  return (x,) * rank if isinstance(x, int) else tuple(x)
+
+
+def kernel_and_bias(kernel_shape: tuple, out_features: int, use_bias: bool, kernel_init,
+                    bias_init, param_dtype, kernel_metadata, bias_metadata, rngs):
+  """The ``kernel`` and ``bias`` Params of Conv and ConvTranspose (bias None if unused),
+  drawn in that order from ``rngs.params``, as nnx draws them."""
+  kernel = Param(kernel_init(rngs.params(), kernel_shape, param_dtype),
+                 **(kernel_metadata or {}))
+  bias = (Param(bias_init(rngs.params(), (out_features,), param_dtype),
+                **(bias_metadata or {})) if use_bias else None)
+  return kernel, bias
+
+
 def canonicalize_padding(padding: Any, rank: int) -> Any:
   """A padding string as is, or ``rank`` ``(low, high)`` pairs for ``lax``.
 
@@ -164,10 +181,9 @@ class Conv(Module):
       )
     canonicalize_padding(padding, len(kernel_size))  # fail early on a bad padding
     self.kernel_shape = kernel_size + (in_features // feature_group_count, out_features)
-    self.kernel = Param(kernel_init(rngs.params(), self.kernel_shape, param_dtype),
-                        **(kernel_metadata or {}))
-    self.bias = (Param(bias_init(rngs.params(), (out_features,), param_dtype),
-                       **(bias_metadata or {})) if use_bias else None)
+    self.kernel, self.bias = kernel_and_bias(
+        self.kernel_shape, out_features, use_bias, kernel_init, bias_init, param_dtype,
+        kernel_metadata, bias_metadata, rngs)
     self.in_features = in_features
     self.out_features = out_features
     self.kernel_size = kernel_size
@@ -185,8 +201,7 @@ class Conv(Module):
     self.preferred_element_type = preferred_element_type
 
   def _per_axis(self, x) -> tuple[int, ...]:
-    x = 1 if x is None else x
-    return (x,) * len(self.kernel_size) if isinstance(x, int) else tuple(x)
+    return per_axis(x, len(self.kernel_size))
 
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
     """Convolves ``inputs`` of shape ``(*batch, *spatial, in_features)``.

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
-from ._conv import _freeze, canonicalize_padding, check_conv_input
+from ._conv import (_freeze, canonicalize_padding, check_conv_input, kernel_and_bias,
+                    per_axis)
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._linear import default_bias_init, default_kernel_init
 from ._rngs_arg import check_rngs
@@ -74,10 +74,9 @@ class ConvTranspose(Module):
     channels = ((out_features, in_features) if transpose_kernel else
                 (in_features, out_features))
     self.kernel_shape = kernel_size + channels
-    self.kernel = Param(kernel_init(rngs.params(), self.kernel_shape, param_dtype),
-                        **(kernel_metadata or {}))
-    self.bias = (Param(bias_init(rngs.params(), (out_features,), param_dtype),
-                       **(bias_metadata or {})) if use_bias else None)
+    self.kernel, self.bias = kernel_and_bias(
+        self.kernel_shape, out_features, use_bias, kernel_init, bias_init, param_dtype,
+        kernel_metadata, bias_metadata, rngs)
     self.in_features = in_features
     self.out_features = out_features
     self.kernel_size = kernel_size
@@ -93,8 +92,7 @@ class ConvTranspose(Module):
     self.preferred_element_type = preferred_element_type
 
   def _per_axis(self, x) -> tuple[int, ...]:
-    x = 1 if x is None else x
-    return (x,) * len(self.kernel_size) if isinstance(x, int) else tuple(x)
+    return per_axis(x, len(self.kernel_size))
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """Applies the transposed convolution to ``inputs`` ``(*batch, *spatial, in_features)``."""
