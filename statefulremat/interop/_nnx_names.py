@@ -162,10 +162,6 @@ SPELLED_DIFFERENTLY: dict[str, str] = {
     "metrics": "statefulremat has no metrics: keep running sums in a plain Python loop",
     "EMA": "use optax.ema (or keep an sr.clone(model) and blend its State)",
     "Initializer": "use jax.nn.initializers.Initializer (the type of sr.nn.initializers)",
-    "SpectralNorm": ("statefulremat has no SpectralNorm: write it as a small sr.Module "
-                     "around the layer it wraps"),
-    "WeightNorm": ("statefulremat has no WeightNorm: write it as a small sr.Module around "
-                   "the layer it wraps"),
 }
 
 # nnx's activations are jax.nn's functions: where sr.nn lacks one, jax.nn has it.

@@ -66,6 +66,8 @@ from ._rnn import Bidirectional as Bidirectional
 from ._rnn import RNN as RNN
 from ._rope import rope as rope
 from ._sequential import Sequential as Sequential
+from ._weight_norms import SpectralNorm as SpectralNorm
+from ._weight_norms import WeightNorm as WeightNorm
 from . import initializers as initializers
 
 
