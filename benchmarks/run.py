@@ -4,6 +4,7 @@
     python benchmarks/run.py [--quick] [--out DIR] [--no-dispatch] [--no-transformer]
     python -m benchmarks --part dispatch [--quick] [--out DIR]
     python -m benchmarks --part hotpaths [--quick] [--out DIR]
+    python -m benchmarks --part pattern [--quick] [--out DIR]
 
 Runs every part in one process, on the deep-stack model (N x Linear W->W + tanh, loss
 mean(out**2), gradient over the params; see ``benchmarks/models.py``):
@@ -27,6 +28,9 @@ the targets and rewrites ``results.md`` and ``dispatch.png``, leaving the other 
 figures as they were. ``--part hotpaths`` runs issue 23's hot paths in one process
 (``benchmarks/hotpaths.py``: raw JAX on modules, trace+lower at several caller depths,
 and the dispatch part as ``--part dispatch`` does) into ``hotpaths.json`` / ``.md``.
+``--part pattern`` runs issue 25's stacks of a repeating pattern (``benchmarks/pattern.py``:
+statefulremat's pattern stacks against the raw JAX cycle scan and the unrolled loop) into
+``pattern.json`` / ``.md``; it needs no ``results.json``.
 """
 
 from __future__ import annotations
@@ -47,12 +51,12 @@ if __package__ in (None, ""):  # run as `python benchmarks/run.py`
 import flax  # noqa: E402
 import jax  # noqa: E402
 
-from benchmarks import (compiling, dispatch, hotpaths, plots, remat_plan,  # noqa: E402
-                        report, timing, transformer)
+from benchmarks import (compiling, dispatch, hotpaths, pattern, plots,  # noqa: E402
+                        remat_plan, report, timing, transformer)
 from benchmarks.models import lengths_for  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("dispatch", "hotpaths")  # the parts --part can run alone
+PARTS = ("dispatch", "hotpaths", "pattern")  # the parts --part can run alone
 
 FULL = {"width": 256, "batch": 4096, "depths": (16, 64, 100, 256), "reps": 3,
         "trace_reps": 15, "plan_depths": (61, 97, 127, 256, 1000),
@@ -169,11 +173,14 @@ def run_part(part: str, quick: bool = False, out: str | Path = RESULTS, *,
 
   The part's section of ``results.json`` is replaced, the targets recomputed, and
   ``results.md`` and the part's plot rewritten; the other parts' figures stay as
-  they were measured.
+  they were measured. ``pattern`` writes only its own ``pattern.json`` / ``.md``.
   """
   if part not in PARTS:
     raise ValueError(f"--part {part!r}: the parts that run alone are {list(PARTS)}")
   out = Path(out)
+  if part == "pattern":  # its own files only
+    command = "python -m benchmarks --part pattern" + (" --quick" if quick else "")
+    return pattern.run(quick, out, machine=machine(), command=command, log=log)
   path = out / "results.json"
   if not path.exists():
     raise FileNotFoundError(
@@ -228,6 +235,7 @@ def main(argv=None) -> None:
       parser.error(str(e))
     print()
     print(hotpaths.markdown(results) if args.part == "hotpaths"
+          else pattern.markdown(results) if args.part == "pattern"
           else dispatch.table(results["dispatch"]))
     print(f"\nwritten to {args.out}")
     return

@@ -35,6 +35,7 @@ from .distributed._sharding import ShardingError as ShardingError
 from .distributed._sharding import get_partition_spec as get_partition_spec
 from .distributed._sharding import logical_to_mesh as logical_to_mesh
 from .distributed._sharding import shard as shard
+from .core._stacks import per_layer as per_layer
 from .core._stacks import stack as stack
 from .core._stacks import unstack as unstack
 from .core._state import State as State

@@ -226,3 +226,53 @@ def test_pytree_flatten_quick_mode_measures_every_model_and_library():
   table = pytree_flatten.markdown(result)
   assert "sr / equinox" in table and "module / State" in table
   assert table.count("met") + table.count("missed") >= 6
+
+
+def test_pattern_part_runs_every_implementation_at_every_depth(tmp_path):
+  # --part pattern needs no results.json: it writes its own two files.
+  from benchmarks import pattern
+  result = suite.run_part("pattern", quick=True, out=tmp_path, log=lambda *a: None)
+  assert json.loads((tmp_path / "pattern.json").read_text()) == json.loads(
+      json.dumps(result))
+  q = pattern.QUICK
+  entries = {(e["implementation"], e["n"]): e for e in result["entries"]}
+  assert set(entries) == {(i, n) for i in pattern.IMPLEMENTATIONS for n in q["depths"]}
+  for (name, n), e in entries.items():
+    assert e["status"] == "ok" and e["bytes"]["temp"] > 0
+    assert len(e["first_call_s"]["samples"]) == q["reps"] and e["first_call_s"]["min"] > 0
+    assert e["ratio"]["temp"] > 0 and e["ratio"]["first_call"] > 0
+    if n in q["step_depths"]:
+      assert len(e["step_ms"]["samples"]) == q["calls"][n] and e["ratio"]["step"] > 0
+    else:
+      assert "step_ms" not in e
+  temp = [t for t in result["targets"] if t["figure"].startswith("temp")]
+  assert {(t["implementation"], t["n"]) for t in temp} == {
+      (i, n) for i in ("sr", "sr_d2") for n in q["depths"]}
+  assert all(t["met"] for t in temp)  # else run_part would have raised
+  assert {t["implementation"] for t in result["targets"] if t["n"] == "all"} == {
+      "sr", "sr_d2"}
+  text = (tmp_path / "pattern.md").read_text()
+  # a row per depth (the timing targets' rows are left out: times are not tested)
+  for n in q["depths"]:
+    assert f"| {n} | statefulremat |" in text, n
+
+
+def test_pattern_implementations_compute_the_same_gradients():
+  import jax
+  import numpy as np
+  import statefulremat as sr
+  from benchmarks import pattern
+  cfg = pattern.Config(6, d=8, heads=2, seq=4, batch=2)
+  cases = pattern.build(cfg)
+  grads = {name: case.new()(*case.args) for name, case in cases.items()}
+  for name in ("sr", "sr_d2"):
+    grads[name] = pattern.as_raw(grads[name])
+  period = len(pattern.PATTERN)
+  grads["unrolled"] = [jax.tree.map(lambda *a: np.stack(a), *grads["unrolled"][k::period])
+                       for k in range(period)]
+  assert float(np.abs(grads["raw"][2]["attn"]["query"]["kernel"]).max()) > 1e-6
+  for name in ("sr", "raw_d2", "sr_d2", "unrolled"):
+    assert jax.tree.structure(grads[name]) == jax.tree.structure(grads["raw"]), name
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 grads[name], grads["raw"])
+  assert isinstance(cases["sr"].args[0], sr.Module)

@@ -258,3 +258,38 @@ def test_wrt_matching_a_non_float_variable_is_an_error():
     sr.grad(lambda m: m.w.value.sum(), wrt=...)(model)
   grads = sr.grad(lambda m: m.w.value.sum(), wrt=sr.Not("rngs"))(model)
   assert list(grads.flat()) == [("w",)]
+
+
+def test_grad_of_a_list_of_modules_is_a_list_of_states():
+  # nnx.grad takes a list of layers (how most public nnx code holds them); dropout's
+  # RNG state in the layers is not differentiated.
+  class Block(sr.Module):
+    def __init__(self, seed):
+      self.linear = sr.nn.Linear(2, 2, rngs=sr.Rngs(seed))
+      self.drop = sr.nn.Dropout(0.5, rngs=sr.Rngs(seed))
+
+    def __call__(self, x):
+      return self.drop(self.linear(x))
+
+  class Holder(sr.Module):
+    def __init__(self, layers):
+      self.layers = layers
+
+  def run(layers, x):
+    for layer in layers:
+      x = layer(x)
+    return jnp.sum(x ** 2)
+
+  layers = [Block(0), Block(1)]
+  twins = sr.clone(Holder(layers))
+  x = jnp.ones((3, 2))
+  value, grads = sr.value_and_grad(run)(layers, x)
+  expected = sr.grad(lambda h, x: run(h.layers, x))(twins, x).flat()
+  assert isinstance(grads, list) and len(grads) == 2
+  for i, g in enumerate(grads):
+    assert sorted(g.flat()) == [("linear", "bias"), ("linear", "kernel")]
+    for path, value in g.flat().items():
+      np.testing.assert_allclose(value, expected[("layers", i) + path], rtol=1e-6)
+  # the RNG counts advanced once, as for a single module
+  assert int(layers[0].drop.rngs.default.count.value) == int(
+      twins.layers[0].drop.rngs.default.count.value)

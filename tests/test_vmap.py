@@ -323,9 +323,12 @@ def test_absent_rng_stream():
 
 def test_module_in_args():
   ens = ensemble(Block, W)
-  with pytest.raises(TypeError, match=r"the argument `\[0\]` is a VmapBlock\. Modules go "
-                                      r"in argument 0 only"):
+  with pytest.raises(sr.TransformError, match=r"sr\.vmap\(apply\): argument 1 is a "
+                                              r"VmapBlock\. Modules go in argument 0 only"
+                                              r".*Nothing was run\. Fix: pass every module "
+                                              r"in argument 0") as caught:
     sr.vmap(apply, in_axes=None)(ens, ens)
+  assert isinstance(caught.value, TypeError)  # what it was before it was a TransformError
   # No module anywhere: jax.vmap over the arguments (modules made inside come out
   # stacked), which here maps nothing.
   with pytest.raises(sr.TransformError, match=r"No argument holds a module.*argument 0 "

@@ -34,17 +34,22 @@ from ._variables import Variable, bare_variable
 _REF, _VAR, _NODE, _LIST, _TUPLE, _DICT, _STATIC = range(7)
 
 
+@jax.tree_util.register_static
 class GraphDef:
   """The structure of a module graph (everything but the variables' values).
 
   Hashable and equal for equal structure and static attributes, so it can be a static
   argument of ``jax.jit``. ``var_paths`` lists the path of each variable in order.
+  It is a pytree with no leaves (itself static aux data), as nnx's is, so a plain
+  ``jax.jit(step)(graphdef, state)`` or ``jax.tree.map`` over the pair takes it.
 
-  >>> import statefulremat as sr
+  >>> import jax, statefulremat as sr
   >>> g1 = sr.graphdef(sr.nn.Linear(2, 3, rngs=sr.Rngs(0)))
   >>> g2 = sr.graphdef(sr.nn.Linear(2, 3, rngs=sr.Rngs(1)))
   >>> g1 == g2, hash(g1) == hash(g2), g1.var_paths
   (True, True, (('bias',), ('kernel',)))
+  >>> jax.tree.leaves(g1), jax.tree.map(lambda x: x, g1) == g1
+  ([], True)
   """
 
   __slots__ = ("tree", "var_paths", "_hash", "_plan", "__weakref__")

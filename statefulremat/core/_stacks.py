@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 
 from ._errors import TransformError, format_path
@@ -32,7 +33,7 @@ from ._split_merge import type_change
 from ._graph_diff import first_difference
 from ._module import Module
 from ._state import freeze, thaw_metadata
-from ._variables import Variable
+from ._variables import Variable, path_of
 
 LAYER_AXIS = "layer_axis"
 DEFAULT_NAME = "layers"  # how a layer axis without a partition name is shown
@@ -119,14 +120,67 @@ def _levels_words(levels) -> str:
   return " x ".join(f"{n} {axis_name(name)}" for n, name in levels)
 
 
-def per_layer(levels) -> tuple[tuple[int, ...], dict]:
-  """``(leading shape, metadata)`` of a new Variable with one value per layer of
-  ``levels`` (from ``layer_levels``): the layer axes in front, outermost first, as
-  the class forms stack with ``variable_axes={...: 0}``; ``((), {})`` for none."""
-  metadata: dict = {}
+def per_layer(module: Module, variable: Variable) -> Variable:
+  """``variable`` (one layer's) made per layer of the stack ``module`` belongs to.
+
+  For a module's own per-layer state created after init, e.g. a key/value cache made
+  by an ``init_cache`` method: on a module reached through a stack (``stack.attn``,
+  whose Variables carry the layer axis) it returns a new Variable of ``variable``'s
+  kind and metadata whose value is ``variable``'s repeated once per layer, the layer
+  axes in front (outermost first, a stack of stacks has two), recorded in its
+  ``layer_axis`` metadata with the stack's partition name (also put in ``sharding``),
+  as the class forms stack with ``variable_axes={...: 0}``. So ``stack.layer(i)``,
+  ``sr.unstack``, checkpoints and the stack's scan treat it as stacked, and each layer
+  sees its own slice. On a plain module (no layer axis) it returns ``variable`` itself,
+  so one method serves both. It is what creating the Variable inside ``nnx.vmap`` over
+  the layers gives in flax.nnx. The stack's rules must slice the Variable's
+  collection (``variable_axes={True: 0}``, the default of ``sr.remat_scan`` and
+  ``sr.vmap``, does).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> class Counter(sr.Module):
+  ...   def __init__(self, *, rngs):
+  ...     self.linear = sr.nn.Linear(2, 2, rngs=rngs)
+  ...   def init_cache(self, batch):
+  ...     self.seen = sr.per_layer(self, sr.Cache(jnp.zeros((batch,), jnp.int32)))
+  >>> plain = Counter(rngs=sr.Rngs(0))
+  >>> plain.init_cache(5)
+  >>> plain.seen.shape
+  (5,)
+  >>> stack = sr.remat_scan(Counter, lengths=(3,))(rngs=sr.Rngs(0))
+  >>> stack.init_cache(5)
+  >>> stack.seen.shape, stack.seen.metadata["layer_axis"], stack.layer(1).seen.shape
+  ((3, 5), ((0, None),), (5,))
+  """
+  if not isinstance(module, Module) or not isinstance(variable, Variable):
+    raise TypeError(
+        "sr.per_layer(module, variable) takes a module and one layer's Variable, got "
+        f"{type(module).__name__} and {type(variable).__name__}. Fix: e.g. "
+        "`self.cache = sr.per_layer(self, sr.Cache(jnp.zeros(shape)))`.")
+  path = path_of(module)
+  where = f"`{format_path(path)}`" if path else f"a {type(module).__name__}"
+  levels = layer_levels(module.iter_variables(), f"sr.per_layer on {where}")
+  if not levels and is_stacked(module):
+    raise TransformError(
+        f"sr.per_layer on {where}: it is a stack, but none of its Variables carries "
+        "the layer axis, so the number of layers is not known here. Fix: build the "
+        "stack with a length and rules that stack a Variable of it (e.g. "
+        "`variable_axes={sr.Param: 0}`), or make the Variable per layer by hand: "
+        "`sr.Cache(value, layer_axis=((0, None),))` with the layer axis in front.")
+  if not levels:
+    return variable
+  if LAYER_AXIS in variable._metadata:
+    raise TransformError(
+        f"sr.per_layer on {where}: the Variable given already carries a layer axis "
+        f"({variable._metadata[LAYER_AXIS]}), so it holds several layers' values. Fix: "
+        "pass one layer's Variable (without `layer_axis` metadata).")
+  lead = tuple(n for n, _ in levels)
+  metadata = dict(variable._metadata)
   for _, name in reversed(levels):
     metadata = mark(metadata, 0, name)
-  return tuple(n for n, _ in levels), metadata
+  value = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + jnp.shape(x)),
+                       variable._value)
+  return type(variable)(value, **metadata)
 
 
 def is_stacked(module) -> bool:
@@ -193,7 +247,9 @@ def layer(stack, i: int):
   # gives this copy the keys layer i draws there (and says what the stack held).
   seed = getattr(type(stack), "_sr_layer_rngs", None)
   shared = {j for j, a in enumerate(axes) if a is None}
-  before = seed(roots[0], i, shared) if seed is not None else {}
+  # One position of a pattern: its layer i is layer i * period + position there.
+  period, position = getattr(type(stack), "_sr_index_map", None) or (1, 0)
+  before = seed(roots[0], i * period + position, shared) if seed is not None else {}
   roots[0].__dict__["_sr_stream_origins"] = {
       graphdef.var_paths[j]: value for j, value in before.items()}
   return roots[0]
@@ -207,6 +263,8 @@ def unstack(stack) -> list:
   >>> [layer.kernel.shape for layer in sr.unstack(stack)]
   [(2, 3), (2, 3), (2, 3), (2, 3)]
   """
+  if _pattern_of(stack) is not None:
+    return [stack.layer(i) for i in range(len(stack))]
   if not is_stacked(stack):
     raise TypeError(
         f"sr.unstack takes a stacked module (built by the class form of sr.scan, "
@@ -220,7 +278,10 @@ def stack(layers: Sequence[Module], *, like: Any = None):
   The stacked class comes from ``like`` (a stacked module or class) or from the
   layers themselves when they came out of ``sr.unstack`` / ``stack.layer``. Which
   Variables get the layer axis (and where) comes from the same place: the layers'
-  origin, ``like``'s stacked Variables, or ``like``'s rules.
+  origin, ``like``'s stacked Variables, or ``like``'s rules; a Variable the layers
+  got after ``sr.unstack`` is stacked or not as the class's rules say, as at init.
+  A Variable left unstacked is held once for all layers, so it must be equal in
+  every layer: a ``TransformError`` names it otherwise (never layer 0's kept).
 
   >>> import statefulremat as sr
   >>> stack = sr.vmap(sr.nn.Linear, axis_size=4)(2, 3, rngs=sr.Rngs(0))
@@ -232,6 +293,9 @@ def stack(layers: Sequence[Module], *, like: Any = None):
   if not layers:
     raise ValueError("sr.stack needs at least one layer.")
   cls = like if isinstance(like, type) else type(like) if like is not None else None
+  pattern = _pattern_of(cls) if cls is not None else _pattern_origin(layers)
+  if pattern is not None:
+    return _stack_pattern(layers, like, pattern)
   if cls is None:
     origins = {layer.__dict__.get("_sr_stacked_from") for layer in layers}
     if len(origins) != 1 or None in origins:
@@ -245,12 +309,15 @@ def stack(layers: Sequence[Module], *, like: Any = None):
   flats = [flatten([layer]) for layer in layers]
   graphdef, variables = flats[0]
   _check_alike(layers, flats)
-  axes = _layer_axes_of(layers, like, cls, graphdef, variables)
   # A shared RNG stream that `layer(i)` split per layer goes back as the stack held it.
   origins = layers[0].__dict__.get("_sr_stream_origins", {})
+  axes, why_shared = _layer_axes_of(layers, like, cls, graphdef, variables, origins)
+  columns = [[flat[1][j]._value for flat in flats] for j in range(len(axes))]
+  for j, why in why_shared.items():
+    _check_shared(graphdef.var_paths[j], variables[j], columns[j], why,
+                  getattr(cls._sr_layer_class, "__name__", "Block"))
   values = []
-  for j, axis in enumerate(axes):
-    column = [flat[1][j]._value for flat in flats]
+  for j, (axis, column) in enumerate(zip(axes, columns)):
     if axis is None:
       values.append(origins.get(graphdef.var_paths[j], column[0]))
     else:
@@ -261,18 +328,89 @@ def stack(layers: Sequence[Module], *, like: Any = None):
   return roots[0]
 
 
-def _layer_axes_of(layers, like, cls, graphdef, variables) -> list:
-  """``(axis, name)`` per flat Variable of a layer (None: shared, not stacked)."""
+def _layer_axes_of(layers, like, cls, graphdef, variables, origins
+                   ) -> tuple[list, dict[int, str]]:
+  """``(axis, name)`` per flat Variable of a layer (None: shared, not stacked), and
+  for each shared one to check (``origins`` are not: the stack's own RNG streams go
+  back) why it is shared.
+
+  What the layers' origin (``like``'s Variables, or the marks ``stack.layer`` left)
+  says is kept; a Variable it does not cover (one the layers got after
+  ``sr.unstack``) is decided by the class's rules, as at its init.
+  """
+  known: dict | None
+  held: set = set()  # paths `like` holds without a layer axis
   if isinstance(like, Module):
     known = {p: layer_axis(v) for p, v, _, _ in stacked_variables(like)}
+    held = set(flatten([like])[0].var_paths) - set(known)
   else:
     marks = [layer.__dict__.get("_sr_stacked_paths") for layer in layers]
     known = marks[0] if all(m == marks[0] for m in marks) else None
-  if known is None:  # the class's rules decide, as at its init
-    name = partition_name(cls)
-    known = {graphdef.var_paths[i]: (axis, name)
-             for i, axis in cls._sr_classify(graphdef, variables, layers[0]).items()}
-  return [known.get(p) for p in graphdef.var_paths]
+  known = dict(known or {})
+  name = partition_name(cls)
+  rules = None
+  axes: list = []
+  why: dict[int, str] = {}
+  for i, path in enumerate(graphdef.var_paths):
+    if path in known:
+      axes.append(known[path])
+      continue
+    axes.append(None)
+    if path in held:
+      why[i] = "`like` holds it without a layer axis"
+    elif path not in origins:
+      if rules is None:  # the class's rules decide, as at its init
+        rules = cls._sr_classify(graphdef, variables, layers[0])
+      if i in rules:
+        axes[i] = (rules[i], name)
+      else:
+        why[i] = f"the rules of {cls.__name__} do not stack it"
+  return axes, why
+
+
+def _check_shared(path, var: Variable, column: list, why: str, block: str) -> None:
+  """Raises unless every layer holds the same value of a Variable the stack will hold
+  once: keeping layer 0's would silently drop the others'."""
+  for i, value in enumerate(column[1:], 1):
+    same = _same_value(column[0], value)
+    if same:
+      continue
+    kind = type(var)
+    kind_name = (f"sr.{kind.__name__}" if kind.__module__.startswith("statefulremat")
+                 else kind.__name__)
+    differs = ("may differ from layer 0's: it is traced, so sr.stack cannot compare "
+               "them" if same is None else "differs from layer 0's")
+    raise TransformError(
+        f"sr.stack: `{format_path(path)}` ({kind.__name__}) is not stacked ({why}), so "
+        f"the stack holds one value of it for every layer, but layer {i}'s {differs}; "
+        "keeping layer 0's would lose the others'. Fix: give every layer the same "
+        "value, or stack it: build a stacked class whose rules stack it, e.g. "
+        f"`NewClass = sr.scan({block}, ..., variable_axes={{{kind_name}: 0}})`, and "
+        "pass it: `sr.stack(layers, like=NewClass)`.")
+
+
+def _same_value(a, b) -> bool | None:
+  """Whether two layers' values of a Variable are equal (NaNs equal); None when a
+  traced value keeps it from being known."""
+  if a is b:
+    return True
+  leaves_a, tree_a = jax.tree.flatten(a)
+  leaves_b, tree_b = jax.tree.flatten(b)
+  if tree_a != tree_b:
+    return False
+  for x, y in zip(leaves_a, leaves_b):
+    if x is y:
+      continue
+    if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
+      return None
+    if jnp.shape(x) != jnp.shape(y):
+      return False
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    if not bool(jnp.array_equal(x, y, equal_nan=True)):
+      return False
+  return True
 
 
 def _check_alike(layers, flats) -> None:
@@ -313,3 +451,42 @@ def _value_at(root, path: tuple):
   for key in path:
     root = getattr(root, key) if isinstance(root, Module) else root[key]
   return root
+
+
+# -- stacks of a repeating pattern -------------------------------------------------------
+# A pattern stack (made by a class form over a tuple of classes) holds one stack per
+# position in ``.pattern``; its class lists their classes in ``_sr_positions``.
+
+
+def _pattern_of(obj) -> type | None:
+  """The pattern stack class of ``obj`` (an instance or a class), else None."""
+  cls = obj if isinstance(obj, type) else type(obj)
+  return cls if "_sr_positions" in cls.__dict__ else None
+
+
+def _pattern_origin(layers) -> type | None:
+  """The pattern class the layers came out of (``stack.layer`` / ``sr.unstack``)."""
+  parents = {getattr(layer.__dict__.get("_sr_stacked_from"), "_sr_pattern_parent", None)
+             for layer in layers}
+  return parents.pop() if len(parents) == 1 else None
+
+
+def _stack_pattern(layers: list, like, cls: type):
+  """``sr.stack`` for a pattern: layer ``i`` goes to position ``i % P``."""
+  positions = cls._sr_positions
+  p = len(positions)
+  if len(layers) < p:
+    raise TransformError(
+        f"sr.stack: {len(layers)} layers for a pattern of {p} blocks; every position "
+        f"needs at least one layer. Fix: give at least {p} layers (layer i at position "
+        f"i % {p}).")
+  for i, layer in enumerate(layers):
+    want = positions[i % p]._sr_layer_class
+    if not isinstance(layer, want):
+      raise TransformError(
+          f"sr.stack: layer {i} is a {type(layer).__name__}, but layer {i} of this "
+          f"pattern (position {i % p}) is a {want.__name__}. Fix: put the layers in "
+          "pattern order (as `sr.unstack` gives them).")
+  stacks = [stack(layers[k::p], like=like.pattern[k] if isinstance(like, Module) else
+                  positions[k]) for k in range(p)]
+  return cls._sr_from_positions(stacks)

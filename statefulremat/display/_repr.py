@@ -34,6 +34,76 @@ def static_repr(value) -> str:
   return f"<{type(value).__name__}>" if " at 0x" in text else text
 
 
+def pattern_text(stack) -> str | None:
+  """How the layers of a stack of a repeating pattern repeat, or None for any other
+  object: ``26 layers: (Local, Local, Global) × 8 + (Local, Local)`` (the last cycle
+  cut short). Read off the positions it holds, so an edited stack says what it holds.
+
+  >>> import functools, statefulremat as sr
+  >>> Stack = sr.vmap((sr.nn.Linear, functools.partial(sr.nn.Linear, use_bias=False)),
+  ...                 axis_size=5)
+  >>> stack = Stack(3, 3, rngs=sr.Rngs(0))
+  >>> pattern_text(stack)
+  '5 layers: (Linear, partial(Linear, use_bias=False)) × 2 + (Linear)'
+  >>> position_text(stack.pattern[1])
+  'position 1 of 2: partial(Linear, use_bias=False), 2 layers (1, 3)'
+  """
+  from ..core._stacks import _pattern_of
+
+  cls = _pattern_of(stack)
+  counts = _position_counts(stack) if cls is not None else None
+  if counts is None:
+    return None
+  names, n, p = list(cls._sr_names), sum(counts), len(counts)
+  full, rest = divmod(n, p)
+  if counts != [len(range(k, n, p)) for k in range(p)]:
+    return f"{n} layers, not one pattern: its positions hold {counts}"
+  text = f"{n} layers: ({', '.join(names)}) × {full}"
+  return text + (f" + ({', '.join(names[:rest])})" if rest else "")
+
+
+def position_text(position) -> str | None:
+  """For the stack of position ``k`` of a pattern stack, which layers of the whole
+  stack it holds: ``position 2 of 3: Global, 8 layers (2, 5, …, 23)``; None for any
+  other object."""
+  cls = type(position)
+  name, index = cls.__dict__.get("_sr_pattern_name"), cls.__dict__.get("_sr_index_map")
+  if name is None or index is None:
+    return None
+  n = _layer_count(position)
+  if n is None:
+    return None
+  p, k = index
+  return (f"position {k} of {p}: {name}, {n} layer{'s' * (n != 1)} "
+          f"({layer_numbers(range(k, k + p * n, p))})")
+
+
+def _position_counts(stack) -> list[int] | None:
+  positions = getattr(stack, "pattern", None)
+  if not isinstance(positions, tuple) or not positions:
+    return None
+  counts = [_layer_count(position) for position in positions]
+  return None if None in counts else counts
+
+
+def _layer_count(position) -> int | None:
+  from ..core._stacks import is_stacked
+
+  if not is_stacked(position):
+    return None
+  try:
+    return len(position)
+  except Exception:  # a display never raises: e.g. a stack with deleted arrays
+    return None
+
+
+def layer_numbers(layers: range) -> str:
+  """``0, 3, 6`` or, past four, ``0, 3, …, 24``."""
+  if len(layers) <= 4:
+    return ", ".join(map(str, layers))
+  return f"{layers[0]}, {layers[1]}, …, {layers[-1]}"
+
+
 def variable_repr(var) -> str:
   parts = [value_summary(var._value)]
   parts += [f"{k}={static_repr(v)}" for k, v in var._metadata.items()]

@@ -21,7 +21,8 @@ from ..core._errors import format_path
 from ..core._module import Module
 from ._summary_norms import LayerNorms as LayerNorms
 from ._summary_norms import Norms, columns, norm_text
-from ._summary_outputs import trace_outputs
+from ._repr import pattern_text, position_text
+from ._summary_outputs import _at, trace_outputs
 from ._summary_walk import ModuleEntry, describe
 
 
@@ -34,7 +35,10 @@ class SummaryRow:
   ones a stack broadcasts (held once). ``outputs`` has one shape text per call.
   ``param_norm`` is the L2 norm of the module's Params and ``grad_norm`` that of their
   gradients, given ``grads`` (the table shows both then); None where there is none
-  (no Params, no ``grads``, an abstract model).
+  (no Params, no ``grads``, an abstract model). For a stack of a repeating pattern,
+  ``pattern`` says how its layers repeat (``26 layers: (Local, Local, Global) × 8 +
+  (Local, Local)``) and ``layers`` counts them all; ``position`` says, for the stack of
+  one of its positions, which layers of the whole it holds; both None elsewhere.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> Stack = sr.vmap(sr.nn.Linear, axis_size=4)
@@ -53,6 +57,8 @@ class SummaryRow:
   outputs: tuple[str, ...] = ()
   param_norm: float | None = None
   grad_norm: float | None = None
+  pattern: str | None = None
+  position: str | None = None
 
   @property
   def path_text(self) -> str:
@@ -69,6 +75,8 @@ class SummaryRow:
     ...               params_unstacked=100).params_text()
     '12,100 (3 × 4,000 + 100)'
     """
+    if self.pattern is not None:
+      return f"{self.params:,} ({self.layers} layers)"
     if self.layers == 1:
       return f"{self.params:,}"
     extra = f" + {self.params_unstacked:,}" if self.params_unstacked else ""
@@ -158,6 +166,15 @@ class Summary:
     lines = columns([header, *body, total], numeric)
     rule = "-" * max(map(len, lines))
     out = [lines[0], rule, *lines[1:-1], rule, lines[-1]]
+    for row in self.rows:
+      if row.pattern is None:
+        continue
+      # The cycle once: each position's stack, and the layers of the whole it holds.
+      below = [r for r in self.rows if r.position is not None and len(r.path) == len(
+          row.path) + 2 and r.path[:len(row.path)] == row.path]
+      out += ["", f"{row.path_text}: {row.class_name}, {row.pattern}",
+              *("  " + line for line in columns(
+                  [[r.path_text, r.position] for r in below], set()))]
     for stack in self.layer_norms:
       out += ["", *stack.lines()]
     return out
@@ -257,6 +274,7 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None,
           f"sr.summary(..., method={method!r}): {type(model).__name__} has no method "
           f"{method!r}. Fix: name a method the class defines (default `__call__`).")
   description = describe(model)
+  modules = {m.path: _at(model, m.path) for m in description.modules}
   outputs = trace_outputs(model, description, example_inputs, method, kwargs) if (
       example_inputs or kwargs) else {}
   norms = Norms(description, grads)
@@ -264,7 +282,7 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None,
   variables = description.variables
   collections = list(dict.fromkeys(
       ["params"] * any(e.is_param for e in variables) + [e.collection for e in variables]))
-  rows = [_row(module, variables, outputs.get(module.path, ()), norms)
+  rows = [_row(module, variables, outputs.get(module.path, ()), norms, modules[module.path])
           for module in description.modules]
   total_bytes: dict[str, int] = {}
   for entry in variables:
@@ -274,7 +292,7 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None,
                  norms.flat())
 
 
-def _row(module: ModuleEntry, variables, outputs, norms: Norms) -> SummaryRow:
+def _row(module: ModuleEntry, variables, outputs, norms: Norms, obj) -> SummaryRow:
   sizes: dict[str, int] = {}
   params = per_layer = unstacked = 0
   counts = set()
@@ -291,10 +309,13 @@ def _row(module: ModuleEntry, variables, outputs, norms: Norms) -> SummaryRow:
       per_layer += entry.size // entry.layers
   # The breakdown only reads right when the row's stacked variables agree on a count.
   n = counts.pop() if len(counts) == 1 else 1
+  pattern, position = pattern_text(obj), position_text(obj)
+  if pattern is not None:
+    n, per_layer, unstacked = len(obj), 0, 0
   return SummaryRow(module.path, module.cls.__name__, params, sizes, n,
                     per_layer if n > 1 else 0, unstacked if n > 1 else 0, tuple(outputs),
                     norms.total(module.variables, norms.params),
-                    norms.total(module.variables, norms.grads))
+                    norms.total(module.variables, norms.grads), pattern, position)
 
 
 def _bytes_text(n: int) -> str:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core._errors import format_path
+from ._repr import layer_numbers
 from ._summary_walk import Description
 
 
@@ -23,7 +24,9 @@ from ._summary_walk import Description
 class LayerNorms:
   """The L2 norm of each layer's Params of one stack (its stacked Params; the ones it
   broadcasts belong to no layer), and of their gradients when ``sr.summary`` was given
-  ``grads`` (else None). ``params[i]`` is the norm of layer ``i``.
+  ``grads`` (else None). ``params[i]`` is the norm of layer ``i``. For the stack of one
+  position of a pattern stack, ``stack_layers[i]`` is the number its layer ``i`` has in
+  the whole stack (the table shows those numbers); None elsewhere.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> Stack = sr.vmap(sr.nn.Linear, axis_size=3)
@@ -36,6 +39,7 @@ class LayerNorms:
   class_name: str
   params: np.ndarray
   grads: np.ndarray | None = None
+  stack_layers: range | None = None
 
   @property
   def path_text(self) -> str:
@@ -46,8 +50,11 @@ class LayerNorms:
     and the layers with the largest norms, ``…`` between them."""
     layers = len(self.params)
     has_grads = self.grads is not None
-    title = (f"{self.path_text}: {self.class_name}, {layers} layers, L2 norm of each "
-             f"layer's Params{' and gradients' if has_grads else ''}")
+    numbers = self.stack_layers if self.stack_layers is not None else range(layers)
+    of_stack = (f" ({layer_numbers(self.stack_layers)} of the pattern stack)"
+                if self.stack_layers is not None else "")
+    title = (f"{self.path_text}: {self.class_name}, {layers} layers{of_stack}, L2 norm "
+             f"of each layer's Params{' and gradients' if has_grads else ''}")
     keep = set(range(layers))
     if layers > show:
       keep = {*range(8), *range(layers - 8, layers), int(np.nanargmax(self.params))}
@@ -58,7 +65,7 @@ class LayerNorms:
     for i in sorted(keep):
       if i > last + 1:
         body.append(["…", "", *([""] * has_grads)])
-      body.append([str(i), norm_text(self.params[i]),
+      body.append([str(numbers[i]), norm_text(self.params[i]),
                    *([norm_text(self.grads[i])] if has_grads else [])])
       last = i
     if last < layers - 1:
@@ -114,8 +121,11 @@ class Norms:
         return np.sqrt(sum(sums[i] for i in stacked if i in sums))
 
       grads = per_layer(self.grads) if self.grads is not None else None
-      out.append(LayerNorms(module.path, module.cls.__name__, per_layer(self.params),
-                            grads))
+      params = per_layer(self.params)
+      # One position of a pattern stack: its layer i is layer k + i * P of the stack.
+      p, k = module.cls.__dict__.get("_sr_index_map") or (1, 0)
+      out.append(LayerNorms(module.path, module.cls.__name__, params, grads,
+                            range(k, k + p * len(params), p) if p > 1 else None))
     return out
 
   def flat(self) -> dict[str, float]:

@@ -162,7 +162,7 @@ class _Text:
 
 
 def render_module(module, path, subtree_renderer):
-  from ._repr import settings_at_defaults
+  from ._repr import pattern_text, position_text, settings_at_defaults
 
   first = _FIRST.get()
   tokens = []
@@ -175,12 +175,18 @@ def render_module(module, path, subtree_renderer):
     at_defaults = set(settings_at_defaults(module, own))
     attributes = {k: _mark_shared(v, here + (k,), first) for k, v in own.items()}
     shown = {k: v for k, v in attributes.items() if k not in at_defaults}
+    # A stack of a repeating pattern draws its cycle once, as its positions: each
+    # says which layers of the whole stack it holds.
+    comment = pattern_text(module) or position_text(module)
+    if comment and isinstance(shown.get("pattern"), tuple):
+      shown["pattern"] = tuple(shown["pattern"])  # drawn as the tuple it is
     if _COMPACT.get():  # a repr: what differs from the defaults, laid out as it fits
-      rendering = _constructor(type(module), shown, {}, path, subtree_renderer)
+      rendering = _constructor(type(module), shown, {}, path, subtree_renderer,
+                               comment=comment)
     else:
       folded = {k: v for k, v in attributes.items() if k in at_defaults}
       rendering = _constructor(type(module), shown, folded, path, subtree_renderer,
-                               plumbing=_is_rng_plumbing(module))
+                               plumbing=_is_rng_plumbing(module), comment=comment)
     return _with_other_places(rendering, first.get(id(module), ()))
   finally:
     for var, token in reversed(tokens):
@@ -194,7 +200,7 @@ def _is_rng_plumbing(module) -> bool:
 
 
 def _constructor(kind: type, shown: dict, folded: dict, path, subtree_renderer,
-                 plumbing: bool | None = None):
+                 plumbing: bool | None = None, comment: str | None = None):
   """``Kind(name=value, ...)`` as ``repr_lib.render_object_constructor`` draws it, and
   in treescope's foldable view (``plumbing`` not None) how it first shows:
 
@@ -203,7 +209,8 @@ def _constructor(kind: type, shown: dict, folded: dict, path, subtree_renderer,
   * RNG plumbing (``plumbing``: an Rngs, a stream) starts folded, its modules and
     Variables as ``…``: ``Rngs(params=…, dropout=…)``.
 
-  A user can click any of them open or shut.
+  A user can click any of them open or shut. ``comment`` follows the opening
+  bracket while the node is open: ``RematScanPattern(  # 26 layers: ...``.
   """
   from treescope import rendering_parts as rp
 
@@ -225,6 +232,9 @@ def _constructor(kind: type, shown: dict, folded: dict, path, subtree_renderer,
         folded, path, subtree_renderer).renderable))
   prefix = rp.siblings(rp.roundtrip_condition(roundtrip=rp.text("<")),
                        rp.maybe_qualified_type_name(kind), "(")
+  if comment:
+    prefix = rp.siblings(prefix, rp.fold_condition(
+        expanded=rp.comment_color(rp.text(f"  # {comment}"))))
   suffix = rp.siblings(")", rp.roundtrip_condition(roundtrip=rp.text(">")))
   state = {None: rp.ExpandState.WEAKLY_COLLAPSED, False: rp.ExpandState.EXPANDED,
            True: rp.ExpandState.COLLAPSED}[plumbing]

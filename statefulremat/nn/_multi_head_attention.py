@@ -16,7 +16,7 @@ from ..core._errors import format_path
 from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
 from ..core._kinds import Cache
-from ..core._stacks import layer_levels, per_layer
+from ..core._stacks import per_layer
 from ..core._variables import path_of
 from ._attention import combine_masks, dot_product_attention
 from ._dropout import draw_key
@@ -327,7 +327,8 @@ class MultiHeadAttention(Module):
           f"Fix: call `init_cache((batch, max_length, {self.in_features}))` on it "
           "before decoding, outside any transform (it creates Variables); on a stack, "
           "`stack.attn.init_cache(...)` makes one cache per layer, stacked along the "
-          "layer axis.")
+          "layer axis (on a pattern stack, once per position: "
+          "`stack.pattern[k].attn.init_cache(...)`).")
     *batch_dims, max_length, num_kv_heads, depth = self.cached_key.shape
     expected = tuple(batch_dims) + (1, num_kv_heads, depth)
     if key.shape != expected:
@@ -373,7 +374,8 @@ class MultiHeadAttention(Module):
             f"{int(index.max())}). Fix: give the sequence a longer cache, "
             f"`init_cache((batch, max_length, {self.in_features}))` with max_length at "
             "least the number of positions decoded (it also starts a new sequence); on "
-            "a stack call it on the stack's attention, `stack.attn.init_cache(...)`.")
+            "a stack call it on the stack's attention, `stack.attn.init_cache(...)` "
+            "(on a pattern stack, `stack.pattern[k].attn.init_cache(...)` per position).")
       return index
 
     if not isinstance(index, jax.core.Tracer):
@@ -424,12 +426,7 @@ class MultiHeadAttention(Module):
     >>> len(stack), stack.layer(0).cached_key.shape
     (3, (1, 6, 2, 2))
     """
-    caches = {id(self.cached_key), id(self.cached_value), id(self.cache_index)}
-    levels = layer_levels(
-        [(p, v) for p, v in self.iter_variables() if id(v) not in caches],
-        f"{self._where()}.init_cache")
-    lead, metadata = per_layer(levels)
-    shape = (*lead, *input_shape[:-1], self.num_kv_heads, self.head_dim)
-    self.cached_key = Cache(jnp.zeros(shape, dtype), **metadata)
-    self.cached_value = Cache(jnp.zeros(shape, dtype), **metadata)
-    self.cache_index = Cache(jnp.zeros(lead, dtype=jnp.int32), **metadata)
+    shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
+    self.cached_key = per_layer(self, Cache(jnp.zeros(shape, dtype)))
+    self.cached_value = per_layer(self, Cache(jnp.zeros(shape, dtype)))
+    self.cache_index = per_layer(self, Cache(jnp.array(0, dtype=jnp.int32)))

@@ -26,7 +26,9 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
 
   For a module at ``argnums`` the gradient is taken with respect to its variables
   matched by ``wrt`` and returned as a ``State`` with the paths of
-  ``sr.state(module, wrt)``; other arguments at ``argnums`` get ordinary gradients.
+  ``sr.state(module, wrt)``; a list, tuple or dict of modules there (a list of
+  layers) gets the same structure with a State per module, as ``nnx.grad`` gives;
+  other arguments at ``argnums`` get ordinary gradients.
   Changes the function makes to other variables (batch stats, RNG counts) are written
   back to the caller's modules; if it raises, nothing is.
 
@@ -49,6 +51,8 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
       if t >= len(args):
         raise TypeError(f"{what}: argnums={argnums} but only {len(args)} positional "
                         "arguments were given.")
+    if any(_module_container(args[t]) for t in targets):
+      return _through_containers(fn, args, kwargs, targets, single, wrt, has_aux)
     module_targets = {t for t in targets if isinstance(args[t], Module)}
     array_targets = [t for t in targets if t not in module_targets]
     held = tuple(args[t] for t in array_targets)
@@ -149,6 +153,46 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
     return ((loss, aux) if has_aux else loss), grads
 
   return wrapper
+
+
+def _module_container(arg) -> bool:
+  """A list, tuple or dict (nested) whose leaves are all modules: ``[block, block]``."""
+  if isinstance(arg, Module) or not isinstance(arg, (list, tuple, dict)):
+    return False
+  leaves = jax.tree.leaves(arg, is_leaf=lambda x: isinstance(x, Module))
+  return bool(leaves) and all(isinstance(x, Module) for x in leaves)
+
+
+def _through_containers(fn, args, kwargs, targets, single, wrt, has_aux):
+  """``value_and_grad`` where a differentiated argument is a container of modules (a
+  list of layers): each module becomes an argument of its own, and the gradient comes
+  back in the container's structure, a State per module (as nnx's ``nnx.grad``)."""
+  flat_args, spans, treedefs = [], {}, {}
+  for p, arg in enumerate(args):
+    if p in targets and _module_container(arg):
+      modules, treedefs[p] = jax.tree.flatten(arg, is_leaf=lambda x: isinstance(x, Module))
+      spans[p] = range(len(flat_args), len(flat_args) + len(modules))
+      flat_args.extend(modules)
+    else:
+      spans[p] = len(flat_args)
+      flat_args.append(arg)
+
+  def regroup(flat):
+    return [jax.tree.unflatten(treedefs[p], [flat[i] for i in spans[p]])
+            if p in treedefs else flat[spans[p]] for p in range(len(args))]
+
+  def flat_fn(*flat, **kw):
+    return fn(*regroup(flat), **kw)
+
+  functools.update_wrapper(flat_fn, fn)
+  flat_targets = tuple(i for t in targets for i in (
+      spans[t] if t in treedefs else (spans[t],)))
+  value, grads = value_and_grad(flat_fn, flat_targets, wrt=wrt, has_aux=has_aux)(
+      *flat_args, **kwargs)
+  by_index = dict(zip(flat_targets, grads))
+  out = tuple(jax.tree.unflatten(treedefs[t], [by_index[i] for i in spans[t]])
+              if t in treedefs else by_index[spans[t]] for t in targets)
+  return value, out[0] if single else out
 
 
 def _nothing_to_differentiate(what: str, wrt, position: int, module) -> None:

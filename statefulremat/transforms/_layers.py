@@ -123,6 +123,16 @@ class LayerLoop:
   def _layer(self, body, state, x):
     carry_values, user_carry = state
     slices, xs_slice, index = x
+    flat = self._substitute(slices, carry_values)
+    served = self.plan.seed_layer(flat, self.values, index)
+    with tracing_user_code(self.what):
+      tree, variables, roots = self.lifted.rebuild(flat, self.leaves)
+      self.plan.serve_names(served, variables, index)
+      new_carry, ys = body(tree, user_carry, xs_slice)
+    return self._read_back(roots, flat, user_carry, new_carry, ys)
+
+  def _substitute(self, slices, carry_values) -> list:
+    """The flat values of one iteration: stacked slices and carried values put in."""
     flat = list(self.values)
     if self.data_transform is not None and self.stacked:
       slices = self._transform_data(slices)
@@ -130,11 +140,10 @@ class LayerLoop:
       flat[i] = value
     for i, value in zip(self.carried, carry_values):
       flat[i] = value
-    served = self.plan.seed_layer(flat, self.values, index)
-    with tracing_user_code(self.what):
-      tree, variables, roots = self.lifted.rebuild(flat, self.leaves)
-      self.plan.serve_names(served, variables, index)
-      new_carry, ys = body(tree, user_carry, xs_slice)
+    return flat
+
+  def _read_back(self, roots, flat, user_carry, new_carry, ys, carry_label="carry"):
+    """After the body: ``((carry values, carry), (written, ys))`` of one iteration."""
     check_no_nodes((new_carry, ys), self.what)
     structure: list = []
     changed = self.lifted.collect(roots, flat, self.what, structure)
@@ -143,7 +152,7 @@ class LayerLoop:
     for i in changed:
       if i >= 0:
         self._check_writable(i)
-    check_same_type(user_carry, new_carry, self.what, "carry")
+    check_same_type(user_carry, new_carry, self.what, carry_label)
     new_carry_values = []
     for i in self.carried:
       value = changed.get(i, flat[i])
@@ -196,13 +205,28 @@ class LayerLoop:
 
   # -- the loop --------------------------------------------------------------------
 
-  def run(self, body: Callable, carry: Any, xs: Any, lengths: Sequence[int], *,
-          reverse: bool = False, unroll: int | bool = 1, remat: bool = False,
-          policy: Callable | None = None, prevent_cse: bool = True):
+  def _carried_values(self, carried: list | None) -> list:
+    return [self.values[i] for i in self.carried] if carried is None else carried
+
+  def _stacked_inputs(self) -> list:
+    """The stacked values the loop runs over, layer axis first."""
+    return [_move_axis(self.values[i], self.plan.axes[i], 0) for i in self.stacked]
+
+  def run(self, body: Callable, carry: Any, xs: Any, lengths: Sequence[int], **options):
     """Runs the layers; returns ``(carry, ys, changed)`` — ``changed`` by flat index.
 
     ``xs`` leaves have the layer axis first (size ``prod(lengths)``); so do ``ys``.
     """
+    carry_values, carry, written, ys = self.levels(body, carry, xs, lengths, **options)
+    return carry, ys, self._changed(written, carry_values)
+
+  def levels(self, body: Callable, carry: Any, xs: Any, lengths: Sequence[int], *,
+             reverse: bool = False, unroll: int | bool = 1, remat: bool = False,
+             policy: Callable | None = None, prevent_cse: bool = True,
+             carried: list | None = None):
+    """``run`` before the write-back is worked out: ``(carry values, carry, written,
+    ys)``, ``written`` by flat index with the layer axis first. ``carried``: the
+    carried variables' values to start from (default: their values now)."""
     lengths = tuple(lengths)
     n = math.prod(lengths)
     # lax, and nothing for a single level or axis 0: each jnp call is a nested jit,
@@ -212,11 +236,10 @@ class LayerLoop:
     else:
       fold = lambda x: lax.reshape(x, lengths + jnp.shape(x)[1:])
       unfold = lambda x: lax.reshape(x, (n,) + jnp.shape(x)[len(lengths):])
-    stacked_in = [fold(_move_axis(self.values[i], self.plan.axes[i], 0))
-                  for i in self.stacked]
+    stacked_in = [fold(v) for v in self._stacked_inputs()]
     # The layer index only feeds the RNG streams' per-layer keys.
     index = lax.reshape(lax.iota(jnp.uint32, n), lengths) if self.plan.streams else None
-    state = ([self.values[i] for i in self.carried], carry)
+    state = (self._carried_values(carried), carry)
     depth = len(lengths)
 
     # Closures rather than functools.partial: jax inspects a partial's signature at
@@ -236,17 +259,16 @@ class LayerLoop:
 
     (carry_values, carry), (written, ys) = level(
         0, state, (stacked_in, jax.tree.map(fold, xs), index))
-    changed = self._changed(written, carry_values, unfold)
-    return carry, jax.tree.map(unfold, ys), changed
+    written = {i: unfold(v) for i, v in written.items()}
+    return carry_values, carry, written, jax.tree.map(unfold, ys)
 
-  def _changed(self, written: dict, carry_values: list, unfold: Callable) -> dict:
+  def _changed(self, written: dict, carry_values: list) -> dict:
     self.plan.check_stream_names()  # the body is traced: the names drawn are known
     changed = {}
-    self.made = [unfold(written[i]) for i in sorted((i for i in written if i < 0),
-                                                    reverse=True)]
+    self.made = [written[i] for i in sorted((i for i in written if i < 0), reverse=True)]
     for i, value in written.items():
       if i >= 0:
-        changed[i] = _move_axis(unfold(value), 0, self.plan.axes[i])
+        changed[i] = _move_axis(value, 0, self.plan.axes[i])
     for i, value in zip(self.carried, carry_values):
       if i in self.carry_written:
         changed[i] = value
@@ -254,8 +276,15 @@ class LayerLoop:
       changed[i] = self.values[i] + jnp.uint32(1)
     return changed
 
-  def run_segments(self, body: Callable, carry: Any, n: int, lengths: Sequence[int], *,
-                   policy: Callable | None = None, prevent_cse: bool = False):
+  def run_segments(self, body: Callable, carry: Any, n: int, lengths: Sequence[int], **options):
+    """``run(body, carry, None, lengths, remat=True)`` for ``n < prod(lengths)`` layers
+    (see ``segments``)."""
+    carry_values, carry, written = self.segments(body, carry, n, lengths, **options)
+    return carry, None, self._changed(written, carry_values)
+
+  def segments(self, body: Callable, carry: Any, n: int, lengths: Sequence[int], *,
+               policy: Callable | None = None, prevent_cse: bool = False,
+               carried: list | None = None):
     """``run(body, carry, None, lengths, remat=True)`` for ``n < prod(lengths)`` layers.
 
     Level ``d`` runs ``n_d // m`` full steps of ``m = prod(lengths[d+1:])`` layers as a
@@ -265,7 +294,7 @@ class LayerLoop:
     sliced statically (or reshaped, which needs ``m`` to divide it) would copy nearly
     every layer's parameters (20 % more temp memory at N=97), and slicing the whole
     stack at every level would give every level a gradient accumulator of the whole
-    stack. Returns ``(carry, None, changed)``.
+    stack. Returns ``(carry values, carry, written)``.
     """
     lengths = tuple(lengths)
     depth = len(lengths)
@@ -313,10 +342,9 @@ class LayerLoop:
         return state, parts[0]
       return state, {i: lax.concatenate([p[i] for p in parts], 0) for i in parts[0]}
 
-    stacked = [_move_axis(self.values[i], self.plan.axes[i], 0) for i in self.stacked]
-    state = ([self.values[i] for i in self.carried], carry)
-    (carry_values, carry), written = segment(0, state, stacked, n, 0)
-    return carry, None, self._changed(written, carry_values, lambda x: x)
+    state = (self._carried_values(carried), carry)
+    (carry_values, carry), written = segment(0, state, self._stacked_inputs(), n, 0)
+    return carry_values, carry, written
 
 def _move_axis(x, source: int, destination: int):
   return x if source == destination else jnp.moveaxis(x, source, destination)

@@ -83,13 +83,35 @@ def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
           "values over with `stack = sr.stack(sr.unstack(stack), like=NewClass)`.")
 
 
-def check_no_modules(tree, what: str, label: str) -> None:
+class ModuleArgumentError(TransformError, TypeError):
+  """A module (or Variable) where a transform takes only arrays. Also a ``TypeError``,
+  which it was before it was a ``TransformError``."""
+
+
+def check_no_modules(tree, what: str, label: str, *, first: int | None = None) -> None:
+  """Raises if ``tree`` holds a module or Variable anywhere.
+
+  ``label`` names ``tree`` in the message (``"the carry"``); with ``first``, ``tree``
+  is a tuple of positional arguments, the first of them argument ``first`` of the
+  transformed function, and the message names the argument by that number and the
+  path inside it (``argument 1 at `[0][0]```), as the user counts.
+  """
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_node):
-    if is_node(leaf):
-      raise TypeError(
-          f"{what}: {label} `{jax.tree_util.keystr(path)}` is a {type(leaf).__name__}. "
-          "Modules go in argument 0 only; their variables are governed by the "
-          "collection rules (variable_axes, variable_broadcast, variable_carry).")
+    if not is_node(leaf):
+      continue
+    if first is None:
+      where = f"{label} `{jax.tree_util.keystr(path)}`"
+    else:
+      inner = jax.tree_util.keystr(path[1:])
+      where = f"{label} {first + path[0].idx}" + (f" at `{inner}`" if inner else "")
+    raise ModuleArgumentError(
+        f"{what}: {where} is a {type(leaf).__name__}. Modules go in argument 0 only: "
+        "a transform maps or broadcasts a module's Variables by its collection rules "
+        "(variable_axes, variable_broadcast, variable_carry), not by in_axes, so a "
+        "module anywhere else could be given two treatments at once. Nothing was run. "
+        "Fix: pass every module in argument 0 (a tuple or dict of modules is fine "
+        "there, e.g. `f((model, other), x)`) and say how its Variables map with "
+        "the rules.")
 
 
 def class_length(module) -> int | None:

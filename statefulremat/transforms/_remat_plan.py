@@ -83,6 +83,7 @@ class RematPlan:
   layer_bytes: int
   _verify: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
   measured_bytes: int | None = None
+  unit: str = "layer"  # what N counts: "cycle" for a pattern stack
 
   @property
   def policy(self):
@@ -98,8 +99,9 @@ class RematPlan:
   def __str__(self) -> str:
     budget = ("no budget" if self.memory_budget is None
               else f"budget {format_bytes(self.memory_budget)}")
-    lines = [f"RematPlan for N={self.n} layers ({budget}; carry "
-             f"{format_bytes(self.carry_bytes)}, one layer {format_bytes(self.layer_bytes)})",
+    lines = [f"RematPlan for N={self.n} {self.unit}s ({budget}; carry "
+             f"{format_bytes(self.carry_bytes)}, one {self.unit} "
+             f"{format_bytes(self.layer_bytes)})",
              f"{'':2}{'lengths':<18}{'policy':<18}{'evals':>8}{'temp (predicted)':>18}"]
     for c in self.candidates[:8]:
       mark = "->" if (c.lengths, c.policy) == (self.lengths, self.policy_name) else ""
@@ -342,3 +344,29 @@ def block_inputs(stack, fn: Callable) -> _BlockInputs:
     return fn(merge(graphdefs[0], state), carry)
 
   return _BlockInputs(layer_fn, state, stacked // n)
+
+
+def cycle_inputs(stack, fn: Callable) -> _BlockInputs:
+  """One cycle of a pattern stack (its first layer at each position, run in order) as
+  a function of its state, abstractly: the block the planner plans for a pattern."""
+  graphdefs = []
+
+  def one_cycle(stack):
+    states = []
+    for position in stack.pattern:
+      graphdef, state = split(position.layer(0))
+      graphdefs.append(graphdef)
+      states.append(state)
+    return states
+
+  states = jax.eval_shape(one_cycle, stack)
+  cycles = -(-len(stack) // len(stack.pattern))
+  stacked = sum(tree_bytes(v._value) for position in stack.pattern
+                for _, v, _, _ in stacked_variables(position))
+
+  def cycle_fn(states, carry):
+    for graphdef, state in zip(graphdefs, states):
+      carry = fn(merge(graphdef, state), carry)
+    return carry
+
+  return _BlockInputs(cycle_fn, states, stacked // cycles)

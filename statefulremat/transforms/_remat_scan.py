@@ -21,8 +21,12 @@ from ._rules import Rules, TransformError
 from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
                           resolve_length, stacked_sources)
 from ._policy_check import policy_check
+from ._pattern import call_method, is_pattern, is_pattern_stack, pattern_class, pattern_repr
+from ._pattern import position_names
+from ._pattern_loop import CycleLoop, lift_pattern
 from ._remat_plan import (DOTS, POLICIES, RematPlan, RematPlanError, block_inputs, choose,
-                          format_bytes, parse_bytes, residual_bytes, tree_bytes)
+                          cycle_inputs, format_bytes, parse_bytes, residual_bytes,
+                          tree_bytes)
 from ._stacked import stacked_class
 
 _ALL = MappingProxyType({True: 0})
@@ -90,11 +94,22 @@ def remat_scan(target: Callable | type | None = None,
     return functools.partial(remat_scan, lengths=lengths, length=length,
                              memory_budget=memory_budget, methods=methods,
                              init_in_axes=init_in_axes, **options)
-  what = f"sr.remat_scan({display_name(target)})"
+  what = f"sr.remat_scan({pattern_repr(target) if is_pattern(target) else display_name(target)})"
   lengths, length, policy, budget = _resolve_plan(what, lengths, length, policy,
                                                   memory_budget)
   options["policy"] = policy
   auto = lengths == AUTO
+  if is_pattern(target):
+    if length is not None and not auto:  # without length, pattern_class says so
+      _check_lengths(what, lengths, None)
+      _check_cycles(what, lengths, length, len(target))
+    return pattern_class(
+        target, "RematScan", length=length, what=what, methods=methods,
+        init_in_axes=init_in_axes,
+        position_class=lambda cls, n: remat_scan(cls, (n,), methods=methods,
+                                                 init_in_axes=init_in_axes, **options),
+        run=lambda name: remat_scan(call_method(name, "RematScanPattern"), lengths,
+                                    memory_budget=budget, **options))
   n = length if auto else _check_lengths(what, lengths, length)
   if is_module_class(target):
     if n is None:
@@ -209,6 +224,8 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
     check_no_modules(carry, what, "the carry")
     check_no_modules(args, what, "the extra argument")
     check_no_modules(kwargs, what, "the keyword argument")
+    if is_pattern_stack(module):
+      return _run_pattern(module, carry, args, kwargs)
     lifted, variables, plan, leaves = lift_module_arg(
         module, what, rules, metadata_params, "f(module, carry) -> carry")
     sources = stacked_sources(plan, lifted, variables)
@@ -240,7 +257,48 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
     carry_out_structure(loop, module, variables, metadata_params)
     return carry
 
+  def _run_pattern(stack, carry, args, kwargs):
+    """The same over a pattern stack: the nesting counts its cycles."""
+    loop_args, counts = lift_pattern(stack, what, rules, metadata_params,
+                                     "f(module, carry) -> carry")
+    layers, period = sum(counts), len(counts)
+    if n is not None and not auto:
+      _check_cycles(what, lengths, layers, period)
+    loop = CycleLoop(*loop_args, what, data_transform, period=period, length=layers,
+                     names=position_names(stack))
+    nesting, innermost = lengths, policy
+    if auto:
+      key = (loop.lifted, layers, _avals(carry), _avals(args), _avals(kwargs))
+      chosen = plans.get(key)
+      if chosen is None:
+        chosen = plans[key] = plan_remat(
+            stack, carry, fn=lambda layer, c: fn(layer, c, *args, **kwargs),
+            memory_budget=budget)
+      nesting, innermost = chosen.lengths, chosen.policy
+
+    def run(carry):
+      return loop.run_cycles(lambda k, layer, c, _: (fn(layer, c, *args, **kwargs), None),
+                             carry, None, lengths=nesting, remat=True, policy=innermost,
+                             prevent_cse=prevent_cse)
+
+    carry, _, changed = run(carry) if check is None else check.run(run, carry)
+    write_back(loop_args[2], changed, what)
+    carry_out_structure(loop, tuple(stack.pattern), loop_args[2], metadata_params)
+    return carry
+
   return compiled_when_eager(wrapper)
+
+
+def _check_cycles(what: str, lengths: tuple, length: int, period: int) -> None:
+  """For a pattern, ``lengths`` counts cycles: it must cover all of them."""
+  cycles = -(-length // period)
+  if math.prod(lengths) < cycles:
+    raise TransformError(
+        f"{what}: for a pattern of {period} blocks, lengths counts cycles, and "
+        f"lengths={lengths} covers {math.prod(lengths)} cycles, fewer than the {cycles} "
+        f"that length={length} needs ({length} layers / {period} per cycle, the last "
+        f"cycle may be short). Fix: {_covering(cycles, len(lengths))}, or "
+        "lengths='auto'.")
 
 
 def plan_remat(stack, carry, *, fn: Callable | None = None,
@@ -277,15 +335,19 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
   >>> y = sr.remat_scan(lambda layer, h: jnp.tanh(layer(h)), lengths=plan)(
   ...     stack, jnp.ones((8, 256)))
   """
-  if not is_stacked(stack):
+  if not is_stacked(stack) and not is_pattern_stack(stack):
     raise TypeError(
         f"sr.plan_remat plans a stack of layers; got {type(stack).__name__}. Fix: pass "
         "the stacked module (e.g. `sr.vmap(Block, axis_size=N)(...)` or a class form of "
         "sr.remat_scan / sr.scan), or its sr.eval_shape.")
   fn = _call if fn is None else fn
   budget = parse_bytes(memory_budget)
-  n = num_layers(stack)
-  inputs = block_inputs(stack, fn)
+  if is_pattern_stack(stack):  # plans cycles
+    n = -(-len(stack) // len(stack.pattern))
+    inputs = cycle_inputs(stack, fn)
+  else:
+    n = num_layers(stack)
+    inputs = block_inputs(stack, fn)
   carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
                        carry)
   carry_bytes = tree_bytes(carry)
@@ -304,7 +366,8 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
     best, ranked = choose(n, carry_bytes, inputs.layer_bytes, residuals, budget,
                           max_depth, scales=scales)
     return RematPlan(n, best.lengths, best.policy, best.evals, best.temp_bytes, budget,
-                     tuple(ranked), carry_bytes, inputs.layer_bytes, verify)
+                     tuple(ranked), carry_bytes, inputs.layer_bytes, verify,
+                     unit="cycle" if is_pattern_stack(stack) else "layer")
 
   def make_unbudgeted() -> RematPlan:
     return dataclasses.replace(make(budget=None), memory_budget=budget)

@@ -26,6 +26,8 @@ names it (``Rules.for_init``), so the layers differ.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import difflib
 from collections.abc import Mapping
@@ -192,6 +194,32 @@ class Stream:
     self.serves = serves
 
 
+_INDEX_MAP: contextvars.ContextVar = contextvars.ContextVar("sr_index_map", default=None)
+
+
+@contextlib.contextmanager
+def layer_index_map(node, period, position):
+  """Inside: a Plan over the lone ``node`` seeds its layer ``j`` as layer
+  ``j * period + position`` (``position`` may be traced): a pipeline stage's slice of
+  a stack draws the keys of its layers' global indices."""
+  token = _INDEX_MAP.set((node, (period, position)))
+  try:
+    yield
+  finally:
+    _INDEX_MAP.reset(token)
+
+
+def _index_map(nodes) -> tuple[int, int] | None:
+  """``(period, position)`` of a lone stack that is one position of a pattern (or a
+  slice of a stack, ``layer_index_map``)."""
+  if len(nodes) != 1:
+    return None
+  given = _INDEX_MAP.get()
+  if given is not None and given[0] is nodes[0]:
+    return given[1]
+  return getattr(type(nodes[0]), "_sr_index_map", None)
+
+
 class Plan:
   """The treatment of every flat variable of one call, and the RNG streams."""
 
@@ -202,6 +230,9 @@ class Plan:
     the first ``skip`` variables are not classified (read-only)."""
     self.rules = rules
     self.display_path = display_path or (lambda p: p)
+    # Layer ``j`` of a stack that holds one position of a pattern is layer
+    # ``j * period + position`` of the pattern: its streams are split by that index.
+    self.index_map = _index_map(nodes)
     index = {id(v): i for i, v in enumerate(variables)}
     self.streams: list[Stream] = []
     self.own_streams: set[str] = set()  # the names of the streams found, for checks
@@ -274,6 +305,9 @@ class Plan:
     folded with ``index`` when split (else shared by every iteration), and a fresh
     count. Returns what ``serve_names`` needs after the rebuild."""
     served = []
+    if self.index_map is not None and index is not None:
+      period, position = self.index_map
+      index = index * jnp.uint32(period) + jnp.uint32(position)
     for s in self.streams:
       base = jax.random.fold_in(values[s.key], values[s.count])
       flat[s.key] = jax.random.fold_in(base, index) if s.split else base
@@ -282,8 +316,25 @@ class Plan:
         served.append((s.key, base))
     return served
 
+  def reseed(self, variables, values, index) -> list:
+    """``seed_layer`` on rebuilt Variables: the next layer of a cycle that one rebuild
+    serves gets the streams a rebuild of its own would have (the key of ``index``, a
+    fresh count). Returns the fresh counts, to tell which streams the layer drew."""
+    flat = [None] * len(variables)
+    served = self.seed_layer(flat, values, index)
+    counts = []
+    for s in self.streams:
+      variables[s.key]._value = flat[s.key]
+      variables[s.count]._value = flat[s.count]
+      counts.append(flat[s.count])
+    self.serve_names(served, variables, index)
+    return counts
+
   def serve_names(self, served: list, variables, index) -> None:
     """On the rebuilt Rngs of each default stream: keys per name asked (LayerKeys)."""
+    if self.index_map is not None and index is not None:
+      period, position = self.index_map
+      index = index * jnp.uint32(period) + jnp.uint32(position)
     for key_i, base in served:
       stream_owner = next(owner_chain(variables[key_i]), (None,))[0]
       rngs_owner = next(owner_chain(stream_owner), (None,))[0] if stream_owner else None

@@ -17,6 +17,8 @@ from ._lift import refuse_layer_list, write_back
 from ._rules import Rules, TransformError
 from ._module_arg import (check_no_modules, class_length, compiled_when_eager, lift_module_arg,
                           resolve_length, stacked_sources)
+from ._pattern import call_method, is_pattern, is_pattern_stack, pattern_class, pattern_repr
+from ._pattern_loop import scan_pattern
 from ._stacked import stacked_class
 
 _EMPTY = MappingProxyType({})
@@ -158,6 +160,15 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
                  data_transform=data_transform, metadata_params=metadata_params)
   if target is None:
     return functools.partial(scan, methods=methods, init_in_axes=init_in_axes, **options)
+  if is_pattern(target):
+    what = f"sr.scan({pattern_repr(target)})"
+    _check_axes(what, in_axes, out_axes)
+    return pattern_class(
+        target, "Scan", length=length, what=what, methods=methods,
+        init_in_axes=init_in_axes,
+        position_class=lambda cls, n: scan(cls, **{**options, "length": n},
+                                           methods=methods, init_in_axes=init_in_axes),
+        run=lambda name: scan(call_method(name, "ScanPattern"), **{**options, "length": None}))
   if is_module_class(target):
     _check_axes(f"sr.scan({target.__name__})", in_axes, out_axes)
     rules = Rules(f"sr.scan({target.__name__})", variable_axes=variable_axes,
@@ -331,17 +342,12 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
             "iteration sees it whole).")
       scanned.append(j)
       sources.append((f"xs leaf {j} (axis {axis})", jnp.shape(x)[axis]))
-    lifted, variables, plan, leaves = lift_module_arg(
-        module, what, rules, metadata_params, "f(module, carry, *xs) -> (carry, ys)")
-    n = resolve_length(what, length, sources + stacked_sources(plan, lifted, variables),
-                       fallback=class_length(module))
-    loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
 
-    def body(tree, c, x_scanned):
+    def call(layer, c, x_scanned):
       full = list(x_leaves)
       for j, x in zip(scanned, x_scanned):
         full[j] = x
-      out = fn(tree[0][0], c, *jax.tree.unflatten(x_tree, full), **kwargs)
+      out = fn(layer, c, *jax.tree.unflatten(x_tree, full), **kwargs)
       if not (isinstance(out, (tuple, list)) and len(out) == 2):
         # Name what came back in user terms: a tracer's class name means nothing here.
         got = ("a single array" if isinstance(out, jax.Array) else
@@ -354,11 +360,37 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
     # Each jnp call is a nested jit; leaves already scanned along axis 0 skip it.
     moved = [x_leaves[j] if axes[j] % jnp.ndim(x_leaves[j]) == 0 else
              jnp.moveaxis(x_leaves[j], axes[j], 0) for j in scanned]
-    carry, ys, changed = loop.run(body, carry, moved, (n,), reverse=reverse, unroll=unroll)
+    if is_pattern_stack(module):
+      carry, ys, finish = scan_pattern(
+          module, lambda k, layer, c, x: call(layer, c, x), carry, moved, sources,
+          what=what, rules=rules, metadata_params=metadata_params, length=length,
+          data_transform=data_transform, reverse=reverse, unroll=unroll)
+    else:
+      carry, ys, finish = _scan_stack(
+          module, lambda tree, c, x: call(tree[0][0], c, x), carry, moved, sources,
+          what=what, rules=rules, metadata_params=metadata_params, length=length,
+          data_transform=data_transform, reverse=reverse, unroll=unroll)
     if ys is not None and not (isinstance(out_axes, int) and out_axes == 0):
       ys = _stack_ys(what, out_axes, ys)  # may raise: before anything is written back
-    write_back(variables, changed, what)
-    carry_out_structure(loop, module, variables, metadata_params)
+    finish()
     return carry, ys
 
   return compiled_when_eager(wrapper)
+
+
+def _scan_stack(module, body, carry, moved, sources, *, what, rules, metadata_params,
+                length, data_transform, reverse, unroll):
+  """The scan over a module's layers: ``(carry, ys, finish)``; ``finish()`` writes
+  back."""
+  lifted, variables, plan, leaves = lift_module_arg(
+      module, what, rules, metadata_params, "f(module, carry, *xs) -> (carry, ys)")
+  n = resolve_length(what, length, sources + stacked_sources(plan, lifted, variables),
+                     fallback=class_length(module))
+  loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
+  carry, ys, changed = loop.run(body, carry, moved, (n,), reverse=reverse, unroll=unroll)
+
+  def finish():
+    write_back(variables, changed, what)
+    carry_out_structure(loop, module, variables, metadata_params)
+
+  return carry, ys, finish

@@ -65,6 +65,7 @@ def stacked_class(layer_cls: type, label: str, *, rules: Rules, length: int | No
       "__new__": _new_stack, "__init__": _init_nothing, "layer": layer,
       "__len__": num_layers, "_sr_classify": _classifier(rules),
       "_sr_layer_rngs": _layer_rngs(rules), "_sr_init_in_axes": init_in_axes,
+      "_sr_layer_factory": None,
   }
   return subclass(layer_cls, label, wrap, methods, namespace,
                   f"A stack of {layer_cls.__name__} layers under {transform_name(label)}.")
@@ -102,7 +103,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     tree, rebuilt, roots = lifted.rebuild(flat, mine)
     in_plan.serve_names(served, rebuilt, index)
     call_args, call_kwargs = tree
-    layer = cls._sr_layer_class(*call_args, **call_kwargs)
+    layer = (cls._sr_layer_factory or cls._sr_layer_class)(*call_args, **call_kwargs)
     counts = {s.count for s in in_plan.streams}
     changed = lifted.collect(roots, flat, what)
     for i in changed:

@@ -1,0 +1,255 @@
+"""The cycle loop: scan and remat_scan over a stack of a repeating pattern.
+
+A pattern stack (``_pattern``) holds one ordinary stack per position of its pattern
+of P blocks; layer ``i`` is layer ``i // P`` of position ``i % P``. The loop lifts the
+P position stacks together (a Variable they share, such as an RNG stream, is one) and
+scans over whole *cycles*: one iteration rebuilds the P layers of cycle ``c`` from one
+set of values and runs them in order, so the traced body is one cycle whatever the
+length. Before each layer the RNG streams are put where a layer of its own would
+find them (the key of layer ``c * P + k``, a fresh count), so the loop equals
+``for i in range(length): x = stack.layer(i)(x)``, dropout included.
+
+With ``length = F * P + r``, the ``F`` full cycles run as the scan (nested and
+rematerialised for remat_scan, exactly as a plain stack's layers); the ``r`` layers of
+the last, short cycle run once after it. Positions ``k < r`` then hold ``F + 1``
+layers, so the scan takes their first ``F`` (a slice; a length that is a multiple of
+P slices nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..core._tracing import tracing_user_code
+from ._layers import LayerLoop, _move_axis, check_same_type
+from ._rules import TransformError
+
+
+def take(tree, k: int):
+  """Entry ``k`` of the leading axis of every leaf (``None`` stays ``None``)."""
+  return jax.tree.map(lambda x: lax.index_in_dim(x, k, keepdims=False), tree)
+
+
+class CycleLoop(LayerLoop):
+  """``LayerLoop`` whose iteration is one cycle of a pattern (see module docstring)."""
+
+  def __init__(self, *args, period: int, length: int, names: Sequence[str],
+               reverse: bool = False, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.period, self.length, self.names = period, length, tuple(names)
+    self.full, self.rest = divmod(length, period)
+    self.reverse = reverse
+    paths = self.lifted.graphdef.var_paths
+    self.position = [paths[i][0] for i in self.stacked]
+
+  def _stacked_inputs(self) -> list:
+    out = []
+    for i in self.stacked:
+      value = _move_axis(self.values[i], self.plan.axes[i], 0)
+      out.append(value if jnp.shape(value)[0] == self.full else
+                 lax.slice_in_dim(value, 0, self.full))
+    return out
+
+  def _layer(self, body, state, x):
+    return self.cycle(body, state, x, self.period)
+
+  def cycle(self, body: Callable, state, x, active: int):
+    """Layers ``0 .. active - 1`` of one cycle. ``body(k, layer, carry, xs_k) ->
+    (carry, ys)``; ``x`` is ``(slices, xs, cycle)``, xs with the positions in front."""
+    carry_values, user_carry = state
+    slices, xs, cycle = x
+    flat = self._substitute(slices, carry_values)
+    # No RNG stream: the loop passes no cycle index (None), and nothing is seeded.
+    first = None if cycle is None else cycle * jnp.uint32(self.period)
+    streams = self.plan.streams
+    served = self.plan.seed_layer(flat, self.values, first)
+    counts = [flat[s.count] for s in streams]
+    drew = [False] * len(streams)
+    order = range(active)[::-1] if self.reverse else range(active)
+    carry, ys = user_carry, [None] * active
+    with tracing_user_code(self.what):
+      tree, variables, roots = self.lifted.rebuild(flat, self.leaves)
+      self.plan.serve_names(served, variables, first)
+      for n, k in enumerate(order):
+        if n:
+          counts = self.plan.reseed(variables, self.values,
+                                    None if first is None else first + jnp.uint32(k))
+        before = carry
+        carry, ys[k] = body(k, tree[0][0][k], carry, take(xs, k))
+        self._check_carry(k, before, carry)
+        for j, s in enumerate(streams):
+          drew[j] = drew[j] or variables[s.count]._value is not counts[j]
+    # What the read-back compares against: the first layer's keys, and a count that
+    # changed exactly when some layer drew.
+    for j, s in enumerate(streams):
+      variables[s.key]._value = flat[s.key]
+      variables[s.count]._value = (flat[s.count] + jnp.uint32(1) if drew[j] else
+                                   flat[s.count])
+    return self._read_back(roots, flat, user_carry, carry, tuple(ys))
+
+  def _check_carry(self, k: int, before, after) -> None:
+    what = f"{self.what}: position {k} of the pattern ({self.names[k]})"
+    try:
+      check_same_type(before, after, what, "carry")
+    except TransformError as e:
+      raise TransformError(
+          f"{e} Every block of a pattern takes and returns the same carry: the blocks' "
+          "carries must agree in structure, shape and dtype.") from None
+
+  # -- the loop --------------------------------------------------------------------
+
+  def run_cycles(self, body: Callable, carry: Any, xs: Any, *,
+                 lengths: Sequence[int] | None = None, remat: bool = False,
+                 policy: Callable | None = None, prevent_cse: bool = True,
+                 unroll: int | bool = 1):
+    """Runs every layer; returns ``(carry, ys, changed)``, ys in layer order.
+
+    ``xs`` leaves have the layer axis first (size ``length``). ``lengths`` (remat)
+    nests the full cycles as ``LayerLoop.levels`` nests layers.
+    """
+    p, full, rest = self.period, self.full, self.rest
+    xs_full = jax.tree.map(
+        lambda x: lax.reshape(lax.slice_in_dim(x, 0, full * p),
+                              (full, p) + jnp.shape(x)[1:]), xs)
+    carried = [self.values[i] for i in self.carried]
+    tail_out = None
+    if rest and self.reverse:
+      (carried, carry), tail_out = self._tail(body, carried, carry, xs, remat)
+    lengths = (full,) if lengths is None else tuple(lengths)
+    options = dict(policy=policy, prevent_cse=prevent_cse, carried=carried)
+    if remat and math.prod(lengths) != full:
+      carried, carry, written = self.segments(body, carry, full, lengths, **options)
+      ys = None
+    else:
+      carried, carry, written, ys = self.levels(
+          body, carry, xs_full, lengths, reverse=self.reverse, unroll=unroll,
+          remat=remat, **options)
+    if rest and not self.reverse:
+      (carried, carry), tail_out = self._tail(body, carried, carry, xs, remat)
+    if tail_out is not None:
+      written = self._join(written, tail_out[0])
+    ys = self._layer_order(ys, None if tail_out is None else tail_out[1])
+    return carry, ys, self._changed(written, carried)
+
+  def _tail(self, body, carried, carry, xs, remat: bool):
+    """The short last cycle: positions ``0 .. rest - 1``, layer ``full`` of each."""
+    full, p = self.full, self.period
+    slices = []
+    for i, k in zip(self.stacked, self.position):
+      value = _move_axis(self.values[i], self.plan.axes[i], 0)
+      slices.append(lax.index_in_dim(value, full if k < self.rest else 0, keepdims=False))
+    x = (slices, jax.tree.map(lambda v: lax.slice_in_dim(v, full * p, self.length), xs),
+         jnp.uint32(full))
+
+    def step(state, x):
+      return self.cycle(body, state, x, self.rest)
+
+    if remat:
+      # Run alone, outside any scan: without prevent_cse XLA would merge the
+      # recomputation with the forward pass and keep the residuals after all.
+      step = jax.checkpoint(step, prevent_cse=True)
+    return step((carried, carry), x)
+
+  def _join(self, written: dict, tail: dict) -> dict:
+    """The scan's writes (``full`` layers) and the short cycle's (one layer, for the
+    positions it ran), as one value per position: its layers in order."""
+    out = dict(written)
+    for i, k in zip(self.stacked, self.position):
+      if k >= self.rest or (i not in written and i not in tail):
+        continue
+      value = _move_axis(self.values[i], self.plan.axes[i], 0)
+      head = written.get(i, lax.slice_in_dim(value, 0, self.full))
+      last = tail.get(i, lax.index_in_dim(value, self.full, keepdims=False))
+      out[i] = lax.concatenate([head, last[None]], 0)
+    made = sorted(i for i in set(written) | set(tail) if i < 0)
+    if made:
+      raise TransformError(
+          f"{self.what}: a layer made a Variable (e.g. `self.sow(...)`) inside a pattern "
+          f"stack of {self.length} layers, which is not a multiple of its pattern of "
+          f"{self.period}: the short last cycle would give it another number of layers "
+          "than the full ones. Nothing was written. Fix: a length that is a multiple of "
+          f"{self.period}, or create the Variable in `__init__`.")
+    return out
+
+  def _layer_order(self, ys, tail_ys):
+    """ys of every layer in layer order, from per-position ys of the cycles."""
+    parts = []
+    if ys is not None:
+      self._check_ys_alike(ys)
+      if all(y is None for y in jax.tree.leaves(ys, is_leaf=lambda y: y is None)):
+        return None
+      parts.append(jax.tree.map(
+          lambda *per: lax.reshape(jnp.stack(per, axis=1),
+                                   (self.full * self.period,) + jnp.shape(per[0])[1:]),
+          *ys))
+    if tail_ys is not None and ys is not None:
+      parts.append(jax.tree.map(lambda *per: jnp.stack(per), *tail_ys))
+    if not parts:
+      return None
+    return parts[0] if len(parts) == 1 else jax.tree.map(
+        lambda *a: lax.concatenate(a, 0), *parts)
+
+  def _check_ys_alike(self, ys) -> None:
+    first = jax.tree.map(lambda y: (jnp.shape(y)[1:], jnp.result_type(y)), ys[0])
+    for k, y in enumerate(ys[1:], 1):
+      this = jax.tree.map(lambda y: (jnp.shape(y)[1:], jnp.result_type(y)), y)
+      if jax.tree.structure(this) != jax.tree.structure(first) or this != first:
+        raise TransformError(
+            f"{self.what}: the blocks' ys differ: position 0 ({self.names[0]}) gives "
+            f"{_shapes(first)} and position {k} ({self.names[k]}) gives {_shapes(this)}. "
+            "The ys of a pattern stack are stacked over its layers in order, so every "
+            "block must return ys of one structure, shape and dtype (or None).")
+
+
+def _shapes(tree) -> str:
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
+                           and isinstance(x[0], tuple))
+  if not leaves:
+    return "no ys (None)"
+  return ", ".join(f"{jnp.dtype(d).name}{list(s)}" for s, d in leaves)
+
+
+# -- the function forms over a pattern stack --------------------------------------------
+
+
+def lift_pattern(stack, what: str, rules, metadata_params, call_form: str):
+  """``(loop arguments, counts)``: the position stacks lifted together."""
+  from ._module_arg import lift_module_arg
+  from ._pattern import check_positions
+
+  counts = check_positions(stack, what)
+  lifted, variables, plan, leaves = lift_module_arg(
+      tuple(stack.pattern), what, rules, metadata_params, call_form)
+  return (lifted, plan, variables, leaves), counts
+
+
+def scan_pattern(stack, body: Callable, carry, xs: list, sources: list, *, what: str,
+                 rules, metadata_params, length, data_transform, reverse, unroll):
+  """``sr.scan``'s function form over a pattern stack: ``(carry, ys, finish)``."""
+  from ._lift import write_back
+  from ._layers import carry_out_structure
+  from ._pattern import position_names
+
+  args, counts = lift_pattern(stack, what, rules, metadata_params,
+                              "f(module, carry, *xs) -> (carry, ys)")
+  n = sum(counts)
+  for label, size in sources + ([("length=", length)] if length is not None else []):
+    if size != n:
+      raise TransformError(
+          f"{what}: {label} has {size} entries along the scanned axis, but the pattern "
+          f"stack has {n} layers. Fix: one entry per layer ({n}), or None in in_axes to "
+          "give it whole to every layer.")
+  loop = CycleLoop(*args, what, data_transform, period=len(counts), length=n,
+                   names=position_names(stack), reverse=reverse)
+  carry, ys, changed = loop.run_cycles(body, carry, xs, unroll=unroll)
+
+  def finish():
+    write_back(args[2], changed, what)
+    carry_out_structure(loop, tuple(stack.pattern), args[2], metadata_params)
+
+  return carry, ys, finish
