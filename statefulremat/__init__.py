@@ -48,6 +48,7 @@ from .display._summary import Summary as Summary
 from .display._summary import SummaryRow as SummaryRow
 from .display._summary import summary as summary
 from .display._display import display as display
+from .transforms._accumulate import accumulate as accumulate
 from .transforms._autodiff import grad as grad
 from .transforms._autodiff import value_and_grad as value_and_grad
 from .transforms._eval_shape import eval_shape as eval_shape

@@ -1,0 +1,326 @@
+"""sr.accumulate: gradient accumulation over microbatches, every state write kept."""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ..core._errors import TransformError, format_path
+from ..core._graph import flatten
+from ..core._graph_lock import hold, let_go
+from ..core._tracing import tracing_user_code
+from ._class_form import display_name
+from ._lift import Lifted, check_no_nodes, is_node, raise_if_deleted, split_call, write_back
+from ._module_arg import check_no_modules, compiled_when_eager
+
+
+def accumulate(fn: Callable, *, microbatches: int) -> Callable:
+  """Gradient accumulation: ``fn`` run on ``microbatches`` slices of the batch, averaged.
+
+  ``accumulate(fn, microbatches=k)(model, *batch)`` splits every array of ``batch``
+  along axis 0 into ``k`` equal contiguous microbatches (microbatch ``m`` is rows
+  ``m·B/k … (m+1)·B/k − 1``) and runs ``fn(model, *microbatch)`` on each in turn,
+  in one ``jax.lax.scan``. It equals this Python loop, traced once::
+
+      losses, grads = [], []
+      for m in range(k):
+        loss_m, grads_m = fn(model, *(x[m * B // k:(m + 1) * B // k] for x in batch))
+        losses.append(loss_m); grads.append(grads_m)
+      return sum(losses) / k, jax.tree.map(lambda *g: sum(g) / k, *grads)
+
+  Every change ``fn`` makes to the model is carried from one microbatch to the next
+  and written back: BatchNorm statistics are updated ``k`` times, RNG streams advance
+  per microbatch (each microbatch draws other dropout masks, the loop's ones). The
+  gradients are summed in the scan's carry (in float32 at least, so bfloat16 grads do
+  not lose the small ones) and divided by ``k``: memory holds one set of gradients,
+  not ``k``. ``accumulate`` computes the loss and gradients only; apply them with
+  ``opt.update(grads)``. If ``fn`` raises, nothing is written.
+
+  ``fn`` returns ``(loss, grads)`` as ``sr.value_and_grad(loss_fn)`` does; with
+  ``has_aux=True`` there, ``((loss, aux), grads)``: ``aux`` comes back stacked per
+  microbatch (each leaf with a leading axis of size ``k``), not averaged. Keyword
+  arguments pass unchanged to every microbatch. Called outside ``sr.jit`` it is
+  compiled once per model structure and reused.
+
+  With a batch sharded along a data axis, the contiguous split cannot stay where the
+  rows are: microbatch ``m``'s rows lie on a ``1/k`` slice of the devices. Under
+  explicit mesh axes (``jax.make_mesh``'s default) the batch is laid out again once
+  per call, one all-to-all before the scan, so that every microbatch is spread over
+  the same axes (replicated where its ``B/k`` rows do not divide among them); each
+  step is then data parallel, as the whole batch was. Under ``AxisType.Auto`` axes the
+  type does not say which axis splits the batch, and XLA's partitioner gathers the
+  microbatches instead (measured on 8 devices, ``k=4``: each device holds half of
+  every microbatch, so each step runs 2-way parallel and 4 times over): use explicit
+  axes, or put the rows of microbatch ``m`` where the devices can take them.
+
+  Args:
+    fn: ``fn(model, *batch, **kwargs) -> (loss, grads)`` (or ``((loss, aux), grads)``);
+      ``model`` is a module or a pytree of modules (modules go there only).
+    microbatches: ``k`` >= 1, which must divide every batch array's axis 0.
+
+  Returns:
+    ``accumulate(fn, microbatches=k)(model, *batch, **kwargs) -> (loss, grads)``
+    (``((loss, aux), grads)`` with aux): the mean loss and the mean of each gradient
+    leaf over the microbatches, in ``fn``'s structure (a State for ``sr.grad``'s).
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> model = sr.nn.Linear(3, 1, rngs=sr.Rngs(0))
+  >>> def loss_fn(model, x, y):
+  ...   return jnp.mean((model(x) - y) ** 2)
+  >>> x, y = jax.random.normal(jax.random.key(1), (8, 3)), jnp.ones((8, 1))
+  >>> step = sr.accumulate(sr.value_and_grad(loss_fn), microbatches=4)
+  >>> loss, grads = step(model, x, y)  # 4 microbatches of 2 rows
+  >>> whole, full = sr.value_and_grad(loss_fn)(model, x, y)
+  >>> bool(jnp.allclose(loss, whole)), bool(jnp.allclose(grads["kernel"], full["kernel"]))
+  (True, True)
+  """
+  what = f"sr.accumulate({display_name(fn)})"
+  if not callable(fn):
+    raise TransformError(
+        f"sr.accumulate: fn must be a function `fn(model, *batch) -> (loss, grads)`, got "
+        f"{type(fn).__name__}. Fix: `sr.accumulate(sr.value_and_grad(loss_fn), "
+        "microbatches=k)`.")
+  if (not isinstance(microbatches, numbers.Integral) or isinstance(microbatches, bool)
+      or microbatches < 1):
+    raise TransformError(
+        f"{what}: microbatches={microbatches!r}, but it is the number of microbatches "
+        "the batch is split into: an int >= 1. Fix: e.g. `microbatches=4` (1 runs the "
+        "whole batch at once).")
+  k = int(microbatches)
+
+  @functools.wraps(fn)
+  def wrapper(model, *batch, **kwargs):
+    return _accumulate(fn, k, what, model, batch, kwargs)
+
+  return compiled_when_eager(wrapper)
+
+
+def _accumulate(fn, k: int, what: str, model, batch: tuple, kwargs: dict):
+  nodes, others, treedef, positions = split_call((model,), {})
+  if not nodes or not all(is_node(n) for n in jax.tree.leaves(model, is_leaf=is_node)):
+    raise TransformError(
+        f"{what}: argument 0 must be the model (a module, or a tuple/dict of modules), "
+        f"got {type(model).__name__}. It is called as `fn(model, *batch)`, with the "
+        "batch arrays after the model. Fix: `sr.accumulate(fn, microbatches=k)(model, "
+        "x, y)`.")
+  check_no_modules(batch, what, "argument", first=1)
+  check_no_modules(kwargs, what, "the keyword argument")
+  leaves, batch_tree = jax.tree.flatten(batch)
+  if not leaves:
+    raise TransformError(
+        f"{what}: there is no batch to split: the arguments after the model hold no "
+        "array. Fix: pass the batch positionally after the model, `step(model, x, y)`.")
+  split = [_microbatched(x, j, batch, k, what) for j, x in enumerate(leaves)]
+
+  graphdef, variables = flatten(nodes)
+  lifted = Lifted(graphdef, treedef, positions)
+  lock = hold(variables)  # None when nested in a call that holds it
+  try:
+    values = [v._value for v in variables]
+    out, changed = _scan(fn, k, what, lifted, values, others, split, batch_tree, kwargs)
+    write_back(variables, changed, what)
+  except RuntimeError:
+    raise_if_deleted(variables)
+    raise
+  finally:
+    let_go(lock)
+  return out
+
+
+def _microbatched(x, j: int, batch: tuple, k: int, what: str):
+  """``x`` reshaped to ``(k, B // k, ...)``: microbatch ``m`` is rows ``m·B/k …``."""
+  shape = tuple(jnp.shape(x))
+  if not shape or shape[0] % k:
+    where = _leaf_where(batch, j)
+    rows = "it is a scalar" if not shape else f"{shape[0]} rows"
+    fix = (f"pass a batch whose size is a multiple of {k} (e.g. "
+           f"{max(k, shape[0] - shape[0] % k)} rows), or choose microbatches among the "
+           f"divisors of {shape[0]}" if shape else
+           "pass the values every microbatch shares as keyword arguments (they are "
+           "given whole to each)")
+    raise TransformError(
+        f"{what}: {where} has shape {shape}, which does not split along axis 0 into "
+        f"microbatches={k} equal microbatches ({rows}). Fix: {fix}.")
+  rows = shape[0] // k
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = tuple(getattr(sharding, "spec", ()))
+  if not spec or spec[0] is None:  # axis 0 replicated, or axes the type does not show
+    return jnp.reshape(x, (k, rows) + shape[1:])
+  # Explicit mesh axes split axis 0: each microbatch is spread over the same axes (one
+  # all-to-all of the batch here), or, where its rows do not divide among them,
+  # replicated. The reshape cannot keep axis 0's sharding: microbatch m's rows lie on
+  # a 1/k slice of the devices, and stepping through them would gather each one.
+  names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  size = math.prod(sharding.mesh.shape[n] for n in names)
+  out = P(None, spec[0] if rows % size == 0 else None, *spec[1:])
+  return jnp.reshape(x, (k, rows) + shape[1:], out_sharding=out)
+
+
+def _leaf_where(batch: tuple, j: int) -> str:
+  path = jax.tree_util.tree_flatten_with_path(batch)[0][j][0]
+  inner = jax.tree_util.keystr(path[1:])
+  return f"argument {1 + path[0].idx}" + (f" at `{inner}`" if inner else "")
+
+
+def _check_same_shape(what: str, path: tuple, old, new) -> None:
+  shapes = lambda v: jax.tree.map(lambda a: tuple(jnp.shape(a)), v)  # noqa: E731
+  if shapes(old) != shapes(new):
+    raise TransformError(
+        f"{what}: fn changed `{format_path(path)}` from {_describe(old)} to "
+        f"{_describe(new)}; a value carried from one microbatch to the next keeps its "
+        "shape. Fix: write a value of the same shape (build the Variable with its final "
+        "shape in `__init__`).")
+
+
+def _spec(x) -> tuple:
+  """``x``'s partition spec where explicit mesh axes show it, else ``()``."""
+  spec = tuple(getattr(getattr(x, "sharding", None), "spec", None) or ())
+  while spec and spec[-1] is None:
+    spec = spec[:-1]
+  return spec
+
+
+def _like(value, like):
+  """``value`` in ``like``'s dtype and (explicit) sharding."""
+  if jnp.result_type(value) != like.dtype:
+    value = jax.lax.convert_element_type(value, like.dtype)
+  spec = _spec(like)
+  if spec != _spec(jax.typeof(value)):
+    value = jax.sharding.reshard(value, P(*spec))
+  return value
+
+
+def _scan(fn, k, what, lifted: Lifted, values: list, others: list, split: list,
+          batch_tree, kwargs: dict):
+  """Runs the scan; ``(out, {index: new value})`` of the Variables ``fn`` changed."""
+  found: dict[str, Any] = {}
+
+  def step(vals, mb):
+    """One microbatch: ``(loss, aux, grads, {index: new value})``."""
+    with tracing_user_code(what):
+      tree, _, roots = lifted.rebuild(vals, others)
+      out = fn(tree[0][0], *jax.tree.unflatten(batch_tree, mb), **kwargs)
+    loss, aux, grads = _parse(out, what)
+    return loss, aux, grads, lifted.collect(roots, vals, what)
+
+  def probe(vals, mb):
+    loss, aux, grads, changed = step(vals, mb)
+    found["changed"] = sorted(changed)
+    found["has_aux"] = aux is not None
+    return loss, grads, [changed[i] for i in found["changed"]]
+
+  # A first trace on microbatch 0's shapes tells which Variables fn writes (only
+  # those are carried: the read-only ones, the parameters, stay out of the carry and
+  # out of sr.jit's outputs) and the gradients' shapes (the accumulator's zeros).
+  mb0 = jax.eval_shape(lambda s: [x[0] for x in s], split)
+  loss0, grads0, written = jax.eval_shape(probe, values, mb0)
+  carried = found["changed"]
+  paths = lifted.graphdef.var_paths
+  init = []
+  for i, new in zip(carried, written):
+    if not _is_array_tree(values[i]):
+      raise TransformError(
+          f"{what}: fn writes `{format_path(paths[i])}`, whose value "
+          f"({type(values[i]).__name__}) is not an array, so it cannot be carried from "
+          "one microbatch to the next. Fix: hold arrays in Variables.")
+    _check_same_shape(what, paths[i], values[i], new)
+    # The carry starts in the dtype and sharding fn writes (a BatchNorm statistic
+    # created replicated comes out sharded like the features), as after the loop's
+    # first microbatch.
+    init.append(jax.tree.map(_like, values[i], new))
+  _check_grads(grads0, what)
+  acc_dtype = lambda a: jnp.promote_types(a.dtype, jnp.float32)  # noqa: E731
+  zeros = jax.tree.map(lambda a: _zeros(a, acc_dtype(a)), (loss0, grads0))
+
+  def body(carry, mb):
+    state, total = carry
+    vals = list(values)
+    for i, v in zip(carried, state):
+      vals[i] = v
+    loss, aux, grads, changed = step(vals, mb)
+    extra = sorted(set(changed) - set(carried))
+    if extra:  # fn wrote other Variables than in the first trace
+      raise TransformError(
+          f"{what}: fn wrote `{format_path(paths[extra[0]])}` when traced over the "
+          "microbatches but not when traced once before; what fn writes must not depend "
+          "on the trace. Fix: write the same Variables on every call.")
+    new_state = []
+    for i, old in zip(carried, state):
+      new = changed.get(i, old)
+      _check_same_shape(what, paths[i], old, new)
+      new_state.append(jax.tree.map(lambda n, o: jax.lax.convert_element_type(
+          n, jnp.result_type(o)), new, old))
+    total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, (loss, grads))
+    return (new_state, total), aux
+
+  init = (init, zeros)
+  (state, total), auxs = jax.lax.scan(body, init, split)
+  loss, grads = jax.tree.map(lambda t, like: (t / k).astype(like.dtype), total,
+                             (loss0, grads0))
+  out = ((loss, auxs), grads) if found["has_aux"] else (loss, grads)
+  return out, dict(zip(carried, state))
+
+
+def _parse(out, what: str):
+  """``(loss, aux, grads)`` from fn's ``(loss, grads)`` or ``((loss, aux), grads)``."""
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    got = (f"a {type(out).__name__} of length {len(out)}"
+           if isinstance(out, (tuple, list)) else "a single array"
+           if isinstance(out, jax.Array) else f"a {type(out).__name__}")
+    raise TransformError(
+        f"{what}: fn must return a pair (loss, grads), as sr.value_and_grad(loss_fn) "
+        f"does, but it returned {got}. Fix: wrap the loss function, "
+        "`sr.accumulate(sr.value_and_grad(loss_fn), microbatches=k)`.")
+  first, grads = out
+  aux = None
+  if isinstance(first, (tuple, list)):
+    if len(first) != 2:
+      raise TransformError(
+          f"{what}: fn returned ({type(first).__name__} of length {len(first)}, grads); "
+          "the first entry is the loss, or (loss, aux) with sr.value_and_grad(loss_fn, "
+          "has_aux=True). Fix: return `loss, grads` or `(loss, aux), grads`.")
+    first, aux = first
+    check_no_nodes(aux, what)
+  check_no_nodes(grads, what)
+  if not (isinstance(first, (jax.Array, float)) and jnp.issubdtype(
+      jnp.result_type(first), jnp.inexact)):
+    raise TransformError(
+        f"{what}: fn returned {_describe(first)} as the loss, where a float array is "
+        "expected (the first entry of `(loss, grads)`). Fix: return the loss first, as "
+        "sr.value_and_grad(loss_fn) does.")
+  return first, aux, grads
+
+
+def _check_grads(grads, what: str) -> None:
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    if not jnp.issubdtype(g.dtype, jnp.inexact):
+      raise TransformError(
+          f"{what}: the gradient at `grads{jax.tree_util.keystr(path)}` has dtype "
+          f"{g.dtype}, which cannot be averaged over microbatches. fn must return float "
+          "gradients. Fix: differentiate only float variables (`wrt=sr.Param`).")
+
+
+def _zeros(like, dtype):
+  """Zeros of ``like``'s shape, in its sharding where explicit mesh axes show it (a
+  carry must keep its type, sharding included)."""
+  spec = _spec(like)
+  if spec:
+    return jnp.zeros(like.shape, dtype, out_sharding=P(*spec))
+  return jnp.zeros(like.shape, dtype)
+
+
+def _is_array_tree(value) -> bool:
+  leaves = jax.tree.leaves(value)
+  return bool(leaves) and all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves)
+
+
+def _describe(x) -> str:
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"{x.dtype}{list(x.shape)}"
+  return f"a {type(x).__name__}"
