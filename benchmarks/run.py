@@ -5,6 +5,7 @@
     python -m benchmarks --part dispatch [--quick] [--out DIR]
     python -m benchmarks --part hotpaths [--quick] [--out DIR]
     python -m benchmarks --part pattern [--quick] [--out DIR]
+    python -m benchmarks --part pipeline [--quick] [--out DIR]
 
 Runs every part in one process, on the deep-stack model (N x Linear W->W + tanh, loss
 mean(out**2), gradient over the params; see ``benchmarks/models.py``):
@@ -30,7 +31,9 @@ figures as they were. ``--part hotpaths`` runs issue 23's hot paths in one proce
 and the dispatch part as ``--part dispatch`` does) into ``hotpaths.json`` / ``.md``.
 ``--part pattern`` runs issue 25's stacks of a repeating pattern (``benchmarks/pattern.py``:
 statefulremat's pattern stacks against the raw JAX cycle scan and the unrolled loop) into
-``pattern.json`` / ``.md``; it needs no ``results.json``.
+``pattern.json`` / ``.md``; it needs no ``results.json``. ``--part pipeline`` runs issue
+26's ``sr.pipeline`` benchmark (``benchmarks/pipeline.py``) in a process of its own, with 8
+host CPU devices forced, into ``pipeline.json`` / ``.md``; it needs no ``results.json``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,7 +60,7 @@ from benchmarks import (compiling, dispatch, hotpaths, pattern, plots,  # noqa: 
 from benchmarks.models import lengths_for  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("dispatch", "hotpaths", "pattern")  # the parts --part can run alone
+PARTS = ("dispatch", "hotpaths", "pattern", "pipeline")  # the parts --part can run alone
 
 FULL = {"width": 256, "batch": 4096, "depths": (16, 64, 100, 256), "reps": 3,
         "trace_reps": 15, "plan_depths": (61, 97, 127, 256, 1000),
@@ -181,6 +185,8 @@ def run_part(part: str, quick: bool = False, out: str | Path = RESULTS, *,
   if part == "pattern":  # its own files only
     command = "python -m benchmarks --part pattern" + (" --quick" if quick else "")
     return pattern.run(quick, out, machine=machine(), command=command, log=log)
+  if part == "pipeline":  # its own files, from its own process: it needs 8 devices
+    return _pipeline(quick, out)
   path = out / "results.json"
   if not path.exists():
     raise FileNotFoundError(
@@ -200,6 +206,20 @@ def run_part(part: str, quick: bool = False, out: str | Path = RESULTS, *,
       report.markdown(results, dispatch.table(results["dispatch"])))
   plots.dispatch(results["dispatch"], out / "dispatch.png")
   return results
+
+
+def _pipeline(quick: bool, out: Path) -> dict:
+  """``benchmarks/pipeline.py`` in a subprocess: XLA's device count is fixed when jax is
+  first imported, and this process has imported it."""
+  command = "python -m benchmarks --part pipeline" + (" --quick" if quick else "")
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    flags = (flags + " --xla_force_host_platform_device_count=8").strip()
+  root = Path(__file__).resolve().parents[1]
+  subprocess.run([sys.executable, "-m", "benchmarks.pipeline", "--out", str(out),
+                  "--command", command] + (["--quick"] if quick else []),
+                 cwd=root, env={**os.environ, "XLA_FLAGS": flags}, check=True)
+  return json.loads((out / "pipeline.json").read_text())
 
 
 def write(results: dict, out: Path) -> None:
@@ -236,6 +256,7 @@ def main(argv=None) -> None:
     print()
     print(hotpaths.markdown(results) if args.part == "hotpaths"
           else pattern.markdown(results) if args.part == "pattern"
+          else "(its table is above)" if args.part == "pipeline"
           else dispatch.table(results["dispatch"]))
     print(f"\nwritten to {args.out}")
     return

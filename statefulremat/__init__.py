@@ -36,7 +36,7 @@ from .distributed._sharding import get_partition_spec as get_partition_spec
 from .distributed._sharding import logical_to_mesh as logical_to_mesh
 from .distributed._sharding import shard as shard
 from .core._stacks import per_layer as per_layer
-from .core._stacks import stack as stack
+from .core._stacking import stack as stack
 from .core._stacks import unstack as unstack
 from .core._state import State as State
 from .core import _pytree  # noqa: F401  (registers every Module class as a JAX pytree)
@@ -53,6 +53,8 @@ from .transforms._autodiff import grad as grad
 from .transforms._autodiff import value_and_grad as value_and_grad
 from .transforms._eval_shape import eval_shape as eval_shape
 from .transforms._jit import jit as jit
+from .transforms._pipeline import PipelineSpec as PipelineSpec
+from .transforms._pipeline import pipeline as pipeline
 from .transforms._remat import remat as remat
 from .transforms._saved_residuals import saved_residuals as saved_residuals
 from .transforms._remat_plan import RematPlan as RematPlan

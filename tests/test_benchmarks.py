@@ -276,3 +276,29 @@ def test_pattern_implementations_compute_the_same_gradients():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  grads[name], grads["raw"])
   assert isinstance(cases["sr"].args[0], sr.Module)
+
+
+def test_pipeline_part_measures_bytes_and_bubbles_on_8_devices(tmp_path):
+  # --part pipeline runs benchmarks/pipeline.py in its own process (8 host devices).
+  from benchmarks import pipeline
+  result = suite.run_part("pipeline", quick=True, out=tmp_path, log=lambda *a: None)
+  assert json.loads((tmp_path / "pipeline.json").read_text()) == result
+  assert result["config"]["devices"] == 8
+  q = pipeline.QUICK
+  want = {(m, s, k) for m in pipeline.MESHES for s, _ in pipeline.SCHEDULES
+          for k in q["microbatches"]}
+  entries = {(e["mesh"], e["schedule"], e["microbatches"]): e for e in result["entries"]}
+  assert set(entries) == want
+  for e in entries.values():
+    # parameters split over the stages; the compiled bytes are per device
+    assert e["param_ratio"] == pytest.approx(1 / e["stages"])
+    assert e["per_device_checked"]
+    assert e["bytes"]["temp"] > 0 and e["temp_predicted"] > 0
+    b = e["bubble"]
+    assert b["work"] == b["work_expected"] == e["microbatches"] * e["repeats"] * e["stages"]
+    assert b["measured"] == pytest.approx(b["spec"])
+    if e["microbatches"] >= e["stages"]:
+      assert b["measured"] == pytest.approx(b["formula"])
+    assert len(e["step_ms"]["pipeline"]["samples"]) == q["calls"] and e["step_ratio"] > 0
+  text = (tmp_path / "pipeline.md").read_text()
+  assert "| stage=8 | circular R=2 | 4 |" in text and "checked for every row" in text

@@ -41,6 +41,7 @@ CORE_ORDER = [
     {"_graph", "_rngs", "_graph_lock"},
     {"_graph_diff", "_pytree", "_split_merge"},
     {"_stacks"},
+    {"_stacking"},
 ]
 CORE_LAYER = {name: i for i, names in enumerate(CORE_ORDER) for name in names}
 

@@ -190,3 +190,30 @@ def test_mismatch_message_spells_the_filter_as_typed():
   grads = sr.grad(lambda m: m.l1.bias.value.sum(), wrt=sr.PathContains("l1"))(model)
   with pytest.raises(sr.StateMismatchError, match=r"`sr.grad\(loss_fn, wrt=sr.Param\)"):
     opt.update(grads)
+
+
+def test_a_sharded_model_s_optimizer_compiles_its_step_once():
+  # The step count and optax's counters are made on the parameters' mesh, replicated,
+  # as the jitted step gives them back: the second step finds its inputs' shardings
+  # unchanged and does not compile again.
+  import optax
+
+  mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+  model = sr.nn.Linear(4, 4, kernel_metadata={"sharding": (None, "mlp")},
+                       rngs=sr.Rngs(0))
+  sr.shard(model, mesh, [("mlp", "model")])
+  opt = sr.Optimizer(model, optax.adam(0.1))
+  assert opt.step.value.sharding == jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec())
+  traces = []
+
+  @sr.jit
+  def step(model, opt, x):
+    traces.append(1)
+    loss, grads = sr.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    opt.update(grads)
+    return loss
+
+  for _ in range(3):
+    step(model, opt, jnp.ones((2, 4)))
+  assert len(traces) == 1 and int(opt.step.value) == 3

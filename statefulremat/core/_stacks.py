@@ -3,7 +3,7 @@
 A *stack* is an instance of a layer class (``Block``) whose stacked Variables hold
 every layer's value along one extra axis, the *layer axis*. The class forms of
 ``sr.scan`` / ``sr.remat_scan`` / ``sr.vmap`` build stacks; ``sr.stack`` builds one
-from layers. Each stacked Variable says so in its metadata::
+from layers (``_stacking``). Each stacked Variable says so in its metadata::
 
     layer_axis = ((axis, partition_name),)    # e.g. ((0, "layers"),), or ((0, None),)
 
@@ -14,23 +14,19 @@ outermost first; one layer of it is a stack again. So a ``State``
 split off a stack, a checkpoint, a treescope rendering, a summary and
 ``sr.get_partition_spec`` know the layer axis without the stack's class. This file
 reads and writes that metadata and moves between a stack and its layers:
-``stack.layer(i)``, ``len(stack)``, ``sr.unstack``, ``sr.stack``. Nothing here knows
-the transforms' rules: a stacked class carries what it needs as class attributes
+``stack.layer(i)``, ``len(stack)``, ``sr.unstack`` (``sr.stack`` is ``_stacking``).
+Nothing here knows the transforms' rules: a stacked class carries what it needs as class attributes
 (``_sr_layer_class``, ``_sr_length``, ``_sr_metadata_params`` and ``_sr_classify``,
 which the transform that made it provides).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
 import jax
 import jax.numpy as jnp
 
 from ._errors import TransformError, format_path
 from ._graph import flatten, rewrite, unflatten
-from ._split_merge import type_change
-from ._graph_diff import first_difference
 from ._module import Module
 from ._state import freeze, thaw_metadata
 from ._variables import Variable, path_of
@@ -272,187 +268,6 @@ def unstack(stack) -> list:
   return [layer(stack, i) for i in range(num_layers(stack))]
 
 
-def stack(layers: Sequence[Module], *, like: Any = None):
-  """Stacks equally structured layers into a stacked module; undoes ``sr.unstack``.
-
-  The stacked class comes from ``like`` (a stacked module or class) or from the
-  layers themselves when they came out of ``sr.unstack`` / ``stack.layer``. Which
-  Variables get the layer axis (and where) comes from the same place: the layers'
-  origin, ``like``'s stacked Variables, or ``like``'s rules; a Variable the layers
-  got after ``sr.unstack`` is stacked or not as the class's rules say, as at init.
-  A Variable left unstacked is held once for all layers, so it must be equal in
-  every layer: a ``TransformError`` names it otherwise (never layer 0's kept).
-
-  >>> import statefulremat as sr
-  >>> stack = sr.vmap(sr.nn.Linear, axis_size=4)(2, 3, rngs=sr.Rngs(0))
-  >>> again = sr.stack(sr.unstack(stack))
-  >>> type(again) is type(stack), bool((again.kernel.value == stack.kernel.value).all())
-  (True, True)
-  """
-  layers = list(layers)
-  if not layers:
-    raise ValueError("sr.stack needs at least one layer.")
-  cls = like if isinstance(like, type) else type(like) if like is not None else None
-  pattern = _pattern_of(cls) if cls is not None else _pattern_origin(layers)
-  if pattern is not None:
-    return _stack_pattern(layers, like, pattern)
-  if cls is None:
-    origins = {layer.__dict__.get("_sr_stacked_from") for layer in layers}
-    if len(origins) != 1 or None in origins:
-      raise TypeError(
-          "sr.stack cannot tell which stacked class to build: these layers did not all "
-          "come from the same stack. Pass one: `sr.stack(layers, like=StackedClass)` "
-          "(e.g. the class `sr.scan(Block, ...)` returned).")
-    cls = origins.pop()
-  if not (isinstance(cls, type) and "_sr_layer_class" in cls.__dict__):
-    raise TypeError(f"sr.stack(like=...) takes a stacked module or class, got {cls!r}.")
-  flats = [flatten([layer]) for layer in layers]
-  graphdef, variables = flats[0]
-  _check_alike(layers, flats)
-  # A shared RNG stream that `layer(i)` split per layer goes back as the stack held it.
-  origins = layers[0].__dict__.get("_sr_stream_origins", {})
-  axes, why_shared = _layer_axes_of(layers, like, cls, graphdef, variables, origins)
-  columns = [[flat[1][j]._value for flat in flats] for j in range(len(axes))]
-  for j, why in why_shared.items():
-    _check_shared(graphdef.var_paths[j], variables[j], columns[j], why,
-                  getattr(cls._sr_layer_class, "__name__", "Block"))
-  values = []
-  for j, (axis, column) in enumerate(zip(axes, columns)):
-    if axis is None:
-      values.append(origins.get(graphdef.var_paths[j], column[0]))
-    else:
-      values.append(jnp.stack(column, axis=axis[0]))
-  graphdef = rewrite(graphdef, root_classes={0: cls},
-                     metadata=lambda i, m: m if axes[i] is None else mark_frozen(m, *axes[i]))
-  roots, _ = unflatten(graphdef, values)
-  return roots[0]
-
-
-def _layer_axes_of(layers, like, cls, graphdef, variables, origins
-                   ) -> tuple[list, dict[int, str]]:
-  """``(axis, name)`` per flat Variable of a layer (None: shared, not stacked), and
-  for each shared one to check (``origins`` are not: the stack's own RNG streams go
-  back) why it is shared.
-
-  What the layers' origin (``like``'s Variables, or the marks ``stack.layer`` left)
-  says is kept; a Variable it does not cover (one the layers got after
-  ``sr.unstack``) is decided by the class's rules, as at its init.
-  """
-  known: dict | None
-  held: set = set()  # paths `like` holds without a layer axis
-  if isinstance(like, Module):
-    known = {p: layer_axis(v) for p, v, _, _ in stacked_variables(like)}
-    held = set(flatten([like])[0].var_paths) - set(known)
-  else:
-    marks = [layer.__dict__.get("_sr_stacked_paths") for layer in layers]
-    known = marks[0] if all(m == marks[0] for m in marks) else None
-  known = dict(known or {})
-  name = partition_name(cls)
-  rules = None
-  axes: list = []
-  why: dict[int, str] = {}
-  for i, path in enumerate(graphdef.var_paths):
-    if path in known:
-      axes.append(known[path])
-      continue
-    axes.append(None)
-    if path in held:
-      why[i] = "`like` holds it without a layer axis"
-    elif path not in origins:
-      if rules is None:  # the class's rules decide, as at its init
-        rules = cls._sr_classify(graphdef, variables, layers[0])
-      if i in rules:
-        axes[i] = (rules[i], name)
-      else:
-        why[i] = f"the rules of {cls.__name__} do not stack it"
-  return axes, why
-
-
-def _check_shared(path, var: Variable, column: list, why: str, block: str) -> None:
-  """Raises unless every layer holds the same value of a Variable the stack will hold
-  once: keeping layer 0's would silently drop the others'."""
-  for i, value in enumerate(column[1:], 1):
-    same = _same_value(column[0], value)
-    if same:
-      continue
-    kind = type(var)
-    kind_name = (f"sr.{kind.__name__}" if kind.__module__.startswith("statefulremat")
-                 else kind.__name__)
-    differs = ("may differ from layer 0's: it is traced, so sr.stack cannot compare "
-               "them" if same is None else "differs from layer 0's")
-    raise TransformError(
-        f"sr.stack: `{format_path(path)}` ({kind.__name__}) is not stacked ({why}), so "
-        f"the stack holds one value of it for every layer, but layer {i}'s {differs}; "
-        "keeping layer 0's would lose the others'. Fix: give every layer the same "
-        "value, or stack it: build a stacked class whose rules stack it, e.g. "
-        f"`NewClass = sr.scan({block}, ..., variable_axes={{{kind_name}: 0}})`, and "
-        "pass it: `sr.stack(layers, like=NewClass)`.")
-
-
-def _same_value(a, b) -> bool | None:
-  """Whether two layers' values of a Variable are equal (NaNs equal); None when a
-  traced value keeps it from being known."""
-  if a is b:
-    return True
-  leaves_a, tree_a = jax.tree.flatten(a)
-  leaves_b, tree_b = jax.tree.flatten(b)
-  if tree_a != tree_b:
-    return False
-  for x, y in zip(leaves_a, leaves_b):
-    if x is y:
-      continue
-    if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
-      return None
-    if jnp.shape(x) != jnp.shape(y):
-      return False
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-      x, y = jax.random.key_data(x), jax.random.key_data(y)
-    if not bool(jnp.array_equal(x, y, equal_nan=True)):
-      return False
-  return True
-
-
-def _check_alike(layers, flats) -> None:
-  graphdef, variables = flats[0]
-  for i, (g, layer_vars) in enumerate(flats[1:], 1):
-    if g != graphdef:
-      raise TransformError(
-          f"sr.stack: layer {i} is not structured like layer 0: "
-          f"{_layer_difference(layers[0], layers[i], graphdef, g)}. Only identical "
-          "layers can be stacked: build them with the same arguments (and the same "
-          "mode, `.train()` / `.eval()`).")
-    for path, v0, v in zip(graphdef.var_paths, variables, layer_vars):
-      why = type_change(v0._value, v._value)
-      if why is not None:
-        raise TransformError(
-            f"sr.stack: `{format_path(path)}` of layer {i} does not have the shape and "
-            f"dtype of layer 0's: {why.replace(' -> ', ' (layer 0) vs ')} (layer {i}). "
-            "Only identical layers can be stacked: build them with the same sizes.")
-
-
-def _layer_difference(first, other, g0, g1) -> str:
-  """The first place two layers differ in structure, with both values if static."""
-  found = first_difference(g0.tree[0], g1.tree[0], ())
-  if found is None:
-    return "their structure differs"
-  path, verb = found
-  if verb == "changed":
-    try:
-      was, now = _value_at(first, path), _value_at(other, path)
-    except (AttributeError, KeyError, IndexError, TypeError):
-      return f"`{format_path(path)}` differs"
-    if not isinstance(was, (Module, Variable)) and not isinstance(now, (Module, Variable)):
-      return f"`{format_path(path)}` is {was!r} in layer 0 but {now!r} here"
-  return f"attribute `{format_path(path)}` {verb}"
-
-
-def _value_at(root, path: tuple):
-  for key in path:
-    root = getattr(root, key) if isinstance(root, Module) else root[key]
-  return root
-
-
 # -- stacks of a repeating pattern -------------------------------------------------------
 # A pattern stack (made by a class form over a tuple of classes) holds one stack per
 # position in ``.pattern``; its class lists their classes in ``_sr_positions``.
@@ -462,31 +277,3 @@ def _pattern_of(obj) -> type | None:
   """The pattern stack class of ``obj`` (an instance or a class), else None."""
   cls = obj if isinstance(obj, type) else type(obj)
   return cls if "_sr_positions" in cls.__dict__ else None
-
-
-def _pattern_origin(layers) -> type | None:
-  """The pattern class the layers came out of (``stack.layer`` / ``sr.unstack``)."""
-  parents = {getattr(layer.__dict__.get("_sr_stacked_from"), "_sr_pattern_parent", None)
-             for layer in layers}
-  return parents.pop() if len(parents) == 1 else None
-
-
-def _stack_pattern(layers: list, like, cls: type):
-  """``sr.stack`` for a pattern: layer ``i`` goes to position ``i % P``."""
-  positions = cls._sr_positions
-  p = len(positions)
-  if len(layers) < p:
-    raise TransformError(
-        f"sr.stack: {len(layers)} layers for a pattern of {p} blocks; every position "
-        f"needs at least one layer. Fix: give at least {p} layers (layer i at position "
-        f"i % {p}).")
-  for i, layer in enumerate(layers):
-    want = positions[i % p]._sr_layer_class
-    if not isinstance(layer, want):
-      raise TransformError(
-          f"sr.stack: layer {i} is a {type(layer).__name__}, but layer {i} of this "
-          f"pattern (position {i % p}) is a {want.__name__}. Fix: put the layers in "
-          "pattern order (as `sr.unstack` gives them).")
-  stacks = [stack(layers[k::p], like=like.pattern[k] if isinstance(like, Module) else
-                  positions[k]) for k in range(p)]
-  return cls._sr_from_positions(stacks)

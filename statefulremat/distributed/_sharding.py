@@ -43,7 +43,9 @@ class ShardingError(StatefulRematError, ValueError):
 
 def get_partition_spec(state) -> State:
   """A State like ``state`` whose values are the ``PartitionSpec`` of each entry's
-  ``sharding`` metadata (``PartitionSpec()``, replicated, where it has none).
+  ``sharding`` metadata (``PartitionSpec()``, replicated, where it has none; a stacked
+  entry without it still names its layer axis, if that has a ``partition_name``:
+  ``PartitionSpec("layers", None)``).
 
   Takes a State or a module (its whole State).
 
@@ -138,9 +140,15 @@ def _as_state(obj, fn: str) -> State:
 
 def _spec_of(path: tuple, value, metadata: dict) -> PartitionSpec:
   sharding = metadata.get("sharding")
-  if sharding is None:
-    return PartitionSpec()
   ndim = np.ndim(value)
+  if sharding is None:
+    # The layer axis is data: a named one is in the spec even where the layer's own
+    # axes are not annotated (those stay replicated).
+    entries = [None] * ndim
+    for axis, name in metadata.get(LAYER_AXIS, ()):
+      if name is not None and 0 <= axis < ndim:
+        entries[axis] = name
+    return PartitionSpec(*entries) if any(entries) else PartitionSpec()
   layer = metadata.get(LAYER_AXIS, ((None, ""),))[0]
   if layer[1] is None and isinstance(sharding, (tuple, list)) and (
       len(sharding) == ndim - 1):

@@ -88,10 +88,11 @@ class Optimizer(Module):
     self.model = model
     self.tx = tx
     self.wrt = wrt
-    self.step = OptState(jnp.zeros((), jnp.uint32))
     params = state(model, wrt)
     leaves, treedef = jax.tree.flatten(tx.init(params))
-    self.opt_state = [OptState(leaf) for leaf in leaves]
+    mesh = _mesh_of(params)
+    self.step = OptState(_replicated(jnp.zeros((), jnp.uint32), mesh))
+    self.opt_state = [OptState(_replicated(leaf, mesh)) for leaf in leaves]
     self.opt_state_def = treedef
     self.opt_paths = _Paths(params._spec.paths)
 
@@ -193,3 +194,23 @@ class Optimizer(Module):
         "are not accumulated on the parameters; `sr.grad` returns fresh ones on "
         "every call. Fix: delete the call; each step is `grads = sr.grad(loss_fn)"
         "(model, ...)` then `opt.update(grads)`.")
+
+
+def _mesh_of(params):
+  """The mesh the parameters are placed on (``sr.shard``), or None."""
+  for leaf in jax.tree.leaves(params):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(
+        leaf, jax.core.Tracer):
+      return sharding.mesh
+  return None
+
+
+def _replicated(leaf, mesh):
+  """A new state array (a step count, optax's own counters) on the parameters' mesh,
+  replicated, as a jitted step gives it back: otherwise the first step's output has
+  another sharding than its input and the second step compiles again."""
+  if mesh is None or isinstance(leaf, jax.core.Tracer) or not isinstance(
+      getattr(leaf, "sharding", None), jax.sharding.SingleDeviceSharding):
+    return leaf
+  return jax.device_put(leaf, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))

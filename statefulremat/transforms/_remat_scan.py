@@ -24,6 +24,7 @@ from ._policy_check import policy_check
 from ._pattern import call_method, is_pattern, is_pattern_stack, pattern_class, pattern_repr
 from ._pattern import position_names
 from ._pattern_loop import CycleLoop, lift_pattern
+from ._remat_scan_args import AUTO, check_cycles, check_lengths, resolve_plan
 from ._remat_plan import (DOTS, POLICIES, RematPlan, RematPlanError, block_inputs, choose,
                           cycle_inputs, format_bytes, parse_bytes, residual_bytes,
                           tree_bytes)
@@ -41,7 +42,8 @@ def remat_scan(target: Callable | type | None = None,
                split_rngs: Mapping = _SPLIT_ALL, prevent_cse: bool = False,
                data_transform: Callable | None = None,
                metadata_params: Mapping = MappingProxyType({}),
-               methods: Sequence[str] | None = None, init_in_axes: Any = None):
+               methods: Sequence[str] | None = None, init_in_axes: Any = None,
+               pipeline: Any = None):
   """Applies N layers (``length``, default prod(lengths)) with memory ~ N^(1/d) and
   flat compile time.
 
@@ -74,6 +76,12 @@ def remat_scan(target: Callable | type | None = None,
   arguments per layer, as ``sr.scan``'s); calling it runs ``Block.__call__(carry, *args) ->
   carry``, the extra arguments broadcast to every layer.
 
+  ``pipeline=sr.PipelineSpec(axis=..., microbatches=...)`` runs it as ``sr.pipeline``
+  (the class form's ``stack(x)`` and the function form alike), under a mesh whose
+  ``axis`` the layer axis is sharded over: ``lengths`` / ``length`` still count the
+  stack's layers, each stage runs its own as one level with ``policy``, or as
+  ``lengths="auto"`` plans them under ``memory_budget`` per device.
+
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> Deep = sr.remat_scan(sr.nn.Linear, lengths=(4, 5))
   >>> deep = Deep(3, 3, rngs=sr.Rngs(0))
@@ -93,16 +101,23 @@ def remat_scan(target: Callable | type | None = None,
   if target is None:
     return functools.partial(remat_scan, lengths=lengths, length=length,
                              memory_budget=memory_budget, methods=methods,
-                             init_in_axes=init_in_axes, **options)
+                             init_in_axes=init_in_axes, pipeline=pipeline, **options)
   what = f"sr.remat_scan({pattern_repr(target) if is_pattern(target) else display_name(target)})"
-  lengths, length, policy, budget = _resolve_plan(what, lengths, length, policy,
+  lengths, length, policy, budget = resolve_plan(what, lengths, length, policy,
                                                   memory_budget)
   options["policy"] = policy
   auto = lengths == AUTO
+  if pipeline is not None and not hasattr(pipeline, "_pipelined"):
+    raise TransformError(
+        f"{what}: pipeline={pipeline!r}; it takes sr.PipelineSpec(axis=..., "
+        "microbatches=..., schedule=..., repeats=...).")
+  if pipeline is not None and is_pattern(target):
+    raise TransformError(f"{what}: pattern stacks are not pipelined yet. Fix: drop "
+                         "pipeline=, or pipeline a stack of one block class.")
   if is_pattern(target):
     if length is not None and not auto:  # without length, pattern_class says so
-      _check_lengths(what, lengths, None)
-      _check_cycles(what, lengths, length, len(target))
+      check_lengths(what, lengths, None)
+      check_cycles(what, lengths, length, len(target))
     return pattern_class(
         target, "RematScan", length=length, what=what, methods=methods,
         init_in_axes=init_in_axes,
@@ -110,7 +125,7 @@ def remat_scan(target: Callable | type | None = None,
                                                  init_in_axes=init_in_axes, **options),
         run=lambda name: remat_scan(call_method(name, "RematScanPattern"), lengths,
                                     memory_budget=budget, **options))
-  n = length if auto else _check_lengths(what, lengths, length)
+  n = length if auto else check_lengths(what, lengths, length)
   if is_module_class(target):
     if n is None:
       raise TransformError(
@@ -120,7 +135,8 @@ def remat_scan(target: Callable | type | None = None,
                   variable_carry=variable_carry, split_rngs=split_rngs)
     cls = stacked_class(target, "RematScan", rules=rules, length=n,
                         wrap=lambda m: remat_scan(m, lengths, length=n,
-                                                  memory_budget=budget, **options),
+                                                  memory_budget=budget,
+                                                  pipeline=pipeline, **options),
                         methods=methods, metadata_params=metadata_params,
                         init_in_axes=init_in_axes)
     if not auto:
@@ -129,78 +145,10 @@ def remat_scan(target: Callable | type | None = None,
   if methods is not None:
     raise TypeError("sr.remat_scan(methods=...) applies to a Module class, not a function.")
   refuse_init_axes("sr.remat_scan", target, init_in_axes)
+  if pipeline is not None:  # sr.PipelineSpec runs each stage through remat_scan
+    return pipeline._pipelined(target, what=what, lengths=lengths, layers=n,
+                              memory_budget=budget, **options)
   return _remat_scan_function(target, lengths, n, budget, what=what, **options)
-
-
-AUTO = "auto"
-
-
-def _resolve_plan(what, lengths, length, policy, memory_budget):
-  """``(lengths, length, policy, budget)`` from a RematPlan, ``"auto"`` or a tuple."""
-  if isinstance(lengths, RematPlan):
-    plan = lengths
-    if length is not None and length != plan.n:
-      raise TransformError(f"{what}: the plan is for {plan.n} layers but length={length}.")
-    if policy is not None:
-      raise TransformError(
-          f"{what}: the plan chose its innermost policy ({plan.policy_name}); drop "
-          "`policy=`, or pass `lengths=plan.lengths, policy=...` to override it.")
-    if memory_budget is not None:
-      raise TransformError(f"{what}: memory_budget plans lengths='auto'; the plan "
-                           f"given was made for budget {plan.memory_budget}.")
-    return plan.lengths, plan.n, plan.policy, None
-  if isinstance(lengths, str):
-    if lengths != AUTO:
-      raise TransformError(f"{what}: lengths={lengths!r}; the only string it takes is "
-                           "'auto' (plan the nesting at trace time).")
-    if policy is not None:
-      raise TransformError(
-          f"{what}: lengths='auto' chooses the innermost policy too (nothing saveable "
-          "or dots saveable); drop `policy=`, or give `lengths=` yourself to use it.")
-    return AUTO, length, None, parse_bytes(memory_budget)
-  if memory_budget is not None:
-    raise TransformError(
-        f"{what}: memory_budget={memory_budget!r} is for planning; pass "
-        "lengths='auto' with it (or sr.plan_remat(...) to see the plan first).")
-  return tuple(lengths), length, policy, None
-
-
-def _check_lengths(what: str, lengths: tuple, length: int | None) -> int:
-  """The number of layers N, after checking ``lengths`` and ``length`` agree."""
-  if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
-                        for n in lengths):
-    raise TransformError(
-        f"{what}: lengths={lengths!r} must be a non-empty tuple of positive ints, one "
-        "per level of nesting, e.g. lengths=(10, 10) for 100 layers (or "
-        "lengths=(10, 10), length=97 for 97).")
-  total = math.prod(lengths)
-  if length is None:
-    return total
-  if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-    raise TransformError(f"{what}: length={length!r} must be a positive int, the number "
-                         "of layers.")
-  if length > total:
-    raise TransformError(
-        f"{what}: lengths={lengths} cover {total} layers, fewer than length={length}. "
-        f"Fix: lengths whose product is at least {length}, e.g. "
-        f"{_covering(length, len(lengths))}; the last segment may be short.")
-  if total - length >= total // lengths[0]:
-    raise TransformError(
-        f"{what}: lengths={lengths} cover {total} layers; with length={length} at least "
-        f"one whole outer step ({total // lengths[0]} layers) would run nothing. Fix: "
-        f"{_covering(length, len(lengths))}.")
-  return length
-
-
-def _covering(n: int, depth: int) -> str:
-  """The smallest balanced ``lengths`` of ``depth`` levels covering ``n`` layers."""
-  base = max(1, round(n ** (1 / depth)))
-  lengths = [base] * depth
-  i = 0
-  while math.prod(lengths) < n:
-    lengths[i % depth] += 1
-    i += 1
-  return f"lengths={tuple(lengths)}"
 
 
 def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
@@ -217,6 +165,19 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
   else:
     label = (f"length={n}" if n != math.prod(lengths) else
              f"lengths={lengths} (product)")
+
+  def planned(module, lifted, count, carry, args, kwargs) -> tuple:
+    """``(lengths, innermost policy)``: as given, or planned once per structure, layer
+    count and shapes (lengths="auto")."""
+    if not auto:
+      return lengths, policy
+    key = (lifted, count, _avals(carry), _avals(args), _avals(kwargs))
+    chosen = plans.get(key)
+    if chosen is None:
+      chosen = plans[key] = plan_remat(
+          module, carry, fn=lambda layer, c: fn(layer, c, *args, **kwargs),
+          memory_budget=budget)
+    return chosen.lengths, chosen.policy
 
   @functools.wraps(fn)
   def wrapper(module, carry, *args, **kwargs):
@@ -235,15 +196,7 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
     def body(tree, c, _):
       return fn(tree[0][0], c, *args, **kwargs), None
 
-    nesting, innermost = lengths, policy
-    if auto:
-      key = (lifted, count, _avals(carry), _avals(args), _avals(kwargs))
-      chosen = plans.get(key)
-      if chosen is None:
-        chosen = plans[key] = plan_remat(
-            module, carry, fn=lambda layer, c: fn(layer, c, *args, **kwargs),
-            memory_budget=budget)
-      nesting, innermost = chosen.lengths, chosen.policy
+    nesting, innermost = planned(module, lifted, count, carry, args, kwargs)
 
     def run(carry):
       if count != math.prod(nesting):
@@ -263,18 +216,10 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
                                      "f(module, carry) -> carry")
     layers, period = sum(counts), len(counts)
     if n is not None and not auto:
-      _check_cycles(what, lengths, layers, period)
+      check_cycles(what, lengths, layers, period)
     loop = CycleLoop(*loop_args, what, data_transform, period=period, length=layers,
                      names=position_names(stack))
-    nesting, innermost = lengths, policy
-    if auto:
-      key = (loop.lifted, layers, _avals(carry), _avals(args), _avals(kwargs))
-      chosen = plans.get(key)
-      if chosen is None:
-        chosen = plans[key] = plan_remat(
-            stack, carry, fn=lambda layer, c: fn(layer, c, *args, **kwargs),
-            memory_budget=budget)
-      nesting, innermost = chosen.lengths, chosen.policy
+    nesting, innermost = planned(stack, loop.lifted, layers, carry, args, kwargs)
 
     def run(carry):
       return loop.run_cycles(lambda k, layer, c, _: (fn(layer, c, *args, **kwargs), None),
@@ -287,18 +232,6 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
     return carry
 
   return compiled_when_eager(wrapper)
-
-
-def _check_cycles(what: str, lengths: tuple, length: int, period: int) -> None:
-  """For a pattern, ``lengths`` counts cycles: it must cover all of them."""
-  cycles = -(-length // period)
-  if math.prod(lengths) < cycles:
-    raise TransformError(
-        f"{what}: for a pattern of {period} blocks, lengths counts cycles, and "
-        f"lengths={lengths} covers {math.prod(lengths)} cycles, fewer than the {cycles} "
-        f"that length={length} needs ({length} layers / {period} per cycle, the last "
-        f"cycle may be short). Fix: {_covering(cycles, len(lengths))}, or "
-        "lengths='auto'.")
 
 
 def plan_remat(stack, carry, *, fn: Callable | None = None,

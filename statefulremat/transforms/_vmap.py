@@ -11,9 +11,8 @@ import jax.numpy as jnp
 
 from ..core._errors import format_path
 from ..core._filters import filter_repr
-from ..core._graph import _NODE, flatten, rewrite, unflatten
 from ..core._module import Module
-from ..core._stacks import layer_axis, mark_frozen
+from ..core._stacks import layer_axis
 from ..core._variables import Variable
 from ..core._tracing import tracing_user_code
 from ._class_form import display_name, is_module_class, refuse_init_axes
@@ -26,6 +25,7 @@ from ._module_arg import (check_no_modules, class_length, compiled_when_eager, l
 from ._pattern import call_method, is_pattern, is_pattern_stack, pattern_class, pattern_repr
 from ._pattern_vmap import vmap_pattern
 from ._stacked import stacked_class
+from ._vmap_outputs import _check_returned_inputs, _stacked_outputs, _vmap_creating
 
 _ALL = MappingProxyType({True: 0})
 _SPLIT_ALL = MappingProxyType({True: True})
@@ -112,9 +112,9 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
   @functools.wraps(fn)
   def wrapper(module, *args, **kwargs):
     if not any(map(is_node, jax.tree.leaves((module, args, kwargs), is_leaf=is_node))):
-      return _vmap_creating(fn, (module,) + args, kwargs, what=what, in_axes=in_axes,
-                            out_axes=out_axes, axis_size=axis_size, axis_name=axis_name,
-                            metadata_params=metadata_params)
+      return _vmap_creating(fn, (module,) + args, kwargs, _stack_class, what=what,
+                            in_axes=in_axes, out_axes=out_axes, axis_size=axis_size,
+                            axis_name=axis_name, metadata_params=metadata_params)
     check_no_modules(args, what, "argument", first=1)
     check_no_modules(kwargs, what, "the keyword argument")
     if is_pattern_stack(module):
@@ -199,7 +199,7 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
       changed[i] = values[i] + jnp.uint32(1)
     write_back(variables, changed, what)
     if type(out) is ModulesOut:
-      out = _stacked_outputs(what, out, n, metadata_params, out_axes).rebuild(
+      out = _stacked_outputs(what, out, n, _stack_class, metadata_params, out_axes).rebuild(
           split_call((module,), {})[0])
     if "structure" in record:
       record["structure"].apply(
@@ -214,8 +214,8 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
   def call(*args, **kwargs):
     if not args and not any(map(is_node, jax.tree.leaves(kwargs, is_leaf=is_node))):
       # nnx's `init_vmap()`: nothing to map, `axis_size=` says how many to build
-      return _vmap_creating(fn, (), kwargs, what=what, in_axes=in_axes, out_axes=out_axes,
-                            axis_size=axis_size, axis_name=axis_name,
+      return _vmap_creating(fn, (), kwargs, _stack_class, what=what, in_axes=in_axes,
+                            out_axes=out_axes, axis_size=axis_size, axis_name=axis_name,
                             metadata_params=metadata_params)
     return compiled(*args, **kwargs)
 
@@ -261,178 +261,6 @@ def _refuse_shared_write(what, lifted, variables, written) -> None:
       "with "
       f"`variable_axes={{{var.collection!r}: 0}}`, or write a value that does not "
       "depend on the mapped inputs.") from None
-
-
-def _vmap_creating(fn, args, kwargs, *, what, in_axes, out_axes, axis_size, axis_name,
-                   metadata_params):
-  """``sr.vmap(f)(*args)`` where no argument holds a module, or ``sr.vmap(f,
-  axis_size=n)()`` with no argument at all: ``jax.vmap(f)``, and the modules ``f``
-  returns come out as stacks, as nnx's ``nnx.vmap(lambda key: Block(nnx.Rngs(key)))(
-  keys)`` does: each Variable with the mapped axis where ``out_axes`` puts its module
-  (default in front), marked as the layer axis there (and, with ``metadata_params=
-  {"partition_name": ...}``, that name inserted into its ``sharding`` at that
-  position), each returned module of the stacked class ``sr.vmap(Block, axis_size=n,
-  in_axes=None)`` (mapping that axis)."""
-  record: dict = {}
-
-  def one(*call_args):
-    with tracing_user_code(what):
-      out = fn(*call_args, **kwargs)
-    leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_node)
-    placed = [(path, axis) for path, leaf, axis in _leaf_axes(out_axes, out, what)
-              if is_node(leaf)]
-    nodes = [leaf for leaf in leaves if is_node(leaf)]
-    graphdef, variables = flatten(nodes)
-    record["info"] = (graphdef, treedef, placed,
-                      {i for i, leaf in enumerate(leaves) if is_node(leaf)})
-    # The modules leave as their Variables' values (mapped axis in front, moved after);
-    # the rest keeps its structure, modules left out, so out_axes fits it as jax's.
-    rest = jax.tree.map(lambda x: None if is_node(x) else x, out, is_leaf=is_node)
-    return [v.value for v in variables], rest
-
-  ins = tuple(in_axes) if isinstance(in_axes, list) else in_axes
-  try:
-    values, rest = jax.vmap(one, in_axes=ins, out_axes=(0, out_axes),
-                            axis_size=axis_size, axis_name=axis_name)(*args)
-  except ValueError as e:
-    if isinstance(e, TransformError) or not any(
-        word in str(e) for word in ("axis size", "axis_size", "in_axes")):
-      raise
-    raise TransformError(
-        f"{what}: {e} No argument holds a module, so this maps the function over its "
-        "arguments as `jax.vmap` does (the modules it returns come out stacked). Fix "
-        "in_axes, or pass `axis_size=` when nothing is mapped; to map a module's "
-        "variables, argument 0 must be the module.") from None
-  graphdef, treedef, placed, positions = record["info"]
-  others = jax.tree.leaves(rest)
-  if not positions:
-    return jax.tree.unflatten(treedef, others)
-  n = jnp.shape(values[0])[0] if values else axis_size
-  multi = len(placed) > 1
-  axes = [_placed_axis(what, placed[path[0]] if multi else placed[0],
-                       path[1:] if multi else path, value)
-          for path, value in zip(graphdef.var_paths, values)]
-  root_axes: dict = {}
-  for path, axis in zip(graphdef.var_paths, axes):
-    root_axes.setdefault(path[0] if multi else 0, axis)
-  values = [jnp.moveaxis(v, 0, axis) for v, axis in zip(values, axes)]
-  name = (metadata_params or {}).get("partition_name")
-  classes = {j: _stack_class(d[1], n, root_axes.get(j, 0)) for j, d in
-             enumerate(graphdef.tree) if d[0] == _NODE and n is not None}
-  graphdef = rewrite(graphdef, root_classes=classes,
-                     metadata=lambda i, m: mark_frozen(m, axes[i], name))
-  roots, _ = unflatten(graphdef, values)
-  merged, nodes, rest = [], iter(roots), iter(others)
-  for i in range(len(positions) + len(others)):
-    merged.append(next(nodes) if i in positions else next(rest))
-  return jax.tree.unflatten(treedef, merged)
-
-
-def _leaf_axes(out_axes, out, what: str | None = None) -> list:
-  """``(path, leaf, axis)`` for each leaf of ``out`` (modules and Variables as leaves),
-  ``axis`` the entry of the ``out_axes`` prefix above it, as ``jax.vmap`` reads it.
-  An ``out_axes`` that does not fit raises: a TransformError naming ``what`` if given,
-  else the ValueError of ``jax.tree``."""
-  found: list = []
-
-  def add(path, axis, sub):
-    for inner, leaf in jax.tree_util.tree_leaves_with_path(sub, is_leaf=is_node):
-      found.append((path + inner, leaf, axis))
-
-  try:
-    jax.tree_util.tree_map_with_path(add, out_axes, out, is_leaf=lambda x: x is None)
-  except ValueError as e:
-    if what is None:
-      raise
-    raise TransformError(
-        f"{what}: out_axes={out_axes!r} is not a prefix of the function's output "
-        f"({jax.tree_util.tree_structure(out, is_leaf=is_node)}): {e} Fix: give one "
-        "axis (e.g. `out_axes=0`), or a tuple / dict shaped like the output.") from None
-  return found
-
-
-def _placed_axis(what, placed, var_path, value) -> int:
-  """Where the mapped axis of a Variable made inside goes: the ``out_axes`` entry of
-  its module (``placed``: its output path and axis), as a non-negative axis of
-  ``value`` (the Variable's value, mapped axis included)."""
-  path, axis = placed
-  where = f"the output `{jax.tree_util.keystr(path)}`" if path else "the output"
-  ndim = jnp.ndim(value)
-  if axis is None:
-    raise TransformError(
-        f"{what}: {where} is a module made inside the function, and out_axes gives it "
-        "None (not mapped), but each index builds its own, so it comes out as a stack "
-        "along the mapped axis. Fix: give it an axis (`out_axes=0` puts the layer axis "
-        "in front).")
-  if not isinstance(axis, int) or not -ndim <= axis < ndim:
-    raise TransformError(
-        f"{what}: out_axes puts the mapped axis of {where} at {axis!r}, but its "
-        f"Variable `{format_path(var_path)}` has {ndim} axes with it (shape "
-        f"{tuple(jnp.shape(value))}, mapped axis in front). Fix: give an axis in "
-        f"{-ndim}..{ndim - 1}.")
-  return axis % ndim
-
-
-def _check_returned_inputs(what, out, out_axes, rebuilt, plan, values) -> None:
-  """nnx's consistent aliasing between inputs and outputs: a module (or Variable) of
-  the module argument that the function returns comes back as the caller's own
-  object, laid out as ``variable_axes`` maps it, so an ``out_axes`` that puts a mapped
-  Variable's axis elsewhere cannot be honoured: refused, not ignored. (``rebuilt``:
-  the Variables inside, in the order of ``values``, the caller's values.)"""
-  if not any(map(is_node, jax.tree.leaves(out, is_leaf=is_node))):
-    return
-  try:
-    found = _leaf_axes(out_axes, out)
-  except ValueError:
-    return  # out_axes does not fit the output: jax.vmap says so
-  index = {id(v): i for i, v in enumerate(rebuilt)}
-  for path, leaf, axis in found:
-    if not is_node(leaf):
-      continue
-    graphdef, variables = flatten([leaf])
-    for var_path, var in zip(graphdef.var_paths, variables):
-      i = index.get(id(var))
-      if i is None or plan.kinds[i] != STACKED:
-        continue
-      ndim = jnp.ndim(values[i])
-      mapped = plan.axes[i] % ndim
-      if isinstance(axis, int) and -ndim <= axis < ndim and axis % ndim == mapped:
-        continue
-      at = jax.tree_util.keystr(path)
-      full = at + ("." if at else "") + format_path(var_path) if var_path else at
-      also = (f"map the Variable along axis {axis} on the way in too (`variable_axes="
-              f"{{{filter_repr(type(var))}: {axis}}}`), " if isinstance(axis, int) and
-              -ndim <= axis < ndim else "")
-      raise TransformError(
-          f"{what}: the function returns `{full or '<root>'}` "
-          f"({type(var).__name__}, shape {tuple(jnp.shape(values[i]))}) of its module "
-          f"argument, where out_axes puts the mapped axis at {axis!r}, but "
-          f"variable_axes maps that Variable along axis {mapped}. A module passed in "
-          "comes back as the caller's own object, laid out as variable_axes maps it, "
-          "so out_axes cannot move its axis (nnx: inconsistent aliasing). Nothing was "
-          f"changed. Fix: give {f'the output `{at}`' if at else 'that output'} "
-          f"`out_axes={mapped}`, {also}or do not return the module (the caller holds "
-          "it already).")
-
-
-def _stacked_outputs(what, out: ModulesOut, n: int, metadata_params,
-                     out_axes) -> ModulesOut:
-  """``out`` with the Variables made inside marked as stacked (layer axis where the
-  int ``out_axes`` put them) and each module made inside and returned of its stacked
-  class; as it is for ``out_axes=None`` (nothing mapped: not a stack)."""
-  if out_axes is None:
-    return out
-  graphdef, treedef, positions, n_roots, n_variables = out.info
-  axes = [_placed_axis(what, ((), out_axes), path, value) for path, value in
-          zip(graphdef.var_paths[n_variables:], out.values)]
-  name = (metadata_params or {}).get("partition_name")
-  classes = {j: _stack_class(d[1], n, axes[0] if axes else 0)
-             for j, d in enumerate(graphdef.tree)
-             if j >= n_roots and d[0] == _NODE}
-  graphdef = rewrite(graphdef, root_classes=classes, metadata=lambda i, m: (
-      mark_frozen(m, axes[i - n_variables], name) if i >= n_variables else m))
-  return ModulesOut(out.leaves, out.values, (graphdef, treedef, positions, n_roots,
-                                             n_variables))
 
 
 def _vmapped_init(init: Callable, options: dict) -> Callable:

@@ -1,0 +1,90 @@
+"""The pipeline's layout and its microbatches: where each layer sits among the stages'
+chunks (``Layout``), and a batch split into microbatches and joined back, kept spread
+over an Explicit axis that shards the batch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+class Layout:
+  """Where each of the N layers sits in the pipeline's (S·R·C)-long layer axis."""
+
+  def __init__(self, n: int, stages: int, repeats: int):
+    q = stages * repeats
+    self.base, self.extra = divmod(n, q)
+    self.chunk = self.base + (self.extra > 0)
+    self.stages, self.repeats = stages, repeats
+    slots = np.zeros(stages * repeats * self.chunk, np.int32)
+    self.inverse = np.zeros(n, np.int32)
+    for s in range(stages):
+      for r in range(repeats):
+        c_q = r * stages + s
+        offset, size = self.offset(c_q), self.size(c_q)
+        for c in range(self.chunk):
+          slot = (s * repeats + r) * self.chunk + c
+          slots[slot] = offset + min(c, size - 1) if size else 0
+          if c < size:
+            self.inverse[offset + c] = slot
+    self.slots = slots
+    self.identity = len(slots) == n and bool((slots == np.arange(n)).all())
+    self.padded = self.extra > 0
+
+  def offset(self, q):
+    return q * self.base + (np.minimum(q, self.extra) if isinstance(q, int)
+                            else jnp.minimum(q, self.extra))
+
+  def size(self, q):
+    return self.base + (q < self.extra)
+
+
+def explicit_spec(v) -> tuple:
+  """``v``'s partition spec where Explicit mesh axes show it in its type, else ``()``."""
+  return tuple(getattr(getattr(jax.typeof(v), "sharding", None), "spec", None) or ())
+
+
+def split(v, k: int):
+  """``v`` as ``(k, B // k, ...)``: microbatch ``m`` is rows ``m·B/k …``. Where an
+  Explicit axis splits the batch, each microbatch is spread over it (or, where its rows
+  do not divide, replicated): the plain reshape would put microbatch m on 1/k of it."""
+  shape = tuple(jnp.shape(v))
+  rows = shape[0] // k
+  spec = explicit_spec(v)
+  if not spec or spec[0] is None:
+    return jnp.reshape(v, (k, rows) + shape[1:])
+  mesh = jax.typeof(v).sharding.mesh
+  names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  size = int(np.prod([mesh.shape[n] for n in names]))
+  out = PartitionSpec(None, spec[0] if rows % size == 0 else None, *spec[1:])
+  return jnp.reshape(v, (k, rows) + shape[1:], out_sharding=out)
+
+
+def join(o, like):
+  """The microbatches' outputs ``(k, B // k, ...)`` back as one batch, sharded as the
+  carry was where Explicit axes show it."""
+  shape = tuple(jnp.shape(o))
+  whole = (shape[0] * shape[1],) + shape[2:]
+  spec = explicit_spec(like)
+  if not spec or jnp.shape(like) != whole:
+    return jnp.reshape(o, whole)
+  return jnp.reshape(o, whole, out_sharding=PartitionSpec(*spec))
+
+
+def is_array(leaf) -> bool:
+  return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def per_device(mb, whole):
+  """One microbatch's shape per device, where the batch's sharding is known in the
+  trace (an ``Explicit`` axis); else the whole microbatch."""
+  shape = jnp.shape(mb)
+  sharding = getattr(jax.typeof(whole), "sharding", None)
+  if sharding is not None and not sharding.mesh.empty and any(sharding.spec):
+    try:
+      shape = NamedSharding(sharding.mesh, sharding.spec).shard_shape(shape)
+    except ValueError:
+      pass
+  return jax.ShapeDtypeStruct(shape, jnp.result_type(mb))
