@@ -147,6 +147,13 @@ def _microbatched(x, j: int, batch: tuple, k: int, what: str):
     raise TransformError(
         f"{what}: {where} has shape {shape}, which does not split along axis 0 into "
         f"microbatches={k} equal microbatches ({rows}). Fix: {fix}.")
+  return split_rows(x, k)
+
+
+def split_rows(x, k: int):
+  """``x`` as ``(k, B // k, ...)``, ``k`` dividing ``B``: microbatch ``m`` is rows
+  ``m·B/k …``, spread over the Explicit mesh axes that split ``x``'s rows."""
+  shape = tuple(jnp.shape(x))
   rows = shape[0] // k
   sharding = getattr(jax.typeof(x), "sharding", None)
   spec = tuple(getattr(sharding, "spec", ()))

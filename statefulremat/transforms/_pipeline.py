@@ -38,7 +38,8 @@ from ..core._state import State
 from ._lift import refuse_layer_list, write_back
 from ._module_arg import check_no_modules, compiled_when_eager
 from ._pattern import is_pattern_stack
-from ._pipeline_layout import Layout, is_array, join, per_device, split
+from ._accumulate import split_rows
+from ._pipeline_layout import Layout, is_array, join, per_device
 from ._pipeline_checks import check_batch, check_layer_sharding, find_mesh, stacked_axes
 from ._class_form import display_name
 from ._remat_scan import plan_remat, remat_scan
@@ -249,7 +250,7 @@ def _traced(fn: Callable, spec: PipelineSpec, what: str, auto: bool, budget,
           "give it the layer axis (one value per layer), or keep it out of the stack.")
     stage_fn = skipping if layout.padded else body
     values = [v._value for v in variables]
-    xs = jax.tree.map(lambda v: split(v, k), x)
+    xs = jax.tree.map(lambda v: split_rows(v, k), x)
     extras, extras_tree = jax.tree.flatten((args, kwargs))
     dynamic = [j for j, leaf in enumerate(extras) if is_array(leaf)]
 

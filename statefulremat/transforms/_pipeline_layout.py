@@ -1,6 +1,7 @@
 """The pipeline's layout and its microbatches: where each layer sits among the stages'
-chunks (``Layout``), and a batch split into microbatches and joined back, kept spread
-over an Explicit axis that shards the batch."""
+chunks (``Layout``), and the microbatches' outputs joined back into one batch, kept
+spread over an Explicit axis that shards the batch (``sr.accumulate``'s ``split_rows``
+splits it)."""
 
 from __future__ import annotations
 
@@ -44,22 +45,6 @@ class Layout:
 def explicit_spec(v) -> tuple:
   """``v``'s partition spec where Explicit mesh axes show it in its type, else ``()``."""
   return tuple(getattr(getattr(jax.typeof(v), "sharding", None), "spec", None) or ())
-
-
-def split(v, k: int):
-  """``v`` as ``(k, B // k, ...)``: microbatch ``m`` is rows ``m·B/k …``. Where an
-  Explicit axis splits the batch, each microbatch is spread over it (or, where its rows
-  do not divide, replicated): the plain reshape would put microbatch m on 1/k of it."""
-  shape = tuple(jnp.shape(v))
-  rows = shape[0] // k
-  spec = explicit_spec(v)
-  if not spec or spec[0] is None:
-    return jnp.reshape(v, (k, rows) + shape[1:])
-  mesh = jax.typeof(v).sharding.mesh
-  names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-  size = int(np.prod([mesh.shape[n] for n in names]))
-  out = PartitionSpec(None, spec[0] if rows % size == 0 else None, *spec[1:])
-  return jnp.reshape(v, (k, rows) + shape[1:], out_sharding=out)
 
 
 def join(o, like):
