@@ -21,14 +21,21 @@ from .roomy_stack import in_roomy_stack
 
 def stats(samples: list[float]) -> dict:
   """``min``, ``median``, ``max`` and the samples themselves."""
-  return {"min": min(samples), "median": statistics.median(samples), "max": max(samples),
-          "samples": samples}
+  return {
+    "min": min(samples),
+    "median": statistics.median(samples),
+    "max": max(samples),
+    "samples": samples,
+  }
 
 
 def _memory(compiled) -> dict:
   m = compiled.memory_analysis()
-  return {"temp": int(m.temp_size_in_bytes), "arguments": int(m.argument_size_in_bytes),
-          "outputs": int(m.output_size_in_bytes)}
+  return {
+    "temp": int(m.temp_size_in_bytes),
+    "arguments": int(m.argument_size_in_bytes),
+    "outputs": int(m.output_size_in_bytes),
+  }
 
 
 def measure(fn, args: tuple, compile: bool = True):
@@ -48,8 +55,17 @@ def measure(fn, args: tuple, compile: bool = True):
   return lowered_at - start, compiled_at - lowered_at, _memory(compiled)
 
 
-def run(depths, width: int, batch: int, reps: int, trace_reps: int = 0, *,
-        compiler_options=None, keep_depths=(), log=print) -> tuple[list[dict], dict]:
+def run(
+  depths,
+  width: int,
+  batch: int,
+  reps: int,
+  trace_reps: int = 0,
+  *,
+  compiler_options=None,
+  keep_depths=(),
+  log=print,
+) -> tuple[list[dict], dict]:
   """Measures every library x strategy x depth.
 
   Every repetition sweeps all depths, constructions and libraries in turn, so a change
@@ -68,8 +84,12 @@ def run(depths, width: int, batch: int, reps: int, trace_reps: int = 0, *,
     for strategy in STRATEGIES:
       group = groups[(n, strategy)] = {}
       for lib in LIBRARIES:
-        entry = group[lib] = {"library": lib, "strategy": strategy, "n": n,
-                              "lengths": strategy_lengths(strategy, n)}
+        entry = group[lib] = {
+          "library": lib,
+          "strategy": strategy,
+          "n": n,
+          "lengths": strategy_lengths(strategy, n),
+        }
         try:
           cases[(lib, strategy, n)] = build[lib](strategy, n, width, batch)
           entry["status"] = "ok"
@@ -86,16 +106,16 @@ def run(depths, width: int, batch: int, reps: int, trace_reps: int = 0, *,
     order = list(cases.items()) if rep % 2 == 0 else _reversed_within_groups(cases)
     for (lib, strategy, n), case in order:
       fn = case.new(compiler_options)
-      lower_s, compile_s, nbytes = in_roomy_stack(
-          lambda: measure(fn, case.args, rep < reps))
+      lower_s, compile_s, nbytes = in_roomy_stack(lambda: measure(fn, case.args, rep < reps))
       samples[(lib, strategy, n)][0].append(lower_s)
       if compile_s is None:
         continue
       samples[(lib, strategy, n)][1].append(compile_s)
       previous = groups[(n, strategy)][lib].setdefault("bytes", nbytes)
       if previous != nbytes:
-        raise AssertionError(f"{lib} {strategy} N={n}: bytes changed between "
-                             f"repetitions: {previous} then {nbytes}")
+        raise AssertionError(
+          f"{lib} {strategy} N={n}: bytes changed between repetitions: {previous} then {nbytes}"
+        )
       if rep == reps - 1 and n in keep_depths:
         kept[(lib, strategy, n)] = (fn, case.args)
   entries = []
@@ -142,12 +162,12 @@ def _add_ratios(results: dict) -> None:
     if entry["status"] != "ok":
       continue
     entry["ratio"] = {
-        **{k: _ratio(entry["bytes"][k], raw["bytes"][k]) for k in entry["bytes"]},
-        "trace_lower": paired_ratio(entry["trace_lower_s"]["samples"],
-                                    raw["trace_lower_s"]["samples"]),
-        "trace_lower_of_medians": (entry["trace_lower_s"]["median"]
-                                   / raw["trace_lower_s"]["median"]),
-        "compile": entry["compile_s"]["median"] / raw["compile_s"]["median"],
+      **{k: _ratio(entry["bytes"][k], raw["bytes"][k]) for k in entry["bytes"]},
+      "trace_lower": paired_ratio(
+        entry["trace_lower_s"]["samples"], raw["trace_lower_s"]["samples"]
+      ),
+      "trace_lower_of_medians": (entry["trace_lower_s"]["median"] / raw["trace_lower_s"]["median"]),
+      "compile": entry["compile_s"]["median"] / raw["compile_s"]["median"],
     }
 
 
@@ -161,6 +181,8 @@ def _line(n: int, strategy: str, results: dict) -> str:
     if e["status"] != "ok":
       parts.append(f"{lib} n/a")
     else:
-      parts.append(f"{lib} {e['bytes']['temp'] / 2**20:.2f} MiB "
-                   f"{e['trace_lower_s']['median']:.2f}+{e['compile_s']['median']:.2f}s")
+      parts.append(
+        f"{lib} {e['bytes']['temp'] / 2**20:.2f} MiB "
+        f"{e['trace_lower_s']['median']:.2f}+{e['compile_s']['median']:.2f}s"
+      )
   return f"  N={n:<4d} {strategy:14s} " + " | ".join(parts)

@@ -35,13 +35,12 @@ import json
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from .dispatch_variants import (KINDS, SR_VARIANT, VARIANTS, models, n_variables,
-                                unavailable)
+from .dispatch_variants import KINDS, SR_VARIANT, VARIANTS, models, n_variables, unavailable
 
 TARGETS = {"tiny": 1.3, "wide": 1.5}  # sr.jit's median / raw jax.jit's median, at most
 LIBRARIES = ("jax", "flax", "equinox", "optax", "spectrax-lib")  # versions recorded
@@ -95,8 +94,7 @@ def _stats(us: list[float]) -> dict:
   return {"min_us": min(us), "median_us": statistics.median(us), "max_us": max(us)}
 
 
-def run(quick: bool = False, *, batches: int | None = None, calls: int | None = None
-        ) -> dict:
+def run(quick: bool = False, *, batches: int | None = None, calls: int | None = None) -> dict:
   """Times every variant on both models; returns a JSON-serialisable dict.
 
   ``result["models"][model]["variants"][variant][kind]`` (``kind`` is ``"sgd"`` or
@@ -131,12 +129,23 @@ def _run(quick: bool, batches: int | None, calls: int | None) -> dict:
   calls = calls or (3 if quick else 50)
   budget_us = 2_000 if quick else 30_000
   x = jnp.ones((2, 8))
-  result = {"config": {"quick": quick, "batches": batches, "max_calls_per_batch": calls,
-                       "batch_budget_us": budget_us, "batch_size": 2,
-                       "optax": "adam(1e-3)", "xla_optimizations": not quick,
-                       "backend": jax.default_backend(),
-                       "device": str(jax.devices()[0]), "versions": _versions()},
-            "models": {}, "targets": [], "skipped": unavailable()}
+  result = {
+    "config": {
+      "quick": quick,
+      "batches": batches,
+      "max_calls_per_batch": calls,
+      "batch_budget_us": budget_us,
+      "batch_size": 2,
+      "optax": "adam(1e-3)",
+      "xla_optimizations": not quick,
+      "backend": jax.default_backend(),
+      "device": str(jax.devices()[0]),
+      "versions": _versions(),
+    },
+    "models": {},
+    "targets": [],
+    "skipped": unavailable(),
+  }
   for model, cfg in models(quick).items():
     steps, counts = {}, {}
     for name, build in VARIANTS.items():
@@ -150,8 +159,10 @@ def _run(quick: bool, batches: int | None, calls: int | None) -> dict:
     samples = _time(steps, counts, batches)
     variants: dict = {}
     for name, kind in steps:
-      variants.setdefault(name, {})[kind] = {**_stats(samples[name, kind]),
-                                             "calls": counts[name, kind]}
+      variants.setdefault(name, {})[kind] = {
+        **_stats(samples[name, kind]),
+        "calls": counts[name, kind],
+      }
     for name in variants:
       for kind in KINDS:
         base = variants["raw jax.jit"][kind]
@@ -161,17 +172,24 @@ def _run(quick: bool, batches: int | None, calls: int | None) -> dict:
         # Each batch's mean over raw's in the same batch: a load spike that slows
         # neighbouring batches alike cancels out.
         entry["paired_ratio"] = statistics.median(
-            s / r for s, r in zip(samples[name, kind], samples["raw jax.jit", kind]))
+          s / r for s, r in zip(samples[name, kind], samples["raw jax.jit", kind])
+        )
         entry["overhead_us"] = entry["median_us"] - base["median_us"]
-    result["models"][model] = {**cfg, "variables": n_variables(cfg),
-                               "variants": variants}
+    result["models"][model] = {**cfg, "variables": n_variables(cfg), "variants": variants}
     for kind in KINDS:
       entry = variants[SR_VARIANT][kind]
-      result["targets"].append({
-          "model": model, "variant": SR_VARIANT, "optimizer": kind,
-          "ratio": entry["ratio"], "paired_ratio": entry["paired_ratio"],
-          "min_ratio": entry["min_ratio"], "target": TARGETS[model],
-          "met": entry["ratio"] <= TARGETS[model]})
+      result["targets"].append(
+        {
+          "model": model,
+          "variant": SR_VARIANT,
+          "optimizer": kind,
+          "ratio": entry["ratio"],
+          "paired_ratio": entry["paired_ratio"],
+          "min_ratio": entry["min_ratio"],
+          "target": TARGETS[model],
+          "met": entry["ratio"] <= TARGETS[model],
+        }
+      )
   return result
 
 
@@ -180,31 +198,40 @@ def table(result: dict) -> str:
   lines = []
   c = result["config"]
   if "date" in c:  # stamped by benchmarks/run.py
-    versions = ", ".join(f"{k} {v}" for k, v in c.get("versions", {}).items()
-                         if v is not None)
-    lines.append(f"Measured {c['date']} on {c['machine']} (`{c['command']}`, "
-                 f"{c['seconds']:.0f} s; {versions}): {c['batches']} interleaved "
-                 f"batches of up to {c['max_calls_per_batch']} calls per variant.")
+    versions = ", ".join(f"{k} {v}" for k, v in c.get("versions", {}).items() if v is not None)
+    lines.append(
+      f"Measured {c['date']} on {c['machine']} (`{c['command']}`, "
+      f"{c['seconds']:.0f} s; {versions}): {c['batches']} interleaved "
+      f"batches of up to {c['max_calls_per_batch']} calls per variant."
+    )
   for model, entry in result["models"].items():
-    lines += [f"\n**{model}**: {entry['blocks']} blocks, {entry['variables']} variables "
-              f"(target for {SR_VARIANT}: <= {TARGETS[model]}x raw)\n",
-              "| variant | optimizer | min µs | median µs | max µs | ratio | paired | "
-              "min ratio | +µs |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+      f"\n**{model}**: {entry['blocks']} blocks, {entry['variables']} variables "
+      f"(target for {SR_VARIANT}: <= {TARGETS[model]}x raw)\n",
+      "| variant | optimizer | min µs | median µs | max µs | ratio | paired | min ratio | +µs |",
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, kinds in entry["variants"].items():
       for kind, s in kinds.items():
-        lines.append(f"| {name} | {kind} | {s['min_us']:.1f} | {s['median_us']:.1f} | "
-                     f"{s['max_us']:.1f} | {s['ratio']:.2f}x | {s['paired_ratio']:.2f}x | "
-                     f"{s['min_ratio']:.2f}x | {s['overhead_us']:+.0f} |")
+        lines.append(
+          f"| {name} | {kind} | {s['min_us']:.1f} | {s['median_us']:.1f} | "
+          f"{s['max_us']:.1f} | {s['ratio']:.2f}x | {s['paired_ratio']:.2f}x | "
+          f"{s['min_ratio']:.2f}x | {s['overhead_us']:+.0f} |"
+        )
   for name, note in result.get("skipped", {}).items():
     lines.append(f"\n{name}: {note}.")
-  lines += ["", "ratio: median over raw jax.jit's median; paired: the median of each "
-            "batch's mean over raw's in the same batch; min ratio: min over raw's min.",
-            ""]
+  lines += [
+    "",
+    "ratio: median over raw jax.jit's median; paired: the median of each "
+    "batch's mean over raw's in the same batch; min ratio: min over raw's min.",
+    "",
+  ]
   for t in result["targets"]:
-    lines.append(f"- {t['model']}, {t['optimizer']}: {t['ratio']:.2f}x (paired "
-                 f"{t['paired_ratio']:.2f}x, min {t['min_ratio']:.2f}x; target <= "
-                 f"{t['target']}x) {'met' if t['met'] else 'NOT met'}")
+    lines.append(
+      f"- {t['model']}, {t['optimizer']}: {t['ratio']:.2f}x (paired "
+      f"{t['paired_ratio']:.2f}x, min {t['min_ratio']:.2f}x; target <= "
+      f"{t['target']}x) {'met' if t['met'] else 'NOT met'}"
+    )
   return "\n".join(lines)
 
 

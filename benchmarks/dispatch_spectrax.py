@@ -32,9 +32,12 @@ class Block(spx.Module):
 class Model(spx.Module):
   def __init__(self, blocks, width, norm, *, rngs):
     super().__init__()
-    self.layers = nn.ModuleList([Block(width, rngs=rngs) if norm else
-                                 nn.Linear(width, width, rngs=rngs)
-                                 for _ in range(blocks)])
+    self.layers = nn.ModuleList(
+      [
+        Block(width, rngs=rngs) if norm else nn.Linear(width, width, rngs=rngs)
+        for _ in range(blocks)
+      ]
+    )
     self.norm = norm
 
   def forward(self, x):
@@ -73,4 +76,3 @@ def build(cfg, kind, x, *, loss, sgd, tx):
     return value
 
   return call
-

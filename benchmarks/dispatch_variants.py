@@ -14,7 +14,7 @@ variants whose library is not installed, and the benchmark skips them with that 
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 import equinox as eqx
 import flax.linen as nn
@@ -34,7 +34,7 @@ def _tx():
 
 
 def _loss(out):
-  return jnp.mean(out ** 2)
+  return jnp.mean(out**2)
 
 
 # -- the models: one construction per library, same computation ---------------------
@@ -42,8 +42,10 @@ def _loss(out):
 
 def _raw_params(blocks: int, width: int, norm: bool):
   keys = iter(jax.random.split(jax.random.key(0), 2 * blocks))
-  dense = lambda: {"kernel": jax.random.normal(next(keys), (width, width)) / width**0.5,
-                   "bias": jnp.zeros(width)}
+  dense = lambda: {
+    "kernel": jax.random.normal(next(keys), (width, width)) / width**0.5,
+    "bias": jnp.zeros(width),
+  }
   ln = lambda: {"scale": jnp.ones(width), "bias": jnp.zeros(width)}
   if not norm:
     return [dense() for _ in range(blocks)]
@@ -81,8 +83,10 @@ class _SrBlock(sr.Module):
 
 class _SrModel(sr.Module):
   def __init__(self, blocks, width, norm, *, rngs):
-    self.layers = [_SrBlock(width, rngs=rngs) if norm else
-                   sr.nn.Linear(width, width, rngs=rngs) for _ in range(blocks)]
+    self.layers = [
+      _SrBlock(width, rngs=rngs) if norm else sr.nn.Linear(width, width, rngs=rngs)
+      for _ in range(blocks)
+    ]
     self.norm = norm
 
   def __call__(self, x):
@@ -104,8 +108,9 @@ def _nnx_model(blocks, width, norm):
 
   class Model(nnx.Module):
     def __init__(self, rngs):
-      self.layers = nnx.List([Block(rngs) if norm else nnx.Linear(width, width, rngs=rngs)
-                              for _ in range(blocks)])
+      self.layers = nnx.List(
+        [Block(rngs) if norm else nnx.Linear(width, width, rngs=rngs) for _ in range(blocks)]
+      )
 
     def __call__(self, x):
       for layer in self.layers:
@@ -150,13 +155,21 @@ def _eqx_model(blocks, width, norm):
         for layer in self.layers:
           x = layer(x) if norm else jnp.tanh(layer(x))
         return x
+
       return jax.vmap(one)(x)
 
   def linear():
     return eqx.nn.Linear(width, width, key=next(keys))
 
-  make = (lambda: Block(linear(), eqx.nn.LayerNorm(width, eps=1e-6), linear(),
-                        eqx.nn.LayerNorm(width, eps=1e-6))) if norm else linear
+  make = (
+    (
+      lambda: Block(
+        linear(), eqx.nn.LayerNorm(width, eps=1e-6), linear(), eqx.nn.LayerNorm(width, eps=1e-6)
+      )
+    )
+    if norm
+    else linear
+  )
   return Model([make() for _ in range(blocks)])
 
 
@@ -199,15 +212,15 @@ def _boxed_steps(kind, box, sgd_step, optax_step, x):
 
 
 def raw_jit(cfg, kind, x):
-  return _pytree_step(_raw_params(**cfg),
-                      lambda params, x: _loss(_raw_apply(params, x, cfg["norm"])), kind, x)
+  return _pytree_step(
+    _raw_params(**cfg), lambda params, x: _loss(_raw_apply(params, x, cfg["norm"])), kind, x
+  )
 
 
 def linen_apply(cfg, kind, x):
   model = _linen_model(**cfg)
   params = model.init(jax.random.key(0), x)["params"]
-  return _pytree_step(params, lambda params, x: _loss(model.apply({"params": params}, x)),
-                      kind, x)
+  return _pytree_step(params, lambda params, x: _loss(model.apply({"params": params}, x)), kind, x)
 
 
 def _nnx_steps(graph: bool | None):
@@ -269,13 +282,15 @@ def eqx_filter_jit(cfg, kind, x):
     updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
     return eqx.apply_updates(model, updates), opt_state, loss
 
-  return _boxed_steps(kind, [model, tx.init(eqx.filter(model, eqx.is_array))], sgd_step,
-                      optax_step, x)
+  return _boxed_steps(
+    kind, [model, tx.init(eqx.filter(model, eqx.is_array))], sgd_step, optax_step, x
+  )
 
 
 def spx_jit(cfg, kind, x):
   # Imported here: SpectraX is optional (not in the dev extra).
   from . import dispatch_spectrax
+
   return dispatch_spectrax.build(cfg, kind, x, loss=_loss, sgd=_sgd, tx=_tx)
 
 
@@ -301,14 +316,14 @@ def sr_jit(cfg, kind, x):
 
 
 VARIANTS: dict[str, Callable] = {
-    "raw jax.jit": raw_jit,
-    "linen apply in jax.jit": linen_apply,
-    "nnx.jit": nnx_jit,
-    "nnx.cached_partial": nnx_cached_partial,
-    "nnx.jit_partial(graph=False)": nnx_jit_partial,
-    "eqx.filter_jit": eqx_filter_jit,
-    "spx.jit (SpectraX)": spx_jit,
-    SR_VARIANT: sr_jit,
+  "raw jax.jit": raw_jit,
+  "linen apply in jax.jit": linen_apply,
+  "nnx.jit": nnx_jit,
+  "nnx.cached_partial": nnx_cached_partial,
+  "nnx.jit_partial(graph=False)": nnx_jit_partial,
+  "eqx.filter_jit": eqx_filter_jit,
+  "spx.jit (SpectraX)": spx_jit,
+  SR_VARIANT: sr_jit,
 }
 KINDS = ("sgd", "optax")
 # Variants whose library the dev extra does not install: (module, distribution).
@@ -317,15 +332,19 @@ OPTIONAL = {"spx.jit (SpectraX)": ("spectrax", "spectrax-lib")}
 
 def unavailable() -> dict[str, str]:
   """The optional variants whose library is not installed, each with a note saying so."""
-  return {name: f"skipped: {module} is not installed (pip install --no-deps {dist})"
-          for name, (module, dist) in OPTIONAL.items()
-          if importlib.util.find_spec(module) is None}
+  return {
+    name: f"skipped: {module} is not installed (pip install --no-deps {dist})"
+    for name, (module, dist) in OPTIONAL.items()
+    if importlib.util.find_spec(module) is None
+  }
 
 
 def models(quick: bool) -> dict[str, dict]:
   # Quick mode only checks that every variant runs: small graphs compile in seconds.
-  return {"tiny": {"blocks": 2 if quick else 4, "width": 8, "norm": False},
-          "wide": {"blocks": 1 if quick else 48, "width": 8, "norm": True}}
+  return {
+    "tiny": {"blocks": 2 if quick else 4, "width": 8, "norm": False},
+    "wide": {"blocks": 1 if quick else 48, "width": 8, "norm": True},
+  }
 
 
 def n_variables(cfg) -> int:

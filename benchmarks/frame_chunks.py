@@ -28,8 +28,7 @@ _GENERATOR = 0x20 | 0x80 | 0x200  # generator, coroutine, async generator: own f
 
 def frame_bytes(code) -> int:
   """Bytes a call of ``code`` takes on CPython 3.11's frame stack."""
-  slots = (code.co_nlocals + len(code.co_cellvars) + len(code.co_freevars)
-           + code.co_stacksize + 7)
+  slots = code.co_nlocals + len(code.co_cellvars) + len(code.co_freevars) + code.co_stacksize + 7
   return 8 * slots
 
 
@@ -105,9 +104,11 @@ def main(argv=None) -> None:
     case.new().lower(*case.args)  # imports and first-use caches out of the way
     fn = case.new()
     mapped = simulate(lambda: fn.lower(*case.args))
-    print(f"{lib:6} {strategy} N={n}: chunks mapped per lowering, mean "
-          f"{sum(mapped) / len(mapped):.0f}, min {min(mapped)}, max {max(mapped)} "
-          f"over {len(mapped)} alignments")
+    print(
+      f"{lib:6} {strategy} N={n}: chunks mapped per lowering, mean "
+      f"{sum(mapped) / len(mapped):.0f}, min {min(mapped)}, max {max(mapped)} "
+      f"over {len(mapped)} alignments"
+    )
 
 
 if __name__ == "__main__":

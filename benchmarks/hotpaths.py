@@ -20,14 +20,15 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from benchmarks import dispatch, pytree_flatten, trace_depths
 
 
-def run(quick: bool, out: Path, *, dispatch_part: Callable[[], dict], machine: str,
-        log=print) -> dict:
+def run(
+  quick: bool, out: Path, *, dispatch_part: Callable[[], dict], machine: str, log=print
+) -> dict:
   """Runs parts 3, 4 and 5; ``dispatch_part()`` runs the dispatch part into the
   results already in ``out`` and returns them."""
   start = time.perf_counter()
@@ -38,13 +39,16 @@ def run(quick: bool, out: Path, *, dispatch_part: Callable[[], dict], machine: s
   log("hot paths 5: dispatch")
   results = dispatch_part()
   hot = {
-      "config": {
-          "date": datetime.datetime.now(datetime.timezone.utc).strftime(
-              "%Y-%m-%d %H:%M UTC"),
-          "machine": machine, "quick": quick,
-          "command": "python -m benchmarks --part hotpaths" + (" --quick" * quick),
-          "seconds": time.perf_counter() - start},
-      "pytree_flatten": flatten, "trace_depths": depths, "dispatch": results["dispatch"],
+    "config": {
+      "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+      "machine": machine,
+      "quick": quick,
+      "command": "python -m benchmarks --part hotpaths" + (" --quick" * quick),
+      "seconds": time.perf_counter() - start,
+    },
+    "pytree_flatten": flatten,
+    "trace_depths": depths,
+    "dispatch": results["dispatch"],
   }
   out.mkdir(parents=True, exist_ok=True)
   with open(out / "hotpaths.json", "w") as f:
@@ -55,11 +59,22 @@ def run(quick: bool, out: Path, *, dispatch_part: Callable[[], dict], machine: s
 
 def markdown(hot: dict) -> str:
   c = hot["config"]
-  return "\n".join([
-      "# Hot paths (issue 23, parts 3-5)", "",
+  return "\n".join(
+    [
+      "# Hot paths (issue 23, parts 3-5)",
+      "",
       f"Measured {c['date']} on {c['machine']} (`{c['command']}`, {c['seconds']:.0f} s), "
-      "all three parts in one process.", "",
-      "## 3. Raw JAX on modules", "", pytree_flatten.markdown(hot["pytree_flatten"]),
-      "## 4. Trace + lower of the scan forms, from a plain caller", "",
+      "all three parts in one process.",
+      "",
+      "## 3. Raw JAX on modules",
+      "",
+      pytree_flatten.markdown(hot["pytree_flatten"]),
+      "## 4. Trace + lower of the scan forms, from a plain caller",
+      "",
       trace_depths.markdown(hot["trace_depths"]),
-      "## 5. Dispatch of one training step", "", dispatch.table(hot["dispatch"]), ""])
+      "## 5. Dispatch of one training step",
+      "",
+      dispatch.table(hot["dispatch"]),
+      "",
+    ]
+  )

@@ -15,6 +15,7 @@ from .models import Case, host_init, inputs, jit_options, strategy_lengths
 
 class Block(nn.Module):
   """``tanh(Dense(x))``: one layer, ``x -> x``."""
+
   width: int
 
   @nn.compact
@@ -24,6 +25,7 @@ class Block(nn.Module):
 
 class ScanBlock(nn.Module):
   """The layer as an ``nn.scan`` body: ``(x, _) -> (x, None)``."""
+
   width: int
 
   @nn.compact
@@ -33,6 +35,7 @@ class ScanBlock(nn.Module):
 
 class Deep(nn.Module):
   """N layers with the given construction."""
+
   n: int
   width: int
   strategy: str
@@ -48,8 +51,7 @@ class Deep(nn.Module):
       body = ScanBlock
       if self.strategy == "scan_remat":
         body = nn.remat(ScanBlock, prevent_cse=False)
-      stack = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
-                      length=self.n)
+      stack = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.n)
       return stack(self.width, name="stack")(x, None)[0]
     stack = nn.remat_scan(Block, lengths=self.lengths)
     return stack(self.width, name="stack")(x)
@@ -66,6 +68,7 @@ def build(strategy: str, n: int, width: int, batch: int) -> Case:
 
     def loss(params, x):
       return jnp.mean(model.apply({"params": params}, x) ** 2)
+
     return jax.jit(jax.grad(loss), **jit_options(compiler_options))
 
   return Case(new, (params, x))

@@ -38,16 +38,19 @@ class Unrolled(nnx.Module):
 
 def stacked(n: int, width: int, rngs: nnx.Rngs) -> Block:
   """N independently initialised layers whose variables carry a leading layer axis."""
+
   @nnx.split_rngs(splits=n)
   @nnx.vmap(in_axes=(0,), out_axes=0)
   def create(rngs):
     return Block(width, rngs=rngs)
+
   return create(rngs)
 
 
 def scan_forward(blocks, x, remat: bool):
   def body(x, block):
     return block(x)
+
   if remat:
     body = nnx.remat(body, prevent_cse=False)
   return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, blocks)
@@ -62,6 +65,7 @@ def remat_scan_forward(blocks, x, lengths):
   def level(d, x, blocks):
     def body(x, block):
       return block(x) if d == len(lengths) - 1 else level(d + 1, x, block)
+
     body = nnx.remat(body, prevent_cse=False)
     return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, blocks)
 
@@ -87,8 +91,10 @@ def build(strategy: str, n: int, width: int, batch: int) -> Case:
 
   def new(compiler_options=None):
     del compiler_options  # nnx.jit takes no compiler options: nnx compiles with defaults
+
     def loss(model, x):
       return jnp.mean(forward(model, x) ** 2)
+
     return nnx.jit(lambda model, x: nnx.grad(loss)(model, x))
 
   return Case(new, (model, x))

@@ -16,8 +16,10 @@ from .models import Case, host_init, inputs, jit_options, strategy_lengths
 def abstract(n: int | None, width: int) -> dict:
   """Parameter shapes: ``kernel`` (n, W, W), ``bias`` (n, W); one layer's if n is None."""
   lead = () if n is None else (n,)
-  return {"kernel": jax.ShapeDtypeStruct(lead + (width, width), jnp.float32),
-          "bias": jax.ShapeDtypeStruct(lead + (width,), jnp.float32)}
+  return {
+    "kernel": jax.ShapeDtypeStruct(lead + (width, width), jnp.float32),
+    "bias": jax.ShapeDtypeStruct(lead + (width,), jnp.float32),
+  }
 
 
 def layer(h, p):
@@ -63,6 +65,7 @@ def build(strategy: str, n: int, width: int, batch: int) -> Case:
   def new(compiler_options=None):
     def loss(params, x):
       return jnp.mean(forward(strategy, params, x, lengths) ** 2)
+
     return jax.jit(jax.grad(loss), **jit_options(compiler_options))
 
   return Case(new, (params, x))

@@ -71,7 +71,7 @@ def build(strategy: str, n: int, width: int, batch: int) -> Case:
   def new(compiler_options=None):
     def loss(model, x):
       return jnp.mean(forward(strategy, model, x, lengths) ** 2)
-    return sr.jit(lambda model, x: sr.grad(loss)(model, x),
-                  **jit_options(compiler_options))
+
+    return sr.jit(lambda model, x: sr.grad(loss)(model, x), **jit_options(compiler_options))
 
   return Case(new, (model, x))

@@ -20,13 +20,15 @@ used by ``--quick`` to compile faster) go to the library's jit where it takes th
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 STRATEGIES = ("unrolled", "scan", "scan_remat", "remat_scan_d2", "remat_scan_d3")
 LIBRARIES = ("raw", "linen", "nnx", "sr")
+
 
 class NotApplicable(Exception):
   """A library has no construction for this strategy; the message says why."""
@@ -35,6 +37,7 @@ class NotApplicable(Exception):
 @dataclasses.dataclass
 class Case:
   """One library x strategy x depth: a jitted-gradient factory and its arguments."""
+
   new: Callable[[dict | None], Any]
   args: tuple
 
@@ -101,5 +104,10 @@ def jit_options(compiler_options: dict | None) -> dict:
 def builders() -> dict[str, Callable[..., Case]]:
   """``{library: build}``; the library modules are imported here, on demand."""
   from . import model_linen, model_nnx, model_raw, model_sr
-  return {"raw": model_raw.build, "linen": model_linen.build, "nnx": model_nnx.build,
-          "sr": model_sr.build}
+
+  return {
+    "raw": model_raw.build,
+    "linen": model_linen.build,
+    "nnx": model_nnx.build,
+    "sr": model_sr.build,
+  }

@@ -36,7 +36,7 @@ import gc
 import json
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +52,9 @@ def stats(samples: list[float]) -> dict:
   return {"min": min(samples), "median": statistics.median(samples), "max": max(samples)}
 
 
-def paired(fns: dict[str, Callable[[], object]], rounds: int, inner: int, *,
-           dispatch: bool = False) -> dict[str, list[float]]:
+def paired(
+  fns: dict[str, Callable[[], object]], rounds: int, inner: int, *, dispatch: bool = False
+) -> dict[str, list[float]]:
   """µs per call of each of ``fns``: one sample per round, the mean of ``inner`` calls;
   every round calls each function in turn, the order rotating from round to round.
 
@@ -91,7 +92,6 @@ def paired(fns: dict[str, Callable[[], object]], rounds: int, inner: int, *,
 
 
 class _Layers(sr.Module):
-
   def __init__(self, n, *, rngs):
     self.layers = [sr.nn.Linear(WIDTH, WIDTH, rngs=rngs) for _ in range(n)]
 
@@ -102,7 +102,6 @@ class _Layers(sr.Module):
 
 
 class _Step(sr.Module):
-
   def __init__(self, *, rngs):
     self.linear = sr.nn.Linear(WIDTH, WIDTH, rngs=rngs)
 
@@ -111,7 +110,6 @@ class _Step(sr.Module):
 
 
 class _Block(sr.Module):
-
   def __init__(self, *, rngs):
     self.ln1 = sr.nn.LayerNorm(WIDTH, rngs=rngs)
     self.attn = sr.nn.MultiHeadAttention(2, WIDTH, rngs=rngs, keep_rngs=False)
@@ -124,7 +122,6 @@ class _Block(sr.Module):
 
 
 class _Blocks(sr.Module):
-
   def __init__(self, n, *, rngs):
     self.blocks = [_Block(rngs=rngs) for _ in range(n)]
 
@@ -138,8 +135,9 @@ def _sr(kind: str, n: int):
   """``(model, f)``: the sr model and the function the dispatch jits."""
   rngs = sr.Rngs(0)
   if kind == "scan":
-    stack = sr.scan(_Step, length=n, variable_axes={sr.Param: 0},
-                    split_rngs={"params": True})(rngs=rngs)
+    stack = sr.scan(_Step, length=n, variable_axes={sr.Param: 0}, split_rngs={"params": True})(
+      rngs=rngs
+    )
     return stack, lambda m, x: m(x)[0]
   if kind == "list":
     return _Layers(n, rngs=rngs), lambda m, x: m(x)
@@ -169,8 +167,14 @@ def _equinox(kind: str, n: int):
       k1, k2 = jax.random.split(key)
       self.ln1, self.ln2 = eqx.nn.LayerNorm(WIDTH), eqx.nn.LayerNorm(WIDTH)
       self.attn = eqx.nn.MultiheadAttention(
-          2, WIDTH, use_query_bias=True, use_key_bias=True, use_value_bias=True,
-          use_output_bias=True, key=k1)
+        2,
+        WIDTH,
+        use_query_bias=True,
+        use_key_bias=True,
+        use_value_bias=True,
+        use_output_bias=True,
+        key=k1,
+      )
       self.mlp = eqx.nn.MLP(WIDTH, WIDTH, 4 * WIDTH, 1, activation=jax.nn.gelu, key=k2)
 
   return Layers([Block(k) for k in keys])
@@ -180,21 +184,17 @@ def _nnx(kind: str, n: int):
   from flax import nnx
 
   if kind == "scan":
-    return nnx.vmap(lambda r: nnx.Linear(WIDTH, WIDTH, rngs=r), axis_size=n)(
-        nnx.Rngs(0).split(n))
+    return nnx.vmap(lambda r: nnx.Linear(WIDTH, WIDTH, rngs=r), axis_size=n)(nnx.Rngs(0).split(n))
 
   class Block(nnx.Module):
-
     def __init__(self, rngs):
       self.ln1 = nnx.LayerNorm(WIDTH, rngs=rngs)
-      self.attn = nnx.MultiHeadAttention(2, WIDTH, decode=False, rngs=rngs,
-                                         keep_rngs=False)
+      self.attn = nnx.MultiHeadAttention(2, WIDTH, decode=False, rngs=rngs, keep_rngs=False)
       self.ln2 = nnx.LayerNorm(WIDTH, rngs=rngs)
       self.fc1 = nnx.Linear(WIDTH, 4 * WIDTH, rngs=rngs)
       self.fc2 = nnx.Linear(4 * WIDTH, WIDTH, rngs=rngs)
 
   class Layers(nnx.Module):
-
     def __init__(self, items):
       self.layers = nnx.List(items)
 
@@ -225,17 +225,13 @@ def _round_trip(tree) -> Callable[[], object]:
   return call
 
 
-def _measure_model(kind: str, n: int, rounds: int, inner: int, dispatch_inner: int
-                   ) -> dict:
+def _measure_model(kind: str, n: int, rounds: int, inner: int, dispatch_inner: int) -> dict:
   model, f = _sr(kind, n)
   state = sr.state(model)
-  trees = {"sr": model, "equinox": _equinox(kind, n), "nnx": _nnx(kind, n),
-           "dict": _as_dict(state)}
+  trees = {"sr": model, "equinox": _equinox(kind, n), "nnx": _nnx(kind, n), "dict": _as_dict(state)}
   leaves = {name: len(jax.tree.leaves(tree)) for name, tree in trees.items()}
-  samples = paired({name: _round_trip(tree) for name, tree in trees.items()},
-                   rounds, inner)
-  flatten_us = {name: stats([s / leaves[name] for s in samples[name]])
-                for name in trees}
+  samples = paired({name: _round_trip(tree) for name, tree in trees.items()}, rounds, inner)
+  flatten_us = {name: stats([s / leaves[name] for s in samples[name]]) for name in trees}
 
   graphdef = sr.graphdef(model)
   x = jnp.ones((1, 4, WIDTH))
@@ -247,12 +243,13 @@ def _measure_model(kind: str, n: int, rounds: int, inner: int, dispatch_inner: i
   dispatch_samples = paired(calls, rounds, dispatch_inner, dispatch=True)
   dispatch_us = {name: stats(s) for name, s in dispatch_samples.items()}
   return {
-      "n": n, "variables": leaves["sr"], "leaves": leaves,
-      "flatten_us": flatten_us,
-      "flatten_ratio": flatten_us["sr"]["median"] / flatten_us["equinox"]["median"],
-      "dispatch_us": dispatch_us,
-      "dispatch_ratio": (dispatch_us["module"]["median"]
-                         / dispatch_us["state"]["median"]),
+    "n": n,
+    "variables": leaves["sr"],
+    "leaves": leaves,
+    "flatten_us": flatten_us,
+    "flatten_ratio": flatten_us["sr"]["median"] / flatten_us["equinox"]["median"],
+    "dispatch_us": dispatch_us,
+    "dispatch_ratio": (dispatch_us["module"]["median"] / dispatch_us["state"]["median"]),
   }
 
 
@@ -263,13 +260,12 @@ def measure(quick: bool = False) -> dict:
 
   ``quick`` runs small models and few rounds: a check that it works, not a measurement.
   """
-  sizes = {"scan": 4, "list": 4, "blocks": 1} if quick else {
-      "scan": 100, "list": 100, "blocks": 8}
+  sizes = {"scan": 4, "list": 4, "blocks": 1} if quick else {"scan": 100, "list": 100, "blocks": 8}
   rounds, inner, dispatch_inner = (3, 2, 2) if quick else (31, 20, 20)
-  models = {kind: _measure_model(kind, n, rounds, inner, dispatch_inner)
-            for kind, n in sizes.items()}
-  return {"quick": quick, "targets": TARGETS, "device": jax.devices()[0].platform,
-          "models": models}
+  models = {
+    kind: _measure_model(kind, n, rounds, inner, dispatch_inner) for kind, n in sizes.items()
+  }
+  return {"quick": quick, "targets": TARGETS, "device": jax.devices()[0].platform, "models": models}
 
 
 def markdown(result: dict) -> str:
@@ -282,26 +278,31 @@ def markdown(result: dict) -> str:
     return f"{ratio:.2f}x ({'met' if ratio <= target else 'missed'}, ≤ {target}x)"
 
   lines = [
-      "### Flatten + unflatten per Variable, µs: median (min–max)", "",
-      "| model | Variables | sr | equinox | nnx | dict | sr / equinox |",
-      "|---|---|---|---|---|---|---|",
+    "### Flatten + unflatten per Variable, µs: median (min–max)",
+    "",
+    "| model | Variables | sr | equinox | nnx | dict | sr / equinox |",
+    "|---|---|---|---|---|---|---|",
   ]
   for kind, m in result["models"].items():
     f = m["flatten_us"]
     lines.append(
-        f"| {kind} ({m['n']}) | {m['variables']} | {cell(f['sr'])} | "
-        f"{cell(f['equinox'])} | {cell(f['nnx'])} | {cell(f['dict'])} | "
-        f"{verdict(m['flatten_ratio'], result['targets']['flatten'])} |")
+      f"| {kind} ({m['n']}) | {m['variables']} | {cell(f['sr'])} | "
+      f"{cell(f['equinox'])} | {cell(f['nnx'])} | {cell(f['dict'])} | "
+      f"{verdict(m['flatten_ratio'], result['targets']['flatten'])} |"
+    )
   lines += [
-      "", "### Raw `jax.jit(f)` dispatch, µs per call: median (min–max)", "",
-      "| model | on the module | on its State | module / State |",
-      "|---|---|---|---|",
+    "",
+    "### Raw `jax.jit(f)` dispatch, µs per call: median (min–max)",
+    "",
+    "| model | on the module | on its State | module / State |",
+    "|---|---|---|---|",
   ]
   for kind, m in result["models"].items():
     d = m["dispatch_us"]
     lines.append(
-        f"| {kind} ({m['n']}) | {cell(d['module'])} | {cell(d['state'])} | "
-        f"{verdict(m['dispatch_ratio'], result['targets']['dispatch'])} |")
+      f"| {kind} ({m['n']}) | {cell(d['module'])} | {cell(d['state'])} | "
+      f"{verdict(m['dispatch_ratio'], result['targets']['dispatch'])} |"
+    )
   return "\n".join(lines) + "\n"
 
 

@@ -41,9 +41,11 @@ def raw_remat_scan(params, x, lengths, policy=None):
   def level(d, h, ps):
     if d == len(lengths):
       return layer(h, ps)
-    step = jax.checkpoint(lambda h, p: level(d + 1, h, p),
-                          policy=policy if d == len(lengths) - 1 else None,
-                          prevent_cse=False)
+    step = jax.checkpoint(
+      lambda h, p: level(d + 1, h, p),
+      policy=policy if d == len(lengths) - 1 else None,
+      prevent_cse=False,
+    )
     return jax.lax.scan(step, h, ps)
 
   return level(0, x, folded)[0]
@@ -52,8 +54,11 @@ def raw_remat_scan(params, x, lengths, policy=None):
 def memory(fn, *args) -> dict:
   compiled = jax.jit(fn).lower(*args).compile()
   m = compiled.memory_analysis()
-  return {"temp": m.temp_size_in_bytes, "arguments": m.argument_size_in_bytes,
-          "outputs": m.output_size_in_bytes}
+  return {
+    "temp": m.temp_size_in_bytes,
+    "arguments": m.argument_size_in_bytes,
+    "outputs": m.output_size_in_bytes,
+  }
 
 
 def measure(width: int, batch: int, lengths: tuple[int, ...]) -> dict:
@@ -71,21 +76,21 @@ def measure(width: int, batch: int, lengths: tuple[int, ...]) -> dict:
   def sr_scan_remat_loss(model, x):
     body = sr.remat(lambda m, h: (m(h), None), prevent_cse=False)
     out, _ = sr.scan(body, variable_axes={sr.Param: 0})(model, x)
-    return jnp.mean(out ** 2)
+    return jnp.mean(out**2)
 
   def raw_scan_remat_loss(params, x):
-    step = jax.checkpoint(lambda h, p: (jnp.tanh(h @ p["kernel"] + p["bias"]), None),
-                          prevent_cse=False)
+    step = jax.checkpoint(
+      lambda h, p: (jnp.tanh(h @ p["kernel"] + p["bias"]), None), prevent_cse=False
+    )
     return jnp.mean(jax.lax.scan(step, x, params)[0] ** 2)
 
   results = {
-      "raw remat_scan": memory(jax.grad(raw_loss), params, x),
-      "sr.remat_scan": memory(_pure(stack, sr_remat_scan_loss), params, x),
-      "raw scan(remat)": memory(jax.grad(raw_scan_remat_loss), params, x),
-      "sr.scan(sr.remat)": memory(_pure(stack, sr_scan_remat_loss), params, x),
+    "raw remat_scan": memory(jax.grad(raw_loss), params, x),
+    "sr.remat_scan": memory(_pure(stack, sr_remat_scan_loss), params, x),
+    "raw scan(remat)": memory(jax.grad(raw_scan_remat_loss), params, x),
+    "sr.scan(sr.remat)": memory(_pure(stack, sr_scan_remat_loss), params, x),
   }
-  return {"width": width, "batch": batch, "layers": n, "lengths": list(lengths),
-          "bytes": results}
+  return {"width": width, "batch": batch, "layers": n, "lengths": list(lengths), "bytes": results}
 
 
 def _pure(stack, loss):
@@ -93,8 +98,13 @@ def _pure(stack, loss):
   graphdef = sr.graphdef(stack)
 
   def grad_fn(params, x):
-    model = sr.merge(graphdef, sr.State({"kernel": params["kernel"], "bias": params["bias"]},
-                                        kinds={("kernel",): sr.Param, ("bias",): sr.Param}))
+    model = sr.merge(
+      graphdef,
+      sr.State(
+        {"kernel": params["kernel"], "bias": params["bias"]},
+        kinds={("kernel",): sr.Param, ("bias",): sr.Param},
+      ),
+    )
     grads = sr.grad(loss)(model, x)
     return {"kernel": grads["kernel"], "bias": grads["bias"]}
 
@@ -102,24 +112,32 @@ def _pure(stack, loss):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--quick", action="store_true", help="W=32, B=64, N=16 (4, 4)")
   parser.add_argument("--json", help="also write the results to this JSON file")
   args = parser.parse_args()
   config = (32, 64, (4, 4)) if args.quick else (256, 4096, (16, 16))
   result = measure(*config)
   mib = 2**20
-  print(f"W={result['width']} B={result['batch']} N={result['layers']} "
-        f"lengths={tuple(result['lengths'])} ({jax.devices()[0].platform})")
+  print(
+    f"W={result['width']} B={result['batch']} N={result['layers']} "
+    f"lengths={tuple(result['lengths'])} ({jax.devices()[0].platform})"
+  )
   print(f"{'construction':20s} {'temp MiB':>10s} {'args MiB':>10s} {'out MiB':>10s}")
   for name, m in result["bytes"].items():
-    print(f"{name:20s} {m['temp'] / mib:10.2f} {m['arguments'] / mib:10.2f} "
-          f"{m['outputs'] / mib:10.2f}")
+    print(
+      f"{name:20s} {m['temp'] / mib:10.2f} {m['arguments'] / mib:10.2f} {m['outputs'] / mib:10.2f}"
+    )
   b = result["bytes"]
-  print(f"ratio sr.remat_scan / raw: temp {b['sr.remat_scan']['temp'] / b['raw remat_scan']['temp']:.4f}")
-  print(f"ratio sr.scan(remat) / raw: temp "
-        f"{b['sr.scan(sr.remat)']['temp'] / b['raw scan(remat)']['temp']:.4f}")
+  print(
+    f"ratio sr.remat_scan / raw: temp {b['sr.remat_scan']['temp'] / b['raw remat_scan']['temp']:.4f}"
+  )
+  print(
+    f"ratio sr.scan(remat) / raw: temp "
+    f"{b['sr.scan(sr.remat)']['temp'] / b['raw scan(remat)']['temp']:.4f}"
+  )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=2)

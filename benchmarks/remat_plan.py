@@ -43,12 +43,21 @@ def _measure(stack, carry, n, candidate, cache) -> int:
   """XLA's temp bytes for the gradient of one candidate (cached per candidate)."""
   key = (n, candidate.lengths, candidate.policy)
   if key not in cache:
-    plan = RematPlan(n, candidate.lengths, candidate.policy, candidate.evals,
-                     candidate.temp_bytes, None, (), 0, 0, None)
+    plan = RematPlan(
+      n,
+      candidate.lengths,
+      candidate.policy,
+      candidate.evals,
+      candidate.temp_bytes,
+      None,
+      (),
+      0,
+      0,
+      None,
+    )
     run = sr.remat_scan(body, lengths=plan)
     step = sr.jit(sr.grad(lambda m, x: jnp.mean(run(m, x) ** 2)))
-    cache[key] = int(step.lower(stack, carry).compile().memory_analysis()
-                     .temp_size_in_bytes)
+    cache[key] = int(step.lower(stack, carry).compile().memory_analysis().temp_size_in_bytes)
   return cache[key]
 
 
@@ -71,8 +80,7 @@ def _counting_compiles():
 
 def case(n: int, width: int = W, batch: int = B, log=print) -> list[dict]:
   """The three budgets' rows for depth ``n``."""
-  stack = sr.eval_shape(
-      lambda: sr.vmap(sr.nn.Linear, axis_size=n)(width, width, rngs=sr.Rngs(0)))
+  stack = sr.eval_shape(lambda: sr.vmap(sr.nn.Linear, axis_size=n)(width, width, rngs=sr.Rngs(0)))
   carry = jax.ShapeDtypeStruct((batch, width), jnp.float32)
   start = time.perf_counter()
   # The least memory at <= 3N evaluations: the model alone, nothing is compiled (the
@@ -87,9 +95,11 @@ def case(n: int, width: int = W, batch: int = B, log=print) -> list[dict]:
   # The planner takes a plan to fit when its prediction is at most HEADROOM of the
   # budget; each budget is 1 % above what its reference plan needs that way.
   fit = lambda predicted: int(predicted / HEADROOM * 1.01)
-  budgets = {"roomy (1.5x least at 3N)": int(1.5 * least.temp_bytes),
-             "just above the least at 3N": fit(least.temp_bytes),
-             "just above the smallest": fit(smallest)}
+  budgets = {
+    "roomy (1.5x least at 3N)": int(1.5 * least.temp_bytes),
+    "just above the least at 3N": fit(least.temp_bytes),
+    "just above the smallest": fit(smallest),
+  }
   rows = []
   for label, budget in budgets.items():
     with _counting_compiles() as compiles:
@@ -98,9 +108,10 @@ def case(n: int, width: int = W, batch: int = B, log=print) -> list[dict]:
       seconds = time.perf_counter() - start
     measured = plan.measured_bytes or _measure(stack, carry, n, plan.candidates[0], cache)
     # The exhaustive best: fewest evaluations whose measured temp fits.
-    pool = sorted((c for c in plan.candidates if c.evals <= plan.evals
-                   and c.temp_bytes <= MARGIN * budget),
-                  key=lambda c: (c.evals, c.temp_bytes))
+    pool = sorted(
+      (c for c in plan.candidates if c.evals <= plan.evals and c.temp_bytes <= MARGIN * budget),
+      key=lambda c: (c.evals, c.temp_bytes),
+    )
     best, errors = None, []
     for c in pool:  # fewest evaluations first: the first that fits is the best
       m = _measure(stack, carry, n, c, cache)
@@ -109,40 +120,55 @@ def case(n: int, width: int = W, batch: int = B, log=print) -> list[dict]:
         best = c
         break
     best_evals = best.evals if best else None
-    row = {"n": n, "width": width, "batch": batch, "budget": label,
-           "budget_bytes": budget, "lengths": list(plan.lengths),
-           "policy": plan.policy_name, "evals": plan.evals, "predicted": plan.temp_bytes,
-           "measured": measured, "fits": measured <= budget,
-           "prediction_error": plan.temp_bytes / measured - 1,
-           "exhaustive_best_evals": best_evals,
-           "exhaustive_best_lengths": list(best.lengths) if best else None,
-           "compiled": len(errors),
-           "max_model_error_compiled": max(map(abs, errors)) if errors else None,
-           "plan_seconds": seconds, "plan_compiles": compiles[0],
-           "model_seconds": model_seconds}
-    log(f"  N={n:<5d} {label:45s} {str(plan.lengths):16s} {plan.policy_name:17s} "
-        f"{plan.evals // n}N pred {format_bytes(plan.temp_bytes):>11s} meas "
-        f"{format_bytes(measured):>11s} fits {row['fits']} best "
-        f"{best_evals // n if best_evals else None}N ({len(errors)} compiled) {seconds:.2f}s"
-        f" ({compiles[0]} compiles; model alone {model_seconds:.2f}s)")
+    row = {
+      "n": n,
+      "width": width,
+      "batch": batch,
+      "budget": label,
+      "budget_bytes": budget,
+      "lengths": list(plan.lengths),
+      "policy": plan.policy_name,
+      "evals": plan.evals,
+      "predicted": plan.temp_bytes,
+      "measured": measured,
+      "fits": measured <= budget,
+      "prediction_error": plan.temp_bytes / measured - 1,
+      "exhaustive_best_evals": best_evals,
+      "exhaustive_best_lengths": list(best.lengths) if best else None,
+      "compiled": len(errors),
+      "max_model_error_compiled": max(map(abs, errors)) if errors else None,
+      "plan_seconds": seconds,
+      "plan_compiles": compiles[0],
+      "model_seconds": model_seconds,
+    }
+    log(
+      f"  N={n:<5d} {label:45s} {str(plan.lengths):16s} {plan.policy_name:17s} "
+      f"{plan.evals // n}N pred {format_bytes(plan.temp_bytes):>11s} meas "
+      f"{format_bytes(measured):>11s} fits {row['fits']} best "
+      f"{best_evals // n if best_evals else None}N ({len(errors)} compiled) {seconds:.2f}s"
+      f" ({compiles[0]} compiles; model alone {model_seconds:.2f}s)"
+    )
     rows.append(row)
   return rows
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| N | budget | pick | policy | evals | predicted | measured | error | fits | "
-           "exhaustive best evals | plan s (compiles) | model alone s |",
-           "|---:|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+  lines = [
+    "| N | budget | pick | policy | evals | predicted | measured | error | fits | "
+    "exhaustive best evals | plan s (compiles) | model alone s |",
+    "|---:|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
+  ]
   for r in rows:
     best = r["exhaustive_best_evals"]
     best = "-" if best is None else f"{best // r['n']}N"
     lines.append(
-        f"| {r['n']} | {r['budget']} ({format_bytes(r['budget_bytes'])}) | "
-        f"{tuple(r['lengths'])} | {r['policy']} | {r['evals'] // r['n']}N | "
-        f"{format_bytes(r['predicted'])} | {format_bytes(r['measured'])} | "
-        f"{100 * r['prediction_error']:+.3f} % | {r['fits']} | "
-        f"{best} | {r['plan_seconds']:.2f} ({r['plan_compiles']}) | "
-        f"{r['model_seconds']:.2f} |")
+      f"| {r['n']} | {r['budget']} ({format_bytes(r['budget_bytes'])}) | "
+      f"{tuple(r['lengths'])} | {r['policy']} | {r['evals'] // r['n']}N | "
+      f"{format_bytes(r['predicted'])} | {format_bytes(r['measured'])} | "
+      f"{100 * r['prediction_error']:+.3f} % | {r['fits']} | "
+      f"{best} | {r['plan_seconds']:.2f} ({r['plan_compiles']}) | "
+      f"{r['model_seconds']:.2f} |"
+    )
   return "\n".join(lines)
 
 
@@ -151,8 +177,9 @@ def run(depths, width: int = W, batch: int = B, log=print) -> list[dict]:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--depths", type=int, nargs="+", default=[61, 97, 127, 256, 1000])
   parser.add_argument("--out", default=RESULTS)
   args = parser.parse_args(argv)
@@ -163,7 +190,8 @@ def main(argv=None) -> None:
   out.mkdir(parents=True, exist_ok=True)
   (out / "remat_plan.json").write_text(json.dumps(rows, indent=1))
   (out / "remat_plan.md").write_text(
-      "# Remat planning against an exhaustive compile\n\n" + text + "\n")
+    "# Remat planning against an exhaustive compile\n\n" + text + "\n"
+  )
 
 
 if __name__ == "__main__":

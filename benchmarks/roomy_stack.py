@@ -25,7 +25,8 @@ on a CPython with the fix.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _SLOTS = 1 << 16  # local variables of 8 bytes: a 512 KiB frame
 
@@ -35,7 +36,7 @@ def _roomy_caller() -> Callable:
   # The locals exist only to size the frame (CPython reserves a slot for each local
   # when the frame is pushed, and leaves them unset), so the code is generated.
   names = " = ".join(f"_{i:x}" for i in range(_SLOTS))
-  source = (f"def call(fn):\n  if fn is None:\n    {names} = None\n  return fn()\n")
+  source = f"def call(fn):\n  if fn is None:\n    {names} = None\n  return fn()\n"
   namespace: dict = {}
   exec(compile(source, __file__, "exec"), namespace)  # noqa: S102 (source above)
   return namespace["call"]

@@ -55,33 +55,64 @@ if __package__ in (None, ""):  # run as `python benchmarks/run.py`
 import flax  # noqa: E402
 import jax  # noqa: E402
 
-from benchmarks import (compiling, dispatch, hotpaths, pattern, plots,  # noqa: E402
-                        remat_plan, report, timing, transformer)
+from benchmarks import (  # noqa: E402
+  compiling,
+  dispatch,
+  hotpaths,
+  pattern,
+  plots,
+  remat_plan,
+  report,
+  timing,
+  transformer,
+)
 from benchmarks.models import lengths_for  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("dispatch", "hotpaths", "pattern", "pipeline")  # the parts --part can run alone
 
-FULL = {"width": 256, "batch": 4096, "depths": (16, 64, 100, 256), "reps": 3,
-        "trace_reps": 15, "plan_depths": (61, 97, 127, 256, 1000),
-        "plan_size": (256, 4096),
-        "step": {"width": 256, "batch": 256, "depths": (16, 64), "calls": 40,
-                 "note": "Step time runs at B=256 and N in {16, 64} (not B=4096 and "
-                         "every N) to keep the suite to minutes on a 2-core CPU; the "
-                         "ratio compares the same computation in every library, and "
-                         "at 10+ ms a step dispatch is well under 1% of it."}}
+FULL = {
+  "width": 256,
+  "batch": 4096,
+  "depths": (16, 64, 100, 256),
+  "reps": 3,
+  "trace_reps": 15,
+  "plan_depths": (61, 97, 127, 256, 1000),
+  "plan_size": (256, 4096),
+  "step": {
+    "width": 256,
+    "batch": 256,
+    "depths": (16, 64),
+    "calls": 40,
+    "note": "Step time runs at B=256 and N in {16, 64} (not B=4096 and "
+    "every N) to keep the suite to minutes on a 2-core CPU; the "
+    "ratio compares the same computation in every library, and "
+    "at 10+ ms a step dispatch is well under 1% of it.",
+  },
+}
 # One depth: every compile costs ~0.1 s here, and the test suite runs quick mode.
 # Planning at W=16, B=8 would measure XLA's small constant buffers, not the model.
-QUICK = {"width": 16, "batch": 8, "depths": (8,), "reps": 1, "trace_reps": 1,
-         "plan_depths": (13,), "plan_size": (64, 256),
-         "step": {"width": 16, "batch": 8, "depths": (8,), "calls": 20,
-                  "note": "Quick mode: tiny sizes, so the times are mostly dispatch."}}
+QUICK = {
+  "width": 16,
+  "batch": 8,
+  "depths": (8,),
+  "reps": 1,
+  "trace_reps": 1,
+  "plan_depths": (13,),
+  "plan_size": (64, 256),
+  "step": {
+    "width": 16,
+    "batch": 8,
+    "depths": (8,),
+    "calls": 20,
+    "note": "Quick mode: tiny sizes, so the times are mostly dispatch.",
+  },
+}
 # Quick mode compiles 3-4x faster with LLVM optimisation and the fusion emitters off
 # (jax_disable_most_optimizations for everything, the options where a jit takes them):
 # only its bytes and shapes matter, and buffer assignment (hence memory_analysis) comes
 # before code generation, so the byte counts are the same.
-QUICK_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
-                          "xla_cpu_use_fusion_emitters": False}
+QUICK_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
 @contextlib.contextmanager
@@ -109,28 +140,48 @@ def machine() -> str:
   return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
 
 
-def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool = True,
-        with_transformer: bool = True, log=print) -> dict:
+def run(
+  quick: bool = False,
+  out: str | Path = RESULTS,
+  *,
+  with_dispatch: bool = True,
+  with_transformer: bool = True,
+  log=print,
+) -> dict:
   """Runs the suite, writes the result files to ``out`` and returns the results dict."""
   cfg = QUICK if quick else FULL
   step = cfg["step"]
   start = time.perf_counter()
   options = QUICK_COMPILER_OPTIONS if quick else None
   same = (step["width"], step["batch"]) == (cfg["width"], cfg["batch"])
-  log(f"parts 1-2: memory, trace+lower and compile (W={cfg['width']}, B={cfg['batch']}, "
-      f"N in {list(cfg['depths'])}, {cfg['reps']} compiles, "
-      f"{cfg['trace_reps']} lowerings)")
+  log(
+    f"parts 1-2: memory, trace+lower and compile (W={cfg['width']}, B={cfg['batch']}, "
+    f"N in {list(cfg['depths'])}, {cfg['reps']} compiles, "
+    f"{cfg['trace_reps']} lowerings)"
+  )
   with _fast_compiles(quick):
-    entries, kept = compiling.run(cfg["depths"], cfg["width"], cfg["batch"], cfg["reps"],
-                                  cfg["trace_reps"], compiler_options=options,
-                                  keep_depths=step["depths"] if same else (), log=log)
-    log(f"part 3: step time (W={step['width']}, B={step['batch']}, "
-        f"N in {list(step['depths'])}, {step['calls']} calls)")
-    steps = timing.run(step["depths"], step["width"], step["batch"], step["calls"],
-                       compiled=kept, log=log)
+    entries, kept = compiling.run(
+      cfg["depths"],
+      cfg["width"],
+      cfg["batch"],
+      cfg["reps"],
+      cfg["trace_reps"],
+      compiler_options=options,
+      keep_depths=step["depths"] if same else (),
+      log=log,
+    )
+    log(
+      f"part 3: step time (W={step['width']}, B={step['batch']}, "
+      f"N in {list(step['depths'])}, {step['calls']} calls)"
+    )
+    steps = timing.run(
+      step["depths"], step["width"], step["batch"], step["calls"], compiled=kept, log=log
+    )
   del kept
-  log(f"part 5: remat planning against an exhaustive compile (N in "
-      f"{list(cfg['plan_depths'])}, three budgets each)")
+  log(
+    f"part 5: remat planning against an exhaustive compile (N in "
+    f"{list(cfg['plan_depths'])}, three budgets each)"
+  )
   with _fast_compiles(quick):
     planning = remat_plan.run(cfg["plan_depths"], *cfg["plan_size"], log=log)
   dispatch_result = None
@@ -142,18 +193,29 @@ def run(quick: bool = False, out: str | Path = RESULTS, *, with_dispatch: bool =
     log("part 6: the transformer family")
     transformer_targets = transformer.run(quick, out, log=log)["targets"]
   results = {
-      "config": {
-          "quick": quick, "width": cfg["width"], "batch": cfg["batch"],
-          "depths": list(cfg["depths"]), "reps": cfg["reps"],
-          "trace_reps": cfg["trace_reps"],
-          "lengths": {n: [lengths_for(n, 2), lengths_for(n, 3)] for n in cfg["depths"]},
-          "compiler_options": options, "step": {**step, "depths": list(step["depths"])},
-          "machine": machine(), "device": str(jax.devices()[0]),
-          "versions": {"jax": jax.__version__, "flax": flax.__version__,
-                       "python": platform.python_version()},
+    "config": {
+      "quick": quick,
+      "width": cfg["width"],
+      "batch": cfg["batch"],
+      "depths": list(cfg["depths"]),
+      "reps": cfg["reps"],
+      "trace_reps": cfg["trace_reps"],
+      "lengths": {n: [lengths_for(n, 2), lengths_for(n, 3)] for n in cfg["depths"]},
+      "compiler_options": options,
+      "step": {**step, "depths": list(step["depths"])},
+      "machine": machine(),
+      "device": str(jax.devices()[0]),
+      "versions": {
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "python": platform.python_version(),
       },
-      "deep_stack": entries, "step": steps, "dispatch": dispatch_result,
-      "remat_plan": planning, "transformer_targets": transformer_targets,
+    },
+    "deep_stack": entries,
+    "step": steps,
+    "dispatch": dispatch_result,
+    "remat_plan": planning,
+    "transformer_targets": transformer_targets,
   }
   results["targets"] = report.targets(results)
   results["config"]["seconds"] = time.perf_counter() - start
@@ -166,13 +228,15 @@ def _dispatch(quick: bool, command: str) -> dict:
   start = time.perf_counter()
   result = dispatch.run(quick)
   result["config"].update(
-      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-      machine=machine(), command=command, seconds=time.perf_counter() - start)
+    date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    machine=machine(),
+    command=command,
+    seconds=time.perf_counter() - start,
+  )
   return result
 
 
-def run_part(part: str, quick: bool = False, out: str | Path = RESULTS, *,
-             log=print) -> dict:
+def run_part(part: str, quick: bool = False, out: str | Path = RESULTS, *, log=print) -> dict:
   """Re-runs one part (``PARTS``) into the results already in ``out``; returns them.
 
   The part's section of ``results.json`` is replaced, the targets recomputed, and
@@ -190,11 +254,17 @@ def run_part(part: str, quick: bool = False, out: str | Path = RESULTS, *,
   path = out / "results.json"
   if not path.exists():
     raise FileNotFoundError(
-        f"--part {part} updates {path}, which does not exist: run the whole suite "
-        f"first (python -m benchmarks --out {out}).")
+      f"--part {part} updates {path}, which does not exist: run the whole suite "
+      f"first (python -m benchmarks --out {out})."
+    )
   if part == "hotpaths":
-    return hotpaths.run(quick, out, machine=machine(), log=log,
-                        dispatch_part=lambda: run_part("dispatch", quick, out, log=log))
+    return hotpaths.run(
+      quick,
+      out,
+      machine=machine(),
+      log=log,
+      dispatch_part=lambda: run_part("dispatch", quick, out, log=log),
+    )
   results = json.loads(path.read_text())
   log("part 4: dispatch overhead")
   command = "python -m benchmarks --part dispatch" + (" --quick" if quick else "")
@@ -202,8 +272,7 @@ def run_part(part: str, quick: bool = False, out: str | Path = RESULTS, *,
   results["targets"] = report.targets(results)
   with open(path, "w") as f:
     json.dump(results, f, indent=1)
-  (out / "results.md").write_text(
-      report.markdown(results, dispatch.table(results["dispatch"])))
+  (out / "results.md").write_text(report.markdown(results, dispatch.table(results["dispatch"])))
   plots.dispatch(results["dispatch"], out / "dispatch.png")
   return results
 
@@ -216,9 +285,13 @@ def _pipeline(quick: bool, out: Path) -> dict:
   if "xla_force_host_platform_device_count" not in flags:
     flags = (flags + " --xla_force_host_platform_device_count=8").strip()
   root = Path(__file__).resolve().parents[1]
-  subprocess.run([sys.executable, "-m", "benchmarks.pipeline", "--out", str(out),
-                  "--command", command] + (["--quick"] if quick else []),
-                 cwd=root, env={**os.environ, "XLA_FLAGS": flags}, check=True)
+  subprocess.run(
+    [sys.executable, "-m", "benchmarks.pipeline", "--out", str(out), "--command", command]
+    + (["--quick"] if quick else []),
+    cwd=root,
+    env={**os.environ, "XLA_FLAGS": flags},
+    check=True,
+  )
   return json.loads((out / "pipeline.json").read_text())
 
 
@@ -238,13 +311,15 @@ def write(results: dict, out: Path) -> None:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
   parser.add_argument("--out", default=RESULTS, help=f"output folder (default {RESULTS})")
   parser.add_argument("--no-dispatch", action="store_true", help="skip part 4")
   parser.add_argument("--no-transformer", action="store_true", help="skip part 6")
-  parser.add_argument("--part", choices=PARTS,
-                      help="re-run this part alone into the results.json in --out")
+  parser.add_argument(
+    "--part", choices=PARTS, help="re-run this part alone into the results.json in --out"
+  )
   args = parser.parse_args(argv)
   if args.part is not None:
     if args.no_dispatch or args.no_transformer:
@@ -254,14 +329,23 @@ def main(argv=None) -> None:
     except FileNotFoundError as e:
       parser.error(str(e))
     print()
-    print(hotpaths.markdown(results) if args.part == "hotpaths"
-          else pattern.markdown(results) if args.part == "pattern"
-          else "(its table is above)" if args.part == "pipeline"
-          else dispatch.table(results["dispatch"]))
+    print(
+      hotpaths.markdown(results)
+      if args.part == "hotpaths"
+      else pattern.markdown(results)
+      if args.part == "pattern"
+      else "(its table is above)"
+      if args.part == "pipeline"
+      else dispatch.table(results["dispatch"])
+    )
     print(f"\nwritten to {args.out}")
     return
-  results = run(args.quick, args.out, with_dispatch=not args.no_dispatch,
-                with_transformer=not args.no_transformer)
+  results = run(
+    args.quick,
+    args.out,
+    with_dispatch=not args.no_dispatch,
+    with_transformer=not args.no_transformer,
+  )
   print()
   print("\n".join(report.summary(results)))
   if results["transformer_targets"] is not None:

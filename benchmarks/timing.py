@@ -36,8 +36,7 @@ def interleaved(fns: dict, calls: int) -> tuple[dict, dict]:
   return steps, dispatch
 
 
-def run(depths, width: int, batch: int, calls: int, *, compiled=None,
-        log=print) -> list[dict]:
+def run(depths, width: int, batch: int, calls: int, *, compiled=None, log=print) -> list[dict]:
   """One entry per library x strategy x depth: ``ms`` (min/median/max) and ``ratio``.
 
   ``compiled`` maps ``(library, strategy, n)`` to an already compiled ``(jitted, args)``
@@ -52,8 +51,9 @@ def run(depths, width: int, batch: int, calls: int, *, compiled=None,
       for lib in LIBRARIES:
         results[lib] = {"library": lib, "strategy": strategy, "n": n}
         try:
-          fn, args = compiled.get((lib, strategy, n)) or _fresh(build[lib], strategy, n,
-                                                                 width, batch)
+          fn, args = compiled.get((lib, strategy, n)) or _fresh(
+            build[lib], strategy, n, width, batch
+          )
         except NotApplicable as e:
           results[lib].update(status="n/a", reason=str(e))
           continue
@@ -69,9 +69,14 @@ def run(depths, width: int, batch: int, calls: int, *, compiled=None,
         for lib in samples:
           results[lib]["ratio"] = results[lib]["ms"]["median"] / base
       entries.extend(results.values())
-      log(f"  N={n:<4d} {strategy:14s} " + " | ".join(
+      log(
+        f"  N={n:<4d} {strategy:14s} "
+        + " | ".join(
           f"{lib} {r['ms']['median']:.2f} ms ({r.get('ratio', float('nan')):.3f}x)"
-          for lib, r in results.items() if r["status"] == "ok"))
+          for lib, r in results.items()
+          if r["status"] == "ok"
+        )
+      )
   return entries
 
 

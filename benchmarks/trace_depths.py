@@ -25,8 +25,7 @@ from .roomy_stack import in_roomy_stack
 
 CONSTRUCTIONS = ("scan", "scan_remat", "remat_scan_d2", "remat_scan_d3")
 TARGET = 1.1
-FULL = {"depths": (64, 256), "callers": (0, 8, 16, 32, 61), "reps": 9, "width": 256,
-        "batch": 4096}
+FULL = {"depths": (64, 256), "callers": (0, 8, 16, 32, 61), "reps": 9, "width": 256, "batch": 4096}
 QUICK = {"depths": (4,), "callers": (0, 8), "reps": 2, "width": 8, "batch": 2}
 
 
@@ -62,13 +61,15 @@ def measure(quick: bool = False, log=None) -> dict:
   (sr / raw lowered where it crosses no chunk boundary: statefulremat's own cost).
   """
   from .models import builders
+
   config = QUICK if quick else FULL
   build = builders()
   entries = []
   for construction in CONSTRUCTIONS:
     for n in config["depths"]:
-      cases = {lib: build[lib](construction, n, config["width"], config["batch"])
-               for lib in ("raw", "sr")}
+      cases = {
+        lib: build[lib](construction, n, config["width"], config["batch"]) for lib in ("raw", "sr")
+      }
       for case in cases.values():  # imports and first-use caches out of the way
         _lower_s(case)
       for caller in config["callers"]:
@@ -77,35 +78,53 @@ def measure(quick: bool = False, log=None) -> dict:
           shift = rep % len(_RUNS)  # each goes first in turn
           for name in _ORDER[shift:] + _ORDER[:shift]:
             lib, room = _RUNS[name]
-            call = ((lambda: in_roomy_stack(lambda: _lower_s(cases[lib]))) if room else
-                    (lambda: _lower_s(cases[lib])))
+            call = (
+              (lambda: in_roomy_stack(lambda: _lower_s(cases[lib])))
+              if room
+              else (lambda: _lower_s(cases[lib]))
+            )
             samples[name].append(at_depth(caller, call))
         ratios = [a / b for a, b in zip(samples["sr"], samples["raw"])]
-        entry = {"construction": construction, "n": n, "caller_depth": caller,
-                 **{name: stats(samples[name]) for name in _RUNS},
-                 "ratio": paired_ratio(samples["sr"], samples["raw"]),
-                 "ratio_min": min(ratios), "ratio_max": max(ratios),
-                 "ratio_to_roomy_raw": paired_ratio(samples["sr"], samples["raw_roomy"])}
+        entry = {
+          "construction": construction,
+          "n": n,
+          "caller_depth": caller,
+          **{name: stats(samples[name]) for name in _RUNS},
+          "ratio": paired_ratio(samples["sr"], samples["raw"]),
+          "ratio_min": min(ratios),
+          "ratio_max": max(ratios),
+          "ratio_to_roomy_raw": paired_ratio(samples["sr"], samples["raw_roomy"]),
+        }
         entry["met"] = entry["ratio"] <= TARGET
         entries.append(entry)
         if log is not None:
           log(_row(entry))
   worst = max(entries, key=lambda e: e["ratio"])
-  return {"config": dict(config), "target": TARGET, "entries": entries,
-          "met": all(e["met"] for e in entries),
-          "worst": {k: worst[k] for k in ("construction", "n", "caller_depth", "ratio")}}
+  return {
+    "config": dict(config),
+    "target": TARGET,
+    "entries": entries,
+    "met": all(e["met"] for e in entries),
+    "worst": {k: worst[k] for k in ("construction", "n", "caller_depth", "ratio")},
+  }
 
 
-_NAMES = {"scan": "scan", "scan_remat": "scan(remat)", "remat_scan_d2": "remat_scan d=2",
-          "remat_scan_d3": "remat_scan d=3"}
+_NAMES = {
+  "scan": "scan",
+  "scan_remat": "scan(remat)",
+  "remat_scan_d2": "remat_scan d=2",
+  "remat_scan_d3": "remat_scan d=3",
+}
 
 
 def _row(e: dict) -> str:
   ms = lambda s: f"{s['min'] * 1e3:.1f} / {s['median'] * 1e3:.1f} / {s['max'] * 1e3:.1f}"
-  return (f"| {_NAMES[e['construction']]} | {e['n']} | {e['caller_depth']} | "
-          f"{ms(e['sr'])} | {ms(e['raw'])} | {e['ratio_min']:.3f} / {e['ratio']:.3f} / "
-          f"{e['ratio_max']:.3f} | {'yes' if e['met'] else 'no'} | "
-          f"{ms(e['raw_roomy'])} | {e['ratio_to_roomy_raw']:.3f} |")
+  return (
+    f"| {_NAMES[e['construction']]} | {e['n']} | {e['caller_depth']} | "
+    f"{ms(e['sr'])} | {ms(e['raw'])} | {e['ratio_min']:.3f} / {e['ratio']:.3f} / "
+    f"{e['ratio_max']:.3f} | {'yes' if e['met'] else 'no'} | "
+    f"{ms(e['raw_roomy'])} | {e['ratio_to_roomy_raw']:.3f} |"
+  )
 
 
 def markdown(result: dict) -> str:
@@ -114,23 +133,28 @@ def markdown(result: dict) -> str:
   met = sum(e["met"] for e in result["entries"])
   w = result["worst"]
   lines = [
-      f"Trace+lower from a plain caller, {c['reps']} paired lowerings per row "
-      f"(W={c['width']}, B={c['batch']}); ms min / median / max; ratio = "
-      f"statefulremat / raw JAX, min / median of the paired ratios / max. Target "
-      f"<= {result['target']}x: met in {met} of {len(result['entries'])} rows (worst "
-      f"{w['ratio']:.3f}x, {_NAMES[w['construction']]} N={w['n']} at caller depth "
-      f"{w['caller_depth']}). The last two columns: raw JAX lowered from a roomy frame "
-      "(benchmarks/roomy_stack.py, no frame-stack chunk mapped), and statefulremat's "
-      "paired ratio to it.",
-      "",
-      "| construction | N | caller depth | sr ms | raw ms | ratio | <= target | "
-      "raw, roomy ms | sr / roomy raw |",
-      "|---|---:|---:|---|---|---|---|---|---:|",
+    f"Trace+lower from a plain caller, {c['reps']} paired lowerings per row "
+    f"(W={c['width']}, B={c['batch']}); ms min / median / max; ratio = "
+    f"statefulremat / raw JAX, min / median of the paired ratios / max. Target "
+    f"<= {result['target']}x: met in {met} of {len(result['entries'])} rows (worst "
+    f"{w['ratio']:.3f}x, {_NAMES[w['construction']]} N={w['n']} at caller depth "
+    f"{w['caller_depth']}). The last two columns: raw JAX lowered from a roomy frame "
+    "(benchmarks/roomy_stack.py, no frame-stack chunk mapped), and statefulremat's "
+    "paired ratio to it.",
+    "",
+    "| construction | N | caller depth | sr ms | raw ms | ratio | <= target | "
+    "raw, roomy ms | sr / roomy raw |",
+    "|---|---:|---:|---|---|---|---|---|---:|",
   ]
   lines += [_row(e) for e in result["entries"]]
   return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-  print(markdown(measure(quick="--quick" in sys.argv[1:],
-                         log=lambda line: print(line, file=sys.stderr, flush=True))))
+  print(
+    markdown(
+      measure(
+        quick="--quick" in sys.argv[1:], log=lambda line: print(line, file=sys.stderr, flush=True)
+      )
+    )
+  )

@@ -40,6 +40,7 @@ LIBRARIES = ("raw", "linen", "nnx", "sr")
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Sizes of one benchmark point: N layers of width d, h heads, (batch, seq, d) in."""
+
   n: int
   d: int = 256
   heads: int = 4
@@ -74,26 +75,32 @@ def fill(abstract, seed: int = 0, kernel_std: float = 0.02):
 
 
 def inputs(cfg: Config):
-  return jax.device_put(np.random.default_rng(1).standard_normal(
-      (cfg.batch, cfg.seq, cfg.d)).astype(np.float32))
+  return jax.device_put(
+    np.random.default_rng(1).standard_normal((cfg.batch, cfg.seq, cfg.d)).astype(np.float32)
+  )
 
 
 def loss_of(y):
-  return jnp.mean(y ** 2)
+  return jnp.mean(y**2)
 
 
 # --- raw JAX -------------------------------------------------------------------------
+
 
 def raw_abstract(cfg: Config) -> dict:
   """One dict of stacked parameter shapes, leading axis N."""
   n, d, h = cfg.n, cfg.d, cfg.heads
   f = lambda *shape: jax.ShapeDtypeStruct((n,) + shape, jnp.float32)
-  return {"ln1": {"scale": f(d), "bias": f(d)}, "ln2": {"scale": f(d), "bias": f(d)},
-          **{name: {"kernel": f(d, h, d // h), "bias": f(h, d // h)}
-             for name in ("query", "key", "value")},
-          "out": {"kernel": f(h, d // h, d), "bias": f(d)},
-          "fc1": {"kernel": f(d, 4 * d), "bias": f(4 * d)},
-          "fc2": {"kernel": f(4 * d, d), "bias": f(d)}}
+  return {
+    "ln1": {"scale": f(d), "bias": f(d)},
+    "ln2": {"scale": f(d), "bias": f(d)},
+    **{
+      name: {"kernel": f(d, h, d // h), "bias": f(h, d // h)} for name in ("query", "key", "value")
+    },
+    "out": {"kernel": f(h, d // h, d), "bias": f(d)},
+    "fc1": {"kernel": f(d, 4 * d), "bias": f(4 * d)},
+    "fc2": {"kernel": f(4 * d, d), "bias": f(d)},
+  }
 
 
 def _b(v):
@@ -115,8 +122,10 @@ def _dropout(x, key, rate):
 
 
 def _attention(x, p):
-  q, k, v = (jnp.einsum("bsd,dhk->bshk", x, p[n]["kernel"]) + _b(p[n]["bias"])
-             for n in ("query", "key", "value"))
+  q, k, v = (
+    jnp.einsum("bsd,dhk->bshk", x, p[n]["kernel"]) + _b(p[n]["bias"])
+    for n in ("query", "key", "value")
+  )
   q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
   w = jnp.einsum("bqhk,bshk->bhqs", q, k)
   causal = jnp.broadcast_to(jnp.tril(jnp.ones(w.shape[-2:], w.dtype)), w.shape)
@@ -162,14 +171,15 @@ def _build_raw(construction, cfg, plan):
   def new():
     def loss(params, x, key):
       keys = jax.random.split(key, cfg.n)
-      return loss_of(raw_forward(construction, params, x, keys, cfg.dropout, lengths,
-                                 policy))
+      return loss_of(raw_forward(construction, params, x, keys, cfg.dropout, lengths, policy))
+
     return jax.jit(jax.grad(loss))
 
   return Case(new, args)
 
 
 # --- flax.linen ----------------------------------------------------------------------
+
 
 class LinenBlock(nn.Module):
   d: int
@@ -181,7 +191,8 @@ class LinenBlock(nn.Module):
     drop = nn.Dropout(self.rate, deterministic=False)
     mask = nn.make_causal_mask(x[..., 0])
     a = nn.MultiHeadDotProductAttention(self.heads, qkv_features=self.d)(
-        nn.LayerNorm(epsilon=1e-6)(x), mask=mask)
+      nn.LayerNorm(epsilon=1e-6)(x), mask=mask
+    )
     x = x + drop(a)
     h = drop(jax.nn.gelu(nn.Dense(4 * self.d)(nn.LayerNorm(epsilon=1e-6)(x))))
     return x + drop(nn.Dense(self.d)(h))
@@ -201,8 +212,9 @@ class LinenStack(nn.Module):
     c = self.cfg
     if self.construction == "scan_remat":
       body = nn.remat(LinenScanBlock, prevent_cse=False)
-      stack = nn.scan(body, variable_axes={"params": 0},
-                      split_rngs={"params": True, "dropout": True}, length=c.n)
+      stack = nn.scan(
+        body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True}, length=c.n
+      )
       return stack(c.d, c.heads, c.dropout, name="stack")(x, None)[0]
     stack = nn.remat_scan(LinenBlock, lengths=c.lengths)
     return stack(c.d, c.heads, c.dropout, name="stack")(x)
@@ -213,21 +225,25 @@ def _build_linen(construction, cfg, plan):
     raise NotApplicable("flax.linen has no remat planner")
   model = LinenStack(cfg, construction)
   x = inputs(cfg)
-  params = fill(jax.eval_shape(
-      lambda: model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
-                         x))["params"])
+  params = fill(
+    jax.eval_shape(
+      lambda: model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    )["params"]
+  )
 
   def new():
     model = LinenStack(cfg, construction)
 
     def loss(params, x, key):
       return loss_of(model.apply({"params": params}, x, rngs={"dropout": key}))
+
     return jax.jit(jax.grad(loss))
 
   return Case(new, (params, x, jax.random.key(2)))
 
 
 # --- flax.nnx ------------------------------------------------------------------------
+
 
 class NnxBlock(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
@@ -255,6 +271,7 @@ def _build_nnx(construction, cfg, plan):
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs):
       return NnxBlock(cfg, rngs=rngs)
+
     return create(nnx.Rngs(params=0, dropout=1))
 
   graphdef, state = nnx.split(nnx.eval_shape(make))
@@ -268,12 +285,14 @@ def _build_nnx(construction, cfg, plan):
   def new():
     def loss(model, x):
       return loss_of(forward(model, x))
+
     return nnx.jit(lambda model, x: nnx.grad(loss)(model, x))
 
   return Case(new, (model, inputs(cfg)))
 
 
 # --- statefulremat -------------------------------------------------------------------
+
 
 class SrBlock(sr.Module):
   def __init__(self, cfg: Config, *, rngs: sr.Rngs):
@@ -297,8 +316,12 @@ class SrScanBlock(SrBlock):
 def sr_stack_class(construction: str, cfg: Config, plan=None) -> type:
   """The stacked class (class forms: every variable stacked, every stream split)."""
   if construction == "scan_remat":
-    return sr.scan(sr.remat(SrScanBlock, prevent_cse=False), length=cfg.n,
-                   variable_axes={True: 0}, split_rngs={True: True})
+    return sr.scan(
+      sr.remat(SrScanBlock, prevent_cse=False),
+      length=cfg.n,
+      variable_axes={True: 0},
+      split_rngs={True: True},
+    )
   if construction == "remat_scan":
     return sr.remat_scan(SrBlock, lengths=cfg.lengths)
   return sr.remat_scan(SrBlock, lengths="auto", length=cfg.n)
@@ -330,8 +353,9 @@ def sr_params_as_raw(stack) -> dict:
 
 def sr_plan(cfg: Config):
   """What ``lengths="auto"`` picks for this stack and carry (no budget)."""
-  stack = sr.eval_shape(lambda: sr.vmap(SrBlock, axis_size=cfg.n)(
-      cfg, rngs=sr.Rngs(params=0, dropout=1)))
+  stack = sr.eval_shape(
+    lambda: sr.vmap(SrBlock, axis_size=cfg.n)(cfg, rngs=sr.Rngs(params=0, dropout=1))
+  )
   carry = jax.ShapeDtypeStruct((cfg.batch, cfg.seq, cfg.d), jnp.float32)
   return sr.plan_remat(stack, carry)
 
@@ -344,6 +368,7 @@ def _build_sr(construction, cfg, plan):
     def loss(model, x):
       y = model(x)
       return loss_of(y[0] if isinstance(y, tuple) else y)
+
     return sr.jit(lambda model, x: sr.grad(loss)(model, x))
 
   return Case(new, (model, x))

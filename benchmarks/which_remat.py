@@ -50,15 +50,20 @@ def strategies(n: int, carry) -> dict:
   tight = int(smallest / HEADROOM * 1.01)
   scan_body = lambda m, h: (m(h), None)
   return {
-      "scan": lambda m, h: sr.scan(scan_body, variable_axes={True: 0})(m, h)[0],
-      "scan(remat)": lambda m, h: sr.scan(sr.remat(scan_body, prevent_cse=False),
-                                          variable_axes={True: 0})(m, h)[0],
-      "remat_scan auto": sr.remat_scan(body, lengths="auto"),
-      f"remat_scan auto, budget {format_bytes(tight)}": sr.remat_scan(
-          body, lengths="auto", memory_budget=tight),
-  }, {"remat_scan auto": least.lengths,
-      f"remat_scan auto, budget {format_bytes(tight)}": sr.plan_remat(
-          stack, carry, fn=body, memory_budget=tight).lengths}
+    "scan": lambda m, h: sr.scan(scan_body, variable_axes={True: 0})(m, h)[0],
+    "scan(remat)": lambda m, h: sr.scan(
+      sr.remat(scan_body, prevent_cse=False), variable_axes={True: 0}
+    )(m, h)[0],
+    "remat_scan auto": sr.remat_scan(body, lengths="auto"),
+    f"remat_scan auto, budget {format_bytes(tight)}": sr.remat_scan(
+      body, lengths="auto", memory_budget=tight
+    ),
+  }, {
+    "remat_scan auto": least.lengths,
+    f"remat_scan auto, budget {format_bytes(tight)}": sr.plan_remat(
+      stack, carry, fn=body, memory_budget=tight
+    ).lengths,
+  }
 
 
 def measure(n: int, batch: int, calls: int, log=print) -> list[dict]:
@@ -73,10 +78,15 @@ def measure(n: int, batch: int, calls: int, log=print) -> list[dict]:
     compiled = step.lower(model, x).compile()
     jax.block_until_ready(step(model, x))
     first = time.perf_counter() - start
-    rows[name] = {"n": n, "batch": batch, "strategy": name,
-                  "lengths": list(lengths.get(name, ())),
-                  "temp": int(compiled.memory_analysis().temp_size_in_bytes),
-                  "first_call_s": first, "step_s": []}
+    rows[name] = {
+      "n": n,
+      "batch": batch,
+      "strategy": name,
+      "lengths": list(lengths.get(name, ())),
+      "temp": int(compiled.memory_analysis().temp_size_in_bytes),
+      "first_call_s": first,
+      "step_s": [],
+    }
     steps[name] = step
   for _ in range(calls):  # interleaved, so the machine's load spreads over all
     for name, step in steps.items():
@@ -86,26 +96,33 @@ def measure(n: int, batch: int, calls: int, log=print) -> list[dict]:
   for row in rows.values():
     s = row.pop("step_s")
     row["step"] = {"min": min(s), "median": statistics.median(s), "max": max(s)}
-    log(f"  N={n:<4d} {row['strategy']:34s} {str(tuple(row['lengths'])):12s} "
-        f"temp {format_bytes(row['temp']):>11s} first {row['first_call_s']:6.2f}s "
-        f"step {row['step']['median']:.3f}s")
+    log(
+      f"  N={n:<4d} {row['strategy']:34s} {str(tuple(row['lengths'])):12s} "
+      f"temp {format_bytes(row['temp']):>11s} first {row['first_call_s']:6.2f}s "
+      f"step {row['step']['median']:.3f}s"
+    )
   return list(rows.values())
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| N | strategy | lengths | temp | first call s | step s (min / median / max) |",
-           "|---:|---|---|---:|---:|---:|"]
+  lines = [
+    "| N | strategy | lengths | temp | first call s | step s (min / median / max) |",
+    "|---:|---|---|---:|---:|---:|",
+  ]
   for r in rows:
     s = r["step"]
-    lines.append(f"| {r['n']} | {r['strategy']} | {tuple(r['lengths']) or '-'} | "
-                 f"{format_bytes(r['temp'])} | {r['first_call_s']:.2f} | "
-                 f"{s['min']:.3f} / {s['median']:.3f} / {s['max']:.3f} |")
+    lines.append(
+      f"| {r['n']} | {r['strategy']} | {tuple(r['lengths']) or '-'} | "
+      f"{format_bytes(r['temp'])} | {r['first_call_s']:.2f} | "
+      f"{s['min']:.3f} / {s['median']:.3f} / {s['max']:.3f} |"
+    )
   return "\n".join(lines)
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--depths", type=int, nargs="+", default=[61, 97, 256])
   parser.add_argument("--batch", type=int, default=1024)
   parser.add_argument("--calls", type=int, default=5)
@@ -118,7 +135,8 @@ def main(argv=None) -> None:
   out.mkdir(parents=True, exist_ok=True)
   (out / "which_remat.json").write_text(json.dumps(rows, indent=1))
   (out / "which_remat.md").write_text(
-      f"# Which remat? (W={W}, B={args.batch}, CPU)\n\n" + text + "\n")
+    f"# Which remat? (W={W}, B={args.batch}, CPU)\n\n" + text + "\n"
+  )
 
 
 if __name__ == "__main__":

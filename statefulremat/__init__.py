@@ -6,6 +6,14 @@
 (3, 2)
 """
 
+from . import _old_paths
+from . import interop as interop
+from . import nn as nn
+from .checkpoint._files import CheckpointError as CheckpointError
+from .checkpoint._save_restore import restore as restore
+from .checkpoint._save_restore import save as save
+from .checkpoint._sync import SaveHandle as SaveHandle
+from .core import _pytree  # noqa: F401  (registers every Module class as a JAX pytree)
 from .core._containers import ModuleDict as ModuleDict
 from .core._containers import ModuleList as ModuleList
 from .core._errors import GraphError as GraphError
@@ -18,6 +26,16 @@ from .core._filters import Any as Any
 from .core._filters import Not as Not
 from .core._filters import PathContains as PathContains
 from .core._graph import GraphDef as GraphDef
+from .core._kinds import BatchStat as BatchStat
+from .core._kinds import Cache as Cache
+from .core._kinds import Intermediate as Intermediate
+from .core._kinds import Param as Param
+from .core._kinds import RngCount as RngCount
+from .core._kinds import RngKey as RngKey
+from .core._kinds import RngState as RngState
+from .core._module import Module as Module
+from .core._rngs import Rngs as Rngs
+from .core._rngs import RngStream as RngStream
 from .core._split_merge import clone as clone
 from .core._split_merge import graphdef as graphdef
 from .core._split_merge import iter_graph as iter_graph
@@ -26,28 +44,22 @@ from .core._split_merge import pop as pop
 from .core._split_merge import split as split
 from .core._split_merge import state as state
 from .core._split_merge import update as update
-from .core._module import Module as Module
-from .optim._optimizer import OptState as OptState
-from .optim._optimizer import Optimizer as Optimizer
-from .core._rngs import Rngs as Rngs
-from .core._rngs import RngStream as RngStream
+from .core._stacking import stack as stack
+from .core._stacks import per_layer as per_layer
+from .core._stacks import unstack as unstack
+from .core._state import State as State
+from .core._variables import Variable as Variable
+from .display._display import display as display
+from .display._summary import Summary as Summary
+from .display._summary import SummaryRow as SummaryRow
+from .display._summary import summary as summary
 from .distributed._sharding import ShardingError as ShardingError
 from .distributed._sharding import get_partition_spec as get_partition_spec
 from .distributed._sharding import logical_to_mesh as logical_to_mesh
 from .distributed._sharding import shard as shard
-from .core._stacks import per_layer as per_layer
-from .core._stacking import stack as stack
-from .core._stacks import unstack as unstack
-from .core._state import State as State
-from .core import _pytree  # noqa: F401  (registers every Module class as a JAX pytree)
-from .checkpoint._save_restore import restore as restore
-from .checkpoint._save_restore import save as save
-from .checkpoint._files import CheckpointError as CheckpointError
-from .checkpoint._sync import SaveHandle as SaveHandle
-from .display._summary import Summary as Summary
-from .display._summary import SummaryRow as SummaryRow
-from .display._summary import summary as summary
-from .display._display import display as display
+from .nn._sequential import Sequential as Sequential
+from .optim._optimizer import Optimizer as Optimizer
+from .optim._optimizer import OptState as OptState
 from .transforms._accumulate import accumulate as accumulate
 from .transforms._autodiff import grad as grad
 from .transforms._autodiff import value_and_grad as value_and_grad
@@ -56,26 +68,14 @@ from .transforms._jit import jit as jit
 from .transforms._pipeline import PipelineSpec as PipelineSpec
 from .transforms._pipeline import pipeline as pipeline
 from .transforms._remat import remat as remat
-from .transforms._saved_residuals import saved_residuals as saved_residuals
 from .transforms._remat_plan import RematPlan as RematPlan
 from .transforms._remat_plan import RematPlanError as RematPlanError
 from .transforms._remat_scan import plan_remat as plan_remat
 from .transforms._remat_scan import remat_scan as remat_scan
+from .transforms._saved_residuals import saved_residuals as saved_residuals
 from .transforms._scan import broadcast as broadcast
 from .transforms._scan import scan as scan
 from .transforms._vmap import vmap as vmap
-from .core._kinds import BatchStat as BatchStat
-from .core._kinds import Cache as Cache
-from .core._kinds import Intermediate as Intermediate
-from .core._kinds import Param as Param
-from .core._kinds import RngCount as RngCount
-from .core._kinds import RngKey as RngKey
-from .core._kinds import RngState as RngState
-from .core._variables import Variable as Variable
-from .nn._sequential import Sequential as Sequential
-from . import nn as nn
-from . import interop as interop
-from . import _old_paths
 
 _old_paths.install()  # pickles of 0.1 name the modules before the floor folders
 

@@ -57,11 +57,16 @@ def stacked_blocks(kind: str, depth: int) -> type:
   """The stack class: every variable gets one layer axis; params and dropout split."""
   streams = {"params": True, "dropout": True}
   if kind == "remat_scan":
-    return sr.remat_scan(Block, lengths=lengths_for(depth), split_rngs=streams,
-                         metadata_params={"partition_name": "layers"})
+    return sr.remat_scan(
+      Block,
+      lengths=lengths_for(depth),
+      split_rngs=streams,
+      metadata_params={"partition_name": "layers"},
+    )
   body = {"scan": ScanBlock, "scan(remat)": sr.remat(ScanBlock, prevent_cse=False)}[kind]
-  return sr.scan(body, length=depth, variable_axes={sr.Param: 0, sr.BatchStat: 0},
-                 split_rngs=streams)
+  return sr.scan(
+    body, length=depth, variable_axes={sr.Param: 0, sr.BatchStat: 0}, split_rngs=streams
+  )
 
 
 def lengths_for(depth: int) -> tuple[int, ...]:
@@ -104,9 +109,17 @@ def gradient_memory(kind: str, depth: int, width: int, batch: int) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def run(*, depth: int = 100, width: int = 32, steps: int = 300, batch: int = 128,
-        seed: int = 0, out: str | Path = "demo_out", compare_memory: bool = True,
-        progress: bool = True) -> dict:
+def run(
+  *,
+  depth: int = 100,
+  width: int = 32,
+  steps: int = 300,
+  batch: int = 128,
+  seed: int = 0,
+  out: str | Path = "demo_out",
+  compare_memory: bool = True,
+  progress: bool = True,
+) -> dict:
   """Runs the demo; returns the losses and where the files went."""
   _require("tqdm", "matplotlib")
   out = Path(out)
@@ -114,8 +127,10 @@ def run(*, depth: int = 100, width: int = 32, steps: int = 300, batch: int = 128
   model = ResidualMLP(depth, width, rngs=sr.Rngs(params=seed, dropout=seed + 1))
   data = sr.Rngs(data=seed + 2)  # the batches' stream, not part of the model
   params = sum(x.size for x in jax.tree.leaves(sr.state(model, sr.Param)))
-  print(f"statefulremat demo: {depth} residual blocks (BatchNorm, Dropout) of width "
-        f"{width} under remat_scan lengths={lengths_for(depth)}, {params:,} parameters")
+  print(
+    f"statefulremat demo: {depth} residual blocks (BatchNorm, Dropout) of width "
+    f"{width} under remat_scan lengths={lengths_for(depth)}, {params:,} parameters"
+  )
 
   if compare_memory:
     print(f"\nGradient memory for a batch of {batch} (XLA memory analysis, temp bytes):")
@@ -139,8 +154,10 @@ def run(*, depth: int = 100, width: int = 32, steps: int = 300, batch: int = 128
   model.eval()  # running BatchNorm averages, no dropout
   test = float(eval_loss(model, test_x, test_y))
   model.train()
-  print(f"\nTrained {steps} steps in {seconds:.1f} s: training loss {losses[0]:.4f} -> "
-        f"{losses[-1]:.4f}; held-out loss (eval mode) {test:.4f}")
+  print(
+    f"\nTrained {steps} steps in {seconds:.1f} s: training loss {losses[0]:.4f} -> "
+    f"{losses[-1]:.4f}; held-out loss (eval mode) {test:.4f}"
+  )
 
   files = _write_outputs(model, losses, out)
   print("\nWrote:")
@@ -155,8 +172,9 @@ def _require(*modules: str) -> None:
   missing = [m for m in modules if importlib.util.find_spec(m) is None]
   if missing:
     raise SystemExit(
-        f"the demo needs {' and '.join(missing)}: pip install -e '.[demo]' (from a "
-        "clone) or pip install 'statefulremat[demo]'.")
+      f"the demo needs {' and '.join(missing)}: pip install -e '.[demo]' (from a "
+      "clone) or pip install 'statefulremat[demo]'."
+    )
 
 
 def _progress(steps: int, show: bool):
@@ -188,11 +206,14 @@ def _write_outputs(model, losses: list[float], out: Path) -> dict[str, Path]:
   steps = range(1, len(losses) + 1)
   ax.plot(steps, losses, linewidth=0.8, alpha=0.35, label="per step")
   window = max(1, len(losses) // 15)
-  ax.plot(steps, _running_mean(losses, window), linewidth=1.6,
-          label=f"mean of the last {window}")
+  ax.plot(steps, _running_mean(losses, window), linewidth=1.6, label=f"mean of the last {window}")
   ax.legend()
-  ax.set(xlabel="step", ylabel="training loss (MSE)", yscale="log",
-         title=f"{len(model.blocks)}-layer residual MLP, remat_scan")
+  ax.set(
+    xlabel="step",
+    ylabel="training loss (MSE)",
+    yscale="log",
+    title=f"{len(model.blocks)}-layer residual MLP, remat_scan",
+  )
   ax.grid(True, alpha=0.3)
   fig.tight_layout()
   fig.savefig(plot, dpi=120)

@@ -17,19 +17,45 @@ import importlib.abc
 import importlib.util
 import sys
 
-_CORE = ("_errors", "_tracing", "_variables", "_filters", "_containers", "_kinds",
-         "_state", "_module", "_graph", "_rngs", "_graph_lock", "_graph_diff", "_pytree",
-         "_split_merge", "_stacks")
+_CORE = (
+  "_errors",
+  "_tracing",
+  "_variables",
+  "_filters",
+  "_containers",
+  "_kinds",
+  "_state",
+  "_module",
+  "_graph",
+  "_rngs",
+  "_graph_lock",
+  "_graph_diff",
+  "_pytree",
+  "_split_merge",
+  "_stacks",
+)
 MOVED = {
-    **{name: f"core.{name}" for name in _CORE},
-    "_transforms": "transforms",
-    **{name: f"display.{name}" for name in (
-        "_treescope", "_treescope_adapter", "_treescope_arrays", "_repr", "_display",
-        "_summary", "_summary_norms", "_summary_outputs")},
-    "_checkpoint": "checkpoint._save_restore", "_checkpoint_files": "checkpoint._files",
-    "_checkpoint_meta": "checkpoint._meta", "_checkpoint_sync": "checkpoint._sync",
-    "_sharding": "distributed._sharding",
-    "_optimizer": "optim._optimizer",
+  **{name: f"core.{name}" for name in _CORE},
+  "_transforms": "transforms",
+  **{
+    name: f"display.{name}"
+    for name in (
+      "_treescope",
+      "_treescope_adapter",
+      "_treescope_arrays",
+      "_repr",
+      "_display",
+      "_summary",
+      "_summary_norms",
+      "_summary_outputs",
+    )
+  },
+  "_checkpoint": "checkpoint._save_restore",
+  "_checkpoint_files": "checkpoint._files",
+  "_checkpoint_meta": "checkpoint._meta",
+  "_checkpoint_sync": "checkpoint._sync",
+  "_sharding": "distributed._sharding",
+  "_optimizer": "optim._optimizer",
 }
 _PACKAGE = __name__.rpartition(".")[0]
 
@@ -39,7 +65,7 @@ def new_name(old: str) -> str | None:
   prefix = _PACKAGE + "."
   if not old.startswith(prefix):
     return None
-  head, dot, rest = old[len(prefix):].partition(".")
+  head, dot, rest = old[len(prefix) :].partition(".")
   if head not in MOVED:
     return None
   return prefix + MOVED[head] + dot + rest

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import statefulremat as sr
 
@@ -35,18 +36,24 @@ RULES = [("batch", "data"), ("mlp", "model"), ("embed", None), ("layers", None)]
 class Block(sr.Module):
   def __init__(self, d, *, rngs):
     meta = lambda *axes: {"sharding": axes}
-    self.up = sr.nn.Linear(d, 2 * d, kernel_metadata=meta("embed", "mlp"),
-                           bias_metadata=meta("mlp"), rngs=rngs)
+    self.up = sr.nn.Linear(
+      d, 2 * d, kernel_metadata=meta("embed", "mlp"), bias_metadata=meta("mlp"), rngs=rngs
+    )
     self.drop = sr.nn.Dropout(0.25, rngs=rngs)
-    self.down = sr.nn.Linear(2 * d, d, kernel_metadata=meta("mlp", "embed"),
-                             bias_metadata=meta("embed"), rngs=rngs)
+    self.down = sr.nn.Linear(
+      2 * d, d, kernel_metadata=meta("mlp", "embed"), bias_metadata=meta("embed"), rngs=rngs
+    )
 
   def __call__(self, x):
     return x + self.down(self.drop(jax.nn.gelu(self.up(x))))
 
 
-Stack = sr.remat_scan(Block, lengths=(2, 2), split_rngs={"params": True, "dropout": True},
-                      metadata_params={"partition_name": "layers"})
+Stack = sr.remat_scan(
+  Block,
+  lengths=(2, 2),
+  split_rngs={"params": True, "dropout": True},
+  metadata_params={"partition_name": "layers"},
+)
 
 
 def mesh():
@@ -62,18 +69,23 @@ def build(mesh):
 
 def global_batch(step: int):
   rng = np.random.default_rng(step)
-  return (rng.standard_normal((BATCH, D), np.float32),
-          rng.standard_normal((BATCH, D), np.float32))
+  return (rng.standard_normal((BATCH, D), np.float32), rng.standard_normal((BATCH, D), np.float32))
 
 
 def batch(mesh, step: int):
   """Step ``step``'s batch, sharded over 'data'; each process passes only its rows."""
   sharding = NamedSharding(mesh, P("data"))
-  rows = sorted({index[0].indices(BATCH)[:2] for index in
-                 sharding.addressable_devices_indices_map((BATCH, D)).values()})
+  rows = sorted(
+    {
+      index[0].indices(BATCH)[:2]
+      for index in sharding.addressable_devices_indices_map((BATCH, D)).values()
+    }
+  )
   start, stop = rows[0][0], rows[-1][1]
-  return tuple(jax.make_array_from_process_local_data(sharding, a[start:stop], (BATCH, D))
-               for a in global_batch(step))
+  return tuple(
+    jax.make_array_from_process_local_data(sharding, a[start:stop], (BATCH, D))
+    for a in global_batch(step)
+  )
 
 
 @sr.jit
@@ -108,11 +120,17 @@ def main() -> None:
   args = parser.parse_args()
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
-                             num_processes=args.num_processes,
-                             process_id=args.process_id, initialization_timeout=60)
-  result = {"process": jax.process_index(), "devices": jax.device_count(),
-            "local_devices": jax.local_device_count()}
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{args.port}",
+    num_processes=args.num_processes,
+    process_id=args.process_id,
+    initialization_timeout=60,
+  )
+  result = {
+    "process": jax.process_index(),
+    "devices": jax.device_count(),
+    "local_devices": jax.local_device_count(),
+  }
   m = mesh()
   with jax.set_mesh(m):
     if args.mode == "train":

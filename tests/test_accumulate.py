@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import statefulremat as sr
 
@@ -18,8 +19,9 @@ class Net(sr.Module):
   def __init__(self, rngs, features=8):
     # No bias before BatchNorm: its gradient is 0 up to rounding, which Adam would
     # turn into steps of ±lr that differ between any two summation orders.
-    self.lin = sr.nn.Linear(4, features, use_bias=False, rngs=rngs,
-                            kernel_metadata={"sharding": (None, "mlp")})
+    self.lin = sr.nn.Linear(
+      4, features, use_bias=False, rngs=rngs, kernel_metadata={"sharding": (None, "mlp")}
+    )
     self.bn = sr.nn.BatchNorm(features, rngs=rngs)
     self.drop = sr.nn.Dropout(0.5, rngs=rngs)
     self.out = sr.nn.Linear(features, 1, rngs=rngs)
@@ -45,15 +47,17 @@ def batch(rows=16):
 def loop(fn, model, x, y, k=K):
   """The reference: the Python loop over contiguous microbatches, then averaging."""
   n = x.shape[0] // k
-  outs = [fn(model, x[m * n:(m + 1) * n], y[m * n:(m + 1) * n]) for m in range(k)]
+  outs = [fn(model, x[m * n : (m + 1) * n], y[m * n : (m + 1) * n]) for m in range(k)]
   first, grads = zip(*outs)
   mean = lambda *a: sum(a) / k  # noqa: E731
   return first, jax.tree.map(mean, *grads)
 
 
 def leaves(tree):
-  return [np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(
-      a.dtype, jax.dtypes.prng_key) else a) for a in jax.tree.leaves(tree)]
+  return [
+    np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a)
+    for a in jax.tree.leaves(tree)
+  ]
 
 
 def assert_close(a, b, tol=1e-6):
@@ -164,19 +168,18 @@ def test_pytree_batch_and_keyword_arguments():
 
   vg = sr.value_and_grad(dict_loss)
   loss, grads = sr.accumulate(vg, microbatches=2)(a, {"x": x, "y": y}, scale=2.0)
-  outs = [vg(b, {"x": x[i * 8:(i + 1) * 8], "y": y[i * 8:(i + 1) * 8]}, scale=2.0)
-          for i in range(2)]
+  outs = [
+    vg(b, {"x": x[i * 8 : (i + 1) * 8], "y": y[i * 8 : (i + 1) * 8]}, scale=2.0) for i in range(2)
+  ]
   np.testing.assert_allclose(loss, (outs[0][0] + outs[1][0]) / 2, rtol=1e-6)
   assert_close(grads, jax.tree.map(lambda p, q: (p + q) / 2, outs[0][1], outs[1][1]))
 
 
 def _hlo_collectives(text):
-  return {op: len(re.findall(rf"\b{op}\(", text))
-          for op in ("all-gather", "all-to-all")}
+  return {op: len(re.findall(rf"\b{op}\(", text)) for op in ("all-gather", "all-to-all")}
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
-                         ids=["explicit", "auto"])
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def test_sharded_batch_on_data_mesh(axis_type):
   mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
   a, b = Net(sr.Rngs(0)), Net(sr.Rngs(0))
@@ -209,8 +212,7 @@ def test_sharded_params_explicit_mesh():
   with jax.set_mesh(mesh):
     sr.shard(a, mesh, rules=[("mlp", "model")])
     xs, ys = (jax.device_put(v, NamedSharding(mesh, P("data"))) for v in (x, y))
-    loss, grads = sr.jit(lambda m, x, y: sr.accumulate(vg, microbatches=K)(m, x, y))(
-        a, xs, ys)
+    loss, grads = sr.jit(lambda m, x, y: sr.accumulate(vg, microbatches=K)(m, x, y))(a, xs, ys)
   assert grads["lin"]["kernel"].sharding.spec == P(None, "model")
   np.testing.assert_allclose(loss, sum(losses) / K, rtol=1e-5)
   assert_close(grads, want, tol=1e-5)
@@ -223,30 +225,41 @@ def test_batch_not_divisible_names_argument_shape_and_fix():
   model = Net(sr.Rngs(0))
   before = snapshot(model)
   x, y = batch(10)
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       r"sr.accumulate\(loss_fn\): argument 1 has shape \(10, 4\), which does not split "
       r"along axis 0 into microbatches=4 .*Fix: pass a batch whose size is a multiple "
-      r"of 4 \(e.g. 8 rows\)")):
+      r"of 4 \(e.g. 8 rows\)"
+    ),
+  ):
     sr.accumulate(sr.value_and_grad(loss_fn), microbatches=K)(model, x, y)
   with pytest.raises(sr.TransformError, match=r"argument 1 at `\['y'\]` has shape \(6, 1\)"):
     sr.accumulate(lambda m, d: (0.0, {}), microbatches=4)(
-        model, {"x": jnp.ones((8, 4)), "y": jnp.ones((6, 1))})
+      model, {"x": jnp.ones((8, 4)), "y": jnp.ones((6, 1))}
+    )
   assert_unchanged(model, before)
 
 
 @pytest.mark.parametrize("k", [0, -1, 2.0, True])
 def test_microbatches_must_be_positive_int(k):
-  with pytest.raises(sr.TransformError, match=(
-      rf"microbatches={k!r}, but it is the number of microbatches.*an int >= 1. Fix")):
+  with pytest.raises(
+    sr.TransformError,
+    match=(rf"microbatches={k!r}, but it is the number of microbatches.*an int >= 1. Fix"),
+  ):
     sr.accumulate(sr.value_and_grad(loss_fn), microbatches=k)
 
 
 def test_fn_not_returning_loss_and_grads():
   model = Net(sr.Rngs(0))
   before = snapshot(model)
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       r"sr.accumulate\(loss_fn\): fn must return a pair \(loss, grads\).*returned a single "
-      r"array. Fix: wrap the loss function, `sr.accumulate\(sr.value_and_grad\(loss_fn\)")):
+      r"array. Fix: wrap the loss function, `sr.accumulate\(sr.value_and_grad\(loss_fn\)"
+    ),
+  ):
     sr.accumulate(loss_fn, microbatches=2)(model, *batch())
   with pytest.raises(sr.TransformError, match=r"returned a tuple of length 3"):
     sr.accumulate(lambda m, x: (1.0, 2.0, 3.0), microbatches=2)(model, jnp.ones((4, 4)))
@@ -257,16 +270,23 @@ def test_fn_not_returning_loss_and_grads():
 
 def test_non_module_first_argument():
   x, y = batch()
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       r"argument 0 must be the model \(a module, or a tuple/dict of modules\), got "
-      r"ArrayImpl.*Fix: `sr.accumulate\(fn, microbatches=k\)\(model, x, y\)`")):
+      r"ArrayImpl.*Fix: `sr.accumulate\(fn, microbatches=k\)\(model, x, y\)`"
+    ),
+  ):
     sr.accumulate(sr.value_and_grad(loss_fn), microbatches=2)(x, y)
 
 
 def test_module_in_batch_refused():
   model, other = Net(sr.Rngs(0)), Net(sr.Rngs(1))
-  with pytest.raises(sr.TransformError, match=r"argument 2 is a Net\. Modules go in "
-                     r"argument 0 only.*Fix"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"argument 2 is a Net\. Modules go in "
+    r"argument 0 only.*Fix",
+  ):
     sr.accumulate(lambda m, x, o: (0.0, {}), microbatches=2)(model, jnp.ones((4, 4)), other)
 
 
@@ -281,8 +301,7 @@ def test_error_in_fn_leaves_model_unchanged():
   with pytest.raises(KeyboardInterrupt):
     sr.accumulate(interrupted, microbatches=2)(model, *batch())
   with pytest.raises(KeyboardInterrupt):
-    sr.jit(lambda m, x, y: sr.accumulate(interrupted, microbatches=2)(m, x, y))(
-        model, *batch())
+    sr.jit(lambda m, x, y: sr.accumulate(interrupted, microbatches=2)(m, x, y))(model, *batch())
   assert_unchanged(model, before)
   # And it still runs afterwards.
   count = int(model.drop.rngs.default.count.value)
@@ -299,8 +318,12 @@ def test_carried_value_changing_shape_is_refused():
     m.bn.mean.value = jnp.concatenate([m.bn.mean.value, m.bn.mean.value])
     return out
 
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       r"fn changed `bn.mean` from float32\[8\] to float32\[16\].*keeps its shape. "
-      r"Fix")):
+      r"Fix"
+    ),
+  ):
     sr.accumulate(grow, microbatches=2)(model, jnp.ones((4, 4)))
   assert_unchanged(model, before)

@@ -10,10 +10,10 @@ import pytest
 
 from benchmarks import report
 from benchmarks import run as suite
-from benchmarks.dispatch_variants import KINDS, VARIANTS
 from benchmarks import transformer_models as tm
-from benchmarks.models import LIBRARIES, STRATEGIES
+from benchmarks.dispatch_variants import KINDS, VARIANTS
 from benchmarks.frame_chunks import ALIGNMENTS, CHUNK, ChunkedStack, simulate
+from benchmarks.models import LIBRARIES, STRATEGIES
 from benchmarks.roomy_stack import in_roomy_stack
 
 
@@ -69,8 +69,13 @@ def test_targets_and_files(quick):
   out, results = quick
   assert results["targets"]
   assert all(isinstance(t["met"], bool) for t in results["targets"])
-  assert {t["part"] for t in results["targets"]} == {"memory", "compile", "step",
-                                                     "planning", "dispatch"}
+  assert {t["part"] for t in results["targets"]} == {
+    "memory",
+    "compile",
+    "step",
+    "planning",
+    "dispatch",
+  }
   text = (out / "results.md").read_text()
   assert "## 1. XLA compiled memory" in text and "## 4. Dispatch overhead" in text
   assert "## 5. Remat planning" in text
@@ -102,7 +107,8 @@ def test_every_dispatch_variant_was_timed(quick):
         assert 0 < s["min_us"] <= s["median_us"] <= s["max_us"]
         assert s["ratio"] > 0 and s["paired_ratio"] > 0 and s["calls"] >= 1
   assert {(t["model"], t["optimizer"]) for t in dispatch["targets"]} == {
-      (m, k) for m in ("tiny", "wide") for k in KINDS}
+    (m, k) for m in ("tiny", "wide") for k in KINDS
+  }
 
 
 def test_every_transformer_variant_ran_with_positive_bytes(quick):
@@ -133,6 +139,7 @@ def test_transformer_sr_loss_equals_raw_with_the_same_params():
   import jax
   import jax.numpy as jnp
   import numpy as np
+
   cfg = tm.Config(n=3, d=8, heads=2, seq=5, batch=2, dropout=0.0)
   model = tm.sr_stack("scan_remat", cfg, kernel_std=0.5)
   params = tm.sr_params_as_raw(model)
@@ -147,19 +154,29 @@ def test_transformer_sr_loss_equals_raw_with_the_same_params():
 
 def test_lengths_are_the_issues():
   from benchmarks.models import lengths_for
-  assert [lengths_for(n, 2) for n in (16, 64, 100, 256)] == [(4, 4), (8, 8), (10, 10),
-                                                             (16, 16)]
-  assert [lengths_for(n, 3) for n in (16, 64, 100, 256)] == [(2, 2, 4), (4, 4, 4),
-                                                             (4, 5, 5), (4, 8, 8)]
+
+  assert [lengths_for(n, 2) for n in (16, 64, 100, 256)] == [(4, 4), (8, 8), (10, 10), (16, 16)]
+  assert [lengths_for(n, 3) for n in (16, 64, 100, 256)] == [
+    (2, 2, 4),
+    (4, 4, 4),
+    (4, 5, 5),
+    (4, 8, 8),
+  ]
 
 
 def test_compile_growth_exponent():
   # Flat for scan forms, about linear for the unrolled loop (the quick run has one N).
-  entries = [{"library": "sr", "strategy": strategy, "n": n, "status": "ok",
-              "compile_s": {"median": seconds}}
-             for strategy, per_n in (("scan", {16: 1.0, 256: 1.1}),
-                                     ("unrolled", {16: 1.0, 256: 16.0}))
-             for n, seconds in per_n.items()]
+  entries = [
+    {
+      "library": "sr",
+      "strategy": strategy,
+      "n": n,
+      "status": "ok",
+      "compile_s": {"median": seconds},
+    }
+    for strategy, per_n in (("scan", {16: 1.0, 256: 1.1}), ("unrolled", {16: 1.0, 256: 16.0}))
+    for n, seconds in per_n.items()
+  ]
   rows = {row["strategy"]: row for row in report.flatness(entries)}
   assert rows["scan"]["met"] and rows["scan"]["exponent"] < 0.05
   assert rows["unrolled"]["met"] is None and abs(rows["unrolled"]["exponent"] - 1) < 1e-9
@@ -193,13 +210,17 @@ def test_the_chunk_simulation_maps_a_chunk_at_every_call_across_a_boundary():
 
 def test_trace_depths_quick_runs_and_returns_the_keys():
   from benchmarks import trace_depths
+
   result = trace_depths.measure(quick=True)
   json.dumps(result)  # JSON-able
   assert set(result) == {"config", "target", "entries", "met", "worst"}
   rows = {(e["construction"], e["n"], e["caller_depth"]) for e in result["entries"]}
-  assert rows == {(c, n, d) for c in trace_depths.CONSTRUCTIONS
-                  for n in trace_depths.QUICK["depths"]
-                  for d in trace_depths.QUICK["callers"]}
+  assert rows == {
+    (c, n, d)
+    for c in trace_depths.CONSTRUCTIONS
+    for n in trace_depths.QUICK["depths"]
+    for d in trace_depths.QUICK["callers"]
+  }
   for e in result["entries"]:
     for run in ("sr", "raw", "raw_roomy"):
       assert len(e[run]["samples"]) == trace_depths.QUICK["reps"] and e[run]["min"] > 0
@@ -219,8 +240,10 @@ def test_pytree_flatten_quick_mode_measures_every_model_and_library():
   for m in result["models"].values():
     assert set(m["flatten_us"]) == {"sr", "equinox", "nnx", "dict"}
     assert set(m["dispatch_us"]) == {"module", "state"}
-    assert all(s["min"] <= s["median"] <= s["max"] and s["min"] > 0
-               for s in [*m["flatten_us"].values(), *m["dispatch_us"].values()])
+    assert all(
+      s["min"] <= s["median"] <= s["max"] and s["min"] > 0
+      for s in [*m["flatten_us"].values(), *m["dispatch_us"].values()]
+    )
     assert m["flatten_ratio"] > 0 and m["dispatch_ratio"] > 0
     assert m["leaves"]["sr"] == m["variables"] > 0
   table = pytree_flatten.markdown(result)
@@ -231,13 +254,13 @@ def test_pytree_flatten_quick_mode_measures_every_model_and_library():
 def test_pattern_part_runs_every_implementation_at_every_depth(tmp_path):
   # --part pattern needs no results.json: it writes its own two files.
   from benchmarks import pattern
+
   result = suite.run_part("pattern", quick=True, out=tmp_path, log=lambda *a: None)
-  assert json.loads((tmp_path / "pattern.json").read_text()) == json.loads(
-      json.dumps(result))
+  assert json.loads((tmp_path / "pattern.json").read_text()) == json.loads(json.dumps(result))
   q = pattern.QUICK
   entries = {(e["implementation"], e["n"]): e for e in result["entries"]}
   assert set(entries) == {(i, n) for i in pattern.IMPLEMENTATIONS for n in q["depths"]}
-  for (name, n), e in entries.items():
+  for (_, n), e in entries.items():
     assert e["status"] == "ok" and e["bytes"]["temp"] > 0
     assert len(e["first_call_s"]["samples"]) == q["reps"] and e["first_call_s"]["min"] > 0
     assert e["ratio"]["temp"] > 0 and e["ratio"]["first_call"] > 0
@@ -247,10 +270,10 @@ def test_pattern_part_runs_every_implementation_at_every_depth(tmp_path):
       assert "step_ms" not in e
   temp = [t for t in result["targets"] if t["figure"].startswith("temp")]
   assert {(t["implementation"], t["n"]) for t in temp} == {
-      (i, n) for i in ("sr", "sr_d2") for n in q["depths"]}
+    (i, n) for i in ("sr", "sr_d2") for n in q["depths"]
+  }
   assert all(t["met"] for t in temp)  # else run_part would have raised
-  assert {t["implementation"] for t in result["targets"] if t["n"] == "all"} == {
-      "sr", "sr_d2"}
+  assert {t["implementation"] for t in result["targets"] if t["n"] == "all"} == {"sr", "sr_d2"}
   text = (tmp_path / "pattern.md").read_text()
   # a row per depth (the timing targets' rows are left out: times are not tested)
   for n in q["depths"]:
@@ -260,33 +283,39 @@ def test_pattern_part_runs_every_implementation_at_every_depth(tmp_path):
 def test_pattern_implementations_compute_the_same_gradients():
   import jax
   import numpy as np
+
   import statefulremat as sr
   from benchmarks import pattern
+
   cfg = pattern.Config(6, d=8, heads=2, seq=4, batch=2)
   cases = pattern.build(cfg)
   grads = {name: case.new()(*case.args) for name, case in cases.items()}
   for name in ("sr", "sr_d2"):
     grads[name] = pattern.as_raw(grads[name])
   period = len(pattern.PATTERN)
-  grads["unrolled"] = [jax.tree.map(lambda *a: np.stack(a), *grads["unrolled"][k::period])
-                       for k in range(period)]
+  grads["unrolled"] = [
+    jax.tree.map(lambda *a: np.stack(a), *grads["unrolled"][k::period]) for k in range(period)
+  ]
   assert float(np.abs(grads["raw"][2]["attn"]["query"]["kernel"]).max()) > 1e-6
   for name in ("sr", "raw_d2", "sr_d2", "unrolled"):
     assert jax.tree.structure(grads[name]) == jax.tree.structure(grads["raw"]), name
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-                 grads[name], grads["raw"])
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads[name], grads["raw"]
+    )
   assert isinstance(cases["sr"].args[0], sr.Module)
 
 
 def test_pipeline_part_measures_bytes_and_bubbles_on_8_devices(tmp_path):
   # --part pipeline runs benchmarks/pipeline.py in its own process (8 host devices).
   from benchmarks import pipeline
+
   result = suite.run_part("pipeline", quick=True, out=tmp_path, log=lambda *a: None)
   assert json.loads((tmp_path / "pipeline.json").read_text()) == result
   assert result["config"]["devices"] == 8
   q = pipeline.QUICK
-  want = {(m, s, k) for m in pipeline.MESHES for s, _ in pipeline.SCHEDULES
-          for k in q["microbatches"]}
+  want = {
+    (m, s, k) for m in pipeline.MESHES for s, _ in pipeline.SCHEDULES for k in q["microbatches"]
+  }
   entries = {(e["mesh"], e["schedule"], e["microbatches"]): e for e in result["entries"]}
   assert set(entries) == want
   for e in entries.values():

@@ -40,11 +40,15 @@ def require_browser():
     return
   what = " and ".join(missing)
   if os.environ.get("CI") == "true":
-    pytest.fail(f"CI=true, but missing {what}: .ci/run should have installed Debian's "
-                "chromium and chromium-driver (apt-get) and selenium (the dev extra).",
-                pytrace=False)
-  pytest.skip(f"real-browser test, missing {what} (Debian: apt-get install chromium "
-              "chromium-driver; selenium comes with pip install -e '.[dev]')")
+    pytest.fail(
+      f"CI=true, but missing {what}: .ci/run should have installed Debian's "
+      "chromium and chromium-driver (apt-get) and selenium (the dev extra).",
+      pytrace=False,
+    )
+  pytest.skip(
+    f"real-browser test, missing {what} (Debian: apt-get install chromium "
+    "chromium-driver; selenium comes with pip install -e '.[dev]')"
+  )
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +59,21 @@ def driver():
 
   options = webdriver.ChromeOptions()
   options.binary_location = CHROMIUM
-  for arg in ("--headless=new", "--no-sandbox", "--disable-gpu",
-              "--disable-dev-shm-usage", f"--window-size={WIDTH},{HEIGHT}",
-              "--force-device-scale-factor=1"):
+  for arg in (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    f"--window-size={WIDTH},{HEIGHT}",
+    "--force-device-scale-factor=1",
+  ):
     options.add_argument(arg)
   with pytest.MonkeyPatch.context() as env:
     # Debian's browser and driver or nothing: Selenium Manager must never download one,
     # and SE_CHROMEDRIVER would override the Service's path.
     env.setenv("SE_OFFLINE", "true")
     env.delenv("SE_CHROMEDRIVER", raising=False)
-    browser = webdriver.Chrome(options=options,
-                               service=Service(executable_path=CHROMEDRIVER))
+    browser = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
   try:
     yield browser
   finally:
@@ -100,13 +108,13 @@ def open_page(driver, url):
   # The content arrives deflated in a <template>; treescope's script inflates it
   # asynchronously into the container's open shadow root.
   WebDriverWait(driver, TIMEOUT, ignored_exceptions=(NoSuchShadowRootException,)).until(
-      lambda _: host.shadow_root.find_elements(By.CSS_SELECTOR, ".treescope_root"))
+    lambda _: host.shadow_root.find_elements(By.CSS_SELECTOR, ".treescope_root")
+  )
   return host.shadow_root
 
 
 def shown(elements):
-  return [e for e in elements
-          if e.is_displayed() and e.size["width"] > 0 and e.size["height"] > 0]
+  return [e for e in elements if e.is_displayed() and e.size["width"] > 0 and e.size["height"] > 0]
 
 
 def png_size(path) -> tuple[int, int]:
@@ -128,8 +136,7 @@ def test_class_names_and_layer_axis_are_visible(driver, url, model):
   from selenium.webdriver.common.by import By
 
   root = open_page(driver, url)
-  labels = [e.text for e in
-            shown(root.find_elements(By.CSS_SELECTOR, ".foldable_node > label"))]
+  labels = [e.text for e in shown(root.find_elements(By.CSS_SELECTOR, ".foldable_node > label"))]
   for name in (type(model).__name__, "Linear", "BatchNorm", "Param", "BatchStat"):
     assert any(name in label for label in labels), (name, labels)
   # Every stacked variable (Linear's 2 Params, BatchNorm's 2 Params and 2 BatchStats)
@@ -150,8 +157,11 @@ def test_clicking_a_folded_param_draws_its_layer_axis(driver, url, tmp_path):
   def is_open(node):
     return label_of(node).find_element(By.CSS_SELECTOR, ":scope > input").is_selected()
 
-  params = [n for n in shown(root.find_elements(By.CSS_SELECTOR, ".foldable_node"))
-            if label_of(n).text.startswith("Param") and f"layers:{LAYERS}" in n.text]
+  params = [
+    n
+    for n in shown(root.find_elements(By.CSS_SELECTOR, ".foldable_node"))
+    if label_of(n).text.startswith("Param") and f"layers:{LAYERS}" in n.text
+  ]
   assert len(params) >= 4, "Linear's and BatchNorm's Params should show a layer axis"
   # The longest summary is Linear's kernel: random (not constant), so its figure has
   # many colours to check for.
@@ -167,16 +177,20 @@ def test_clicking_a_folded_param_draws_its_layer_axis(driver, url, tmp_path):
   label_of(value).click()
   WebDriverWait(driver, TIMEOUT).until(lambda _: FIGURE_LABEL.search(value.text))
 
-  axis = [e for e in shown(value.find_elements(By.CSS_SELECTOR, "div"))
-          if FIGURE_LABEL.fullmatch(e.text)]
+  axis = [
+    e for e in shown(value.find_elements(By.CSS_SELECTOR, "div")) if FIGURE_LABEL.fullmatch(e.text)
+  ]
   assert axis, value.text
   canvas = shown(value.find_elements(By.CSS_SELECTOR, "canvas"))
   assert canvas, "the array figure has no visible canvas"
-  colours = driver.execute_script("""
+  colours = driver.execute_script(
+    """
       const c = arguments[0];
       const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
       const seen = new Set();
       for (let i = 0; i < d.length; i += 4) seen.add(d.slice(i, i + 4).join());
-      return seen.size;""", canvas[0])
+      return seen.size;""",
+    canvas[0],
+  )
   assert colours > 32, f"the figure's canvas is (nearly) blank: {colours} colours"
   assert driver.save_screenshot(tmp_path / "unfolded.png")

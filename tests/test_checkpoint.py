@@ -13,7 +13,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import statefulremat as sr
 
@@ -34,7 +35,6 @@ class Net(sr.Module):
 
 
 class Block(sr.Module):
-
   def __init__(self, dim, *, rngs):
     self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
     self.drop = sr.nn.Dropout(0.1, rngs=rngs)
@@ -114,8 +114,7 @@ def test_round_trip_optimizer_and_python_and_numpy_values(tmp_path):
 
   model = Net(rngs=sr.Rngs(0))
   opt = sr.Optimizer(model, optax.adam(1e-2))
-  sr.jit(lambda opt: opt.update(sr.grad(lambda m: (m(data()) ** 2).mean())(opt.model))
-         )(opt)
+  sr.jit(lambda opt: opt.update(sr.grad(lambda m: (m(data()) ** 2).mean())(opt.model)))(opt)
   sr.save(tmp_path, [opt, Holder(1)])
   fresh_opt = sr.Optimizer(Net(rngs=sr.Rngs(1)), optax.adam(1e-2))
   fresh_holder = Holder(0)
@@ -174,8 +173,10 @@ def test_remat_scan_restores_into_any_lengths(tmp_path):
 def place(model, spec_of, mesh):
   """Puts each array of ``model`` on ``mesh`` with ``spec_of(value)``."""
   state = sr.state(model).flat()
-  sr.update(model, sr.State({
-      p: jax.device_put(v, NamedSharding(mesh, spec_of(v))) for p, v in state.items()}))
+  sr.update(
+    model,
+    sr.State({p: jax.device_put(v, NamedSharding(mesh, spec_of(v))) for p, v in state.items()}),
+  )
 
 
 def shardings(model):
@@ -187,15 +188,19 @@ def test_restore_onto_the_models_current_shardings(tmp_path):
   assert devices.size == 8, "tests/conftest.py asks for 8 CPU devices"
   saved_mesh = Mesh(devices.reshape(2, 4), ("data", "model"))
   model = trained(0)
-  place(model, lambda v: P("data", "model") if v.ndim == 2 else
-        P("model") if v.ndim == 1 else P(), saved_mesh)
+  place(
+    model,
+    lambda v: P("data", "model") if v.ndim == 2 else P("model") if v.ndim == 1 else P(),
+    saved_mesh,
+  )
   sr.save(tmp_path, model)
 
   # Another mesh, other specs: each array lands where the target model has it.
   target_mesh = Mesh(devices[::-1].reshape(4, 2), ("x", "y"))
   target = Net(rngs=sr.Rngs(1))
-  place(target, lambda v: P(None, "x") if v.ndim == 2 else
-        P("y") if v.ndim == 1 else P(), target_mesh)
+  place(
+    target, lambda v: P(None, "x") if v.ndim == 2 else P("y") if v.ndim == 1 else P(), target_mesh
+  )
   want = shardings(target)
   sr.restore(tmp_path, target)
   assert_same_state(target, model)
@@ -207,8 +212,9 @@ def test_restore_onto_the_models_current_shardings(tmp_path):
   sr.update(single, jax.device_put(sr.state(single), jax.devices()[5]))
   sr.restore(tmp_path, single)
   assert_same_state(single, model)
-  assert all(s == jax.sharding.SingleDeviceSharding(jax.devices()[5])
-             for s in shardings(single).values())
+  assert all(
+    s == jax.sharding.SingleDeviceSharding(jax.devices()[5]) for s in shardings(single).values()
+  )
 
 
 # -- atomic saves ---------------------------------------------------------------------
@@ -242,10 +248,10 @@ def interrupt_pointer_flip(monkeypatch):
   monkeypatch.setattr(os, "replace", replace)
 
 
-@pytest.mark.parametrize("interrupt", [interrupt_orbax_writing, interrupt_orbax_commit,
-                                       interrupt_pointer_flip])
-def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
-                                                        interrupt):
+@pytest.mark.parametrize(
+  "interrupt", [interrupt_orbax_writing, interrupt_orbax_commit, interrupt_pointer_flip]
+)
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, interrupt):
   old = trained(0)
   sr.save(tmp_path, old)
   listing = sorted(os.listdir(tmp_path))
@@ -278,8 +284,9 @@ def test_crashed_save_leaves_the_previous_checkpoint_and_is_cleaned_up(tmp_path)
       ocp.StandardCheckpointHandler.save = save
       sr.save({str(tmp_path)!r}, sr.nn.Linear(2, 2, rngs=sr.Rngs(0)))
   """)
-  result = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True,
-                          timeout=120)
+  result = subprocess.run(
+    [sys.executable, "-c", crash], capture_output=True, text=True, timeout=120
+  )
   assert result.returncode == 3, result.stderr
   assert sorted(os.listdir(tmp_path)) == ["sr-1", "sr-2", "sr_checkpoint.json"]
   fresh = Net(rngs=sr.Rngs(1))
@@ -334,10 +341,10 @@ def interrupt_writing_back(monkeypatch):
   monkeypatch.setattr(Fragile, "armed", True)
 
 
-@pytest.mark.parametrize("interrupt", [interrupt_reading, interrupt_rewrapping_keys,
-                                       interrupt_writing_back])
-def test_keyboard_interrupt_in_restore_leaves_the_model_unchanged(tmp_path, monkeypatch,
-                                                                  interrupt):
+@pytest.mark.parametrize(
+  "interrupt", [interrupt_reading, interrupt_rewrapping_keys, interrupt_writing_back]
+)
+def test_keyboard_interrupt_in_restore_leaves_the_model_unchanged(tmp_path, monkeypatch, interrupt):
   sr.save(tmp_path, Last(0))
   model = Last(1)
   before = snapshot(model)
@@ -355,8 +362,9 @@ def test_keyboard_interrupt_in_restore_leaves_the_model_unchanged(tmp_path, monk
 
 def test_restore_from_nothing(tmp_path):
   model = Net(rngs=sr.Rngs(0))
-  with pytest.raises(FileNotFoundError,
-                     match=r"no checkpoint at '.*nope' \(the path does not exist\)"):
+  with pytest.raises(
+    FileNotFoundError, match=r"no checkpoint at '.*nope' \(the path does not exist\)"
+  ):
     sr.restore(tmp_path / "nope", model)
   with pytest.raises(sr.CheckpointError, match="holds no finished sr.save"):
     sr.restore(tmp_path, model)  # an empty directory
@@ -365,8 +373,7 @@ def test_restore_from_nothing(tmp_path):
 def test_restore_from_something_else(tmp_path):
   (tmp_path / "notes.txt").write_text("hi")
   model = Net(rngs=sr.Rngs(0))
-  with pytest.raises(sr.CheckpointError,
-                     match=r"is not a statefulremat checkpoint: .*'notes.txt'"):
+  with pytest.raises(sr.CheckpointError, match=r"is not a statefulremat checkpoint: .*'notes.txt'"):
     sr.restore(tmp_path, model)
   with pytest.raises(sr.CheckpointError, match="is a file, not a checkpoint directory"):
     sr.restore(tmp_path / "notes.txt", model)
@@ -377,8 +384,9 @@ def test_save_refuses_files_and_foreign_directories(tmp_path):
   model = Net(rngs=sr.Rngs(0))
   with pytest.raises(sr.CheckpointError, match="is a file.*pass a new path"):
     sr.save(tmp_path / "notes.txt", model)
-  with pytest.raises(sr.CheckpointError,
-                     match="not a statefulremat checkpoint.*save into a new or empty"):
+  with pytest.raises(
+    sr.CheckpointError, match="not a statefulremat checkpoint.*save into a new or empty"
+  ):
     sr.save(tmp_path, model)
   assert os.listdir(tmp_path) == ["notes.txt"]
   assert (tmp_path / "notes.txt").read_text() == "hi"
@@ -391,25 +399,45 @@ def test_damaged_pointer(tmp_path):
     sr.restore(tmp_path, Net(rngs=sr.Rngs(0)))
 
 
-@pytest.mark.parametrize("saved, model, message", [
-    (lambda: Net(rngs=sr.Rngs(0)), lambda: Net(rngs=sr.Rngs(0), head_bias=False),
-     r"the checkpoint has `head.bias` \(a Param float32\[8\]\) but the model does not"),
-    (lambda: Net(rngs=sr.Rngs(0), head_bias=False), lambda: Net(rngs=sr.Rngs(0)),
-     r"the model has `head.bias` \(a Param float32\[8\]\) but the checkpoint does not"),
-    (lambda: Net(rngs=sr.Rngs(0)), lambda: Net(4, rngs=sr.Rngs(0)),
-     r"`head.bias`: the checkpoint has a Param float32\[8\], the model a Param "
-     r"float32\[4\] \(and 1 more difference\)"),
-    (lambda: Net(rngs=sr.Rngs(0)),
-     lambda: Net(rngs=sr.Rngs(0), param_dtype=jnp.bfloat16),
-     r"`linear.bias`: the checkpoint has a Param float32\[8\], the model a Param "
-     r"bfloat16\[8\]"),
-    (lambda: Net(rngs=sr.Rngs(0)),
-     lambda: Net(rngs=sr.Rngs(jax.random.key(0, impl="rbg"))),
-     r"`drop.rngs.default.key`: the checkpoint has a RngKey key<fry>\[\], the model a "
-     r"RngKey key<rbg>\[\]"),
-    (lambda: sr.Param(jnp.zeros(3)), lambda: sr.BatchStat(jnp.zeros(3)),
-     r"`<root>`: the checkpoint has a Param float32\[3\], the model a BatchStat"),
-], ids=["extra", "missing", "shape", "dtype", "key-impl", "kind"])
+@pytest.mark.parametrize(
+  "saved, model, message",
+  [
+    (
+      lambda: Net(rngs=sr.Rngs(0)),
+      lambda: Net(rngs=sr.Rngs(0), head_bias=False),
+      r"the checkpoint has `head.bias` \(a Param float32\[8\]\) but the model does not",
+    ),
+    (
+      lambda: Net(rngs=sr.Rngs(0), head_bias=False),
+      lambda: Net(rngs=sr.Rngs(0)),
+      r"the model has `head.bias` \(a Param float32\[8\]\) but the checkpoint does not",
+    ),
+    (
+      lambda: Net(rngs=sr.Rngs(0)),
+      lambda: Net(4, rngs=sr.Rngs(0)),
+      r"`head.bias`: the checkpoint has a Param float32\[8\], the model a Param "
+      r"float32\[4\] \(and 1 more difference\)",
+    ),
+    (
+      lambda: Net(rngs=sr.Rngs(0)),
+      lambda: Net(rngs=sr.Rngs(0), param_dtype=jnp.bfloat16),
+      r"`linear.bias`: the checkpoint has a Param float32\[8\], the model a Param "
+      r"bfloat16\[8\]",
+    ),
+    (
+      lambda: Net(rngs=sr.Rngs(0)),
+      lambda: Net(rngs=sr.Rngs(jax.random.key(0, impl="rbg"))),
+      r"`drop.rngs.default.key`: the checkpoint has a RngKey key<fry>\[\], the model a "
+      r"RngKey key<rbg>\[\]",
+    ),
+    (
+      lambda: sr.Param(jnp.zeros(3)),
+      lambda: sr.BatchStat(jnp.zeros(3)),
+      r"`<root>`: the checkpoint has a Param float32\[3\], the model a BatchStat",
+    ),
+  ],
+  ids=["extra", "missing", "shape", "dtype", "key-impl", "kind"],
+)
 def test_mismatch_names_the_first_difference(tmp_path, saved, model, message):
   sr.save(tmp_path, saved())
   model = model()
@@ -433,12 +461,18 @@ def test_model_argument_must_be_a_module(tmp_path):
       fn(model, tmp_path)
 
 
-@pytest.mark.parametrize("value, message", [
+@pytest.mark.parametrize(
+  "value, message",
+  [
     (None, r"`v` \(Variable\) holds a NoneType \(not an array\)"),
     ("hello", r"`v` \(Variable\) holds a str \(not an array\)"),
-    (2 ** 70, r"`v` \(Variable\) holds the Python int 1180591620717411303424, which "
-              "does not fit in 64 bits"),
-])
+    (
+      2**70,
+      r"`v` \(Variable\) holds the Python int 1180591620717411303424, which "
+      "does not fit in 64 bits",
+    ),
+  ],
+)
 def test_save_rejects_values_it_cannot_store(tmp_path, value, message):
   class Odd(sr.Module):
     def __init__(self):
@@ -457,6 +491,7 @@ def test_inside_a_transform_is_refused(tmp_path, fn):
   def step(model):
     fn(tmp_path, model)
 
-  with pytest.raises(TypeError, match=f"holds a traced value: sr.{fn.__name__} was "
-                     "called inside a JAX transform"):
+  with pytest.raises(
+    TypeError, match=f"holds a traced value: sr.{fn.__name__} was called inside a JAX transform"
+  ):
     step(sr.nn.Linear(2, 2, rngs=sr.Rngs(0)))

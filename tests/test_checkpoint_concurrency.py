@@ -8,7 +8,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -102,8 +101,7 @@ def locks(request, monkeypatch):
 def test_saves_from_threads_run_one_after_the_other(tmp_path, locks):
   sr.save(tmp_path, Net(0.0))
   plans = [[10.0 * t + i for i in range(1, 6)] for t in range(1, 5)]  # 4 threads x 5
-  joined(*[Worker(saves, tmp_path, plan, name=f"writer-{t}")
-           for t, plan in enumerate(plans)])
+  joined(*[Worker(saves, tmp_path, plan, name=f"writer-{t}") for t, plan in enumerate(plans)])
   # Each thread's saves commit in its order, so the last one committed is a last one.
   assert restored(tmp_path) in [plan[-1] for plan in plans]
   assert_one_version(tmp_path)
@@ -129,11 +127,20 @@ def test_saves_from_two_processes_run_one_after_the_other(tmp_path):
   plans = [[10.0 * p + i for i in range(1, 7)] for p in (1, 2)]
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   logs = [open(tmp_path / f"writer-{p}.log", "w+") for p in range(2)]
-  procs = [subprocess.Popen(
-      [sys.executable, "-c", WRITER.format(root=str(ROOT), timeout=TIMEOUT, go=str(go),
-                                           path=str(path), values=plan)],
-      env=env, stdout=subprocess.PIPE, stderr=logs[p], text=True)
-           for p, plan in enumerate(plans)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "-c",
+        WRITER.format(root=str(ROOT), timeout=TIMEOUT, go=str(go), path=str(path), values=plan),
+      ],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=logs[p],
+      text=True,
+    )
+    for p, plan in enumerate(plans)
+  ]
   watchdog = threading.Timer(2 * TIMEOUT, lambda: [p.kill() for p in procs])
   watchdog.start()
   try:
@@ -201,8 +208,7 @@ def wait_for(condition):
     time.sleep(0.005)
 
 
-def test_a_save_never_deletes_the_version_a_restore_is_reading(tmp_path, locks,
-                                                               paused_restore):
+def test_a_save_never_deletes_the_version_a_restore_is_reading(tmp_path, locks, paused_restore):
   reading, resume = paused_restore
   sr.save(tmp_path, Net(1.0))
   values = []
@@ -218,8 +224,7 @@ def test_a_save_never_deletes_the_version_a_restore_is_reading(tmp_path, locks,
   assert sorted(os.listdir(tmp_path)) == ["sr-2", POINTER]  # deleted once read
 
 
-def test_a_restore_during_a_save_reads_the_last_committed_without_waiting(tmp_path,
-                                                                         monkeypatch):
+def test_a_restore_during_a_save_reads_the_last_committed_without_waiting(tmp_path, monkeypatch):
   sr.save(tmp_path, Net(1.0))
   writing, resume = threading.Event(), threading.Event()
   real = ocp.StandardCheckpointHandler.finalize
@@ -290,8 +295,7 @@ def fail_flipping(patch):
 
 @pytest.mark.parametrize("fail", [fail_writing, fail_flipping])
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
-def test_a_failed_save_releases_the_path_and_leaves_nothing(tmp_path, monkeypatch, fail,
-                                                           blocking):
+def test_a_failed_save_releases_the_path_and_leaves_nothing(tmp_path, monkeypatch, fail, blocking):
   sr.save(tmp_path, Net(1.0))
   listing = sorted(os.listdir(tmp_path))
   with monkeypatch.context() as patch:
@@ -313,19 +317,24 @@ def test_a_failed_save_releases_the_path_and_leaves_nothing(tmp_path, monkeypatc
 
 def test_a_save_refused_before_writing_releases_the_path(tmp_path):
   class Odd(sr.Module):
-
     def __init__(self):
       self.v = sr.Variable("text")
 
   path, other = tmp_path / "ckpt", tmp_path / "other"
   sr.save(path, Net(1.0))
-  with pytest.raises(TypeError, match=r"sr.save: `v` \(Variable\) holds a str \(not an "
-                                      r"array\); .* Nothing was written"):
+  with pytest.raises(
+    TypeError,
+    match=r"sr.save: `v` \(Variable\) holds a str \(not an "
+    r"array\); .* Nothing was written",
+  ):
     sr.save(path, Odd())
   other.mkdir()
   (other / "notes.txt").write_text("hi")
-  with pytest.raises(sr.CheckpointError, match=r"is not a statefulremat checkpoint: it "
-                     r"has no sr_checkpoint.json and holds other files \('notes.txt'\)"):
+  with pytest.raises(
+    sr.CheckpointError,
+    match=r"is not a statefulremat checkpoint: it "
+    r"has no sr_checkpoint.json and holds other files \('notes.txt'\)",
+  ):
     sr.save(other, Net(2.0))
   assert os.listdir(other) == ["notes.txt"]
   joined(Worker(sr.save, path, Net(2.0), name="next save"))
@@ -336,8 +345,7 @@ def test_a_save_refused_before_writing_releases_the_path(tmp_path):
 # -- the earlier checkpoint stays loadable -----------------------------------------------
 
 
-def test_the_last_committed_checkpoint_survives_whatever_concurrent_saves_do(
-    tmp_path, monkeypatch):
+def test_the_last_committed_checkpoint_survives_whatever_concurrent_saves_do(tmp_path, monkeypatch):
   sr.save(tmp_path, Net(0.0))
   # Saves that fail part way, from two threads, while a third saves and a fourth
   # restores: every restore reads a committed checkpoint, the newest so far.
@@ -349,8 +357,7 @@ def test_the_last_committed_checkpoint_survives_whatever_concurrent_saves_do(
     return real_save(self, *args, **kwargs)
 
   def replace(src, dst, *args, **kwargs):
-    if (threading.current_thread().name == "fails committing"
-        and os.fspath(dst).endswith(POINTER)):
+    if threading.current_thread().name == "fails committing" and os.fspath(dst).endswith(POINTER):
       raise OSError("disk full")
     return real_replace(src, dst, *args, **kwargs)
 
@@ -369,9 +376,11 @@ def test_the_last_committed_checkpoint_survives_whatever_concurrent_saves_do(
     while any(w.is_alive() for w in writers) or len(seen) < 3:
       seen.append(restored(tmp_path))
 
-  writers = [Worker(failing, name="fails writing"),
-             Worker(failing, name="fails committing"),
-             Worker(lambda: [sr.save(tmp_path, Net(k)) for k in plan], name="writer")]
+  writers = [
+    Worker(failing, name="fails writing"),
+    Worker(failing, name="fails committing"),
+    Worker(lambda: [sr.save(tmp_path, Net(k)) for k in plan], name="writer"),
+  ]
   joined(*writers, Worker(restores, writers, name="reader"))
   assert set(seen) <= {0.0, *plan} and seen == sorted(seen)
   assert restored(tmp_path) == plan[-1]

@@ -9,14 +9,11 @@ import sys
 import textwrap
 import time
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import statefulremat as sr
-from tests.test_checkpoint import (Net, assert_same_state, assert_unchanged, data,
-                                   snapshot, trained)
-
+from tests.test_checkpoint import Net, assert_same_state, assert_unchanged, data, snapshot, trained
 
 # -- background saves ------------------------------------------------------------------
 
@@ -60,12 +57,12 @@ def test_saves_and_restores_of_a_path_run_in_order(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["sr-3", "sr_checkpoint.json"]
 
 
-def test_a_failed_background_save_raises_at_wait_and_keeps_the_previous(tmp_path,
-                                                                       monkeypatch):
+def test_a_failed_background_save_raises_at_wait_and_keeps_the_previous(tmp_path, monkeypatch):
   import statefulremat.checkpoint._save_restore as checkpoint
 
   old = trained(0)
   sr.save(tmp_path, old)
+
   def broken_commit(root, version):
     raise OSError("disk full")
 
@@ -82,7 +79,8 @@ def test_a_failed_background_save_raises_at_wait_and_keeps_the_previous(tmp_path
 
 
 def test_a_failed_background_save_nobody_waited_on_is_reported_by_the_next_call(
-    tmp_path, monkeypatch):
+  tmp_path, monkeypatch
+):
   import statefulremat.checkpoint._save_restore as checkpoint
 
   old = trained(0)
@@ -94,10 +92,14 @@ def test_a_failed_background_save_nobody_waited_on_is_reported_by_the_next_call(
   monkeypatch.undo()
   fresh = Net(rngs=sr.Rngs(1))
   before = snapshot(fresh)
-  with pytest.raises(sr.CheckpointError, match=(
+  with pytest.raises(
+    sr.CheckpointError,
+    match=(
       r"sr.restore: the earlier sr.save\(.*, blocking=False\) failed "
       r"\(ZeroDivisionError: .*\); the checkpoint there is the one before it. Nothing "
-      r"was done now. Fix: call this again")):
+      r"was done now. Fix: call this again"
+    ),
+  ):
     sr.restore(tmp_path, fresh)
   assert_unchanged(fresh, before)
   sr.restore(tmp_path, fresh)  # reported once; the previous checkpoint is there
@@ -105,8 +107,11 @@ def test_a_failed_background_save_nobody_waited_on_is_reported_by_the_next_call(
 
 
 def test_blocking_must_be_a_bool(tmp_path):
-  with pytest.raises(TypeError, match=r"sr.save: blocking must be True or False, got "
-                                      r"'no'"):
+  with pytest.raises(
+    TypeError,
+    match=r"sr.save: blocking must be True or False, got "
+    r"'no'",
+  ):
     sr.save(tmp_path, trained(0), blocking="no")
   assert not os.listdir(tmp_path)
 
@@ -146,14 +151,17 @@ def test_fine_tune_from_pretrained_params_under_a_new_head(tmp_path):
   model = Classifier(3, rngs=sr.Rngs(1))  # the head differs in shape
   head = model.head.kernel.value
   sr.restore(tmp_path, model, sr.All(sr.Param, sr.PathContains("body")))
-  np.testing.assert_array_equal(model.body.linear.kernel.value,
-                                pretrained.body.linear.kernel.value)
+  np.testing.assert_array_equal(model.body.linear.kernel.value, pretrained.body.linear.kernel.value)
   assert model.head.kernel.value is head
   # Without the path filter the head's shape differs, and nothing is written.
   before = snapshot(model)
-  with pytest.raises(sr.StateMismatchError, match=(
+  with pytest.raises(
+    sr.StateMismatchError,
+    match=(
       r"`head.kernel`: the checkpoint has a Param float32\[8,8\], the model a Param "
-      r"float32\[8,3\]")):
+      r"float32\[8,3\]"
+    ),
+  ):
     sr.restore(tmp_path, model, sr.Param)
   assert_unchanged(model, before)
 
@@ -161,22 +169,32 @@ def test_fine_tune_from_pretrained_params_under_a_new_head(tmp_path):
 def test_a_filter_needs_the_matching_variables_in_the_checkpoint(tmp_path):
   sr.save(tmp_path, Net(rngs=sr.Rngs(0)))
   model = Classifier(3, rngs=sr.Rngs(1))
-  with pytest.raises(sr.StateMismatchError, match=(
+  with pytest.raises(
+    sr.StateMismatchError,
+    match=(
       r"the model has `body.linear.bias` \(a Param float32\[8\]\) but the checkpoint "
-      r"does not")):
+      r"does not"
+    ),
+  ):
     sr.restore(tmp_path, model, sr.Param)
 
 
-@pytest.mark.parametrize("filters, shown, hint", [
-    (("param",), "'param'", r" Did you mean 'params'\?"), ((sr.Cache,), "sr.Cache", "")])
+@pytest.mark.parametrize(
+  "filters, shown, hint",
+  [(("param",), "'param'", r" Did you mean 'params'\?"), ((sr.Cache,), "sr.Cache", "")],
+)
 def test_a_filter_that_matches_nothing_raises(tmp_path, filters, shown, hint):
   sr.save(tmp_path, Net(rngs=sr.Rngs(0)))
   model = Net(rngs=sr.Rngs(1))
   before = snapshot(model)
-  with pytest.raises(TypeError, match=(
+  with pytest.raises(
+    TypeError,
+    match=(
       rf"sr.restore: the filters {shown} match no variable of the model, so nothing "
       r"would be restored. Its variables are in the collections: 'rngs' \(2\), "
-      rf"'params' \(6\), 'batch_stats' \(2\).{hint} Fix: pass filters that match")):
+      rf"'params' \(6\), 'batch_stats' \(2\).{hint} Fix: pass filters that match"
+    ),
+  ):
     sr.restore(tmp_path, model, *filters)
   assert_unchanged(model, before)
 
@@ -205,8 +223,9 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
       model.big = sr.Variable(jnp.ones((512, 512)))
       sr.save({str(tmp_path)!r}, model, blocking=False).wait()
   """)
-  with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True) as proc:
+  with subprocess.Popen(
+    [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  ) as proc:
     try:
       line = proc.stdout.readline()
       assert line.strip() == "writing", proc.stderr.read()

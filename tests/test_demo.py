@@ -14,13 +14,15 @@ from statefulremat._demo import ResidualMLP, lengths_for
 
 def test_demo_trains_compares_memory_and_writes_its_files(tmp_path, capsys):
   out = tmp_path / "out"
-  assert main(["demo", "--depth", "6", "--width", "8", "--steps", "30", "--batch", "32",
-               "--out", str(out)]) == 0
+  assert (
+    main(
+      ["demo", "--depth", "6", "--width", "8", "--steps", "30", "--batch", "32", "--out", str(out)]
+    )
+    == 0
+  )
   text = capsys.readouterr().out
-  assert "6 residual blocks (BatchNorm, Dropout) of width 8 under remat_scan " \
-         "lengths=(2, 3)" in text
-  memory = dict(re.findall(r"^  (scan|scan\(remat\)|remat_scan) +([\d.]+) MiB", text,
-                           re.MULTILINE))
+  assert "6 residual blocks (BatchNorm, Dropout) of width 8 under remat_scan lengths=(2, 3)" in text
+  memory = dict(re.findall(r"^  (scan|scan\(remat\)|remat_scan) +([\d.]+) MiB", text, re.MULTILINE))
   assert set(memory) == {"scan", "scan(remat)", "remat_scan"}
   first, last = map(float, re.search(r"training loss ([\d.]+) -> ([\d.]+)", text).groups())
   assert last < first
@@ -52,8 +54,7 @@ def test_help_explains_the_options(capsys):
     main(["demo", "--help"])
   assert info.value.code == 0
   text = capsys.readouterr().out
-  for option in ("--depth", "--width", "--steps", "--batch", "--seed", "--out",
-                 "--no-memory"):
+  for option in ("--depth", "--width", "--steps", "--batch", "--seed", "--out", "--no-memory"):
     assert option in text
   assert "remat_scan" in text
 

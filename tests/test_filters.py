@@ -92,8 +92,7 @@ def test_not():
 
 
 def test_any_and_all():
-  assert selected(sr.Any(sr.Param, "batch_stats")) == {("w",), ("norm", "scale"),
-                                                        ("mean",)}
+  assert selected(sr.Any(sr.Param, "batch_stats")) == {("w",), ("norm", "scale"), ("mean",)}
   assert selected(sr.All(sr.Param, sr.PathContains("norm"))) == {("norm", "scale")}
   assert selected(sr.Any()) == set()
   assert selected(sr.All()) == ALL
@@ -108,8 +107,9 @@ def test_tuple_and_list_mean_any():
 
 
 def test_combinators_nest_any_form():
-  f = sr.All((sr.Param, sr.BatchStat), sr.Not(sr.PathContains("norm")),
-             lambda path, v: v.shape == (2,))
+  f = sr.All(
+    (sr.Param, sr.BatchStat), sr.Not(sr.PathContains("norm")), lambda path, v: v.shape == (2,)
+  )
   assert selected(f) == {("w",), ("mean",)}
 
 
@@ -126,13 +126,13 @@ def test_predicates_hash_and_compare_by_value():
     return True
 
   pairs = [
-      (sr.PathContains("a"), sr.PathContains("a")),
-      (sr.Not(sr.Param), sr.Not(sr.Param)),
-      (sr.Any(sr.Param, "cache"), sr.Any(sr.Param, "cache")),
-      (sr.All(sr.Param, sr.PathContains(0)), sr.All(sr.Param, sr.PathContains(0))),
-      (sr.Not((sr.Param, ...)), sr.Not([sr.Param, True])),
-      (sr.Any(fn), sr.Any(fn)),
-      (sr.Not(None), sr.Not(False)),
+    (sr.PathContains("a"), sr.PathContains("a")),
+    (sr.Not(sr.Param), sr.Not(sr.Param)),
+    (sr.Any(sr.Param, "cache"), sr.Any(sr.Param, "cache")),
+    (sr.All(sr.Param, sr.PathContains(0)), sr.All(sr.Param, sr.PathContains(0))),
+    (sr.Not((sr.Param, ...)), sr.Not([sr.Param, True])),
+    (sr.Any(fn), sr.Any(fn)),
+    (sr.Not(None), sr.Not(False)),
   ]
   for a, b in pairs:
     assert a == b and hash(a) == hash(b)
@@ -155,15 +155,21 @@ def test_predicate_repr():
 
 @pytest.mark.parametrize("bad", [3, 2.5, object(), b"params", {"a": 1}])
 def test_non_filter_is_a_clear_type_error(bad):
-  with pytest.raises(TypeError, match=r"is not a filter\. A filter is a Variable "
-                     r"subclass \(sr\.Param\), a collection name"):
+  with pytest.raises(
+    TypeError,
+    match=r"is not a filter\. A filter is a Variable "
+    r"subclass \(sr\.Param\), a collection name",
+  ):
     sr.state(Block(), bad)
 
 
 @pytest.mark.parametrize("bad", [int, sr.Module, Block])
 def test_class_that_is_not_a_variable_kind_is_refused(bad):
-  with pytest.raises(TypeError, match=rf"{bad.__name__} is a class but not a Variable "
-                     r"kind, so it is not a filter"):
+  with pytest.raises(
+    TypeError,
+    match=rf"{bad.__name__} is a class but not a Variable "
+    r"kind, so it is not a filter",
+  ):
     sr.state(Block(), bad)
 
 

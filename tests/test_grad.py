@@ -13,7 +13,6 @@ class Temperature(sr.Variable):
 
 
 class MLP(sr.Module):
-
   def __init__(self, *, rngs):
     self.l1 = sr.nn.Linear(3, 4, rngs=rngs)
     self.l2 = sr.nn.Linear(4, 2, rngs=rngs)
@@ -28,7 +27,6 @@ class MLP(sr.Module):
 
 
 class Holder(sr.Module):
-
   def __init__(self, sub):
     self.sub = sub
     self.calls = sr.BatchStat(jnp.zeros((), jnp.int32))
@@ -48,8 +46,10 @@ def pure_loss(params, mean, temperature, x, y):
 
 
 def arrays_of(model):
-  params = {name: {"kernel": getattr(model, name).kernel.value,
-                   "bias": getattr(model, name).bias.value} for name in ("l1", "l2")}
+  params = {
+    name: {"kernel": getattr(model, name).kernel.value, "bias": getattr(model, name).bias.value}
+    for name in ("l1", "l2")
+  }
   return params, model.mean.value, model.temperature.value
 
 
@@ -68,7 +68,8 @@ def test_value_and_grad_equals_jax_grad_of_the_pure_function():
   x, y = data()
   params, mean, temperature = arrays_of(model)
   (ref_loss, ref_mean), ref_grads = jax.value_and_grad(pure_loss, has_aux=True)(
-      params, mean, temperature, x, y)
+    params, mean, temperature, x, y
+  )
 
   loss, grads = sr.value_and_grad(loss_fn)(model, x, y)
 
@@ -88,8 +89,7 @@ def test_grad_state_has_the_paths_of_sr_state_and_maps_with_jax_tree():
   grads = sr.grad(loss_fn)(model, x, y)
   params = sr.state(model, sr.Param)
   assert list(grads.flat()) == list(params.flat())
-  assert list(grads.flat()) == [("l1", "bias"), ("l1", "kernel"), ("l2", "bias"),
-                                ("l2", "kernel")]
+  assert list(grads.flat()) == [("l1", "bias"), ("l1", "kernel"), ("l2", "bias"), ("l2", "kernel")]
   for path, g in grads.flat().items():
     assert g.shape == params.flat()[path].shape
 
@@ -100,22 +100,29 @@ def test_grad_state_has_the_paths_of_sr_state_and_maps_with_jax_tree():
   assert_close(model.l2.kernel.value, params["l2"]["kernel"] - 0.1 * grads["l2"]["kernel"])
 
 
-@pytest.mark.parametrize("wrt, paths", [
+@pytest.mark.parametrize(
+  "wrt, paths",
+  [
     (sr.Param, [("l1", "bias"), ("l1", "kernel"), ("l2", "bias"), ("l2", "kernel")]),
     ("batch_stats", [("mean",)]),
     ("temperature", [("temperature",)]),
     (sr.PathContains("l2"), [("l2", "bias"), ("l2", "kernel")]),
     ((sr.BatchStat, Temperature), [("mean",), ("temperature",)]),
-])
+  ],
+)
 def test_wrt_filters(wrt, paths):
   model = MLP(rngs=sr.Rngs(0))
   x, y = data()
   params, mean, temperature = arrays_of(model)
-  ref = jax.grad(lambda *a: pure_loss(*a)[0], argnums=(0, 1, 2))(
-      params, mean, temperature, x, y)
-  ref_flat = {("l1", "bias"): ref[0]["l1"]["bias"], ("l1", "kernel"): ref[0]["l1"]["kernel"],
-              ("l2", "bias"): ref[0]["l2"]["bias"], ("l2", "kernel"): ref[0]["l2"]["kernel"],
-              ("mean",): ref[1], ("temperature",): ref[2]}
+  ref = jax.grad(lambda *a: pure_loss(*a)[0], argnums=(0, 1, 2))(params, mean, temperature, x, y)
+  ref_flat = {
+    ("l1", "bias"): ref[0]["l1"]["bias"],
+    ("l1", "kernel"): ref[0]["l1"]["kernel"],
+    ("l2", "bias"): ref[0]["l2"]["bias"],
+    ("l2", "kernel"): ref[0]["l2"]["kernel"],
+    ("mean",): ref[1],
+    ("temperature",): ref[2],
+  }
 
   grads = sr.grad(loss_fn, wrt=wrt)(model, x, y)
 
@@ -149,8 +156,9 @@ def test_argnums_mixing_a_module_and_an_array():
   model = MLP(rngs=sr.Rngs(0))
   x, y = data()
   params, mean, temperature = arrays_of(model)
-  ref_p, ref_x = jax.grad(lambda p, x: pure_loss(p, mean, temperature, x, y)[0],
-                          argnums=(0, 1))(params, x)
+  ref_p, ref_x = jax.grad(lambda p, x: pure_loss(p, mean, temperature, x, y)[0], argnums=(0, 1))(
+    params, x
+  )
 
   g_model, g_x = sr.grad(loss_fn, argnums=(0, 1))(model, x, y)
   assert isinstance(g_model, sr.State) and isinstance(g_x, jax.Array)
@@ -185,7 +193,6 @@ def test_module_also_reachable_through_an_earlier_argument():
 def test_rng_counts_advance_through_grad():
 
   class Noisy(sr.Module):
-
     def __init__(self):
       self.w = sr.Param(jnp.ones(3))
       self.rngs = sr.Rngs(0)
@@ -209,8 +216,7 @@ def test_under_jit_equals_eager():
 
   def step(model, x, y):
     loss, grads = sr.value_and_grad(loss_fn)(model, x, y)
-    sr.update(model, jax.tree.map(lambda p, g: p - 0.5 * g, sr.state(model, sr.Param),
-                                  grads))
+    sr.update(model, jax.tree.map(lambda p, g: p - 0.5 * g, sr.state(model, sr.Param), grads))
     return loss, grads
 
   jit_step = sr.jit(step)
@@ -230,8 +236,11 @@ def test_has_aux_with_a_non_pair_return_is_an_error():
   model = MLP(rngs=sr.Rngs(0))
   x, y = data()
   mean = model.mean.value
-  with pytest.raises(TypeError, match=r"has_aux=True needs the function to return a pair "
-                     r"\(loss, aux\), got a single array"):
+  with pytest.raises(
+    TypeError,
+    match=r"has_aux=True needs the function to return a pair "
+    r"\(loss, aux\), got a single array",
+  ):
     sr.grad(loss_fn, has_aux=True)(model, x, y)
   with pytest.raises(TypeError, match=r"return a pair \(loss, aux\), got a tuple of length 3"):
     sr.value_and_grad(lambda m: (loss_fn(m, x, y), 1, 2), has_aux=True)(model)
@@ -247,14 +256,16 @@ def test_argnums_out_of_range_is_an_error():
 def test_wrt_matching_a_non_float_variable_is_an_error():
 
   class WithRngs(sr.Module):
-
     def __init__(self):
       self.w = sr.Param(jnp.ones(2))
       self.rngs = sr.Rngs(0)
 
   model = WithRngs()
-  with pytest.raises(TypeError, match=r"the `wrt` filter matches `rngs\.default\.count` "
-                     r"\(RngCount, uint32\), which is not a float array.*`wrt=sr\.Param`"):
+  with pytest.raises(
+    TypeError,
+    match=r"the `wrt` filter matches `rngs\.default\.count` "
+    r"\(RngCount, uint32\), which is not a float array.*`wrt=sr\.Param`",
+  ):
     sr.grad(lambda m: m.w.value.sum(), wrt=...)(model)
   grads = sr.grad(lambda m: m.w.value.sum(), wrt=sr.Not("rngs"))(model)
   assert list(grads.flat()) == [("w",)]
@@ -278,7 +289,7 @@ def test_grad_of_a_list_of_modules_is_a_list_of_states():
   def run(layers, x):
     for layer in layers:
       x = layer(x)
-    return jnp.sum(x ** 2)
+    return jnp.sum(x**2)
 
   layers = [Block(0), Block(1)]
   twins = sr.clone(Holder(layers))
@@ -292,4 +303,5 @@ def test_grad_of_a_list_of_modules_is_a_list_of_states():
       np.testing.assert_allclose(value, expected[("layers", i) + path], rtol=1e-6)
   # the RNG counts advanced once, as for a single module
   assert int(layers[0].drop.rngs.default.count.value) == int(
-      twins.layers[0].drop.rngs.default.count.value)
+    twins.layers[0].drop.rngs.default.count.value
+  )

@@ -28,12 +28,22 @@ class Weight(sr.Param):
 Pair = collections.namedtuple("Pair", "left right")
 
 KINDS = [sr.Param, sr.BatchStat, sr.Cache, sr.Intermediate, sr.Variable, Custom, Weight]
-METADATA = [{}, {"sharding": ("embed", None)}, {"tag": 3}, {"init": {"scale": [1, 2]}},
-            {"a": 1, "b": "x"}]
+METADATA = [
+  {},
+  {"sharding": ("embed", None)},
+  {"tag": 3},
+  {"init": {"scale": [1, 2]}},
+  {"a": 1, "b": "x"},
+]
 STATICS = st.one_of(
-    st.integers(-3, 3), st.booleans(), st.none(), st.text(max_size=2),
-    st.floats(-2, 2, allow_nan=False, width=32), st.tuples(st.integers(0, 2)),
-    st.frozensets(st.integers(0, 2), max_size=2), st.just(jnp.float32),
+  st.integers(-3, 3),
+  st.booleans(),
+  st.none(),
+  st.text(max_size=2),
+  st.floats(-2, 2, allow_nan=False, width=32),
+  st.tuples(st.integers(0, 2)),
+  st.frozensets(st.integers(0, 2), max_size=2),
+  st.just(jnp.float32),
 )
 DICT_KEYS = ["x", "y", 0, 7, "not-an-identifier"]
 
@@ -163,8 +173,9 @@ def distinct_variables(root):
   return [v for v in seen.values() if isinstance(v, sr.Variable)]
 
 
-GRAPH_SETTINGS = settings(max_examples=60, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+GRAPH_SETTINGS = settings(
+  max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # -- property-based round trips ----------------------------------------------------
@@ -295,7 +306,8 @@ def test_graphdef_is_a_jit_static_argument():
 
 def test_graphdef_repr():
   assert repr(sr.graphdef(Block(2))) == (
-      "GraphDef(Block(kernel=Param(), mean=BatchStat(), scale=1))")
+    "GraphDef(Block(kernel=Param(), mean=BatchStat(), scale=1))"
+  )
 
 
 # -- split / merge / state ---------------------------------------------------------
@@ -350,8 +362,11 @@ def test_state_with_several_filters_is_a_tuple():
 
 
 def test_split_leftover_variable_error():
-  with pytest.raises(sr.StateMismatchError, match=r"the variable `mean` \(BatchStat, "
-                     r"collection 'batch_stats'\) matches none of the filters"):
+  with pytest.raises(
+    sr.StateMismatchError,
+    match=r"the variable `mean` \(BatchStat, "
+    r"collection 'batch_stats'\) matches none of the filters",
+  ):
     sr.split(Block(2), sr.Param)
 
 
@@ -360,8 +375,7 @@ def test_merge_keeps_metadata_and_kinds():
   model.kernel.set_metadata(sharding=("in", "out"), init={"scale": [1.0, 2.0]})
   rebuilt = sr.clone(model)
   assert type(rebuilt.kernel) is sr.Param
-  assert rebuilt.kernel.metadata == {"sharding": ("in", "out"),
-                                     "init": {"scale": [1.0, 2.0]}}
+  assert rebuilt.kernel.metadata == {"sharding": ("in", "out"), "init": {"scale": [1.0, 2.0]}}
 
 
 def test_merged_objects_know_their_paths():
@@ -387,23 +401,32 @@ def test_merged_lists_are_tracked_containers():
 @pytest.mark.parametrize("fn", [sr.split, sr.state, sr.graphdef, sr.update, sr.clone])
 def test_non_graph_argument_is_refused(fn):
   name = fn.__name__
-  with pytest.raises(TypeError, match=rf"sr\.{name} takes a Module \(or a list/tuple/"
-                     r"dict of them\), got int"):
+  with pytest.raises(
+    TypeError,
+    match=rf"sr\.{name} takes a Module \(or a list/tuple/"
+    r"dict of them\), got int",
+  ):
     fn(3)
 
 
 # -- errors on unhashable or array static attributes --------------------------------
 
 
-@pytest.mark.parametrize("value, what", [
+@pytest.mark.parametrize(
+  "value, what",
+  [
     ({1, 2}, "holds a set, which is not hashable"),
     (bytearray(b"x"), "holds a bytearray, which is not hashable"),
-])
+  ],
+)
 def test_unhashable_static_attribute(value, what):
   model = Block(2)
   model.bad = value
-  with pytest.raises(sr.GraphError, match=rf"attribute `bad` {what}.*Fix: use a tuple "
-                     r"or a frozen dataclass"):
+  with pytest.raises(
+    sr.GraphError,
+    match=rf"attribute `bad` {what}.*Fix: use a tuple "
+    r"or a frozen dataclass",
+  ):
     sr.split(model)
 
 
@@ -411,9 +434,12 @@ def test_unhashable_static_attribute(value, what):
 def test_array_as_plain_attribute(value):
   model = Block(2)
   model.table = value
-  with pytest.raises(sr.GraphError, match=r"attribute `table` holds an array "
-                     r"\(float32\[3\]\) that is not in a Variable.*Fix: wrap it, e\.g\. "
-                     r"`self\.w = sr\.Param\(w\)`"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"attribute `table` holds an array "
+    r"\(float32\[3\]\) that is not in a Variable.*Fix: wrap it, e\.g\. "
+    r"`self\.w = sr\.Param\(w\)`",
+  ):
     sr.graphdef(model)
 
 
@@ -424,8 +450,11 @@ def test_nested_bad_attribute_path():
 
   model = Outer()
   model.layers[1].opts = {"keep": {3}}
-  with pytest.raises(sr.GraphError, match=r"attribute `layers\[1\]\.opts\.keep` holds "
-                     r"a set"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"attribute `layers\[1\]\.opts\.keep` holds "
+    r"a set",
+  ):
     sr.split(model)
   model.layers[1].opts = ({3},)
   with pytest.raises(sr.GraphError, match=r"attribute `layers\[1\]\.opts\[0\]` holds"):
@@ -444,8 +473,11 @@ def test_graph_error_is_a_type_error_and_a_library_error():
 def test_unhashable_metadata():
   model = Block(2)
   model.kernel.set_metadata(axes={"a"})
-  with pytest.raises(sr.GraphError, match=r"the metadata of `kernel` is not hashable.*"
-                     r"Use tuples, strings and numbers in metadata"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"the metadata of `kernel` is not hashable.*"
+    r"Use tuples, strings and numbers in metadata",
+  ):
     sr.split(model)
 
 
@@ -454,19 +486,28 @@ def test_unhashable_metadata():
 
 def test_merge_missing_state_entry():
   graphdef, params, stats = sr.split(Block(2), sr.Param, ...)
-  with pytest.raises(sr.StateMismatchError, match=r"sr\.merge: no value for the "
-                     r"variable `mean`\. Pass every State that sr\.split returned"):
+  with pytest.raises(
+    sr.StateMismatchError,
+    match=r"sr\.merge: no value for the "
+    r"variable `mean`\. Pass every State that sr\.split returned",
+  ):
     sr.merge(graphdef, params)
-  with pytest.raises(sr.StateMismatchError, match=r"no value for the variable `kernel` "
-                     r"\(and 1 more\)"):
+  with pytest.raises(
+    sr.StateMismatchError,
+    match=r"no value for the variable `kernel` "
+    r"\(and 1 more\)",
+  ):
     sr.merge(graphdef)
 
 
 def test_merge_extra_state_entry():
   graphdef, state = sr.split(Block(2))
   extra = sr.State.merge(state, sr.state(Node.__new__(Node)), sr.state(_with_extra()))
-  with pytest.raises(sr.StateMismatchError, match=r"sr\.merge: the State has an entry "
-                     r"`extra` that the GraphDef has no variable for"):
+  with pytest.raises(
+    sr.StateMismatchError,
+    match=r"sr\.merge: the State has an entry "
+    r"`extra` that the GraphDef has no variable for",
+  ):
     sr.merge(graphdef, extra)
 
 
@@ -478,8 +519,11 @@ def _with_extra():
 
 def test_merge_needs_a_graphdef():
   _, state = sr.split(Block(2))
-  with pytest.raises(TypeError, match=r"sr\.merge takes a GraphDef first \(from "
-                     r"sr\.split\), got State"):
+  with pytest.raises(
+    TypeError,
+    match=r"sr\.merge takes a GraphDef first \(from "
+    r"sr\.split\), got State",
+  ):
     sr.merge(state)
 
 
@@ -504,8 +548,7 @@ def test_update_writes_in_place():
 def test_update_with_several_states_and_none():
   model = Block(2)
   params, stats = sr.state(model, sr.Param, sr.BatchStat)
-  sr.update(model, jax.tree.map(lambda x: x + 1, params),
-            jax.tree.map(lambda x: x + 2, stats))
+  sr.update(model, jax.tree.map(lambda x: x + 1, params), jax.tree.map(lambda x: x + 2, stats))
   np.testing.assert_array_equal(model.kernel.value, np.full((2, 2), 2.0))
   np.testing.assert_array_equal(model.mean.value, np.full(2, 2.0))
   sr.update(model)
@@ -522,16 +565,22 @@ def test_update_from_an_equally_structured_module():
 def test_update_unknown_path_errors_and_writes_nothing():
   model = Block(2)
   state = jax.tree.map(jnp.zeros_like, sr.state(_with_extra()))
-  with pytest.raises(sr.StateMismatchError, match=r"sr\.update: the State has an entry "
-                     r"`extra` but the module has no variable at that path \(nothing "
-                     r"was written\)"):
+  with pytest.raises(
+    sr.StateMismatchError,
+    match=r"sr\.update: the State has an entry "
+    r"`extra` but the module has no variable at that path \(nothing "
+    r"was written\)",
+  ):
     sr.update(model, state)
   np.testing.assert_array_equal(model.kernel.value, np.ones((2, 2)))
 
 
 def test_update_takes_states():
-  with pytest.raises(TypeError, match=r"sr\.update takes States after the module, got "
-                     r"dict"):
+  with pytest.raises(
+    TypeError,
+    match=r"sr\.update takes States after the module, got "
+    r"dict",
+  ):
     sr.update(Block(2), {"kernel": jnp.zeros((2, 2))})
 
 

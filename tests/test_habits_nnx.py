@@ -29,7 +29,6 @@ def nnx_quietly(fn, *args):
 
 
 class SrNet(sr.Module):
-
   def __init__(self, rngs):
     self.linear1 = sr.nn.Linear(2, 3, rngs=rngs)
     self.linear2 = sr.nn.Linear(3, 4, rngs=rngs)
@@ -37,13 +36,13 @@ class SrNet(sr.Module):
   def __call__(self, x):
     h = self.linear1(x)
     self.sow(sr.Intermediate, "features", h)
-    self.sow(sr.Intermediate, "total", h.sum(), init_fn=lambda: 0.0,
-             reduce_fn=lambda old, new: old + new)
+    self.sow(
+      sr.Intermediate, "total", h.sum(), init_fn=lambda: 0.0, reduce_fn=lambda old, new: old + new
+    )
     return self.linear2(h)
 
 
 class NnxNet(nnx.Module):
-
   def __init__(self, rngs):
     self.linear1 = nnx.Linear(2, 3, rngs=rngs)
     self.linear2 = nnx.Linear(3, 4, rngs=rngs)
@@ -51,8 +50,9 @@ class NnxNet(nnx.Module):
   def __call__(self, x):
     h = self.linear1(x)
     self.sow(nnx.Intermediate, "features", h)
-    self.sow(nnx.Intermediate, "total", h.sum(), init_fn=lambda: 0.0,
-             reduce_fn=lambda old, new: old + new)
+    self.sow(
+      nnx.Intermediate, "total", h.sum(), init_fn=lambda: 0.0, reduce_fn=lambda old, new: old + new
+    )
     return self.linear2(h)
 
 
@@ -72,8 +72,7 @@ def test_sow_then_pop_gives_nnx_values_and_restores_the_structure():
   assert type(ours.features) is sr.Intermediate and len(ours.features.value) == 2
   got = sr.pop(ours, sr.Intermediate)
   want = nnx.pop(theirs, nnx.Intermediate)
-  assert sorted(got.flat()) == [(k,) for k in sorted(want.keys())] == [("features",),
-                                                                        ("total",)]
+  assert sorted(got.flat()) == [(k,) for k in sorted(want.keys())] == [("features",), ("total",)]
   assert len(got["features"]) == len(want["features"].get_value()) == 2
   for a, b in zip(got["features"], want["features"].get_value()):
     close(a, b)
@@ -85,7 +84,6 @@ def test_sow_then_pop_gives_nnx_values_and_restores_the_structure():
 
 def test_sow_takes_a_collection_name_and_pop_takes_several_filters():
   class Two(sr.Module):
-
     def __init__(self):
       self.w = sr.Param(jnp.ones(2))
 
@@ -104,7 +102,6 @@ def test_sow_takes_a_collection_name_and_pop_takes_several_filters():
 
 def test_sow_over_another_kind_names_the_path_and_changes_nothing():
   class Bad(sr.Module):
-
     def __init__(self):
       self.inner = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
 
@@ -114,35 +111,46 @@ def test_sow_over_another_kind_names_the_path_and_changes_nothing():
   model = Bad()
   kernel = model.inner.kernel
   value = kernel.value
-  with pytest.raises(sr.GraphError, match=r"sow\(Intermediate, 'kernel', \.\.\.\): "
-                     r"`inner\.kernel` is a Param, not of kind Intermediate.*nothing was "
-                     r"changed.*Fix: sow under another name, or with the kind it holds: "
-                     r"`self\.sow\(Param, 'kernel', value\)`"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"sow\(Intermediate, 'kernel', \.\.\.\): "
+    r"`inner\.kernel` is a Param, not of kind Intermediate.*nothing was "
+    r"changed.*Fix: sow under another name, or with the kind it holds: "
+    r"`self\.sow\(Param, 'kernel', value\)`",
+  ):
     model(jnp.ones(2))
   assert model.inner.kernel is kernel and model.inner.kernel.value is value
 
-  with pytest.raises(sr.GraphError, match=r"`inner\.in_features` is a plain int attribute"
-                     r".*Fix: sow under another name"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"`inner\.in_features` is a plain int attribute"
+    r".*Fix: sow under another name",
+  ):
     model.inner.sow(sr.Intermediate, "in_features", 1.0)
   assert model.inner.in_features == 2
-  with pytest.raises(sr.GraphError, match=r"sow: `inner\.train` names a function of the "
-                     r"class Linear; a sown value needs a name of its own"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"sow: `inner\.train` names a function of the "
+    r"class Linear; a sown value needs a name of its own",
+  ):
     model.inner.sow(sr.Intermediate, "train", 1.0)
   assert "train" not in vars(model.inner)
 
 
 def test_sow_with_an_unknown_collection_name_says_how_to_make_one():
   model = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
-  with pytest.raises(sr.GraphError, match=r"no Variable kind has the collection 'probes'\. "
-                     r"Fix: pass the kind itself.*class MyKind\(sr\.Variable\): "
-                     r"collection = 'probes'"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"no Variable kind has the collection 'probes'\. "
+    r"Fix: pass the kind itself.*class MyKind\(sr\.Variable\): "
+    r"collection = 'probes'",
+  ):
     model.sow("probes", "x", jnp.ones(2))
   assert not hasattr(model, "x")
 
 
 def test_pop_takes_a_shared_variable_out_of_every_path():
   class Net(sr.Module):
-
     def __init__(self):
       self.a = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
       self.b = sr.nn.Linear(2, 2, rngs=sr.Rngs(1))
@@ -158,15 +166,17 @@ def test_pop_takes_a_shared_variable_out_of_every_path():
 
 def test_pop_refuses_a_variable_in_a_list_and_removes_nothing():
   class Net(sr.Module):
-
     def __init__(self):
       self.probes = [sr.Intermediate(jnp.zeros(1))]
       self.h = sr.Intermediate(jnp.ones(1))
 
   net = Net()
-  with pytest.raises(sr.GraphError, match=r"sr\.pop: `probes\[0\]` \(Intermediate\) sits "
-                     r"in a ModuleList.*nothing was removed.*Fix: keep such Variables as "
-                     r"module attributes or in a dict"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"sr\.pop: `probes\[0\]` \(Intermediate\) sits "
+    r"in a ModuleList.*nothing was removed.*Fix: keep such Variables as "
+    r"module attributes or in a dict",
+  ):
     sr.pop(net, sr.Intermediate)
   assert len(net.probes) == 1 and type(net.h) is sr.Intermediate
   with pytest.raises(TypeError, match=r"sr\.pop takes at least one filter"):
@@ -179,17 +189,19 @@ def test_pop_refuses_a_variable_in_a_list_and_removes_nothing():
 def test_calling_rngs_draws_from_the_default_stream_as_nnx():
   ours, theirs = sr.Rngs(0, dropout=1), nnx.Rngs(0, dropout=1)
   for _ in range(3):
-    np.testing.assert_array_equal(jax.random.key_data(ours()),
-                                  jax.random.key_data(theirs()))
+    np.testing.assert_array_equal(jax.random.key_data(ours()), jax.random.key_data(theirs()))
   assert int(ours.default.count.value) == 3 and int(ours.dropout.count.value) == 0
 
 
 def test_calling_rngs_without_a_default_stream_says_which_exist():
   rngs = sr.Rngs(params=0, dropout=1)
-  with pytest.raises(AttributeError, match=r"rngs\(\) draws from the default stream, but "
-                     r"this Rngs has none \(it has \['params', 'dropout'\]\)\. Fix: draw "
-                     r"from a named stream, e\.g\. `rngs\.params\(\)`, or give a default "
-                     r"seed: `sr\.Rngs\(0, params=\.\.\.\)`"):
+  with pytest.raises(
+    AttributeError,
+    match=r"rngs\(\) draws from the default stream, but "
+    r"this Rngs has none \(it has \['params', 'dropout'\]\)\. Fix: draw "
+    r"from a named stream, e\.g\. `rngs\.params\(\)`, or give a default "
+    r"seed: `sr\.Rngs\(0, params=\.\.\.\)`",
+  ):
     rngs()
   assert int(rngs.params.count.value) == 0
 
@@ -198,7 +210,6 @@ def test_calling_rngs_without_a_default_stream_says_which_exist():
 
 
 class SrLeaf(sr.Module):
-
   def __init__(self, v):
     self.w = sr.Param(jnp.full((2,), v))
     self.size = 2
@@ -206,7 +217,6 @@ class SrLeaf(sr.Module):
 
 
 class NnxLeaf(nnx.Module, pytree=False):
-
   def __init__(self, v):
     self.w = nnx.Param(jnp.full((2,), v))
     self.size = 2
@@ -217,9 +227,9 @@ def build(module, leaf, param, batchstat):
   root = module()
   first = leaf(0.0)
   root.layers = [first, leaf(1.0)]
-  root.heads = {"b": leaf(2.0), "a": first}       # shared module, dict keys unsorted
+  root.heads = {"b": leaf(2.0), "a": first}  # shared module, dict keys unsorted
   root.stat = batchstat(jnp.zeros(3))
-  root.tied = root.stat                           # shared Variable
+  root.tied = root.stat  # shared Variable
   root.config = (4, None)
   root.act = "relu"
   return root
@@ -246,23 +256,27 @@ def test_iter_graph_matches_nnx_paths_order_and_kinds():
   ours = build(SrRoot, SrLeaf, sr.Param, sr.BatchStat)
   theirs = build(NnxRoot, NnxLeaf, nnx.Param, nnx.BatchStat)
   got = [(path, kind(v)) for path, v in sr.iter_graph(ours)]
-  want = [(path, kind(v)) for path, v in nnx.iter_graph(theirs)
-          if not any(isinstance(k, str) and k.startswith("_pytree__") for k in path)]
+  want = [
+    (path, kind(v))
+    for path, v in nnx.iter_graph(theirs)
+    if not any(isinstance(k, str) and k.startswith("_pytree__") for k in path)
+  ]
   assert got == want
   # The shared module first comes at heads.a (sorted), and not again at layers[0].
   assert got[-1] == ((), "Root") and ((("layers", 0), "Leaf") not in got)
 
 
 def test_iter_graph_yields_the_same_modules_and_variables_as_nnx_for_layers():
-  ours = sr.Sequential(sr.nn.Linear(2, 3, rngs=sr.Rngs(0)), sr.nn.Linear(3, 1,
-                                                                         rngs=sr.Rngs(1)))
-  theirs = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
-                          nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
+  ours = sr.Sequential(sr.nn.Linear(2, 3, rngs=sr.Rngs(0)), sr.nn.Linear(3, 1, rngs=sr.Rngs(1)))
+  theirs = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
 
   def nodes(pairs):
-    return [(path, type(v).__name__) for path, v in pairs
-            if isinstance(v, (sr.Module, sr.Variable, nnx.Module, nnx.Variable))
-            and type(v).__name__ != "List"]
+    return [
+      (path, type(v).__name__)
+      for path, v in pairs
+      if isinstance(v, (sr.Module, sr.Variable, nnx.Module, nnx.Variable))
+      and type(v).__name__ != "List"
+    ]
 
   assert nodes(sr.iter_graph(ours)) == nodes(nnx.iter_graph(theirs))
 
@@ -271,18 +285,24 @@ def test_iter_graph_yields_the_same_modules_and_variables_as_nnx_for_layers():
 
 
 def sequential_twins():
-  theirs = nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.relu,
-                          nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
-  ours = sr.Sequential(sr.nn.Linear(3, 8, rngs=sr.Rngs(5)), jax.nn.relu,
-                       sr.nn.Linear(8, 2, rngs=sr.Rngs(6)))
+  theirs = nnx.Sequential(
+    nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+  )
+  ours = sr.Sequential(
+    sr.nn.Linear(3, 8, rngs=sr.Rngs(5)), jax.nn.relu, sr.nn.Linear(8, 2, rngs=sr.Rngs(6))
+  )
   sr.interop.from_nnx(ours, theirs)
   return ours, theirs
 
 
 def test_sequential_matches_nnx_outputs_and_gradients():
   ours, theirs = sequential_twins()
-  assert sorted(sr.state(ours).flat()) == [("layers", 0, "bias"), ("layers", 0, "kernel"),
-                                          ("layers", 2, "bias"), ("layers", 2, "kernel")]
+  assert sorted(sr.state(ours).flat()) == [
+    ("layers", 0, "bias"),
+    ("layers", 0, "kernel"),
+    ("layers", 2, "bias"),
+    ("layers", 2, "kernel"),
+  ]
   x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3)), jnp.float32)
   close(ours(x), theirs(x))
 
@@ -304,8 +324,11 @@ def test_sequential_threads_tuples_dicts_and_rngs_as_nnx():
     return a + b
 
   x = jnp.arange(4.0)
-  assert float(sr.Sequential(split, as_dict, add)(x).sum()) == float(
-      nnx.Sequential(split, as_dict, add)(x).sum()) == 18.0
+  assert (
+    float(sr.Sequential(split, as_dict, add)(x).sum())
+    == float(nnx.Sequential(split, as_dict, add)(x).sum())
+    == 18.0
+  )
   assert sr.Sequential()(x) is x and sr.Sequential()() is None
   assert sr.Sequential()(1, 2) == (1, 2) and sr.Sequential()(a=1) == {"a": 1}
 
@@ -317,13 +340,19 @@ def test_sequential_threads_tuples_dicts_and_rngs_as_nnx():
 
 
 def test_sequential_refuses_what_cannot_be_called_and_names_the_bad_layer():
-  with pytest.raises(TypeError, match=r"Sequential: layer 1 is a int \(3\), which cannot "
-                     r"be called\. Fix: pass modules or functions"):
+  with pytest.raises(
+    TypeError,
+    match=r"Sequential: layer 1 is a int \(3\), which cannot "
+    r"be called\. Fix: pass modules or functions",
+  ):
     sr.Sequential(jax.nn.relu, 3)
   ours, _ = sequential_twins()
   before = {k: np.asarray(v) for k, v in sr.state(ours).flat().items()}
-  with pytest.raises(ValueError, match=r"At `layers\[0\]`: Linear was built with "
-                     r"in_features=3 .*expected shape \(4, 3\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"At `layers\[0\]`: Linear was built with "
+    r"in_features=3 .*expected shape \(4, 3\)",
+  ):
     ours(jnp.ones((4, 5)))
   for k, v in sr.state(ours).flat().items():
     np.testing.assert_array_equal(v, before[k])
@@ -335,18 +364,17 @@ def test_sequential_is_a_module_under_jit_and_a_scanned_stack():
   close(sr.jit(lambda m, x: m(x))(ours, x), theirs(x))
 
   class Block(sr.Module):
-
     def __init__(self, *, rngs):
       self.seq = sr.Sequential(sr.nn.Linear(4, 4, rngs=rngs), jax.nn.tanh)
 
     def __call__(self, h):
       return self.seq(h)
 
-  stack = sr.scan(Block, length=3, variable_axes={sr.Param: 0},
-                  split_rngs={"params": True})(rngs=sr.Rngs(0))
+  stack = sr.scan(Block, length=3, variable_axes={sr.Param: 0}, split_rngs={"params": True})(
+    rngs=sr.Rngs(0)
+  )
   h0 = jnp.ones((2, 4))
-  out, _ = sr.scan(lambda block, h: (block(h), None), variable_axes={sr.Param: 0})(stack,
-                                                                                  h0)
+  out, _ = sr.scan(lambda block, h: (block(h), None), variable_axes={sr.Param: 0})(stack, h0)
   h = h0
   for layer in sr.unstack(stack):
     h = layer(h)
@@ -361,7 +389,9 @@ def test_sequential_is_exported_from_sr_and_sr_nn():
 # -- names nnx has that we spell differently ---------------------------------------------
 
 
-@pytest.mark.parametrize("name, fix", [
+@pytest.mark.parametrize(
+  "name, fix",
+  [
     ("tabulate", r"use sr\.summary"),
     ("StateAxes", r"variable_axes="),
     ("Carry", r"variable_carry="),
@@ -372,37 +402,63 @@ def test_sequential_is_exported_from_sr_and_sr_nn():
     ("TrainState", r"sr\.Optimizer"),
     ("Everything", r"use \.\.\."),
     ("capture", r"sr\.pop\(model, sr\.Intermediate\)"),
-])
+  ],
+)
 def test_an_nnx_name_spelled_differently_names_ours(name, fix):
-  with pytest.raises(AttributeError, match=rf"module 'statefulremat' has no attribute "
-                     rf"'{name}' \(nnx\.{name}\): .*{fix}"):
+  with pytest.raises(
+    AttributeError,
+    match=rf"module 'statefulremat' has no attribute "
+    rf"'{name}' \(nnx\.{name}\): .*{fix}",
+  ):
     getattr(sr, name)
 
 
 @pytest.mark.parametrize("name", ["Linear", "BatchNorm", "Dropout"])
 def test_an_nnx_layer_at_the_top_points_to_sr_nn(name):
-  with pytest.raises(AttributeError, match=rf"'{name}': layers, activations and "
-                     rf"initializers live in sr\.nn, use sr\.nn\.{name}"):
+  with pytest.raises(
+    AttributeError,
+    match=rf"'{name}': layers, activations and "
+    rf"initializers live in sr\.nn, use sr\.nn\.{name}",
+  ):
     getattr(sr, name)
 
 
-@pytest.mark.parametrize("name, fix", [("Module", r"use sr\.Module"),
-                                       ("Param", r"use sr\.Param"),
-                                       ("tabulate", r"use sr\.summary"),
-                                       ("Dense", r"use sr\.nn\.Linear")])
+@pytest.mark.parametrize(
+  "name, fix",
+  [
+    ("Module", r"use sr\.Module"),
+    ("Param", r"use sr\.Param"),
+    ("tabulate", r"use sr\.summary"),
+    ("Dense", r"use sr\.nn\.Linear"),
+  ],
+)
 def test_a_top_level_name_under_sr_nn_points_to_it(name, fix):
-  with pytest.raises(AttributeError, match=rf"module 'statefulremat\.nn' has no attribute "
-                     rf"'{name}': {fix}"):
+  with pytest.raises(
+    AttributeError,
+    match=rf"module 'statefulremat\.nn' has no attribute "
+    rf"'{name}': {fix}",
+  ):
     getattr(sr.nn, name)
 
 
 def test_names_we_share_with_nnx_are_ours_and_unknown_names_stay_plain():
-  for name in ("Param", "Variable", "state", "display", "Optimizer", "BatchStat", "pop",
-               "iter_graph", "Sequential", "Rngs", "split", "merge"):
+  for name in (
+    "Param",
+    "Variable",
+    "state",
+    "display",
+    "Optimizer",
+    "BatchStat",
+    "pop",
+    "iter_graph",
+    "Sequential",
+    "Rngs",
+    "split",
+    "merge",
+  ):
     assert getattr(sr, name) is not None
   for module, label in ((sr, "statefulremat"), (sr.nn, "statefulremat.nn")):
-    for name in ("no_such_name", "__wrapped__", "_pytestfixturefunction", "__test__",
-                 "_private"):
+    for name in ("no_such_name", "__wrapped__", "_pytestfixturefunction", "__test__", "_private"):
       with pytest.raises(AttributeError) as info:
         getattr(module, name)
       assert str(info.value) == f"module {label!r} has no attribute {name!r}"
@@ -413,17 +469,55 @@ def test_names_we_share_with_nnx_are_ours_and_unknown_names_stay_plain():
 # nnx's type variables, the submodules of its implementation and its internal contexts:
 # ported model code does not name them, and they keep the plain AttributeError.
 NNX_INTERNALS = {
-    "A", "M", "OptArray", "OptVariable", "MergeContext", "SplitContext", "UpdateContext",
-    "deprecations", "extract", "filterlib", "graphlib", "helpers", "module", "object",
-    "prefix", "proxy_caller", "pytreelib", "reprlib", "rnglib", "statelib", "tracers",
-    "traversals", "variablelib", "variables", "wrappers",
+  "A",
+  "M",
+  "OptArray",
+  "OptVariable",
+  "MergeContext",
+  "SplitContext",
+  "UpdateContext",
+  "deprecations",
+  "extract",
+  "filterlib",
+  "graphlib",
+  "helpers",
+  "module",
+  "object",
+  "prefix",
+  "proxy_caller",
+  "pytreelib",
+  "reprlib",
+  "rnglib",
+  "statelib",
+  "tracers",
+  "traversals",
+  "variablelib",
+  "variables",
+  "wrappers",
 }
 
 
 NNX_LAYERS = {
-    "Bidirectional", "ConvTranspose", "Einsum", "GRUCell", "GroupNorm", "InstanceNorm",
-    "LSTMCell", "LoRA", "LoRALinear", "LoRAParam", "OptimizedLSTMCell", "PReLU", "RNN",
-    "RNNCellBase", "SimpleCell", "avg_pool", "max_pool", "min_pool", "pool", "initializers",
+  "Bidirectional",
+  "ConvTranspose",
+  "Einsum",
+  "GRUCell",
+  "GroupNorm",
+  "InstanceNorm",
+  "LSTMCell",
+  "LoRA",
+  "LoRALinear",
+  "LoRAParam",
+  "OptimizedLSTMCell",
+  "PReLU",
+  "RNN",
+  "RNNCellBase",
+  "SimpleCell",
+  "avg_pool",
+  "max_pool",
+  "min_pool",
+  "pool",
+  "initializers",
 }
 
 

@@ -36,8 +36,7 @@ def assert_trees_equal(a, b, check=np.testing.assert_array_equal):
 
 
 def snapshot(model) -> dict:
-  return {p: np.array(v) for p, v in
-          sr.state(model, (sr.Param, sr.BatchStat)).flat().items()}
+  return {p: np.array(v) for p, v in sr.state(model, (sr.Param, sr.BatchStat)).flat().items()}
 
 
 def assert_unchanged(model, before: dict):
@@ -48,7 +47,6 @@ def assert_unchanged(model, before: dict):
 
 
 class MLP(sr.Module):
-
   def __init__(self, rngs):
     self.embed = sr.nn.Embed(10, D, rngs=rngs)
     self.layers = [sr.nn.Linear(D, 2 * D, rngs=rngs), sr.nn.Linear(2 * D, D, rngs=rngs)]
@@ -62,7 +60,6 @@ class MLP(sr.Module):
 
 
 class LinenMLP(nn.Module):
-
   def setup(self):
     self.embed = nn.Embed(10, D)
     self.layers = [nn.Dense(2 * D), nn.Dense(D)]
@@ -76,7 +73,6 @@ class LinenMLP(nn.Module):
 
 
 class NnxMLP(nnx.Module):
-
   def __init__(self, rngs):
     self.embed = nnx.Embed(10, D, rngs=rngs)
     self.layers = nnx.List([nnx.Linear(D, 2 * D, rngs=rngs), nnx.Linear(2 * D, D, rngs=rngs)])
@@ -90,7 +86,6 @@ class NnxMLP(nnx.Module):
 
 
 class BNNet(sr.Module):
-
   def __init__(self, rngs, **bn):
     self.linear = sr.nn.Linear(D, D, rngs=rngs)
     self.bn = sr.nn.BatchNorm(D, rngs=rngs, **bn)
@@ -106,12 +101,12 @@ class LinenBNNet(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool):
     x = nn.Dense(D, name="linear")(x)
-    return nn.BatchNorm(use_running_average=not train, momentum=self.momentum,
-                        epsilon=self.epsilon, name="bn")(x)
+    return nn.BatchNorm(
+      use_running_average=not train, momentum=self.momentum, epsilon=self.epsilon, name="bn"
+    )(x)
 
 
 class NnxBNNet(nnx.Module):
-
   def __init__(self, rngs, **bn):
     self.linear = nnx.Linear(D, D, rngs=rngs)
     self.bn = nnx.BatchNorm(D, rngs=rngs, **bn)
@@ -121,7 +116,6 @@ class NnxBNNet(nnx.Module):
 
 
 class Block(sr.Module):
-
   def __init__(self, dim, *, rngs):
     self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
     self.bn = sr.nn.BatchNorm(dim, rngs=rngs)
@@ -150,8 +144,9 @@ class Deep(sr.Module):
 
 
 REMAT_SCAN = sr.remat_scan(Block, lengths=LAYERS)
-SCAN = sr.scan(ScanBlock, length=6, variable_axes={sr.Param: 0, sr.BatchStat: 0},
-               split_rngs={"params": True})
+SCAN = sr.scan(
+  ScanBlock, length=6, variable_axes={sr.Param: 0, sr.BatchStat: 0}, split_rngs={"params": True}
+)
 
 
 @functools.cache
@@ -170,14 +165,12 @@ def _linen_block(x):
 
 
 class LinenBlock(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return _linen_block(x)
 
 
 class LinenScanBlock(nn.Module):
-
   @nn.compact
   def __call__(self, x, _):
     return _linen_block(x), None
@@ -189,15 +182,18 @@ class LinenDeep(nn.Module):
   @nn.compact
   def __call__(self, x):
     if self.scan:
-      x = nn.scan(LinenScanBlock, variable_axes={"params": 0, "batch_stats": 0},
-                  split_rngs={"params": True}, length=6)(name="blocks")(x, None)[0]
+      x = nn.scan(
+        LinenScanBlock,
+        variable_axes={"params": 0, "batch_stats": 0},
+        split_rngs={"params": True},
+        length=6,
+      )(name="blocks")(x, None)[0]
     else:
       x = nn.remat_scan(LinenBlock, lengths=LAYERS)(name="blocks")(x)
     return nn.Dense(1, name="head")(x)
 
 
 class NnxBlock(nnx.Module):
-
   def __init__(self, dim, rngs):
     self.linear = nnx.Linear(dim, dim, rngs=rngs)
     self.bn = nnx.BatchNorm(dim, rngs=rngs)
@@ -228,8 +224,9 @@ class NnxDeep(nnx.Module):
 
 @functools.cache
 def _jitted_apply(linen_model):
-  return jax.jit(functools.partial(linen_model.apply, mutable=["batch_stats"]),
-                 static_argnames="train")
+  return jax.jit(
+    functools.partial(linen_model.apply, mutable=["batch_stats"]), static_argnames="train"
+  )
 
 
 def linen_train_step(linen_model, variables, *args, **kwargs):
@@ -265,8 +262,9 @@ def test_mlp_parity_and_round_trips_with_nnx():
   close(theirs(IDS), ours(IDS))
   # ours -> nnx -> ours, from the module and from its State
   assert_trees_equal(snapshot(sr.interop.from_nnx(MLP(sr.Rngs(1)), theirs)), snapshot(ours))
-  assert_trees_equal(snapshot(sr.interop.from_nnx(MLP(sr.Rngs(1)), nnx.state(theirs))),
-                     snapshot(ours))
+  assert_trees_equal(
+    snapshot(sr.interop.from_nnx(MLP(sr.Rngs(1)), nnx.state(theirs))), snapshot(ours)
+  )
   # nnx -> ours -> nnx State: a new State; the one given is unchanged
   fresh = NnxMLP(nnx.Rngs(8))
   given_state = nnx.state(fresh, nnx.Param)
@@ -292,15 +290,15 @@ def test_batchnorm_training_step_matches_linen():
   theirs = LinenBNNet(**bn).init(jax.random.key(0), X, train=False)
   # Running statistics that differ from the initial ones, so loading them matters.
   k1, k2 = jax.random.split(jax.random.key(3))
-  theirs["batch_stats"] = {"bn": {"mean": jax.random.normal(k1, (D,)),
-                                  "var": 1 + jax.random.uniform(k2, (D,))}}
+  theirs["batch_stats"] = {
+    "bn": {"mean": jax.random.normal(k1, (D,)), "var": 1 + jax.random.uniform(k2, (D,))}
+  }
   ours = sr.interop.from_linen(BNNet(sr.Rngs(1), **bn), theirs)
   assert_trees_equal(sr.interop.to_linen(ours), theirs)
   for _ in range(2):  # training mode: batch statistics used and running averages updated
     y, theirs = linen_train_step(LinenBNNet(**bn), theirs, X, train=True)
     close(y, ours(X))
-    assert_trees_equal(sr.interop.to_linen(ours)["batch_stats"], theirs["batch_stats"],
-                       close)
+    assert_trees_equal(sr.interop.to_linen(ours)["batch_stats"], theirs["batch_stats"], close)
   close(ours.eval()(X), LinenBNNet(**bn).apply(theirs, X, train=False))
 
 
@@ -352,16 +350,18 @@ def test_scan_stack_matches_linen_scan_and_takes_the_nested_layout():
   nested = sr.interop.to_linen(deep_model(REMAT_SCAN))  # nn.remat_scan's layout
   loaded = sr.interop.from_linen(deep_model(SCAN), nested)
   np.testing.assert_array_equal(
-      loaded.blocks.linear.kernel.value,
-      nested["params"]["blocks"]["linear"]["kernel"].reshape(6, D, D))
+    loaded.blocks.linear.kernel.value,
+    nested["params"]["blocks"]["linear"]["kernel"].reshape(6, D, D),
+  )
 
 
 def test_vmap_stack_matches_linen_vmap():
   ours = sr.vmap(sr.nn.Linear, axis_size=3, in_axes=None)(D, 2, rngs=sr.Rngs(0))
   variables = sr.interop.to_linen(ours)
   assert variables["params"]["kernel"].shape == (3, D, 2)
-  linen = nn.vmap(nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True},
-                  in_axes=None, axis_size=3)(2)
+  linen = nn.vmap(
+    nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None, axis_size=3
+  )(2)
   close(linen.apply(variables, X), ours(X))
 
 
@@ -379,8 +379,10 @@ def test_remat_scan_stack_matches_nnx_scan_over_layers():
   loaded = sr.interop.from_nnx(deep_model(REMAT_SCAN), fresh)
   target = NnxDeep(nnx.Rngs(5))
   sr.interop.to_nnx(loaded, target)
-  assert_trees_equal(nnx.to_pure_dict(nnx.state(target, (nnx.Param, nnx.BatchStat))),
-                     nnx.to_pure_dict(nnx.state(fresh, (nnx.Param, nnx.BatchStat))))
+  assert_trees_equal(
+    nnx.to_pure_dict(nnx.state(target, (nnx.Param, nnx.BatchStat))),
+    nnx.to_pure_dict(nnx.state(fresh, (nnx.Param, nnx.BatchStat))),
+  )
 
 
 @settings(max_examples=8, deadline=None)
@@ -392,30 +394,32 @@ def test_any_nested_layout_loads_in_layer_order(lengths, seed):
   def nested(x):
     return np.random.default_rng(seed).standard_normal(lengths + x.shape[1:], x.dtype)
 
-  variables = {c: {**tree, "blocks": jax.tree.map(nested, tree["blocks"])}
-               for c, tree in template.items()}
+  variables = {
+    c: {**tree, "blocks": jax.tree.map(nested, tree["blocks"])} for c, tree in template.items()
+  }
   sr.interop.from_linen(deep, variables)
   flat = sr.interop.to_linen(deep, flat_stacks=True)
   for c in variables:
-    assert_trees_equal(flat[c]["blocks"], jax.tree.map(
-        lambda x: x.reshape((6,) + x.shape[len(lengths):]), variables[c]["blocks"]))
+    assert_trees_equal(
+      flat[c]["blocks"],
+      jax.tree.map(lambda x: x.reshape((6,) + x.shape[len(lengths) :]), variables[c]["blocks"]),
+    )
   # and back in the class's own layout, lengths (2, 3)
   kernel = sr.interop.to_linen(deep)["params"]["blocks"]["linear"]["kernel"]
   assert kernel.shape == LAYERS + (D, D)
-  np.testing.assert_array_equal(kernel.reshape(6, D, D),
-                                flat["params"]["blocks"]["linear"]["kernel"])
+  np.testing.assert_array_equal(
+    kernel.reshape(6, D, D), flat["params"]["blocks"]["linear"]["kernel"]
+  )
 
 
 def test_dicts_and_nested_lists_follow_linen_setup_names():
 
   class Nested(sr.Module):
-
     def __init__(self, rngs):
       self.heads = {"a": sr.nn.Linear(2, 2, rngs=rngs)}
       self.grid = [[sr.nn.Linear(2, 2, rngs=rngs)], [sr.nn.Linear(2, 2, rngs=rngs)]]
 
   class LinenNested(nn.Module):
-
     def setup(self):
       self.heads = {"a": nn.Dense(2)}
       self.grid = [[nn.Dense(2)], [nn.Dense(2)]]
@@ -435,8 +439,7 @@ def test_collections_selects_what_is_transferred():
   ours(X)
   stats = snapshot(ours)
   sr.interop.from_linen(ours, {"params": theirs["params"]}, collections=(sr.Param,))
-  assert_trees_equal(sr.interop.to_linen(ours, collections="params"),
-                     {"params": theirs["params"]})
+  assert_trees_equal(sr.interop.to_linen(ours, collections="params"), {"params": theirs["params"]})
   now = snapshot(ours)
   for path in [("bn", "mean"), ("bn", "var")]:
     np.testing.assert_array_equal(now[path], stats[path])
@@ -445,13 +448,11 @@ def test_collections_selects_what_is_transferred():
 def test_rng_state_is_left_alone():
 
   class Drop(sr.Module):
-
     def __init__(self, rngs):
       self.linear = sr.nn.Linear(D, D, rngs=rngs)
       self.drop = sr.nn.Dropout(0.5, rngs=rngs)
 
   class NnxDrop(nnx.Module):
-
     def __init__(self, rngs):
       self.linear = nnx.Linear(D, D, rngs=rngs)
       self.drop = nnx.Dropout(0.5, rngs=rngs)
@@ -475,7 +476,6 @@ def test_interop_imports_flax_only_when_called(monkeypatch):
   """Re-imports sr.interop with flax hidden: importing statefulremat must not need it."""
 
   class NoFlax(importlib.abc.MetaPathFinder):
-
     def find_spec(self, name, path=None, target=None):
       if name == "flax" or name.startswith("flax."):
         raise ImportError(f"statefulremat.interop imported {name} at import time")
@@ -503,10 +503,13 @@ def test_missing_and_unused_linen_entries():
   with pytest.raises(sr.interop.InteropError) as info:
     sr.interop.from_linen(ours, variables)
   message = str(info.value)
-  assert ("`blocks.linear.kernel` (Param): linen has no `params/blocks/linear/kernel` "
-          "(`params/blocks/linear` has: bias, kernel_0)") in message
-  assert ("linen `params/blocks/linear/kernel_0` (float32[2, 3, 4, 4]) matches no "
-          "variable of ours") in message
+  assert (
+    "`blocks.linear.kernel` (Param): linen has no `params/blocks/linear/kernel` "
+    "(`params/blocks/linear` has: bias, kernel_0)"
+  ) in message
+  assert (
+    "linen `params/blocks/linear/kernel_0` (float32[2, 3, 4, 4]) matches no variable of ours"
+  ) in message
   assert "2 variables do not map" in message and "the model is unchanged" in message
   assert_unchanged(ours, before)
 
@@ -517,10 +520,12 @@ def test_extra_linen_entry():
   variables["params"]["extra"] = {"kernel": jnp.zeros((2, 2))}
   variables["params"]["bn"]["scale"] = variables["params"]["bn"]["scale"] + 1
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"^sr\.interop\.from_linen: linen `params/extra/kernel` "
-                           r"\(float32\[2, 2\]\) matches no variable of ours\.\nFix: every "
-                           r"linen entry needs a variable of ours"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"^sr\.interop\.from_linen: linen `params/extra/kernel` "
+    r"\(float32\[2, 2\]\) matches no variable of ours\.\nFix: every "
+    r"linen entry needs a variable of ours",
+  ):
     sr.interop.from_linen(ours, variables)
   assert_unchanged(ours, before)  # bn.scale, which did fit, was not written either
 
@@ -530,9 +535,11 @@ def test_shape_mismatch_names_both_shapes():
   variables = sr.interop.to_linen(ours)
   variables["params"]["linear"]["kernel"] = jnp.zeros((D, D + 1))
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"`linear\.kernel` \(Param\): shape mismatch: ours is \(4, 4\), "
-                           r"linen `params/linear/kernel` is \(4, 5\)\."):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"`linear\.kernel` \(Param\): shape mismatch: ours is \(4, 4\), "
+    r"linen `params/linear/kernel` is \(4, 5\)\.",
+  ):
     sr.interop.from_linen(ours, variables)
   assert_unchanged(ours, before)
 
@@ -542,11 +549,13 @@ def test_stacked_shape_mismatch_names_the_layer_axis():
   variables = sr.interop.to_linen(ours)
   variables["params"]["blocks"]["linear"]["kernel"] = jnp.zeros((2, 2, D, D))
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"`blocks\.linear\.kernel` \(Param\): shape mismatch: ours is "
-                           r"\(6, 4, 4\) \(6 layers on axis 0\), linen "
-                           r"`params/blocks/linear/kernel` is \(2, 2, 4, 4\)\.\nFix: a "
-                           r"stacked variable takes linen's nn\.scan layout"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"`blocks\.linear\.kernel` \(Param\): shape mismatch: ours is "
+    r"\(6, 4, 4\) \(6 layers on axis 0\), linen "
+    r"`params/blocks/linear/kernel` is \(2, 2, 4, 4\)\.\nFix: a "
+    r"stacked variable takes linen's nn\.scan layout",
+  ):
     sr.interop.from_linen(ours, variables)
   assert_unchanged(ours, before)
 
@@ -556,10 +565,12 @@ def test_dtype_mismatch_is_not_cast():
   variables = sr.interop.to_linen(ours)
   variables["params"]["linear"]["bias"] = jnp.zeros((D,), jnp.bfloat16)
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"`linear\.bias` \(Param\): dtype mismatch: ours is float32, "
-                           r"linen `params/linear/bias` is bfloat16\.\nFix: dtypes must "
-                           r"match exactly \(no silent casts\)"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"`linear\.bias` \(Param\): dtype mismatch: ours is float32, "
+    r"linen `params/linear/bias` is bfloat16\.\nFix: dtypes must "
+    r"match exactly \(no silent casts\)",
+  ):
     sr.interop.from_linen(ours, variables)
   assert_unchanged(ours, before)
 
@@ -574,8 +585,10 @@ def test_wrong_collection():
     sr.interop.from_linen(ours, variables)
   message = str(info.value)
   assert message.startswith("sr.interop.from_linen: 2 variables do not map:\n")
-  assert ("`bn.mean` (BatchStat) belongs to collection `batch_stats`, but linen has it "
-          "as `params/bn/mean` (collection `params`)") in message
+  assert (
+    "`bn.mean` (BatchStat) belongs to collection `batch_stats`, but linen has it "
+    "as `params/bn/mean` (collection `params`)"
+  ) in message
   assert "`bn.var` (BatchStat)" in message and "matches no variable" not in message
   assert_unchanged(ours, before)
 
@@ -584,11 +597,13 @@ def test_missing_collection():
   ours = BNNet(sr.Rngs(0))
   variables = sr.interop.to_linen(ours)
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"linen variables have no `batch_stats` collection \(they have: "
-                           r"params\), but ours has 2 variable\(s\) in it: `bn\.mean` "
-                           r"\(BatchStat\), `bn\.var` \(BatchStat\)\.\nFix: .* "
-                           r"collections=\('params',\)"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"linen variables have no `batch_stats` collection \(they have: "
+    r"params\), but ours has 2 variable\(s\) in it: `bn\.mean` "
+    r"\(BatchStat\), `bn\.var` \(BatchStat\)\.\nFix: .* "
+    r"collections=\('params',\)",
+  ):
     sr.interop.from_linen(ours, {"params": variables["params"]})
   assert_unchanged(ours, before)
 
@@ -602,8 +617,11 @@ def test_not_linen_variables(bad):
 def test_bad_arguments():
   with pytest.raises(TypeError, match=r"takes one of our modules \(an sr\.Module\) first"):
     sr.interop.to_linen({"params": {}})
-  with pytest.raises(TypeError, match=r"collections= takes collection names or Variable "
-                                      r"kinds"):
+  with pytest.raises(
+    TypeError,
+    match=r"collections= takes collection names or Variable "
+    r"kinds",
+  ):
     sr.interop.to_linen(sr.nn.Linear(2, 2, rngs=sr.Rngs(0)), collections=(1,))
   with pytest.raises(TypeError, match=r"takes an nnx Module or an nnx State"):
     sr.interop.from_nnx(sr.nn.Linear(2, 2, rngs=sr.Rngs(0)), object())
@@ -612,14 +630,15 @@ def test_bad_arguments():
 def test_name_collision():
 
   class Clash(sr.Module):
-
     def __init__(self, rngs):
       self.layers = [sr.nn.Linear(2, 2, rngs=rngs)]
       self.layers_0 = sr.nn.Linear(2, 2, rngs=rngs)
 
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"`layers_0\.bias` \(Param\) and `layers\[0\]\.bias` \(Param\) "
-                           r"both map to linen `params/layers_0/bias`"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"`layers_0\.bias` \(Param\) and `layers\[0\]\.bias` \(Param\) "
+    r"both map to linen `params/layers_0/bias`",
+  ):
     sr.interop.to_linen(Clash(sr.Rngs(0)))
 
 
@@ -627,7 +646,6 @@ def test_nnx_missing_unused_and_shape():
   ours = BNNet(sr.Rngs(0))
 
   class Other(nnx.Module):
-
     def __init__(self, rngs):
       self.dense = nnx.Linear(D, D, rngs=rngs)
       self.bn = nnx.BatchNorm(D + 1, rngs=rngs)
@@ -637,8 +655,7 @@ def test_nnx_missing_unused_and_shape():
   with pytest.raises(sr.interop.InteropError) as info:
     sr.interop.from_nnx(ours, theirs)
   message = str(info.value)
-  assert ("`linear.kernel` (Param): nnx has no `linear.kernel` (`<root>` has: bn, dense)"
-          in message)
+  assert "`linear.kernel` (Param): nnx has no `linear.kernel` (`<root>` has: bn, dense)" in message
   assert "`bn.scale` (Param): shape mismatch: ours is (4,), nnx `bn.scale` is (5,)" in message
   assert "nnx `dense.kernel` (Param, float32[4, 4]) matches no variable of ours" in message
   assert_unchanged(ours, before)
@@ -655,10 +672,13 @@ def test_nnx_wrong_collection_and_dtype():
   with pytest.raises(sr.interop.InteropError) as info:
     sr.interop.from_nnx(ours, theirs)
   message = str(info.value)
-  assert ("`bn.mean` (BatchStat) belongs to collection `batch_stats`, but nnx has a "
-          "Param there (collection `params`)") in message
-  assert ("`bn.scale` (Param): dtype mismatch: ours is float32, nnx `bn.scale` is "
-          "bfloat16") in message
+  assert (
+    "`bn.mean` (BatchStat) belongs to collection `batch_stats`, but nnx has a "
+    "Param there (collection `params`)"
+  ) in message
+  assert (
+    "`bn.scale` (Param): dtype mismatch: ours is float32, nnx `bn.scale` is bfloat16"
+  ) in message
   assert_unchanged(ours, before)
 
 
@@ -666,9 +686,11 @@ def test_nnx_missing_collection():
   ours = BNNet(sr.Rngs(0))
   theirs = NnxBNNet(nnx.Rngs(0))
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"the nnx side has no variables of collection `batch_stats`, "
-                           r"but ours has 2: `bn\.mean` \(BatchStat\), `bn\.var`"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"the nnx side has no variables of collection `batch_stats`, "
+    r"but ours has 2: `bn\.mean` \(BatchStat\), `bn\.var`",
+  ):
     sr.interop.from_nnx(ours, nnx.state(theirs, nnx.Param))
   assert_unchanged(ours, before)
   sr.interop.from_nnx(ours, nnx.state(theirs, nnx.Param), collections="params")

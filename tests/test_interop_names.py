@@ -40,7 +40,6 @@ def close(a, b):
 
 
 class Block(sr.Module):
-
   def __init__(self, dim, *, rngs):
     self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
     self.norm = sr.nn.LayerNorm(dim, rngs=rngs)
@@ -53,7 +52,6 @@ STACK = sr.scan(Block, length=N, variable_axes={sr.Param: 0}, split_rngs={"param
 
 
 class Deep(sr.Module):
-
   def __init__(self, rngs):
     self.layers = STACK(D, rngs=rngs)
     self.head = sr.nn.Linear(D, 1, rngs=rngs)
@@ -72,7 +70,6 @@ def deep():
 
 
 class NnxBlock(nnx.Module):
-
   def __init__(self, dim, rngs):
     self.linear = nnx.Linear(dim, dim, rngs=rngs)
     self.norm = nnx.LayerNorm(dim, rngs=rngs)
@@ -114,10 +111,12 @@ def test_nnx_list_of_layers_round_trips_through_our_scanned_stack(cls):
   theirs = cls(nnx.Rngs(3))
   ours = sr.interop.from_nnx(deep(), theirs)
   for i in range(N):
-    np.testing.assert_array_equal(ours.layers.linear.kernel.value[i],
-                                  theirs.layers[i].linear.kernel[...])
-    np.testing.assert_array_equal(ours.layers.layer(i).norm.scale.value,
-                                  theirs.layers[i].norm.scale[...])
+    np.testing.assert_array_equal(
+      ours.layers.linear.kernel.value[i], theirs.layers[i].linear.kernel[...]
+    )
+    np.testing.assert_array_equal(
+      ours.layers.layer(i).norm.scale.value, theirs.layers[i].norm.scale[...]
+    )
   close(ours(X), theirs(X))
   # and back: to_nnx writes each layer of our stack into the list
   fresh = cls(nnx.Rngs(9))
@@ -133,7 +132,6 @@ def test_nnx_list_of_layers_round_trips_through_our_scanned_stack(cls):
 def test_to_nnx_into_a_state_and_rename_both_ways():
 
   class Renamed(nnx.Module):
-
     def __init__(self, rngs):
       self.blocks = nnx.List([NnxBlock(D, rngs) for _ in range(N)])
       self.out = nnx.Linear(D, 1, rngs=rngs)
@@ -141,8 +139,7 @@ def test_to_nnx_into_a_state_and_rename_both_ways():
   rename = {r"^blocks\.": "layers.", r"^out\.": "head."}
   theirs = Renamed(nnx.Rngs(4))
   ours = sr.interop.from_nnx(deep(), theirs, rename=rename)
-  np.testing.assert_array_equal(ours.layers.linear.bias.value[2],
-                                theirs.blocks[2].linear.bias[...])
+  np.testing.assert_array_equal(ours.layers.linear.bias.value[2], theirs.blocks[2].linear.bias[...])
   np.testing.assert_array_equal(ours.head.kernel.value, theirs.out.kernel[...])
   state = nnx.state(Renamed(nnx.Rngs(5)))
   written = sr.interop.to_nnx(ours, state, rename=rename)
@@ -176,7 +173,6 @@ class LinenSetupList(nn.Module):
 
 
 class LinenBlock(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     h = nn.LayerNorm(name="norm")(nn.Dense(D, name="linear")(x))
@@ -207,8 +203,9 @@ def test_linen_automatic_names_by_rename():
   rename = {r"^LinenBlock_(\d+)\.": r"layers.\1.", r"^Dense_0\.": "head."}
   ours = sr.interop.from_linen(deep(), variables, rename=rename)
   close(ours(X), LinenCompact().apply(variables, X))
-  back = sr.interop.to_linen(ours, unstack=True, rename={
-      r"^layers\.(\d+)\.": r"LinenBlock_\1.", r"^head\.": "Dense_0."})
+  back = sr.interop.to_linen(
+    ours, unstack=True, rename={r"^layers\.(\d+)\.": r"LinenBlock_\1.", r"^head\.": "Dense_0."}
+  )
   jax.tree.map(np.testing.assert_array_equal, back, variables)
   close(LinenCompact().apply(back, X), ours(X))
 
@@ -254,15 +251,25 @@ def torch_state_dict(seed=0) -> dict:
   def a(*shape):
     return rng.standard_normal(shape).astype(np.float32)
 
-  flat = {"model.embed.weight": a(V, D), "model.conv.weight": a(D, D, 3),
-          "model.conv.bias": a(D), "model.bn.weight": a(D), "model.bn.bias": a(D),
-          "model.bn.running_mean": a(D), "model.bn.running_var": np.abs(a(D)) + 0.5,
-          "model.bn.num_batches_tracked": np.array(10, np.int64),
-          "model.head.weight": a(C, D), "model.head.bias": a(C)}
+  flat = {
+    "model.embed.weight": a(V, D),
+    "model.conv.weight": a(D, D, 3),
+    "model.conv.bias": a(D),
+    "model.bn.weight": a(D),
+    "model.bn.bias": a(D),
+    "model.bn.running_mean": a(D),
+    "model.bn.running_var": np.abs(a(D)) + 0.5,
+    "model.bn.num_batches_tracked": np.array(10, np.int64),
+    "model.head.weight": a(C, D),
+    "model.head.bias": a(C),
+  }
   for i in range(N):
-    flat |= {f"model.layers.{i}.linear.weight": a(D, D),
-             f"model.layers.{i}.linear.bias": a(D),
-             f"model.layers.{i}.norm.weight": a(D), f"model.layers.{i}.norm.bias": a(D)}
+    flat |= {
+      f"model.layers.{i}.linear.weight": a(D, D),
+      f"model.layers.{i}.linear.bias": a(D),
+      f"model.layers.{i}.norm.weight": a(D),
+      f"model.layers.{i}.norm.bias": a(D),
+    }
   return flat
 
 
@@ -271,8 +278,13 @@ def torch_reference(flat: dict, ids: np.ndarray) -> np.ndarray:
   w = {k.removeprefix("model."): v.astype(np.float64) for k, v in flat.items()}
   x = w["embed.weight"][ids]  # (B, T, D)
   padded = np.pad(x, ((0, 0), (1, 1), (0, 0)))  # 'SAME' for a window of 3
-  x = sum(np.einsum("bti,oi->bto", padded[:, k:k + x.shape[1]], w["conv.weight"][:, :, k])
-          for k in range(3)) + w["conv.bias"]
+  x = (
+    sum(
+      np.einsum("bti,oi->bto", padded[:, k : k + x.shape[1]], w["conv.weight"][:, :, k])
+      for k in range(3)
+    )
+    + w["conv.bias"]
+  )
 
   def layer_norm(x, weight, bias, eps=1e-6):
     mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
@@ -281,8 +293,9 @@ def torch_reference(flat: dict, ids: np.ndarray) -> np.ndarray:
   for i in range(N):
     h = x @ w[f"layers.{i}.linear.weight"].T + w[f"layers.{i}.linear.bias"]
     x = x + np.tanh(layer_norm(h, w[f"layers.{i}.norm.weight"], w[f"layers.{i}.norm.bias"]))
-  x = ((x - w["bn.running_mean"]) / np.sqrt(w["bn.running_var"] + 1e-5) * w["bn.weight"]
-       + w["bn.bias"])
+  x = (x - w["bn.running_mean"]) / np.sqrt(w["bn.running_var"] + 1e-5) * w["bn.weight"] + w[
+    "bn.bias"
+  ]
   return x @ w["head.weight"].T + w["head.bias"]
 
 
@@ -304,15 +317,18 @@ def test_safetensors_file_in_torch_layout_gives_torch_outputs(tmp_path):
   flat = torch_state_dict()
   path = str(tmp_path / "model.safetensors")
   safetensors.numpy.save_file(flat, path)
-  ours = sr.interop.from_state_dict(torch_like(), safetensors.numpy.load_file(path),
-                                    rename=drop_counter, layout="torch")
+  ours = sr.interop.from_state_dict(
+    torch_like(), safetensors.numpy.load_file(path), rename=drop_counter, layout="torch"
+  )
   ids = np.array([[1, 2, 3, 4, 5], [6, 0, 1, 2, 3]])
   close(ours(ids), torch_reference(flat, ids))
   np.testing.assert_array_equal(ours.head.kernel.value, flat["model.head.weight"].T)
-  np.testing.assert_array_equal(ours.conv.kernel.value,
-                                flat["model.conv.weight"].transpose(2, 1, 0))
-  np.testing.assert_array_equal(ours.layers.linear.kernel.value[1],
-                                flat["model.layers.1.linear.weight"].T)
+  np.testing.assert_array_equal(
+    ours.conv.kernel.value, flat["model.conv.weight"].transpose(2, 1, 0)
+  )
+  np.testing.assert_array_equal(
+    ours.layers.linear.kernel.value[1], flat["model.layers.1.linear.weight"].T
+  )
   # and back: the same names and layouts, a file safetensors writes
   back = sr.interop.to_state_dict(ours, layout="torch", rename={r"^": "model."})
   expected = {k: v for k, v in flat.items() if not k.endswith("num_batches_tracked")}
@@ -330,8 +346,7 @@ def test_jax_layout_round_trips_stacked_or_unstacked(tmp_path):
   assert stacked["layers.linear.kernel"].shape == (N, D, D)
   assert "embed.embedding" in stacked and "bn.mean" in stacked
   listed = sr.interop.to_state_dict(ours, unstack=True)
-  np.testing.assert_array_equal(listed["layers.2.norm.scale"],
-                                stacked["layers.norm.scale"][2])
+  np.testing.assert_array_equal(listed["layers.2.norm.scale"], stacked["layers.norm.scale"][2])
   path = str(tmp_path / "jax.safetensors")
   safetensors.numpy.save_file(listed, path)
   other = TorchLike(sr.Rngs(1))
@@ -342,11 +357,11 @@ def test_jax_layout_round_trips_stacked_or_unstacked(tmp_path):
   # a torch-layout stacked array (layer axis first) loads too
   torch_stacked = sr.interop.to_state_dict(ours, layout="torch", unstack=False)
   assert torch_stacked["layers.linear.weight"].shape == (N, D, D)
-  np.testing.assert_array_equal(torch_stacked["layers.linear.weight"][1],
-                                stacked["layers.linear.kernel"][1].T)
+  np.testing.assert_array_equal(
+    torch_stacked["layers.linear.weight"][1], stacked["layers.linear.kernel"][1].T
+  )
   sr.interop.from_state_dict(other, torch_stacked, layout="torch")
-  np.testing.assert_array_equal(other.layers.linear.kernel.value,
-                                ours.layers.linear.kernel.value)
+  np.testing.assert_array_equal(other.layers.linear.kernel.value, ours.layers.linear.kernel.value)
 
 
 # -- errors: every failing path named with the nearest names, nothing written ---------
@@ -361,10 +376,14 @@ def test_missing_and_unused_names_the_nearest():
     sr.interop.from_state_dict(ours, flat, layout="torch")
   message = str(info.value)
   assert message.startswith("sr.interop.from_state_dict: 2 variables do not map:\n")
-  assert ("`head.kernel` (Param): the state dict has no `head.kernel` or `head.weight`. "
-          "Nearest unused: state dict `head.wieght`.") in message
-  assert ("state dict `head.wieght` (float32[3, 4]) matches no variable of ours. "
-          "Nearest of ours still unfilled: `head.weight`") in message
+  assert (
+    "`head.kernel` (Param): the state dict has no `head.kernel` or `head.weight`. "
+    "Nearest unused: state dict `head.wieght`."
+  ) in message
+  assert (
+    "state dict `head.wieght` (float32[3, 4]) matches no variable of ours. "
+    "Nearest of ours still unfilled: `head.weight`"
+  ) in message
   assert "Fix: name the state dict's entries after our paths" in message
   assert "Nothing was written: the model is unchanged." in message
   assert_unchanged(ours, before)
@@ -375,26 +394,33 @@ def test_rename_mapping_two_names_onto_one_is_listed():
   flat = {drop_counter(k): v for k, v in torch_state_dict().items() if drop_counter(k)}
   flat["ema.head.bias"] = flat["head.bias"]
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"`head\.bias` \(Param\): 2 state dict entries map onto it: "
-                           r"state dict `head\.bias`, state dict `ema\.head\.bias` "
-                           r"\(renamed `head\.bias`\)\.\nFix: make `rename` map each "
-                           r"source name"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"`head\.bias` \(Param\): 2 state dict entries map onto it: "
+    r"state dict `head\.bias`, state dict `ema\.head\.bias` "
+    r"\(renamed `head\.bias`\)\.\nFix: make `rename` map each "
+    r"source name",
+  ):
     sr.interop.from_state_dict(ours, flat, layout="torch", rename={r"^ema\.": ""})
   assert_unchanged(ours, before)
 
 
 def test_list_of_layers_with_a_gap():
   ours = deep()
-  state = {k: v for k, v in sr.interop.to_state_dict(ours, unstack=True).items()
-           if not k.startswith("layers.1.")}
+  state = {
+    k: v
+    for k, v in sr.interop.to_state_dict(ours, unstack=True).items()
+    if not k.startswith("layers.1.")
+  }
   before = snapshot(ours)
   with pytest.raises(sr.interop.InteropError) as info:
     sr.interop.from_state_dict(ours, state)
   message = str(info.value)
-  assert ("`layers.linear.kernel` (Param) (3 layers on axis 0) is given as a list of "
-          "layers with gaps: layer(s) 0, 2 given, not 1 (layer 0: state dict "
-          "`layers.0.linear.kernel`).") in message
+  assert (
+    "`layers.linear.kernel` (Param) (3 layers on axis 0) is given as a list of "
+    "layers with gaps: layer(s) 0, 2 given, not 1 (layer 0: state dict "
+    "`layers.0.linear.kernel`)."
+  ) in message
   assert "Fix: a list of layers fills a stack only completely" in message
   assert_unchanged(ours, before)
 
@@ -403,16 +429,20 @@ def test_more_nnx_layers_than_ours_and_to_nnx_leaves_the_target_unchanged():
   ours = deep()
   theirs = NnxDeep(nnx.Rngs(0), n=N + 1)
   before, theirs_before = snapshot(ours), nnx_arrays(theirs)
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"nnx `layers\[3\]\.linear\.kernel` \(Param, float32\[4, 4\]\) "
-                           r"matches no variable of ours\."):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"nnx `layers\[3\]\.linear\.kernel` \(Param, float32\[4, 4\]\) "
+    r"matches no variable of ours\.",
+  ):
     sr.interop.from_nnx(ours, theirs)
   assert_unchanged(ours, before)
   fewer = NnxDeep(nnx.Rngs(0), n=N - 1)
   fewer_before = nnx_arrays(fewer)
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"layer\(s\) 0-1 given, not 2 .*\n(.|\n)*the nnx target is "
-                           r"unchanged"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"layer\(s\) 0-1 given, not 2 .*\n(.|\n)*the nnx target is "
+    r"unchanged",
+  ):
     sr.interop.to_nnx(ours, fewer)
   for path, value in fewer_before.items():
     np.testing.assert_array_equal(nnx_arrays(fewer)[path], value)
@@ -424,11 +454,13 @@ def test_whole_and_per_layer_at_once():
   flat = sr.interop.to_state_dict(ours, unstack=True)
   flat["layers.linear.bias"] = np.zeros((N, D), np.float32)
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"`layers\.linear\.bias` \(Param\): given both whole "
-                           r"\(state dict `layers\.linear\.bias`\) and as a list of layers "
-                           r"\(state dict `layers\.0\.linear\.bias`, …\)\.\nFix: give a "
-                           r"stacked variable either whole or as a list of layers"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"`layers\.linear\.bias` \(Param\): given both whole "
+    r"\(state dict `layers\.linear\.bias`\) and as a list of layers "
+    r"\(state dict `layers\.0\.linear\.bias`, …\)\.\nFix: give a "
+    r"stacked variable either whole or as a list of layers",
+  ):
     sr.interop.from_state_dict(ours, flat)
   assert_unchanged(ours, before)
 
@@ -442,10 +474,14 @@ def test_torch_shapes_are_checked_after_the_transposition():
   with pytest.raises(sr.interop.InteropError) as info:
     sr.interop.from_state_dict(ours, flat, layout="torch")
   message = str(info.value)
-  assert ("`head.kernel` (Param): shape mismatch: ours is (4, 3), in PyTorch's layout "
-          "(3, 4), state dict `head.weight` is (4, 3).") in message
-  assert ("`layers.linear.bias` (Param) layer 1: dtype mismatch: ours is float32, state "
-          "dict `layers.1.linear.bias` is float16.") in message
+  assert (
+    "`head.kernel` (Param): shape mismatch: ours is (4, 3), in PyTorch's layout "
+    "(3, 4), state dict `head.weight` is (4, 3)."
+  ) in message
+  assert (
+    "`layers.linear.bias` (Param) layer 1: dtype mismatch: ours is float32, state "
+    "dict `layers.1.linear.bias` is float16."
+  ) in message
   assert "pass layout='torch'" in message and "no silent casts" in message
   assert_unchanged(ours, before)
 
@@ -456,29 +492,40 @@ def test_linen_per_layer_shape_and_renamed_missing():
   variables["params"]["LinenBlock_2"]["linear"]["bias"] = jnp.zeros((D + 1,))
   before = snapshot(ours)
   with pytest.raises(sr.interop.InteropError) as info:
-    sr.interop.from_linen(ours, variables, rename={r"^LinenBlock_(\d+)\.": r"layers.\1.",
-                                                   r"^Dense_0\.": "hed."})
+    sr.interop.from_linen(
+      ours, variables, rename={r"^LinenBlock_(\d+)\.": r"layers.\1.", r"^Dense_0\.": "hed."}
+    )
   message = str(info.value)
-  assert ("`layers.linear.bias` (Param) layer 2: shape mismatch: ours is (4,) per layer, "
-          "linen `params/LinenBlock_2/linear/bias` (renamed `layers.2.linear.bias`) is "
-          "(5,).") in message
-  assert ("`head.bias` (Param): no linen `params` entry is renamed to `head.bias`. "
-          "Nearest unused: linen `params/Dense_0/bias` (renamed `hed.bias`).") in message
-  assert ("linen `params/Dense_0/kernel` (float32[4, 1]), renamed `hed.kernel`, matches "
-          "no variable of ours. Nearest of ours still unfilled: `head.kernel`") in message
+  assert (
+    "`layers.linear.bias` (Param) layer 2: shape mismatch: ours is (4,) per layer, "
+    "linen `params/LinenBlock_2/linear/bias` (renamed `layers.2.linear.bias`) is "
+    "(5,)."
+  ) in message
+  assert (
+    "`head.bias` (Param): no linen `params` entry is renamed to `head.bias`. "
+    "Nearest unused: linen `params/Dense_0/bias` (renamed `hed.bias`)."
+  ) in message
+  assert (
+    "linen `params/Dense_0/kernel` (float32[4, 1]), renamed `hed.kernel`, matches "
+    "no variable of ours. Nearest of ours still unfilled: `head.kernel`"
+  ) in message
   assert_unchanged(ours, before)
 
 
 def test_made_names_that_collide():
   ours = deep()
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"`layers\.linear\.bias` \(Param\) and `layers\.linear\.kernel` "
-                           r"\(Param\) both become state dict entry `layers\.linear\.w`\."
-                           r"(.|\n)*no state dict was returned"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"`layers\.linear\.bias` \(Param\) and `layers\.linear\.kernel` "
+    r"\(Param\) both become state dict entry `layers\.linear\.w`\."
+    r"(.|\n)*no state dict was returned",
+  ):
     sr.interop.to_state_dict(ours, rename={r"\.(kernel|bias)$": ".w"})
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"`head\.kernel` \(Param\) becomes linen `head\.kernel`, below "
-                           r"`layers\.linear\.kernel` \(Param\), which becomes `head`"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"`head\.kernel` \(Param\) becomes linen `head\.kernel`, below "
+    r"`layers\.linear\.kernel` \(Param\), which becomes `head`",
+  ):
     sr.interop.to_linen(ours, rename=lambda n: "head" if n == "layers.linear.kernel" else n)
 
 
@@ -486,18 +533,27 @@ def test_bad_rename_layout_and_state_dict():
   ours = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
   flat = sr.interop.to_state_dict(ours)
   before = snapshot(ours)
-  with pytest.raises(ValueError, match=r"rename= pattern '\(' is not a valid regular "
-                                       r"expression"):
+  with pytest.raises(
+    ValueError,
+    match=r"rename= pattern '\(' is not a valid regular "
+    r"expression",
+  ):
     sr.interop.from_state_dict(ours, flat, rename={"(": ""})
-  with pytest.raises(TypeError, match=r"rename\('kernel'\) returned 3; it must return our "
-                                      r"name as a dot-joined string"):
+  with pytest.raises(
+    TypeError,
+    match=r"rename\('kernel'\) returned 3; it must return our "
+    r"name as a dot-joined string",
+  ):
     sr.interop.from_state_dict(ours, flat, rename=lambda n: 3 if n == "kernel" else n)
   with pytest.raises(TypeError, match=r"rename= takes a callable .* got list"):
     sr.interop.from_nnx(ours, nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0))), rename=[])
   with pytest.raises(ValueError, match=r"layout= is 'jax' .* or 'torch' .*, got 'pt'"):
     sr.interop.from_state_dict(ours, flat, layout="pt")
-  with pytest.raises(TypeError, match=r"takes a flat mapping of dot-joined names to "
-                                      r"arrays.*got dict with keys that are not strings"):
+  with pytest.raises(
+    TypeError,
+    match=r"takes a flat mapping of dot-joined names to "
+    r"arrays.*got dict with keys that are not strings",
+  ):
     sr.interop.from_state_dict(ours, {("kernel",): flat["kernel"]})
   assert_unchanged(ours, before)
 
@@ -507,10 +563,12 @@ def test_one_layer_in_another_collection():
   theirs = NnxDeep(nnx.Rngs(0))
   theirs.layers[1].linear.bias = nnx.BatchStat(theirs.layers[1].linear.bias[...])
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError,
-                     match=r"^sr\.interop\.from_nnx: `layers\.linear\.bias` \(Param\) "
-                           r"belongs to collection `params`, but nnx has a BatchStat there "
-                           r"\(collection `batch_stats`\)\.\nFix: use the same variable "
-                           r"kinds on both sides"):
+  with pytest.raises(
+    sr.interop.InteropError,
+    match=r"^sr\.interop\.from_nnx: `layers\.linear\.bias` \(Param\) "
+    r"belongs to collection `params`, but nnx has a BatchStat there "
+    r"\(collection `batch_stats`\)\.\nFix: use the same variable "
+    r"kinds on both sides",
+  ):
     sr.interop.from_nnx(ours, theirs)
   assert_unchanged(ours, before)

@@ -28,20 +28,17 @@ class Block(sr.Module):
 
 
 class Scale(sr.Module):
-
   def __init__(self, n):
     self.w = sr.Param(jnp.ones(n))
 
 
 class Holder(sr.Module):
-
   def __init__(self, sub):
     self.sub = sub
     self.own = sr.Param(jnp.zeros(()))
 
 
 class Stack(sr.Module):
-
   def __init__(self, n, *, rngs):
     self.layers = [sr.nn.Linear(3, 3, rngs=rngs) for _ in range(n)]
 
@@ -74,8 +71,7 @@ def assert_same_state(a, b, exact=False):
     if exact or not np.issubdtype(fa[path].dtype, np.floating):
       np.testing.assert_array_equal(fa[path], fb[path], err_msg=str(path))
     else:
-      np.testing.assert_allclose(fa[path], fb[path], rtol=1e-6, atol=1e-6,
-                                 err_msg=str(path))
+      np.testing.assert_allclose(fa[path], fb[path], rtol=1e-6, atol=1e-6, err_msg=str(path))
 
 
 def test_writes_back_every_mutation_and_matches_eager():
@@ -92,8 +88,9 @@ def test_writes_back_every_mutation_and_matches_eager():
   assert not np.array_equal(before[("mean",)], after[("mean",)])
   count = ("rngs", "default", "count")
   assert int(after[count]) == int(before[count]) + 3
-  np.testing.assert_array_equal(before[("rngs", "default", "key")],
-                                after[("rngs", "default", "key")])
+  np.testing.assert_array_equal(
+    before[("rngs", "default", "key")], after[("rngs", "default", "key")]
+  )
   for _, var in jitted.iter_variables():  # written back as concrete arrays
     assert isinstance(var.value, jax.Array)
     assert not isinstance(var.value, jax.core.Tracer)
@@ -185,7 +182,7 @@ def test_static_argnums():
   @sr.jit(static_argnums=(3, 0))
   def f(op, m, x, power, y):
     traces.append((op, power))
-    z = m.w.value * x ** power
+    z = m.w.value * x**power
     return z + y if op == "add" else z - y
 
   one = jnp.ones(2)
@@ -300,7 +297,6 @@ def test_nested_jit():
 def test_decorating_a_method():
 
   class Counter(sr.Module):
-
     def __init__(self):
       self.total = sr.BatchStat(jnp.zeros(()))
 
@@ -355,14 +351,20 @@ def test_lower():
 
 
 def test_unknown_jit_kwargs_are_a_type_error():
-  with pytest.raises(TypeError, match=r"sr.jit does not take \['donate_argnums'\].*"
-                     r"donate_state=True"):
+  with pytest.raises(
+    TypeError,
+    match=r"sr.jit does not take \['donate_argnums'\].*"
+    r"donate_state=True",
+  ):
     sr.jit(train_step, donate_argnums=(0,))
   with pytest.raises(TypeError, match=r"does not take \['in_shardings'\]"):
     sr.jit(in_shardings=None)(train_step)
-  with pytest.raises(TypeError, match=r"does not take \['static_argnum'\]; besides "
-                     r"static_argnums, static_argnames and donate_state it passes on "
-                     r"\['backend', 'compiler_options'"):
+  with pytest.raises(
+    TypeError,
+    match=r"does not take \['static_argnum'\]; besides "
+    r"static_argnums, static_argnames and donate_state it passes on "
+    r"\['backend', 'compiler_options'",
+  ):
     sr.jit(train_step, static_argnum=1)
 
 
@@ -404,12 +406,12 @@ def test_repeated_calls_walk_no_graph_on_any_argument_form(monkeypatch):
     return loss if extra is None else loss + extra[0]
 
   forms = [
-      ((jnp.ones(2),), {}),  # the fast path
-      ((np.ones(2, np.float32),), {}),
-      ((2.0,), {}),
-      ((jnp.ones(2), [jnp.ones(())]), {}),  # nested: the general path
-      ((jnp.ones(2),), {"scale": 2.0}),  # kwargs
-      ((np.float32(1.0), None), {}),
+    ((jnp.ones(2),), {}),  # the fast path
+    ((np.ones(2, np.float32),), {}),
+    ((2.0,), {}),
+    ((jnp.ones(2), [jnp.ones(())]), {}),  # nested: the general path
+    ((jnp.ones(2),), {"scale": 2.0}),  # kwargs
+    ((np.float32(1.0), None), {}),
   ]
   for args, kwargs in forms:
     step(m, opt, *args, **kwargs)  # traces (walks inside the trace) and caches
@@ -421,16 +423,14 @@ def test_repeated_calls_walk_no_graph_on_any_argument_form(monkeypatch):
     assert bool((m.w.value < w).all())
 
 
-def test_unrelated_structure_change_leaves_repeated_calls_without_graph_compares(
-    monkeypatch):
+def test_unrelated_structure_change_leaves_repeated_calls_without_graph_compares(monkeypatch):
   # Building another module starts new flatten-cache entries; their equal GraphDef is
   # the same object as before, so the compiled function is found by identity.
   from statefulremat.core import _graph
 
   compares = []
   real = _graph.GraphDef.__eq__
-  monkeypatch.setattr(_graph.GraphDef, "__eq__",
-                      lambda a, b: compares.append(1) or real(a, b))
+  monkeypatch.setattr(_graph.GraphDef, "__eq__", lambda a, b: compares.append(1) or real(a, b))
   m = Scale(2)
   traces = []
   f = _counting_add(traces)
@@ -511,6 +511,7 @@ def test_traces_run_in_a_roomy_frame_at_any_caller_depth():
   # would pay per chunk boundary crossed, set by the caller's depth; sr.jit traces and
   # lowers under a frame that reserves 512 KiB (transforms/_jit.py, `with_room`).
   import sys
+
   room = []
 
   def deepest_frame_slots():

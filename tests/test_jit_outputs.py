@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import statefulremat as sr
 
@@ -64,8 +65,9 @@ def test_a_stack_created_inside_stays_a_stack():
   stack = sr.jit(lambda: Stack(rngs=sr.Rngs(0)))()
   assert isinstance(stack, Block) and len(stack) == 3
   eager = Stack(rngs=sr.Rngs(0))
-  np.testing.assert_array_equal(stack.layer(2).linear.kernel.value,
-                                eager.layer(2).linear.kernel.value)
+  np.testing.assert_array_equal(
+    stack.layer(2).linear.kernel.value, eager.layer(2).linear.kernel.value
+  )
 
 
 def test_returning_a_module_reached_by_closure_raises():
@@ -81,7 +83,7 @@ def test_an_error_after_creating_modules_changes_nothing():
   @sr.jit
   def broken(model):
     model.bias.value = model.bias.value + 1
-    new = Wrapper(model)
+    Wrapper(model)
     raise KeyboardInterrupt  # even this one
 
   with pytest.raises(KeyboardInterrupt):
@@ -146,8 +148,7 @@ def test_eval_shape_of_a_module_call():
 def test_eval_shape_keeps_the_layer_axis_in_partition_specs():
   class Block(sr.Module):
     def __init__(self, *, rngs):
-      self.linear = sr.nn.Linear(4, 8, kernel_metadata={"sharding": ("embed", "mlp")},
-                                 rngs=rngs)
+      self.linear = sr.nn.Linear(4, 8, kernel_metadata={"sharding": ("embed", "mlp")}, rngs=rngs)
 
   Stack = sr.vmap(Block, axis_size=6, metadata_params={"partition_name": "layers"})
   abstract = sr.eval_shape(lambda: Stack(rngs=sr.Rngs(0)))
@@ -173,10 +174,20 @@ def _mesh():
 
 class Big(sr.Module):
   def __init__(self, *, rngs):
-    self.up = sr.nn.Linear(64, 256, kernel_metadata={"sharding": ("embed", "mlp")},
-                           bias_metadata={"sharding": ("mlp",)}, rngs=rngs)
-    self.down = sr.nn.Linear(256, 64, kernel_metadata={"sharding": ("mlp", "embed")},
-                             bias_metadata={"sharding": ("embed",)}, rngs=rngs)
+    self.up = sr.nn.Linear(
+      64,
+      256,
+      kernel_metadata={"sharding": ("embed", "mlp")},
+      bias_metadata={"sharding": ("mlp",)},
+      rngs=rngs,
+    )
+    self.down = sr.nn.Linear(
+      256,
+      64,
+      kernel_metadata={"sharding": ("mlp", "embed")},
+      bias_metadata={"sharding": ("embed",)},
+      rngs=rngs,
+    )
 
 
 def test_sharded_init_creates_every_variable_in_its_sharding():
@@ -203,9 +214,14 @@ def test_sharded_init_creates_every_variable_in_its_sharding():
     init = jax.nn.initializers.lecun_normal()
     return (init(k1, (64, 256)), jnp.zeros(256), init(k2, (256, 64)), jnp.zeros(64))
 
-  theirs = jax.jit(raw, out_shardings=(spec("data", "model"), spec("model"),
-                                        spec("model", "data"), spec("data"))
-                   ).lower(jax.random.key(0)).compile().memory_analysis()
+  theirs = (
+    jax.jit(
+      raw, out_shardings=(spec("data", "model"), spec("model"), spec("model", "data"), spec("data"))
+    )
+    .lower(jax.random.key(0))
+    .compile()
+    .memory_analysis()
+  )
   params = theirs.output_size_in_bytes
   shards = (64 * 256 // 8 + 256 // 4 + 256 * 64 // 8 + 64 // 2) * 4
   assert shards <= params <= shards + 64  # + XLA's tuple of output pointers
@@ -227,8 +243,9 @@ def test_explicit_meshes_build_under_auto_axes_then_place_without_moving():
     return model
 
   model = sr.jit(create)()
-  shards = {path: [s.data for s in v.addressable_shards]
-            for path, v in sr.state(model).flat().items()}
+  shards = {
+    path: [s.data for s in v.addressable_shards] for path, v in sr.state(model).flat().items()
+  }
   sr.shard(model, explicit, RULES)
   assert jax.typeof(model.up.kernel.value).sharding.spec == P("data", "model")
   assert jax.typeof(model.up.kernel.value).sharding.mesh == explicit.abstract_mesh

@@ -22,26 +22,26 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "statefulremat"
 
 FLOORS = [
-    {"core"},
-    {"transforms", "display", "checkpoint", "distributed", "optim"},
-    {"nn"},
-    {"interop"},
-    {"__init__", "__main__", "_demo", "_old_paths"},
+  {"core"},
+  {"transforms", "display", "checkpoint", "distributed", "optim"},
+  {"nn"},
+  {"interop"},
+  {"__init__", "__main__", "_demo", "_old_paths"},
 ]
 FLOOR_OF = {name: i for i, names in enumerate(FLOORS) for name in names}
 TOP = len(FLOORS) - 1
 
 CORE_ORDER = [
-    {"_errors", "_display_hooks"},
-    {"_tracing"},
-    {"_variables"},
-    {"_filters", "_containers", "_kinds"},
-    {"_state"},
-    {"_module"},
-    {"_graph", "_rngs", "_graph_lock"},
-    {"_graph_diff", "_pytree", "_split_merge"},
-    {"_stacks"},
-    {"_stacking"},
+  {"_errors", "_display_hooks"},
+  {"_tracing"},
+  {"_variables"},
+  {"_filters", "_containers", "_kinds"},
+  {"_state"},
+  {"_module"},
+  {"_graph", "_rngs", "_graph_lock"},
+  {"_graph_diff", "_pytree", "_split_merge"},
+  {"_stacks"},
+  {"_stacking"},
 ]
 CORE_LAYER = {name: i for i, names in enumerate(CORE_ORDER) for name in names}
 
@@ -64,15 +64,20 @@ def imports():
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     for node in ast.walk(tree):
       if isinstance(node, ast.ImportFrom) and node.level:
-        base = package[:len(package) - node.level + 1]
-        targets = ([".".join(base + [node.module])] if node.module else
-                   [".".join(base + [alias.name]) for alias in node.names])
+        base = package[: len(package) - node.level + 1]
+        targets = (
+          [".".join(base + [node.module])]
+          if node.module
+          else [".".join(base + [alias.name]) for alias in node.names]
+        )
       elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == (
-          "statefulremat"):
+        "statefulremat"
+      ):
         targets = [node.module.partition(".")[2]]
       elif isinstance(node, ast.Import):
-        targets = [a.name.partition(".")[2] for a in node.names
-                   if a.name.split(".")[0] == "statefulremat"]
+        targets = [
+          a.name.partition(".")[2] for a in node.names if a.name.split(".")[0] == "statefulremat"
+        ]
       else:
         continue
       function, up = None, node
@@ -102,8 +107,7 @@ def test_imports_run_down_the_floors():
     if target == "" and FLOOR_OF[here] != TOP:
       wrong.append(f"{file}{where} imports the whole package")
     elif FLOOR_OF[there] >= FLOOR_OF[here]:
-      wrong.append(f"{file}{where} imports {target} (floor {FLOOR_OF[there]} >= "
-                   f"{FLOOR_OF[here]})")
+      wrong.append(f"{file}{where} imports {target} (floor {FLOOR_OF[there]} >= {FLOOR_OF[here]})")
   assert not wrong, "imports that do not run down the floors:\n  " + "\n  ".join(wrong)
 
 
@@ -141,7 +145,7 @@ def test_no_import_cycle_inside_a_folder(unit):
 
   def visit(node, stack):
     if node in stack:
-      raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(node):] + [node])}")
+      raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(node) :] + [node])}")
     for nxt in edges.get(node, ()):
       visit(nxt, stack + [node])
 
@@ -154,4 +158,5 @@ def test_the_old_module_paths_name_every_moved_module():
 
   for old, new in _old_paths.MOVED.items():
     assert (PACKAGE / (new.replace(".", "/") + ".py")).exists() or (
-        PACKAGE / new / "__init__.py").exists(), (old, new)
+      PACKAGE / new / "__init__.py"
+    ).exists(), (old, new)

@@ -8,15 +8,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import statefulremat as sr
 
 D = 16
-RULES = [("batch", "data"), ("mlp", "model"), ("heads", "model"), ("vocab", "model"),
-         ("embed", None), ("layers", None)]
-AXIS_TYPES = pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
-                                     ids=["explicit", "auto"])
+RULES = [
+  ("batch", "data"),
+  ("mlp", "model"),
+  ("heads", "model"),
+  ("vocab", "model"),
+  ("embed", None),
+  ("layers", None),
+]
+AXIS_TYPES = pytest.mark.parametrize(
+  "axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"]
+)
 
 
 def make_mesh(axis_type):
@@ -29,8 +37,10 @@ def named(*axes):
 
 
 def leaves(model):
-  return {k: np.asarray(jax.random.key_data(v) if jnp.issubdtype(
-      v.dtype, jax.dtypes.prng_key) else v) for k, v in sr.state(model).flat().items()}
+  return {
+    k: np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+    for k, v in sr.state(model).flat().items()
+  }
 
 
 def normal(shape, seed=1):
@@ -44,10 +54,15 @@ def ids(shape):
 def mha(**kwargs):
   kwargs = {"dropout_rate": 0.5, "deterministic": False, **kwargs}
   return lambda: sr.nn.MultiHeadAttention(
-      4, D, rngs=sr.Rngs(0),
-      kernel_metadata=named("embed", "heads", None), bias_metadata=named("heads", None),
-      out_kernel_metadata=named("heads", None, "embed"), out_bias_metadata=named("embed"),
-      **kwargs)
+    4,
+    D,
+    rngs=sr.Rngs(0),
+    kernel_metadata=named("embed", "heads", None),
+    bias_metadata=named("heads", None),
+    out_kernel_metadata=named("heads", None, "embed"),
+    out_bias_metadata=named("embed"),
+    **kwargs,
+  )
 
 
 def call(m, x):
@@ -56,55 +71,131 @@ def call(m, x):
 
 # name: (build, input, the input's spec, call, the output's spec by the rules)
 LAYERS = {
-    "Linear": (lambda: sr.nn.Linear(D, 2 * D, kernel_metadata=named("embed", "mlp"),
-                                    bias_metadata=named("mlp"), rngs=sr.Rngs(0)),
-               normal((8, D)), P("data"), call, P("data", "model")),
-    "Linear contracting a sharded axis": (
-        lambda: sr.nn.Linear(2 * D, D, kernel_metadata=named("mlp", "embed"),
-                             bias_metadata=named("embed"), rngs=sr.Rngs(0)),
-        normal((8, 2 * D)), P("data", "model"), call, P("data", None)),
-    "MLP (its Dropout too)": (lambda: sr.nn.MLP(D, 2 * D, dropout_rate=0.5, rngs=sr.Rngs(0),
-                              kernel_metadata=named("embed", "mlp"),
-                              bias_metadata=named("mlp"),
-                              out_kernel_metadata=named("mlp", "embed"),
-                              out_bias_metadata=named("embed")),
-            normal((8, D)), P("data"), call, P("data", None)),
-    "LinearGeneral": (
-        lambda: sr.nn.LinearGeneral(D, (4, 8), rngs=sr.Rngs(0),
-                                    kernel_metadata=named("embed", "heads", None),
-                                    bias_metadata=named("heads", None)),
-        normal((8, 4, D)), P("data"), call, P("data", None, "model", None)),
-    "Conv": (lambda: sr.nn.Conv(D, 2 * D, (3, 3), rngs=sr.Rngs(0),
-                                kernel_metadata=named(None, None, "embed", "mlp"),
-                                bias_metadata=named("mlp")),
-             normal((8, 6, 6, D)), P("data"), call, P("data", None, None, "model")),
-    "Embed sharded over the vocabulary": (
-        lambda: sr.nn.Embed(32, D, embedding_metadata=named("vocab", "embed"),
-                            rngs=sr.Rngs(0)),
-        ids((8, 4)), P("data"), call, P("data", None, None)),
-    "Embed sharded over features": (
-        lambda: sr.nn.Embed(32, D, embedding_metadata=named(None, "mlp"), rngs=sr.Rngs(0)),
-        ids((8, 4)), P("data"), call, P("data", None, "model")),
-    "Embed.attend": (
-        lambda: sr.nn.Embed(32, D, embedding_metadata=named("vocab", "embed"),
-                            rngs=sr.Rngs(0)),
-        normal((8, D)), P("data"), lambda m, x: m.attend(x), P("data", "model")),
-    "LayerNorm": (lambda: sr.nn.LayerNorm(2 * D, scale_metadata=named("mlp"),
-                                          bias_metadata=named("mlp"), rngs=sr.Rngs(0)),
-                  normal((8, 2 * D)), P("data", "model"), call, P("data", "model")),
-    "RMSNorm": (lambda: sr.nn.RMSNorm(2 * D, scale_metadata=named("mlp"), rngs=sr.Rngs(0)),
-                normal((8, 2 * D)), P("data", "model"), call, P("data", "model")),
-    "BatchNorm": (
-        lambda: sr.nn.BatchNorm(2 * D, momentum=0.5, rngs=sr.Rngs(0),
-                                **{f"{v}_metadata": named("mlp")
-                                   for v in ("scale", "bias", "mean", "var")}),
-        normal((8, 2 * D)), P("data", "model"), call, P("data", "model")),
-    "Dropout broadcast over the batch": (
-        lambda: sr.nn.Dropout(0.5, broadcast_dims=(0,), rngs=sr.Rngs(0)),
-        normal((8, 2 * D)), P("data", "model"), call, P("data", "model")),
-    # Without broadcast_dropout the attention-dropout mask is drawn sharded too.
-    "MultiHeadAttention": (mha(broadcast_dropout=False),
-                           normal((8, 4, D)), P("data"), call, P("data", None, None)),
+  "Linear": (
+    lambda: sr.nn.Linear(
+      D, 2 * D, kernel_metadata=named("embed", "mlp"), bias_metadata=named("mlp"), rngs=sr.Rngs(0)
+    ),
+    normal((8, D)),
+    P("data"),
+    call,
+    P("data", "model"),
+  ),
+  "Linear contracting a sharded axis": (
+    lambda: sr.nn.Linear(
+      2 * D, D, kernel_metadata=named("mlp", "embed"), bias_metadata=named("embed"), rngs=sr.Rngs(0)
+    ),
+    normal((8, 2 * D)),
+    P("data", "model"),
+    call,
+    P("data", None),
+  ),
+  "MLP (its Dropout too)": (
+    lambda: sr.nn.MLP(
+      D,
+      2 * D,
+      dropout_rate=0.5,
+      rngs=sr.Rngs(0),
+      kernel_metadata=named("embed", "mlp"),
+      bias_metadata=named("mlp"),
+      out_kernel_metadata=named("mlp", "embed"),
+      out_bias_metadata=named("embed"),
+    ),
+    normal((8, D)),
+    P("data"),
+    call,
+    P("data", None),
+  ),
+  "LinearGeneral": (
+    lambda: sr.nn.LinearGeneral(
+      D,
+      (4, 8),
+      rngs=sr.Rngs(0),
+      kernel_metadata=named("embed", "heads", None),
+      bias_metadata=named("heads", None),
+    ),
+    normal((8, 4, D)),
+    P("data"),
+    call,
+    P("data", None, "model", None),
+  ),
+  "Conv": (
+    lambda: sr.nn.Conv(
+      D,
+      2 * D,
+      (3, 3),
+      rngs=sr.Rngs(0),
+      kernel_metadata=named(None, None, "embed", "mlp"),
+      bias_metadata=named("mlp"),
+    ),
+    normal((8, 6, 6, D)),
+    P("data"),
+    call,
+    P("data", None, None, "model"),
+  ),
+  "Embed sharded over the vocabulary": (
+    lambda: sr.nn.Embed(32, D, embedding_metadata=named("vocab", "embed"), rngs=sr.Rngs(0)),
+    ids((8, 4)),
+    P("data"),
+    call,
+    P("data", None, None),
+  ),
+  "Embed sharded over features": (
+    lambda: sr.nn.Embed(32, D, embedding_metadata=named(None, "mlp"), rngs=sr.Rngs(0)),
+    ids((8, 4)),
+    P("data"),
+    call,
+    P("data", None, "model"),
+  ),
+  "Embed.attend": (
+    lambda: sr.nn.Embed(32, D, embedding_metadata=named("vocab", "embed"), rngs=sr.Rngs(0)),
+    normal((8, D)),
+    P("data"),
+    lambda m, x: m.attend(x),
+    P("data", "model"),
+  ),
+  "LayerNorm": (
+    lambda: sr.nn.LayerNorm(
+      2 * D, scale_metadata=named("mlp"), bias_metadata=named("mlp"), rngs=sr.Rngs(0)
+    ),
+    normal((8, 2 * D)),
+    P("data", "model"),
+    call,
+    P("data", "model"),
+  ),
+  "RMSNorm": (
+    lambda: sr.nn.RMSNorm(2 * D, scale_metadata=named("mlp"), rngs=sr.Rngs(0)),
+    normal((8, 2 * D)),
+    P("data", "model"),
+    call,
+    P("data", "model"),
+  ),
+  "BatchNorm": (
+    lambda: sr.nn.BatchNorm(
+      2 * D,
+      momentum=0.5,
+      rngs=sr.Rngs(0),
+      **{f"{v}_metadata": named("mlp") for v in ("scale", "bias", "mean", "var")},
+    ),
+    normal((8, 2 * D)),
+    P("data", "model"),
+    call,
+    P("data", "model"),
+  ),
+  "Dropout broadcast over the batch": (
+    lambda: sr.nn.Dropout(0.5, broadcast_dims=(0,), rngs=sr.Rngs(0)),
+    normal((8, 2 * D)),
+    P("data", "model"),
+    call,
+    P("data", "model"),
+  ),
+  # Without broadcast_dropout the attention-dropout mask is drawn sharded too.
+  "MultiHeadAttention": (
+    mha(broadcast_dropout=False),
+    normal((8, 4, D)),
+    P("data"),
+    call,
+    P("data", None, None),
+  ),
 }
 
 
@@ -146,15 +237,15 @@ def test_explicit_decode_writes_the_step_where_the_cache_lives():
     sr.shard(layer, mesh, RULES)
     y = step(layer, jax.device_put(x, NamedSharding(mesh, P("data"))))
   np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(layer.cached_key.value, reference.cached_key.value,
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    layer.cached_key.value, reference.cached_key.value, rtol=1e-5, atol=1e-6
+  )
   assert int(layer.cache_index.value) == 1
 
 
 def dot_general_out_shardings(fn, *args):
   jaxpr = jax.make_jaxpr(fn)(*args)
-  return [eqn.params["out_sharding"] for eqn in jaxpr.eqns
-          if eqn.primitive.name == "dot_general"]
+  return [eqn.params["out_sharding"] for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
 
 
 def test_auto_axes_and_no_mesh_take_the_plain_path():
@@ -177,23 +268,36 @@ def test_auto_axes_and_no_mesh_take_the_plain_path():
 
 class Block(sr.Module):
   def __init__(self, d, *, rngs):
-    self.norm = sr.nn.BatchNorm(d, momentum=0.5, scale_metadata=named("embed"),
-                                bias_metadata=named("embed"), mean_metadata=named("embed"),
-                                var_metadata=named("embed"), rngs=rngs)
-    self.up = sr.nn.Linear(d, 2 * d, kernel_metadata=named("embed", "mlp"),
-                           bias_metadata=named("mlp"), rngs=rngs)
+    self.norm = sr.nn.BatchNorm(
+      d,
+      momentum=0.5,
+      scale_metadata=named("embed"),
+      bias_metadata=named("embed"),
+      mean_metadata=named("embed"),
+      var_metadata=named("embed"),
+      rngs=rngs,
+    )
+    self.up = sr.nn.Linear(
+      d, 2 * d, kernel_metadata=named("embed", "mlp"), bias_metadata=named("mlp"), rngs=rngs
+    )
     self.drop = sr.nn.Dropout(0.25, rngs=rngs)
-    self.ln = sr.nn.LayerNorm(2 * d, scale_metadata=named("mlp"),
-                              bias_metadata=named("mlp"), rngs=rngs)
-    self.down = sr.nn.Linear(2 * d, d, kernel_metadata=named("mlp", "embed"),
-                             bias_metadata=named("embed"), rngs=rngs)
+    self.ln = sr.nn.LayerNorm(
+      2 * d, scale_metadata=named("mlp"), bias_metadata=named("mlp"), rngs=rngs
+    )
+    self.down = sr.nn.Linear(
+      2 * d, d, kernel_metadata=named("mlp", "embed"), bias_metadata=named("embed"), rngs=rngs
+    )
 
   def __call__(self, x):
     return x + self.down(self.ln(self.drop(jax.nn.relu(self.up(self.norm(x))))))
 
 
-Stack = sr.remat_scan(Block, lengths=(2,), split_rngs={"params": True, "dropout": True},
-                      metadata_params={"partition_name": "layers"})
+Stack = sr.remat_scan(
+  Block,
+  lengths=(2,),
+  split_rngs={"params": True, "dropout": True},
+  metadata_params={"partition_name": "layers"},
+)
 
 
 def build_stack():
@@ -270,9 +374,13 @@ def test_remat_scan_train_step_equals_one_device(axis_type):
 
 @AXIS_TYPES
 def test_a_mesh_axis_the_mesh_lacks_raises_in_both_modes(axis_type):
-  with pytest.raises(sr.ShardingError, match=(
+  with pytest.raises(
+    sr.ShardingError,
+    match=(
       r"`bias`: its spec .* names mesh axis 'tensor', but the mesh has "
-      r"\('data', 'model'\). Fix: map the logical name")):
+      r"\('data', 'model'\). Fix: map the logical name"
+    ),
+  ):
     sr.shard(LAYERS["Linear"][0](), make_mesh(axis_type), [("mlp", "tensor")])
 
 
@@ -284,15 +392,18 @@ def test_explicit_shard_inside_jit_needs_the_mesh_set():
     sr.shard(model, mesh, RULES)
     return model.kernel.value * 1
 
-  message = (r"sr.shard inside a traced function .* on mesh \{'data': 2 Explicit, "
-             r"'model': 4 Explicit\}, whose Explicit axes .* \(`[\w.]+` first\), but the "
-             r"trace runs under WHERE. Fix: call the jitted function inside `with "
-             r"jax.set_mesh\(mesh\):`")
+  message = (
+    r"sr.shard inside a traced function .* on mesh \{'data': 2 Explicit, "
+    r"'model': 4 Explicit\}, whose Explicit axes .* \(`[\w.]+` first\), but the "
+    r"trace runs under WHERE. Fix: call the jitted function inside `with "
+    r"jax.set_mesh\(mesh\):`"
+  )
   with pytest.raises(sr.ShardingError, match=message.replace("WHERE", "no mesh")):
     constrain(LAYERS["Linear"][0]())
   with jax.set_mesh(make_mesh(AxisType.Auto)):
-    with pytest.raises(sr.ShardingError, match=message.replace(
-        "WHERE", r"mesh \{'data': 2 Auto, 'model': 4 Auto\}")):
+    with pytest.raises(
+      sr.ShardingError, match=message.replace("WHERE", r"mesh \{'data': 2 Auto, 'model': 4 Auto\}")
+    ):
       constrain(LAYERS["Linear"][0]())
 
 
@@ -302,8 +413,12 @@ def test_explicit_input_and_a_model_on_another_mesh_names_the_variable():
   layer = LAYERS["Linear"][0]()
   sr.shard(layer, other, RULES)
   x = jax.device_put(normal((8, D)), NamedSharding(mesh, P("data")))
-  with pytest.raises(sr.ShardingError, match=(
+  with pytest.raises(
+    sr.ShardingError,
+    match=(
       r"Linear: `kernel` lives on mesh \{'data': 4 Explicit, 'model': 2 Explicit\} but "
       r"`inputs` on \{'data': 2 Explicit, 'model': 4 Explicit\}.* Fix: shard the model on "
-      r"the mesh its inputs use")):
+      r"the mesh its inputs use"
+    ),
+  ):
     layer(x)

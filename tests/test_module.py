@@ -45,9 +45,10 @@ class Net(sr.Module):
 
 
 def modes(model):
-  return {path: (getattr(m, "deterministic", None), getattr(m, "use_running_average",
-                                                              None))
-          for path, m in model.iter_modules()}
+  return {
+    path: (getattr(m, "deterministic", None), getattr(m, "use_running_average", None))
+    for path, m in model.iter_modules()
+  }
 
 
 # -- eager init and calls ----------------------------------------------------------
@@ -83,8 +84,7 @@ def test_works_with_sr_nn_linear():
 
   model = Wrap()
   assert model.inner(jnp.ones((1, 2))).shape == (1, 3)
-  assert set(sr.state(model, sr.Param).flat()) == {("inner", "kernel"),
-                                                   ("inner", "bias")}
+  assert set(sr.state(model, sr.Param).flat()) == {("inner", "kernel"), ("inner", "bias")}
 
 
 # -- adopted containers ------------------------------------------------------------
@@ -207,18 +207,31 @@ def test_iter_modules_paths():
   model = Net(rngs=sr.Rngs(0))
   paths = [p for p, _ in model.iter_modules()]
   assert paths[0] == ()
-  assert set(paths) == {(), ("heads", "a"), ("heads", "b", 0), ("heads", "b", 1),
-                        ("layers", 0), ("layers", 1), ("norm",)}
+  assert set(paths) == {
+    (),
+    ("heads", "a"),
+    ("heads", "b", 0),
+    ("heads", "b", 1),
+    ("layers", 0),
+    ("layers", 1),
+    ("norm",),
+  }
   assert dict(model.iter_modules())[("layers", 1)] is model.layers[1]
 
 
 def test_iter_variables_paths():
   model = Net(rngs=sr.Rngs(0))
   got = dict(model.iter_variables())
-  assert set(got) == {("layers", 0, "kernel"), ("layers", 0, "bias"),
-                      ("layers", 1, "kernel"), ("layers", 1, "bias"),
-                      ("heads", "b", 0, "scale"), ("heads", "b", 0, "mean"),
-                      ("norm", "scale"), ("norm", "mean")}
+  assert set(got) == {
+    ("layers", 0, "kernel"),
+    ("layers", 0, "bias"),
+    ("layers", 1, "kernel"),
+    ("layers", 1, "bias"),
+    ("heads", "b", 0, "scale"),
+    ("heads", "b", 0, "mean"),
+    ("norm", "scale"),
+    ("norm", "mean"),
+  }
   assert got[("norm", "mean")] is model.norm.mean
   # The same order and paths as the State.
   assert list(got) == list(sr.state(model).flat())
@@ -232,8 +245,7 @@ def test_iteration_yields_shared_objects_once():
   variables = [v for _, v in model.iter_variables()]
   assert len(modules) == len({id(m) for m in modules}) == 7
   assert len(variables) == len({id(v) for v in variables}) == 8
-  assert dict((id(m), p) for p, m in model.iter_modules())[id(model.layers[0])] == (
-      "again",)
+  assert dict((id(m), p) for p, m in model.iter_modules())[id(model.layers[0])] == ("again",)
 
 
 def test_cycle_does_not_hang_iteration_or_repr():
@@ -266,8 +278,10 @@ def test_repr_is_readable():
   model = Net(rngs=sr.Rngs(0))
   text = repr(model)
   assert "object at 0x" not in text and " at 0x" not in text
-  assert text.startswith("Net(\n  layers=ModuleList([\n    Dense(\n      kernel=Param(\n"
-                         "        value=<jax.Array float32(2, 4) ≈")
+  assert text.startswith(
+    "Net(\n  layers=ModuleList([\n    Dense(\n      kernel=Param(\n"
+    "        value=<jax.Array float32(2, 4) ≈"
+  )
   assert "\n  depth=2,\n" in text
   assert "'a': Drop(deterministic=False)," in text
   assert "mean=BatchStat(\n      value=<jax.Array([0., 0., 0., 0.], dtype=float32)>,\n" in text
@@ -280,13 +294,14 @@ def test_repr_of_nested_module_is_indented():
       self.inner = Norm(2)
 
   assert repr(Outer()) == (
-      "Outer(\n"
-      "  inner=Norm(\n"
-      "    scale=Param(value=<jax.Array([1., 1.], dtype=float32)>),\n"
-      "    mean=BatchStat(value=<jax.Array([0., 0.], dtype=float32)>),\n"
-      "    use_running_average=False,\n"
-      "  ),\n"
-      ")")
+    "Outer(\n"
+    "  inner=Norm(\n"
+    "    scale=Param(value=<jax.Array([1., 1.], dtype=float32)>),\n"
+    "    mean=BatchStat(value=<jax.Array([0., 0.], dtype=float32)>),\n"
+    "    use_running_average=False,\n"
+    "  ),\n"
+    ")"
+  )
 
 
 def test_repr_of_empty_module_and_static_callables():
@@ -301,13 +316,16 @@ def test_repr_of_empty_module_and_static_callables():
       self.local = lambda x: x
 
   assert repr(Empty()) == "Empty()"
-  assert repr(WithFn()) == """\
+  assert (
+    repr(WithFn())
+    == """\
 WithFn(
   act=jax.nn.relu,
   dtype=jax.numpy.float32,
   thing=<object>,
   local=test_repr_of_empty_module_and_static_callables.<locals>.WithFn.__init__.<locals>.<lambda>,
 )"""
+  )
 
 
 def test_repr_of_linear_has_no_addresses():

@@ -41,23 +41,44 @@ def gloo_available() -> bool:
 
 
 pytestmark = pytest.mark.skipif(
-    not gloo_available(), reason="this jaxlib has no gloo CPU collectives, which the "
-                                 "processes need to run one program together")
+  not gloo_available(),
+  reason="this jaxlib has no gloo CPU collectives, which the "
+  "processes need to run one program together",
+)
 
 
 def run_processes(tmp_path, name: str, *args: str, n: int = 2) -> list[dict]:
   """Runs the worker in ``n`` processes; returns each one's JSON result."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-         "PYTHONPATH": str(ROOT)}
+  env = {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    "PYTHONPATH": str(ROOT),
+  }
   port = free_port()
   outs = [tmp_path / f"{name}-{i}.json" for i in range(n)]
   logs = [open(tmp_path / f"{name}-{i}.log", "w") for i in range(n)]
-  procs = [subprocess.Popen(
-      [sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"), "--port",
-       str(port), "--process-id", str(i), "--num-processes", str(n), "--out",
-       str(outs[i]), *args], env=env, stdout=logs[i], stderr=subprocess.STDOUT)
-           for i in range(n)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        str(ROOT / "tests" / "multiprocess_worker.py"),
+        "--port",
+        str(port),
+        "--process-id",
+        str(i),
+        "--num-processes",
+        str(n),
+        "--out",
+        str(outs[i]),
+        *args,
+      ],
+      env=env,
+      stdout=logs[i],
+      stderr=subprocess.STDOUT,
+    )
+    for i in range(n)
+  ]
   try:
     codes = [p.wait(timeout=TIMEOUT) for p in procs]
   finally:
@@ -65,8 +86,9 @@ def run_processes(tmp_path, name: str, *args: str, n: int = 2) -> list[dict]:
       p.kill()
     for log in logs:
       log.close()
-  text = "\n".join(f"--- process {i}:\n" + (tmp_path / f"{name}-{i}.log").read_text()[-3000:]
-                   for i in range(n))
+  text = "\n".join(
+    f"--- process {i}:\n" + (tmp_path / f"{name}-{i}.log").read_text()[-3000:] for i in range(n)
+  )
   assert codes == [0] * n, text
   return [json.loads(out.read_text()) for out in outs]
 
@@ -92,15 +114,17 @@ def test_two_processes_train_save_and_restore_in_two_and_in_one(tmp_path, refere
   with jax.set_mesh(mesh):
     sr.save(one, state_at_3)
 
-  trained = run_processes(tmp_path, "train", "train", "--steps", "3", "--save", two,
-                          "--save-in-background", two_async)
+  trained = run_processes(
+    tmp_path, "train", "train", "--steps", "3", "--save", two, "--save-in-background", two_async
+  )
   assert [r["devices"] for r in trained] == [8, 8]
   assert [r["local_devices"] for r in trained] == [4, 4]
   for r in trained:  # every process sees the same (global) losses
     np.testing.assert_allclose(r["losses"], first, rtol=1e-5)
 
-  resumed = run_processes(tmp_path, "resume", "resume", "--steps", "2", "--first", "3",
-                          two, two_async, one)
+  resumed = run_processes(
+    tmp_path, "resume", "resume", "--steps", "2", "--first", "3", two, two_async, one
+  )
   for r in resumed:
     np.testing.assert_allclose(r["losses"][two], rest, rtol=1e-5)  # written by 2
     np.testing.assert_allclose(r["losses"][two_async], rest, rtol=1e-5)

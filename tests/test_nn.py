@@ -69,8 +69,9 @@ def _assert_same_variables(ours, theirs):
 
 def _close(a, b, atol=ATOL):
   assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                             atol=atol, rtol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(a, np.float32), np.asarray(b, np.float32), atol=atol, rtol=1e-5
+  )
 
 
 # Each case: (build(nn, Rngs), inputs, call kwargs(Rngs)); `nn` is sr.nn or nnx.
@@ -78,90 +79,131 @@ def _close(a, b, atol=ATOL):
 X = _x(2, 3, 4)
 X8 = _x(2, 3, 8, seed=1)
 CASES = {
-    "linear": (lambda nn, R: nn.Linear(4, 4, rngs=R(0)), (X,), None),
-    "linear_nobias_1d": (lambda nn, R: nn.Linear(4, 4, use_bias=False, rngs=R(0)),
-                         (X[0, 0],), None),
-    "linear_bf16": (lambda nn, R: nn.Linear(4, 4, dtype=jnp.bfloat16, rngs=R(0)),
-                    (X,), None),
-    "linear_bf16_params": (lambda nn, R: nn.Linear(4, 4, param_dtype=jnp.bfloat16,
-                                                   rngs=R(0)), (X,), None),
-    "linear_int_input": (lambda nn, R: nn.Linear(4, 4, rngs=R(0)), (_ids(2, 3, 4),),
-                         None),
-    "linear_precision": (lambda nn, R: nn.Linear(
-        4, 4, precision=jax.lax.Precision.HIGHEST, rngs=R(0)), (X,), None),
-    "linear_general": (lambda nn, R: nn.LinearGeneral((2, 2), (2, 2), axis=(1, -1),
-                                                      rngs=R(0)),
-                       (X.reshape(3, 2, 2, 2)[:, :, 0],), None),
-    "linear_general_batch": (lambda nn, R: nn.LinearGeneral(2, 4, batch_axis={0: 2},
-                                                            rngs=R(0)),
-                             (X.reshape(2, 6, 2),), None),
-    "conv_same_2d": (lambda nn, R: nn.Conv(4, 4, (3, 3), rngs=R(0)),
-                     (_x(2, 5, 5, 4),), None),
-    "conv_valid_strided": (lambda nn, R: nn.Conv(4, 4, (3, 3), strides=2,
-                                                 padding="VALID", rngs=R(0)),
-                           (_x(2, 5, 5, 4),), None),
-    "conv_circular_dilated": (lambda nn, R: nn.Conv(4, 4, (3, 3), padding="CIRCULAR",
-                                                    kernel_dilation=(2, 1), rngs=R(0)),
-                              (_x(2, 5, 5, 4),), None),
-    "conv_explicit_input_dilation": (lambda nn, R: nn.Conv(
-        4, 4, (3, 3), padding=((1, 2), (0, 1)), input_dilation=2, use_bias=False,
-        rngs=R(0)), (_x(2, 5, 5, 4),), None),
-    "conv_int_padding_1d": (lambda nn, R: nn.Conv(4, 4, 3, padding=1, rngs=R(0)),
-                            (X,), None),
-    "conv_groups": (lambda nn, R: nn.Conv(8, 4, 3, feature_group_count=2, rngs=R(0)),
-                    (X8,), None),
-    "conv_reflect": (lambda nn, R: nn.Conv(4, 4, 3, padding="REFLECT", rngs=R(0)),
-                     (X,), None),
-    "conv_causal": (lambda nn, R: nn.Conv(4, 4, 3, padding="CAUSAL", kernel_dilation=2,
-                                          rngs=R(0)), (X,), None),
-    "conv_no_batch": (lambda nn, R: nn.Conv(4, 4, 3, rngs=R(0)), (X[0],), None),
-    "conv_two_batch_axes": (lambda nn, R: nn.Conv(4, 4, 3, rngs=R(0)),
-                            (_x(2, 2, 3, 4),), None),
-    "embed": (lambda nn, R: nn.Embed(10, 4, rngs=R(0)), (_ids(2, 3),), None),
-    "embed_one": (lambda nn, R: nn.Embed(1, 4, rngs=R(0)), (_ids(2, 3, high=1),), None),
-    "embed_bf16": (lambda nn, R: nn.Embed(10, 4, dtype=jnp.bfloat16, rngs=R(0)),
-                   (_ids(2, 3),), None),
-    "layernorm": (lambda nn, R: nn.LayerNorm(4, rngs=R(0)), (X,), None),
-    "layernorm_options": (lambda nn, R: nn.LayerNorm(
-        4, epsilon=1e-3, use_bias=False, reduction_axes=(1, 2), use_fast_variance=False,
-        rngs=R(0)), (X,), None),
-    "layernorm_bf16": (lambda nn, R: nn.LayerNorm(4, rngs=R(0)),
-                       (X.astype(jnp.bfloat16),), None),
-    "rmsnorm": (lambda nn, R: nn.RMSNorm(4, rngs=R(0)), (X,), None),
-    "rmsnorm_noscale": (lambda nn, R: nn.RMSNorm(4, use_scale=False, epsilon=1e-2,
-                                                 rngs=R(0)), (X,), None),
-    "batchnorm": (lambda nn, R: nn.BatchNorm(4, rngs=R(0)), (X,), None),
-    "batchnorm_axis1": (lambda nn, R: nn.BatchNorm(3, axis=1, momentum=0.5, rngs=R(0)),
-                        (X,), None),
-    "batchnorm_bf16": (lambda nn, R: nn.BatchNorm(4, dtype=jnp.bfloat16, rngs=R(0)),
-                       (X,), None),
-    "mha_self": (lambda nn, R: nn.MultiHeadAttention(2, 4, decode=False, rngs=R(0)),
-                 (X,), None),
-    "mha_cross": (lambda nn, R: nn.MultiHeadAttention(
-        2, 4, out_features=8, in_kv_features=8, decode=False, rngs=R(0)),
-                  (X, X8, _x(2, 3, 8, seed=2)), None),
-    "mha_gqa_normalize_qk": (lambda nn, R: nn.MultiHeadAttention(
-        4, 4, qkv_features=8, num_kv_heads=2, normalize_qk=True, decode=False,
-        rngs=R(0)), (X,), None),
-    "mha_mask_no_bias": (lambda nn, R: nn.MultiHeadAttention(
-        2, 4, use_bias=False, decode=False, rngs=R(0)), (X,),
-                         lambda R: {"mask": nnx.make_causal_mask(jnp.ones((2, 3)))}),
-    "mha_many_batch_axes": (lambda nn, R: nn.MultiHeadAttention(2, 4, decode=False,
-                                                                rngs=R(0)),
-                            (X.reshape(2, 1, 3, 4),), lambda R: {"is_causal": True}),
-    "mha_dropout": (lambda nn, R: nn.MultiHeadAttention(
-        2, 4, dropout_rate=0.3, decode=False, rngs=R(0)), (X,),
-                    lambda R: {"rngs": R(dropout=7)}),
-    "mha_dropout_gqa": (lambda nn, R: nn.MultiHeadAttention(
-        4, 4, qkv_features=8, num_kv_heads=2, dropout_rate=0.3, broadcast_dropout=False,
-        normalize_qk=True, decode=False, rngs=R(0)), (X,),
-                        lambda R: {"rngs": R(dropout=7)}),
-    "dropout": (lambda nn, R: nn.Dropout(0.4, rngs=R(0)), (X,),
-                lambda R: {"rngs": R(dropout=3)}),
-    "dropout_broadcast": (lambda nn, R: nn.Dropout(0.4, broadcast_dims=(0,), rngs=R(0)),
-                          (X,), lambda R: {"rngs": R(dropout=3)}),
-    "dropout_key": (lambda nn, R: nn.Dropout(0.4), (X,),
-                    lambda R: {"rngs": jax.random.key(5)}),
+  "linear": (lambda nn, R: nn.Linear(4, 4, rngs=R(0)), (X,), None),
+  "linear_nobias_1d": (lambda nn, R: nn.Linear(4, 4, use_bias=False, rngs=R(0)), (X[0, 0],), None),
+  "linear_bf16": (lambda nn, R: nn.Linear(4, 4, dtype=jnp.bfloat16, rngs=R(0)), (X,), None),
+  "linear_bf16_params": (
+    lambda nn, R: nn.Linear(4, 4, param_dtype=jnp.bfloat16, rngs=R(0)),
+    (X,),
+    None,
+  ),
+  "linear_int_input": (lambda nn, R: nn.Linear(4, 4, rngs=R(0)), (_ids(2, 3, 4),), None),
+  "linear_precision": (
+    lambda nn, R: nn.Linear(4, 4, precision=jax.lax.Precision.HIGHEST, rngs=R(0)),
+    (X,),
+    None,
+  ),
+  "linear_general": (
+    lambda nn, R: nn.LinearGeneral((2, 2), (2, 2), axis=(1, -1), rngs=R(0)),
+    (X.reshape(3, 2, 2, 2)[:, :, 0],),
+    None,
+  ),
+  "linear_general_batch": (
+    lambda nn, R: nn.LinearGeneral(2, 4, batch_axis={0: 2}, rngs=R(0)),
+    (X.reshape(2, 6, 2),),
+    None,
+  ),
+  "conv_same_2d": (lambda nn, R: nn.Conv(4, 4, (3, 3), rngs=R(0)), (_x(2, 5, 5, 4),), None),
+  "conv_valid_strided": (
+    lambda nn, R: nn.Conv(4, 4, (3, 3), strides=2, padding="VALID", rngs=R(0)),
+    (_x(2, 5, 5, 4),),
+    None,
+  ),
+  "conv_circular_dilated": (
+    lambda nn, R: nn.Conv(4, 4, (3, 3), padding="CIRCULAR", kernel_dilation=(2, 1), rngs=R(0)),
+    (_x(2, 5, 5, 4),),
+    None,
+  ),
+  "conv_explicit_input_dilation": (
+    lambda nn, R: nn.Conv(
+      4, 4, (3, 3), padding=((1, 2), (0, 1)), input_dilation=2, use_bias=False, rngs=R(0)
+    ),
+    (_x(2, 5, 5, 4),),
+    None,
+  ),
+  "conv_int_padding_1d": (lambda nn, R: nn.Conv(4, 4, 3, padding=1, rngs=R(0)), (X,), None),
+  "conv_groups": (lambda nn, R: nn.Conv(8, 4, 3, feature_group_count=2, rngs=R(0)), (X8,), None),
+  "conv_reflect": (lambda nn, R: nn.Conv(4, 4, 3, padding="REFLECT", rngs=R(0)), (X,), None),
+  "conv_causal": (
+    lambda nn, R: nn.Conv(4, 4, 3, padding="CAUSAL", kernel_dilation=2, rngs=R(0)),
+    (X,),
+    None,
+  ),
+  "conv_no_batch": (lambda nn, R: nn.Conv(4, 4, 3, rngs=R(0)), (X[0],), None),
+  "conv_two_batch_axes": (lambda nn, R: nn.Conv(4, 4, 3, rngs=R(0)), (_x(2, 2, 3, 4),), None),
+  "embed": (lambda nn, R: nn.Embed(10, 4, rngs=R(0)), (_ids(2, 3),), None),
+  "embed_one": (lambda nn, R: nn.Embed(1, 4, rngs=R(0)), (_ids(2, 3, high=1),), None),
+  "embed_bf16": (lambda nn, R: nn.Embed(10, 4, dtype=jnp.bfloat16, rngs=R(0)), (_ids(2, 3),), None),
+  "layernorm": (lambda nn, R: nn.LayerNorm(4, rngs=R(0)), (X,), None),
+  "layernorm_options": (
+    lambda nn, R: nn.LayerNorm(
+      4, epsilon=1e-3, use_bias=False, reduction_axes=(1, 2), use_fast_variance=False, rngs=R(0)
+    ),
+    (X,),
+    None,
+  ),
+  "layernorm_bf16": (lambda nn, R: nn.LayerNorm(4, rngs=R(0)), (X.astype(jnp.bfloat16),), None),
+  "rmsnorm": (lambda nn, R: nn.RMSNorm(4, rngs=R(0)), (X,), None),
+  "rmsnorm_noscale": (
+    lambda nn, R: nn.RMSNorm(4, use_scale=False, epsilon=1e-2, rngs=R(0)),
+    (X,),
+    None,
+  ),
+  "batchnorm": (lambda nn, R: nn.BatchNorm(4, rngs=R(0)), (X,), None),
+  "batchnorm_axis1": (lambda nn, R: nn.BatchNorm(3, axis=1, momentum=0.5, rngs=R(0)), (X,), None),
+  "batchnorm_bf16": (lambda nn, R: nn.BatchNorm(4, dtype=jnp.bfloat16, rngs=R(0)), (X,), None),
+  "mha_self": (lambda nn, R: nn.MultiHeadAttention(2, 4, decode=False, rngs=R(0)), (X,), None),
+  "mha_cross": (
+    lambda nn, R: nn.MultiHeadAttention(
+      2, 4, out_features=8, in_kv_features=8, decode=False, rngs=R(0)
+    ),
+    (X, X8, _x(2, 3, 8, seed=2)),
+    None,
+  ),
+  "mha_gqa_normalize_qk": (
+    lambda nn, R: nn.MultiHeadAttention(
+      4, 4, qkv_features=8, num_kv_heads=2, normalize_qk=True, decode=False, rngs=R(0)
+    ),
+    (X,),
+    None,
+  ),
+  "mha_mask_no_bias": (
+    lambda nn, R: nn.MultiHeadAttention(2, 4, use_bias=False, decode=False, rngs=R(0)),
+    (X,),
+    lambda R: {"mask": nnx.make_causal_mask(jnp.ones((2, 3)))},
+  ),
+  "mha_many_batch_axes": (
+    lambda nn, R: nn.MultiHeadAttention(2, 4, decode=False, rngs=R(0)),
+    (X.reshape(2, 1, 3, 4),),
+    lambda R: {"is_causal": True},
+  ),
+  "mha_dropout": (
+    lambda nn, R: nn.MultiHeadAttention(2, 4, dropout_rate=0.3, decode=False, rngs=R(0)),
+    (X,),
+    lambda R: {"rngs": R(dropout=7)},
+  ),
+  "mha_dropout_gqa": (
+    lambda nn, R: nn.MultiHeadAttention(
+      4,
+      4,
+      qkv_features=8,
+      num_kv_heads=2,
+      dropout_rate=0.3,
+      broadcast_dropout=False,
+      normalize_qk=True,
+      decode=False,
+      rngs=R(0),
+    ),
+    (X,),
+    lambda R: {"rngs": R(dropout=7)},
+  ),
+  "dropout": (lambda nn, R: nn.Dropout(0.4, rngs=R(0)), (X,), lambda R: {"rngs": R(dropout=3)}),
+  "dropout_broadcast": (
+    lambda nn, R: nn.Dropout(0.4, broadcast_dims=(0,), rngs=R(0)),
+    (X,),
+    lambda R: {"rngs": R(dropout=3)},
+  ),
+  "dropout_key": (lambda nn, R: nn.Dropout(0.4), (X,), lambda R: {"rngs": jax.random.key(5)}),
 }
 
 
@@ -180,8 +222,7 @@ def test_matches_nnx(name):
   hash(sr.graphdef(ours))  # configuration is hashable
 
 
-@pytest.mark.parametrize("name", ["linear", "conv_groups", "embed", "layernorm",
-                                  "batchnorm"])
+@pytest.mark.parametrize("name", ["linear", "conv_groups", "embed", "layernorm", "batchnorm"])
 def test_grad_matches_nnx(name):
   build, inputs, _ = CASES[name]
   ours, theirs = build(sr.nn, sr.Rngs), build(nnx, nnx.Rngs)
@@ -198,15 +239,15 @@ def test_grad_matches_nnx(name):
   _assert_same_variables(ours, theirs)  # batch stats written back by sr.grad
 
 
-@pytest.mark.parametrize("momentum,axis,fast", [
-    (0.99, -1, True), (0.9, 1, True), (0.0, 0, True), (0.5, -1, False), (0.9, 1, False)])
+@pytest.mark.parametrize(
+  "momentum,axis,fast",
+  [(0.99, -1, True), (0.9, 1, True), (0.0, 0, True), (0.5, -1, False), (0.9, 1, False)],
+)
 def test_batchnorm_statistics_match_nnx(momentum, axis, fast):
   shape = X.shape
   n = shape[axis]
-  ours = sr.nn.BatchNorm(n, axis=axis, momentum=momentum, use_fast_variance=fast,
-                         rngs=sr.Rngs(0))
-  theirs = nnx.BatchNorm(n, axis=axis, momentum=momentum, use_fast_variance=fast,
-                         rngs=nnx.Rngs(0))
+  ours = sr.nn.BatchNorm(n, axis=axis, momentum=momentum, use_fast_variance=fast, rngs=sr.Rngs(0))
+  theirs = nnx.BatchNorm(n, axis=axis, momentum=momentum, use_fast_variance=fast, rngs=nnx.Rngs(0))
   for step in range(2):
     x = _x(*shape, seed=step) * 3 + 1
     _close(ours(x), theirs(x))
@@ -336,16 +377,20 @@ def test_mask_helpers_match_nnx():
   valid = jnp.asarray([[1, 1, 0, 1], [1, 0, 1, 1]])
   x = jnp.ones((2, 3, 4))
   for ours, theirs in [
-      (sr.nn.make_attention_mask(valid, valid), nnx.make_attention_mask(valid, valid)),
-      (sr.nn.make_attention_mask(valid, valid, jnp.greater_equal, extra_batch_dims=1,
-                                 dtype=jnp.bool_),
-       nnx.make_attention_mask(valid, valid, jnp.greater_equal, extra_batch_dims=1,
-                               dtype=jnp.bool_)),
-      (sr.nn.make_causal_mask(x), nnx.make_causal_mask(x)),
-      (sr.nn.combine_masks(sr.nn.make_causal_mask(valid), None,
-                           sr.nn.make_attention_mask(valid, valid)),
-       nnx.combine_masks(nnx.make_causal_mask(valid), None,
-                         nnx.make_attention_mask(valid, valid))),
+    (sr.nn.make_attention_mask(valid, valid), nnx.make_attention_mask(valid, valid)),
+    (
+      sr.nn.make_attention_mask(
+        valid, valid, jnp.greater_equal, extra_batch_dims=1, dtype=jnp.bool_
+      ),
+      nnx.make_attention_mask(valid, valid, jnp.greater_equal, extra_batch_dims=1, dtype=jnp.bool_),
+    ),
+    (sr.nn.make_causal_mask(x), nnx.make_causal_mask(x)),
+    (
+      sr.nn.combine_masks(
+        sr.nn.make_causal_mask(valid), None, sr.nn.make_attention_mask(valid, valid)
+      ),
+      nnx.combine_masks(nnx.make_causal_mask(valid), None, nnx.make_attention_mask(valid, valid)),
+    ),
   ]:
     assert ours.dtype == theirs.dtype
     np.testing.assert_array_equal(ours, theirs)
@@ -357,11 +402,14 @@ DROP = {"dropout_rate": 0.3, "dropout_rng": jax.random.key(0)}
 
 # The MultiHeadAttention cases cover most paths; these add bias, no batch axes, and
 # is_causal on the dropout path.
-@pytest.mark.parametrize("batch,kv_heads,kwargs", [
+@pytest.mark.parametrize(
+  "batch,kv_heads,kwargs",
+  [
     ((2,), 2, {"mask": "causal", "bias": True}),
     ((), 1, {"is_causal": True}),
     ((2,), 4, {**DROP, "is_causal": True}),
-])
+  ],
+)
 def test_dot_product_attention_matches_nnx(batch, kv_heads, kwargs):
   q = _x(*batch, 3, 4, 2)
   k, v = _x(*batch, 3, kv_heads, 2, seed=1), _x(*batch, 3, kv_heads, 2, seed=2)
@@ -370,11 +418,14 @@ def test_dot_product_attention_matches_nnx(batch, kv_heads, kwargs):
     kwargs["mask"] = jnp.broadcast_to(jnp.tril(jnp.ones((3, 3))), (*batch, 1, 3, 3))
   if kwargs.get("bias"):
     kwargs["bias"] = _x(*batch, 4, 3, 3, seed=3)
-  _close(sr.nn.dot_product_attention(q, k, v, **kwargs),
-         nnx.dot_product_attention(q, k, v, **kwargs))
+  _close(
+    sr.nn.dot_product_attention(q, k, v, **kwargs), nnx.dot_product_attention(q, k, v, **kwargs)
+  )
   if "bias" not in kwargs:
-    _close(sr.nn.dot_product_attention_weights(q, k, **kwargs),
-           nnx_attention.dot_product_attention_weights(q, k, **kwargs))
+    _close(
+      sr.nn.dot_product_attention_weights(q, k, **kwargs),
+      nnx_attention.dot_product_attention_weights(q, k, **kwargs),
+    )
 
 
 def test_mha_decode_matches_nnx_and_full_causal():
@@ -388,10 +439,10 @@ def test_mha_decode_matches_nnx_and_full_causal():
   step = sr.jit(lambda m, token: m(token))
   nnx_step = nnx.jit(lambda m, token: m(token))
   for t in range(x.shape[1]):
-    token = x[:, t:t + 1]
+    token = x[:, t : t + 1]
     y = step(ours, token)
     _close(y, nnx_step(theirs, token))
-    _close(y, full[:, t:t + 1], atol=1e-5)
+    _close(y, full[:, t : t + 1], atol=1e-5)
   assert int(ours.cache_index.value) == 3
   for path, value in _flat(ours, sr.Cache).items():
     _close(value, _flat(theirs, nnx.Cache)[path])
@@ -414,8 +465,9 @@ def test_mha_errors():
   attn = sr.nn.MultiHeadAttention(2, 4, dropout_rate=0.1, rngs=sr.Rngs(0))
   with pytest.raises(ValueError, match="deterministic is None"):
     attn(X)
-  attn = sr.nn.MultiHeadAttention(2, 4, dropout_rate=0.1, keep_rngs=False,
-                                  deterministic=False, rngs=sr.Rngs(0))
+  attn = sr.nn.MultiHeadAttention(
+    2, 4, dropout_rate=0.1, keep_rngs=False, deterministic=False, rngs=sr.Rngs(0)
+  )
   assert attn.rngs is None
   with pytest.raises(ValueError, match=r"rngs=sr.Rngs\(dropout="):
     attn(X)
@@ -427,7 +479,11 @@ def test_mha_errors():
 def test_mlp_structure_and_eval_output():
   mlp = sr.nn.MLP(4, 8, dropout_rate=0.5, rngs=sr.Rngs(0))
   assert sorted(sr.state(mlp, sr.Param).flat()) == [
-      ("fc1", "bias"), ("fc1", "kernel"), ("fc2", "bias"), ("fc2", "kernel")]
+    ("fc1", "bias"),
+    ("fc1", "kernel"),
+    ("fc2", "bias"),
+    ("fc2", "kernel"),
+  ]
   assert mlp.fc2.kernel.shape == (8, 4) and mlp.out_features == 4
   expected = mlp.fc2(jax.nn.gelu(mlp.fc1(X)))
   _close(mlp.eval()(X), expected)
@@ -459,34 +515,65 @@ S = {"sharding": ("a", "b")}
 S3 = {"sharding": ("a", "b", "c")}
 T = {"sharding": ("c",)}
 METADATA_CASES = [
-    (lambda: sr.nn.Linear(4, 4, kernel_metadata=S, bias_metadata=T, rngs=sr.Rngs(0)),
-     {("kernel",): S, ("bias",): T}),
-    (lambda: sr.nn.LinearGeneral(4, (2, 2), kernel_metadata=S3, bias_metadata=S,
-                                 rngs=sr.Rngs(0)),
-     {("kernel",): S3, ("bias",): S}),
-    (lambda: sr.nn.Conv(4, 4, 3, kernel_metadata=S3, bias_metadata=T, rngs=sr.Rngs(0)),
-     {("kernel",): S3, ("bias",): T}),
-    (lambda: sr.nn.Embed(10, 4, embedding_metadata=S, rngs=sr.Rngs(0)),
-     {("embedding",): S}),
-    (lambda: sr.nn.LayerNorm(4, scale_metadata=T, bias_metadata={"tag": 1},
-                             rngs=sr.Rngs(0)),
-     {("scale",): T, ("bias",): {"tag": 1}}),
-    (lambda: sr.nn.RMSNorm(4, scale_metadata=T, rngs=sr.Rngs(0)), {("scale",): T}),
-    (lambda: sr.nn.BatchNorm(4, scale_metadata=T, bias_metadata=T, mean_metadata=T,
-                             var_metadata=T, rngs=sr.Rngs(0)),
-     {("scale",): T, ("bias",): T, ("mean",): T, ("var",): T}),
-    (lambda: sr.nn.MultiHeadAttention(
-        2, 4, normalize_qk=True, kernel_metadata=S3, bias_metadata=S,
-        out_kernel_metadata={"sharding": ("h", "d", "e")},
-        query_ln_scale_metadata=T, rngs=sr.Rngs(0)),
-     {("query", "kernel"): S3, ("key", "bias"): S, ("value", "kernel"): S3,
-      ("out", "kernel"): {"sharding": ("h", "d", "e")}, ("out", "bias"): S,
-      ("query_ln", "scale"): T, ("key_ln", "scale"): {}}),
-    (lambda: sr.nn.MLP(4, 8, kernel_metadata={"sharding": ("embed", "mlp")},
-                       out_kernel_metadata={"sharding": ("mlp", "embed")},
-                       rngs=sr.Rngs(0)),
-     {("fc1", "kernel"): {"sharding": ("embed", "mlp")},
-      ("fc2", "kernel"): {"sharding": ("mlp", "embed")}, ("fc2", "bias"): {}}),
+  (
+    lambda: sr.nn.Linear(4, 4, kernel_metadata=S, bias_metadata=T, rngs=sr.Rngs(0)),
+    {("kernel",): S, ("bias",): T},
+  ),
+  (
+    lambda: sr.nn.LinearGeneral(4, (2, 2), kernel_metadata=S3, bias_metadata=S, rngs=sr.Rngs(0)),
+    {("kernel",): S3, ("bias",): S},
+  ),
+  (
+    lambda: sr.nn.Conv(4, 4, 3, kernel_metadata=S3, bias_metadata=T, rngs=sr.Rngs(0)),
+    {("kernel",): S3, ("bias",): T},
+  ),
+  (lambda: sr.nn.Embed(10, 4, embedding_metadata=S, rngs=sr.Rngs(0)), {("embedding",): S}),
+  (
+    lambda: sr.nn.LayerNorm(4, scale_metadata=T, bias_metadata={"tag": 1}, rngs=sr.Rngs(0)),
+    {("scale",): T, ("bias",): {"tag": 1}},
+  ),
+  (lambda: sr.nn.RMSNorm(4, scale_metadata=T, rngs=sr.Rngs(0)), {("scale",): T}),
+  (
+    lambda: sr.nn.BatchNorm(
+      4, scale_metadata=T, bias_metadata=T, mean_metadata=T, var_metadata=T, rngs=sr.Rngs(0)
+    ),
+    {("scale",): T, ("bias",): T, ("mean",): T, ("var",): T},
+  ),
+  (
+    lambda: sr.nn.MultiHeadAttention(
+      2,
+      4,
+      normalize_qk=True,
+      kernel_metadata=S3,
+      bias_metadata=S,
+      out_kernel_metadata={"sharding": ("h", "d", "e")},
+      query_ln_scale_metadata=T,
+      rngs=sr.Rngs(0),
+    ),
+    {
+      ("query", "kernel"): S3,
+      ("key", "bias"): S,
+      ("value", "kernel"): S3,
+      ("out", "kernel"): {"sharding": ("h", "d", "e")},
+      ("out", "bias"): S,
+      ("query_ln", "scale"): T,
+      ("key_ln", "scale"): {},
+    },
+  ),
+  (
+    lambda: sr.nn.MLP(
+      4,
+      8,
+      kernel_metadata={"sharding": ("embed", "mlp")},
+      out_kernel_metadata={"sharding": ("mlp", "embed")},
+      rngs=sr.Rngs(0),
+    ),
+    {
+      ("fc1", "kernel"): {"sharding": ("embed", "mlp")},
+      ("fc2", "kernel"): {"sharding": ("mlp", "embed")},
+      ("fc2", "bias"): {},
+    },
+  ),
 ]
 
 
@@ -503,7 +590,6 @@ def test_metadata_lands_on_variables(build, expected):
 
 
 class Block(sr.Module):
-
   def __init__(self, rngs):
     self.linear = sr.nn.Linear(4, 4, rngs=rngs)
     self.norm = sr.nn.BatchNorm(4, rngs=rngs)
@@ -527,12 +613,19 @@ class Block(sr.Module):
 def test_train_eval_flip_through_nested_model():
   model = Block(sr.Rngs(0))
   flags = lambda: {
-      (path, name): getattr(module, name)
-      for path, module in model.iter_modules()
-      for name in ("deterministic", "use_running_average") if name in vars(module)}
-  assert sorted(flags()) == sorted([
-      (("attn",), "deterministic"), (("layers", 0), "deterministic"),
-      (("mlp", "dropout"), "deterministic"), (("norm",), "use_running_average")])
+    (path, name): getattr(module, name)
+    for path, module in model.iter_modules()
+    for name in ("deterministic", "use_running_average")
+    if name in vars(module)
+  }
+  assert sorted(flags()) == sorted(
+    [
+      (("attn",), "deterministic"),
+      (("layers", 0), "deterministic"),
+      (("mlp", "dropout"), "deterministic"),
+      (("norm",), "use_running_average"),
+    ]
+  )
   model.eval()
   assert set(flags().values()) == {True}
   model.train()
@@ -602,8 +695,12 @@ def test_bad_inputs_raise_clear_errors():
 def test_linear_takes_precision_as_none_string_enum_or_tuple():
   x = jnp.ones((2, 3))
   outs = []
-  for precision in (None, "highest", jax.lax.Precision.HIGHEST,
-                    (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)):
+  for precision in (
+    None,
+    "highest",
+    jax.lax.Precision.HIGHEST,
+    (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST),
+  ):
     layer = sr.nn.Linear(3, 4, precision=precision, rngs=sr.Rngs(0))
     outs.append(layer(x))
   for out in outs[1:]:

@@ -23,19 +23,23 @@ def _x(*shape, seed=0, dtype=jnp.float32):
 
 
 def _close(a, b, atol=2e-5):
-  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                             atol=atol, rtol=atol)
+  np.testing.assert_allclose(
+    np.asarray(a, np.float32), np.asarray(b, np.float32), atol=atol, rtol=atol
+  )
 
 
 def _leaves(model):
-  return {p: np.asarray(jax.random.key_data(v) if jnp.issubdtype(
-      v.dtype, jax.dtypes.prng_key) else v) for p, v in sr.state(model).flat().items()}
+  return {
+    p: np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+    for p, v in sr.state(model).flat().items()
+  }
 
 
 def _unchanged(model, before):
   after = _leaves(model)
   return after.keys() == before.keys() and all(
-      after[p].shape == before[p].shape and (after[p] == before[p]).all() for p in before)
+    after[p].shape == before[p].shape and (after[p] == before[p]).all() for p in before
+  )
 
 
 # -- sr.nn.rope ----------------------------------------------------------------------
@@ -63,8 +67,13 @@ def _rope_gemma(x, positions, base):
   timescale = base ** (2 * np.arange(d // 2) / d)
   angles = (positions[..., None] / timescale)[..., None, :]
   first, second = np.split(x, 2, axis=-1)
-  return np.concatenate([first * np.cos(angles) - second * np.sin(angles),
-                         second * np.cos(angles) + first * np.sin(angles)], axis=-1)
+  return np.concatenate(
+    [
+      first * np.cos(angles) - second * np.sin(angles),
+      second * np.cos(angles) + first * np.sin(angles),
+    ],
+    axis=-1,
+  )
 
 
 def _rope_llama(x, positions, base):
@@ -73,7 +82,7 @@ def _rope_llama(x, positions, base):
   inv_freq = 1.0 / base ** (np.arange(0, d, 2) / d)
   freqs = positions[..., None] * inv_freq
   emb = np.concatenate([freqs, freqs], axis=-1)[..., None, :]  # one angle for all heads
-  rotate_half = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+  rotate_half = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
   return x * np.cos(emb) + rotate_half * np.sin(emb)
 
 
@@ -87,8 +96,7 @@ def test_rope_equals_a_numpy_loop_and_gemma_and_llama_formulas(base):
   _close(got, _rope_gemma(np.asarray(x), positions, base), atol=1e-4)
   _close(got, _rope_llama(np.asarray(x), positions, base), atol=1e-4)
   # One [length] vector of positions serves every batch row.
-  _close(sr.nn.rope(x, jnp.arange(5), base=base),
-         _rope_numpy(x, np.arange(5), base), atol=1e-4)
+  _close(sr.nn.rope(x, jnp.arange(5), base=base), _rope_numpy(x, np.arange(5), base), atol=1e-4)
 
 
 def test_rope_scores_depend_on_relative_positions_only():
@@ -114,13 +122,19 @@ def test_rope_keeps_the_dtype_and_computes_the_angles_in_float32():
 def test_rope_bad_inputs_say_the_expected_shape_and_the_fix():
   with pytest.raises(ValueError, match=r"sr.nn.rope: .* head_dim=5 .* is odd\. Fix"):
     sr.nn.rope(_x(1, 3, 2, 5), jnp.arange(3))
-  with pytest.raises(ValueError, match=r"positions has shape \(4,\) .* expected positions "
-                                       r"of shape \(2, 3\) or \(3,\).*Fix"):
+  with pytest.raises(
+    ValueError,
+    match=r"positions has shape \(4,\) .* expected positions "
+    r"of shape \(2, 3\) or \(3,\).*Fix",
+  ):
     sr.nn.rope(_x(2, 3, 2, 4), jnp.arange(4))
   with pytest.raises(ValueError, match=r"positions has shape \(3, 3\) .*\(2, 3\)"):
     sr.nn.rope(_x(2, 3, 2, 4), jnp.zeros((3, 3), jnp.int32))
-  with pytest.raises(ValueError, match=r"\[batch\.\.\., length, heads, head_dim\], got "
-                                       r"shape \(3, 4\)\. Fix"):
+  with pytest.raises(
+    ValueError,
+    match=r"\[batch\.\.\., length, heads, head_dim\], got "
+    r"shape \(3, 4\)\. Fix",
+  ):
     sr.nn.rope(_x(3, 4), jnp.arange(3))
   with pytest.raises(ValueError, match=r"rotates float features, got dtype int32.*Fix"):
     sr.nn.rope(jnp.ones((1, 3, 2, 4), jnp.int32), jnp.arange(3))
@@ -132,15 +146,15 @@ def test_rope_bad_inputs_say_the_expected_shape_and_the_fix():
 
 
 def _params(attn):
-  return {name: (getattr(attn, name).kernel.value, getattr(attn, name).bias.value)
-          for name in ("query", "key", "value", "out")}
+  return {
+    name: (getattr(attn, name).kernel.value, getattr(attn, name).bias.value)
+    for name in ("query", "key", "value", "out")
+  }
 
 
-def _reference(params, x, *, num_heads, num_kv_heads, positions=None, base=None,
-               causal=False):
+def _reference(params, x, *, num_heads, num_kv_heads, positions=None, base=None, causal=False):
   """Plain softmax attention: each kv head repeated for its query heads."""
-  (wq, bq), (wk, bk), (wv, bv), (wo, bo) = (params[n] for n in
-                                            ("query", "key", "value", "out"))
+  (wq, bq), (wk, bk), (wv, bv), (wo, bo) = (params[n] for n in ("query", "key", "value", "out"))
 
   def dense(spec, x, w, b):
     y = jnp.einsum(spec, x, w)
@@ -156,8 +170,7 @@ def _reference(params, x, *, num_heads, num_kv_heads, positions=None, base=None,
   logits = jnp.einsum("...qhd,...khd->...hqk", q, k) / np.sqrt(q.shape[-1])
   if causal:
     length = x.shape[-2]
-    causal_mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)),
-                                   logits.shape)
+    causal_mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), logits.shape)
     logits = jnp.where(causal_mask, logits, -1e30)
   out = jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(logits, axis=-1), v)
   return dense("...hd,hdf->...f", out, wo, bo)
@@ -170,8 +183,7 @@ def test_gqa_equals_repeating_the_kv_heads(num_kv_heads, causal):
   assert attn.key.kernel.shape == attn.value.kernel.shape == (D, num_kv_heads, D // HEADS)
   assert attn.query.kernel.shape == (D, HEADS, D // HEADS)
   x = _x(B, T, D)
-  want = _reference(_params(attn), x, num_heads=HEADS, num_kv_heads=num_kv_heads,
-                    causal=causal)
+  want = _reference(_params(attn), x, num_heads=HEADS, num_kv_heads=num_kv_heads, causal=causal)
   _close(attn(x, is_causal=causal), want)
   mask = sr.nn.make_causal_mask(x[..., 0]) if causal else None
   _close(attn(x, mask=mask), want)
@@ -199,17 +211,21 @@ def test_equals_nnx_with_copied_weights_outputs_and_gradients(num_kv_heads):
 
 
 def test_gqa_rope_gradients_equal_the_reference_and_reach_every_parameter():
-  attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rope_base=100.0,
-                                  rngs=sr.Rngs(0))
+  attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rope_base=100.0, rngs=sr.Rngs(0))
   x = _x(B, T, D)
 
   def loss(model, x):
     return jnp.sum(model(x, is_causal=True) ** 2)
 
   grads = sr.grad(loss)(attn, x)
-  want = jax.grad(lambda p: jnp.sum(_reference(
-      p, x, num_heads=HEADS, num_kv_heads=KV, positions=jnp.arange(T), base=100.0,
-      causal=True) ** 2))(_params(attn))
+  want = jax.grad(
+    lambda p: jnp.sum(
+      _reference(
+        p, x, num_heads=HEADS, num_kv_heads=KV, positions=jnp.arange(T), base=100.0, causal=True
+      )
+      ** 2
+    )
+  )(_params(attn))
   for name, (gk, gb) in want.items():
     _close(grads[name]["kernel"], gk, atol=1e-4)
     _close(grads[name]["bias"], gb, atol=1e-4)
@@ -220,8 +236,9 @@ def test_gqa_rope_gradients_equal_the_reference_and_reach_every_parameter():
 
 
 def test_rope_inside_equals_rope_applied_by_hand_to_queries_and_keys():
-  attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rope_base=10000.0,
-                                  normalize_qk=True, rngs=sr.Rngs(0))
+  attn = sr.nn.MultiHeadAttention(
+    HEADS, D, num_kv_heads=KV, rope_base=10000.0, normalize_qk=True, rngs=sr.Rngs(0)
+  )
   x = _x(B, T, D)
   positions = jnp.array([[3, 4, 5, 6, 7, 8], [0, 1, 2, 10, 11, 12]])
 
@@ -232,11 +249,9 @@ def test_rope_inside_equals_rope_applied_by_hand_to_queries_and_keys():
 
   _close(attn(x), by_hand(jnp.arange(T)))
   _close(attn(x, positions=positions, is_causal=True), by_hand(positions, is_causal=True))
-  _close(sr.jit(lambda m, x, p: m(x, positions=p))(attn, x, positions),
-         by_hand(positions))
+  _close(sr.jit(lambda m, x, p: m(x, positions=p))(attn, x, positions), by_hand(positions))
   # The rotation changes the result: positions are used, not ignored.
-  plain = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, normalize_qk=True,
-                                   rngs=sr.Rngs(0))
+  plain = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, normalize_qk=True, rngs=sr.Rngs(0))
   assert float(jnp.abs(plain(x) - attn(x)).max()) > 1e-3
   assert sorted(sr.state(plain).flat()) == sorted(sr.state(attn).flat())  # no new params
 
@@ -253,17 +268,15 @@ def test_rope_default_positions_make_scores_shift_invariant():
 @pytest.mark.parametrize("rope_base", [None, 10000.0])
 @pytest.mark.parametrize("jit", [False, True])
 def test_decode_token_by_token_equals_the_causal_forward(rope_base, jit):
-  attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rope_base=rope_base,
-                                  rngs=sr.Rngs(0))
+  attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rope_base=rope_base, rngs=sr.Rngs(0))
   x = _x(B, T, D)
   full = attn(x, is_causal=True)
   attn.init_cache((B, T + 2, D))
   head_dim = D // HEADS
   # The cache holds num_kv_heads heads, not num_heads: GQA's memory saving.
   assert attn.cached_key.shape == attn.cached_value.shape == (B, T + 2, KV, head_dim)
-  step = sr.jit(lambda m, x: m(x, decode=True)) if jit else (
-      lambda m, x: m(x, decode=True))
-  decoded = jnp.concatenate([step(attn, x[:, t:t + 1]) for t in range(T)], axis=1)
+  step = sr.jit(lambda m, x: m(x, decode=True)) if jit else (lambda m, x: m(x, decode=True))
+  decoded = jnp.concatenate([step(attn, x[:, t : t + 1]) for t in range(T)], axis=1)
   _close(decoded, full)
   assert int(attn.cache_index.value) == T
   # The cache stores the keys rotated at their own positions.
@@ -275,14 +288,14 @@ def test_decode_token_by_token_equals_the_causal_forward(rope_base, jit):
 
 
 def test_decode_with_explicit_positions_rotates_by_them():
-  attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rope_base=10000.0,
-                                  rngs=sr.Rngs(0))
+  attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rope_base=10000.0, rngs=sr.Rngs(0))
   x = _x(B, T, D)
   positions = jnp.arange(T) + 40
   full = attn(x, positions=positions, is_causal=True)
   attn.init_cache((B, T, D))
-  decoded = jnp.concatenate([attn(x[:, t:t + 1], decode=True, positions=positions[t:t + 1])
-                             for t in range(T)], axis=1)
+  decoded = jnp.concatenate(
+    [attn(x[:, t : t + 1], decode=True, positions=positions[t : t + 1]) for t in range(T)], axis=1
+  )
   _close(decoded, full)
 
 
@@ -291,8 +304,7 @@ class Block(sr.Module):
 
   def __init__(self, *, rngs):
     self.ln1 = sr.nn.LayerNorm(D, rngs=rngs)
-    self.attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rope_base=10000.0,
-                                         rngs=rngs)
+    self.attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rope_base=10000.0, rngs=rngs)
     self.ln2 = sr.nn.LayerNorm(D, rngs=rngs)
     self.mlp = sr.nn.MLP(D, 2 * D, rngs=rngs)
 
@@ -307,9 +319,8 @@ class ScanBlock(Block):
 
 
 STACKS = {
-    "remat_scan": lambda: sr.remat_scan(Block, lengths=(3,)),
-    "scan": lambda: sr.scan(ScanBlock, length=3, variable_axes={True: 0},
-                            split_rngs={True: True}),
+  "remat_scan": lambda: sr.remat_scan(Block, lengths=(3,)),
+  "scan": lambda: sr.scan(ScanBlock, length=3, variable_axes={True: 0}, split_rngs={True: True}),
 }
 
 
@@ -330,7 +341,7 @@ def test_a_stack_decodes_token_by_token_as_its_causal_forward(kind):
   stack.attn.init_cache((B, T, D))
   assert stack.attn.cached_key.shape == (3, B, T, KV, D // HEADS)
   stack.set_attributes(decode=True)
-  decoded = jnp.concatenate([_out(stack(x[:, t:t + 1])) for t in range(T)], axis=1)
+  decoded = jnp.concatenate([_out(stack(x[:, t : t + 1])) for t in range(T)], axis=1)
   _close(decoded, full, atol=1e-4)
   assert stack.attn.cache_index.value.tolist() == [T] * 3
 
@@ -349,27 +360,31 @@ def test_grads_flow_through_a_gqa_rope_stack():
 
 class Net(sr.Module):
   def __init__(self, **kwargs):
-    self.blocks = [sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rngs=sr.Rngs(0),
-                                            **kwargs)]
+    self.blocks = [sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rngs=sr.Rngs(0), **kwargs)]
 
   def __call__(self, x, **kwargs):
     return self.blocks[0](x, **kwargs)
 
 
 def test_num_kv_heads_that_does_not_divide_num_heads_says_which_do():
-  with pytest.raises(ValueError, match=r"MultiHeadAttention\(num_heads=4, num_kv_heads=3\)"
-                                       r".*divisible by num_kv_heads.*Fix: pick "
-                                       r"num_kv_heads from \[1, 2, 4\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"MultiHeadAttention\(num_heads=4, num_kv_heads=3\)"
+    r".*divisible by num_kv_heads.*Fix: pick "
+    r"num_kv_heads from \[1, 2, 4\]",
+  ):
     sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=3, rngs=sr.Rngs(0))
   with pytest.raises(ValueError, match=r"num_kv_heads=0\).*Fix"):
     sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=0, rngs=sr.Rngs(0))
 
 
 def test_rope_on_an_odd_head_dim_says_how_to_make_it_even():
-  with pytest.raises(ValueError, match=r"head_dim = qkv_features // num_heads = 3 is odd\. "
-                                       r"Fix: .* qkv_features=24"):
-    sr.nn.MultiHeadAttention(HEADS, D, qkv_features=12, rope_base=10000.0,
-                             rngs=sr.Rngs(0))
+  with pytest.raises(
+    ValueError,
+    match=r"head_dim = qkv_features // num_heads = 3 is odd\. "
+    r"Fix: .* qkv_features=24",
+  ):
+    sr.nn.MultiHeadAttention(HEADS, D, qkv_features=12, rope_base=10000.0, rngs=sr.Rngs(0))
   with pytest.raises(ValueError, match=r"rope_base=-1\.0 must be a positive number.*Fix"):
     sr.nn.MultiHeadAttention(HEADS, D, rope_base=-1.0, rngs=sr.Rngs(0))
   # Without rope an odd head_dim is fine, as in nnx.
@@ -381,13 +396,19 @@ def test_a_wrong_feature_size_names_the_path_and_the_expected_shape(transform):
   net = Net()
   before = _leaves(net)
   call = sr.jit(lambda m, x: m(x)) if transform else (lambda m, x: m(x))
-  with pytest.raises(ValueError, match=r"MultiHeadAttention at `blocks\[0\]` was built "
-                                       r"with in_features=16 but inputs_q has shape "
-                                       r"\(2, 6, 8\): expected \[batch\.\.\., length, 16\]"
-                                       r"\. Fix.*in_features=8"):
+  with pytest.raises(
+    ValueError,
+    match=r"MultiHeadAttention at `blocks\[0\]` was built "
+    r"with in_features=16 but inputs_q has shape "
+    r"\(2, 6, 8\): expected \[batch\.\.\., length, 16\]"
+    r"\. Fix.*in_features=8",
+  ):
     call(net, _x(B, T, 8))
-  with pytest.raises(ValueError, match=r"`blocks\[0\]` takes inputs_q of shape "
-                                       r"\[batch\.\.\., length, 16\], got shape \(16,\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"`blocks\[0\]` takes inputs_q of shape "
+    r"\[batch\.\.\., length, 16\], got shape \(16,\)",
+  ):
     call(net, _x(D))
   assert _unchanged(net, before)
 
@@ -401,23 +422,35 @@ def test_positions_of_the_wrong_shape_name_the_path_and_change_nothing(decode):
     x = x[:, :1]
   before = _leaves(net)
   length = x.shape[1]
-  for call in (lambda m, x, p: m(x, positions=p, decode=decode),
-               sr.jit(lambda m, x, p: m(x, positions=p, decode=decode))):
-    with pytest.raises(ValueError, match=(
+  for call in (
+    lambda m, x, p: m(x, positions=p, decode=decode),
+    sr.jit(lambda m, x, p: m(x, positions=p, decode=decode)),
+  ):
+    with pytest.raises(
+      ValueError,
+      match=(
         rf"MultiHeadAttention at `blocks\[0\]`: positions has shape \({length + 1},\) "
-        rf".*expected positions of shape \(2, {length}\) or \({length},\).*Fix")):
+        rf".*expected positions of shape \(2, {length}\) or \({length},\).*Fix"
+      ),
+    ):
       call(net, x, jnp.arange(length + 1))
     assert _unchanged(net, before)  # the cache index did not move
 
 
 def test_positions_without_rope_and_rope_for_cross_attention_are_refused():
   net = Net()
-  with pytest.raises(ValueError, match=r"`blocks\[0\]`: positions= was given but the layer "
-                                       r"has no rotary embeddings.*Fix: .*rope_base="):
+  with pytest.raises(
+    ValueError,
+    match=r"`blocks\[0\]`: positions= was given but the layer "
+    r"has no rotary embeddings.*Fix: .*rope_base=",
+  ):
     net(_x(B, T, D), positions=jnp.arange(T))
   net = Net(rope_base=10000.0)
-  with pytest.raises(ValueError, match=r"`blocks\[0\]`: rope_base is set.*inputs_k has "
-                                       r"length 3 and inputs_q 6.*Fix"):
+  with pytest.raises(
+    ValueError,
+    match=r"`blocks\[0\]`: rope_base is set.*inputs_k has "
+    r"length 3 and inputs_q 6.*Fix",
+  ):
     net.blocks[0](_x(B, T, D), _x(B, 3, D))
 
 
@@ -426,18 +459,25 @@ def test_positions_without_rope_and_rope_for_cross_attention_are_refused():
 
 @pytest.mark.parametrize("axis_type", ["explicit", "auto"])
 def test_gqa_rope_sharded_over_heads_equals_one_device(axis_type):
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   kind = AxisType.Explicit if axis_type == "explicit" else AxisType.Auto
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
   rules = [("batch", "data"), ("heads", "model"), ("embed", None)]
 
   def build():
     return sr.nn.MultiHeadAttention(
-        HEADS, D, num_kv_heads=KV, rope_base=10000.0, rngs=sr.Rngs(0),
-        kernel_metadata={"sharding": ("embed", "heads", None)},
-        bias_metadata={"sharding": ("heads", None)},
-        out_kernel_metadata={"sharding": ("heads", None, "embed")},
-        out_bias_metadata={"sharding": ("embed",)})
+      HEADS,
+      D,
+      num_kv_heads=KV,
+      rope_base=10000.0,
+      rngs=sr.Rngs(0),
+      kernel_metadata={"sharding": ("embed", "heads", None)},
+      bias_metadata={"sharding": ("heads", None)},
+      out_kernel_metadata={"sharding": ("heads", None, "embed")},
+      out_bias_metadata={"sharding": ("embed",)},
+    )
 
   reference, layer = build(), build()
   x = _x(8, T, D)
@@ -445,13 +485,13 @@ def test_gqa_rope_sharded_over_heads_equals_one_device(axis_type):
   step = sr.jit(lambda m, x: m(x, decode=True))
   expected = forward(reference, x)
   reference.init_cache((8, T, D))
-  expected_steps = [step(reference, x[:, t:t + 1]) for t in range(2)]
+  expected_steps = [step(reference, x[:, t : t + 1]) for t in range(2)]
   with jax.set_mesh(mesh):
     sr.shard(layer, mesh, rules)
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
     got = forward(layer, xs)
     layer.init_cache((8, T, D))
-    got_steps = [step(layer, xs[:, t:t + 1]) for t in range(2)]
+    got_steps = [step(layer, xs[:, t : t + 1]) for t in range(2)]
   _close(got, expected, atol=1e-5)
   assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), got.ndim)
   for y, want in zip(got_steps, expected_steps):

@@ -53,35 +53,38 @@ def test_cell_step_values_and_grads_match_nnx(name):
   ours, theirs = _pair(name)
   x = jax.random.normal(jax.random.key(0), (2, 3))
   carry = jax.tree.map(lambda c: c + 0.3, theirs.initialize_carry((2, 3), nnx.Rngs(0)))
-  _close(ours.initialize_carry((2, 3)),
-         theirs.initialize_carry((2, 3), nnx.Rngs(0)), atol=0)
+  _close(ours.initialize_carry((2, 3)), theirs.initialize_carry((2, 3), nnx.Rngs(0)), atol=0)
   _close(ours(carry, x), theirs(carry, x))
 
   def loss(cell, carry, x):
     new, y = cell(carry, x)
-    return (y ** 2).sum() + sum(jnp.sin(c).sum() for c in jax.tree.leaves(new))
+    return (y**2).sum() + sum(jnp.sin(c).sum() for c in jax.tree.leaves(new))
 
   grads = sr.grad(loss)(ours, carry, x)
   their_grads = nnx.grad(loss)(theirs, carry, x)
   _close(grads.flat(), _nnx_flat(their_grads))
-  _close(jax.grad(lambda x: loss(ours, carry, x))(x),
-         jax.grad(lambda x: loss(theirs, carry, x))(x))
+  _close(jax.grad(lambda x: loss(ours, carry, x))(x), jax.grad(lambda x: loss(theirs, carry, x))(x))
 
 
 RAGGED = {"return_carry": True, "reverse": True, "keep_order": True, "seq_lengths": True}
 
 
 # Every cell plain and with everything at once; each option alone with one cell.
-@pytest.mark.parametrize("name, options", [(name, {}) for name in CELLS] + [
-    (name, RAGGED) for name in CELLS] + [
+@pytest.mark.parametrize(
+  "name, options",
+  [(name, {}) for name in CELLS]
+  + [(name, RAGGED) for name in CELLS]
+  + [
     ("LSTMCell", {"return_carry": True, "time_major": True}),
     ("GRUCell", {"return_carry": True, "seq_lengths": True}),
     ("SimpleCell", {"return_carry": True, "reverse": True}),
     ("OptimizedLSTMCell", {"reverse": True, "keep_order": True}),
-    ("GRUCell", {"return_carry": True, "time_major": True, "reverse": True,
-                 "seq_lengths": True}),
-], ids=[f"plain-{n}" for n in CELLS] + [f"ragged_reverse_keep_order-{n}" for n in CELLS]
-    + ["time_major", "ragged", "reverse", "reverse_keep_order", "time_major_ragged"])
+    ("GRUCell", {"return_carry": True, "time_major": True, "reverse": True, "seq_lengths": True}),
+  ],
+  ids=[f"plain-{n}" for n in CELLS]
+  + [f"ragged_reverse_keep_order-{n}" for n in CELLS]
+  + ["time_major", "ragged", "reverse", "reverse_keep_order", "time_major_ragged"],
+)
 def test_rnn_values_carries_and_grads_match_nnx(name, options):
   ours, theirs = _pair(name)
   options = dict(options)
@@ -133,6 +136,7 @@ def test_rnn_under_jit_and_grad_equals_eager():
     return jnp.sum(m(x, seq_lengths=lengths)[1] ** 2)
 
   grads = sr.grad(loss)(rnn, x)
+
   # The RNN is the Python loop over time; its gradient is the loop's.
   def loop_loss(params, x):
     cell = sr.merge(sr.graphdef(rnn.cell), params)
@@ -144,8 +148,7 @@ def test_rnn_under_jit_and_grad_equals_eager():
 
   want = jax.grad(loop_loss)(sr.state(rnn.cell, sr.Param), x)
   _close(grads["cell"].flat(), want.flat())
-  assert float(loss(rnn, x)) == pytest.approx(float(loop_loss(sr.state(rnn.cell), x)),
-                                              rel=1e-5)
+  assert float(loss(rnn, x)) == pytest.approx(float(loop_loss(sr.state(rnn.cell), x)), rel=1e-5)
 
 
 def test_carry_after_each_sequence_end_is_frozen():
@@ -178,8 +181,9 @@ def test_a_scanned_stack_of_rnn_layers_equals_the_loop():
     want, _ = layer(want)
   _close(y, want)
   layers = sr.unstack(stack)
-  assert not np.allclose(layers[0].rnn.cell.dense_i.kernel.value,
-                         layers[1].rnn.cell.dense_i.kernel.value)
+  assert not np.allclose(
+    layers[0].rnn.cell.dense_i.kernel.value, layers[1].rnn.cell.dense_i.kernel.value
+  )
 
 
 class NoisyCell(sr.nn.RNNCellBase):
@@ -212,9 +216,14 @@ def test_rng_streams_split_per_step_unless_broadcast_and_variables_carried(broad
 
 
 def test_metadata_reaches_the_sublayers_and_carry_init_draws_from_rngs():
-  cell = sr.nn.LSTMCell(3, 4, kernel_metadata={"sharding": ("embed", "mlp")},
-                        recurrent_kernel_metadata={"sharding": (None, "mlp")},
-                        bias_metadata={"sharding": ("mlp",)}, rngs=sr.Rngs(0))
+  cell = sr.nn.LSTMCell(
+    3,
+    4,
+    kernel_metadata={"sharding": ("embed", "mlp")},
+    recurrent_kernel_metadata={"sharding": (None, "mlp")},
+    bias_metadata={"sharding": ("mlp",)},
+    rngs=sr.Rngs(0),
+  )
   assert cell.if_.kernel.sharding == ("embed", "mlp")
   assert cell.ho.kernel.sharding == (None, "mlp") and cell.ho.bias.sharding == ("mlp",)
   rngs = sr.Rngs(carry=0)
@@ -229,7 +238,6 @@ def test_metadata_reaches_the_sublayers_and_carry_init_draws_from_rngs():
 
 
 class Model(sr.Module):
-
   def __init__(self):
     self.encoder = sr.nn.RNN(sr.nn.LSTMCell(3, 4, rngs=sr.Rngs(0)))
 
@@ -237,13 +245,19 @@ class Model(sr.Module):
 def test_wrong_feature_size_names_the_cell_path_and_changes_nothing():
   model = Model()
   before = _params(model)
-  with pytest.raises(ValueError, match=r"LSTMCell at `encoder\.cell` was built with "
-                     r"in_features=3 but got an input of shape \(2, 5\) \(expected "
-                     r"\(\*batch, 3\)\)\. Fix the input, or build the cell with "
-                     r"in_features=5"):
+  with pytest.raises(
+    ValueError,
+    match=r"LSTMCell at `encoder\.cell` was built with "
+    r"in_features=3 but got an input of shape \(2, 5\) \(expected "
+    r"\(\*batch, 3\)\)\. Fix the input, or build the cell with "
+    r"in_features=5",
+  ):
     model.encoder(jnp.ones((2, 7, 5)))
-  with pytest.raises(ValueError, match=r"LSTMCell at `encoder\.cell` was built with "
-                     r"in_features=3"):
+  with pytest.raises(
+    ValueError,
+    match=r"LSTMCell at `encoder\.cell` was built with "
+    r"in_features=3",
+  ):
     sr.jit(lambda m, x: m.encoder(x))(model, jnp.ones((2, 7, 5)))
   with pytest.raises(ValueError, match=r"LSTMCell at `encoder\.cell` was built with"):
     model.encoder.cell(model.encoder.cell.initialize_carry((2, 2)), jnp.ones((2, 2)))
@@ -254,29 +268,41 @@ def test_wrong_carry_shape_names_the_cell_and_the_expected_shape():
   model = Model()
   before = _params(model)
   bad = (jnp.zeros((2, 5)), jnp.zeros((2, 5)))
-  with pytest.raises(ValueError, match=r"LSTMCell at `encoder\.cell`: the carry has "
-                     r"shapes \(\(2, 5\), \(2, 5\)\), but for inputs of shape \(2, 3\) it "
-                     r"must be a pair \(c, h\) of arrays of shape \(2, 4\).*Fix: start "
-                     r"from `cell\.initialize_carry\(\(2, 3\)\)`"):
+  with pytest.raises(
+    ValueError,
+    match=r"LSTMCell at `encoder\.cell`: the carry has "
+    r"shapes \(\(2, 5\), \(2, 5\)\), but for inputs of shape \(2, 3\) it "
+    r"must be a pair \(c, h\) of arrays of shape \(2, 4\).*Fix: start "
+    r"from `cell\.initialize_carry\(\(2, 3\)\)`",
+  ):
     model.encoder(jnp.ones((2, 7, 3)), initial_carry=bad)
   with pytest.raises(ValueError, match=r"must be a pair \(c, h\)"):
     model.encoder(jnp.ones((2, 7, 3)), initial_carry=jnp.zeros((2, 4)))
   with pytest.raises(ValueError, match=r"of shape \(2, 4\)"):  # batch differs: no scan
     model.encoder(jnp.ones((2, 7, 3)), initial_carry=(jnp.zeros((1, 4)),) * 2)
-  with pytest.raises(ValueError, match=r"GRUCell: the carry has shapes \(2, 5\), but for "
-                     r"inputs of shape \(2, 3\) it must be one array of shape \(2, 4\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"GRUCell: the carry has shapes \(2, 5\), but for "
+    r"inputs of shape \(2, 3\) it must be one array of shape \(2, 4\)",
+  ):
     sr.nn.GRUCell(3, 4, rngs=sr.Rngs(0))(jnp.zeros((2, 5)), jnp.ones((2, 3)))
   _close(_params(model), before, atol=0)
 
 
 def test_rank_seq_lengths_and_argument_errors():
   model = Model()
-  with pytest.raises(ValueError, match=r"RNN at `encoder`: inputs of shape \(3,\) have no "
-                     r"time axis.*\(\*batch, time, \*features\)\. Fix: add the time axis"):
+  with pytest.raises(
+    ValueError,
+    match=r"RNN at `encoder`: inputs of shape \(3,\) have no "
+    r"time axis.*\(\*batch, time, \*features\)\. Fix: add the time axis",
+  ):
     model.encoder(jnp.ones(3))
-  with pytest.raises(ValueError, match=r"RNN at `encoder`: seq_lengths has shape \(3,\), "
-                     r"but inputs of shape \(2, 7, 3\) have batch shape \(2,\).*Fix: pass "
-                     r"an int array of shape \(2,\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"RNN at `encoder`: seq_lengths has shape \(3,\), "
+    r"but inputs of shape \(2, 7, 3\) have batch shape \(2,\).*Fix: pass "
+    r"an int array of shape \(2,\)",
+  ):
     model.encoder(jnp.ones((2, 7, 3)), seq_lengths=jnp.array([1, 2, 3]))
   with pytest.raises(TypeError, match=r"variable_broadcast=<filter>"):
     sr.nn.RNN(model.encoder.cell, state_axes={...: None})
@@ -284,6 +310,9 @@ def test_rank_seq_lengths_and_argument_errors():
     sr.nn.RNN(model.encoder.cell, rngs=0)
   with pytest.raises(TypeError, match=r"GRUCell: rngs must be an sr.Rngs.*sr.Rngs\(0\)"):
     sr.nn.GRUCell(3, 4, rngs=0)
-  with pytest.raises(ValueError, match=r"LSTMCell at `encoder\.cell`: initialize_carry "
-                     r"with carry_init=.* draws keys.*Fix: pass them"):
+  with pytest.raises(
+    ValueError,
+    match=r"LSTMCell at `encoder\.cell`: initialize_carry "
+    r"with carry_init=.* draws keys.*Fix: pass them",
+  ):
     model.encoder.cell.initialize_carry((2, 3), carry_init=jax.nn.initializers.ones)

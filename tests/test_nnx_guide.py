@@ -93,7 +93,6 @@ def test_remat_adds_a_variable():
 
 
 class Layer(sr.Module):
-
   def __init__(self, *, rngs):
     self.linear = sr.nn.Linear(3, 3, rngs=rngs)
 
@@ -104,7 +103,6 @@ class Layer(sr.Module):
 
 
 class NnxLayer(nnx.Module):
-
   def __init__(self, *, rngs):
     self.linear = nnx.Linear(3, 3, rngs=rngs)
 
@@ -143,7 +141,6 @@ def test_vmap_stacks_a_variable_made_per_member():
 
 
 class PosBlock(sr.Module):
-
   def __init__(self, *, rngs):
     self.linear = sr.nn.Linear(3, 3, rngs=rngs)
 
@@ -152,7 +149,6 @@ class PosBlock(sr.Module):
 
 
 class NnxPosBlock(nnx.Module):
-
   def __init__(self, *, rngs):
     self.linear = nnx.Linear(3, 3, rngs=rngs)
 
@@ -168,8 +164,7 @@ def nnx_pos_loop(x, pos, scale=1.0):
 
 def copy_stack(stack):
   """Copies the nnx layers' weights (built from KEYS) into our stack."""
-  kernels = jnp.stack([nnx_value(NnxPosBlock(rngs=nnx.Rngs(k)).linear.kernel)
-                       for k in KEYS])
+  kernels = jnp.stack([nnx_value(NnxPosBlock(rngs=nnx.Rngs(k)).linear.kernel) for k in KEYS])
   stack.linear.kernel.value = kernels
   stack.linear.bias.value = jnp.zeros_like(stack.linear.bias.value)
 
@@ -188,8 +183,9 @@ def test_scan_class_form_broadcasts_with_in_axes_none():
     return PosBlock.__call__(self, x, pos), None
 
   Cell = type("Cell", (PosBlock,), {"__call__": body})
-  stack = sr.scan(Cell, length=4, variable_axes={True: 0}, split_rngs={"params": True},
-                  in_axes=sr.broadcast)(rngs=sr.Rngs(0))
+  stack = sr.scan(
+    Cell, length=4, variable_axes={True: 0}, split_rngs={"params": True}, in_axes=sr.broadcast
+  )(rngs=sr.Rngs(0))
   copy_stack(stack)
   pos = jnp.arange(3.0)[None]
   y, _ = stack(X, pos)
@@ -217,8 +213,7 @@ def test_vmap_returning_a_module_is_a_stack():
   ys = sr.vmap(lambda m, x: m(x), in_axes=None)(ours, X)
   close(ys, nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(theirs, X))
   # with in_axes and a broadcast argument
-  made = sr.vmap(lambda d, key: sr.nn.Linear(3, d, rngs=sr.Rngs(key)),
-                 in_axes=(None, 0))(5, KEYS)
+  made = sr.vmap(lambda d, key: sr.nn.Linear(3, d, rngs=sr.Rngs(key)), in_axes=(None, 0))(5, KEYS)
   assert made.kernel.shape == (4, 3, 5)
 
 
@@ -263,11 +258,13 @@ def test_broadcast_counter_incremented_inside_vmap():
     w.count.value += x.sum().astype(jnp.int32)
     return x
 
-  with pytest.raises(sr.TransformError,
-                     match=r"sr\.vmap\(varies\): the function wrote to `count` \(Count, "
-                           r"collection 'count'\), which is not mapped.*depends on the "
-                           r"mapped axis.*Nothing was written.*Fix: map it with "
-                           r"`variable_axes=\{'count': 0\}`"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"sr\.vmap\(varies\): the function wrote to `count` \(Count, "
+    r"collection 'count'\), which is not mapped.*depends on the "
+    r"mapped axis.*Nothing was written.*Fix: map it with "
+    r"`variable_axes=\{'count': 0\}`",
+  ):
     sr.vmap(varies, variable_axes={sr.Param: 0})(ours, x)
   assert int(ours.count.value) == 1
 
@@ -276,7 +273,6 @@ def test_broadcast_counter_incremented_inside_vmap():
 
 
 class Scaled(sr.Module):
-
   def __init__(self, scale, *, rngs):
     self.linear = sr.nn.Linear(3, 3, rngs=rngs)
     self.scale = sr.Param(scale * jnp.ones(3))
@@ -287,8 +283,9 @@ class Scaled(sr.Module):
 
 def test_class_form_maps_a_constructor_argument_with_init_in_axes():
   scales = jnp.arange(1.0, 5.0)
-  stack = sr.scan(Scaled, length=4, variable_axes={True: 0}, split_rngs={"params": True},
-                  init_in_axes=(0,))(scales, rngs=sr.Rngs(0))
+  stack = sr.scan(
+    Scaled, length=4, variable_axes={True: 0}, split_rngs={"params": True}, init_in_axes=(0,)
+  )(scales, rngs=sr.Rngs(0))
   close(stack.scale.value[:, 0], scales)
 
   class NnxScaled(nnx.Module):
@@ -303,14 +300,20 @@ def test_class_form_maps_a_constructor_argument_with_init_in_axes():
   for i in range(4):
     x = jnp.tanh((x @ nnx_value(theirs.linear.kernel)[i]) * scales[i])
   close(y, x)
-  with pytest.raises(sr.TransformError,
-                     match=r"init_in_axes maps constructor argument 0 along axis 0, one "
-                           r"slice per layer, so it needs 4 entries there; it has shape "
-                           r"\(5,\)\. Fix"):
-    sr.scan(Scaled, length=4, variable_axes={True: 0},
-            init_in_axes=(0,))(jnp.ones(5), rngs=sr.Rngs(0))
-  with pytest.raises(TypeError, match=r"init_in_axes=\.\.\.\) maps the constructor "
-                                      r"arguments of a Module class"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"init_in_axes maps constructor argument 0 along axis 0, one "
+    r"slice per layer, so it needs 4 entries there; it has shape "
+    r"\(5,\)\. Fix",
+  ):
+    sr.scan(Scaled, length=4, variable_axes={True: 0}, init_in_axes=(0,))(
+      jnp.ones(5), rngs=sr.Rngs(0)
+    )
+  with pytest.raises(
+    TypeError,
+    match=r"init_in_axes=\.\.\.\) maps the constructor "
+    r"arguments of a Module class",
+  ):
     sr.vmap(lambda m: m, init_in_axes=0)
 
 
@@ -358,12 +361,16 @@ def test_rngs_of_split_keys_through_vmap():
 
   stack = sr.vmap(lambda r: Block(r))(rngs)
   theirs = nnx.vmap(lambda r: nnx.Linear(3, 3, rngs=r))(
-      nnx.Rngs(jax.random.split(jax.random.key(0), 4)))
+    nnx.Rngs(jax.random.split(jax.random.key(0), 4))
+  )
   close(stack.linear.kernel.value, nnx_value(theirs.kernel))
   assert stack.drop.rngs is rngs and rngs.default.count.shape == (4,)
   assert stack.linear.kernel.path_str() == "linear.kernel"
   counts = rngs.default.count.value
-  with pytest.raises(ValueError, match=r"sr\.Rngs: the stream 'default' holds a key array "
-                                       r"of shape \(4,\).*inside an sr\.vmap that maps it"):
+  with pytest.raises(
+    ValueError,
+    match=r"sr\.Rngs: the stream 'default' holds a key array "
+    r"of shape \(4,\).*inside an sr\.vmap that maps it",
+  ):
     rngs.params()
   assert rngs.default.count.value is counts

@@ -100,7 +100,6 @@ class NnxCount(nnx.Variable):
 
 
 class Weights(sr.Module):
-
   def __init__(self, kernel, bias, count=None, seed=None):
     self.kernel, self.bias = sr.Param(kernel), sr.Param(bias)
     if count is not None:
@@ -110,7 +109,6 @@ class Weights(sr.Module):
 
 
 class NnxWeights(nnx.Module):
-
   def __init__(self, kernel, bias, count=None, seed=None):
     self.kernel, self.bias = nnx.Param(kernel), nnx.Param(bias)
     if count is not None:
@@ -120,8 +118,9 @@ class NnxWeights(nnx.Module):
 
 
 def batched(count=None):
-  return dict(kernel=random.uniform(random.key(0), (10, 2, 3)), bias=jnp.zeros((10, 3)),
-              count=count)
+  return dict(
+    kernel=random.uniform(random.key(0), (10, 2, 3)), bias=jnp.zeros((10, 3)), count=count
+  )
 
 
 X = random.normal(random.key(1), (10, 2))
@@ -160,8 +159,7 @@ def test_01_vmap_applies_a_function_to_a_module_and_data():
 
 def test_02_vmap_of_a_constructor_function_returns_a_stack():
   def create_weights(cls):
-    return lambda seed: cls(kernel=random.uniform(random.key(seed), (2, 3)),
-                            bias=jnp.zeros((3,)))
+    return lambda seed: cls(kernel=random.uniform(random.key(seed), (2, 3)), bias=jnp.zeros((3,)))
 
   seeds = jnp.arange(10)
   theirs = nnx.vmap(create_weights(NnxWeights))(seeds)
@@ -171,8 +169,9 @@ def test_02_vmap_of_a_constructor_function_returns_a_stack():
   close(ours.kernel.value, val(theirs.kernel))
   close(ours.layer(4).kernel.value, random.uniform(random.key(4), (2, 3)))
   # a stack maps by default
-  close(sr.vmap(vector_dot, out_axes=1)(ours, X),
-        nnx.vmap(vector_dot, in_axes=0, out_axes=1)(theirs, X))
+  close(
+    sr.vmap(vector_dot, out_axes=1)(ours, X), nnx.vmap(vector_dot, in_axes=0, out_axes=1)(theirs, X)
+  )
 
 
 def test_03_vmap_decorates_init_and_call():
@@ -255,11 +254,15 @@ def test_06_state_axes_broadcast_a_count():
   theirs = NnxWeights(**batched(count=jnp.array(0)))
   ours = Weights(**batched(count=jnp.array(0)))
   state_axes = nnx.StateAxes({nnx.Param: 0, NnxCount: None})  # broadcast Count
-  expected = nnx.vmap(nnx_stateful_vector_dot, in_axes=(state_axes, 0), out_axes=1)(
-      theirs, X)
+  expected = nnx.vmap(nnx_stateful_vector_dot, in_axes=(state_axes, 0), out_axes=1)(theirs, X)
   # what StateAxes says per collection, sr's rules say: Param mapped, Count broadcast
-  y = sr.vmap(stateful_vector_dot, in_axes=0, out_axes=1, variable_axes={sr.Param: 0},
-              variable_broadcast=Count)(ours, X)
+  y = sr.vmap(
+    stateful_vector_dot,
+    in_axes=0,
+    out_axes=1,
+    variable_axes={sr.Param: 0},
+    variable_broadcast=Count,
+  )(ours, X)
   close(y, expected)
   assert ours.count.value.shape == () and int(ours.count.value) == int(val(theirs.count))
   assert int(ours.count.value) == 1
@@ -280,16 +283,21 @@ def nnx_noisy_vector_dot(weights, x):
 
 
 def unbatched(seed):
-  return dict(kernel=random.uniform(random.key(0), (2, 3)), bias=jnp.zeros((3,)),
-              count=jnp.array(0), seed=seed)
+  return dict(
+    kernel=random.uniform(random.key(0), (2, 3)),
+    bias=jnp.zeros((3,)),
+    count=jnp.array(0),
+    seed=seed,
+  )
 
 
 def test_07_vmap_maps_the_rng_state_of_presplit_seeds():
   seeds = random.split(random.key(0), num=10)
   theirs, ours = NnxWeights(**unbatched(seeds)), Weights(**unbatched(seeds))
   state_axes = nnx.StateAxes({nnx.RngState: 0, (nnx.Param, NnxCount): None})
-  step = sr.vmap(noisy_vector_dot, variable_axes={sr.RngState: 0},
-                 variable_broadcast=(sr.Param, Count))
+  step = sr.vmap(
+    noisy_vector_dot, variable_axes={sr.RngState: 0}, variable_broadcast=(sr.Param, Count)
+  )
   for _ in range(2):
     expected = nnx.vmap(nnx_noisy_vector_dot, in_axes=(state_axes, 0))(theirs, X)
     close(step(ours, X), expected)
@@ -302,11 +310,9 @@ def test_07_vmap_maps_the_rng_state_of_presplit_seeds():
 def test_08_split_rngs_splits_an_unsplit_stream_per_call():
   theirs, ours = NnxWeights(**unbatched(0)), Weights(**unbatched(0))
   state_axes = nnx.StateAxes({nnx.RngState: 0, (nnx.Param, NnxCount): None})
-  nnx_step = nnx.split_rngs(splits=10)(
-      nnx.vmap(nnx_noisy_vector_dot, in_axes=(state_axes, 0)))
+  nnx_step = nnx.split_rngs(splits=10)(nnx.vmap(nnx_noisy_vector_dot, in_axes=(state_axes, 0)))
   # sr splits a stream by split_rngs at each call and leaves it unsplit outside
-  step = sr.vmap(noisy_vector_dot, variable_broadcast=(sr.Param, Count),
-                 split_rngs={"noise": True})
+  step = sr.vmap(noisy_vector_dot, variable_broadcast=(sr.Param, Count), split_rngs={"noise": True})
   y1, y2 = step(ours, X), step(ours, X)
   close(y1, nnx_step(theirs, X))
   close(y2, nnx_step(theirs, X))
@@ -314,8 +320,9 @@ def test_08_split_rngs_splits_an_unsplit_stream_per_call():
   assert ours.rngs.noise.key.shape == () == val(theirs.rngs.noise.key).shape
   assert int(ours.rngs.noise.count.value) == int(val(theirs.rngs.noise.count)) == 2
   assert int(ours.count.value) == int(val(theirs.count)) == 2
-  assert jnp.array_equal(random.key_data(ours.rngs.noise()),
-                         random.key_data(theirs.rngs.noise()))  # usable outside
+  assert jnp.array_equal(
+    random.key_data(ours.rngs.noise()), random.key_data(theirs.rngs.noise())
+  )  # usable outside
 
 
 # -- 9-11. rules and limitations ----------------------------------------------------
@@ -351,10 +358,12 @@ def test_09_a_module_reached_by_closure_raises():
 
   with pytest.raises(flax_errors.TraceContextError):
     nnx_f(3)
-  with pytest.raises(sr.TraceContextError,
-                     match=r"sr\.jit\(f\) read `count` \(Param\) of a Counter that it was "
-                           r"not given as an argument: a module reached by closure.*Fix: "
-                           r"pass the module as an argument"):
+  with pytest.raises(
+    sr.TraceContextError,
+    match=r"sr\.jit\(f\) read `count` \(Param\) of a Counter that it was "
+    r"not given as an argument: a module reached by closure.*Fix: "
+    r"pass the module as an argument",
+  ):
     f(3)
   assert int(counter.count.value) == 0 == int(val(nnx_counter.count))
   # the fix the guide gives: pass the module
@@ -363,13 +372,11 @@ def test_09_a_module_reached_by_closure_raises():
 
 
 class Holder(sr.Module):
-
   def __init__(self, array):
     self.param = sr.Param(array)
 
 
 class NnxHolder(nnx.Module):
-
   def __init__(self, array):
     self.param = nnx.Param(array)
 
@@ -380,14 +387,16 @@ def test_10_a_module_in_two_arguments_raises():
 
   theirs = NnxHolder(jnp.arange(10))
   with pytest.raises(ValueError, match="Inconsistent aliasing"):
-    nnx.vmap(f, in_axes=(0, 1))({"a": {"b": theirs}, "c": theirs},
-                                [(theirs, theirs), theirs])
+    nnx.vmap(f, in_axes=(0, 1))({"a": {"b": theirs}, "c": theirs}, [(theirs, theirs), theirs])
   # sr: modules go in argument 0 only, so one module cannot be given two in_axes
   m = Holder(jnp.arange(10))
   arg1, arg2 = {"a": {"b": m}, "c": m}, [(m, m), m]
-  with pytest.raises(sr.TransformError, match=r"sr\.vmap\(f\): argument 1 at `\[0\]\[0\]` "
-                                              r"is a Holder\. Modules go in argument 0 only"
-                                              r".*Fix: pass every module in argument 0"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"sr\.vmap\(f\): argument 1 at `\[0\]\[0\]` "
+    r"is a Holder\. Modules go in argument 0 only"
+    r".*Fix: pass every module in argument 0",
+  ):
     sr.vmap(f, in_axes=(0, 1))(arg1, arg2)
   np.testing.assert_array_equal(m.param.value, jnp.arange(10))
 
@@ -401,8 +410,11 @@ def test_a_module_outside_argument_0_is_named_by_argument_and_path():
   assert isinstance(e.value, TypeError)  # still caught by `except TypeError`
   with pytest.raises(sr.TransformError, match=r"argument 2 is a Param\. .*Nothing was run"):
     f({"c": m}, jnp.ones(10), m.param)
-  with pytest.raises(sr.TransformError, match=r"the keyword argument `\['k'\]\[1\]` is a "
-                                              r"Holder"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"the keyword argument `\['k'\]\[1\]` is a "
+    r"Holder",
+  ):
     f({"c": m}, jnp.ones(10), jnp.ones(10), k=(1, m))
   np.testing.assert_array_equal(m.param.value, jnp.arange(10))
 
@@ -427,12 +439,14 @@ def test_11_returning_the_module_argument_under_other_out_axes_raises():
     arg1["c"].param.value += 1  # a write before the error is not kept either
     return arg1
 
-  with pytest.raises(sr.TransformError,
-                     match=r"sr\.vmap\(f\): the function returns `\['a'\]\['b'\]\.param` "
-                           r"\(Param, shape \(10,\)\) of its module argument, where out_axes "
-                           r"puts the mapped axis at 1, but variable_axes maps that Variable "
-                           r"along axis 0\..*inconsistent aliasing\). Nothing was changed\. "
-                           r"Fix: give the output `\['a'\]\['b'\]` `out_axes=0`"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"sr\.vmap\(f\): the function returns `\['a'\]\['b'\]\.param` "
+    r"\(Param, shape \(10,\)\) of its module argument, where out_axes "
+    r"puts the mapped axis at 1, but variable_axes maps that Variable "
+    r"along axis 0\..*inconsistent aliasing\). Nothing was changed\. "
+    r"Fix: give the output `\['a'\]\['b'\]` `out_axes=0`",
+  ):
     f(arg1)
   np.testing.assert_array_equal(m.param.value, jnp.arange(10))
   assert arg1["c"] is m and arg1["a"]["b"] is m
@@ -456,14 +470,18 @@ def test_11_returning_the_module_argument_keeps_its_aliases():
   np.testing.assert_array_equal(m.param.value, val(theirs.param))
   np.testing.assert_array_equal(m.param.value, jnp.arange(1, 11))
   # the plain module's variables map only by an explicit rule
-  with pytest.raises(sr.TransformError, match=r"`\[0\]\.param` \(Param, shape \(10,\)\) "
-                                              r"belongs to a plain module.*Fix"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"`\[0\]\.param` \(Param, shape \(10,\)\) "
+    r"belongs to a plain module.*Fix",
+  ):
     sr.vmap(f)({"a": {"b": m}, "c": m})
   np.testing.assert_array_equal(m.param.value, jnp.arange(1, 11))
 
 
 def test_returning_the_module_argument_under_its_own_axis_is_allowed():
   m = Holder(jnp.arange(12).reshape(3, 4))
+
   # mapped along axis 1 in and out: consistent, the same object comes back, updated
   def double(h):
     h.param.value = h.param.value * 2
@@ -472,9 +490,12 @@ def test_returning_the_module_argument_under_its_own_axis_is_allowed():
   assert sr.vmap(double, out_axes=1, variable_axes={sr.Param: 1})(m) is m
   np.testing.assert_array_equal(m.param.value, jnp.arange(12).reshape(3, 4) * 2)
   # the default out_axes=0 then disagrees with variable_axes's axis 1: refused
-  with pytest.raises(sr.TransformError, match=r"returns `param` .* out_axes puts the mapped "
-                                              r"axis at 0, but variable_axes maps that "
-                                              r"Variable along axis 1.*`out_axes=1`"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"returns `param` .* out_axes puts the mapped "
+    r"axis at 0, but variable_axes maps that "
+    r"Variable along axis 1.*`out_axes=1`",
+  ):
     sr.vmap(lambda h: h, variable_axes={sr.Param: 1})(m)
   # a Variable returned by itself is checked as well
   with pytest.raises(sr.TransformError, match=r"returns `\[0\]` \(Param"):
@@ -486,13 +507,11 @@ def test_returning_the_module_argument_under_its_own_axis_is_allowed():
 
 
 class Sharded(sr.Module):
-
   def __init__(self, array, sharding):
     self.param = sr.Param(array, sharding=sharding)
 
 
 class NnxSharded(nnx.Module):
-
   def __init__(self, array, out_sharding):
     self.param = nnx.Param(array, out_sharding=out_sharding)
 
@@ -551,8 +570,11 @@ def test_vmap_of_a_function_with_no_arguments_builds_a_stack():
   twos = sr.vmap(lambda scale=1.0: Holder(jnp.ones(2) * scale), axis_size=3)(scale=2.0)
   np.testing.assert_array_equal(twos.param.value, jnp.full((3, 2), 2.0))
   # with nothing mapped, the size must be given
-  with pytest.raises(sr.TransformError, match=r"axis_size must be specified.*No argument "
-                                              r"holds a module.*pass `axis_size=`"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"axis_size must be specified.*No argument "
+    r"holds a module.*pass `axis_size=`",
+  ):
     sr.vmap(lambda: Holder(jnp.ones(2)))()
 
   class Ensemble(sr.Module):  # a decorated __init__ with no argument to map
@@ -585,12 +607,18 @@ def test_out_axes_places_the_layer_axis_of_modules_made_inside():
   close(doubled, nnx_doubled)
   close(stack.layer(3).param.value, jnp.full((3, 5), 3.0))
   # a module made inside cannot come out unmapped (nnx: "got axis spec None")
-  with pytest.raises(sr.TransformError, match=r"the output `\[0\]` is a module made inside "
-                                              r"the function, and out_axes gives it None.*"
-                                              r"Fix: give it an axis"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"the output `\[0\]` is a module made inside "
+    r"the function, and out_axes gives it None.*"
+    r"Fix: give it an axis",
+  ):
     sr.vmap(lambda i: (make(i), i), out_axes=(None, 0))(xs)
-  with pytest.raises(sr.TransformError, match=r"out_axes puts the mapped axis of the output "
-                                              r"at 3, but its Variable `param` has 3 axes"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"out_axes puts the mapped axis of the output "
+    r"at 3, but its Variable `param` has 3 axes",
+  ):
     sr.vmap(make, out_axes=3)(xs)
   # with a module argument, a module made inside and returned is stacked at out_axes too
   stack4 = sr.vmap(lambda: Holder(jnp.zeros(())), axis_size=4)()
@@ -615,6 +643,7 @@ def nnx_trained():
   def train_step(model, x, y):
     def loss_fn(model):
       return ((model(x) - y) ** 2).mean()
+
     grads = nnx.grad(loss_fn)(model)
     params = nnx.state(model, nnx.Param)
     params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
@@ -638,6 +667,7 @@ def test_14_train_step_with_jit_and_grad_and_with_raw_jax():
   def train_step(model, x, y):
     def loss_fn(model):
       return ((model(x) - y) ** 2).mean()
+
     grads = sr.grad(loss_fn)(model)
     params = sr.state(model, sr.Param)
     params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
@@ -654,6 +684,7 @@ def test_14_train_step_with_jit_and_grad_and_with_raw_jax():
     def loss_fn(graphdef, state):
       model = sr.merge(graphdef, state)
       return ((model(x) - y) ** 2).mean()
+
     grads = jax.grad(loss_fn, argnums=1)(graphdef, state)
 
     model = sr.merge(graphdef, state)
@@ -677,6 +708,7 @@ def test_15_mixing_sr_and_jax_transforms():
     def loss_fn(graphdef, state):
       model = sr.merge(graphdef, state)
       return ((model(x) - y) ** 2).mean()
+
     grads = jax.grad(loss_fn, 1)(*sr.split(model))
     params = sr.state(model, sr.Param)
     params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
@@ -689,8 +721,10 @@ def test_15_mixing_sr_and_jax_transforms():
   @jax.jit
   def jax_train_step(graphdef, state, x, y):
     model = sr.merge(graphdef, state)
+
     def loss_fn(model):
       return ((model(x) - y) ** 2).mean()
+
     grads = sr.grad(loss_fn)(model)
     params = sr.state(model, sr.Param)
     params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
@@ -724,8 +758,9 @@ def test_a_graphdef_is_a_pytree_without_leaves():
   assert g2 == graphdef and type(sr.merge(g2, s2)) is sr.nn.Linear
   step(again, state)  # an equal GraphDef is the same static structure: no new trace
   assert len(traces) == 1
-  step(sr.graphdef(sr.nn.Linear(2, 4, rngs=sr.Rngs(0))),
-       sr.state(sr.nn.Linear(2, 4, rngs=sr.Rngs(0))))
+  step(
+    sr.graphdef(sr.nn.Linear(2, 4, rngs=sr.Rngs(0))), sr.state(sr.nn.Linear(2, 4, rngs=sr.Rngs(0)))
+  )
   assert len(traces) == 2  # another structure traces again
   # under sr.jit too
   g3, _ = sr.jit(lambda g, s: sr.split(sr.merge(g, s)))(graphdef, state)
@@ -737,13 +772,17 @@ def test_a_graphdef_is_a_pytree_without_leaves():
 
 def test_the_table_counts_15_guide_patterns_each_with_existing_tests():
   here = pathlib.Path(__file__)
-  rows = re.findall(r"^ ?(\d+)\. (.+?)\n((?:(?!^ ?\d+\. ).*\n)*?)(?=^ ?\d+\. |\"\"\"|\Z)",
-                    __doc__ + '"""', re.M)
+  rows = re.findall(
+    r"^ ?(\d+)\. (.+?)\n((?:(?!^ ?\d+\. ).*\n)*?)(?=^ ?\d+\. |\"\"\"|\Z)", __doc__ + '"""', re.M
+  )
   assert [int(n) for n, _, _ in rows] == list(range(1, 16))
   defined = set()
   for path in (here, here.with_name("test_nnx_guide.py")):
-    defined |= {node.name for node in ast.parse(path.read_text()).body
-                if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    defined |= {
+      node.name
+      for node in ast.parse(path.read_text()).body
+      if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+    }
   named = []
   for n, title, body in rows:
     tests = re.findall(r"\btest_\w+", body)
@@ -751,7 +790,9 @@ def test_the_table_counts_15_guide_patterns_each_with_existing_tests():
     named += tests
   assert set(named) <= defined, sorted(set(named) - defined)
   # every test of both files that writes a guide pattern is counted in the table
-  guide_tests = {t for t in defined if t != "test_the_table_counts_15_guide_patterns_each_"
-                                                "with_existing_tests"}
+  guide_tests = {
+    t for t in defined if t != "test_the_table_counts_15_guide_patterns_each_with_existing_tests"
+  }
   assert guide_tests <= set(named), (
-      f"tests not in the table of {here.name}: {sorted(guide_tests - set(named))}")
+    f"tests not in the table of {here.name}: {sorted(guide_tests - set(named))}"
+  )

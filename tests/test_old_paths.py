@@ -9,7 +9,6 @@ import pathlib
 import pickle
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -10,7 +10,6 @@ import statefulremat as sr
 
 
 class MLP(sr.Module):
-
   def __init__(self, *, rngs):
     self.l1 = sr.nn.Linear(3, 4, rngs=rngs)
     self.l2 = sr.nn.Linear(4, 2, rngs=rngs)
@@ -33,13 +32,17 @@ def pure_loss(params, x, y):
 
 
 def params_of(model):
-  return {name: {"kernel": getattr(model, name).kernel.value,
-                 "bias": getattr(model, name).bias.value} for name in ("l1", "l2")}
+  return {
+    name: {"kernel": getattr(model, name).kernel.value, "bias": getattr(model, name).bias.value}
+    for name in ("l1", "l2")
+  }
 
 
 def batches(n):
-  return [(jnp.sin(jnp.arange(15.0) + i).reshape(5, 3),
-           jnp.cos(jnp.arange(10.0) * (i + 1)).reshape(5, 2)) for i in range(n)]
+  return [
+    (jnp.sin(jnp.arange(15.0) + i).reshape(5, 3), jnp.cos(jnp.arange(10.0) * (i + 1)).reshape(5, 2))
+    for i in range(n)
+  ]
 
 
 def hand_loop(params, tx, data):
@@ -59,12 +62,14 @@ def assert_params_equal(model, params, exact):
       if exact:
         np.testing.assert_array_equal(got, want, err_msg=f"{name}.{leaf}")
       else:
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
-                                   err_msg=f"{name}.{leaf}")
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{name}.{leaf}")
 
 
-TXS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(0.05),
-       "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9)}
+TXS = {
+  "sgd": lambda: optax.sgd(0.1),
+  "adam": lambda: optax.adam(0.05),
+  "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+}
 
 
 @pytest.mark.parametrize("name", sorted(TXS))
@@ -121,15 +126,15 @@ def test_step_counter_and_opt_state_are_variables():
   assert ("step",) in opt_state.flat()
   # adam's count and both moments for all four params, plus the step counter
   assert len(opt_state.flat()) == 1 + 1 + 2 * 4
-  assert all(isinstance(v, sr.OptState) for _, v in opt.iter_variables()
-             if v.collection == "opt_state")
+  assert all(
+    isinstance(v, sr.OptState) for _, v in opt.iter_variables() if v.collection == "opt_state"
+  )
 
 
 def test_wrt_filter_leaves_other_variables_alone():
   model = MLP(rngs=sr.Rngs(0))
   x, y = batches(1)[0]
-  untouched = {path: v.value for path, v in model.iter_variables()
-               if "l1" not in path}
+  untouched = {path: v.value for path, v in model.iter_variables() if "l1" not in path}
   only_l1 = sr.PathContains("l1")
   opt = sr.Optimizer(model, optax.sgd(0.1), wrt=only_l1)
 
@@ -144,8 +149,9 @@ def test_wrt_filter_leaves_other_variables_alone():
       assert var.value is mean_after_grad  # the loss updated it; the optimizer did not
     elif "l1" not in path:
       assert var.value is untouched[path]
-  np.testing.assert_allclose(model.l1.kernel.value,
-                             kernel_before - 0.1 * grads["l1"]["kernel"], rtol=1e-6)
+  np.testing.assert_allclose(
+    model.l1.kernel.value, kernel_before - 0.1 * grads["l1"]["kernel"], rtol=1e-6
+  )
 
 
 def test_grads_that_do_not_match_name_the_path():
@@ -155,8 +161,11 @@ def test_grads_that_do_not_match_name_the_path():
 
   opt = sr.Optimizer(model, optax.sgd(0.1), wrt=sr.PathContains("l1"))
   all_params = sr.grad(loss_fn)(model, x, y)
-  with pytest.raises(sr.StateMismatchError, match=r"a gradient for `l2.bias`, which is "
-                     r"not optimized.*Take the gradients with the same filter"):
+  with pytest.raises(
+    sr.StateMismatchError,
+    match=r"a gradient for `l2.bias`, which is "
+    r"not optimized.*Take the gradients with the same filter",
+  ):
     opt.update(all_params)
 
   opt = sr.Optimizer(model, optax.sgd(0.1))
@@ -178,8 +187,11 @@ def test_a_model_changed_after_the_optimizer_was_made_is_an_error():
   opt = sr.Optimizer(model, optax.adam(0.1))
   model.extra = sr.Param(jnp.ones(3))
   grads = sr.grad(lambda m: m.extra.value.sum() + m.l1.bias.value.sum())(model)
-  with pytest.raises(sr.StateMismatchError, match=r"changed since the Optimizer was made "
-                     r"\(a new variable at `extra`\).*Make a new `sr.Optimizer\(model, tx\)`"):
+  with pytest.raises(
+    sr.StateMismatchError,
+    match=r"changed since the Optimizer was made "
+    r"\(a new variable at `extra`\).*Make a new `sr.Optimizer\(model, tx\)`",
+  ):
     opt.update(grads)
   np.testing.assert_array_equal(model.extra.value, jnp.ones(3))
 
@@ -199,12 +211,10 @@ def test_a_sharded_model_s_optimizer_compiles_its_step_once():
   import optax
 
   mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
-  model = sr.nn.Linear(4, 4, kernel_metadata={"sharding": (None, "mlp")},
-                       rngs=sr.Rngs(0))
+  model = sr.nn.Linear(4, 4, kernel_metadata={"sharding": (None, "mlp")}, rngs=sr.Rngs(0))
   sr.shard(model, mesh, [("mlp", "model")])
   opt = sr.Optimizer(model, optax.adam(0.1))
-  assert opt.step.value.sharding == jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec())
+  assert opt.step.value.sharding == jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   traces = []
 
   @sr.jit

@@ -29,8 +29,9 @@ class Block(sr.Module):
   def __init__(self, *, window=None, rope_base=10_000.0, rngs):
     self.window = window
     self.norm1 = sr.nn.RMSNorm(D, rngs=rngs)
-    self.attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV_HEADS,
-                                         rope_base=rope_base, use_bias=False, rngs=rngs)
+    self.attn = sr.nn.MultiHeadAttention(
+      HEADS, D, num_kv_heads=KV_HEADS, rope_base=rope_base, use_bias=False, rngs=rngs
+    )
     self.norm2 = sr.nn.RMSNorm(D, rngs=rngs)
     self.mlp = sr.nn.MLP(D, 2 * D, rngs=rngs)
 
@@ -63,20 +64,17 @@ def _pattern(cls):
 
 
 def _scan(length, rules):
-  return sr.scan(_pattern(ScanBlock), length=length, variable_axes=rules,
-                 split_rngs={True: True})
+  return sr.scan(_pattern(ScanBlock), length=length, variable_axes=rules, split_rngs={True: True})
 
 
 STACKS = {  # 7 layers: two full cycles and a short third one (positions 0 only)
-    "scan": lambda: _scan(7, {True: 0}),
-    "scan_param_cache": lambda: _scan(6, {sr.Param: 0, sr.Cache: 0}),
-    "remat_scan": lambda: sr.remat_scan(_pattern(Block), length=7, lengths=(3,)),
-    "remat_scan_whole_cycles": lambda: sr.remat_scan(_pattern(Block), length=6,
-                                                     lengths=(2,)),
-    "remat_scan_nested": lambda: sr.remat_scan(_pattern(Block), length=12,
-                                               lengths=(2, 2)),
-    "remat_scan_ragged": lambda: sr.remat_scan(_pattern(Block), length=7, lengths=(2, 2)),
-    "remat_scan_auto": lambda: sr.remat_scan(_pattern(Block), length=7, lengths="auto"),
+  "scan": lambda: _scan(7, {True: 0}),
+  "scan_param_cache": lambda: _scan(6, {sr.Param: 0, sr.Cache: 0}),
+  "remat_scan": lambda: sr.remat_scan(_pattern(Block), length=7, lengths=(3,)),
+  "remat_scan_whole_cycles": lambda: sr.remat_scan(_pattern(Block), length=6, lengths=(2,)),
+  "remat_scan_nested": lambda: sr.remat_scan(_pattern(Block), length=12, lengths=(2, 2)),
+  "remat_scan_ragged": lambda: sr.remat_scan(_pattern(Block), length=7, lengths=(2, 2)),
+  "remat_scan_auto": lambda: sr.remat_scan(_pattern(Block), length=7, lengths="auto"),
 }
 
 
@@ -94,18 +92,21 @@ def _init_caches(stack, max_length=T):
 
 
 def _decode(stack, x):
-  return jnp.concatenate([_out(stack(x[:, t:t + 1])) for t in range(x.shape[1])], axis=1)
+  return jnp.concatenate([_out(stack(x[:, t : t + 1])) for t in range(x.shape[1])], axis=1)
 
 
 def _leaves(model):
-  return [np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key)
-                     else v) for v in jax.tree.leaves(sr.state(model))]
+  return [
+    np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+    for v in jax.tree.leaves(sr.state(model))
+  ]
 
 
 def _unchanged(model, before):
   after = _leaves(model)
   return len(after) == len(before) and all(
-      a.shape == b.shape and (a == b).all() for a, b in zip(after, before))
+    a.shape == b.shape and (a == b).all() for a, b in zip(after, before)
+  )
 
 
 @pytest.mark.parametrize("kind", sorted(STACKS))
@@ -134,10 +135,9 @@ def test_the_window_mask_is_a_sliding_window():
   local = functools.partial(sr.jit(Block.__call__), layer)
   full = local(x)
   # The windows x[:, t - W + 1 : t + 1], t = W - 1 ... T - 1, as one batch.
-  windows = jnp.stack([x[:, t - W + 1:t + 1] for t in range(W - 1, T)])
+  windows = jnp.stack([x[:, t - W + 1 : t + 1] for t in range(W - 1, T)])
   alone = local(windows.reshape(-1, W, D))[:, -1].reshape(T - W + 1, B, D)
-  np.testing.assert_allclose(full[:, W - 1:], alone.transpose(1, 0, 2), atol=2e-5,
-                             rtol=2e-5)
+  np.testing.assert_allclose(full[:, W - 1 :], alone.transpose(1, 0, 2), atol=2e-5, rtol=2e-5)
   windowed = stack(x)
   stack.set_attributes(window=None)
   assert [position.window for position in stack.pattern] == [None] * 3
@@ -166,15 +166,18 @@ def test_each_layer_decodes_with_its_own_cache_slice(kind):
     return h
 
   for t in range(x.shape[1]):
-    np.testing.assert_allclose(_out(stack(x[:, t:t + 1])), loop(layers, x[:, t:t + 1]),
-                               atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(
+      _out(stack(x[:, t : t + 1])), loop(layers, x[:, t : t + 1]), atol=2e-5, rtol=2e-5
+    )
   for i, layer in enumerate(layers):
     mine = stack.layer(i).attn
     assert mine.cached_key.shape == (B, T, KV_HEADS, HEAD_DIM)
-    np.testing.assert_allclose(mine.cached_key.value, layer.attn.cached_key.value,
-                               atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(mine.cached_value.value, layer.attn.cached_value.value,
-                               atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(
+      mine.cached_key.value, layer.attn.cached_key.value, atol=2e-5, rtol=2e-5
+    )
+    np.testing.assert_allclose(
+      mine.cached_value.value, layer.attn.cached_value.value, atol=2e-5, rtol=2e-5
+    )
     assert int(mine.cache_index.value) == 6
 
 
@@ -184,18 +187,21 @@ def test_caches_carry_each_positions_layer_axis(kind):
   _init_caches(stack)
   for position, n_k in zip(stack.pattern, (3, 2, 2)):  # layers 0,3,6 / 1,4 / 2,5
     attn = position.attn
-    assert attn.cached_key.shape == attn.cached_value.shape == (
-        n_k, B, T, KV_HEADS, HEAD_DIM)
+    assert attn.cached_key.shape == attn.cached_value.shape == (n_k, B, T, KV_HEADS, HEAD_DIM)
     assert attn.cache_index.shape == (n_k,)
     assert attn.cached_key.metadata["layer_axis"] == ((0, None),)
   caches = sr.state(stack, sr.Cache).flat_variables()
-  assert sorted(caches) == [("pattern", k, "attn", name) for k in range(3) for name in
-                            ("cache_index", "cached_key", "cached_value")]
+  assert sorted(caches) == [
+    ("pattern", k, "attn", name)
+    for k in range(3)
+    for name in ("cache_index", "cached_key", "cached_value")
+  ]
   again = sr.stack(sr.unstack(stack))
   assert type(again) is type(stack) and len(again) == 7
   for k in range(3):
-    np.testing.assert_array_equal(again.pattern[k].attn.cached_key.value,
-                                  stack.pattern[k].attn.cached_key.value)
+    np.testing.assert_array_equal(
+      again.pattern[k].attn.cached_key.value, stack.pattern[k].attn.cached_key.value
+    )
 
 
 def test_init_cache_again_starts_a_new_sequence():
@@ -205,8 +211,7 @@ def test_init_cache_again_starts_a_new_sequence():
   stack.set_attributes(decode=True)
   first = _decode(stack, x)
   _init_caches(stack)
-  assert [p.attn.cache_index.value.tolist() for p in stack.pattern] == [[0] * 3, [0] * 2,
-                                                                        [0] * 2]
+  assert [p.attn.cache_index.value.tolist() for p in stack.pattern] == [[0] * 3, [0] * 2, [0] * 2]
   np.testing.assert_array_equal(_decode(stack, x), first)
 
 
@@ -214,8 +219,10 @@ def test_decoding_without_a_cache_on_some_position_raises_and_changes_nothing():
   stack = STACKS["remat_scan"]()(rngs=sr.Rngs(0))
   stack.set_attributes(decode=True)
   before = _leaves(stack)
-  message = (r"MultiHeadAttention at `.*attn`: decode=True needs the key/value cache, "
-             r"and it has none\. Fix: call `init_cache\(\(batch, max_length, 16\)\)`")
+  message = (
+    r"MultiHeadAttention at `.*attn`: decode=True needs the key/value cache, "
+    r"and it has none\. Fix: call `init_cache\(\(batch, max_length, 16\)\)`"
+  )
   with pytest.raises(ValueError, match=message):
     stack(_tokens()[:, :1])
   assert _unchanged(stack, before)
@@ -236,7 +243,10 @@ def test_decoding_past_the_cache_length_raises_and_changes_nothing():
   x = _tokens()
   _decode(stack, x[:, :2])
   before = _leaves(stack)
-  with pytest.raises(ValueError, match=r"`.*attn`: decoding past the end of the key/value "
-                     r"cache: it holds max_length=2 positions and all are used"):
+  with pytest.raises(
+    ValueError,
+    match=r"`.*attn`: decoding past the end of the key/value "
+    r"cache: it holds max_length=2 positions and all are used",
+  ):
     stack(x[:, 2:3])
   assert _unchanged(stack, before)

@@ -61,13 +61,15 @@ class Broken(sr.Module):
 
 
 def counts(rngs):
-  return {path: int(v) for path, v in sr.state(rngs).flat().items()
-          if path[-1] == "count"}
+  return {path: int(v) for path, v in sr.state(rngs).flat().items() if path[-1] == "count"}
 
 
 def values(module):
-  return {path: np.asarray(v) for path, v in sr.state(module).flat().items()
-          if not jnp.issubdtype(jnp.asarray(v).dtype, jax.dtypes.prng_key)}
+  return {
+    path: np.asarray(v)
+    for path, v in sr.state(module).flat().items()
+    if not jnp.issubdtype(jnp.asarray(v).dtype, jax.dtypes.prng_key)
+  }
 
 
 def assert_unchanged(module, before):
@@ -80,21 +82,31 @@ def assert_unchanged(module, before):
 # -- the pattern itself -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("element, named", [
+@pytest.mark.parametrize(
+  "element, named",
+  [
     (3, r"int 3"),
     (jnp.tanh, r"the function tanh"),
     (functools.partial(jnp.add, 1), r"partial functools\.partial\(.*\)"),
     (Local(D, rngs=sr.Rngs(0)), r"a Local instance"),
-], ids=["int", "function", "partial-of-a-function", "instance"])
+  ],
+  ids=["int", "function", "partial-of-a-function", "instance"],
+)
 @pytest.mark.parametrize("transform", ["scan", "remat_scan", "vmap"])
 def test_an_element_that_is_not_a_module_class_names_its_position(transform, element, named):
-  make = {"scan": lambda p: sr.scan(p, length=4, **SCAN),
-          "remat_scan": lambda p: sr.remat_scan(p, length=4, lengths=(2,)),
-          "vmap": lambda p: sr.vmap(p, axis_size=4)}[transform]
-  with pytest.raises(sr.TransformError, match=(
+  make = {
+    "scan": lambda p: sr.scan(p, length=4, **SCAN),
+    "remat_scan": lambda p: sr.remat_scan(p, length=4, lengths=(2,)),
+    "vmap": lambda p: sr.vmap(p, axis_size=4),
+  }[transform]
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       rf"sr\.{transform}\(\(Local, [^\n]*\)\): position 1 of the pattern is {named}, not a "
       r"Module class\. Every element of a pattern is a Module class or a "
-      r"`functools\.partial` of one, e\.g\. .* Nothing was built\.")):
+      r"`functools\.partial` of one, e\.g\. .* Nothing was built\."
+    ),
+  ):
     make((Local, element))
 
 
@@ -106,47 +118,73 @@ class Windowed(sr.Module):
 
 def test_a_partial_of_a_module_class_is_fine_and_an_empty_pattern_is_not():
   stack = sr.scan((Windowed, functools.partial(Windowed, window=3)), length=3, **SCAN)(
-      D, rngs=sr.Rngs(0))
+    D, rngs=sr.Rngs(0)
+  )
   assert [stack.layer(i).window for i in range(3)] == [1, 3, 1]
-  with pytest.raises(sr.TransformError, match=r"the pattern is empty\. Give a tuple of "
-                     r"Module classes"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"the pattern is empty\. Give a tuple of "
+    r"Module classes",
+  ):
     sr.scan((), length=3)
 
 
 @pytest.mark.parametrize("length", [2, 0, -1, True, 2.5])
 def test_a_length_shorter_than_the_pattern_is_refused(length):
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       rf"sr\.scan\(\(Local, Local, Global\)\): length={length!r} is shorter than the "
       r"pattern of 3 blocks, so some position would hold no layer\. Fix: length >= 3 "
-      r"\(any length: the last cycle may be short\)")):
+      r"\(any length: the last cycle may be short\)"
+    ),
+  ):
     sr.scan((Local, Local, Global), length=length, **SCAN)
 
 
-@pytest.mark.parametrize("make, named", [
+@pytest.mark.parametrize(
+  "make, named",
+  [
     (lambda: sr.scan((Local, Global), **SCAN), r"sr\.scan\(\(Local, Global\)\)"),
     (lambda: sr.vmap((Local, Global)), r"sr\.vmap\(\(Local, Global\)\)"),
-    (lambda: sr.remat_scan((Local, Global), lengths="auto"),
-     r"sr\.remat_scan\(\(Local, Global\)\)"),
-    (lambda: sr.remat_scan((Local, Global), lengths=(2, 2)),
-     r"sr\.remat_scan\(\(Local, Global\)\)"),
-])
+    (
+      lambda: sr.remat_scan((Local, Global), lengths="auto"),
+      r"sr\.remat_scan\(\(Local, Global\)\)",
+    ),
+    (
+      lambda: sr.remat_scan((Local, Global), lengths=(2, 2)),
+      r"sr\.remat_scan\(\(Local, Global\)\)",
+    ),
+  ],
+)
 def test_a_missing_length_is_refused(make, named):
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       rf"{named}: a pattern stack needs `length=` \(the number of layers; `axis_size=` "
-      r"for sr\.vmap\), so that each of the 2 positions knows how many layers it holds")):
+      r"for sr\.vmap\), so that each of the 2 positions knows how many layers it holds"
+    ),
+  ):
     make()
 
 
-@pytest.mark.parametrize("length, lengths, fix", [
+@pytest.mark.parametrize(
+  "length, lengths, fix",
+  [
     (10, (2, 2), r"lengths=\(3, 2\)"),  # 5 cycles needed, 4 given
     (9, (4,), r"lengths=\(5,\)"),  # the short last cycle counts too
-])
+  ],
+)
 def test_lengths_covering_fewer_cycles_than_length_needs(length, lengths, fix):
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       rf"sr\.remat_scan\(\(Local, Global\)\): for a pattern of 2 blocks, lengths counts "
       rf"cycles, and lengths={re.escape(str(lengths))} covers \d cycles, fewer than the \d "
       rf"that "
-      rf"length={length} needs .* Fix: {fix}, or lengths='auto'\.")):
+      rf"length={length} needs .* Fix: {fix}, or lengths='auto'\."
+    ),
+  ):
     sr.remat_scan((Local, Global), length=length, lengths=lengths)
 
 
@@ -161,13 +199,16 @@ def test_a_failed_build_at_a_later_position_leaves_the_rngs_as_they_were():
     Stack(D, rngs=rngs)
   # Positions 0 and 1 were built (each drew from `params`) before position 2 failed.
   assert counts(rngs) == before
-  assert any("position 2 of its pattern, Broken; nothing was built" in note
-             for note in caught.value.__notes__)
+  assert any(
+    "position 2 of its pattern, Broken; nothing was built" in note
+    for note in caught.value.__notes__
+  )
   # And the next build draws what it would have drawn without the failure.
   good = sr.scan((Local, Local, Global), length=5, **SCAN)(D, rngs=rngs)
   fresh = sr.scan((Local, Local, Global), length=5, **SCAN)(D, rngs=sr.Rngs(0, dropout=1))
-  np.testing.assert_array_equal(good.pattern[1].linear.kernel.value,
-                                fresh.pattern[1].linear.kernel.value)
+  np.testing.assert_array_equal(
+    good.pattern[1].linear.kernel.value, fresh.pattern[1].linear.kernel.value
+  )
 
 
 def test_init_in_axes_of_the_wrong_size_names_the_argument_and_builds_nothing():
@@ -179,9 +220,13 @@ def test_init_in_axes_of_the_wrong_size_names_the_argument_and_builds_nothing():
       self.scale = sr.Param(scale * jnp.ones((D,)))
 
   Stack = sr.scan((Scaled, Scaled), length=5, init_in_axes=(0,), **SCAN)
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       r"init_in_axes maps constructor argument 0 along axis 0, one slice per layer, so it "
-      r"needs 5 entries there; it has shape \(4,\)\. Fix: give it 5 entries at axis 0")):
+      r"needs 5 entries there; it has shape \(4,\)\. Fix: give it 5 entries at axis 0"
+    ),
+  ):
     Stack(jnp.arange(4.0), rngs=rngs)
   assert counts(rngs) == before
   stack = Stack(jnp.arange(5.0), rngs=rngs)
@@ -195,10 +240,14 @@ def test_init_in_axes_of_the_wrong_size_names_the_argument_and_builds_nothing():
 def test_blocks_whose_carries_differ_name_the_position_and_class(other, got):
   stack = sr.remat_scan((Local, Local, other), length=6, lengths=(2,))(D, rngs=sr.Rngs(0))
   before = values(stack)
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       rf"position 2 of the pattern \({other.__name__}\).*{got}.* Every block of a pattern "
       r"takes and returns the same carry: the blocks' carries must agree in structure, "
-      r"shape and dtype\.")):
+      r"shape and dtype\."
+    ),
+  ):
     stack(jnp.ones((D,)))
   assert_unchanged(stack, before)
 
@@ -219,10 +268,14 @@ class ShortYs(Ys):
 def test_blocks_whose_ys_differ_in_sr_scan_name_both_positions():
   stack = sr.scan((Ys, ShortYs), length=4, **SCAN)(D, rngs=sr.Rngs(0))
   before = values(stack)
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       r"the blocks' ys differ: position 0 \(Ys\) gives float32\[4\] and position 1 "
       r"\(ShortYs\) gives float32\[2\]\. The ys of a pattern stack are stacked over its "
-      r"layers in order, so every block must return ys of one structure, shape and dtype")):
+      r"layers in order, so every block must return ys of one structure, shape and dtype"
+    ),
+  ):
     stack(jnp.zeros((D,)), jnp.ones((4, D)))
   assert_unchanged(stack, before)
 
@@ -231,42 +284,65 @@ def test_pattern_index_out_of_range_lists_the_positions():
   stack = sr.scan((Local, functools.partial(Global)), length=5, **SCAN)(D, rngs=sr.Rngs(0))
   assert stack.pattern[-1] is stack.pattern[1]
   for k in (2, -3, "1"):
-    with pytest.raises(IndexError, match=(
+    with pytest.raises(
+      IndexError,
+      match=(
         rf"stack\.pattern\[{k!r}\]: the pattern has 2 positions \(Local, "
         r"partial\(Global, \)\); use 0\.\.1 \(or -2\.\.-1\)\. Layer i of the stack is "
-        r"`stack\.layer\(i\)`, at position i % 2\.")):
+        r"`stack\.layer\(i\)`, at position i % 2\."
+      ),
+    ):
       stack.pattern[k]
 
 
 def test_sr_stack_of_layers_out_of_pattern_order_names_the_layer_and_position():
   stack = sr.scan((Local, Global), length=4, **SCAN)(D, rngs=sr.Rngs(0))
   layers = sr.unstack(stack)
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       r"sr\.stack: layer 0 is a Global, but layer 0 of this pattern \(position 0\) is a "
-      r"Local\. Fix: put the layers in pattern order \(as `sr\.unstack` gives them\)\.")):
+      r"Local\. Fix: put the layers in pattern order \(as `sr\.unstack` gives them\)\."
+    ),
+  ):
     sr.stack([layers[1], layers[0], *layers[2:]])
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       r"sr\.stack: 1 layers for a pattern of 2 blocks; every position needs at least one "
-      r"layer\. Fix: give at least 2 layers")):
+      r"layer\. Fix: give at least 2 layers"
+    ),
+  ):
     sr.stack(layers[:1], like=stack)
   again = sr.stack(layers)
-  np.testing.assert_array_equal(again.pattern[1].linear.kernel.value,
-                                stack.pattern[1].linear.kernel.value)
+  np.testing.assert_array_equal(
+    again.pattern[1].linear.kernel.value, stack.pattern[1].linear.kernel.value
+  )
 
 
 def test_a_pattern_stack_with_edited_positions_is_refused_before_running():
   Stack = sr.remat_scan((Local, Global), length=4, lengths=(2,))
-  stack, longer = Stack(D, rngs=sr.Rngs(0)), sr.remat_scan(
-      (Local, Global), length=6, lengths=(3,))(D, rngs=sr.Rngs(1))
+  stack, longer = (
+    Stack(D, rngs=sr.Rngs(0)),
+    sr.remat_scan((Local, Global), length=6, lengths=(3,))(D, rngs=sr.Rngs(1)),
+  )
   stack.pattern = (stack.pattern[0], longer.pattern[1])  # 2 Local, 3 Global
   before = values(stack)
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       r"the positions of the pattern stack hold \[2, 3\] layers; a pattern of 2 over 5 "
-      r"layers holds \[3, 2\] \(layer i at position i % 2\)\. Fix: rebuild the stack")):
+      r"layers holds \[3, 2\] \(layer i at position i % 2\)\. Fix: rebuild the stack"
+    ),
+  ):
     stack(jnp.ones((D,)))
   assert_unchanged(stack, before)
   stack.pattern = (stack.pattern[0], longer.pattern[1].layer(0))
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       r"`pattern\.1` of the pattern stack is a Global, not a stack\. Build pattern stacks "
-      r"with a class form")):
+      r"with a class form"
+    ),
+  ):
     stack(jnp.ones((D,)))

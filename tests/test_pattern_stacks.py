@@ -52,9 +52,9 @@ class Gate(sr.Module):
 
 
 PATTERNS = {
-    "2": (Mix, Norm),
-    "3": (Mix, functools.partial(Mix, scale=0.5), Gate),
-    "3bn": (Norm, Gate, Mix),
+  "2": (Mix, Norm),
+  "3": (Mix, functools.partial(Mix, scale=0.5), Gate),
+  "3bn": (Norm, Gate, Mix),
 }
 
 
@@ -74,7 +74,7 @@ def loop(layers, x):
 
 
 def loss_of(y):
-  return jnp.sum(y ** 2)
+  return jnp.sum(y**2)
 
 
 def build(form: str, pattern, length: int):
@@ -82,8 +82,7 @@ def build(form: str, pattern, length: int):
     return sr.remat_scan(pattern, length=length, lengths="auto")(rngs=sr.Rngs(0))
   if form == "remat_scan_nested":
     cycles = -(-length // len(pattern))
-    return sr.remat_scan(pattern, length=length, lengths=(2, -(-cycles // 2)))(
-        rngs=sr.Rngs(0))
+    return sr.remat_scan(pattern, length=length, lengths=(2, -(-cycles // 2)))(rngs=sr.Rngs(0))
   raise ValueError(form)
 
 
@@ -101,14 +100,16 @@ def states_equal(stack, layers):
 
 
 @pytest.mark.parametrize("form", ["remat_scan", "remat_scan_nested"])
-@pytest.mark.parametrize("name,length", [("2", 6), ("2", 7), ("3", 9), ("3", 8),
-                                         ("3bn", 7)])
+@pytest.mark.parametrize("name,length", [("2", 6), ("2", 7), ("3", 9), ("3", 8), ("3bn", 7)])
 def test_remat_scan_pattern_equals_the_loop(form, name, length):
   stack = build(form, PATTERNS[name], length)
   assert len(stack) == length
   assert [type(stack.layer(i)) for i in range(length)] == [
-      getattr(PATTERNS[name][i % len(PATTERNS[name])], "func",
-              PATTERNS[name][i % len(PATTERNS[name])]) for i in range(length)]
+    getattr(
+      PATTERNS[name][i % len(PATTERNS[name])], "func", PATTERNS[name][i % len(PATTERNS[name])]
+    )
+    for i in range(length)
+  ]
   layers = sr.unstack(stack)
   grads = sr.grad(lambda m, x: loss_of(m(x)))(stack, X)
   held = Holder(layers)
@@ -144,8 +145,7 @@ def test_scan_pattern_equals_the_loop_with_ys_and_xs(length):
       c = self.bn(c) * x
       return c, c.mean(-1)
 
-  Stack = sr.scan((Step, Other), length=length, variable_axes={True: 0},
-                  split_rngs={True: True})
+  Stack = sr.scan((Step, Other), length=length, variable_axes={True: 0}, split_rngs={True: True})
   stack = Stack(rngs=sr.Rngs(0))
   xs = jax.random.normal(jax.random.key(2), (length, 3, D))
   layers = sr.unstack(stack)
@@ -158,8 +158,9 @@ def test_scan_pattern_equals_the_loop_with_ys_and_xs(length):
   close(ys, jnp.stack(ref_ys))
   states_equal(stack, layers)
   # reverse: the layers run last to first
-  back = sr.scan(lambda m, c, x: m(c, x), variable_axes={True: 0},
-                 split_rngs={True: True}, reverse=True)
+  back = sr.scan(
+    lambda m, c, x: m(c, x), variable_axes={True: 0}, split_rngs={True: True}, reverse=True
+  )
   layers = sr.unstack(stack)
   c, ys = back(stack, X, xs)
   ref, ref_ys = X, [None] * length
@@ -221,9 +222,11 @@ def test_unstack_stack_round_trip():
   ours, theirs = sr.split(stack)[1].flat(), sr.split(again)[1].flat()
   for path, value in ours.items():
     assert jnp.shape(value) == jnp.shape(theirs[path])
-    assert bool(jnp.all(jax.random.key_data(value) == jax.random.key_data(theirs[path]))
-                if jnp.issubdtype(value.dtype, jax.dtypes.prng_key) else
-                jnp.all(value == theirs[path])), path
+    assert bool(
+      jnp.all(jax.random.key_data(value) == jax.random.key_data(theirs[path]))
+      if jnp.issubdtype(value.dtype, jax.dtypes.prng_key)
+      else jnp.all(value == theirs[path])
+    ), path
   close(again(X), loop(sr.unstack(stack), X))
 
 
@@ -236,8 +239,7 @@ def test_a_checkpoint_of_the_state_fits_another_lengths():
 
 def test_lowered_program_size_does_not_grow_with_length():
   def size(length):
-    stack = sr.remat_scan(PATTERNS["3"], length=length, lengths=(length // 3,))(
-        rngs=sr.Rngs(0))
+    stack = sr.remat_scan(PATTERNS["3"], length=length, lengths=(length // 3,))(rngs=sr.Rngs(0))
     step = sr.jit(sr.grad(lambda m, x: loss_of(m(x))))
     return len(step.lower(stack, X).as_text())
 
@@ -310,8 +312,13 @@ def test_scan_pattern_carries_batch_statistics_through_every_layer():
     def __call__(self, c, _):
       return self.bn(c), None
 
-  Stack = sr.scan((Scale, Stats), length=5, variable_axes={sr.Param: 0},
-                  variable_carry=sr.BatchStat, split_rngs={"params": True})
+  Stack = sr.scan(
+    (Scale, Stats),
+    length=5,
+    variable_axes={sr.Param: 0},
+    variable_carry=sr.BatchStat,
+    split_rngs={"params": True},
+  )
   stack = Stack(rngs=sr.Rngs(0))
   assert stack.pattern[1].bn.mean.shape == (D,)  # one value, carried
   xs = jnp.zeros((5, 1))

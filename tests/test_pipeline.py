@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import statefulremat as sr
 
@@ -22,8 +23,9 @@ def named(*axes):
 
 class Block(sr.Module):
   def __init__(self, d, *, rngs):
-    self.linear = sr.nn.Linear(d, d, kernel_metadata=named(None, None),
-                               bias_metadata=named(None), rngs=rngs)
+    self.linear = sr.nn.Linear(
+      d, d, kernel_metadata=named(None, None), bias_metadata=named(None), rngs=rngs
+    )
 
   def __call__(self, x):
     return x + 0.5 * jnp.tanh(self.linear(x))
@@ -31,11 +33,18 @@ class Block(sr.Module):
 
 class NormDropBlock(sr.Module):
   def __init__(self, d, *, rngs):
-    self.linear = sr.nn.Linear(d, d, kernel_metadata=named(None, None),
-                               bias_metadata=named(None), rngs=rngs)
-    self.norm = sr.nn.BatchNorm(d, momentum=0.5, scale_metadata=named(None),
-                                bias_metadata=named(None), mean_metadata=named(None),
-                                var_metadata=named(None), rngs=rngs)
+    self.linear = sr.nn.Linear(
+      d, d, kernel_metadata=named(None, None), bias_metadata=named(None), rngs=rngs
+    )
+    self.norm = sr.nn.BatchNorm(
+      d,
+      momentum=0.5,
+      scale_metadata=named(None),
+      bias_metadata=named(None),
+      mean_metadata=named(None),
+      var_metadata=named(None),
+      rngs=rngs,
+    )
     self.drop = sr.nn.Dropout(0.3, rngs=rngs)
 
   def __call__(self, x):
@@ -60,7 +69,8 @@ def make_mesh(name):
 
 def build(cls, n, mesh=None, seed=0):
   stack = sr.remat_scan(cls, lengths=(n,), metadata_params=META)(
-      D, rngs=sr.Rngs(params=seed, dropout=seed + 1))
+    D, rngs=sr.Rngs(params=seed, dropout=seed + 1)
+  )
   if mesh is not None and n % mesh.shape["stage"] == 0:
     sr.shard(stack, mesh, [("layers", "stage")])
   return stack
@@ -81,8 +91,10 @@ def sequential(stack, x, k, n):
 
 def leaves(model):
   state = model if isinstance(model, sr.State) else sr.state(model)
-  return {path: np.asarray(jax.random.key_data(v) if jnp.issubdtype(
-      v.dtype, jax.dtypes.prng_key) else v) for path, v in state.flat().items()}
+  return {
+    path: np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+    for path, v in state.flat().items()
+  }
 
 
 def assert_close(got, want, rtol=1e-5, atol=1e-6):
@@ -133,8 +145,9 @@ def test_state_and_dropout_equal_the_sequential_microbatch_run(mesh_name, schedu
   assert not np.allclose(np.asarray(build(NormDropBlock, n)(x)), np.asarray(got))
 
 
-@pytest.mark.parametrize("n,schedule,repeats", [(9, "gpipe", 1), (3, "gpipe", 1),
-                                                (11, "circular", 2)])
+@pytest.mark.parametrize(
+  "n,schedule,repeats", [(9, "gpipe", 1), (3, "gpipe", 1), (11, "circular", 2)]
+)
 def test_layers_not_divisible_by_the_stages(n, schedule, repeats):
   mesh = make_mesh("stage4_data2")
   ref, stack = build(NormDropBlock, n), build(NormDropBlock, n, mesh)
@@ -197,21 +210,34 @@ def test_errors_name_the_axis_and_the_fix_and_change_nothing():
   before = leaves(stack)
   x = data()
   piped = sr.pipeline(apply, microbatches=4)
-  with pytest.raises(sr.TransformError, match=r"no mesh: the stages are the mesh axis "
-                                              r"'stage'.*jax.set_mesh\(mesh\)"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"no mesh: the stages are the mesh axis "
+    r"'stage'.*jax.set_mesh\(mesh\)",
+  ):
     piped(build(NormDropBlock, 8), x)
   with jax.set_mesh(mesh):
-    with pytest.raises(sr.TransformError, match=(
-        r"axis='pipe' is not an axis of the mesh, whose axes are \('stage', 'data'\)")):
+    with pytest.raises(
+      sr.TransformError,
+      match=(r"axis='pipe' is not an axis of the mesh, whose axes are \('stage', 'data'\)"),
+    ):
       sr.pipeline(apply, axis="pipe", microbatches=4)(stack, x)
-    with pytest.raises(sr.TransformError, match=(
+    with pytest.raises(
+      sr.TransformError,
+      match=(
         r"microbatches=3 must divide the batch, but the carry `x` \(shape \(16, 4\)\) "
-        r"has batch axis 0 of size 16")):
+        r"has batch axis 0 of size 16"
+      ),
+    ):
       sr.pipeline(apply, microbatches=3)(stack, x)
     unsharded = build(NormDropBlock, 8)
-    with pytest.raises(sr.TransformError, match=(
+    with pytest.raises(
+      sr.TransformError,
+      match=(
         r"the layer axis \(axis 0, 8 layers\) of `linear.bias` is not sharded over the "
-        r"mesh axis 'stage' .*sr.shard\(stack, mesh, \[\('layers', 'stage'\)")):
+        r"mesh axis 'stage' .*sr.shard\(stack, mesh, \[\('layers', 'stage'\)"
+      ),
+    ):
       piped(unsharded, x)
   assert_same_state_dict(before, leaves(stack))
   with pytest.raises(sr.TransformError, match=r"repeats=2 is for schedule='circular'"):
@@ -242,7 +268,8 @@ def test_pipeline_spec_applies_and_reports_its_bubble():
 
 def build_class(cls, n, spec, mesh=None, seed=0, rules=(("layers", "stage"),), **kwargs):
   stack = sr.remat_scan(cls, lengths=(n,), metadata_params=META, pipeline=spec, **kwargs)(
-      D, rngs=sr.Rngs(params=seed, dropout=seed + 1))
+    D, rngs=sr.Rngs(params=seed, dropout=seed + 1)
+  )
   if mesh is not None:
     sr.shard(stack, mesh, list(rules))
   return stack
@@ -274,9 +301,13 @@ def test_function_form_of_remat_scan_with_a_pipeline_spec():
   with jax.set_mesh(mesh):
     got = sr.remat_scan(apply, lengths=(2, 4), pipeline=spec)(stack, x)
     before = leaves(stack)
-    with pytest.raises(sr.TransformError, match=(
+    with pytest.raises(
+      sr.TransformError,
+      match=(
         r"lengths/length say 6 layers, but the stack has 8\. Fix: lengths whose product "
-        r"is 8")):
+        r"is 8"
+      ),
+    ):
       sr.remat_scan(apply, lengths=(6,), pipeline=spec)(stack, x)
   assert_close(got, want)
   assert_same_state(ref, stack)
@@ -285,8 +316,9 @@ def test_function_form_of_remat_scan_with_a_pipeline_spec():
 
 class ArgsBlock(sr.Module):
   def __init__(self, d, *, rngs):
-    self.linear = sr.nn.Linear(d, d, kernel_metadata=named(None, None),
-                               bias_metadata=named(None), rngs=rngs)
+    self.linear = sr.nn.Linear(
+      d, d, kernel_metadata=named(None, None), bias_metadata=named(None), rngs=rngs
+    )
 
   def __call__(self, x, scale, *, shift=0.0, flip=False):
     y = x + scale * jnp.tanh(self.linear(x)) + shift
@@ -318,9 +350,12 @@ def test_remat_inside_each_stage_by_policy_or_planned_under_a_budget():
   ref = build(NormDropBlock, 8)
   x = data(mesh)
   want_loss, want_grads = sr.jit(
-      lambda m, x: loss_and_grads(lambda m, x: sequential(m, x, 4, 8), m, x))(ref, x)
-  for options in ({"policy": jax.checkpoint_policies.dots_saveable},
-                  {"lengths": "auto", "memory_budget": "64KiB"}):
+    lambda m, x: loss_and_grads(lambda m, x: sequential(m, x, 4, 8), m, x)
+  )(ref, x)
+  for options in (
+    {"policy": jax.checkpoint_policies.dots_saveable},
+    {"lengths": "auto", "memory_budget": "64KiB"},
+  ):
     stack = build(NormDropBlock, 8, mesh)
     piped = sr.pipeline(apply, microbatches=4, **options)
     with jax.set_mesh(mesh):
@@ -339,8 +374,11 @@ def test_auto_lengths_plan_one_stage_under_the_per_device_budget():
   piped = sr.pipeline(apply, microbatches=4, lengths="auto", memory_budget=1)
   with jax.set_mesh(mesh):
     # A stage holds 2 of the 8 layers: the plan is for those.
-    with pytest.raises(sr.RematPlanError, match=r"no remat plan for 2 layers fits "
-                                                r"memory_budget=1 B"):
+    with pytest.raises(
+      sr.RematPlanError,
+      match=r"no remat plan for 2 layers fits "
+      r"memory_budget=1 B",
+    ):
       piped(stack, data(mesh))
   assert_same_state_dict(before, leaves(stack))
 
@@ -350,10 +388,12 @@ def test_auto_lengths_plan_one_stage_under_the_per_device_budget():
 
 class TensorParallelBlock(sr.Module):
   def __init__(self, d, *, rngs):
-    self.up = sr.nn.Linear(d, 2 * d, kernel_metadata=named("embed", "mlp"),
-                           bias_metadata=named("mlp"), rngs=rngs)
-    self.down = sr.nn.Linear(2 * d, d, kernel_metadata=named("mlp", "embed"),
-                             bias_metadata=named("embed"), rngs=rngs)
+    self.up = sr.nn.Linear(
+      d, 2 * d, kernel_metadata=named("embed", "mlp"), bias_metadata=named("mlp"), rngs=rngs
+    )
+    self.down = sr.nn.Linear(
+      2 * d, d, kernel_metadata=named("mlp", "embed"), bias_metadata=named("embed"), rngs=rngs
+    )
     self.norm = sr.nn.BatchNorm(d, momentum=0.5, rngs=rngs)  # no sharding metadata
     self.drop = sr.nn.Dropout(0.3, rngs=rngs)
 
@@ -361,14 +401,14 @@ class TensorParallelBlock(sr.Module):
     return x + self.drop(self.norm(self.down(jnp.tanh(self.up(x)))))
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
-                         ids=["auto", "explicit"])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_tensor_and_data_axes_on_the_same_mesh(axis_type):
   mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=(axis_type,) * 3)
   rules = [("layers", "stage"), ("mlp", "model"), ("embed", None)]
   spec = sr.PipelineSpec(microbatches=2)
   ref = sr.remat_scan(TensorParallelBlock, lengths=(4,), metadata_params=META)(
-      D, rngs=sr.Rngs(params=0, dropout=1))
+    D, rngs=sr.Rngs(params=0, dropout=1)
+  )
   stack = build_class(TensorParallelBlock, 4, spec, mesh, rules=rules)
   assert stack.up.kernel.value.sharding.spec == P("stage", None, "model")
   # The BatchNorm has no sharding metadata: its named layer axis still goes on "stage".
@@ -388,29 +428,39 @@ def test_tensor_and_data_axes_on_the_same_mesh(axis_type):
 
 def test_class_form_and_option_errors():
   spec = sr.PipelineSpec(microbatches=2, policy=jax.checkpoint_policies.dots_saveable)
-  with pytest.raises(sr.TransformError, match=(
-      r"pipeline=4; it takes sr.PipelineSpec\(axis=..., microbatches=...")):
+  with pytest.raises(
+    sr.TransformError, match=(r"pipeline=4; it takes sr.PipelineSpec\(axis=..., microbatches=...")
+  ):
     sr.remat_scan(Block, lengths=(4,), pipeline=4)
-  with pytest.raises(sr.TransformError, match=r"the policy is given twice, as policy= "
-                                              r"and in the PipelineSpec\. Fix: give it once"):
-    sr.remat_scan(apply, lengths=(4,), pipeline=spec,
-                  policy=jax.checkpoint_policies.nothing_saveable)
-  with pytest.raises(sr.TransformError, match=(
-      r"lengths='auto' chooses each stage's policy too; drop the PipelineSpec's policy")):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"the policy is given twice, as policy= "
+    r"and in the PipelineSpec\. Fix: give it once",
+  ):
+    sr.remat_scan(
+      apply, lengths=(4,), pipeline=spec, policy=jax.checkpoint_policies.nothing_saveable
+    )
+  with pytest.raises(
+    sr.TransformError,
+    match=(r"lengths='auto' chooses each stage's policy too; drop the PipelineSpec's policy"),
+  ):
     sr.remat_scan(apply, lengths="auto", pipeline=spec)
-  with pytest.raises(sr.TransformError, match=(
+  with pytest.raises(
+    sr.TransformError,
+    match=(
       r"lengths=\(2, 2\); each stage runs its own N/S layers.*Fix: lengths='auto' with "
-      r"memory_budget=")):
+      r"memory_budget="
+    ),
+  ):
     sr.pipeline(apply, microbatches=2, lengths=(2, 2))
-  with pytest.raises(sr.TransformError, match=(
-      r"pattern stacks are not pipelined yet\. Fix: drop pipeline=")):
-    sr.remat_scan((Block, Block), length=4, lengths=(2,),
-                  pipeline=sr.PipelineSpec(microbatches=2))
+  with pytest.raises(
+    sr.TransformError, match=(r"pattern stacks are not pipelined yet\. Fix: drop pipeline=")
+  ):
+    sr.remat_scan((Block, Block), length=4, lengths=(2,), pipeline=sr.PipelineSpec(microbatches=2))
 
 
 def test_a_named_layer_axis_is_in_the_partition_spec_without_sharding_metadata():
-  stack = sr.remat_scan(sr.nn.BatchNorm, lengths=(8,), metadata_params=META)(
-      D, rngs=sr.Rngs(0))
+  stack = sr.remat_scan(sr.nn.BatchNorm, lengths=(8,), metadata_params=META)(D, rngs=sr.Rngs(0))
   specs = sr.get_partition_spec(stack)
   assert specs["mean"] == P("layers", None) and specs["scale"] == P("layers", None)
   unnamed = sr.remat_scan(sr.nn.BatchNorm, lengths=(4,))(D, rngs=sr.Rngs(0))

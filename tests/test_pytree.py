@@ -18,8 +18,7 @@ class MLP(sr.Module):
   applied twice (a shared sub-module) and shares its kernel with the second."""
 
   def __init__(self, depth, width, *, tie=False, rngs):
-    self.layers = [sr.nn.Linear(2 if i == 0 else width, width, rngs=rngs)
-                   for i in range(depth)]
+    self.layers = [sr.nn.Linear(2 if i == 0 else width, width, rngs=rngs) for i in range(depth)]
     self.head = sr.nn.Linear(width, 1, rngs=rngs)
     self.again = self.layers[-1] if tie and depth > 1 else None
     if tie and depth > 2:
@@ -109,8 +108,9 @@ def test_shared_objects_give_one_leaf_and_come_back_shared():
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(depth=st.integers(1, 4), width=st.integers(1, 4), tie=st.booleans(),
-       seed=st.integers(0, 2**16))
+@given(
+  depth=st.integers(1, 4), width=st.integers(1, 4), tie=st.booleans(), seed=st.integers(0, 2**16)
+)
 def test_flatten_unflatten_round_trip(depth, width, tie, seed):
   model = MLP(depth, width, tie=tie, rngs=sr.Rngs(seed))
   leaves, treedef = jax.tree.flatten(model)
@@ -140,17 +140,26 @@ def test_key_paths_name_each_variable():
   model = Net(rngs=sr.Rngs(0))
   paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(model)]
   assert [jax.tree_util.keystr(p) for p in paths] == [
-      ".blocks['first'].kernel", ".layers[0].bias", ".layers[0].kernel", ".norm.bias",
-      ".norm.mean", ".norm.scale", ".norm.var"]
+    ".blocks['first'].kernel",
+    ".layers[0].bias",
+    ".layers[0].kernel",
+    ".norm.bias",
+    ".norm.mean",
+    ".norm.scale",
+    ".norm.var",
+  ]
   (key,) = paths[1]
-  assert key.keys == (jax.tree_util.GetAttrKey("layers"), jax.tree_util.SequenceKey(0),
-                      jax.tree_util.GetAttrKey("bias"))
+  assert key.keys == (
+    jax.tree_util.GetAttrKey("layers"),
+    jax.tree_util.SequenceKey(0),
+    jax.tree_util.GetAttrKey("bias"),
+  )
   assert paths[0][0].keys[1] == jax.tree_util.DictKey("first")
   assert [p[0].name for p in paths[:3]] == ["kernel", "bias", "kernel"]
   # the same paths as the State's
   assert [jax.tree_util.keystr(p) for p in paths[1:]] == [
-      jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
-          sr.state(model))][1:]
+    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(sr.state(model))
+  ][1:]
 
 
 def test_unhashable_static_attribute_is_a_graph_error():
@@ -298,15 +307,15 @@ def test_models_with_rngs_round_trip():
 def test_scan_stack_round_trips_as_the_stacked_class():
 
   class Step(sr.Module):
-
     def __init__(self, *, rngs):
       self.linear = sr.nn.Linear(2, 2, rngs=rngs)
 
     def __call__(self, x):
       return jnp.tanh(self.linear(x)), None
 
-  stack = sr.scan(Step, length=3, variable_axes={sr.Param: 0},
-                  split_rngs={"params": True})(rngs=sr.Rngs(0))
+  stack = sr.scan(Step, length=3, variable_axes={sr.Param: 0}, split_rngs={"params": True})(
+    rngs=sr.Rngs(0)
+  )
   leaves, treedef = jax.tree.flatten(stack)
   rebuilt = jax.tree.unflatten(treedef, leaves)
   assert type(rebuilt) is type(stack) and len(rebuilt) == 3
@@ -341,7 +350,6 @@ def test_sr_grad_still_returns_a_state():
 def test_sr_scan_still_writes_back():
 
   class Cell(sr.Module):
-
     def __init__(self, *, rngs):
       self.linear = sr.nn.Linear(2, 2, rngs=rngs)
       self.calls = sr.BatchStat(jnp.zeros((), jnp.int32))
@@ -352,7 +360,8 @@ def test_sr_scan_still_writes_back():
 
   cell = Cell(rngs=sr.Rngs(0))
   c, ys = sr.scan(lambda m, c, x: m(c, x), variable_carry="batch_stats")(
-      cell, jnp.zeros((2,)), jnp.ones((4, 2)))
+    cell, jnp.zeros((2,)), jnp.ones((4, 2))
+  )
   assert ys.shape == (4, 2) and int(cell.calls.value) == 4
 
 
@@ -363,20 +372,24 @@ def test_flattening_a_closed_over_module_inside_sr_jit_raises():
   def f(other, x):
     return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(model)) * x
 
-  with pytest.raises(sr.TraceContextError,
-                     match=r"sr\.jit\(f\) read `blocks\.first\.kernel` \(Param\) of a "
-                     r"Net that it was not given as an argument"):
+  with pytest.raises(
+    sr.TraceContextError,
+    match=r"sr\.jit\(f\) read `blocks\.first\.kernel` \(Param\) of a "
+    r"Net that it was not given as an argument",
+  ):
     f(other, 2.0)
   # flattening the argument (and what is made from it inside) is fine
-  total = sr.jit(lambda m: sum(jnp.sum(leaf) for leaf in jax.tree.leaves(
-      jax.tree.map(lambda v: 2 * v, m))))(model)
+  total = sr.jit(
+    lambda m: sum(jnp.sum(leaf) for leaf in jax.tree.leaves(jax.tree.map(lambda v: 2 * v, m)))
+  )(model)
   np.testing.assert_allclose(
-      total, 2 * sum(jnp.sum(leaf) for leaf in jax.tree.leaves(model)), rtol=1e-6)
+    total, 2 * sum(jnp.sum(leaf) for leaf in jax.tree.leaves(model)), rtol=1e-6
+  )
 
 
 def test_the_readme_raw_jax_block_runs():
-  from pathlib import Path
   import re
+  from pathlib import Path
 
   text = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
   section = text.split("### Raw JAX on modules", 1)[1]
@@ -386,7 +399,8 @@ def test_the_readme_raw_jax_block_runs():
   lin, lin2, grads = namespace["lin"], namespace["lin2"], namespace["grads"]
   assert type(grads) is type(lin2) is sr.nn.Linear
   np.testing.assert_allclose(
-      lin2.kernel.value, lin.kernel.value - 0.1 * grads.kernel.value, rtol=1e-6)
+    lin2.kernel.value, lin.kernel.value - 0.1 * grads.kernel.value, rtol=1e-6
+  )
 
 
 # -- the flatten cache: a walk is kept per module while no structure changes ----------

@@ -55,17 +55,19 @@ def remat_loss(block, x, **options):
 
 
 def values(module):
-  return {p: np.asarray(jax.random.key_data(v) if jnp.issubdtype(
-      jnp.result_type(v), jax.dtypes.prng_key) else v)
-          for p, v in sr.state(module).flat().items()}
+  return {
+    p: np.asarray(
+      jax.random.key_data(v) if jnp.issubdtype(jnp.result_type(v), jax.dtypes.prng_key) else v
+    )
+    for p, v in sr.state(module).flat().items()
+  }
 
 
 def assert_same_values(a, b):
   va, vb = values(a), values(b)
   assert va.keys() == vb.keys()
   for path in va:
-    np.testing.assert_allclose(va[path], vb[path], rtol=1e-6, atol=1e-6,
-                               err_msg=str(path))
+    np.testing.assert_allclose(va[path], vb[path], rtol=1e-6, atol=1e-6, err_msg=str(path))
 
 
 def assert_same_state(a, b):
@@ -122,7 +124,6 @@ def test_shared_module_passed_twice_is_updated_once_per_use():
 def test_method_decorator():
 
   class Decorated(Block):
-
     @sr.remat
     def __call__(self, x):
       return Block.__call__(self, x)
@@ -136,8 +137,7 @@ def test_method_decorator():
   plain, decorated = make(), Decorated(4, rngs=sr.Rngs(0))
   np.testing.assert_allclose(decorated(X), plain(X), rtol=1e-6)
   assert_same_values(decorated, plain)
-  np.testing.assert_allclose(decorated.scaled(X, 2), plain.encode(plain.encode(X)),
-                             rtol=1e-6)
+  np.testing.assert_allclose(decorated.scaled(X, 2), plain.encode(plain.encode(X)), rtol=1e-6)
   g = sr.grad(lambda m, x: jnp.sum(m(x) ** 2))(decorated, X)
   g0 = sr.grad(loss)(plain, X)
   np.testing.assert_allclose(g["linear"]["kernel"], g0["linear"]["kernel"], rtol=1e-5)
@@ -203,8 +203,7 @@ def test_remat_grads_equal_plain_grads_and_mutations_match():
 def test_remat_value_and_grad_of_a_deeper_model_is_exact():
   plain, rematted = Mlp(4, rngs=sr.Rngs(1)), Mlp(4, rngs=sr.Rngs(1))
   v0, g0 = sr.value_and_grad(lambda m, x: jnp.sum(m(x) ** 2))(plain, X)
-  v, g = sr.value_and_grad(lambda m, x: jnp.sum(sr.remat(Mlp.__call__)(m, x) ** 2))(
-      rematted, X)
+  v, g = sr.value_and_grad(lambda m, x: jnp.sum(sr.remat(Mlp.__call__)(m, x) ** 2))(rematted, X)
   assert float(v) == float(v0)
   for path, value in g0.flat().items():
     np.testing.assert_allclose(g.flat()[path], value, rtol=1e-6, atol=1e-7)
@@ -222,28 +221,29 @@ def test_second_call_draws_new_keys():
 # -- options -------------------------------------------------------------------------
 
 POLICIES = {
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-    "everything_saveable": jax.checkpoint_policies.everything_saveable,
-    "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_with_no_batch_dims_saveable":
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save_only_these_names": jax.checkpoint_policies.save_only_these_names("hidden"),
-    "save_any_names_but_these":
-        jax.checkpoint_policies.save_any_names_but_these("hidden"),
-    "save_anything_except_these_names":
-        jax.checkpoint_policies.save_anything_except_these_names("hidden"),
-    "save_from_both_policies": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_saveable,
-        jax.checkpoint_policies.save_only_these_names("hidden")),
-    "checkpoint_dots_with_no_batch_dims":
-        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    "offload_dot_with_no_batch_dims":
-        jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
-    "save_and_offload_only_these_names":
-        jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=["hidden"],
-            offload_src="device", offload_dst="pinned_host"),
+  "dots_saveable": jax.checkpoint_policies.dots_saveable,
+  "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+  "everything_saveable": jax.checkpoint_policies.everything_saveable,
+  "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
+  "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "save_only_these_names": jax.checkpoint_policies.save_only_these_names("hidden"),
+  "save_any_names_but_these": jax.checkpoint_policies.save_any_names_but_these("hidden"),
+  "save_anything_except_these_names": jax.checkpoint_policies.save_anything_except_these_names(
+    "hidden"
+  ),
+  "save_from_both_policies": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names("hidden")
+  ),
+  "checkpoint_dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+  "offload_dot_with_no_batch_dims": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+    "device", "pinned_host"
+  ),
+  "save_and_offload_only_these_names": jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=["hidden"],
+    offload_src="device",
+    offload_dst="pinned_host",
+  ),
 }
 
 
@@ -265,8 +265,11 @@ def test_every_policy_is_accepted_and_keeps_gradients(name):
     return
   # On CPU an offload moves nothing, and sr.remat says so (tests/test_remat_policy.py).
   offload = "offload" in name and jax.default_backend() == "cpu"
-  with pytest.warns(UserWarning, match="nothing is offloaded") if offload else (
-      contextlib.nullcontext()):
+  with (
+    pytest.warns(UserWarning, match="nothing is offloaded")
+    if offload
+    else (contextlib.nullcontext())
+  ):
     g = sr.grad(loss)(rematted, X)
     jaxpr = jax.make_jaxpr(lambda x: sr.remat(Mlp.__call__, policy=policy)(rematted, x))(X)
   for path, value in g0.flat().items():
@@ -279,7 +282,8 @@ def saved_residuals(policy, capsys):
   model = Mlp(4, rngs=sr.Rngs(0))
   capsys.readouterr()
   ad_checkpoint.print_saved_residuals(
-      lambda x: jnp.sum(sr.remat(Mlp.__call__, policy=policy)(model, x)), X)
+    lambda x: jnp.sum(sr.remat(Mlp.__call__, policy=policy)(model, x)), X
+  )
   return capsys.readouterr().out.strip().splitlines()
 
 
@@ -314,7 +318,7 @@ def test_static_argnums_allows_python_control_flow():
   def repeat(block, x, times, square):
     for _ in range(times):
       x = block.encode(x)
-    return x ** 2 if square else x
+    return x**2 if square else x
 
   model = make()
   with pytest.raises(jax.errors.TracerIntegerConversionError, match=r"__index__\(\)"):
@@ -323,8 +327,7 @@ def test_static_argnums_allows_python_control_flow():
     sr.remat(repeat, static_argnums=2)(model, X, 2, True)
   f = sr.remat(repeat, static_argnums=(2, 3))
   np.testing.assert_allclose(f(model, X, 2, True), repeat(model, X, 2, True), rtol=1e-6)
-  np.testing.assert_allclose(f(model, X, 3, False), repeat(model, X, 3, False),
-                             rtol=1e-6)
+  np.testing.assert_allclose(f(model, X, 3, False), repeat(model, X, 3, False), rtol=1e-6)
   g = sr.grad(lambda m, x: jnp.sum(f(m, x, 2, True)))(model, X)
   g0 = sr.grad(lambda m, x: jnp.sum(repeat(m, x, 2, True)))(model, X)
   np.testing.assert_allclose(g["linear"]["kernel"], g0["linear"]["kernel"], rtol=1e-5)
@@ -333,9 +336,11 @@ def test_static_argnums_allows_python_control_flow():
 def test_static_argnums_counts_the_module_as_argument_0():
   model = make()
   before = values(model)
-  with pytest.raises(sr.GraphError,
-                     match=r"static_argnums=0 marks argument 0, which holds a module.*"
-                     r"remove 0 from static_argnums"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"static_argnums=0 marks argument 0, which holds a module.*"
+    r"remove 0 from static_argnums",
+  ):
     sr.remat(body, static_argnums=0)(model, X)
   assert_same_state(values(model), before)
   # Argument 1 is the first after the module.
@@ -353,7 +358,7 @@ class Counter(sr.Module):
   def __call__(self, x):
     n = int(self.step.value)  # needs a concrete value: the step is not traced
     self.step.value = self.step.value + 1
-    return x * self.w.value ** n
+    return x * self.w.value**n
 
 
 def test_variables_filter_closes_over_the_rest():
@@ -367,7 +372,7 @@ def test_variables_filter_closes_over_the_rest():
   np.testing.assert_allclose(f(model, x), x * 4.0, rtol=1e-6)
   assert int(model.step.value) == 3  # mutations of closed-over variables are kept
   g = sr.grad(lambda m, x: jnp.sum(f(m, x)))(model, jnp.ones(4))
-  np.testing.assert_allclose(g["w"], 3 * 2.0 ** 2 * np.ones(4), rtol=1e-6)
+  np.testing.assert_allclose(g["w"], 3 * 2.0**2 * np.ones(4), rtol=1e-6)
   assert int(model.step.value) == 4
 
 
@@ -395,10 +400,12 @@ def test_rngs_filter_lifts_the_named_streams():
 def test_drawing_from_a_stream_not_lifted_raises():
   model = rngs_block()
   before = values(model)
-  with pytest.raises(sr.GraphError,
-                     match=r"drew from the RNG stream 'dropout' "
-                     r"\(`rngs\.dropout\.count`\), which is not lifted by "
-                     r"`rngs='params'`.*rngs=True.*'dropout'"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"drew from the RNG stream 'dropout' "
+    r"\(`rngs\.dropout\.count`\), which is not lifted by "
+    r"`rngs='params'`.*rngs=True.*'dropout'",
+  ):
     sr.remat(body, rngs="params")(model, X)
   assert_same_state(values(model), before)
   with pytest.raises(sr.GraphError, match=r"RNG stream 'dropout'.*rngs=False"):

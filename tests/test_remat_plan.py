@@ -61,8 +61,11 @@ def _room(predicted: int) -> int:
 
 
 def test_an_impossible_budget_names_the_smallest_achievable():
-  with pytest.raises(sr.RematPlanError, match=r"no remat plan for 37 layers fits "
-                     r"memory_budget=1.00 KiB: the smallest needs .* \(lengths=\("):
+  with pytest.raises(
+    sr.RematPlanError,
+    match=r"no remat plan for 37 layers fits "
+    r"memory_budget=1.00 KiB: the smallest needs .* \(lengths=\(",
+  ):
     sr.plan_remat(_stack(37), CARRY, fn=body, memory_budget="1KiB")
 
 
@@ -125,8 +128,11 @@ def test_misused_planning_options_explain_themselves():
     sr.remat_scan(body, lengths="atuo")
   with pytest.raises(sr.TransformError, match=r"chooses the innermost policy too"):
     sr.remat_scan(body, lengths="auto", policy=jax.checkpoint_policies.dots_saveable)
-  with pytest.raises(sr.TransformError, match=r"memory_budget='1GiB' is for planning; "
-                                              r"pass lengths='auto'"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"memory_budget='1GiB' is for planning; "
+    r"pass lengths='auto'",
+  ):
     sr.remat_scan(body, lengths=(4, 4), memory_budget="1GiB")
   with pytest.raises(sr.TransformError, match=r"the plan is for 13 layers but length=12"):
     sr.remat_scan(body, lengths=plan, length=12)
@@ -144,10 +150,12 @@ def test_a_budget_is_checked_by_one_compile_where_the_model_is_off():
   budget = 2 * least.verify()
   plan = sr.plan_remat(stack, carry, fn=body, memory_budget=budget)
   assert plan.measured_bytes is not None and plan.measured_bytes <= budget
-  with pytest.raises(sr.RematPlanError, match=r"fits memory_budget=.* (once compiled|"
-                                              r"the smallest needs)"):
+  with pytest.raises(
+    sr.RematPlanError,
+    match=r"fits memory_budget=.* (once compiled|"
+    r"the smallest needs)",
+  ):
     sr.plan_remat(stack, carry, fn=body, memory_budget=int(least.verify() * 0.9))
-
 
 
 def test_a_budget_inside_every_plans_headroom_is_checked_by_compiling():
@@ -158,8 +166,9 @@ def test_a_budget_inside_every_plans_headroom_is_checked_by_compiling():
   carry = jax.ShapeDtypeStruct((64, 16), jnp.float32)
   least = sr.plan_remat(stack, carry, fn=body)
   smallest = min(least.candidates, key=lambda c: c.temp_bytes)
-  policy = {"nothing_saveable": None,
-            "dots_saveable": jax.checkpoint_policies.dots_saveable}[smallest.policy]
+  policy = {"nothing_saveable": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}[
+    smallest.policy
+  ]
   run = sr.remat_scan(body, length=13, lengths=smallest.lengths, policy=policy)
   budget = int(_temp(run, stack, carry))
   assert smallest.temp_bytes > 0.97 * budget  # no prediction fits with headroom
@@ -167,16 +176,19 @@ def test_a_budget_inside_every_plans_headroom_is_checked_by_compiling():
   assert plan.measured_bytes is not None and plan.measured_bytes <= budget
 
 
-@pytest.mark.parametrize("n, lengths", [(97, (11, 9)), (61, (13, 5)), (100, (4, 7, 4)),
-                                        (100, (7, 4, 2, 2)), (100, (10, 10))])
+@pytest.mark.parametrize(
+  "n, lengths",
+  [(97, (11, 9)), (61, (13, 5)), (100, (4, 7, 4)), (100, (7, 4, 2, 2)), (100, (10, 10))],
+)
 def test_ragged_nestings_are_predicted_as_well_as_exact_ones(n, lengths):
   # A short last segment's layers are sliced out of the stack (a copy of their
   # parameters) and it holds one carry fewer: without that term the model was off by
   # up to 10 % at N=1000 (the tight budget there took 5N where 4N fit).
   stack = _stack(n)
   least = sr.plan_remat(stack, CARRY, fn=body)
-  [candidate] = [c for c in least.candidates
-                 if c.lengths == lengths and c.policy == "nothing_saveable"]
+  [candidate] = [
+    c for c in least.candidates if c.lengths == lengths and c.policy == "nothing_saveable"
+  ]
   measured = _temp(sr.remat_scan(body, length=n, lengths=lengths), stack)
   assert abs(candidate.temp_bytes / measured - 1) < 0.01
 
@@ -186,10 +198,10 @@ def test_a_budget_the_model_is_exact_for_takes_one_compile(monkeypatch):
   # plan is compiled first and fits; the 4N pick the headroom alone gives is never
   # compiled.
   from statefulremat.transforms import _remat_scan
+
   stack, carry = _stack(61), jax.ShapeDtypeStruct((1024, W), jnp.float32)
   least = sr.plan_remat(stack, carry, fn=body)
-  three = min((c for c in least.candidates if c.evals == 3 * 61),
-              key=lambda c: c.temp_bytes)
+  three = min((c for c in least.candidates if c.evals == 3 * 61), key=lambda c: c.temp_bytes)
   budget = int(three.temp_bytes / 0.985)  # inside the headroom, above the prediction
   assert min(c.temp_bytes for c in least.candidates if c.evals == 4 * 61) < 0.97 * budget
   compiled = []

@@ -47,9 +47,12 @@ class Plain(sr.Module):
 
 
 def values(module):
-  return {p: np.asarray(jax.random.key_data(v) if jnp.issubdtype(
-      jnp.result_type(v), jax.dtypes.prng_key) else v)
-          for p, v in sr.state(module).flat().items()}
+  return {
+    p: np.asarray(
+      jax.random.key_data(v) if jnp.issubdtype(jnp.result_type(v), jax.dtypes.prng_key) else v
+    )
+    for p, v in sr.state(module).flat().items()
+  }
 
 
 def assert_same(before, module):
@@ -72,10 +75,14 @@ def test_a_misspelt_name_raises_with_the_names_found_and_leaves_the_model(run):
   before = values(model)
   f = sr.remat(Block.__call__, policy=P.save_only_these_names("atn"))
   call = {"grad": sr.grad(lambda m, x: jnp.sum(f(m, x))), "jit": sr.jit(f), "eager": f}[run]
-  with pytest.raises(sr.TransformError, match=re.escape(
+  with pytest.raises(
+    sr.TransformError,
+    match=re.escape(
       "sr.remat(Block.__call__): policy=jax.checkpoint_policies.save_only_these_names("
       "'atn') refers to the name 'atn' (did you mean 'attn'?), which no "
-      "`jax.ad_checkpoint.checkpoint_name` in the traced body gives")) as info:
+      "`jax.ad_checkpoint.checkpoint_name` in the traced body gives"
+    ),
+  ) as info:
     call(model, X)
   assert "The body names: 'attn', 'mlp'." in str(info.value)
   assert "Fix: spell the policy's names as the body does" in str(info.value)
@@ -86,19 +93,25 @@ def test_every_missing_name_is_listed_with_its_suggestion():
   model = Block(4, rngs=sr.Rngs(0))
   before = values(model)
   policy = P.save_any_names_but_these("atn", "mpl", "zzz")
-  with pytest.raises(sr.TransformError, match=re.escape(
+  with pytest.raises(
+    sr.TransformError,
+    match=re.escape(
       "refers to the names 'atn' (did you mean 'attn'?), 'mpl' (did you mean 'mlp'?), "
-      "'zzz', which no")):
+      "'zzz', which no"
+    ),
+  ):
     sr.grad(remat_loss(policy))(model, X)
   assert_same(before, model)
 
 
 def test_a_body_without_names_says_so():
   model = Plain(4, rngs=sr.Rngs(0))
-  with pytest.raises(sr.TransformError, match=r"'h'.*The body names nothing: it has no "
-                     r"checkpoint_name at all\. Fix: .*`checkpoint_name\(x, 'h'\)`"):
-    sr.grad(remat_loss(P.save_only_these_names("h"), sr.nn.Linear.__call__))(
-        model.a, X)
+  with pytest.raises(
+    sr.TransformError,
+    match=r"'h'.*The body names nothing: it has no "
+    r"checkpoint_name at all\. Fix: .*`checkpoint_name\(x, 'h'\)`",
+  ):
+    sr.grad(remat_loss(P.save_only_these_names("h"), sr.nn.Linear.__call__))(model.a, X)
 
 
 def test_names_inside_calls_in_the_body_are_found():
@@ -118,8 +131,7 @@ def test_names_inside_calls_in_the_body_are_found():
 
   def body(m, x):
     x = jax.jit(lambda y: checkpoint_name(jnp.sin(y), "in_jit"))(m.a(x))
-    x, _ = jax.lax.scan(lambda c, _: (checkpoint_name(jnp.tanh(c), "in_scan"), None), x,
-                        length=2)
+    x, _ = jax.lax.scan(lambda c, _: (checkpoint_name(jnp.tanh(c), "in_scan"), None), x, length=2)
     x = jax.lax.cond(x.sum() > 0, lambda x: checkpoint_name(x, "in_cond"), jnp.sin, x)
     x = jax.checkpoint(lambda x: checkpoint_name(jnp.sin(x), "in_remat"))(x)
     return rough(smooth(x))
@@ -129,16 +141,22 @@ def test_names_inside_calls_in_the_body_are_found():
   g = sr.grad(remat_loss(P.save_only_these_names(*names), body))(model, X)
   g0 = sr.grad(lambda m, x: jnp.sum(body(m, x) ** 2))(model, X)
   np.testing.assert_allclose(g["a"]["kernel"], g0["a"]["kernel"], rtol=1e-5, atol=1e-6)
-  with pytest.raises(sr.TransformError, match=re.escape(
-      "'in_sacn' (did you mean 'in_scan'?)") + ".*" + re.escape(
-          "The body names: " + ", ".join(map(repr, names)) + ".")):
+  with pytest.raises(
+    sr.TransformError,
+    match=re.escape("'in_sacn' (did you mean 'in_scan'?)")
+    + ".*"
+    + re.escape("The body names: " + ", ".join(map(repr, names)) + "."),
+  ):
     sr.grad(remat_loss(P.save_only_these_names("in_jit", "in_sacn"), body))(model, X)
 
 
 def test_a_names_policy_inside_save_from_both_policies_is_checked():
   policy = P.save_from_both_policies(P.dots_saveable, P.save_only_these_names("atn"))
-  with pytest.raises(sr.TransformError, match=r"save_from_both_policies\(\.\.\.\) "
-                     r"refers to the name 'atn' \(did you mean 'attn'\?\)"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"save_from_both_policies\(\.\.\.\) "
+    r"refers to the name 'atn' \(did you mean 'attn'\?\)",
+  ):
     sr.grad(remat_loss(policy))(Block(4, rngs=sr.Rngs(0)), X)
 
 
@@ -146,8 +164,10 @@ def test_a_correct_names_policy_gives_the_gradients_of_no_remat_and_saves_its_na
   model = Plain(4, rngs=sr.Rngs(0))
   policy = P.save_only_these_names("h")
   g0 = sr.grad(lambda m, x: jnp.sum(m(x) ** 2))(model, X)
-  for step in (sr.grad(remat_loss(policy, Plain.__call__)),
-               sr.jit(sr.grad(remat_loss(policy, Plain.__call__)))):
+  for step in (
+    sr.grad(remat_loss(policy, Plain.__call__)),
+    sr.jit(sr.grad(remat_loss(policy, Plain.__call__))),
+  ):
     g = step(model, X)
     for path, value in g0.flat().items():
       np.testing.assert_allclose(g.flat()[path], value, rtol=1e-6, atol=1e-7)
@@ -180,8 +200,7 @@ def test_the_lowered_program_is_the_same_as_without_a_check():
   def lowered(policy):
     return sr.jit(sr.grad(remat_loss(policy, Plain.__call__))).lower(model, X).as_text()
 
-  checked, unchecked = lowered(P.save_only_these_names("h")), lowered(
-      P.save_any_names_but_these())
+  checked, unchecked = lowered(P.save_only_these_names("h")), lowered(P.save_any_names_but_these())
   assert checked == unchecked.replace("SaveAnyNamesButThese", "SaveOnlyTheseNames")
 
 
@@ -197,9 +216,13 @@ def test_remat_scan_checks_its_innermost_policy(lengths, n):
   stack = sr.vmap(sr.nn.Linear, axis_size=n)(4, 4, rngs=sr.Rngs(0))
   before = values(stack)
   run = sr.remat_scan(stacked_body, lengths, length=n, policy=P.save_only_these_names("pr"))
-  with pytest.raises(sr.TransformError, match=re.escape(
+  with pytest.raises(
+    sr.TransformError,
+    match=re.escape(
       "sr.remat_scan(stacked_body): policy=jax.checkpoint_policies."
-      "save_only_these_names('pr') refers to the name 'pr' (did you mean 'pre'?)")):
+      "save_only_these_names('pr') refers to the name 'pr' (did you mean 'pre'?)"
+    ),
+  ):
     sr.grad(lambda s, x: jnp.sum(run(s, x)))(stack, X)
   assert_same(before, stack)
   good = sr.remat_scan(stacked_body, lengths, length=n, policy=P.save_only_these_names("pre"))
@@ -208,7 +231,7 @@ def test_remat_scan_checks_its_innermost_policy(lengths, n):
   def loop(stack, x):
     for layer in sr.unstack(stack):
       x = stacked_body(layer, x)
-    return jnp.sum(x ** 2)
+    return jnp.sum(x**2)
 
   g0 = sr.grad(loop)(stack, X)
   np.testing.assert_allclose(g["kernel"], g0["kernel"], rtol=1e-5, atol=1e-6)
@@ -228,13 +251,21 @@ def test_a_scan_over_a_remat_block_checks_the_policy():
     def __call__(self, x):
       return super().__call__(x), None
 
-  Stack = sr.scan(sr.remat(Cell, policy=P.save_only_these_names("hh"), prevent_cse=False),
-                  length=3, variable_axes={sr.Param: 0}, split_rngs={"params": True})
+  Stack = sr.scan(
+    sr.remat(Cell, policy=P.save_only_these_names("hh"), prevent_cse=False),
+    length=3,
+    variable_axes={sr.Param: 0},
+    split_rngs={"params": True},
+  )
   stack = Stack(4, rngs=sr.Rngs(0))
   before = values(stack)
-  with pytest.raises(sr.TransformError, match=re.escape(
+  with pytest.raises(
+    sr.TransformError,
+    match=re.escape(
       "sr.remat(Cell.__call__): policy=jax.checkpoint_policies.save_only_these_names("
-      "'hh') refers to the name 'hh' (did you mean 'h'?)")):
+      "'hh') refers to the name 'hh' (did you mean 'h'?)"
+    ),
+  ):
     sr.grad(lambda s, x: jnp.sum(s(x)[0]))(stack, X)
   assert_same(before, stack)
 
@@ -249,42 +280,59 @@ def test_save_anything_except_these_names_raises_where_it_saves_everything():
   assert policy(name_p, jax.core.ShapedArray((), jnp.float32), name="attn")
   model = Block(4, rngs=sr.Rngs(0))
   before = values(model)
-  with pytest.raises(sr.TransformError, match=re.escape(
+  with pytest.raises(
+    sr.TransformError,
+    match=re.escape(
       "sr.remat(Block.__call__): policy=jax.checkpoint_policies."
-      "save_anything_except_these_names(...) ignores the names it was given") + ".*" +
-      re.escape("Fix: `jax.checkpoint_policies.save_any_names_but_these(*names)`")):
+      "save_anything_except_these_names(...) ignores the names it was given"
+    )
+    + ".*"
+    + re.escape("Fix: `jax.checkpoint_policies.save_any_names_but_these(*names)`"),
+  ):
     sr.grad(remat_loss(policy))(model, X)
   assert_same(before, model)
   with pytest.raises(sr.TransformError, match="save_any_names_but_these"):
     sr.remat(Block, policy=policy)  # the class form refuses it when made
-  with pytest.raises(sr.TransformError, match="inside policy=jax.checkpoint_policies."
-                     r"save_from_both_policies\(\.\.\.\)"):
-    sr.remat_scan(stacked_body, (2,), policy=P.save_from_both_policies(
-        P.dots_saveable, policy))
+  with pytest.raises(
+    sr.TransformError,
+    match="inside policy=jax.checkpoint_policies."
+    r"save_from_both_policies\(\.\.\.\)",
+  ):
+    sr.remat_scan(stacked_body, (2,), policy=P.save_from_both_policies(P.dots_saveable, policy))
 
 
 def test_save_any_names_but_these_is_accepted_and_excludes():
   model = Plain(4, rngs=sr.Rngs(0))
-  kept = sr.saved_residuals(remat_loss(P.save_any_names_but_these("h"), Plain.__call__),
-                            model, X)
+  kept = sr.saved_residuals(remat_loss(P.save_any_names_but_these("h"), Plain.__call__), model, X)
   assert not [r for r in kept if r.name]
 
 
 # -- offloading where nothing is offloaded ----------------------------------------------
 
 
-@pytest.mark.parametrize("policy", [
+@pytest.mark.parametrize(
+  "policy",
+  [
     P.offload_dot_with_no_batch_dims("device", "pinned_host"),
     P.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=["h"],
-        offload_src="device", offload_dst="pinned_host"),
-], ids=["offload_dot_with_no_batch_dims", "save_and_offload_only_these_names"])
+      names_which_can_be_saved=[],
+      names_which_can_be_offloaded=["h"],
+      offload_src="device",
+      offload_dst="pinned_host",
+    ),
+  ],
+  ids=["offload_dot_with_no_batch_dims", "save_and_offload_only_these_names"],
+)
 def test_an_offload_policy_warns_on_cpu_and_keeps_gradients(policy):
   assert jax.default_backend() == "cpu"  # the suite runs on CPU, which offloads nothing
   model = Plain(4, rngs=sr.Rngs(0))
-  with pytest.warns(UserWarning, match=re.escape(
-      "offloads residuals to 'pinned_host' memory, but on this backend (cpu) nothing is "
-      "offloaded") + ".*Offloading needs a GPU or TPU backend"):
+  with pytest.warns(
+    UserWarning,
+    match=re.escape(
+      "offloads residuals to 'pinned_host' memory, but on this backend (cpu) nothing is offloaded"
+    )
+    + ".*Offloading needs a GPU or TPU backend",
+  ):
     g = sr.grad(remat_loss(policy, Plain.__call__))(model, X)
   g0 = sr.grad(lambda m, x: jnp.sum(m(x) ** 2))(model, X)
   np.testing.assert_allclose(g["a"]["kernel"], g0["a"]["kernel"], rtol=1e-6)
@@ -292,19 +340,28 @@ def test_an_offload_policy_warns_on_cpu_and_keeps_gradients(policy):
 
 def test_a_misspelt_offload_name_raises():
   policy = P.save_and_offload_only_these_names(
-      names_which_can_be_saved=[], names_which_can_be_offloaded=["hh"],
-      offload_src="device", offload_dst="pinned_host")
-  with pytest.warns(UserWarning, match="nothing is offloaded"), pytest.raises(
-      sr.TransformError, match=r"'hh' \(did you mean 'h'\?\)"):
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=["hh"],
+    offload_src="device",
+    offload_dst="pinned_host",
+  )
+  with (
+    pytest.warns(UserWarning, match="nothing is offloaded"),
+    pytest.raises(sr.TransformError, match=r"'hh' \(did you mean 'h'\?\)"),
+  ):
     sr.grad(remat_loss(policy, Plain.__call__))(Plain(4, rngs=sr.Rngs(0)), X)
 
 
 # -- sr.saved_residuals ------------------------------------------------------------------
 
 
-INPUTS = [(None, (4,), "Param `model.a.bias`"), (None, (4, 4), "Param `model.a.kernel`"),
-          (None, (4,), "Param `model.b.bias`"), (None, (4, 4), "Param `model.b.kernel`"),
-          (None, (2, 4), "argument `x`")]
+INPUTS = [
+  (None, (4,), "Param `model.a.bias`"),
+  (None, (4, 4), "Param `model.a.kernel`"),
+  (None, (4,), "Param `model.b.bias`"),
+  (None, (4, 4), "Param `model.b.kernel`"),
+  (None, (2, 4), "argument `x`"),
+]
 
 
 def residuals(policy):
@@ -336,22 +393,27 @@ def test_saved_residuals_of_everything_saveable_equal_no_remat(capsys):
 
   everything = residuals(P.everything_saveable)
   plain = sr.saved_residuals(plain_loss, Plain(4, rngs=sr.Rngs(0)), X)
-  assert [(r.name, r.shape, r.op) for r in everything] == [
-      (r.name, r.shape, r.op) for r in plain]
+  assert [(r.name, r.shape, r.op) for r in everything] == [(r.name, r.shape, r.op) for r in plain]
   assert [(r.name, r.op, r.shape) for r in everything if r.op or r.name] == [
-      (None, "cos", (2, 4)), ("h", None, (2, 4)), (None, "cos", (2, 4))]
+    (None, "cos", (2, 4)),
+    ("h", None, (2, 4)),
+    (None, "cos", (2, 4)),
+  ]
   # JAX's own listing of the same function of arrays agrees, line for line.
   graphdef, params = sr.split(Plain(4, rngs=sr.Rngs(0)))
   ours = sr.saved_residuals(lambda p, x: plain_loss(sr.merge(graphdef, p), x), params, X)
   capsys.readouterr()
   jax.ad_checkpoint.print_saved_residuals(
-      lambda p, x: plain_loss(sr.merge(graphdef, p), x), params, X)
+    lambda p, x: plain_loss(sr.merge(graphdef, p), x), params, X
+  )
   theirs = capsys.readouterr().out.strip().splitlines()
   assert [r.shape for r in ours] == [
-      tuple(int(d) for d in re.match(r"\w+\[([\d,]*)\]", line).group(1).split(",") if d)
-      for line in theirs]
+    tuple(int(d) for d in re.match(r"\w+\[([\d,]*)\]", line).group(1).split(",") if d)
+    for line in theirs
+  ]
   assert [r.name for r in ours] == [
-      m.group(1) if (m := re.search(r"named '(\w+)'", line)) else None for line in theirs]
+    m.group(1) if (m := re.search(r"named '(\w+)'", line)) else None for line in theirs
+  ]
 
 
 def test_saved_residuals_see_through_a_scan_to_the_names_saved_per_layer():
@@ -360,7 +422,8 @@ def test_saved_residuals_see_through_a_scan_to_the_names_saved_per_layer():
   saved = sr.saved_residuals(lambda s, x: jnp.sum(run(s, x)), stack, X)
   assert [(r.name, r.shape) for r in saved if r.name] == [("pre", (6, 2, 4))]
   nothing = sr.saved_residuals(
-      lambda s, x: jnp.sum(sr.remat_scan(stacked_body, (6,))(s, x)), stack, X)
+    lambda s, x: jnp.sum(sr.remat_scan(stacked_body, (6,))(s, x)), stack, X
+  )
   assert not [r for r in nothing if r.name]
 
 
@@ -384,6 +447,7 @@ def test_the_readme_example_runs_and_prints_what_it_shows(capsys):
   code, shown = re.findall(r"```(?:python|text)\n(.*?)```", section, re.DOTALL)[:2]
   exec(compile(code, str(README), "exec"), {})
   where = re.compile(r" from \S+:\d+(:\d+)? \(")
-  printed = [where.sub(" from <src> (", line)
-             for line in capsys.readouterr().out.strip().splitlines()]
+  printed = [
+    where.sub(" from <src> (", line) for line in capsys.readouterr().out.strip().splitlines()
+  ]
   assert printed == [where.sub(" from <src> (", line) for line in shown.strip().splitlines()]

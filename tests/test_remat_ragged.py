@@ -24,8 +24,10 @@ X = jnp.linspace(-1.0, 1.0, 24).reshape(6, 4)
 
 def _arrays(model):
   """The model's state as plain arrays (RNG keys as their key data)."""
-  return [jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-          for x in jax.tree.leaves(sr.state(model))]
+  return [
+    jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    for x in jax.tree.leaves(sr.state(model))
+  ]
 
 
 def _assert_same_state(a, b, rtol=0.0):
@@ -37,8 +39,9 @@ def _loss(model, x):
   return jnp.mean(model(x) ** 2)
 
 
-@pytest.mark.parametrize("n, lengths", [(7, (3, 3)), (13, (4, 4)), (13, (2, 2, 4)),
-                                        (11, (2, 2, 3))])
+@pytest.mark.parametrize(
+  "n, lengths", [(7, (3, 3)), (13, (4, 4)), (13, (2, 2, 4)), (11, (2, 2, 3))]
+)
 def test_a_prime_depth_equals_the_python_loop_and_the_flat_scan(n, lengths):
   ragged = sr.remat_scan(Block, lengths=lengths, length=n)(rngs=sr.Rngs(0))
   flat = sr.remat_scan(Block, lengths=(n,))(rngs=sr.Rngs(0))
@@ -48,8 +51,9 @@ def test_a_prime_depth_equals_the_python_loop_and_the_flat_scan(n, lengths):
   loss_r, grads_r = sr.jit(sr.value_and_grad(_loss))(ragged, X)
   loss_f, grads_f = sr.jit(sr.value_and_grad(_loss))(flat, X)
   np.testing.assert_allclose(loss_r, loss_f, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-               grads_r, grads_f)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_r, grads_f
+  )
   # Every per-layer write (batch statistics, RNG counts) lands on its own layer.
   _assert_same_state(ragged, flat, rtol=1e-6)
 
@@ -81,8 +85,9 @@ class Counted(sr.Module):
     self.linear = sr.nn.Linear(2, 2, rngs=rngs)
 
   def __call__(self, h):
-    one = jax.pure_callback(_tick, jax.ShapeDtypeStruct((), jnp.float32),
-                            jax.lax.stop_gradient(h[0, 0]))
+    one = jax.pure_callback(
+      _tick, jax.ShapeDtypeStruct((), jnp.float32), jax.lax.stop_gradient(h[0, 0])
+    )
     return jnp.tanh(self.linear(h) * one)
 
 
@@ -141,16 +146,21 @@ def test_a_checkpoint_moves_between_nestings(tmp_path):
 
 
 def test_lengths_that_do_not_cover_length_raise():
-  with pytest.raises(sr.TransformError,
-                     match=r"lengths=\(3, 3\) cover 9 layers, fewer than length=10\. "
-                           r"Fix: lengths whose product is at least 10, e\.g\. "
-                           r"lengths=\(4, 3\)"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"lengths=\(3, 3\) cover 9 layers, fewer than length=10\. "
+    r"Fix: lengths whose product is at least 10, e\.g\. "
+    r"lengths=\(4, 3\)",
+  ):
     sr.remat_scan(Block, lengths=(3, 3), length=10)
 
 
 def test_a_whole_empty_outer_step_raises():
-  with pytest.raises(sr.TransformError, match=r"at least one whole outer step \(4 "
-                                              r"layers\) would run nothing"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"at least one whole outer step \(4 "
+    r"layers\) would run nothing",
+  ):
     sr.remat_scan(Block, lengths=(4, 4), length=12)
 
 
@@ -164,6 +174,9 @@ def test_bad_length_and_lengths_raise():
 def test_a_stack_of_another_depth_names_length():
   stack = sr.vmap(sr.nn.Linear, axis_size=10)(3, 3, rngs=sr.Rngs(0))
   run = sr.remat_scan(lambda layer, h: layer(h), lengths=(4, 3))
-  with pytest.raises(sr.TransformError, match=r"lengths=\(4, 3\) \(product\) says 12 "
-                                              r"iterations but .* has 10"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"lengths=\(4, 3\) \(product\) says 12 "
+    r"iterations but .* has 10",
+  ):
     run(stack, jnp.ones((2, 3)))

@@ -22,7 +22,6 @@ class Block(sr.Module):
 
 
 class NormBlock(sr.Module):
-
   def __init__(self, dim, *, rngs):
     self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
     self.norm = sr.nn.BatchNorm(dim, momentum=0.5, rngs=rngs)
@@ -128,8 +127,9 @@ def test_same_state_for_any_lengths(deep100):
     assert not np.allclose(other(x), want)
     sr.update(other, sr.state(stack))
     np.testing.assert_allclose(other(x), want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(sr.state(other).flat()[("linear", "kernel")],
-                                  stack.linear.kernel.value)
+    np.testing.assert_array_equal(
+      sr.state(other).flat()[("linear", "kernel")], stack.linear.kernel.value
+    )
 
 
 def test_batchnorm_stats_per_layer_match_loop():
@@ -143,8 +143,7 @@ def test_batchnorm_stats_per_layer_match_loop():
   np.testing.assert_allclose(deep(x), want, rtol=1e-5, atol=1e-6)
   for i, layer in enumerate(layers):
     got = deep.layer(i)
-    np.testing.assert_allclose(got.norm.mean.value, layer.norm.mean.value, rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(got.norm.mean.value, layer.norm.mean.value, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got.norm.var.value, layer.norm.var.value, rtol=1e-5)
   # Every layer's statistics moved, and differently.
   means = np.asarray(deep.norm.mean.value)
@@ -179,13 +178,15 @@ def test_policy_gives_equal_gradients(deep100):
   x = data()
   policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
   scanned = sr.remat_scan(apply, (10, 10), policy=policy)
-  assert_states_close(sr.grad(loss_of(scanned))(stack, x), want_grads, rtol=1e-4,
-                      atol=1e-6)
-  Deep = sr.remat_scan(Block, lengths=(2, 3),
-                       policy=jax.checkpoint_policies.nothing_saveable)
+  assert_states_close(sr.grad(loss_of(scanned))(stack, x), want_grads, rtol=1e-4, atol=1e-6)
+  Deep = sr.remat_scan(Block, lengths=(2, 3), policy=jax.checkpoint_policies.nothing_saveable)
   deep = Deep(W, rngs=sr.Rngs(3))
-  assert_states_close(sr.grad(lambda m, x: (m(x) ** 2).mean())(deep, x),
-                      sr.grad(loss_of(loop))(deep, x), rtol=1e-5, atol=1e-7)
+  assert_states_close(
+    sr.grad(lambda m, x: (m(x) ** 2).mean())(deep, x),
+    sr.grad(loss_of(loop))(deep, x),
+    rtol=1e-5,
+    atol=1e-7,
+  )
 
 
 class Counted(sr.Module):
@@ -218,17 +219,18 @@ def test_variable_carry_threads_a_shared_variable():
   # Without a rule for it, the shared counter is read-only.
   ReadOnly = sr.remat_scan(Counted, lengths=(2, 3), variable_axes={sr.Param: 0})
   ro = ReadOnly(counter, W, rngs=sr.Rngs(0))
-  with pytest.raises(sr.TransformError,
-                     match=r"wrote to `counter` \(BatchStat, collection 'batch_stats'\), "
-                           r"which is matched by no collection rule"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"wrote to `counter` \(BatchStat, collection 'batch_stats'\), "
+    r"which is matched by no collection rule",
+  ):
     ro(x)
   assert int(counter.value) == 12
 
 
 def test_methods():
   counter = sr.BatchStat(jnp.zeros((), jnp.int32))
-  Deep = sr.remat_scan(Counted, lengths=(2, 2), variable_carry=sr.BatchStat,
-                       methods=["twice"])
+  Deep = sr.remat_scan(Counted, lengths=(2, 2), variable_carry=sr.BatchStat, methods=["twice"])
   deep = Deep(counter, W, rngs=sr.Rngs(0))
   x = data()
   want = x
@@ -236,8 +238,11 @@ def test_methods():
     want = layer.twice(want)
   np.testing.assert_allclose(deep.twice(x), want, rtol=1e-6, atol=1e-6)
   assert int(counter.value) == 8  # the loop ran on copies
-  with pytest.raises(AttributeError, match=r"sr\.remat_scan\(Counted, methods=\['nope'\]\)"
-                                           r": Counted has no method 'nope'"):
+  with pytest.raises(
+    AttributeError,
+    match=r"sr\.remat_scan\(Counted, methods=\['nope'\]\)"
+    r": Counted has no method 'nope'",
+  ):
     sr.remat_scan(Counted, lengths=(2,), methods=["nope"])
 
 
@@ -254,7 +259,6 @@ def test_composes_with_jit():
 
 
 class LinenBody(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return x + 0.1 * jnp.tanh(nn.Dense(W)(x))
@@ -266,17 +270,21 @@ def test_matches_flax_linen_remat_scan():
   linen = nn.remat_scan(LinenBody, lengths=(2, 3))()
   variables = linen.init(jax.random.key(0), x)
   assert variables["params"]["Dense_0"]["kernel"].shape == (2, 3, W, W)
-  params = {"Dense_0": {"kernel": deep.linear.kernel.value.reshape(2, 3, W, W),
-                        "bias": deep.linear.bias.value.reshape(2, 3, W)}}
-  np.testing.assert_allclose(deep(x), linen.apply({"params": params}, x), rtol=1e-6,
-                             atol=1e-6)
+  params = {
+    "Dense_0": {
+      "kernel": deep.linear.kernel.value.reshape(2, 3, W, W),
+      "bias": deep.linear.bias.value.reshape(2, 3, W),
+    }
+  }
+  np.testing.assert_allclose(deep(x), linen.apply({"params": params}, x), rtol=1e-6, atol=1e-6)
   ours = sr.grad(lambda m, x: (m(x) ** 2).mean())(deep, x)
   theirs = jax.grad(lambda p: (linen.apply({"params": p}, x) ** 2).mean())(params)
-  np.testing.assert_allclose(ours["linear"]["kernel"],
-                             theirs["Dense_0"]["kernel"].reshape(6, W, W), rtol=1e-5,
-                             atol=1e-7)
-  np.testing.assert_allclose(ours["linear"]["bias"],
-                             theirs["Dense_0"]["bias"].reshape(6, W), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(
+    ours["linear"]["kernel"], theirs["Dense_0"]["kernel"].reshape(6, W, W), rtol=1e-5, atol=1e-7
+  )
+  np.testing.assert_allclose(
+    ours["linear"]["bias"], theirs["Dense_0"]["bias"].reshape(6, W), rtol=1e-5, atol=1e-7
+  )
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -293,12 +301,15 @@ def test_bad_lengths(lengths):
 def test_lengths_not_matching_the_stacked_variable():
   deep = sr.remat_scan(Block, lengths=(2, 3))(W, rngs=sr.Rngs(0))
   before = sr.state(deep)
-  with pytest.raises(sr.TransformError,
-                     match=r"lengths=\(3, 3\) \(product\) says 9 iterations but the "
-                           r"stacked variable `linear\.bias` \(axis 0\) has 6"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"lengths=\(3, 3\) \(product\) says 9 iterations but the "
+    r"stacked variable `linear\.bias` \(axis 0\) has 6",
+  ):
     sr.remat_scan(apply, (3, 3))(deep, data())
-  np.testing.assert_array_equal(sr.state(deep).flat()[("linear", "kernel")],
-                                before.flat()[("linear", "kernel")])
+  np.testing.assert_array_equal(
+    sr.state(deep).flat()[("linear", "kernel")], before.flat()[("linear", "kernel")]
+  )
 
 
 def test_writing_a_broadcast_variable():
@@ -306,9 +317,11 @@ def test_writing_a_broadcast_variable():
   deep = Deep(W, rngs=sr.Rngs(0))
   assert deep.norm.mean.shape == (W,) and deep.linear.kernel.shape == (4, W, W)
   before = {k: np.asarray(v) for k, v in sr.state(deep).flat().items()}
-  with pytest.raises(sr.TransformError,
-                     match=r"wrote to `norm\.mean` \(BatchStat, collection 'batch_stats'\)"
-                           r", which is broadcast \(variable_broadcast\).*variable_carry="):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"wrote to `norm\.mean` \(BatchStat, collection 'batch_stats'\)"
+    r", which is broadcast \(variable_broadcast\).*variable_carry=",
+  ):
     deep(data())
   for k, v in sr.state(deep).flat().items():
     np.testing.assert_array_equal(v, before[k])
@@ -323,19 +336,22 @@ def test_carry_shape_change():
   def grow(layer, x):
     return jnp.concatenate([layer(x), x], axis=0)
 
-  with pytest.raises(sr.TransformError,
-                     match=r"the carry leaf `<carry>` went in as float32\[2, 4\] and came "
-                           r"out as float32\[4, 4\]"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"the carry leaf `<carry>` went in as float32\[2, 4\] and came "
+    r"out as float32\[4, 4\]",
+  ):
     sr.remat_scan(grow, (2, 2))(deep, data())
 
 
 def test_carry_dtype_change():
   deep = sr.remat_scan(Block, lengths=(4,))(W, rngs=sr.Rngs(0))
-  with pytest.raises(sr.TransformError,
-                     match=r"the carry leaf `\['h'\]` went in as float32\[2, 4\] and came "
-                           r"out as float16\[2, 4\].*astype"):
-    sr.remat_scan(lambda m, c: {"h": m(c["h"]).astype(jnp.float16)}, (4,))(
-        deep, {"h": data()})
+  with pytest.raises(
+    sr.TransformError,
+    match=r"the carry leaf `\['h'\]` went in as float32\[2, 4\] and came "
+    r"out as float16\[2, 4\].*astype",
+  ):
+    sr.remat_scan(lambda m, c: {"h": m(c["h"]).astype(jnp.float16)}, (4,))(deep, {"h": data()})
 
 
 def test_module_in_carry_and_methods_on_function():
@@ -349,8 +365,7 @@ def test_module_in_carry_and_methods_on_function():
 # -- memory: the same compiled bytes as the hand-written construction ---------------
 
 
-@pytest.mark.parametrize(
-    "policy", [None, jax.checkpoint_policies.dots_with_no_batch_dims_saveable])
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_with_no_batch_dims_saveable])
 def test_memory_matches_raw_jax(policy):
   """Temp bytes equal nested scans with jax.checkpoint at every level, the policy innermost.
 
@@ -361,7 +376,6 @@ def test_memory_matches_raw_jax(policy):
   width, batch, lengths = 32, 64, (4, 4)
 
   class Dense(sr.Module):
-
     def __init__(self, *, rngs):
       self.linear = sr.nn.Linear(width, width, rngs=rngs)
 
@@ -384,23 +398,24 @@ def test_memory_matches_raw_jax(policy):
       if depth == len(lengths):
         k, b = p
         return jnp.tanh(h @ k + b[None]), None
-      step = jax.checkpoint(lambda h, p: level(depth + 1, h, p), prevent_cse=False,
-                            policy=policy if depth == len(lengths) - 1 else None)
+      step = jax.checkpoint(
+        lambda h, p: level(depth + 1, h, p),
+        prevent_cse=False,
+        policy=policy if depth == len(lengths) - 1 else None,
+      )
       return jax.lax.scan(step, h, p)
 
     out, _ = level(0, x, (kernel, bias))
-    return (out ** 2).mean()
+    return (out**2).mean()
 
   raw_params = {"kernel": deep.linear.kernel.value, "bias": deep.linear.bias.value}
   ours_compiled = jax.jit(grad_fn).lower(params, rest, x).compile()
   raw_compiled = jax.jit(jax.grad(raw_loss)).lower(raw_params, x).compile()
   ours, raw = ours_compiled.memory_analysis(), raw_compiled.memory_analysis()
   assert raw.temp_size_in_bytes > 0
-  assert abs(ours.temp_size_in_bytes - raw.temp_size_in_bytes) <= (
-      0.01 * raw.temp_size_in_bytes)
+  assert abs(ours.temp_size_in_bytes - raw.temp_size_in_bytes) <= (0.01 * raw.temp_size_in_bytes)
   assert ours.output_size_in_bytes == raw.output_size_in_bytes
   # The two agree on the numbers too.
   grads = ours_compiled(params, rest, x)
   want = raw_compiled(raw_params, x)
-  np.testing.assert_allclose(grads["linear"]["kernel"], want["kernel"], rtol=1e-4,
-                             atol=1e-7)
+  np.testing.assert_allclose(grads["linear"]["kernel"], want["kernel"], rtol=1e-4, atol=1e-7)

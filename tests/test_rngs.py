@@ -88,10 +88,13 @@ def test_default_stream_serves_absent_names():
 
 def test_absent_stream_without_default_attribute():
   rngs = sr.Rngs(params=0)
-  with pytest.raises(AttributeError, match=r"this Rngs has no 'dropout' stream and no "
-                     r"default stream \(it has \['params'\]\)\. Fix: add one, e\.g\. "
-                     r"sr\.Rngs\(dropout=0, \.\.\.\), or give a default seed: "
-                     r"sr\.Rngs\(0\)"):
+  with pytest.raises(
+    AttributeError,
+    match=r"this Rngs has no 'dropout' stream and no "
+    r"default stream \(it has \['params'\]\)\. Fix: add one, e\.g\. "
+    r"sr\.Rngs\(dropout=0, \.\.\.\), or give a default seed: "
+    r"sr\.Rngs\(0\)",
+  ):
     rngs.dropout()
 
 
@@ -113,23 +116,42 @@ def test_private_names_are_not_served_by_the_default_stream():
 
 
 def test_needs_a_seed():
-  with pytest.raises(ValueError, match=r"Rngs needs a seed: sr\.Rngs\(0\) or "
-                     r"sr\.Rngs\(params=0, dropout=1\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"Rngs needs a seed: sr\.Rngs\(0\) or "
+    r"sr\.Rngs\(params=0, dropout=1\)",
+  ):
     sr.Rngs()
 
 
-@pytest.mark.parametrize("name", ["fork", "stream_names", "default_stream", "train",
-                                  "eval", "set_attributes", "iter_modules",
-                                  "iter_variables"])
+@pytest.mark.parametrize(
+  "name",
+  [
+    "fork",
+    "stream_names",
+    "default_stream",
+    "train",
+    "eval",
+    "set_attributes",
+    "iter_modules",
+    "iter_variables",
+  ],
+)
 def test_reserved_names(name):
-  with pytest.raises(ValueError, match=rf"'{name}' cannot name an RNG stream: it is an "
-                     rf"Rngs method \(`rngs\.{name}`\)"):
+  with pytest.raises(
+    ValueError,
+    match=rf"'{name}' cannot name an RNG stream: it is an "
+    rf"Rngs method \(`rngs\.{name}`\)",
+  ):
     sr.Rngs(**{name: 0})
 
 
 def test_private_stream_names_are_refused():
-  with pytest.raises(ValueError, match=r"'_hidden' cannot name an RNG stream: names "
-                     r"starting with '_' are reserved"):
+  with pytest.raises(
+    ValueError,
+    match=r"'_hidden' cannot name an RNG stream: names "
+    r"starting with '_' are reserved",
+  ):
     sr.Rngs(_hidden=0)
 
 
@@ -138,20 +160,30 @@ def test_two_default_seeds_are_refused():
     sr.Rngs(0, default=1)
 
 
-@pytest.mark.parametrize("seed, shown", [
-    (1.5, r"float32\[\]"), (jnp.zeros(3, jnp.uint32), r"uint32\[3\]"),
+@pytest.mark.parametrize(
+  "seed, shown",
+  [
+    (1.5, r"float32\[\]"),
+    (jnp.zeros(3, jnp.uint32), r"uint32\[3\]"),
     (jnp.zeros((2,), jnp.float32), r"float32\[2\]"),
-])
+  ],
+)
 def test_bad_seed(seed, shown):
-  with pytest.raises(TypeError, match=r"an RNG seed must be an int, a typed key "
-                     rf"\(jax\.random\.key\) or a raw uint32 key, got {shown}"):
+  with pytest.raises(
+    TypeError,
+    match=r"an RNG seed must be an int, a typed key "
+    rf"\(jax\.random\.key\) or a raw uint32 key, got {shown}",
+  ):
     sr.Rngs(seed)
 
 
 @pytest.mark.parametrize("seed", [None, "zero", object()])
 def test_seed_that_is_not_an_array(seed):
-  with pytest.raises(TypeError, match=r"an RNG seed must be an int, a typed key "
-                     r"\(jax\.random\.key\) or a raw uint32 key, got"):
+  with pytest.raises(
+    TypeError,
+    match=r"an RNG seed must be an int, a typed key "
+    r"\(jax\.random\.key\) or a raw uint32 key, got",
+  ):
     sr.Rngs(params=seed)
 
 
@@ -207,13 +239,15 @@ def test_forks_differ_from_each_other_and_are_reproducible():
 def test_rngs_state_has_key_and_count_in_collection_rngs():
   rngs = sr.Rngs(0, dropout=1)
   state = sr.state(rngs)
-  assert set(state.flat()) == {("default", "key"), ("default", "count"),
-                               ("dropout", "key"), ("dropout", "count")}
+  assert set(state.flat()) == {
+    ("default", "key"),
+    ("default", "count"),
+    ("dropout", "key"),
+    ("dropout", "count"),
+  }
   assert set(sr.state(rngs, "rngs").flat()) == set(state.flat())
-  assert set(sr.state(rngs, sr.RngCount).flat()) == {("default", "count"),
-                                                     ("dropout", "count")}
-  assert set(sr.state(rngs, sr.RngKey).flat()) == {("default", "key"),
-                                                   ("dropout", "key")}
+  assert set(sr.state(rngs, sr.RngCount).flat()) == {("default", "count"), ("dropout", "count")}
+  assert set(sr.state(rngs, sr.RngKey).flat()) == {("default", "key"), ("dropout", "key")}
   rngs.dropout()
   assert int(sr.state(rngs)["dropout"]["count"]) == 1
   assert rngs.dropout.count.tag == "dropout"
@@ -261,8 +295,11 @@ def test_rngs_on_a_module_is_part_of_its_state():
   assert ("rngs", "dropout", "count") in state.flat()
   assert ("rngs", "default", "key") in state.flat()
   assert set(sr.state(model, "rngs").flat()) == {
-      ("rngs", "default", "key"), ("rngs", "default", "count"),
-      ("rngs", "dropout", "key"), ("rngs", "dropout", "count")}
+    ("rngs", "default", "key"),
+    ("rngs", "default", "count"),
+    ("rngs", "dropout", "key"),
+    ("rngs", "dropout", "count"),
+  }
   params, rng_state = sr.state(model, sr.Param, sr.RngState)
   assert set(params.flat()) == {("w",)}
   assert len(rng_state.flat()) == 4

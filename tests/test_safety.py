@@ -10,7 +10,6 @@ import statefulremat as sr
 
 
 class Block(sr.Module):
-
   def __init__(self, *, rngs):
     self.linear = sr.nn.Linear(2, 2, rngs=rngs)
     self.mean = sr.BatchStat(jnp.zeros(2))
@@ -23,7 +22,6 @@ class Block(sr.Module):
 
 
 class Outer(sr.Module):
-
   def __init__(self):
     self.rngs = sr.Rngs(0)
     self.block = Block(rngs=self.rngs)
@@ -38,7 +36,6 @@ class Outer(sr.Module):
 
 
 class Scale(sr.Module):
-
   def __init__(self):
     self.w = sr.Param(jnp.ones(2))
     self.flag = False
@@ -62,12 +59,16 @@ X = jnp.ones((3, 2))
 
 # -- (1) traced values leaking out of a plain JAX transform ---------------------------
 
-CLOSURE = (r"sr\.jit\(f\) read `block\.linear\.kernel` \(Param\) of an Outer that it was "
-           r"not given as an argument: a module reached by closure.*Fix: pass the module "
-           r"as an argument")
-LEAK = (r"a traced value was assigned to `block\.linear\.kernel` \(Param\) from inside "
-        r"a JAX transform that does not own it.*the old value is kept\. Fix: pass the "
-        r"module as an argument to `sr\.jit`")
+CLOSURE = (
+  r"sr\.jit\(f\) read `block\.linear\.kernel` \(Param\) of an Outer that it was "
+  r"not given as an argument: a module reached by closure.*Fix: pass the module "
+  r"as an argument"
+)
+LEAK = (
+  r"a traced value was assigned to `block\.linear\.kernel` \(Param\) from inside "
+  r"a JAX transform that does not own it.*the old value is kept\. Fix: pass the "
+  r"module as an argument to `sr\.jit`"
+)
 
 
 def _closing_over(model, reached):
@@ -153,18 +154,24 @@ def test_sr_transform_inside_a_plain_transform_cannot_write_tracers_back():
   snap = snapshot(model)
   step = sr.jit(lambda m, x: m(x).sum())
 
-  with pytest.raises(sr.TraceContextError, match=r"sr\.jit\(<lambda>\) ran inside a JAX "
-                     r"transform .* that does not own `block\.mean` \(BatchStat\).*"
-                     r"nothing was written\. Fix: pass the module as an argument to the "
-                     r"outer transform"):
+  with pytest.raises(
+    sr.TraceContextError,
+    match=r"sr\.jit\(<lambda>\) ran inside a JAX "
+    r"transform .* that does not own `block\.mean` \(BatchStat\).*"
+    r"nothing was written\. Fix: pass the module as an argument to the "
+    r"outer transform",
+  ):
     jax.vmap(lambda x: step(model, x))(jnp.ones((4, 3, 2)))
   assert_unchanged(model, snap)
 
   def loss(m, x):
     return m(x).sum()  # updates the running mean and draws a dropout key
 
-  with pytest.raises(sr.TraceContextError, match=r"sr\.grad\(loss\) ran inside a JAX "
-                     r"transform.*`block\.mean` \(BatchStat\)"):
+  with pytest.raises(
+    sr.TraceContextError,
+    match=r"sr\.grad\(loss\) ran inside a JAX "
+    r"transform.*`block\.mean` \(BatchStat\)",
+  ):
     jax.jit(lambda x: sr.grad(loss)(model, x)["block"]["linear"]["kernel"])(X)
   assert_unchanged(model, snap)
 
@@ -190,21 +197,22 @@ def _mutate_then_raise(exc):
 
 
 TRANSFORMS = {
-    "jit": lambda fn: sr.jit(fn),
-    "grad": lambda fn: sr.grad(fn),
-    "value_and_grad": lambda fn: sr.value_and_grad(fn),
-    "grad_under_jit": lambda fn: sr.jit(lambda m, x: sr.grad(fn)(m, x)),
-    "jit_under_grad": lambda fn: sr.grad(sr.jit(fn)),
+  "jit": lambda fn: sr.jit(fn),
+  "grad": lambda fn: sr.grad(fn),
+  "value_and_grad": lambda fn: sr.value_and_grad(fn),
+  "grad_under_jit": lambda fn: sr.jit(lambda m, x: sr.grad(fn)(m, x)),
+  "jit_under_grad": lambda fn: sr.grad(sr.jit(fn)),
 }
 
 
 EXCEPTION_CASES = [(name, ValueError("boom in step")) for name in sorted(TRANSFORMS)] + [
-    (name, KeyboardInterrupt("interrupted in step"))
-    for name in ("jit", "grad", "value_and_grad")]
+  (name, KeyboardInterrupt("interrupted in step")) for name in ("jit", "grad", "value_and_grad")
+]
 
 
-@pytest.mark.parametrize("name, exc", EXCEPTION_CASES,
-                         ids=[f"{n}-{type(e).__name__}" for n, e in EXCEPTION_CASES])
+@pytest.mark.parametrize(
+  "name, exc", EXCEPTION_CASES, ids=[f"{n}-{type(e).__name__}" for n, e in EXCEPTION_CASES]
+)
 def test_an_exception_leaves_every_object_unchanged(name, exc):
   model = Outer()
   snap = snapshot(model)
@@ -243,8 +251,10 @@ def test_an_exception_after_an_optimizer_step_inside_jit_changes_nothing():
 
 # -- (3) structure changes inside a transform, and modules returned from one ---------
 
-FIX = (r"Create sub-modules and Variables in `__init__`.*change static attributes "
-       r"outside the transformed function \(`model\.eval\(\)` before calling it\)")
+FIX = (
+  r"Create sub-modules and Variables in `__init__`.*change static attributes "
+  r"outside the transformed function \(`model\.eval\(\)` before calling it\)"
+)
 
 
 def _add_module(m, x):
@@ -280,21 +290,22 @@ def _raw_array(m, x):
 
 
 STRUCTURE_CHANGES = [
-    (_add_module, r"a new variable at `extra\.w`"),
-    (_add_variable, r"a new variable at `h`"),
-    (_flip_static, r"attribute `block\.deterministic` changed"),
-    (_add_static, r"attribute `note` was added"),
-    (_delete_module, r"the variable at `block\.linear\.bias` was removed"),
-    (_append_layer, r"a new variable at `layers\[2\]\.bias`"),
-    (_replace_kind, r"attribute `block\.mean` changed"),
+  (_add_module, r"a new variable at `extra\.w`"),
+  (_add_variable, r"a new variable at `h`"),
+  (_flip_static, r"attribute `block\.deterministic` changed"),
+  (_add_static, r"attribute `note` was added"),
+  (_delete_module, r"the variable at `block\.linear\.bias` was removed"),
+  (_append_layer, r"a new variable at `layers\[2\]\.bias`"),
+  (_replace_kind, r"attribute `block\.mean` changed"),
 ]
 
 
 # sr.jit (and sr.scan / sr.vmap / sr.remat) carry structure changes out:
 # tests/test_nnx_guide.py. sr.grad still refuses them.
 @pytest.mark.parametrize("transform", ["grad"])
-@pytest.mark.parametrize("change, where", STRUCTURE_CHANGES,
-                         ids=[c.__name__.strip("_") for c, _ in STRUCTURE_CHANGES])
+@pytest.mark.parametrize(
+  "change, where", STRUCTURE_CHANGES, ids=[c.__name__.strip("_") for c, _ in STRUCTURE_CHANGES]
+)
 def test_changing_structure_inside_a_transform_is_an_error(change, where, transform):
   model = Outer()
   snap = snapshot(model)
@@ -308,8 +319,11 @@ def test_changing_structure_inside_a_transform_is_an_error(change, where, transf
 
   wrapped = sr.jit(fn) if transform == "jit" else sr.grad(fn)
   what = r"sr\.jit\(fn\)" if transform == "jit" else r"sr\.grad\(fn\)"
-  with pytest.raises(sr.GraphError, match=what + r": the function changed the structure "
-                     r"of its modules \(" + where + r"\)\..*" + FIX):
+  with pytest.raises(
+    sr.GraphError,
+    match=what + r": the function changed the structure "
+    r"of its modules \(" + where + r"\)\..*" + FIX,
+  ):
     wrapped(model, X)
   assert_unchanged(model, snap)
   assert vars(model) == attrs and model.block.deterministic is False
@@ -330,8 +344,11 @@ def test_structure_change_names_which_module_argument():
 
 def test_assigning_a_raw_array_inside_a_transform_is_an_error():
   model = Outer()
-  with pytest.raises(sr.GraphError, match=r"attribute `cache` holds an array "
-                     r"\(float32\[3, 2\]\) that is not in a Variable.*Fix: wrap it"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"attribute `cache` holds an array "
+    r"\(float32\[3, 2\]\) that is not in a Variable.*Fix: wrap it",
+  ):
     sr.jit(_raw_array)(model, X)
   assert not hasattr(model, "cache")
 
@@ -349,11 +366,15 @@ def test_returning_modules_sr_jit_returns_the_callers_objects_grad_refuses():
   _, block = sr.jit(returns_module)(model, X)
   assert block is model.block
   assert sr.jit(lambda m, x: {"w": m.block.linear.kernel})(model, X)["w"] is (
-      model.block.linear.kernel)
+    model.block.linear.kernel
+  )
   np.testing.assert_array_equal(model.block.mean.value, before + 1)
   snap = snapshot(model)
-  with pytest.raises(sr.GraphError, match=r"sr\.grad\(.*\): the function returned a "
-                     r"module \(Outer\) at output `\[0\]`"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"sr\.grad\(.*\): the function returned a "
+    r"module \(Outer\) at output `\[0\]`",
+  ):
     sr.grad(lambda m, x: (m(x).sum(), [m]), has_aux=True)(model, X)
   assert_unchanged(model, snap)
 
@@ -362,21 +383,21 @@ def test_returning_modules_sr_jit_returns_the_callers_objects_grad_refuses():
 
 
 class Hidden(sr.Module):
-
   def __init__(self):
     self.w = jnp.ones((3,))
     self.b = sr.Param(jnp.zeros(3))
 
 
 class HasHidden(sr.Module):
-
   def __init__(self):
     self.block = Hidden()
 
 
-RAW = (r"attribute `block\.w` holds an array \(float32\[3\]\) that is not in a Variable, "
-       r"so transforms would bake it in as a constant and never update it\. Fix: wrap it, "
-       r"e\.g\. `self\.w = sr\.Param\(w\)`")
+RAW = (
+  r"attribute `block\.w` holds an array \(float32\[3\]\) that is not in a Variable, "
+  r"so transforms would bake it in as a constant and never update it\. Fix: wrap it, "
+  r"e\.g\. `self\.w = sr\.Param\(w\)`"
+)
 
 
 @pytest.mark.parametrize("transform", [sr.jit, sr.grad, sr.value_and_grad])
@@ -392,6 +413,9 @@ def test_a_raw_numpy_array_or_unhashable_attribute_is_an_error():
   with pytest.raises(sr.GraphError, match=RAW):
     sr.jit(lambda m: m.block.b.value)(model)
   model.block.w = {1, 2}
-  with pytest.raises(sr.GraphError, match=r"attribute `block\.w` holds a set, which is "
-                     r"not hashable.*Fix: use a tuple or a frozen dataclass"):
+  with pytest.raises(
+    sr.GraphError,
+    match=r"attribute `block\.w` holds a set, which is "
+    r"not hashable.*Fix: use a tuple or a frozen dataclass",
+  ):
     sr.jit(lambda m: m.block.b.value)(model)

@@ -14,8 +14,8 @@ X = jnp.linspace(-1.0, 1.0, 2 * D).reshape(2, D)
 class Block(sr.Module):
   """Linear + BatchNorm (training mode) with a residual; ys are the row sums."""
 
-  def __init__(self, d, *, rngs, kernel_metadata={}):
-    self.linear = sr.nn.Linear(d, d, kernel_metadata=kernel_metadata, rngs=rngs)
+  def __init__(self, d, *, rngs, kernel_metadata=None):
+    self.linear = sr.nn.Linear(d, d, kernel_metadata=kernel_metadata or {}, rngs=rngs)
     self.bn = sr.nn.BatchNorm(d, momentum=0.5, rngs=rngs)
 
   def __call__(self, x):
@@ -59,14 +59,18 @@ class Noise(sr.Module):
 
 
 class Layers(sr.Module):
-
   def __init__(self, layers):
     self.layers = layers
 
 
 def stack_cls(**options):
-  return sr.scan(Block, length=L, variable_axes={sr.Param: 0, sr.BatchStat: 0},
-                 split_rngs={"params": True, "dropout": True}, **options)
+  return sr.scan(
+    Block,
+    length=L,
+    variable_axes={sr.Param: 0, sr.BatchStat: 0},
+    split_rngs={"params": True, "dropout": True},
+    **options,
+  )
 
 
 def values(module):
@@ -91,8 +95,7 @@ def close(a, b, tol=1e-5):
 
 def weights(n=L, d=D, seed=0):
   # NumPy draws: nothing to compile.
-  return jnp.asarray(np.random.default_rng(seed).standard_normal((n, d, d)) / d,
-                     jnp.float32)
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((n, d, d)) / d, jnp.float32)
 
 
 def loop(layers, carry, xs=None):
@@ -110,14 +113,17 @@ def test_class_form_builds_distinct_layers_in_one_traced_init():
   inits = []
 
   class Counted(Block):
-
     def __init__(self, d, *, rngs):
       inits.append(d)
       super().__init__(d, rngs=rngs)
 
   rngs = sr.Rngs(0)
-  stack = sr.scan(Counted, length=L, variable_axes={sr.Param: 0, sr.BatchStat: 0},
-                  split_rngs={"params": True, "dropout": True})(D, rngs=rngs)
+  stack = sr.scan(
+    Counted,
+    length=L,
+    variable_axes={sr.Param: 0, sr.BatchStat: 0},
+    split_rngs={"params": True, "dropout": True},
+  )(D, rngs=rngs)
   assert isinstance(stack, Counted) and type(stack).__name__ == "ScanCounted"
   assert len(stack) == L
   assert stack.linear.kernel.shape == (L, D, D)
@@ -231,7 +237,8 @@ def test_carried_variable_function_form():
     return h + x, m.calls.value
 
   h, ys = sr.scan(body, variable_carry=sr.BatchStat, variable_broadcast=sr.Param)(
-      model, jnp.zeros(D), jnp.ones((4, D)))
+    model, jnp.zeros(D), jnp.ones((4, D))
+  )
   close(h, 4 * jnp.ones(D))
   close(ys, [1.0, 2.0, 3.0, 4.0])
   assert float(model.calls.value) == 4.0
@@ -240,8 +247,9 @@ def test_carried_variable_function_form():
 # -- RNG streams ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rngs", [lambda: sr.Rngs(dropout=1), lambda: sr.Rngs(0)],
-                         ids=["own-stream", "default-stream"])
+@pytest.mark.parametrize(
+  "rngs", [lambda: sr.Rngs(dropout=1), lambda: sr.Rngs(0)], ids=["own-stream", "default-stream"]
+)
 def test_dropout_masks_differ_per_iteration_iff_split(rngs):
   split, shared = Noise(rngs()), Noise(rngs())
   # Under sr.jit: the second call reuses the compiled scan, with the stream's count
@@ -266,15 +274,13 @@ def test_dropout_masks_differ_per_iteration_iff_split(rngs):
 
 def test_split_streams_with_false_are_shared():
   noise = Noise(sr.Rngs(dropout=1))
-  _, masks = sr.scan(Noise.__call__, length=3, split_rngs={"dropout": False})(
-      noise, jnp.zeros(()))
+  _, masks = sr.scan(Noise.__call__, length=3, split_rngs={"dropout": False})(noise, jnp.zeros(()))
   assert all(np.array_equal(masks[0], masks[i]) for i in range(3))
 
 
 def test_dropout_inside_a_scanned_stack():
 
   class Drop(sr.Module):
-
     def __init__(self, *, rngs):
       self.linear = sr.nn.Linear(D, D, rngs=rngs)
       self.drop = sr.nn.Dropout(0.5, rngs=rngs)
@@ -283,8 +289,9 @@ def test_dropout_inside_a_scanned_stack():
       return x, self.drop(self.linear(jnp.ones((8, D))) + 1.0)
 
   rngs = sr.Rngs(params=0, dropout=1)
-  Stack = sr.scan(Drop, length=L, variable_axes={sr.Param: 0},
-                  split_rngs={"params": True, "dropout": True})
+  Stack = sr.scan(
+    Drop, length=L, variable_axes={sr.Param: 0}, split_rngs={"params": True, "dropout": True}
+  )
   stack = Stack(rngs=rngs)
   assert stack.drop.rngs is rngs  # the constructor's Rngs is shared, not stacked
   _, ys = stack(X)
@@ -296,15 +303,15 @@ def test_dropout_inside_a_scanned_stack():
 def test_rng_state_stacked_by_the_init_is_scanned_like_any_stacked_variable():
 
   class OwnRngs(sr.Module):
-
     def __init__(self, *, rngs):
       self.rngs = sr.Rngs(dropout=rngs.params())
 
     def __call__(self, carry):
       return carry, jax.random.bernoulli(self.rngs.dropout(), 0.5, (32,))
 
-  stack = sr.scan(OwnRngs, length=L, variable_axes={...: 0},
-                  split_rngs={"params": True})(rngs=sr.Rngs(0))
+  stack = sr.scan(OwnRngs, length=L, variable_axes={...: 0}, split_rngs={"params": True})(
+    rngs=sr.Rngs(0)
+  )
   assert stack.rngs.dropout.count.shape == (L,)
   layer = stack.layer(1)
   _, first = stack(None)
@@ -360,12 +367,17 @@ def test_reverse_writes_each_layer_its_own_stats():
 def test_class_form_methods():
 
   class TwoWays(Block):
-
     def step(self, x, scale):
       return jnp.tanh(self.linear(x) * scale), None
 
-  Stack = sr.scan(TwoWays, length=L, variable_axes={sr.Param: 0, sr.BatchStat: 0},
-                  split_rngs={"params": True}, in_axes=None, methods=["step"])
+  Stack = sr.scan(
+    TwoWays,
+    length=L,
+    variable_axes={sr.Param: 0, sr.BatchStat: 0},
+    split_rngs={"params": True},
+    in_axes=None,
+    methods=["step"],
+  )
   stack = Stack(D, rngs=sr.Rngs(0))
   h, _ = stack.step(X, 0.5)
   h0 = X
@@ -410,8 +422,10 @@ def test_in_axes_none_broadcasts_and_tuple_per_argument():
 
 def test_in_axes_pytree_prefix():
   model = Dense(jnp.eye(D) / 2)
-  xs = {"a": jnp.ones((4, 2, D)),
-        "b": (jnp.linspace(0.0, 1.0, 2 * 4 * D).reshape(2, 4, D), jnp.full((2, D), 0.1))}
+  xs = {
+    "a": jnp.ones((4, 2, D)),
+    "b": (jnp.linspace(0.0, 1.0, 2 * 4 * D).reshape(2, 4, D), jnp.full((2, D), 0.1)),
+  }
   h, ys = sr.scan(add_body, in_axes=({"a": 0, "b": (1, None)},))(model, X, xs)
   h0 = X
   for t in range(4):
@@ -425,8 +439,7 @@ def test_in_axes_that_do_not_fit():
   before = values(model)
   with pytest.raises(sr.TransformError, match=r"in_axes=\(0, 0\) does not fit 1 xs"):
     sr.scan(add_body, in_axes=(0, 0))(model, X, jnp.ones((3, D)))
-  with pytest.raises(sr.TransformError,
-                     match=r"in_axes entry \{'a': 0\} is not a prefix"):
+  with pytest.raises(sr.TransformError, match=r"in_axes entry \{'a': 0\} is not a prefix"):
     sr.scan(add_body, in_axes=({"a": 0},))(model, X, [jnp.ones((3, D))])
   assert_unchanged(model, before)
 
@@ -488,8 +501,7 @@ def test_data_transform_gets_a_state_and_its_changes_apply():
     seen.append(state)
     return jax.tree.map(lambda v: 2 * v, state)
 
-  h, _ = sr.scan(Dense.__call__, variable_axes={sr.Param: 0}, data_transform=double)(
-      Dense(w), X)
+  h, _ = sr.scan(Dense.__call__, variable_axes={sr.Param: 0}, data_transform=double)(Dense(w), X)
   h0, _ = loop([Dense(2 * w[i]) for i in range(L)], X)
   close(h, h0)
   assert isinstance(seen[0], sr.State) and sorted(seen[0].flat()) == [("w",)]
@@ -497,8 +509,9 @@ def test_data_transform_gets_a_state_and_its_changes_apply():
   assert sorted(seen[0].filter(sr.Param).flat()) == [("w",)]  # kinds are kept
   model = Dense(w)
   with pytest.raises(sr.TransformError, match=r"data_transform must return a State"):
-    sr.scan(Dense.__call__, variable_axes={sr.Param: 0},
-            data_transform=lambda s: s.flat())(model, X)
+    sr.scan(Dense.__call__, variable_axes={sr.Param: 0}, data_transform=lambda s: s.flat())(
+      model, X
+    )
   close(model.w.value, w, 0)
 
 
@@ -512,14 +525,18 @@ def test_metadata_params_partition_name():
     return state
 
   class Recording(Block):
-
     def __call__(self, x):
       seen.append(self.linear.kernel.sharding)
       return Block.__call__(self, x)
 
-  Stack = sr.scan(Recording, length=L, variable_axes={sr.Param: 0, sr.BatchStat: 0},
-                  split_rngs={"params": True},
-                  metadata_params={"partition_name": "layers"}, data_transform=record)
+  Stack = sr.scan(
+    Recording,
+    length=L,
+    variable_axes={sr.Param: 0, sr.BatchStat: 0},
+    split_rngs={"params": True},
+    metadata_params={"partition_name": "layers"},
+    data_transform=record,
+  )
   stack = Stack(D, kernel_metadata={"sharding": ("embed", "mlp")}, rngs=sr.Rngs(0))
   assert stack.linear.kernel.sharding == ("layers", "embed", "mlp")
   stack(X)
@@ -541,10 +558,12 @@ def test_writing_to_a_broadcast_variable():
     m.w.value = m.w.value + 1
     return h, None
 
-  with pytest.raises(sr.TransformError,
-                     match=r"wrote to `w` \(Param, collection 'params'\), which is "
-                     r"broadcast.*variable_carry='params'.*"
-                     r"variable_axes=\{'params': 0\}"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"wrote to `w` \(Param, collection 'params'\), which is "
+    r"broadcast.*variable_carry='params'.*"
+    r"variable_axes=\{'params': 0\}",
+  ):
     sr.scan(body, length=2, variable_broadcast=sr.Param)(model, X)
   assert_unchanged(model, before)
 
@@ -557,10 +576,12 @@ def test_writing_to_an_unmatched_variable():
     m.calls.value = m.calls.value + 1
     return h, None
 
-  with pytest.raises(sr.TransformError,
-                     match=r"wrote to `calls` \(BatchStat, collection 'batch_stats'\), "
-                     r"which is matched by no collection rule.*"
-                     r"variable_carry='batch_stats'"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"wrote to `calls` \(BatchStat, collection 'batch_stats'\), "
+    r"which is matched by no collection rule.*"
+    r"variable_carry='batch_stats'",
+  ):
     sr.scan(body, length=2)(model, X)
   assert_unchanged(model, before)
 
@@ -568,25 +589,33 @@ def test_writing_to_an_unmatched_variable():
 def test_a_variable_both_broadcast_and_carried():
   model = Dense(jnp.eye(D))
   before = values(model)
-  with pytest.raises(sr.TransformError,
-                     match=r"`w` \(Param\) is matched by both variable_broadcast and "
-                     r"variable_carry"):
-    sr.scan(Dense.__call__, length=2, variable_broadcast=sr.Param,
-            variable_carry="params")(model, X)
+  with pytest.raises(
+    sr.TransformError,
+    match=r"`w` \(Param\) is matched by both variable_broadcast and "
+    r"variable_carry",
+  ):
+    sr.scan(Dense.__call__, length=2, variable_broadcast=sr.Param, variable_carry="params")(
+      model, X
+    )
   assert_unchanged(model, before)
 
 
 def test_carry_that_changes_shape_or_dtype():
   model = Dense(jnp.eye(D))
   before = values(model)
-  with pytest.raises(sr.TransformError,
-                     match=r"carry leaf `\['h'\]` went in as float32\[2, 4\] and "
-                     r"came out as float32\[2, 8\]"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"carry leaf `\['h'\]` went in as float32\[2, 4\] and "
+    r"came out as float32\[2, 8\]",
+  ):
     sr.scan(lambda m, c, x: ({"h": jnp.concatenate([c["h"], c["h"]], -1)}, None))(
-        model, {"h": X}, jnp.ones((3,)))
-  with pytest.raises(sr.TransformError,
-                     match=r"went in as float32\[2, 4\] and came out as int32\[2, 4\].*"
-                     r"astype\(jnp.float32\)"):
+      model, {"h": X}, jnp.ones((3,))
+    )
+  with pytest.raises(
+    sr.TransformError,
+    match=r"went in as float32\[2, 4\] and came out as int32\[2, 4\].*"
+    r"astype\(jnp.float32\)",
+  ):
     sr.scan(lambda m, c: (c.astype(jnp.int32), None), length=2)(model, X)
   with pytest.raises(sr.TransformError, match=r"carry changed structure"):
     sr.scan(lambda m, c: ((c, c), None), length=2)(model, X)
@@ -601,53 +630,66 @@ def test_carried_variable_that_changes_shape():
     m.calls.value = jnp.zeros((2,))
     return h, None
 
-  with pytest.raises(sr.TransformError, match=r"carried variable `calls`.*float32\[\].*"
-                     r"float32\[2\]"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"carried variable `calls`.*float32\[\].*"
+    r"float32\[2\]",
+  ):
     sr.scan(body, length=2, variable_carry=sr.BatchStat)(model, X)
   assert_unchanged(model, before)
 
 
 def test_length_mismatch_between_xs():
   model = Dense(jnp.eye(D))
-  with pytest.raises(sr.TransformError,
-                     match=r"xs leaf 0 \(axis 0\) says 3 iterations but xs leaf 1 "
-                     r"\(axis 0\) has 4"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"xs leaf 0 \(axis 0\) says 3 iterations but xs leaf 1 "
+    r"\(axis 0\) has 4",
+  ):
     sr.scan(add_body)(model, X, jnp.ones((3, 2, D)), jnp.ones((4, 2, D)))
 
 
 def test_length_mismatch_with_length_and_a_stacked_variable():
   model = Dense(weights())
   before = values(model)
-  with pytest.raises(sr.TransformError,
-                     match=r"length says 5 iterations but xs leaf 0 \(axis 0\) has 3"):
+  with pytest.raises(
+    sr.TransformError, match=r"length says 5 iterations but xs leaf 0 \(axis 0\) has 3"
+  ):
     sr.scan(add_body, length=5)(Dense(jnp.eye(D)), X, jnp.ones((3, 2, D)))
-  with pytest.raises(sr.TransformError,
-                     match=r"length says 2 iterations but the stacked variable `w` "
-                     r"\(axis 0\) has 3"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"length says 2 iterations but the stacked variable `w` "
+    r"\(axis 0\) has 3",
+  ):
     sr.scan(Dense.__call__, length=2, variable_axes={sr.Param: 0})(model, X)
-  with pytest.raises(sr.TransformError,
-                     match=r"xs leaf 0 \(axis 0\) says 4 iterations but the stacked "
-                     r"variable `w` \(axis 0\) has 3"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"xs leaf 0 \(axis 0\) says 4 iterations but the stacked "
+    r"variable `w` \(axis 0\) has 3",
+  ):
     sr.scan(add_body, variable_axes={sr.Param: 0})(model, X, jnp.ones((4, 2, D)))
   assert_unchanged(model, before)
 
 
 def test_nothing_tells_the_length():
-  with pytest.raises(sr.TransformError,
-                     match=r"cannot tell how many iterations.*length="):
+  with pytest.raises(sr.TransformError, match=r"cannot tell how many iterations.*length="):
     sr.scan(Dense.__call__)(Dense(jnp.eye(D)), X)
 
 
 def test_axis_out_of_range():
   model = Dense(weights())
   before = values(model)
-  with pytest.raises(sr.TransformError,
-                     match=r"variable_axes puts the layer axis of `w` at 3, but its "
-                     r"value has shape \(3, 4, 4\) \(rank 3\).*\[-3, 3\)"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"variable_axes puts the layer axis of `w` at 3, but its "
+    r"value has shape \(3, 4, 4\) \(rank 3\).*\[-3, 3\)",
+  ):
     sr.scan(Dense.__call__, variable_axes={sr.Param: 3})(model, X)
-  with pytest.raises(sr.TransformError,
-                     match=r"in_axes puts the scanned axis of xs leaf 0 at 2, but it has "
-                     r"shape \(3, 4\).*None to broadcast"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"in_axes puts the scanned axis of xs leaf 0 at 2, but it has "
+    r"shape \(3, 4\).*None to broadcast",
+  ):
     sr.scan(add_body, in_axes=2)(model, X, jnp.ones((3, D)))
   assert_unchanged(model, before)
 
@@ -667,8 +709,11 @@ def test_a_new_variable_inside_the_body():
 def test_body_must_return_a_pair():
   model = Dense(weights())
   before = values(model)
-  with pytest.raises(TypeError, match=r"must return a pair \(carry, ys\), got a single "
-                     r"array. Return `carry, None`"):
+  with pytest.raises(
+    TypeError,
+    match=r"must return a pair \(carry, ys\), got a single "
+    r"array. Return `carry, None`",
+  ):
     sr.scan(lambda m, h: h, variable_axes={sr.Param: 0})(model, X)
   with pytest.raises(TypeError, match=r"got a tuple of length 3"):
     sr.scan(lambda m, h: (h, h, h), variable_axes={sr.Param: 0})(model, X)
@@ -695,10 +740,10 @@ def test_returning_a_module_from_the_body():
 
 def test_class_form_with_stacked_variables_and_no_length():
   rngs = sr.Rngs(0)
-  with pytest.raises(sr.TransformError,
-                     match=r"`bn\.bias` is stacked by variable_axes.*pass `length=`"):
-    sr.scan(Block, variable_axes={sr.Param: 0}, split_rngs={"params": True})(
-        D, rngs=rngs)
+  with pytest.raises(
+    sr.TransformError, match=r"`bn\.bias` is stacked by variable_axes.*pass `length=`"
+  ):
+    sr.scan(Block, variable_axes={sr.Param: 0}, split_rngs={"params": True})(D, rngs=rngs)
   assert int(rngs.default.count.value) == 0
 
 
@@ -737,8 +782,9 @@ def test_scan_of_a_rematted_body():
 
 def test_scan_of_a_rematted_class_with_mutations():
   RematBlock = sr.remat(Block)
-  Stack = sr.scan(RematBlock, length=L, variable_axes={sr.Param: 0, sr.BatchStat: 0},
-                  split_rngs={"params": True})
+  Stack = sr.scan(
+    RematBlock, length=L, variable_axes={sr.Param: 0, sr.BatchStat: 0}, split_rngs={"params": True}
+  )
   stack, plain = Stack(D, rngs=sr.Rngs(0)), stack_cls()(D, rngs=sr.Rngs(0))
   g = sr.grad(lambda s, x: jnp.sum(s(x)[0] ** 2))(stack, X)
   g0 = sr.grad(lambda s, x: jnp.sum(s(x)[0] ** 2))(plain, X)
@@ -773,7 +819,7 @@ def test_grad_of_jit_of_scan_over_carried_state():
     h, total = jnp.zeros((2, D)), 0.0
     for x in xs:
       h, y = c(h, x)
-      total = total + jnp.sum(y ** 2)
+      total = total + jnp.sum(y**2)
     return total
 
   g0 = sr.grad(loop_loss)(step, xs)
@@ -802,7 +848,7 @@ def test_grad_of_scan_of_remat_takes_the_memory_of_raw_jax():
   def ours(params, x):
     model = sr.merge(graphdef, params)
     h, _ = sr.scan(sr.remat(Dense.__call__), variable_axes={sr.Param: 0})(model, x)
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
   def step(h, w_i):
     h = jnp.tanh(h @ w_i)
@@ -810,7 +856,7 @@ def test_grad_of_scan_of_remat_takes_the_memory_of_raw_jax():
 
   def raw(w, x, remat=True):
     h, _ = jax.lax.scan(jax.checkpoint(step) if remat else step, x, w)
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
   def compiled(f, *args):
     return jax.jit(jax.grad(f)).lower(*args).compile()
@@ -820,7 +866,8 @@ def test_grad_of_scan_of_remat_takes_the_memory_of_raw_jax():
   no_remat = compiled(lambda w, x: raw(w, x, remat=False), w, x).memory_analysis()
   assert no_remat.temp_size_in_bytes > 1.5 * raw_mem.temp_size_in_bytes
   assert abs(mem.temp_size_in_bytes - raw_mem.temp_size_in_bytes) <= (
-      0.01 * raw_mem.temp_size_in_bytes)
+    0.01 * raw_mem.temp_size_in_bytes
+  )
   # The outputs are the gradient alone: no extra copy of the parameters.
   assert mem.output_size_in_bytes == raw_mem.output_size_in_bytes == w.nbytes
   close(ours_c(params, x)["w"], raw_c(w, x))
@@ -835,8 +882,7 @@ def test_keyword_arguments_pass_unchanged_to_every_layer():
       y = jnp.tanh(x @ self.w.value)
       return (2 * y if double else y), None
 
-  Stack = sr.scan(Scaled, length=3, variable_axes={sr.Param: 0},
-                  split_rngs={"params": True})
+  Stack = sr.scan(Scaled, length=3, variable_axes={sr.Param: 0}, split_rngs={"params": True})
   stack = Stack(rngs=sr.Rngs(0))
   x = jnp.ones((2, 3))
   plain, _ = stack(x)
@@ -852,6 +898,9 @@ def test_keyword_arguments_pass_unchanged_to_every_layer():
 
 def test_class_form_errors_name_the_class_and_method():
   stack = sr.vmap(Dense, axis_size=3, in_axes=0)(jnp.ones((3, D, D)))
-  with pytest.raises(sr.TransformError, match=r"^sr\.vmap\(Dense\.__call__\): the stacked "
-                                              r"variable `w` \(axis 0\) says 3"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"^sr\.vmap\(Dense\.__call__\): the stacked "
+    r"variable `w` \(axis 0\) says 3",
+  ):
     stack(jnp.ones((4, D)), jnp.ones((4, D)))

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import statefulremat as sr
 
@@ -26,13 +27,20 @@ def named(*axes):
 
 class Block(sr.Module):
   def __init__(self, d, *, rngs):
-    self.norm = sr.nn.BatchNorm(d, scale_metadata=named("embed"),
-                                bias_metadata=named("embed"), mean_metadata=named("embed"),
-                                var_metadata=named("embed"), rngs=rngs)
-    self.up = sr.nn.Linear(d, 2 * d, kernel_metadata=named("embed", "mlp"),
-                           bias_metadata=named("mlp"), rngs=rngs)
-    self.down = sr.nn.Linear(2 * d, d, kernel_metadata=named("mlp", "embed"),
-                             bias_metadata=named("embed"), rngs=rngs)
+    self.norm = sr.nn.BatchNorm(
+      d,
+      scale_metadata=named("embed"),
+      bias_metadata=named("embed"),
+      mean_metadata=named("embed"),
+      var_metadata=named("embed"),
+      rngs=rngs,
+    )
+    self.up = sr.nn.Linear(
+      d, 2 * d, kernel_metadata=named("embed", "mlp"), bias_metadata=named("mlp"), rngs=rngs
+    )
+    self.down = sr.nn.Linear(
+      2 * d, d, kernel_metadata=named("mlp", "embed"), bias_metadata=named("embed"), rngs=rngs
+    )
 
   def __call__(self, x):
     return x + self.down(jax.nn.relu(self.up(self.norm(x))))
@@ -66,19 +74,22 @@ def test_stacked_variables_carry_the_layer_axis_name_and_lose_it_inside_the_body
       return super().__call__(x)
 
   sr.remat_scan(Peek, lengths=LENGTHS, metadata_params={"partition_name": "layers"})(
-      D, rngs=sr.Rngs(0))(jnp.ones((4, D)))
+    D, rngs=sr.Rngs(0)
+  )(jnp.ones((4, D)))
   assert set(seen) == {("embed", "mlp")}
 
 
 def test_specs_of_a_module_and_of_its_state_agree_and_unannotated_is_replicated():
   layer = sr.nn.Linear(2, 4, kernel_metadata=named(None, "mlp"), rngs=sr.Rngs(0))
-  assert sr.get_partition_spec(layer).flat() == sr.get_partition_spec(
-      sr.state(layer)).flat() == {("kernel",): P(None, "mlp"), ("bias",): P()}
+  assert (
+    sr.get_partition_spec(layer).flat()
+    == sr.get_partition_spec(sr.state(layer)).flat()
+    == {("kernel",): P(None, "mlp"), ("bias",): P()}
+  )
 
 
 def test_logical_to_mesh_follows_flax_rules():
-  rules = [("batch", ("data", "model")), ("mlp", "model"), ("heads", "model"),
-           ("embed", None)]
+  rules = [("batch", ("data", "model")), ("mlp", "model"), ("heads", "model"), ("embed", None)]
   assert sr.logical_to_mesh(P("batch", "embed"), rules) == P(("data", "model"), None)
   # A mesh axis serves one dimension of a spec: the later name falls back to None.
   assert sr.logical_to_mesh(P("mlp", "heads"), rules) == P("model", None)
@@ -98,15 +109,22 @@ def test_a_stack_without_a_partition_name_replicates_its_layer_axis():
   # A hand-made array that is one short is still an error, with the hint.
   layer = stack.layer(0)
   layer.down.bias = sr.Param(jnp.zeros((4, D)), sharding=("embed",))
-  with pytest.raises(sr.ShardingError, match=(
+  with pytest.raises(
+    sr.ShardingError,
+    match=(
       r"`down.bias` has sharding=\('embed',\) for an array of shape \(4, 8\): give one "
-      r"axis name .* one short: .* metadata_params=\{'partition_name': 'layers'\}")):
+      r"axis name .* one short: .* metadata_params=\{'partition_name': 'layers'\}"
+    ),
+  ):
     sr.get_partition_spec(layer)
 
 
 def test_bad_rules_and_bad_arguments():
-  with pytest.raises(sr.ShardingError, match=r"each rule is a \(logical name, mesh axis\) "
-                                             r"pair, got 'mlp'"):
+  with pytest.raises(
+    sr.ShardingError,
+    match=r"each rule is a \(logical name, mesh axis\) "
+    r"pair, got 'mlp'",
+  ):
     sr.logical_to_mesh(P("mlp"), ["mlp"])
   with pytest.raises(TypeError, match="takes a State or a module, got dict"):
     sr.get_partition_spec({"w": 1})
@@ -125,8 +143,7 @@ def test_shard_places_every_array_as_its_spec_says():
   before = leaves(stack)
   shardings = sr.shard(stack, mesh, RULES)
   kernel = stack.up.kernel.value
-  assert kernel.sharding == shardings["up"]["kernel"] == NamedSharding(mesh, P(None, None,
-                                                                              "model"))
+  assert kernel.sharding == shardings["up"]["kernel"] == NamedSharding(mesh, P(None, None, "model"))
   assert {s.data.shape for s in kernel.addressable_shards} == {(4, D, 2 * D // 4)}
   after = leaves(stack)
   for path in before:
@@ -136,15 +153,23 @@ def test_shard_places_every_array_as_its_spec_says():
 def test_shard_that_does_not_fit_names_the_path_and_moves_nothing():
   stack = Stack(D, rngs=sr.Rngs(0))
   wrong_axis = [("mlp", "tensor")]
-  with pytest.raises(sr.ShardingError, match=(
+  with pytest.raises(
+    sr.ShardingError,
+    match=(
       r"`down.kernel`: its spec .* names mesh axis 'tensor', but the mesh has "
-      r"\('data', 'model'\). Fix: map the logical name")):
+      r"\('data', 'model'\). Fix: map the logical name"
+    ),
+  ):
     sr.shard(stack, mesh_2x4(), wrong_axis)
   assert stack.up.kernel.value.sharding.num_devices == 1
   odd = sr.nn.Linear(2, 3, kernel_metadata=named(None, "mlp"), rngs=sr.Rngs(0))
-  with pytest.raises(sr.ShardingError, match=(
+  with pytest.raises(
+    sr.ShardingError,
+    match=(
       r"`kernel`: dimension 1 \(size 3\) does not divide over mesh axes \('model',\) "
-      r"\(4 devices\)")):
+      r"\(4 devices\)"
+    ),
+  ):
     sr.shard(odd, mesh_2x4(), RULES)
   assert odd.kernel.value.sharding.num_devices == 1
 
@@ -158,10 +183,11 @@ def test_shard_inside_jit_constrains():
     return model.up.kernel.value * 1
 
   stack = Stack(D, rngs=sr.Rngs(0))
-  text = jax.jit(lambda s: constrain(sr.merge(sr.graphdef(stack), s))).lower(
-      sr.state(stack)).as_text()
+  text = (
+    jax.jit(lambda s: constrain(sr.merge(sr.graphdef(stack), s))).lower(sr.state(stack)).as_text()
+  )
   # The kernel's (None, None, "model") constraint, in Shardy's notation.
-  assert 'sharding_constraint %arg' in text and '[{}, {}, {"model"}]' in text
+  assert "sharding_constraint %arg" in text and '[{}, {}, {"model"}]' in text
   out = constrain(stack)
   assert out.sharding.spec == P(None, None, "model")
   assert stack.up.kernel.value.sharding.spec == P(None, None, "model")
@@ -193,8 +219,7 @@ def test_data_and_model_parallel_step_equals_one_device():
   shardings = sr.shard(parallel, mesh, RULES)
   opt = sr.Optimizer(parallel, optax.sgd(0.1))
   batch = NamedSharding(mesh, P("data"))
-  loss2, grads2 = train_step(parallel, opt, jax.device_put(x, batch),
-                             jax.device_put(y, batch))
+  loss2, grads2 = train_step(parallel, opt, jax.device_put(x, batch), jax.device_put(y, batch))
 
   np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
   for path, g in grads1.flat().items():
@@ -217,13 +242,21 @@ def test_data_transform_constrains_each_iteration(transform):
   def constrain(state):
     specs.append(sr.logical_to_mesh(sr.get_partition_spec(state), RULES))
     return jax.tree.map(
-        lambda v, s: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, s)),
-        state, specs[-1], is_leaf=lambda s: isinstance(s, P))
+      lambda v, s: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, s)),
+      state,
+      specs[-1],
+      is_leaf=lambda s: isinstance(s, P),
+    )
 
   options = dict(data_transform=constrain, metadata_params={"partition_name": "layers"})
   if transform == "scan":
-    Scanned = sr.scan(CarryBlock, length=4, variable_axes={sr.Param: 0, sr.BatchStat: 0},
-                      split_rngs={"params": True}, **options)
+    Scanned = sr.scan(
+      CarryBlock,
+      length=4,
+      variable_axes={sr.Param: 0, sr.BatchStat: 0},
+      split_rngs={"params": True},
+      **options,
+    )
   else:
     Scanned = sr.remat_scan(Block, lengths=LENGTHS, **options)
   model = Scanned(D, rngs=sr.Rngs(0))
@@ -233,8 +266,11 @@ def test_data_transform_constrains_each_iteration(transform):
   def call(m, x):
     return m(x)[0] if transform == "scan" else m(x)
 
-  text = jax.jit(lambda s, x: call(sr.merge(sr.graphdef(model), s), x)).lower(
-      sr.state(model), x).as_text()
+  text = (
+    jax.jit(lambda s, x: call(sr.merge(sr.graphdef(model), s), x))
+    .lower(sr.state(model), x)
+    .as_text()
+  )
   assert "sharding_constraint" in text
   # Inside the body the layer axis is gone: the specs are per layer.
   assert specs[0]["up"]["kernel"] == P(None, "model")

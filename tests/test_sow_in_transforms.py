@@ -18,7 +18,6 @@ def close(a, b, tol=1e-5):
 
 
 class Block(sr.Module):
-
   def __init__(self, *, rngs):
     self.linear = sr.nn.Linear(D, D, rngs=rngs)
 
@@ -52,12 +51,14 @@ def test_sow_inside_remat_creates_the_variable():
 
 
 def test_sow_inside_scan_is_stacked_per_layer():
-  stack = sr.scan(Block, length=L, variable_axes={sr.Param: 0},
-                  split_rngs={"params": True})(rngs=sr.Rngs(0))
+  stack = sr.scan(Block, length=L, variable_axes={sr.Param: 0}, split_rngs={"params": True})(
+    rngs=sr.Rngs(0)
+  )
   layers = sr.unstack(stack)
   h0 = jnp.ones((2, D))
-  out, _ = sr.scan(lambda block, h: (block(h), None),
-                   variable_axes={sr.Param: 0, sr.Intermediate: 0})(stack, h0)
+  out, _ = sr.scan(
+    lambda block, h: (block(h), None), variable_axes={sr.Param: 0, sr.Intermediate: 0}
+  )(stack, h0)
   h, want = h0, []
   for layer in layers:
     h = layer(h)
@@ -81,5 +82,4 @@ def test_a_failing_jit_call_after_a_sow_leaves_the_model_as_it_was():
   with pytest.raises(ValueError, match="boom"):
     sr.jit(step)(model, jnp.ones((2, D)))
   assert not hasattr(model, "features") and sr.graphdef(model) == before
-  assert jax.tree.structure(sr.state(model)) == jax.tree.structure(sr.state(
-      Block(rngs=sr.Rngs(1))))
+  assert jax.tree.structure(sr.state(model)) == jax.tree.structure(sr.state(Block(rngs=sr.Rngs(1))))

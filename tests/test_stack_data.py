@@ -20,14 +20,15 @@ class Block(sr.Module):
 
 
 def named_stack():
-  return sr.vmap(Block, axis_size=4, metadata_params={"partition_name": "layers"})(
-      rngs=sr.Rngs(0))
+  return sr.vmap(Block, axis_size=4, metadata_params={"partition_name": "layers"})(rngs=sr.Rngs(0))
 
 
 def test_class_forms_record_the_layer_axis_in_metadata():
   stack = named_stack()
-  assert stack.w.metadata == {"sharding": ("layers", "embed", "mlp"),
-                              "layer_axis": ((0, "layers"),)}
+  assert stack.w.metadata == {
+    "sharding": ("layers", "embed", "mlp"),
+    "layer_axis": ((0, "layers"),),
+  }
   assert stack.b.metadata == {"layer_axis": ((0, "layers"),)}
   unnamed = sr.scan(Block, length=2, variable_axes={sr.Param: 1})(rngs=sr.Rngs(0))
   assert unnamed.w.metadata == {"sharding": ("embed", "mlp"), "layer_axis": ((1, None),)}
@@ -46,7 +47,9 @@ def test_a_layer_has_no_layer_axis_and_stacking_puts_it_back():
 
 
 def test_repr_of_a_state_split_off_a_stack_names_the_layer_axis():
-  assert repr(sr.state(named_stack())) == """\
+  assert (
+    repr(sr.state(named_stack()))
+    == """\
 State({
   'b': Param(
     value=<jax.Array float32(3 | layers:4) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:12>,
@@ -56,6 +59,7 @@ State({
     sharding=('layers', 'embed', 'mlp'),
   ),
 })"""
+  )
   # A layer axis that is not first, without a partition name.
   state = sr.state(sr.scan(Block, length=2, variable_axes={sr.Param: 1})(rngs=sr.Rngs(0)))
   assert "float32(| embed:2, layers:2, mlp:3)" in repr(state)
@@ -87,9 +91,11 @@ def test_a_checkpoint_records_the_layer_axis_and_refuses_a_moved_one(tmp_path):
   sr.save(tmp_path, axis0(4, 4, rngs=sr.Rngs(0)))
   target = axis1(4, 4, rngs=sr.Rngs(1))  # kernel (4, 4, 4) either way
   before = np.asarray(target.kernel.value)
-  with pytest.raises(sr.StateMismatchError,
-                     match=r"`bias`: the checkpoint stacks its layers along axis 0, the "
-                     r"model along axis 1.*\n  also `kernel`"):
+  with pytest.raises(
+    sr.StateMismatchError,
+    match=r"`bias`: the checkpoint stacks its layers along axis 0, the "
+    r"model along axis 1.*\n  also `kernel`",
+  ):
     sr.restore(tmp_path, target)
   np.testing.assert_array_equal(target.kernel.value, before)
   fresh = axis0(4, 4, rngs=sr.Rngs(1))

@@ -52,14 +52,16 @@ class ScanBlock(Block):
 
 
 STACKS = {
-    "scan": lambda: sr.scan(ScanBlock, length=N, variable_axes={sr.Param: 0, sr.Cache: 0},
-                            split_rngs={True: True}),
-    "scan_all": lambda: sr.scan(ScanBlock, length=N, variable_axes={True: 0},
-                                split_rngs={True: True}),
-    "remat_scan": lambda: sr.remat_scan(Block, lengths=(N,)),
-    "remat_scan_nested": lambda: sr.remat_scan(Block, lengths=(2, 2)),
-    "remat_scan_ragged": lambda: sr.remat_scan(Block, lengths=(2, 3), length=N + 1),
-    "remat_scan_auto": lambda: sr.remat_scan(Block, "auto", length=N),  # planned per call
+  "scan": lambda: sr.scan(
+    ScanBlock, length=N, variable_axes={sr.Param: 0, sr.Cache: 0}, split_rngs={True: True}
+  ),
+  "scan_all": lambda: sr.scan(
+    ScanBlock, length=N, variable_axes={True: 0}, split_rngs={True: True}
+  ),
+  "remat_scan": lambda: sr.remat_scan(Block, lengths=(N,)),
+  "remat_scan_nested": lambda: sr.remat_scan(Block, lengths=(2, 2)),
+  "remat_scan_ragged": lambda: sr.remat_scan(Block, lengths=(2, 3), length=N + 1),
+  "remat_scan_auto": lambda: sr.remat_scan(Block, "auto", length=N),  # planned per call
 }
 
 
@@ -72,18 +74,21 @@ def _tokens(seed=1):
 
 
 def _leaves(model):
-  return [np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key)
-                     else v) for v in jax.tree.leaves(sr.state(model))]
+  return [
+    np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+    for v in jax.tree.leaves(sr.state(model))
+  ]
 
 
 def _unchanged(model, before):
   after = _leaves(model)
   return len(after) == len(before) and all(
-      a.shape == b.shape and (a == b).all() for a, b in zip(after, before))
+    a.shape == b.shape and (a == b).all() for a, b in zip(after, before)
+  )
 
 
 def _decode(stack, x):
-  return jnp.concatenate([_out(stack(x[:, t:t + 1])) for t in range(x.shape[1])], axis=1)
+  return jnp.concatenate([_out(stack(x[:, t : t + 1])) for t in range(x.shape[1])], axis=1)
 
 
 @pytest.mark.parametrize("kind", sorted(STACKS))
@@ -130,14 +135,17 @@ def test_each_layer_decodes_with_its_own_cache_slice(kind):
     return h
 
   for t in range(x.shape[1]):
-    np.testing.assert_allclose(_out(stack(x[:, t:t + 1])), loop(layers, x[:, t:t + 1]),
-                               atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(
+      _out(stack(x[:, t : t + 1])), loop(layers, x[:, t : t + 1]), atol=2e-5, rtol=2e-5
+    )
   for i, layer in enumerate(layers):
     mine = stack.layer(i).attn
-    np.testing.assert_allclose(mine.cached_key.value, layer.attn.cached_key.value,
-                               atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(mine.cached_value.value, layer.attn.cached_value.value,
-                               atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(
+      mine.cached_key.value, layer.attn.cached_key.value, atol=2e-5, rtol=2e-5
+    )
+    np.testing.assert_allclose(
+      mine.cached_value.value, layer.attn.cached_value.value, atol=2e-5, rtol=2e-5
+    )
     assert int(mine.cache_index.value) == 5
   # Layers have their own parameters, so their caches differ.
   keys = stack.attn.cached_key.value
@@ -153,8 +161,11 @@ def test_caches_carry_the_layer_axis(kind):
   assert attn.cached_key.shape == attn.cached_value.shape == (N, B, T, HEADS, head_dim)
   assert attn.cache_index.shape == (N,)
   caches = sr.state(stack, sr.Cache).flat_variables()
-  assert sorted(caches) == [("attn", "cache_index"), ("attn", "cached_key"),
-                            ("attn", "cached_value")]
+  assert sorted(caches) == [
+    ("attn", "cache_index"),
+    ("attn", "cached_key"),
+    ("attn", "cached_value"),
+  ]
   for var in caches.values():
     assert var.metadata["layer_axis"] == ((0, None),)
   # The stack is still a stack of N layers; one layer is an ordinary block.
@@ -179,12 +190,14 @@ def test_a_named_layer_axis_and_a_stack_of_stacks():
   ensemble = sr.vmap(sr.remat_scan(Block, lengths=(N,)), axis_size=2)(rngs=sr.Rngs(0))
   ensemble.attn.init_cache((B, T, D))
   assert ensemble.attn.cached_key.shape[:2] == (2, N)
-  assert ensemble.attn.cached_key.metadata["layer_axis"] == (
-      ensemble.attn.query.kernel.metadata["layer_axis"])
+  assert (
+    ensemble.attn.cached_key.metadata["layer_axis"]
+    == (ensemble.attn.query.kernel.metadata["layer_axis"])
+  )
   ensemble.set_attributes(decode=True)
   x = jnp.broadcast_to(_tokens()[None, :, :3], (2, B, 3, D))
   for t in range(3):
-    ensemble(x[:, :, t:t + 1])
+    ensemble(x[:, :, t : t + 1])
   assert ensemble.attn.cache_index.value.tolist() == [[3] * N, [3] * N]
 
 
@@ -206,10 +219,13 @@ def test_decoding_past_the_cache_length_raises_and_changes_nothing():
   x = _tokens()
   _decode(stack, x[:, :3])
   before = _leaves(stack)
-  with pytest.raises(ValueError, match=r"MultiHeadAttention at `attn`: decoding past the "
-                     r"end of the key/value cache: it holds max_length=3 positions and "
-                     r"all are used \(cache_index=3\)\. Fix: .*init_cache\(\(batch, "
-                     r"max_length, 16\)\)` with max_length at least"):
+  with pytest.raises(
+    ValueError,
+    match=r"MultiHeadAttention at `attn`: decoding past the "
+    r"end of the key/value cache: it holds max_length=3 positions and "
+    r"all are used \(cache_index=3\)\. Fix: .*init_cache\(\(batch, "
+    r"max_length, 16\)\)` with max_length at least",
+  ):
     stack(x[:, 3:4])
   assert _unchanged(stack, before)
   # The scan stack, and one eager layer (checked before anything is written).
@@ -233,10 +249,13 @@ def test_decoding_without_a_cache_names_the_attention_and_the_fix():
     stack = STACKS[kind]()(rngs=sr.Rngs(0))
     stack.set_attributes(decode=True)
     before = _leaves(stack)
-    with pytest.raises(ValueError, match=r"MultiHeadAttention at `attn`: decode=True needs "
-                       r"the key/value cache, and it has none\. Fix: call `init_cache\(\("
-                       r"batch, max_length, 16\)\)` .*`stack\.attn\.init_cache\(\.\.\.\)` "
-                       r"makes one cache per layer"):
+    with pytest.raises(
+      ValueError,
+      match=r"MultiHeadAttention at `attn`: decode=True needs "
+      r"the key/value cache, and it has none\. Fix: call `init_cache\(\("
+      r"batch, max_length, 16\)\)` .*`stack\.attn\.init_cache\(\.\.\.\)` "
+      r"makes one cache per layer",
+    ):
       stack(_tokens()[:, :1])
     assert _unchanged(stack, before)
     assert stack.attn.cached_key is None
@@ -248,20 +267,25 @@ def test_a_scan_whose_rules_do_not_slice_the_cache_says_how_to_build_it():
   stack.attn.init_cache((B, T, D))
   stack.set_attributes(decode=True)
   before = _leaves(stack)
-  with pytest.raises(sr.TransformError, match=r"`attn\.cache_index` \(Cache\) of the "
-                     r"stacked ScanScanBlock carries the layer axis \(axis 0, 4 layers\), "
-                     r"but this transform's rules treat it as read-only.*own rules.*add "
-                     r"`sr\.Cache: 0` to its variable_axes.*"
-                     r"sr\.stack\(sr\.unstack\(stack\), like=NewClass\)"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"`attn\.cache_index` \(Cache\) of the "
+    r"stacked ScanScanBlock carries the layer axis \(axis 0, 4 layers\), "
+    r"but this transform's rules treat it as read-only.*own rules.*add "
+    r"`sr\.Cache: 0` to its variable_axes.*"
+    r"sr\.stack\(sr\.unstack\(stack\), like=NewClass\)",
+  ):
     stack(_tokens()[:, :1])
   assert _unchanged(stack, before)
   # The fix the message gives.
-  Fixed = sr.scan(ScanBlock, length=N, variable_axes={sr.Param: 0, sr.Cache: 0},
-                  split_rngs={True: True})
+  Fixed = sr.scan(
+    ScanBlock, length=N, variable_axes={sr.Param: 0, sr.Cache: 0}, split_rngs={True: True}
+  )
   fixed = sr.stack(sr.unstack(stack), like=Fixed)
   x = _tokens()[:, :3]
-  np.testing.assert_allclose(_decode(fixed, x), _out(fixed.set_attributes(decode=False)(x)),
-                             atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(
+    _decode(fixed, x), _out(fixed.set_attributes(decode=False)(x)), atol=2e-5, rtol=2e-5
+  )
 
 
 def test_a_function_form_scan_over_a_vmapped_stack_decodes():

@@ -12,7 +12,6 @@ W = 4
 
 
 class Block(sr.Module):
-
   def __init__(self, dim, *, rngs):
     self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
     self.norm = sr.nn.BatchNorm(dim, rngs=rngs)
@@ -71,23 +70,24 @@ def test_layer_is_a_copy(stack):
 
 @pytest.mark.parametrize("i", [3, -4, 10])
 def test_layer_out_of_range(stack, i):
-  with pytest.raises(IndexError,
-                     match=rf"layer {i} of a stack of 3 layers: use 0\.\.2 \(or -3\.\.-1\)"):
+  with pytest.raises(
+    IndexError, match=rf"layer {i} of a stack of 3 layers: use 0\.\.2 \(or -3\.\.-1\)"
+  ):
     stack.layer(i)
 
 
 def test_layer_of_scan_and_remat_scan_stacks():
 
   class Step(sr.Module):
-
     def __init__(self, *, rngs):
       self.linear = sr.nn.Linear(W, W, rngs=rngs)
 
     def __call__(self, x):
       return jnp.tanh(self.linear(x)), None
 
-  scanned = sr.scan(Step, length=2, variable_axes={sr.Param: 0},
-                    split_rngs={"params": True})(rngs=sr.Rngs(0))
+  scanned = sr.scan(Step, length=2, variable_axes={sr.Param: 0}, split_rngs={"params": True})(
+    rngs=sr.Rngs(0)
+  )
   assert len(scanned) == 2 and type(scanned.layer(1)) is Step
   deep = sr.remat_scan(Block, lengths=(2, 2))(W, rngs=sr.Rngs(0))
   assert len(deep) == 4 and type(deep.layer(3)) is Block
@@ -133,8 +133,7 @@ def test_stack_keeps_the_axis_of_the_class():
   last = Last(W, rngs=sr.Rngs(0))
   assert last.linear.kernel.shape == (W, W, 2) and last.norm.mean.shape == (W, 2)
   assert len(last) == 2
-  np.testing.assert_array_equal(last.layer(1).linear.kernel.value,
-                                last.linear.kernel.value[..., 1])
+  np.testing.assert_array_equal(last.layer(1).linear.kernel.value, last.linear.kernel.value[..., 1])
   again = sr.stack(sr.unstack(last))
   assert type(again) is Last
   assert_same_state(again, last)
@@ -143,17 +142,25 @@ def test_stack_keeps_the_axis_of_the_class():
 
 
 @settings(max_examples=12, deadline=None)
-@given(n=st.integers(1, 4), shape=st.lists(st.integers(1, 3), max_size=2),
-       axis=st.sampled_from([0, -1]), seed=st.integers(0, 2**16))
+@given(
+  n=st.integers(1, 4),
+  shape=st.lists(st.integers(1, 3), max_size=2),
+  axis=st.sampled_from([0, -1]),
+  seed=st.integers(0, 2**16),
+)
 def test_round_trip_property(n, shape, axis, seed):
   rng = np.random.default_rng(seed)
   cls = sr.vmap(Pair, axis_size=n, variable_axes={True: axis})
-  layers = [Pair(rng.normal(size=shape).astype(np.float32),
-                 rng.integers(0, 100, size=shape[:1]).astype(np.int32)) for _ in range(n)]
+  layers = [
+    Pair(
+      rng.normal(size=shape).astype(np.float32),
+      rng.integers(0, 100, size=shape[:1]).astype(np.int32),
+    )
+    for _ in range(n)
+  ]
   stacked = sr.stack(layers, like=cls)
   assert type(stacked) is cls and len(stacked) == n
-  assert stacked.a.shape == (tuple(shape) + (n,) if axis == -1 and shape else
-                             (n,) + tuple(shape))
+  assert stacked.a.shape == (tuple(shape) + (n,) if axis == -1 and shape else (n,) + tuple(shape))
   back = sr.unstack(stacked)
   for layer, original in zip(back, layers):
     assert type(layer) is Pair
@@ -165,31 +172,43 @@ def test_round_trip_property(n, shape, axis, seed):
 
 
 def test_unstack_of_a_plain_module():
-  with pytest.raises(TypeError, match=r"sr\.unstack takes a stacked module \(built by the "
-                                      r"class form of sr\.scan, sr\.remat_scan or sr\.vmap\)"
-                                      r", got Block"):
+  with pytest.raises(
+    TypeError,
+    match=r"sr\.unstack takes a stacked module \(built by the "
+    r"class form of sr\.scan, sr\.remat_scan or sr\.vmap\)"
+    r", got Block",
+  ):
     sr.unstack(Block(W, rngs=sr.Rngs(0)))
 
 
 def test_stack_errors(stack):
   plain = Block(W, rngs=sr.Rngs(0))
-  with pytest.raises(TypeError, match=r"sr\.stack cannot tell which stacked class to build"
-                                      r".*sr\.stack\(layers, like=StackedClass\)"):
+  with pytest.raises(
+    TypeError,
+    match=r"sr\.stack cannot tell which stacked class to build"
+    r".*sr\.stack\(layers, like=StackedClass\)",
+  ):
     sr.stack([plain, plain])
   # Layers of two different stacked classes.
   other = sr.vmap(Block, axis_size=2, in_axes=None)(W, rngs=sr.Rngs(0))
   with pytest.raises(TypeError, match=r"did not all come from the same stack"):
     sr.stack([stack.layer(0), other.layer(0)])
-  with pytest.raises(sr.TransformError, match=r"sr\.stack: layer 1 is not structured like "
-                                              r"layer 0"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"sr\.stack: layer 1 is not structured like "
+    r"layer 0",
+  ):
     sr.stack([plain, Block(W + 1, rngs=sr.Rngs(0))], like=Stack)
   evaluating = stack.layer(1).eval()
   with pytest.raises(sr.TransformError, match=r"layer 1 is not structured like layer 0"):
     sr.stack([stack.layer(0), evaluating])
   with pytest.raises(ValueError, match=r"sr\.stack needs at least one layer"):
     sr.stack([])
-  with pytest.raises(TypeError, match=r"sr\.stack\(like=\.\.\.\) takes a stacked module or "
-                                      r"class, got <class '.*Block'>"):
+  with pytest.raises(
+    TypeError,
+    match=r"sr\.stack\(like=\.\.\.\) takes a stacked module or "
+    r"class, got <class '.*Block'>",
+  ):
     sr.stack([plain], like=Block)
   with pytest.raises(TypeError, match=r"takes a stacked module or class"):
     sr.stack([plain], like=plain)

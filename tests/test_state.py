@@ -48,14 +48,12 @@ def test_tree_map_keeps_paths_and_kinds():
   assert doubled.flat().keys() == state.flat().keys()
   np.testing.assert_array_equal(doubled["a"]["kernel"], [0.0, 2.0])
   params = doubled.filter(sr.Param)
-  assert set(params.flat()) == {("a", "kernel"), ("layers", 0, "kernel"),
-                                ("layers", 1, "kernel")}
+  assert set(params.flat()) == {("a", "kernel"), ("layers", 0, "kernel"), ("layers", 1, "kernel")}
 
 
 def test_paths_are_readable_keys():
   state = sr.state(Outer())
-  paths = [jax.tree_util.keystr(p)
-           for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
   assert ".a.kernel" in paths
   assert ".layers[1].mean" in paths
   assert ".extra.c" in paths
@@ -89,7 +87,7 @@ def test_optax_adam_updates_a_state():
   tx = optax.adam(0.1)
 
   def loss(tree):
-    return sum(jnp.sum(x ** 2) for x in jax.tree.leaves(tree))
+    return sum(jnp.sum(x**2) for x in jax.tree.leaves(tree))
 
   opt_state = tx.init(params)
   grads = jax.grad(loss)(params)
@@ -135,24 +133,38 @@ def test_flat():
   model = Outer()
   flat = sr.state(model).flat()
   assert set(flat) == {
-      ("a", "kernel"), ("a", "mean"), ("layers", 0, "kernel"), ("layers", 0, "mean"),
-      ("layers", 1, "kernel"), ("layers", 1, "mean"), ("extra", "c")}
+    ("a", "kernel"),
+    ("a", "mean"),
+    ("layers", 0, "kernel"),
+    ("layers", 0, "mean"),
+    ("layers", 1, "kernel"),
+    ("layers", 1, "mean"),
+    ("extra", "c"),
+  }
   assert flat[("layers", 1, "kernel")] is model.layers[1].kernel.value
 
 
 def test_missing_key_error_lists_the_keys():
   state = sr.state(Outer())
-  with pytest.raises(KeyError, match=r"'b' is not in this State; its top-level keys are "
-                     r"\['a', 'extra', 'layers'\]"):
+  with pytest.raises(
+    KeyError,
+    match=r"'b' is not in this State; its top-level keys are "
+    r"\['a', 'extra', 'layers'\]",
+  ):
     state["b"]
-  with pytest.raises(KeyError, match=r"2 is not in this State; its top-level keys are "
-                     r"\[0, 1\]"):
+  with pytest.raises(
+    KeyError,
+    match=r"2 is not in this State; its top-level keys are "
+    r"\[0, 1\]",
+  ):
     state["layers"][2]
 
 
 def test_repr_lists_paths_and_kinds():
   text = repr(sr.state(Inner(2)))
-  assert text == """\
+  assert (
+    text
+    == """\
 State({
   'kernel': Param(
     value=<jax.Array([0., 1.], dtype=float32)>,
@@ -160,6 +172,7 @@ State({
   ),
   'mean': BatchStat(value=<jax.Array([0., 0.], dtype=float32)>),
 })"""
+  )
   assert repr(sr.State()) == "State({})"
 
 
@@ -169,8 +182,7 @@ State({
 def test_filter_one():
   params = sr.state(Outer()).filter(sr.Param)
   assert isinstance(params, sr.State)
-  assert set(params.flat()) == {("a", "kernel"), ("layers", 0, "kernel"),
-                                ("layers", 1, "kernel")}
+  assert set(params.flat()) == {("a", "kernel"), ("layers", 0, "kernel"), ("layers", 1, "kernel")}
 
 
 def test_filter_several_gives_a_tuple_and_may_overlap():
@@ -201,9 +213,11 @@ def test_split_first_match_wins():
 
 
 def test_split_leftover_names_the_path():
-  with pytest.raises(sr.StateMismatchError,
-                     match=r"the variable `extra\.c` \(Cache, collection 'cache'\) "
-                     r"matches none of the filters.*end the filters with `\.\.\.`"):
+  with pytest.raises(
+    sr.StateMismatchError,
+    match=r"the variable `extra\.c` \(Cache, collection 'cache'\) "
+    r"matches none of the filters.*end the filters with `\.\.\.`",
+  ):
     sr.state(Outer()).split(sr.Param, sr.BatchStat)
 
 
@@ -244,8 +258,7 @@ def test_from_nested_dict():
 
 
 def test_from_flat_tuple_dict_with_kinds():
-  state = sr.State({("a", 0): jnp.ones(2), ("b",): jnp.zeros(1)},
-                   kinds={("a", 0): sr.Param})
+  state = sr.State({("a", 0): jnp.ones(2), ("b",): jnp.zeros(1)}, kinds={("a", 0): sr.Param})
   assert set(state.flat()) == {("a", 0), ("b",)}
   assert set(state.filter(sr.Param).flat()) == {("a", 0)}
   assert set(state.filter(sr.Not(sr.Param)).flat()) == {("b",)}

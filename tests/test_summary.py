@@ -107,7 +107,9 @@ def test_the_text_table():
       return self.out(self.norm(h)), h
 
   table = sr.summary(MLP(sr.Rngs(0)), jnp.ones((16, 4)))
-  assert str(table) == """\
+  assert (
+    str(table)
+    == """\
 path    class      params  params bytes  batch_stats bytes  output
 ------------------------------------------------------------------------------------------
 (root)  MLP            72         288 B               64 B  (float32[16,2], float32[16,8])
@@ -116,6 +118,7 @@ norm    BatchNorm      16          64 B               64 B  float32[16,8]
 out     Linear         16          64 B                  -  float32[16,2]
 ------------------------------------------------------------------------------------------
 Total                  72         288 B               64 B"""
+  )
   assert repr(table) == str(table)
   rendered = treescope.render_to_text(table)
   assert rendered.startswith("Summary(  # 72 params, 4 modules\n  path    class")
@@ -201,8 +204,7 @@ def test_a_call_that_fails_names_the_summary_and_restores_everything():
   linear_call = sr.nn.Linear.__call__
   with pytest.raises(Exception) as info:
     sr.summary(model, jnp.ones((4, 5)))  # embed takes 3 features
-  assert "while sr.summary traced Net.__call__(float32[4,5])" in "\n".join(
-      info.value.__notes__)
+  assert "while sr.summary traced Net.__call__(float32[4,5])" in "\n".join(info.value.__notes__)
   assert sr.nn.Linear.__call__ is linear_call
   assert_unchanged(model, before)
 
@@ -223,16 +225,22 @@ def test_keyboard_interrupt_inside_the_call_restores_the_classes():
 
 def test_not_a_module():
   model = Net(sr.Rngs(0))
-  with pytest.raises(TypeError, match=r"sr.summary takes a module, got State.*"
-                                      r"`sr.summary\(model, x\)`"):
+  with pytest.raises(
+    TypeError,
+    match=r"sr.summary takes a module, got State.*"
+    r"`sr.summary\(model, x\)`",
+  ):
     sr.summary(sr.state(model))
   with pytest.raises(TypeError, match="got type"):
     sr.summary(Net, jnp.ones((4, 3)))
 
 
 def test_a_method_the_class_lacks():
-  with pytest.raises(AttributeError, match=r"method='encode'\): Net has no method "
-                                           r"'encode'. Fix: name a method"):
+  with pytest.raises(
+    AttributeError,
+    match=r"method='encode'\): Net has no method "
+    r"'encode'. Fix: name a method",
+  ):
     sr.summary(Net(sr.Rngs(0)), jnp.ones((4, 3)), method="encode")
 
 
@@ -254,8 +262,10 @@ def test_display_in_a_notebook_draws_only_stacked_arrays_as_figures(monkeypatch)
   shown = []
   fake = types.SimpleNamespace(get_ipython=lambda: object())
   monkeypatch.setitem(sys.modules, "IPython", fake)
-  monkeypatch.setattr(treescope, "display",
-                      lambda obj, autovisualize: shown.append((obj, autovisualize)))
+  monkeypatch.setattr(
+    treescope, "display", lambda obj, autovisualize: shown.append((obj, autovisualize))
+  )
+
   class Holder(sr.Module):
     def __init__(self):
       self.plain = Tiny()
@@ -263,14 +273,18 @@ def test_display_in_a_notebook_draws_only_stacked_arrays_as_figures(monkeypatch)
 
   holder = Holder()
   sr.display(holder)
-  (obj, visualizer), = shown
+  ((obj, visualizer),) = shown
   assert obj is holder
   with treescope.active_autovisualizer.set_scoped(visualizer):
     html = treescope.render_to_html(holder, compressed=False)
   # The stacked array's figure shows one layer at a time, a slider over the 4 layers;
   # no figure for the plain (2, 3) array.
-  assert html.count('"slicedAxisSpecs": [{"name": "a0", "label": "layers (axis 0)", '
-                    '"start": 0, "end": 4}]') == 1
+  assert (
+    html.count(
+      '"slicedAxisSpecs": [{"name": "a0", "label": "layers (axis 0)", "start": 0, "end": 4}]'
+    )
+    == 1
+  )
   assert html.count("(axis 0)") == 1
 
   shown.clear()
@@ -310,8 +324,11 @@ def test_display_all_arrays_slides_the_stacked_ones():
 
 
 def test_display_with_an_unknown_arrays_option():
-  with pytest.raises(ValueError, match=r"arrays='some'\): say which arrays .* 'stacked', "
-                                       r"'all', 'none'"):
+  with pytest.raises(
+    ValueError,
+    match=r"arrays='some'\): say which arrays .* 'stacked', "
+    r"'all', 'none'",
+  ):
     sr.display(Tiny(), arrays="some")
 
 
@@ -356,16 +373,25 @@ def test_a_shared_rngs_is_listed_at_its_path_in_the_state():
   assert state_paths == {("drop", "rngs", "default")}
   table = sr.summary(model, jnp.ones((2, 4)))
   paths = [r.path_text for r in table.rows]
-  assert paths == ["(root)", "mlp", "mlp.fc1", "mlp.fc2", "mlp.dropout", "drop",
-                   "drop.rngs", "drop.rngs.default"]
+  assert paths == [
+    "(root)",
+    "mlp",
+    "mlp.fc1",
+    "mlp.fc2",
+    "mlp.dropout",
+    "drop",
+    "drop.rngs",
+    "drop.rngs.default",
+  ]
   # Both Dropouts draw from it: its calls land on its one row.
   assert row(table, "drop.rngs.default").outputs_text() == "key<fry>[] ×3"
   assert row(table, "mlp.dropout").bytes == {"rngs": 12}  # what it holds, shared or not
 
 
 def per_layer_norm(*arrays):
-  return np.sqrt(sum(np.sum(np.square(np.asarray(a)), axis=tuple(range(1, np.ndim(a))))
-                     for a in arrays))
+  return np.sqrt(
+    sum(np.sum(np.square(np.asarray(a)), axis=tuple(range(1, np.ndim(a)))) for a in arrays)
+  )
 
 
 def test_per_layer_norms_of_a_stack():
@@ -373,8 +399,9 @@ def test_per_layer_norms_of_a_stack():
   table = sr.summary(model)
   (stack,) = table.layer_norms
   b = model.blocks
-  expected = per_layer_norm(b.linear.kernel.value, b.linear.bias.value,
-                            b.norm.scale.value, b.norm.bias.value)  # Params only
+  expected = per_layer_norm(
+    b.linear.kernel.value, b.linear.bias.value, b.norm.scale.value, b.norm.bias.value
+  )  # Params only
   assert stack.path == ("blocks",) and stack.grads is None
   np.testing.assert_allclose(stack.params, expected, rtol=1e-6)
   lines = str(table).split("\n")
@@ -386,12 +413,15 @@ def test_per_layer_norms_of_a_stack():
   assert "norm" not in lines[0]
   norms = table.norms()
   assert norms["params/norm/blocks.3.linear.kernel"] == pytest.approx(
-      np.linalg.norm(b.linear.kernel.value[3]), rel=1e-6)
+    np.linalg.norm(b.linear.kernel.value[3]), rel=1e-6
+  )
   assert norms["params/norm/embed.kernel"] == pytest.approx(
-      np.linalg.norm(model.embed.kernel.value), rel=1e-6)
+    np.linalg.norm(model.embed.kernel.value), rel=1e-6
+  )
   everything = jax.tree.leaves(sr.state(model, sr.Param))
   assert norms["params/norm/total"] == pytest.approx(
-      np.sqrt(sum(np.sum(np.square(x)) for x in everything)), rel=1e-6)
+    np.sqrt(sum(np.sum(np.square(x)) for x in everything)), rel=1e-6
+  )
   assert "params/norm/blocks.20.linear.kernel" not in norms
   assert len(norms) == 4 + 4 * 20 + 1  # embed, head; 4 per layer; the total
 
@@ -404,39 +434,82 @@ def test_gradient_norms_given_grads():
   table = sr.summary(model, x, grads=grads)
   (stack,) = table.layer_norms
   g = grads["blocks"]
-  expected = per_layer_norm(g["linear"]["kernel"], g["linear"]["bias"],
-                            g["norm"]["scale"], g["norm"]["bias"])
+  expected = per_layer_norm(
+    g["linear"]["kernel"], g["linear"]["bias"], g["norm"]["scale"], g["norm"]["bias"]
+  )
   np.testing.assert_allclose(stack.grads, expected, rtol=1e-5)
   assert row(table, "head").grad_norm == pytest.approx(
-      np.sqrt(np.sum(np.square(grads["head"]["kernel"]))
-              + np.sum(np.square(grads["head"]["bias"]))), rel=1e-5)
+    np.sqrt(np.sum(np.square(grads["head"]["kernel"])) + np.sum(np.square(grads["head"]["bias"]))),
+    rel=1e-5,
+  )
   assert row(table, "drop").grad_norm is None  # no Params: "-"
   lines = str(table).split("\n")
-  assert lines[0].split() == ["path", "class", "params", "params", "bytes", "batch_stats",
-                              "bytes", "rngs", "bytes", "params", "norm", "grads", "norm",
-                              "output"]
+  assert lines[0].split() == [
+    "path",
+    "class",
+    "params",
+    "params",
+    "bytes",
+    "batch_stats",
+    "bytes",
+    "rngs",
+    "bytes",
+    "params",
+    "norm",
+    "grads",
+    "norm",
+    "output",
+  ]
   start = lines.index(
-      "blocks: RematScanBlock, 6 layers, L2 norm of each layer's Params and gradients")
+    "blocks: RematScanBlock, 6 layers, L2 norm of each layer's Params and gradients"
+  )
   assert lines[start + 1].split() == ["layer", "params", "grads"]
   assert lines[start + 2].split() == ["0", f"{stack.params[0]:.4g}", f"{expected[0]:.4g}"]
   assert len(lines) == start + 2 + 6
   norms = table.norms()
   assert norms["grad/norm/blocks.5.norm.scale"] == pytest.approx(
-      np.linalg.norm(g["norm"]["scale"][5]), rel=1e-5)
+    np.linalg.norm(g["norm"]["scale"][5]), rel=1e-5
+  )
   assert norms["grad/norm/total"] == pytest.approx(
-      np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(grads))), rel=1e-5)
+    np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(grads))), rel=1e-5
+  )
 
 
 def test_long_stacks_list_the_ends_and_the_largest_layers():
   from statefulremat.display._summary import LayerNorms
 
-  stack = LayerNorms(("blocks",), "Block", np.where(np.arange(40) == 11, 9.0, 1.0),
-                     np.where(np.arange(40) == 20, 1e6, 1.0))
+  stack = LayerNorms(
+    ("blocks",),
+    "Block",
+    np.where(np.arange(40) == 11, 9.0, 1.0),
+    np.where(np.arange(40) == 20, 1e6, 1.0),
+  )
   lines = stack.lines()
   layers = [line.split()[0] for line in lines[2:]]
   # 0-7, the largest params norm (11), the largest gradient (20), 32-39; `…` between.
-  assert layers == ["0", "1", "2", "3", "4", "5", "6", "7", "…", "11", "…", "20", "…",
-                    "32", "33", "34", "35", "36", "37", "38", "39"]
+  assert layers == [
+    "0",
+    "1",
+    "2",
+    "3",
+    "4",
+    "5",
+    "6",
+    "7",
+    "…",
+    "11",
+    "…",
+    "20",
+    "…",
+    "32",
+    "33",
+    "34",
+    "35",
+    "36",
+    "37",
+    "38",
+    "39",
+  ]
   assert lines[2 + layers.index("11")].split() == ["11", "9", "1"]
   assert lines[2 + layers.index("20")].split() == ["20", "1", "1e+06"]
 
@@ -451,15 +524,21 @@ def test_no_norms_for_an_abstract_model():
 def test_grads_that_do_not_fit_the_model():
   model = Net(sr.Rngs(0))
   grads = sr.grad(lambda m, x: jnp.sum(m(x)))(model, jnp.ones((2, 3)))
-  with pytest.raises(TypeError, match=r"grads=...\) takes the State sr.grad returns, got "
-                                      r"dict"):
+  with pytest.raises(
+    TypeError,
+    match=r"grads=...\) takes the State sr.grad returns, got "
+    r"dict",
+  ):
     sr.summary(model, grads={"head": {}})
   other = sr.grad(lambda m: jnp.sum(m.kernel.value))(sr.nn.Linear(3, 8, rngs=sr.Rngs(0)))
   with pytest.raises(ValueError, match=r"`bias` is not a Param of this model"):
     sr.summary(model, grads=other)
   small = Net(sr.Rngs(0), lengths=(2, 2))
-  with pytest.raises(ValueError, match=r"gradient at `blocks.linear.bias` has shape "
-                                       r"\(20, 8\), the Param \(4, 8\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"gradient at `blocks.linear.bias` has shape "
+    r"\(20, 8\), the Param \(4, 8\)",
+  ):
     sr.summary(small, grads=grads)
 
 

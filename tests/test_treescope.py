@@ -25,7 +25,9 @@ def text(obj) -> str:
 
 
 def test_plain_module():
-  assert text(Tiny(1)) == """\
+  assert (
+    text(Tiny(1))
+    == """\
 Tiny(
   w=Param(
     value=<jax.Array([[0., 0.]], dtype=float32)>,
@@ -34,11 +36,14 @@ Tiny(
   count=BatchStat(value=<jax.Array(1., dtype=float32)>),
   label='tiny',
 )"""
+  )
 
 
 def test_stacked_module_names_its_layer_axis():
   stack = sr.vmap(Tiny, axis_size=3)()
-  assert text(stack) == """\
+  assert (
+    text(stack)
+    == """\
 VmapTiny(
   count=BatchStat(
     value=<jax.Array float32(| layers:3) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:3>,
@@ -49,11 +54,13 @@ VmapTiny(
     sharding=('embed', None),
   ),
 )"""
+  )
 
 
 def test_stacked_module_uses_the_partition_name():
-  stack = sr.scan(Tiny, length=4, variable_axes={sr.Param: 0},
-                  metadata_params={"partition_name": "depth"})()
+  stack = sr.scan(
+    Tiny, length=4, variable_axes={sr.Param: 0}, metadata_params={"partition_name": "depth"}
+  )()
   rendered = text(stack)
   assert "float32(| depth:4, embed:2, 2)" not in rendered  # positional axes come first
   assert "value=<jax.Array float32(2 | depth:4, embed:2)" in rendered
@@ -69,7 +76,9 @@ def test_shared_variables_and_modules_are_drawn_once():
       self.tied = self.first.w
       self.again = [self.first]
 
-  assert text(Pair()) == """\
+  assert (
+    text(Pair())
+    == """\
 Pair(
   first=Tiny(
     w=Param(
@@ -82,10 +91,13 @@ Pair(
   tied=Param(<shared: drawn at first.w>),
   again=ModuleList([Tiny(<shared: drawn at first>)]),
 )"""
+  )
 
 
 def test_state():
-  assert text(sr.state(Tiny(1))) == """\
+  assert (
+    text(sr.state(Tiny(1)))
+    == """\
 State({
   'count': BatchStat(value=<jax.Array(1., dtype=float32)>),
   'w': Param(
@@ -93,6 +105,7 @@ State({
     sharding=('embed', None),
   ),
 })"""
+  )
 
 
 def test_nested_state_follows_indexing():
@@ -101,10 +114,13 @@ def test_nested_state_follows_indexing():
       self.inner = Tiny(1)
 
   rendered = text(sr.state(Outer(), sr.BatchStat))
-  assert rendered == """\
+  assert (
+    rendered
+    == """\
 State({
   'inner': {'count': BatchStat(value=<jax.Array(1., dtype=float32)>)},
 })"""
+  )
 
 
 def test_html_array_figure_labels_the_layer_axis():
@@ -132,7 +148,9 @@ def test_graphdef_draws_the_structure_without_values():
       self.heads = {"a": Tiny(1)}
 
   # The GraphDef walks attributes in sorted order, so `first` is reached second.
-  assert text(sr.graphdef(Pair())) == """\
+  assert (
+    text(sr.graphdef(Pair()))
+    == """\
 GraphDef(
   Pair(
     first=Tiny(
@@ -150,6 +168,7 @@ GraphDef(
     tied=Param(<shared: drawn at first.w>),
   ),
 )"""
+  )
 
 
 def test_repr_is_the_compact_text():
@@ -172,11 +191,13 @@ def test_repr_inside_a_transform_shows_the_tracer():
     seen.append(repr(model.w))
 
   peek(Tiny(1))
-  assert seen == ["""\
+  assert seen == [
+    """\
 Param(
   value=JitTracer(float32[1,2]),
   sharding=('embed', None),
-)"""]
+)"""
+  ]
 
 
 def test_parts_of_a_stack_drawn_alone_still_name_the_layer_axis():
@@ -195,14 +216,15 @@ def test_parts_of_a_stack_drawn_alone_still_name_the_layer_axis():
 
 
 def zero_linear(**kwargs):
-  return sr.nn.Linear(2, 3, kernel_init=jax.nn.initializers.zeros, rngs=sr.Rngs(0),
-                      **kwargs)
+  return sr.nn.Linear(2, 3, kernel_init=jax.nn.initializers.zeros, rngs=sr.Rngs(0), **kwargs)
 
 
 def test_repr_leaves_out_settings_at_their_defaults():
   # use_bias, dtype, param_dtype, precision, dot_general, promote_dtype and
   # preferred_element_type are all at their defaults: only what differs is shown.
-  assert repr(zero_linear()) == """\
+  assert (
+    repr(zero_linear())
+    == """\
 Linear(
   kernel=Param(
     value=<jax.Array float32(2, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:6>,
@@ -211,9 +233,11 @@ Linear(
   in_features=2,
   out_features=3,
 )"""
+  )
   # Settings that differ are shown; `bias=None` is an empty slot, left out.
-  assert repr(zero_linear(use_bias=False, param_dtype=jnp.bfloat16,
-                          precision="highest")) == """\
+  assert (
+    repr(zero_linear(use_bias=False, param_dtype=jnp.bfloat16, precision="highest"))
+    == """\
 Linear(
   kernel=Param(
     value=<jax.Array bfloat16(2, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:6>,
@@ -224,10 +248,13 @@ Linear(
   param_dtype=jax.numpy.bfloat16,
   precision='highest',
 )"""
+  )
 
 
 def test_the_foldable_view_keeps_the_defaults_folded_on_one_line():
-  assert text(zero_linear()) == """\
+  assert (
+    text(zero_linear())
+    == """\
 Linear(
   kernel=Param(
     value=# jax.Array float32(2, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:6
@@ -240,22 +267,35 @@ Linear(
   out_features=3,
   # 7 at defaults: use_bias, dtype, param_dtype, precision, dot_general, …
 )"""
+  )
   # All of them are in the page, one click away.
   html = treescope.render_to_html(zero_linear(), compressed=False)
-  for name in ("use_bias", "dtype", "param_dtype", "precision", "dot_general",
-               "promote_dtype", "preferred_element_type"):
+  for name in (
+    "use_bias",
+    "dtype",
+    "param_dtype",
+    "precision",
+    "dot_general",
+    "promote_dtype",
+    "preferred_element_type",
+  ):
     assert f"{name}=" in html, name
 
 
 def test_rng_streams_start_folded_in_the_foldable_view_and_whole_in_the_repr():
   drop = sr.nn.Dropout(0.5, rngs=sr.Rngs(0))
-  assert text(drop) == """\
+  assert (
+    text(drop)
+    == """\
 Dropout(
   rate=0.5,
   rngs=Rngs(default=…),
   # 3 at defaults: broadcast_dims, deterministic, rng_collection
 )"""
-  assert repr(drop) == """\
+  )
+  assert (
+    repr(drop)
+    == """\
 Dropout(
   rate=0.5,
   rngs=Rngs(
@@ -266,6 +306,7 @@ Dropout(
     ),
   ),
 )"""
+  )
 
 
 def test_the_demo_page_opens_on_the_layers_and_folds_the_rng_streams():
@@ -286,8 +327,11 @@ RematScanBlock(
     bias=Param(value=<float32(8 | layers:100) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:800>),
     in_features=8,
     kernel=Param(value=<float32(8, 8 | layers:100) ≈""")
-  for line in ("  norm=BatchNorm(\n", "    momentum=0.9,\n", "    # 11 at defaults: "
-               "axis, axis_index_groups, axis_name, dtype, epsilon, …"):
+  for line in (
+    "  norm=BatchNorm(\n",
+    "    momentum=0.9,\n",
+    "    # 11 at defaults: axis, axis_index_groups, axis_name, dtype, epsilon, …",
+  ):
     assert line in page
 
 
@@ -298,24 +342,62 @@ def test_which_settings_are_at_their_defaults():
     return 2 * x
 
   class Layer(sr.Module):
-    def __init__(self, n, *, scale=jnp.ones(2), fn=jax.nn.relu, dtype=jnp.float32,
-                 axis=-1, names=(), gate=functools.partial(double), flag=True):
+    def __init__(
+      self,
+      n,
+      *,
+      scale=jnp.ones(2),
+      fn=jax.nn.relu,
+      dtype=jnp.float32,
+      axis=-1,
+      names=(),
+      gate=functools.partial(double),
+      flag=True,
+    ):
       self.n, self.scale, self.fn, self.dtype = n, scale, fn, dtype
       self.axis, self.names, self.gate, self.flag = (axis,), names, gate, flag
       self.cache = None  # an empty slot, not a constructor argument
       self.w = sr.Param(jnp.zeros(2))
 
   assert settings_at_defaults(Layer(3)) == [
-      "scale", "fn", "dtype", "axis", "names", "gate", "flag", "cache"]
-  changed = Layer(3, scale=jnp.ones(3), fn=jax.nn.gelu, dtype="bfloat16", axis=0,
-                  names=("a",), gate=functools.partial(double, 1), flag=1)
+    "scale",
+    "fn",
+    "dtype",
+    "axis",
+    "names",
+    "gate",
+    "flag",
+    "cache",
+  ]
+  changed = Layer(
+    3,
+    scale=jnp.ones(3),
+    fn=jax.nn.gelu,
+    dtype="bfloat16",
+    axis=0,
+    names=("a",),
+    gate=functools.partial(double, 1),
+    flag=1,
+  )
   assert settings_at_defaults(changed) == ["cache"]  # 1 is not True
   assert settings_at_defaults(Layer(3, dtype=np.dtype("float32"))) == [
-      "scale", "fn", "dtype", "axis", "names", "gate", "flag", "cache"]
+    "scale",
+    "fn",
+    "dtype",
+    "axis",
+    "names",
+    "gate",
+    "flag",
+    "cache",
+  ]
   # A stack's class takes *args, **kwargs: its layer class's defaults apply.
   stack = sr.vmap(sr.nn.Dropout, axis_size=2)(0.5)
   assert settings_at_defaults(stack) == [
-      "broadcast_dims", "deterministic", "rng_collection", "rngs"]
+    "broadcast_dims",
+    "deterministic",
+    "rng_collection",
+    "rngs",
+  ]
 
 
 def test_settings_inside_a_trace_compare_without_raising():

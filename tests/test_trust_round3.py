@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import statefulremat as sr
 
@@ -87,8 +88,10 @@ def test_clone_copies_keys_and_numpy_keeps_sharding_python_numbers_and_sharing()
   assert model.table.value[0] == 0.0
   assert type(copy.steps.value) is int and copy.steps.value == 7
   assert copy.w.value.sharding == sharded.sharding
-  assert all(pointer(a.data) != pointer(b.data) for a, b in
-             zip(copy.w.value.addressable_shards, sharded.addressable_shards))
+  assert all(
+    pointer(a.data) != pointer(b.data)
+    for a, b in zip(copy.w.value.addressable_shards, sharded.addressable_shards)
+  )
   assert copy.tied is copy.w  # shared within the copy, as in the original
 
 
@@ -227,8 +230,13 @@ def test_threads_on_a_model_and_its_optimizer_share_one_lock(switch_often):
 
   up(model)
   down(opt)
-  run_threads([repeat(lambda: up(model), 30), repeat(lambda: down(opt), 30),
-               repeat(lambda: opt.update(ones), 10)])
+  run_threads(
+    [
+      repeat(lambda: up(model), 30),
+      repeat(lambda: down(opt), 30),
+      repeat(lambda: opt.update(ones), 10),
+    ]
+  )
   np.testing.assert_allclose(model.linear.bias.value, bias + 31 - 31 - 10, rtol=1e-6)
   assert int(opt.step.value) == 41
 
@@ -247,8 +255,14 @@ def test_a_call_on_two_models_merges_their_locks(switch_often):
 
   one(a)
   one(b)  # two graphs, two locks; `both` makes them one while the others run
-  run_threads([repeat(lambda: one(a), 30), repeat(lambda: one(b), 30),
-               repeat(lambda: both(a, b), 15), repeat(lambda: both(b, a), 15)])
+  run_threads(
+    [
+      repeat(lambda: one(a), 30),
+      repeat(lambda: one(b), 30),
+      repeat(lambda: both(a, b), 15),
+      repeat(lambda: both(b, a), 15),
+    ]
+  )
   assert int(a.count.value) == int(b.count.value) == 1 + 30 + 30
 
 
@@ -284,8 +298,10 @@ def test_eager_scan_with_keywords_and_remat_take_turns(switch_often):
     m.count.value = m.count.value + 1
 
   remat = sr.remat(bump)
-  run_threads([repeat(lambda: scan(stack, 1.0, scale=2.0), 10) for _ in range(2)] +
-              [repeat(lambda: remat(counter), 20) for _ in range(2)])
+  run_threads(
+    [repeat(lambda: scan(stack, 1.0, scale=2.0), 10) for _ in range(2)]
+    + [repeat(lambda: remat(counter), 20) for _ in range(2)]
+  )
   np.testing.assert_array_equal(stack.count.value, [20, 20])
   assert int(counter.count.value) == 40
 
@@ -351,17 +367,18 @@ def stack_of_linears():
 
 
 CALLS = {
-    "jit": lambda m, x: sr.jit(lambda m, x: m(x))(m, x),
-    "grad": lambda m, x: sr.grad(lambda m, x: m(x).sum())(m, x),
-    "remat": lambda m, x: sr.remat(lambda m, x: m(x))(m, x),
-    "jit(remat)": lambda m, x: sr.jit(sr.remat(lambda m, x: m(x)))(m, x),
+  "jit": lambda m, x: sr.jit(lambda m, x: m(x))(m, x),
+  "grad": lambda m, x: sr.grad(lambda m, x: m(x).sum())(m, x),
+  "remat": lambda m, x: sr.remat(lambda m, x: m(x))(m, x),
+  "jit(remat)": lambda m, x: sr.jit(sr.remat(lambda m, x: m(x)))(m, x),
 }
 STACK_CALLS = {
-    "scan": lambda s, x: sr.scan(lambda l, c: (l(c), None), variable_axes={True: 0})(s, x),
-    "scan, keyword": lambda s, x: sr.scan(lambda l, c, k: (l(c) * k, None),
-                                          variable_axes={True: 0})(s, x, k=1.0),
-    "remat_scan": lambda s, x: sr.remat_scan(lambda l, c: l(c), lengths=(2, 2))(s, x),
-    "vmap": lambda s, x: sr.vmap(lambda l, x: l(x), in_axes=None)(s, x),
+  "scan": lambda s, x: sr.scan(lambda l, c: (l(c), None), variable_axes={True: 0})(s, x),
+  "scan, keyword": lambda s, x: sr.scan(lambda l, c, k: (l(c) * k, None), variable_axes={True: 0})(
+    s, x, k=1.0
+  ),
+  "remat_scan": lambda s, x: sr.remat_scan(lambda l, c: l(c), lengths=(2, 2))(s, x),
+  "vmap": lambda s, x: sr.vmap(lambda l, x: l(x), in_axes=None)(s, x),
 }
 
 
@@ -370,9 +387,11 @@ def test_a_deleted_array_is_named_by_its_path(call):
   model = Net(sr.Rngs(0))
   model.linear.kernel.value.delete()
   before = {k: v for k, v in sr.state(model).flat().items() if k != ("linear", "kernel")}
-  with pytest.raises(sr.TransformError,
-                     match=r"`linear\.kernel` \(Param, float32\[4,4\]\) holds an array "
-                           r"that has been deleted.*" + FIX):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"`linear\.kernel` \(Param, float32\[4,4\]\) holds an array "
+    r"that has been deleted.*" + FIX,
+  ):
     CALLS[call](model, jnp.ones((1, 4)))
   for path, value in before.items():  # nothing written
     assert sr.state(model).flat()[path] is value
@@ -382,9 +401,11 @@ def test_a_deleted_array_is_named_by_its_path(call):
 def test_a_deleted_array_in_a_stack_is_named_by_its_path(call):
   stack = stack_of_linears()
   stack.kernel.value.delete()
-  with pytest.raises(sr.TransformError,
-                     match=r"`kernel` \(Param, float32\[4,4,4\]\) holds an array that has "
-                           r"been deleted.*" + FIX):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"`kernel` \(Param, float32\[4,4,4\]\) holds an array that has "
+    r"been deleted.*" + FIX,
+  ):
     STACK_CALLS[call](stack, jnp.ones((1, 4)))
 
 
@@ -392,20 +413,24 @@ def test_arrays_donated_by_a_plain_jax_jit_are_named():
   model = Net(sr.Rngs(0))
   _, state = sr.split(model)
   jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(state)
-  with pytest.raises(sr.TransformError,
-                     match=r"`count` \(BatchStat, int32\[\]\) \(and 2 more Variable\(s\)\) "
-                           r"holds an array that has been deleted.*jax\.jit\(\.\.\., "
-                           r"donate_argnums=\.\.\.\).*sr\.update\(model, new_state\)"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"`count` \(BatchStat, int32\[\]\) \(and 2 more Variable\(s\)\) "
+    r"holds an array that has been deleted.*jax\.jit\(\.\.\., "
+    r"donate_argnums=\.\.\.\).*sr\.update\(model, new_state\)",
+  ):
     sr.jit(lambda m, x: m(x))(model, jnp.ones((1, 4)))
 
 
 def test_save_and_clone_name_a_deleted_array(tmp_path):
   model = Net(sr.Rngs(0))
   model.linear.kernel.value.delete()
-  with pytest.raises(sr.CheckpointError,
-                     match=r"sr\.save: `linear\.kernel` \(Param, float32\[4,4\]\) holds an "
-                           r"array that has been deleted.*donated.*Nothing was written\. "
-                           r"Fix: use the model that donating call updated.*sr\.clone"):
+  with pytest.raises(
+    sr.CheckpointError,
+    match=r"sr\.save: `linear\.kernel` \(Param, float32\[4,4\]\) holds an "
+    r"array that has been deleted.*donated.*Nothing was written\. "
+    r"Fix: use the model that donating call updated.*sr\.clone",
+  ):
     sr.save(tmp_path / "ckpt", model)
   assert not os.listdir(tmp_path) or not os.listdir(tmp_path / "ckpt")
   with pytest.raises(sr.TransformError, match=r"sr\.clone: `linear\.kernel` .*" + FIX):
@@ -423,18 +448,21 @@ def test_a_deleted_plain_argument_keeps_jaxs_error():
 # -- 10b. a Python list of layers points at sr.stack -----------------------------------
 
 
-LIST = (r"argument 0 is a {kind} of 4 Linear modules, but {name} runs over one stacked "
-        r"module.*Fix: stack them first, `stack = sr\.stack\(layers, like=sr\.vmap\("
-        r"Linear, axis_size=4\)\)`.*then pass the stack")
+LIST = (
+  r"argument 0 is a {kind} of 4 Linear modules, but {name} runs over one stacked "
+  r"module.*Fix: stack them first, `stack = sr\.stack\(layers, like=sr\.vmap\("
+  r"Linear, axis_size=4\)\)`.*then pass the stack"
+)
 
 
 @pytest.mark.parametrize("kind", [list, tuple])
 def test_remat_scan_over_a_list_of_layers_points_at_sr_stack(kind):
   layers = kind(sr.nn.Linear(4, 4, rngs=sr.Rngs(i)) for i in range(4))
   before = [values(layer) for layer in layers]
-  with pytest.raises(sr.TransformError,
-                     match=r"sr\.remat_scan\(<lambda>\): " + LIST.format(
-                         kind=kind.__name__, name=r"sr\.remat_scan")):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"sr\.remat_scan\(<lambda>\): " + LIST.format(kind=kind.__name__, name=r"sr\.remat_scan"),
+  ):
     sr.remat_scan(lambda layer, c: layer(c), lengths=(2, 2))(layers, jnp.ones((1, 4)))
   for layer, old in zip(layers, before):
     assert_same(old, values(layer))
@@ -442,19 +470,26 @@ def test_remat_scan_over_a_list_of_layers_points_at_sr_stack(kind):
 
 def test_scan_over_a_list_of_layers_points_at_sr_stack():
   layers = [sr.nn.Linear(4, 4, rngs=sr.Rngs(i)) for i in range(4)]
-  with pytest.raises(sr.TransformError,
-                     match=r"sr\.scan\(<lambda>\): " + LIST.format(
-                         kind="list", name=r"sr\.scan") + r".*sr\.scan\(f, variable_axes="):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"sr\.scan\(<lambda>\): "
+    + LIST.format(kind="list", name=r"sr\.scan")
+    + r".*sr\.scan\(f, variable_axes=",
+  ):
     sr.scan(lambda layer, c: (layer(c), None), variable_axes={sr.Param: 0})(
-        layers, jnp.ones((1, 4)))
+      layers, jnp.ones((1, 4))
+    )
 
 
 def test_the_fix_the_list_error_gives_works():
   stack = stack_of_linears()
   layers = sr.unstack(stack)
   f = sr.remat_scan(lambda layer, c: layer(c), lengths=(2, 2))
-  with pytest.raises(sr.TransformError, match=r"layers that came out of `sr\.unstack` "
-                                              r"need none"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"layers that came out of `sr\.unstack` "
+    r"need none",
+  ):
     f(layers, jnp.ones((1, 4)))
   expected = f(stack, jnp.ones((1, 4)))
   np.testing.assert_allclose(f(sr.stack(layers), jnp.ones((1, 4))), expected)
@@ -477,17 +512,25 @@ def test_a_list_of_stacks_is_still_a_module_argument():
 
 # Pre-split keys make a per-layer Rngs (nnx's guide vmaps over one: tests/test_nnx_guide.py);
 # drawing from it outside a vmap that maps it says what it is.
-SPLIT = (r"sr\.Rngs: the stream '{tag}' holds a key array of shape \(4,\) \(4 keys.*only be "
-         r"drawn from inside an sr\.vmap that maps it.*Fix: pass the Rngs through sr\.vmap.*"
-         r"or draw from one key, `{fix}`.*sr\.vmap\(Block, axis_size=4\)")
+SPLIT = (
+  r"sr\.Rngs: the stream '{tag}' holds a key array of shape \(4,\) \(4 keys.*only be "
+  r"drawn from inside an sr\.vmap that maps it.*Fix: pass the Rngs through sr\.vmap.*"
+  r"or draw from one key, `{fix}`.*sr\.vmap\(Block, axis_size=4\)"
+)
 
 
-@pytest.mark.parametrize("make, tag, fix", [
+@pytest.mark.parametrize(
+  "make, tag, fix",
+  [
     (lambda keys: sr.Rngs(keys), "default", r"sr\.Rngs\(key\)"),
     (lambda keys: sr.Rngs(params=keys), "params", r"sr\.Rngs\(params=key\)"),
-    (lambda keys: sr.Rngs(0, dropout=jax.random.key_data(keys)), "dropout",
-     r"sr\.Rngs\(dropout=key\)"),
-])
+    (
+      lambda keys: sr.Rngs(0, dropout=jax.random.key_data(keys)),
+      "dropout",
+      r"sr\.Rngs\(dropout=key\)",
+    ),
+  ],
+)
 def test_rngs_from_pre_split_keys_says_what_they_are(make, tag, fix):
   keys = jax.random.split(jax.random.key(0), 4)
   rngs = make(keys)

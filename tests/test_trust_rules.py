@@ -27,8 +27,10 @@ class Block(sr.Module):
 
 
 def snapshot(model):
-  return [np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key)
-                     else v) for v in jax.tree.leaves(sr.state(model))]
+  return [
+    np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+    for v in jax.tree.leaves(sr.state(model))
+  ]
 
 
 def assert_unchanged(model, before):
@@ -45,15 +47,19 @@ def scan_body(m, c):
 # -- 2. names typed into a rule are checked --------------------------------------------
 
 
-@pytest.mark.parametrize("seeds", [dict(params=0, dropout=1), dict(default=0)],
-                         ids=["own-stream", "default-stream"])
+@pytest.mark.parametrize(
+  "seeds", [dict(params=0, dropout=1), dict(default=0)], ids=["own-stream", "default-stream"]
+)
 def test_a_misspelt_split_rngs_stream_raises_with_the_name_meant(seeds):
   layer = Block(rngs=sr.Rngs(**seeds))
   before = snapshot(layer)
   run = sr.scan(scan_body, split_rngs={"dropuot": True}, length=3)
-  with pytest.raises(sr.TransformError, match=r"(?s)split_rngs names the RNG stream "
-                     r"'dropuot'.*'dropout'.*same key.*Did you mean 'dropout'\?.*Fix: "
-                     r"spell the name.*split_rngs=\{'dropout': True\}"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"(?s)split_rngs names the RNG stream "
+    r"'dropuot'.*'dropout'.*same key.*Did you mean 'dropout'\?.*Fix: "
+    r"spell the name.*split_rngs=\{'dropout': True\}",
+  ):
     run(layer, jnp.ones(4))
   assert_unchanged(layer, before)
 
@@ -62,22 +68,30 @@ def test_a_misspelt_stream_in_the_class_form_builds_nothing():
   rngs = sr.Rngs(params=0, dropout=1)
   before = snapshot(rngs)
   with pytest.raises(sr.TransformError, match="'dropuot'.*Did you mean 'dropout'"):
-    sr.scan(Block, length=3, variable_axes={True: 0}, in_axes=(),
-            split_rngs={"params": True, "dropuot": True})(rngs=rngs)
+    sr.scan(
+      Block,
+      length=3,
+      variable_axes={True: 0},
+      in_axes=(),
+      split_rngs={"params": True, "dropuot": True},
+    )(rngs=rngs)
   assert_unchanged(rngs, before)
 
 
 @pytest.mark.parametrize("transform", ["vmap", "remat_scan"])
 def test_every_transform_with_split_rngs_checks_the_names(transform):
-  stack = sr.vmap(Block, axis_size=3, in_axes=None,
-                  split_rngs={"params": True})(rngs=sr.Rngs(params=0))
+  stack = sr.vmap(Block, axis_size=3, in_axes=None, split_rngs={"params": True})(
+    rngs=sr.Rngs(params=0)
+  )
   stack.drop.rngs = sr.Rngs(dropout=1)  # one stream the layers share
   if transform == "vmap":
-    run = functools.partial(sr.vmap(lambda m, x: m(x), in_axes=None,
-                                    split_rngs={"dropot": True}), stack)
+    run = functools.partial(
+      sr.vmap(lambda m, x: m(x), in_axes=None, split_rngs={"dropot": True}), stack
+    )
   else:
-    run = functools.partial(sr.remat_scan(lambda m, c: m(c), lengths=(3,),
-                                          split_rngs={"dropot": True}), stack)
+    run = functools.partial(
+      sr.remat_scan(lambda m, c: m(c), lengths=(3,), split_rngs={"dropot": True}), stack
+    )
   before = snapshot(stack)
   with pytest.raises(sr.TransformError, match="'dropot'.*Did you mean 'dropout'"):
     run(jnp.ones(4))
@@ -93,20 +107,23 @@ def test_names_that_match_nothing_while_every_stream_has_its_rule_pass():
   loop = layer(layer(jnp.ones(4)))
   np.testing.assert_allclose(out, loop, rtol=1e-6)
   layer.train()
-  sr.scan(scan_body, split_rngs={"dropout": True, "noise": True}, length=2)(
-      layer, jnp.ones(4))
+  sr.scan(scan_body, split_rngs={"dropout": True, "noise": True}, length=2)(layer, jnp.ones(4))
 
 
 def test_a_misspelt_collection_in_a_rule_raises_and_a_real_absent_one_passes():
   linear = sr.nn.Linear(4, 4, rngs=sr.Rngs(0))
   before = snapshot(linear)
-  with pytest.raises(sr.TransformError, match=r"(?s)variable_broadcast names the "
-                     r"collection 'param'.*Did you mean 'params'\?.*\['params'\].*Fix"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"(?s)variable_broadcast names the "
+    r"collection 'param'.*Did you mean 'params'\?.*\['params'\].*Fix",
+  ):
     sr.vmap(lambda m, x: m(x), variable_broadcast="param")(linear, jnp.ones((3, 4)))
   assert_unchanged(linear, before)
   # 'batch_stats' is a real collection (sr.BatchStat): generic code may name it.
   out = sr.vmap(lambda m, x: m(x), variable_broadcast=("params", "batch_stats"))(
-      linear, jnp.ones((3, 4)))
+    linear, jnp.ones((3, 4))
+  )
   assert out.shape == (3, 4)
 
 
@@ -117,9 +134,12 @@ def test_vmap_over_a_plain_module_refuses_to_map_its_parameters():
   linear = sr.nn.Linear(4, 4, rngs=sr.Rngs(0))
   before = snapshot(linear)
   xs = jnp.arange(16.0).reshape(4, 4)
-  with pytest.raises(sr.TransformError, match=r"(?s)`bias` \(Param, shape \(4,\)\) "
-                     r"belongs to a plain module and carries no layer axis.*"
-                     r"variable_broadcast=True.*class form.*variable_axes=\{sr.Param: 0\}"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"(?s)`bias` \(Param, shape \(4,\)\) "
+    r"belongs to a plain module and carries no layer axis.*"
+    r"variable_broadcast=True.*class form.*variable_axes=\{sr.Param: 0\}",
+  ):
     sr.vmap(lambda m, x: m(x))(linear, xs)
   assert_unchanged(linear, before)
 
@@ -134,8 +154,9 @@ def test_vmap_with_variable_broadcast_equals_the_per_example_loop():
 def test_explicit_variable_axes_still_map_a_plain_module_on_purpose():
   linear = sr.nn.Linear(4, 4, rngs=sr.Rngs(0))
   xs = jnp.arange(16.0).reshape(4, 4)
-  out = sr.vmap(lambda m, x: x @ m.kernel.value + m.bias.value,
-                variable_axes={sr.Param: 0})(linear, xs)
+  out = sr.vmap(lambda m, x: x @ m.kernel.value + m.bias.value, variable_axes={sr.Param: 0})(
+    linear, xs
+  )
   rows = [xs[i] @ linear.kernel.value[i] + linear.bias.value[i] for i in range(4)]
   np.testing.assert_allclose(out, jnp.stack(rows), rtol=1e-6)
 
@@ -144,8 +165,7 @@ def test_an_ensemble_built_by_the_class_form_maps_by_default():
   ensemble = sr.vmap(sr.nn.Linear, axis_size=3, in_axes=None)(4, 2, rngs=sr.Rngs(0))
   x = jnp.ones((5, 4))
   out = ensemble(x)
-  np.testing.assert_allclose(out, jnp.stack([m(x) for m in sr.unstack(ensemble)]),
-                             rtol=1e-6)
+  np.testing.assert_allclose(out, jnp.stack([m(x) for m in sr.unstack(ensemble)]), rtol=1e-6)
 
 
 def test_vmap_on_init_builds_a_stack():
@@ -165,10 +185,10 @@ def test_vmap_on_init_builds_a_stack():
 # -- 7. a layer taken out of a stack draws the keys it draws inside --------------------
 
 SEEDS_AND_SPLITS = [
-    (dict(params=0, dropout=1), {"params": True, "dropout": True}),
-    (dict(default=0), {"params": True, "dropout": True}),
-    (dict(default=0), {"params": True, "dropout": False}),
-    (dict(params=0, dropout=1), {"params": True}),
+  (dict(params=0, dropout=1), {"params": True, "dropout": True}),
+  (dict(default=0), {"params": True, "dropout": True}),
+  (dict(default=0), {"params": True, "dropout": False}),
+  (dict(params=0, dropout=1), {"params": True}),
 ]
 
 
@@ -196,17 +216,16 @@ class _ScanBlock(Block):
 
 @pytest.mark.parametrize("seeds,split", SEEDS_AND_SPLITS[:2])
 def test_a_vmapped_ensemble_member_taken_out_computes_what_it_computes_inside(seeds, split):
-  stack = sr.vmap(Block, axis_size=3, in_axes=None, split_rngs=split)(
-      rngs=sr.Rngs(**seeds))
+  stack = sr.vmap(Block, axis_size=3, in_axes=None, split_rngs=split)(rngs=sr.Rngs(**seeds))
   x = jnp.ones((2, 4))
   members = [stack.layer(i)(x) for i in range(3)]
   np.testing.assert_allclose(stack(x), jnp.stack(members), rtol=1e-6)
 
 
 def test_stack_of_unstack_gives_back_the_stacks_own_rng_streams():
-  stack = sr.remat_scan(Block, length=3, lengths=(3,),
-                        split_rngs={"params": True, "dropout": True})(
-                            rngs=sr.Rngs(params=0, dropout=1))
+  stack = sr.remat_scan(
+    Block, length=3, lengths=(3,), split_rngs={"params": True, "dropout": True}
+  )(rngs=sr.Rngs(params=0, dropout=1))
   before = snapshot(stack)
   layers = sr.unstack(stack)
   for layer in layers:  # drawing from the copies does not reach the stack
@@ -215,8 +234,9 @@ def test_stack_of_unstack_gives_back_the_stacks_own_rng_streams():
   assert type(again) is type(stack)
   keys = [k for k, _ in jax.tree_util.tree_flatten_with_path(sr.state(again))[0]]
   assert len(keys) == len(before)
-  for a, b, (path, _) in zip(snapshot(again), before,
-                             jax.tree_util.tree_flatten_with_path(sr.state(again))[0]):
+  for a, b, (path, _) in zip(
+    snapshot(again), before, jax.tree_util.tree_flatten_with_path(sr.state(again))[0]
+  ):
     if "rngs" in jax.tree_util.keystr(path):
       np.testing.assert_array_equal(a, b)
 
@@ -258,9 +278,9 @@ def test_an_eager_transform_rereads_closures_helpers_and_containers_changed_in_p
 
   run = sr.scan(body, length=2, variable_broadcast=True)
   np.testing.assert_allclose(run(layer, jnp.zeros(2))[0], [6.0, 6.0])
-  config["shift"] = 0.0     # changed in place, read by a helper
+  config["shift"] = 0.0  # changed in place, read by a helper
   np.testing.assert_allclose(run(layer, jnp.ones(2))[0], [4.0, 4.0])
-  factor = 3.0              # a closure cell rebound
+  factor = 3.0  # a closure cell rebound
   np.testing.assert_allclose(run(layer, jnp.ones(2))[0], [9.0, 9.0])
   mapped = sr.vmap(lambda m, x: x * factor, variable_broadcast=True)
   np.testing.assert_allclose(mapped(layer, jnp.ones(2)), [3.0, 3.0])
@@ -285,8 +305,11 @@ def test_an_unchanged_closure_compiles_once():
 def test_a_module_as_a_static_jax_jit_argument_is_refused_with_the_fix():
   model = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
   f = jax.jit(lambda m, x: m(x), static_argnums=0)
-  with pytest.raises(ValueError, match=r"(?s)unhashable type: 'Linear'.*static "
-                     r"argument.*Fix: pass it as an ordinary argument.*sr.jit.*id\(obj\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"(?s)unhashable type: 'Linear'.*static "
+    r"argument.*Fix: pass it as an ordinary argument.*sr.jit.*id\(obj\)",
+  ):
     f(model, jnp.ones((1, 2)))
   with pytest.raises(TypeError, match="unhashable type: 'Param'"):
     hash(model.kernel)

@@ -7,7 +7,6 @@ import pytest
 
 import statefulremat as sr
 
-
 # -- value -------------------------------------------------------------------------
 
 
@@ -23,20 +22,25 @@ def test_value_can_be_a_python_scalar_or_pytree():
   count.value += 1
   assert count.value == 1
   nested = sr.Variable({"a": jnp.ones(2), "b": (jnp.zeros(1),)})
-  assert jax.tree.structure(nested.value) == jax.tree.structure(
-      {"a": 0, "b": (0,)})
+  assert jax.tree.structure(nested.value) == jax.tree.structure({"a": 0, "b": (0,)})
 
 
 def test_variable_of_variable_is_refused():
-  with pytest.raises(TypeError, match=r"Param\(\.\.\.\) got a BatchStat as its value.*"
-                     r"Pass `other\.value` instead"):
+  with pytest.raises(
+    TypeError,
+    match=r"Param\(\.\.\.\) got a BatchStat as its value.*"
+    r"Pass `other\.value` instead",
+  ):
     sr.Param(sr.BatchStat(jnp.zeros(1)))
 
 
 def test_assigning_a_variable_as_value_is_refused():
   w = sr.Param(jnp.zeros(1))
-  with pytest.raises(TypeError, match=r"cannot assign a Param to `.*\.value`.*"
-                     r"`var\.value = other\.value`"):
+  with pytest.raises(
+    TypeError,
+    match=r"cannot assign a Param to `.*\.value`.*"
+    r"`var\.value = other\.value`",
+  ):
     w.value = sr.Param(jnp.ones(1))
   np.testing.assert_array_equal(w.value, np.zeros(1))
 
@@ -75,8 +79,7 @@ def test_set_metadata_adds_and_replaces():
 
 def test_missing_attribute_error_names_it():
   w = sr.Param(jnp.zeros(1))
-  with pytest.raises(AttributeError,
-                     match=r"Param has no attribute or metadata entry 'sharding'"):
+  with pytest.raises(AttributeError, match=r"Param has no attribute or metadata entry 'sharding'"):
     w.sharding
   assert not hasattr(w, "nope")
 
@@ -99,13 +102,39 @@ def test_shape_of_a_python_scalar():
   assert jnp.issubdtype(count.dtype, jnp.integer)
 
 
-@pytest.mark.parametrize("fn", [
-    jnp.sum, jnp.exp, jnp.tanh, jnp.mean, jax.nn.relu, jax.nn.gelu,
-    lambda a: jnp.dot(a, a), lambda a: jnp.add(a, 1.0), lambda a: jnp.reshape(a, (3, 1)),
-    lambda a: jnp.where(a > 1.0, a, 0.0), lambda a: jnp.concatenate([a, a]),
-    jnp.asarray, jnp.zeros_like,
-], ids=["sum", "exp", "tanh", "mean", "relu", "gelu", "dot", "add", "reshape", "where",
-        "concatenate", "asarray", "zeros_like"])
+@pytest.mark.parametrize(
+  "fn",
+  [
+    jnp.sum,
+    jnp.exp,
+    jnp.tanh,
+    jnp.mean,
+    jax.nn.relu,
+    jax.nn.gelu,
+    lambda a: jnp.dot(a, a),
+    lambda a: jnp.add(a, 1.0),
+    lambda a: jnp.reshape(a, (3, 1)),
+    lambda a: jnp.where(a > 1.0, a, 0.0),
+    lambda a: jnp.concatenate([a, a]),
+    jnp.asarray,
+    jnp.zeros_like,
+  ],
+  ids=[
+    "sum",
+    "exp",
+    "tanh",
+    "mean",
+    "relu",
+    "gelu",
+    "dot",
+    "add",
+    "reshape",
+    "where",
+    "concatenate",
+    "asarray",
+    "zeros_like",
+  ],
+)
 def test_jnp_functions_take_a_variable(fn):
   x = jnp.arange(3.0)
   np.testing.assert_allclose(fn(sr.Param(x)), fn(x))
@@ -114,7 +143,7 @@ def test_jnp_functions_take_a_variable(fn):
 def test_plain_jax_transforms_read_a_variable():
   w = sr.Param(jnp.arange(3.0))
   np.testing.assert_allclose(jax.jit(lambda a: a * 2)(w), [0.0, 2.0, 4.0])
-  grad = jax.grad(lambda a: jnp.sum(a ** 2))(w)
+  grad = jax.grad(lambda a: jnp.sum(a**2))(w)
   assert isinstance(grad, sr.Param)
   np.testing.assert_allclose(grad.value, [0.0, 2.0, 4.0])
 
@@ -172,13 +201,32 @@ def test_arithmetic_both_sides():
   x = jnp.array([1.0, 2.0, 4.0])
   w = sr.Param(x)
   cases = [
-      (w + 1, x + 1), (1 + w, 1 + x), (w - 1, x - 1), (1 - w, 1 - x),
-      (w * 2, x * 2), (2 * w, 2 * x), (w / 2, x / 2), (2 / w, 2 / x),
-      (w // 2, x // 2), (9 // w, 9 // x), (w % 3, x % 3), (7 % w, 7 % x),
-      (w ** 2, x ** 2), (2 ** w, 2 ** x), (w @ x, x @ x), (x @ w, x @ x),
-      (-w, -x), (+w, +x), (abs(-w), x), (w + w, x + x),
-      (w < 2, x < 2), (w <= 2, x <= 2), (w > 2, x > 2), (w >= 2, x >= 2),
-      (x + w, x + x), (x * w, x * x),
+    (w + 1, x + 1),
+    (1 + w, 1 + x),
+    (w - 1, x - 1),
+    (1 - w, 1 - x),
+    (w * 2, x * 2),
+    (2 * w, 2 * x),
+    (w / 2, x / 2),
+    (2 / w, 2 / x),
+    (w // 2, x // 2),
+    (9 // w, 9 // x),
+    (w % 3, x % 3),
+    (7 % w, 7 % x),
+    (w**2, x**2),
+    (2**w, 2**x),
+    (w @ x, x @ x),
+    (x @ w, x @ x),
+    (-w, -x),
+    (+w, +x),
+    (abs(-w), x),
+    (w + w, x + x),
+    (w < 2, x < 2),
+    (w <= 2, x <= 2),
+    (w > 2, x > 2),
+    (w >= 2, x >= 2),
+    (x + w, x + x),
+    (x * w, x * x),
   ]
   for got, want in cases:
     np.testing.assert_allclose(got, want)
@@ -209,14 +257,18 @@ def test_numpy_conversion():
 
 def test_repr_is_readable():
   w = sr.Param(jnp.zeros((2, 3)), sharding=("a", "b"))
-  assert repr(w) == """\
+  assert (
+    repr(w)
+    == """\
 Param(
   value=<jax.Array float32(2, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:6>,
   sharding=('a', 'b'),
 )"""
+  )
   assert repr(sr.Variable(7)) == "Variable(value=7)"
   assert repr(sr.Variable(object(), note=print)) == (
-      "Variable(value=<object>, note=builtins.print)")
+    "Variable(value=<object>, note=builtins.print)"
+  )
 
 
 def test_variables_compare_by_identity_and_refuse_to_hash():
@@ -230,11 +282,19 @@ def test_variables_compare_by_identity_and_refuse_to_hash():
 # -- kinds and collections ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind, collection", [
-    (sr.Variable, "variables"), (sr.Param, "params"), (sr.BatchStat, "batch_stats"),
-    (sr.Cache, "cache"), (sr.Intermediate, "intermediates"), (sr.RngKey, "rngs"),
-    (sr.RngCount, "rngs"), (sr.RngState, "rngs"),
-])
+@pytest.mark.parametrize(
+  "kind, collection",
+  [
+    (sr.Variable, "variables"),
+    (sr.Param, "params"),
+    (sr.BatchStat, "batch_stats"),
+    (sr.Cache, "cache"),
+    (sr.Intermediate, "intermediates"),
+    (sr.RngKey, "rngs"),
+    (sr.RngCount, "rngs"),
+    (sr.RngState, "rngs"),
+  ],
+)
 def test_kind_collections(kind, collection):
   assert kind.collection == collection
   assert kind(jnp.zeros(1)).collection == collection

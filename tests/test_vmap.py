@@ -11,7 +11,6 @@ E, W = 3, 4  # ensemble size and features: tiny, to keep compile times down
 
 
 class Block(sr.Module):
-
   def __init__(self, dim, *, rngs):
     self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
 
@@ -20,7 +19,6 @@ class Block(sr.Module):
 
 
 class NormBlock(sr.Module):
-
   def __init__(self, dim, *, rngs):
     self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
     self.norm = sr.nn.BatchNorm(dim, momentum=0.5, rngs=rngs)
@@ -30,7 +28,6 @@ class NormBlock(sr.Module):
 
 
 class DropBlock(sr.Module):
-
   def __init__(self, *, rngs):
     self.drop = sr.nn.Dropout(0.5, rngs=rngs)
 
@@ -108,8 +105,7 @@ def test_function_form_matches_stacking_over_members():
   got = sr.vmap(apply, in_axes=1, out_axes=1)(ens, jnp.swapaxes(xs, 0, 1))
   np.testing.assert_allclose(got, jnp.swapaxes(want, 0, 1), rtol=1e-6, atol=1e-6)
   # in_axes=-3 is the same axis as 0.
-  np.testing.assert_allclose(sr.vmap(apply, in_axes=-3)(ens, xs), want, rtol=1e-6,
-                             atol=1e-6)
+  np.testing.assert_allclose(sr.vmap(apply, in_axes=-3)(ens, xs), want, rtol=1e-6, atol=1e-6)
 
 
 def test_in_axes_per_argument_and_broadcast():
@@ -194,8 +190,7 @@ def test_split_rngs_gives_each_member_its_dropout_mask():
   assert len({m.tobytes() for m in masks}) == E
   again = np.asarray(split(x))
   assert not np.array_equal(again, masks)  # the stream advanced
-  same = sr.vmap(DropBlock, axis_size=E, in_axes=None, split_rngs=False)(
-      rngs=sr.Rngs(0))
+  same = sr.vmap(DropBlock, axis_size=E, in_axes=None, split_rngs=False)(rngs=sr.Rngs(0))
   masks = np.asarray(same(x))
   assert not np.all(masks == masks[0, 0, 0])
   for m in masks[1:]:
@@ -205,16 +200,15 @@ def test_split_rngs_gives_each_member_its_dropout_mask():
 def test_metadata_params_partition_name():
 
   class Sharded(sr.Module):
-
     def __init__(self, *, rngs):
-      self.linear = sr.nn.Linear(W, W, kernel_metadata={"sharding": ("embed", "mlp")},
-                                 rngs=rngs)
+      self.linear = sr.nn.Linear(W, W, kernel_metadata={"sharding": ("embed", "mlp")}, rngs=rngs)
 
     def __call__(self, x):
       return self.linear(x)
 
-  ens = sr.vmap(Sharded, axis_size=E, in_axes=None,
-                metadata_params={"partition_name": "ensemble"})(rngs=sr.Rngs(0))
+  ens = sr.vmap(Sharded, axis_size=E, in_axes=None, metadata_params={"partition_name": "ensemble"})(
+    rngs=sr.Rngs(0)
+  )
   assert ens.linear.kernel.sharding == ("ensemble", "embed", "mlp")
   assert not hasattr(ens.linear.bias, "sharding")
   assert ens.layer(0).linear.kernel.sharding == ("embed", "mlp")
@@ -228,8 +222,13 @@ def test_metadata_params_partition_name():
   assert seen == [("embed", "mlp")]
   assert ens.linear.kernel.sharding == ("ensemble", "embed", "mlp")
   # Another axis: the name goes where the layer axis is.
-  last = sr.vmap(Sharded, axis_size=E, in_axes=None, variable_axes={True: -1},
-                 metadata_params={"partition_name": "ensemble"})(rngs=sr.Rngs(0))
+  last = sr.vmap(
+    Sharded,
+    axis_size=E,
+    in_axes=None,
+    variable_axes={True: -1},
+    metadata_params={"partition_name": "ensemble"},
+  )(rngs=sr.Rngs(0))
   assert last.linear.kernel.shape == (W, W, E)
   assert last.linear.kernel.sharding == ("embed", "mlp", "ensemble")
 
@@ -242,8 +241,7 @@ def test_stacked_batch_stats_are_written_back():
   assert ens.norm.mean.shape == (E, W)
   for i, member in enumerate(members):
     np.testing.assert_allclose(y[i], member(xs[i]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ens.norm.mean.value[i], member.norm.mean.value, rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(ens.norm.mean.value[i], member.norm.mean.value, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ens.norm.var.value[i], member.norm.var.value, rtol=1e-5)
   assert not np.allclose(ens.norm.mean.value[0], ens.norm.mean.value[1])
 
@@ -255,9 +253,11 @@ def test_writing_a_broadcast_variable():
   ens = ensemble(NormBlock, W, variable_broadcast=sr.BatchStat)
   assert ens.norm.mean.shape == (W,)
   before = {k: np.asarray(v) for k, v in sr.state(ens).flat().items()}
-  with pytest.raises(sr.TransformError,
-                     match=r"wrote to `norm\.mean` \(BatchStat, collection 'batch_stats'\)"
-                           r", which is not mapped.*variable_axes=\{'batch_stats': 0\}"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"wrote to `norm\.mean` \(BatchStat, collection 'batch_stats'\)"
+    r", which is not mapped.*variable_axes=\{'batch_stats': 0\}",
+  ):
     ens(data())
   for k, v in sr.state(ens).flat().items():
     np.testing.assert_array_equal(v, before[k])
@@ -265,37 +265,48 @@ def test_writing_a_broadcast_variable():
 
 def test_axis_size_mismatch_names_the_variable():
   ens = ensemble(Block, W)
-  with pytest.raises(sr.TransformError,
-                     match=r"axis_size=5 says 5 iterations but the stacked variable "
-                           r"`linear\.bias` \(axis 0\) has 3"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"axis_size=5 says 5 iterations but the stacked variable "
+    r"`linear\.bias` \(axis 0\) has 3",
+  ):
     sr.vmap(apply, in_axes=None, axis_size=5)(ens, data())
-  with pytest.raises(sr.TransformError,
-                     match=r"the stacked variable `linear\.bias` \(axis 0\) says 3 "
-                           r"iterations but argument 1 \(axis 0\) has 2"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"the stacked variable `linear\.bias` \(axis 0\) says 3 "
+    r"iterations but argument 1 \(axis 0\) has 2",
+  ):
     sr.vmap(apply)(ens, data())
 
 
 def test_no_size_at_all():
-  with pytest.raises(sr.TransformError, match=r"cannot tell the size of the mapped axis.*"
-                                              r"Pass `axis_size=`"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"cannot tell the size of the mapped axis.*"
+    r"Pass `axis_size=`",
+  ):
     sr.vmap(apply, in_axes=None, variable_axes={})(Block(W, rngs=sr.Rngs(0)), data())
-  with pytest.raises(sr.TransformError,
-                     match=r"`linear\.bias` is stacked by variable_axes, so the number of "
-                           r"layers must be known at init"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"`linear\.bias` is stacked by variable_axes, so the number of "
+    r"layers must be known at init",
+  ):
     sr.vmap(Block)(W, rngs=sr.Rngs(0))
 
 
 def test_in_axes_errors():
   ens = ensemble(Block, W)
-  with pytest.raises(sr.TransformError,
-                     match=r"in_axes puts the mapped axis of argument 1 at 2, but a leaf "
-                           r"has shape \(2, 4\)"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"in_axes puts the mapped axis of argument 1 at 2, but a leaf "
+    r"has shape \(2, 4\)",
+  ):
     sr.vmap(apply, in_axes=2)(ens, data())
-  with pytest.raises(sr.TransformError,
-                     match=r"in_axes=\(0, 0\) has 2 entries for 1 arguments"):
+  with pytest.raises(sr.TransformError, match=r"in_axes=\(0, 0\) has 2 entries for 1 arguments"):
     sr.vmap(apply, in_axes=(0, 0))(ens, data())
-  with pytest.raises(sr.TransformError,
-                     match=r"variable_axes puts the layer axis of `linear\.bias` at 5"):
+  with pytest.raises(
+    sr.TransformError, match=r"variable_axes puts the layer axis of `linear\.bias` at 5"
+  ):
     sr.vmap(Block, axis_size=E, variable_axes={sr.Param: 5})(W, rngs=sr.Rngs(0))
 
 
@@ -315,24 +326,33 @@ def test_absent_rng_stream():
   rngs = sr.Rngs(params=0)
   ens = sr.vmap(DropBlock, axis_size=E, in_axes=None)(rngs=rngs)
   assert ens.drop.rngs is rngs and int(rngs.params.count.value) == 0
-  with pytest.raises(AttributeError, match=r"this Rngs has no 'dropout' stream and no "
-                                           r"default stream \(it has \['params'\]\)"):
+  with pytest.raises(
+    AttributeError,
+    match=r"this Rngs has no 'dropout' stream and no "
+    r"default stream \(it has \['params'\]\)",
+  ):
     ens(jnp.ones((2, W)))
   assert int(rngs.params.count.value) == 0
 
 
 def test_module_in_args():
   ens = ensemble(Block, W)
-  with pytest.raises(sr.TransformError, match=r"sr\.vmap\(apply\): argument 1 is a "
-                                              r"VmapBlock\. Modules go in argument 0 only"
-                                              r".*Nothing was run\. Fix: pass every module "
-                                              r"in argument 0") as caught:
+  with pytest.raises(
+    sr.TransformError,
+    match=r"sr\.vmap\(apply\): argument 1 is a "
+    r"VmapBlock\. Modules go in argument 0 only"
+    r".*Nothing was run\. Fix: pass every module "
+    r"in argument 0",
+  ) as caught:
     sr.vmap(apply, in_axes=None)(ens, ens)
   assert isinstance(caught.value, TypeError)  # what it was before it was a TransformError
   # No module anywhere: jax.vmap over the arguments (modules made inside come out
   # stacked), which here maps nothing.
-  with pytest.raises(sr.TransformError, match=r"No argument holds a module.*argument 0 "
-                                              r"must be the module"):
+  with pytest.raises(
+    sr.TransformError,
+    match=r"No argument holds a module.*argument 0 "
+    r"must be the module",
+  ):
     sr.vmap(apply, in_axes=None)(data(), data())
   with pytest.raises(TypeError, match=r"methods=\.\.\.\) applies to a Module class"):
     sr.vmap(apply, methods=["__call__"])
@@ -342,7 +362,6 @@ def test_module_in_args():
 
 
 class ScanBlock(sr.Module):
-
   def __init__(self, dim, *, rngs):
     self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
 
@@ -351,13 +370,11 @@ class ScanBlock(sr.Module):
 
 
 def test_vmap_of_scan_is_an_ensemble_of_stacks():
-  Stack = sr.scan(ScanBlock, length=2, variable_axes={sr.Param: 0},
-                  split_rngs={"params": True})
+  Stack = sr.scan(ScanBlock, length=2, variable_axes={sr.Param: 0}, split_rngs={"params": True})
   ens = sr.vmap(Stack, axis_size=E, in_axes=None)(W, rngs=sr.Rngs(0))
   assert ens.linear.kernel.shape == (E, 2, W, W)
   kernels = np.asarray(ens.linear.kernel.value).reshape(E * 2, W, W)
-  assert all(not np.allclose(kernels[i], kernels[j]) for i in range(E * 2)
-             for j in range(i))
+  assert all(not np.allclose(kernels[i], kernels[j]) for i in range(E * 2) for j in range(i))
   x = data()
   y, _ = ens(x)
   members = sr.unstack(ens)
@@ -377,7 +394,7 @@ def test_vmap_of_scan_is_an_ensemble_of_stacks():
       h = x
       for layer in sr.unstack(member):
         h, _ = layer(h)
-      total = total + (h ** 2).mean()
+      total = total + (h**2).mean()
     return total / E
 
   value, grads = sr.jit(sr.value_and_grad(loss))(ens, x)

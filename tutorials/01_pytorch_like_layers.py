@@ -39,6 +39,7 @@ BATCH = 128
 # `dropout` for the masks. Each stream is a key and a counter; `Dropout` keeps the
 # `Rngs` it was given (shared, not copied), so both streams are part of the model.
 
+
 # %%
 class MLP(sr.Module):
   def __init__(self, width, *, rngs: sr.Rngs):
@@ -53,8 +54,10 @@ class MLP(sr.Module):
 
 model = MLP(WIDTH, rngs=sr.Rngs(params=0, dropout=1))
 for path, variable in model.iter_variables():
-  print(f"{'.'.join(path):28} {type(variable).__name__:10} {variable.collection:12} "
-        f"{variable.value.shape}")
+  print(
+    f"{'.'.join(path):28} {type(variable).__name__:10} {variable.collection:12} "
+    f"{variable.value.shape}"
+  )
 
 # %% [markdown]
 # ## split, merge, state
@@ -68,8 +71,12 @@ for path, variable in model.iter_variables():
 graphdef, params, rest = sr.split(model, sr.Param, ...)
 print("params:", sorted(params.flat()))
 print("rest:  ", sorted(rest.flat()))
-print("params is a pytree of", len(jax.tree.leaves(params)), "arrays, indexed by path:",
-      params["hidden"]["kernel"].shape)
+print(
+  "params is a pytree of",
+  len(jax.tree.leaves(params)),
+  "arrays, indexed by path:",
+  params["hidden"]["kernel"].shape,
+)
 
 copy = sr.merge(graphdef, params, rest)
 print("merge builds a new object:", copy is not model)
@@ -117,6 +124,7 @@ print("eval: two calls equal:", bool(jnp.array_equal(a, b)))
 # `jax.jit` and writes every change back into `model` and `opt`: parameters, optimizer
 # state, BatchNorm statistics and the dropout stream's counter.
 
+
 # %%
 @jax.jit
 def make_batch(key):
@@ -150,8 +158,10 @@ window = []
 for step in range(STEPS):
   window.append(train_step(model, opt, *make_batch(keys[step])))
   if len(window) == STEPS // 5:
-    print(f"steps {step + 1 - len(window):4d}-{step:4d}  mean train loss "
-          f"{float(jnp.mean(jnp.stack(window))):.4f}")
+    print(
+      f"steps {step + 1 - len(window):4d}-{step:4d}  mean train loss "
+      f"{float(jnp.mean(jnp.stack(window))):.4f}"
+    )
     window = []
 
 # %% [markdown]

@@ -39,6 +39,7 @@ data = np.random.default_rng(0)  # NumPy draws: inputs need no compiled ops
 # maps `__call__` over the layers; with `in_axes=None` every layer sees the same input:
 # an ensemble of N blocks.
 
+
 # %%
 class Block(sr.Module):
   def __init__(self, dim, *, rngs):
@@ -52,8 +53,15 @@ class Block(sr.Module):
 
 ensemble = sr.vmap(Block, axis_size=LAYERS, in_axes=None)(DIM, rngs=sr.Rngs(0))
 kernels = np.asarray(ensemble.linear.kernel.value)
-print(type(ensemble).__name__, "is a Block:", isinstance(ensemble, Block),
-      "| layers:", len(ensemble), "| kernel", kernels.shape)
+print(
+  type(ensemble).__name__,
+  "is a Block:",
+  isinstance(ensemble, Block),
+  "| layers:",
+  len(ensemble),
+  "| kernel",
+  kernels.shape,
+)
 print("layers 0 and 1 initialised differently:", not np.allclose(kernels[0], kernels[1]))
 x = jnp.asarray(data.standard_normal((16, DIM)), jnp.float32)
 y, _ = ensemble(x)
@@ -69,8 +77,9 @@ print("ensemble output:", y.shape)
 # stream. Here parameters *and* batch statistics are per layer.
 
 # %%
-Stack = sr.scan(Block, length=LAYERS, variable_axes={sr.Param: 0, sr.BatchStat: 0},
-                split_rngs={"params": True})
+Stack = sr.scan(
+  Block, length=LAYERS, variable_axes={sr.Param: 0, sr.BatchStat: 0}, split_rngs={"params": True}
+)
 stack = Stack(DIM, rngs=sr.Rngs(0))
 print("same kernels as the vmap init:", np.array_equal(stack.linear.kernel.value, kernels))
 
@@ -85,6 +94,7 @@ print("running mean of feature 0, per layer:", np.asarray(stack.norm.mean.value[
 # statistics. (`sr.jit` compiles the loop as written, unrolled, and writes the
 # statistics back into `layers`; it only saves compiling each operation on its own.)
 
+
 # %%
 @sr.jit
 def python_loop(layers, h):
@@ -95,11 +105,19 @@ def python_loop(layers, h):
 
 h = python_loop(layers, x)
 print("output equals the loop:", bool(jnp.allclose(y, h, atol=1e-5)))
-print("statistics equal the loop's:", all(
+print(
+  "statistics equal the loop's:",
+  all(
     bool(jnp.allclose(stack.norm.mean.value[i], layer.norm.mean.value, atol=1e-5))
-    for i, layer in enumerate(layers)))
-print("stack.layer(2) is an ordinary", type(stack.layer(2)).__name__,
-      "with kernel", stack.layer(2).linear.kernel.shape)
+    for i, layer in enumerate(layers)
+  ),
+)
+print(
+  "stack.layer(2) is an ordinary",
+  type(stack.layer(2)).__name__,
+  "with kernel",
+  stack.layer(2).linear.kernel.shape,
+)
 
 # %% [markdown]
 # ## Carried state: one BatchNorm through every iteration
@@ -107,6 +125,7 @@ print("stack.layer(2) is an ordinary", type(stack.layer(2)).__name__,
 # Scanning over *time* instead of depth, a recurrent cell uses the same weights at every
 # step (`variable_broadcast`: read-only) and one set of running statistics that each
 # step updates and passes on (`variable_carry`). No `length`: it comes from `xs`.
+
 
 # %%
 class Cell(sr.Module):
@@ -139,9 +158,11 @@ def step_by_step(cell, h, xs):
 
 h_loop = step_by_step(cell, jnp.zeros((16, DIM)), xs)
 print("running mean after", STEPS, "steps:", np.asarray(rnn.norm.mean.value[:3]), "...")
-print("h and running mean equal stepping by hand:",
-      bool(jnp.allclose(h, h_loop, atol=1e-5)),
-      bool(jnp.allclose(rnn.norm.mean.value, cell.norm.mean.value, atol=1e-5)))
+print(
+  "h and running mean equal stepping by hand:",
+  bool(jnp.allclose(h, h_loop, atol=1e-5)),
+  bool(jnp.allclose(rnn.norm.mean.value, cell.norm.mean.value, atol=1e-5)),
+)
 
 # %% [markdown]
 # A variable matched by no rule is read-only inside the scan. Writing to it raises an
@@ -160,6 +181,7 @@ except sr.TransformError as error:
 # layer draws a different mask; with `False` every layer gets the same key, hence the
 # same mask. Either way the stream advances once per call, so the next call draws new
 # masks. Each row below is one layer's mask (1 = kept).
+
 
 # %%
 class Noise(sr.Module):

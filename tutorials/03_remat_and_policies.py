@@ -36,6 +36,7 @@ P = jax.checkpoint_policies
 # a policy can refer to it by name. The block returns `(carry, output)` so that we can
 # also scan it below.
 
+
 # %%
 class Block(sr.Module):
   def __init__(self, dim, *, rngs):
@@ -55,25 +56,28 @@ class Block(sr.Module):
 # arrays, so we `sr.split` the model into its `GraphDef` and its arrays and `sr.merge`
 # it back inside the loss. Each printed line is one saved array and where it came from.
 
+
 # %%
 def loss_fn(graphdef):
   """The loss as a function of the model's arrays (these blocks hold only Params)."""
 
   def loss(params, x):
     out, _ = sr.merge(graphdef, params)(x)
-    return jnp.mean(out ** 2)
+    return jnp.mean(out**2)
 
   return loss
 
 
 x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)), jnp.float32)
 variants = {
-    "no remat": Block,
-    "remat, policy=None (save nothing)": sr.remat(Block),
-    "remat, save_only_these_names('hidden')": sr.remat(
-        Block, policy=P.save_only_these_names("hidden")),
-    "remat, dots_with_no_batch_dims_saveable": sr.remat(
-        Block, policy=P.dots_with_no_batch_dims_saveable),
+  "no remat": Block,
+  "remat, policy=None (save nothing)": sr.remat(Block),
+  "remat, save_only_these_names('hidden')": sr.remat(
+    Block, policy=P.save_only_these_names("hidden")
+  ),
+  "remat, dots_with_no_batch_dims_saveable": sr.remat(
+    Block, policy=P.dots_with_no_batch_dims_saveable
+  ),
 }
 for name, cls in variants.items():
   graphdef, params = sr.split(cls(8, rngs=sr.Rngs(0)))
@@ -103,6 +107,7 @@ print("same gradients:", all(jax.tree.leaves(jax.tree.map(np.allclose, g0, g1)))
 # under `jax.eval_shape`: its arrays come out as `jax.ShapeDtypeStruct`s and nothing is
 # allocated or run. First `LAYERS` blocks called in a Python loop, with and without
 # remat:
+
 
 # %%
 class Net(sr.Module):
@@ -142,17 +147,20 @@ for name, cls in {"no remat": Block, "remat": sr.remat(Block)}.items():
 # backward loop recomputes one layer per iteration. `sr.scan` over the remat'd block
 # (`prevent_cse=False` is the recommended setting under a scan):
 
+
 # %%
 def scanned(block_cls):
-  return sr.scan(block_cls, length=LAYERS, variable_axes={sr.Param: 0},
-                 split_rngs={"params": True})(DIM, rngs=sr.Rngs(0))
+  return sr.scan(
+    block_cls, length=LAYERS, variable_axes={sr.Param: 0}, split_rngs={"params": True}
+  )(DIM, rngs=sr.Rngs(0))
 
 
 for name, cls in {
-    "scan, no remat": Block,
-    "scan(remat), policy=None": sr.remat(Block, prevent_cse=False),
-    "scan(remat), save 'hidden'": sr.remat(
-        Block, prevent_cse=False, policy=P.save_only_these_names("hidden")),
+  "scan, no remat": Block,
+  "scan(remat), policy=None": sr.remat(Block, prevent_cse=False),
+  "scan(remat), save 'hidden'": sr.remat(
+    Block, prevent_cse=False, policy=P.save_only_these_names("hidden")
+  ),
 }.items():
   print(f"{name:28} {temp_mib(lambda: scanned(cls)):7.2f} MiB")
 

@@ -24,7 +24,6 @@
 # shapes; no 1000-layer model is allocated or run.
 
 # %%
-import math
 import os
 import pathlib
 import sys
@@ -49,6 +48,7 @@ OUT.mkdir(parents=True, exist_ok=True)
 # %% [markdown]
 # The layer: `Linear` + `tanh`. A `scan` body returns `(carry, output)`, a `remat_scan`
 # body returns only the carry, hence two small classes.
+
 
 # %%
 class Block(sr.Module):
@@ -77,6 +77,7 @@ def stack_class(kind, n):
 # To compile without allocating, we build the model under `jax.eval_shape`: its
 # variables come out as `jax.ShapeDtypeStruct`s, and the `GraphDef` (plain Python,
 # no arrays) is kept aside. `jax.jit(...).lower(...)` accepts the abstract shapes.
+
 
 # %%
 def abstract_model(cls):
@@ -125,9 +126,11 @@ for n in DEPTHS:
     row.append(f"{mib:10.2f} MiB {seconds:6.2f} s")
   print(f"{n:6d}  " + "  ".join(row))
 last = {kind: memory[kind][-1] for kind in KINDS}
-print(f"at {DEPTHS[-1]} layers remat_scan needs "
-      f"{last['scan'] / last['remat_scan']:.0f}x less memory than scan and "
-      f"{last['scan(remat)'] / last['remat_scan']:.0f}x less than scan(remat)")
+print(
+  f"at {DEPTHS[-1]} layers remat_scan needs "
+  f"{last['scan'] / last['remat_scan']:.0f}x less memory than scan and "
+  f"{last['scan(remat)'] / last['remat_scan']:.0f}x less than scan(remat)"
+)
 
 # %% [markdown]
 # Reading the table: the plain scan's memory grows in proportion to depth, and
@@ -140,8 +143,13 @@ print(f"at {DEPTHS[-1]} layers remat_scan needs "
 fig, ax = plt.subplots(figsize=(6, 4))
 for kind in KINDS:
   ax.plot(DEPTHS, memory[kind], marker="o", label=kind)
-ax.set(xscale="log", yscale="log", xlabel="layers", ylabel="gradient temp memory (MiB)",
-       title=f"Linear({WIDTH}) + tanh, batch {BATCH}")
+ax.set(
+  xscale="log",
+  yscale="log",
+  xlabel="layers",
+  ylabel="gradient temp memory (MiB)",
+  title=f"Linear({WIDTH}) + tanh, batch {BATCH}",
+)
 ax.legend()
 fig.tight_layout()
 path = OUT / "04_memory_vs_depth.png"
@@ -173,9 +181,11 @@ smallest = min(c.temp_bytes for c in least.candidates)
 budget = int(smallest / 0.95)  # near the smallest plan: less than two levels need
 plan = sr.plan_remat(stack, carry, memory_budget=budget)
 measured = plan.verify()  # one compile
-print(f"budget {budget / 2**20:.2f} MiB -> lengths {plan.lengths}, {plan.evals // N}N "
-      f"evaluations, predicted {plan.temp_bytes / 2**20:.2f} MiB, "
-      f"measured {measured / 2**20:.2f} MiB, fits: {measured <= budget}")
+print(
+  f"budget {budget / 2**20:.2f} MiB -> lengths {plan.lengths}, {plan.evals // N}N "
+  f"evaluations, predicted {plan.temp_bytes / 2**20:.2f} MiB, "
+  f"measured {measured / 2**20:.2f} MiB, fits: {measured <= budget}"
+)
 
 # %% [markdown]
 # `sr.remat_scan(Block, lengths=plan)` runs that plan; `lengths="auto",

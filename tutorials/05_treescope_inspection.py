@@ -63,20 +63,24 @@ print(treescope.render_to_text(sr.state(layer)))
 # metadata. The layer axis is called `layers` unless `metadata_params={"partition_name":
 # ...}` names it otherwise.
 
+
 # %%
 class Block(sr.Module):
   def __init__(self, dim, *, rngs):
-    self.linear = sr.nn.Linear(dim, dim, kernel_metadata={"sharding": ("embed", "mlp")},
-                               rngs=rngs)
+    self.linear = sr.nn.Linear(dim, dim, kernel_metadata={"sharding": ("embed", "mlp")}, rngs=rngs)
     self.norm = sr.nn.BatchNorm(dim, rngs=rngs)
 
   def __call__(self, x):
     return x + jnp.tanh(self.norm(self.linear(x))), None
 
 
-Stack = sr.scan(Block, length=LAYERS, variable_axes={sr.Param: 0, sr.BatchStat: 0},
-                split_rngs={"params": True},
-                metadata_params={"partition_name": "layers"})
+Stack = sr.scan(
+  Block,
+  length=LAYERS,
+  variable_axes={sr.Param: 0, sr.BatchStat: 0},
+  split_rngs={"params": True},
+  metadata_params={"partition_name": "layers"},
+)
 
 
 class Net(sr.Module):
@@ -120,8 +124,10 @@ print(sr.summary(net, jax.ShapeDtypeStruct((16, 3), jnp.float32)))
 # %%
 layer3 = net.blocks.layer(3)
 print(type(layer3).__name__, layer3.linear.kernel.shape, layer3.linear.kernel.sharding)
-print("equals slice 3 of the stack:",
-      np.array_equal(layer3.linear.kernel.value, net.blocks.linear.kernel.value[3]))
+print(
+  "equals slice 3 of the stack:",
+  np.array_equal(layer3.linear.kernel.value, net.blocks.linear.kernel.value[3]),
+)
 print(repr(layer3.norm.mean))
 
 # %% [markdown]

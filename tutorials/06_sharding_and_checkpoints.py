@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import statefulremat as sr
 
@@ -51,15 +52,22 @@ print(len(jax.devices()), "devices:", jax.devices()[:2], "...")
 # Every `sr.nn` layer takes `*_metadata` dicts for its Variables. A block whose hidden
 # layer has `2 * DIM` features (`"mlp"`) between two `DIM`-wide ones (`"embed"`):
 
+
 # %%
 class Block(sr.Module):
   def __init__(self, dim, *, rngs):
     embed = {"sharding": ("embed",)}
     self.norm = sr.nn.LayerNorm(dim, scale_metadata=embed, bias_metadata=embed, rngs=rngs)
-    self.up = sr.nn.Linear(dim, 2 * dim, kernel_metadata={"sharding": ("embed", "mlp")},
-                           bias_metadata={"sharding": ("mlp",)}, rngs=rngs)
-    self.down = sr.nn.Linear(2 * dim, dim, kernel_metadata={"sharding": ("mlp", "embed")},
-                             bias_metadata=embed, rngs=rngs)
+    self.up = sr.nn.Linear(
+      dim,
+      2 * dim,
+      kernel_metadata={"sharding": ("embed", "mlp")},
+      bias_metadata={"sharding": ("mlp",)},
+      rngs=rngs,
+    )
+    self.down = sr.nn.Linear(
+      2 * dim, dim, kernel_metadata={"sharding": ("mlp", "embed")}, bias_metadata=embed, rngs=rngs
+    )
 
   def __call__(self, x):
     return x + self.down(jax.nn.relu(self.up(self.norm(x))))
@@ -88,8 +96,15 @@ print("mesh spec of up.kernel:", sr.logical_to_mesh(specs["up"]["kernel"], rules
 
 shardings = sr.shard(stack, mesh, rules)
 kernel = stack.up.kernel.value
-print("up.kernel is now", kernel.sharding.spec, "over", len(kernel.devices()), "devices;",
-      "each holds", kernel.addressable_shards[0].data.shape)
+print(
+  "up.kernel is now",
+  kernel.sharding.spec,
+  "over",
+  len(kernel.devices()),
+  "devices;",
+  "each holds",
+  kernel.addressable_shards[0].data.shape,
+)
 
 # %% [markdown]
 # ## A data- and model-parallel training step
@@ -98,6 +113,7 @@ print("up.kernel is now", kernel.sharding.spec, "over", len(kernel.devices()), "
 # `"data"`. `jax.jit` (inside `sr.jit`) partitions the whole step from the shardings of
 # its inputs. The result is what one device computes, up to floating-point rounding
 # (the sums are split differently):
+
 
 # %%
 @sr.jit
@@ -119,11 +135,13 @@ for step in range(STEPS):
   loss = train_step(stack, opt, x_sharded, y_sharded)
   loss_single = train_step(single, single_opt, x, y)
   if step % 5 == 0 or step == STEPS - 1:
-    print(f"step {step:2d}: loss {float(loss):.6f} on 8 devices, "
-          f"{float(loss_single):.6f} on one")
-print("up.kernel still", stack.up.kernel.value.sharding.spec,
-      "| same values as one device:",
-      np.allclose(stack.up.kernel.value, single.up.kernel.value, atol=1e-6))
+    print(f"step {step:2d}: loss {float(loss):.6f} on 8 devices, {float(loss_single):.6f} on one")
+print(
+  "up.kernel still",
+  stack.up.kernel.value.sharding.spec,
+  "| same values as one device:",
+  np.allclose(stack.up.kernel.value, single.up.kernel.value, atol=1e-6),
+)
 
 # %% [markdown]
 # ## JAX's default mesh: Explicit axes
@@ -144,8 +162,12 @@ with jax.set_mesh(explicit):
   batch_explicit = NamedSharding(explicit, P("data"))
   xe, ye = jax.device_put(x, batch_explicit), jax.device_put(y, batch_explicit)
   losses = [float(train_step(typed, typed_opt, xe, ye)) for _ in range(STEPS)]
-print("Explicit axes:", jax.typeof(typed.up.kernel.value), "| last loss",
-      f"{losses[-1]:.6f} (Auto axes: {float(loss):.6f})")
+print(
+  "Explicit axes:",
+  jax.typeof(typed.up.kernel.value),
+  "| last loss",
+  f"{losses[-1]:.6f} (Auto axes: {float(loss):.6f})",
+)
 
 # %% [markdown]
 # ## Sharded init: no device holds a whole array
@@ -160,6 +182,7 @@ print("Explicit axes:", jax.typeof(typed.up.kernel.value), "| last loss",
 # computed whole before it is re-typed; so build under an Auto-axes mesh of the same
 # devices, and `sr.shard` the result onto the Explicit mesh (no data moves).
 
+
 # %%
 def create():
   model = Stack(DIM, rngs=sr.Rngs(0))
@@ -170,8 +193,11 @@ def create():
 per_device = sr.jit(create).lower().compile().memory_analysis().output_size_in_bytes
 whole = sum(v.nbytes for v in jax.tree.leaves(sr.state(single)))
 built = sr.jit(create)()
-print(f"outputs per device {per_device} bytes; the whole model {whole} bytes;",
-      "up.kernel:", built.up.kernel.value.sharding.spec)
+print(
+  f"outputs per device {per_device} bytes; the whole model {whole} bytes;",
+  "up.kernel:",
+  built.up.kernel.value.sharding.spec,
+)
 sr.shard(built, explicit, rules)  # the same layout, now typed on the Explicit mesh
 print("on the Explicit mesh:", jax.typeof(built.up.kernel.value))
 
@@ -188,8 +214,12 @@ path = OUT / "06_checkpoint"
 sr.save(path, stack)
 fresh = Stack(DIM, rngs=sr.Rngs(1))
 sr.restore(path, fresh)
-print("restored onto", type(fresh.up.kernel.value.sharding).__name__, "| equal:",
-      np.array_equal(fresh.up.kernel.value, stack.up.kernel.value))
+print(
+  "restored onto",
+  type(fresh.up.kernel.value.sharding).__name__,
+  "| equal:",
+  np.array_equal(fresh.up.kernel.value, stack.up.kernel.value),
+)
 
 # %% [markdown]
 # A save can run in the background: `sr.save(path, model, blocking=False)` returns a
@@ -206,8 +236,11 @@ loss = train_step(stack, opt, x_sharded, y_sharded)  # trains on while it writes
 handle.wait()
 params_only = Stack(DIM, rngs=sr.Rngs(3))
 sr.restore(OUT / "06_async", params_only, sr.Param)  # only the Params are read
-print(handle, "| the params as they were at the save:",
-      np.array_equal(params_only.down.kernel.value, at_save))
+print(
+  handle,
+  "| the params as they were at the save:",
+  np.array_equal(params_only.down.kernel.value, at_save),
+)
 
 # %% [markdown]
 # A `remat_scan` stack keeps one flat layer axis, whatever its `lengths`: the nested
@@ -215,12 +248,14 @@ print(handle, "| the params as they were at the save:",
 # `lengths` (other memory trade-off), and computes the same function:
 
 # %%
-Other = sr.remat_scan(Block, lengths=OTHER_LENGTHS,
-                      metadata_params={"partition_name": "layers"})
+Other = sr.remat_scan(Block, lengths=OTHER_LENGTHS, metadata_params={"partition_name": "layers"})
 other = Other(DIM, rngs=sr.Rngs(2))
 sr.restore(path, other)
-print(f"lengths {LENGTHS} -> {OTHER_LENGTHS}: kernel {other.up.kernel.shape},",
-      "same output:", np.allclose(other(x), fresh(x), atol=1e-5))
+print(
+  f"lengths {LENGTHS} -> {OTHER_LENGTHS}: kernel {other.up.kernel.shape},",
+  "same output:",
+  np.allclose(other(x), fresh(x), atol=1e-5),
+)
 
 # %% [markdown]
 # A model that does not match the checkpoint is left unchanged, and the error names
@@ -263,4 +298,3 @@ print("wider is unchanged:", wider.up.kernel.value is before)
 #     loss = train_step(model, opt, x, y)
 #   sr.save("/shared/ckpt", opt)                            # every process calls it
 # ```
-

@@ -61,8 +61,10 @@ for path in sorted(stdlib.glob("*.py")):
 data = np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
 split = int(0.9 * len(data))
 train_data, val_data = data[:split], data[split:]
-print(f"{len(chunks)} files from {stdlib}: {len(train_data):,} bytes to train on, "
-      f"{len(val_data):,} to validate on")
+print(
+  f"{len(chunks)} files from {stdlib}: {len(train_data):,} bytes to train on, "
+  f"{len(val_data):,} to validate on"
+)
 
 
 def batches(data, rng):
@@ -88,6 +90,7 @@ print("a training window:", repr(bytes(np.asarray(x[0], np.uint8)).decode("utf-8
 # and positions and reads the logits off the token embedding (`Embed.attend`, tied
 # weights). `start` is the position of the first input: 0 in training, the current
 # position when decoding one byte at a time.
+
 
 # %%
 class Block(sr.Module):
@@ -131,6 +134,7 @@ print(sr.summary(model, x))
 # state), so every step draws new masks. Validation runs in `eval()` mode (no dropout)
 # on a fixed set of held-out windows.
 
+
 # %%
 def loss_fn(model, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
@@ -171,8 +175,10 @@ def train(model, opt, steps):
       val_losses.append((step, validate(model)))
     train_losses.append(float(train_step(model, opt, *next(train_batches))))
     bar.set_postfix(loss=f"{train_losses[-1]:.3f}", val=f"{val_losses[-1][1]:.3f}")
-  print(f"{steps} steps in {time.perf_counter() - start:.1f}s; "
-        f"loss {train_losses[-1]:.3f}, validation {val_losses[-1][1]:.3f}")
+  print(
+    f"{steps} steps in {time.perf_counter() - start:.1f}s; "
+    f"loss {train_losses[-1]:.3f}, validation {val_losses[-1][1]:.3f}"
+  )
 
 
 train(model, opt, STEPS // 2)
@@ -228,6 +234,7 @@ print("final validation loss", f"{val_losses[-1][1]:.3f};", "plot:", OUT / "07_l
 # takes one position, attends to the cache, and appends to it. The same blocks that
 # trained on whole sequences decode; the cached logits equal the full forward's.
 
+
 # %%
 @sr.jit
 def decode_step(model, token, t):
@@ -240,10 +247,16 @@ full = model(jnp.asarray(prompt))  # the whole prompt at once, no cache
 
 model.blocks.attn.init_cache((1, SEQ, DIM))
 model.set_attributes(decode=True)
-cached = jnp.stack([decode_step(model, jnp.asarray(prompt[:, t]), jnp.int32(t))
-                    for t in range(prompt.shape[1])], axis=1)
-print("cache:", model.blocks.attn.cached_key.shape,
-      "| max |cached - full| logits:", float(jnp.abs(cached - full).max()))
+cached = jnp.stack(
+  [decode_step(model, jnp.asarray(prompt[:, t]), jnp.int32(t)) for t in range(prompt.shape[1])],
+  axis=1,
+)
+print(
+  "cache:",
+  model.blocks.attn.cached_key.shape,
+  "| max |cached - full| logits:",
+  float(jnp.abs(cached - full).max()),
+)
 assert jnp.allclose(cached, full, atol=1e-4)
 
 # %% [markdown]

@@ -35,8 +35,9 @@
 # %%
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_allow_excess_precision=false").strip()
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"
+).strip()
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -70,6 +71,7 @@ started = time.perf_counter()
 # modules as an attribute (jaxgarden was written for flax 0.10), so `self.layers` is
 # an `nnx.List` of the same blocks. Its state paths are the same either way:
 # `layers.0.attention.q_proj.kernel`, ...
+
 
 # %%
 @dataclasses.dataclass
@@ -121,13 +123,17 @@ class LlamaRotaryEmbedding(nnx.Module):
 class LlamaAttention(nnx.Module):
   def __init__(self, layer_idx, dim, n_heads, n_kv_heads, head_dim, rope_theta, *, rngs):
     self.q_proj = nnx.Linear(
-        dim, n_heads * head_dim, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16)
+      dim, n_heads * head_dim, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16
+    )
     self.k_proj = nnx.Linear(
-        dim, n_kv_heads * head_dim, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16)
+      dim, n_kv_heads * head_dim, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16
+    )
     self.v_proj = nnx.Linear(
-        dim, n_kv_heads * head_dim, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16)
+      dim, n_kv_heads * head_dim, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16
+    )
     self.o_proj = nnx.Linear(
-        n_heads * head_dim, dim, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16)
+      n_heads * head_dim, dim, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16
+    )
     self.rotary_emb = LlamaRotaryEmbedding(head_dim, base=rope_theta, rngs=rngs)
     self.head_dim = head_dim
     self.n_heads = n_heads
@@ -157,25 +163,33 @@ class LlamaAttention(nnx.Module):
   @nnx.jit()
   def __call__(self, x, position_ids, attention_mask):
     batch_size, seq_len, _ = x.shape
-    query = (self.q_proj(x).reshape(batch_size, seq_len, self.n_heads, self.head_dim)
-             .transpose((0, 2, 1, 3)))
-    key = (self.k_proj(x).reshape(batch_size, seq_len, self.n_kv_heads, self.head_dim)
-           .transpose((0, 2, 1, 3)))
-    value = (self.v_proj(x).reshape(batch_size, seq_len, self.n_kv_heads, self.head_dim)
-             .transpose((0, 2, 1, 3)))
+    query = (
+      self.q_proj(x)
+      .reshape(batch_size, seq_len, self.n_heads, self.head_dim)
+      .transpose((0, 2, 1, 3))
+    )
+    key = (
+      self.k_proj(x)
+      .reshape(batch_size, seq_len, self.n_kv_heads, self.head_dim)
+      .transpose((0, 2, 1, 3))
+    )
+    value = (
+      self.v_proj(x)
+      .reshape(batch_size, seq_len, self.n_kv_heads, self.head_dim)
+      .transpose((0, 2, 1, 3))
+    )
     # Assuming batch_size=1
     cos, sin = self.rotary_emb(position_ids[0])
     query, key = self.apply_rotary_pos_emb(query, key, cos, sin)
     key = self.repeat_kv(key, self.n_heads // self.n_kv_heads)
     value = self.repeat_kv(value, self.n_heads // self.n_kv_heads)
     attn_weights = jnp.matmul(query, jnp.transpose(key, (0, 1, 3, 2)))
-    attn_weights = (attn_weights.astype(jnp.float32) / jnp.sqrt(self.head_dim)).astype(
-        jnp.bfloat16)
+    attn_weights = (attn_weights.astype(jnp.float32) / jnp.sqrt(self.head_dim)).astype(jnp.bfloat16)
     attn_weights = attn_weights + attention_mask
-    attn_weights = jax.nn.softmax(attn_weights.astype(jnp.float32), axis=-1).astype(
-        jnp.bfloat16)
-    attn_output = (jnp.matmul(attn_weights, value).transpose((0, 2, 1, 3))
-                   .reshape(batch_size, seq_len, -1))
+    attn_weights = jax.nn.softmax(attn_weights.astype(jnp.float32), axis=-1).astype(jnp.bfloat16)
+    attn_output = (
+      jnp.matmul(attn_weights, value).transpose((0, 2, 1, 3)).reshape(batch_size, seq_len, -1)
+    )
     output = self.o_proj(attn_output)
     return output
 
@@ -183,11 +197,14 @@ class LlamaAttention(nnx.Module):
 class LlamaMLP(nnx.Module):
   def __init__(self, layer_idx, dim, intermediate_size, *, rngs):
     self.gate_proj = nnx.Linear(
-        dim, intermediate_size, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16)
+      dim, intermediate_size, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16
+    )
     self.up_proj = nnx.Linear(
-        dim, intermediate_size, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16)
+      dim, intermediate_size, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16
+    )
     self.down_proj = nnx.Linear(
-        intermediate_size, dim, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16)
+      intermediate_size, dim, use_bias=False, rngs=rngs, param_dtype=jnp.bfloat16
+    )
 
   @nnx.jit()
   def __call__(self, x):
@@ -195,15 +212,33 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaTransformerBlock(nnx.Module):
-  def __init__(self, layer_idx, dim, n_heads, n_kv_heads, head_dim, rope_theta,
-               intermediate_size, *, norm_eps=1e-05, rngs):
+  def __init__(
+    self,
+    layer_idx,
+    dim,
+    n_heads,
+    n_kv_heads,
+    head_dim,
+    rope_theta,
+    intermediate_size,
+    *,
+    norm_eps=1e-05,
+    rngs,
+  ):
     self.input_layernorm = LlamaRMSNorm(dim=dim, norm_eps=norm_eps, rngs=rngs)
     self.attention = LlamaAttention(
-        layer_idx=layer_idx, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
-        head_dim=head_dim, rope_theta=rope_theta, rngs=rngs)
+      layer_idx=layer_idx,
+      dim=dim,
+      n_heads=n_heads,
+      n_kv_heads=n_kv_heads,
+      head_dim=head_dim,
+      rope_theta=rope_theta,
+      rngs=rngs,
+    )
     self.post_attention_layernorm = LlamaRMSNorm(dim=dim, norm_eps=norm_eps, rngs=rngs)
     self.mlp = LlamaMLP(
-        layer_idx=layer_idx, dim=dim, intermediate_size=intermediate_size, rngs=rngs)
+      layer_idx=layer_idx, dim=dim, intermediate_size=intermediate_size, rngs=rngs
+    )
 
   @nnx.jit()
   def __call__(self, x, position_ids, attention_mask):
@@ -221,18 +256,27 @@ class LlamaTransformerBlock(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
   def __init__(self, config, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs):
     self.token_embed = nnx.Embed(
-        num_embeddings=config.vocab_size, features=config.dim, param_dtype=param_dtype,
-        rngs=rngs)
-    self.layers = nnx.List([  # jaxgarden: a plain list (flax 0.10)
+      num_embeddings=config.vocab_size, features=config.dim, param_dtype=param_dtype, rngs=rngs
+    )
+    self.layers = nnx.List(
+      [  # jaxgarden: a plain list (flax 0.10)
         LlamaTransformerBlock(
-            layer_idx=idx, dim=config.dim, n_heads=config.n_heads,
-            n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-            rope_theta=config.rope_theta, intermediate_size=config.intermediate_size,
-            norm_eps=config.norm_eps, rngs=rngs)
+          layer_idx=idx,
+          dim=config.dim,
+          n_heads=config.n_heads,
+          n_kv_heads=config.n_kv_heads,
+          head_dim=config.head_dim,
+          rope_theta=config.rope_theta,
+          intermediate_size=config.intermediate_size,
+          norm_eps=config.norm_eps,
+          rngs=rngs,
+        )
         for idx in range(config.n_layers)
-    ])
+      ]
+    )
     self.lm_head = nnx.Linear(
-        config.dim, config.vocab_size, use_bias=False, rngs=rngs, param_dtype=param_dtype)
+      config.dim, config.vocab_size, use_bias=False, rngs=rngs, param_dtype=param_dtype
+    )
     self.norm = LlamaRMSNorm(dim=config.dim, rngs=rngs)
 
   @nnx.jit()
@@ -260,10 +304,15 @@ class LlamaForCausalLM(nnx.Module):
 # `create_causal_mask` builds), and it handles one sequence at a time.
 
 # %%
-config = (LlamaConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
-                      intermediate_size=64, vocab_size=256) if QUICK else
-          LlamaConfig(dim=128, n_layers=6, n_heads=8, n_kv_heads=2, head_dim=16,
-                      intermediate_size=384, vocab_size=256))
+config = (
+  LlamaConfig(
+    dim=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=256
+  )
+  if QUICK
+  else LlamaConfig(
+    dim=128, n_layers=6, n_heads=8, n_kv_heads=2, head_dim=16, intermediate_size=384, vocab_size=256
+  )
+)
 theirs = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
 norm_keys = iter(jax.random.split(jax.random.key(1), 2 * config.n_layers + 1))
 for path, param in nnx.iter_graph(theirs):
@@ -316,6 +365,7 @@ for path, param in nnx.to_flat_state(nnx.state(theirs, nnx.Param)):
 # `self` belongs to (on a single layer it returns the Variable as it is), so each
 # layer gets its own cache.
 
+
 # %%
 class RMSNorm(sr.Module):
   """Their LlamaRMSNorm's arithmetic, with the weight named as sr.nn.RMSNorm's."""
@@ -326,8 +376,7 @@ class RMSNorm(sr.Module):
 
   def __call__(self, x):
     h = x.astype(jnp.float32)
-    h = h * jnp.reciprocal(jnp.sqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True)
-                                    + self.epsilon))
+    h = h * jnp.reciprocal(jnp.sqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + self.epsilon))
     return self.scale.value * h.astype(x.dtype)
 
 
@@ -380,10 +429,10 @@ class Attention(sr.Module):
     key = rope_like_theirs(key, positions, self.rope_theta)
     if self.decode:
       at = (0, 0, index, 0)
-      key = self.cached_key.value = jax.lax.dynamic_update_slice(
-          self.cached_key.value, key, at)
+      key = self.cached_key.value = jax.lax.dynamic_update_slice(self.cached_key.value, key, at)
       value = self.cached_value.value = jax.lax.dynamic_update_slice(
-          self.cached_value.value, value, at)
+        self.cached_value.value, value, at
+      )
       self.cache_index.value = index + 1
     group = self.n_heads // self.n_kv_heads  # query heads per key/value head
     key, value = jnp.repeat(key, group, axis=1), jnp.repeat(value, group, axis=1)
@@ -471,9 +520,15 @@ checkpoint = nnx.state(theirs, nnx.Param)
 checkpoint32 = jax.tree.map(lambda a: a.astype(jnp.float32), checkpoint)
 theirs32 = nnx.merge(nnx.graphdef(theirs), checkpoint32)
 sr.interop.from_nnx(model, checkpoint32, rename=RENAME)
-print("their layer 2 == our layer 2:", bool(jnp.array_equal(
-    model.blocks.layer(2).mlp.up_proj.kernel.value,
-    theirs.layers[2].mlp.up_proj.kernel[...].astype(jnp.float32))))
+print(
+  "their layer 2 == our layer 2:",
+  bool(
+    jnp.array_equal(
+      model.blocks.layer(2).mlp.up_proj.kernel.value,
+      theirs.layers[2].mlp.up_proj.kernel[...].astype(jnp.float32),
+    )
+  ),
+)
 
 # %% [markdown]
 # A rename that misses something does not half-load: `from_nnx` checks every
@@ -514,6 +569,7 @@ np.testing.assert_allclose(theirs32(tokens, causal), their_logits, rtol=1e-6, at
 # (`2 ** -8`) of the largest entry, where a wrong port (a transposed kernel, a
 # swapped head order) is off by the gradient's own size.
 
+
 # %%
 def loss_theirs(m, tokens):
   logits = m(tokens, causal)[:, :-1]
@@ -529,21 +585,27 @@ their_grads = nnx.grad(loss_theirs)(theirs32, tokens)
 our_grads = sr.grad(loss_ours)(model, tokens)
 last = config.n_layers - 1
 pairs = {
-    "token_embed.embedding": (their_grads["token_embed"]["embedding"],
-                              our_grads["token_embed"]["embedding"]),
-    "layers.0.attention.q_proj.kernel": (
-        their_grads["layers"][0]["attention"]["q_proj"]["kernel"],
-        our_grads["blocks"]["attention"]["q_proj"]["kernel"][0]),
-    f"layers.{last}.post_attention_layernorm.norm_weights": (
-        their_grads["layers"][last]["post_attention_layernorm"]["norm_weights"],
-        our_grads["blocks"]["post_attention_layernorm"]["scale"][last]),
-    "lm_head.kernel": (their_grads["lm_head"]["kernel"], our_grads["lm_head"]["kernel"]),
+  "token_embed.embedding": (
+    their_grads["token_embed"]["embedding"],
+    our_grads["token_embed"]["embedding"],
+  ),
+  "layers.0.attention.q_proj.kernel": (
+    their_grads["layers"][0]["attention"]["q_proj"]["kernel"],
+    our_grads["blocks"]["attention"]["q_proj"]["kernel"][0],
+  ),
+  f"layers.{last}.post_attention_layernorm.norm_weights": (
+    their_grads["layers"][last]["post_attention_layernorm"]["norm_weights"],
+    our_grads["blocks"]["post_attention_layernorm"]["scale"][last],
+  ),
+  "lm_head.kernel": (their_grads["lm_head"]["kernel"], our_grads["lm_head"]["kernel"]),
 }
 for name, (g_theirs, g_ours) in pairs.items():
   g_theirs, g_ours = np.asarray(g_theirs[...]), np.asarray(g_ours[...])
   scale = np.abs(g_theirs).max()
-  print(f"{name:48s} max |ours - theirs| = {np.abs(g_ours - g_theirs).max():.1e} "
-        f"(max |grad| {scale:.1e})")
+  print(
+    f"{name:48s} max |ours - theirs| = {np.abs(g_ours - g_theirs).max():.1e} "
+    f"(max |grad| {scale:.1e})"
+  )
   np.testing.assert_allclose(g_ours, g_theirs, rtol=0, atol=2**-8 * scale)
 
 # %% [markdown]
@@ -555,10 +617,13 @@ for name, (g_theirs, g_ours) in pairs.items():
 # %%
 q = jax.random.normal(jax.random.key(2), (1, config.n_heads, SEQ, config.head_dim))
 positions = jnp.arange(SEQ)
-float32_rope = sr.nn.rope(q.transpose((0, 2, 1, 3)), positions,
-                          base=config.rope_theta).transpose((0, 2, 1, 3))
-print("max |sr.nn.rope - theirs| on unit-normal queries:",
-      f"{float(jnp.abs(float32_rope - rope_like_theirs(q, positions, config.rope_theta)).max()):.1e}")
+float32_rope = sr.nn.rope(q.transpose((0, 2, 1, 3)), positions, base=config.rope_theta).transpose(
+  (0, 2, 1, 3)
+)
+print(
+  "max |sr.nn.rope - theirs| on unit-normal queries:",
+  f"{float(jnp.abs(float32_rope - rope_like_theirs(q, positions, config.rope_theta)).max()):.1e}",
+)
 
 # %% [markdown]
 # ## 5. The plan and the summary
@@ -568,13 +633,15 @@ print("max |sr.nn.rope - theirs| on unit-normal queries:",
 # model. `sr.plan_remat` makes the same call for us to look at; with few layers there
 # is little to choose, and with hundreds it is where the memory goes (tutorial 4).
 
+
 # %%
 def block_fn(layer, x):
   return layer(x, positions, jnp.where(jnp.tril(jnp.ones((SEQ, SEQ), bool)), 0.0, -jnp.inf))
 
 
-plan = sr.plan_remat(model.blocks, jax.ShapeDtypeStruct((BATCH, SEQ, config.dim),
-                                                         jnp.float32), fn=block_fn)
+plan = sr.plan_remat(
+  model.blocks, jax.ShapeDtypeStruct((BATCH, SEQ, config.dim), jnp.float32), fn=block_fn
+)
 print(plan)
 print(sr.summary(model, tokens))
 
@@ -587,8 +654,7 @@ print(sr.summary(model, tokens))
 
 # %%
 stdlib = pathlib.Path(os.__file__).parent
-data = np.frombuffer(b"\n".join(p.read_bytes() for p in sorted(stdlib.glob("[a-c]*.py"))),
-                     np.uint8)
+data = np.frombuffer(b"\n".join(p.read_bytes() for p in sorted(stdlib.glob("[a-c]*.py"))), np.uint8)
 rng = np.random.default_rng(0)
 optimizer = sr.Optimizer(model, optax.adamw(3e-3, weight_decay=0.01))
 
@@ -618,6 +684,7 @@ assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
 # appending to it, and each step feeds only the newest token. As a check, every step
 # is also done the slow way: the whole sequence so far through the full causal
 # forward, whose last logits must match and pick the same token.
+
 
 # %%
 @sr.jit
@@ -665,5 +732,7 @@ print(repr(bytes(np.asarray(sequence[0], np.uint8))))
 # %%
 sr.interop.to_nnx(model, theirs32, collections=("params",), rename=RENAME)
 np.testing.assert_allclose(theirs32(tokens, causal), model(tokens), rtol=1e-5, atol=1e-5)
-print("their model with our trained weights: same logits;",
-      f"whole tutorial {time.perf_counter() - started:.0f}s")
+print(
+  "their model with our trained weights: same logits;",
+  f"whole tutorial {time.perf_counter() - started:.0f}s",
+)

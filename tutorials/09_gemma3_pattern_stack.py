@@ -40,8 +40,9 @@ import statefulremat as sr
 
 QUICK = os.environ.get("SR_TUTORIAL_QUICK") == "1"
 # Gemma 3 1B has 26 layers: four full cycles of six and a short fifth one of two.
-LAYERS, DIM, HEADS, KV_HEADS, SEQ, WINDOW = ((8, 32, 4, 2, 32, 8) if QUICK else
-                                             (26, 64, 4, 1, 128, 32))
+LAYERS, DIM, HEADS, KV_HEADS, SEQ, WINDOW = (
+  (8, 32, 4, 2, 32, 8) if QUICK else (26, 64, 4, 1, 128, 32)
+)
 BATCH, STEPS, LR = (8, 10, 3e-3) if QUICK else (16, 300, 3e-3)
 TEXT_BYTES = 200_000 if QUICK else 3_000_000
 OUT = pathlib.Path(os.environ.get("SR_TUTORIAL_OUT", "tutorial_out"))
@@ -100,13 +101,15 @@ train_batches = batches(train_data, np.random.default_rng(0))
 # LayerNorm without bias, nnx's choice) and scales the embeddings by `sqrt(DIM)`; the
 # first is left out, the second kept.
 
+
 # %%
 class Block(sr.Module):
   def __init__(self, *, window, rope_base, rngs):
     self.window = window
     self.attn_norm = sr.nn.RMSNorm(DIM, rngs=rngs)
-    self.attn = sr.nn.MultiHeadAttention(HEADS, DIM, num_kv_heads=KV_HEADS,
-                                         rope_base=rope_base, use_bias=False, rngs=rngs)
+    self.attn = sr.nn.MultiHeadAttention(
+      HEADS, DIM, num_kv_heads=KV_HEADS, rope_base=rope_base, use_bias=False, rngs=rngs
+    )
     self.attn_out_norm = sr.nn.RMSNorm(DIM, rngs=rngs)
     self.mlp_norm = sr.nn.RMSNorm(DIM, rngs=rngs)
     self.gate = sr.nn.Linear(DIM, 4 * DIM, use_bias=False, rngs=rngs)
@@ -166,14 +169,19 @@ model = GemmaLike(rngs=sr.Rngs(0))
 blocks = model.blocks
 print(f"{len(blocks)} layers; pattern of {len(blocks.pattern)}:")
 for k, position in enumerate(blocks.pattern):
-  print(f"  pattern[{k}]: {len(position)} layers, window={position.window}, "
-        f"query kernel {position.attn.query.kernel.shape}, "
-        f"key kernel {position.attn.key.kernel.shape}")
+  print(
+    f"  pattern[{k}]: {len(position)} layers, window={position.window}, "
+    f"query kernel {position.attn.query.kernel.shape}, "
+    f"key kernel {position.attn.key.kernel.shape}"
+  )
 layer = blocks.layer(LAYERS - 1)
-print(f"layer {LAYERS - 1}: {type(layer).__name__}, window={layer.window}, "
-      f"rope_base={layer.attn.rope_base}, query kernel {layer.attn.query.kernel.shape}")
-assert np.array_equal(layer.attn.query.kernel.value,
-                      blocks.pattern[(LAYERS - 1) % 6].attn.query.kernel.value[-1])
+print(
+  f"layer {LAYERS - 1}: {type(layer).__name__}, window={layer.window}, "
+  f"rope_base={layer.attn.rope_base}, query kernel {layer.attn.query.kernel.shape}"
+)
+assert np.array_equal(
+  layer.attn.query.kernel.value, blocks.pattern[(LAYERS - 1) % 6].attn.query.kernel.value[-1]
+)
 
 # %% [markdown]
 # `sr.summary` tables every module with its parameter count and output shapes (traced
@@ -209,6 +217,7 @@ print(plan)
 #
 # AdamW through `sr.Optimizer`, a jitted step, as in tutorial 7.
 
+
 # %%
 def loss_fn(model, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
@@ -233,8 +242,10 @@ for step in range(STEPS):
   if step % max(1, STEPS // 10) == 0 or step == STEPS - 1:
     print(f"step {step:4d}  loss {losses[-1]:.3f}")
 after = np.mean([float(val_loss(model, vx, vy)) for vx, vy in val_set])
-print(f"{STEPS} steps in {time.perf_counter() - start:.1f}s; held-out loss "
-      f"{before:.3f} -> {after:.3f} nats per byte")
+print(
+  f"{STEPS} steps in {time.perf_counter() - start:.1f}s; held-out loss "
+  f"{before:.3f} -> {after:.3f} nats per byte"
+)
 assert after < before and np.mean(losses[-3:]) < losses[0]
 
 # %% [markdown]
@@ -268,6 +279,7 @@ assert difference < 1e-4
 # `HEADS`. Decoding the prompt one byte at a time gives the logits of the full causal
 # forward: the window masks agree with the training ones.
 
+
 # %%
 def init_caches(model, batch):
   for position in model.blocks.pattern:
@@ -284,10 +296,14 @@ full = model(jnp.asarray(prompt))  # the whole prompt at once, no cache
 
 init_caches(model, 1)
 model.set_attributes(decode=True)
-cached = jnp.stack([decode_step(model, jnp.asarray(prompt[:, t]))
-                    for t in range(prompt.shape[1])], axis=1)
-print("cache of pattern[0]:", model.blocks.pattern[0].attn.cached_key.shape,
-      "(layers, batch, max_length, kv heads, head dim)")
+cached = jnp.stack(
+  [decode_step(model, jnp.asarray(prompt[:, t])) for t in range(prompt.shape[1])], axis=1
+)
+print(
+  "cache of pattern[0]:",
+  model.blocks.pattern[0].attn.cached_key.shape,
+  "(layers, batch, max_length, kv heads, head dim)",
+)
 print("max |cached - full| logits:", float(jnp.abs(cached - full).max()))
 assert jnp.allclose(cached, full, atol=1e-4)
 
@@ -311,6 +327,8 @@ print(bytes(out).decode("utf-8", "replace"))
 model.set_attributes(decode=False)
 recomputed = model(jnp.asarray(out[:-1])[None])
 decoded = jnp.concatenate(steps, axis=1)
-print(f"{decoded.shape[1]} positions, max |cached - recomputed| logits:",
-      float(jnp.abs(decoded - recomputed).max()))
+print(
+  f"{decoded.shape[1]} positions, max |cached - recomputed| logits:",
+  float(jnp.abs(decoded - recomputed).max()),
+)
 assert jnp.allclose(decoded, recomputed, atol=1e-3)

@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import statefulremat as sr
 
@@ -65,6 +66,7 @@ print(len(jax.devices()), "devices:", jax.devices()[:2], "...")
 # replicated; `blocks` says how the stack is run, so the same model runs pipelined or
 # sequentially.
 
+
 # %%
 def names(*axes):
   return {"sharding": axes}
@@ -75,13 +77,24 @@ class Block(sr.Module):
     embed = names("embed")
     self.ln1 = sr.nn.LayerNorm(DIM, scale_metadata=embed, bias_metadata=embed, rngs=rngs)
     self.attn = sr.nn.MultiHeadAttention(
-        HEADS, DIM, kernel_metadata=names("embed", "heads", "kv"),
-        bias_metadata=names("heads", "kv"), out_kernel_metadata=names("heads", "kv", "embed"),
-        out_bias_metadata=embed, rngs=rngs)
+      HEADS,
+      DIM,
+      kernel_metadata=names("embed", "heads", "kv"),
+      bias_metadata=names("heads", "kv"),
+      out_kernel_metadata=names("heads", "kv", "embed"),
+      out_bias_metadata=embed,
+      rngs=rngs,
+    )
     self.ln2 = sr.nn.LayerNorm(DIM, scale_metadata=embed, bias_metadata=embed, rngs=rngs)
-    self.mlp = sr.nn.MLP(DIM, 4 * DIM, kernel_metadata=names("embed", "mlp"),
-                         bias_metadata=names("mlp"), out_kernel_metadata=names("mlp", "embed"),
-                         out_bias_metadata=embed, rngs=rngs)
+    self.mlp = sr.nn.MLP(
+      DIM,
+      4 * DIM,
+      kernel_metadata=names("embed", "mlp"),
+      bias_metadata=names("mlp"),
+      out_kernel_metadata=names("mlp", "embed"),
+      out_bias_metadata=embed,
+      rngs=rngs,
+    )
     self.drop = sr.nn.Dropout(DROPOUT, rngs=rngs)
 
   def __call__(self, x):
@@ -98,11 +111,11 @@ def whole(blocks, h):
 
 class LM(sr.Module):
   def __init__(self, *, rngs):
-    self.embed = sr.nn.Embed(VOCAB, DIM, embedding_metadata=names("vocab", "embed"),
-                             rngs=rngs)
+    self.embed = sr.nn.Embed(VOCAB, DIM, embedding_metadata=names("vocab", "embed"), rngs=rngs)
     self.blocks = Blocks(rngs=rngs)
-    self.ln = sr.nn.LayerNorm(DIM, scale_metadata=names("embed"),
-                              bias_metadata=names("embed"), rngs=rngs)
+    self.ln = sr.nn.LayerNorm(
+      DIM, scale_metadata=names("embed"), bias_metadata=names("embed"), rngs=rngs
+    )
 
   def __call__(self, tokens, blocks=whole):
     return self.embed.attend(self.ln(blocks(self.blocks, self.embed(tokens))))
@@ -113,8 +126,11 @@ def build():
 
 
 model = build()
-print("fc1 kernel:", model.blocks.mlp.fc1.kernel.shape,
-      sr.get_partition_spec(model)["blocks"]["mlp"]["fc1"]["kernel"])
+print(
+  "fc1 kernel:",
+  model.blocks.mlp.fc1.kernel.shape,
+  sr.get_partition_spec(model)["blocks"]["mlp"]["fc1"]["kernel"],
+)
 
 # %% [markdown]
 # ## The mesh: 4 stages x 2 data-parallel replicas
@@ -127,8 +143,15 @@ print("fc1 kernel:", model.blocks.mlp.fc1.kernel.shape,
 
 # %%
 mesh = jax.make_mesh((STAGES, DATA), ("stage", "data"), axis_types=(AxisType.Auto,) * 2)
-rules = [("layers", "stage"), ("batch", "data"), ("embed", None), ("mlp", None),
-         ("heads", None), ("kv", None), ("vocab", None)]
+rules = [
+  ("layers", "stage"),
+  ("batch", "data"),
+  ("embed", None),
+  ("mlp", None),
+  ("heads", None),
+  ("kv", None),
+  ("vocab", None),
+]
 sr.shard(model, mesh, rules)
 
 
@@ -139,8 +162,14 @@ def build_sharded():
 
 
 kernel = model.blocks.mlp.fc1.kernel.value
-print("fc1 kernel:", kernel.sharding.spec, "; device 0 holds",
-      kernel.addressable_shards[0].data.shape, "of", kernel.shape)
+print(
+  "fc1 kernel:",
+  kernel.sharding.spec,
+  "; device 0 holds",
+  kernel.addressable_shards[0].data.shape,
+  "of",
+  kernel.shape,
+)
 
 # A copy-the-first-half task: the second half of every sequence repeats the first.
 rng = np.random.default_rng(0)
@@ -148,7 +177,7 @@ rng = np.random.default_rng(0)
 
 def batch(size=BATCH):
   half = rng.integers(0, VOCAB, (size, SEQ // 2 + 1))
-  tokens = np.concatenate([half, half], axis=1)[:, :SEQ + 1].astype(np.int32)
+  tokens = np.concatenate([half, half], axis=1)[:, : SEQ + 1].astype(np.int32)
   return jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
 
 
@@ -169,6 +198,7 @@ x_sharded = jax.device_put(x, on_data)
 # device from the same seeds. Dropout is on (training mode), so equality here covers
 # the masks too.
 
+
 # %%
 def apply(layer, h):
   return layer(h)
@@ -187,10 +217,15 @@ def sequential(blocks, h):
 
 def max_difference(a, b):
   """The largest difference over two models' arrays (keys compared as their data)."""
+
   def flat(m):
-    return {path: np.asarray(jax.random.key_data(v) if jnp.issubdtype(
-        v.dtype, jax.dtypes.prng_key) else v, np.float64)
-        for path, v in sr.state(m).flat().items()}
+    return {
+      path: np.asarray(
+        jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v, np.float64
+      )
+      for path, v in sr.state(m).flat().items()
+    }
+
   fa, fb = flat(a), flat(b)
   assert fa.keys() == fb.keys()
   return max(float(np.max(np.abs(fa[p] - fb[p]))) for p in fa)
@@ -203,10 +238,16 @@ with jax.set_mesh(mesh):
   logits = forward_piped(model, x_sharded)
 want = forward_sequential(reference, x)
 forward_diff = float(jnp.max(jnp.abs(logits - want)))
-print(f"logits {logits.shape}, sharded {logits.sharding.spec}; max |pipelined - "
-      f"sequential| = {forward_diff:.2e}")
-print("dropout draws so far:", int(model.blocks.drop.rngs.dropout.count.value),
-      "(one per microbatch); state max difference:", max_difference(model, reference))
+print(
+  f"logits {logits.shape}, sharded {logits.sharding.spec}; max |pipelined - "
+  f"sequential| = {forward_diff:.2e}"
+)
+print(
+  "dropout draws so far:",
+  int(model.blocks.drop.rngs.dropout.count.value),
+  "(one per microbatch); state max difference:",
+  max_difference(model, reference),
+)
 assert forward_diff < 1e-5 and max_difference(model, reference) < 1e-6
 
 
@@ -225,6 +266,7 @@ assert forward_diff < 1e-5 and max_difference(model, reference) < 1e-6
 # is also why the optimizer steps below use SGD: Adam divides each gradient by its own
 # size, so it would turn that noise into full-size, different steps for that bias.
 
+
 # %%
 def loss_fn(model, x, y, blocks):
   return optax.softmax_cross_entropy_with_integer_labels(model(x, blocks), y).mean()
@@ -241,8 +283,13 @@ def gradients(model, x, y, blocks, mesh=None):
 def relative_differences(got, want):
   """Per gradient: max |got - want| / max |want|."""
   got, want = got.flat(), want.flat()
-  return {path: float(np.max(np.abs(np.asarray(got[path]) - np.asarray(want[path])))
-                      / np.max(np.abs(np.asarray(want[path])))) for path in want}
+  return {
+    path: float(
+      np.max(np.abs(np.asarray(got[path]) - np.asarray(want[path])))
+      / np.max(np.abs(np.asarray(want[path])))
+    )
+    for path in want
+  }
 
 
 x_g, y_g = batch()
@@ -250,10 +297,12 @@ grads_piped = gradients(build_sharded(), x_g, y_g, piped(), mesh)
 grads_sequential = gradients(build(), x_g, y_g, sequential)
 relative = relative_differences(grads_piped, grads_sequential)
 zero_gradient = ("blocks", "attn", "key", "bias")
-print("max relative gradient difference:",
-      f"{max(v for p, v in relative.items() if p != zero_gradient):.1e};",
-      "key bias: max |gradient|",
-      f"{float(jnp.max(jnp.abs(grads_sequential.flat()[zero_gradient]))):.1e}")
+print(
+  "max relative gradient difference:",
+  f"{max(v for p, v in relative.items() if p != zero_gradient):.1e};",
+  "key bias: max |gradient|",
+  f"{float(jnp.max(jnp.abs(grads_sequential.flat()[zero_gradient]))):.1e}",
+)
 assert max(v for p, v in relative.items() if p != zero_gradient) < 1e-5
 
 
@@ -284,8 +333,10 @@ for i in range(2):
   loss_diffs.append(abs(float(loss) - float(reference_loss)))
   print(f"step {i}: loss {float(loss):.6f} pipelined, {float(reference_loss):.6f} sequential")
 train_diff = max_difference(model, reference)
-print(f"max loss difference {max(loss_diffs):.1e}; max parameter difference after two "
-      f"steps {train_diff:.1e}; fc1 kernel still {model.blocks.mlp.fc1.kernel.value.sharding.spec}")
+print(
+  f"max loss difference {max(loss_diffs):.1e}; max parameter difference after two "
+  f"steps {train_diff:.1e}; fc1 kernel still {model.blocks.mlp.fc1.kernel.value.sharding.spec}"
+)
 assert max(loss_diffs) < 1e-5 and train_diff < 1e-5
 
 # %% [markdown]
@@ -307,8 +358,7 @@ for i in range(TRAIN_STEPS):
     loss = step(model, opt, jax.device_put(x, on_data), jax.device_put(y, on_data))
   if i % 10 == 0 or i == TRAIN_STEPS - 1:
     print(f"step {i:3d}: loss {float(loss):.3f}")
-print(f"{TRAIN_STEPS} pipelined steps in {time.perf_counter() - start:.1f}s "
-      "(the first compiles)")
+print(f"{TRAIN_STEPS} pipelined steps in {time.perf_counter() - start:.1f}s (the first compiles)")
 
 # %% [markdown]
 # ## GPipe and circular schedules: the bubble
@@ -328,23 +378,30 @@ print(f"{TRAIN_STEPS} pipelined steps in {time.perf_counter() - start:.1f}s "
 print("bubble fraction with 4 stages:")
 print("   k   gpipe   circular R=2   circular R=4")
 for k in (4, 8, 16, 32):
-  fractions = [sr.PipelineSpec(microbatches=k, schedule=s, repeats=r).bubble_fraction(
-      stages=STAGES) for s, r in (("gpipe", 1), ("circular", 2), ("circular", 4))]
+  fractions = [
+    sr.PipelineSpec(microbatches=k, schedule=s, repeats=r).bubble_fraction(stages=STAGES)
+    for s, r in (("gpipe", 1), ("circular", 2), ("circular", 4))
+  ]
   print(f"{k:4d}   {fractions[0]:.3f}   {fractions[1]:.3f}          {fractions[2]:.3f}")
 
-SPECS = {"gpipe": sr.PipelineSpec(microbatches=MICROBATCHES),
-         "circular": sr.PipelineSpec(microbatches=MICROBATCHES, schedule="circular",
-                                     repeats=2)}
+SPECS = {
+  "gpipe": sr.PipelineSpec(microbatches=MICROBATCHES),
+  "circular": sr.PipelineSpec(microbatches=MICROBATCHES, schedule="circular", repeats=2),
+}
 x, y = batch()
 want = forward_sequential(build(), x)
-forwards = {"gpipe": forward_piped,  # the same pipeline as SPECS["gpipe"].apply(apply)
-            "circular": sr.jit(lambda m, x: m(x, SPECS["circular"].apply(apply)))}
+forwards = {
+  "gpipe": forward_piped,  # the same pipeline as SPECS["gpipe"].apply(apply)
+  "circular": sr.jit(lambda m, x: m(x, SPECS["circular"].apply(apply))),
+}
 for name, spec in SPECS.items():
   with jax.set_mesh(mesh):
     got = forwards[name](build_sharded(), jax.device_put(x, on_data))
   difference = float(jnp.max(jnp.abs(got - want)))
-  print(f"{name:8s} (bubble {spec.bubble_fraction(stages=STAGES):.2f}): max |pipelined - "
-        f"sequential| = {difference:.1e}")
+  print(
+    f"{name:8s} (bubble {spec.bubble_fraction(stages=STAGES):.2f}): max |pipelined - "
+    f"sequential| = {difference:.1e}"
+  )
   assert difference < 1e-5
 
 # %% [markdown]
@@ -363,6 +420,7 @@ for name, spec in SPECS.items():
 # step; what it keeps for the backward pass is per time step, so it grows with
 # k + S − 1 (GPipe) while each step's share shrinks with k.
 
+
 # %%
 def bytes_on(model, device):
   """Bytes of the model's arrays that live on `device`."""
@@ -378,26 +436,40 @@ def temp_bytes(step, model, opt, x, y, mesh=None):
   if mesh is None:
     return step.lower(model, opt, x, y).compile().memory_analysis().temp_size_in_bytes
   with jax.set_mesh(mesh):
-    compiled = step.lower(model, opt, jax.device_put(x, on_data),
-                          jax.device_put(y, on_data)).compile()
+    compiled = step.lower(
+      model, opt, jax.device_put(x, on_data), jax.device_put(y, on_data)
+    ).compile()
   return compiled.memory_analysis().temp_size_in_bytes
 
 
 x, y = batch()
 one_device = build()
-rows = [("one device, unpipelined", bytes_on(one_device, jax.devices()[0]),
-         temp_bytes(make_step(whole), one_device, sgd(one_device), x, y))]
+rows = [
+  (
+    "one device, unpipelined",
+    bytes_on(one_device, jax.devices()[0]),
+    temp_bytes(make_step(whole), one_device, sgd(one_device), x, y),
+  )
+]
 for name, spec in SPECS.items():
   model = build_sharded()
-  rows.append((f"pipelined, {name}", bytes_on(model, jax.devices()[0]),
-               temp_bytes(make_step(spec.apply(apply)), model, sgd(model), x, y, mesh)))
+  rows.append(
+    (
+      f"pipelined, {name}",
+      bytes_on(model, jax.devices()[0]),
+      temp_bytes(make_step(spec.apply(apply)), model, sgd(model), x, y, mesh),
+    )
+  )
 print(f"{'':26s} {'parameters':>12s} {'temp':>12s}   (bytes on device 0)")
 for name, params, temp in rows:
-  print(f"{name:26s} {params:12,d} {temp:12,d}   ({params / rows[0][1]:.2f}x, "
-        f"{temp / rows[0][2]:.2f}x)")
+  print(
+    f"{name:26s} {params:12,d} {temp:12,d}   ({params / rows[0][1]:.2f}x, {temp / rows[0][2]:.2f}x)"
+  )
 stack_bytes = sum(v.nbytes for v in sr.state(one_device.blocks).flat().values())
-print(f"the stack alone: {stack_bytes:,d} bytes on one device, "
-      f"{bytes_on(build_sharded().blocks, jax.devices()[0]):,d} per device pipelined")
+print(
+  f"the stack alone: {stack_bytes:,d} bytes on one device, "
+  f"{bytes_on(build_sharded().blocks, jax.devices()[0]):,d} per device pipelined"
+)
 assert rows[1][1] < rows[0][1] / 2
 
 # %% [markdown]
@@ -433,14 +505,20 @@ if not QUICK:
         steps[name](*models[name], x, y).block_until_ready()
         times[name].append(time.perf_counter() - start)
   k, n = MICROBATCHES, LAYERS
-  compute = {"gpipe": (k + STAGES - 1) * n / STAGES,
-             "circular": (2 * k + STAGES - 1) * n / (2 * STAGES)}
+  compute = {
+    "gpipe": (k + STAGES - 1) * n / STAGES,
+    "circular": (2 * k + STAGES - 1) * n / (2 * STAGES),
+  }
   for name in SPECS:
-    print(f"{name:8s} step: median {1e3 * np.median(times[name]):.1f} ms "
-          f"(min {1e3 * min(times[name]):.1f}, max {1e3 * max(times[name]):.1f}); "
-          f"compute {compute[name]:.0f} layer-microbatches per stage")
-  print(f"circular / gpipe: {np.median(times['circular']) / np.median(times['gpipe']):.2f} "
-        f"measured, {compute['circular'] / compute['gpipe']:.2f} from the compute alone")
+    print(
+      f"{name:8s} step: median {1e3 * np.median(times[name]):.1f} ms "
+      f"(min {1e3 * min(times[name]):.1f}, max {1e3 * max(times[name]):.1f}); "
+      f"compute {compute[name]:.0f} layer-microbatches per stage"
+    )
+  print(
+    f"circular / gpipe: {np.median(times['circular']) / np.median(times['gpipe']):.2f} "
+    f"measured, {compute['circular'] / compute['gpipe']:.2f} from the compute alone"
+  )
 
 # %% [markdown]
 # ## One device, a big batch: sr.accumulate
@@ -453,6 +531,7 @@ if not QUICK:
 # per microbatch), so its gradients are the pipeline's, from the same seeds. Its
 # scratch memory is that of one microbatch, where the unpipelined step's is that of
 # the whole batch.
+
 
 # %%
 def lm_loss(model, x, y):
@@ -472,14 +551,18 @@ def accumulate_step(model, opt, x, y):
 model = build()
 loss, grads_accumulated = sr.jit(accumulated)(model, x_g, y_g)  # the batch of grads_piped
 relative = relative_differences(grads_accumulated, grads_piped)
-print(f"accumulated vs pipelined gradients: max relative difference "
-      f"{max(v for p, v in relative.items() if p != zero_gradient):.1e}")
+print(
+  f"accumulated vs pipelined gradients: max relative difference "
+  f"{max(v for p, v in relative.items() if p != zero_gradient):.1e}"
+)
 assert max(v for p, v in relative.items() if p != zero_gradient) < 1e-5
 model = build()
 accumulate_temp = temp_bytes(accumulate_step, model, sgd(model), x, y)
-print(f"temp on one device: {rows[0][2]:,d} bytes for the whole batch, "
-      f"{accumulate_temp:,d} accumulating {MICROBATCHES} microbatches "
-      f"({accumulate_temp / rows[0][2]:.2f}x)")
+print(
+  f"temp on one device: {rows[0][2]:,d} bytes for the whole batch, "
+  f"{accumulate_temp:,d} accumulating {MICROBATCHES} microbatches "
+  f"({accumulate_temp / rows[0][2]:.2f}x)"
+)
 
 # %% [markdown]
 # ## Summary

@@ -84,8 +84,9 @@ def resolve(path, fn: str) -> str:
     return os.path.abspath(os.fspath(path))
   except TypeError:
     raise TypeError(
-        f"sr.{fn} takes the checkpoint path first, a str or os.PathLike, got "
-        f"{type(path).__name__}. Call it as sr.{fn}(path, model).") from None
+      f"sr.{fn} takes the checkpoint path first, a str or os.PathLike, got "
+      f"{type(path).__name__}. Call it as sr.{fn}(path, model)."
+    ) from None
 
 
 def _ours(name: str) -> bool:
@@ -139,33 +140,45 @@ def current(root: str, fn: str = "restore") -> str | None:
           break
         name = again
       raise CheckpointError(
-          f"sr.{fn}: the checkpoint pointer {pointer!r} is damaged or names a "
-          f"missing version ({name!r}). Something other than sr.save changed the "
-          "directory. Fix: restore from another checkpoint, or delete the "
-          "directory and save again.")
+        f"sr.{fn}: the checkpoint pointer {pointer!r} is damaged or names a "
+        f"missing version ({name!r}). Something other than sr.save changed the "
+        "directory. Fix: restore from another checkpoint, or delete the "
+        "directory and save again."
+      )
     foreign = sorted(n for n in os.listdir(root) if not _ours(n))
     if foreign:
       raise CheckpointError(
-          f"sr.{fn}: {root!r} is not a statefulremat checkpoint: it has no {POINTER} "
-          f"and holds other files ({', '.join(map(repr, foreign[:3]))}"
-          f"{', ...' if len(foreign) > 3 else ''}). "
-          + ("Fix: save into a new or empty directory; sr.save does not write "
-             "among other files." if fn == "save" else
-             "Fix: pass the directory sr.save wrote (for a plain orbax checkpoint, "
-             "use orbax.checkpoint directly)."))
+        f"sr.{fn}: {root!r} is not a statefulremat checkpoint: it has no {POINTER} "
+        f"and holds other files ({', '.join(map(repr, foreign[:3]))}"
+        f"{', ...' if len(foreign) > 3 else ''}). "
+        + (
+          "Fix: save into a new or empty directory; sr.save does not write among other files."
+          if fn == "save"
+          else "Fix: pass the directory sr.save wrote (for a plain orbax checkpoint, "
+          "use orbax.checkpoint directly)."
+        )
+      )
   elif os.path.exists(root):
     raise CheckpointError(
-        f"sr.{fn}: {root!r} is a file, not a checkpoint directory. Fix: "
-        + ("pass a new path (sr.save writes a directory there), or remove the file."
-           if fn == "save" else "pass the directory sr.save wrote."))
+      f"sr.{fn}: {root!r} is a file, not a checkpoint directory. Fix: "
+      + (
+        "pass a new path (sr.save writes a directory there), or remove the file."
+        if fn == "save"
+        else "pass the directory sr.save wrote."
+      )
+    )
   if fn == "save":
     return None
   raise CheckpointNotFoundError(
-      f"sr.restore: there is no checkpoint at {root!r} ("
-      + ("the directory holds no finished sr.save" if os.path.isdir(root)
-         else "the path does not exist")
-      + "). Fix: check the path (relative paths are from the current directory, "
-      f"{os.getcwd()!r}), or save one first with sr.save(path, model).")
+    f"sr.restore: there is no checkpoint at {root!r} ("
+    + (
+      "the directory holds no finished sr.save"
+      if os.path.isdir(root)
+      else "the path does not exist"
+    )
+    + "). Fix: check the path (relative paths are from the current directory, "
+    f"{os.getcwd()!r}), or save one first with sr.save(path, model)."
+  )
 
 
 def _pointed(pointer: str):
@@ -202,13 +215,15 @@ def check_files(version: str, sizes: dict[str, int]) -> None:
     more = len(problems) - 1
     more = f" (and {more} more file{'s' * (more > 1)})" if more else ""
     raise CheckpointError(
-        f"sr.restore: the checkpoint in {version!r} is damaged: {problems[0]}{more}. "
-        "This is not a missing checkpoint; nothing was restored and the model is "
-        "unchanged. Fix: restore from another (earlier) checkpoint or a complete copy "
-        "of this one, or, to start over on purpose, delete the directory.")
+      f"sr.restore: the checkpoint in {version!r} is damaged: {problems[0]}{more}. "
+      "This is not a missing checkpoint; nothing was restored and the model is "
+      "unchanged. Fix: restore from another (earlier) checkpoint or a complete copy "
+      "of this one, or, to start over on purpose, delete the directory."
+    )
 
 
 # -- locks: saves of a path one after the other, no version deleted under a restore ------
+
 
 # What flock raises where the filesystem has no such locks (Lustre without -o flock,
 # some FUSE and network filesystems): saving goes on with the threads' locks alone.
@@ -266,9 +281,10 @@ def newest(root: str) -> str:
   taken = [int(m.group(1)) for m in map(_VERSION.fullmatch, os.listdir(root)) if m]
   if not taken:
     raise CheckpointError(
-        f"sr.save: no version directory in {root!r} after the primary process began "
-        "one: the processes do not share this path. Fix: save to a path every "
-        "process sees (a shared filesystem).")
+      f"sr.save: no version directory in {root!r} after the primary process began "
+      "one: the processes do not share this path. Fix: save to a path every "
+      "process sees (a shared filesystem)."
+    )
   return os.path.join(root, f"sr-{max(taken)}")
 
 
@@ -282,8 +298,9 @@ def commit(root: str, version: str) -> None:
   name = os.path.basename(version)
   number = int(_VERSION.fullmatch(name).group(1))
   # A name of this writer's own: another writer's temporary is never replaced.
-  temporary = os.path.join(root, f"{POINTER}.tmp-{os.getpid()}-{threading.get_ident()}"
-                                 f"-{secrets.token_hex(4)}")
+  temporary = os.path.join(
+    root, f"{POINTER}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
+  )
   try:
     write_json(temporary, {"format": FORMAT, "current": name})
     os.replace(temporary, os.path.join(root, POINTER))

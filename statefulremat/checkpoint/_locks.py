@@ -22,8 +22,14 @@ try:
 except ImportError:  # Windows: the threads of one process are still ordered
   fcntl = None
 
-_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF,
-             getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+_NO_FLOCK = {
+  errno.ENOLCK,
+  errno.EOPNOTSUPP,
+  errno.ENOSYS,
+  errno.EINVAL,
+  errno.EBADF,
+  getattr(errno, "ENOTSUP", errno.EOPNOTSUPP),
+}
 
 
 def flock(path: str, shared: bool) -> int | None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 import re
 
-from ._files import CheckpointError, FORMAT, read_json
 from ..core._errors import StateMismatchError, format_path
 from ..core._stacks import LAYER_AXIS
 from ..core._variables import Variable
+from ._files import FORMAT, CheckpointError, read_json
 
 # How many differences a StateMismatchError lists before "and N more".
 _LISTED = 5
@@ -54,15 +54,19 @@ def damaged(error: Exception, version: str, saved) -> CheckpointError:
   files = re.findall(r'local file "([^"]+)"', text)
   files = [f for f in files if not f.endswith(os.sep)]
   status = text.split(":")[0]  # tensorstore's status code, e.g. NOT_FOUND
-  reason = (f"tensorstore: {status}" if re.fullmatch(r"[A-Z_]+", status) else
-            f"{type(error).__name__}: {text[:200]}")
+  reason = (
+    f"tensorstore: {status}"
+    if re.fullmatch(r"[A-Z_]+", status)
+    else f"{type(error).__name__}: {text[:200]}"
+  )
   reason += f", file {files[-1]!r}" if files else ""
   return CheckpointError(
-      f"sr.restore: the checkpoint in {version!r} is damaged: {what} cannot be "
-      f"read ({reason}). Its variables.json is intact, so this is not a "
-      "missing checkpoint; nothing was restored and the model is unchanged. Fix: "
-      "restore from another (earlier) checkpoint, or, to start over on purpose, "
-      "delete the directory.")
+    f"sr.restore: the checkpoint in {version!r} is damaged: {what} cannot be "
+    f"read ({reason}). Its variables.json is intact, so this is not a "
+    "missing checkpoint; nothing was restored and the model is unchanged. Fix: "
+    "restore from another (earlier) checkpoint, or, to start over on purpose, "
+    "delete the directory."
+  )
 
 
 def _axes_words(levels) -> str:
@@ -88,19 +92,25 @@ def read_meta(version: str) -> tuple[list[tuple[tuple, str, str]], dict[str, int
     if meta["format"] != FORMAT:
       raise ValueError(meta["format"])
     files = {str(k): int(v) for k, v in meta.get("files", {}).items()}
-    layer_axes = {path_from_json(e["path"]): e["layer_axis"] for e in meta["variables"]
-                  if "layer_axis" in e}
-    return [(path_from_json(e["path"]), e["kind"], e["spec"])
-            for e in meta["variables"]], files, layer_axes
+    layer_axes = {
+      path_from_json(e["path"]): e["layer_axis"] for e in meta["variables"] if "layer_axis" in e
+    }
+    return (
+      [(path_from_json(e["path"]), e["kind"], e["spec"]) for e in meta["variables"]],
+      files,
+      layer_axes,
+    )
   except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
     raise CheckpointError(
-        f"sr.restore: the checkpoint in {version!r} is damaged: its variables.json "
-        f"cannot be read ({type(e).__name__}: {e}). Fix: restore from another "
-        "checkpoint.") from None
+      f"sr.restore: the checkpoint in {version!r} is damaged: its variables.json "
+      f"cannot be read ({type(e).__name__}: {e}). Fix: restore from another "
+      "checkpoint."
+    ) from None
 
 
-def check_match(saved, variables, keys, specs, root: str, layer_axes: dict,
-                 partial: bool = False) -> None:
+def check_match(
+  saved, variables, keys, specs, root: str, layer_axes: dict, partial: bool = False
+) -> None:
   """Raises ``StateMismatchError`` listing the first ``_LISTED`` variables that differ
   (with ``partial``, the checkpoint may hold variables the model's selection lacks).
 
@@ -108,26 +118,31 @@ def check_match(saved, variables, keys, specs, root: str, layer_axes: dict,
   layers) differs too: restoring it would silently mix layers with features.
   """
   theirs = {p: (kind, spec) for p, kind, spec in saved}
-  ours = {key: (type(var).__name__, spec, var)
-          for key, (_, var), spec in zip(keys, variables, specs)}
+  ours = {
+    key: (type(var).__name__, spec, var) for key, (_, var), spec in zip(keys, variables, specs)
+  }
   problems = []
   for path, (kind, spec, var) in ours.items():
     if path not in theirs:
       problems.append(
-          f"the model has `{format_path(path)}` (a {kind} {spec}) but the checkpoint "
-          "does not")
+        f"the model has `{format_path(path)}` (a {kind} {spec}) but the checkpoint does not"
+      )
     elif theirs[path] != (kind, spec):
       problems.append(
-          f"`{format_path(path)}`: the checkpoint has a {theirs[path][0]} "
-          f"{theirs[path][1]}, the model a {kind} {spec}")
+        f"`{format_path(path)}`: the checkpoint has a {theirs[path][0]} "
+        f"{theirs[path][1]}, the model a {kind} {spec}"
+      )
     elif path in layer_axes and layer_axes[path] != layer_axis_json(var):
       problems.append(
-          f"`{format_path(path)}`: the checkpoint stacks its layers along "
-          f"{_axes_words(layer_axes[path])}, the model along "
-          f"{_axes_words(layer_axis_json(var))}")
+        f"`{format_path(path)}`: the checkpoint stacks its layers along "
+        f"{_axes_words(layer_axes[path])}, the model along "
+        f"{_axes_words(layer_axis_json(var))}"
+      )
   problems += [
-      f"the checkpoint has `{format_path(path)}` (a {kind} {spec}) but the model does "
-      "not" for path, (kind, spec) in theirs.items() if path not in ours and not partial]
+    f"the checkpoint has `{format_path(path)}` (a {kind} {spec}) but the model does not"
+    for path, (kind, spec) in theirs.items()
+    if path not in ours and not partial
+  ]
 
   if problems:
     # The first keeps the one-line summary; the next few follow, one per line.
@@ -137,8 +152,9 @@ def check_match(saved, variables, keys, specs, root: str, layer_axes: dict,
     if len(problems) > _LISTED:
       listed += f"\n  and {len(problems) - _LISTED} more"
     raise StateMismatchError(
-        f"sr.restore: {problems[0]}{summary}; nothing was restored from {root!r}."
-        f"{listed}\nFix: restore into a model built the way the saved one was (same "
-        "layers, sizes, dtypes, RNG key impl and constructor options); to restore part "
-        "of a checkpoint, name it with filters: `sr.restore(path, model, sr.Param)` or "
-        "`sr.restore(path, model, sr.PathContains('encoder'))`.")
+      f"sr.restore: {problems[0]}{summary}; nothing was restored from {root!r}."
+      f"{listed}\nFix: restore into a model built the way the saved one was (same "
+      "layers, sizes, dtypes, RNG key impl and constructor options); to restore part "
+      "of a checkpoint, name it with filters: `sr.restore(path, model, sr.Param)` or "
+      "`sr.restore(path, model, sr.PathContains('encoder'))`."
+    )

@@ -27,28 +27,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._files import (CheckpointError, FORMAT, abandon, check_files, commit,
-                                file_sizes, reading, resolve, write_json)
-from ._meta import (check_match, damaged, layer_axis_json, path_from_json,
-                               path_to_json, read_meta)
-from ._sync import Saves, SaveHandle, is_primary, wait_previous
 from ..core._errors import format_path
 from ..core._filters import collections_and_guess, filter_repr, to_predicate
 from ..core._graph import flatten
-from ..core._split_merge import deleted_error, update
 from ..core._module import Module
+from ..core._split_merge import deleted_error, update
 from ..core._state import State
 from ..core._variables import Variable
+from ._files import (
+  FORMAT,
+  CheckpointError,
+  abandon,
+  check_files,
+  commit,
+  file_sizes,
+  reading,
+  resolve,
+  write_json,
+)
+from ._meta import check_match, damaged, layer_axis_json, path_from_json, path_to_json, read_meta
+from ._sync import SaveHandle, Saves, is_primary, wait_previous
 
 _PYTHON = (bool, int, float)  # exactly these types: a numpy scalar is not one
+
 
 def _describe(value) -> tuple[str, str | None]:
   """``(spec, how)``: the spec compared on restore (``float32[8,4]``) and how the value
   is stored (``None``: it cannot be)."""
   if isinstance(value, (jax.Array, np.ndarray, np.generic)):
     dims = ",".join(map(str, np.shape(value)))
-    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(
-        value.dtype, jax.dtypes.prng_key):
+    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
       return f"{value.dtype}[{dims}]", "key"
     if isinstance(value, jax.Array):
       return f"{value.dtype}[{dims}]", "array"
@@ -61,13 +69,15 @@ def _describe(value) -> tuple[str, str | None]:
 def _check_model(model, fn: str) -> None:
   if isinstance(model, State):
     raise TypeError(
-        f"sr.{fn} takes the model itself, got a State. A checkpoint holds all of a "
-        "model's variables and restore writes them back in place, so pass the "
-        f"module: sr.{fn}(path, model) (a State is what sr.state(model) gives after).")
+      f"sr.{fn} takes the model itself, got a State. A checkpoint holds all of a "
+      "model's variables and restore writes them back in place, so pass the "
+      f"module: sr.{fn}(path, model) (a State is what sr.state(model) gives after)."
+    )
   if not isinstance(model, (Module, Variable, list, tuple, dict)):
     raise TypeError(
-        f"sr.{fn} takes a path and a Module (or a list/tuple/dict of them), got "
-        f"{type(model).__name__} as the model. Call it as sr.{fn}(path, model).")
+      f"sr.{fn} takes a path and a Module (or a list/tuple/dict of them), got "
+      f"{type(model).__name__} as the model. Call it as sr.{fn}(path, model)."
+    )
 
 
 def _variables(model) -> list[tuple[tuple, Variable]]:
@@ -79,9 +89,10 @@ def _refuse_traced(variables, fn: str) -> None:
   for var_path, var in variables:
     if isinstance(var._value, jax.core.Tracer):
       raise TypeError(
-          f"sr.{fn}: `{format_path(var_path)}` ({type(var).__name__}) holds a traced "
-          f"value: sr.{fn} was called inside a JAX transform. Fix: call it outside, "
-          "before or after the jitted step.")
+        f"sr.{fn}: `{format_path(var_path)}` ({type(var).__name__}) holds a traced "
+        f"value: sr.{fn} was called inside a JAX transform. Fix: call it outside, "
+        "before or after the jitted step."
+      )
 
 
 def save(path: str | os.PathLike, model, *, blocking: bool = True) -> SaveHandle | None:
@@ -152,8 +163,9 @@ def save(path: str | os.PathLike, model, *, blocking: bool = True) -> SaveHandle
       # Directories made before returning: orbax's thread making them after a failed
       # save would recreate the abandoned version, or write into the next save's.
       checkpointer = ocp.AsyncCheckpointer(
-          ocp.StandardCheckpointHandler(),
-          async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+        ocp.StandardCheckpointHandler(),
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+      )
     if arrays:  # orbax refuses an empty tree; a model without variables is just JSON
       checkpointer.save(os.path.join(version, "state"), args=ocp.args.StandardSave(arrays))
   except BaseException:
@@ -166,8 +178,10 @@ def save(path: str | os.PathLike, model, *, blocking: bool = True) -> SaveHandle
         checkpointer.wait_until_finished()
       checkpointer.close()
       if is_primary():
-        write_json(os.path.join(version, "variables.json"),
-                   {"format": FORMAT, "variables": entries, "files": file_sizes(version)})
+        write_json(
+          os.path.join(version, "variables.json"),
+          {"format": FORMAT, "variables": entries, "files": file_sizes(version)},
+        )
         commit(root, version)
     except BaseException:
       abandon_version()
@@ -192,8 +206,9 @@ def _snapshot(model) -> tuple[list[dict], dict[str, object]]:
   variables = _variables(model)
   _refuse_traced(variables, "save")
   # Checked before orbax sees the arrays: a background save would fail out of sight.
-  deleted = deleted_error([var for _, var in variables], "sr.save: ", CheckpointError,
-                          " Nothing was written.")
+  deleted = deleted_error(
+    [var for _, var in variables], "sr.save: ", CheckpointError, " Nothing was written."
+  )
   if deleted is not None:
     raise deleted
   for i, (var_path, var) in enumerate(variables):
@@ -202,10 +217,11 @@ def _snapshot(model) -> tuple[list[dict], dict[str, object]]:
     where = f"`{format_path(var_path)}` ({type(var).__name__})"
     if how is None:
       raise TypeError(
-          f"sr.save: {where} holds a {spec}; a checkpoint takes jax or numpy arrays "
-          "(typed PRNG keys included) and Python bool/int/float. Nothing was written. "
-          "Fix: store an array in it (e.g. `jnp.asarray(...)`), or keep that value "
-          "out of the model's Variables (a plain attribute is configuration).")
+        f"sr.save: {where} holds a {spec}; a checkpoint takes jax or numpy arrays "
+        "(typed PRNG keys included) and Python bool/int/float. Nothing was written. "
+        "Fix: store an array in it (e.g. `jnp.asarray(...)`), or keep that value "
+        "out of the model's Variables (a plain attribute is configuration)."
+      )
     if how == "key":
       value = jax.random.key_data(value)
     elif how == "python":
@@ -213,8 +229,14 @@ def _snapshot(model) -> tuple[list[dict], dict[str, object]]:
     elif how == "numpy":
       value = np.array(value)  # a copy: numpy arrays change in place
     arrays[str(i)] = value
-    entries.append({"path": path_to_json(var_path), "kind": type(var).__name__,
-                    "spec": spec, "layer_axis": layer_axis_json(var)})
+    entries.append(
+      {
+        "path": path_to_json(var_path),
+        "kind": type(var).__name__,
+        "spec": spec,
+        "layer_axis": layer_axis_json(var),
+      }
+    )
   return entries, arrays
 
 
@@ -227,16 +249,18 @@ def _python_as_array(value, where: str) -> np.ndarray:
   except (OverflowError, FloatingPointError):
     pass
   kind = type(value).__name__
-  if type(value) is float or -2 ** 63 <= value < 2 ** 63:
+  if type(value) is float or -(2**63) <= value < 2**63:
     raise TypeError(
-        f"sr.save: {where} holds the Python {kind} {value}, which does not fit in "
-        f"{dtype}, the dtype JAX gives a Python {kind} (it is saved and restored as "
-        "that). Fix: enable 64-bit types (jax.config.update('jax_enable_x64', True)) "
-        f"or store a 64-bit numpy value in it (np.{kind}64(...)).")
+      f"sr.save: {where} holds the Python {kind} {value}, which does not fit in "
+      f"{dtype}, the dtype JAX gives a Python {kind} (it is saved and restored as "
+      "that). Fix: enable 64-bit types (jax.config.update('jax_enable_x64', True)) "
+      f"or store a 64-bit numpy value in it (np.{kind}64(...))."
+    )
   raise TypeError(
-      f"sr.save: {where} holds the Python int {value}, which does not fit in 64 "
-      "bits. Fix: store it as an array of a wider representation, or as several "
-      "smaller numbers.")
+    f"sr.save: {where} holds the Python int {value}, which does not fit in 64 "
+    "bits. Fix: store it as an array of a wider representation, or as several "
+    "smaller numbers."
+  )
 
 
 def _target(value, how: str):
@@ -311,8 +335,9 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
     _refuse_traced(variables, "restore")
     specs = [_describe(var._value) for _, var in variables]
     keys = [path_from_json(path_to_json(p)) for p, _ in variables]
-    check_match(saved, variables, keys, [s for s, _ in specs], root, layer_axes,
-                 partial=bool(filters))
+    check_match(
+      saved, variables, keys, [s for s, _ in specs], root, layer_axes, partial=bool(filters)
+    )
 
     import orbax.checkpoint as ocp
 
@@ -320,16 +345,22 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
     order = [where[key] for key in keys]
     # Orbax reads the arrays named here; the rest of the checkpoint stays on disk.
     targets = {str(j): ocp.PLACEHOLDER for j in range(len(saved))}
-    targets.update({str(j): _target(var._value, how)
-                    for j, ((_, var), (_, how)) in zip(order, zip(variables, specs))})
+    targets.update(
+      {
+        str(j): _target(var._value, how)
+        for j, ((_, var), (_, how)) in zip(order, zip(variables, specs))
+      }
+    )
     restored = {}
     if variables:
       try:
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
           restored = checkpointer.restore(
-              os.path.join(version, "state"), args=ocp.args.PyTreeRestore(
-                  item=targets,
-                  restore_args=ocp.checkpoint_utils.construct_restore_args(targets)))
+            os.path.join(version, "state"),
+            args=ocp.args.PyTreeRestore(
+              item=targets, restore_args=ocp.checkpoint_utils.construct_restore_args(targets)
+            ),
+          )
       except (OSError, ValueError, KeyError) as e:
         # Orbax's FileNotFoundError must not escape: `except FileNotFoundError: start
         # fresh` would silently throw away a run whose checkpoint is merely damaged.
@@ -339,9 +370,10 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
     value = _as_model_holds(restored[str(j)], var._value, how)
     if _describe(value)[0] != spec:  # the JSON and the orbax data disagree
       raise CheckpointError(
-          f"sr.restore: `{format_path(var_path)}` in {root!r} reads back as "
-          f"{_describe(value)[0]}, though the checkpoint lists {spec}: the checkpoint "
-          "is damaged (nothing was restored). Fix: restore from another checkpoint.")
+        f"sr.restore: `{format_path(var_path)}` in {root!r} reads back as "
+        f"{_describe(value)[0]}, though the checkpoint lists {spec}: the checkpoint "
+        "is damaged (nothing was restored). Fix: restore from another checkpoint."
+      )
     values[var_path] = value
   update(model, State(values))
 
@@ -356,9 +388,10 @@ def _selected(variables: list, filters: tuple) -> list:
     have, guess = collections_and_guess(filters, variables)
     hint = f" Did you mean {guess!r}?" if guess else ""
     raise TypeError(
-        f"sr.restore: the filters {', '.join(map(filter_repr, filters))} match no "
-        f"variable of the model, so nothing would be restored. Its variables are in "
-        f"the collections: {have}.{hint} Fix: pass filters that match what to "
-        "restore, e.g. `sr.restore(path, model, sr.Param)`, or none to restore "
-        "everything.")
+      f"sr.restore: the filters {', '.join(map(filter_repr, filters))} match no "
+      f"variable of the model, so nothing would be restored. Its variables are in "
+      f"the collections: {have}.{hint} Fix: pass filters that match what to "
+      "restore, e.g. `sr.restore(path, model, sr.Param)`, or none to restore "
+      "everything."
+    )
   return chosen

@@ -35,7 +35,7 @@ import atexit
 import sys
 import threading
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -66,7 +66,8 @@ class Saves:
     # Barrier names must be unique and equal across processes: the path (hashed, as
     # keys of the coordination service are best short) and this save's number.
     multihost.sync_global_processes(
-        f"statefulremat.save.{zlib.crc32(self.root.encode()):08x}.{self.seq}.{stage}")
+      f"statefulremat.save.{zlib.crc32(self.root.encode()):08x}.{self.seq}.{stage}"
+    )
 
   def begin(self) -> str:
     """The new version's directory, the same in every process; the primary holds the
@@ -108,8 +109,9 @@ class SaveHandle:
     self.path = path
     self._error: BaseException | None = None
     self._seen = False
-    self._thread = threading.Thread(target=self._run, args=(finish,), daemon=False,
-                                    name=f"sr.save({path!r})")
+    self._thread = threading.Thread(
+      target=self._run, args=(finish,), daemon=False, name=f"sr.save({path!r})"
+    )
     self._thread.start()
     with _lock:
       _pending.setdefault(path, []).append(self)
@@ -137,8 +139,7 @@ class SaveHandle:
       raise self._error
 
   def __repr__(self):
-    state = ("writing" if not self.done() else
-             "failed" if self._error is not None else "committed")
+    state = "writing" if not self.done() else "failed" if self._error is not None else "committed"
     return f"SaveHandle({self.path!r}, {state})"
 
 
@@ -161,11 +162,12 @@ def wait_previous(root: str, fn: str) -> None:
         _pending[root] = failed[1:] + _pending.get(root, [])
     handle._seen = True
     raise CheckpointError(
-        f"sr.{fn}: the earlier sr.save({root!r}, ..., blocking=False) failed "
-        f"({type(handle._error).__name__}: {handle._error}); the checkpoint there is "
-        "the one before it. Nothing was done now. Fix: call this again (the error is "
-        "reported once), and call `.wait()` on a background save's handle to see its "
-        "errors where they happen.") from handle._error
+      f"sr.{fn}: the earlier sr.save({root!r}, ..., blocking=False) failed "
+      f"({type(handle._error).__name__}: {handle._error}); the checkpoint there is "
+      "the one before it. Nothing was done now. Fix: call this again (the error is "
+      "reported once), and call `.wait()` on a background save's handle to see its "
+      "errors where they happen."
+    ) from handle._error
 
 
 @atexit.register
@@ -173,6 +175,8 @@ def _report_unseen_failures() -> None:
   # Threads are joined before atexit runs: every background save has ended by now.
   for handle in [h for handles in list(_pending.values()) for h in handles]:
     if handle._error is not None and not handle._seen:
-      print(f"statefulremat: sr.save({handle.path!r}, ..., blocking=False) failed and "
-            f"was never waited on: {type(handle._error).__name__}: {handle._error}",
-            file=sys.stderr)
+      print(
+        f"statefulremat: sr.save({handle.path!r}, ..., blocking=False) failed and "
+        f"was never waited on: {type(handle._error).__name__}: {handle._error}",
+        file=sys.stderr,
+      )

@@ -53,16 +53,36 @@ class ModuleDict(dict):
   __slots__ = ()
 
 
-for _name in ["append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
-              "__setitem__", "__delitem__", "__iadd__", "__imul__"]:
+for _name in [
+  "append",
+  "extend",
+  "insert",
+  "pop",
+  "remove",
+  "clear",
+  "sort",
+  "reverse",
+  "__setitem__",
+  "__delitem__",
+  "__iadd__",
+  "__imul__",
+]:
   setattr(ModuleList, _name, _bumping(_name, list))
-for _name in ["__setitem__", "__delitem__", "pop", "popitem", "clear", "update",
-              "setdefault", "__ior__"]:
+for _name in [
+  "__setitem__",
+  "__delitem__",
+  "pop",
+  "popitem",
+  "clear",
+  "update",
+  "setdefault",
+  "__ior__",
+]:
   setattr(ModuleDict, _name, _bumping(_name, dict))
 
 # The mutators above are generated, so their docstrings are attached here.
 _LIST_DOCS = {
-    "append": """``list.append``, and bumps the structure epoch so cached flattenings
+  "append": """``list.append``, and bumps the structure epoch so cached flattenings
     of the graph (``sr.jit``'s fast path) see the new item. Unlike attribute
     assignment, it does not adopt the item (a list in it stays plain) or record its
     owner.
@@ -73,7 +93,7 @@ _LIST_DOCS = {
     >>> xs, type(xs[1]).__name__
     ([1, [2]], 'list')
     """,
-    "extend": """``list.extend``, and bumps the structure epoch. Like ``append``, the
+  "extend": """``list.extend``, and bumps the structure epoch. Like ``append``, the
     items are not adopted and get no owner recorded.
 
     >>> import statefulremat as sr
@@ -82,7 +102,7 @@ _LIST_DOCS = {
     >>> xs
     [1, 2, 3]
     """,
-    "insert": """``list.insert``, and bumps the structure epoch (later items move to new
+  "insert": """``list.insert``, and bumps the structure epoch (later items move to new
     paths). Like ``append``, the item is not adopted and gets no owner recorded.
 
     >>> import statefulremat as sr
@@ -91,14 +111,14 @@ _LIST_DOCS = {
     >>> xs
     [1, 2, 3]
     """,
-    "pop": """``list.pop`` (returns the item), and bumps the structure epoch.
+  "pop": """``list.pop`` (returns the item), and bumps the structure epoch.
 
     >>> import statefulremat as sr
     >>> xs = sr.ModuleList([1, 2, 3])
     >>> xs.pop(0), xs
     (1, [2, 3])
     """,
-    "remove": """``list.remove`` (the first item equal to ``value``), and bumps the
+  "remove": """``list.remove`` (the first item equal to ``value``), and bumps the
     structure epoch.
 
     >>> import statefulremat as sr
@@ -107,7 +127,7 @@ _LIST_DOCS = {
     >>> xs
     [2, 1]
     """,
-    "clear": """``list.clear``, and bumps the structure epoch.
+  "clear": """``list.clear``, and bumps the structure epoch.
 
     >>> import statefulremat as sr
     >>> xs = sr.ModuleList([1, 2])
@@ -115,7 +135,7 @@ _LIST_DOCS = {
     >>> xs, type(xs).__name__
     ([], 'ModuleList')
     """,
-    "sort": """``list.sort`` in place (same ``key`` and ``reverse``), and bumps the
+  "sort": """``list.sort`` in place (same ``key`` and ``reverse``), and bumps the
     structure epoch: items change paths.
 
     >>> import statefulremat as sr
@@ -124,7 +144,7 @@ _LIST_DOCS = {
     >>> xs
     ['c', 'b', 'a']
     """,
-    "reverse": """``list.reverse`` in place, and bumps the structure epoch: items
+  "reverse": """``list.reverse`` in place, and bumps the structure epoch: items
     change paths.
 
     >>> import statefulremat as sr
@@ -135,7 +155,7 @@ _LIST_DOCS = {
     """,
 }
 _DICT_DOCS = {
-    "pop": """``dict.pop`` (the value, or ``default`` for a missing key), and bumps
+  "pop": """``dict.pop`` (the value, or ``default`` for a missing key), and bumps
     the structure epoch.
 
     >>> import statefulremat as sr
@@ -143,7 +163,7 @@ _DICT_DOCS = {
     >>> d.pop("a"), d.pop("z", None), d
     (1, None, {'b': 2})
     """,
-    "popitem": """``dict.popitem`` (the last inserted ``(key, value)``), and bumps the
+  "popitem": """``dict.popitem`` (the last inserted ``(key, value)``), and bumps the
     structure epoch.
 
     >>> import statefulremat as sr
@@ -151,7 +171,7 @@ _DICT_DOCS = {
     >>> d.popitem(), d
     (('b', 2), {'a': 1})
     """,
-    "clear": """``dict.clear``, and bumps the structure epoch.
+  "clear": """``dict.clear``, and bumps the structure epoch.
 
     >>> import statefulremat as sr
     >>> d = sr.ModuleDict(a=1)
@@ -159,7 +179,7 @@ _DICT_DOCS = {
     >>> d, type(d).__name__
     ({}, 'ModuleDict')
     """,
-    "update": """``dict.update``, and bumps the structure epoch. Unlike attribute
+  "update": """``dict.update``, and bumps the structure epoch. Unlike attribute
     assignment, it does not adopt the values (a dict in them stays plain) or record
     their owner.
 
@@ -169,7 +189,7 @@ _DICT_DOCS = {
     >>> d, type(d["b"]).__name__
     ({'a': 1, 'b': {'c': 2}}, 'dict')
     """,
-    "setdefault": """``dict.setdefault``, and bumps the structure epoch on every call,
+  "setdefault": """``dict.setdefault``, and bumps the structure epoch on every call,
     even when the key is already there. A new value is not adopted and gets no owner
     recorded.
 
@@ -185,16 +205,16 @@ for _name, _doc in _DICT_DOCS.items():
   getattr(ModuleDict, _name).__doc__ = _doc
 
 jax.tree_util.register_pytree_with_keys(
-    ModuleList,
-    lambda xs: ([(jax.tree_util.SequenceKey(i), x) for i, x in enumerate(xs)], None),
-    lambda _, xs: ModuleList(xs),
-    flatten_func=lambda xs: (list(xs), None),
+  ModuleList,
+  lambda xs: ([(jax.tree_util.SequenceKey(i), x) for i, x in enumerate(xs)], None),
+  lambda _, xs: ModuleList(xs),
+  flatten_func=lambda xs: (list(xs), None),
 )
 jax.tree_util.register_pytree_with_keys(
-    ModuleDict,
-    lambda d: ([(jax.tree_util.DictKey(k), v) for k, v in d.items()], tuple(d)),
-    lambda keys, vs: ModuleDict(zip(keys, vs)),
-    flatten_func=lambda d: (list(d.values()), tuple(d)),
+  ModuleDict,
+  lambda d: ([(jax.tree_util.DictKey(k), v) for k, v in d.items()], tuple(d)),
+  lambda keys, vs: ModuleDict(zip(keys, vs)),
+  flatten_func=lambda d: (list(d.values()), tuple(d)),
 )
 
 

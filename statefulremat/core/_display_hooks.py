@@ -14,7 +14,8 @@ core never imports the display floor, and the floors stay one-way.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _hooks: dict[str, Callable[..., Any]] = {}
 
@@ -34,9 +35,10 @@ def _hook(name: str) -> Callable[..., Any]:
     return _hooks[name]
   except KeyError:
     raise RuntimeError(
-        f"statefulremat's display floor registered no {name!r} renderer: "
-        "`import statefulremat` registers it (a core module imported on its own "
-        "cannot draw).") from None
+      f"statefulremat's display floor registered no {name!r} renderer: "
+      "`import statefulremat` registers it (a core module imported on its own "
+      "cannot draw)."
+    ) from None
 
 
 def text(obj) -> str:

@@ -80,12 +80,13 @@ def refuse_hash(obj) -> None:
   """
   kind = type(obj).__name__
   raise TypeError(
-      f"unhashable type: {kind!r}. A module or Variable is mutable (its values change "
-      "in place), so a hash of it would go stale: as a static argument of jax.jit "
-      "(static_argnums / static_argnames), the compiled result would be served again "
-      "after its values changed. Fix: pass it as an ordinary argument (modules and "
-      "Variables are pytrees: `jax.jit(f)(model, x)`), or use `sr.jit`; to key a dict "
-      "or set by it, use `id(obj)`.")
+    f"unhashable type: {kind!r}. A module or Variable is mutable (its values change "
+    "in place), so a hash of it would go stale: as a static argument of jax.jit "
+    "(static_argnums / static_argnames), the compiled result would be served again "
+    "after its values changed. Fix: pass it as an ordinary argument (modules and "
+    "Variables are pytrees: `jax.jit(f)(model, x)`), or use `sr.jit`; to key a dict "
+    "or set by it, use `id(obj)`."
+  )
 
 
 def format_path(path: tuple) -> str:

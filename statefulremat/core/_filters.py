@@ -16,7 +16,8 @@ are hashable and compare equal when built from equal filters, so they can key ca
 from __future__ import annotations
 
 import difflib
-from typing import Any as _AnyType, Callable
+from collections.abc import Callable
+from typing import Any as _AnyType
 
 from ._variables import Variable
 
@@ -173,10 +174,10 @@ def to_predicate(filter: Filter) -> Predicate:
     # A class is callable, but calling it with (path, variable) would construct an
     # instance (or fail obscurely) instead of answering a question: refuse it here.
     raise TypeError(
-        f"{filter.__name__} is a class but not a Variable kind, so it is not a filter. "
-        "Filter by a Variable subclass (sr.Param, sr.BatchStat, ...), a collection name "
-        "('batch_stats'), or a (path, variable) -> bool callable such as "
-        "`lambda path, v: isinstance(v.value, jax.Array)`."
+      f"{filter.__name__} is a class but not a Variable kind, so it is not a filter. "
+      "Filter by a Variable subclass (sr.Param, sr.BatchStat, ...), a collection name "
+      "('batch_stats'), or a (path, variable) -> bool callable such as "
+      "`lambda path, v: isinstance(v.value, jax.Array)`."
     )
   if isinstance(filter, str):
     return _InCollection(filter)
@@ -189,9 +190,9 @@ def to_predicate(filter: Filter) -> Predicate:
   if callable(filter):
     return filter
   raise TypeError(
-      f"{filter!r} is not a filter. A filter is a Variable subclass (sr.Param), a "
-      "collection name ('batch_stats'), ..., True/False/None, a (path, variable) -> bool "
-      "callable, sr.PathContains/Not/Any/All, or a tuple of these."
+    f"{filter!r} is not a filter. A filter is a Variable subclass (sr.Param), a "
+    "collection name ('batch_stats'), ..., True/False/None, a (path, variable) -> bool "
+    "callable, sr.PathContains/Not/Any/All, or a tuple of these."
   )
 
 
@@ -205,8 +206,7 @@ def filter_repr(filter: Filter) -> str:
     public = filter.__module__.startswith("statefulremat")
     return f"sr.{filter.__name__}" if public else filter.__name__
   if isinstance(filter, tuple):
-    return ("(" + ", ".join(map(filter_repr, filter)) + ("," if len(filter) == 1 else "")
-            + ")")
+    return "(" + ", ".join(map(filter_repr, filter)) + ("," if len(filter) == 1 else "") + ")"
   return repr(filter)
 
 
@@ -224,6 +224,10 @@ def collections_and_guess(filters: tuple, variables) -> tuple[str, str | None]:
   for _, var in variables:
     counts[var.collection] = counts.get(var.collection, 0) + 1
   have = ", ".join(f"{name!r} ({n})" for name, n in counts.items()) or "none"
-  close = [m for f in filters if isinstance(f, str)
-           for m in difflib.get_close_matches(f, list(counts), n=1)]
+  close = [
+    m
+    for f in filters
+    if isinstance(f, str)
+    for m in difflib.get_close_matches(f, list(counts), n=1)
+  ]
   return have, (close[0] if close else None)

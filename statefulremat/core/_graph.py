@@ -19,7 +19,8 @@ in the values. The public ``split`` / ``merge`` / ``update`` on top of it are in
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -66,8 +67,7 @@ class GraphDef:
   def __eq__(self, other):
     if self is other:
       return True
-    return isinstance(other, GraphDef) and (
-        self._hash == other._hash and self.tree == other.tree)
+    return isinstance(other, GraphDef) and (self._hash == other._hash and self.tree == other.tree)
 
   def __hash__(self):
     return self._hash
@@ -85,21 +85,21 @@ class GraphDef:
 def _static(obj, path):
   if isinstance(obj, (jax.Array, np.ndarray)):
     raise GraphError(
-        f"attribute `{format_path(path)}` holds an array "
-        f"({getattr(obj, 'dtype', '?')}{list(np.shape(obj))}) that is not in a Variable, "
-        "so transforms would bake it in as a constant and never update it. Fix: wrap "
-        "it, e.g. `self.w = sr.Param(w)` (or sr.BatchStat / sr.Variable), or make it a "
-        "Python number if it is configuration."
+      f"attribute `{format_path(path)}` holds an array "
+      f"({getattr(obj, 'dtype', '?')}{list(np.shape(obj))}) that is not in a Variable, "
+      "so transforms would bake it in as a constant and never update it. Fix: wrap "
+      "it, e.g. `self.w = sr.Param(w)` (or sr.BatchStat / sr.Variable), or make it a "
+      "Python number if it is configuration."
     )
   try:
     hash(obj)
   except TypeError:
     raise GraphError(
-        f"attribute `{format_path(path)}` holds a {type(obj).__name__}, which is not "
-        "hashable. Attributes other than modules, Variables and lists/tuples/dicts of "
-        "them are static configuration and become part of the GraphDef, so they must be "
-        "hashable. Fix: use a tuple or a frozen dataclass, or wrap array data in a "
-        "Variable."
+      f"attribute `{format_path(path)}` holds a {type(obj).__name__}, which is not "
+      "hashable. Attributes other than modules, Variables and lists/tuples/dicts of "
+      "them are static configuration and become part of the GraphDef, so they must be "
+      "hashable. Fix: use a tuple or a frozen dataclass, or wrap array data in a "
+      "Variable."
     ) from None
   # The type is part of the entry: 2 == 2.0 == True, but a module holding `2.0`
   # computes in another dtype than one holding `2`, so they must not share a GraphDef
@@ -107,8 +107,9 @@ def _static(obj, path):
   return (_STATIC, type(obj), obj)
 
 
-def flatten(roots: Sequence[Any], *, objects: list | None = None
-            ) -> tuple[GraphDef, list[Variable]]:
+def flatten(
+  roots: Sequence[Any], *, objects: list | None = None
+) -> tuple[GraphDef, list[Variable]]:
   """Walks ``roots`` jointly: their GraphDef and their Variables in walk order.
 
   If ``objects`` is given, every module and Variable is appended to it in the order
@@ -136,8 +137,8 @@ def flatten(roots: Sequence[Any], *, objects: list | None = None
         meta = freeze(obj._metadata)
       except TypeError:
         raise GraphError(
-            f"the metadata of `{format_path(path)}` is not hashable: "
-            f"{obj._metadata!r}. Use tuples, strings and numbers in metadata."
+          f"the metadata of `{format_path(path)}` is not hashable: "
+          f"{obj._metadata!r}. Use tuples, strings and numbers in metadata."
         ) from None
       return (_VAR, type(obj), meta)
     if isinstance(obj, Module):
@@ -147,9 +148,11 @@ def flatten(roots: Sequence[Any], *, objects: list | None = None
       index[id(obj)] = len(index)
       objects.append(obj)
       attrs = vars(obj)
-      return (_NODE, type(obj), tuple(
-          (k, walk(attrs[k], path + (k,))) for k in sorted(attrs)
-          if not k.startswith("_sr_")))
+      return (
+        _NODE,
+        type(obj),
+        tuple((k, walk(attrs[k], path + (k,))) for k in sorted(attrs) if not k.startswith("_sr_")),
+      )
     if isinstance(obj, list):
       return (_LIST, type(obj), tuple(walk(x, path + (i,)) for i, x in enumerate(obj)))
     if isinstance(obj, tuple):
@@ -162,9 +165,16 @@ def flatten(roots: Sequence[Any], *, objects: list | None = None
   return GraphDef(tree, tuple(paths)), variables
 
 
-def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
-              trace=None, substitute: Sequence[Any] = (), *, remember: bool = True
-              ) -> tuple[list[Any], list[Variable]]:
+def unflatten(
+  graphdef: GraphDef,
+  values: Sequence[Any],
+  kinds=None,
+  metas=None,
+  trace=None,
+  substitute: Sequence[Any] = (),
+  *,
+  remember: bool = True,
+) -> tuple[list[Any], list[Variable]]:
   """Builds fresh objects from ``graphdef``; the i-th Variable gets ``values[i]``.
 
   ``kinds`` / ``metas`` override the GraphDef's Variable kinds and metadata (an entry
@@ -203,8 +213,12 @@ def unflatten(graphdef: GraphDef, values: Sequence[Any], kinds=None, metas=None,
     if tag == _VAR:
       i = len(variables)
       kind = d[1] if kinds is None or kinds[i] is None else kinds[i]
-      var = bare_variable(kind, values[i], thaw_metadata(
-          d[2] if metas is None or metas[i] is None else metas[i]), trace)
+      var = bare_variable(
+        kind,
+        values[i],
+        thaw_metadata(d[2] if metas is None or metas[i] is None else metas[i]),
+        trace,
+      )
       objects.append(var)
       variables.append(var)
       return var
@@ -403,14 +417,18 @@ def _remember(graphdef: GraphDef, roots: list, variables: list) -> None:
 def _rebuilt(roots: Sequence[Any]) -> tuple[GraphDef, list[Variable]] | None:
   epoch = structure_epoch.value
   for seen, refs, graphdef, variables in reversed(rebuilt_graphs):
-    if seen == epoch and len(refs) == len(roots) and all(
-        ref() is root for ref, root in zip(refs, roots)):
+    if (
+      seen == epoch
+      and len(refs) == len(roots)
+      and all(ref() is root for ref, root in zip(refs, roots))
+    ):
       return graphdef, list(variables)
   return None
 
 
-def rewrite(graphdef: GraphDef, *, root_classes: dict[int, type] | None = None,
-            metadata=None) -> GraphDef:
+def rewrite(
+  graphdef: GraphDef, *, root_classes: dict[int, type] | None = None, metadata=None
+) -> GraphDef:
   """A GraphDef with some roots' classes replaced and/or Variable metadata mapped.
 
   ``root_classes`` maps root positions (negative counts from the end) to new classes.

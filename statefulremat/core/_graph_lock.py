@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 _ranks = itertools.count()
 

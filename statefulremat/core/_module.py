@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import numbers
 import pickle
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
 
-from ._containers import adopt
 from . import _display_hooks
+from ._containers import adopt
 from ._errors import GraphError, format_path, refuse_hash
 from ._tracing import structure_epoch
 from ._variables import Variable, path_of, set_owner
@@ -36,15 +37,19 @@ def _is_array_like(value) -> bool:
 def _refuse_array_over_variable(module, name: str, value) -> None:
   var = module.__dict__[name]
   path = format_path(path_of(module) + (name,))
-  what = (f"a {value.dtype}{list(np.shape(value))} array" if hasattr(value, "dtype")
-          else f"a Python {type(value).__name__}")
+  what = (
+    f"a {value.dtype}{list(np.shape(value))} array"
+    if hasattr(value, "dtype")
+    else f"a Python {type(value).__name__}"
+  )
   raise GraphError(
-      f"`{path}` holds a {type(var).__name__}; assigning {what} over it would replace "
-      "the Variable with a plain value that leaves the model's state (PyTorch refuses "
-      "a tensor over a Parameter for the same reason). Fix: write the Variable's "
-      f"value, `{path}.value = ...` (or `{path}[...] = ...`; `{path} += x` updates "
-      "in place too). To replace the Variable itself, assign a Variable, or `del` it "
-      "first.")
+    f"`{path}` holds a {type(var).__name__}; assigning {what} over it would replace "
+    "the Variable with a plain value that leaves the model's state (PyTorch refuses "
+    "a tensor over a Parameter for the same reason). Fix: write the Variable's "
+    f"value, `{path}.value = ...` (or `{path}[...] = ...`; `{path} += x` updates "
+    "in place too). To replace the Variable itself, assign a Variable, or `del` it "
+    "first."
+  )
 
 
 def _record_owners(parent, value, key_path: tuple) -> None:
@@ -83,13 +88,15 @@ def _kind_named(variable_type, module, name: str) -> type:
       return found[0]
     where = format_path(path_of(module) + (name,))
     raise GraphError(
-        f"sow({variable_type!r}, {name!r}, ...) at `{where}`: no Variable kind has the "
-        f"collection {variable_type!r}. Fix: pass the kind itself, e.g. "
-        f"`self.sow(sr.Intermediate, {name!r}, value)`, or define one: `class "
-        f"MyKind(sr.Variable): collection = {variable_type!r}`.")
+      f"sow({variable_type!r}, {name!r}, ...) at `{where}`: no Variable kind has the "
+      f"collection {variable_type!r}. Fix: pass the kind itself, e.g. "
+      f"`self.sow(sr.Intermediate, {name!r}, value)`, or define one: `class "
+      f"MyKind(sr.Variable): collection = {variable_type!r}`."
+    )
   raise GraphError(
-      f"sow takes a Variable kind (e.g. sr.Intermediate) or a collection name first, got "
-      f"{variable_type!r}. Fix: `self.sow(sr.Intermediate, {name!r}, value)`.")
+    f"sow takes a Variable kind (e.g. sr.Intermediate) or a collection name first, got "
+    f"{variable_type!r}. Fix: `self.sow(sr.Intermediate, {name!r}, value)`."
+  )
 
 
 class Module:
@@ -180,9 +187,14 @@ class Module:
 
   # -- intermediates -----------------------------------------------------------
 
-  def sow(self, variable_type: type[Variable] | str, name: str, value: Any,
-          reduce_fn: Callable[[Any, Any], Any] = _append,
-          init_fn: Callable[[], Any] = tuple) -> bool:
+  def sow(
+    self,
+    variable_type: type[Variable] | str,
+    name: str,
+    value: Any,
+    reduce_fn: Callable[[Any, Any], Any] = _append,
+    init_fn: Callable[[], Any] = tuple,
+  ) -> bool:
     """Keeps ``value`` in the Variable ``self.<name>`` of kind ``variable_type``, as
     flax.nnx's ``Module.sow``: by default appended to a tuple, so a module called
     twice keeps both values. Returns True.
@@ -215,24 +227,28 @@ class Module:
     if old is _MISSING:
       if hasattr(type(self), name):
         raise GraphError(
-            f"sow: `{format_path(path_of(self) + (name,))}` names a "
-            f"{type(getattr(type(self), name)).__name__} of the class "
-            f"{type(self).__name__}; a sown value needs a name of its own. Fix: sow under "
-            "another name.")
+          f"sow: `{format_path(path_of(self) + (name,))}` names a "
+          f"{type(getattr(type(self), name)).__name__} of the class "
+          f"{type(self).__name__}; a sown value needs a name of its own. Fix: sow under "
+          "another name."
+        )
       setattr(self, name, kind(reduce_fn(init_fn(), value)))
       return True
     if type(old) is not kind:
       path = format_path(path_of(self) + (name,))
       if isinstance(old, Variable):
         what = f"a {type(old).__name__}"
-        fix = (f"sow under another name, or with the kind it holds: "
-               f"`self.sow({type(old).__name__}, {name!r}, value)`")
+        fix = (
+          f"sow under another name, or with the kind it holds: "
+          f"`self.sow({type(old).__name__}, {name!r}, value)`"
+        )
       else:
         what, fix = f"a plain {type(old).__name__} attribute", "sow under another name"
       raise GraphError(
-          f"sow({kind.__name__}, {name!r}, ...): `{path}` is {what}, not of kind "
-          f"{kind.__name__}, so the value cannot be added to it (nothing was changed). "
-          f"Fix: {fix}.")
+        f"sow({kind.__name__}, {name!r}, ...): `{path}` is {what}, not of kind "
+        f"{kind.__name__}, so the value cannot be added to it (nothing was changed). "
+        f"Fix: {fix}."
+      )
     old.value = reduce_fn(old.value, value)
     return True
 
@@ -278,11 +294,12 @@ class Module:
   def __getstate__(self):
     if type(self).__dict__.get("_sr_transformed"):
       raise pickle.PicklingError(
-          f"cannot pickle a {type(self).__name__}: its class was made by a transform "
-          "(sr.scan / sr.remat_scan / sr.vmap / sr.remat of a class) and cannot be "
-          "found again by name. Save its state instead: `sr.save(path, model)` (then "
-          "`sr.restore(path, Model(...))`), or pickle `sr.state(model)` and load it "
-          "with `sr.update(model, state)`.")
+        f"cannot pickle a {type(self).__name__}: its class was made by a transform "
+        "(sr.scan / sr.remat_scan / sr.vmap / sr.remat of a class) and cannot be "
+        "found again by name. Save its state instead: `sr.save(path, model)` (then "
+        "`sr.restore(path, Model(...))`), or pickle `sr.state(model)` and load it "
+        "with `sr.update(model, state)`."
+      )
     # Owner links are weak references: rebuilt on load, never saved.
     return {k: v for k, v in vars(self).items() if k != "_sr_owner"}
 
@@ -297,7 +314,6 @@ class Module:
 
   def __treescope_repr__(self, path, subtree_renderer):
     return _display_hooks.treescope(self, path, subtree_renderer)
-
 
 
 # Functions called with every Module class as it is defined (the pytree registration
@@ -339,7 +355,7 @@ def arrivals(root, *, sort: bool = False) -> Iterator[tuple[tuple, Any, bool]]:
       yield path, obj, first
       if first and isinstance(obj, Module):
         attrs = vars(obj)
-        for k in (sorted(attrs) if sort else attrs):
+        for k in sorted(attrs) if sort else attrs:
           if not k.startswith("_sr_"):
             yield from walk(attrs[k], path + (k,))
     elif isinstance(obj, (list, tuple)):

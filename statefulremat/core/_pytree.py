@@ -58,8 +58,7 @@ from typing import Any
 
 import jax
 
-from . import _graph
-from . import _module
+from . import _graph, _module
 from ._tracing import guard as _guard
 from ._tracing import structure_epoch
 from ._variables import _closure_read
@@ -225,7 +224,8 @@ def _unflatten(graphdef, leaves):
 def register(cls: type) -> None:
   """Registers the Module class ``cls`` as a pytree node (see the module docstring)."""
   jax.tree_util.register_pytree_with_keys(
-      cls, _flatten_with_keys, _unflatten, flatten_func=_flatten)
+    cls, _flatten_with_keys, _unflatten, flatten_func=_flatten
+  )
 
 
 _module.on_new_class(register)

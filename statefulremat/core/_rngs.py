@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._module import Module
 from ._kinds import RngCount, RngKey
+from ._module import Module
 
 
 def _as_key(seed) -> jax.Array:
@@ -25,8 +25,7 @@ def _as_key(seed) -> jax.Array:
     seed = jnp.asarray(seed)
   except (TypeError, ValueError):
     raise TypeError(
-        f"an RNG seed must be an int, a typed key (jax.random.key) or a raw uint32 key, "
-        f"got {seed!r}."
+      f"an RNG seed must be an int, a typed key (jax.random.key) or a raw uint32 key, got {seed!r}."
     ) from None
   if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
     return seed
@@ -35,8 +34,8 @@ def _as_key(seed) -> jax.Array:
   if seed.ndim == 0 and jnp.issubdtype(seed.dtype, jnp.integer):
     return jax.random.key(seed)
   raise TypeError(
-      f"an RNG seed must be an int, a typed key (jax.random.key) or a raw uint32 key, "
-      f"got {seed.dtype}{list(seed.shape)}."
+    f"an RNG seed must be an int, a typed key (jax.random.key) or a raw uint32 key, "
+    f"got {seed.dtype}{list(seed.shape)}."
   )
 
 
@@ -45,13 +44,14 @@ def _refuse_split_keys(shape: tuple, tag: str) -> None:
   n = shape[0]
   one = "sr.Rngs(key)" if tag == "default" else f"sr.Rngs({tag}=key)"
   raise ValueError(
-      f"sr.Rngs: the stream {tag!r} holds a key array of shape {tuple(shape)} ({n} keys, "
-      "as `jax.random.split(key, n)` makes): one key per layer, so it can only be drawn "
-      "from inside an sr.vmap that maps it (each layer then draws from its own key), "
-      "as in nnx's `nnx.vmap(create, in_axes=0)(nnx.Rngs(jax.random.split(key, n)))`. "
-      "Fix: pass the Rngs through sr.vmap (`sr.vmap(lambda rngs: Block(rngs=rngs))"
-      f"(rngs)` builds {n} layers), or draw from one key, `{one}` (the class forms, "
-      f"`sr.vmap(Block, axis_size={n})(..., rngs={one})`, split it themselves).")
+    f"sr.Rngs: the stream {tag!r} holds a key array of shape {tuple(shape)} ({n} keys, "
+    "as `jax.random.split(key, n)` makes): one key per layer, so it can only be drawn "
+    "from inside an sr.vmap that maps it (each layer then draws from its own key), "
+    "as in nnx's `nnx.vmap(create, in_axes=0)(nnx.Rngs(jax.random.split(key, n)))`. "
+    "Fix: pass the Rngs through sr.vmap (`sr.vmap(lambda rngs: Block(rngs=rngs))"
+    f"(rngs)` builds {n} layers), or draw from one key, `{one}` (the class forms, "
+    f"`sr.vmap(Block, axis_size={n})(..., rngs={one})`, split it themselves)."
+  )
 
 
 class RngStream(Module):
@@ -68,8 +68,9 @@ class RngStream(Module):
     key = _as_key(seed)
     if key.ndim > 1:
       raise ValueError(
-          f"sr.Rngs: the stream {tag!r} got keys of shape {tuple(key.shape)}; it takes "
-          "one key, or one key per layer (`jax.random.split(key, n)`, shape (n,)).")
+        f"sr.Rngs: the stream {tag!r} got keys of shape {tuple(key.shape)}; it takes "
+        "one key, or one key per layer (`jax.random.split(key, n)`, shape (n,))."
+      )
     # Pre-split keys (shape (n,)): one stream per layer, a stack's state (layer axis
     # 0), drawn from inside an sr.vmap that maps it.
     meta = {"layer_axis": ((0, None),)} if key.shape else {}
@@ -141,18 +142,21 @@ class Rngs(Module):
     for name in streams:
       if name.startswith("_"):
         raise ValueError(
-            f"{name!r} cannot name an RNG stream: names starting with '_' are reserved.")
+          f"{name!r} cannot name an RNG stream: names starting with '_' are reserved."
+        )
       # Every Rngs attribute (fork, stream_names, and Module's train, eval, ...):
       # a stream of that name would shadow the method.
       if hasattr(Rngs, name):
         raise ValueError(
-            f"{name!r} cannot name an RNG stream: it is an Rngs method "
-            f"(`rngs.{name}`). Choose another name.")
+          f"{name!r} cannot name an RNG stream: it is an Rngs method "
+          f"(`rngs.{name}`). Choose another name."
+        )
     if default is not None:
       if "default" in streams:
         raise ValueError(
-            "Rngs got two default seeds: a positional one and `default=`. Pass one: "
-            "sr.Rngs(0) or sr.Rngs(default=0).")
+          "Rngs got two default seeds: a positional one and `default=`. Pass one: "
+          "sr.Rngs(0) or sr.Rngs(default=0)."
+        )
       streams = {"default": default, **streams}
     if not streams:
       raise ValueError("Rngs needs a seed: sr.Rngs(0) or sr.Rngs(params=0, dropout=1).")
@@ -195,9 +199,9 @@ class Rngs(Module):
           return _ServedStream(stream, name, layer)
     if stream is None:
       raise AttributeError(
-          f"this Rngs has no {name!r} stream and no default stream (it has "
-          f"{self.stream_names()}). Fix: add one, e.g. sr.Rngs({name}=0, ...), or give "
-          "a default seed: sr.Rngs(0)."
+        f"this Rngs has no {name!r} stream and no default stream (it has "
+        f"{self.stream_names()}). Fix: add one, e.g. sr.Rngs({name}=0, ...), or give "
+        "a default seed: sr.Rngs(0)."
       )
     return stream
 
@@ -225,9 +229,10 @@ class Rngs(Module):
     if not isinstance(stream, RngStream):
       names = self.stream_names()
       raise AttributeError(
-          f"rngs() draws from the default stream, but this Rngs has none (it has "
-          f"{names}). Fix: draw from a named stream, e.g. `rngs.{names[0]}()`, or give "
-          f"a default seed: `sr.Rngs(0, {names[0]}=...)`.")
+        f"rngs() draws from the default stream, but this Rngs has none (it has "
+        f"{names}). Fix: draw from a named stream, e.g. `rngs.{names[0]}()`, or give "
+        f"a default seed: `sr.Rngs(0, {names[0]}=...)`."
+      )
     return stream()
 
   def __getitem__(self, name: str) -> RngStream:

@@ -9,7 +9,8 @@ every node and leaf as flax.nnx's does.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,8 +27,7 @@ from ._variables import Variable, _dtype_of
 def _check_node(node, fn: str):
   if not isinstance(node, (Module, Variable, list, tuple, dict)):
     raise TypeError(
-        f"sr.{fn} takes a Module (or a list/tuple/dict of them), got "
-        f"{type(node).__name__}."
+      f"sr.{fn} takes a Module (or a list/tuple/dict of them), got {type(node).__name__}."
     )
 
 
@@ -72,34 +72,38 @@ def merge(graphdef: GraphDef, *states: State) -> Any:
   """
   if not isinstance(graphdef, GraphDef):
     raise TypeError(
-        f"sr.merge takes a GraphDef first (from sr.split), got {type(graphdef).__name__}")
+      f"sr.merge takes a GraphDef first (from sr.split), got {type(graphdef).__name__}"
+    )
   merged = State.merge(*states)
   spec = merged._spec
   where = {p: i for i, p in enumerate(spec.paths)}
   missing = [p for p in graphdef.var_paths if p not in where]
   if missing:
     raise StateMismatchError(
-        f"sr.merge: no value for the variable `{format_path(missing[0])}`"
-        f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}. Pass every "
-        "State that sr.split returned: `sr.merge(graphdef, *states)`."
+      f"sr.merge: no value for the variable `{format_path(missing[0])}`"
+      f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}. Pass every "
+      "State that sr.split returned: `sr.merge(graphdef, *states)`."
     )
   extra = set(where) - set(graphdef.var_paths)
   if extra:
     first = sorted(extra, key=str)[0]
     raise StateMismatchError(
-        f"sr.merge: the State has an entry `{format_path(first)}` that the GraphDef "
-        "has no variable for. The State and GraphDef come from different graphs; split "
-        "the model you mean to rebuild."
+      f"sr.merge: the State has an entry `{format_path(first)}` that the GraphDef "
+      "has no variable for. The State and GraphDef come from different graphs; split "
+      "the model you mean to rebuild."
     )
   order = [where[p] for p in graphdef.var_paths]
   # A plain `()` (not a frozen dict) marks an entry of a hand-built State: it knows
   # neither metadata nor, if its kind is the base Variable, the kind.
   unknown = [type(spec.metas[i]) is tuple for i in order]
   roots, _ = unflatten(
-      graphdef, [merged._values[i] for i in order],
-      kinds=[None if u and spec.kinds[i] is Variable else spec.kinds[i]
-             for u, i in zip(unknown, order)],
-      metas=[None if u else spec.metas[i] for u, i in zip(unknown, order)])
+    graphdef,
+    [merged._values[i] for i in order],
+    kinds=[
+      None if u and spec.kinds[i] is Variable else spec.kinds[i] for u, i in zip(unknown, order)
+    ],
+    metas=[None if u else spec.metas[i] for u, i in zip(unknown, order)],
+  )
   return roots[0]
 
 
@@ -163,22 +167,26 @@ def _update(graphdef: GraphDef, variables: list[Variable], states) -> None:
       var = where.get(path)
       if var is None:
         raise StateMismatchError(
-            f"sr.update: the State has an entry `{format_path(path)}` but the module has "
-            "no variable at that path (nothing was written). Update with a State taken "
-            "from an equally structured module (`sr.state(model)`)."
+          f"sr.update: the State has an entry `{format_path(path)}` but the module has "
+          "no variable at that path (nothing was written). Update with a State taken "
+          "from an equally structured module (`sr.state(model)`)."
         )
       pending.append((path, var, value))
-  mismatched = [(path, why) for path, var, value in pending
-                if (why := type_change(var._value, value)) is not None]
+  mismatched = [
+    (path, why)
+    for path, var, value in pending
+    if (why := type_change(var._value, value)) is not None
+  ]
   if mismatched:
     lines = "".join(f"\n  `{format_path(path)}`: {why}" for path, why in mismatched[:5])
     more = f"\n  ... and {len(mismatched) - 5} more" if len(mismatched) > 5 else ""
     raise StateMismatchError(
-        f"sr.update: {len(mismatched)} value(s) do not have the shape and dtype of the "
-        f"variable they would replace (nothing was written):{lines}{more}\nA module's "
-        "arrays keep their shapes and dtypes: convert the values first (e.g. "
-        "`jax.tree.map(lambda x: x.astype(jnp.float32), state)`), or, to change a "
-        "variable's shape, assign it directly (`model.w.value = new`).")
+      f"sr.update: {len(mismatched)} value(s) do not have the shape and dtype of the "
+      f"variable they would replace (nothing was written):{lines}{more}\nA module's "
+      "arrays keep their shapes and dtypes: convert the values first (e.g. "
+      "`jax.tree.map(lambda x: x.astype(jnp.float32), state)`), or, to change a "
+      "variable's shape, assign it directly (`model.w.value = new`)."
+    )
   pending = [(var, value) for _, var, value in pending]
   written = []
   try:
@@ -194,8 +202,10 @@ def _update(graphdef: GraphDef, variables: list[Variable], states) -> None:
 
 def _avals(value) -> tuple:
   leaves, treedef = jax.tree.flatten(value)
-  return treedef, [(tuple(np.shape(x)), jax.dtypes.canonicalize_dtype(
-      _dtype_of(x), allow_extended_dtype=True)) for x in leaves]
+  return treedef, [
+    (tuple(np.shape(x)), jax.dtypes.canonicalize_dtype(_dtype_of(x), allow_extended_dtype=True))
+    for x in leaves
+  ]
 
 
 def type_change(old, new) -> str | None:
@@ -245,8 +255,11 @@ def clone(node):
 def _copies(values) -> list:
   """``values`` with each JAX and numpy array copied; JAX's in one batched call."""
   leaves, treedef = jax.tree.flatten(list(values))
-  at = [i for i, x in enumerate(leaves)
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+  at = [
+    i
+    for i, x in enumerate(leaves)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+  ]
   # may_alias=False makes device_put copy even where the placement is unchanged.
   copied = jax.device_put([leaves[i] for i in at], may_alias=False) if at else []
   leaves = [np.copy(x) if isinstance(x, np.ndarray) else x for x in leaves]
@@ -261,8 +274,11 @@ def deleted_error(variables, what: str, kind: type, after: str = "") -> Exceptio
   found = []
   for var in variables:
     for leaf in jax.tree.leaves(var._value):
-      if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and (
-          leaf.is_deleted()):
+      if (
+        isinstance(leaf, jax.Array)
+        and not isinstance(leaf, jax.core.Tracer)
+        and (leaf.is_deleted())
+      ):
         found.append((var, leaf))
         break
   if not found:
@@ -271,15 +287,16 @@ def deleted_error(variables, what: str, kind: type, after: str = "") -> Exceptio
   more = f" (and {len(found) - 1} more Variable(s))" if len(found) > 1 else ""
   spec = f"{leaf.dtype}[{','.join(map(str, leaf.shape))}]"
   return kind(
-      f"{what}`{var.path_str()}` ({type(var).__name__}, {spec}){more} holds an array "
-      "that has been deleted, so it cannot be read: its buffer was donated to an "
-      "earlier computation (`sr.jit(..., donate_state=True)`, or `jax.jit(..., "
-      "donate_argnums=...)` given the model's State) or freed with "
-      f"`.delete()`.{after} Fix: use the model that donating call "
-      "updated (sr.jit writes the new values into the model passed to it; after a "
-      "plain jax.jit, `sr.update(model, new_state)` with the State it returned). To "
-      "keep a copy that outlives donation (e.g. the best model so far), take "
-      "`sr.clone(model)` before the donating call: it copies the buffers.")
+    f"{what}`{var.path_str()}` ({type(var).__name__}, {spec}){more} holds an array "
+    "that has been deleted, so it cannot be read: its buffer was donated to an "
+    "earlier computation (`sr.jit(..., donate_state=True)`, or `jax.jit(..., "
+    "donate_argnums=...)` given the model's State) or freed with "
+    f"`.delete()`.{after} Fix: use the model that donating call "
+    "updated (sr.jit writes the new values into the model passed to it; after a "
+    "plain jax.jit, `sr.update(model, new_state)` with the State it returned). To "
+    "keep a copy that outlives donation (e.g. the best model so far), take "
+    "`sr.clone(model)` before the donating call: it copies the buffers."
+  )
 
 
 def pop(node, *filters: Filter) -> State | tuple[State, ...]:
@@ -314,8 +331,8 @@ def pop(node, *filters: Filter) -> State | tuple[State, ...]:
   """
   if not filters:
     raise TypeError(
-        "sr.pop takes at least one filter: what to take out, e.g. "
-        "`sr.pop(model, sr.Intermediate)`.")
+      "sr.pop takes at least one filter: what to take out, e.g. `sr.pop(model, sr.Intermediate)`."
+    )
   _check_node(node, "pop")
   graphdef, variables = flatten([node])
   predicates = [to_predicate(f) for f in filters]
@@ -334,18 +351,20 @@ def pop(node, *filters: Filter) -> State | tuple[State, ...]:
       continue
     if not path:
       raise GraphError(
-          f"sr.pop: the node given is itself a {type(obj).__name__} matched by "
-          f"{filter_repr(filters[0]) if len(filters) == 1 else 'the filters'}, and "
-          "cannot be taken out of itself (nothing was removed). Pass the module "
-          "holding it.")
+        f"sr.pop: the node given is itself a {type(obj).__name__} matched by "
+        f"{filter_repr(filters[0]) if len(filters) == 1 else 'the filters'}, and "
+        "cannot be taken out of itself (nothing was removed). Pass the module "
+        "holding it."
+      )
     parent = _node_at(node, path[:-1])
     if not isinstance(parent, (Module, dict)):
       raise GraphError(
-          f"sr.pop: `{format_path(path)}` ({type(obj).__name__}) sits in a "
-          f"{type(parent).__name__}, and taking it out would renumber the items after "
-          "it (nothing was removed). Fix: keep such Variables as module attributes or "
-          "in a dict, or pop with a filter that leaves them, e.g. "
-          f"`sr.All(filter, sr.Not(sr.PathContains({path[-2]!r})))`.")
+        f"sr.pop: `{format_path(path)}` ({type(obj).__name__}) sits in a "
+        f"{type(parent).__name__}, and taking it out would renumber the items after "
+        "it (nothing was removed). Fix: keep such Variables as module attributes or "
+        "in a dict, or pop with a filter that leaves them, e.g. "
+        f"`sr.All(filter, sr.Not(sr.PathContains({path[-2]!r})))`."
+      )
     holders.append((parent, path[-1]))
   for parent, key in holders:
     if isinstance(parent, Module):
@@ -388,8 +407,7 @@ def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
       yield path, obj
       continue
     if isinstance(obj, Module):
-      children = _sorted_items({k: v for k, v in vars(obj).items()
-                                if not k.startswith("_sr_")})
+      children = _sorted_items({k: v for k, v in vars(obj).items() if not k.startswith("_sr_")})
     elif isinstance(obj, dict):
       children = _sorted_items(obj)
     elif isinstance(obj, (list, tuple)):

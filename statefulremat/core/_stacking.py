@@ -8,7 +8,8 @@ pattern's layers go to their positions, layer ``i`` to position ``i % P``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +51,10 @@ def stack(layers: Sequence[Module], *, like: Any = None):
     origins = {layer.__dict__.get("_sr_stacked_from") for layer in layers}
     if len(origins) != 1 or None in origins:
       raise TypeError(
-          "sr.stack cannot tell which stacked class to build: these layers did not all "
-          "come from the same stack. Pass one: `sr.stack(layers, like=StackedClass)` "
-          "(e.g. the class `sr.scan(Block, ...)` returned).")
+        "sr.stack cannot tell which stacked class to build: these layers did not all "
+        "come from the same stack. Pass one: `sr.stack(layers, like=StackedClass)` "
+        "(e.g. the class `sr.scan(Block, ...)` returned)."
+      )
     cls = origins.pop()
   if not (isinstance(cls, type) and "_sr_layer_class" in cls.__dict__):
     raise TypeError(f"sr.stack(like=...) takes a stacked module or class, got {cls!r}.")
@@ -64,22 +66,29 @@ def stack(layers: Sequence[Module], *, like: Any = None):
   axes, why_shared = _layer_axes_of(layers, like, cls, graphdef, variables, origins)
   columns = [[flat[1][j]._value for flat in flats] for j in range(len(axes))]
   for j, why in why_shared.items():
-    _check_shared(graphdef.var_paths[j], variables[j], columns[j], why,
-                  getattr(cls._sr_layer_class, "__name__", "Block"))
+    _check_shared(
+      graphdef.var_paths[j],
+      variables[j],
+      columns[j],
+      why,
+      getattr(cls._sr_layer_class, "__name__", "Block"),
+    )
   values = []
   for j, (axis, column) in enumerate(zip(axes, columns)):
     if axis is None:
       values.append(origins.get(graphdef.var_paths[j], column[0]))
     else:
       values.append(jnp.stack(column, axis=axis[0]))
-  graphdef = rewrite(graphdef, root_classes={0: cls},
-                     metadata=lambda i, m: m if axes[i] is None else mark_frozen(m, *axes[i]))
+  graphdef = rewrite(
+    graphdef,
+    root_classes={0: cls},
+    metadata=lambda i, m: m if axes[i] is None else mark_frozen(m, *axes[i]),
+  )
   roots, _ = unflatten(graphdef, values)
   return roots[0]
 
 
-def _layer_axes_of(layers, like, cls, graphdef, variables, origins
-                   ) -> tuple[list, dict[int, str]]:
+def _layer_axes_of(layers, like, cls, graphdef, variables, origins) -> tuple[list, dict[int, str]]:
   """``(axis, name)`` per flat Variable of a layer (None: shared, not stacked), and
   for each shared one to check (``origins`` are not: the stack's own RNG streams go
   back) why it is shared.
@@ -126,17 +135,22 @@ def _check_shared(path, var: Variable, column: list, why: str, block: str) -> No
     if same:
       continue
     kind = type(var)
-    kind_name = (f"sr.{kind.__name__}" if kind.__module__.startswith("statefulremat")
-                 else kind.__name__)
-    differs = ("may differ from layer 0's: it is traced, so sr.stack cannot compare "
-               "them" if same is None else "differs from layer 0's")
+    kind_name = (
+      f"sr.{kind.__name__}" if kind.__module__.startswith("statefulremat") else kind.__name__
+    )
+    differs = (
+      "may differ from layer 0's: it is traced, so sr.stack cannot compare them"
+      if same is None
+      else "differs from layer 0's"
+    )
     raise TransformError(
-        f"sr.stack: `{format_path(path)}` ({kind.__name__}) is not stacked ({why}), so "
-        f"the stack holds one value of it for every layer, but layer {i}'s {differs}; "
-        "keeping layer 0's would lose the others'. Fix: give every layer the same "
-        "value, or stack it: build a stacked class whose rules stack it, e.g. "
-        f"`NewClass = sr.scan({block}, ..., variable_axes={{{kind_name}: 0}})`, and "
-        "pass it: `sr.stack(layers, like=NewClass)`.")
+      f"sr.stack: `{format_path(path)}` ({kind.__name__}) is not stacked ({why}), so "
+      f"the stack holds one value of it for every layer, but layer {i}'s {differs}; "
+      "keeping layer 0's would lose the others'. Fix: give every layer the same "
+      "value, or stack it: build a stacked class whose rules stack it, e.g. "
+      f"`NewClass = sr.scan({block}, ..., variable_axes={{{kind_name}: 0}})`, and "
+      "pass it: `sr.stack(layers, like=NewClass)`."
+    )
 
 
 def _same_value(a, b) -> bool | None:
@@ -168,17 +182,19 @@ def _check_alike(layers, flats) -> None:
   for i, (g, layer_vars) in enumerate(flats[1:], 1):
     if g != graphdef:
       raise TransformError(
-          f"sr.stack: layer {i} is not structured like layer 0: "
-          f"{_layer_difference(layers[0], layers[i], graphdef, g)}. Only identical "
-          "layers can be stacked: build them with the same arguments (and the same "
-          "mode, `.train()` / `.eval()`).")
+        f"sr.stack: layer {i} is not structured like layer 0: "
+        f"{_layer_difference(layers[0], layers[i], graphdef, g)}. Only identical "
+        "layers can be stacked: build them with the same arguments (and the same "
+        "mode, `.train()` / `.eval()`)."
+      )
     for path, v0, v in zip(graphdef.var_paths, variables, layer_vars):
       why = type_change(v0._value, v._value)
       if why is not None:
         raise TransformError(
-            f"sr.stack: `{format_path(path)}` of layer {i} does not have the shape and "
-            f"dtype of layer 0's: {why.replace(' -> ', ' (layer 0) vs ')} (layer {i}). "
-            "Only identical layers can be stacked: build them with the same sizes.")
+          f"sr.stack: `{format_path(path)}` of layer {i} does not have the shape and "
+          f"dtype of layer 0's: {why.replace(' -> ', ' (layer 0) vs ')} (layer {i}). "
+          "Only identical layers can be stacked: build them with the same sizes."
+        )
 
 
 def _layer_difference(first, other, g0, g1) -> str:
@@ -205,8 +221,9 @@ def _value_at(root, path: tuple):
 
 def _pattern_origin(layers) -> type | None:
   """The pattern class the layers came out of (``stack.layer`` / ``sr.unstack``)."""
-  parents = {getattr(layer.__dict__.get("_sr_stacked_from"), "_sr_pattern_parent", None)
-             for layer in layers}
+  parents = {
+    getattr(layer.__dict__.get("_sr_stacked_from"), "_sr_pattern_parent", None) for layer in layers
+  }
   return parents.pop() if len(parents) == 1 else None
 
 
@@ -216,16 +233,20 @@ def _stack_pattern(layers: list, like, cls: type):
   p = len(positions)
   if len(layers) < p:
     raise TransformError(
-        f"sr.stack: {len(layers)} layers for a pattern of {p} blocks; every position "
-        f"needs at least one layer. Fix: give at least {p} layers (layer i at position "
-        f"i % {p}).")
+      f"sr.stack: {len(layers)} layers for a pattern of {p} blocks; every position "
+      f"needs at least one layer. Fix: give at least {p} layers (layer i at position "
+      f"i % {p})."
+    )
   for i, layer in enumerate(layers):
     want = positions[i % p]._sr_layer_class
     if not isinstance(layer, want):
       raise TransformError(
-          f"sr.stack: layer {i} is a {type(layer).__name__}, but layer {i} of this "
-          f"pattern (position {i % p}) is a {want.__name__}. Fix: put the layers in "
-          "pattern order (as `sr.unstack` gives them).")
-  stacks = [stack(layers[k::p], like=like.pattern[k] if isinstance(like, Module) else
-                  positions[k]) for k in range(p)]
+        f"sr.stack: layer {i} is a {type(layer).__name__}, but layer {i} of this "
+        f"pattern (position {i % p}) is a {want.__name__}. Fix: put the layers in "
+        "pattern order (as `sr.unstack` gives them)."
+      )
+  stacks = [
+    stack(layers[k::p], like=like.pattern[k] if isinstance(like, Module) else positions[k])
+    for k in range(p)
+  ]
   return cls._sr_from_positions(stacks)

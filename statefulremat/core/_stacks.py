@@ -69,8 +69,9 @@ def unmark(metadata: dict) -> dict:
   if inner:
     out[LAYER_AXIS] = tuple((a - (a > axis), n) for a, n in inner)
   sharding = out.get("sharding")
-  if name is not None and sharding is not None and axis < len(sharding) and (
-      sharding[axis] == name):
+  if (
+    name is not None and sharding is not None and axis < len(sharding) and (sharding[axis] == name)
+  ):
     out["sharding"] = tuple(s for i, s in enumerate(sharding) if i != axis)
   return out
 
@@ -104,11 +105,12 @@ def layer_levels(variables, what: str) -> tuple[tuple[int, str | None], ...]:
       found, first = these, path
     elif these != found:
       raise TransformError(
-          f"{what}: `{format_path(first)}` and `{format_path(path)}` carry different "
-          f"layer axes ({_levels_words(found)} vs {_levels_words(these)}), so they are "
-          "not the layers of one stack and a per-layer Variable cannot follow them. "
-          "Fix: give the module's stacked Variables one layer axis (the class form "
-          "of one transform stacks them alike).")
+        f"{what}: `{format_path(first)}` and `{format_path(path)}` carry different "
+        f"layer axes ({_levels_words(found)} vs {_levels_words(these)}), so they are "
+        "not the layers of one stack and a per-layer Variable cannot follow them. "
+        "Fix: give the module's stacked Variables one layer axis (the class form "
+        "of one transform stacks them alike)."
+      )
   return found or ()
 
 
@@ -150,32 +152,34 @@ def per_layer(module: Module, variable: Variable) -> Variable:
   """
   if not isinstance(module, Module) or not isinstance(variable, Variable):
     raise TypeError(
-        "sr.per_layer(module, variable) takes a module and one layer's Variable, got "
-        f"{type(module).__name__} and {type(variable).__name__}. Fix: e.g. "
-        "`self.cache = sr.per_layer(self, sr.Cache(jnp.zeros(shape)))`.")
+      "sr.per_layer(module, variable) takes a module and one layer's Variable, got "
+      f"{type(module).__name__} and {type(variable).__name__}. Fix: e.g. "
+      "`self.cache = sr.per_layer(self, sr.Cache(jnp.zeros(shape)))`."
+    )
   path = path_of(module)
   where = f"`{format_path(path)}`" if path else f"a {type(module).__name__}"
   levels = layer_levels(module.iter_variables(), f"sr.per_layer on {where}")
   if not levels and is_stacked(module):
     raise TransformError(
-        f"sr.per_layer on {where}: it is a stack, but none of its Variables carries "
-        "the layer axis, so the number of layers is not known here. Fix: build the "
-        "stack with a length and rules that stack a Variable of it (e.g. "
-        "`variable_axes={sr.Param: 0}`), or make the Variable per layer by hand: "
-        "`sr.Cache(value, layer_axis=((0, None),))` with the layer axis in front.")
+      f"sr.per_layer on {where}: it is a stack, but none of its Variables carries "
+      "the layer axis, so the number of layers is not known here. Fix: build the "
+      "stack with a length and rules that stack a Variable of it (e.g. "
+      "`variable_axes={sr.Param: 0}`), or make the Variable per layer by hand: "
+      "`sr.Cache(value, layer_axis=((0, None),))` with the layer axis in front."
+    )
   if not levels:
     return variable
   if LAYER_AXIS in variable._metadata:
     raise TransformError(
-        f"sr.per_layer on {where}: the Variable given already carries a layer axis "
-        f"({variable._metadata[LAYER_AXIS]}), so it holds several layers' values. Fix: "
-        "pass one layer's Variable (without `layer_axis` metadata).")
+      f"sr.per_layer on {where}: the Variable given already carries a layer axis "
+      f"({variable._metadata[LAYER_AXIS]}), so it holds several layers' values. Fix: "
+      "pass one layer's Variable (without `layer_axis` metadata)."
+    )
   lead = tuple(n for n, _ in levels)
   metadata = dict(variable._metadata)
   for _, name in reversed(levels):
     metadata = mark(metadata, 0, name)
-  value = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + jnp.shape(x)),
-                       variable._value)
+  value = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + jnp.shape(x)), variable._value)
   return type(variable)(value, **metadata)
 
 
@@ -191,8 +195,11 @@ def partition_name(cls: type) -> str | None:
 def stacked_variables(stack) -> list[tuple[tuple, Variable, int, str | None]]:
   """``(path, variable, axis, name)`` of each Variable of ``stack`` with a layer axis."""
   graphdef, variables = flatten([stack])
-  return [(path, var, *layer_axis(var)) for path, var in zip(graphdef.var_paths, variables)
-          if layer_axis(var) is not None]
+  return [
+    (path, var, *layer_axis(var))
+    for path, var in zip(graphdef.var_paths, variables)
+    if layer_axis(var) is not None
+  ]
 
 
 def num_layers(stack) -> int:
@@ -213,8 +220,11 @@ def _count(stack, variables, axes) -> int:
 def layer_graphdef(graphdef, metadata=unmark_frozen):
   """The GraphDef of one layer: each stacked root its layer class, each Variable's
   metadata mapped by ``metadata(i, frozen)`` (default: its layer axis removed)."""
-  classes = {j: root[1]._sr_layer_class for j, root in enumerate(graphdef.tree)
-             if isinstance(root[1], type) and "_sr_layer_class" in root[1].__dict__}
+  classes = {
+    j: root[1]._sr_layer_class
+    for j, root in enumerate(graphdef.tree)
+    if isinstance(root[1], type) and "_sr_layer_class" in root[1].__dict__
+  }
   return rewrite(graphdef, root_classes=classes, metadata=metadata)
 
 
@@ -233,12 +243,14 @@ def layer(stack, i: int):
   if not -n <= i < n:
     raise IndexError(f"layer {i} of a stack of {n} layers: use 0..{n - 1} (or -{n}..-1).")
   i %= n
-  values = [v._value if a is None else jnp.take(v._value, i, axis=a[0])
-            for v, a in zip(variables, axes)]
+  values = [
+    v._value if a is None else jnp.take(v._value, i, axis=a[0]) for v, a in zip(variables, axes)
+  ]
   roots, _ = unflatten(layer_graphdef(graphdef), values)
   roots[0].__dict__["_sr_stacked_from"] = type(stack)
   roots[0].__dict__["_sr_stacked_paths"] = {
-      p: a for p, a in zip(graphdef.var_paths, axes) if a is not None}
+    p: a for p, a in zip(graphdef.var_paths, axes) if a is not None
+  }
   # The RNG streams the layers share are split when the stack runs; the class's hook
   # gives this copy the keys layer i draws there (and says what the stack held).
   seed = getattr(type(stack), "_sr_layer_rngs", None)
@@ -247,7 +259,8 @@ def layer(stack, i: int):
   period, position = getattr(type(stack), "_sr_index_map", None) or (1, 0)
   before = seed(roots[0], i * period + position, shared) if seed is not None else {}
   roots[0].__dict__["_sr_stream_origins"] = {
-      graphdef.var_paths[j]: value for j, value in before.items()}
+    graphdef.var_paths[j]: value for j, value in before.items()
+  }
   return roots[0]
 
 
@@ -263,8 +276,9 @@ def unstack(stack) -> list:
     return [stack.layer(i) for i in range(len(stack))]
   if not is_stacked(stack):
     raise TypeError(
-        f"sr.unstack takes a stacked module (built by the class form of sr.scan, "
-        f"sr.remat_scan or sr.vmap), got {type(stack).__name__}.")
+      f"sr.unstack takes a stacked module (built by the class form of sr.scan, "
+      f"sr.remat_scan or sr.vmap), got {type(stack).__name__}."
+    )
   return [layer(stack, i) for i in range(num_layers(stack))]
 
 

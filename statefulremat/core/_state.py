@@ -9,8 +9,8 @@ keys: ``("layers", 0, "kernel")``. Indexing walks them: ``state["layers"][0]["ke
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 
@@ -110,8 +110,7 @@ class _Spec:
 
   def __eq__(self, other):
     return isinstance(other, _Spec) and (
-        self.paths == other.paths and self.kinds == other.kinds
-        and self.metas == other.metas
+      self.paths == other.paths and self.kinds == other.kinds and self.metas == other.metas
     )
 
   def __hash__(self):
@@ -149,8 +148,9 @@ class State(Mapping):
     kinds = kinds or {}
     paths = tuple(flat)
     self._values = tuple(flat.values())
-    self._spec = _Spec(paths, tuple(kinds.get(p, Variable) for p in paths),
-                       tuple(() for _ in paths))
+    self._spec = _Spec(
+      paths, tuple(kinds.get(p, Variable) for p in paths), tuple(() for _ in paths)
+    )
 
   @classmethod
   def _make(cls, spec: _Spec, values) -> State:
@@ -197,17 +197,15 @@ class State(Mapping):
     """
     trace = None
     return {
-        p: bare_variable(k, v, thaw_metadata(m), trace)
-        for p, k, v, m in zip(self._spec.paths, self._spec.kinds, self._values,
-                              self._spec.metas)
+      p: bare_variable(k, v, thaw_metadata(m), trace)
+      for p, k, v, m in zip(self._spec.paths, self._spec.kinds, self._values, self._spec.metas)
     }
 
   def __getitem__(self, key):
     paths = self._spec.paths
     picked = [i for i, p in enumerate(paths) if p and p[0] == key]
     if not picked:
-      raise KeyError(
-          f"{key!r} is not in this State; its top-level keys are {list(self)}")
+      raise KeyError(f"{key!r} is not in this State; its top-level keys are {list(self)}")
     if len(picked) == 1 and len(paths[picked[0]]) == 1:
       return self._values[picked[0]]
     return self._select(picked, strip=1)
@@ -224,9 +222,13 @@ class State(Mapping):
   def _select(self, indices, strip: int = 0) -> State:
     s = self._spec
     return State._make(
-        _Spec(tuple(s.paths[i][strip:] for i in indices),
-              tuple(s.kinds[i] for i in indices), tuple(s.metas[i] for i in indices)),
-        [self._values[i] for i in indices])
+      _Spec(
+        tuple(s.paths[i][strip:] for i in indices),
+        tuple(s.kinds[i] for i in indices),
+        tuple(s.metas[i] for i in indices),
+      ),
+      [self._values[i] for i in indices],
+    )
 
   # -- filtering and merging -------------------------------------------------
 
@@ -247,8 +249,7 @@ class State(Mapping):
     out = []
     for f in filters:
       pred = to_predicate(f)
-      out.append(self._select(
-          [i for i, (p, v) in enumerate(variables.items()) if pred(p, v)]))
+      out.append(self._select([i for i, (p, v) in enumerate(variables.items()) if pred(p, v)]))
     return out[0] if len(out) == 1 else tuple(out)
 
   def split(self, *filters: Filter) -> tuple[State, ...]:
@@ -300,8 +301,8 @@ class State(Mapping):
 
   def _plain_repr(self) -> str:
     lines = [
-        f"  {format_path(p)}: {k.__name__}({_display_hooks.value_summary(v)})"
-        for p, k, v in zip(self._spec.paths, self._spec.kinds, self._values)
+      f"  {format_path(p)}: {k.__name__}({_display_hooks.value_summary(v)})"
+      for p, k, v in zip(self._spec.paths, self._spec.kinds, self._values)
     ]
     return "State({\n" + "\n".join(lines) + "\n})" if lines else "State({})"
 
@@ -336,17 +337,17 @@ def partition(items: list[tuple[tuple, Variable]], filters) -> list[list[int]]:
         break
     else:
       raise StateMismatchError(
-          f"the variable `{format_path(path)}` ({type(var).__name__}, collection "
-          f"{var.collection!r}) matches none of the filters {filters!r}. Every variable "
-          "must land in exactly one State: add a filter for it, or end the filters "
-          "with `...` to collect the rest."
+        f"the variable `{format_path(path)}` ({type(var).__name__}, collection "
+        f"{var.collection!r}) matches none of the filters {filters!r}. Every variable "
+        "must land in exactly one State: add a filter for it, or end the filters "
+        "with `...` to collect the rest."
       )
   return groups
 
 
 jax.tree_util.register_pytree_with_keys(
-    State,
-    lambda s: ([(_PathKey(p), v) for p, v in zip(s._spec.paths, s._values)], s._spec),
-    lambda spec, values: State._make(spec, values),
-    flatten_func=lambda s: (s._values, s._spec),
+  State,
+  lambda s: ([(_PathKey(p), v) for p, v in zip(s._spec.paths, s._values)], s._spec),
+  lambda spec, values: State._make(spec, values),
+  flatten_func=lambda s: (s._values, s._spec),
 )

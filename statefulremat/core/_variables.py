@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import jax
 import numpy as np
+
 from . import _display_hooks
 from ._errors import TraceContextError, format_path, refuse_hash
 from ._tracing import contains_tracer as _contains_tracer
@@ -44,12 +45,12 @@ def _closure_read(var) -> None:
   name = type(root).__name__ if root is not None else ""
   of = f" of {'an' if name[:1] in 'AEIOU' else 'a'} {name}" if name else ""
   raise TraceContextError(
-      f"{_guard.what} read `{var.path_str()}` ({type(var).__name__}){of} that it was "
-      "not given as an argument: a module reached by closure. Its value would be "
-      "baked into the traced function as a constant and go stale when the module "
-      "changes (e.g. after `opt.update`), and no write to it could come back. Fix: "
-      "pass the module as an argument (`step(model, x)` instead of a function that "
-      "closes over `model`)."
+    f"{_guard.what} read `{var.path_str()}` ({type(var).__name__}){of} that it was "
+    "not given as an argument: a module reached by closure. Its value would be "
+    "baked into the traced function as a constant and go stale when the module "
+    "changes (e.g. after `opt.update`), and no write to it could come back. Fix: "
+    "pass the module as an argument (`step(model, x)` instead of a function that "
+    "closes over `model`)."
   )
 
 
@@ -112,8 +113,8 @@ class Variable:
   def __init__(self, value: Any, **metadata: Any):
     if isinstance(value, Variable):
       raise TypeError(
-          f"{type(self).__name__}(...) got a {type(value).__name__} as its value; a "
-          "Variable holds arrays, not other Variables. Pass `other.value` instead."
+        f"{type(self).__name__}(...) got a {type(value).__name__} as its value; a "
+        "Variable holds arrays, not other Variables. Pass `other.value` instead."
       )
     self._trace = current_trace()
     self._owner = None
@@ -134,18 +135,18 @@ class Variable:
   def value(self, new: Any):
     if isinstance(new, Variable):
       raise TypeError(
-          f"cannot assign a {type(new).__name__} to `{self.path_str()}.value`; assign "
-          "its array: `var.value = other.value`."
+        f"cannot assign a {type(new).__name__} to `{self.path_str()}.value`; assign "
+        "its array: `var.value = other.value`."
       )
     if _contains_tracer(new) and self._trace != current_trace():
       raise TraceContextError(
-          f"a traced value was assigned to `{self.path_str()}` "
-          f"({type(self).__name__}) from inside a JAX transform that does not own it "
-          "(e.g. a plain `jax.jit`, `jax.grad` or `jax.vmap` whose function closes over "
-          "the module, or gets the Variable as a plain argument). The tracer would leak "
-          "out of its trace, so the old value is kept. Fix: pass the module as an "
-          "argument to `sr.jit` / `sr.grad` / `sr.vmap` (or sr.scan/sr.remat) instead "
-          "of closing over it."
+        f"a traced value was assigned to `{self.path_str()}` "
+        f"({type(self).__name__}) from inside a JAX transform that does not own it "
+        "(e.g. a plain `jax.jit`, `jax.grad` or `jax.vmap` whose function closes over "
+        "the module, or gets the Variable as a plain argument). The tracer would leak "
+        "out of its trace, so the old value is kept. Fix: pass the module as an "
+        "argument to `sr.jit` / `sr.grad` / `sr.vmap` (or sr.scan/sr.remat) instead "
+        "of closing over it."
       )
     self._value = new
 
@@ -193,7 +194,7 @@ class Variable:
       return object.__getattribute__(self, "_metadata")[name]
     except (KeyError, AttributeError):
       raise AttributeError(
-          f"{type(self).__name__} has no attribute or metadata entry {name!r}"
+        f"{type(self).__name__} has no attribute or metadata entry {name!r}"
       ) from None
 
   def replace(self, value: Any) -> Variable:
@@ -299,17 +300,28 @@ def _binary(op):
 
 
 for _name, _op in [
-    ("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
-    ("truediv", operator.truediv), ("floordiv", operator.floordiv),
-    ("mod", operator.mod), ("pow", operator.pow), ("matmul", operator.matmul),
-    ("and", operator.and_), ("or", operator.or_), ("xor", operator.xor),
+  ("add", operator.add),
+  ("sub", operator.sub),
+  ("mul", operator.mul),
+  ("truediv", operator.truediv),
+  ("floordiv", operator.floordiv),
+  ("mod", operator.mod),
+  ("pow", operator.pow),
+  ("matmul", operator.matmul),
+  ("and", operator.and_),
+  ("or", operator.or_),
+  ("xor", operator.xor),
 ]:
   _fwd, _bwd, _inplace = _binary(_op)
   setattr(Variable, f"__{_name}__", _fwd)
   setattr(Variable, f"__r{_name}__", _bwd)
   setattr(Variable, f"__i{_name}__", _inplace)
-for _name, _op in [("lt", operator.lt), ("le", operator.le), ("gt", operator.gt),
-                   ("ge", operator.ge)]:
+for _name, _op in [
+  ("lt", operator.lt),
+  ("le", operator.le),
+  ("gt", operator.gt),
+  ("ge", operator.ge),
+]:
   setattr(Variable, f"__{_name}__", _binary(_op)[0])
 Variable.__neg__ = lambda self: -self.value
 Variable.__pos__ = lambda self: +self.value
@@ -352,11 +364,10 @@ def _register_pytree(cls) -> None:
     return bare_variable(cls, children[0], dict(aux.metadata), _DETACHED)
 
   jax.tree_util.register_pytree_with_keys(
-      cls,
-      lambda v: (((jax.tree_util.GetAttrKey("value"), v._value),),
-                 _MetadataAux(v._metadata)),
-      unflatten,
-      flatten_func=lambda v: ((v._value,), _MetadataAux(v._metadata)),
+    cls,
+    lambda v: (((jax.tree_util.GetAttrKey("value"), v._value),), _MetadataAux(v._metadata)),
+    unflatten,
+    flatten_func=lambda v: ((v._value,), _MetadataAux(v._metadata)),
   )
 
 

@@ -44,12 +44,15 @@ def stacked_arrays(value, path):
   summary = f"{value.axes_text()} {stats}".strip()
   label = rp.abbreviation_color(rp.text(f"<{summary}"))
   node = rp.build_custom_foldable_tree_node(
-      label=label,
-      contents=rp.siblings(
-          rp.fold_condition(expanded=rp.indented_children([figure.treescope_part])),
-          rp.abbreviation_color(rp.text(">"))),
-      # Open: the figure shows as soon as its Variable is (a click), not a click later.
-      path=path, expand_state=rp.ExpandState.EXPANDED)
+    label=label,
+    contents=rp.siblings(
+      rp.fold_condition(expanded=rp.indented_children([figure.treescope_part])),
+      rp.abbreviation_color(rp.text(">")),
+    ),
+    # Open: the figure shows as soon as its Variable is (a click), not a click later.
+    path=path,
+    expand_state=rp.ExpandState.EXPANDED,
+  )
   return treescope.VisualizationFromTreescopePart(node)
 
 
@@ -73,8 +76,11 @@ def layer_slider_figure(value):
   if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
     return None
   dtype = np.dtype(array.dtype)
-  drawable = (dtype_util.is_integer_dtype(dtype) or dtype_util.is_floating_dtype(dtype)
-              or np.issubdtype(dtype, np.bool_))
+  drawable = (
+    dtype_util.is_integer_dtype(dtype)
+    or dtype_util.is_floating_dtype(dtype)
+    or np.issubdtype(dtype, np.bool_)
+  )
   if not drawable or np.size(array) <= 1:
     return None
   shape = np.shape(array)
@@ -86,7 +92,7 @@ def layer_slider_figure(value):
   for axis, (size, keep) in enumerate(zip(shape, kept)):
     if keep >= size:
       continue
-    index = np.r_[0:keep // 2, size - keep // 2:size]
+    index = np.r_[0 : keep // 2, size - keep // 2 : size]
     data = data.take(index, axis=axis)
     key = value.names[axis] if value.names[axis] is not None else axis
     what = value.names[axis] or f"axis {axis}"
@@ -94,8 +100,9 @@ def layer_slider_figure(value):
     item_labels[key] = [str(i) for i in index]
   cut = LayeredArray(np.asarray(data), value.axis, value.name)
   cut.names = value.names
-  return treescope.render_array(cut, sliders=[value.axis], axis_labels=labels or None,
-                                axis_item_labels=item_labels or None)
+  return treescope.render_array(
+    cut, sliders=[value.axis], axis_labels=labels or None, axis_item_labels=item_labels or None
+  )
 
 
 def _kept_per_axis(shape, layer_axis: int, budget: int) -> list[int]:
@@ -125,8 +132,9 @@ def autovisualizer(arrays: str):
   """The autovisualizer for ``arrays``: "stacked", "all" or "none"."""
   if arrays not in _ARRAYS:
     raise ValueError(
-        f"sr.display(..., arrays={arrays!r}): say which arrays to draw as figures, "
-        f"one of {', '.join(map(repr, _ARRAYS))}.")
+      f"sr.display(..., arrays={arrays!r}): say which arrays to draw as figures, "
+      f"one of {', '.join(map(repr, _ARRAYS))}."
+    )
   if arrays == "stacked":
     return stacked_arrays
   if arrays == "all":

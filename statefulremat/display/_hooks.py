@@ -12,8 +12,7 @@ from ..core._module import Module
 from ..core._state import State
 from ..core._variables import Variable
 from ._repr import module_repr, value_summary, variable_repr
-from ._treescope import (render_graphdef, render_module, render_state, render_variable,
-                         text_repr)
+from ._treescope import render_graphdef, render_module, render_state, render_variable, text_repr
 
 
 def _graphdef_text(graphdef) -> str:
@@ -21,10 +20,18 @@ def _graphdef_text(graphdef) -> str:
 
 
 # Without treescope's output (a value that refuses to print), each kind's plain text.
-_PLAIN = ((Module, module_repr), (Variable, variable_repr), (State, State._plain_repr),
-          (GraphDef, _graphdef_text))
-_RENDER = ((Module, render_module), (Variable, render_variable), (State, render_state),
-           (GraphDef, render_graphdef))
+_PLAIN = (
+  (Module, module_repr),
+  (Variable, variable_repr),
+  (State, State._plain_repr),
+  (GraphDef, _graphdef_text),
+)
+_RENDER = (
+  (Module, render_module),
+  (Variable, render_variable),
+  (State, render_state),
+  (GraphDef, render_graphdef),
+)
 
 
 def _text(obj) -> str:

@@ -74,8 +74,10 @@ def position_text(position) -> str | None:
   if n is None:
     return None
   p, k = index
-  return (f"position {k} of {p}: {name}, {n} layer{'s' * (n != 1)} "
-          f"({layer_numbers(range(k, k + p * n, p))})")
+  return (
+    f"position {k} of {p}: {name}, {n} layer{'s' * (n != 1)} "
+    f"({layer_numbers(range(k, k + p * n, p))})"
+  )
 
 
 def _position_counts(stack) -> list[int] | None:
@@ -176,8 +178,7 @@ def settings_at_defaults(module, attributes: dict[str, Any] | None = None) -> li
     if isinstance(value, (Module, Variable)):
       continue
     default = defaults.get(name, None)
-    if (value is None and default is None) or (
-        name in defaults and same_setting(value, default)):
+    if (value is None and default is None) or (name in defaults and same_setting(value, default)):
       hidden.append(name)
   return hidden
 
@@ -211,16 +212,17 @@ def same_setting(value, default) -> bool:
     except TypeError:  # a string that names no dtype
       return False
   if isinstance(value, functools.partial) and isinstance(default, functools.partial):
-    return (same_setting(value.func, default.func)
-            and _same_items(value.args, default.args)
-            and _same_items(value.keywords, default.keywords))
+    return (
+      same_setting(value.func, default.func)
+      and _same_items(value.args, default.args)
+      and _same_items(value.keywords, default.keywords)
+    )
   if isinstance(value, types.MethodType) and isinstance(default, types.MethodType):
     return value.__func__ is default.__func__ and value.__self__ is default.__self__
   if callable(value) or callable(default):
     return False  # functions and classes: only the same object is the same
   if type(value) is not type(default):
-    if isinstance(value, tuple) and len(value) == 1 and not isinstance(
-        default, (tuple, list, str)):
+    if isinstance(value, tuple) and len(value) == 1 and not isinstance(default, (tuple, list, str)):
       return same_setting(value[0], default)  # an axis -1 kept as (-1,)
     return _is_empty(value) and _is_empty(default)  # {} kept as ()
   return _equal(value, default)
@@ -228,8 +230,7 @@ def same_setting(value, default) -> bool:
 
 def _same_items(a, b) -> bool:
   if isinstance(a, dict):
-    return (isinstance(b, dict) and a.keys() == b.keys()
-            and all(same_setting(a[k], b[k]) for k in a))
+    return isinstance(b, dict) and a.keys() == b.keys() and all(same_setting(a[k], b[k]) for k in a)
   return len(a) == len(b) and all(same_setting(x, y) for x, y in zip(a, b))
 
 
@@ -246,8 +247,11 @@ def _is_array(x) -> bool:
 
 
 def _same_array(a, b) -> bool:
-  if not (_is_array(a) and _is_array(b)) or isinstance(a, jax.core.Tracer) or isinstance(
-      b, jax.core.Tracer):
+  if (
+    not (_is_array(a) and _is_array(b))
+    or isinstance(a, jax.core.Tracer)
+    or isinstance(b, jax.core.Tracer)
+  ):
     return False
   if np.shape(a) != np.shape(b) or np.dtype(a.dtype) != np.dtype(b.dtype):
     return False
@@ -267,8 +271,11 @@ def _is_dtype(x) -> bool:
 
 
 def _is_empty(x) -> bool:
-  return (isinstance(x, (collections.abc.Sequence, collections.abc.Mapping))
-          and not isinstance(x, (str, bytes)) and len(x) == 0)
+  return (
+    isinstance(x, (collections.abc.Sequence, collections.abc.Mapping))
+    and not isinstance(x, (str, bytes))
+    and len(x) == 0
+  )
 
 
 def module_repr(module, indent: int = 0, seen=None) -> str:
@@ -292,7 +299,7 @@ def module_repr(module, indent: int = 0, seen=None) -> str:
       return f"{open_}\n{inner}\n{'  ' * (depth + 1)}{close}"
     if isinstance(value, dict) and value:
       inner = ",\n".join(
-          f"{'  ' * (depth + 2)}{k!r}: {show(v, depth + 1)}" for k, v in value.items()
+        f"{'  ' * (depth + 2)}{k!r}: {show(v, depth + 1)}" for k, v in value.items()
       )
       return f"{{\n{inner}\n{'  ' * (depth + 1)}}}"
     return static_repr(value)

@@ -19,9 +19,9 @@ import dataclasses
 
 from ..core._errors import format_path
 from ..core._module import Module
+from ._repr import pattern_text, position_text
 from ._summary_norms import LayerNorms as LayerNorms
 from ._summary_norms import Norms, columns, norm_text
-from ._repr import pattern_text, position_text
 from ._summary_outputs import _at, trace_outputs
 from ._summary_walk import ModuleEntry, describe
 
@@ -113,9 +113,15 @@ class Summary:
   (8, ('float32[5,2]',))
   """
 
-  def __init__(self, rows: list[SummaryRow], collections: list[str], total_params: int,
-               total_bytes: dict[str, int], layer_norms: list[LayerNorms] | None = None,
-               norms: dict[str, float] | None = None):
+  def __init__(
+    self,
+    rows: list[SummaryRow],
+    collections: list[str],
+    total_params: int,
+    total_bytes: dict[str, int],
+    layer_norms: list[LayerNorms] | None = None,
+    norms: dict[str, float] | None = None,
+  ):
     self.rows, self.collections = rows, collections
     self.total_params, self.total_bytes = total_params, total_bytes
     self.layer_norms = list(layer_norms or [])
@@ -151,17 +157,40 @@ class Summary:
     """
     with_norms = any(r.grad_norm is not None for r in self.rows)
     norm_header = ["params norm", "grads norm"] if with_norms else []
-    header = ["path", "class", "params", *(f"{c} bytes" for c in self.collections),
-              *norm_header, "output"]
-    body = [[r.path_text, r.class_name, r.params_text(),
-             *(_bytes_text(r.bytes.get(c, 0)) or "-" for c in self.collections),
-             *([norm_text(r.param_norm), norm_text(r.grad_norm)] if with_norms else []),
-             r.outputs_text()]
-            for r in self.rows]
-    total = ["Total", "", f"{self.total_params:,}",
-             *(_bytes_text(self.total_bytes.get(c, 0)) for c in self.collections),
-             *([norm_text(self._norms.get("params/norm/total")),
-                norm_text(self._norms.get("grad/norm/total"))] if with_norms else []), ""]
+    header = [
+      "path",
+      "class",
+      "params",
+      *(f"{c} bytes" for c in self.collections),
+      *norm_header,
+      "output",
+    ]
+    body = [
+      [
+        r.path_text,
+        r.class_name,
+        r.params_text(),
+        *(_bytes_text(r.bytes.get(c, 0)) or "-" for c in self.collections),
+        *([norm_text(r.param_norm), norm_text(r.grad_norm)] if with_norms else []),
+        r.outputs_text(),
+      ]
+      for r in self.rows
+    ]
+    total = [
+      "Total",
+      "",
+      f"{self.total_params:,}",
+      *(_bytes_text(self.total_bytes.get(c, 0)) for c in self.collections),
+      *(
+        [
+          norm_text(self._norms.get("params/norm/total")),
+          norm_text(self._norms.get("grad/norm/total")),
+        ]
+        if with_norms
+        else []
+      ),
+      "",
+    ]
     numeric = set(range(2, len(header) - 1))
     lines = columns([header, *body, total], numeric)
     rule = "-" * max(map(len, lines))
@@ -170,11 +199,18 @@ class Summary:
       if row.pattern is None:
         continue
       # The cycle once: each position's stack, and the layers of the whole it holds.
-      below = [r for r in self.rows if r.position is not None and len(r.path) == len(
-          row.path) + 2 and r.path[:len(row.path)] == row.path]
-      out += ["", f"{row.path_text}: {row.class_name}, {row.pattern}",
-              *("  " + line for line in columns(
-                  [[r.path_text, r.position] for r in below], set()))]
+      below = [
+        r
+        for r in self.rows
+        if r.position is not None
+        and len(r.path) == len(row.path) + 2
+        and r.path[: len(row.path)] == row.path
+      ]
+      out += [
+        "",
+        f"{row.path_text}: {row.class_name}, {row.pattern}",
+        *("  " + line for line in columns([[r.path_text, r.position] for r in below], set())),
+      ]
     for stack in self.layer_norms:
       out += ["", *stack.lines()]
     return out
@@ -190,14 +226,16 @@ class Summary:
 
     lines = self.lines()
     return rendering_parts.build_foldable_tree_node_from_children(
-        prefix=rendering_parts.text(
-            f"Summary(  # {self.total_params:,} params, {len(self.rows)} modules"),
-        children=[rendering_parts.text(line) for line in lines],
-        suffix=rendering_parts.text(")"), path=path)
+      prefix=rendering_parts.text(
+        f"Summary(  # {self.total_params:,} params, {len(self.rows)} modules"
+      ),
+      children=[rendering_parts.text(line) for line in lines],
+      suffix=rendering_parts.text(")"),
+      path=path,
+    )
 
 
-def summary(model, *example_inputs, method: str = "__call__", grads=None,
-            **kwargs) -> Summary:
+def summary(model, *example_inputs, method: str = "__call__", grads=None, **kwargs) -> Summary:
   """A table of ``model``'s modules: class, parameter count, bytes per collection and
   the output shapes of a call on ``example_inputs`` (arrays or ``jax.ShapeDtypeStruct``);
   for each stack, the L2 norm of each layer's parameters.
@@ -266,30 +304,39 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None,
   """
   if not isinstance(model, Module):
     raise TypeError(
-        f"sr.summary takes a module, got {type(model).__name__}. Fix: pass the model "
-        "first, then example inputs: `sr.summary(model, x)`.")
+      f"sr.summary takes a module, got {type(model).__name__}. Fix: pass the model "
+      "first, then example inputs: `sr.summary(model, x)`."
+    )
   if example_inputs or kwargs:
     if not callable(getattr(model, method, None)):
       raise AttributeError(
-          f"sr.summary(..., method={method!r}): {type(model).__name__} has no method "
-          f"{method!r}. Fix: name a method the class defines (default `__call__`).")
+        f"sr.summary(..., method={method!r}): {type(model).__name__} has no method "
+        f"{method!r}. Fix: name a method the class defines (default `__call__`)."
+      )
   description = describe(model)
   modules = {m.path: _at(model, m.path) for m in description.modules}
-  outputs = trace_outputs(model, description, example_inputs, method, kwargs) if (
-      example_inputs or kwargs) else {}
+  outputs = (
+    trace_outputs(model, description, example_inputs, method, kwargs)
+    if (example_inputs or kwargs)
+    else {}
+  )
   norms = Norms(description, grads)
 
   variables = description.variables
-  collections = list(dict.fromkeys(
-      ["params"] * any(e.is_param for e in variables) + [e.collection for e in variables]))
-  rows = [_row(module, variables, outputs.get(module.path, ()), norms, modules[module.path])
-          for module in description.modules]
+  collections = list(
+    dict.fromkeys(
+      ["params"] * any(e.is_param for e in variables) + [e.collection for e in variables]
+    )
+  )
+  rows = [
+    _row(module, variables, outputs.get(module.path, ()), norms, modules[module.path])
+    for module in description.modules
+  ]
   total_bytes: dict[str, int] = {}
   for entry in variables:
     total_bytes[entry.collection] = total_bytes.get(entry.collection, 0) + entry.nbytes
   total_params = sum(e.size for e in variables if e.is_param)
-  return Summary(rows, collections, total_params, total_bytes, norms.layer_norms(),
-                 norms.flat())
+  return Summary(rows, collections, total_params, total_bytes, norms.layer_norms(), norms.flat())
 
 
 def _row(module: ModuleEntry, variables, outputs, norms: Norms, obj) -> SummaryRow:
@@ -312,16 +359,26 @@ def _row(module: ModuleEntry, variables, outputs, norms: Norms, obj) -> SummaryR
   pattern, position = pattern_text(obj), position_text(obj)
   if pattern is not None:
     n, per_layer, unstacked = len(obj), 0, 0
-  return SummaryRow(module.path, module.cls.__name__, params, sizes, n,
-                    per_layer if n > 1 else 0, unstacked if n > 1 else 0, tuple(outputs),
-                    norms.total(module.variables, norms.params),
-                    norms.total(module.variables, norms.grads), pattern, position)
+  return SummaryRow(
+    module.path,
+    module.cls.__name__,
+    params,
+    sizes,
+    n,
+    per_layer if n > 1 else 0,
+    unstacked if n > 1 else 0,
+    tuple(outputs),
+    norms.total(module.variables, norms.params),
+    norms.total(module.variables, norms.grads),
+    pattern,
+    position,
+  )
 
 
 def _bytes_text(n: int) -> str:
   if n == 0:
     return ""
-  for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
     if n >= scale:
       return f"{n / scale:.1f} {unit}"
   return f"{n} B"

@@ -51,10 +51,15 @@ class LayerNorms:
     layers = len(self.params)
     has_grads = self.grads is not None
     numbers = self.stack_layers if self.stack_layers is not None else range(layers)
-    of_stack = (f" ({layer_numbers(self.stack_layers)} of the pattern stack)"
-                if self.stack_layers is not None else "")
-    title = (f"{self.path_text}: {self.class_name}, {layers} layers{of_stack}, L2 norm "
-             f"of each layer's Params{' and gradients' if has_grads else ''}")
+    of_stack = (
+      f" ({layer_numbers(self.stack_layers)} of the pattern stack)"
+      if self.stack_layers is not None
+      else ""
+    )
+    title = (
+      f"{self.path_text}: {self.class_name}, {layers} layers{of_stack}, L2 norm "
+      f"of each layer's Params{' and gradients' if has_grads else ''}"
+    )
     keep = set(range(layers))
     if layers > show:
       keep = {*range(8), *range(layers - 8, layers), int(np.nanargmax(self.params))}
@@ -65,8 +70,13 @@ class LayerNorms:
     for i in sorted(keep):
       if i > last + 1:
         body.append(["…", "", *([""] * has_grads)])
-      body.append([str(numbers[i]), norm_text(self.params[i]),
-                   *([norm_text(self.grads[i])] if has_grads else [])])
+      body.append(
+        [
+          str(numbers[i]),
+          norm_text(self.params[i]),
+          *([norm_text(self.grads[i])] if has_grads else []),
+        ]
+      )
       last = i
     if last < layers - 1:
       body.append(["…", "", *([""] * has_grads)])
@@ -86,16 +96,16 @@ class Norms:
     if all(_is_concrete(e.variable._value) for _, e in params):
       sums["p"] = {i: _squares(e.variable._value, e.layer_axis) for i, e in params}
     if by_path is not None and "p" in sums:
-      sums["g"] = {i: _squares(by_path[e.path], e.layer_axis)
-                   for i, e in params if e.path in by_path}
+      sums["g"] = {
+        i: _squares(by_path[e.path], e.layer_axis) for i, e in params if e.path in by_path
+      }
     sums = jax.device_get(sums)
     self.params, self.grads = sums.get("p"), sums.get("g")
     # Innermost first: a Variable's stack is the longest stack path above it.
-    self.stacks = sorted((m.path for m in description.modules if m.is_stack), key=len,
-                         reverse=True)
+    self.stacks = sorted((m.path for m in description.modules if m.is_stack), key=len, reverse=True)
 
   def stack_of(self, path: tuple) -> tuple | None:
-    return next((s for s in self.stacks if path[:len(s)] == s), None)
+    return next((s for s in self.stacks if path[: len(s)] == s), None)
 
   @staticmethod
   def total(variables, sums) -> float | None:
@@ -124,8 +134,15 @@ class Norms:
       params = per_layer(self.params)
       # One position of a pattern stack: its layer i is layer k + i * P of the stack.
       p, k = module.cls.__dict__.get("_sr_index_map") or (1, 0)
-      out.append(LayerNorms(module.path, module.cls.__name__, params, grads,
-                            range(k, k + p * len(params), p) if p > 1 else None))
+      out.append(
+        LayerNorms(
+          module.path,
+          module.cls.__name__,
+          params,
+          grads,
+          range(k, k + p * len(params), p) if p > 1 else None,
+        )
+      )
     return out
 
   def flat(self) -> dict[str, float]:
@@ -142,10 +159,9 @@ class Norms:
           out[f"{prefix}/norm/{_dotted(path)}"] = float(np.sqrt(np.sum(value)))
           continue
         for n, sq in enumerate(value):
-          key = _dotted(path[:len(stack)] + (n,) + path[len(stack):])
+          key = _dotted(path[: len(stack)] + (n,) + path[len(stack) :])
           out[f"{prefix}/norm/{key}"] = float(np.sqrt(sq))
-      out[f"{prefix}/norm/total"] = float(np.sqrt(sum(float(np.sum(x))
-                                                      for x in sums.values())))
+      out[f"{prefix}/norm/total"] = float(np.sqrt(sum(float(np.sum(x)) for x in sums.values())))
     return out
 
 
@@ -154,22 +170,25 @@ def _grads_by_path(grads, params) -> dict[tuple, Any]:
   flat = getattr(grads, "flat", None)
   if not callable(flat):
     raise TypeError(
-        f"sr.summary(..., grads=...) takes the State sr.grad returns, got "
-        f"{type(grads).__name__}. Fix: `grads = sr.grad(loss)(model, x)`, then "
-        "`sr.summary(model, grads=grads)`.")
+      f"sr.summary(..., grads=...) takes the State sr.grad returns, got "
+      f"{type(grads).__name__}. Fix: `grads = sr.grad(loss)(model, x)`, then "
+      "`sr.summary(model, grads=grads)`."
+    )
   shapes = {e.path: np.shape(e.variable._value) for _, e in params}
   out = {}
   for path, g in flat().items():
     if path not in shapes:
       raise ValueError(
-          f"sr.summary(..., grads=...): `{format_path(path)}` is not a Param of this "
-          "model. Fix: pass the gradients of this model's Params, as "
-          "`sr.grad(loss)(model, x)` gives them.")
+        f"sr.summary(..., grads=...): `{format_path(path)}` is not a Param of this "
+        "model. Fix: pass the gradients of this model's Params, as "
+        "`sr.grad(loss)(model, x)` gives them."
+      )
     if np.shape(g) != shapes[path]:
       raise ValueError(
-          f"sr.summary(..., grads=...): the gradient at `{format_path(path)}` has shape "
-          f"{np.shape(g)}, the Param {shapes[path]}. Fix: pass the gradients of this "
-          "model, taken at its current structure.")
+        f"sr.summary(..., grads=...): the gradient at `{format_path(path)}` has shape "
+        f"{np.shape(g)}, the Param {shapes[path]}. Fix: pass the gradients of this "
+        "model, taken at its current structure."
+      )
     out[path] = g
   return out
 
@@ -195,11 +214,13 @@ def _dotted(path: tuple) -> str:
 def columns(table: list[list[str]], numeric: set[int]) -> list[str]:
   """Each row's cells padded to their column's width: numbers to the right."""
   widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-  return ["  ".join(c.rjust(w) if i in numeric else c.ljust(w)
-                    for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-          for cells in table]
+  return [
+    "  ".join(
+      c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    ).rstrip()
+    for cells in table
+  ]
 
 
 def norm_text(x) -> str:
   return "-" if x is None else f"{float(x):.4g}"
-

@@ -26,11 +26,11 @@ from ._summary_walk import Description
 _PATCH_LOCK = threading.Lock()  # one summary at a time wraps the classes' __call__
 
 
-def trace_outputs(model, description: Description, inputs, method,
-                  kwargs) -> dict[tuple, list[str]]:
+def trace_outputs(
+  model, description: Description, inputs, method, kwargs
+) -> dict[tuple, list[str]]:
   """Each module path's outputs, one shape text per call of ``method`` on ``inputs``."""
-  state = State.from_variables(zip(description.graphdef.var_paths,
-                                   description.graph_variables))
+  state = State.from_variables(zip(description.graphdef.var_paths, description.graph_variables))
   outputs: dict[tuple, list[str]] = {}
   running: list[tuple] = []  # paths of the module calls in progress
   row_paths: dict[int, tuple] = {}  # id(module of the traced copy) -> its row's path
@@ -118,8 +118,9 @@ def _shapes_text(tree) -> str:
 
   class Shape:
     def __init__(self, x):
-      self.text = f"{x.dtype}[{','.join(map(str, np.shape(x)))}]" if hasattr(
-          x, "dtype") else type(x).__name__
+      self.text = (
+        f"{x.dtype}[{','.join(map(str, np.shape(x)))}]" if hasattr(x, "dtype") else type(x).__name__
+      )
 
     def __repr__(self):
       return self.text

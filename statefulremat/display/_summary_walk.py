@@ -110,17 +110,29 @@ def describe(model) -> Description:
   in_order = [i for i in order if i in axes]
   position = {i: n for n, i in enumerate(in_order)}  # object number -> entry number
   variables = tuple(
-      VariableEntry(graph.paths[i], objects[i], _size(objects[i]._value),
-                    _nbytes(objects[i]._value), (axes[i] or (None,))[0], layers[i],
-                    graph.arrivals[i] > 1)
-      for i in in_order)
+    VariableEntry(
+      graph.paths[i],
+      objects[i],
+      _size(objects[i]._value),
+      _nbytes(objects[i]._value),
+      (axes[i] or (None,))[0],
+      layers[i],
+      graph.arrivals[i] > 1,
+    )
+    for i in in_order
+  )
   modules = tuple(
-      ModuleEntry(graph.paths[i], type(objects[i]), is_stacked(objects[i]),
-                  tuple(sorted(position[j] for j in reach[i] if j in position)),
-                  tuple(position[j] for j in sorted(reach[i])
-                        if j in position and axes[j] is not None),
-                  graph.arrivals[i] > 1)
-      for i in order if i in reach)
+    ModuleEntry(
+      graph.paths[i],
+      type(objects[i]),
+      is_stacked(objects[i]),
+      tuple(sorted(position[j] for j in reach[i] if j in position)),
+      tuple(position[j] for j in sorted(reach[i]) if j in position and axes[j] is not None),
+      graph.arrivals[i] > 1,
+    )
+    for i in order
+    if i in reach
+  )
   return Description(modules, variables, graphdef, tuple(graph_variables))
 
 

@@ -39,14 +39,12 @@ from ._treescope_arrays import ArraySummary, LayeredArray
 
 # id(module or variable) -> every path where one top-level render reaches it, the
 # first being where it is drawn.
-_FIRST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("sr_first",
-                                                                    default=None)
+_FIRST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("sr_first", default=None)
 
 
 # True while drawing a repr: Variables' arrays that would take several lines are
 # drawn as treescope's own one-line summary (what an expanded display folds them to).
-_COMPACT: contextvars.ContextVar[bool] = contextvars.ContextVar("sr_compact",
-                                                               default=False)
+_COMPACT: contextvars.ContextVar[bool] = contextvars.ContextVar("sr_compact", default=False)
 
 
 def compact_text(obj) -> str:
@@ -122,8 +120,9 @@ def _mark_shared(value, path: tuple, first: dict):
   if isinstance(value, (list, tuple, dict)):
     items = value.items() if isinstance(value, dict) else enumerate(value)
     marked = {k: _mark_shared(v, path + (k,), first) for k, v in items}
-    if all(marked[k] is v for k, v in (value.items() if isinstance(value, dict)
-                                       else enumerate(value))):
+    if all(
+      marked[k] is v for k, v in (value.items() if isinstance(value, dict) else enumerate(value))
+    ):
       return value  # nothing shared below: draw the user's own object
     if isinstance(value, dict):
       return type(value)(marked)
@@ -139,8 +138,11 @@ def _without_address(value):
 
   if isinstance(value, PartitionSpec):  # treescope's fallback adds `# <jax.P at 0x…>`
     return _Text(repr(value))
-  if (isinstance(value, (str, int, float, type(None)))
-      or hasattr(value, "__treescope_repr__") or " at 0x" not in repr(value)):
+  if (
+    isinstance(value, (str, int, float, type(None)))
+    or hasattr(value, "__treescope_repr__")
+    or " at 0x" not in repr(value)
+  ):
     return value
   if isinstance(value, type) or "<" not in getattr(value, "__qualname__", "<"):
     return value  # treescope names importable functions and classes by qualified name
@@ -181,12 +183,18 @@ def render_module(module, path, subtree_renderer):
     if comment and isinstance(shown.get("pattern"), tuple):
       shown["pattern"] = tuple(shown["pattern"])  # drawn as the tuple it is
     if _COMPACT.get():  # a repr: what differs from the defaults, laid out as it fits
-      rendering = _constructor(type(module), shown, {}, path, subtree_renderer,
-                               comment=comment)
+      rendering = _constructor(type(module), shown, {}, path, subtree_renderer, comment=comment)
     else:
       folded = {k: v for k, v in attributes.items() if k in at_defaults}
-      rendering = _constructor(type(module), shown, folded, path, subtree_renderer,
-                               plumbing=_is_rng_plumbing(module), comment=comment)
+      rendering = _constructor(
+        type(module),
+        shown,
+        folded,
+        path,
+        subtree_renderer,
+        plumbing=_is_rng_plumbing(module),
+        comment=comment,
+      )
     return _with_other_places(rendering, first.get(id(module), ()))
   finally:
     for var, token in reversed(tokens):
@@ -199,8 +207,15 @@ def _is_rng_plumbing(module) -> bool:
   return isinstance(module, (Rngs, RngStream))
 
 
-def _constructor(kind: type, shown: dict, folded: dict, path, subtree_renderer,
-                 plumbing: bool | None = None, comment: str | None = None):
+def _constructor(
+  kind: type,
+  shown: dict,
+  folded: dict,
+  path,
+  subtree_renderer,
+  plumbing: bool | None = None,
+  comment: str | None = None,
+):
   """``Kind(name=value, ...)`` as ``repr_lib.render_object_constructor`` draws it, and
   in treescope's foldable view (``plumbing`` not None) how it first shows:
 
@@ -221,25 +236,35 @@ def _constructor(kind: type, shown: dict, folded: dict, path, subtree_renderer,
   for i, (name, value) in enumerate(shown.items()):
     drawn = subtree_renderer(value, path=None if path is None else f"{path}.{name}")
     if plumbing and isinstance(value, (Module, Variable)):
-      drawn = rp.RenderableAndLineAnnotations(rp.fold_condition(
-          collapsed=rp.text("…"), expanded=drawn.renderable), drawn.annotations)
-    children.append(rp.build_full_line_with_annotations(
-        rp.siblings_with_annotations(f"{name}=", drawn),
-        _comma(last=i == len(shown) - 1)))
+      drawn = rp.RenderableAndLineAnnotations(
+        rp.fold_condition(collapsed=rp.text("…"), expanded=drawn.renderable), drawn.annotations
+      )
+    children.append(
+      rp.build_full_line_with_annotations(
+        rp.siblings_with_annotations(f"{name}=", drawn), _comma(last=i == len(shown) - 1)
+      )
+    )
   if folded:
     # Only in the open module: folded to one line, the module shows what differs.
-    children.append(rp.fold_condition(expanded=_defaults_group(
-        folded, path, subtree_renderer).renderable))
-  prefix = rp.siblings(rp.roundtrip_condition(roundtrip=rp.text("<")),
-                       rp.maybe_qualified_type_name(kind), "(")
+    children.append(
+      rp.fold_condition(expanded=_defaults_group(folded, path, subtree_renderer).renderable)
+    )
+  prefix = rp.siblings(
+    rp.roundtrip_condition(roundtrip=rp.text("<")), rp.maybe_qualified_type_name(kind), "("
+  )
   if comment:
-    prefix = rp.siblings(prefix, rp.fold_condition(
-        expanded=rp.comment_color(rp.text(f"  # {comment}"))))
+    prefix = rp.siblings(
+      prefix, rp.fold_condition(expanded=rp.comment_color(rp.text(f"  # {comment}")))
+    )
   suffix = rp.siblings(")", rp.roundtrip_condition(roundtrip=rp.text(">")))
-  state = {None: rp.ExpandState.WEAKLY_COLLAPSED, False: rp.ExpandState.EXPANDED,
-           True: rp.ExpandState.COLLAPSED}[plumbing]
+  state = {
+    None: rp.ExpandState.WEAKLY_COLLAPSED,
+    False: rp.ExpandState.EXPANDED,
+    True: rp.ExpandState.COLLAPSED,
+  }[plumbing]
   return rp.build_foldable_tree_node_from_children(
-      prefix=prefix, children=children, suffix=suffix, path=path, expand_state=state)
+    prefix=prefix, children=children, suffix=suffix, path=path, expand_state=state
+  )
 
 
 def _comma(last: bool):
@@ -257,16 +282,26 @@ def _defaults_group(folded: dict, path, subtree_renderer):
   names = ", ".join(folded)
   if len(names) > _NAMES_WIDTH:
     names = names[:_NAMES_WIDTH].rsplit(", ", 1)[0] + ", …"
-  label = rp.comment_color(rp.fold_condition(
+  label = rp.comment_color(
+    rp.fold_condition(
       collapsed=rp.text(f"# {len(folded)} at defaults: {names}"),
-      expanded=rp.text(f"# {len(folded)} at defaults:")))
-  lines = [rp.build_full_line_with_annotations(
-      rp.siblings_with_annotations(f"{name}=", subtree_renderer(
-          value, path=None if path is None else f"{path}.{name}")), rp.text(","))
-      for name, value in folded.items()]
+      expanded=rp.text(f"# {len(folded)} at defaults:"),
+    )
+  )
+  lines = [
+    rp.build_full_line_with_annotations(
+      rp.siblings_with_annotations(
+        f"{name}=", subtree_renderer(value, path=None if path is None else f"{path}.{name}")
+      ),
+      rp.text(","),
+    )
+    for name, value in folded.items()
+  ]
   return rp.build_custom_foldable_tree_node(
-      contents=rp.fold_condition(expanded=rp.indented_children(lines)), label=label,
-      expand_state=rp.ExpandState.COLLAPSED)
+    contents=rp.fold_condition(expanded=rp.indented_children(lines)),
+    label=label,
+    expand_state=rp.ExpandState.COLLAPSED,
+  )
 
 
 _NAMES_WIDTH = 60  # characters of names a folded defaults line lists
@@ -286,10 +321,12 @@ def render_variable(var, path, subtree_renderer):
   elif _is_tracer(value):  # treescope would add the tracer's default repr, an address
     value = _Text(repr(value))
   # The layer axis is drawn in the array's shape: not repeated as metadata.
-  attributes = {k: _without_address(v) for k, v in {"value": value, **var._metadata}.items()
-                if k != LAYER_AXIS}
+  attributes = {
+    k: _without_address(v) for k, v in {"value": value, **var._metadata}.items() if k != LAYER_AXIS
+  }
   rendering = repr_lib.render_object_constructor(
-      type(var), attributes, path, subtree_renderer, color=collection_color(type(var)))
+    type(var), attributes, path, subtree_renderer, color=collection_color(type(var))
+  )
   return _with_other_places(rendering, (_FIRST.get() or {}).get(id(var), ()))
 
 
@@ -300,11 +337,11 @@ def _with_other_places(rendering, paths):
   from treescope import rendering_parts
 
   others = ", ".join(format_path(p) if p else "the root" for p in paths[1:])
-  comment = rendering_parts.comment_color(
-      rendering_parts.text(f"  # shared: also at {others}"))
+  comment = rendering_parts.comment_color(rendering_parts.text(f"  # shared: also at {others}"))
   return rendering_parts.RenderableAndLineAnnotations(
-      renderable=rendering.renderable,
-      annotations=rendering_parts.siblings(comment, rendering.annotations))
+    renderable=rendering.renderable,
+    annotations=rendering_parts.siblings(comment, rendering.annotations),
+  )
 
 
 def render_state(state, path, subtree_renderer):
@@ -361,17 +398,23 @@ def render_graphdef(graphdef, path, subtree_renderer):
       return _Mapping(d[1], {k: skeleton(sub, where + (k,)) for k, sub in d[2]})
     return d[2]
 
-  roots = [skeleton(d, (i,) if len(graphdef.tree) > 1 else ())
-           for i, d in enumerate(graphdef.tree)]
+  roots = [skeleton(d, (i,) if len(graphdef.tree) > 1 else ()) for i, d in enumerate(graphdef.tree)]
   children = [
-      rendering_parts.build_full_line_with_annotations(
-          subtree_renderer(root), rendering_parts.fold_condition(
-              expanded=rendering_parts.text(","),
-              collapsed=rendering_parts.text(", " if i < len(roots) - 1 else "")))
-      for i, root in enumerate(roots)]
+    rendering_parts.build_full_line_with_annotations(
+      subtree_renderer(root),
+      rendering_parts.fold_condition(
+        expanded=rendering_parts.text(","),
+        collapsed=rendering_parts.text(", " if i < len(roots) - 1 else ""),
+      ),
+    )
+    for i, root in enumerate(roots)
+  ]
   return rendering_parts.build_foldable_tree_node_from_children(
-      prefix=rendering_parts.text(f"{type(graphdef).__name__}("),
-      children=children, suffix=rendering_parts.text(")"), path=path)
+    prefix=rendering_parts.text(f"{type(graphdef).__name__}("),
+    children=children,
+    suffix=rendering_parts.text(")"),
+    path=path,
+  )
 
 
 class _Skeleton:
@@ -383,8 +426,9 @@ class _Skeleton:
   def __treescope_repr__(self, path, subtree_renderer):
     from treescope import repr_lib
 
-    return repr_lib.render_object_constructor(self.kind, self.attributes, None,
-                                              subtree_renderer, color=self.color)
+    return repr_lib.render_object_constructor(
+      self.kind, self.attributes, None, subtree_renderer, color=self.color
+    )
 
 
 class _Sequence:
@@ -414,5 +458,4 @@ class _Mapping:
 
     if self.kind is dict:
       return subtree_renderer(self.items)
-    return repr_lib.render_dictionary_wrapper(self.kind, self.items, None,
-                                              subtree_renderer)
+    return repr_lib.render_dictionary_wrapper(self.kind, self.items, None, subtree_renderer)

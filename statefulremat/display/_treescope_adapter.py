@@ -15,7 +15,6 @@ class LayeredArrayAdapter(ndarray_adapters.NDArrayAdapter):
   def _inner(layered):
     return type_registries.lookup_ndarray_adapter(layered.array)
 
-
   # treescope calls these with keywords: the parameter names are its own.
 
   def get_axis_info_for_array_data(self, array):
@@ -29,7 +28,8 @@ class LayeredArrayAdapter(ndarray_adapters.NDArrayAdapter):
 
   def get_array_data_with_truncation(self, array, mask, edge_items_per_axis):
     return self._inner(array).get_array_data_with_truncation(
-        array=array.array, mask=mask, edge_items_per_axis=edge_items_per_axis)
+      array=array.array, mask=mask, edge_items_per_axis=edge_items_per_axis
+    )
 
   def get_array_summary(self, array, fast):
     return array.axes_text()

@@ -11,7 +11,8 @@ names to mesh axes with flax-style rules (``[("mlp", "model"), ("embed", None)]`
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -57,8 +58,10 @@ def get_partition_spec(state) -> State:
   (P('embed', 'mlp'), P())
   """
   state = _as_state(state, "sr.get_partition_spec")
-  specs = [_spec_of(path, value, thaw_metadata(meta))
-           for path, value, meta in zip(state._spec.paths, state._values, state._spec.metas)]
+  specs = [
+    _spec_of(path, value, thaw_metadata(meta))
+    for path, value, meta in zip(state._spec.paths, state._values, state._spec.metas)
+  ]
   return State._make(state._spec, specs)
 
 
@@ -77,8 +80,9 @@ def logical_to_mesh(specs, rules: Rules):
   P(None, None, 'model')
   """
   rules = _check_rules(rules)
-  return jax.tree.map(lambda spec: _to_mesh(spec, rules), specs,
-                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return jax.tree.map(
+    lambda spec: _to_mesh(spec, rules), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+  )
 
 
 def shard(model, mesh: jax.sharding.Mesh, rules: Rules = ()) -> State:
@@ -100,17 +104,19 @@ def shard(model, mesh: jax.sharding.Mesh, rules: Rules = ()) -> State:
   >>> shardings["kernel"].spec, layer.kernel.value.sharding == shardings["kernel"]
   (P(None, 'model'), True)
   """
-  from ..core._split_merge import update
   from ..core._module import Module
+  from ..core._split_merge import update
 
   if not isinstance(model, Module):
     raise TypeError(
-        f"sr.shard places a module's arrays; got {type(model).__name__}. Fix: pass the "
-        "model (for a State of specs, use sr.get_partition_spec and sr.logical_to_mesh).")
+      f"sr.shard places a module's arrays; got {type(model).__name__}. Fix: pass the "
+      "model (for a State of specs, use sr.get_partition_spec and sr.logical_to_mesh)."
+    )
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(
-        f"sr.shard(model, mesh, rules): mesh must be a jax.sharding.Mesh, got "
-        f"{type(mesh).__name__}. Fix: e.g. jax.make_mesh((2, 4), ('data', 'model')).")
+      f"sr.shard(model, mesh, rules): mesh must be a jax.sharding.Mesh, got "
+      f"{type(mesh).__name__}. Fix: e.g. jax.make_mesh((2, 4), ('data', 'model'))."
+    )
   state = _as_state(model, "sr.shard")
   specs = logical_to_mesh(get_partition_spec(state), rules)
   shardings = []
@@ -127,15 +133,17 @@ def shard(model, mesh: jax.sharding.Mesh, rules: Rules = ()) -> State:
 
 
 def _as_state(obj, fn: str) -> State:
-  from ..core._split_merge import state as state_of
   from ..core._module import Module
+  from ..core._split_merge import state as state_of
 
   if isinstance(obj, State):
     return obj
   if isinstance(obj, Module):
     return state_of(obj)
-  raise TypeError(f"{fn} takes a State or a module, got {type(obj).__name__}. Fix: pass "
-                  "`model` or `sr.state(model)`.")
+  raise TypeError(
+    f"{fn} takes a State or a module, got {type(obj).__name__}. Fix: pass "
+    "`model` or `sr.state(model)`."
+  )
 
 
 def _spec_of(path: tuple, value, metadata: dict) -> PartitionSpec:
@@ -150,19 +158,21 @@ def _spec_of(path: tuple, value, metadata: dict) -> PartitionSpec:
         entries[axis] = name
     return PartitionSpec(*entries) if any(entries) else PartitionSpec()
   layer = metadata.get(LAYER_AXIS, ((None, ""),))[0]
-  if layer[1] is None and isinstance(sharding, (tuple, list)) and (
-      len(sharding) == ndim - 1):
+  if layer[1] is None and isinstance(sharding, (tuple, list)) and (len(sharding) == ndim - 1):
     # A stack whose layer axis has no partition name: that axis is replicated.
-    sharding = (*sharding[:layer[0]], None, *sharding[layer[0]:])
+    sharding = (*sharding[: layer[0]], None, *sharding[layer[0] :])
   if not isinstance(sharding, (tuple, list)) or len(sharding) != ndim:
     hint = ""
     if isinstance(sharding, (tuple, list)) and len(sharding) == ndim - 1:
-      hint = (" It is one short: if this is a stacked variable, name the layer axis with "
-              "metadata_params={'partition_name': 'layers'} on its scan/remat_scan/vmap "
-              "(a name with no rule stays replicated).")
+      hint = (
+        " It is one short: if this is a stacked variable, name the layer axis with "
+        "metadata_params={'partition_name': 'layers'} on its scan/remat_scan/vmap "
+        "(a name with no rule stays replicated)."
+      )
     raise ShardingError(
-        f"`{format_path(path)}` has sharding={sharding!r} for an array of shape "
-        f"{tuple(np.shape(value))}: give one axis name (or None) per dimension.{hint}")
+      f"`{format_path(path)}` has sharding={sharding!r} for an array of shape "
+      f"{tuple(np.shape(value))}: give one axis name (or None) per dimension.{hint}"
+    )
   return PartitionSpec(*sharding)
 
 
@@ -171,8 +181,9 @@ def _check_rules(rules) -> list[tuple[str, tuple]]:
   for rule in rules:
     if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
       raise ShardingError(
-          f"logical_to_mesh: each rule is a (logical name, mesh axis) pair, got {rule!r}. "
-          "Fix: e.g. rules=[('batch', 'data'), ('mlp', 'model'), ('embed', None)].")
+        f"logical_to_mesh: each rule is a (logical name, mesh axis) pair, got {rule!r}. "
+        "Fix: e.g. rules=[('batch', 'data'), ('mlp', 'model'), ('embed', None)]."
+      )
     name, axes = rule
     axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
     checked.append((name, axes))
@@ -205,39 +216,49 @@ def _check_fits(path: tuple, value, spec: PartitionSpec, mesh) -> None:
     for axis in axes:
       if axis not in mesh.shape:
         raise ShardingError(
-            f"`{format_path(path)}`: its spec {spec} names mesh axis {axis!r}, but the "
-            f"mesh has {tuple(mesh.axis_names)}. Fix: map the logical name to one of "
-            "those in the rules.")
+          f"`{format_path(path)}`: its spec {spec} names mesh axis {axis!r}, but the "
+          f"mesh has {tuple(mesh.axis_names)}. Fix: map the logical name to one of "
+          "those in the rules."
+        )
       size *= mesh.shape[axis]
     if dim < len(shape) and shape[dim] % size:
       raise ShardingError(
-          f"`{format_path(path)}`: dimension {dim} (size {shape[dim]}) does not divide "
-          f"over mesh axes {axes} ({size} devices); shape {tuple(shape)}, spec {spec}. "
-          "Fix: map that logical axis to a smaller mesh axis or None in the rules.")
+        f"`{format_path(path)}`: dimension {dim} (size {shape[dim]}) does not divide "
+        f"over mesh axes {axes} ({size} devices); shape {tuple(shape)}, spec {spec}. "
+        "Fix: map that logical axis to a smaller mesh axis or None in the rules."
+      )
 
 
 def _check_trace_mesh(state: State, mesh) -> None:
   """Traced under explicit axes, the mesh is part of each array's type: the trace must
   run under that mesh (``jax.set_mesh``), or the program cannot be placed."""
-  path = next((p for p, v in zip(state._spec.paths, state._values)
-               if isinstance(v, jax.core.Tracer)), None)
+  path = next(
+    (p for p, v in zip(state._spec.paths, state._values) if isinstance(v, jax.core.Tracer)), None
+  )
   if path is None or jax.sharding.AxisType.Explicit not in mesh.axis_types:
     return
   context = jax.sharding.get_abstract_mesh()
   if context != mesh.abstract_mesh:
     where = "no mesh" if context.empty else f"mesh {describe_mesh(context)}"
     raise ShardingError(
-        f"sr.shard inside a traced function (sr.jit, a transform) on mesh "
-        f"{describe_mesh(mesh)}, whose Explicit axes become part of each array's type "
-        f"(`{format_path(path)}` first), but the trace runs under {where}. Fix: call "
-        "the jitted function inside `with jax.set_mesh(mesh):` with this mesh, or "
-        "call sr.shard(model, mesh, rules) outside it, before the step.")
+      f"sr.shard inside a traced function (sr.jit, a transform) on mesh "
+      f"{describe_mesh(mesh)}, whose Explicit axes become part of each array's type "
+      f"(`{format_path(path)}` first), but the trace runs under {where}. Fix: call "
+      "the jitted function inside `with jax.set_mesh(mesh):` with this mesh, or "
+      "call sr.shard(model, mesh, rules) outside it, before the step."
+    )
 
 
 def describe_mesh(mesh) -> str:
   """``{'data': 2 Explicit, 'model': 4 Explicit}``."""
-  return "{" + ", ".join(f"{name!r}: {size} {kind.name}" for (name, size), kind in
-                         zip(mesh.shape.items(), mesh.axis_types)) + "}"
+  return (
+    "{"
+    + ", ".join(
+      f"{name!r}: {size} {kind.name}"
+      for (name, size), kind in zip(mesh.shape.items(), mesh.axis_types)
+    )
+    + "}"
+  )
 
 
 def _place(value, sharding: NamedSharding):
@@ -258,6 +279,9 @@ def _needs_reshard(sharding: NamedSharding) -> bool:
   kinds = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
   if jax.sharding.AxisType.Explicit not in kinds.values():
     return False
-  return all(kinds[axis] != jax.sharding.AxisType.Auto for entry in sharding.spec
-             if entry is not None
-             for axis in ((entry,) if isinstance(entry, str) else entry))
+  return all(
+    kinds[axis] != jax.sharding.AxisType.Auto
+    for entry in sharding.spec
+    if entry is not None
+    for axis in ((entry,) if isinstance(entry, str) else entry)
+  )

@@ -78,5 +78,12 @@ from ._report import InteropError as InteropError
 from ._state_dict import from_state_dict as from_state_dict
 from ._state_dict import to_state_dict as to_state_dict
 
-__all__ = ["InteropError", "from_linen", "from_nnx", "from_state_dict", "to_linen",
-           "to_nnx", "to_state_dict"]
+__all__ = [
+  "InteropError",
+  "from_linen",
+  "from_nnx",
+  "from_state_dict",
+  "to_linen",
+  "to_nnx",
+  "to_state_dict",
+]

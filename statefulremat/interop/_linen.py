@@ -15,27 +15,34 @@ import jax.numpy as jnp
 from ..core._split_merge import update
 from ..core._state import State
 from ._names import Source, made_names, match
-from ._paths import (Entry, entries, flat_tree, nearest, placed_like,
-                     select_collections)
+from ._paths import Entry, entries, flat_tree, nearest, placed_like, select_collections
 from ._report import Problems, array_str, keys_str, shape_str, where_str
 
 _FIX_NAMES = (
-    "name the linen submodules after our attributes (in a compact method "
-    "`nn.Dense(..., name='linear')`, in setup `self.linear = nn.Dense(...)`); a list "
-    "attribute `layers` is linen's `layers_0`, `layers_1`, ..., which also fill our "
-    "stack at `layers`; or map linen's names (`Dense_0`) to ours with rename= (see "
-    "sr.interop).")
-_FIX_UNUSED = ("every linen entry needs a variable of ours at the same path: add the "
-               "layer to our model, drop the entry, or transfer fewer collections with "
-               "collections=(...).")
-_FIX_STACK = ("a stacked variable takes linen's nn.scan layout (one layer axis) or "
-              "nn.remat_scan's (nested layer axes whose product is the layer count) at "
-              "our layer axis; check the layer count and the per-layer shapes.")
-_FIX_SHAPE = ("build our layers with the linen model's sizes (features, kernel sizes, "
-              "vocabulary, ...).")
-_FIX_DTYPE = ("dtypes must match exactly (no silent casts): cast the linen arrays "
-              "(`jax.tree.map(lambda x: x.astype(...), variables)`) or build our model "
-              "with that param_dtype.")
+  "name the linen submodules after our attributes (in a compact method "
+  "`nn.Dense(..., name='linear')`, in setup `self.linear = nn.Dense(...)`); a list "
+  "attribute `layers` is linen's `layers_0`, `layers_1`, ..., which also fill our "
+  "stack at `layers`; or map linen's names (`Dense_0`) to ours with rename= (see "
+  "sr.interop)."
+)
+_FIX_UNUSED = (
+  "every linen entry needs a variable of ours at the same path: add the "
+  "layer to our model, drop the entry, or transfer fewer collections with "
+  "collections=(...)."
+)
+_FIX_STACK = (
+  "a stacked variable takes linen's nn.scan layout (one layer axis) or "
+  "nn.remat_scan's (nested layer axes whose product is the layer count) at "
+  "our layer axis; check the layer count and the per-layer shapes."
+)
+_FIX_SHAPE = (
+  "build our layers with the linen model's sizes (features, kernel sizes, vocabulary, ...)."
+)
+_FIX_DTYPE = (
+  "dtypes must match exactly (no silent casts): cast the linen arrays "
+  "(`jax.tree.map(lambda x: x.astype(...), variables)`) or build our model "
+  "with that param_dtype."
+)
 
 
 def _is_leaf(node) -> bool:
@@ -51,10 +58,14 @@ def _linen_entries(model, collections, what: str, problems: Problems) -> list[En
   want = select_collections(collections, what)
   if want is not None and "rngs" in want:
     raise ValueError(
-        f"{what}: collections= names 'rngs', but RNG state is not part of linen "
-        "variables (linen takes keys in `init`/`apply(..., rngs=...)`). Leave it out.")
-  chosen = [e for e in entries(model, what)
-            if e.collection != "rngs" and (want is None or e.collection in want)]
+      f"{what}: collections= names 'rngs', but RNG state is not part of linen "
+      "variables (linen takes keys in `init`/`apply(..., rngs=...)`). Leave it out."
+    )
+  chosen = [
+    e
+    for e in entries(model, what)
+    if e.collection != "rngs" and (want is None or e.collection in want)
+  ]
   seen: dict[tuple, Entry] = {}
   for e in chosen:
     key = (e.collection,) + e.linen
@@ -62,35 +73,38 @@ def _linen_entries(model, collections, what: str, problems: Problems) -> list[En
       other = seen.get(key[:n])
       if other is not None:
         problems.add(
-            f"{e.where()} and {other.where()} both map to linen "
-            f"`{_linen_str(key[0], key[1:n])}`.",
-            "rename one attribute: linen joins a list or dict attribute's name and "
-            "keys with `_`, so `layers[0]` and an attribute `layers_0` collide.")
+          f"{e.where()} and {other.where()} both map to linen `{_linen_str(key[0], key[1:n])}`.",
+          "rename one attribute: linen joins a list or dict attribute's name and "
+          "keys with `_`, so `layers[0]` and an attribute `layers_0` collide.",
+        )
         break
     else:
       seen[key] = e
   prefixes = {k[:n] for k in seen for n in range(2, len(k))}
   for key, e in seen.items():
     if key in prefixes:
-      problems.add(f"{e.where()} maps to linen `{_linen_str(key[0], key[1:])}`, where "
-                   "another of our variables needs a submodule of that name.",
-                   "rename one of the two attributes.")
+      problems.add(
+        f"{e.where()} maps to linen `{_linen_str(key[0], key[1:])}`, where "
+        "another of our variables needs a submodule of that name.",
+        "rename one of the two attributes.",
+      )
   return chosen
 
 
 def _check_variables(variables, what: str) -> None:
   if not isinstance(variables, Mapping) or not all(
-      isinstance(v, Mapping) for v in variables.values()):
+    isinstance(v, Mapping) for v in variables.values()
+  ):
     raise TypeError(
-        f"{what} takes linen variables: a dict of collections such as "
-        "{'params': {...}, 'batch_stats': {...}} (what `linen_model.init` returns), "
-        f"got {type(variables).__name__}"
-        + (" whose values are not all dicts" if isinstance(variables, Mapping) else "")
-        + ". Pass the whole variables dict (wrap bare params as {'params': params}).")
+      f"{what} takes linen variables: a dict of collections such as "
+      "{'params': {...}, 'batch_stats': {...}} (what `linen_model.init` returns), "
+      f"got {type(variables).__name__}"
+      + (" whose values are not all dicts" if isinstance(variables, Mapping) else "")
+      + ". Pass the whole variables dict (wrap bare params as {'params': params})."
+    )
 
 
-def from_linen(model, variables: Mapping, *, collections: Any = None,
-               rename: Any = None):
+def from_linen(model, variables: Mapping, *, collections: Any = None, rename: Any = None):
   r"""Loads flax.linen variables into ``model``, in place, by name; returns ``model``.
 
   Each of our variables takes the linen entry at its collection and linen name (see
@@ -158,49 +172,74 @@ def from_linen(model, variables: Mapping, *, collections: Any = None,
     if mine:
       absent.add(c)
       problems.add(
-          f"linen variables have no `{c}` collection (they have: "
-          f"{keys_str(variables)}), but ours has {len(mine)} variable(s) in it: "
-          f"{where_str(mine)}.",
-          "pass the whole variables dict (every collection `init` returned), or load "
-          "only some with collections=('params',).")
+        f"linen variables have no `{c}` collection (they have: "
+        f"{keys_str(variables)}), but ours has {len(mine)} variable(s) in it: "
+        f"{where_str(mine)}.",
+        "pass the whole variables dict (every collection `init` returned), or load "
+        "only some with collections=('params',).",
+      )
   flats = {c: flat_tree(tree, _is_leaf) for c, tree in variables.items()}
-  sources = [Source((c, path), ".".join(str(k) for k in path),
-                    f"linen `{_linen_str(c, path)}`", value, c, extra=c not in want)
-             for c, flat in flats.items() for path, value in flat.items()]
-  found = match([e for e in ours if e.collection not in absent], sources, _names,
-                rename, what, problems, "linen")
+  sources = [
+    Source(
+      (c, path),
+      ".".join(str(k) for k in path),
+      f"linen `{_linen_str(c, path)}`",
+      value,
+      c,
+      extra=c not in want,
+    )
+    for c, flat in flats.items()
+    for path, value in flat.items()
+  ]
+  found = match(
+    [e for e in ours if e.collection not in absent],
+    sources,
+    _names,
+    rename,
+    what,
+    problems,
+    "linen",
+  )
   for e in found.missing:
     c = e.collection
     if rename is None:
       prefix, below = nearest(flats[c], e.linen)
-      text = (f"linen has no `{_linen_str(c, e.linen)}` "
-              f"(`{_linen_str(c, prefix)}` has: {keys_str(below)}).")
+      text = (
+        f"linen has no `{_linen_str(c, e.linen)}` "
+        f"(`{_linen_str(c, prefix)}` has: {keys_str(below)})."
+      )
     else:
       text = f"no linen `{c}` entry is renamed to {_answers(e)}."
     problems.add(f"{e.where()}: {text}{found.nearest_sources(e)}", _FIX_NAMES)
   for e, s in found.wrong:
     problems.add(
-        f"{e.where()} belongs to collection `{e.collection}`, but linen has it as "
-        f"`{_linen_str(*s.key)}` (collection `{s.collection}`).",
-        "keep each variable in its kind's collection (sr.Param <-> params, "
-        "sr.BatchStat <-> batch_stats); in linen, `self.variable('batch_stats', ...)`.")
+      f"{e.where()} belongs to collection `{e.collection}`, but linen has it as "
+      f"`{_linen_str(*s.key)}` (collection `{s.collection}`).",
+      "keep each variable in its kind's collection (sr.Param <-> params, "
+      "sr.BatchStat <-> batch_stats); in linen, `self.variable('batch_stats', ...)`.",
+    )
   new: dict[tuple, Any] = {}
   for fill in found.fills:
     e = fill.entry
     if fill.whole is not None:
       value = _from_linen_value(e, fill.whole, problems)
     else:
-      values = [_from_linen_value(e, s, problems, layer=i)
-                for i, s in enumerate(fill.layers)]
-      value = (None if any(v is None for v in values)
-               else placed_like(e.var, jnp.stack(values, axis=e.axis)))
+      values = [_from_linen_value(e, s, problems, layer=i) for i, s in enumerate(fill.layers)]
+      value = (
+        None
+        if any(v is None for v in values)
+        else placed_like(e.var, jnp.stack(values, axis=e.axis))
+      )
     if value is not None:
       new[e.path] = value
   for s in found.unused:
     if not s.extra:
-      problems.add(f"{s.shown} ({array_str(_unboxed(s.leaf))})"
-                   + (f", renamed `{s.target}`," if s.target != s.name else "")
-                   + f" matches no variable of ours.{found.nearest_ours(s)}", _FIX_UNUSED)
+      problems.add(
+        f"{s.shown} ({array_str(_unboxed(s.leaf))})"
+        + (f", renamed `{s.target}`," if s.target != s.name else "")
+        + f" matches no variable of ours.{found.nearest_ours(s)}",
+        _FIX_UNUSED,
+      )
   problems.raise_if_any()
   update(model, State(new))
   return model
@@ -215,8 +254,10 @@ def _names(e: Entry, layer: int | None) -> list[str]:
 def _answers(e: Entry) -> str:
   words = " or ".join(f"`{n}`" for n in _names(e, None))
   if e.layers:
-    words += (f" (or, layer by layer, {' or '.join(f'`{n}`' for n in _names(e, 0))} "
-              f"… for its {e.layers} layers)")
+    words += (
+      f" (or, layer by layer, {' or '.join(f'`{n}`' for n in _names(e, 0))} "
+      f"… for its {e.layers} layers)"
+    )
   return words
 
 
@@ -237,16 +278,21 @@ def _from_linen_value(e: Entry, s: Source, problems: Problems, layer: int | None
   shape = tuple(shape)
   ours = e.shape if layer is None else e.layer_shape()
   if shape != ours and (layer is not None or not _nested_layout(e, shape)):
-    layers = (f" ({ours[e.axis]} layers on axis {e.axis})"
-              if e.axis is not None and layer is None else
-              " per layer" if layer is not None else "")
-    problems.add(f"{where}: shape mismatch: ours is {shape_str(ours)}{layers}, "
-                 f"{s.label()} is {shape_str(shape)}.",
-                 _FIX_STACK if e.axis is not None and layer is None else _FIX_SHAPE)
+    layers = (
+      f" ({ours[e.axis]} layers on axis {e.axis})"
+      if e.axis is not None and layer is None
+      else " per layer"
+      if layer is not None
+      else ""
+    )
+    problems.add(
+      f"{where}: shape mismatch: ours is {shape_str(ours)}{layers}, "
+      f"{s.label()} is {shape_str(shape)}.",
+      _FIX_STACK if e.axis is not None and layer is None else _FIX_SHAPE,
+    )
     return None
   if dtype != e.dtype:
-    problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is "
-                 f"{dtype}.", _FIX_DTYPE)
+    problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.", _FIX_DTYPE)
     return None
   value = jnp.asarray(value)
   if layer is not None:
@@ -260,12 +306,22 @@ def _nested_layout(e: Entry, shape: tuple) -> bool:
     return False
   a, ours = e.axis, e.shape
   k = len(shape) - len(ours) + 1
-  return (k >= 2 and shape[:a] == ours[:a] and shape[a + k:] == ours[a + 1:]
-          and math.prod(shape[a:a + k]) == ours[a])
+  return (
+    k >= 2
+    and shape[:a] == ours[:a]
+    and shape[a + k :] == ours[a + 1 :]
+    and math.prod(shape[a : a + k]) == ours[a]
+  )
 
 
-def to_linen(model, *, collections: Any = None, flat_stacks: bool = False,
-             unstack: bool = False, rename: Any = None) -> dict:
+def to_linen(
+  model,
+  *,
+  collections: Any = None,
+  flat_stacks: bool = False,
+  unstack: bool = False,
+  rename: Any = None,
+) -> dict:
   r"""``model``'s variables as flax.linen variables: ``{"params": {...}, ...}``.
 
   The reverse of ``from_linen``, with the same names (see ``sr.interop``). A
@@ -306,9 +362,17 @@ def to_linen(model, *, collections: Any = None, flat_stacks: bool = False,
   problems = Problems(what, "no variables were returned")
   ours = _linen_entries(model, collections, what, problems)
   problems.raise_if_any()
-  names = made_names(ours, unstack, Entry.dotted,
-                     lambda e, layer: ".".join(e.linen_name(layer)), rename, what,
-                     problems, "linen", nested=True)
+  names = made_names(
+    ours,
+    unstack,
+    Entry.dotted,
+    lambda e, layer: ".".join(e.linen_name(layer)),
+    rename,
+    what,
+    problems,
+    "linen",
+    nested=True,
+  )
   problems.raise_if_any()
   out: dict[str, dict] = {}
   for e, layer, name in names:

@@ -21,15 +21,21 @@ from typing import Any
 from ._paths import Entry
 from ._report import Problems
 
-_FIX_TWICE = ("make `rename` map each source name onto a different variable of ours "
-              "(a callable rename may return None to leave an entry out).")
-_FIX_LAYERS = ("a list of layers fills a stack only completely: one entry per layer, "
-               "numbered 0 to L-1 at the stack's path (`blocks.0.…` … "
-               "`blocks.{L-1}.…`); check the layer count, or give the whole stacked "
-               "array instead.")
+_FIX_TWICE = (
+  "make `rename` map each source name onto a different variable of ours "
+  "(a callable rename may return None to leave an entry out)."
+)
+_FIX_LAYERS = (
+  "a list of layers fills a stack only completely: one entry per layer, "
+  "numbered 0 to L-1 at the stack's path (`blocks.0.…` … "
+  "`blocks.{L-1}.…`); check the layer count, or give the whole stacked "
+  "array instead."
+)
 _NEAREST = 24  # problems that get their nearest names (the message shows 12)
-_FIX_BOTH = ("give a stacked variable either whole or as a list of layers, not both: "
-             "drop one of them (a callable rename may return None to leave it out).")
+_FIX_BOTH = (
+  "give a stacked variable either whole or as a list of layers, not both: "
+  "drop one of them (a callable rename may return None to leave it out)."
+)
 
 
 @dataclass
@@ -80,10 +86,10 @@ class Match:
     targets = {s.target: s for s in self.unused if not s.extra}
     close: list[str] = []
     for name in self.names(e, None):
-      close += [t for t in difflib.get_close_matches(name, list(targets), n=3)
-                if t not in close]
-    return (" Nearest unused: " + ", ".join(targets[t].label() for t in close[:3]) + "."
-            if close else "")
+      close += [t for t in difflib.get_close_matches(name, list(targets), n=3) if t not in close]
+    return (
+      " Nearest unused: " + ", ".join(targets[t].label() for t in close[:3]) + "." if close else ""
+    )
 
   def nearest_ours(self, s: Source) -> str:
     """`` Nearest of ours still unfilled: …`` for an unused source."""
@@ -97,8 +103,11 @@ class Match:
         for name in self.names(e, i):
           names.setdefault(name, e)
     close = difflib.get_close_matches(s.target, list(names), n=3)
-    return (" Nearest of ours still unfilled: "
-            + ", ".join(f"`{name}`" for name in close) + "." if close else "")
+    return (
+      " Nearest of ours still unfilled: " + ", ".join(f"`{name}`" for name in close) + "."
+      if close
+      else ""
+    )
 
 
 def renamer(rename, what: str) -> Callable[[str], str | None]:
@@ -110,17 +119,20 @@ def renamer(rename, what: str) -> Callable[[str], str | None]:
     rules = []
     for pattern, repl in rename.items():
       if not isinstance(pattern, (str, re.Pattern)) or not (
-          isinstance(repl, str) or callable(repl)):
+        isinstance(repl, str) or callable(repl)
+      ):
         raise TypeError(
-            f"{what}: rename= maps regular expressions to replacements (strings, as "
-            f"re.sub takes them), got {pattern!r}: {repl!r}. E.g. "
-            r"rename={r'^layers\.(\d+)\.': r'blocks.\1.'}.")
+          f"{what}: rename= maps regular expressions to replacements (strings, as "
+          f"re.sub takes them), got {pattern!r}: {repl!r}. E.g. "
+          r"rename={r'^layers\.(\d+)\.': r'blocks.\1.'}."
+        )
       try:
         rules.append((re.compile(pattern), repl))
       except re.error as err:
         raise ValueError(
-            f"{what}: rename= pattern {pattern!r} is not a valid regular expression: "
-            f"{err}. Fix the pattern (escape dots: `\\.`).") from None
+          f"{what}: rename= pattern {pattern!r} is not a valid regular expression: "
+          f"{err}. Fix the pattern (escape dots: `\\.`)."
+        ) from None
 
     def apply(name: str) -> str:
       for regex, repl in rules:
@@ -134,20 +146,28 @@ def renamer(rename, what: str) -> Callable[[str], str | None]:
       out = rename(name)
       if out is not None and not isinstance(out, str):
         raise TypeError(
-            f"{what}: rename({name!r}) returned {out!r}; it must return our name as a "
-            "dot-joined string (`layers.0.kernel`), or None to leave the entry out.")
+          f"{what}: rename({name!r}) returned {out!r}; it must return our name as a "
+          "dot-joined string (`layers.0.kernel`), or None to leave the entry out."
+        )
       return out
 
     return call
   raise TypeError(
-      f"{what}: rename= takes a callable from the source's name to ours or a mapping of "
-      f"regular expressions to replacements, got {type(rename).__name__}. E.g. "
-      r"rename={r'^model\.': ''} or rename=lambda name: name.replace('Dense_', 'layers.').")
+    f"{what}: rename= takes a callable from the source's name to ours or a mapping of "
+    f"regular expressions to replacements, got {type(rename).__name__}. E.g. "
+    r"rename={r'^model\.': ''} or rename=lambda name: name.replace('Dense_', 'layers.')."
+  )
 
 
-def match(ours: list[Entry], sources: list[Source],
-          names: Callable[[Entry, int | None], list[str]], rename, what: str,
-          problems: Problems, side: str) -> Match:
+def match(
+  ours: list[Entry],
+  sources: list[Source],
+  names: Callable[[Entry, int | None], list[str]],
+  rename,
+  what: str,
+  problems: Problems,
+  side: str,
+) -> Match:
   """Pairs ``sources`` (renamed) with ``ours`` by ``names(entry, layer or None)``.
 
   Reports here what only names can tell: two sources for one slot, a stacked
@@ -178,8 +198,12 @@ def match(ours: list[Entry], sources: list[Source],
   def pick(e: Entry, cands: list[Source], where: str) -> Source | None:
     right = [s for s in cands if s.collection is None or s.collection == e.collection]
     if len(right) > 1:
-      problems.add(f"{where}: {len(right)} {side} entries map onto it: "
-                   + ", ".join(s.label() for s in right) + ".", _FIX_TWICE)
+      problems.add(
+        f"{where}: {len(right)} {side} entries map onto it: "
+        + ", ".join(s.label() for s in right)
+        + ".",
+        _FIX_TWICE,
+      )
       return None
     if not right:  # one layer only in another collection: worded by the caller
       result.wrong.append((e, cands[0]))
@@ -201,23 +225,30 @@ def match(ours: list[Entry], sources: list[Source],
       continue
     if cands and per_layer:
       first = next(iter(per_layer.values()))[0]
-      problems.add(f"{e.where()}: given both whole ({cands[0].label()}) and as a list "
-                   f"of layers ({first.label()}, …).", _FIX_BOTH)
+      problems.add(
+        f"{e.where()}: given both whole ({cands[0].label()}) and as a list "
+        f"of layers ({first.label()}, …).",
+        _FIX_BOTH,
+      )
       continue
     if cands:
       whole = pick(e, cands, e.where())
       if whole is not None:
         result.fills.append(Fill(e, whole=whole))
       continue
-    layers = [pick(e, per_layer[i], f"{e.where()} layer {i}") if i in per_layer else None
-              for i in range(e.layers)]
+    layers = [
+      pick(e, per_layer[i], f"{e.where()} layer {i}") if i in per_layer else None
+      for i in range(e.layers)
+    ]
     gaps = [i for i in range(e.layers) if i not in per_layer]
     if gaps:
       have = [i for i in range(e.layers) if i in per_layer]
       problems.add(
-          f"{e.where()} ({e.layers} layers on axis {e.axis}) is given as a list of "
-          f"layers with gaps: layer(s) {_ranges(have)} given, not {_ranges(gaps)} "
-          f"(layer {have[0]}: {per_layer[have[0]][0].label()}).", _FIX_LAYERS)
+        f"{e.where()} ({e.layers} layers on axis {e.axis}) is given as a list of "
+        f"layers with gaps: layer(s) {_ranges(have)} given, not {_ranges(gaps)} "
+        f"(layer {have[0]}: {per_layer[have[0]][0].label()}).",
+        _FIX_LAYERS,
+      )
     elif all(s is not None for s in layers):
       result.fills.append(Fill(e, layers=layers))
   return result
@@ -235,11 +266,17 @@ def _ranges(numbers: list[int]) -> str:
   return ", ".join(out)
 
 
-def made_names(ours: list[Entry], unstack: bool,
-               given: Callable[[Entry, int | None], str],
-               default: Callable[[Entry, int | None], str], rename, what: str,
-               problems: Problems, side: str,
-               nested: bool) -> list[tuple[Entry, int | None, str]]:
+def made_names(
+  ours: list[Entry],
+  unstack: bool,
+  given: Callable[[Entry, int | None], str],
+  default: Callable[[Entry, int | None], str],
+  rename,
+  what: str,
+  problems: Problems,
+  side: str,
+  nested: bool,
+) -> list[tuple[Entry, int | None, str]]:
   """``(entry, layer or None, name)`` for each variable (each layer, with ``unstack``)
   we write out: ``default(entry, layer)``, or ``rename(given(entry, layer))``.
 
@@ -249,15 +286,17 @@ def made_names(ours: list[Entry], unstack: bool,
   apply = None if rename is None else renamer(rename, what)
   out, seen = [], {}
   for e in ours:
-    for layer in (range(e.layers) if unstack and e.layers else [None]):
+    for layer in range(e.layers) if unstack and e.layers else [None]:
       name = default(e, layer) if apply is None else apply(given(e, layer))
       if name is None:
         continue
       where = e.where() if layer is None else f"{e.where()} layer {layer}"
       if name in seen:
-        problems.add(f"{seen[name]} and {where} both become {side} `{name}`.",
-                     "make `rename` give each of our variables its own name (a callable "
-                     "rename may return None to leave one out).")
+        problems.add(
+          f"{seen[name]} and {where} both become {side} `{name}`.",
+          "make `rename` give each of our variables its own name (a callable "
+          "rename may return None to leave one out).",
+        )
         continue
       seen[name] = where
       out.append((e, layer, name))
@@ -267,7 +306,9 @@ def made_names(ours: list[Entry], unstack: bool,
       for n in range(1, len(parts)):
         above = ".".join(parts[:n])
         if above in seen:
-          problems.add(f"{where} becomes {side} `{name}`, below {seen[above]}, which "
-                       f"becomes `{above}`: one name cannot be a variable and hold others.",
-                       "give the two different names (`rename`).")
+          problems.add(
+            f"{where} becomes {side} `{name}`, below {seen[above]}, which "
+            f"becomes `{above}`: one name cannot be a variable and hold others.",
+            "give the two different names (`rename`).",
+          )
   return out

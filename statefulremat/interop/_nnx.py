@@ -17,15 +17,18 @@ from ..core._errors import format_path
 from ..core._split_merge import update
 from ..core._state import State
 from ._names import Source, match
-from ._paths import (Entry, dotted, entries, flat_tree, nearest, placed_like,
-                     select_collections)
+from ._paths import Entry, dotted, entries, flat_tree, nearest, placed_like, select_collections
 from ._report import Problems, array_str, keys_str, shape_str, where_str
 
-_FIX_NAMES = ("give the nnx module the same attribute names and nesting as ours "
-              "(lists as `nnx.List`, index `i` <-> our `[i]`; a list of layers fills our "
-              "stack at the same path), or map nnx's names to ours with rename=.")
-_FIX_UNUSED = ("every nnx variable needs one of ours at the same path: add the layer "
-               "to our model, or transfer fewer collections with collections=(...).")
+_FIX_NAMES = (
+  "give the nnx module the same attribute names and nesting as ours "
+  "(lists as `nnx.List`, index `i` <-> our `[i]`; a list of layers fills our "
+  "stack at the same path), or map nnx's names to ours with rename=."
+)
+_FIX_UNUSED = (
+  "every nnx variable needs one of ours at the same path: add the layer "
+  "to our model, or transfer fewer collections with collections=(...)."
+)
 
 
 def _nnx():
@@ -66,8 +69,9 @@ def _flat_nnx(source, what: str) -> tuple[dict, bool]:
   if isinstance(source, Mapping):
     return flat_tree(source, _is_leaf), False
   raise TypeError(
-      f"{what} takes an nnx Module or an nnx State (`nnx.state(module)`), got "
-      f"{type(source).__name__}.")
+    f"{what} takes an nnx Module or an nnx State (`nnx.state(module)`), got "
+    f"{type(source).__name__}."
+  )
 
 
 def _is_leaf(node) -> bool:
@@ -81,11 +85,14 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
   want = select_collections(collections, what)
   ours = entries(model, what)
   if want is None:
-    want = ({e.collection for e in ours}
-            | {_collection(leaf) for leaf in flat.values()}) - {"rngs", None}
+    want = ({e.collection for e in ours} | {_collection(leaf) for leaf in flat.values()}) - {
+      "rngs",
+      None,
+    }
   ours = [e for e in ours if e.collection in want]
-  theirs = {p: leaf for p, leaf in flat.items()
-            if _collection(leaf) is None or _collection(leaf) in want}
+  theirs = {
+    p: leaf for p, leaf in flat.items() if _collection(leaf) is None or _collection(leaf) in want
+  }
   present = {_collection(leaf) for leaf in theirs.values()}
   absent = set()
   if None not in present:
@@ -94,42 +101,63 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
       if mine:
         absent.add(c)
         problems.add(
-            f"the nnx side has no variables of collection `{c}`, but ours has "
-            f"{len(mine)}: {where_str(mine)}.",
-            "pass the whole nnx module or state, or transfer only some collections "
-            "with collections=('params',).")
-  sources = [Source(path, dotted(path), f"nnx `{format_path(path)}`", leaf,
-                    _collection(leaf), extra=path not in theirs)
-             for path, leaf in flat.items()]
-  found = match([e for e in ours if e.collection not in absent], sources, _names,
-                rename, what, problems, "nnx")
+          f"the nnx side has no variables of collection `{c}`, but ours has "
+          f"{len(mine)}: {where_str(mine)}.",
+          "pass the whole nnx module or state, or transfer only some collections "
+          "with collections=('params',).",
+        )
+  sources = [
+    Source(
+      path,
+      dotted(path),
+      f"nnx `{format_path(path)}`",
+      leaf,
+      _collection(leaf),
+      extra=path not in theirs,
+    )
+    for path, leaf in flat.items()
+  ]
+  found = match(
+    [e for e in ours if e.collection not in absent], sources, _names, rename, what, problems, "nnx"
+  )
   for e in found.missing:
     if rename is None:
       prefix, below = nearest(flat, e.path)
-      text = (f"nnx has no `{format_path(e.path)}` "
-              f"(`{format_path(prefix)}` has: {keys_str(below)}).")
+      text = f"nnx has no `{format_path(e.path)}` (`{format_path(prefix)}` has: {keys_str(below)})."
     else:
-      text = f"no nnx variable is renamed to `{e.dotted()}`" + (
-          f" (or, layer by layer, `{e.dotted(0)}` … for its {e.layers} layers)"
-          if e.layers else "") + "."
+      text = (
+        f"no nnx variable is renamed to `{e.dotted()}`"
+        + (
+          f" (or, layer by layer, `{e.dotted(0)}` … for its {e.layers} layers)" if e.layers else ""
+        )
+        + "."
+      )
     problems.add(f"{e.where()}: {text}{found.nearest_sources(e)}", _FIX_NAMES)
   for e, s in found.wrong:
-    problems.add(f"{e.where()} belongs to collection `{e.collection}`, but nnx has a "
-                 f"{type(s.leaf).__name__} there (collection `{s.collection}`).",
-                 "use the same variable kinds on both sides (sr.Param <-> nnx.Param, "
-                 "sr.BatchStat <-> nnx.BatchStat).")
+    problems.add(
+      f"{e.where()} belongs to collection `{e.collection}`, but nnx has a "
+      f"{type(s.leaf).__name__} there (collection `{s.collection}`).",
+      "use the same variable kinds on both sides (sr.Param <-> nnx.Param, "
+      "sr.BatchStat <-> nnx.BatchStat).",
+    )
   pairs = []
   for fill in found.fills:
     e = fill.entry
-    given = ([(fill.whole, None)] if fill.whole is not None
-             else [(s, i) for i, s in enumerate(fill.layers)])
+    given = (
+      [(fill.whole, None)]
+      if fill.whole is not None
+      else [(s, i) for i, s in enumerate(fill.layers)]
+    )
     if all(_fits(e, s, layer, problems) for s, layer in given):
       pairs.append((e, [(s.key, s.leaf, layer) for s, layer in given]))
   for s in found.unused:
     if not s.extra:
-      problems.add(f"{s.shown} ({_describe(s.leaf)})"
-                   + (f", renamed `{s.target}`," if s.target != s.name else "")
-                   + f" matches no variable of ours.{found.nearest_ours(s)}", _FIX_UNUSED)
+      problems.add(
+        f"{s.shown} ({_describe(s.leaf)})"
+        + (f", renamed `{s.target}`," if s.target != s.name else "")
+        + f" matches no variable of ours.{found.nearest_ours(s)}",
+        _FIX_UNUSED,
+      )
   return pairs
 
 
@@ -144,16 +172,19 @@ def _fits(e: Entry, s: Source, layer: int | None, problems: Problems) -> bool:
   where = e.where() if layer is None else f"{e.where()} layer {layer}"
   ours = e.shape if layer is None else e.layer_shape()
   if shape is None or tuple(shape) != ours:
-    problems.add(f"{where}: shape mismatch: ours is {shape_str(ours)}"
-                 f"{' per layer' if layer is not None else ''}, {s.label()} is "
-                 f"{shape_str(shape) if shape is not None else type(value).__name__}.",
-                 "build both with the same sizes (a stack's layer axis must sit "
-                 "where the nnx module keeps it).")
+    problems.add(
+      f"{where}: shape mismatch: ours is {shape_str(ours)}"
+      f"{' per layer' if layer is not None else ''}, {s.label()} is "
+      f"{shape_str(shape) if shape is not None else type(value).__name__}.",
+      "build both with the same sizes (a stack's layer axis must sit "
+      "where the nnx module keeps it).",
+    )
     return False
   if dtype != e.dtype:
-    problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.",
-                 "dtypes must match exactly (no silent casts): build both with the "
-                 "same param_dtype.")
+    problems.add(
+      f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.",
+      "dtypes must match exactly (no silent casts): build both with the same param_dtype.",
+    )
     return False
   return True
 
@@ -222,7 +253,8 @@ def from_nnx(model, source, *, collections: Any = None, rename: Any = None):
       new[e.path] = placed_like(e.var, _value(given[0][1]))
     else:
       new[e.path] = placed_like(
-          e.var, jnp.stack([_value(leaf) for _, leaf, _ in given], axis=e.axis))
+        e.var, jnp.stack([_value(leaf) for _, leaf, _ in given], axis=e.axis)
+      )
   update(model, State(new))
   return model
 
@@ -263,13 +295,24 @@ def to_nnx(model, target, *, collections: Any = None, rename: Any = None):
   problems = Problems(what, "the nnx target is unchanged")
   pairs = _match(model, flat, collections, rename, what, problems)
   problems.raise_if_any()
-  values = {path: e.var.value if layer is None else jnp.take(e.var.value, layer, e.axis)
-            for e, given in pairs for path, _, layer in given}
+  values = {
+    path: e.var.value if layer is None else jnp.take(e.var.value, layer, e.axis)
+    for e, given in pairs
+    for path, _, layer in given
+  }
   if is_module:
     nnx.update(target, nnx.from_flat_state(list(values.items())))
     return nnx.state(target)
-  return nnx.from_flat_state([
-      (path, leaf if path not in values
-       else leaf.replace(values[path]) if isinstance(leaf, nnx.Variable)
-       else values[path])
-      for path, leaf in flat.items()])
+  return nnx.from_flat_state(
+    [
+      (
+        path,
+        leaf
+        if path not in values
+        else leaf.replace(values[path])
+        if isinstance(leaf, nnx.Variable)
+        else values[path],
+      )
+      for path, leaf in flat.items()
+    ]
+  )

@@ -71,14 +71,14 @@ class Entry:
   def layer_shape(self) -> tuple:
     """The shape of one layer's slice (the whole shape if not stacked)."""
     shape = self.shape
-    return shape if self.axis is None else shape[:self.axis] + shape[self.axis + 1:]
+    return shape if self.axis is None else shape[: self.axis] + shape[self.axis + 1 :]
 
   def dotted(self, layer: int | None = None) -> str:
     """Our path dot-joined, ``layers.0.kernel``; with ``layer``, that layer's place in
     a list of layers at the stack's path (``blocks.3.linear.kernel``)."""
     path = self.path
     if layer is not None:
-      path = path[:self.depth] + (layer,) + path[self.depth:]
+      path = path[: self.depth] + (layer,) + path[self.depth :]
     return dotted(path)
 
   def linen_name(self, layer: int | None = None) -> tuple:
@@ -89,21 +89,22 @@ class Entry:
     d = self.linen_depth
     if d == 0:
       return (str(layer),) + self.linen
-    return self.linen[:d - 1] + (f"{self.linen[d - 1]}_{layer}",) + self.linen[d:]
+    return self.linen[: d - 1] + (f"{self.linen[d - 1]}_{layer}",) + self.linen[d:]
 
   def linen_shape(self, flat: bool = False) -> tuple:
     """The shape linen keeps this variable in: nested layer axes for remat_scan."""
     shape = self.shape
     if self.axis is None or self.lengths is None or flat:
       return shape
-    return shape[:self.axis] + self.lengths + shape[self.axis + 1:]
+    return shape[: self.axis] + self.lengths + shape[self.axis + 1 :]
 
 
 def entries(model, what: str) -> list[Entry]:
   """Every variable of ``model`` (first path of a shared one), in ``sr.state`` order."""
   if not isinstance(model, Module):
-    raise TypeError(f"{what} takes one of our modules (an sr.Module) first, got "
-                    f"{type(model).__name__}.")
+    raise TypeError(
+      f"{what} takes one of our modules (an sr.Module) first, got {type(model).__name__}."
+    )
   graphdef, variables = flatten([model])
   stacks: dict[int, tuple[dict, tuple | None]] = {}
   out = []
@@ -115,8 +116,11 @@ def entries(model, what: str) -> list[Entry]:
         stacks[id(stack)] = _stack_axes(stack)
       axes, stack_lengths = stacks[id(stack)]
       axis = axes.get(id(var))
-      if axis is not None and stack_lengths is not None and (
-          math.prod(stack_lengths) == jnp.shape(var._value)[axis]):
+      if (
+        axis is not None
+        and stack_lengths is not None
+        and (math.prod(stack_lengths) == jnp.shape(var._value)[axis])
+      ):
         lengths = stack_lengths
     if axis is None:
       depth = linen_depth = 0
@@ -171,8 +175,7 @@ def select_collections(collections, what: str) -> set[str] | None:
   """``collections=`` as a set of names: names (``"params"``) or kinds (``sr.Param``)."""
   if collections is None:
     return None
-  items = (collections if isinstance(collections, (tuple, list, set, frozenset))
-           else (collections,))
+  items = collections if isinstance(collections, (tuple, list, set, frozenset)) else (collections,)
   names = set()
   for c in items:
     if isinstance(c, str):
@@ -181,8 +184,9 @@ def select_collections(collections, what: str) -> set[str] | None:
       names.add(c.collection)
     else:
       raise TypeError(
-          f"{what}: collections= takes collection names or Variable kinds, e.g. "
-          f"collections=('params',) or collections=(sr.Param,), got {c!r}.")
+        f"{what}: collections= takes collection names or Variable kinds, e.g. "
+        f"collections=('params',) or collections=(sr.Param,), got {c!r}."
+      )
   return names
 
 

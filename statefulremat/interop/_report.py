@@ -48,8 +48,9 @@ class Problems:
     else:
       shown = "\n".join(f"  - {line}" for line in self.lines[:_SHOWN])
       more = len(self.lines) - _SHOWN
-      text = (f"{self.what}: {len(self.lines)} variables do not map:\n{shown}"
-              + (f"\n  ... and {more} more" if more > 0 else ""))
+      text = f"{self.what}: {len(self.lines)} variables do not map:\n{shown}" + (
+        f"\n  ... and {more} more" if more > 0 else ""
+      )
     fixes = "".join(f"\nFix: {fix}" for fix in self.fixes)
     raise InteropError(f"{text}{fixes}\nNothing was written: {self.unchanged}.")
 
@@ -73,7 +74,7 @@ def where_str(entries, shown: int = 3) -> str:
 
 
 def keys_str(keys) -> str:
-  keys = sorted((str(k) for k in keys))
+  keys = sorted(str(k) for k in keys)
   if len(keys) > 8:
     keys = keys[:8] + [f"... {len(keys) - 8} more"]
   return ", ".join(keys) if keys else "nothing"

@@ -33,24 +33,32 @@ from ._report import Problems, array_str, shape_str
 _LAYOUTS = ("jax", "torch")
 # our layer class -> {our variable name: PyTorch's name}
 _TORCH_NAMES = {
-    Linear: {"kernel": "weight"},
-    Conv: {"kernel": "weight"},
-    Embed: {"embedding": "weight"},
-    LayerNorm: {"scale": "weight"},
-    RMSNorm: {"scale": "weight"},
-    BatchNorm: {"scale": "weight", "mean": "running_mean", "var": "running_var"},
+  Linear: {"kernel": "weight"},
+  Conv: {"kernel": "weight"},
+  Embed: {"embedding": "weight"},
+  LayerNorm: {"scale": "weight"},
+  RMSNorm: {"scale": "weight"},
+  BatchNorm: {"scale": "weight", "mean": "running_mean", "var": "running_var"},
 }
-_FIX_NAMES = ("name the state dict's entries after our paths (`layers.0.linear.kernel`; "
-              "a list of layers `blocks.0.…` … `blocks.{L-1}.…` fills our stack at "
-              "`blocks`), or map them with rename={r'^model\\.': '', ...}.")
-_FIX_UNUSED = ("every entry needs a variable of ours: add the layer to our model, or "
-               "leave the entry out (a callable rename may return None for it, e.g. "
-               "PyTorch's `num_batches_tracked`).")
-_FIX_SHAPE = ("build our layers with the source model's sizes; with PyTorch weights, "
-              "pass layout='torch' (Linear and Conv weights are transposed).")
-_FIX_DTYPE = ("dtypes must match exactly (no silent casts): cast the arrays "
-              "(`{k: v.astype(...) for k, v in flat.items()}`) or build our model with "
-              "that param_dtype.")
+_FIX_NAMES = (
+  "name the state dict's entries after our paths (`layers.0.linear.kernel`; "
+  "a list of layers `blocks.0.…` … `blocks.{L-1}.…` fills our stack at "
+  "`blocks`), or map them with rename={r'^model\\.': '', ...}."
+)
+_FIX_UNUSED = (
+  "every entry needs a variable of ours: add the layer to our model, or "
+  "leave the entry out (a callable rename may return None for it, e.g. "
+  "PyTorch's `num_batches_tracked`)."
+)
+_FIX_SHAPE = (
+  "build our layers with the source model's sizes; with PyTorch weights, "
+  "pass layout='torch' (Linear and Conv weights are transposed)."
+)
+_FIX_DTYPE = (
+  "dtypes must match exactly (no silent casts): cast the arrays "
+  "(`{k: v.astype(...) for k, v in flat.items()}`) or build our model with "
+  "that param_dtype."
+)
 
 
 def _torch_rule(e: Entry) -> tuple[str, tuple | None] | None:
@@ -86,26 +94,33 @@ def _full_axes(axes: tuple, e: Entry) -> tuple:
 
 def _check(layout, flat, what: str) -> None:
   if layout not in _LAYOUTS:
-    raise ValueError(f"{what}: layout= is 'jax' (our names and layouts) or 'torch' "
-                     f"(PyTorch's), got {layout!r}.")
-  if flat is not None and (not isinstance(flat, Mapping)
-                           or not all(isinstance(k, str) for k in flat)):
+    raise ValueError(
+      f"{what}: layout= is 'jax' (our names and layouts) or 'torch' (PyTorch's), got {layout!r}."
+    )
+  if flat is not None and (
+    not isinstance(flat, Mapping) or not all(isinstance(k, str) for k in flat)
+  ):
     raise TypeError(
-        f"{what} takes a flat mapping of dot-joined names to arrays, "
-        "{'layers.0.kernel': array, ...} (what safetensors.numpy.load_file returns), "
-        f"got {type(flat).__name__}"
-        + (" with keys that are not strings" if isinstance(flat, Mapping) else "")
-        + ". Flatten nested dicts first; for nnx or linen, use from_nnx / from_linen.")
+      f"{what} takes a flat mapping of dot-joined names to arrays, "
+      "{'layers.0.kernel': array, ...} (what safetensors.numpy.load_file returns), "
+      f"got {type(flat).__name__}"
+      + (" with keys that are not strings" if isinstance(flat, Mapping) else "")
+      + ". Flatten nested dicts first; for nnx or linen, use from_nnx / from_linen."
+    )
 
 
 def _entries(model, collections, what: str) -> list[Entry]:
   want = select_collections(collections, what)
-  return [e for e in entries(model, what)
-          if (e.collection != "rngs" if want is None else e.collection in want)]
+  return [
+    e
+    for e in entries(model, what)
+    if (e.collection != "rngs" if want is None else e.collection in want)
+  ]
 
 
-def from_state_dict(model, flat: Mapping, *, rename: Any = None, layout: str = "jax",
-                    collections: Any = None):
+def from_state_dict(
+  model, flat: Mapping, *, rename: Any = None, layout: str = "jax", collections: Any = None
+):
   r"""Loads a flat state dict ``{name: array}`` into ``model``, in place; returns it.
 
   Names are dot-joined paths with list indices as numbers (``layers.0.kernel``), as
@@ -155,20 +170,24 @@ def from_state_dict(model, flat: Mapping, *, rename: Any = None, layout: str = "
     out = [e.dotted(layer)]
     rule = _torch_rule(e) if torch else None
     if rule is not None and rule[0] != e.path[-1]:
-      out.append(out[0][:len(out[0]) - len(str(e.path[-1]))] + rule[0])
+      out.append(out[0][: len(out[0]) - len(str(e.path[-1]))] + rule[0])
     return out
 
-  sources = [Source(name, name, f"state dict `{name}`", value)
-             for name, value in flat.items()]
+  sources = [Source(name, name, f"state dict `{name}`", value) for name, value in flat.items()]
   found = match(ours, sources, names, rename, what, problems, "state dict")
   for e in found.missing:
     answers = " or ".join(f"`{n}`" for n in names(e, None))
     if e.layers:
-      answers += (f" (or, layer by layer, {' or '.join(f'`{n}`' for n in names(e, 0))}"
-                  f" … for its {e.layers} layers)")
-    problems.add(f"{e.where()}: the state dict has no "
-                 f"{'entry renamed to ' if rename is not None else ''}{answers}."
-                 f"{found.nearest_sources(e)}", _FIX_NAMES)
+      answers += (
+        f" (or, layer by layer, {' or '.join(f'`{n}`' for n in names(e, 0))}"
+        f" … for its {e.layers} layers)"
+      )
+    problems.add(
+      f"{e.where()}: the state dict has no "
+      f"{'entry renamed to ' if rename is not None else ''}{answers}."
+      f"{found.nearest_sources(e)}",
+      _FIX_NAMES,
+    )
   new: dict[tuple, Any] = {}
   for fill in found.fills:
     e = fill.entry
@@ -183,16 +202,18 @@ def from_state_dict(model, flat: Mapping, *, rename: Any = None, layout: str = "
       if all(v is not None for v in values):
         new[e.path] = placed_like(e.var, jnp.stack(values, axis=e.axis))
   for s in found.unused:
-    problems.add(f"{s.shown} ({array_str(s.leaf)})"
-                 + (f", renamed `{s.target}`," if s.target != s.name else "")
-                 + f" matches no variable of ours.{found.nearest_ours(s)}", _FIX_UNUSED)
+    problems.add(
+      f"{s.shown} ({array_str(s.leaf)})"
+      + (f", renamed `{s.target}`," if s.target != s.name else "")
+      + f" matches no variable of ours.{found.nearest_ours(s)}",
+      _FIX_UNUSED,
+    )
   problems.raise_if_any()
   update(model, State(new))
   return model
 
 
-def _value(e: Entry, s: Source, layer: int | None, axes: tuple | None,
-           problems: Problems):
+def _value(e: Entry, s: Source, layer: int | None, axes: tuple | None, problems: Problems):
   """``s``'s array in our layout (one layer's with ``layer``), or None after adding a
   problem."""
   value = s.leaf
@@ -205,22 +226,35 @@ def _value(e: Entry, s: Source, layer: int | None, axes: tuple | None,
   full = None if axes is None else axes if layer is not None else _full_axes(axes, e)
   expected = ours if full is None else tuple(ours[k] for k in np.argsort(full))
   if tuple(shape) != expected:
-    per_layer = (" per layer" if layer is not None else
-                 f" ({e.layers} layers on axis {e.axis})" if e.layers else "")
+    per_layer = (
+      " per layer"
+      if layer is not None
+      else f" ({e.layers} layers on axis {e.axis})"
+      if e.layers
+      else ""
+    )
     torch = "" if full is None else f", in PyTorch's layout {shape_str(expected)}"
-    problems.add(f"{where}: shape mismatch: ours is {shape_str(ours)}{per_layer}{torch}, "
-                 f"{s.label()} is {shape_str(tuple(shape))}.", _FIX_SHAPE)
+    problems.add(
+      f"{where}: shape mismatch: ours is {shape_str(ours)}{per_layer}{torch}, "
+      f"{s.label()} is {shape_str(tuple(shape))}.",
+      _FIX_SHAPE,
+    )
     return None
   if np.dtype(dtype) != np.dtype(e.dtype):
-    problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.",
-                 _FIX_DTYPE)
+    problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.", _FIX_DTYPE)
     return None
   value = jnp.asarray(value)
   return value if full is None else jnp.transpose(value, full)
 
 
-def to_state_dict(model, *, rename: Any = None, layout: str = "jax",
-                  unstack: bool | None = None, collections: Any = None) -> dict:
+def to_state_dict(
+  model,
+  *,
+  rename: Any = None,
+  layout: str = "jax",
+  unstack: bool | None = None,
+  collections: Any = None,
+) -> dict:
   r"""``model``'s variables as a flat state dict ``{name: numpy array}``.
 
   The reverse of ``from_state_dict``: names are our paths dot-joined
@@ -265,10 +299,11 @@ def to_state_dict(model, *, rename: Any = None, layout: str = "jax",
     rule = _torch_rule(e) if torch else None
     if rule is None:
       return name
-    return name[:len(name) - len(str(e.path[-1]))] + rule[0]
+    return name[: len(name) - len(str(e.path[-1]))] + rule[0]
 
-  names = made_names(ours, unstack, given, given, rename, what, problems,
-                     "state dict entry", nested=False)
+  names = made_names(
+    ours, unstack, given, given, rename, what, problems, "state dict entry", nested=False
+  )
   problems.raise_if_any()
   out = {}
   for e, layer, name in names:

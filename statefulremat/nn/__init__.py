@@ -5,6 +5,7 @@
 (1, 2)
 """
 
+from . import initializers as initializers
 from ._activations import PReLU as PReLU
 from ._activations import celu as celu
 from ._activations import elu as elu
@@ -62,34 +63,60 @@ from ._pooling import avg_pool as avg_pool
 from ._pooling import max_pool as max_pool
 from ._pooling import min_pool as min_pool
 from ._pooling import pool as pool
-from ._rnn import Bidirectional as Bidirectional
 from ._rnn import RNN as RNN
+from ._rnn import Bidirectional as Bidirectional
 from ._rope import rope as rope
 from ._sequential import Sequential as Sequential
 from ._weight_norms import SpectralNorm as SpectralNorm
 from ._weight_norms import WeightNorm as WeightNorm
-from . import initializers as initializers
-
 
 # The module-level names of the package, as an nnx or linen user may look for them here.
-_AT_TOP = ("Module", "Variable", "Param", "BatchStat", "Cache", "Intermediate", "Rngs",
-           "RngStream", "State", "Optimizer", "jit", "grad", "value_and_grad", "remat",
-           "scan", "vmap", "split", "merge", "state", "update", "graphdef", "clone",
-           "pop", "iter_graph", "summary", "display", "eval_shape")
+_AT_TOP = (
+  "Module",
+  "Variable",
+  "Param",
+  "BatchStat",
+  "Cache",
+  "Intermediate",
+  "Rngs",
+  "RngStream",
+  "State",
+  "Optimizer",
+  "jit",
+  "grad",
+  "value_and_grad",
+  "remat",
+  "scan",
+  "vmap",
+  "split",
+  "merge",
+  "state",
+  "update",
+  "graphdef",
+  "clone",
+  "pop",
+  "iter_graph",
+  "summary",
+  "display",
+  "eval_shape",
+)
 _ELSEWHERE = {name: f"use sr.{name} (it is at the top of the package)" for name in _AT_TOP}
-_ELSEWHERE.update({
+_ELSEWHERE.update(
+  {
     "Dict": "use sr.ModuleDict, or simply assign a dict to a Module attribute",
     "List": "use sr.ModuleList, or simply assign a list to a Module attribute",
     "tabulate": "use sr.summary(model, *inputs)",
     "Dense": "use sr.nn.Linear (flax.linen's Dense; parameters kernel and bias)",
     "DenseGeneral": "use sr.nn.LinearGeneral (flax.linen's DenseGeneral)",
-})
+  }
+)
 
 
 def __getattr__(name: str):
   # Names that live elsewhere say where; dunder and private names (probed by pytest,
   # doctest, pickle) and unknown names keep Python's plain AttributeError.
   if name in _ELSEWHERE:
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}: "
-                         f"{_ELSEWHERE[name]}", name=name, obj=None)
+    raise AttributeError(
+      f"module {__name__!r} has no attribute {name!r}: {_ELSEWHERE[name]}", name=name, obj=None
+    )
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

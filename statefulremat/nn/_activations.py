@@ -11,15 +11,38 @@ copies: ``sr.nn.relu is jax.nn.relu``, so ported nnx code computes the same thin
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.nn import (celu, elu, gelu, glu, hard_sigmoid, hard_silu, hard_swish,
-                    hard_tanh, identity, leaky_relu, log_sigmoid, log_softmax,
-                    logsumexp, one_hot, relu, relu6, selu, sigmoid, silu, soft_sign,
-                    softmax, softplus, standardize, swish)
+from jax.nn import (
+  celu,
+  elu,
+  gelu,
+  glu,
+  hard_sigmoid,
+  hard_silu,
+  hard_swish,
+  hard_tanh,
+  identity,
+  leaky_relu,
+  log_sigmoid,
+  log_softmax,
+  logsumexp,
+  one_hot,
+  relu,
+  relu6,
+  selu,
+  sigmoid,
+  silu,
+  soft_sign,
+  softmax,
+  softplus,
+  standardize,
+  swish,
+)
 from jax.numpy import tanh
 
 from ..core._kinds import Param
@@ -27,10 +50,32 @@ from ..core._module import Module
 from ._dtypes import promote_dtype as default_promote_dtype
 
 __all__ = [
-    "celu", "elu", "gelu", "glu", "hard_sigmoid", "hard_silu", "hard_swish",
-    "hard_tanh", "identity", "leaky_relu", "log_sigmoid", "log_softmax", "logsumexp",
-    "one_hot", "relu", "relu6", "selu", "sigmoid", "silu", "soft_sign", "softmax",
-    "softplus", "standardize", "swish", "tanh", "PReLU",
+  "celu",
+  "elu",
+  "gelu",
+  "glu",
+  "hard_sigmoid",
+  "hard_silu",
+  "hard_swish",
+  "hard_tanh",
+  "identity",
+  "leaky_relu",
+  "log_sigmoid",
+  "log_softmax",
+  "logsumexp",
+  "one_hot",
+  "relu",
+  "relu6",
+  "selu",
+  "sigmoid",
+  "silu",
+  "soft_sign",
+  "softmax",
+  "softplus",
+  "standardize",
+  "swish",
+  "tanh",
+  "PReLU",
 ]
 
 
@@ -54,12 +99,18 @@ class PReLU(Module):
   [-1.0, 3.0]
   """
 
-  def __init__(self, negative_slope_init: float = 0.01, *, dtype: Any = None,
-               param_dtype: Any = jnp.float32,
-               promote_dtype: Callable = default_promote_dtype,
-               negative_slope_metadata: Mapping[str, Any] = MappingProxyType({})):
-    self.negative_slope = Param(jnp.asarray(negative_slope_init, dtype=param_dtype),
-                                **(negative_slope_metadata or {}))
+  def __init__(
+    self,
+    negative_slope_init: float = 0.01,
+    *,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    promote_dtype: Callable = default_promote_dtype,
+    negative_slope_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
+    self.negative_slope = Param(
+      jnp.asarray(negative_slope_init, dtype=param_dtype), **(negative_slope_metadata or {})
+    )
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.promote_dtype = promote_dtype

@@ -10,7 +10,8 @@ Shapes follow nnx: ``query`` ``[batch..., q_length, num_heads, depth]``, ``key``
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +24,13 @@ def _validate_qkv_shapes(query, key, value=None):
   arrays = (query, key) if value is None else (query, key, value)
   names = "q, k" if value is None else "q, k, v"
   if not all(a.ndim == arrays[0].ndim for a in arrays[1:]):
-    raise ValueError(f"{names} must have the same rank, got "
-                     f"{', '.join(str(a.ndim) for a in arrays)}.")
+    raise ValueError(
+      f"{names} must have the same rank, got {', '.join(str(a.ndim) for a in arrays)}."
+    )
   if not all(a.shape[:-3] == arrays[0].shape[:-3] for a in arrays[1:]):
-    raise ValueError(f"{names} batch dims must match, got shapes "
-                     f"{', '.join(str(a.shape) for a in arrays)}.")
+    raise ValueError(
+      f"{names} batch dims must match, got shapes {', '.join(str(a.shape) for a in arrays)}."
+    )
 
 
 def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.float32) -> jax.Array | None:
@@ -48,9 +51,13 @@ def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.float32) -> jax.Arr
   return mask.astype(dtype)
 
 
-def make_attention_mask(query_input: jax.Array, key_input: jax.Array,
-                        pairwise_fn: Callable = jnp.multiply, extra_batch_dims: int = 0,
-                        dtype: Any = jnp.float32) -> jax.Array:
+def make_attention_mask(
+  query_input: jax.Array,
+  key_input: jax.Array,
+  pairwise_fn: Callable = jnp.multiply,
+  extra_batch_dims: int = 0,
+  dtype: Any = jnp.float32,
+) -> jax.Array:
   """A ``[batch..., 1, q_len, kv_len]`` mask from per-position query and key inputs.
 
   ``mask[..., 0, i, j] = pairwise_fn(query_input[..., i], key_input[..., j])``; e.g. a
@@ -67,8 +74,9 @@ def make_attention_mask(query_input: jax.Array, key_input: jax.Array,
   return mask.astype(dtype)
 
 
-def make_causal_mask(x: jax.Array, extra_batch_dims: int = 0,
-                     dtype: Any = jnp.float32) -> jax.Array:
+def make_causal_mask(
+  x: jax.Array, extra_batch_dims: int = 0, dtype: Any = jnp.float32
+) -> jax.Array:
   """A ``[batch..., 1, len, len]`` lower-triangular mask for ``x`` ``[batch..., len]``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
@@ -76,17 +84,25 @@ def make_causal_mask(x: jax.Array, extra_batch_dims: int = 0,
   [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
   """
   idxs = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
-  return make_attention_mask(idxs, idxs, jnp.greater_equal,
-                             extra_batch_dims=extra_batch_dims, dtype=dtype)
+  return make_attention_mask(
+    idxs, idxs, jnp.greater_equal, extra_batch_dims=extra_batch_dims, dtype=dtype
+  )
 
 
 def dot_product_attention_weights(
-    query: jax.Array, key: jax.Array, bias: jax.Array | None = None,
-    mask: jax.Array | None = None, broadcast_dropout: bool = True,
-    dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
-    deterministic: bool = False, dtype: Any = None, precision: Any = None,
-    promote_dtype: Callable = default_promote_dtype,
-    is_causal: bool = False) -> jax.Array:
+  query: jax.Array,
+  key: jax.Array,
+  bias: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  broadcast_dropout: bool = True,
+  dropout_rng: jax.Array | None = None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = False,
+  dtype: Any = None,
+  precision: Any = None,
+  promote_dtype: Callable = default_promote_dtype,
+  is_causal: bool = False,
+) -> jax.Array:
   """Attention weights ``softmax(q k^T / sqrt(depth) + bias)``: ``[batch..., heads, q, kv]``.
 
   ``mask`` is False (0) where a query must not attend; ``broadcast_dropout`` shares
@@ -107,8 +123,10 @@ def dot_product_attention_weights(
   is_gqa = q_heads != k_heads
   if is_gqa:
     if q_heads % k_heads:
-      raise ValueError(f"query heads ({q_heads}) must be a multiple of key heads "
-                       f"({k_heads}) for grouped-query attention.")
+      raise ValueError(
+        f"query heads ({q_heads}) must be a multiple of key heads "
+        f"({k_heads}) for grouped-query attention."
+      )
     query = query.reshape(query.shape[:-2] + (k_heads, q_heads // k_heads, query.shape[-1]))
     key = jnp.expand_dims(key, -2)
     einsum_str = "...qhgd,...kh1d->...hgqk"
@@ -126,10 +144,8 @@ def dot_product_attention_weights(
     masks = [] if mask is None else [mask]
     if is_causal:
       causal = jnp.tril(jnp.ones(weights.shape[-2:], dtype=dtype))
-      masks.append(jnp.broadcast_to(causal, mask.shape if mask is not None
-                                    else weights.shape))
-    weights = jnp.where(combine_masks(*masks, dtype=dtype), weights,
-                        jnp.finfo(dtype).min)
+      masks.append(jnp.broadcast_to(causal, mask.shape if mask is not None else weights.shape))
+    weights = jnp.where(combine_masks(*masks, dtype=dtype), weights, jnp.finfo(dtype).min)
   weights = jax.nn.softmax(weights).astype(dtype)
 
   if not deterministic and dropout_rate > 0.0:
@@ -151,12 +167,20 @@ def dot_product_attention_weights(
 
 
 def dot_product_attention(
-    query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
-    mask: jax.Array | None = None, broadcast_dropout: bool = True,
-    dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
-    deterministic: bool = False, dtype: Any = None, precision: Any = None,
-    promote_dtype: Callable = default_promote_dtype,
-    is_causal: bool = False) -> jax.Array:
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  bias: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  broadcast_dropout: bool = True,
+  dropout_rng: jax.Array | None = None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = False,
+  dtype: Any = None,
+  precision: Any = None,
+  promote_dtype: Callable = default_promote_dtype,
+  is_causal: bool = False,
+) -> jax.Array:
   """Attention of ``query`` over ``key``/``value``: ``[batch..., q_len, heads, v_depth]``.
 
   The same function as ``flax.nnx.dot_product_attention`` (without its ``module``
@@ -178,9 +202,10 @@ def dot_product_attention(
   if dropout_rate == 0.0:
     shape = query.shape
     if len(shape) > 4:
+
       def to_4d(x):
-        return None if x is None else jnp.reshape(
-            x, (math.prod(x.shape[:-3]), *x.shape[-3:]))
+        return None if x is None else jnp.reshape(x, (math.prod(x.shape[:-3]), *x.shape[-3:]))
+
       query, key, value, bias, mask = map(to_4d, (query, key, value, bias, mask))
     if mask is not None:
       mask = mask.astype(jnp.bool_)
@@ -188,16 +213,28 @@ def dot_product_attention(
     return jnp.reshape(out, shape) if len(shape) > 4 else out
 
   weights = dot_product_attention_weights(
-      query, key, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
-      deterministic, dtype, precision, promote_dtype, is_causal)
+    query,
+    key,
+    bias,
+    mask,
+    broadcast_dropout,
+    dropout_rng,
+    dropout_rate,
+    deterministic,
+    dtype,
+    precision,
+    promote_dtype,
+    is_causal,
+  )
   q_heads, v_heads = weights.shape[-3], value.shape[-2]
   if q_heads != v_heads:
     if q_heads % v_heads:
-      raise ValueError(f"query heads ({q_heads}) must be a multiple of value heads "
-                       f"({v_heads}).")
-    weights = weights.reshape(weights.shape[:-3] + (v_heads, q_heads // v_heads)
-                              + weights.shape[-2:])
-    out = jnp.einsum("...hgqk,...kh1d->...qhgd", weights, jnp.expand_dims(value, -2),
-                     precision=precision)
+      raise ValueError(f"query heads ({q_heads}) must be a multiple of value heads ({v_heads}).")
+    weights = weights.reshape(
+      weights.shape[:-3] + (v_heads, q_heads // v_heads) + weights.shape[-2:]
+    )
+    out = jnp.einsum(
+      "...hgqk,...kh1d->...qhgd", weights, jnp.expand_dims(value, -2), precision=precision
+    )
     return out.reshape(out.shape[:-3] + (q_heads, out.shape[-1]))
   return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)

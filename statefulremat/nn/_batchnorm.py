@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from ..core._errors import format_path
+from ..core._kinds import BatchStat, Param
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ..core._variables import path_of
-from ..core._kinds import BatchStat, Param
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._normalization import (check_feature_axes, canonicalize_axes, compute_stats,
-                             freeze_axes, normalize)
+from ._normalization import (
+  canonicalize_axes,
+  check_feature_axes,
+  compute_stats,
+  freeze_axes,
+  normalize,
+)
 from ._rngs_arg import check_rngs
 
 
@@ -59,29 +65,44 @@ class BatchNorm(Module):
   [2.25, 2.75, 3.25]
   """
 
-  def __init__(self, num_features: int, *, use_running_average: bool | None = False,
-               axis: int | tuple[int, ...] = -1, momentum: float = 0.99,
-               epsilon: float = 1e-5, dtype: Any = None,
-               param_dtype: Any = jnp.float32, use_bias: bool = True,
-               use_scale: bool = True,
-               bias_init: Callable = jax.nn.initializers.zeros,
-               scale_init: Callable = jax.nn.initializers.ones,
-               axis_name: str | None = None, axis_index_groups: Any = None,
-               use_fast_variance: bool = True,
-               promote_dtype: Callable = default_promote_dtype,
-               rngs: Rngs,
-               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-               scale_metadata: Mapping[str, Any] = MappingProxyType({}),
-               mean_metadata: Mapping[str, Any] = MappingProxyType({}),
-               var_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    num_features: int,
+    *,
+    use_running_average: bool | None = False,
+    axis: int | tuple[int, ...] = -1,
+    momentum: float = 0.99,
+    epsilon: float = 1e-5,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    use_bias: bool = True,
+    use_scale: bool = True,
+    bias_init: Callable = jax.nn.initializers.zeros,
+    scale_init: Callable = jax.nn.initializers.ones,
+    axis_name: str | None = None,
+    axis_index_groups: Any = None,
+    use_fast_variance: bool = True,
+    promote_dtype: Callable = default_promote_dtype,
+    rngs: Rngs,
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    mean_metadata: Mapping[str, Any] = MappingProxyType({}),
+    var_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("BatchNorm", rngs)
     shape = (num_features,)
     self.mean = BatchStat(jnp.zeros(shape, jnp.float32), **(mean_metadata or {}))
     self.var = BatchStat(jnp.ones(shape, jnp.float32), **(var_metadata or {}))
-    self.scale = (Param(scale_init(rngs.params(), shape, param_dtype),
-                        **(scale_metadata or {})) if use_scale else None)
-    self.bias = (Param(bias_init(rngs.params(), shape, param_dtype),
-                       **(bias_metadata or {})) if use_bias else None)
+    self.scale = (
+      Param(scale_init(rngs.params(), shape, param_dtype), **(scale_metadata or {}))
+      if use_scale
+      else None
+    )
+    self.bias = (
+      Param(bias_init(rngs.params(), shape, param_dtype), **(bias_metadata or {}))
+      if use_bias
+      else None
+    )
     self.num_features = num_features
     self.use_running_average = use_running_average
     self.axis = freeze_axes(axis)
@@ -96,8 +117,9 @@ class BatchNorm(Module):
     self.use_fast_variance = use_fast_variance
     self.promote_dtype = promote_dtype
 
-  def __call__(self, x: jax.Array, use_running_average: bool | None = None, *,
-               mask: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, use_running_average: bool | None = None, *, mask: jax.Array | None = None
+  ) -> jax.Array:
     """Normalises ``x``; ``use_running_average`` overrides the layer's mode for this call.
 
     ``mask`` (same rank as ``x``) restricts the batch statistics to its entries.
@@ -106,11 +128,11 @@ class BatchNorm(Module):
       use_running_average = self.use_running_average
     if use_running_average is None:
       raise ValueError(
-          "BatchNorm does not know whether to use batch statistics: its "
-          "use_running_average is None. Either set the mode on the model "
-          "(`model.train()` / `model.eval()`), build it with "
-          "`BatchNorm(..., use_running_average=False)`, or call "
-          "`bn(x, use_running_average=True)`."
+        "BatchNorm does not know whether to use batch statistics: its "
+        "use_running_average is None. Either set the mode on the model "
+        "(`model.train()` / `model.eval()`), build it with "
+        "`BatchNorm(..., use_running_average=False)`, or call "
+        "`bn(x, use_running_average=True)`."
       )
     check_feature_axes("BatchNorm", x, self.axis, self.num_features, self, "axis")
     feature_axes = canonicalize_axes(x.ndim, self.axis)
@@ -118,29 +140,38 @@ class BatchNorm(Module):
     scale = self.scale.value if self.scale is not None else None
     bias = self.bias.value if self.bias is not None else None
     x, mean, var, scale, bias = self.promote_dtype(
-        (x, self.mean.value, self.var.value, scale, bias), dtype=self.dtype)
+      (x, self.mean.value, self.var.value, scale, bias), dtype=self.dtype
+    )
     if not use_running_average:
       if not math.prod(x.shape[a] for a in reduction_axes):
         self._refuse_empty(x.shape, reduction_axes)
-      mean, var = compute_stats(x, reduction_axes, self.dtype, self.axis_name,
-                                self.axis_index_groups,
-                                use_fast_variance=self.use_fast_variance, mask=mask)
+      mean, var = compute_stats(
+        x,
+        reduction_axes,
+        self.dtype,
+        self.axis_name,
+        self.axis_index_groups,
+        use_fast_variance=self.use_fast_variance,
+        mask=mask,
+      )
       # Batch statistics are a flat (features,) vector whatever the feature axes.
       mean, var = mean.reshape(-1), var.reshape(-1)
       m = self.momentum
       self.mean.value = m * self.mean.value + (1 - m) * mean
       self.var.value = m * self.var.value + (1 - m) * var
-    return normalize(x, mean, var, scale, bias, reduction_axes, feature_axes,
-                     self.dtype, self.epsilon)
+    return normalize(
+      x, mean, var, scale, bias, reduction_axes, feature_axes, self.dtype, self.epsilon
+    )
 
   def _refuse_empty(self, shape: tuple, reduction_axes: tuple) -> None:
     # Shapes are static, so this raises while tracing too: before anything is written.
     path = path_of(self)
     where = f"BatchNorm at `{format_path(path)}`" if path else "BatchNorm"
     raise ValueError(
-        f"{where}: training on an empty batch (input shape {tuple(shape)}, no entries "
-        f"along the axes {reduction_axes} it averages over). Its batch statistics would "
-        "be NaN, and so, for good, would the running averages `mean` and `var`; nothing "
-        "was changed. Fix: skip the step when the batch is empty (e.g. `if "
-        "x.shape[0]:`), or normalise with the running averages: "
-        "`bn(x, use_running_average=True)` or `model.eval()`.")
+      f"{where}: training on an empty batch (input shape {tuple(shape)}, no entries "
+      f"along the axes {reduction_axes} it averages over). Its batch statistics would "
+      "be NaN, and so, for good, would the running averages `mean` and `var`; nothing "
+      "was changed. Fix: skip the step when the batch is empty (e.g. `if "
+      "x.shape[0]:`), or normalise with the running averages: "
+      "`bn(x, use_running_average=True)` or `model.eval()`."
+    )

@@ -10,8 +10,9 @@ of an nnx cell into ours with no rename.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,9 +71,19 @@ class RNNCellBase(Module):
   #: subclass of this base with a carry of its own is not checked)
   _checks_steps = False
 
-  def _setup(self, name: str, in_features: int, hidden_features: int, *, dtype: Any,
-             param_dtype: Any, carry_init: Callable | None, promote_dtype: Callable,
-             keep_rngs: bool, rngs: Rngs) -> None:
+  def _setup(
+    self,
+    name: str,
+    in_features: int,
+    hidden_features: int,
+    *,
+    dtype: Any,
+    param_dtype: Any,
+    carry_init: Callable | None,
+    promote_dtype: Callable,
+    keep_rngs: bool,
+    rngs: Rngs,
+  ) -> None:
     check_rngs(name, rngs)
     for arg, value in (("in_features", in_features), ("hidden_features", hidden_features)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -84,18 +95,23 @@ class RNNCellBase(Module):
     self.promote_dtype = promote_dtype
     if keep_rngs:
       warnings.warn(
-          f"{name}(keep_rngs=True) is deprecated, as in flax.nnx: pass the rngs to "
-          "`initialize_carry(input_shape, rngs)` (or `RNN(...)(x, rngs=rngs)`) instead.",
-          DeprecationWarning, stacklevel=3)
+        f"{name}(keep_rngs=True) is deprecated, as in flax.nnx: pass the rngs to "
+        "`initialize_carry(input_shape, rngs)` (or `RNN(...)(x, rngs=rngs)`) instead.",
+        DeprecationWarning,
+        stacklevel=3,
+      )
       self.rngs = RngStream(rngs.carry(), tag="carry")
     else:
       self.rngs = None
     if carry_init is not None:
       warnings.warn(
-          f"{name}: carry_init given to the constructor, as flax.nnx still allows but "
-          "warns about: two cells that differ only in it have different graph "
-          "definitions. Pass it to `initialize_carry(input_shape, rngs, carry_init=...)` "
-          "instead.", UserWarning, stacklevel=3)
+        f"{name}: carry_init given to the constructor, as flax.nnx still allows but "
+        "warns about: two cells that differ only in it have different graph "
+        "definitions. Pass it to `initialize_carry(input_shape, rngs, carry_init=...)` "
+        "instead.",
+        UserWarning,
+        stacklevel=3,
+      )
     self.carry_init = carry_init
 
   @property
@@ -103,8 +119,12 @@ class RNNCellBase(Module):
     """How many trailing axes of the input are features (1 for these cells)."""
     return 1
 
-  def initialize_carry(self, input_shape: tuple, rngs: Rngs | RngStream | None = None,
-                       carry_init: Callable | None = None):
+  def initialize_carry(
+    self,
+    input_shape: tuple,
+    rngs: Rngs | RngStream | None = None,
+    carry_init: Callable | None = None,
+  ):
     """The carry for a time step of inputs of shape ``input_shape`` ``(*batch, in)``.
 
     Each carry array has shape ``(*batch, hidden_features)`` and dtype ``param_dtype``:
@@ -129,9 +149,10 @@ class RNNCellBase(Module):
       rngs = rngs.carry
     if rngs is None:
       raise ValueError(
-          f"{where(self)}: initialize_carry with carry_init={init!r} draws keys, but no "
-          "rngs was given and the cell keeps none. Fix: pass them, "
-          "`cell.initialize_carry(input_shape, sr.Rngs(0))` (its `carry` stream).")
+        f"{where(self)}: initialize_carry with carry_init={init!r} draws keys, but no "
+        "rngs was given and the cell keeps none. Fix: pass them, "
+        "`cell.initialize_carry(input_shape, sr.Rngs(0))` (its `carry` stream)."
+      )
     carries = tuple(init(rngs(), shape, self.param_dtype) for _ in range(self._carry_arity))
     return carries if self._carry_arity == 2 else carries[0]
 
@@ -153,12 +174,16 @@ class RNNCellBase(Module):
       return
     input_shape = tuple(input_shape)
     if not input_shape or input_shape[-1] != self.in_features:
-      fix = (f"build the cell with in_features={input_shape[-1]}" if input_shape else
-             "give the input a feature axis, e.g. `x[..., None]`")
+      fix = (
+        f"build the cell with in_features={input_shape[-1]}"
+        if input_shape
+        else "give the input a feature axis, e.g. `x[..., None]`"
+      )
       raise ValueError(
-          f"{where(self)} was built with in_features={self.in_features} but got an "
-          f"input of shape {input_shape} (expected (*batch, {self.in_features})). Fix "
-          f"the input, or {fix}.")
+        f"{where(self)} was built with in_features={self.in_features} but got an "
+        f"input of shape {input_shape} (expected (*batch, {self.in_features})). Fix "
+        f"the input, or {fix}."
+      )
     expected = self.carry_shapes(input_shape)
     if self._carry_arity == 2:
       ok = isinstance(carry, (tuple, list)) and len(carry) == 2
@@ -174,19 +199,40 @@ class RNNCellBase(Module):
     if not ok:
       got = jax.tree.map(lambda leaf: tuple(jnp.shape(leaf)), carry)
       raise ValueError(
-          f"{where(self)}: the carry has shapes {got}, but for inputs of shape "
-          f"{input_shape} it must be {want} (batch dims, then hidden_features="
-          f"{self.hidden_features}). Fix: start from "
-          f"`cell.initialize_carry({input_shape})`.")
+        f"{where(self)}: the carry has shapes {got}, but for inputs of shape "
+        f"{input_shape} it must be {want} (batch dims, then hidden_features="
+        f"{self.hidden_features}). Fix: start from "
+        f"`cell.initialize_carry({input_shape})`."
+      )
 
 
-def _linear(in_features: int, out_features: int, *, use_bias: bool, kernel_init,
-            bias_init=default_bias_init, dtype, param_dtype, promote_dtype, rngs,
-            kernel_metadata, bias_metadata=MappingProxyType({})) -> Linear:
-  return Linear(in_features, out_features, use_bias=use_bias, kernel_init=kernel_init,
-                bias_init=bias_init, dtype=dtype, param_dtype=param_dtype,
-                promote_dtype=promote_dtype, rngs=rngs, kernel_metadata=kernel_metadata,
-                bias_metadata=bias_metadata if use_bias else MappingProxyType({}))
+def _linear(
+  in_features: int,
+  out_features: int,
+  *,
+  use_bias: bool,
+  kernel_init,
+  bias_init=default_bias_init,
+  dtype,
+  param_dtype,
+  promote_dtype,
+  rngs,
+  kernel_metadata,
+  bias_metadata=MappingProxyType({}),
+) -> Linear:
+  return Linear(
+    in_features,
+    out_features,
+    use_bias=use_bias,
+    kernel_init=kernel_init,
+    bias_init=bias_init,
+    dtype=dtype,
+    param_dtype=param_dtype,
+    promote_dtype=promote_dtype,
+    rngs=rngs,
+    kernel_metadata=kernel_metadata,
+    bias_metadata=bias_metadata if use_bias else MappingProxyType({}),
+  )
 
 
 _EMPTY = MappingProxyType({})
@@ -231,33 +277,62 @@ class LSTMCell(RNNCellBase):
   _carry_arity = 2
   _checks_steps = True
 
-  def __init__(self, in_features: int, hidden_features: int, *,
-               gate_fn: Callable = jax.nn.sigmoid, activation_fn: Callable = jnp.tanh,
-               kernel_init: Callable = default_kernel_init,
-               recurrent_kernel_init: Callable = modified_orthogonal,
-               bias_init: Callable = default_bias_init, dtype: Any = None,
-               param_dtype: Any = jnp.float32, carry_init: Callable | None = None,
-               promote_dtype: Callable = default_promote_dtype, keep_rngs: bool = False,
-               rngs: Rngs, kernel_metadata: Mapping[str, Any] = _EMPTY,
-               recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
-               bias_metadata: Mapping[str, Any] = _EMPTY):
-    self._setup("LSTMCell", in_features, hidden_features, dtype=dtype,
-                param_dtype=param_dtype, carry_init=carry_init,
-                promote_dtype=promote_dtype, keep_rngs=keep_rngs, rngs=rngs)
+  def __init__(
+    self,
+    in_features: int,
+    hidden_features: int,
+    *,
+    gate_fn: Callable = jax.nn.sigmoid,
+    activation_fn: Callable = jnp.tanh,
+    kernel_init: Callable = default_kernel_init,
+    recurrent_kernel_init: Callable = modified_orthogonal,
+    bias_init: Callable = default_bias_init,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    carry_init: Callable | None = None,
+    promote_dtype: Callable = default_promote_dtype,
+    keep_rngs: bool = False,
+    rngs: Rngs,
+    kernel_metadata: Mapping[str, Any] = _EMPTY,
+    recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
+    bias_metadata: Mapping[str, Any] = _EMPTY,
+  ):
+    self._setup(
+      "LSTMCell",
+      in_features,
+      hidden_features,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      carry_init=carry_init,
+      promote_dtype=promote_dtype,
+      keep_rngs=keep_rngs,
+      rngs=rngs,
+    )
     self.gate_fn = gate_fn
     self.activation_fn = activation_fn
-    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype,
-                  rngs=rngs)
+    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype, rngs=rngs)
 
     def dense_i():  # input and recurrent terms are summed: one bias is enough
-      return _linear(in_features, hidden_features, use_bias=False,
-                     kernel_init=kernel_init, kernel_metadata=kernel_metadata, **common)
+      return _linear(
+        in_features,
+        hidden_features,
+        use_bias=False,
+        kernel_init=kernel_init,
+        kernel_metadata=kernel_metadata,
+        **common,
+      )
 
     def dense_h():
-      return _linear(hidden_features, hidden_features, use_bias=True,
-                     kernel_init=recurrent_kernel_init, bias_init=bias_init,
-                     kernel_metadata=recurrent_kernel_metadata,
-                     bias_metadata=bias_metadata, **common)
+      return _linear(
+        hidden_features,
+        hidden_features,
+        use_bias=True,
+        kernel_init=recurrent_kernel_init,
+        bias_init=bias_init,
+        kernel_metadata=recurrent_kernel_metadata,
+        bias_metadata=bias_metadata,
+        **common,
+      )
 
     self.ii, self.if_, self.ig, self.io = dense_i(), dense_i(), dense_i(), dense_i()
     self.hi, self.hf, self.hg, self.ho = dense_h(), dense_h(), dense_h(), dense_h()
@@ -296,30 +371,58 @@ class OptimizedLSTMCell(RNNCellBase):
   _carry_arity = 2
   _checks_steps = True
 
-  def __init__(self, in_features: int, hidden_features: int, *,
-               gate_fn: Callable = jax.nn.sigmoid, activation_fn: Callable = jnp.tanh,
-               kernel_init: Callable = default_kernel_init,
-               recurrent_kernel_init: Callable = _orthogonal,
-               bias_init: Callable = default_bias_init, dtype: Any = None,
-               param_dtype: Any = jnp.float32, carry_init: Callable | None = None,
-               promote_dtype: Callable = default_promote_dtype, keep_rngs: bool = False,
-               rngs: Rngs, kernel_metadata: Mapping[str, Any] = _EMPTY,
-               recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
-               bias_metadata: Mapping[str, Any] = _EMPTY):
-    self._setup("OptimizedLSTMCell", in_features, hidden_features, dtype=dtype,
-                param_dtype=param_dtype, carry_init=carry_init,
-                promote_dtype=promote_dtype, keep_rngs=keep_rngs, rngs=rngs)
+  def __init__(
+    self,
+    in_features: int,
+    hidden_features: int,
+    *,
+    gate_fn: Callable = jax.nn.sigmoid,
+    activation_fn: Callable = jnp.tanh,
+    kernel_init: Callable = default_kernel_init,
+    recurrent_kernel_init: Callable = _orthogonal,
+    bias_init: Callable = default_bias_init,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    carry_init: Callable | None = None,
+    promote_dtype: Callable = default_promote_dtype,
+    keep_rngs: bool = False,
+    rngs: Rngs,
+    kernel_metadata: Mapping[str, Any] = _EMPTY,
+    recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
+    bias_metadata: Mapping[str, Any] = _EMPTY,
+  ):
+    self._setup(
+      "OptimizedLSTMCell",
+      in_features,
+      hidden_features,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      carry_init=carry_init,
+      promote_dtype=promote_dtype,
+      keep_rngs=keep_rngs,
+      rngs=rngs,
+    )
     self.gate_fn = gate_fn
     self.activation_fn = activation_fn
-    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype,
-                  rngs=rngs)
-    self.dense_i = _linear(in_features, 4 * hidden_features, use_bias=False,
-                           kernel_init=kernel_init, kernel_metadata=kernel_metadata,
-                           **common)
-    self.dense_h = _linear(hidden_features, 4 * hidden_features, use_bias=True,
-                           kernel_init=recurrent_kernel_init, bias_init=bias_init,
-                           kernel_metadata=recurrent_kernel_metadata,
-                           bias_metadata=bias_metadata, **common)
+    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype, rngs=rngs)
+    self.dense_i = _linear(
+      in_features,
+      4 * hidden_features,
+      use_bias=False,
+      kernel_init=kernel_init,
+      kernel_metadata=kernel_metadata,
+      **common,
+    )
+    self.dense_h = _linear(
+      hidden_features,
+      4 * hidden_features,
+      use_bias=True,
+      kernel_init=recurrent_kernel_init,
+      bias_init=bias_init,
+      kernel_metadata=recurrent_kernel_metadata,
+      bias_metadata=bias_metadata,
+      **common,
+    )
 
   def __call__(self, carry, inputs: jax.Array):
     """One step: ``((c, h), x) -> ((c', h'), h')``."""
@@ -350,32 +453,59 @@ class SimpleCell(RNNCellBase):
 
   _checks_steps = True
 
-  def __init__(self, in_features: int, hidden_features: int, *,
-               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-               carry_init: Callable | None = None, residual: bool = False,
-               activation_fn: Callable = jnp.tanh,
-               kernel_init: Callable = default_kernel_init,
-               recurrent_kernel_init: Callable = _orthogonal,
-               bias_init: Callable = default_bias_init,
-               promote_dtype: Callable = default_promote_dtype, keep_rngs: bool = False,
-               rngs: Rngs, kernel_metadata: Mapping[str, Any] = _EMPTY,
-               recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
-               bias_metadata: Mapping[str, Any] = _EMPTY):
-    self._setup("SimpleCell", in_features, hidden_features, dtype=dtype,
-                param_dtype=param_dtype, carry_init=carry_init,
-                promote_dtype=promote_dtype, keep_rngs=keep_rngs, rngs=rngs)
+  def __init__(
+    self,
+    in_features: int,
+    hidden_features: int,
+    *,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    carry_init: Callable | None = None,
+    residual: bool = False,
+    activation_fn: Callable = jnp.tanh,
+    kernel_init: Callable = default_kernel_init,
+    recurrent_kernel_init: Callable = _orthogonal,
+    bias_init: Callable = default_bias_init,
+    promote_dtype: Callable = default_promote_dtype,
+    keep_rngs: bool = False,
+    rngs: Rngs,
+    kernel_metadata: Mapping[str, Any] = _EMPTY,
+    recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
+    bias_metadata: Mapping[str, Any] = _EMPTY,
+  ):
+    self._setup(
+      "SimpleCell",
+      in_features,
+      hidden_features,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      carry_init=carry_init,
+      promote_dtype=promote_dtype,
+      keep_rngs=keep_rngs,
+      rngs=rngs,
+    )
     self.residual = residual
     self.activation_fn = activation_fn
-    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype,
-                  rngs=rngs)
+    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype, rngs=rngs)
     # nnx builds the recurrent layer first: the same draws from rngs.params.
-    self.dense_h = _linear(hidden_features, hidden_features, use_bias=False,
-                           kernel_init=recurrent_kernel_init,
-                           kernel_metadata=recurrent_kernel_metadata, **common)
-    self.dense_i = _linear(in_features, hidden_features, use_bias=True,
-                           kernel_init=kernel_init, bias_init=bias_init,
-                           kernel_metadata=kernel_metadata, bias_metadata=bias_metadata,
-                           **common)
+    self.dense_h = _linear(
+      hidden_features,
+      hidden_features,
+      use_bias=False,
+      kernel_init=recurrent_kernel_init,
+      kernel_metadata=recurrent_kernel_metadata,
+      **common,
+    )
+    self.dense_i = _linear(
+      in_features,
+      hidden_features,
+      use_bias=True,
+      kernel_init=kernel_init,
+      bias_init=bias_init,
+      kernel_metadata=kernel_metadata,
+      bias_metadata=bias_metadata,
+      **common,
+    )
 
   def __call__(self, carry: jax.Array, inputs: jax.Array):
     """One step: ``(h, x) -> (h', h')``."""
@@ -410,30 +540,58 @@ class GRUCell(RNNCellBase):
 
   _checks_steps = True
 
-  def __init__(self, in_features: int, hidden_features: int, *,
-               gate_fn: Callable = jax.nn.sigmoid, activation_fn: Callable = jnp.tanh,
-               kernel_init: Callable = default_kernel_init,
-               recurrent_kernel_init: Callable = _orthogonal,
-               bias_init: Callable = default_bias_init, dtype: Any = None,
-               param_dtype: Any = jnp.float32, carry_init: Callable | None = None,
-               promote_dtype: Callable = default_promote_dtype, keep_rngs: bool = False,
-               rngs: Rngs, kernel_metadata: Mapping[str, Any] = _EMPTY,
-               recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
-               bias_metadata: Mapping[str, Any] = _EMPTY):
-    self._setup("GRUCell", in_features, hidden_features, dtype=dtype,
-                param_dtype=param_dtype, carry_init=carry_init,
-                promote_dtype=promote_dtype, keep_rngs=keep_rngs, rngs=rngs)
+  def __init__(
+    self,
+    in_features: int,
+    hidden_features: int,
+    *,
+    gate_fn: Callable = jax.nn.sigmoid,
+    activation_fn: Callable = jnp.tanh,
+    kernel_init: Callable = default_kernel_init,
+    recurrent_kernel_init: Callable = _orthogonal,
+    bias_init: Callable = default_bias_init,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    carry_init: Callable | None = None,
+    promote_dtype: Callable = default_promote_dtype,
+    keep_rngs: bool = False,
+    rngs: Rngs,
+    kernel_metadata: Mapping[str, Any] = _EMPTY,
+    recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
+    bias_metadata: Mapping[str, Any] = _EMPTY,
+  ):
+    self._setup(
+      "GRUCell",
+      in_features,
+      hidden_features,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      carry_init=carry_init,
+      promote_dtype=promote_dtype,
+      keep_rngs=keep_rngs,
+      rngs=rngs,
+    )
     self.gate_fn = gate_fn
     self.activation_fn = activation_fn
-    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype,
-                  rngs=rngs)
-    self.dense_i = _linear(in_features, 3 * hidden_features, use_bias=True,
-                           kernel_init=kernel_init, bias_init=bias_init,
-                           kernel_metadata=kernel_metadata, bias_metadata=bias_metadata,
-                           **common)
-    self.dense_h = _linear(hidden_features, 3 * hidden_features, use_bias=False,
-                           kernel_init=recurrent_kernel_init,
-                           kernel_metadata=recurrent_kernel_metadata, **common)
+    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype, rngs=rngs)
+    self.dense_i = _linear(
+      in_features,
+      3 * hidden_features,
+      use_bias=True,
+      kernel_init=kernel_init,
+      bias_init=bias_init,
+      kernel_metadata=kernel_metadata,
+      bias_metadata=bias_metadata,
+      **common,
+    )
+    self.dense_h = _linear(
+      hidden_features,
+      3 * hidden_features,
+      use_bias=False,
+      kernel_init=recurrent_kernel_init,
+      kernel_metadata=recurrent_kernel_metadata,
+      **common,
+    )
 
   def __call__(self, carry: jax.Array, inputs: jax.Array):
     """One step: ``(h, x) -> (h', h')``."""

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
-from ..core._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
 from ._linear import default_bias_init, default_kernel_init, located
@@ -31,14 +32,25 @@ def per_axis(x, rank: int) -> tuple[int, ...]:
   return (x,) * rank if isinstance(x, int) else tuple(x)
 
 
-def kernel_and_bias(kernel_shape: tuple, out_features: int, use_bias: bool, kernel_init,
-                    bias_init, param_dtype, kernel_metadata, bias_metadata, rngs):
+def kernel_and_bias(
+  kernel_shape: tuple,
+  out_features: int,
+  use_bias: bool,
+  kernel_init,
+  bias_init,
+  param_dtype,
+  kernel_metadata,
+  bias_metadata,
+  rngs,
+):
   """The ``kernel`` and ``bias`` Params of Conv and ConvTranspose (bias None if unused),
   drawn in that order from ``rngs.params``, as nnx draws them."""
-  kernel = Param(kernel_init(rngs.params(), kernel_shape, param_dtype),
-                 **(kernel_metadata or {}))
-  bias = (Param(bias_init(rngs.params(), (out_features,), param_dtype),
-                **(bias_metadata or {})) if use_bias else None)
+  kernel = Param(kernel_init(rngs.params(), kernel_shape, param_dtype), **(kernel_metadata or {}))
+  bias = (
+    Param(bias_init(rngs.params(), (out_features,), param_dtype), **(bias_metadata or {}))
+    if use_bias
+    else None
+  )
   return kernel, bias
 
 
@@ -65,13 +77,14 @@ def canonicalize_padding(padding: Any, rank: int) -> Any:
     if len(pairs) == rank:
       return tuple(pairs)
   raise ValueError(
-      f"invalid Conv padding {padding!r}: use 'SAME', 'VALID', 'CIRCULAR', 'REFLECT', "
-      f"'CAUSAL', an int, or a sequence of {rank} ints or (low, high) pairs."
+    f"invalid Conv padding {padding!r}: use 'SAME', 'VALID', 'CIRCULAR', 'REFLECT', "
+    f"'CAUSAL', an int, or a sequence of {rank} ints or (low, high) pairs."
   )
 
 
-def _refuse_channels(shape: tuple, n_spatial: int, in_features: int,
-                     module: Any = None, layer: str = "Conv") -> None:
+def _refuse_channels(
+  shape: tuple, n_spatial: int, in_features: int, module: Any = None, layer: str = "Conv"
+) -> None:
   """The error for an input whose last axis is not ``in_features`` channels.
 
   An input laid out channels-first (PyTorch's NCHW), ``(*batch, in_features,
@@ -91,35 +104,47 @@ def _refuse_channels(shape: tuple, n_spatial: int, in_features: int,
     perm = tuple(i for i in range(len(shape)) if i != channel) + (channel,)
     names = {1: "W", 2: "HW", 3: "DHW"}.get(n_spatial, "")
     layout = f" (N{names}C, as flax; not PyTorch's NC{names})" if names else ""
-    raise ValueError(located(
+    raise ValueError(
+      located(
         f"{layer} takes channels-last inputs{layout}: (*batch, *spatial, in_features="
         f"{in_features}), but got an input of shape {tuple(shape)}, whose axis "
         f"{channel} has the {in_features} channels (channels-first). Fix: move the "
         f"channel axis last, `jnp.moveaxis(x, {channel}, -1)` (the same as "
         f"`x.transpose{perm}`), once on the data; outputs are channels-last too.",
-        module))
-  raise ValueError(located(
+        module,
+      )
+    )
+  raise ValueError(
+    located(
       f"{layer} was built with in_features={in_features} but got an input of shape "
       f"{tuple(shape)}: inputs are channels-last, (*batch, *spatial, channels), so "
       f"the last axis must have size {in_features}. Expected shape: "
       f"{tuple(shape[:-1]) + (in_features,)}. Fix the input, or build the layer with "
-      f"in_features={shape[-1]}.", module))
+      f"in_features={shape[-1]}.",
+      module,
+    )
+  )
 
 
-def check_conv_input(layer: str, inputs: jax.Array, kernel_size: tuple,
-                     in_features: int, module: Any = None) -> None:
+def check_conv_input(
+  layer: str, inputs: jax.Array, kernel_size: tuple, in_features: int, module: Any = None
+) -> None:
   """Raises a ValueError naming ``module``'s path and the expected shape unless
   ``inputs`` is ``(*batch, *spatial, in_features)`` with one spatial axis per entry
   of ``kernel_size``."""
   n_spatial = len(kernel_size)
   if inputs.ndim < n_spatial + 1:
     spatial = ", ".join(f"s{i}" for i in range(n_spatial))
-    raise ValueError(located(
+    raise ValueError(
+      located(
         f"{layer} with kernel_size={kernel_size} needs inputs of shape (*batch, "
         f"{spatial}, {in_features}), channels-last, of rank at least {n_spatial + 1}, "
         f"but got one of shape {tuple(inputs.shape)}. Fix: add the "
         f"missing spatial axes (a 1-D sequence of length n is (batch, n, "
-        f"{in_features})).", module))
+        f"{in_features})).",
+        module,
+      )
+    )
   if inputs.shape[-1] != in_features:
     _refuse_channels(inputs.shape, n_spatial, in_features, module, layer)
 
@@ -154,36 +179,50 @@ class Conv(Module):
   ((3, 3, 3, 4), (1, 4, 4, 4))
   """
 
-  def __init__(self, in_features: int, out_features: int,
-               kernel_size: int | Sequence[int],
-               strides: None | int | Sequence[int] = 1, *,
-               padding: Any = "SAME",
-               input_dilation: None | int | Sequence[int] = 1,
-               kernel_dilation: None | int | Sequence[int] = 1,
-               feature_group_count: int = 1,
-               use_bias: bool = True,
-               dtype: Any = None, param_dtype: Any = jnp.float32,
-               precision: Any = None,
-               kernel_init: Callable = default_kernel_init,
-               bias_init: Callable = default_bias_init,
-               conv_general_dilated: Callable = lax.conv_general_dilated,
-               promote_dtype: Callable = default_promote_dtype,
-               preferred_element_type: Any = None,
-               rngs: Rngs,
-               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-               bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    kernel_size: int | Sequence[int],
+    strides: None | int | Sequence[int] = 1,
+    *,
+    padding: Any = "SAME",
+    input_dilation: None | int | Sequence[int] = 1,
+    kernel_dilation: None | int | Sequence[int] = 1,
+    feature_group_count: int = 1,
+    use_bias: bool = True,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    precision: Any = None,
+    kernel_init: Callable = default_kernel_init,
+    bias_init: Callable = default_bias_init,
+    conv_general_dilated: Callable = lax.conv_general_dilated,
+    promote_dtype: Callable = default_promote_dtype,
+    preferred_element_type: Any = None,
+    rngs: Rngs,
+    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("Conv", rngs)
     kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
     if in_features % feature_group_count or out_features % feature_group_count:
       raise ValueError(
-          f"Conv: in_features={in_features} and out_features={out_features} must both "
-          f"be divisible by feature_group_count={feature_group_count}."
+        f"Conv: in_features={in_features} and out_features={out_features} must both "
+        f"be divisible by feature_group_count={feature_group_count}."
       )
     canonicalize_padding(padding, len(kernel_size))  # fail early on a bad padding
     self.kernel_shape = kernel_size + (in_features // feature_group_count, out_features)
     self.kernel, self.bias = kernel_and_bias(
-        self.kernel_shape, out_features, use_bias, kernel_init, bias_init, param_dtype,
-        kernel_metadata, bias_metadata, rngs)
+      self.kernel_shape,
+      out_features,
+      use_bias,
+      kernel_init,
+      bias_init,
+      param_dtype,
+      kernel_metadata,
+      bias_metadata,
+      rngs,
+    )
     self.in_features = in_features
     self.out_features = out_features
     self.kernel_size = kernel_size
@@ -230,8 +269,7 @@ class Conv(Module):
       padding = "VALID"
     elif padding == "CAUSAL":
       if n_spatial != 1:
-        raise ValueError(
-            "Conv: 'CAUSAL' padding is only implemented for 1-D convolutions.")
+        raise ValueError("Conv: 'CAUSAL' padding is only implemented for 1-D convolutions.")
       left = kernel_dilation[0] * (self.kernel_size[0] - 1)
       inputs = jnp.pad(inputs, [(0, 0), (left, 0), (0, 0)])
       padding = "VALID"
@@ -242,10 +280,8 @@ class Conv(Module):
     dimension_numbers = lax.ConvDimensionNumbers(lhs_spec, rhs_spec, lhs_spec)
 
     bias = self.bias.value if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
-                                              dtype=self.dtype)
-    if out_sharding is None and (specs := explicit_specs("Conv", inputs=inputs,
-                                                          kernel=kernel)):
+    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias), dtype=self.dtype)
+    if out_sharding is None and (specs := explicit_specs("Conv", inputs=inputs, kernel=kernel)):
       # Explicit mesh axes: the input's batch (and spatial) axes, the kernel's output
       # channels.
       out_sharding = sharding_like(specs[0][:-1] + specs[1][-1:], specs)
@@ -253,10 +289,17 @@ class Conv(Module):
     if self.preferred_element_type is not None:
       kwargs["preferred_element_type"] = self.preferred_element_type
     y = self.conv_general_dilated(
-        inputs, kernel, strides, padding, lhs_dilation=input_dilation,
-        rhs_dilation=kernel_dilation, dimension_numbers=dimension_numbers,
-        feature_group_count=self.feature_group_count, precision=self.precision,
-        **kwargs)
+      inputs,
+      kernel,
+      strides,
+      padding,
+      lhs_dilation=input_dilation,
+      rhs_dilation=kernel_dilation,
+      dimension_numbers=dimension_numbers,
+      feature_group_count=self.feature_group_count,
+      precision=self.precision,
+      **kwargs,
+    )
     if bias is not None:
       y += lax.expand_dims(bias, tuple(range(y.ndim - 1)))  # lax: cheap to trace
     if n_batch != 1:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +12,7 @@ from jax import lax
 
 from ..core._module import Module
 from ..core._rngs import Rngs
-from ._conv import (_freeze, canonicalize_padding, check_conv_input, kernel_and_bias,
-                    per_axis)
+from ._conv import _freeze, canonicalize_padding, check_conv_input, kernel_and_bias, per_axis
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._linear import default_bias_init, default_kernel_init
 from ._rngs_arg import check_rngs
@@ -47,36 +47,50 @@ class ConvTranspose(Module):
   ((3, 3, 3, 4), (1, 8, 8, 4))
   """
 
-  def __init__(self, in_features: int, out_features: int,
-               kernel_size: int | Sequence[int],
-               strides: None | int | Sequence[int] = None, *,
-               padding: Any = "SAME",
-               kernel_dilation: None | int | Sequence[int] = None,
-               use_bias: bool = True,
-               dtype: Any = None, param_dtype: Any = jnp.float32,
-               precision: Any = None,
-               kernel_init: Callable = default_kernel_init,
-               bias_init: Callable = default_bias_init,
-               transpose_kernel: bool = False,
-               promote_dtype: Callable = default_promote_dtype,
-               preferred_element_type: Any = None,
-               rngs: Rngs,
-               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-               bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    kernel_size: int | Sequence[int],
+    strides: None | int | Sequence[int] = None,
+    *,
+    padding: Any = "SAME",
+    kernel_dilation: None | int | Sequence[int] = None,
+    use_bias: bool = True,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    precision: Any = None,
+    kernel_init: Callable = default_kernel_init,
+    bias_init: Callable = default_bias_init,
+    transpose_kernel: bool = False,
+    promote_dtype: Callable = default_promote_dtype,
+    preferred_element_type: Any = None,
+    rngs: Rngs,
+    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("ConvTranspose", rngs)
     kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
     if isinstance(padding, str) and padding not in ("SAME", "VALID", "CIRCULAR"):
       raise ValueError(
-          f"ConvTranspose: padding={padding!r} is not supported; use 'SAME', 'VALID', "
-          f"'CIRCULAR', an int, or a sequence of {len(kernel_size)} ints or (low, "
-          "high) pairs.")
+        f"ConvTranspose: padding={padding!r} is not supported; use 'SAME', 'VALID', "
+        f"'CIRCULAR', an int, or a sequence of {len(kernel_size)} ints or (low, "
+        "high) pairs."
+      )
     canonicalize_padding(padding, len(kernel_size))  # fail early on a bad padding
-    channels = ((out_features, in_features) if transpose_kernel else
-                (in_features, out_features))
+    channels = (out_features, in_features) if transpose_kernel else (in_features, out_features)
     self.kernel_shape = kernel_size + channels
     self.kernel, self.bias = kernel_and_bias(
-        self.kernel_shape, out_features, use_bias, kernel_init, bias_init, param_dtype,
-        kernel_metadata, bias_metadata, rngs)
+      self.kernel_shape,
+      out_features,
+      use_bias,
+      kernel_init,
+      bias_init,
+      param_dtype,
+      kernel_metadata,
+      bias_metadata,
+      rngs,
+    )
     self.in_features = in_features
     self.out_features = out_features
     self.kernel_size = kernel_size
@@ -105,13 +119,17 @@ class ConvTranspose(Module):
     strides = self._per_axis(self.strides)
     padding = canonicalize_padding(self.padding, n_spatial)
     bias = self.bias.value if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
-                                              dtype=self.dtype)
+    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias), dtype=self.dtype)
     y = lax.conv_transpose(
-        inputs, kernel, strides, "VALID" if padding == "CIRCULAR" else padding,
-        rhs_dilation=self._per_axis(self.kernel_dilation),
-        transpose_kernel=self.transpose_kernel, precision=self.precision,
-        preferred_element_type=self.preferred_element_type)
+      inputs,
+      kernel,
+      strides,
+      "VALID" if padding == "CIRCULAR" else padding,
+      rhs_dilation=self._per_axis(self.kernel_dilation),
+      transpose_kernel=self.transpose_kernel,
+      precision=self.precision,
+      preferred_element_type=self.preferred_element_type,
+    )
     if padding == "CIRCULAR":
       y = self._wrap(y, [n * s for n, s in zip(inputs.shape[1:-1], strides)])
     if bias is not None:
@@ -132,9 +150,10 @@ class ConvTranspose(Module):
     pads = []
     for size, period in zip(y.shape[1:-1], periods):
       extra = -(size - period) % (2 * period)
-      pads.append((extra // 2, (extra + 1) // 2) if self.transpose_kernel else
-                  ((extra + 1) // 2, extra // 2))
+      pads.append(
+        (extra // 2, (extra + 1) // 2) if self.transpose_kernel else ((extra + 1) // 2, extra // 2)
+      )
     y = jnp.pad(y, [(0, 0)] + pads + [(0, 0)])
     for i, period in enumerate(periods, start=1):
-      y = y.reshape(y.shape[:i] + (-1, period) + y.shape[i + 1:]).sum(axis=i)
+      y = y.reshape(y.shape[:i] + (-1, period) + y.shape[i + 1 :]).sum(axis=i)
     return y

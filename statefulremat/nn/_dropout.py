@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +22,19 @@ def draw_key(rngs, name: str, layer: str) -> jax.Array:
     return rngs()
   if rngs is None:
     raise ValueError(
-        f"{layer} is in training mode but has no RNG to draw its mask from. Fix: build "
-        f"it with `rngs=sr.Rngs({name}=0)` (or any Rngs with a {name!r} or default "
-        f"stream), pass `rngs=sr.Rngs({name}=...)` to the call, or switch to evaluation "
-        "mode (`model.eval()` / `deterministic=True`)."
+      f"{layer} is in training mode but has no RNG to draw its mask from. Fix: build "
+      f"it with `rngs=sr.Rngs({name}=0)` (or any Rngs with a {name!r} or default "
+      f"stream), pass `rngs=sr.Rngs({name}=...)` to the call, or switch to evaluation "
+      "mode (`model.eval()` / `deterministic=True`)."
     )
-  if isinstance(rngs, jax.Array) and (jnp.issubdtype(rngs.dtype, jax.dtypes.prng_key) or (
-      rngs.dtype == jnp.uint32 and rngs.shape[-1:] == (2,))):
+  if isinstance(rngs, jax.Array) and (
+    jnp.issubdtype(rngs.dtype, jax.dtypes.prng_key)
+    or (rngs.dtype == jnp.uint32 and rngs.shape[-1:] == (2,))
+  ):
     return rngs
-  raise TypeError(f"{layer}: rngs must be an sr.Rngs, an sr.RngStream or a JAX key, got "
-                  f"{type(rngs).__name__}.")
+  raise TypeError(
+    f"{layer}: rngs must be an sr.Rngs, an sr.RngStream or a JAX key, got {type(rngs).__name__}."
+  )
 
 
 class Dropout(Module):
@@ -63,9 +66,15 @@ class Dropout(Module):
   [1.0, 1.0, 1.0]
   """
 
-  def __init__(self, rate: float, *, broadcast_dims: Sequence[int] = (),
-               deterministic: bool | None = False, rng_collection: str = "dropout",
-               rngs: Rngs | RngStream | None = None):
+  def __init__(
+    self,
+    rate: float,
+    *,
+    broadcast_dims: Sequence[int] = (),
+    deterministic: bool | None = False,
+    rng_collection: str = "dropout",
+    rngs: Rngs | RngStream | None = None,
+  ):
     check_rngs("Dropout", rngs, optional=True, stream=True)
     if not 0.0 <= rate <= 1.0:
       raise ValueError(f"Dropout rate must be in [0, 1], got {rate}.")
@@ -75,8 +84,13 @@ class Dropout(Module):
     self.rng_collection = rng_collection
     self.rngs = rngs
 
-  def __call__(self, inputs: jax.Array, *, deterministic: bool | None = None,
-               rngs: Rngs | RngStream | jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    inputs: jax.Array,
+    *,
+    deterministic: bool | None = None,
+    rngs: Rngs | RngStream | jax.Array | None = None,
+  ) -> jax.Array:
     """Applies dropout; ``deterministic`` / ``rngs`` override the layer's, this call.
 
     Under explicit mesh axes the mask is drawn with the input's sharding.
@@ -85,17 +99,16 @@ class Dropout(Module):
       deterministic = self.deterministic
     if deterministic is None:
       raise ValueError(
-          "Dropout does not know whether it is training: its deterministic is None. "
-          "Set the mode (`model.train()` / `model.eval()`), build it with "
-          "`Dropout(..., deterministic=False)`, or call `drop(x, deterministic=True)`."
+        "Dropout does not know whether it is training: its deterministic is None. "
+        "Set the mode (`model.train()` / `model.eval()`), build it with "
+        "`Dropout(..., deterministic=False)`, or call `drop(x, deterministic=True)`."
       )
     if self.rate == 0.0 or deterministic:
       return inputs
     # rate 1 would divide by a zero keep probability (NaN gradients): zeros instead.
     if self.rate == 1.0:
       return jnp.zeros_like(inputs)
-    key = draw_key(rngs if rngs is not None else self.rngs, self.rng_collection,
-                   "Dropout")
+    key = draw_key(rngs if rngs is not None else self.rngs, self.rng_collection, "Dropout")
     keep_prob = 1.0 - self.rate
     shape = list(inputs.shape)
     for dim in self.broadcast_dims:
@@ -105,8 +118,7 @@ class Dropout(Module):
       # replicated along the broadcast (size-1) axes, then broadcast it back there.
       drawn = sharding_like(drop_dims(specs[0], self.broadcast_dims), specs)
       mask = jax.random.bernoulli(key, p=keep_prob, shape=shape, out_sharding=drawn)
-      mask = jnp.broadcast_to(mask, inputs.shape,
-                              out_sharding=jax.typeof(inputs).sharding)
+      mask = jnp.broadcast_to(mask, inputs.shape, out_sharding=jax.typeof(inputs).sharding)
     else:
       mask = jax.random.bernoulli(key, p=keep_prob, shape=shape)
       mask = jnp.broadcast_to(mask, inputs.shape)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import string
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,17 +21,20 @@ from ._rngs_arg import check_rngs
 def _check_einsum_str(einsum_str: str, where: str = "Einsum") -> str:
   """``einsum_str`` without spaces; raises unless it is ``'lhs,rhs->out'``."""
   if not isinstance(einsum_str, str):
-    raise TypeError(f"{where}: einsum_str must be a string such as '...d,dh->...h', "
-                    f"got {einsum_str!r}.")
+    raise TypeError(
+      f"{where}: einsum_str must be a string such as '...d,dh->...h', got {einsum_str!r}."
+    )
   einsum_str = einsum_str.replace(" ", "")
   if "->" not in einsum_str:
     raise ValueError(
-        f"{where}: einsum_str={einsum_str!r} must be explicit, with '->' and the "
-        f"output's axes, e.g. {einsum_str + '->...'!r} spelled out.")
+      f"{where}: einsum_str={einsum_str!r} must be explicit, with '->' and the "
+      f"output's axes, e.g. {einsum_str + '->...'!r} spelled out."
+    )
   if einsum_str.count(",") != 1:
     raise ValueError(
-        f"{where}: einsum_str={einsum_str!r} must have exactly two operands, the input "
-        f"and the kernel (one ','), not {einsum_str.count(',') + 1}.")
+      f"{where}: einsum_str={einsum_str!r} must have exactly two operands, the input "
+      f"and the kernel (one ','), not {einsum_str.count(',') + 1}."
+    )
   return einsum_str
 
 
@@ -39,7 +43,7 @@ def _expand(term: str, ndim: int, fill: str) -> str:
   if "..." not in term:
     return term
   n = ndim - (len(term) - 3)
-  return term.replace("...", fill[len(fill) - n:] if n > 0 else "")
+  return term.replace("...", fill[len(fill) - n :] if n > 0 else "")
 
 
 class Einsum(Module):
@@ -64,32 +68,43 @@ class Einsum(Module):
   (3, 5, 2, 4)
   """
 
-  def __init__(self, einsum_str: str, kernel_shape: Sequence[int],
-               bias_shape: Sequence[int] | None = None, *, dtype: Any = None,
-               param_dtype: Any = jnp.float32, precision: Any = None,
-               kernel_init: Callable = default_kernel_init,
-               bias_init: Callable = default_bias_init,
-               promote_dtype: Callable = default_promote_dtype,
-               einsum_op: Callable = jnp.einsum,
-               preferred_element_type: Any = None,
-               rngs: Rngs,
-               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-               bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    einsum_str: str,
+    kernel_shape: Sequence[int],
+    bias_shape: Sequence[int] | None = None,
+    *,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    precision: Any = None,
+    kernel_init: Callable = default_kernel_init,
+    bias_init: Callable = default_bias_init,
+    promote_dtype: Callable = default_promote_dtype,
+    einsum_op: Callable = jnp.einsum,
+    preferred_element_type: Any = None,
+    rngs: Rngs,
+    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("Einsum", rngs)
     einsum_str = _check_einsum_str(einsum_str)
     kernel_shape = tuple(kernel_shape)
     kernel_term = einsum_str.split("->")[0].split(",")[1]
     if "..." not in kernel_term and len(kernel_term) != len(kernel_shape):
       raise ValueError(
-          f"Einsum: einsum_str={einsum_str!r} names {len(kernel_term)} kernel axes "
-          f"('{kernel_term}') but kernel_shape={kernel_shape} has {len(kernel_shape)}. "
-          "Fix: one kernel_shape entry per letter of the second operand.")
+        f"Einsum: einsum_str={einsum_str!r} names {len(kernel_term)} kernel axes "
+        f"('{kernel_term}') but kernel_shape={kernel_shape} has {len(kernel_shape)}. "
+        "Fix: one kernel_shape entry per letter of the second operand."
+      )
     bias_shape = None if bias_shape is None else tuple(bias_shape)
-    self.kernel = Param(kernel_init(rngs.params(), kernel_shape, param_dtype),
-                        **(kernel_metadata or {}))
-    self.bias = (None if bias_shape is None else
-                 Param(bias_init(rngs.params(), bias_shape, param_dtype),
-                       **(bias_metadata or {})))
+    self.kernel = Param(
+      kernel_init(rngs.params(), kernel_shape, param_dtype), **(kernel_metadata or {})
+    )
+    self.bias = (
+      None
+      if bias_shape is None
+      else Param(bias_init(rngs.params(), bias_shape, param_dtype), **(bias_metadata or {}))
+    )
     self.einsum_str = einsum_str
     self.kernel_shape = kernel_shape
     self.bias_shape = bias_shape
@@ -100,15 +115,15 @@ class Einsum(Module):
     self.einsum_op = einsum_op
     self.preferred_element_type = preferred_element_type
 
-  def __call__(self, inputs: jax.Array, einsum_str: str | None = None,
-               out_sharding: Any = None) -> jax.Array:
+  def __call__(
+    self, inputs: jax.Array, einsum_str: str | None = None, out_sharding: Any = None
+  ) -> jax.Array:
     """Contracts ``inputs`` with the kernel by ``einsum_str`` (default: the layer's)."""
     einsum_str = _check_einsum_str(self.einsum_str if einsum_str is None else einsum_str)
     lhs, rhs, out = self._terms(einsum_str, jnp.ndim(inputs))
     self._check_input(einsum_str, lhs, rhs, inputs)
     bias = self.bias.value if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
-                                              dtype=self.dtype)
+    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias), dtype=self.dtype)
     # Only pass what is set, so a user's einsum_op without these keywords works.
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
     if self.preferred_element_type is not None:
@@ -137,16 +152,19 @@ class Einsum(Module):
     not fit ``lhs`` (rank, or a size shared with the kernel)."""
     shape = tuple(jnp.shape(inputs))
     kernel_size = dict(zip(rhs, self.kernel_shape))
-    if len(lhs) == len(shape) and all(kernel_size.get(c, n) == n
-                                      for c, n in zip(lhs, shape)):
+    if len(lhs) == len(shape) and all(kernel_size.get(c, n) == n for c, n in zip(lhs, shape)):
       return
     if len(lhs) == len(shape):
       want = [kernel_size.get(c, n) for c, n in zip(lhs, shape)]
     else:
       want = [kernel_size.get(c, c) for c in lhs]
-    raise ValueError(located(
+    raise ValueError(
+      located(
         f"Einsum {einsum_str!r} with a kernel of shape {self.kernel_shape} got an "
         f"input of shape {shape}; expected shape ({', '.join(map(str, want))}"
         f"{',' if len(want) == 1 else ''}) (input axes '{lhs}': the sizes of the "
         "letters it shares with the kernel must match the kernel's). Fix the input, "
-        "or the einsum_str / kernel_shape the layer was built with.", self))
+        "or the einsum_str / kernel_shape the layer was built with.",
+        self,
+      )
+    )

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
-from ..core._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
 from ._linear import check_features, located
 from ._rngs_arg import check_rngs
 
-default_embed_init = jax.nn.initializers.variance_scaling(
-    1.0, "fan_in", "normal", out_axis=0)
+default_embed_init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
 
 
 class Embed(Module):
@@ -43,16 +43,23 @@ class Embed(Module):
   ((1, 3, 4), (2, 10))
   """
 
-  def __init__(self, num_embeddings: int, features: int, *, dtype: Any = None,
-               param_dtype: Any = jnp.float32,
-               embedding_init: Callable = default_embed_init,
-               promote_dtype: Callable = default_promote_dtype,
-               rngs: Rngs,
-               embedding_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    num_embeddings: int,
+    features: int,
+    *,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    embedding_init: Callable = default_embed_init,
+    promote_dtype: Callable = default_promote_dtype,
+    rngs: Rngs,
+    embedding_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("Embed", rngs)
     self.embedding = Param(
-        embedding_init(rngs.params(), (num_embeddings, features), param_dtype),
-        **(embedding_metadata or {}))
+      embedding_init(rngs.params(), (num_embeddings, features), param_dtype),
+      **(embedding_metadata or {}),
+    )
     self.num_embeddings = num_embeddings
     self.features = features
     self.dtype = dtype or self.embedding.dtype
@@ -67,16 +74,20 @@ class Embed(Module):
     """
     inputs = jnp.asarray(inputs)
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
-      raise ValueError(located(
+      raise ValueError(
+        located(
           f"Embed takes integer ids, got an input of dtype {inputs.dtype} and shape "
           f"{tuple(inputs.shape)}; expected an integer array (of any shape; the output "
           f"is its shape + ({self.features},)). Fix: cast the ids "
-          "(`x.astype(jnp.int32)`), or use `embed.attend(x)` for float queries.", self))
-    (embedding,) = self.promote_dtype((self.embedding.value,), dtype=self.dtype,
-                                      inexact=False)
+          "(`x.astype(jnp.int32)`), or use `embed.attend(x)` for float queries.",
+          self,
+        )
+      )
+    (embedding,) = self.promote_dtype((self.embedding.value,), dtype=self.dtype, inexact=False)
     shape = inputs.shape + (self.features,)
-    if out_sharding is None and (specs := explicit_specs("Embed", embedding=embedding,
-                                                          inputs=inputs)):
+    if out_sharding is None and (
+      specs := explicit_specs("Embed", embedding=embedding, inputs=inputs)
+    ):
       # Explicit mesh axes: the ids' axes, then the table's feature axis.
       sharding = sharding_like(specs[1] + specs[0][1:], specs)
       if self.num_embeddings == 1:
@@ -86,8 +97,7 @@ class Embed(Module):
     if self.num_embeddings == 1:
       return jnp.broadcast_to(embedding, shape)
     if out_sharding is not None:
-      take = jax.sharding.auto_axes(lambda e, i: jnp.take(e, i, axis=0),
-                                    out_sharding=out_sharding)
+      take = jax.sharding.auto_axes(lambda e, i: jnp.take(e, i, axis=0), out_sharding=out_sharding)
       return take(embedding, inputs)
     return jnp.take(embedding, inputs, axis=0)
 
@@ -102,11 +112,11 @@ class Embed(Module):
     >>> embed.attend(jnp.ones(3)).shape
     (5,)
     """
-    check_features("Embed.attend", query, -1, self.features,
-                   name="features", module=self)
+    check_features("Embed.attend", query, -1, self.features, name="features", module=self)
     query, embedding = self.promote_dtype((query, self.embedding.value), dtype=self.dtype)
-    if out_sharding is None and (specs := explicit_specs("Embed.attend", query=query,
-                                                          embedding=embedding)):
+    if out_sharding is None and (
+      specs := explicit_specs("Embed.attend", query=query, embedding=embedding)
+    ):
       # Explicit mesh axes: the query's batch axes, then the table's vocabulary axis.
       out_sharding = sharding_like(specs[0][:-1] + specs[1][:1], specs)
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}

@@ -19,7 +19,7 @@ True
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -49,8 +49,7 @@ def explicit_specs(layer: str, **arrays) -> Specs | None:
       break
   else:
     return None
-  specs = Specs(tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
-                for a in avals)
+  specs = Specs(tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec)) for a in avals)
   specs.mesh = _one_mesh(layer, arrays, avals)
   return specs
 
@@ -62,17 +61,19 @@ def _aval(x):
 
 def _one_mesh(layer: str, arrays: dict, avals: list):
   """The mesh of every array that has one; raises if two differ."""
-  named = [(name, aval.sharding.mesh) for name, aval in zip(arrays, avals)
-           if not aval.sharding.mesh.empty]
+  named = [
+    (name, aval.sharding.mesh) for name, aval in zip(arrays, avals) if not aval.sharding.mesh.empty
+  ]
   first, first_mesh = named[0]
   for name, mesh in named[1:]:
     if mesh != first_mesh:
       raise ShardingError(
-          f"{layer}: `{name}` lives on mesh {describe_mesh(mesh)} but `{first}` on "
-          f"{describe_mesh(first_mesh)}; under explicit mesh axes every array of one op "
-          "must be on the same mesh. Fix: shard the model on the mesh its inputs use, "
-          "`sr.shard(model, mesh, rules)` with the mesh you put the batch on (and "
-          "`with jax.set_mesh(mesh):` around the calls).")
+        f"{layer}: `{name}` lives on mesh {describe_mesh(mesh)} but `{first}` on "
+        f"{describe_mesh(first_mesh)}; under explicit mesh axes every array of one op "
+        "must be on the same mesh. Fix: shard the model on the mesh its inputs use, "
+        "`sr.shard(model, mesh, rules)` with the mesh you put the batch on (and "
+        "`with jax.set_mesh(mesh):` around the calls)."
+      )
   return first_mesh
 
 
@@ -98,8 +99,9 @@ def dedupe(entries: Sequence) -> tuple:
     axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     kept = tuple(a for a in axes if a not in used)
     used.update(kept)
-    out.append(entry if kept == axes and kept else
-               None if not kept else kept[0] if len(kept) == 1 else kept)
+    out.append(
+      entry if kept == axes and kept else None if not kept else kept[0] if len(kept) == 1 else kept
+    )
   return tuple(out)
 
 

@@ -6,8 +6,9 @@ float32, ``normalize`` as LayerNorm's); the feature axis is the last for GroupNo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,19 +18,40 @@ from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._linear import located
-from ._normalization import (canonicalize_axes, check_feature_axes, compute_stats,
-                             freeze_axes, normalize)
+from ._normalization import (
+  canonicalize_axes,
+  check_feature_axes,
+  compute_stats,
+  freeze_axes,
+  normalize,
+)
 from ._rngs_arg import check_rngs
 
 
-def _scale_bias(layer, num_features, use_scale, use_bias, scale_init, bias_init,
-                param_dtype, rngs, scale_metadata, bias_metadata):
+def _scale_bias(
+  layer,
+  num_features,
+  use_scale,
+  use_bias,
+  scale_init,
+  bias_init,
+  param_dtype,
+  rngs,
+  scale_metadata,
+  bias_metadata,
+):
   """Sets ``layer.scale`` then ``layer.bias`` (that order of keys, as nnx)."""
   shape = (num_features,)
-  layer.scale = (Param(scale_init(rngs.params(), shape, param_dtype),
-                       **(scale_metadata or {})) if use_scale else None)
-  layer.bias = (Param(bias_init(rngs.params(), shape, param_dtype),
-                      **(bias_metadata or {})) if use_bias else None)
+  layer.scale = (
+    Param(scale_init(rngs.params(), shape, param_dtype), **(scale_metadata or {}))
+    if use_scale
+    else None
+  )
+  layer.bias = (
+    Param(bias_init(rngs.params(), shape, param_dtype), **(bias_metadata or {}))
+    if use_bias
+    else None
+  )
 
 
 class GroupNorm(Module):
@@ -58,38 +80,60 @@ class GroupNorm(Module):
   ((2, 5, 6), (6,), 1.0)
   """
 
-  def __init__(self, num_features: int, num_groups: int | None = 32,
-               group_size: int | None = None, *, epsilon: float = 1e-6,
-               dtype: Any = None, param_dtype: Any = jnp.float32,
-               use_bias: bool = True, use_scale: bool = True,
-               bias_init: Callable = jax.nn.initializers.zeros,
-               scale_init: Callable = jax.nn.initializers.ones,
-               reduction_axes: int | Sequence[int] | None = None,
-               axis_name: str | None = None, axis_index_groups: Any = None,
-               use_fast_variance: bool = True,
-               promote_dtype: Callable = default_promote_dtype,
-               rngs: Rngs,
-               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-               scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    num_features: int,
+    num_groups: int | None = 32,
+    group_size: int | None = None,
+    *,
+    epsilon: float = 1e-6,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    use_bias: bool = True,
+    use_scale: bool = True,
+    bias_init: Callable = jax.nn.initializers.zeros,
+    scale_init: Callable = jax.nn.initializers.ones,
+    reduction_axes: int | Sequence[int] | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: Any = None,
+    use_fast_variance: bool = True,
+    promote_dtype: Callable = default_promote_dtype,
+    rngs: Rngs,
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("GroupNorm", rngs)
     if (num_groups is None) == (group_size is None):
       raise ValueError(
-          f"GroupNorm: give exactly one of num_groups and group_size, got num_groups="
-          f"{num_groups} and group_size={group_size}. num_groups defaults to 32; to "
-          "give group_size, pass `num_groups=None, group_size=...`.")
+        f"GroupNorm: give exactly one of num_groups and group_size, got num_groups="
+        f"{num_groups} and group_size={group_size}. num_groups defaults to 32; to "
+        "give group_size, pass `num_groups=None, group_size=...`."
+      )
     if group_size is not None:
       if not isinstance(group_size, int) or group_size <= 0 or num_features % group_size:
         raise ValueError(
-            f"GroupNorm: group_size={group_size} does not divide num_features="
-            f"{num_features}. Fix: a group_size among the divisors of {num_features}.")
+          f"GroupNorm: group_size={group_size} does not divide num_features="
+          f"{num_features}. Fix: a group_size among the divisors of {num_features}."
+        )
       num_groups = num_features // group_size
     elif not isinstance(num_groups, int) or num_groups <= 0 or num_features % num_groups:
       raise ValueError(
-          f"GroupNorm: num_groups={num_groups} does not divide num_features="
-          f"{num_features}. Fix: a num_groups among the divisors of {num_features} "
-          "(the default is 32).")
-    _scale_bias(self, num_features, use_scale, use_bias, scale_init, bias_init,
-                param_dtype, rngs, scale_metadata, bias_metadata)
+        f"GroupNorm: num_groups={num_groups} does not divide num_features="
+        f"{num_features}. Fix: a num_groups among the divisors of {num_features} "
+        "(the default is 32)."
+      )
+    _scale_bias(
+      self,
+      num_features,
+      use_scale,
+      use_bias,
+      scale_init,
+      bias_init,
+      param_dtype,
+      rngs,
+      scale_metadata,
+      bias_metadata,
+    )
     self.feature_axis = -1
     self.num_features = num_features
     self.num_groups = num_groups
@@ -109,10 +153,14 @@ class GroupNorm(Module):
     """Normalises ``x`` of shape ``(batch, ..., num_features)``; ``mask`` (same shape)
     restricts the statistics to its entries."""
     if x.ndim < 2:
-      raise ValueError(located(
+      raise ValueError(
+        located(
           f"GroupNorm takes inputs of shape (batch, ..., {self.num_features}), rank at "
           f"least 2 (the first axis is the batch, never averaged over), but got one of "
-          f"shape {tuple(x.shape)}. Fix: add the batch axis, `x[None]`.", self))
+          f"shape {tuple(x.shape)}. Fix: add the batch axis, `x[None]`.",
+          self,
+        )
+      )
     check_feature_axes("GroupNorm", x, -1, self.num_features, self)
     if self.reduction_axes is not None:
       reduction_axes = self.reduction_axes
@@ -125,15 +173,22 @@ class GroupNorm(Module):
     scale = self.scale.value if self.scale is not None else None
     bias = self.bias.value if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-    mean, var = compute_stats(x.reshape(groups), list(reduction_axes[:-1]) + [-1],
-                              self.dtype, self.axis_name, self.axis_index_groups,
-                              use_fast_variance=self.use_fast_variance, mask=mask)
+    mean, var = compute_stats(
+      x.reshape(groups),
+      list(reduction_axes[:-1]) + [-1],
+      self.dtype,
+      self.axis_name,
+      self.axis_index_groups,
+      use_fast_variance=self.use_fast_variance,
+      mask=mask,
+    )
     # The groups axis is the statistics' last; nnx repeats along axis 1, the same
     # for the default reduction axes and wrong (silently) for others.
     mean = jnp.repeat(mean, self.group_size, axis=-1)
     var = jnp.repeat(var, self.group_size, axis=-1)
-    return normalize(x, mean, var, scale, bias, reduction_axes[:-1],
-                     (self.feature_axis,), self.dtype, self.epsilon)
+    return normalize(
+      x, mean, var, scale, bias, reduction_axes[:-1], (self.feature_axis,), self.dtype, self.epsilon
+    )
 
 
 class InstanceNorm(Module):
@@ -156,21 +211,39 @@ class InstanceNorm(Module):
   ((2, 8, 3), True)
   """
 
-  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Any = None,
-               param_dtype: Any = jnp.float32, use_bias: bool = True,
-               use_scale: bool = True,
-               bias_init: Callable = jax.nn.initializers.zeros,
-               scale_init: Callable = jax.nn.initializers.ones,
-               feature_axes: int | Sequence[int] = -1,
-               axis_name: str | None = None, axis_index_groups: Any = None,
-               use_fast_variance: bool = True,
-               promote_dtype: Callable = default_promote_dtype,
-               rngs: Rngs,
-               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-               scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    num_features: int,
+    *,
+    epsilon: float = 1e-6,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    use_bias: bool = True,
+    use_scale: bool = True,
+    bias_init: Callable = jax.nn.initializers.zeros,
+    scale_init: Callable = jax.nn.initializers.ones,
+    feature_axes: int | Sequence[int] = -1,
+    axis_name: str | None = None,
+    axis_index_groups: Any = None,
+    use_fast_variance: bool = True,
+    promote_dtype: Callable = default_promote_dtype,
+    rngs: Rngs,
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("InstanceNorm", rngs)
-    _scale_bias(self, num_features, use_scale, use_bias, scale_init, bias_init,
-                param_dtype, rngs, scale_metadata, bias_metadata)
+    _scale_bias(
+      self,
+      num_features,
+      use_scale,
+      use_bias,
+      scale_init,
+      bias_init,
+      param_dtype,
+      rngs,
+      scale_metadata,
+      bias_metadata,
+    )
     self.num_features = num_features
     self.epsilon = epsilon
     self.dtype = dtype
@@ -189,16 +262,27 @@ class InstanceNorm(Module):
     check_feature_axes("InstanceNorm", x, self.feature_axes, self.num_features, self)
     feature_axes = canonicalize_axes(x.ndim, self.feature_axes)
     if 0 in feature_axes:
-      raise ValueError(located(
+      raise ValueError(
+        located(
           f"InstanceNorm: feature_axes={self.feature_axes} includes axis 0 of the input "
           f"of shape {tuple(x.shape)}, but axis 0 is the batch. Fix: add a batch axis "
-          "(`x[None]`), or build the layer with feature axes after the first.", self))
+          "(`x[None]`), or build the layer with feature axes after the first.",
+          self,
+        )
+      )
     reduction_axes = [i for i in range(1, x.ndim) if i not in feature_axes]
     scale = self.scale.value if self.scale is not None else None
     bias = self.bias.value if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-    mean, var = compute_stats(x, reduction_axes, self.dtype, self.axis_name,
-                              self.axis_index_groups,
-                              use_fast_variance=self.use_fast_variance, mask=mask)
-    return normalize(x, mean, var, scale, bias, reduction_axes, feature_axes,
-                     self.dtype, self.epsilon)
+    mean, var = compute_stats(
+      x,
+      reduction_axes,
+      self.dtype,
+      self.axis_name,
+      self.axis_index_groups,
+      use_fast_variance=self.use_fast_variance,
+      mask=mask,
+    )
+    return normalize(
+      x, mean, var, scale, bias, reduction_axes, feature_axes, self.dtype, self.epsilon
+    )

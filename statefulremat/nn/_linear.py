@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..core._errors import format_path
+from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
-from ..core._kinds import Param
 from ..core._variables import path_of
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
@@ -42,8 +43,9 @@ def located(message: str, module: Any = None) -> str:
   return f"At `{format_path(path)}`: {message}" if path else message
 
 
-def check_features(layer: str, x: jax.Array, axis: int, expected: int,
-                   name: str = "in_features", module: Any = None) -> None:
+def check_features(
+  layer: str, x: jax.Array, axis: int, expected: int, name: str = "in_features", module: Any = None
+) -> None:
   """Raises a ValueError naming the layer (and ``module``'s path) when
   ``x.shape[axis] != expected``."""
   if not hasattr(x, "shape"):  # a list or a Python scalar
@@ -52,11 +54,15 @@ def check_features(layer: str, x: jax.Array, axis: int, expected: int,
     want = list(x.shape) if x.ndim else ["...", expected]
     if x.ndim:
       want[axis] = expected
-    raise ValueError(located(
+    raise ValueError(
+      located(
         f"{layer} was built with {name}={expected} but got an input of shape "
         f"{tuple(x.shape)}; expected shape {_shape_str(want)} (axis {axis} must have "
         f"size {expected}). Fix the input, or build the layer with "
-        f"{name}={x.shape[axis] if x.ndim else '?'}.", module))
+        f"{name}={x.shape[axis] if x.ndim else '?'}.",
+        module,
+      )
+    )
 
 
 def _shape_str(dims: list) -> str:
@@ -92,23 +98,34 @@ class Linear(Module):
   ((2, 4), ('embed', 'mlp'))
   """
 
-  def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
-               dtype: Any = None, param_dtype: Any = jnp.float32,
-               precision: Any = None,
-               kernel_init: Callable = default_kernel_init,
-               bias_init: Callable = default_bias_init,
-               dot_general: Callable = lax.dot_general,
-               promote_dtype: Callable = default_promote_dtype,
-               preferred_element_type: Any = None,
-               rngs: Rngs,
-               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-               bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    *,
+    use_bias: bool = True,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    precision: Any = None,
+    kernel_init: Callable = default_kernel_init,
+    bias_init: Callable = default_bias_init,
+    dot_general: Callable = lax.dot_general,
+    promote_dtype: Callable = default_promote_dtype,
+    preferred_element_type: Any = None,
+    rngs: Rngs,
+    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("Linear", rngs)
     self.kernel = Param(
-        kernel_init(rngs.params(), (in_features, out_features), param_dtype),
-        **(kernel_metadata or {}))
-    self.bias = (Param(bias_init(rngs.params(), (out_features,), param_dtype),
-                       **(bias_metadata or {})) if use_bias else None)
+      kernel_init(rngs.params(), (in_features, out_features), param_dtype),
+      **(kernel_metadata or {}),
+    )
+    self.bias = (
+      Param(bias_init(rngs.params(), (out_features,), param_dtype), **(bias_metadata or {}))
+      if use_bias
+      else None
+    )
     self.in_features = in_features
     self.out_features = out_features
     self.use_bias = use_bias
@@ -128,21 +145,25 @@ class Linear(Module):
     """
     check_features(type(self).__name__, inputs, -1, self.in_features, module=self)
     bias = self.bias.value if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
-                                              dtype=self.dtype)
-    if out_sharding is None and (specs := explicit_specs("Linear", inputs=inputs,
-                                                          kernel=kernel)):
+    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias), dtype=self.dtype)
+    if out_sharding is None and (specs := explicit_specs("Linear", inputs=inputs, kernel=kernel)):
       # Explicit mesh axes: the input's batch axes, then the kernel's output axis.
       out_sharding = sharding_like(specs[0][:-1] + specs[1][1:], specs)
     if self.dot_general is lax.dot_general and out_sharding is None:
-      return _dense(inputs, kernel, bias, precision=self.precision,
-                    preferred_element_type=self.preferred_element_type)
+      return _dense(
+        inputs,
+        kernel,
+        bias,
+        precision=self.precision,
+        preferred_element_type=self.preferred_element_type,
+      )
     # Only pass what is set, so a user's dot_general without these keywords works.
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
     if self.preferred_element_type is not None:
       kwargs["preferred_element_type"] = self.preferred_element_type
-    return _add_bias(self.dot_general(inputs, kernel, _last_axis(inputs),
-                                      precision=self.precision, **kwargs), bias)
+    return _add_bias(
+      self.dot_general(inputs, kernel, _last_axis(inputs), precision=self.precision, **kwargs), bias
+    )
 
 
 def _last_axis(inputs: jax.Array) -> tuple:
@@ -158,9 +179,15 @@ def _add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
 # An inline jit, like jnp's own functions: identical layers (a 100-layer unrolled stack)
 # share one trace and one linearisation instead of tracing the same ops again each time.
 # It is inlined into the caller's jaxpr, so the program is the same.
-@functools.partial(jax.jit, inline=True,
-                   static_argnames=("precision", "preferred_element_type"))
+@functools.partial(jax.jit, inline=True, static_argnames=("precision", "preferred_element_type"))
 def _dense(inputs, kernel, bias, *, precision, preferred_element_type):
-  return _add_bias(lax.dot_general(inputs, kernel, _last_axis(inputs),
-                                   precision=precision,
-                                   preferred_element_type=preferred_element_type), bias)
+  return _add_bias(
+    lax.dot_general(
+      inputs,
+      kernel,
+      _last_axis(inputs),
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+    ),
+    bias,
+  )

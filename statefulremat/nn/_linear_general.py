@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
-from ..core._kinds import Param
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
 from ._linear import default_bias_init, default_kernel_init
@@ -52,19 +53,26 @@ class LinearGeneral(Module):
   ((2, 3, 4, 5), (4, 5), (16, 4, 5))
   """
 
-  def __init__(self, in_features: int | Sequence[int], out_features: int | Sequence[int],
-               *, axis: int | Sequence[int] = -1,
-               batch_axis: Mapping[int, int] = MappingProxyType({}),
-               use_bias: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
-               kernel_init: Callable = default_kernel_init,
-               bias_init: Callable = default_bias_init,
-               precision: Any = None,
-               promote_dtype: Callable = default_promote_dtype,
-               dot_general: Callable | None = None,
-               preferred_element_type: Any = None,
-               rngs: Rngs,
-               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-               bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    in_features: int | Sequence[int],
+    out_features: int | Sequence[int],
+    *,
+    axis: int | Sequence[int] = -1,
+    batch_axis: Mapping[int, int] = MappingProxyType({}),
+    use_bias: bool = True,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    kernel_init: Callable = default_kernel_init,
+    bias_init: Callable = default_bias_init,
+    precision: Any = None,
+    promote_dtype: Callable = default_promote_dtype,
+    dot_general: Callable | None = None,
+    preferred_element_type: Any = None,
+    rngs: Rngs,
+    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("LinearGeneral", rngs)
     self.in_features = _as_tuple(in_features)
     self.out_features = _as_tuple(out_features)
@@ -72,19 +80,18 @@ class LinearGeneral(Module):
     self.batch_axis = tuple(sorted(dict(batch_axis).items()))
     if len(self.in_features) != len(self.axis):
       raise ValueError(
-          f"LinearGeneral: in_features={self.in_features} and axis={self.axis} must "
-          "have the same length (one contracted axis per input feature size)."
+        f"LinearGeneral: in_features={self.in_features} and axis={self.axis} must "
+        "have the same length (one contracted axis per input feature size)."
       )
     batch_dims = tuple(ax for ax, _ in self.batch_axis)
     if batch_dims != tuple(range(len(batch_dims))):
       raise ValueError(
-          f"LinearGeneral: batch_axis keys {batch_dims} must be the consecutive leading "
-          "axes 0, 1, ..."
+        f"LinearGeneral: batch_axis keys {batch_dims} must be the consecutive leading "
+        "axes 0, 1, ..."
       )
     batch_shape = tuple(size for _, size in self.batch_axis)
     kernel_shape = (*batch_shape, *self.in_features, *self.out_features)
-    flat = (math.prod(batch_shape) * math.prod(self.in_features),
-            math.prod(self.out_features))
+    flat = (math.prod(batch_shape) * math.prod(self.in_features), math.prod(self.out_features))
     kernel = kernel_init(rngs.params(), flat, param_dtype)
     self.kernel = Param(jnp.reshape(kernel, kernel_shape), **(kernel_metadata or {}))
     if use_bias:
@@ -110,37 +117,44 @@ class LinearGeneral(Module):
     ndim = inputs.ndim
     axis = _normalize_axes(self.axis, ndim)
     # nnx pairs the sorted input axes with the kernel's input axes in order.
-    if any(not 0 <= ax < ndim for ax in axis) or tuple(
-        inputs.shape[ax] for ax in axis) != self.in_features:
+    if (
+      any(not 0 <= ax < ndim for ax in axis)
+      or tuple(inputs.shape[ax] for ax in axis) != self.in_features
+    ):
       raise ValueError(
-          f"LinearGeneral was built with in_features={self.in_features} on axis="
-          f"{self.axis} but got an input of shape {tuple(inputs.shape)}."
+        f"LinearGeneral was built with in_features={self.in_features} on axis="
+        f"{self.axis} but got an input of shape {tuple(inputs.shape)}."
       )
     batch_axis = _normalize_axes(tuple(ax for ax, _ in self.batch_axis), ndim)
     n_batch = len(batch_axis)
     # Non-contracted input axes, with 1s except on batch axes: the bias broadcast shape.
-    expanded_batch_shape = tuple(inputs.shape[ax] if ax in batch_axis else 1
-                                 for ax in range(ndim) if ax not in axis)
+    expanded_batch_shape = tuple(
+      inputs.shape[ax] if ax in batch_axis else 1 for ax in range(ndim) if ax not in axis
+    )
     bias = self.bias.value if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias),
-                                              dtype=self.dtype)
-    if out_sharding is None and (specs := explicit_specs("LinearGeneral", inputs=inputs,
-                                                          kernel=kernel)):
+    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias), dtype=self.dtype)
+    if out_sharding is None and (
+      specs := explicit_specs("LinearGeneral", inputs=inputs, kernel=kernel)
+    ):
       # Explicit mesh axes: dot_general's output order, batch axes, the input's free
       # axes, then the kernel's output axes.
       xs, ks = specs
       free = [xs[ax] for ax in range(ndim) if ax not in axis and ax not in batch_axis]
       out_sharding = sharding_like(
-          [xs[ax] for ax in batch_axis] + free + list(ks[n_batch + len(axis):]), specs)
+        [xs[ax] for ax in batch_axis] + free + list(ks[n_batch + len(axis) :]), specs
+      )
     dot_general = self.dot_general or lax.dot_general
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
     if self.preferred_element_type is not None:
       kwargs["preferred_element_type"] = self.preferred_element_type
     contract = tuple(range(n_batch, n_batch + len(axis)))
-    out = dot_general(inputs, kernel,
-                      ((axis, contract), (batch_axis, tuple(range(n_batch)))),
-                      precision=self.precision, **kwargs)
+    out = dot_general(
+      inputs,
+      kernel,
+      ((axis, contract), (batch_axis, tuple(range(n_batch)))),
+      precision=self.precision,
+      **kwargs,
+    )
     if bias is not None:
       out += lax.reshape(bias, (*expanded_batch_shape, *self.out_features))  # cheap to trace
     return out
-

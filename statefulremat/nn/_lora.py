@@ -7,8 +7,9 @@ picks them alone: train only the adapters with ``sr.grad(loss, wrt=sr.nn.LoRAPar
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,22 +61,30 @@ class LoRA(Module):
   ((3, 2), (2, 4), True)
   """
 
-  def __init__(self, in_features: int, lora_rank: int, out_features: int, *,
-               base_module: Module | None = None, dtype: Any = None,
-               param_dtype: Any = jnp.float32,
-               a_initializer: Callable = default_a_initializer,
-               b_initializer: Callable = default_b_initializer,
-               lora_param_type: type = LoRAParam,
-               promote_dtype: Callable = default_promote_dtype,
-               rngs: Rngs,
-               a_metadata: Mapping[str, Any] = MappingProxyType({}),
-               b_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    in_features: int,
+    lora_rank: int,
+    out_features: int,
+    *,
+    base_module: Module | None = None,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    a_initializer: Callable = default_a_initializer,
+    b_initializer: Callable = default_b_initializer,
+    lora_param_type: type = LoRAParam,
+    promote_dtype: Callable = default_promote_dtype,
+    rngs: Rngs,
+    a_metadata: Mapping[str, Any] = MappingProxyType({}),
+    b_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("LoRA", rngs)
     if base_module is not None and not callable(base_module):
       raise TypeError(
-          f"LoRA: base_module must be callable (a layer whose output the adapter adds "
-          f"to), got a {type(base_module).__name__}. Fix: pass the layer itself, or "
-          "base_module=None for a standalone adapter.")
+        f"LoRA: base_module must be callable (a layer whose output the adapter adds "
+        f"to), got a {type(base_module).__name__}. Fix: pass the layer itself, or "
+        "base_module=None for a standalone adapter."
+      )
     self.in_features = in_features
     self.out_features = out_features
     self.dtype = dtype
@@ -84,17 +93,18 @@ class LoRA(Module):
     self.base_module = base_module
     self.promote_dtype = promote_dtype
     self.lora_a = lora_param_type(
-        a_initializer(rngs.params(), (in_features, lora_rank), param_dtype),
-        **(a_metadata or {}))
+      a_initializer(rngs.params(), (in_features, lora_rank), param_dtype), **(a_metadata or {})
+    )
     self.lora_b = lora_param_type(
-        b_initializer(rngs.params(), (lora_rank, out_features), param_dtype),
-        **(b_metadata or {}))
+      b_initializer(rngs.params(), (lora_rank, out_features), param_dtype), **(b_metadata or {})
+    )
 
   def __call__(self, x: jax.Array, **kwargs: Any) -> jax.Array:
     """``x @ lora_a @ lora_b`` (+ ``base_module(x, **kwargs)``) over ``x``'s last axis."""
     check_features("LoRA", x, -1, self.in_features, module=self)
-    x, lora_a, lora_b = self.promote_dtype((x, self.lora_a.value, self.lora_b.value),
-                                           dtype=self.dtype)
+    x, lora_a, lora_b = self.promote_dtype(
+      (x, self.lora_a.value, self.lora_b.value), dtype=self.dtype
+    )
     out = x @ lora_a @ lora_b
     if self.base_module is not None:
       out += self.base_module(x, **kwargs)
@@ -123,22 +133,38 @@ class LoRALinear(Linear):
   ((3, 4), (3, 2), (5, 4))
   """
 
-  def __init__(self, in_features: int, out_features: int, *, lora_rank: int,
-               lora_dtype: Any = None, lora_param_dtype: Any = jnp.float32,
-               a_initializer: Callable = default_a_initializer,
-               b_initializer: Callable = default_b_initializer,
-               lora_param_type: type = LoRAParam,
-               lora_promote_dtype: Callable = default_promote_dtype,
-               rngs: Rngs,
-               a_metadata: Mapping[str, Any] = MappingProxyType({}),
-               b_metadata: Mapping[str, Any] = MappingProxyType({}),
-               **kwargs: Any):
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    *,
+    lora_rank: int,
+    lora_dtype: Any = None,
+    lora_param_dtype: Any = jnp.float32,
+    a_initializer: Callable = default_a_initializer,
+    b_initializer: Callable = default_b_initializer,
+    lora_param_type: type = LoRAParam,
+    lora_promote_dtype: Callable = default_promote_dtype,
+    rngs: Rngs,
+    a_metadata: Mapping[str, Any] = MappingProxyType({}),
+    b_metadata: Mapping[str, Any] = MappingProxyType({}),
+    **kwargs: Any,
+  ):
     super().__init__(in_features, out_features, rngs=rngs, **kwargs)
-    self.lora = LoRA(in_features, lora_rank, out_features, dtype=lora_dtype,
-                     param_dtype=lora_param_dtype, a_initializer=a_initializer,
-                     b_initializer=b_initializer, lora_param_type=lora_param_type,
-                     promote_dtype=lora_promote_dtype, rngs=rngs,
-                     a_metadata=a_metadata, b_metadata=b_metadata)
+    self.lora = LoRA(
+      in_features,
+      lora_rank,
+      out_features,
+      dtype=lora_dtype,
+      param_dtype=lora_param_dtype,
+      a_initializer=a_initializer,
+      b_initializer=b_initializer,
+      lora_param_type=lora_param_type,
+      promote_dtype=lora_promote_dtype,
+      rngs=rngs,
+      a_metadata=a_metadata,
+      b_metadata=b_metadata,
+    )
 
   def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
     """``Linear``'s output plus the adapter's."""

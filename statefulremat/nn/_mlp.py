@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,37 +52,65 @@ class MLP(Module):
   True
   """
 
-  def __init__(self, in_features: int, hidden_features: int,
-               out_features: int | None = None, *,
-               activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-               dropout_rate: float = 0.0, deterministic: bool | None = False,
-               use_bias: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
-               precision: Any = None,
-               kernel_init: Callable = default_kernel_init,
-               bias_init: Callable = default_bias_init,
-               rngs: Rngs,
-               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-               out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-               out_bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    in_features: int,
+    hidden_features: int,
+    out_features: int | None = None,
+    *,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+    dropout_rate: float = 0.0,
+    deterministic: bool | None = False,
+    use_bias: bool = True,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    precision: Any = None,
+    kernel_init: Callable = default_kernel_init,
+    bias_init: Callable = default_bias_init,
+    rngs: Rngs,
+    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("MLP", rngs)
     out_features = in_features if out_features is None else out_features
-    common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                  precision=precision, kernel_init=kernel_init, bias_init=bias_init,
-                  rngs=rngs)
-    self.fc1 = Linear(in_features, hidden_features, kernel_metadata=kernel_metadata,
-                      bias_metadata=bias_metadata, **common)
-    self.fc2 = Linear(hidden_features, out_features,
-                      kernel_metadata=out_kernel_metadata or kernel_metadata,
-                      bias_metadata=out_bias_metadata or bias_metadata, **common)
+    common = dict(
+      use_bias=use_bias,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      precision=precision,
+      kernel_init=kernel_init,
+      bias_init=bias_init,
+      rngs=rngs,
+    )
+    self.fc1 = Linear(
+      in_features,
+      hidden_features,
+      kernel_metadata=kernel_metadata,
+      bias_metadata=bias_metadata,
+      **common,
+    )
+    self.fc2 = Linear(
+      hidden_features,
+      out_features,
+      kernel_metadata=out_kernel_metadata or kernel_metadata,
+      bias_metadata=out_bias_metadata or bias_metadata,
+      **common,
+    )
     self.dropout = Dropout(dropout_rate, deterministic=deterministic, rngs=rngs)
     self.activation = activation
     self.in_features = in_features
     self.hidden_features = hidden_features
     self.out_features = out_features
 
-  def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
-               rngs: Rngs | RngStream | jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    x: jax.Array,
+    *,
+    deterministic: bool | None = None,
+    rngs: Rngs | RngStream | jax.Array | None = None,
+  ) -> jax.Array:
     """Applies the block to the last axis of ``x``; arguments override ``dropout``'s.
 
     A key passed as ``rngs`` is split in two, one per dropout.
@@ -90,6 +119,5 @@ class MLP(Module):
       rngs = tuple(jax.random.split(rngs))
     else:
       rngs = (rngs, rngs)
-    h = self.dropout(self.activation(self.fc1(x)), deterministic=deterministic,
-                     rngs=rngs[0])
+    h = self.dropout(self.activation(self.fc1(x)), deterministic=deterministic, rngs=rngs[0])
     return self.dropout(self.fc2(h), deterministic=deterministic, rngs=rngs[1])

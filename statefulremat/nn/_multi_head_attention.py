@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import numbers
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +14,9 @@ import numpy as np
 from jax import lax
 
 from ..core._errors import format_path
+from ..core._kinds import Cache
 from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
-from ..core._kinds import Cache
 from ..core._stacks import per_layer
 from ..core._variables import path_of
 from ._attention import combine_masks, dot_product_attention
@@ -113,30 +114,42 @@ class MultiHeadAttention(Module):
   ((3, 5, 16), (3, 5, 16))
   """
 
-  def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
-               out_features: int | None = None, num_kv_heads: int | None = None,
-               in_kv_features: int | None = None, *,
-               dtype: Any = None, param_dtype: Any = jnp.float32,
-               broadcast_dropout: bool = True, dropout_rate: float = 0.0,
-               deterministic: bool | None = None, precision: Any = None,
-               kernel_init: Callable = default_kernel_init,
-               out_kernel_init: Callable | None = None,
-               bias_init: Callable = jax.nn.initializers.zeros,
-               out_bias_init: Callable | None = None,
-               use_bias: bool = True,
-               attention_fn: Callable = dot_product_attention,
-               rope_base: float | None = None,
-               decode: bool | None = None, normalize_qk: bool = False,
-               qkv_promote_dtype: Callable = default_promote_dtype,
-               out_promote_dtype: Callable = default_promote_dtype,
-               ln_promote_dtype: Callable = default_promote_dtype,
-               rngs: Rngs, keep_rngs: bool = True,
-               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-               out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-               out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-               query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
-               key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    num_heads: int,
+    in_features: int,
+    qkv_features: int | None = None,
+    out_features: int | None = None,
+    num_kv_heads: int | None = None,
+    in_kv_features: int | None = None,
+    *,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    broadcast_dropout: bool = True,
+    dropout_rate: float = 0.0,
+    deterministic: bool | None = None,
+    precision: Any = None,
+    kernel_init: Callable = default_kernel_init,
+    out_kernel_init: Callable | None = None,
+    bias_init: Callable = jax.nn.initializers.zeros,
+    out_bias_init: Callable | None = None,
+    use_bias: bool = True,
+    attention_fn: Callable = dot_product_attention,
+    rope_base: float | None = None,
+    decode: bool | None = None,
+    normalize_qk: bool = False,
+    qkv_promote_dtype: Callable = default_promote_dtype,
+    out_promote_dtype: Callable = default_promote_dtype,
+    ln_promote_dtype: Callable = default_promote_dtype,
+    rngs: Rngs,
+    keep_rngs: bool = True,
+    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("MultiHeadAttention", rngs)
     self.num_heads = num_heads
     self.in_features = in_features
@@ -147,30 +160,38 @@ class MultiHeadAttention(Module):
     if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
       divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
       raise ValueError(
-          f"MultiHeadAttention(num_heads={num_heads}, num_kv_heads={self.num_kv_heads}): "
-          f"num_heads ({num_heads}) must be divisible by num_kv_heads "
-          f"({self.num_kv_heads}), each kv head serving num_heads // num_kv_heads "
-          f"query heads. Fix: pick num_kv_heads from {divisors} (num_kv_heads="
-          f"{num_heads} is plain multi-head attention).")
+        f"MultiHeadAttention(num_heads={num_heads}, num_kv_heads={self.num_kv_heads}): "
+        f"num_heads ({num_heads}) must be divisible by num_kv_heads "
+        f"({self.num_kv_heads}), each kv head serving num_heads // num_kv_heads "
+        f"query heads. Fix: pick num_kv_heads from {divisors} (num_kv_heads="
+        f"{num_heads} is plain multi-head attention)."
+      )
     if self.qkv_features % self.num_heads:
-      raise ValueError(f"MultiHeadAttention: qkv_features ({self.qkv_features}) must be "
-                       f"divisible by num_heads ({num_heads}).")
+      raise ValueError(
+        f"MultiHeadAttention: qkv_features ({self.qkv_features}) must be "
+        f"divisible by num_heads ({num_heads})."
+      )
     self.head_dim = self.qkv_features // self.num_heads
     if rope_base is not None:
-      if not isinstance(rope_base, numbers.Real) or isinstance(rope_base, bool) or not (
-          rope_base > 0):
+      if (
+        not isinstance(rope_base, numbers.Real)
+        or isinstance(rope_base, bool)
+        or not (rope_base > 0)
+      ):
         raise ValueError(
-            f"MultiHeadAttention: rope_base={rope_base!r} must be a positive number, the "
-            "base of the rotary embeddings' wavelengths. Fix: rope_base=10000.0 (Llama "
-            "2, Gemma), 500000.0 (Llama 3), or None for no rotary embeddings.")
+          f"MultiHeadAttention: rope_base={rope_base!r} must be a positive number, the "
+          "base of the rotary embeddings' wavelengths. Fix: rope_base=10000.0 (Llama "
+          "2, Gemma), 500000.0 (Llama 3), or None for no rotary embeddings."
+        )
       if self.head_dim % 2:
         raise ValueError(
-            f"MultiHeadAttention(num_heads={num_heads}, qkv_features="
-            f"{self.qkv_features}, rope_base={rope_base}): rope rotates pairs of the "
-            f"head dimension, but head_dim = qkv_features // num_heads = "
-            f"{self.head_dim} is odd. Fix: choose qkv_features so that qkv_features // "
-            f"num_heads is even (e.g. qkv_features={2 * self.qkv_features}), or "
-            "rope_base=None.")
+          f"MultiHeadAttention(num_heads={num_heads}, qkv_features="
+          f"{self.qkv_features}, rope_base={rope_base}): rope rotates pairs of the "
+          f"head dimension, but head_dim = qkv_features // num_heads = "
+          f"{self.head_dim} is odd. Fix: choose qkv_features so that qkv_features // "
+          f"num_heads is even (e.g. qkv_features={2 * self.qkv_features}), or "
+          "rope_base=None."
+        )
     self.rope_base = None if rope_base is None else float(rope_base)
     self.dtype = dtype
     self.param_dtype = param_dtype
@@ -187,41 +208,71 @@ class MultiHeadAttention(Module):
     self.ln_promote_dtype = ln_promote_dtype
 
     linear = functools.partial(
-        LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
-        bias_init=bias_init, use_bias=use_bias, precision=precision,
-        promote_dtype=qkv_promote_dtype, kernel_metadata=kernel_metadata,
-        bias_metadata=bias_metadata, rngs=rngs)
+      LinearGeneral,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      kernel_init=kernel_init,
+      bias_init=bias_init,
+      use_bias=use_bias,
+      precision=precision,
+      promote_dtype=qkv_promote_dtype,
+      kernel_metadata=kernel_metadata,
+      bias_metadata=bias_metadata,
+      rngs=rngs,
+    )
     self.query = linear(in_features, (self.num_heads, self.head_dim))
     self.key = linear(self.in_kv_features, (self.num_kv_heads, self.head_dim))
     self.value = linear(self.in_kv_features, (self.num_kv_heads, self.head_dim))
     if normalize_qk:
-      norm = functools.partial(LayerNorm, self.head_dim, use_bias=False, dtype=dtype,
-                               param_dtype=param_dtype, promote_dtype=ln_promote_dtype,
-                               rngs=rngs)
+      norm = functools.partial(
+        LayerNorm,
+        self.head_dim,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        promote_dtype=ln_promote_dtype,
+        rngs=rngs,
+      )
       self.query_ln = norm(scale_metadata=query_ln_scale_metadata)
       self.key_ln = norm(scale_metadata=key_ln_scale_metadata)
     else:
       self.query_ln = None
       self.key_ln = None
     self.out = LinearGeneral(
-        (self.num_heads, self.head_dim), self.out_features, axis=(-2, -1),
-        kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
-        use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
-        promote_dtype=out_promote_dtype, rngs=rngs,
-        kernel_metadata=out_kernel_metadata or kernel_metadata,
-        bias_metadata=out_bias_metadata or bias_metadata)
+      (self.num_heads, self.head_dim),
+      self.out_features,
+      axis=(-2, -1),
+      kernel_init=out_kernel_init or kernel_init,
+      bias_init=out_bias_init or bias_init,
+      use_bias=use_bias,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      precision=precision,
+      promote_dtype=out_promote_dtype,
+      rngs=rngs,
+      kernel_metadata=out_kernel_metadata or kernel_metadata,
+      bias_metadata=out_bias_metadata or bias_metadata,
+    )
     self.rngs = rngs if keep_rngs and dropout_rate > 0 else None
     self.cached_key = None
     self.cached_value = None
     self.cache_index = None
 
-  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
-               inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
-               deterministic: bool | None = None,
-               rngs: Rngs | RngStream | jax.Array | None = None,
-               decode: bool | None = None, is_causal: bool = False,
-               out_sharding: Any = None, qkv_sharding: Any = None,
-               positions: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    inputs_q: jax.Array,
+    inputs_k: jax.Array | None = None,
+    inputs_v: jax.Array | None = None,
+    *,
+    mask: jax.Array | None = None,
+    deterministic: bool | None = None,
+    rngs: Rngs | RngStream | jax.Array | None = None,
+    decode: bool | None = None,
+    is_causal: bool = False,
+    out_sharding: Any = None,
+    qkv_sharding: Any = None,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
     """Attends from ``inputs_q`` ``[batch..., q_len, in_features]`` to ``inputs_k``/``_v``.
 
     ``deterministic``, ``rngs`` (an ``sr.Rngs``, whose ``dropout`` stream is drawn,
@@ -237,17 +288,19 @@ class MultiHeadAttention(Module):
     if inputs_k is None:
       if inputs_v is not None:
         raise ValueError(
-            "MultiHeadAttention: inputs_k cannot be None when inputs_v is given. To "
-            "use one array for both, pass it as inputs_k and leave inputs_v None.")
+          "MultiHeadAttention: inputs_k cannot be None when inputs_v is given. To "
+          "use one array for both, pass it as inputs_k and leave inputs_v None."
+        )
       inputs_k = inputs_q
     if inputs_v is None:
       inputs_v = inputs_k
     self._check_inputs(inputs_q, inputs_k, inputs_v)
     if positions is not None and self.rope_base is None:
       raise ValueError(
-          f"{self._where()}: positions= was given but the layer has no rotary "
-          "embeddings (rope_base=None), so the positions would be ignored. Fix: build "
-          "it with rope_base=10000.0 (or your model's base), or drop positions=.")
+        f"{self._where()}: positions= was given but the layer has no rotary "
+        "embeddings (rope_base=None), so the positions would be ignored. Fix: build "
+        "it with rope_base=10000.0 (or your model's base), or drop positions=."
+      )
 
     query = self.query(inputs_q, out_sharding=qkv_sharding)
     key = self.key(inputs_k, out_sharding=qkv_sharding)
@@ -269,72 +322,87 @@ class MultiHeadAttention(Module):
         deterministic = self.deterministic
       if deterministic is None:
         raise ValueError(
-            "MultiHeadAttention has dropout_rate > 0 but its deterministic is None. Set "
-            "the mode (`model.train()` / `model.eval()`), build it with "
-            "`deterministic=False/True`, or pass `deterministic=` to the call.")
+          "MultiHeadAttention has dropout_rate > 0 but its deterministic is None. Set "
+          "the mode (`model.train()` / `model.eval()`), build it with "
+          "`deterministic=False/True`, or pass `deterministic=` to the call."
+        )
       if not deterministic:
-        dropout_rng = draw_key(rngs if rngs is not None else self.rngs, "dropout",
-                               "MultiHeadAttention")
+        dropout_rng = draw_key(
+          rngs if rngs is not None else self.rngs, "dropout", "MultiHeadAttention"
+        )
     else:
       deterministic = True
 
     x = self.attention_fn(
-        query, key, value, mask=mask, dropout_rng=dropout_rng,
-        dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
-        deterministic=deterministic, dtype=self.dtype, precision=self.precision,
-        is_causal=is_causal)
+      query,
+      key,
+      value,
+      mask=mask,
+      dropout_rng=dropout_rng,
+      dropout_rate=self.dropout_rate,
+      broadcast_dropout=self.broadcast_dropout,
+      deterministic=deterministic,
+      dtype=self.dtype,
+      precision=self.precision,
+      is_causal=is_causal,
+    )
     return self.out(x, out_sharding=out_sharding)
 
   def _check_inputs(self, inputs_q, inputs_k, inputs_v) -> None:
     """Raises, naming the layer's path and the expected shape, on inputs that do not
     fit the projections."""
     for name, x, features, attr in (
-        ("inputs_q", inputs_q, self.in_features, "in_features"),
-        ("inputs_k", inputs_k, self.in_kv_features, "in_kv_features"),
-        ("inputs_v", inputs_v, self.in_kv_features, "in_kv_features")):
+      ("inputs_q", inputs_q, self.in_features, "in_features"),
+      ("inputs_k", inputs_k, self.in_kv_features, "in_kv_features"),
+      ("inputs_v", inputs_v, self.in_kv_features, "in_kv_features"),
+    ):
       if x.ndim < 2:
         raise ValueError(
-            f"{self._where()} takes {name} of shape [batch..., length, {features}], got "
-            f"shape {tuple(x.shape)}. Fix: add the length axis, e.g. `x[None]` for a "
-            "single sequence.")
+          f"{self._where()} takes {name} of shape [batch..., length, {features}], got "
+          f"shape {tuple(x.shape)}. Fix: add the length axis, e.g. `x[None]` for a "
+          "single sequence."
+        )
       if x.shape[-1] != features:
         raise ValueError(
-            f"{self._where()} was built with {attr}={features} but {name} has shape "
-            f"{tuple(x.shape)}: expected [batch..., length, {features}]. Fix the input, "
-            f"or build the layer with {attr}={x.shape[-1]}.")
+          f"{self._where()} was built with {attr}={features} but {name} has shape "
+          f"{tuple(x.shape)}: expected [batch..., length, {features}]. Fix the input, "
+          f"or build the layer with {attr}={x.shape[-1]}."
+        )
 
   def _rotate(self, query, key, positions):
     """``sr.nn.rope`` on queries and keys, both at ``positions`` (default arange)."""
     if key.shape[-3] != query.shape[-3]:
       raise ValueError(
-          f"{self._where()}: rope_base is set, and keys take the queries' positions, "
-          f"but inputs_k has length {key.shape[-3]} and inputs_q {query.shape[-3]}. "
-          "Fix: rope is for self-attention; for cross-attention build the layer with "
-          "rope_base=None (and rotate inside an attention_fn if you need to).")
+        f"{self._where()}: rope_base is set, and keys take the queries' positions, "
+        f"but inputs_k has length {key.shape[-3]} and inputs_q {query.shape[-3]}. "
+        "Fix: rope is for self-attention; for cross-attention build the layer with "
+        "rope_base=None (and rotate inside an attention_fn if you need to)."
+      )
     if positions is None:
       positions = jnp.arange(query.shape[-3])
     else:
       check_positions(self._where(), positions, query.shape)
-    return (rope(query, positions, base=self.rope_base),
-            rope(key, positions, base=self.rope_base))
+    return (rope(query, positions, base=self.rope_base), rope(key, positions, base=self.rope_base))
 
   def _decode_step(self, query, key, value, mask, positions):
     """Writes this step's key/value (rotated, with rope) into the cache; returns the
     query, the cached keys/values and a mask."""
     if self.cached_key is None:
       raise ValueError(
-          f"{self._where()}: decode=True needs the key/value cache, and it has none. "
-          f"Fix: call `init_cache((batch, max_length, {self.in_features}))` on it "
-          "before decoding, outside any transform (it creates Variables); on a stack, "
-          "`stack.attn.init_cache(...)` makes one cache per layer, stacked along the "
-          "layer axis (on a pattern stack, once per position: "
-          "`stack.pattern[k].attn.init_cache(...)`).")
+        f"{self._where()}: decode=True needs the key/value cache, and it has none. "
+        f"Fix: call `init_cache((batch, max_length, {self.in_features}))` on it "
+        "before decoding, outside any transform (it creates Variables); on a stack, "
+        "`stack.attn.init_cache(...)` makes one cache per layer, stacked along the "
+        "layer axis (on a pattern stack, once per position: "
+        "`stack.pattern[k].attn.init_cache(...)`)."
+      )
     *batch_dims, max_length, num_kv_heads, depth = self.cached_key.shape
     expected = tuple(batch_dims) + (1, num_kv_heads, depth)
     if key.shape != expected:
       raise ValueError(
-          f"MultiHeadAttention decode feeds one position at a time: expected a key of "
-          f"shape {expected} (from an input of length 1), got {key.shape}.")
+        f"MultiHeadAttention decode feeds one position at a time: expected a key of "
+        f"shape {expected} (from an input of length 1), got {key.shape}."
+      )
     if explicit_specs("MultiHeadAttention", key=key, cached_key=self.cached_key.value):
       # Explicit mesh axes: the step is written where the cache lives (init_cache
       # makes it replicated; sr.shard or a reshard may place it otherwise).
@@ -343,8 +411,7 @@ class MultiHeadAttention(Module):
     index = self._check_room(self.cache_index.value, max_length)
     if self.rope_base is not None:
       # The cache stores rotated keys: each is rotated once, at its own position.
-      query, key = self._rotate(query, key, index[None] if positions is None
-                                else positions)
+      query, key = self._rotate(query, key, index[None] if positions is None else positions)
     zero = jnp.array(0, dtype=lax.dtype(index.dtype))
     indices = (zero,) * len(batch_dims) + (index, zero, zero)
     key = lax.dynamic_update_slice(self.cached_key.value, key, indices)
@@ -353,8 +420,10 @@ class MultiHeadAttention(Module):
     self.cached_value.value = value
     self.cache_index.value = index + 1
     # The single query may attend only to the positions already cached.
-    mask = combine_masks(mask, jnp.broadcast_to(
-        jnp.arange(max_length) <= index, tuple(batch_dims) + (1, 1, max_length)))
+    mask = combine_masks(
+      mask,
+      jnp.broadcast_to(jnp.arange(max_length) <= index, tuple(batch_dims) + (1, 1, max_length)),
+    )
     return query, key, value, mask
 
   def _where(self) -> str:
@@ -369,13 +438,14 @@ class MultiHeadAttention(Module):
     def report(index, where=None):  # eager: the path is read only when it raises
       if (np.asarray(index) >= max_length).any():
         raise ValueError(
-            f"{where or self._where()}: decoding past the end of the key/value cache: "
-            f"it holds max_length={max_length} positions and all are used (cache_index="
-            f"{int(index.max())}). Fix: give the sequence a longer cache, "
-            f"`init_cache((batch, max_length, {self.in_features}))` with max_length at "
-            "least the number of positions decoded (it also starts a new sequence); on "
-            "a stack call it on the stack's attention, `stack.attn.init_cache(...)` "
-            "(on a pattern stack, `stack.pattern[k].attn.init_cache(...)` per position).")
+          f"{where or self._where()}: decoding past the end of the key/value cache: "
+          f"it holds max_length={max_length} positions and all are used (cache_index="
+          f"{int(index.max())}). Fix: give the sequence a longer cache, "
+          f"`init_cache((batch, max_length, {self.in_features}))` with max_length at "
+          "least the number of positions decoded (it also starts a new sequence); on "
+          "a stack call it on the stack's attention, `stack.attn.init_cache(...)` "
+          "(on a pattern stack, `stack.pattern[k].attn.init_cache(...)` per position)."
+        )
       return index
 
     if not isinstance(index, jax.core.Tracer):
@@ -385,10 +455,12 @@ class MultiHeadAttention(Module):
     # pure_callback whose result the write uses, so it is not pruned: the effect of
     # jax.debug.callback cost every decode call ~0.2 ms on CPU where this costs ~0.03.
     # The path is read now: the host call runs after the trace's modules are gone.
-    checked = functools.partial(jax.pure_callback,
-                                functools.partial(report, where=self._where()),
-                                jax.ShapeDtypeStruct(index.shape, index.dtype),
-                                vmap_method="broadcast_all")
+    checked = functools.partial(
+      jax.pure_callback,
+      functools.partial(report, where=self._where()),
+      jax.ShapeDtypeStruct(index.shape, index.dtype),
+      vmap_method="broadcast_all",
+    )
     return lax.cond(index >= max_length, checked, lambda i: i, index)
 
   def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:

@@ -7,16 +7,17 @@ zero by default, and ``(x - mean) * rsqrt(var + epsilon) * scale + bias``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
-from ..core._kinds import Param
 from ._dtypes import canonicalize_dtype
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._linear import located
@@ -42,10 +43,16 @@ def _abs_sq(x):
   return lax.square(x)
 
 
-def compute_stats(x: jax.Array, axes, dtype: Any, axis_name: str | None = None,
-                  axis_index_groups: Any = None, use_mean: bool = True,
-                  use_fast_variance: bool = True,
-                  mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def compute_stats(
+  x: jax.Array,
+  axes,
+  dtype: Any,
+  axis_name: str | None = None,
+  axis_index_groups: Any = None,
+  use_mean: bool = True,
+  use_fast_variance: bool = True,
+  mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """``(mean, var)`` of ``x`` over ``axes``, in at least float32 (nnx's numerics).
 
   ``axis_name`` also averages over a ``pmap`` / ``shard_map`` axis; ``use_mean=False``
@@ -67,8 +74,7 @@ def compute_stats(x: jax.Array, axes, dtype: Any, axis_name: str | None = None,
       return mus if len(xs) > 1 else mus[0]
     # One collective for both statistics: stack them.
     if len(xs) > 1:
-      reduced = lax.pmean(jnp.stack(mus, axis=0), axis_name,
-                          axis_index_groups=axis_index_groups)
+      reduced = lax.pmean(jnp.stack(mus, axis=0), axis_name, axis_index_groups=axis_index_groups)
       return tuple(reduced[i] for i in range(len(xs)))
     return lax.pmean(mus[0], axis_name, axis_index_groups=axis_index_groups)
 
@@ -83,8 +89,17 @@ def compute_stats(x: jax.Array, axes, dtype: Any, axis_name: str | None = None,
   return mu, mean(_abs_sq(x - jnp.expand_dims(mu, axes)))
 
 
-def normalize(x: jax.Array, mean: jax.Array, var: jax.Array, scale, bias,
-              reduction_axes, feature_axes, dtype: Any, epsilon: float) -> jax.Array:
+def normalize(
+  x: jax.Array,
+  mean: jax.Array,
+  var: jax.Array,
+  scale,
+  bias,
+  reduction_axes,
+  feature_axes,
+  dtype: Any,
+  epsilon: float,
+) -> jax.Array:
   """``(x - mean) * rsqrt(var + epsilon) * scale + bias``, broadcast explicitly."""
   reduction_axes = canonicalize_axes(x.ndim, reduction_axes)
   feature_axes = canonicalize_axes(x.ndim, feature_axes)
@@ -132,25 +147,39 @@ class LayerNorm(Module):
   ((3, 6), True)
   """
 
-  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Any = None,
-               param_dtype: Any = jnp.float32, use_bias: bool = True,
-               use_scale: bool = True,
-               bias_init: Callable = jax.nn.initializers.zeros,
-               scale_init: Callable = jax.nn.initializers.ones,
-               reduction_axes: int | Sequence[int] = -1,
-               feature_axes: int | Sequence[int] = -1,
-               axis_name: str | None = None, axis_index_groups: Any = None,
-               use_fast_variance: bool = True,
-               promote_dtype: Callable = default_promote_dtype,
-               rngs: Rngs,
-               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-               scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    num_features: int,
+    *,
+    epsilon: float = 1e-6,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    use_bias: bool = True,
+    use_scale: bool = True,
+    bias_init: Callable = jax.nn.initializers.zeros,
+    scale_init: Callable = jax.nn.initializers.ones,
+    reduction_axes: int | Sequence[int] = -1,
+    feature_axes: int | Sequence[int] = -1,
+    axis_name: str | None = None,
+    axis_index_groups: Any = None,
+    use_fast_variance: bool = True,
+    promote_dtype: Callable = default_promote_dtype,
+    rngs: Rngs,
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("LayerNorm", rngs)
     shape = (num_features,)
-    self.scale = (Param(scale_init(rngs.params(), shape, param_dtype),
-                        **(scale_metadata or {})) if use_scale else None)
-    self.bias = (Param(bias_init(rngs.params(), shape, param_dtype),
-                       **(bias_metadata or {})) if use_bias else None)
+    self.scale = (
+      Param(scale_init(rngs.params(), shape, param_dtype), **(scale_metadata or {}))
+      if use_scale
+      else None
+    )
+    self.bias = (
+      Param(bias_init(rngs.params(), shape, param_dtype), **(bias_metadata or {}))
+      if use_bias
+      else None
+    )
     self.num_features = num_features
     self.epsilon = epsilon
     self.dtype = dtype
@@ -170,11 +199,18 @@ class LayerNorm(Module):
     scale = self.scale.value if self.scale is not None else None
     bias = self.bias.value if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-    mean, var = compute_stats(x, self.reduction_axes, self.dtype, self.axis_name,
-                              self.axis_index_groups,
-                              use_fast_variance=self.use_fast_variance, mask=mask)
-    return normalize(x, mean, var, scale, bias, self.reduction_axes, self.feature_axes,
-                     self.dtype, self.epsilon)
+    mean, var = compute_stats(
+      x,
+      self.reduction_axes,
+      self.dtype,
+      self.axis_name,
+      self.axis_index_groups,
+      use_fast_variance=self.use_fast_variance,
+      mask=mask,
+    )
+    return normalize(
+      x, mean, var, scale, bias, self.reduction_axes, self.feature_axes, self.dtype, self.epsilon
+    )
 
 
 class RMSNorm(Module):
@@ -192,19 +228,30 @@ class RMSNorm(Module):
   True
   """
 
-  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Any = None,
-               param_dtype: Any = jnp.float32, use_scale: bool = True,
-               scale_init: Callable = jax.nn.initializers.ones,
-               reduction_axes: int | Sequence[int] = -1,
-               feature_axes: int | Sequence[int] = -1,
-               axis_name: str | None = None, axis_index_groups: Any = None,
-               use_fast_variance: bool = True,
-               promote_dtype: Callable = default_promote_dtype,
-               rngs: Rngs,
-               scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+  def __init__(
+    self,
+    num_features: int,
+    *,
+    epsilon: float = 1e-6,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    use_scale: bool = True,
+    scale_init: Callable = jax.nn.initializers.ones,
+    reduction_axes: int | Sequence[int] = -1,
+    feature_axes: int | Sequence[int] = -1,
+    axis_name: str | None = None,
+    axis_index_groups: Any = None,
+    use_fast_variance: bool = True,
+    promote_dtype: Callable = default_promote_dtype,
+    rngs: Rngs,
+    scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
     check_rngs("RMSNorm", rngs)
-    self.scale = (Param(scale_init(rngs.params(), (num_features,), param_dtype),
-                        **(scale_metadata or {})) if use_scale else None)
+    self.scale = (
+      Param(scale_init(rngs.params(), (num_features,), param_dtype), **(scale_metadata or {}))
+      if use_scale
+      else None
+    )
     self.num_features = num_features
     self.epsilon = epsilon
     self.dtype = dtype
@@ -222,23 +269,41 @@ class RMSNorm(Module):
     check_feature_axes("RMSNorm", x, self.feature_axes, self.num_features, self)
     scale = self.scale.value if self.scale is not None else None
     x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-    mean, var = compute_stats(x, self.reduction_axes, self.dtype, self.axis_name,
-                              self.axis_index_groups, use_mean=False,
-                              use_fast_variance=self.use_fast_variance, mask=mask)
-    return normalize(x, mean, var, scale, None, self.reduction_axes, self.feature_axes,
-                     self.dtype, self.epsilon)
+    mean, var = compute_stats(
+      x,
+      self.reduction_axes,
+      self.dtype,
+      self.axis_name,
+      self.axis_index_groups,
+      use_mean=False,
+      use_fast_variance=self.use_fast_variance,
+      mask=mask,
+    )
+    return normalize(
+      x, mean, var, scale, None, self.reduction_axes, self.feature_axes, self.dtype, self.epsilon
+    )
 
 
-def check_feature_axes(layer: str, x: jax.Array, feature_axes, num_features: int,
-                       module: Any = None, name: str = "feature_axes") -> None:
+def check_feature_axes(
+  layer: str,
+  x: jax.Array,
+  feature_axes,
+  num_features: int,
+  module: Any = None,
+  name: str = "feature_axes",
+) -> None:
   """A clear error, naming ``module``'s path and the expected shape, when the feature
   axes of ``x`` do not hold ``num_features`` values."""
   axes = feature_axes if isinstance(feature_axes, Sequence) else (feature_axes,)
   if any(not -x.ndim <= a < x.ndim for a in axes):
-    raise ValueError(located(
+    raise ValueError(
+      located(
         f"{layer}: {name}={feature_axes} is out of range for an input of shape "
         f"{tuple(x.shape)} (rank {x.ndim}). Fix: pass an input with those axes, or "
-        f"build the layer with axes within -{x.ndim}..{x.ndim - 1}.", module))
+        f"build the layer with axes within -{x.ndim}..{x.ndim - 1}.",
+        module,
+      )
+    )
   axes = canonicalize_axes(x.ndim, axes)
   size = 1
   for a in axes:
@@ -249,8 +314,11 @@ def check_feature_axes(layer: str, x: jax.Array, feature_axes, num_features: int
       want = list(x.shape)
       want[axes[0]] = num_features
       expected = f"; expected shape {tuple(want)}"
-    raise ValueError(located(
+    raise ValueError(
+      located(
         f"{layer} was built with num_features={num_features} but the input of shape "
         f"{tuple(x.shape)} has {size} features on {name}={feature_axes}"
         f"{expected}. Fix the input, or build the layer with num_features={size}.",
-        module))
+        module,
+      )
+    )

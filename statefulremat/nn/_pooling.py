@@ -14,54 +14,67 @@ pooled one by one, and an input without a batch axis is accepted. ``padding`` is
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 
-def _window(name: str, window_shape: Any, strides: Any, padding: Any,
-            inputs: jax.Array) -> tuple:
+def _window(name: str, window_shape: Any, strides: Any, padding: Any, inputs: jax.Array) -> tuple:
   """``window_shape``, ``strides`` and ``padding`` checked against ``inputs``."""
-  if isinstance(window_shape, int) or not all(
-      isinstance(w, int) for w in window_shape):
+  if isinstance(window_shape, int) or not all(isinstance(w, int) for w in window_shape):
     raise TypeError(
-        f"{name}: window_shape must be a tuple of ints, one per window axis, got "
-        f"{window_shape!r}. Fix: e.g. `window_shape=(2, 2)` for 2-D pooling (as "
-        "flax, not an int).")
+      f"{name}: window_shape must be a tuple of ints, one per window axis, got "
+      f"{window_shape!r}. Fix: e.g. `window_shape=(2, 2)` for 2-D pooling (as "
+      "flax, not an int)."
+    )
   window_shape = tuple(window_shape)
   if not jnp.issubdtype(inputs.dtype, jnp.inexact):
     raise TypeError(
-        f"{name}: inputs must be floating point (the window's reduction starts from a "
-        f"float: 0.0 or +-inf), got an input of dtype {inputs.dtype} and shape "
-        f"{tuple(inputs.shape)}. Fix: `x.astype(jnp.float32)`.")
+      f"{name}: inputs must be floating point (the window's reduction starts from a "
+      f"float: 0.0 or +-inf), got an input of dtype {inputs.dtype} and shape "
+      f"{tuple(inputs.shape)}. Fix: `x.astype(jnp.float32)`."
+    )
   n = len(window_shape)
-  strides = (1,) * n if strides is None else (
-      (strides,) * n if isinstance(strides, int) else tuple(strides))
+  strides = (
+    (1,) * n
+    if strides is None
+    else ((strides,) * n if isinstance(strides, int) else tuple(strides))
+  )
   if len(strides) != n:
     raise ValueError(
-        f"{name}: strides={strides} has {len(strides)} entries but window_shape="
-        f"{window_shape} has {n}. Fix: give one stride per window axis.")
+      f"{name}: strides={strides} has {len(strides)} entries but window_shape="
+      f"{window_shape} has {n}. Fix: give one stride per window axis."
+    )
   if inputs.ndim < n + 1:
     dims = ", ".join(f"s{i}" for i in range(n))
     raise ValueError(
-        f"{name}: window_shape={window_shape} pools {n} axes, so inputs must be "
-        f"(*batch, {dims}, features), of rank at least {n + 1}, but got an input of "
-        f"shape {tuple(inputs.shape)}. Fix: keep the feature axis last, e.g. "
-        f"`x[..., None]` for a single feature.")
+      f"{name}: window_shape={window_shape} pools {n} axes, so inputs must be "
+      f"(*batch, {dims}, features), of rank at least {n + 1}, but got an input of "
+      f"shape {tuple(inputs.shape)}. Fix: keep the feature axis last, e.g. "
+      f"`x[..., None]` for a single feature."
+    )
   if not isinstance(padding, str):
     pairs = tuple(tuple(p) for p in padding)
     if len(pairs) != n or any(len(p) != 2 for p in pairs):
       raise ValueError(
-          f"{name}: padding={padding!r} must be 'SAME', 'VALID' or {n} (low, high) "
-          f"pairs, one per window axis of window_shape={window_shape}.")
+        f"{name}: padding={padding!r} must be 'SAME', 'VALID' or {n} (low, high) "
+        f"pairs, one per window axis of window_shape={window_shape}."
+      )
     padding = pairs
   return window_shape, strides, padding
 
 
-def pool(inputs: jax.Array, init: Any, reduce_fn: Callable, window_shape: Sequence[int],
-         strides: Sequence[int] | None, padding: Any) -> jax.Array:
+def pool(
+  inputs: jax.Array,
+  init: Any,
+  reduce_fn: Callable,
+  window_shape: Sequence[int],
+  strides: Sequence[int] | None,
+  padding: Any,
+) -> jax.Array:
   """Reduces each window of ``inputs`` with ``reduce_fn`` from ``init`` (``lax.reduce_window``).
 
   Args:
@@ -77,8 +90,7 @@ def pool(inputs: jax.Array, init: Any, reduce_fn: Callable, window_shape: Sequen
   >>> sr.nn.pool(jnp.ones((4, 1)), 0.0, lax.add, (2,), None, "VALID")[:, 0].tolist()
   [2.0, 2.0, 2.0]
   """
-  window_shape, strides, padding = _window("pool", window_shape, strides, padding,
-                                           inputs)
+  window_shape, strides, padding = _window("pool", window_shape, strides, padding, inputs)
   return _pool(inputs, init, reduce_fn, window_shape, strides, padding)
 
 
@@ -91,9 +103,13 @@ def _pool(inputs, init, reduce_fn, window_shape, strides, padding):
   return lax.reduce_window(inputs, init, reduce_fn, dims, strides, padding)
 
 
-def avg_pool(inputs: jax.Array, window_shape: Sequence[int],
-             strides: Sequence[int] | None = None, padding: Any = "VALID",
-             count_include_pad: bool = True) -> jax.Array:
+def avg_pool(
+  inputs: jax.Array,
+  window_shape: Sequence[int],
+  strides: Sequence[int] | None = None,
+  padding: Any = "VALID",
+  count_include_pad: bool = True,
+) -> jax.Array:
   """The mean of each window.
 
   Args:
@@ -108,38 +124,43 @@ def avg_pool(inputs: jax.Array, window_shape: Sequence[int],
   >>> sr.nn.avg_pool(x, (2,), padding="SAME", count_include_pad=False)[:, 0].tolist()
   [1.5, 2.5, 3.0]
   """
-  window_shape, strides, padding = _window("avg_pool", window_shape, strides, padding,
-                                           inputs)
+  window_shape, strides, padding = _window("avg_pool", window_shape, strides, padding, inputs)
   y = _pool(inputs, 0.0, lax.add, window_shape, strides, padding)
   if count_include_pad:
     return y / math.prod(window_shape)
   # The count of real entries per window depends only on the window axes.
   n = len(window_shape)
-  ones = jnp.ones((1,) * (inputs.ndim - n - 1) + inputs.shape[-n - 1:-1] + (1,))
+  ones = jnp.ones((1,) * (inputs.ndim - n - 1) + inputs.shape[-n - 1 : -1] + (1,))
   return y / _pool(ones, 0.0, lax.add, window_shape, strides, padding)
 
 
-def max_pool(inputs: jax.Array, window_shape: Sequence[int],
-             strides: Sequence[int] | None = None, padding: Any = "VALID") -> jax.Array:
+def max_pool(
+  inputs: jax.Array,
+  window_shape: Sequence[int],
+  strides: Sequence[int] | None = None,
+  padding: Any = "VALID",
+) -> jax.Array:
   """The maximum of each window (padding counts as ``-inf``); arguments as ``pool``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.nn.max_pool(jnp.array([[1.0], [3.0], [2.0]]), (2,))[:, 0].tolist()
   [3.0, 3.0]
   """
-  window_shape, strides, padding = _window("max_pool", window_shape, strides, padding,
-                                           inputs)
+  window_shape, strides, padding = _window("max_pool", window_shape, strides, padding, inputs)
   return _pool(inputs, -jnp.inf, lax.max, window_shape, strides, padding)
 
 
-def min_pool(inputs: jax.Array, window_shape: Sequence[int],
-             strides: Sequence[int] | None = None, padding: Any = "VALID") -> jax.Array:
+def min_pool(
+  inputs: jax.Array,
+  window_shape: Sequence[int],
+  strides: Sequence[int] | None = None,
+  padding: Any = "VALID",
+) -> jax.Array:
   """The minimum of each window (padding counts as ``inf``); arguments as ``pool``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.nn.min_pool(jnp.array([[1.0], [3.0], [2.0]]), (2,))[:, 0].tolist()
   [1.0, 2.0]
   """
-  window_shape, strides, padding = _window("min_pool", window_shape, strides, padding,
-                                           inputs)
+  window_shape, strides, padding = _window("min_pool", window_shape, strides, padding, inputs)
   return _pool(inputs, jnp.inf, lax.min, window_shape, strides, padding)

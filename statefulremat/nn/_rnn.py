@@ -11,7 +11,8 @@ new mask at every step as nnx's carried streams do.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,9 @@ from ._cells import RNNCellBase, where
 _NOT_PARAM = Not(Param)
 
 
-def flip_sequences(inputs: jax.Array, seq_lengths: jax.Array | None, num_batch_dims: int,
-                   time_major: bool) -> jax.Array:
+def flip_sequences(
+  inputs: jax.Array, seq_lengths: jax.Array | None, num_batch_dims: int, time_major: bool
+) -> jax.Array:
   """Reverses each sequence along the time axis, keeping the padding at the end.
 
   With ``seq_lengths``, sequence ``b`` has ``seq_lengths[b]`` valid steps followed by
@@ -47,8 +49,9 @@ def flip_sequences(inputs: jax.Array, seq_lengths: jax.Array | None, num_batch_d
   steps = inputs.shape[time_axis]
   # Step t reads (lengths - 1 - t) mod steps: the valid part reversed, then the padding.
   idxs = jnp.arange(steps - 1, -1, -1)
-  idxs = idxs.reshape((steps,) + (1,) * num_batch_dims if time_major else
-                      (1,) * num_batch_dims + (steps,))
+  idxs = idxs.reshape(
+    (steps,) + (1,) * num_batch_dims if time_major else (1,) * num_batch_dims + (steps,)
+  )
   idxs = (idxs + jnp.expand_dims(seq_lengths, time_axis)) % steps
   idxs = idxs.reshape(idxs.shape + (1,) * (inputs.ndim - idxs.ndim))
   return jnp.take_along_axis(inputs, idxs, axis=time_axis)
@@ -72,14 +75,21 @@ def _step_keeping_last(cell, carries, x, t, seq_lengths):
 
 
 @functools.lru_cache(maxsize=256)
-def _scanner(time_axis: int, unroll, keep_last: bool, broadcast_rngs, variable_broadcast,
-             variable_carry) -> Callable:
+def _scanner(
+  time_axis: int, unroll, keep_last: bool, broadcast_rngs, variable_broadcast, variable_carry
+) -> Callable:
   """One ``sr.scan`` per configuration, built once: its compiled eager call is reused."""
   split = {True: True} if broadcast_rngs is None else {broadcast_rngs: False, True: True}
-  body, in_axes = ((_step_keeping_last, (time_axis, 0, None)) if keep_last else
-                   (_step, time_axis))
-  return scan(body, variable_broadcast=variable_broadcast, variable_carry=variable_carry,
-              split_rngs=split, in_axes=in_axes, out_axes=time_axis, unroll=unroll)
+  body, in_axes = (_step_keeping_last, (time_axis, 0, None)) if keep_last else (_step, time_axis)
+  return scan(
+    body,
+    variable_broadcast=variable_broadcast,
+    variable_carry=variable_carry,
+    split_rngs=split,
+    in_axes=in_axes,
+    out_axes=time_axis,
+    unroll=unroll,
+  )
 
 
 def _carry_stream(rngs, owner: str):
@@ -93,9 +103,10 @@ def _carry_stream(rngs, owner: str):
   if isinstance(rngs, RngStream):
     return rngs
   raise TypeError(
-      f"{owner}: rngs must be True (a stream seeded 0, as nnx), False, an sr.Rngs or an "
-      f"sr.RngStream, got {type(rngs).__name__}. It only seeds initialize_carry's "
-      "carry_init. Fix: `rngs=sr.Rngs(0)`, or leave it out.")
+    f"{owner}: rngs must be True (a stream seeded 0, as nnx), False, an sr.Rngs or an "
+    f"sr.RngStream, got {type(rngs).__name__}. It only seeds initialize_carry's "
+    "carry_init. Fix: `rngs=sr.Rngs(0)`, or leave it out."
+  )
 
 
 class RNN(Module):
@@ -144,19 +155,33 @@ class RNN(Module):
   (2, 5, 4)
   """
 
-  def __init__(self, cell: Module, *, time_major: bool = False, return_carry: bool = False,
-               reverse: bool = False, keep_order: bool = False, unroll: int | bool = 1,
-               variable_broadcast: Any = Param, variable_carry: Any = _NOT_PARAM,
-               broadcast_rngs: Any = None, rngs: Any = True, state_axes: Any = None):
+  def __init__(
+    self,
+    cell: Module,
+    *,
+    time_major: bool = False,
+    return_carry: bool = False,
+    reverse: bool = False,
+    keep_order: bool = False,
+    unroll: int | bool = 1,
+    variable_broadcast: Any = Param,
+    variable_carry: Any = _NOT_PARAM,
+    broadcast_rngs: Any = None,
+    rngs: Any = True,
+    state_axes: Any = None,
+  ):
     if state_axes is not None:
       raise TypeError(
-          "RNN(state_axes=...): nnx's StateAxes are spelled with sr.scan's rules here. "
-          "Fix: `variable_broadcast=<filter>` for nnx's None entries (default sr.Param) "
-          "and `variable_carry=<filter>` for its nnx.Carry entries (default everything "
-          "else).")
+        "RNN(state_axes=...): nnx's StateAxes are spelled with sr.scan's rules here. "
+        "Fix: `variable_broadcast=<filter>` for nnx's None entries (default sr.Param) "
+        "and `variable_carry=<filter>` for its nnx.Carry entries (default everything "
+        "else)."
+      )
     if not isinstance(cell, Module):
-      raise TypeError(f"RNN: cell must be a recurrent cell module (e.g. "
-                      f"sr.nn.LSTMCell(...)), got {type(cell).__name__}.")
+      raise TypeError(
+        f"RNN: cell must be a recurrent cell module (e.g. "
+        f"sr.nn.LSTMCell(...)), got {type(cell).__name__}."
+      )
     self.cell = cell
     self.time_major = time_major
     self.return_carry = return_carry
@@ -168,10 +193,18 @@ class RNN(Module):
     self.broadcast_rngs = broadcast_rngs
     self.rngs = _carry_stream(rngs, "RNN")
 
-  def __call__(self, inputs: jax.Array, *, initial_carry: Any = None,
-               seq_lengths: jax.Array | None = None, return_carry: bool | None = None,
-               time_major: bool | None = None, reverse: bool | None = None,
-               keep_order: bool | None = None, rngs: Any = None):
+  def __call__(
+    self,
+    inputs: jax.Array,
+    *,
+    initial_carry: Any = None,
+    seq_lengths: jax.Array | None = None,
+    return_carry: bool | None = None,
+    time_major: bool | None = None,
+    reverse: bool | None = None,
+    keep_order: bool | None = None,
+    rngs: Any = None,
+  ):
     """Scans the cell over ``inputs``; returns ``outputs`` or ``(carry, outputs)``.
 
     Arguments left ``None`` take the constructor's value; ``rngs`` (an ``sr.Rngs``,
@@ -188,36 +221,44 @@ class RNN(Module):
     if len(shape) < features + 1:
       layout = "(time, *batch, *features)" if time_major else "(*batch, time, *features)"
       raise ValueError(
-          f"{where(self)}: inputs of shape {shape} have no time axis: the cell takes "
-          f"{features} feature axis(es), so inputs are {layout}. Fix: add the time axis, "
-          "e.g. `x[:, None]` for one step (or call the cell itself).")
+        f"{where(self)}: inputs of shape {shape} have no time axis: the cell takes "
+        f"{features} feature axis(es), so inputs are {layout}. Fix: add the time axis, "
+        "e.g. `x[:, None]` for one step (or call the cell itself)."
+      )
     time_axis = 0 if time_major else len(shape) - features - 1
-    batch = shape[1:len(shape) - features] if time_major else shape[:time_axis]
-    step_shape = shape[:time_axis] + shape[time_axis + 1:]
+    batch = shape[1 : len(shape) - features] if time_major else shape[:time_axis]
+    step_shape = shape[:time_axis] + shape[time_axis + 1 :]
     if seq_lengths is not None and tuple(jnp.shape(seq_lengths)) != batch:
       raise ValueError(
-          f"{where(self)}: seq_lengths has shape {tuple(jnp.shape(seq_lengths))}, but "
-          f"inputs of shape {shape} have batch shape {batch}: one length per sequence. "
-          f"Fix: pass an int array of shape {batch}.")
+        f"{where(self)}: seq_lengths has shape {tuple(jnp.shape(seq_lengths))}, but "
+        f"inputs of shape {shape} have batch shape {batch}: one length per sequence. "
+        f"Fix: pass an int array of shape {batch}."
+      )
     if rngs is None:
       rngs = self.rngs
-    carry = (cell.initialize_carry(step_shape, rngs) if initial_carry is None
-             else initial_carry)
+    carry = cell.initialize_carry(step_shape, rngs) if initial_carry is None else initial_carry
     if isinstance(cell, RNNCellBase):
       # Here, with the cell's path, not as a tracer-shape error deep in the scan.
       cell.check_step(carry, step_shape, exact=True)
     if reverse:
       inputs = flip_sequences(inputs, seq_lengths, len(batch), time_major)
     keep_last = seq_lengths is not None and return_carry
-    options = (time_axis, self.unroll, keep_last, self.broadcast_rngs,
-               self.variable_broadcast, self.variable_carry)
+    options = (
+      time_axis,
+      self.unroll,
+      keep_last,
+      self.broadcast_rngs,
+      self.variable_broadcast,
+      self.variable_carry,
+    )
     try:
       scanned = _scanner(*options)
     except TypeError:  # an unhashable filter (a list): built afresh, compiled per call
       scanned = _scanner.__wrapped__(*options)
     if keep_last:
-      (_, carry), outputs = scanned(cell, (carry, carry), inputs,
-                                    jnp.arange(shape[time_axis]), seq_lengths)
+      (_, carry), outputs = scanned(
+        cell, (carry, carry), inputs, jnp.arange(shape[time_axis]), seq_lengths
+      )
     else:
       carry, outputs = scanned(cell, carry, inputs)
     if reverse and keep_order:
@@ -246,9 +287,16 @@ class Bidirectional(Module):
   (2, 5, 8)
   """
 
-  def __init__(self, forward_rnn: RNN, backward_rnn: RNN, *,
-               merge_fn: Callable = _concatenate, time_major: bool = False,
-               return_carry: bool = False, rngs: Any = True):
+  def __init__(
+    self,
+    forward_rnn: RNN,
+    backward_rnn: RNN,
+    *,
+    merge_fn: Callable = _concatenate,
+    time_major: bool = False,
+    return_carry: bool = False,
+    rngs: Any = True,
+  ):
     self.forward_rnn = forward_rnn
     self.backward_rnn = backward_rnn
     self.merge_fn = merge_fn
@@ -256,10 +304,18 @@ class Bidirectional(Module):
     self.return_carry = return_carry
     self.rngs = _carry_stream(rngs, "Bidirectional")
 
-  def __call__(self, inputs: jax.Array, *, initial_carry: Any = None, rngs: Any = None,
-               seq_lengths: jax.Array | None = None, return_carry: bool | None = None,
-               time_major: bool | None = None, reverse: bool | None = None,
-               keep_order: bool | None = None):
+  def __call__(
+    self,
+    inputs: jax.Array,
+    *,
+    initial_carry: Any = None,
+    rngs: Any = None,
+    seq_lengths: jax.Array | None = None,
+    return_carry: bool | None = None,
+    time_major: bool | None = None,
+    reverse: bool | None = None,
+    keep_order: bool | None = None,
+  ):
     """Returns the merged outputs, or ``((forward_carry, backward_carry), outputs)``.
 
     ``reverse`` and ``keep_order`` are accepted for nnx's signature and ignored.
@@ -272,11 +328,10 @@ class Bidirectional(Module):
     if isinstance(rngs, Rngs):
       rngs = rngs.carry
     forward, backward = (None, None) if initial_carry is None else initial_carry
-    common = dict(rngs=rngs, seq_lengths=seq_lengths, return_carry=True,
-                  time_major=time_major)
-    carry_f, out_f = self.forward_rnn(inputs, initial_carry=forward, reverse=False,
-                                      **common)
-    carry_b, out_b = self.backward_rnn(inputs, initial_carry=backward, reverse=True,
-                                       keep_order=True, **common)
+    common = dict(rngs=rngs, seq_lengths=seq_lengths, return_carry=True, time_major=time_major)
+    carry_f, out_f = self.forward_rnn(inputs, initial_carry=forward, reverse=False, **common)
+    carry_b, out_b = self.backward_rnn(
+      inputs, initial_carry=backward, reverse=True, keep_order=True, **common
+    )
     outputs = jax.tree.map(self.merge_fn, out_f, out_b)
     return ((carry_f, carry_b), outputs) if return_carry else outputs

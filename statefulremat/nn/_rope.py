@@ -21,18 +21,21 @@ def check_rope_input(where: str, x: jax.Array, fix: str) -> None:
   ``[..., length, heads, head_dim]`` with an even ``head_dim``."""
   if x.ndim < 3:
     raise ValueError(
-        f"{where}: rope rotates queries or keys of shape [batch..., length, heads, "
-        f"head_dim], got shape {tuple(x.shape)}. Fix: add the missing axes (a single "
-        f"head is `x[..., None, :]`).")
+      f"{where}: rope rotates queries or keys of shape [batch..., length, heads, "
+      f"head_dim], got shape {tuple(x.shape)}. Fix: add the missing axes (a single "
+      f"head is `x[..., None, :]`)."
+    )
   if x.shape[-1] % 2:
     raise ValueError(
-        f"{where}: rope rotates pairs of the head dimension, but head_dim="
-        f"{x.shape[-1]} (shape {tuple(x.shape)}) is odd. Fix: {fix}")
+      f"{where}: rope rotates pairs of the head dimension, but head_dim="
+      f"{x.shape[-1]} (shape {tuple(x.shape)}) is odd. Fix: {fix}"
+    )
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(
-        f"{where}: rope rotates float features, got dtype {x.dtype} (shape "
-        f"{tuple(x.shape)}). Fix: cast to a float dtype first, e.g. "
-        "`x.astype(jnp.float32)`.")
+      f"{where}: rope rotates float features, got dtype {x.dtype} (shape "
+      f"{tuple(x.shape)}). Fix: cast to a float dtype first, e.g. "
+      "`x.astype(jnp.float32)`."
+    )
 
 
 def check_positions(where: str, positions: jax.Array, x_shape: tuple) -> None:
@@ -42,19 +45,25 @@ def check_positions(where: str, positions: jax.Array, x_shape: tuple) -> None:
   shape = tuple(np.shape(positions))
   expected = tuple(x_shape[:-2])
   batch, length = expected[:-1], expected[-1]
-  fits = (len(shape) >= 1 and len(shape) <= len(expected) and shape[-1] == length
-          and all(p in (1, b) for p, b in zip(shape[-2::-1], batch[::-1])))
+  fits = (
+    len(shape) >= 1
+    and len(shape) <= len(expected)
+    and shape[-1] == length
+    and all(p in (1, b) for p, b in zip(shape[-2::-1], batch[::-1]))
+  )
   if not fits:
     raise ValueError(
-        f"{where}: positions has shape {shape} but the queries/keys it rotates have "
-        f"shape {tuple(x_shape)}: expected positions of shape {expected} or "
-        f"({length},), one position per token. Fix: pass one position per token, e.g. "
-        f"`positions=jnp.arange({length})` (batch rows may share it).")
+      f"{where}: positions has shape {shape} but the queries/keys it rotates have "
+      f"shape {tuple(x_shape)}: expected positions of shape {expected} or "
+      f"({length},), one position per token. Fix: pass one position per token, e.g. "
+      f"`positions=jnp.arange({length})` (batch rows may share it)."
+    )
   dtype = jnp.result_type(positions)
   if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
     raise ValueError(
-        f"{where}: positions must be integers (or floats), got dtype {dtype}. Fix: "
-        "pass token positions such as `jnp.arange(length)`.")
+      f"{where}: positions must be integers (or floats), got dtype {dtype}. Fix: "
+      "pass token positions such as `jnp.arange(length)`."
+    )
 
 
 def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Array:
@@ -92,8 +101,7 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Ar
   positions = jnp.asarray(positions).astype(jnp.float32)
   # Angles [..., length, 1, half], the same for every head; both operands get x's
   # rank first (jax_numpy_rank_promotion may be set to "raise").
-  positions = positions.reshape((1,) * (x.ndim - 2 - positions.ndim) + positions.shape
-                                + (1, 1))
+  positions = positions.reshape((1,) * (x.ndim - 2 - positions.ndim) + positions.shape + (1, 1))
   angles = positions / timescale.reshape((1,) * (x.ndim - 1) + (half,))
   sin, cos = jnp.sin(angles), jnp.cos(angles)
   x1, x2 = x[..., :half], x[..., half:]

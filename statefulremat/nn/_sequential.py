@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..core._module import Module
 
@@ -13,8 +14,9 @@ def _takes_rngs(fn) -> bool:
     params = inspect.signature(fn).parameters.values()
   except (TypeError, ValueError):  # builtins and C functions without a signature
     return False
-  return any(p.name == "rngs" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-             for p in params)
+  return any(
+    p.name == "rngs" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params
+  )
 
 
 class Sequential(Module):
@@ -46,9 +48,10 @@ class Sequential(Module):
     for i, layer in enumerate(layers):
       if not callable(layer):
         raise TypeError(
-            f"Sequential: layer {i} is a {type(layer).__name__} ({layer!r}), which cannot "
-            "be called. Fix: pass modules or functions, e.g. "
-            "`sr.Sequential(sr.nn.Linear(2, 4, rngs=rngs), jax.nn.relu)`.")
+          f"Sequential: layer {i} is a {type(layer).__name__} ({layer!r}), which cannot "
+          "be called. Fix: pass modules or functions, e.g. "
+          "`sr.Sequential(sr.nn.Linear(2, 4, rngs=rngs), jax.nn.relu)`."
+        )
     self.layers = list(layers)
 
   def __call__(self, *args, rngs=None, **kwargs) -> Any:

@@ -15,7 +15,8 @@ same). A first call computes what nnx's first call computes, gradients included.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +48,9 @@ def _where(wrapper: str, module: Any) -> str:
 def _around(wrapper: str, layer: Module) -> str:
   """How a wrapper being built is named: by the place of the layer it wraps, if any."""
   path = path_of(layer)
-  return (f"{wrapper} around the {type(layer).__name__} at `{format_path(path)}`"
-          if path else wrapper)
+  return (
+    f"{wrapper} around the {type(layer).__name__} at `{format_path(path)}`" if path else wrapper
+  )
 
 
 def _check_layer(wrapper: str, layer: Any) -> None:
@@ -57,17 +59,23 @@ def _check_layer(wrapper: str, layer: Any) -> None:
   kind = type(layer)
   if kind.__module__.startswith("flax"):
     got = f"a flax {kind.__qualname__}"
-    fix = (f"build the layer with sr.nn (e.g. sr.nn.Linear) and wrap that; copy nnx "
-           f"weights in afterwards with sr.interop.from_nnx(ours, theirs)")
+    fix = (
+      "build the layer with sr.nn (e.g. sr.nn.Linear) and wrap that; copy nnx "
+      "weights in afterwards with sr.interop.from_nnx(ours, theirs)"
+    )
   else:
-    got = ("a function" if callable(layer) and not isinstance(layer, type) else
-           f"a {kind.__qualname__}" if not isinstance(layer, type) else
-           f"the class {layer.__qualname__} (not an instance)")
-    fix = (f"pass a layer instance, e.g. sr.nn.{wrapper}(sr.nn.Linear(4, 8, "
-           "rngs=rngs), rngs=rngs)")
+    got = (
+      "a function"
+      if callable(layer) and not isinstance(layer, type)
+      else f"a {kind.__qualname__}"
+      if not isinstance(layer, type)
+      else f"the class {layer.__qualname__} (not an instance)"
+    )
+    fix = f"pass a layer instance, e.g. sr.nn.{wrapper}(sr.nn.Linear(4, 8, rngs=rngs), rngs=rngs)"
   raise GraphError(
-      f"{wrapper} wraps a layer whose Params it normalises (an sr.Module such as "
-      f"sr.nn.Linear or sr.nn.Conv), got {got}. Fix: {fix}.")
+    f"{wrapper} wraps a layer whose Params it normalises (an sr.Module such as "
+    f"sr.nn.Linear or sr.nn.Conv), got {got}. Fix: {fix}."
+  )
 
 
 def _params(layer: Module) -> list[tuple[tuple, Variable]]:
@@ -138,10 +146,18 @@ class SpectralNorm(Module):
   True
   """
 
-  def __init__(self, layer_instance: Module, *, n_steps: int = 1,
-               epsilon: float = 1e-12, dtype: Any = None,
-               param_dtype: Any = jnp.float32, error_on_non_matrix: bool = False,
-               update_stats: bool = True, rngs: Rngs):
+  def __init__(
+    self,
+    layer_instance: Module,
+    *,
+    n_steps: int = 1,
+    epsilon: float = 1e-12,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    error_on_non_matrix: bool = False,
+    update_stats: bool = True,
+    rngs: Rngs,
+  ):
     _check_layer("SpectralNorm", layer_instance)
     check_rngs("SpectralNorm", rngs)
     where = _around("SpectralNorm", layer_instance)
@@ -162,15 +178,17 @@ class SpectralNorm(Module):
         columns = self._matrix_shape(path, var.shape, where)[1]
         key = rngs.params()
         batch_stats[path + ("u",)] = BatchStat(
-            jax.nn.initializers.normal()(key, (1, columns), param_dtype))
+          jax.nn.initializers.normal()(key, (1, columns), param_dtype)
+        )
         batch_stats[path + ("sigma",)] = BatchStat(jnp.ones((), param_dtype))
       if not batch_stats:
         raise ValueError(
-            f"{where}: the wrapped "
-            f"{type(layer_instance).__name__} has no Param of two or more dimensions to "
-            f"normalise (its Params: {_shapes(params)}), so SpectralNorm would do "
-            "nothing. Fix: wrap the layer whose kernel you mean to normalise (Linear, "
-            "Conv, Einsum, ...).")
+          f"{where}: the wrapped "
+          f"{type(layer_instance).__name__} has no Param of two or more dimensions to "
+          f"normalise (its Params: {_shapes(params)}), so SpectralNorm would do "
+          "nothing. Fix: wrap the layer whose kernel you mean to normalise (Linear, "
+          "Conv, Einsum, ...)."
+        )
     self.batch_stats = batch_stats
 
   def _matrix_shape(self, path: tuple, shape: tuple, where: str) -> tuple[int, int]:
@@ -180,11 +198,12 @@ class SpectralNorm(Module):
       rows *= n
     if len(shape) > 2 and self.error_on_non_matrix:
       raise ValueError(
-          f"{where}: `layer_instance.{format_path(path)}` has shape {tuple(shape)} "
-          f"({len(shape)}-D), but error_on_non_matrix=True allows only matrices. "
-          f"Fix: pass error_on_non_matrix=False to normalise it as the "
-          f"({rows}, {shape[-1]}) matrix of its leading axes against its last, or wrap "
-          "a layer whose weights are matrices (e.g. Linear).")
+        f"{where}: `layer_instance.{format_path(path)}` has shape {tuple(shape)} "
+        f"({len(shape)}-D), but error_on_non_matrix=True allows only matrices. "
+        f"Fix: pass error_on_non_matrix=False to normalise it as the "
+        f"({rows}, {shape[-1]}) matrix of its leading axes against its last, or wrap "
+        "a layer whose weights are matrices (e.g. Linear)."
+      )
     return rows, shape[-1]
 
   def __call__(self, x: Any, update_stats: bool | None = None) -> jax.Array:
@@ -196,10 +215,11 @@ class SpectralNorm(Module):
     if update_stats is None:
       if self.use_running_average is None:
         raise ValueError(
-            f"{_where('SpectralNorm', self)} does not know whether to update `u` and "
-            "`sigma`: its use_running_average is None. Fix: set the mode "
-            "(`model.train()` / `model.eval()`), or call `layer(x, "
-            "update_stats=True)`.")
+          f"{_where('SpectralNorm', self)} does not know whether to update `u` and "
+          "`sigma`: its use_running_average is None. Fix: set the mode "
+          "(`model.train()` / `model.eval()`), or call `layer(x, "
+          "update_stats=True)`."
+        )
       update_stats = not self.use_running_average
     normalised, stats = [], []
     if self.n_steps >= 1:
@@ -223,17 +243,19 @@ class SpectralNorm(Module):
     u_stat = self.batch_stats.get(path + ("u",))
     if u_stat is None or path + ("sigma",) not in self.batch_stats:
       raise StateMismatchError(
-          f"{_where('SpectralNorm', self)}: `layer_instance.{format_path(path)}` "
-          f"{tuple(jnp.shape(w))} has no `u` / `sigma` in `batch_stats` (they are made "
-          f"for the Params the layer had when it was wrapped: "
-          f"{_stat_params(self.batch_stats)}). Fix: wrap the layer after its Params "
-          "are all in place (build a new SpectralNorm around it).")
+        f"{_where('SpectralNorm', self)}: `layer_instance.{format_path(path)}` "
+        f"{tuple(jnp.shape(w))} has no `u` / `sigma` in `batch_stats` (they are made "
+        f"for the Params the layer had when it was wrapped: "
+        f"{_stat_params(self.batch_stats)}). Fix: wrap the layer after its Params "
+        "are all in place (build a new SpectralNorm around it)."
+      )
     if u_stat.shape != (1, columns):
       raise StateMismatchError(
-          f"{_where('SpectralNorm', self)}: `batch_stats[{path + ('u',)!r}]` has shape "
-          f"{tuple(u_stat.shape)}, but `layer_instance.{format_path(path)}` of shape "
-          f"{tuple(jnp.shape(w))} needs (1, {columns}). Fix: wrap the layer after its "
-          "Params have their final shapes (build a new SpectralNorm around it).")
+        f"{_where('SpectralNorm', self)}: `batch_stats[{path + ('u',)!r}]` has shape "
+        f"{tuple(u_stat.shape)}, but `layer_instance.{format_path(path)}` of shape "
+        f"{tuple(jnp.shape(w))} needs (1, {columns}). Fix: wrap the layer after its "
+        "Params have their final shapes (build a new SpectralNorm around it)."
+      )
     matrix = jnp.reshape(w, (rows, columns))
     u = u_stat.value
     for _ in range(self.n_steps):
@@ -291,12 +313,20 @@ class WeightNorm(Module):
   False
   """
 
-  def __init__(self, layer_instance: Module, *, feature_axes: int | Sequence[int] | None
-               = -1, use_scale: bool = True,
-               scale_init: Callable = jax.nn.initializers.ones, epsilon: float = 1e-12,
-               dtype: Any = None, param_dtype: Any = jnp.float32,
-               variable_filter: Any = PathContains("kernel"),
-               promote_dtype: Callable = default_promote_dtype, rngs: Rngs):
+  def __init__(
+    self,
+    layer_instance: Module,
+    *,
+    feature_axes: int | Sequence[int] | None = -1,
+    use_scale: bool = True,
+    scale_init: Callable = jax.nn.initializers.ones,
+    epsilon: float = 1e-12,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    variable_filter: Any = PathContains("kernel"),  # noqa: B008 (immutable)
+    promote_dtype: Callable = default_promote_dtype,
+    rngs: Rngs,
+  ):
     _check_layer("WeightNorm", layer_instance)
     check_rngs("WeightNorm", rngs)
     where = _around("WeightNorm", layer_instance)
@@ -313,11 +343,12 @@ class WeightNorm(Module):
     matched = [(p, v) for p, v in params if self.variable_filter(p, v)]
     if not matched:
       raise ValueError(
-          f"{where}: variable_filter="
-          f"{variable_filter!r} matches none of the wrapped "
-          f"{type(layer_instance).__name__}'s Params ({_shapes(params)}), so "
-          "WeightNorm would do nothing. Fix: pass a variable_filter that names the "
-          "weights to normalise, e.g. variable_filter=sr.PathContains('kernel').")
+        f"{where}: variable_filter="
+        f"{variable_filter!r} matches none of the wrapped "
+        f"{type(layer_instance).__name__}'s Params ({_shapes(params)}), so "
+        "WeightNorm would do nothing. Fix: pass a variable_filter that names the "
+        "weights to normalise, e.g. variable_filter=sr.PathContains('kernel')."
+      )
     scales = None
     if use_scale:
       scales = {}
@@ -329,14 +360,14 @@ class WeightNorm(Module):
 
   def _axes(self, path: tuple, ndim: int, where: str) -> tuple[tuple, tuple]:
     """``(feature axes, reduction axes)`` of a Param of rank ``ndim``."""
-    axes = self.feature_axes if isinstance(self.feature_axes, tuple) else (
-        self.feature_axes,)
+    axes = self.feature_axes if isinstance(self.feature_axes, tuple) else (self.feature_axes,)
     if any(not -ndim <= a < ndim for a in axes):
       raise ValueError(
-          f"{where}: feature_axes={self.feature_axes!r} is out "
-          f"of range for `layer_instance.{format_path(path)}`, which has {ndim} "
-          f"dimensions. Fix: pass axes in [-{ndim}, {ndim - 1}] (-1 is the output "
-          "features of Linear and Conv kernels).")
+        f"{where}: feature_axes={self.feature_axes!r} is out "
+        f"of range for `layer_instance.{format_path(path)}`, which has {ndim} "
+        f"dimensions. Fix: pass axes in [-{ndim}, {ndim - 1}] (-1 is the output "
+        "features of Linear and Conv kernels)."
+      )
     feature = canonicalize_axes(ndim, axes)
     return feature, tuple(i for i in range(ndim) if i not in feature)
 
@@ -359,16 +390,17 @@ class WeightNorm(Module):
       stat = self.scales.get(path)
       want = tuple(jnp.shape(w)[a] for a in feature)
       if stat is None or tuple(stat.shape) != want:
-        have = ("there is none" if stat is None
-                else f"`scales[{path!r}]` has shape {tuple(stat.shape)}")
+        have = (
+          "there is none" if stat is None else f"`scales[{path!r}]` has shape {tuple(stat.shape)}"
+        )
         raise StateMismatchError(
-            f"{_where('WeightNorm', self)}: `layer_instance.{format_path(path)}` "
-            f"{tuple(jnp.shape(w))} needs a scale of shape {want}, but {have} (scales "
-            "are made for the Params the layer had when it was wrapped). Fix: wrap the "
-            "layer after its Params are in place (build a new WeightNorm around it).")
+          f"{_where('WeightNorm', self)}: `layer_instance.{format_path(path)}` "
+          f"{tuple(jnp.shape(w))} needs a scale of shape {want}, but {have} (scales "
+          "are made for the Params the layer had when it was wrapped). Fix: wrap the "
+          "layer after its Params are in place (build a new WeightNorm around it)."
+        )
       scale = stat.value
       if len(feature) < ndim:
-        scale = jnp.reshape(scale, [jnp.shape(w)[a] if a in feature else 1
-                                    for a in range(ndim)])
+        scale = jnp.reshape(scale, [jnp.shape(w)[a] if a in feature else 1 for a in range(ndim)])
       value = value * scale
     return self.promote_dtype((value, w, scale), dtype=self.dtype)[0]

@@ -14,7 +14,7 @@ called as ``init(key, shape, dtype)``, the form every ``sr.nn`` layer takes.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from jax.nn.initializers import constant as constant
 from jax.nn.initializers import delta_orthogonal as delta_orthogonal

@@ -9,10 +9,10 @@ from ..core._errors import StateMismatchError, format_path
 from ..core._filters import Filter, filter_repr
 from ..core._graph import flatten
 from ..core._graph_lock import hold, holding, let_go
-from ..core._split_merge import state, update
-from ..core._module import Module
-from ..core._state import State
 from ..core._kinds import Param
+from ..core._module import Module
+from ..core._split_merge import state, update
+from ..core._state import State
 from ..core._variables import Variable
 
 
@@ -29,10 +29,11 @@ class OptState(Variable):
   def __call__(self, *args, **kwargs):
     # `opt.step` is the step count, so PyTorch's `opt.step()` lands here.
     raise AttributeError(
-        f"`{self.path_str()}` is optimizer state (an sr.OptState; `opt.step` is the "
-        "step count, read as `opt.step.value`), not a method: sr.Optimizer has no "
-        "PyTorch-style step(). Fix: take the gradients with `grads = "
-        "sr.grad(loss_fn)(model, ...)` and apply them with `opt.update(grads)`.")
+      f"`{self.path_str()}` is optimizer state (an sr.OptState; `opt.step` is the "
+      "step count, read as `opt.step.value`), not a method: sr.Optimizer has no "
+      "PyTorch-style step(). Fix: take the gradients with `grads = "
+      "sr.grad(loss_fn)(model, ...)` and apply them with `opt.update(grads)`."
+    )
 
 
 class _Paths:
@@ -132,26 +133,31 @@ class Optimizer(Module):
     params = state(self.model, self.wrt)
     if not isinstance(grads, State):
       raise TypeError(
-          f"Optimizer.update takes the State of gradients from sr.grad, got "
-          f"{type(grads).__name__}. Fix: `grads = sr.grad(loss_fn)(model, ...)`, then "
-          "`opt.update(grads)`.")
+        f"Optimizer.update takes the State of gradients from sr.grad, got "
+        f"{type(grads).__name__}. Fix: `grads = sr.grad(loss_fn)(model, ...)`, then "
+        "`opt.update(grads)`."
+      )
     if params._spec.paths != self.opt_paths.paths:
       raise StateMismatchError(
-          "Optimizer.update: the model's optimized variables changed since the "
-          f"Optimizer was made ({_difference(self.opt_paths.paths, params._spec.paths)})"
-          ", so its optax state no longer fits them. Make a new "
-          "`sr.Optimizer(model, tx)` after changing the model's structure."
+        "Optimizer.update: the model's optimized variables changed since the "
+        f"Optimizer was made ({_difference(self.opt_paths.paths, params._spec.paths)})"
+        ", so its optax state no longer fits them. Make a new "
+        "`sr.Optimizer(model, tx)` after changing the model's structure."
       )
     if grads._spec.paths != params._spec.paths:
       missing = [p for p in params._spec.paths if p not in set(grads._spec.paths)]
       extra = [p for p in grads._spec.paths if p not in set(params._spec.paths)]
-      where = (f"no gradient for `{format_path(missing[0])}`" if missing else
-               f"a gradient for `{format_path(extra[0])}`, which is not optimized"
-               if extra else "the entries are in another order")
+      where = (
+        f"no gradient for `{format_path(missing[0])}`"
+        if missing
+        else f"a gradient for `{format_path(extra[0])}`, which is not optimized"
+        if extra
+        else "the entries are in another order"
+      )
       raise StateMismatchError(
-          f"Optimizer.update: the gradients do not match the optimized variables "
-          f"({where}). Take the gradients with the same filter: "
-          f"`sr.grad(loss_fn, wrt={filter_repr(self.wrt)})(model, ...)`."
+        f"Optimizer.update: the gradients do not match the optimized variables "
+        f"({where}). Take the gradients with the same filter: "
+        f"`sr.grad(loss_fn, wrt={filter_repr(self.wrt)})(model, ...)`."
       )
     opt_state = jax.tree.unflatten(self.opt_state_def, [v.value for v in self.opt_state])
     grads = State._make(params._spec, grads._values)
@@ -168,40 +174,43 @@ class Optimizer(Module):
     """The gradients of flax.nnx's ``update(model, grads)``; refuses other calls."""
     if len(args) != 2:
       raise TypeError(
-          f"Optimizer.update takes the gradients, got {len(args)} arguments. Fix: "
-          "`opt.update(grads)` with `grads = sr.grad(loss_fn)(model, ...)` (flax.nnx's "
-          "`opt.update(model, grads)` works too).")
+        f"Optimizer.update takes the gradients, got {len(args)} arguments. Fix: "
+        "`opt.update(grads)` with `grads = sr.grad(loss_fn)(model, ...)` (flax.nnx's "
+        "`opt.update(model, grads)` works too)."
+      )
     model, grads = args
     if model is self.model:
       return grads
     if grads is self.model and isinstance(model, State):
       raise TypeError(
-          "Optimizer.update got (grads, model): the model goes first. Fix: "
-          "`opt.update(model, grads)`, or just `opt.update(grads)`.")
+        "Optimizer.update got (grads, model): the model goes first. Fix: "
+        "`opt.update(model, grads)`, or just `opt.update(grads)`."
+      )
     raise ValueError(
-        f"Optimizer.update(model, grads) got a model (a {type(model).__name__}) that "
-        f"is not the one this Optimizer updates (opt.model, a "
-        f"{type(self.model).__name__}); its gradients would be applied to opt.model. "
-        "Fix: call `opt.update(grads)` to update opt.model, or make an optimizer for "
-        "that model: `sr.Optimizer(model, tx)`. Inside sr.jit, pass the model and the "
-        "optimizer as arguments so they stay the same object.")
+      f"Optimizer.update(model, grads) got a model (a {type(model).__name__}) that "
+      f"is not the one this Optimizer updates (opt.model, a "
+      f"{type(self.model).__name__}); its gradients would be applied to opt.model. "
+      "Fix: call `opt.update(grads)` to update opt.model, or make an optimizer for "
+      "that model: `sr.Optimizer(model, tx)`. Inside sr.jit, pass the model and the "
+      "optimizer as arguments so they stay the same object."
+    )
 
   @property
   def zero_grad(self):
     # A property, not a method: `hasattr(opt, "zero_grad")` stays False.
     raise AttributeError(
-        "sr.Optimizer has no zero_grad(): there is nothing to zero in JAX. Gradients "
-        "are not accumulated on the parameters; `sr.grad` returns fresh ones on "
-        "every call. Fix: delete the call; each step is `grads = sr.grad(loss_fn)"
-        "(model, ...)` then `opt.update(grads)`.")
+      "sr.Optimizer has no zero_grad(): there is nothing to zero in JAX. Gradients "
+      "are not accumulated on the parameters; `sr.grad` returns fresh ones on "
+      "every call. Fix: delete the call; each step is `grads = sr.grad(loss_fn)"
+      "(model, ...)` then `opt.update(grads)`."
+    )
 
 
 def _mesh_of(params):
   """The mesh the parameters are placed on (``sr.shard``), or None."""
   for leaf in jax.tree.leaves(params):
     sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(
-        leaf, jax.core.Tracer):
+    if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(leaf, jax.core.Tracer):
       return sharding.mesh
   return None
 
@@ -210,7 +219,10 @@ def _replicated(leaf, mesh):
   """A new state array (a step count, optax's own counters) on the parameters' mesh,
   replicated, as a jitted step gives it back: otherwise the first step's output has
   another sharding than its input and the second step compiles again."""
-  if mesh is None or isinstance(leaf, jax.core.Tracer) or not isinstance(
-      getattr(leaf, "sharding", None), jax.sharding.SingleDeviceSharding):
+  if (
+    mesh is None
+    or isinstance(leaf, jax.core.Tracer)
+    or not isinstance(getattr(leaf, "sharding", None), jax.sharding.SingleDeviceSharding)
+  ):
     return leaf
   return jax.device_put(leaf, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))

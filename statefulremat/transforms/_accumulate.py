@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -83,15 +84,20 @@ def accumulate(fn: Callable, *, microbatches: int) -> Callable:
   what = f"sr.accumulate({display_name(fn)})"
   if not callable(fn):
     raise TransformError(
-        f"sr.accumulate: fn must be a function `fn(model, *batch) -> (loss, grads)`, got "
-        f"{type(fn).__name__}. Fix: `sr.accumulate(sr.value_and_grad(loss_fn), "
-        "microbatches=k)`.")
-  if (not isinstance(microbatches, numbers.Integral) or isinstance(microbatches, bool)
-      or microbatches < 1):
+      f"sr.accumulate: fn must be a function `fn(model, *batch) -> (loss, grads)`, got "
+      f"{type(fn).__name__}. Fix: `sr.accumulate(sr.value_and_grad(loss_fn), "
+      "microbatches=k)`."
+    )
+  if (
+    not isinstance(microbatches, numbers.Integral)
+    or isinstance(microbatches, bool)
+    or microbatches < 1
+  ):
     raise TransformError(
-        f"{what}: microbatches={microbatches!r}, but it is the number of microbatches "
-        "the batch is split into: an int >= 1. Fix: e.g. `microbatches=4` (1 runs the "
-        "whole batch at once).")
+      f"{what}: microbatches={microbatches!r}, but it is the number of microbatches "
+      "the batch is split into: an int >= 1. Fix: e.g. `microbatches=4` (1 runs the "
+      "whole batch at once)."
+    )
   k = int(microbatches)
 
   @functools.wraps(fn)
@@ -105,17 +111,19 @@ def _accumulate(fn, k: int, what: str, model, batch: tuple, kwargs: dict):
   nodes, others, treedef, positions = split_call((model,), {})
   if not nodes or not all(is_node(n) for n in jax.tree.leaves(model, is_leaf=is_node)):
     raise TransformError(
-        f"{what}: argument 0 must be the model (a module, or a tuple/dict of modules), "
-        f"got {type(model).__name__}. It is called as `fn(model, *batch)`, with the "
-        "batch arrays after the model. Fix: `sr.accumulate(fn, microbatches=k)(model, "
-        "x, y)`.")
+      f"{what}: argument 0 must be the model (a module, or a tuple/dict of modules), "
+      f"got {type(model).__name__}. It is called as `fn(model, *batch)`, with the "
+      "batch arrays after the model. Fix: `sr.accumulate(fn, microbatches=k)(model, "
+      "x, y)`."
+    )
   check_no_modules(batch, what, "argument", first=1)
   check_no_modules(kwargs, what, "the keyword argument")
   leaves, batch_tree = jax.tree.flatten(batch)
   if not leaves:
     raise TransformError(
-        f"{what}: there is no batch to split: the arguments after the model hold no "
-        "array. Fix: pass the batch positionally after the model, `step(model, x, y)`.")
+      f"{what}: there is no batch to split: the arguments after the model hold no "
+      "array. Fix: pass the batch positionally after the model, `step(model, x, y)`."
+    )
   split = [_microbatched(x, j, batch, k, what) for j, x in enumerate(leaves)]
 
   graphdef, variables = flatten(nodes)
@@ -139,14 +147,18 @@ def _microbatched(x, j: int, batch: tuple, k: int, what: str):
   if not shape or shape[0] % k:
     where = _leaf_where(batch, j)
     rows = "it is a scalar" if not shape else f"{shape[0]} rows"
-    fix = (f"pass a batch whose size is a multiple of {k} (e.g. "
-           f"{max(k, shape[0] - shape[0] % k)} rows), or choose microbatches among the "
-           f"divisors of {shape[0]}" if shape else
-           "pass the values every microbatch shares as keyword arguments (they are "
-           "given whole to each)")
+    fix = (
+      f"pass a batch whose size is a multiple of {k} (e.g. "
+      f"{max(k, shape[0] - shape[0] % k)} rows), or choose microbatches among the "
+      f"divisors of {shape[0]}"
+      if shape
+      else "pass the values every microbatch shares as keyword arguments (they are "
+      "given whole to each)"
+    )
     raise TransformError(
-        f"{what}: {where} has shape {shape}, which does not split along axis 0 into "
-        f"microbatches={k} equal microbatches ({rows}). Fix: {fix}.")
+      f"{what}: {where} has shape {shape}, which does not split along axis 0 into "
+      f"microbatches={k} equal microbatches ({rows}). Fix: {fix}."
+    )
   return split_rows(x, k)
 
 
@@ -179,10 +191,11 @@ def _check_same_shape(what: str, path: tuple, old, new) -> None:
   shapes = lambda v: jax.tree.map(lambda a: tuple(jnp.shape(a)), v)  # noqa: E731
   if shapes(old) != shapes(new):
     raise TransformError(
-        f"{what}: fn changed `{format_path(path)}` from {_describe(old)} to "
-        f"{_describe(new)}; a value carried from one microbatch to the next keeps its "
-        "shape. Fix: write a value of the same shape (build the Variable with its final "
-        "shape in `__init__`).")
+      f"{what}: fn changed `{format_path(path)}` from {_describe(old)} to "
+      f"{_describe(new)}; a value carried from one microbatch to the next keeps its "
+      "shape. Fix: write a value of the same shape (build the Variable with its final "
+      "shape in `__init__`)."
+    )
 
 
 def _spec(x) -> tuple:
@@ -203,8 +216,9 @@ def _like(value, like):
   return value
 
 
-def _scan(fn, k, what, lifted: Lifted, values: list, others: list, split: list,
-          batch_tree, kwargs: dict):
+def _scan(
+  fn, k, what, lifted: Lifted, values: list, others: list, split: list, batch_tree, kwargs: dict
+):
   """Runs the scan; ``(out, {index: new value})`` of the Variables ``fn`` changed."""
   found: dict[str, Any] = {}
 
@@ -233,9 +247,10 @@ def _scan(fn, k, what, lifted: Lifted, values: list, others: list, split: list,
   for i, new in zip(carried, written):
     if not _is_array_tree(values[i]):
       raise TransformError(
-          f"{what}: fn writes `{format_path(paths[i])}`, whose value "
-          f"({type(values[i]).__name__}) is not an array, so it cannot be carried from "
-          "one microbatch to the next. Fix: hold arrays in Variables.")
+        f"{what}: fn writes `{format_path(paths[i])}`, whose value "
+        f"({type(values[i]).__name__}) is not an array, so it cannot be carried from "
+        "one microbatch to the next. Fix: hold arrays in Variables."
+      )
     _check_same_shape(what, paths[i], values[i], new)
     # The carry starts in the dtype and sharding fn writes (a BatchNorm statistic
     # created replicated comes out sharded like the features), as after the loop's
@@ -254,22 +269,23 @@ def _scan(fn, k, what, lifted: Lifted, values: list, others: list, split: list,
     extra = sorted(set(changed) - set(carried))
     if extra:  # fn wrote other Variables than in the first trace
       raise TransformError(
-          f"{what}: fn wrote `{format_path(paths[extra[0]])}` when traced over the "
-          "microbatches but not when traced once before; what fn writes must not depend "
-          "on the trace. Fix: write the same Variables on every call.")
+        f"{what}: fn wrote `{format_path(paths[extra[0]])}` when traced over the "
+        "microbatches but not when traced once before; what fn writes must not depend "
+        "on the trace. Fix: write the same Variables on every call."
+      )
     new_state = []
     for i, old in zip(carried, state):
       new = changed.get(i, old)
       _check_same_shape(what, paths[i], old, new)
-      new_state.append(jax.tree.map(lambda n, o: jax.lax.convert_element_type(
-          n, jnp.result_type(o)), new, old))
+      new_state.append(
+        jax.tree.map(lambda n, o: jax.lax.convert_element_type(n, jnp.result_type(o)), new, old)
+      )
     total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, (loss, grads))
     return (new_state, total), aux
 
   init = (init, zeros)
   (state, total), auxs = jax.lax.scan(body, init, split)
-  loss, grads = jax.tree.map(lambda t, like: (t / k).astype(like.dtype), total,
-                             (loss0, grads0))
+  loss, grads = jax.tree.map(lambda t, like: (t / k).astype(like.dtype), total, (loss0, grads0))
   out = ((loss, auxs), grads) if found["has_aux"] else (loss, grads)
   return out, dict(zip(carried, state))
 
@@ -277,30 +293,38 @@ def _scan(fn, k, what, lifted: Lifted, values: list, others: list, split: list,
 def _parse(out, what: str):
   """``(loss, aux, grads)`` from fn's ``(loss, grads)`` or ``((loss, aux), grads)``."""
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    got = (f"a {type(out).__name__} of length {len(out)}"
-           if isinstance(out, (tuple, list)) else "a single array"
-           if isinstance(out, jax.Array) else f"a {type(out).__name__}")
+    got = (
+      f"a {type(out).__name__} of length {len(out)}"
+      if isinstance(out, (tuple, list))
+      else "a single array"
+      if isinstance(out, jax.Array)
+      else f"a {type(out).__name__}"
+    )
     raise TransformError(
-        f"{what}: fn must return a pair (loss, grads), as sr.value_and_grad(loss_fn) "
-        f"does, but it returned {got}. Fix: wrap the loss function, "
-        "`sr.accumulate(sr.value_and_grad(loss_fn), microbatches=k)`.")
+      f"{what}: fn must return a pair (loss, grads), as sr.value_and_grad(loss_fn) "
+      f"does, but it returned {got}. Fix: wrap the loss function, "
+      "`sr.accumulate(sr.value_and_grad(loss_fn), microbatches=k)`."
+    )
   first, grads = out
   aux = None
   if isinstance(first, (tuple, list)):
     if len(first) != 2:
       raise TransformError(
-          f"{what}: fn returned ({type(first).__name__} of length {len(first)}, grads); "
-          "the first entry is the loss, or (loss, aux) with sr.value_and_grad(loss_fn, "
-          "has_aux=True). Fix: return `loss, grads` or `(loss, aux), grads`.")
+        f"{what}: fn returned ({type(first).__name__} of length {len(first)}, grads); "
+        "the first entry is the loss, or (loss, aux) with sr.value_and_grad(loss_fn, "
+        "has_aux=True). Fix: return `loss, grads` or `(loss, aux), grads`."
+      )
     first, aux = first
     check_no_nodes(aux, what)
   check_no_nodes(grads, what)
-  if not (isinstance(first, (jax.Array, float)) and jnp.issubdtype(
-      jnp.result_type(first), jnp.inexact)):
+  if not (
+    isinstance(first, (jax.Array, float)) and jnp.issubdtype(jnp.result_type(first), jnp.inexact)
+  ):
     raise TransformError(
-        f"{what}: fn returned {_describe(first)} as the loss, where a float array is "
-        "expected (the first entry of `(loss, grads)`). Fix: return the loss first, as "
-        "sr.value_and_grad(loss_fn) does.")
+      f"{what}: fn returned {_describe(first)} as the loss, where a float array is "
+      "expected (the first entry of `(loss, grads)`). Fix: return the loss first, as "
+      "sr.value_and_grad(loss_fn) does."
+    )
   return first, aux, grads
 
 
@@ -308,9 +332,10 @@ def _check_grads(grads, what: str) -> None:
   for path, g in jax.tree_util.tree_leaves_with_path(grads):
     if not jnp.issubdtype(g.dtype, jnp.inexact):
       raise TransformError(
-          f"{what}: the gradient at `grads{jax.tree_util.keystr(path)}` has dtype "
-          f"{g.dtype}, which cannot be averaged over microbatches. fn must return float "
-          "gradients. Fix: differentiate only float variables (`wrt=sr.Param`).")
+        f"{what}: the gradient at `grads{jax.tree_util.keystr(path)}` has dtype "
+        f"{g.dtype}, which cannot be averaged over microbatches. fn must return float "
+        "gradients. Fix: differentiate only float variables (`wrt=sr.Param`)."
+      )
 
 
 def _zeros(like, dtype):

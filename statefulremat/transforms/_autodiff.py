@@ -3,25 +3,26 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from ..core._errors import format_path
 from ..core._filters import Filter, collections_and_guess, filter_repr, to_predicate
+from ..core._graph import flatten
 from ..core._graph_lock import hold, let_go
+from ..core._kinds import Param
 from ..core._module import Module
 from ..core._state import State, _Spec, freeze
-from ..core._kinds import Param
 from ..core._tracing import tracing_user_code
 from ._lift import Lifted, check_no_nodes, raise_if_deleted, split_call, write_back
 from ._rules import TransformError
-from ..core._graph import flatten
 
 
-def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
-                   wrt: Filter = Param, has_aux: bool = False) -> Callable:
+def value_and_grad(
+  fn: Callable, argnums: int | Sequence[int] = 0, *, wrt: Filter = Param, has_aux: bool = False
+) -> Callable:
   """Like ``jax.value_and_grad``; a module argument's gradient is a State.
 
   For a module at ``argnums`` the gradient is taken with respect to its variables
@@ -49,8 +50,9 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
   def wrapper(*args, **kwargs):
     for t in targets:
       if t >= len(args):
-        raise TypeError(f"{what}: argnums={argnums} but only {len(args)} positional "
-                        "arguments were given.")
+        raise TypeError(
+          f"{what}: argnums={argnums} but only {len(args)} positional arguments were given."
+        )
     if any(_module_container(args[t]) for t in targets):
       return _through_containers(fn, args, kwargs, targets, single, wrt, has_aux)
     module_targets = {t for t in targets if isinstance(args[t], Module)}
@@ -91,10 +93,11 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
           dtype = _non_float_dtype(values[i])
           if dtype is not None:
             raise TypeError(
-                f"{what}: the `wrt` filter matches `{format_path(local)}` "
-                f"({type(variables[i]).__name__}, {dtype}), which is not a float array "
-                "and has no gradient. Narrow the filter to the variables to "
-                "differentiate, e.g. `wrt=sr.Param`.")
+              f"{what}: the `wrt` filter matches `{format_path(local)}` "
+              f"({type(variables[i]).__name__}, {dtype}), which is not a float array "
+              "and has no gradient. Narrow the filter to the variables to "
+              "differentiate, e.g. `wrt=sr.Param`."
+            )
 
       def pure(diff_values, array_values, other_values):
         flat = list(other_values)
@@ -110,19 +113,26 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
           out = fn(*call_args, **call_kwargs)
         if has_aux:
           if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            got = ("a single array" if isinstance(out, jax.Array) else
-                   f"a {type(out).__name__} of length {len(out)}"
-                   if isinstance(out, (tuple, list)) else f"a {type(out).__name__}")
-            raise TypeError(f"{what}: has_aux=True needs the function to return a pair "
-                            f"(loss, aux), got {got}. Return `loss, aux`, or drop "
-                            "has_aux=True if there is no aux.")
+            got = (
+              "a single array"
+              if isinstance(out, jax.Array)
+              else f"a {type(out).__name__} of length {len(out)}"
+              if isinstance(out, (tuple, list))
+              else f"a {type(out).__name__}"
+            )
+            raise TypeError(
+              f"{what}: has_aux=True needs the function to return a pair "
+              f"(loss, aux), got {got}. Return `loss, aux`, or drop "
+              "has_aux=True if there is no aux."
+            )
           loss, aux = out
         elif isinstance(out, (tuple, list, dict)):
           raise TypeError(
-              f"{what}: the function returned a {type(out).__name__}"
-              f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}, "
-              "not a scalar loss. If it returns `(loss, aux)`, pass `has_aux=True`: "
-              f"`sr.value_and_grad(fn, has_aux=True)` gives `(loss, aux), grads`.")
+            f"{what}: the function returned a {type(out).__name__}"
+            f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}, "
+            "not a scalar loss. If it returns `(loss, aux)`, pass `has_aux=True`: "
+            f"`sr.value_and_grad(fn, has_aux=True)` gives `(loss, aux), grads`."
+          )
         else:
           loss, aux = out, None
         check_no_nodes(aux, what)
@@ -131,7 +141,8 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
       diff_values = {t: [values[i] for i, _ in diff_index[t]] for t in module_targets}
       others = [None if i in diffed else v for i, v in enumerate(values)]
       (loss, (aux, changed)), (g_mod, g_arr) = jax.value_and_grad(
-          pure, argnums=(0, 1), has_aux=True)(diff_values, held, others)
+        pure, argnums=(0, 1), has_aux=True
+      )(diff_values, held, others)
       write_back(variables, changed, what)
     except RuntimeError:
       raise_if_deleted(variables)
@@ -143,9 +154,11 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *,
     for t in targets:
       if t in module_targets:
         entries = diff_index[t]
-        spec = _Spec(tuple(p for _, p in entries),
-                     tuple(type(variables[i]) for i, _ in entries),
-                     tuple(freeze(variables[i]._metadata) for i, _ in entries))
+        spec = _Spec(
+          tuple(p for _, p in entries),
+          tuple(type(variables[i]) for i, _ in entries),
+          tuple(freeze(variables[i]._metadata) for i, _ in entries),
+        )
         grads.append(State._make(spec, g_mod[t]))
       else:
         grads.append(g_arr[array_targets.index(t)])
@@ -178,20 +191,28 @@ def _through_containers(fn, args, kwargs, targets, single, wrt, has_aux):
       flat_args.append(arg)
 
   def regroup(flat):
-    return [jax.tree.unflatten(treedefs[p], [flat[i] for i in spans[p]])
-            if p in treedefs else flat[spans[p]] for p in range(len(args))]
+    return [
+      jax.tree.unflatten(treedefs[p], [flat[i] for i in spans[p]])
+      if p in treedefs
+      else flat[spans[p]]
+      for p in range(len(args))
+    ]
 
   def flat_fn(*flat, **kw):
     return fn(*regroup(flat), **kw)
 
   functools.update_wrapper(flat_fn, fn)
-  flat_targets = tuple(i for t in targets for i in (
-      spans[t] if t in treedefs else (spans[t],)))
+  flat_targets = tuple(i for t in targets for i in (spans[t] if t in treedefs else (spans[t],)))
   value, grads = value_and_grad(flat_fn, flat_targets, wrt=wrt, has_aux=has_aux)(
-      *flat_args, **kwargs)
+    *flat_args, **kwargs
+  )
   by_index = dict(zip(flat_targets, grads))
-  out = tuple(jax.tree.unflatten(treedefs[t], [by_index[i] for i in spans[t]])
-              if t in treedefs else by_index[spans[t]] for t in targets)
+  out = tuple(
+    jax.tree.unflatten(treedefs[t], [by_index[i] for i in spans[t]])
+    if t in treedefs
+    else by_index[spans[t]]
+    for t in targets
+  )
   return value, out[0] if single else out
 
 
@@ -199,11 +220,12 @@ def _nothing_to_differentiate(what: str, wrt, position: int, module) -> None:
   have, guess = collections_and_guess((wrt,), module.iter_variables())
   hint = f" Did you mean `wrt={guess!r}`?" if guess else ""
   raise TransformError(
-      f"{what}: wrt={filter_repr(wrt)} matches no variable of argument {position} (a "
-      f"{type(module).__name__}), so there is nothing to differentiate and the gradient "
-      f"would be an empty State. Its variables are in the collections: {have}.{hint} "
-      "Fix: pass a filter that matches the variables to differentiate, e.g. "
-      "`wrt=sr.Param` (the default) or `wrt='params'`.")
+    f"{what}: wrt={filter_repr(wrt)} matches no variable of argument {position} (a "
+    f"{type(module).__name__}), so there is nothing to differentiate and the gradient "
+    f"would be an empty State. Its variables are in the collections: {have}.{hint} "
+    "Fix: pass a filter that matches the variables to differentiate, e.g. "
+    "`wrt=sr.Param` (the default) or `wrt='params'`."
+  )
 
 
 def _non_float_dtype(value):
@@ -217,8 +239,9 @@ def _non_float_dtype(value):
   return None
 
 
-def grad(fn: Callable, argnums: int | Sequence[int] = 0, *, wrt: Filter = Param,
-         has_aux: bool = False) -> Callable:
+def grad(
+  fn: Callable, argnums: int | Sequence[int] = 0, *, wrt: Filter = Param, has_aux: bool = False
+) -> Callable:
   """Like ``jax.grad``; a module argument's gradient is a State (see ``value_and_grad``).
 
   >>> import jax.numpy as jnp, statefulremat as sr

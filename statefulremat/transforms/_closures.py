@@ -22,13 +22,20 @@ import copy
 import functools
 import sysconfig
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-_LIBRARY_DIRS = tuple(sorted({
-    path for key in ("stdlib", "platstdlib", "purelib", "platlib")
-    if (path := sysconfig.get_paths().get(key))}))
+_LIBRARY_DIRS = tuple(
+  sorted(
+    {
+      path
+      for key in ("stdlib", "platstdlib", "purelib", "platlib")
+      if (path := sysconfig.get_paths().get(key))
+    }
+  )
+)
 _OWN_PACKAGE = __name__.split(".")[0] + "."
 _MAX_DEPTH = 4
 _MISSING = object()
@@ -83,8 +90,11 @@ def _same(value, entry) -> bool:
   if snapshot is _MISSING:
     return True
   if isinstance(snapshot, np.ndarray):
-    return snapshot.shape == value.shape and snapshot.dtype == value.dtype and bool(
-        np.array_equal(snapshot, value, equal_nan=True))
+    return (
+      snapshot.shape == value.shape
+      and snapshot.dtype == value.dtype
+      and bool(np.array_equal(snapshot, value, equal_nan=True))
+    )
   try:
     return bool(snapshot == value)
   except Exception:  # containers of arrays: == is ambiguous, so treat as changed

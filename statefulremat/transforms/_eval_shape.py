@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -44,9 +45,10 @@ def eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     args, fn = (fn, *args), _call
   elif not callable(fn):
     raise TypeError(
-        f"sr.eval_shape takes a function (or a module) first, then its arguments; got "
-        f"{type(fn).__name__}. Fix: `sr.eval_shape(f, *args)`, e.g. "
-        "`sr.eval_shape(lambda: Model(rngs=sr.Rngs(0)))` or `sr.eval_shape(model, x)`.")
+      f"sr.eval_shape takes a function (or a module) first, then its arguments; got "
+      f"{type(fn).__name__}. Fix: `sr.eval_shape(f, *args)`, e.g. "
+      "`sr.eval_shape(lambda: Model(rngs=sr.Rngs(0)))` or `sr.eval_shape(model, x)`."
+    )
   what = f"sr.eval_shape({getattr(fn, '__name__', 'fn')})"
   nodes, leaves, treedef, positions = split_call(args, kwargs)
   graphdef, variables = flatten(nodes)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import sys
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +22,14 @@ from ._restructure import split_new
 _PASSED_THROUGH = {"keep_unused", "inline", "compiler_options", "backend", "device"}
 
 
-def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
-        static_argnames: str | Sequence[str] = (), donate_state: bool = False,
-        **jit_kwargs: Any) -> Callable:
+def jit(
+  fn: Callable | None = None,
+  *,
+  static_argnums: int | Sequence[int] = (),
+  static_argnames: str | Sequence[str] = (),
+  donate_state: bool = False,
+  **jit_kwargs: Any,
+) -> Callable:
   """Compiles ``fn`` with ``jax.jit``; modules in its arguments are updated in place.
 
   Every Variable the function changes (params, batch stats, RNG counts, optimizer
@@ -80,17 +86,21 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
   True
   """
   if fn is None:
-    return functools.partial(jit, static_argnums=static_argnums,
-                             static_argnames=static_argnames, donate_state=donate_state,
-                             **jit_kwargs)
+    return functools.partial(
+      jit,
+      static_argnums=static_argnums,
+      static_argnames=static_argnames,
+      donate_state=donate_state,
+      **jit_kwargs,
+    )
   unknown = set(jit_kwargs) - _PASSED_THROUGH
   if unknown:
     raise TypeError(
-        f"sr.jit does not take {sorted(unknown)}; besides static_argnums, "
-        f"static_argnames and donate_state it passes on {sorted(_PASSED_THROUGH)} to "
-        "jax.jit. Shardings and donation of plain arguments refer to positions sr.jit "
-        "rearranges: use `donate_state=True` to donate module state, and place state "
-        "with jax.device_put / sharding metadata."
+      f"sr.jit does not take {sorted(unknown)}; besides static_argnums, "
+      f"static_argnames and donate_state it passes on {sorted(_PASSED_THROUGH)} to "
+      "jax.jit. Shardings and donation of plain arguments refer to positions sr.jit "
+      "rearranges: use `donate_state=True` to donate module state, and place state "
+      "with jax.device_put / sharding metadata."
     )
   static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
   names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
@@ -144,8 +154,7 @@ def jit(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
       out = out.rebuild(split_call(args, kwargs)[0])
     return out
 
-  wrapper.lower = lambda *a, **k: with_room(_lower, compiled, cache, static, names, what,
-                                            *a, **k)
+  wrapper.lower = lambda *a, **k: with_room(_lower, compiled, cache, static, names, what, *a, **k)
   return wrapper
 
 
@@ -157,8 +166,7 @@ class _JitPerStructure:
   about 15 µs a step on the tiny model, a third of the whole dispatch.
   """
 
-  def __init__(self, pure: Callable, donate_state: bool, jit_kwargs: dict,
-               size: int = 64):
+  def __init__(self, pure: Callable, donate_state: bool, jit_kwargs: dict, size: int = 64):
     self._pure = pure
     self._options = dict(jit_kwargs, donate_argnums=(0,) if donate_state else ())
     self._jitted: OrderedDict = OrderedDict()
@@ -194,8 +202,9 @@ class _JitPerStructure:
     return jitted
 
 
-def _split_statics(static: tuple, names: tuple, args: tuple, kwargs: dict,
-                   what: str) -> tuple[tuple, tuple, dict]:
+def _split_statics(
+  static: tuple, names: tuple, args: tuple, kwargs: dict, what: str
+) -> tuple[tuple, tuple, dict]:
   """Takes out the static arguments: ``((positional, named), other args, other kwargs)``.
 
   ``positional`` is ``((index, value), ...)`` in ascending order, ``named`` is
@@ -204,23 +213,26 @@ def _split_statics(static: tuple, names: tuple, args: tuple, kwargs: dict,
   n = len(args)
   indices = sorted({i + n if i < 0 else i for i in static})
   if indices and (indices[0] < 0 or indices[-1] >= n):
-    raise TypeError(f"{what}: static_argnums={static} but only {n} positional "
-                    "arguments were given.")
+    raise TypeError(
+      f"{what}: static_argnums={static} but only {n} positional arguments were given."
+    )
   positional = tuple((i, args[i]) for i in indices)
   named = tuple((k, kwargs[k]) for k in names if k in kwargs)
   for where, value in positional + named:
     label = f"argument {where}" if isinstance(where, int) else f"argument {where!r}"
     if isinstance(value, (Module, Variable)):
       raise TypeError(
-          f"{what}: {label} is a {type(value).__name__} and is marked static. sr.jit "
-          "lifts modules and Variables itself; remove it from static_argnums/argnames.")
+        f"{what}: {label} is a {type(value).__name__} and is marked static. sr.jit "
+        "lifts modules and Variables itself; remove it from static_argnums/argnames."
+      )
     try:
       hash(value)
     except TypeError:
       raise TypeError(
-          f"{what}: static {label} ({type(value).__name__}) is not hashable. "
-          "Static arguments key the compilation cache; pass a tuple or a frozen "
-          "dataclass, or pass arrays as ordinary (non-static) arguments.") from None
+        f"{what}: static {label} ({type(value).__name__}) is not hashable. "
+        "Static arguments key the compilation cache; pass a tuple or a frozen "
+        "dataclass, or pass arrays as ordinary (non-static) arguments."
+      ) from None
   if indices:
     args = tuple(a for i, a in enumerate(args) if i not in indices)
   if named:
@@ -286,4 +298,5 @@ def with_room(fn: Callable, *args, **kwargs):
 
 if sys.implementation.name == "cpython" and sys.version_info >= (3, 11):
   with_room.__code__ = with_room.__code__.replace(
-      co_stacksize=with_room.__code__.co_stacksize + _ROOM_SLOTS)
+    co_stacksize=with_room.__code__.co_stacksize + _ROOM_SLOTS
+  )

@@ -14,7 +14,8 @@ out as stacked outputs, parameters that were only read do not (no extra copy).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,19 +39,20 @@ def check_same_type(before, after, what: str, label: str) -> None:
   if tb != ta:
     where, was, now = _structure_difference(before, after, ())
     raise TransformError(
-        f"{what}: the {label} changed structure between iterations: "
-        f"`{jax.tree_util.keystr(where) or '<carry>'}` went in as {was} and came out as "
-        f"{now} (as trees: {tb} -> {ta}). A carry must keep its structure, shapes and "
-        "dtypes; return it in the same form (e.g. `tuple(...)` around a list).")
-  for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(before),
-                          jax.tree.leaves(after)):
+      f"{what}: the {label} changed structure between iterations: "
+      f"`{jax.tree_util.keystr(where) or '<carry>'}` went in as {was} and came out as "
+      f"{now} (as trees: {tb} -> {ta}). A carry must keep its structure, shapes and "
+      "dtypes; return it in the same form (e.g. `tuple(...)` around a list)."
+    )
+  for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after)):
     if _aval(b) != _aval(a):
       (sb, db), (sa, da) = _aval(b), _aval(a)
       raise TransformError(
-          f"{what}: the {label} leaf `{jax.tree_util.keystr(path) or '<carry>'}` went in "
-          f"as {db}{list(sb)} and came out as {da}{list(sa)}. A carry must keep its "
-          "shape and dtype across iterations: cast or reshape it back "
-          f"(e.g. `.astype(jnp.{db})`), or make it part of the scanned outputs.")
+        f"{what}: the {label} leaf `{jax.tree_util.keystr(path) or '<carry>'}` went in "
+        f"as {db}{list(sb)} and came out as {da}{list(sa)}. A carry must keep its "
+        "shape and dtype across iterations: cast or reshape it back "
+        f"(e.g. `.astype(jnp.{db})`), or make it part of the scanned outputs."
+      )
 
 
 def describe_node(node) -> str:
@@ -104,8 +106,15 @@ def var_entries(graphdef) -> list[tuple[type, Any]]:
 class LayerLoop:
   """Runs a body once per layer over the lifted modules (see module docstring)."""
 
-  def __init__(self, lifted: Lifted, plan: Plan, variables: list, leaves: list, what: str,
-               data_transform: Callable | None = None):
+  def __init__(
+    self,
+    lifted: Lifted,
+    plan: Plan,
+    variables: list,
+    leaves: list,
+    what: str,
+    data_transform: Callable | None = None,
+  ):
     self.lifted, self.plan, self.leaves = lifted, plan, leaves
     self.variables = variables
     self.values = [v._value for v in variables]
@@ -158,8 +167,7 @@ class LayerLoop:
       value = changed.get(i, flat[i])
       if i in changed:
         self.carry_written.add(i)
-        check_same_type(flat[i], value, self.what,
-                        f"carried variable `{self._name(i)}`: its value")
+        check_same_type(flat[i], value, self.what, f"carried variable `{self._name(i)}`: its value")
       new_carry_values.append(value)
     written = {i: changed[i] for i in self.stacked if i in changed}
     # Variables made inside (keys -1, -2, ...): one per layer, stacked like the ys.
@@ -172,13 +180,20 @@ class LayerLoop:
     # Each entry keeps its kind and the layer's metadata (the partition name removed),
     # so the hook can filter (`state.filter(sr.Param)`) and read `sharding`.
     entries = var_entries(graphdef)
-    state = State._make(_Spec(paths, tuple(entries[i][0] for i in self.stacked),
-                              tuple(entries[i][1] for i in self.stacked)), slices)
+    state = State._make(
+      _Spec(
+        paths,
+        tuple(entries[i][0] for i in self.stacked),
+        tuple(entries[i][1] for i in self.stacked),
+      ),
+      slices,
+    )
     out = self.data_transform(state)
     if not isinstance(out, State) or out._spec.paths != paths:
       raise TransformError(
-          f"{self.what}: data_transform must return a State with the same entries it "
-          "was given (e.g. `lambda s: jax.tree.map(constrain, s)`).")
+        f"{self.what}: data_transform must return a State with the same entries it "
+        "was given (e.g. `lambda s: jax.tree.map(constrain, s)`)."
+      )
     return list(out._values)
 
   def _name(self, i: int) -> str:
@@ -193,15 +208,18 @@ class LayerLoop:
       kind = READONLY
     if kind in (BROADCAST, READONLY):
       var_kind = type(self.variables[i])
-      how = ("is broadcast (variable_broadcast), so it is read-only in every iteration"
-             if kind == BROADCAST else
-             "is matched by no collection rule, so it is read-only in every iteration")
+      how = (
+        "is broadcast (variable_broadcast), so it is read-only in every iteration"
+        if kind == BROADCAST
+        else "is matched by no collection rule, so it is read-only in every iteration"
+      )
       raise TransformError(
-          f"{self.what}: the body wrote to `{self._name(i)}` ({var_kind.__name__}, "
-          f"collection {var_kind.collection!r}), which {how}; the write would be lost. "
-          f"Fix: carry it from iteration to iteration with "
-          f"`variable_carry={var_kind.collection!r}`, or give each iteration its own "
-          f"slice with `variable_axes={{{var_kind.collection!r}: 0}}`.")
+        f"{self.what}: the body wrote to `{self._name(i)}` ({var_kind.__name__}, "
+        f"collection {var_kind.collection!r}), which {how}; the write would be lost. "
+        f"Fix: carry it from iteration to iteration with "
+        f"`variable_carry={var_kind.collection!r}`, or give each iteration its own "
+        f"slice with `variable_axes={{{var_kind.collection!r}: 0}}`."
+      )
 
   # -- the loop --------------------------------------------------------------------
 
@@ -220,10 +238,20 @@ class LayerLoop:
     carry_values, carry, written, ys = self.levels(body, carry, xs, lengths, **options)
     return carry, ys, self._changed(written, carry_values)
 
-  def levels(self, body: Callable, carry: Any, xs: Any, lengths: Sequence[int], *,
-             reverse: bool = False, unroll: int | bool = 1, remat: bool = False,
-             policy: Callable | None = None, prevent_cse: bool = True,
-             carried: list | None = None):
+  def levels(
+    self,
+    body: Callable,
+    carry: Any,
+    xs: Any,
+    lengths: Sequence[int],
+    *,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    remat: bool = False,
+    policy: Callable | None = None,
+    prevent_cse: bool = True,
+    carried: list | None = None,
+  ):
     """``run`` before the write-back is worked out: ``(carry values, carry, written,
     ys)``, ``written`` by flat index with the layer axis first. ``carried``: the
     carried variables' values to start from (default: their values now)."""
@@ -235,7 +263,7 @@ class LayerLoop:
       fold = unfold = lambda x: x
     else:
       fold = lambda x: lax.reshape(x, lengths + jnp.shape(x)[1:])
-      unfold = lambda x: lax.reshape(x, (n,) + jnp.shape(x)[len(lengths):])
+      unfold = lambda x: lax.reshape(x, (n,) + jnp.shape(x)[len(lengths) :])
     stacked_in = [fold(v) for v in self._stacked_inputs()]
     # The layer index only feeds the RNG streams' per-layer keys.
     index = lax.reshape(lax.iota(jnp.uint32, n), lengths) if self.plan.streams else None
@@ -252,13 +280,16 @@ class LayerLoop:
         return level(d + 1, state, x)
 
       if remat:
-        step = jax.checkpoint(step, policy=policy if d == depth - 1 else None,
-                              prevent_cse=prevent_cse)
-      return jax.lax.scan(step, state, x, length=lengths[d], reverse=reverse,
-                          unroll=unroll if d == depth - 1 else 1)
+        step = jax.checkpoint(
+          step, policy=policy if d == depth - 1 else None, prevent_cse=prevent_cse
+        )
+      return jax.lax.scan(
+        step, state, x, length=lengths[d], reverse=reverse, unroll=unroll if d == depth - 1 else 1
+      )
 
     (carry_values, carry), (written, ys) = level(
-        0, state, (stacked_in, jax.tree.map(fold, xs), index))
+      0, state, (stacked_in, jax.tree.map(fold, xs), index)
+    )
     written = {i: unfold(v) for i, v in written.items()}
     return carry_values, carry, written, jax.tree.map(unfold, ys)
 
@@ -282,9 +313,17 @@ class LayerLoop:
     carry_values, carry, written = self.segments(body, carry, n, lengths, **options)
     return carry, None, self._changed(written, carry_values)
 
-  def segments(self, body: Callable, carry: Any, n: int, lengths: Sequence[int], *,
-               policy: Callable | None = None, prevent_cse: bool = False,
-               carried: list | None = None):
+  def segments(
+    self,
+    body: Callable,
+    carry: Any,
+    n: int,
+    lengths: Sequence[int],
+    *,
+    policy: Callable | None = None,
+    prevent_cse: bool = False,
+    carried: list | None = None,
+  ):
     """``run(body, carry, None, lengths, remat=True)`` for ``n < prod(lengths)`` layers.
 
     Level ``d`` runs ``n_d // m`` full steps of ``m = prod(lengths[d+1:])`` layers as a
@@ -301,10 +340,14 @@ class LayerLoop:
     streams = bool(self.plan.streams)
 
     def layers(state, values, count, offset):  # the innermost level: single layers
-      index = (lax.iota(jnp.uint32, count) + lax.convert_element_type(offset, jnp.uint32)
-               if streams else None)
-      step = jax.checkpoint(lambda state, x: self._layer(body, state, x), policy=policy,
-                            prevent_cse=prevent_cse)
+      index = (
+        lax.iota(jnp.uint32, count) + lax.convert_element_type(offset, jnp.uint32)
+        if streams
+        else None
+      )
+      step = jax.checkpoint(
+        lambda state, x: self._layer(body, state, x), policy=policy, prevent_cse=prevent_cse
+      )
       state, (written, _) = lax.scan(step, state, (values, None, index), length=count)
       return state, written
 
@@ -312,18 +355,18 @@ class LayerLoop:
       """Layers ``[offset, offset + count)``, whose stacked values are ``values``."""
       if d == depth - 1:
         return layers(state, values, count, offset)
-      m = math.prod(lengths[d + 1:])
+      m = math.prod(lengths[d + 1 :])
       full, rest = divmod(count, m)
       parts = []
       if full > 1:
+
         def step(state, i):
           sub = [lax.dynamic_slice_in_dim(v, i * m, m) for v in values]
           return segment(d + 1, state, sub, m, offset + i * m)
 
         step = jax.checkpoint(step, prevent_cse=prevent_cse)
         state, written = lax.scan(step, state, lax.iota(jnp.int32, full))
-        parts.append({i: lax.reshape(v, (full * m,) + v.shape[2:])
-                      for i, v in written.items()})
+        parts.append({i: lax.reshape(v, (full * m,) + v.shape[2:]) for i, v in written.items()})
       # A single step (a short last one, or a lone full one) runs outside any scan,
       # where XLA would merge its recomputation with the forward pass (common
       # subexpressions) and keep the residuals after all: prevent_cse=True stops it.
@@ -346,6 +389,7 @@ class LayerLoop:
     (carry_values, carry), written = segment(0, state, self._stacked_inputs(), n, 0)
     return carry_values, carry, written
 
+
 def _move_axis(x, source: int, destination: int):
   return x if source == destination else jnp.moveaxis(x, source, destination)
 
@@ -358,6 +402,11 @@ def carry_out_structure(loop: LayerLoop, module, variables, metadata_params) -> 
     return
   from ._lift import split_call
 
-  loop.structure.apply(split_call((module,), {})[0], variables, loop.made, stacked_axis=0,
-                       partition_name=(metadata_params or {}).get("partition_name"),
-                       keep_metadata=True)
+  loop.structure.apply(
+    split_call((module,), {})[0],
+    variables,
+    loop.made,
+    stacked_axis=0,
+    partition_name=(metadata_params or {}).get("partition_name"),
+    keep_metadata=True,
+  )

@@ -21,12 +21,13 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
-from ..core._errors import GraphError, TraceContextError, TransformError, format_path
+from ..core._errors import GraphError, TraceContextError, TransformError
 from ..core._graph import GraphDef, flatten, unflatten
 from ..core._graph_diff import describe_change
 from ..core._graph_lock import Reached, hold, holding, let_go
@@ -69,9 +70,15 @@ class Lifted:
   def __eq__(self, other):
     if self is other:
       return True
-    return isinstance(other, Lifted) and self._hash == other._hash and (
-        self.graphdef == other.graphdef and self.treedef == other.treedef
-        and self.node_positions == other.node_positions)
+    return (
+      isinstance(other, Lifted)
+      and self._hash == other._hash
+      and (
+        self.graphdef == other.graphdef
+        and self.treedef == other.treedef
+        and self.node_positions == other.node_positions
+      )
+    )
 
   def __hash__(self):
     return self._hash
@@ -87,8 +94,9 @@ class Lifted:
     merged = [at[i] if i in at else next(rest) for i in range(len(leaves) + len(roots))]
     return jax.tree_util.tree_unflatten(self.treedef, merged), variables, roots
 
-  def collect(self, roots, values: Sequence[Any], what: str,
-              structure: list | None = None) -> dict[int, Any]:
+  def collect(
+    self, roots, values: Sequence[Any], what: str, structure: list | None = None
+  ) -> dict[int, Any]:
     """After the user's function: ``{index: new value}`` of each Variable it changed.
 
     If the function changed the graph's structure: with a ``structure`` list, appends
@@ -97,30 +105,33 @@ class Lifted:
     without one (a transform that cannot carry it out), raises.
     """
     if roots.epoch == structure_epoch.value:  # no structure changed anywhere since
-      return {i: v._value for i, (v, old) in enumerate(zip(roots.variables, values))
-              if v._value is not old}
+      return {
+        i: v._value
+        for i, (v, old) in enumerate(zip(roots.variables, values))
+        if v._value is not old
+      }
     graphdef, variables = flatten(roots)
     if graphdef != self.graphdef and structure is not None:
       index = {id(v): i for i, v in enumerate(roots.variables)}
       origin = tuple(index.get(id(v), -1) for v in variables)
       structure.append(NewStructure(graphdef, origin))
-      changed = {j: v._value for v, j in zip(variables, origin)
-                 if j >= 0 and v._value is not values[j]}
+      changed = {
+        j: v._value for v, j in zip(variables, origin) if j >= 0 and v._value is not values[j]
+      }
       made = [v for v, j in zip(variables, origin) if j < 0]
       changed.update({-1 - k: v._value for k, v in enumerate(made)})
       return changed
     if graphdef != self.graphdef:
       raise GraphError(
-          f"{what}: the function changed the structure of its modules "
-          f"({describe_change(self.graphdef, graphdef)}). Changes to structure (new "
-          "or removed sub-modules and Variables, new static attribute values such as "
-          "`.deterministic`) cannot be carried out of a transform. Create sub-modules "
-          "and Variables in `__init__` (e.g. `self.h = sr.Intermediate(jnp.zeros(...))`)"
-          ", and change static attributes outside the transformed function "
-          "(`model.eval()` before calling it)."
+        f"{what}: the function changed the structure of its modules "
+        f"({describe_change(self.graphdef, graphdef)}). Changes to structure (new "
+        "or removed sub-modules and Variables, new static attribute values such as "
+        "`.deterministic`) cannot be carried out of a transform. Create sub-modules "
+        "and Variables in `__init__` (e.g. `self.h = sr.Intermediate(jnp.zeros(...))`)"
+        ", and change static attributes outside the transformed function "
+        "(`model.eval()` before calling it)."
       )
-    return {i: v._value for i, (v, old) in enumerate(zip(variables, values))
-            if v._value is not old}
+    return {i: v._value for i, (v, old) in enumerate(zip(variables, values)) if v._value is not old}
 
 
 # Types whose values are pytree leaves holding no tracer. Arguments and results of these
@@ -201,8 +212,7 @@ class FlattenCache:
       self._entries.popitem(last=False)
     return lifted, variables
 
-  def lift_call(self, args: tuple, kwargs: dict
-                ) -> tuple[Lifted, list[Variable], list[Any]]:
+  def lift_call(self, args: tuple, kwargs: dict) -> tuple[Lifted, list[Variable], list[Any]]:
     """``(lifted, variables, other leaves)`` of a call's arguments.
 
     The common call, ``step(model, opt, x, y)`` (only modules, Variables and arrays, no
@@ -212,8 +222,12 @@ class FlattenCache:
     recognised by identity alone.
     """
     last = self._last
-    if not kwargs and last is not None and last[0] == structure_epoch.value and (
-        len(args) == len(last[1])):
+    if (
+      not kwargs
+      and last is not None
+      and last[0] == structure_epoch.value
+      and (len(args) == len(last[1]))
+    ):
       leaves = []
       for a, node in zip(args, last[1]):
         if node is None:
@@ -236,8 +250,12 @@ class FlattenCache:
       self._flat_treedefs[len(args)] = treedef
     lifted, variables = self.lift(nodes, treedef, positions)
     at = dict(zip(positions, nodes))
-    self._last = (structure_epoch.value, tuple(at.get(i) for i in range(len(args))),
-                  lifted, variables)
+    self._last = (
+      structure_epoch.value,
+      tuple(at.get(i) for i in range(len(args))),
+      lifted,
+      variables,
+    )
     return lifted, variables, leaves
 
 
@@ -246,14 +264,15 @@ def check_no_nodes(out, what: str) -> None:
     if is_node(leaf):
       kind = "a Variable" if isinstance(leaf, Variable) else "a module"
       raise GraphError(
-          f"{what}: the function returned {kind} ({type(leaf).__name__}) at output "
-          f"`{jax.tree_util.keystr(path)}`. Modules passed in are updated in place; "
-          "return arrays (for a Variable, its `.value`)."
+        f"{what}: the function returned {kind} ({type(leaf).__name__}) at output "
+        f"`{jax.tree_util.keystr(path)}`. Modules passed in are updated in place; "
+        "return arrays (for a Variable, its `.value`)."
       )
 
 
-def write_back(variables: Sequence[Variable], changed: dict[int, Any],
-               what: str = "the transform") -> None:
+def write_back(
+  variables: Sequence[Variable], changed: dict[int, Any], what: str = "the transform"
+) -> None:
   """Writes the changed values into the caller's Variables: all of them or none.
 
   The transform may itself run inside a plain JAX transform (``jax.vmap(lambda x:
@@ -276,12 +295,12 @@ def _check_traces(variables, changed, what):
     trace = current_trace() if trace is None else trace
     if var._trace != trace:
       raise TraceContextError(
-          f"{what} ran inside a JAX transform (e.g. a plain `jax.jit`, `jax.vmap` or "
-          f"`jax.grad` whose function closes over the module) that does not own "
-          f"`{var.path_str()}` ({type(var).__name__}): its new value is a tracer of that "
-          "transform and would leak out of it, so nothing was written. Fix: pass the "
-          "module as an argument to the outer transform, using `sr.jit` / `sr.grad` / "
-          "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
+        f"{what} ran inside a JAX transform (e.g. a plain `jax.jit`, `jax.vmap` or "
+        f"`jax.grad` whose function closes over the module) that does not own "
+        f"`{var.path_str()}` ({type(var).__name__}): its new value is a tracer of that "
+        "transform and would leak out of it, so nothing was written. Fix: pass the "
+        "module as an argument to the outer transform, using `sr.jit` / `sr.grad` / "
+        "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
       )
 
 
@@ -330,16 +349,19 @@ def refuse_layer_list(module, what: str, call: str) -> None:
   class: layers not yet stacked, where the transform runs over one stacked module."""
   if not (isinstance(module, (list, tuple)) and len(module) > 1):
     return
-  if not all(isinstance(m, Module) and not is_stacked(m) for m in module) or len(
-      {type(m) for m in module}) != 1:
+  if (
+    not all(isinstance(m, Module) and not is_stacked(m) for m in module)
+    or len({type(m) for m in module}) != 1
+  ):
     return
   n, cls, kind = len(module), type(module[0]).__name__, type(module).__name__
   raise TransformError(
-      f"{what}: argument 0 is a {kind} of {n} {cls} modules, but "
-      f"{what.partition('(')[0]} runs over one stacked module (each Variable with a "
-      "layer axis in front) and calls the function with one layer at a time; a Python "
-      f"{kind} of layers is not stacked. Fix: stack them first, `stack = "
-      f"sr.stack(layers, like=sr.vmap({cls}, axis_size={n}))` (`like=` names the "
-      "stacked class; layers that came out of `sr.unstack` need none), or build the "
-      f"stack at once with a class form, e.g. `sr.vmap({cls}, axis_size={n})(..., "
-      f"rngs=sr.Rngs(0))`; then pass the stack: `{call}`.")
+    f"{what}: argument 0 is a {kind} of {n} {cls} modules, but "
+    f"{what.partition('(')[0]} runs over one stacked module (each Variable with a "
+    "layer axis in front) and calls the function with one layer at a time; a Python "
+    f"{kind} of layers is not stacked. Fix: stack them first, `stack = "
+    f"sr.stack(layers, like=sr.vmap({cls}, axis_size={n}))` (`like=` names the "
+    "stacked class; layers that came out of `sr.unstack` need none), or build the "
+    f"stack at once with a class form, e.g. `sr.vmap({cls}, axis_size={n})(..., "
+    f"rngs=sr.Rngs(0))`; then pass the stack: `{call}`."
+  )

@@ -8,7 +8,7 @@ eager calls through a cached ``sr.jit`` so they compile once.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +17,8 @@ from ..core._errors import format_path
 from ..core._filters import filter_repr
 from ..core._graph import flatten
 from ..core._module import iter_graph
-from ..core._variables import Variable
 from ..core._stacks import is_stacked, layer_axis
+from ..core._variables import Variable
 from ._closures import Watch
 from ._lift import Lifted, is_node, serialised, split_call
 from ._rules import STACKED, Plan, Rules, TransformError
@@ -30,8 +30,9 @@ def lift_module_arg(module, what: str, rules: Rules, metadata_params, call_form:
   nodes, leaves, treedef, positions = split_call((module,), {})
   if not nodes:
     raise TypeError(
-        f"{what}: argument 0 must be the module (or a pytree of modules), got "
-        f"{type(module).__name__}. The function is called as {call_form}.")
+      f"{what}: argument 0 must be the module (or a pytree of modules), got "
+      f"{type(module).__name__}. The function is called as {call_form}."
+    )
   graphdef, variables = flatten(nodes)
   plan = Plan(rules, graphdef, variables, nodes)
   check_stacks_sliced(nodes, graphdef, variables, plan, what)
@@ -57,16 +58,20 @@ def check_stacks_sliced(nodes, graphdef, variables, plan: Plan, what: str) -> No
       continue
     axis, path, stack_cls = found[0], path[1:] if multi else path, type(root)
     n = jnp.shape(var._value)[axis]
-    got = (f"slice it along axis {plan.axes[i]}" if plan.kinds[i] == STACKED else
-           f"treat it as {plan.kinds[i]}")
+    got = (
+      f"slice it along axis {plan.axes[i]}"
+      if plan.kinds[i] == STACKED
+      else f"treat it as {plan.kinds[i]}"
+    )
     raise TransformError(
-        f"{what}: `{format_path(path)}` ({type(var).__name__}) of the stacked "
-        f"{stack_cls.__name__} carries the layer axis (axis {axis}, {n} layers), but "
-        f"this transform's rules {got}, so every iteration would compute with the "
-        f"whole stack where one layer was meant. Fix: slice it per layer, e.g. "
-        f"`variable_axes={{{filter_repr(type(var))}: {axis}}}` (collection "
-        f"{var.collection!r}), or pass one layer (`stack.layer(i)`)."
-        f"{_class_rules_hint(stack_cls, path, var, axis)}")
+      f"{what}: `{format_path(path)}` ({type(var).__name__}) of the stacked "
+      f"{stack_cls.__name__} carries the layer axis (axis {axis}, {n} layers), but "
+      f"this transform's rules {got}, so every iteration would compute with the "
+      f"whole stack where one layer was meant. Fix: slice it per layer, e.g. "
+      f"`variable_axes={{{filter_repr(type(var))}: {axis}}}` (collection "
+      f"{var.collection!r}), or pass one layer (`stack.layer(i)`)."
+      f"{_class_rules_hint(stack_cls, path, var, axis)}"
+    )
 
 
 def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
@@ -77,10 +82,12 @@ def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
   if rules is None or rules.classify(path, var)[0] == STACKED:
     return ""
   kind = filter_repr(type(var))
-  return (f" Calling the stack runs {stack_cls.__name__}'s own rules, those of the "
-          f"class form that built it: build the class with the rule (add `{kind}: "
-          f"{axis}` to its variable_axes, or use `{{True: {axis}}}`) and move the "
-          "values over with `stack = sr.stack(sr.unstack(stack), like=NewClass)`.")
+  return (
+    f" Calling the stack runs {stack_cls.__name__}'s own rules, those of the "
+    f"class form that built it: build the class with the rule (add `{kind}: "
+    f"{axis}` to its variable_axes, or use `{{True: {axis}}}`) and move the "
+    "values over with `stack = sr.stack(sr.unstack(stack), like=NewClass)`."
+  )
 
 
 class ModuleArgumentError(TransformError, TypeError):
@@ -105,13 +112,14 @@ def check_no_modules(tree, what: str, label: str, *, first: int | None = None) -
       inner = jax.tree_util.keystr(path[1:])
       where = f"{label} {first + path[0].idx}" + (f" at `{inner}`" if inner else "")
     raise ModuleArgumentError(
-        f"{what}: {where} is a {type(leaf).__name__}. Modules go in argument 0 only: "
-        "a transform maps or broadcasts a module's Variables by its collection rules "
-        "(variable_axes, variable_broadcast, variable_carry), not by in_axes, so a "
-        "module anywhere else could be given two treatments at once. Nothing was run. "
-        "Fix: pass every module in argument 0 (a tuple or dict of modules is fine "
-        "there, e.g. `f((model, other), x)`) and say how its Variables map with "
-        "the rules.")
+      f"{what}: {where} is a {type(leaf).__name__}. Modules go in argument 0 only: "
+      "a transform maps or broadcasts a module's Variables by its collection rules "
+      "(variable_axes, variable_broadcast, variable_carry), not by in_axes, so a "
+      "module anywhere else could be given two treatments at once. Nothing was run. "
+      "Fix: pass every module in argument 0 (a tuple or dict of modules is fine "
+      "there, e.g. `f((model, other), x)`) and say how its Variables map with "
+      "the rules."
+    )
 
 
 def class_length(module) -> int | None:
@@ -119,8 +127,9 @@ def class_length(module) -> int | None:
   return getattr(type(module), "_sr_length", None) if is_stacked(module) else None
 
 
-def resolve_length(what: str, length, sources: list[tuple[str, int]],
-                   fallback: int | None = None) -> int:
+def resolve_length(
+  what: str, length, sources: list[tuple[str, int]], fallback: int | None = None
+) -> int:
   """The iteration count all sources agree on (each ``(description, size)``).
 
   ``fallback`` (a stack's class length) counts only when nothing else tells.
@@ -131,14 +140,16 @@ def resolve_length(what: str, length, sources: list[tuple[str, int]],
     return fallback
   if not sources:
     raise TransformError(
-        f"{what}: cannot tell how many iterations to run: nothing is scanned (no xs, no "
-        "stacked variables). Pass `length=`.")
+      f"{what}: cannot tell how many iterations to run: nothing is scanned (no xs, no "
+      "stacked variables). Pass `length=`."
+    )
   name0, n0 = sources[0]
   for name, n in sources[1:]:
     if n != n0:
       raise TransformError(
-          f"{what}: {name0} says {n0} iterations but {name} has {n}. All scanned inputs "
-          "and stacked variables must agree on the layer count.")
+        f"{what}: {name0} says {n0} iterations but {name} has {n}. All scanned inputs "
+        "and stacked variables must agree on the layer count."
+      )
   return n0
 
 
@@ -147,8 +158,9 @@ def stacked_sources(plan: Plan, lifted: Lifted, variables) -> list[tuple[str, in
   for i, (kind, axis) in enumerate(zip(plan.kinds, plan.axes)):
     if kind == STACKED:
       path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
-      out.append((f"the stacked variable `{path}` (axis {axis})",
-                  jnp.shape(variables[i]._value)[axis]))
+      out.append(
+        (f"the stacked variable `{path}` (axis {axis})", jnp.shape(variables[i]._value)[axis])
+      )
   return out
 
 
@@ -171,8 +183,9 @@ def compiled_when_eager(wrapper: Callable) -> Callable:
     nonlocal jitted, watch
     # Keyword arguments are Python-level options (flags) passed to every layer as they
     # are; compiling them would trace them, so such calls run directly.
-    if kwargs or _tracing(args) or not any(
-        map(is_node, jax.tree.leaves(args[:1], is_leaf=is_node))):
+    if (
+      kwargs or _tracing(args) or not any(map(is_node, jax.tree.leaves(args[:1], is_leaf=is_node)))
+    ):
       return direct(*args, **kwargs)  # in a trace already, or misused: let it explain
     if jitted is None or watch.changed():
       from ._jit import jit
@@ -188,8 +201,10 @@ def _tracing(args) -> bool:
   leaves = jax.tree.leaves(args, is_leaf=is_node)
   for leaf in leaves:
     if is_node(leaf):
-      if any(isinstance(obj, Variable) and isinstance(obj._value, jax.core.Tracer)
-             for _, obj in iter_graph(leaf)):
+      if any(
+        isinstance(obj, Variable) and isinstance(obj._value, jax.core.Tracer)
+        for _, obj in iter_graph(leaf)
+      ):
         return True
     elif isinstance(leaf, jax.core.Tracer):
       return True

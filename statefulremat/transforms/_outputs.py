@@ -12,7 +12,8 @@ comes back as the same Python object, updated in place.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -43,18 +44,20 @@ class ModulesOut:
     objects: list = []
     if n_roots:
       flatten(input_nodes, objects=objects)
-    roots, _ = unflatten(graphdef, [None] * n_variables + list(self.values),
-                         substitute=objects)
+    roots, _ = unflatten(graphdef, [None] * n_variables + list(self.values), substitute=objects)
     out_nodes, rest, positions = iter(roots[n_roots:]), iter(self.leaves), set(positions)
-    merged = [next(out_nodes) if i in positions else next(rest)
-              for i in range(len(self.leaves) + len(positions))]
+    merged = [
+      next(out_nodes) if i in positions else next(rest)
+      for i in range(len(self.leaves) + len(positions))
+    ]
     return jax.tree_util.tree_unflatten(treedef, merged)
 
 
 jax.tree_util.register_pytree_node(
-    ModulesOut,
-    lambda out: ((out.leaves, out.values), out.info),
-    lambda info, children: ModulesOut(children[0], children[1], info))
+  ModulesOut,
+  lambda out: ((out.leaves, out.values), out.info),
+  lambda info, children: ModulesOut(children[0], children[1], info),
+)
 
 
 def lift_outputs(out: Any, input_roots: Sequence[Any] = (), n_variables: int = 0) -> Any:
@@ -91,6 +94,7 @@ class Restructured:
 
 
 jax.tree_util.register_pytree_node(
-    Restructured,
-    lambda r: ((r.out, r.made), r.structure),
-    lambda structure, children: Restructured(children[0], children[1], structure))
+  Restructured,
+  lambda r: ((r.out, r.made), r.structure),
+  lambda structure, children: Restructured(children[0], children[1], structure),
+)

@@ -17,7 +17,8 @@ stack is built with.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +39,17 @@ def pattern_repr(pattern) -> str:
   """How errors name a pattern: ``(Local, Local, Global)``."""
   if not isinstance(pattern, (tuple, list)):
     return repr(pattern)
-  names = [getattr(e, "__name__", None) or (
-      f"partial({e.func.__name__}, ...)" if isinstance(e, functools.partial) and hasattr(
-          e.func, "__name__") else f"{type(e).__name__}(...)" if isinstance(e, Module)
-      else repr(e)) for e in pattern]
+  names = [
+    getattr(e, "__name__", None)
+    or (
+      f"partial({e.func.__name__}, ...)"
+      if isinstance(e, functools.partial) and hasattr(e.func, "__name__")
+      else f"{type(e).__name__}(...)"
+      if isinstance(e, Module)
+      else repr(e)
+    )
+    for e in pattern
+  ]
   return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
 
 
@@ -53,8 +61,9 @@ def elements(what: str, pattern) -> list[tuple[type, Callable | None]]:
   """``(layer class, factory or None)`` per position; raises on anything else."""
   if not pattern:
     raise TransformError(
-        f"{what}: the pattern is empty. Give a tuple of Module classes, one per position "
-        "of the repeating cycle, e.g. `(Local, Local, Global)`.")
+      f"{what}: the pattern is empty. Give a tuple of Module classes, one per position "
+      "of the repeating cycle, e.g. `(Local, Local, Global)`."
+    )
   out = []
   for k, element in enumerate(pattern):
     if is_module_class(element):
@@ -62,13 +71,18 @@ def elements(what: str, pattern) -> list[tuple[type, Callable | None]]:
     elif isinstance(element, functools.partial) and is_module_class(element.func):
       out.append((element.func, element))
     else:
-      got = (f"the function {element.__name__}" if callable(element) and hasattr(
-          element, "__name__") else f"a {type(element).__name__} instance" if isinstance(
-              element, Module) else f"{type(element).__name__} {element!r}")
+      got = (
+        f"the function {element.__name__}"
+        if callable(element) and hasattr(element, "__name__")
+        else f"a {type(element).__name__} instance"
+        if isinstance(element, Module)
+        else f"{type(element).__name__} {element!r}"
+      )
       raise TransformError(
-          f"{what}: position {k} of the pattern is {got}, not a Module class. Every "
-          "element of a pattern is a Module class or a `functools.partial` of one, e.g. "
-          "`(Local, functools.partial(Block, window=512))`. Nothing was built.")
+        f"{what}: position {k} of the pattern is {got}, not a Module class. Every "
+        "element of a pattern is a Module class or a `functools.partial` of one, e.g. "
+        "`(Local, functools.partial(Block, window=512))`. Nothing was built."
+      )
   return out
 
 
@@ -89,8 +103,9 @@ class Pattern(tuple):
       if not isinstance(k, int) or not -n <= k < n:
         names = ", ".join(type(s)._sr_pattern_name for s in self)
         raise IndexError(
-            f"stack.pattern[{k!r}]: the pattern has {n} positions ({names}); use 0..{n - 1} "
-            f"(or -{n}..-1). Layer i of the stack is `stack.layer(i)`, at position i % {n}.")
+          f"stack.pattern[{k!r}]: the pattern has {n} positions ({names}); use 0..{n - 1} "
+          f"(or -{n}..-1). Layer i of the stack is `stack.layer(i)`, at position i % {n}."
+        )
     return super().__getitem__(k)
 
 
@@ -135,8 +150,10 @@ class PatternStack(Module):
       for var, value in zip(given, before):
         var._value = value
       if isinstance(e, Exception):
-        e.add_note(f"(while {type(self)._sr_what} built position {k} of its pattern, "
-                   f"{position._sr_pattern_name}; nothing was built)")
+        e.add_note(
+          f"(while {type(self)._sr_what} built position {k} of its pattern, "
+          f"{position._sr_pattern_name}; nothing was built)"
+        )
       raise
     self.pattern = Pattern(built)
 
@@ -154,8 +171,9 @@ class PatternStack(Module):
     """Layer ``i`` as an ordinary module: ``stack.pattern[i % P].layer(i // P)``."""
     n, p = len(self), len(self.pattern)
     if not isinstance(i, int) or not -n <= i < n:
-      raise IndexError(f"layer {i!r} of a pattern stack of {n} layers: use 0..{n - 1} "
-                       f"(or -{n}..-1).")
+      raise IndexError(
+        f"layer {i!r} of a pattern stack of {n} layers: use 0..{n - 1} (or -{n}..-1)."
+      )
     i %= n
     return self.pattern[i % p].layer(i // p)
 
@@ -170,9 +188,10 @@ def _position_args(stack, k: int, args: tuple, axes) -> tuple:
   axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,) * len(args)
   if len(axes) != len(args):
     raise TransformError(
-        f"{cls._sr_what}: init_in_axes={axes!r} has {len(axes)} entries for {len(args)} "
-        "positional constructor arguments. Fix: one entry (an axis, or None to pass it "
-        "whole to every layer) per positional argument.")
+      f"{cls._sr_what}: init_in_axes={axes!r} has {len(axes)} entries for {len(args)} "
+      "positional constructor arguments. Fix: one entry (an axis, or None to pass it "
+      "whole to every layer) per positional argument."
+    )
   out = []
   for j, (arg, axis) in enumerate(zip(args, axes)):
     if axis is None:
@@ -181,17 +200,25 @@ def _position_args(stack, k: int, args: tuple, axes) -> tuple:
     shape = tuple(jnp.shape(arg))
     if not -len(shape) <= axis < len(shape) or shape[axis] != n:
       raise TransformError(
-          f"{cls._sr_what}: init_in_axes maps constructor argument {j} along axis {axis}, "
-          f"one slice per layer, so it needs {n} entries there; it has shape {shape}. "
-          f"Fix: give it {n} entries at axis {axis}, or None in init_in_axes.")
+        f"{cls._sr_what}: init_in_axes maps constructor argument {j} along axis {axis}, "
+        f"one slice per layer, so it needs {n} entries there; it has shape {shape}. "
+        f"Fix: give it {n} entries at axis {axis}, or None in init_in_axes."
+      )
     out.append(jnp.take(arg, jnp.arange(k, n, p), axis=axis))
   return tuple(out)
 
 
-def pattern_class(pattern, label: str, *, length: int | None, what: str,
-                  position_class: Callable[[type, int], type],
-                  run: Callable[[str], Callable], methods: Sequence[str] | None,
-                  init_in_axes: Any = None) -> type:
+def pattern_class(
+  pattern,
+  label: str,
+  *,
+  length: int | None,
+  what: str,
+  position_class: Callable[[type, int], type],
+  run: Callable[[str], Callable],
+  methods: Sequence[str] | None,
+  init_in_axes: Any = None,
+) -> type:
   """The class form over a pattern: ``{label}Pattern`` of the given classes.
 
   ``position_class(cls, n)`` makes the stacked class of one position (``n`` layers);
@@ -202,13 +229,15 @@ def pattern_class(pattern, label: str, *, length: int | None, what: str,
   p = len(found)
   if length is None:
     raise TransformError(
-        f"{what}: a pattern stack needs `length=` (the number of layers; `axis_size=` "
-        f"for sr.vmap), so that each of the {p} positions knows how many layers it holds.")
+      f"{what}: a pattern stack needs `length=` (the number of layers; `axis_size=` "
+      f"for sr.vmap), so that each of the {p} positions knows how many layers it holds."
+    )
   if not isinstance(length, int) or isinstance(length, bool) or length < p:
     raise TransformError(
-        f"{what}: length={length!r} is shorter than the pattern of {p} blocks, so some "
-        f"position would hold no layer. Fix: length >= {p} (any length: the last cycle "
-        "may be short), or a shorter pattern.")
+      f"{what}: length={length!r} is shorter than the pattern of {p} blocks, so some "
+      f"position would hold no layer. Fix: length >= {p} (any length: the last cycle "
+      "may be short), or a shorter pattern."
+    )
   names = [_name(cls, factory) for cls, factory in found]
   positions = []
   for k, (cls, factory) in enumerate(found):
@@ -218,22 +247,28 @@ def pattern_class(pattern, label: str, *, length: int | None, what: str,
     position._sr_pattern_name = names[k]
     position.__qualname__ = f"{position.__qualname__}[{k}]"
     positions.append(position)
-  methods = ["__call__"] if methods is None else [methods] if isinstance(
-      methods, str) else list(methods)
+  methods = (
+    ["__call__"] if methods is None else [methods] if isinstance(methods, str) else list(methods)
+  )
   namespace: dict[str, Any] = {
-      "_sr_positions": tuple(positions), "_sr_length": length, "_sr_what": what,
-      "_sr_init_in_axes": init_in_axes, "_sr_names": tuple(names),
-      "__module__": found[0][0].__module__,
-      "__qualname__": f"{label}Pattern[{', '.join(names)}]",
-      "__doc__": (f"A stack of {length} layers repeating ({', '.join(names)}) under "
-                  f"{transform_name(label)}."),
+    "_sr_positions": tuple(positions),
+    "_sr_length": length,
+    "_sr_what": what,
+    "_sr_init_in_axes": init_in_axes,
+    "_sr_names": tuple(names),
+    "__module__": found[0][0].__module__,
+    "__qualname__": f"{label}Pattern[{', '.join(names)}]",
+    "__doc__": (
+      f"A stack of {length} layers repeating ({', '.join(names)}) under {transform_name(label)}."
+    ),
   }
   for name in methods:
     for cls, _ in found:
       if not callable(getattr(cls, name, None)):
         raise AttributeError(
-            f"{what}: {cls.__name__} has no method {name!r}. Name methods that every "
-            "class of the pattern defines.")
+          f"{what}: {cls.__name__} has no method {name!r}. Name methods that every "
+          "class of the pattern defines."
+        )
     namespace[name] = _method(run(name), name)
   cls = type(f"{label}Pattern", (PatternStack,), namespace)
   for position in positions:
@@ -272,15 +307,17 @@ def check_positions(stack: PatternStack, what: str) -> list[int]:
   for k, position in enumerate(stack.pattern):
     if not is_stacked(position):
       raise TransformError(
-          f"{what}: `pattern.{k}` of the pattern stack is a {type(position).__name__}, "
-          "not a stack. Build pattern stacks with a class form, e.g. "
-          "`sr.scan((A, B), length=n, ...)`.")
+        f"{what}: `pattern.{k}` of the pattern stack is a {type(position).__name__}, "
+        "not a stack. Build pattern stacks with a class form, e.g. "
+        "`sr.scan((A, B), length=n, ...)`."
+      )
     counts.append(len(position))
   n = sum(counts)
   expected = [len(range(k, n, p)) for k in range(p)]
   if counts != expected:
     raise TransformError(
-        f"{what}: the positions of the pattern stack hold {counts} layers; a pattern of "
-        f"{p} over {n} layers holds {expected} (layer i at position i % {p}). Fix: "
-        "rebuild the stack (or `sr.stack(layers, like=stack)` from its layers).")
+      f"{what}: the positions of the pattern stack hold {counts} layers; a pattern of "
+      f"{p} over {n} layers holds {expected} (layer i at position i % {p}). Fix: "
+      "rebuild the stack (or `sr.stack(layers, like=stack)` from its layers)."
+    )
   return counts

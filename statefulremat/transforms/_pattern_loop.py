@@ -19,7 +19,8 @@ P slices nothing).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +39,9 @@ def take(tree, k: int):
 class CycleLoop(LayerLoop):
   """``LayerLoop`` whose iteration is one cycle of a pattern (see module docstring)."""
 
-  def __init__(self, *args, period: int, length: int, names: Sequence[str],
-               reverse: bool = False, **kwargs):
+  def __init__(
+    self, *args, period: int, length: int, names: Sequence[str], reverse: bool = False, **kwargs
+  ):
     super().__init__(*args, **kwargs)
     self.period, self.length, self.names = period, length, tuple(names)
     self.full, self.rest = divmod(length, period)
@@ -51,8 +53,9 @@ class CycleLoop(LayerLoop):
     out = []
     for i in self.stacked:
       value = _move_axis(self.values[i], self.plan.axes[i], 0)
-      out.append(value if jnp.shape(value)[0] == self.full else
-                 lax.slice_in_dim(value, 0, self.full))
+      out.append(
+        value if jnp.shape(value)[0] == self.full else lax.slice_in_dim(value, 0, self.full)
+      )
     return out
 
   def _layer(self, body, state, x):
@@ -77,8 +80,9 @@ class CycleLoop(LayerLoop):
       self.plan.serve_names(served, variables, first)
       for n, k in enumerate(order):
         if n:
-          counts = self.plan.reseed(variables, self.values,
-                                    None if first is None else first + jnp.uint32(k))
+          counts = self.plan.reseed(
+            variables, self.values, None if first is None else first + jnp.uint32(k)
+          )
         before = carry
         carry, ys[k] = body(k, tree[0][0][k], carry, take(xs, k))
         self._check_carry(k, before, carry)
@@ -88,8 +92,7 @@ class CycleLoop(LayerLoop):
     # changed exactly when some layer drew.
     for j, s in enumerate(streams):
       variables[s.key]._value = flat[s.key]
-      variables[s.count]._value = (flat[s.count] + jnp.uint32(1) if drew[j] else
-                                   flat[s.count])
+      variables[s.count]._value = flat[s.count] + jnp.uint32(1) if drew[j] else flat[s.count]
     return self._read_back(roots, flat, user_carry, carry, tuple(ys))
 
   def _check_carry(self, k: int, before, after) -> None:
@@ -98,15 +101,24 @@ class CycleLoop(LayerLoop):
       check_same_type(before, after, what, "carry")
     except TransformError as e:
       raise TransformError(
-          f"{e} Every block of a pattern takes and returns the same carry: the blocks' "
-          "carries must agree in structure, shape and dtype.") from None
+        f"{e} Every block of a pattern takes and returns the same carry: the blocks' "
+        "carries must agree in structure, shape and dtype."
+      ) from None
 
   # -- the loop --------------------------------------------------------------------
 
-  def run_cycles(self, body: Callable, carry: Any, xs: Any, *,
-                 lengths: Sequence[int] | None = None, remat: bool = False,
-                 policy: Callable | None = None, prevent_cse: bool = True,
-                 unroll: int | bool = 1):
+  def run_cycles(
+    self,
+    body: Callable,
+    carry: Any,
+    xs: Any,
+    *,
+    lengths: Sequence[int] | None = None,
+    remat: bool = False,
+    policy: Callable | None = None,
+    prevent_cse: bool = True,
+    unroll: int | bool = 1,
+  ):
     """Runs every layer; returns ``(carry, ys, changed)``, ys in layer order.
 
     ``xs`` leaves have the layer axis first (size ``length``). ``lengths`` (remat)
@@ -114,8 +126,8 @@ class CycleLoop(LayerLoop):
     """
     p, full, rest = self.period, self.full, self.rest
     xs_full = jax.tree.map(
-        lambda x: lax.reshape(lax.slice_in_dim(x, 0, full * p),
-                              (full, p) + jnp.shape(x)[1:]), xs)
+      lambda x: lax.reshape(lax.slice_in_dim(x, 0, full * p), (full, p) + jnp.shape(x)[1:]), xs
+    )
     carried = [self.values[i] for i in self.carried]
     tail_out = None
     if rest and self.reverse:
@@ -127,8 +139,8 @@ class CycleLoop(LayerLoop):
       ys = None
     else:
       carried, carry, written, ys = self.levels(
-          body, carry, xs_full, lengths, reverse=self.reverse, unroll=unroll,
-          remat=remat, **options)
+        body, carry, xs_full, lengths, reverse=self.reverse, unroll=unroll, remat=remat, **options
+      )
     if rest and not self.reverse:
       (carried, carry), tail_out = self._tail(body, carried, carry, xs, remat)
     if tail_out is not None:
@@ -143,8 +155,11 @@ class CycleLoop(LayerLoop):
     for i, k in zip(self.stacked, self.position):
       value = _move_axis(self.values[i], self.plan.axes[i], 0)
       slices.append(lax.index_in_dim(value, full if k < self.rest else 0, keepdims=False))
-    x = (slices, jax.tree.map(lambda v: lax.slice_in_dim(v, full * p, self.length), xs),
-         jnp.uint32(full))
+    x = (
+      slices,
+      jax.tree.map(lambda v: lax.slice_in_dim(v, full * p, self.length), xs),
+      jnp.uint32(full),
+    )
 
     def step(state, x):
       return self.cycle(body, state, x, self.rest)
@@ -169,11 +184,12 @@ class CycleLoop(LayerLoop):
     made = sorted(i for i in set(written) | set(tail) if i < 0)
     if made:
       raise TransformError(
-          f"{self.what}: a layer made a Variable (e.g. `self.sow(...)`) inside a pattern "
-          f"stack of {self.length} layers, which is not a multiple of its pattern of "
-          f"{self.period}: the short last cycle would give it another number of layers "
-          "than the full ones. Nothing was written. Fix: a length that is a multiple of "
-          f"{self.period}, or create the Variable in `__init__`.")
+        f"{self.what}: a layer made a Variable (e.g. `self.sow(...)`) inside a pattern "
+        f"stack of {self.length} layers, which is not a multiple of its pattern of "
+        f"{self.period}: the short last cycle would give it another number of layers "
+        "than the full ones. Nothing was written. Fix: a length that is a multiple of "
+        f"{self.period}, or create the Variable in `__init__`."
+      )
     return out
 
   def _layer_order(self, ys, tail_ys):
@@ -183,16 +199,19 @@ class CycleLoop(LayerLoop):
       self._check_ys_alike(ys)
       if all(y is None for y in jax.tree.leaves(ys, is_leaf=lambda y: y is None)):
         return None
-      parts.append(jax.tree.map(
-          lambda *per: lax.reshape(jnp.stack(per, axis=1),
-                                   (self.full * self.period,) + jnp.shape(per[0])[1:]),
-          *ys))
+      parts.append(
+        jax.tree.map(
+          lambda *per: lax.reshape(
+            jnp.stack(per, axis=1), (self.full * self.period,) + jnp.shape(per[0])[1:]
+          ),
+          *ys,
+        )
+      )
     if tail_ys is not None and ys is not None:
       parts.append(jax.tree.map(lambda *per: jnp.stack(per), *tail_ys))
     if not parts:
       return None
-    return parts[0] if len(parts) == 1 else jax.tree.map(
-        lambda *a: lax.concatenate(a, 0), *parts)
+    return parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: lax.concatenate(a, 0), *parts)
 
   def _check_ys_alike(self, ys) -> None:
     first = jax.tree.map(lambda y: (jnp.shape(y)[1:], jnp.result_type(y)), ys[0])
@@ -200,15 +219,17 @@ class CycleLoop(LayerLoop):
       this = jax.tree.map(lambda y: (jnp.shape(y)[1:], jnp.result_type(y)), y)
       if jax.tree.structure(this) != jax.tree.structure(first) or this != first:
         raise TransformError(
-            f"{self.what}: the blocks' ys differ: position 0 ({self.names[0]}) gives "
-            f"{_shapes(first)} and position {k} ({self.names[k]}) gives {_shapes(this)}. "
-            "The ys of a pattern stack are stacked over its layers in order, so every "
-            "block must return ys of one structure, shape and dtype (or None).")
+          f"{self.what}: the blocks' ys differ: position 0 ({self.names[0]}) gives "
+          f"{_shapes(first)} and position {k} ({self.names[k]}) gives {_shapes(this)}. "
+          "The ys of a pattern stack are stacked over its layers in order, so every "
+          "block must return ys of one structure, shape and dtype (or None)."
+        )
 
 
 def _shapes(tree) -> str:
-  leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
-                           and isinstance(x[0], tuple))
+  leaves = jax.tree.leaves(
+    tree, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+  )
   if not leaves:
     return "no ys (None)"
   return ", ".join(f"{jnp.dtype(d).name}{list(s)}" for s, d in leaves)
@@ -224,28 +245,51 @@ def lift_pattern(stack, what: str, rules, metadata_params, call_form: str):
 
   counts = check_positions(stack, what)
   lifted, variables, plan, leaves = lift_module_arg(
-      tuple(stack.pattern), what, rules, metadata_params, call_form)
+    tuple(stack.pattern), what, rules, metadata_params, call_form
+  )
   return (lifted, plan, variables, leaves), counts
 
 
-def scan_pattern(stack, body: Callable, carry, xs: list, sources: list, *, what: str,
-                 rules, metadata_params, length, data_transform, reverse, unroll):
+def scan_pattern(
+  stack,
+  body: Callable,
+  carry,
+  xs: list,
+  sources: list,
+  *,
+  what: str,
+  rules,
+  metadata_params,
+  length,
+  data_transform,
+  reverse,
+  unroll,
+):
   """``sr.scan``'s function form over a pattern stack: ``(carry, ys, finish)``."""
-  from ._lift import write_back
   from ._layers import carry_out_structure
+  from ._lift import write_back
   from ._pattern import position_names
 
-  args, counts = lift_pattern(stack, what, rules, metadata_params,
-                              "f(module, carry, *xs) -> (carry, ys)")
+  args, counts = lift_pattern(
+    stack, what, rules, metadata_params, "f(module, carry, *xs) -> (carry, ys)"
+  )
   n = sum(counts)
   for label, size in sources + ([("length=", length)] if length is not None else []):
     if size != n:
       raise TransformError(
-          f"{what}: {label} has {size} entries along the scanned axis, but the pattern "
-          f"stack has {n} layers. Fix: one entry per layer ({n}), or None in in_axes to "
-          "give it whole to every layer.")
-  loop = CycleLoop(*args, what, data_transform, period=len(counts), length=n,
-                   names=position_names(stack), reverse=reverse)
+        f"{what}: {label} has {size} entries along the scanned axis, but the pattern "
+        f"stack has {n} layers. Fix: one entry per layer ({n}), or None in in_axes to "
+        "give it whole to every layer."
+      )
+  loop = CycleLoop(
+    *args,
+    what,
+    data_transform,
+    period=len(counts),
+    length=n,
+    names=position_names(stack),
+    reverse=reverse,
+  )
   carry, ys, changed = loop.run_cycles(body, carry, xs, unroll=unroll)
 
   def finish():

@@ -9,7 +9,8 @@ once per call, and member ``i`` draws the keys of layer ``i`` (as ``stack.layer(
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,32 +22,51 @@ from ._pattern_loop import lift_pattern
 from ._rules import STACKED, TransformError
 
 
-def vmap_pattern(stack, fn: Callable, args: tuple, kwargs: dict, *, what: str, rules,
-                 in_axes, out_axes, axis_size, axis_name, metadata_params) -> Any:
+def vmap_pattern(
+  stack,
+  fn: Callable,
+  args: tuple,
+  kwargs: dict,
+  *,
+  what: str,
+  rules,
+  in_axes,
+  out_axes,
+  axis_size,
+  axis_name,
+  metadata_params,
+) -> Any:
   (lifted, plan, variables, leaves), counts = lift_pattern(
-      stack, what, rules, metadata_params, "f(module, *args)")
+    stack, what, rules, metadata_params, "f(module, *args)"
+  )
   n, period = sum(counts), len(counts)
   names = position_names(stack)
   if axis_size is not None and axis_size != n:
-    raise TransformError(f"{what}: axis_size={axis_size}, but the pattern stack has {n} "
-                         "members. Fix: drop axis_size (the stack tells it).")
+    raise TransformError(
+      f"{what}: axis_size={axis_size}, but the pattern stack has {n} "
+      "members. Fix: drop axis_size (the stack tells it)."
+    )
   arg_axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
   if len(arg_axes) != len(args):
-    raise TransformError(f"{what}: in_axes={in_axes!r} has {len(arg_axes)} entries for "
-                         f"{len(args)} arguments (the module excluded).")
+    raise TransformError(
+      f"{what}: in_axes={in_axes!r} has {len(arg_axes)} entries for "
+      f"{len(args)} arguments (the module excluded)."
+    )
   if not isinstance(out_axes, int):
     raise TransformError(
-        f"{what}: out_axes={out_axes!r}; over a pattern stack the members' outputs are "
-        "put back in member order along one axis, so out_axes is one int.")
+      f"{what}: out_axes={out_axes!r}; over a pattern stack the members' outputs are "
+      "put back in member order along one axis, so out_axes is one int."
+    )
   for j, (a, ax) in enumerate(zip(args, arg_axes)):
     for leaf in jax.tree.leaves(a) if ax is not None else ():
       shape = tuple(jnp.shape(leaf))
       if not -len(shape) <= ax < len(shape) or shape[ax] != n:
         raise TransformError(
-            f"{what}: in_axes maps argument {j + 1} along axis {ax}, one slice per member, "
-            f"so it needs {n} entries there (the pattern stack has {n} members); a leaf has "
-            f"shape {shape}. Fix: {n} entries at axis {ax}, or None in in_axes to give it "
-            "whole to every member.")
+          f"{what}: in_axes maps argument {j + 1} along axis {ax}, one slice per member, "
+          f"so it needs {n} entries there (the pattern stack has {n} members); a leaf has "
+          f"shape {shape}. Fix: {n} entries at axis {ax}, or None in in_axes to give it "
+          "whole to every member."
+        )
   values = [v._value for v in variables]
   paths = lifted.graphdef.var_paths
   stacked = plan.indices(STACKED)
@@ -73,18 +93,24 @@ def vmap_pattern(stack, fn: Callable, args: tuple, kwargs: dict, *, what: str, r
           used.add(i)
         elif i not in mine:
           raise TransformError(
-              f"{what}: member {k} of the pattern ({names[k]}) wrote to "
-              f"`{variables[i].path_str() or paths[i]}`, which is not mapped per member; "
-              "over a pattern stack only mapped Variables (variable_axes) may be written. "
-              "Nothing was written. Fix: map it with variable_axes.")
+            f"{what}: member {k} of the pattern ({names[k]}) wrote to "
+            f"`{variables[i].path_str() or paths[i]}`, which is not mapped per member; "
+            "over a pattern stack only mapped Variables (variable_axes) may be written. "
+            "Nothing was written. Fix: map it with variable_axes."
+          )
       return out, {i: wrote[i] for i in mine if i in wrote}
 
-    sliced = tuple(a if ax is None else jax.tree.map(
-        lambda x, ax=ax: jnp.take(x, members, axis=ax), a) for a, ax in zip(args, arg_axes))
+    sliced = tuple(
+      a if ax is None else jax.tree.map(lambda x, ax=ax: jnp.take(x, members, axis=ax), a)
+      for a, ax in zip(args, arg_axes)
+    )
     out, written = jax.vmap(
-        one, in_axes=([plan.axes[i] for i in mine], 0, tuple(arg_axes)),
-        out_axes=(out_axes, 0), axis_size=counts[k], axis_name=axis_name)(
-            [values[i] for i in mine], members.astype(jnp.uint32), sliced)
+      one,
+      in_axes=([plan.axes[i] for i in mine], 0, tuple(arg_axes)),
+      out_axes=(out_axes, 0),
+      axis_size=counts[k],
+      axis_name=axis_name,
+    )([values[i] for i in mine], members.astype(jnp.uint32), sliced)
     outs.append(out)
     changed.update({i: jnp.moveaxis(v, 0, plan.axes[i]) for i, v in written.items()})
   plan.check_stream_names()
@@ -101,9 +127,11 @@ def _member_order(what, outs: list, axis: int, n: int, period: int, names) -> An
   for k, out in enumerate(outs[1:], 1):
     if jax.tree.structure(out) != first:
       raise TransformError(
-          f"{what}: the members' outputs differ in structure: position 0 ({names[0]}) "
-          f"returns {first}, position {k} ({names[k]}) {jax.tree.structure(out)}. Every "
-          "class of a pattern must return outputs of one structure to be mapped together.")
+        f"{what}: the members' outputs differ in structure: position 0 ({names[0]}) "
+        f"returns {first}, position {k} ({names[k]}) {jax.tree.structure(out)}. Every "
+        "class of a pattern must return outputs of one structure to be mapped together."
+      )
   order = jnp.argsort(jnp.concatenate([jnp.arange(k, n, period) for k in range(period)]))
-  return jax.tree.map(lambda *parts: jnp.take(jnp.concatenate(parts, axis=axis), order,
-                                              axis=axis), *outs)
+  return jax.tree.map(
+    lambda *parts: jnp.take(jnp.concatenate(parts, axis=axis), order, axis=axis), *outs
+  )

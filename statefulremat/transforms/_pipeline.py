@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,13 +35,13 @@ from ..core._graph import flatten
 from ..core._kinds import RngCount, RngKey
 from ..core._split_merge import merge
 from ..core._state import State
+from ._accumulate import split_rows
+from ._class_form import display_name
 from ._lift import refuse_layer_list, write_back
 from ._module_arg import check_no_modules, compiled_when_eager
 from ._pattern import is_pattern_stack
-from ._accumulate import split_rows
-from ._pipeline_layout import Layout, is_array, join, per_device
 from ._pipeline_checks import check_batch, check_layer_sharding, find_mesh, stacked_axes
-from ._class_form import display_name
+from ._pipeline_layout import Layout, is_array, join, per_device
 from ._remat_scan import plan_remat, remat_scan
 from ._remat_scan_args import AUTO, resolve_plan
 from ._rules import TransformError, layer_index_map
@@ -77,8 +77,14 @@ class PipelineSpec:
     return (steps - self.repeats * self.microbatches) / steps
 
   def apply(self, fn: Callable) -> Callable:
-    return pipeline(fn, axis=self.axis, microbatches=self.microbatches,
-                    schedule=self.schedule, repeats=self.repeats, policy=self.policy)
+    return pipeline(
+      fn,
+      axis=self.axis,
+      microbatches=self.microbatches,
+      schedule=self.schedule,
+      repeats=self.repeats,
+      policy=self.policy,
+    )
 
   def _pipelined(self, fn: Callable, **how) -> Callable:
     """``sr.remat_scan(fn, ..., pipeline=self)``: ``how`` is ``pipelined``'s."""
@@ -88,8 +94,9 @@ class PipelineSpec:
 def _check_options(spec) -> None:
   what = "sr.pipeline"
   if not isinstance(spec.axis, str):
-    raise TransformError(f"{what}: axis={spec.axis!r} must be a mesh axis name (a str), "
-                         "e.g. axis='stage'.")
+    raise TransformError(
+      f"{what}: axis={spec.axis!r} must be a mesh axis name (a str), e.g. axis='stage'."
+    )
   for name in ("microbatches", "repeats"):
     value = getattr(spec, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -98,9 +105,10 @@ def _check_options(spec) -> None:
     raise TransformError(f"{what}: schedule={spec.schedule!r}; it is one of {SCHEDULES}.")
   if spec.schedule == "gpipe" and spec.repeats != 1:
     raise TransformError(
-        f"{what}: repeats={spec.repeats} is for schedule='circular' (each stage holds "
-        "R chunks, a microbatch goes round the stages R times); gpipe passes once. Fix: "
-        "schedule='circular', or drop repeats.")
+      f"{what}: repeats={spec.repeats} is for schedule='circular' (each stage holds "
+      "R chunks, a microbatch goes round the stages R times); gpipe passes once. Fix: "
+      "schedule='circular', or drop repeats."
+    )
 
 
 def _steps(k: int, stages: int, repeats: int) -> int:
@@ -108,10 +116,17 @@ def _steps(k: int, stages: int, repeats: int) -> int:
   return (repeats - 1) * max(k, stages) + k + stages - 1
 
 
-def pipeline(fn: Callable, *, axis: str = "stage", microbatches: int,
-             schedule: str = "gpipe", repeats: int = 1, policy: Callable | None = None,
-             lengths: str | None = None,
-             memory_budget: int | str | None = None) -> Callable:
+def pipeline(
+  fn: Callable,
+  *,
+  axis: str = "stage",
+  microbatches: int,
+  schedule: str = "gpipe",
+  repeats: int = 1,
+  policy: Callable | None = None,
+  lengths: str | None = None,
+  memory_budget: int | str | None = None,
+) -> Callable:
   """Runs ``fn(layer, carry, *args, **kwargs) -> carry`` over a stack's layers spread
   over the mesh axis ``axis`` (S stages), the carry's batch split into
   ``microbatches`` (k) flowing through them.
@@ -152,42 +167,53 @@ def pipeline(fn: Callable, *, axis: str = "stage", microbatches: int,
   >>> bool(np.allclose(y, stack(jnp.ones((4, 3))), atol=1e-5))
   True
   """
-  spec = PipelineSpec(axis=axis, microbatches=microbatches, schedule=schedule,
-                      repeats=repeats, policy=policy)
+  spec = PipelineSpec(
+    axis=axis, microbatches=microbatches, schedule=schedule, repeats=repeats, policy=policy
+  )
   what = f"sr.pipeline({display_name(fn)})"
   if lengths is not None and not isinstance(lengths, str):
     raise TransformError(
-        f"{what}: lengths={lengths!r}; each stage runs its own N/S layers, so a nesting "
-        "of the whole stack does not apply. Fix: lengths='auto' with memory_budget= "
-        "(planned per stage), or leave it out (one level per stage, with policy=).")
-  lengths, _, policy, budget = resolve_plan(what, () if lengths is None else lengths,
-                                            None, policy, memory_budget)
-  return pipelined(fn, dataclasses.replace(spec, policy=None), what=what,
-                   lengths=lengths if lengths == AUTO else None, layers=None,
-                   memory_budget=budget, policy=policy)
+      f"{what}: lengths={lengths!r}; each stage runs its own N/S layers, so a nesting "
+      "of the whole stack does not apply. Fix: lengths='auto' with memory_budget= "
+      "(planned per stage), or leave it out (one level per stage, with policy=)."
+    )
+  lengths, _, policy, budget = resolve_plan(
+    what, () if lengths is None else lengths, None, policy, memory_budget
+  )
+  return pipelined(
+    fn,
+    dataclasses.replace(spec, policy=None),
+    what=what,
+    lengths=lengths if lengths == AUTO else None,
+    layers=None,
+    memory_budget=budget,
+    policy=policy,
+  )
 
 
-def pipelined(fn: Callable, spec: PipelineSpec, *, what: str, lengths, layers,
-              memory_budget, **options) -> Callable:
+def pipelined(
+  fn: Callable, spec: PipelineSpec, *, what: str, lengths, layers, memory_budget, **options
+) -> Callable:
   """``sr.pipeline``, and ``sr.remat_scan(..., pipeline=spec)``'s function form:
   ``options`` are ``remat_scan``'s, for each stage's scan; ``layers`` the N that
   ``remat_scan``'s ``lengths`` / ``length`` gave (None: any)."""
   if not isinstance(spec, PipelineSpec):
     raise TransformError(
-        f"{what}: pipeline={spec!r}; it takes sr.PipelineSpec(axis=..., "
-        "microbatches=..., schedule=..., repeats=...).")
+      f"{what}: pipeline={spec!r}; it takes sr.PipelineSpec(axis=..., "
+      "microbatches=..., schedule=..., repeats=...)."
+    )
   if spec.policy is not None:
     if options.get("policy") is not None:
       raise TransformError(
-          f"{what}: the policy is given twice, as policy= and in the PipelineSpec. Fix: "
-          "give it once.")
+        f"{what}: the policy is given twice, as policy= and in the PipelineSpec. Fix: give it once."
+      )
     if lengths == AUTO:
       raise TransformError(
-          f"{what}: lengths='auto' chooses each stage's policy too; drop the "
-          "PipelineSpec's policy, or give lengths= yourself to use it.")
+        f"{what}: lengths='auto' chooses each stage's policy too; drop the "
+        "PipelineSpec's policy, or give lengths= yourself to use it."
+      )
     options["policy"] = spec.policy
-  traced = compiled_when_eager(_traced(fn, spec, what, lengths == AUTO, memory_budget,
-                                       options))
+  traced = compiled_when_eager(_traced(fn, spec, what, lengths == AUTO, memory_budget, options))
 
   @functools.wraps(fn)
   def wrapper(stack, x, *args, **kwargs):
@@ -197,8 +223,9 @@ def pipelined(fn: Callable, spec: PipelineSpec, *, what: str, lengths, layers,
     check_no_modules(kwargs, what, "the keyword argument")
     if is_pattern_stack(stack):
       raise TransformError(
-          f"{what}: pattern stacks are not pipelined yet. Fix: pipeline a plain stack "
-          "(sr.remat_scan(Block, ...)), or run this one with sr.remat_scan.")
+        f"{what}: pattern stacks are not pipelined yet. Fix: pipeline a plain stack "
+        "(sr.remat_scan(Block, ...)), or run this one with sr.remat_scan."
+      )
     mesh = find_mesh(stack, spec.axis, what)
     check_batch(x, spec.microbatches, what)
     check_layer_sharding(stack, mesh, spec, what, layers)
@@ -213,8 +240,9 @@ def pipelined(fn: Callable, spec: PipelineSpec, *, what: str, lengths, layers,
 # -- the traced program ----------------------------------------------------------------
 
 
-def _traced(fn: Callable, spec: PipelineSpec, what: str, auto: bool, budget,
-            options: dict) -> Callable:
+def _traced(
+  fn: Callable, spec: PipelineSpec, what: str, auto: bool, budget, options: dict
+) -> Callable:
   k, axis, repeats = spec.microbatches, spec.axis, spec.repeats
   plans: dict = {}  # lengths="auto": one plan per (stage structure, shapes)
 
@@ -238,16 +266,18 @@ def _traced(fn: Callable, spec: PipelineSpec, what: str, auto: bool, budget,
     steps = _steps(k, stages, repeats)
     spec_ = State.from_variables(zip(graphdef.var_paths, variables))._spec
     stacked = [i for i, a in enumerate(axes) if a is not None]
-    counts = [i for i, (v, a) in enumerate(zip(variables, axes))
-              if a is None and isinstance(v, RngCount)]
+    counts = [
+      i for i, (v, a) in enumerate(zip(variables, axes)) if a is None and isinstance(v, RngCount)
+    ]
     others = [i for i, a in enumerate(axes) if a is None]
     bad = [i for i in others if not isinstance(variables[i], (RngCount, RngKey))]
     if bad:
       var = variables[bad[0]]
       raise TransformError(
-          f"{what}: `{var.path_str()}` ({type(var).__name__}) has no layer axis, so it "
-          "cannot be spread over the stages (only RNG streams may be unstacked). Fix: "
-          "give it the layer axis (one value per layer), or keep it out of the stack.")
+        f"{what}: `{var.path_str()}` ({type(var).__name__}) has no layer axis, so it "
+        "cannot be spread over the stages (only RNG streams may be unstacked). Fix: "
+        "give it the layer axis (one value per layer), or keep it out of the stack."
+      )
     stage_fn = skipping if layout.padded else body
     values = [v._value for v in variables]
     xs = jax.tree.map(lambda v: split_rows(v, k), x)
@@ -268,31 +298,42 @@ def _traced(fn: Callable, spec: PipelineSpec, what: str, auto: bool, budget,
       return merge(graphdef, State._make(spec_, flat))
 
     if auto:
+
       def chunk_shape(i):
         shape = list(jnp.shape(values[i]))
         shape[axes[i]] = chunk
         return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(values[i]))
 
-      abstract = [chunk_shape(i) if a is not None else
-                  jax.ShapeDtypeStruct(jnp.shape(values[i]), jnp.result_type(values[i]))
-                  for i, a in enumerate(axes)]
+      abstract = [
+        chunk_shape(i)
+        if a is not None
+        else jax.ShapeDtypeStruct(jnp.shape(values[i]), jnp.result_type(values[i]))
+        for i, a in enumerate(axes)
+      ]
       carry = jax.tree.map(per_device, jax.tree.map(lambda v: v[0], xs), x)
       if layout.padded:
-        carry = (carry, jax.ShapeDtypeStruct((), jnp.int32),
-                 jax.ShapeDtypeStruct((), jnp.int32))
-      key = (graphdef, chunk, _avals(carry), extras_tree,
-             tuple(_avals(v) if is_array(v) else v for v in extras))
+        carry = (carry, jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+      key = (
+        graphdef,
+        chunk,
+        _avals(carry),
+        extras_tree,
+        tuple(_avals(v) if is_array(v) else v for v in extras),
+      )
       plan = plans.get(key)
       if plan is None:
         module = merge(graphdef, State._make(spec_, abstract))
+
         def planned(layer, c):  # the extra arrays as zeros: the plan needs only shapes
-          a, kw = with_extras([jnp.zeros(jnp.shape(extras[j]), jnp.result_type(extras[j]))
-                               for j in dynamic])
+          a, kw = with_extras(
+            [jnp.zeros(jnp.shape(extras[j]), jnp.result_type(extras[j])) for j in dynamic]
+          )
           return stage_fn(layer, c, *a, **kw)
 
         plan = plans[key] = plan_remat(module, carry, fn=planned, memory_budget=budget)
-      inner = remat_scan(stage_fn, lengths=plan,
-                         **{o: v for o, v in options.items() if o != "policy"})
+      inner = remat_scan(
+        stage_fn, lengths=plan, **{o: v for o, v in options.items() if o != "policy"}
+      )
     else:
       inner = remat_scan(stage_fn, lengths=(chunk,), **options)
 
@@ -321,8 +362,9 @@ def _traced(fn: Callable, spec: PipelineSpec, what: str, auto: bool, budget,
         q = r * stages + s
         flat = [None] * len(values)
         for j, i in enumerate(stacked):
-          flat[i] = (lax.dynamic_slice_in_dim(local[j], r * chunk, chunk)
-                     if repeats > 1 else local[j])
+          flat[i] = (
+            lax.dynamic_slice_in_dim(local[j], r * chunk, chunk) if repeats > 1 else local[j]
+          )
         for j, i in enumerate(others):
           flat[i] = fixed[j]
         for i in counts:
@@ -337,8 +379,10 @@ def _traced(fn: Callable, spec: PipelineSpec, what: str, auto: bool, budget,
         found["written"] = [j for j, i in enumerate(stacked) if after[i] is not before[i]]
         found["counts"] = [i for i in counts if after[i] is not before[i]]
         new = [after[stacked[j]] for j in found["written"]]
-        new = [jnp.moveaxis(v, axes[stacked[j]], 0) if axes[stacked[j]] else v
-               for j, v in zip(found["written"], new)]
+        new = [
+          jnp.moveaxis(v, axes[stacked[j]], 0) if axes[stacked[j]] else v
+          for j, v in zip(found["written"], new)
+        ]
         return out, new, valid, m, r
 
       one_step(jnp.int32(0), laid, jax.tree.map(lambda v: varying(v[0]), xs))  # learns `found`
@@ -352,48 +396,57 @@ def _traced(fn: Callable, spec: PipelineSpec, what: str, auto: bool, budget,
           back = (u >= 0) & (u % period < k) & (u // period < repeats - 1) & (s == 0)
           slot = jnp.clip(u % period, 0, k - 1)
           buf = jax.tree.map(
-              lambda b, v: jnp.where(back, lax.dynamic_update_index_in_dim(b, v, slot, 0), b),
-              buf, recv)
+            lambda b, v: jnp.where(back, lax.dynamic_update_index_in_dim(b, v, slot, 0), b),
+            buf,
+            recv,
+          )
         u = t - s
         m0 = jnp.clip(u % period, 0, k - 1)
         inp = jax.tree.map(
-            lambda b, v: jnp.where(s == 0, lax.dynamic_index_in_dim(b, m0, 0, False), v),
-            buf, recv)
+          lambda b, v: jnp.where(s == 0, lax.dynamic_index_in_dim(b, m0, 0, False), v), buf, recv
+        )
         local = list(laid)
         for j, v in zip(written, local_w):
           local[j] = v
         out, new, valid, m, r = one_step(t, local, inp)
         updated = []
-        for j, v, old in zip(written, new, local_w):
+        for v, old in zip(new, local_w):
           if repeats > 1:
             v = lax.dynamic_update_slice_in_dim(old, v, r * chunk, 0)
           updated.append(jnp.where(valid, v, old))
         last = valid & (s == stages - 1) & (r == repeats - 1)
         outs = jax.tree.map(
-            lambda o, v: jnp.where(last, lax.dynamic_update_index_in_dim(o, v, m, 0), o),
-            outs, out)
+          lambda o, v: jnp.where(last, lax.dynamic_update_index_in_dim(o, v, m, 0), o), outs, out
+        )
         recv = jax.tree.map(lambda v: lax.ppermute(v, axis, forward), out)
         return (recv, buf, outs, updated), None
 
       zeros = jax.tree.map(lambda v: varying(jnp.zeros_like(v[0])), xs)
-      init = (zeros, jax.tree.map(varying, xs), jax.tree.map(varying, xs),
-              [laid[j] for j in written])
+      init = (
+        zeros,
+        jax.tree.map(varying, xs),
+        jax.tree.map(varying, xs),
+        [laid[j] for j in written],
+      )
       (_, _, outs, local_w), _ = lax.scan(step, init, jnp.arange(steps, dtype=jnp.int32))
       outs = jax.tree.map(
-          lambda o: lax.psum(jnp.where(s == stages - 1, o, jnp.zeros_like(o)), axis), outs)
+        lambda o: lax.psum(jnp.where(s == stages - 1, o, jnp.zeros_like(o)), axis), outs
+      )
       return outs, local_w
 
     fixed = [values[i] for i in others]
     # out_specs P(axis) is a prefix of the written values' list, whatever its length
     # (the body's writes are known only once traced).
     program = jax.shard_map(
-        stage_program, mesh=mesh,
-        in_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec(), PartitionSpec()),
-        out_specs=(PartitionSpec(), PartitionSpec(axis)), axis_names={axis})
+      stage_program,
+      mesh=mesh,
+      in_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec(), PartitionSpec()),
+      out_specs=(PartitionSpec(), PartitionSpec(axis)),
+      axis_names={axis},
+    )
     outs, local_w = program(laid, fixed, xs, [extras[j] for j in dynamic])
     written, used = found["written"], found["counts"]
-    changed = {stacked[j]: from_layout(v, axes[stacked[j]])
-               for j, v in zip(written, local_w)}
+    changed = {stacked[j]: from_layout(v, axes[stacked[j]]) for j, v in zip(written, local_w)}
     for i in used:
       changed[i] = values[i] + jnp.asarray(k, values[i].dtype)
     write_back(variables, changed, what)

@@ -36,32 +36,34 @@ def find_mesh(stack, axis: str, what: str):
         break
   if mesh is None:
     raise TransformError(
-        f"{what}: no mesh: the stages are the mesh axis {axis!r}, and neither a mesh is "
-        "set nor are the stack's arrays placed on one. Fix: call it inside `with "
-        f"jax.set_mesh(mesh):` with a mesh that has an axis {axis!r} (e.g. "
-        f"jax.make_mesh((4, 2), ({axis!r}, 'data'))), its layer axis sharded over it.")
+      f"{what}: no mesh: the stages are the mesh axis {axis!r}, and neither a mesh is "
+      "set nor are the stack's arrays placed on one. Fix: call it inside `with "
+      f"jax.set_mesh(mesh):` with a mesh that has an axis {axis!r} (e.g. "
+      f"jax.make_mesh((4, 2), ({axis!r}, 'data'))), its layer axis sharded over it."
+    )
   if axis not in mesh.axis_names:
     raise TransformError(
-        f"{what}: axis={axis!r} is not an axis of the mesh, whose axes are "
-        f"{tuple(mesh.axis_names)}. Fix: pass axis= one of those (the axis the stack's "
-        f"layer axis is sharded over), or add a {axis!r} axis to the mesh.")
+      f"{what}: axis={axis!r} is not an axis of the mesh, whose axes are "
+      f"{tuple(mesh.axis_names)}. Fix: pass axis= one of those (the axis the stack's "
+      f"layer axis is sharded over), or add a {axis!r} axis to the mesh."
+    )
   return mesh
 
 
 def check_batch(x, k: int, what: str) -> None:
   leaves = jax.tree_util.tree_leaves_with_path(x)
   if not leaves:
-    raise TransformError(f"{what}: the carry has no arrays to split into {k} "
-                         "microbatches.")
+    raise TransformError(f"{what}: the carry has no arrays to split into {k} microbatches.")
   for path, leaf in leaves:
     shape = jnp.shape(leaf)
     if not shape or shape[0] % k:
       where = jax.tree_util.keystr(path) or "x"
       size = "a scalar" if not shape else f"batch axis 0 of size {shape[0]}"
       raise TransformError(
-          f"{what}: microbatches={k} must divide the batch, but the carry `{where}` "
-          f"(shape {tuple(shape)}) has {size}. Fix: a microbatch count that divides "
-          f"{shape[0] if shape else 'the batch'}, or a batch that is a multiple of {k}.")
+        f"{what}: microbatches={k} must divide the batch, but the carry `{where}` "
+        f"(shape {tuple(shape)}) has {size}. Fix: a microbatch count that divides "
+        f"{shape[0] if shape else 'the batch'}, or a batch that is a multiple of {k}."
+      )
 
 
 def check_layer_sharding(stack, mesh, spec, what: str, layers: int | None = None) -> None:
@@ -72,18 +74,21 @@ def check_layer_sharding(stack, mesh, spec, what: str, layers: int | None = None
   sizes = {jnp.shape(v._value)[a] for v, a in zip(variables, axes) if a is not None}
   if not sizes:
     raise TransformError(
-        f"{what}: the module has no stacked variables (no layer axis) to spread over "
-        f"the mesh axis {spec.axis!r}. Fix: pass a stack, e.g. built with "
-        "sr.remat_scan(Block, lengths=(N,), metadata_params={'partition_name': "
-        "'layers'}).")
+      f"{what}: the module has no stacked variables (no layer axis) to spread over "
+      f"the mesh axis {spec.axis!r}. Fix: pass a stack, e.g. built with "
+      "sr.remat_scan(Block, lengths=(N,), metadata_params={'partition_name': "
+      "'layers'})."
+    )
   if len(sizes) > 1:
-    raise TransformError(f"{what}: the stacked variables disagree on the number of "
-                         f"layers: {sorted(sizes)}.")
+    raise TransformError(
+      f"{what}: the stacked variables disagree on the number of layers: {sorted(sizes)}."
+    )
   n, stages = sizes.pop(), mesh.shape[spec.axis]
   if layers is not None and n != layers:
     raise TransformError(
-        f"{what}: lengths/length say {layers} layers, but the stack has {n}. Fix: "
-        f"lengths whose product is {n} (or length={n}).")
+      f"{what}: lengths/length say {layers} layers, but the stack has {n}. Fix: "
+      f"lengths whose product is {n} (or length={n})."
+    )
   if n % stages or stages == 1:
     return  # the layer axis cannot be sharded over the stages: the pipeline lays it out
   for var, a in zip(variables, axes):
@@ -102,9 +107,10 @@ def check_layer_sharding(stack, mesh, spec, what: str, layers: int | None = None
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     if spec.axis not in names:
       raise TransformError(
-          f"{what}: the layer axis (axis {a}, {n} layers) of `{var.path_str()}` is not "
-          f"sharded over the mesh axis {spec.axis!r} (its spec is {got}), so every stage "
-          f"would hold all {n} layers. Fix: name the layer axis "
-          "(metadata_params={'partition_name': 'layers'}) and shard it, e.g. "
-          f"sr.shard(stack, mesh, [('layers', {spec.axis!r}), ...]), or "
-          f"jax.device_put its arrays with PartitionSpec({spec.axis!r}) at that axis.")
+        f"{what}: the layer axis (axis {a}, {n} layers) of `{var.path_str()}` is not "
+        f"sharded over the mesh axis {spec.axis!r} (its spec is {got}), so every stage "
+        f"would hold all {n} layers. Fix: name the layer axis "
+        "(metadata_params={'partition_name': 'layers'}) and shard it, e.g. "
+        f"sr.shard(stack, mesh, [('layers', {spec.axis!r}), ...]), or "
+        f"jax.device_put its arrays with PartitionSpec({spec.axis!r}) at that axis."
+      )

@@ -35,8 +35,9 @@ class Layout:
     self.padded = self.extra > 0
 
   def offset(self, q):
-    return q * self.base + (np.minimum(q, self.extra) if isinstance(q, int)
-                            else jnp.minimum(q, self.extra))
+    return q * self.base + (
+      np.minimum(q, self.extra) if isinstance(q, int) else jnp.minimum(q, self.extra)
+    )
 
   def size(self, q):
     return self.base + (q < self.extra)

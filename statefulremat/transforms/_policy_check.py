@@ -32,7 +32,8 @@ import functools
 import os
 import sys
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +73,8 @@ class _Reading:
 
 def _made_by(policy, factory: str) -> bool:
   return (getattr(policy, "__module__", "") or "").startswith("jax") and (
-      getattr(policy, "__qualname__", "").startswith(factory + "."))
+    getattr(policy, "__qualname__", "").startswith(factory + ".")
+  )
 
 
 def _closure(policy) -> dict[str, Any]:
@@ -83,8 +85,7 @@ def _closure(policy) -> dict[str, Any]:
 
 
 def _strings(value) -> tuple[str, ...]:
-  if isinstance(value, (set, frozenset, list, tuple)) and all(
-      isinstance(v, str) for v in value):
+  if isinstance(value, (set, frozenset, list, tuple)) and all(isinstance(v, str) for v in value):
     return tuple(sorted(value))
   return ()
 
@@ -102,14 +103,17 @@ def _read(policy) -> _Reading:
     parts = [_read(cells[k]) for k in ("policy_1", "policy_2") if k in cells]
     excludes = [p.excludes for p in parts]
     return _Reading(
-        keeps=tuple(n for p in parts for n in p.keeps),
-        excludes=None if None in excludes else tuple(n for e in excludes for n in e),
-        offload_to=tuple(d for p in parts for d in p.offload_to),
-        excluders=tuple(e for p in parts for e in p.excluders))
+      keeps=tuple(n for p in parts for n in p.keeps),
+      excludes=None if None in excludes else tuple(n for e in excludes for n in e),
+      offload_to=tuple(d for p in parts for d in p.offload_to),
+      excluders=tuple(e for p in parts for e in p.excluders),
+    )
   if _made_by(policy, "save_and_offload_only_these_names"):
-    return _Reading(keeps=_strings(cells.get("names_which_can_be_saved", ()))
-                    + _strings(cells.get("names_which_can_be_offloaded", ())),
-                    offload_to=(str(cells.get("offload_dst")),))
+    return _Reading(
+      keeps=_strings(cells.get("names_which_can_be_saved", ()))
+      + _strings(cells.get("names_which_can_be_offloaded", ())),
+      offload_to=(str(cells.get("offload_dst")),),
+    )
   if _made_by(policy, "offload_dot_with_no_batch_dims"):
     return _Reading(offload_to=(str(cells.get("offload_dst")),))
   if _made_by(policy, "save_anything_except_these_names"):
@@ -153,16 +157,20 @@ def _check_excluders(reading: _Reading, policy, what: str) -> None:
     saved = [n for n in probes if _saves(part(name_p, aval, name=n))]
     if not saved:
       continue
-    how = ("ignores the names it was given (it keeps no record of them) and saves every "
-           "value, named or not" if lost else
-           f"saves {', '.join(map(repr, saved))}, which it was told to exclude")
+    how = (
+      "ignores the names it was given (it keeps no record of them) and saves every "
+      "value, named or not"
+      if lost
+      else f"saves {', '.join(map(repr, saved))}, which it was told to exclude"
+    )
     whole = "" if part is policy else f" (inside policy={_describe(policy)})"
     raise TransformError(
-        f"{what}: policy={_describe(part)}{whole} {how}, so remat would save what "
-        f"you asked it not to. Fix: `jax.checkpoint_policies.save_any_names_but_these("
-        f"{'*names' if lost else ', '.join(map(repr, probes))})` saves the named values "
-        "except those names and recomputes the rest; "
-        "`jax.checkpoint_policies.everything_saveable` if saving everything is meant.")
+      f"{what}: policy={_describe(part)}{whole} {how}, so remat would save what "
+      f"you asked it not to. Fix: `jax.checkpoint_policies.save_any_names_but_these("
+      f"{'*names' if lost else ', '.join(map(repr, probes))})` saves the named values "
+      "except those names and recomputes the rest; "
+      "`jax.checkpoint_policies.everything_saveable` if saving everything is meant."
+    )
 
 
 class PolicyCheck:
@@ -170,8 +178,7 @@ class PolicyCheck:
 
   __slots__ = ("policy", "what", "names", "offload_to")
 
-  def __init__(self, policy, what: str, names: tuple[str, ...],
-               offload_to: tuple[str, ...]):
+  def __init__(self, policy, what: str, names: tuple[str, ...], offload_to: tuple[str, ...]):
     self.policy, self.what = policy, what
     self.names, self.offload_to = names, offload_to
 
@@ -187,8 +194,9 @@ class PolicyCheck:
       self._check_names(found)
     # Bound where we stand, not where make_jaxpr stood: its tracebacks stop at its
     # own frame, and the equations' source lines would lose the user's code.
-    out = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args),
-                              propagate_source_info=False)
+    out = jax.core.eval_jaxpr(
+      closed.jaxpr, closed.consts, *jax.tree.leaves(args), propagate_source_info=False
+    )
     return jax.tree.unflatten(jax.tree.structure(shapes), out)
 
   def _check_names(self, found: set[str]) -> None:
@@ -205,11 +213,12 @@ class PolicyCheck:
       there = "The body names nothing: it has no checkpoint_name at all."
     plural, them = ("s", "them") if len(missing) > 1 else ("", "it")
     raise TransformError(
-        f"{self.what}: policy={_describe(self.policy)} refers to the name{plural} "
-        f"{', '.join(listed)}, which no `jax.ad_checkpoint.checkpoint_name` in the "
-        f"traced body gives, so the policy would silently ignore {them}. {there} Fix: "
-        "spell the policy's names as the body does, or name the value in the body: "
-        f"`checkpoint_name(x, {missing[0]!r})`.")
+      f"{self.what}: policy={_describe(self.policy)} refers to the name{plural} "
+      f"{', '.join(listed)}, which no `jax.ad_checkpoint.checkpoint_name` in the "
+      f"traced body gives, so the policy would silently ignore {them}. {there} Fix: "
+      "spell the policy's names as the body does, or name the value in the body: "
+      f"`checkpoint_name(x, {missing[0]!r})`."
+    )
 
   def _warn_offload(self) -> None:
     for kind in self.offload_to:
@@ -217,18 +226,22 @@ class PolicyCheck:
       if _offloads(platform, kind):
         continue
       warnings.warn(
-          f"{self.what}: policy={_describe(self.policy)} offloads residuals to "
-          f"{kind!r} memory, but on this backend ({platform}) nothing is offloaded: the "
-          "compiled program has no transfer to host memory, so the values the policy "
-          "offloads stay in device memory, as if it saved them. Offloading needs a "
-          "GPU or TPU backend; here, a saving policy (e.g. "
-          "jax.checkpoint_policies.save_only_these_names) says what happens.",
-          UserWarning, stacklevel=_user_stacklevel())
+        f"{self.what}: policy={_describe(self.policy)} offloads residuals to "
+        f"{kind!r} memory, but on this backend ({platform}) nothing is offloaded: the "
+        "compiled program has no transfer to host memory, so the values the policy "
+        "offloads stay in device memory, as if it saved them. Offloading needs a "
+        "GPU or TPU backend; here, a saving policy (e.g. "
+        "jax.checkpoint_policies.save_only_these_names) says what happens.",
+        UserWarning,
+        stacklevel=_user_stacklevel(),
+      )
 
 
 # Frames of these folders are not the user's: a warning points past them.
-_NOT_USER = (os.path.dirname(jax.__file__) + os.sep,
-             os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
+_NOT_USER = (
+  os.path.dirname(jax.__file__) + os.sep,
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
 
 
 def _user_stacklevel() -> int:

@@ -3,29 +3,36 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 
+from ..core._errors import GraphError
 from ..core._filters import Filter, to_predicate
 from ..core._graph import flatten
+from ..core._kinds import RngState
 from ..core._module import iter_graph
 from ..core._rngs import Rngs, RngStream
-from ..core._kinds import RngState
 from ..core._tracing import tracing_user_code
 from ._class_form import display_name, is_module_class, transformed_class
-from ._rules import Rules
 from ._lift import Lifted, check_no_nodes, is_node, serialised, split_call, write_back
 from ._outputs import Restructured
 from ._policy_check import policy_check
 from ._restructure import split_new
-from ..core._errors import GraphError
+from ._rules import Rules
 
 
-def remat(target: Callable | type | None = None, *, policy: Callable | None = None,
-          prevent_cse: bool = True, static_argnums: int | Sequence[int] = (),
-          variables: Filter = True, rngs: Filter = True,
-          methods: Sequence[str] | None = None, concrete: bool = False):
+def remat(
+  target: Callable | type | None = None,
+  *,
+  policy: Callable | None = None,
+  prevent_cse: bool = True,
+  static_argnums: int | Sequence[int] = (),
+  variables: Filter = True,
+  rngs: Filter = True,
+  methods: Sequence[str] | None = None,
+  concrete: bool = False,
+):
   """Rematerialises ``target`` in the backward pass (``jax.checkpoint``), modules included.
 
   Equivalent to calling ``target`` directly — same outputs, same gradients, same
@@ -67,11 +74,17 @@ def remat(target: Callable | type | None = None, *, policy: Callable | None = No
   """
   if concrete:
     raise TypeError(
-        "sr.remat(concrete=True) is gone: JAX removed `concrete` from jax.checkpoint. "
-        "If the function branches on a Python value, mark that argument static: "
-        "`sr.remat(f, static_argnums=(i,))` (argument 0 is the module or `self`).")
-  options = dict(policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums,
-                 variables=variables, rngs=rngs)
+      "sr.remat(concrete=True) is gone: JAX removed `concrete` from jax.checkpoint. "
+      "If the function branches on a Python value, mark that argument static: "
+      "`sr.remat(f, static_argnums=(i,))` (argument 0 is the module or `self`)."
+    )
+  options = dict(
+    policy=policy,
+    prevent_cse=prevent_cse,
+    static_argnums=static_argnums,
+    variables=variables,
+    rngs=rngs,
+  )
   if target is None:
     return functools.partial(remat, methods=methods, **options)
   if is_module_class(target):
@@ -81,16 +94,18 @@ def remat(target: Callable | type | None = None, *, policy: Callable | None = No
   return _remat_function(target, **options)
 
 
-def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variables,
-                    rngs) -> Callable:
+def _remat_function(
+  fn: Callable, *, policy, prevent_cse, static_argnums, variables, rngs
+) -> Callable:
   static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
   traced_pred = to_predicate(variables)
   what = f"sr.remat({display_name(fn)})"
   check = policy_check(policy, what)  # None for most policies: nothing to do per trace
   # The stream rules of scan's split_rngs, so a name served by a default stream counts
   # under the name asked for (`rngs="dropout"` lifts `sr.Rngs(0)`'s default stream).
-  stream_rules = Rules(what, variable_axes={}, variable_broadcast=False,
-                       variable_carry=False, split_rngs=rngs)
+  stream_rules = Rules(
+    what, variable_axes={}, variable_broadcast=False, variable_carry=False, split_rngs=rngs
+  )
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
@@ -98,19 +113,21 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
     outside = [i for i in static if not -len(args) <= i < len(args)]
     if outside:
       raise TypeError(
-          f"{what}: static_argnums={static_argnums!r} names position {outside[0]}, but "
-          f"the call has {len(args)} positional argument(s) (the module or `self` is "
-          "argument 0; keyword arguments are not counted). Fix static_argnums, or pass "
-          "that value positionally.")
+        f"{what}: static_argnums={static_argnums!r} names position {outside[0]}, but "
+        f"the call has {len(args)} positional argument(s) (the module or `self` is "
+        "argument 0; keyword arguments are not counted). Fix static_argnums, or pass "
+        "that value positionally."
+      )
     statics = {i % len(args): None for i in static}
     statics = {i: args[i] for i in sorted(statics)}
     for i, arg in statics.items():
       if any(is_node(leaf) for leaf in jax.tree.leaves(arg, is_leaf=is_node)):
         raise GraphError(
-            f"{what}: static_argnums={static_argnums!r} marks argument {i}, which holds "
-            "a module. Modules are lifted into the checkpoint (their variables traced, "
-            f"their mutations written back), never static: remove {i} from "
-            "static_argnums and mark only the Python values the function branches on.")
+          f"{what}: static_argnums={static_argnums!r} marks argument {i}, which holds "
+          "a module. Modules are lifted into the checkpoint (their variables traced, "
+          f"their mutations written back), never static: remove {i} from "
+          "static_argnums and mark only the Python values the function branches on."
+        )
     dynamic = tuple(a for i, a in enumerate(args) if i not in statics)
     nodes, leaves, treedef, positions = split_call(dynamic, kwargs)
     graphdef, variables_ = flatten(nodes)
@@ -151,9 +168,10 @@ def _remat_function(fn: Callable, *, policy, prevent_cse, static_argnums, variab
         if i in frozen_rngs:
           var = variables_[i]
           raise GraphError(
-              f"{what}: the function drew from the RNG stream {var.tag!r} "
-              f"(`{var.path_str()}`), which is not lifted by `rngs={rngs!r}`. Fix: "
-              f"include it, e.g. `sr.remat(..., rngs=True)` or `rngs=({var.tag!r}, ...)`.")
+            f"{what}: the function drew from the RNG stream {var.tag!r} "
+            f"(`{var.path_str()}`), which is not lifted by `rngs={rngs!r}`. Fix: "
+            f"include it, e.g. `sr.remat(..., rngs=True)` or `rngs=({var.tag!r}, ...)`."
+          )
       return out, changed
 
     checkpointed = jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)

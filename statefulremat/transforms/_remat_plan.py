@@ -27,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,21 +93,28 @@ class RematPlan:
   def verify(self) -> int:
     """Compiles the gradient of this plan once; returns XLA's temp bytes."""
     if self._verify is None:
-      raise RematPlanError("this plan was made without a stack and carry to compile; "
-                           "use sr.plan_remat(stack, carry) to get one that verifies.")
+      raise RematPlanError(
+        "this plan was made without a stack and carry to compile; "
+        "use sr.plan_remat(stack, carry) to get one that verifies."
+      )
     return self._verify(self)
 
   def __str__(self) -> str:
-    budget = ("no budget" if self.memory_budget is None
-              else f"budget {format_bytes(self.memory_budget)}")
-    lines = [f"RematPlan for N={self.n} {self.unit}s ({budget}; carry "
-             f"{format_bytes(self.carry_bytes)}, one {self.unit} "
-             f"{format_bytes(self.layer_bytes)})",
-             f"{'':2}{'lengths':<18}{'policy':<18}{'evals':>8}{'temp (predicted)':>18}"]
+    budget = (
+      "no budget" if self.memory_budget is None else f"budget {format_bytes(self.memory_budget)}"
+    )
+    lines = [
+      f"RematPlan for N={self.n} {self.unit}s ({budget}; carry "
+      f"{format_bytes(self.carry_bytes)}, one {self.unit} "
+      f"{format_bytes(self.layer_bytes)})",
+      f"{'':2}{'lengths':<18}{'policy':<18}{'evals':>8}{'temp (predicted)':>18}",
+    ]
     for c in self.candidates[:8]:
       mark = "->" if (c.lengths, c.policy) == (self.lengths, self.policy_name) else ""
-      lines.append(f"{mark:2}{str(c.lengths):<18}{c.policy:<18}"
-                   f"{f'{c.evals // self.n}N':>8}{format_bytes(c.temp_bytes):>18}")
+      lines.append(
+        f"{mark:2}{str(c.lengths):<18}{c.policy:<18}"
+        f"{f'{c.evals // self.n}N':>8}{format_bytes(c.temp_bytes):>18}"
+      )
     if len(self.candidates) > 8:
       lines.append(f"  … {len(self.candidates) - 8} more")
     return "\n".join(lines)
@@ -124,7 +132,7 @@ def structure(n: int, lengths: Sequence[int]) -> tuple[list[int], list[int]]:
   >>> structure(13, (2, 2, 4))
   ([2, 2, 4], [8, 4, 1])
   """
-  per_step = [math.prod(lengths[i + 1:]) for i in range(len(lengths))]
+  per_step = [math.prod(lengths[i + 1 :]) for i in range(len(lengths))]
   steps, largest = [], n
   for m in per_step:
     steps.append(-(-largest // m))
@@ -140,10 +148,11 @@ def runs_in_order(n: int, lengths: Sequence[int]) -> bool:
   >>> runs_in_order(97, (10, 10)), runs_in_order(97, (2, 49))
   (True, False)
   """
+
   def fine(count: int, level: int) -> bool:
     if level == len(lengths) - 1:
       return True
-    m = math.prod(lengths[level + 1:])
+    m = math.prod(lengths[level + 1 :])
     full, rest = divmod(count, m)
     if full == 1 and rest:
       return False
@@ -152,14 +161,17 @@ def runs_in_order(n: int, lengths: Sequence[int]) -> bool:
   return fine(n, 0)
 
 
-def predict_temp(n: int, lengths: Sequence[int], carry: int, residual: int,
-                 layer: int) -> int:
+def predict_temp(n: int, lengths: Sequence[int], carry: int, residual: int, layer: int) -> int:
   """The model's temp bytes for the gradient of ``n`` layers nested as ``lengths``."""
   steps, per_step = structure(n, lengths)
   d = len(lengths)
-  return int(carry * sum(steps[:-1]) + residual * steps[-1]
-             + 2 * layer * sum(per_step[:-1]) + (3 + (d >= 2)) * carry
-             + ragged_bytes(n, lengths, carry, layer))
+  return int(
+    carry * sum(steps[:-1])
+    + residual * steps[-1]
+    + 2 * layer * sum(per_step[:-1])
+    + (3 + (d >= 2)) * carry
+    + ragged_bytes(n, lengths, carry, layer)
+  )
 
 
 def ragged_bytes(n: int, lengths: Sequence[int], carry: int, layer: int) -> int:
@@ -173,7 +185,7 @@ def ragged_bytes(n: int, lengths: Sequence[int], carry: int, layer: int) -> int:
   """
   extra, count = 0, n
   for i in range(len(lengths) - 1):
-    full, rest = divmod(count, math.prod(lengths[i + 1:]))
+    full, rest = divmod(count, math.prod(lengths[i + 1 :]))
     if not rest:
       break
     if i == 0:
@@ -199,8 +211,7 @@ def nestings(n: int, max_depth: int = 3):
     inner = -(-n // outer)
     lengths = prefix + (inner,)
     key = tuple(structure(n, lengths)[0])
-    if key not in seen and runs_in_order(n, lengths) and (
-        len(lengths) == 1 or min(lengths) >= 2):
+    if key not in seen and runs_in_order(n, lengths) and (len(lengths) == 1 or min(lengths) >= 2):
       seen.add(key)
       yield lengths
     if len(prefix) + 2 <= max_depth:
@@ -217,17 +228,30 @@ def parse_bytes(budget: int | str | None, what: str = "memory_budget") -> int | 
   >>> parse_bytes("512MiB"), parse_bytes("2 GB"), parse_bytes(1024)
   (536870912, 2000000000, 1024)
   """
-  if budget is None or (isinstance(budget, int) and not isinstance(budget, bool)
-                        and budget > 0):
+  if budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget > 0):
     return budget
-  units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget) if isinstance(
-      budget, str) else None
+  units = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+  }
+  match = (
+    re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+    if isinstance(budget, str)
+    else None
+  )
   if match is None or match.group(2).lower() not in units or float(match.group(1)) <= 0:
     raise RematPlanError(
-        f"{what}={budget!r} is not an amount of memory. Fix: a positive number of bytes "
-        "or a string such as '512MiB', '2GiB' or '1.5GB'.")
+      f"{what}={budget!r} is not an amount of memory. Fix: a positive number of bytes "
+      "or a string such as '512MiB', '2GiB' or '1.5GB'."
+    )
   return int(float(match.group(1)) * units[match.group(2).lower()])
 
 
@@ -238,9 +262,15 @@ def format_bytes(n: int) -> str:
   return f"{n} B"
 
 
-def choose(n: int, carry: int, layer: int, residuals: dict[str, int],
-           memory_budget: int | None, max_depth: int = 4,
-           scales: dict[int, float] | None = None) -> tuple[Candidate, list]:
+def choose(
+  n: int,
+  carry: int,
+  layer: int,
+  residuals: dict[str, int],
+  memory_budget: int | None,
+  max_depth: int = 4,
+  scales: dict[int, float] | None = None,
+) -> tuple[Candidate, list]:
   """The best candidate and all of them, best first.
 
   With a budget: the fewest evaluations whose predicted temp fits (with 3 %
@@ -253,12 +283,17 @@ def choose(n: int, carry: int, layer: int, residuals: dict[str, int],
   for lengths in nestings(n, max_depth):
     evals = (len(lengths) + 1) * n
     steps, per_step = structure(n, lengths)
-    fixed = (carry * sum(steps[:-1]) + 2 * layer * sum(per_step[:-1])
-             + (3 + (len(lengths) >= 2)) * carry + ragged_bytes(n, lengths, carry, layer))
+    fixed = (
+      carry * sum(steps[:-1])
+      + 2 * layer * sum(per_step[:-1])
+      + (3 + (len(lengths) >= 2)) * carry
+      + ragged_bytes(n, lengths, carry, layer)
+    )
     scale = (scales or {}).get(len(lengths), 1.0)
     for policy, residual in residuals.items():
-      candidates.append(Candidate(lengths, policy, evals,
-                                  int(scale * (fixed + residual * steps[-1]))))
+      candidates.append(
+        Candidate(lengths, policy, evals, int(scale * (fixed + residual * steps[-1])))
+      )
   rank = {DOTS: 0, NOTHING: 1}
   if memory_budget is None:
     pool = [c for c in candidates if c.evals <= 3 * n]
@@ -270,15 +305,17 @@ def choose(n: int, carry: int, layer: int, residuals: dict[str, int],
       smallest = min(candidates, key=lambda c: c.temp_bytes)
       needed = math.ceil(smallest.temp_bytes / HEADROOM)
       raise RematPlanError(
-          f"no remat plan for {n} layers fits memory_budget="
-          f"{format_bytes(memory_budget)}: the smallest needs "
-          f"{format_bytes(smallest.temp_bytes)} (lengths={smallest.lengths}, "
-          f"{smallest.policy}, {smallest.evals // n}N evaluations; predicted, planned "
-          f"with 3 % headroom). Fix: a budget of at least {format_bytes(needed)}, a "
-          "smaller batch or carry, or sharding the activations over more devices.")
+        f"no remat plan for {n} layers fits memory_budget="
+        f"{format_bytes(memory_budget)}: the smallest needs "
+        f"{format_bytes(smallest.temp_bytes)} (lengths={smallest.lengths}, "
+        f"{smallest.policy}, {smallest.evals // n}N evaluations; predicted, planned "
+        f"with 3 % headroom). Fix: a budget of at least {format_bytes(needed)}, a "
+        "smaller batch or carry, or sharding the activations over more devices."
+      )
   chosen = set(map(id, pool))
   ranked = sorted(pool, key=key) + sorted(
-      (c for c in candidates if id(c) not in chosen), key=lambda c: c.temp_bytes)
+    (c for c in candidates if id(c) not in chosen), key=lambda c: c.temp_bytes
+  )
   return ranked[0], ranked
 
 
@@ -298,9 +335,9 @@ def residual_bytes(layer_fn: Callable, params: Any, carry: Any, policy) -> int:
     return layer_fn(p, c)
 
   checkpointed = jax.checkpoint(f, policy=policy)
-  closed = jax.make_jaxpr(
-      lambda *leaves: jax.tree.leaves(jax.vjp(checkpointed, *leaves)[1]))(
-          *param_leaves, *carry_leaves)
+  closed = jax.make_jaxpr(lambda *leaves: jax.tree.leaves(jax.vjp(checkpointed, *leaves)[1]))(
+    *param_leaves, *carry_leaves
+  )
   jaxpr = closed.jaxpr
   param_vars = set(jaxpr.invars[:k])
   total, seen = 0, set()
@@ -313,8 +350,9 @@ def residual_bytes(layer_fn: Callable, params: Any, carry: Any, policy) -> int:
 
 
 def tree_bytes(tree: Any) -> int:
-  return sum(math.prod(jnp.shape(x)) * jnp.dtype(jnp.result_type(x)).itemsize
-             for x in jax.tree.leaves(tree))
+  return sum(
+    math.prod(jnp.shape(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree.leaves(tree)
+  )
 
 
 # -- one layer of a stack ---------------------------------------------------------
@@ -322,9 +360,9 @@ def tree_bytes(tree: Any) -> int:
 
 @dataclasses.dataclass
 class _BlockInputs:
-  layer_fn: Callable   # (one layer's state values, carry) -> carry
-  params: Any          # one layer's state values, abstract
-  layer_bytes: int     # one layer's stacked bytes
+  layer_fn: Callable  # (one layer's state values, carry) -> carry
+  params: Any  # one layer's state values, abstract
+  layer_bytes: int  # one layer's stacked bytes
 
 
 def block_inputs(stack, fn: Callable) -> _BlockInputs:
@@ -361,8 +399,9 @@ def cycle_inputs(stack, fn: Callable) -> _BlockInputs:
 
   states = jax.eval_shape(one_cycle, stack)
   cycles = -(-len(stack) // len(stack.pattern))
-  stacked = sum(tree_bytes(v._value) for position in stack.pattern
-                for _, v, _, _ in stacked_variables(position))
+  stacked = sum(
+    tree_bytes(v._value) for position in stack.pattern for _, v, _, _ in stacked_variables(position)
+  )
 
   def cycle_fn(states, carry):
     for graphdef, state in zip(graphdefs, states):

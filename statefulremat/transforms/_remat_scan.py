@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,33 +18,62 @@ from ._class_form import display_name, is_module_class, refuse_init_axes
 from ._jit import jit
 from ._layers import LayerLoop, carry_out_structure
 from ._lift import refuse_layer_list, write_back
-from ._rules import Rules, TransformError
-from ._module_arg import (check_no_modules, compiled_when_eager, lift_module_arg,
-                          resolve_length, stacked_sources)
-from ._policy_check import policy_check
-from ._pattern import call_method, is_pattern, is_pattern_stack, pattern_class, pattern_repr
-from ._pattern import position_names
+from ._module_arg import (
+  check_no_modules,
+  compiled_when_eager,
+  lift_module_arg,
+  resolve_length,
+  stacked_sources,
+)
+from ._pattern import (
+  call_method,
+  is_pattern,
+  is_pattern_stack,
+  pattern_class,
+  pattern_repr,
+  position_names,
+)
 from ._pattern_loop import CycleLoop, lift_pattern
+from ._policy_check import policy_check
+from ._remat_plan import (
+  DOTS,
+  POLICIES,
+  RematPlan,
+  RematPlanError,
+  block_inputs,
+  choose,
+  cycle_inputs,
+  format_bytes,
+  parse_bytes,
+  residual_bytes,
+  tree_bytes,
+)
 from ._remat_scan_args import AUTO, check_cycles, check_lengths, resolve_plan
-from ._remat_plan import (DOTS, POLICIES, RematPlan, RematPlanError, block_inputs, choose,
-                          cycle_inputs, format_bytes, parse_bytes, residual_bytes,
-                          tree_bytes)
+from ._rules import Rules, TransformError
 from ._stacked import stacked_class
 
 _ALL = MappingProxyType({True: 0})
 _SPLIT_ALL = MappingProxyType({True: True})
 
 
-def remat_scan(target: Callable | type | None = None,
-               lengths: Sequence[int] | str | RematPlan = (), *, length: int | None = None,
-               memory_budget: int | str | None = None, policy: Callable | None = None,
-               variable_broadcast: Any = False, variable_carry: Any = False,
-               variable_axes: Mapping = _ALL,
-               split_rngs: Mapping = _SPLIT_ALL, prevent_cse: bool = False,
-               data_transform: Callable | None = None,
-               metadata_params: Mapping = MappingProxyType({}),
-               methods: Sequence[str] | None = None, init_in_axes: Any = None,
-               pipeline: Any = None):
+def remat_scan(
+  target: Callable | type | None = None,
+  lengths: Sequence[int] | str | RematPlan = (),
+  *,
+  length: int | None = None,
+  memory_budget: int | str | None = None,
+  policy: Callable | None = None,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  variable_axes: Mapping = _ALL,
+  split_rngs: Mapping = _SPLIT_ALL,
+  prevent_cse: bool = False,
+  data_transform: Callable | None = None,
+  metadata_params: Mapping = MappingProxyType({}),
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+  pipeline: Any = None,
+):
   """Applies N layers (``length``, default prod(lengths)) with memory ~ N^(1/d) and
   flat compile time.
 
@@ -94,51 +124,85 @@ def remat_scan(target: Callable | type | None = None,
   >>> bool(jnp.allclose(x, y, rtol=1e-4))
   True
   """
-  options = dict(policy=policy, variable_broadcast=variable_broadcast,
-                 variable_carry=variable_carry, variable_axes=variable_axes,
-                 split_rngs=split_rngs, prevent_cse=prevent_cse,
-                 data_transform=data_transform, metadata_params=metadata_params)
+  options = dict(
+    policy=policy,
+    variable_broadcast=variable_broadcast,
+    variable_carry=variable_carry,
+    variable_axes=variable_axes,
+    split_rngs=split_rngs,
+    prevent_cse=prevent_cse,
+    data_transform=data_transform,
+    metadata_params=metadata_params,
+  )
   if target is None:
-    return functools.partial(remat_scan, lengths=lengths, length=length,
-                             memory_budget=memory_budget, methods=methods,
-                             init_in_axes=init_in_axes, pipeline=pipeline, **options)
+    return functools.partial(
+      remat_scan,
+      lengths=lengths,
+      length=length,
+      memory_budget=memory_budget,
+      methods=methods,
+      init_in_axes=init_in_axes,
+      pipeline=pipeline,
+      **options,
+    )
   what = f"sr.remat_scan({pattern_repr(target) if is_pattern(target) else display_name(target)})"
-  lengths, length, policy, budget = resolve_plan(what, lengths, length, policy,
-                                                  memory_budget)
+  lengths, length, policy, budget = resolve_plan(what, lengths, length, policy, memory_budget)
   options["policy"] = policy
   auto = lengths == AUTO
   if pipeline is not None and not hasattr(pipeline, "_pipelined"):
     raise TransformError(
-        f"{what}: pipeline={pipeline!r}; it takes sr.PipelineSpec(axis=..., "
-        "microbatches=..., schedule=..., repeats=...).")
+      f"{what}: pipeline={pipeline!r}; it takes sr.PipelineSpec(axis=..., "
+      "microbatches=..., schedule=..., repeats=...)."
+    )
   if pipeline is not None and is_pattern(target):
-    raise TransformError(f"{what}: pattern stacks are not pipelined yet. Fix: drop "
-                         "pipeline=, or pipeline a stack of one block class.")
+    raise TransformError(
+      f"{what}: pattern stacks are not pipelined yet. Fix: drop "
+      "pipeline=, or pipeline a stack of one block class."
+    )
   if is_pattern(target):
     if length is not None and not auto:  # without length, pattern_class says so
       check_lengths(what, lengths, None)
       check_cycles(what, lengths, length, len(target))
     return pattern_class(
-        target, "RematScan", length=length, what=what, methods=methods,
-        init_in_axes=init_in_axes,
-        position_class=lambda cls, n: remat_scan(cls, (n,), methods=methods,
-                                                 init_in_axes=init_in_axes, **options),
-        run=lambda name: remat_scan(call_method(name, "RematScanPattern"), lengths,
-                                    memory_budget=budget, **options))
+      target,
+      "RematScan",
+      length=length,
+      what=what,
+      methods=methods,
+      init_in_axes=init_in_axes,
+      position_class=lambda cls, n: remat_scan(
+        cls, (n,), methods=methods, init_in_axes=init_in_axes, **options
+      ),
+      run=lambda name: remat_scan(
+        call_method(name, "RematScanPattern"), lengths, memory_budget=budget, **options
+      ),
+    )
   n = length if auto else check_lengths(what, lengths, length)
   if is_module_class(target):
     if n is None:
       raise TransformError(
-          f"{what}: the class form with lengths='auto' needs `length=N`, the number of "
-          "layers to build (the plan is made at call time, from the carry's shapes).")
-    rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
-                  variable_carry=variable_carry, split_rngs=split_rngs)
-    cls = stacked_class(target, "RematScan", rules=rules, length=n,
-                        wrap=lambda m: remat_scan(m, lengths, length=n,
-                                                  memory_budget=budget,
-                                                  pipeline=pipeline, **options),
-                        methods=methods, metadata_params=metadata_params,
-                        init_in_axes=init_in_axes)
+        f"{what}: the class form with lengths='auto' needs `length=N`, the number of "
+        "layers to build (the plan is made at call time, from the carry's shapes)."
+      )
+    rules = Rules(
+      what,
+      variable_axes=variable_axes,
+      variable_broadcast=variable_broadcast,
+      variable_carry=variable_carry,
+      split_rngs=split_rngs,
+    )
+    cls = stacked_class(
+      target,
+      "RematScan",
+      rules=rules,
+      length=n,
+      wrap=lambda m: remat_scan(
+        m, lengths, length=n, memory_budget=budget, pipeline=pipeline, **options
+      ),
+      methods=methods,
+      metadata_params=metadata_params,
+      init_in_axes=init_in_axes,
+    )
     if not auto:
       cls._sr_lengths = lengths  # the nested layout, for sr.interop.to_linen
     return cls
@@ -146,25 +210,42 @@ def remat_scan(target: Callable | type | None = None,
     raise TypeError("sr.remat_scan(methods=...) applies to a Module class, not a function.")
   refuse_init_axes("sr.remat_scan", target, init_in_axes)
   if pipeline is not None:  # sr.PipelineSpec runs each stage through remat_scan
-    return pipeline._pipelined(target, what=what, lengths=lengths, layers=n,
-                              memory_budget=budget, **options)
+    return pipeline._pipelined(
+      target, what=what, lengths=lengths, layers=n, memory_budget=budget, **options
+    )
   return _remat_scan_function(target, lengths, n, budget, what=what, **options)
 
 
-def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
-                         budget: int | None, *, what, policy, variable_broadcast,
-                         variable_carry, variable_axes, split_rngs, prevent_cse,
-                         data_transform, metadata_params) -> Callable:
-  rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
-                variable_carry=variable_carry, split_rngs=split_rngs)
+def _remat_scan_function(
+  fn: Callable,
+  lengths: tuple | str,
+  n: int | None,
+  budget: int | None,
+  *,
+  what,
+  policy,
+  variable_broadcast,
+  variable_carry,
+  variable_axes,
+  split_rngs,
+  prevent_cse,
+  data_transform,
+  metadata_params,
+) -> Callable:
+  rules = Rules(
+    what,
+    variable_axes=variable_axes,
+    variable_broadcast=variable_broadcast,
+    variable_carry=variable_carry,
+    split_rngs=split_rngs,
+  )
   auto = lengths == AUTO
   check = policy_check(policy, what)  # the innermost level's policy, once per trace
   if auto:
     label = None if n is None else f"length={n}"
     plans: dict = {}  # one plan per (module structure, N, carry and keyword shapes)
   else:
-    label = (f"length={n}" if n != math.prod(lengths) else
-             f"lengths={lengths} (product)")
+    label = f"length={n}" if n != math.prod(lengths) else f"lengths={lengths} (product)"
 
   def planned(module, lifted, count, carry, args, kwargs) -> tuple:
     """``(lengths, innermost policy)``: as given, or planned once per structure, layer
@@ -175,8 +256,8 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
     chosen = plans.get(key)
     if chosen is None:
       chosen = plans[key] = plan_remat(
-          module, carry, fn=lambda layer, c: fn(layer, c, *args, **kwargs),
-          memory_budget=budget)
+        module, carry, fn=lambda layer, c: fn(layer, c, *args, **kwargs), memory_budget=budget
+      )
     return chosen.lengths, chosen.policy
 
   @functools.wraps(fn)
@@ -188,7 +269,8 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
     if is_pattern_stack(module):
       return _run_pattern(module, carry, args, kwargs)
     lifted, variables, plan, leaves = lift_module_arg(
-        module, what, rules, metadata_params, "f(module, carry) -> carry")
+      module, what, rules, metadata_params, "f(module, carry) -> carry"
+    )
     sources = stacked_sources(plan, lifted, variables)
     count = resolve_length(what, None, ([(label, n)] if label else []) + sources)
     loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
@@ -200,10 +282,12 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
 
     def run(carry):
       if count != math.prod(nesting):
-        return loop.run_segments(body, carry, count, nesting, policy=innermost,
-                                 prevent_cse=prevent_cse)
-      return loop.run(body, carry, None, nesting, remat=True, policy=innermost,
-                      prevent_cse=prevent_cse)
+        return loop.run_segments(
+          body, carry, count, nesting, policy=innermost, prevent_cse=prevent_cse
+        )
+      return loop.run(
+        body, carry, None, nesting, remat=True, policy=innermost, prevent_cse=prevent_cse
+      )
 
     carry, _, changed = run(carry) if check is None else check.run(run, carry)
     write_back(variables, changed, what)
@@ -212,19 +296,27 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
 
   def _run_pattern(stack, carry, args, kwargs):
     """The same over a pattern stack: the nesting counts its cycles."""
-    loop_args, counts = lift_pattern(stack, what, rules, metadata_params,
-                                     "f(module, carry) -> carry")
+    loop_args, counts = lift_pattern(
+      stack, what, rules, metadata_params, "f(module, carry) -> carry"
+    )
     layers, period = sum(counts), len(counts)
     if n is not None and not auto:
       check_cycles(what, lengths, layers, period)
-    loop = CycleLoop(*loop_args, what, data_transform, period=period, length=layers,
-                     names=position_names(stack))
+    loop = CycleLoop(
+      *loop_args, what, data_transform, period=period, length=layers, names=position_names(stack)
+    )
     nesting, innermost = planned(stack, loop.lifted, layers, carry, args, kwargs)
 
     def run(carry):
-      return loop.run_cycles(lambda k, layer, c, _: (fn(layer, c, *args, **kwargs), None),
-                             carry, None, lengths=nesting, remat=True, policy=innermost,
-                             prevent_cse=prevent_cse)
+      return loop.run_cycles(
+        lambda k, layer, c, _: (fn(layer, c, *args, **kwargs), None),
+        carry,
+        None,
+        lengths=nesting,
+        remat=True,
+        policy=innermost,
+        prevent_cse=prevent_cse,
+      )
 
     carry, _, changed = run(carry) if check is None else check.run(run, carry)
     write_back(loop_args[2], changed, what)
@@ -234,8 +326,14 @@ def _remat_scan_function(fn: Callable, lengths: tuple | str, n: int | None,
   return compiled_when_eager(wrapper)
 
 
-def plan_remat(stack, carry, *, fn: Callable | None = None,
-               memory_budget: int | str | None = None, max_depth: int = 4) -> RematPlan:
+def plan_remat(
+  stack,
+  carry,
+  *,
+  fn: Callable | None = None,
+  memory_budget: int | str | None = None,
+  max_depth: int = 4,
+) -> RematPlan:
   """Plans ``sr.remat_scan`` over ``stack`` for a ``carry`` of these shapes.
 
   Every nesting of up to ``max_depth`` levels (short last segments included) and both
@@ -270,9 +368,10 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
   """
   if not is_stacked(stack) and not is_pattern_stack(stack):
     raise TypeError(
-        f"sr.plan_remat plans a stack of layers; got {type(stack).__name__}. Fix: pass "
-        "the stacked module (e.g. `sr.vmap(Block, axis_size=N)(...)` or a class form of "
-        "sr.remat_scan / sr.scan), or its sr.eval_shape.")
+      f"sr.plan_remat plans a stack of layers; got {type(stack).__name__}. Fix: pass "
+      "the stacked module (e.g. `sr.vmap(Block, axis_size=N)(...)` or a class form of "
+      "sr.remat_scan / sr.scan), or its sr.eval_shape."
+    )
   fn = _call if fn is None else fn
   budget = parse_bytes(memory_budget)
   if is_pattern_stack(stack):  # plans cycles
@@ -281,13 +380,13 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
   else:
     n = num_layers(stack)
     inputs = block_inputs(stack, fn)
-  carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-                       carry)
+  carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), carry)
   carry_bytes = tree_bytes(carry)
-  residuals = {name: residual_bytes(inputs.layer_fn, inputs.params, carry, policy)
-               for name, policy in POLICIES.items()}
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-                          stack)
+  residuals = {
+    name: residual_bytes(inputs.layer_fn, inputs.params, carry, policy)
+    for name, policy in POLICIES.items()
+  }
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), stack)
 
   def verify(plan: RematPlan) -> int:
     run = remat_scan(fn, lengths=plan)
@@ -296,11 +395,22 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
     return int(lowered.compile().memory_analysis().temp_size_in_bytes)
 
   def make(scales: dict | None = None, budget: int | None = budget) -> RematPlan:
-    best, ranked = choose(n, carry_bytes, inputs.layer_bytes, residuals, budget,
-                          max_depth, scales=scales)
-    return RematPlan(n, best.lengths, best.policy, best.evals, best.temp_bytes, budget,
-                     tuple(ranked), carry_bytes, inputs.layer_bytes, verify,
-                     unit="cycle" if is_pattern_stack(stack) else "layer")
+    best, ranked = choose(
+      n, carry_bytes, inputs.layer_bytes, residuals, budget, max_depth, scales=scales
+    )
+    return RematPlan(
+      n,
+      best.lengths,
+      best.policy,
+      best.evals,
+      best.temp_bytes,
+      budget,
+      tuple(ranked),
+      carry_bytes,
+      inputs.layer_bytes,
+      verify,
+      unit="cycle" if is_pattern_stack(stack) else "layer",
+    )
 
   def make_unbudgeted() -> RematPlan:
     return dataclasses.replace(make(budget=None), memory_budget=budget)
@@ -331,8 +441,7 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
   if bold is not None:
     measured = measure(bold)
     if measured <= budget:
-      return _fewer_evaluations(dataclasses.replace(bold, measured_bytes=measured),
-                                budget, measure)
+      return _fewer_evaluations(dataclasses.replace(bold, measured_bytes=measured), budget, measure)
   # A budget is a promise: compile the pick, and where the model was off for this
   # block (small shapes, other backends, deep nestings), scale its figures for nestings
   # of that depth by what XLA said and choose again.
@@ -340,8 +449,7 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
   for _ in range(4):
     measured = measure(plan)
     if measured <= budget:
-      return _fewer_evaluations(dataclasses.replace(plan, measured_bytes=measured),
-                                budget, measure)
+      return _fewer_evaluations(dataclasses.replace(plan, measured_bytes=measured), budget, measure)
     depth = len(plan.lengths)
     scales[depth] = scales.get(depth, 1.0) * measured / plan.temp_bytes
     try:
@@ -349,18 +457,25 @@ def plan_remat(stack, carry, *, fn: Callable | None = None,
     except RematPlanError:
       break
   raise RematPlanError(
-      f"no remat plan for {n} layers fits memory_budget={format_bytes(budget)} once "
-      f"compiled: the last pick, lengths={plan.lengths}, measured "
-      f"{format_bytes(measured)}. Fix: a larger budget (at least "
-      f"{format_bytes(measured)} fits that plan).")
+    f"no remat plan for {n} layers fits memory_budget={format_bytes(budget)} once "
+    f"compiled: the last pick, lengths={plan.lengths}, measured "
+    f"{format_bytes(measured)}. Fix: a larger budget (at least "
+    f"{format_bytes(measured)} fits that plan)."
+  )
 
 
 def _picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
   """``plan`` with the candidate ``pick`` chosen (first among its candidates)."""
   rest = tuple(c for c in plan.candidates if c is not pick)
-  return dataclasses.replace(plan, lengths=pick.lengths, policy_name=pick.policy,
-                             evals=pick.evals, temp_bytes=pick.temp_bytes,
-                             candidates=(pick,) + rest, measured_bytes=measured)
+  return dataclasses.replace(
+    plan,
+    lengths=pick.lengths,
+    policy_name=pick.policy,
+    evals=pick.evals,
+    temp_bytes=pick.temp_bytes,
+    candidates=(pick,) + rest,
+    measured_bytes=measured,
+  )
 
 
 def _bolder(plan: RematPlan, budget: int) -> RematPlan | None:
@@ -369,8 +484,9 @@ def _bolder(plan: RematPlan, budget: int) -> RematPlan | None:
   bolder = [c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= budget]
   if not bolder:
     return None
-  return _picking(plan, min(bolder, key=lambda c: (c.evals, c.policy != DOTS,
-                                                   c.temp_bytes, len(c.lengths))))
+  return _picking(
+    plan, min(bolder, key=lambda c: (c.evals, c.policy != DOTS, c.temp_bytes, len(c.lengths)))
+  )
 
 
 def _fewer_evaluations(plan: RematPlan, budget: int, verify: Callable) -> RematPlan:
@@ -382,9 +498,10 @@ def _fewer_evaluations(plan: RematPlan, budget: int, verify: Callable) -> RematP
   several nestings."""
   error = abs(plan.measured_bytes / plan.temp_bytes - 1) if plan.temp_bytes else 1.0
   band = min(NEAR_MISS, 1 + error + MODEL_SLACK)
-  near = sorted((c for c in plan.candidates if c.evals < plan.evals
-                 and c.temp_bytes <= band * budget),
-                key=lambda c: (-c.evals, c.temp_bytes))
+  near = sorted(
+    (c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= band * budget),
+    key=lambda c: (-c.evals, c.temp_bytes),
+  )
   for probe in near[:PROBES]:  # the next fewer evaluations first, likeliest first
     measured = verify(_picking(plan, probe))
     if measured <= budget:
@@ -395,20 +512,22 @@ def _fewer_evaluations(plan: RematPlan, budget: int, verify: Callable) -> RematP
 def _smallest_that_fits(plan: RematPlan, budget: int, verify: Callable):
   """The plan with the fewest evaluations among those the model puts just over the
   budget (within its error) that fit once compiled, the smallest tried first; or None."""
-  near = sorted((c for c in plan.candidates if c.temp_bytes <= NEAR_MISS * budget),
-                key=lambda c: c.temp_bytes)
+  near = sorted(
+    (c for c in plan.candidates if c.temp_bytes <= NEAR_MISS * budget), key=lambda c: c.temp_bytes
+  )
   for probe in near[:PROBES]:
     candidate = _picking(plan, probe)
     measured = verify(candidate)
     if measured <= budget:
-      return _fewer_evaluations(dataclasses.replace(candidate, measured_bytes=measured),
-                                budget, verify)
+      return _fewer_evaluations(
+        dataclasses.replace(candidate, measured_bytes=measured), budget, verify
+      )
   return None
 
 
 NEAR_MISS = 1.05  # the model's error band, above the budget
 MODEL_SLACK = 0.01  # what the band adds to the model's error measured on the pick
-PROBES = 8        # compiles at most, to find a plan with fewer evaluations
+PROBES = 8  # compiles at most, to find a plan with fewer evaluations
 
 
 def _avals(tree):

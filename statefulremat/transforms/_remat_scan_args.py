@@ -9,7 +9,6 @@ import math
 from ._remat_plan import RematPlan, parse_bytes
 from ._rules import TransformError
 
-
 AUTO = "auto"
 
 
@@ -21,52 +20,60 @@ def resolve_plan(what, lengths, length, policy, memory_budget):
       raise TransformError(f"{what}: the plan is for {plan.n} layers but length={length}.")
     if policy is not None:
       raise TransformError(
-          f"{what}: the plan chose its innermost policy ({plan.policy_name}); drop "
-          "`policy=`, or pass `lengths=plan.lengths, policy=...` to override it.")
+        f"{what}: the plan chose its innermost policy ({plan.policy_name}); drop "
+        "`policy=`, or pass `lengths=plan.lengths, policy=...` to override it."
+      )
     if memory_budget is not None:
-      raise TransformError(f"{what}: memory_budget plans lengths='auto'; the plan "
-                           f"given was made for budget {plan.memory_budget}.")
+      raise TransformError(
+        f"{what}: memory_budget plans lengths='auto'; the plan "
+        f"given was made for budget {plan.memory_budget}."
+      )
     return plan.lengths, plan.n, plan.policy, None
   if isinstance(lengths, str):
     if lengths != AUTO:
-      raise TransformError(f"{what}: lengths={lengths!r}; the only string it takes is "
-                           "'auto' (plan the nesting at trace time).")
+      raise TransformError(
+        f"{what}: lengths={lengths!r}; the only string it takes is "
+        "'auto' (plan the nesting at trace time)."
+      )
     if policy is not None:
       raise TransformError(
-          f"{what}: lengths='auto' chooses the innermost policy too (nothing saveable "
-          "or dots saveable); drop `policy=`, or give `lengths=` yourself to use it.")
+        f"{what}: lengths='auto' chooses the innermost policy too (nothing saveable "
+        "or dots saveable); drop `policy=`, or give `lengths=` yourself to use it."
+      )
     return AUTO, length, None, parse_bytes(memory_budget)
   if memory_budget is not None:
     raise TransformError(
-        f"{what}: memory_budget={memory_budget!r} is for planning; pass "
-        "lengths='auto' with it (or sr.plan_remat(...) to see the plan first).")
+      f"{what}: memory_budget={memory_budget!r} is for planning; pass "
+      "lengths='auto' with it (or sr.plan_remat(...) to see the plan first)."
+    )
   return tuple(lengths), length, policy, None
 
 
 def check_lengths(what: str, lengths: tuple, length: int | None) -> int:
   """The number of layers N, after checking ``lengths`` and ``length`` agree."""
-  if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
-                        for n in lengths):
+  if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lengths):
     raise TransformError(
-        f"{what}: lengths={lengths!r} must be a non-empty tuple of positive ints, one "
-        "per level of nesting, e.g. lengths=(10, 10) for 100 layers (or "
-        "lengths=(10, 10), length=97 for 97).")
+      f"{what}: lengths={lengths!r} must be a non-empty tuple of positive ints, one "
+      "per level of nesting, e.g. lengths=(10, 10) for 100 layers (or "
+      "lengths=(10, 10), length=97 for 97)."
+    )
   total = math.prod(lengths)
   if length is None:
     return total
   if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-    raise TransformError(f"{what}: length={length!r} must be a positive int, the number "
-                         "of layers.")
+    raise TransformError(f"{what}: length={length!r} must be a positive int, the number of layers.")
   if length > total:
     raise TransformError(
-        f"{what}: lengths={lengths} cover {total} layers, fewer than length={length}. "
-        f"Fix: lengths whose product is at least {length}, e.g. "
-        f"{covering(length, len(lengths))}; the last segment may be short.")
+      f"{what}: lengths={lengths} cover {total} layers, fewer than length={length}. "
+      f"Fix: lengths whose product is at least {length}, e.g. "
+      f"{covering(length, len(lengths))}; the last segment may be short."
+    )
   if total - length >= total // lengths[0]:
     raise TransformError(
-        f"{what}: lengths={lengths} cover {total} layers; with length={length} at least "
-        f"one whole outer step ({total // lengths[0]} layers) would run nothing. Fix: "
-        f"{covering(length, len(lengths))}.")
+      f"{what}: lengths={lengths} cover {total} layers; with length={length} at least "
+      f"one whole outer step ({total // lengths[0]} layers) would run nothing. Fix: "
+      f"{covering(length, len(lengths))}."
+    )
   return length
 
 
@@ -86,8 +93,9 @@ def check_cycles(what: str, lengths: tuple, length: int, period: int) -> None:
   cycles = -(-length // period)
   if math.prod(lengths) < cycles:
     raise TransformError(
-        f"{what}: for a pattern of {period} blocks, lengths counts cycles, and "
-        f"lengths={lengths} covers {math.prod(lengths)} cycles, fewer than the {cycles} "
-        f"that length={length} needs ({length} layers / {period} per cycle, the last "
-        f"cycle may be short). Fix: {covering(cycles, len(lengths))}, or "
-        "lengths='auto'.")
+      f"{what}: for a pattern of {period} blocks, lengths counts cycles, and "
+      f"lengths={lengths} covers {math.prod(lengths)} cycles, fewer than the {cycles} "
+      f"that length={length} needs ({length} layers / {period} per cycle, the last "
+      f"cycle may be short). Fix: {covering(cycles, len(lengths))}, or "
+      "lengths='auto'."
+    )

@@ -14,7 +14,8 @@ Nothing is touched before that point, so a call that raises changes nothing.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..core._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR, GraphDef
 from ..core._module import Module, _record_owners
@@ -35,7 +36,8 @@ class NewStructure:
 
   def __eq__(self, other):  # static pytree data: compared by JAX's tree structures
     return isinstance(other, NewStructure) and (
-        self.graphdef == other.graphdef and self.origin == other.origin)
+      self.graphdef == other.graphdef and self.origin == other.origin
+    )
 
   def __hash__(self):
     return hash((self.graphdef, self.origin))
@@ -44,9 +46,16 @@ class NewStructure:
     """Positions (in the new graph's Variable order) of the Variables made inside."""
     return [k for k, j in enumerate(self.origin) if j < 0]
 
-  def apply(self, nodes: Sequence[Any], variables: Sequence[Variable],
-            new_values: Sequence[Any], *, stacked_axis: int | None = None,
-            partition_name: str | None = None, keep_metadata: bool = False) -> None:
+  def apply(
+    self,
+    nodes: Sequence[Any],
+    variables: Sequence[Variable],
+    new_values: Sequence[Any],
+    *,
+    stacked_axis: int | None = None,
+    partition_name: str | None = None,
+    keep_metadata: bool = False,
+  ) -> None:
     """Reshapes the caller's graph (``nodes``, whose Variables are ``variables`` in
     flat order) into ``graphdef``; the Variables made inside get ``new_values``.
 

@@ -30,8 +30,8 @@ import contextlib
 import contextvars
 import copy
 import difflib
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from ..core._errors import TransformError, format_path
 from ..core._filters import filter_repr, is_everything, to_predicate
 from ..core._module import iter_graph
-from ..core._rngs import LayerKeys, RngStream, Rngs
+from ..core._rngs import LayerKeys, Rngs, RngStream
 from ..core._variables import Variable, owner_chain
 
 STACKED, BROADCAST, CARRY, RNG, READONLY = "stacked", "broadcast", "carry", "rng", "read-only"
@@ -59,8 +59,9 @@ def stream_predicate(filter) -> Callable[[str], bool]:
   if callable(filter):
     return filter
   raise TypeError(
-      f"{filter!r} is not a stream filter: use True/False, a stream name such as "
-      "'dropout', a tuple of names, or a name -> bool callable.")
+    f"{filter!r} is not a stream filter: use True/False, a stream name such as "
+    "'dropout', a tuple of names, or a name -> bool callable."
+  )
 
 
 def _explicit_names(filter) -> list[str]:
@@ -74,32 +75,44 @@ def _explicit_names(filter) -> list[str]:
 class Rules:
   """The collection rules of one transform (see the module docstring)."""
 
-  def __init__(self, what: str, *, variable_axes: Mapping, variable_broadcast: Any,
-               variable_carry: Any, split_rngs: Any):
+  def __init__(
+    self,
+    what: str,
+    *,
+    variable_axes: Mapping,
+    variable_broadcast: Any,
+    variable_carry: Any,
+    split_rngs: Any,
+  ):
     self.what = what
     if not isinstance(variable_axes, Mapping):
       raise TypeError(
-          f"{what}: variable_axes must map filters to axes, e.g. "
-          f"`variable_axes={{sr.Param: 0}}`, got {variable_axes!r}.")
+        f"{what}: variable_axes must map filters to axes, e.g. "
+        f"`variable_axes={{sr.Param: 0}}`, got {variable_axes!r}."
+      )
     for axis in variable_axes.values():
       if not isinstance(axis, int):
-        raise TypeError(f"{what}: variable_axes values must be ints (the stacked axis), "
-                        f"got {axis!r}.")
+        raise TypeError(
+          f"{what}: variable_axes values must be ints (the stacked axis), got {axis!r}."
+        )
     self.axes = [(to_predicate(f), axis) for f, axis in variable_axes.items()]
     # Filters named on purpose; `{True: 0}` (every variable) yields to broadcast/carry.
-    self.named_axes = [(to_predicate(f), f) for f in variable_axes
-                       if not is_everything(f)]
+    self.named_axes = [(to_predicate(f), f) for f in variable_axes if not is_everything(f)]
     self.broadcast = to_predicate(variable_broadcast)
     self.carry = to_predicate(variable_carry)
     entries = split_rngs.items() if isinstance(split_rngs, Mapping) else [(split_rngs, True)]
-    self.split_entries = [(stream_predicate(f), bool(v), _explicit_names(f))
-                          for f, v in entries]
+    self.split_entries = [(stream_predicate(f), bool(v), _explicit_names(f)) for f, v in entries]
     # Collection names typed into a rule, checked against the modules (Plan).
     self.typed_collections = [
-        (label, name) for label, filters in (
-            ("variable_axes", list(variable_axes)), ("variable_broadcast", [variable_broadcast]),
-            ("variable_carry", [variable_carry]))
-        for f in filters for name in _explicit_names(f)]
+      (label, name)
+      for label, filters in (
+        ("variable_axes", list(variable_axes)),
+        ("variable_broadcast", [variable_broadcast]),
+        ("variable_carry", [variable_carry]),
+      )
+      for f in filters
+      for name in _explicit_names(f)
+    ]
 
   def for_init(self) -> Rules:
     """The rules a stacked class form initialises its layers with: ``params`` split
@@ -107,8 +120,7 @@ class Rules:
     if any(pred("params") for pred, _, _ in self.split_entries):
       return self
     rules = copy.copy(self)
-    rules.split_entries = self.split_entries + [(lambda name: name == "params", True,
-                                                 ["params"])]
+    rules.split_entries = self.split_entries + [(lambda name: name == "params", True, ["params"])]
     return rules
 
   def splits(self, name: str) -> bool:
@@ -121,26 +133,32 @@ class Rules:
     """Whether a ``default`` stream is split: as itself, or for a name it serves."""
     if self.splits("default"):
       return True
-    return any(value and any(n not in own_names for n in names)
-               for _, value, names in self.split_entries)
+    return any(
+      value and any(n not in own_names for n in names) for _, value, names in self.split_entries
+    )
 
   def classify(self, path: tuple, var) -> tuple[str, int | None]:
     broadcast, carry = self.broadcast(path, var), self.carry(path, var)
     if broadcast and carry:
       raise TransformError(
-          f"{self.what}: `{format_path(path)}` ({type(var).__name__}) is matched by both "
-          "variable_broadcast and variable_carry. A variable is either read-only in "
-          "every iteration or carried from one to the next: narrow one of the filters.")
+        f"{self.what}: `{format_path(path)}` ({type(var).__name__}) is matched by both "
+        "variable_broadcast and variable_carry. A variable is either read-only in "
+        "every iteration or carried from one to the next: narrow one of the filters."
+      )
     if broadcast or carry:
-      rule, role = (("variable_broadcast", "read-only in every iteration") if broadcast
-                    else ("variable_carry", "carried from one iteration to the next"))
+      rule, role = (
+        ("variable_broadcast", "read-only in every iteration")
+        if broadcast
+        else ("variable_carry", "carried from one iteration to the next")
+      )
       for pred, f in self.named_axes:
         if pred(path, var):
           raise TransformError(
-              f"{self.what}: `{format_path(path)}` ({type(var).__name__}) is matched by "
-              f"both variable_axes ({filter_repr(f)}: sliced per iteration) and {rule} "
-              f"({role}). Choose one: narrow the variable_axes filter (e.g. "
-              f"`sr.All({filter_repr(f)}, sr.Not(...))`) or the {rule} one.")
+            f"{self.what}: `{format_path(path)}` ({type(var).__name__}) is matched by "
+            f"both variable_axes ({filter_repr(f)}: sliced per iteration) and {rule} "
+            f"({role}). Choose one: narrow the variable_axes filter (e.g. "
+            f"`sr.All({filter_repr(f)}, sr.Not(...))`) or the {rule} one."
+          )
       return (BROADCAST if broadcast else CARRY), None
     for pred, axis in self.axes:
       if pred(path, var):
@@ -173,11 +191,12 @@ def _check_collection_names(rules: Rules, variables) -> None:
     guess = difflib.get_close_matches(name, sorted(present | known), n=1)
     hint = f" Did you mean {guess[0]!r}?" if guess else ""
     raise TransformError(
-        f"{rules.what}: {label} names the collection {name!r}, which no Variable kind "
-        f"has, so it matches nothing and the variables meant fall to the other rules."
-        f"{hint} The modules' collections: {sorted(present) or 'none'}. Fix: spell the "
-        f"collection as its kind names it (sr.Param is 'params', sr.BatchStat "
-        f"'batch_stats'), or pass the kind itself (e.g. `sr.Param`).")
+      f"{rules.what}: {label} names the collection {name!r}, which no Variable kind "
+      f"has, so it matches nothing and the variables meant fall to the other rules."
+      f"{hint} The modules' collections: {sorted(present) or 'none'}. Fix: spell the "
+      f"collection as its kind names it (sr.Param is 'params', sr.BatchStat "
+      f"'batch_stats'), or pass the kind itself (e.g. `sr.Param`)."
+    )
 
 
 class Stream:
@@ -223,8 +242,18 @@ def _index_map(nodes) -> tuple[int, int] | None:
 class Plan:
   """The treatment of every flat variable of one call, and the RNG streams."""
 
-  def __init__(self, rules: Rules, graphdef, variables, nodes, *, display_path=None,
-               rng_streams: bool = True, rank_offset: int = 0, skip: int = 0):
+  def __init__(
+    self,
+    rules: Rules,
+    graphdef,
+    variables,
+    nodes,
+    *,
+    display_path=None,
+    rng_streams: bool = True,
+    rank_offset: int = 0,
+    skip: int = 0,
+  ):
     """``rng_streams=False`` classifies RNG state by the rules like any variable;
     ``rank_offset=1`` checks axes for values that do not have the layer axis yet;
     the first ``skip`` variables are not classified (read-only)."""
@@ -244,8 +273,14 @@ class Plan:
           own = obj.stream_names()
           self.own_streams.update(own)
           for name in own:
-            self._add_stream(vars(obj)[name], index, stream_vars, name,
-                             rules.splits(name), serves=name == "default")
+            self._add_stream(
+              vars(obj)[name],
+              index,
+              stream_vars,
+              name,
+              rules.splits(name),
+              serves=name == "default",
+            )
         elif isinstance(obj, RngStream) and id(obj.key) not in stream_vars:
           self.own_streams.add(obj.tag)
           self._add_stream(obj, index, stream_vars, obj.tag, rules.splits(obj.tag))
@@ -265,21 +300,23 @@ class Plan:
         ndim = jnp.ndim(var._value) + rank_offset
         if ndim == 0:
           raise TransformError(
-              f"{rules.what}: variable_axes slices `{format_path(self.display_path(path))}`"
-              f" ({type(var).__name__}) along axis {axis} per layer, but it is a scalar "
-              "(shape ()): it has no layer axis, so it is not stacked. A variable "
-              "assigned on a stack's path after the stack was built (e.g. "
-              "`stack.block.count = sr.Cache(jnp.array(0))`) lacks the layer axis "
-              "(`init_cache` on a stack's attention, `stack.attn.init_cache(...)`, "
-              "makes stacked caches). Fix: make it per layer, with the layer axis in "
-              "front (`jnp.zeros((len(stack), ...))`), or keep it out of "
-              f"variable_axes (e.g. `variable_broadcast={filter_repr(type(var))}`).")
+            f"{rules.what}: variable_axes slices `{format_path(self.display_path(path))}`"
+            f" ({type(var).__name__}) along axis {axis} per layer, but it is a scalar "
+            "(shape ()): it has no layer axis, so it is not stacked. A variable "
+            "assigned on a stack's path after the stack was built (e.g. "
+            "`stack.block.count = sr.Cache(jnp.array(0))`) lacks the layer axis "
+            "(`init_cache` on a stack's attention, `stack.attn.init_cache(...)`, "
+            "makes stacked caches). Fix: make it per layer, with the layer axis in "
+            "front (`jnp.zeros((len(stack), ...))`), or keep it out of "
+            f"variable_axes (e.g. `variable_broadcast={filter_repr(type(var))}`)."
+          )
         if not -ndim <= axis < ndim:
           raise TransformError(
-              f"{rules.what}: variable_axes puts the layer axis of "
-              f"`{format_path(self.display_path(path))}` at {axis}, but its value has "
-              f"shape {tuple(jnp.shape(var._value))} (rank {ndim}). Fix: choose an axis "
-              f"in [-{ndim}, {ndim}), or exclude this variable from variable_axes.")
+            f"{rules.what}: variable_axes puts the layer axis of "
+            f"`{format_path(self.display_path(path))}` at {axis}, but its value has "
+            f"shape {tuple(jnp.shape(var._value))} (rank {ndim}). Fix: choose an axis "
+            f"in [-{ndim}, {ndim}), or exclude this variable from variable_axes."
+          )
         axis = axis % ndim
       self.kinds.append(kind)
       self.axes.append(axis)
@@ -339,8 +376,9 @@ class Plan:
       stream_owner = next(owner_chain(variables[key_i]), (None,))[0]
       rngs_owner = next(owner_chain(stream_owner), (None,))[0] if stream_owner else None
       if isinstance(rngs_owner, Rngs):
-        rngs_owner.__dict__["_sr_layer_keys"] = LayerKeys(base, index, self.rules.splits,
-                                                          self.asked)
+        rngs_owner.__dict__["_sr_layer_keys"] = LayerKeys(
+          base, index, self.rules.splits, self.asked
+        )
 
   def check_stream_names(self) -> None:
     """Raises if ``split_rngs`` names a stream that matches nothing while a stream of
@@ -364,11 +402,12 @@ class Plan:
     guesses = [m for n in dangling for m in difflib.get_close_matches(n, unruled, n=1)]
     hint = f" Did you mean {guesses[0]!r}?" if guesses else ""
     raise TransformError(
-        f"{self.rules.what}: split_rngs names the RNG stream{'s' * (len(dangling) > 1)} "
-        f"{', '.join(map(repr, dangling))}, but the modules have no stream of that name "
-        f"and the body drew none, so the rule splits nothing; meanwhile "
-        f"{', '.join(map(repr, unruled))} (drawn or held by the modules) follow"
-        f"{'s' * (len(unruled) == 1)} no named rule, so every iteration gets the same "
-        f"key.{hint} The streams: held {sorted(self.own_streams) or 'none'}, drawn from "
-        f"a default stream {sorted(self.asked) or 'none'}. Fix: spell the name as the "
-        f"stream is named, e.g. `split_rngs={{{(guesses or unruled)[0]!r}: True}}`.")
+      f"{self.rules.what}: split_rngs names the RNG stream{'s' * (len(dangling) > 1)} "
+      f"{', '.join(map(repr, dangling))}, but the modules have no stream of that name "
+      f"and the body drew none, so the rule splits nothing; meanwhile "
+      f"{', '.join(map(repr, unruled))} (drawn or held by the modules) follow"
+      f"{'s' * (len(unruled) == 1)} no named rule, so every iteration gets the same "
+      f"key.{hint} The streams: held {sorted(self.own_streams) or 'none'}, drawn from "
+      f"a default stream {sorted(self.asked) or 'none'}. Fix: spell the name as the "
+      f"stream is named, e.g. `split_rngs={{{(guesses or unruled)[0]!r}: True}}`."
+    )

@@ -18,7 +18,8 @@ from __future__ import annotations
 import inspect
 import os
 import pathlib
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -112,13 +113,13 @@ def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[
     where = f"{node_names[root]}.{format_path(local)}" if local else node_names[root]
     diff = predicate(local, var) and _is_float(var._value)
     inputs.append((f"{type(var).__name__} `{where}`", var._value, diff))
-  traced_leaves = [i for i, leaf in enumerate(leaves)
-                   if isinstance(leaf, (jax.Array, np.ndarray))]
+  traced_leaves = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
   for i in traced_leaves:
     inputs.append((f"argument `{leaf_names[i]}`", leaves[i], _is_float(leaves[i])))
   n_vars = len(variables)
-  order = ([k for k, (_, _, d) in enumerate(inputs) if d]
-           + [k for k, (_, _, d) in enumerate(inputs) if not d])
+  order = [k for k, (_, _, d) in enumerate(inputs) if d] + [
+    k for k, (_, _, d) in enumerate(inputs) if not d
+  ]
   diff_count = sum(d for _, _, d in inputs)
 
   def pure(diff_values, other_values):
@@ -136,12 +137,12 @@ def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[
 
   diff_values = [inputs[k][1] for k in order[:diff_count]]
   other_values = [inputs[k][1] for k in order[diff_count:]]
-  closed, shapes = jax.make_jaxpr(
-      lambda d, o: jax.vjp(lambda d: pure(d, o), d), return_shape=True)(
-          diff_values, other_values)
+  closed, shapes = jax.make_jaxpr(lambda d, o: jax.vjp(lambda d: pure(d, o), d), return_shape=True)(
+    diff_values, other_values
+  )
   jaxpr = closed.jaxpr
   num_res = len(jax.tree.leaves(shapes[1]))
-  residuals = jaxpr.outvars[len(jaxpr.outvars) - num_res:]
+  residuals = jaxpr.outvars[len(jaxpr.outvars) - num_res :]
   # A Variable may hold a pytree (a tuple of arrays): its leaves share its description.
   names = [inputs[k][0] for k in order for _ in jax.tree.leaves(inputs[k][1])]
   return _classify(jaxpr, residuals, names)
@@ -149,8 +150,7 @@ def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[
 
 def _is_float(value) -> bool:
   leaves = jax.tree.leaves(value)
-  return bool(leaves) and all(
-      jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in leaves)
+  return bool(leaves) and all(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in leaves)
 
 
 def _argument_names(fn, args: tuple, kwargs: dict) -> list[str]:
@@ -160,8 +160,11 @@ def _argument_names(fn, args: tuple, kwargs: dict) -> list[str]:
     params = list(inspect.signature(fn).parameters.values())
   except (TypeError, ValueError):
     params = []
-  positional = [p.name for p in params if p.kind in (
-      inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+  positional = [
+    p.name
+    for p in params
+    if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  ]
   names = []
   for path, _ in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_node)[0]:
     where, index, rest = path[0].idx, path[1], path[2:]
@@ -177,8 +180,9 @@ def _argument_names(fn, args: tuple, kwargs: dict) -> list[str]:
 def _classify(jaxpr: Jaxpr, residuals: list, input_names: list[str]) -> list[Residual]:
   """One record per distinct residual, in JAX's order: literals, constants, inputs, then
   computed values in the order they are computed."""
-  rounding = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns
-              if e.primitive.name == "reduce_precision"}
+  rounding = {
+    e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive.name == "reduce_precision"
+  }
   wanted, seen = [], set()
   for v in residuals:
     v = v if isinstance(v, Literal) else rounding.get(v, v)
@@ -188,10 +192,10 @@ def _classify(jaxpr: Jaxpr, residuals: list, input_names: list[str]) -> list[Res
       wanted.append(v)
   records = [_record(v.aval, None, "a literal") for v in wanted if isinstance(v, Literal)]
   variables = {v for v in wanted if not isinstance(v, Literal)}
-  records += [_record(v.aval, None, "a constant")
-              for v in jaxpr.constvars if v in variables]
-  records += [_record(v.aval, None, input_names[i])
-              for i, v in enumerate(jaxpr.invars) if v in variables]
+  records += [_record(v.aval, None, "a constant") for v in jaxpr.constvars if v in variables]
+  records += [
+    _record(v.aval, None, input_names[i]) for i, v in enumerate(jaxpr.invars) if v in variables
+  ]
   for eqn in jaxpr.eqns:
     for k, v in enumerate(eqn.outvars):
       if v in variables:
@@ -232,5 +236,7 @@ def _where(eqn) -> str:
   """``file:line (function)`` of the innermost frame outside JAX and statefulremat."""
   # JAX's summary, outermost frame first, one line each.
   lines = source_info_util.summarize(eqn.source_info, num_frames=64).splitlines()
-  return next((line for line in reversed(lines) if not line.startswith(_PACKAGE)),
-              lines[-1] if lines else "unknown")
+  return next(
+    (line for line in reversed(lines) if not line.startswith(_PACKAGE)),
+    lines[-1] if lines else "unknown",
+  )

@@ -5,8 +5,9 @@ from __future__ import annotations
 import functools
 import numbers
 import operator
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +15,17 @@ import jax.numpy as jnp
 from ._class_form import display_name, is_module_class, refuse_init_axes
 from ._layers import LayerLoop, carry_out_structure, describe_node
 from ._lift import refuse_layer_list, write_back
-from ._rules import Rules, TransformError
-from ._module_arg import (check_no_modules, class_length, compiled_when_eager, lift_module_arg,
-                          resolve_length, stacked_sources)
+from ._module_arg import (
+  check_no_modules,
+  class_length,
+  compiled_when_eager,
+  lift_module_arg,
+  resolve_length,
+  stacked_sources,
+)
 from ._pattern import call_method, is_pattern, is_pattern_stack, pattern_class, pattern_repr
 from ._pattern_loop import scan_pattern
+from ._rules import Rules, TransformError
 from ._stacked import stacked_class
 
 _EMPTY = MappingProxyType({})
@@ -58,12 +65,23 @@ class _Broadcast:
 broadcast = _Broadcast()
 
 
-def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMPTY,
-         variable_broadcast: Any = False, variable_carry: Any = False,
-         split_rngs: Mapping = _EMPTY, in_axes: Any = 0, out_axes: Any = 0,
-         length: int | None = None, reverse: bool = False, unroll: int | bool = 1,
-         data_transform: Callable | None = None, metadata_params: Mapping = _EMPTY,
-         methods: Sequence[str] | None = None, init_in_axes: Any = None):
+def scan(
+  target: Callable | type | None = None,
+  *,
+  variable_axes: Mapping = _EMPTY,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  split_rngs: Mapping = _EMPTY,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  length: int | None = None,
+  reverse: bool = False,
+  unroll: int | bool = 1,
+  data_transform: Callable | None = None,
+  metadata_params: Mapping = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+):
   """``jax.lax.scan`` over a module: ``scan(f)(module, carry, *xs) -> (carry, ys)``.
 
   Equivalent to this Python loop over the layers (``sr.unstack``), but traced once::
@@ -154,32 +172,57 @@ def scan(target: Callable | type | None = None, *, variable_axes: Mapping = _EMP
   >>> cs.shape, sums.shape
   ((4, 2, 3), (2, 4))
   """
-  options = dict(variable_axes=variable_axes, variable_broadcast=variable_broadcast,
-                 variable_carry=variable_carry, split_rngs=split_rngs, in_axes=in_axes,
-                 out_axes=out_axes, length=length, reverse=reverse, unroll=unroll,
-                 data_transform=data_transform, metadata_params=metadata_params)
+  options = dict(
+    variable_axes=variable_axes,
+    variable_broadcast=variable_broadcast,
+    variable_carry=variable_carry,
+    split_rngs=split_rngs,
+    in_axes=in_axes,
+    out_axes=out_axes,
+    length=length,
+    reverse=reverse,
+    unroll=unroll,
+    data_transform=data_transform,
+    metadata_params=metadata_params,
+  )
   if target is None:
     return functools.partial(scan, methods=methods, init_in_axes=init_in_axes, **options)
   if is_pattern(target):
     what = f"sr.scan({pattern_repr(target)})"
     _check_axes(what, in_axes, out_axes)
     return pattern_class(
-        target, "Scan", length=length, what=what, methods=methods,
-        init_in_axes=init_in_axes,
-        position_class=lambda cls, n: scan(cls, **{**options, "length": n},
-                                           methods=methods, init_in_axes=init_in_axes),
-        run=lambda name: scan(call_method(name, "ScanPattern"), **{**options, "length": None}))
+      target,
+      "Scan",
+      length=length,
+      what=what,
+      methods=methods,
+      init_in_axes=init_in_axes,
+      position_class=lambda cls, n: scan(
+        cls, **{**options, "length": n}, methods=methods, init_in_axes=init_in_axes
+      ),
+      run=lambda name: scan(call_method(name, "ScanPattern"), **{**options, "length": None}),
+    )
   if is_module_class(target):
     _check_axes(f"sr.scan({target.__name__})", in_axes, out_axes)
-    rules = Rules(f"sr.scan({target.__name__})", variable_axes=variable_axes,
-                  variable_broadcast=variable_broadcast, variable_carry=variable_carry,
-                  split_rngs=split_rngs)
-    return stacked_class(target, "Scan", rules=rules, length=length,
-                         # At call time the layer count comes from the stacked
-                         # variables (a stack rebuilt by sr.stack may have another).
-                         wrap=lambda m: scan(m, **{**options, "length": None}),
-                         methods=methods,
-                         metadata_params=metadata_params, init_in_axes=init_in_axes)
+    rules = Rules(
+      f"sr.scan({target.__name__})",
+      variable_axes=variable_axes,
+      variable_broadcast=variable_broadcast,
+      variable_carry=variable_carry,
+      split_rngs=split_rngs,
+    )
+    return stacked_class(
+      target,
+      "Scan",
+      rules=rules,
+      length=length,
+      # At call time the layer count comes from the stacked
+      # variables (a stack rebuilt by sr.stack may have another).
+      wrap=lambda m: scan(m, **{**options, "length": None}),
+      methods=methods,
+      metadata_params=metadata_params,
+      init_in_axes=init_in_axes,
+    )
   if methods is not None:
     raise TypeError("sr.scan(methods=...) applies to a Module class, not a function.")
   refuse_init_axes("sr.scan", target, init_in_axes)
@@ -202,20 +245,23 @@ def _check_axes(what: str, in_axes, out_axes) -> None:
     if isinstance(axes, int) and not isinstance(axes, bool):
       continue
     for path, a in _axes_leaves(axes, ()):
-      where = f"{name}={axes!r}" + (f" has {a!r} at `{name}{jax.tree_util.keystr(path)}`"
-                                     if path else "")
+      where = f"{name}={axes!r}" + (
+        f" has {a!r} at `{name}{jax.tree_util.keystr(path)}`" if path else ""
+      )
       if a is None or a is broadcast:
         if name == "out_axes":
           raise TransformError(
-              f"{what}: {where}, but ys differ per iteration, so every ys leaf needs the "
-              "axis that stacks them. Fix: give an int there (e.g. 0); return a value "
-              "computed once through the carry.")
+            f"{what}: {where}, but ys differ per iteration, so every ys leaf needs the "
+            "axis that stacks them. Fix: give an int there (e.g. 0); return a value "
+            "computed once through the carry."
+          )
       elif not _is_axis(a):
         whole = ", None or sr.broadcast (the whole value)" if name == "in_axes" else ""
         which = ", which" if path else ""
         raise TransformError(
-            f"{what}: {where}{which} is not an axis: expected an int (the axis){whole}, "
-            "or a tuple/list/dict of them following the structure. Fix that entry.")
+          f"{what}: {where}{which} is not an axis: expected an int (the axis){whole}, "
+          "or a tuple/list/dict of them following the structure. Fix that entry."
+        )
 
 
 def _axes_leaves(axes, path):
@@ -239,8 +285,13 @@ def _fit(prefix, tree, path: tuple, mismatch: Callable) -> list:
     axis = None if prefix is None or prefix is broadcast else operator.index(prefix)
     return [axis] * len(jax.tree.leaves(tree))
   # One level of ``tree``, in jax's own order (dict keys sorted, namedtuple fields).
-  children = [(keys[0], child) for keys, child in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda n: n is not tree)[0] if len(keys) == 1]
+  children = [
+    (keys[0], child)
+    for keys, child in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda n: n is not tree)[
+      0
+    ]
+    if len(keys) == 1
+  ]
   if isinstance(prefix, dict):
     fits = isinstance(tree, dict) and set(prefix) == {k.key for k, _ in children}
     entries = [prefix[k.key] for k, _ in children] if fits else []
@@ -260,20 +311,22 @@ def _in_axes_per_leaf(what: str, in_axes, xs: tuple, n_leaves: int) -> list:
     return [None if in_axes is broadcast else in_axes] * n_leaves
   if isinstance(in_axes, dict) or len(in_axes) != len(xs):
     raise TransformError(
-        f"{what}: in_axes={in_axes!r} does not fit {len(xs)} xs argument(s): give an "
-        "int, None (or sr.broadcast), or a tuple with one entry (an int, None, or a "
-        "prefix tree of the argument) per argument.")
+      f"{what}: in_axes={in_axes!r} does not fit {len(xs)} xs argument(s): give an "
+      "int, None (or sr.broadcast), or a tuple with one entry (an int, None, or a "
+      "prefix tree of the argument) per argument."
+    )
   out = []
   for i, (entry, x) in enumerate(zip(in_axes, xs)):
 
     def mismatch(path, sub, node, entry=entry, i=i):
       where = f"xs{jax.tree_util.keystr(path)}"
       raise TransformError(
-          f"{what}: in_axes entry {entry!r} is not a prefix of xs argument {i}: at "
-          f"`{where}` it has {describe_node(sub)} where the argument has "
-          f"{describe_node(node)}. "
-          "Fix: follow the argument's structure there, or give one int (or None) for all "
-          f"of `{where}`.")
+        f"{what}: in_axes entry {entry!r} is not a prefix of xs argument {i}: at "
+        f"`{where}` it has {describe_node(sub)} where the argument has "
+        f"{describe_node(node)}. "
+        "Fix: follow the argument's structure there, or give one int (or None) for all "
+        f"of `{where}`."
+      )
 
     out.extend(_fit(entry, x, (jax.tree_util.SequenceKey(i),), mismatch))
   return out
@@ -293,10 +346,11 @@ def _stack_ys(what: str, out_axes, ys):
     def mismatch(path, sub, node):
       where = f"ys{jax.tree_util.keystr(path)}"
       raise TransformError(
-          f"{what}: out_axes={out_axes!r} is not a prefix of the body's ys: at `{where}` "
-          f"it has {describe_node(sub)} where ys has {describe_node(node)} (stacked over the "
-          "iterations). Fix: follow the structure of ys there, or give one int for all "
-          f"of `{where}`.")
+        f"{what}: out_axes={out_axes!r} is not a prefix of the body's ys: at `{where}` "
+        f"it has {describe_node(sub)} where ys has {describe_node(node)} (stacked over the "
+        "iterations). Fix: follow the structure of ys there, or give one int for all "
+        f"of `{where}`."
+      )
 
     axes = _fit(out_axes, ys, (), mismatch)
   moved = []
@@ -304,25 +358,44 @@ def _stack_ys(what: str, out_axes, ys):
     rank = jnp.ndim(y)
     if not -rank <= axis < rank:
       raise TransformError(
-          f"{what}: out_axes puts the iteration axis of `ys{_leaf_path(ys, j)}` at "
-          f"{axis}, but stacked over the iterations it has shape "
-          f"{tuple(jnp.shape(y))} (rank {rank}). Fix: choose an axis in [-{rank}, {rank}).")
+        f"{what}: out_axes puts the iteration axis of `ys{_leaf_path(ys, j)}` at "
+        f"{axis}, but stacked over the iterations it has shape "
+        f"{tuple(jnp.shape(y))} (rank {rank}). Fix: choose an axis in [-{rank}, {rank})."
+      )
     moved.append(y if axis % rank == 0 else jnp.moveaxis(y, 0, axis))
   return jax.tree.unflatten(treedef, moved)
 
 
-def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_carry,
-                   split_rngs, in_axes, out_axes, length, reverse, unroll,
-                   data_transform, metadata_params) -> Callable:
+def _scan_function(
+  fn: Callable,
+  *,
+  variable_axes,
+  variable_broadcast,
+  variable_carry,
+  split_rngs,
+  in_axes,
+  out_axes,
+  length,
+  reverse,
+  unroll,
+  data_transform,
+  metadata_params,
+) -> Callable:
   what = f"sr.scan({display_name(fn)})"
   _check_axes(what, in_axes, out_axes)
-  rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
-                variable_carry=variable_carry, split_rngs=split_rngs)
+  rules = Rules(
+    what,
+    variable_axes=variable_axes,
+    variable_broadcast=variable_broadcast,
+    variable_carry=variable_carry,
+    split_rngs=split_rngs,
+  )
 
   @functools.wraps(fn)
   def wrapper(module, carry, *xs, **kwargs):
-    refuse_layer_list(module, what, "sr.scan(f, variable_axes={sr.Param: 0}, ...)(stack, "
-                      "carry, *xs)")
+    refuse_layer_list(
+      module, what, "sr.scan(f, variable_axes={sr.Param: 0}, ...)(stack, carry, *xs)"
+    )
     check_no_modules(carry, what, "the carry")
     check_no_modules(xs, what, "the xs argument")
     check_no_modules(kwargs, what, "the keyword argument")
@@ -336,10 +409,11 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
       ndim = jnp.ndim(x)
       if not -ndim <= axis < ndim:
         raise TransformError(
-            f"{what}: in_axes puts the scanned axis of xs leaf {j} at {axis}, but it has "
-            f"shape {tuple(jnp.shape(x))} (rank {ndim}) at `xs{_leaf_path(xs, j)}`. Fix: "
-            f"choose an axis in [-{ndim}, {ndim}), or use None to broadcast it (every "
-            "iteration sees it whole).")
+          f"{what}: in_axes puts the scanned axis of xs leaf {j} at {axis}, but it has "
+          f"shape {tuple(jnp.shape(x))} (rank {ndim}) at `xs{_leaf_path(xs, j)}`. Fix: "
+          f"choose an axis in [-{ndim}, {ndim}), or use None to broadcast it (every "
+          "iteration sees it whole)."
+        )
       scanned.append(j)
       sources.append((f"xs leaf {j} (axis {axis})", jnp.shape(x)[axis]))
 
@@ -350,26 +424,54 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
       out = fn(layer, c, *jax.tree.unflatten(x_tree, full), **kwargs)
       if not (isinstance(out, (tuple, list)) and len(out) == 2):
         # Name what came back in user terms: a tracer's class name means nothing here.
-        got = ("a single array" if isinstance(out, jax.Array) else
-               f"a {type(out).__name__} of length {len(out)}"
-               if isinstance(out, (tuple, list)) else f"a {type(out).__name__}")
-        raise TypeError(f"{what}: the body must return a pair (carry, ys), got {got}. "
-                        "Return `carry, None` if there are no ys.")
+        got = (
+          "a single array"
+          if isinstance(out, jax.Array)
+          else f"a {type(out).__name__} of length {len(out)}"
+          if isinstance(out, (tuple, list))
+          else f"a {type(out).__name__}"
+        )
+        raise TypeError(
+          f"{what}: the body must return a pair (carry, ys), got {got}. "
+          "Return `carry, None` if there are no ys."
+        )
       return tuple(out)
 
     # Each jnp call is a nested jit; leaves already scanned along axis 0 skip it.
-    moved = [x_leaves[j] if axes[j] % jnp.ndim(x_leaves[j]) == 0 else
-             jnp.moveaxis(x_leaves[j], axes[j], 0) for j in scanned]
+    moved = [
+      x_leaves[j] if axes[j] % jnp.ndim(x_leaves[j]) == 0 else jnp.moveaxis(x_leaves[j], axes[j], 0)
+      for j in scanned
+    ]
     if is_pattern_stack(module):
       carry, ys, finish = scan_pattern(
-          module, lambda k, layer, c, x: call(layer, c, x), carry, moved, sources,
-          what=what, rules=rules, metadata_params=metadata_params, length=length,
-          data_transform=data_transform, reverse=reverse, unroll=unroll)
+        module,
+        lambda k, layer, c, x: call(layer, c, x),
+        carry,
+        moved,
+        sources,
+        what=what,
+        rules=rules,
+        metadata_params=metadata_params,
+        length=length,
+        data_transform=data_transform,
+        reverse=reverse,
+        unroll=unroll,
+      )
     else:
       carry, ys, finish = _scan_stack(
-          module, lambda tree, c, x: call(tree[0][0], c, x), carry, moved, sources,
-          what=what, rules=rules, metadata_params=metadata_params, length=length,
-          data_transform=data_transform, reverse=reverse, unroll=unroll)
+        module,
+        lambda tree, c, x: call(tree[0][0], c, x),
+        carry,
+        moved,
+        sources,
+        what=what,
+        rules=rules,
+        metadata_params=metadata_params,
+        length=length,
+        data_transform=data_transform,
+        reverse=reverse,
+        unroll=unroll,
+      )
     if ys is not None and not (isinstance(out_axes, int) and out_axes == 0):
       ys = _stack_ys(what, out_axes, ys)  # may raise: before anything is written back
     finish()
@@ -378,14 +480,29 @@ def _scan_function(fn: Callable, *, variable_axes, variable_broadcast, variable_
   return compiled_when_eager(wrapper)
 
 
-def _scan_stack(module, body, carry, moved, sources, *, what, rules, metadata_params,
-                length, data_transform, reverse, unroll):
+def _scan_stack(
+  module,
+  body,
+  carry,
+  moved,
+  sources,
+  *,
+  what,
+  rules,
+  metadata_params,
+  length,
+  data_transform,
+  reverse,
+  unroll,
+):
   """The scan over a module's layers: ``(carry, ys, finish)``; ``finish()`` writes
   back."""
   lifted, variables, plan, leaves = lift_module_arg(
-      module, what, rules, metadata_params, "f(module, carry, *xs) -> (carry, ys)")
-  n = resolve_length(what, length, sources + stacked_sources(plan, lifted, variables),
-                     fallback=class_length(module))
+    module, what, rules, metadata_params, "f(module, carry, *xs) -> (carry, ys)"
+  )
+  n = resolve_length(
+    what, length, sources + stacked_sources(plan, lifted, variables), fallback=class_length(module)
+  )
   loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
   carry, ys, changed = loop.run(body, carry, moved, (n,), reverse=reverse, unroll=unroll)
 

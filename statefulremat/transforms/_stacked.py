@@ -16,7 +16,8 @@ instance of the plain layer class, the layer axis (and its partition name) remov
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +25,9 @@ import jax.numpy as jnp
 from ..core._errors import TransformError, format_path
 from ..core._graph import flatten, rewrite, unflatten
 from ..core._module import Module
-from ..core._variables import Variable
 from ..core._stacks import LAYER_AXIS, layer, layer_graphdef, mark_frozen, num_layers, unmark
 from ..core._state import freeze, thaw_metadata
+from ..core._variables import Variable
 from ._class_form import subclass, transform_name
 from ._lift import Lifted, split_call, write_back
 from ._rules import STACKED, Plan, Rules
@@ -55,20 +56,40 @@ def layer_view(graphdef, plan: Plan, metadata_params: dict | None = None):
   return layer_graphdef(graphdef, edit)
 
 
-def stacked_class(layer_cls: type, label: str, *, rules: Rules, length: int | None,
-                  wrap: Callable, methods: Sequence[str] | None,
-                  metadata_params: dict, init_in_axes: Any = None) -> type:
+def stacked_class(
+  layer_cls: type,
+  label: str,
+  *,
+  rules: Rules,
+  length: int | None,
+  wrap: Callable,
+  methods: Sequence[str] | None,
+  metadata_params: dict,
+  init_in_axes: Any = None,
+) -> type:
   """The class form: ``{label}{layer_cls}`` building and running a stack of layers."""
   namespace: dict[str, Any] = {
-      "_sr_layer_class": layer_cls, "_sr_rules": rules, "_sr_length": length,
-      "_sr_metadata_params": dict(metadata_params or {}),
-      "__new__": _new_stack, "__init__": _init_nothing, "layer": layer,
-      "__len__": num_layers, "_sr_classify": _classifier(rules),
-      "_sr_layer_rngs": _layer_rngs(rules), "_sr_init_in_axes": init_in_axes,
-      "_sr_layer_factory": None,
+    "_sr_layer_class": layer_cls,
+    "_sr_rules": rules,
+    "_sr_length": length,
+    "_sr_metadata_params": dict(metadata_params or {}),
+    "__new__": _new_stack,
+    "__init__": _init_nothing,
+    "layer": layer,
+    "__len__": num_layers,
+    "_sr_classify": _classifier(rules),
+    "_sr_layer_rngs": _layer_rngs(rules),
+    "_sr_init_in_axes": init_in_axes,
+    "_sr_layer_factory": None,
   }
-  return subclass(layer_cls, label, wrap, methods, namespace,
-                  f"A stack of {layer_cls.__name__} layers under {transform_name(label)}.")
+  return subclass(
+    layer_cls,
+    label,
+    wrap,
+    methods,
+    namespace,
+    f"A stack of {layer_cls.__name__} layers under {transform_name(label)}.",
+  )
 
 
 def _init_nothing(self, *args, **kwargs):
@@ -109,9 +130,10 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     for i in changed:
       if i not in counts:
         raise TransformError(
-            f"{what}: the layer constructor wrote to `{format_path(in_graphdef.var_paths[i])}`"
-            " of an argument. Constructor arguments are shared by every layer and "
-            "read-only; only RNG streams may be drawn from.")
+          f"{what}: the layer constructor wrote to `{format_path(in_graphdef.var_paths[i])}`"
+          " of an argument. Constructor arguments are shared by every layer and "
+          "read-only; only RNG streams may be drawn from."
+        )
     record["used"] = [s.count for s in in_plan.streams if s.count in changed]
     graphdef, variables = flatten(list(roots) + [layer])
     record["graphdef"] = graphdef
@@ -121,9 +143,16 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     # rules like any variable, not split like the streams passed in.
     # rank_offset=1: the axes index the stacked value, which has one more axis than
     # a layer's (variable_axes={Param: -1} puts the layer axis last).
-    plan = Plan(rules, graphdef, variables, [layer], rng_streams=False, skip=n_in,
-                rank_offset=1,
-                display_path=lambda p: p[1:] if p and p[0] == prefix else p)
+    plan = Plan(
+      rules,
+      graphdef,
+      variables,
+      [layer],
+      rng_streams=False,
+      skip=n_in,
+      rank_offset=1,
+      display_path=lambda p: p[1:] if p and p[0] == prefix else p,
+    )
     record["plan"] = plan
     return [v._value for v in new_vars]
 
@@ -136,29 +165,32 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     if any(stacked):
       first = plan.kinds.index(STACKED)
       raise TransformError(
-          f"{what}: `{format_path(plan.display_path(record['graphdef'].var_paths[first]))}` "
-          "is stacked by variable_axes, so the number of layers must be known at init: "
-          f"pass `length=` (or `axis_size=`) to the transform.")
+        f"{what}: `{format_path(plan.display_path(record['graphdef'].var_paths[first]))}` "
+        "is stacked by variable_axes, so the number of layers must be known at init: "
+        f"pass `length=` (or `axis_size=`) to the transform."
+      )
     values = init_one(jnp.uint32(0), firsts)
   else:
     out_axes = [plan.axes[n_in + j] if s else None for j, s in enumerate(stacked)]
     try:
-      values = jax.vmap(init_one, in_axes=(0, [axis for _, axis in mapped]),
-                        out_axes=out_axes, axis_size=length)(
-          jnp.arange(length, dtype=jnp.uint32), [leaves[k] for k, _ in mapped])
+      values = jax.vmap(
+        init_one, in_axes=(0, [axis for _, axis in mapped]), out_axes=out_axes, axis_size=length
+      )(jnp.arange(length, dtype=jnp.uint32), [leaves[k] for k, _ in mapped])
     except ValueError as e:
       if "out_axes" not in str(e):
         raise
       raise TransformError(
-          f"{what}: a variable that is not stacked (broadcast, carried or read-only) came "
-          "out different for each layer, usually because its initializer drew from a "
-          "split RNG stream. Stack it with variable_axes, or do not split the stream it "
-          f"draws from (e.g. split_rngs={{'params': False}}). JAX said: {e}") from None
+        f"{what}: a variable that is not stacked (broadcast, carried or read-only) came "
+        "out different for each layer, usually because its initializer drew from a "
+        "split RNG stream. Stack it with variable_axes, or do not split the stream it "
+        f"draws from (e.g. split_rngs={{'params': False}}). JAX said: {e}"
+      ) from None
   name = cls._sr_metadata_params.get("partition_name")
   graphdef = rewrite(
-      record["graphdef"], root_classes={-1: cls},
-      metadata=lambda i, m: mark_frozen(m, plan.axes[i], name) if plan.kinds[i] == STACKED
-      else m)
+    record["graphdef"],
+    root_classes={-1: cls},
+    metadata=lambda i, m: mark_frozen(m, plan.axes[i], name) if plan.kinds[i] == STACKED else m,
+  )
   objects: list = []
   flatten(nodes, objects=objects)
   roots, _ = unflatten(graphdef, [None] * n_in + list(values), substitute=objects)
@@ -174,34 +206,38 @@ def _mapped_leaves(what: str, init_in_axes, args: tuple, length) -> list[tuple[i
     return []
   if length is None:
     raise TransformError(
-        f"{what}: init_in_axes maps constructor arguments per layer, so the number of "
-        "layers must be known at init: pass `length=` (or `axis_size=`) to the transform.")
-  axes = (tuple(init_in_axes) if isinstance(init_in_axes, (tuple, list)) else
-          (init_in_axes,) * len(args))
+      f"{what}: init_in_axes maps constructor arguments per layer, so the number of "
+      "layers must be known at init: pass `length=` (or `axis_size=`) to the transform."
+    )
+  axes = (
+    tuple(init_in_axes) if isinstance(init_in_axes, (tuple, list)) else (init_in_axes,) * len(args)
+  )
   if len(axes) != len(args):
     raise TransformError(
-        f"{what}: init_in_axes={init_in_axes!r} has {len(axes)} entries for {len(args)} "
-        "positional constructor arguments. Fix: one entry (an axis, or None to pass it "
-        "whole to every layer) per positional argument.")
+      f"{what}: init_in_axes={init_in_axes!r} has {len(axes)} entries for {len(args)} "
+      "positional constructor arguments. Fix: one entry (an axis, or None to pass it "
+      "whole to every layer) per positional argument."
+    )
   out, k = [], 0
   for j, (arg, axis) in enumerate(zip(args, axes)):
     for leaf in jax.tree.leaves(arg, is_leaf=lambda x: isinstance(x, (Module, Variable))):
       if isinstance(leaf, (Module, Variable)):
         if axis is not None:
           raise TransformError(
-              f"{what}: init_in_axes maps constructor argument {j}, which holds a "
-              f"{type(leaf).__name__}. Fix: give it None (modules and RNG streams pass to "
-              "every layer; streams are split by split_rngs).")
+            f"{what}: init_in_axes maps constructor argument {j}, which holds a "
+            f"{type(leaf).__name__}. Fix: give it None (modules and RNG streams pass to "
+            "every layer; streams are split by split_rngs)."
+          )
         continue
       if axis is not None:
         shape = tuple(jnp.shape(leaf))
-        if not -len(shape) <= axis < len(shape) or (
-            length is not None and shape[axis] != length):
+        if not -len(shape) <= axis < len(shape) or (length is not None and shape[axis] != length):
           raise TransformError(
-              f"{what}: init_in_axes maps constructor argument {j} along axis {axis}, "
-              f"one slice per layer, so it needs {length} entries there; it has shape "
-              f"{shape}. Fix: give it shape with {length} at axis {axis} (a leading "
-              "layer axis), or None in init_in_axes to pass it whole to every layer.")
+            f"{what}: init_in_axes maps constructor argument {j} along axis {axis}, "
+            f"one slice per layer, so it needs {length} entries there; it has shape "
+            f"{shape}. Fix: give it shape with {length} at axis {axis} (a leading "
+            "layer axis), or None in init_in_axes to pass it whole to every layer."
+          )
         out.append((k, axis))
       k += 1
   return out
@@ -247,7 +283,6 @@ def _classifier(rules: Rules):
 
   def classify(graphdef, variables, layer) -> dict[int, int]:
     plan = Plan(rules, graphdef, variables, [layer], rank_offset=1)
-    return {i: axis for i, (kind, axis) in enumerate(zip(plan.kinds, plan.axes))
-            if kind == STACKED}
+    return {i: axis for i, (kind, axis) in enumerate(zip(plan.kinds, plan.axes)) if kind == STACKED}
 
   return staticmethod(classify)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,17 +14,23 @@ from ..core._errors import format_path
 from ..core._filters import filter_repr
 from ..core._module import Module
 from ..core._stacks import layer_axis
-from ..core._variables import Variable
 from ..core._tracing import tracing_user_code
+from ..core._variables import Variable
 from ._class_form import display_name, is_module_class, refuse_init_axes
 from ._lift import is_node, split_call, write_back
+from ._module_arg import (
+  check_no_modules,
+  class_length,
+  compiled_when_eager,
+  lift_module_arg,
+  resolve_length,
+  stacked_sources,
+)
 from ._outputs import ModulesOut, lift_outputs
-from ._restructure import split_new
-from ._rules import STACKED, Rules, TransformError
-from ._module_arg import (check_no_modules, class_length, compiled_when_eager, lift_module_arg,
-                          resolve_length, stacked_sources)
 from ._pattern import call_method, is_pattern, is_pattern_stack, pattern_class, pattern_repr
 from ._pattern_vmap import vmap_pattern
+from ._restructure import split_new
+from ._rules import STACKED, Rules, TransformError
 from ._stacked import stacked_class
 from ._vmap_outputs import _check_returned_inputs, _stacked_outputs, _vmap_creating
 
@@ -31,11 +38,20 @@ _ALL = MappingProxyType({True: 0})
 _SPLIT_ALL = MappingProxyType({True: True})
 
 
-def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: Any = 0,
-         axis_size: int | None = None, axis_name: str | None = None,
-         variable_axes: Mapping = _ALL, split_rngs: Mapping = _SPLIT_ALL,
-         variable_broadcast: Any = False, metadata_params: Mapping = MappingProxyType({}),
-         methods: Sequence[str] | None = None, init_in_axes: Any = None):
+def vmap(
+  target: Callable | type | None = None,
+  *,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  axis_size: int | None = None,
+  axis_name: str | None = None,
+  variable_axes: Mapping = _ALL,
+  split_rngs: Mapping = _SPLIT_ALL,
+  variable_broadcast: Any = False,
+  metadata_params: Mapping = MappingProxyType({}),
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+):
   """``jax.vmap`` over a module: ``vmap(f)(module, *args)``; or a stacked init.
 
   Function form: equivalent to ``stack([f(layer_i, *args_i) for i ...])`` where
@@ -78,26 +94,50 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
   >>> sr.vmap(lambda m, x: m(x), variable_broadcast=True)(linear, jnp.ones((4, 3))).shape
   (4, 2)
   """
-  options = dict(in_axes=in_axes, out_axes=out_axes, axis_size=axis_size,
-                 axis_name=axis_name, variable_axes=variable_axes, split_rngs=split_rngs,
-                 variable_broadcast=variable_broadcast, metadata_params=metadata_params)
+  options = dict(
+    in_axes=in_axes,
+    out_axes=out_axes,
+    axis_size=axis_size,
+    axis_name=axis_name,
+    variable_axes=variable_axes,
+    split_rngs=split_rngs,
+    variable_broadcast=variable_broadcast,
+    metadata_params=metadata_params,
+  )
   if target is None:
     return functools.partial(vmap, methods=methods, init_in_axes=init_in_axes, **options)
   what = f"sr.vmap({pattern_repr(target) if is_pattern(target) else display_name(target)})"
-  rules = Rules(what, variable_axes=variable_axes, variable_broadcast=variable_broadcast,
-                variable_carry=False, split_rngs=split_rngs)
+  rules = Rules(
+    what,
+    variable_axes=variable_axes,
+    variable_broadcast=variable_broadcast,
+    variable_carry=False,
+    split_rngs=split_rngs,
+  )
   if is_pattern(target):
     return pattern_class(
-        target, "Vmap", length=axis_size, what=what, methods=methods,
-        init_in_axes=init_in_axes,
-        position_class=lambda cls, n: vmap(cls, **{**options, "axis_size": n},
-                                           methods=methods, init_in_axes=init_in_axes),
-        run=lambda name: vmap(call_method(name, "VmapPattern"), **{**options, "axis_size": None}))
+      target,
+      "Vmap",
+      length=axis_size,
+      what=what,
+      methods=methods,
+      init_in_axes=init_in_axes,
+      position_class=lambda cls, n: vmap(
+        cls, **{**options, "axis_size": n}, methods=methods, init_in_axes=init_in_axes
+      ),
+      run=lambda name: vmap(call_method(name, "VmapPattern"), **{**options, "axis_size": None}),
+    )
   if is_module_class(target):
-    return stacked_class(target, "Vmap", rules=rules, length=axis_size,
-                         wrap=lambda m: vmap(m, **{**options, "axis_size": None}),
-                         methods=methods,
-                         metadata_params=metadata_params, init_in_axes=init_in_axes)
+    return stacked_class(
+      target,
+      "Vmap",
+      rules=rules,
+      length=axis_size,
+      wrap=lambda m: vmap(m, **{**options, "axis_size": None}),
+      methods=methods,
+      metadata_params=metadata_params,
+      init_in_axes=init_in_axes,
+    )
   if methods is not None:
     raise TypeError("sr.vmap(methods=...) applies to a Module class, not a function.")
   refuse_init_axes("sr.vmap", target, init_in_axes)
@@ -106,39 +146,74 @@ def vmap(target: Callable | type | None = None, *, in_axes: Any = 0, out_axes: A
   return _vmap_function(target, what=what, rules=rules, **options)
 
 
-def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, axis_name,
-                   variable_axes, split_rngs, variable_broadcast, metadata_params):
+def _vmap_function(
+  fn: Callable,
+  *,
+  what,
+  rules,
+  in_axes,
+  out_axes,
+  axis_size,
+  axis_name,
+  variable_axes,
+  split_rngs,
+  variable_broadcast,
+  metadata_params,
+):
 
   @functools.wraps(fn)
   def wrapper(module, *args, **kwargs):
     if not any(map(is_node, jax.tree.leaves((module, args, kwargs), is_leaf=is_node))):
-      return _vmap_creating(fn, (module,) + args, kwargs, _stack_class, what=what,
-                            in_axes=in_axes, out_axes=out_axes, axis_size=axis_size,
-                            axis_name=axis_name, metadata_params=metadata_params)
+      return _vmap_creating(
+        fn,
+        (module,) + args,
+        kwargs,
+        _stack_class,
+        what=what,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        axis_size=axis_size,
+        axis_name=axis_name,
+        metadata_params=metadata_params,
+      )
     check_no_modules(args, what, "argument", first=1)
     check_no_modules(kwargs, what, "the keyword argument")
     if is_pattern_stack(module):
-      return vmap_pattern(module, fn, args, kwargs, what=what, rules=rules, in_axes=in_axes,
-                          out_axes=out_axes, axis_size=axis_size, axis_name=axis_name,
-                          metadata_params=metadata_params)
+      return vmap_pattern(
+        module,
+        fn,
+        args,
+        kwargs,
+        what=what,
+        rules=rules,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        axis_size=axis_size,
+        axis_name=axis_name,
+        metadata_params=metadata_params,
+      )
     lifted, variables, plan, leaves = lift_module_arg(
-        module, what, rules, metadata_params, "f(module, *args)")
+      module, what, rules, metadata_params, "f(module, *args)"
+    )
     values = [v._value for v in variables]
     stacked = plan.indices(STACKED)
     if variable_axes is _ALL:
       _refuse_mapping_plain(what, lifted, plan, variables, stacked)
     arg_axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
     if len(arg_axes) != len(args):
-      raise TransformError(f"{what}: in_axes={in_axes!r} has {len(arg_axes)} entries for "
-                           f"{len(args)} arguments (the module excluded).")
+      raise TransformError(
+        f"{what}: in_axes={in_axes!r} has {len(arg_axes)} entries for "
+        f"{len(args)} arguments (the module excluded)."
+      )
     sources = stacked_sources(plan, lifted, variables)
     for j, (a, ax) in enumerate(zip(args, arg_axes)):
       if isinstance(ax, int):
         for leaf in jax.tree.leaves(a):
           if not -jnp.ndim(leaf) <= ax < jnp.ndim(leaf):
             raise TransformError(
-                f"{what}: in_axes puts the mapped axis of argument {j + 1} at {ax}, but a "
-                f"leaf has shape {tuple(jnp.shape(leaf))}. Fix in_axes (None broadcasts).")
+              f"{what}: in_axes puts the mapped axis of argument {j + 1} at {ax}, but a "
+              f"leaf has shape {tuple(jnp.shape(leaf))}. Fix in_axes (None broadcasts)."
+            )
           sources.append((f"argument {j + 1} (axis {ax})", jnp.shape(leaf)[ax]))
     if axis_size is not None:
       sources.insert(0, (f"axis_size={axis_size}", int(axis_size)))
@@ -146,8 +221,9 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
       sources.append(("the stack's axis_size", class_length(module)))
     if not sources:
       raise TransformError(
-          f"{what}: cannot tell the size of the mapped axis: no argument is mapped "
-          "(in_axes is None for all) and no variable is stacked. Pass `axis_size=`.")
+        f"{what}: cannot tell the size of the mapped axis: no argument is mapped "
+        "(in_axes is None for all) and no variable is stacked. Pass `axis_size=`."
+      )
     n = resolve_length(what, None, sources)
     used: set[int] = set()
 
@@ -183,11 +259,15 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
     # A write to a Variable that is not mapped is kept when its value does not depend
     # on the mapped axis (the same for every index, as nnx's guide's `count += 1`):
     # out_axes=None, which JAX refuses for a value that varies along the axis.
-    mapped = jax.vmap(one, in_axes=([plan.axes[i] for i in stacked], 0, tuple(arg_axes)),
-                      out_axes=(out_axes, 0, None, 0), axis_size=n, axis_name=axis_name)
+    mapped = jax.vmap(
+      one,
+      in_axes=([plan.axes[i] for i in stacked], 0, tuple(arg_axes)),
+      out_axes=(out_axes, 0, None, 0),
+      axis_size=n,
+      axis_name=axis_name,
+    )
     try:
-      out, written, shared, made = mapped(stacked_in, jnp.arange(n, dtype=jnp.uint32),
-                                          args)
+      out, written, shared, made = mapped(stacked_in, jnp.arange(n, dtype=jnp.uint32), args)
     except ValueError as e:
       if not record.get("shared") or "out_axes" not in str(e):
         raise
@@ -200,12 +280,17 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
     write_back(variables, changed, what)
     if type(out) is ModulesOut:
       out = _stacked_outputs(what, out, n, _stack_class, metadata_params, out_axes).rebuild(
-          split_call((module,), {})[0])
+        split_call((module,), {})[0]
+      )
     if "structure" in record:
       record["structure"].apply(
-          split_call((module,), {})[0], variables, made, stacked_axis=0,
-          partition_name=(metadata_params or {}).get("partition_name"),
-          keep_metadata=True)
+        split_call((module,), {})[0],
+        variables,
+        made,
+        stacked_axis=0,
+        partition_name=(metadata_params or {}).get("partition_name"),
+        keep_metadata=True,
+      )
     return out
 
   compiled = compiled_when_eager(wrapper)
@@ -214,9 +299,18 @@ def _vmap_function(fn: Callable, *, what, rules, in_axes, out_axes, axis_size, a
   def call(*args, **kwargs):
     if not args and not any(map(is_node, jax.tree.leaves(kwargs, is_leaf=is_node))):
       # nnx's `init_vmap()`: nothing to map, `axis_size=` says how many to build
-      return _vmap_creating(fn, (), kwargs, _stack_class, what=what, in_axes=in_axes,
-                            out_axes=out_axes, axis_size=axis_size, axis_name=axis_name,
-                            metadata_params=metadata_params)
+      return _vmap_creating(
+        fn,
+        (),
+        kwargs,
+        _stack_class,
+        what=what,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        axis_size=axis_size,
+        axis_name=axis_name,
+        metadata_params=metadata_params,
+      )
     return compiled(*args, **kwargs)
 
   return call
@@ -234,15 +328,16 @@ def _refuse_mapping_plain(what, lifted, plan, variables, stacked) -> None:
     path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
     kind = filter_repr(type(var))
     raise TransformError(
-        f"{what}: `{path}` ({type(var).__name__}, shape {tuple(jnp.shape(var._value))}) belongs to a "
-        "plain module and carries no layer axis, but the default variable_axes="
-        "{True: 0} would map its axis 0 alongside the inputs, giving each example one "
-        "slice of it. Nothing was run. Fix: to apply the same module to every example, "
-        "pass `variable_broadcast=True` (read-only; or e.g. "
-        f"`variable_broadcast={kind}`); for an ensemble of independently initialised "
-        "modules, build it with the class form (`sr.vmap(Block, axis_size=n)(...)`) or "
-        "`sr.stack(layers)`; to map this variable on purpose, give the rule explicitly "
-        f"(`variable_axes={{{kind}: 0}}`).")
+      f"{what}: `{path}` ({type(var).__name__}, shape {tuple(jnp.shape(var._value))}) belongs to a "
+      "plain module and carries no layer axis, but the default variable_axes="
+      "{True: 0} would map its axis 0 alongside the inputs, giving each example one "
+      "slice of it. Nothing was run. Fix: to apply the same module to every example, "
+      "pass `variable_broadcast=True` (read-only; or e.g. "
+      f"`variable_broadcast={kind}`); for an ensemble of independently initialised "
+      "modules, build it with the class form (`sr.vmap(Block, axis_size=n)(...)`) or "
+      "`sr.stack(layers)`; to map this variable on purpose, give the rule explicitly "
+      f"(`variable_axes={{{kind}: 0}}`)."
+    )
 
 
 def _refuse_shared_write(what, lifted, variables, written) -> None:
@@ -254,13 +349,14 @@ def _refuse_shared_write(what, lifted, variables, written) -> None:
   var = variables[written[0]]
   also = f" (it also wrote to {', '.join(names[1:])})" if len(names) > 1 else ""
   raise TransformError(
-      f"{what}: the function wrote to {names[0]}, which is not mapped (broadcast or "
-      f"matched by no rule){also}, and a value written depends on the mapped axis, so "
-      "each layer's write may differ. Nothing was written. (A write that does not depend "
-      "on it, e.g. a step counter, is kept: the caller sees the one value.) Fix: map it "
-      "with "
-      f"`variable_axes={{{var.collection!r}: 0}}`, or write a value that does not "
-      "depend on the mapped inputs.") from None
+    f"{what}: the function wrote to {names[0]}, which is not mapped (broadcast or "
+    f"matched by no rule){also}, and a value written depends on the mapped axis, so "
+    "each layer's write may differ. Nothing was written. (A write that does not depend "
+    "on it, e.g. a step counter, is kept: the caller sees the one value.) Fix: map it "
+    "with "
+    f"`variable_axes={{{var.collection!r}: 0}}`, or write a value that does not "
+    "depend on the mapped inputs."
+  ) from None
 
 
 def _vmapped_init(init: Callable, options: dict) -> Callable:
@@ -277,12 +373,14 @@ def _vmapped_init(init: Callable, options: dict) -> Callable:
   @functools.wraps(init)
   def wrapper(self, *args, **kwargs):
     cls = type(self)
-    axes = (list(in_axes[1:]) if isinstance(in_axes, (tuple, list)) else
-            [in_axes] * len(args))
+    axes = list(in_axes[1:]) if isinstance(in_axes, (tuple, list)) else [in_axes] * len(args)
     holds = [any(map(is_node, jax.tree.leaves(a, is_leaf=is_node))) for a in args]
-    nodes = {"args": {j: a for j, (a, h) in enumerate(zip(args, holds)) if h},
-             "kwargs": {k: v for k, v in kwargs.items()
-                        if any(map(is_node, jax.tree.leaves(v, is_leaf=is_node)))}}
+    nodes = {
+      "args": {j: a for j, (a, h) in enumerate(zip(args, holds)) if h},
+      "kwargs": {
+        k: v for k, v in kwargs.items() if any(map(is_node, jax.tree.leaves(v, is_leaf=is_node)))
+      },
+    }
     plain_kwargs = {k: v for k, v in kwargs.items() if k not in nodes["kwargs"]}
     rest = [j for j, h in enumerate(holds) if not h]
 

@@ -17,8 +17,9 @@ from ._outputs import ModulesOut
 from ._rules import STACKED, TransformError
 
 
-def _vmap_creating(fn, args, kwargs, stack_class, *, what, in_axes, out_axes, axis_size,
-                   axis_name, metadata_params):
+def _vmap_creating(
+  fn, args, kwargs, stack_class, *, what, in_axes, out_axes, axis_size, axis_name, metadata_params
+):
   """``sr.vmap(f)(*args)`` where no argument holds a module, or ``sr.vmap(f,
   axis_size=n)()`` with no argument at all: ``jax.vmap(f)``, and the modules ``f``
   returns come out as stacks, as nnx's ``nnx.vmap(lambda key: Block(nnx.Rngs(key)))(
@@ -33,12 +34,15 @@ def _vmap_creating(fn, args, kwargs, stack_class, *, what, in_axes, out_axes, ax
     with tracing_user_code(what):
       out = fn(*call_args, **kwargs)
     leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_node)
-    placed = [(path, axis) for path, leaf, axis in _leaf_axes(out_axes, out, what)
-              if is_node(leaf)]
+    placed = [(path, axis) for path, leaf, axis in _leaf_axes(out_axes, out, what) if is_node(leaf)]
     nodes = [leaf for leaf in leaves if is_node(leaf)]
     graphdef, variables = flatten(nodes)
-    record["info"] = (graphdef, treedef, placed,
-                      {i for i, leaf in enumerate(leaves) if is_node(leaf)})
+    record["info"] = (
+      graphdef,
+      treedef,
+      placed,
+      {i for i, leaf in enumerate(leaves) if is_node(leaf)},
+    )
     # The modules leave as their Variables' values (mapped axis in front, moved after);
     # the rest keeps its structure, modules left out, so out_axes fits it as jax's.
     rest = jax.tree.map(lambda x: None if is_node(x) else x, out, is_leaf=is_node)
@@ -46,35 +50,43 @@ def _vmap_creating(fn, args, kwargs, stack_class, *, what, in_axes, out_axes, ax
 
   ins = tuple(in_axes) if isinstance(in_axes, list) else in_axes
   try:
-    values, rest = jax.vmap(one, in_axes=ins, out_axes=(0, out_axes),
-                            axis_size=axis_size, axis_name=axis_name)(*args)
+    values, rest = jax.vmap(
+      one, in_axes=ins, out_axes=(0, out_axes), axis_size=axis_size, axis_name=axis_name
+    )(*args)
   except ValueError as e:
     if isinstance(e, TransformError) or not any(
-        word in str(e) for word in ("axis size", "axis_size", "in_axes")):
+      word in str(e) for word in ("axis size", "axis_size", "in_axes")
+    ):
       raise
     raise TransformError(
-        f"{what}: {e} No argument holds a module, so this maps the function over its "
-        "arguments as `jax.vmap` does (the modules it returns come out stacked). Fix "
-        "in_axes, or pass `axis_size=` when nothing is mapped; to map a module's "
-        "variables, argument 0 must be the module.") from None
+      f"{what}: {e} No argument holds a module, so this maps the function over its "
+      "arguments as `jax.vmap` does (the modules it returns come out stacked). Fix "
+      "in_axes, or pass `axis_size=` when nothing is mapped; to map a module's "
+      "variables, argument 0 must be the module."
+    ) from None
   graphdef, treedef, placed, positions = record["info"]
   others = jax.tree.leaves(rest)
   if not positions:
     return jax.tree.unflatten(treedef, others)
   n = jnp.shape(values[0])[0] if values else axis_size
   multi = len(placed) > 1
-  axes = [_placed_axis(what, placed[path[0]] if multi else placed[0],
-                       path[1:] if multi else path, value)
-          for path, value in zip(graphdef.var_paths, values)]
+  axes = [
+    _placed_axis(what, placed[path[0]] if multi else placed[0], path[1:] if multi else path, value)
+    for path, value in zip(graphdef.var_paths, values)
+  ]
   root_axes: dict = {}
   for path, axis in zip(graphdef.var_paths, axes):
     root_axes.setdefault(path[0] if multi else 0, axis)
   values = [jnp.moveaxis(v, 0, axis) for v, axis in zip(values, axes)]
   name = (metadata_params or {}).get("partition_name")
-  classes = {j: stack_class(d[1], n, root_axes.get(j, 0)) for j, d in
-             enumerate(graphdef.tree) if d[0] == _NODE and n is not None}
-  graphdef = rewrite(graphdef, root_classes=classes,
-                     metadata=lambda i, m: mark_frozen(m, axes[i], name))
+  classes = {
+    j: stack_class(d[1], n, root_axes.get(j, 0))
+    for j, d in enumerate(graphdef.tree)
+    if d[0] == _NODE and n is not None
+  }
+  graphdef = rewrite(
+    graphdef, root_classes=classes, metadata=lambda i, m: mark_frozen(m, axes[i], name)
+  )
   roots, _ = unflatten(graphdef, values)
   merged, nodes, rest = [], iter(roots), iter(others)
   for i in range(len(positions) + len(others)):
@@ -99,9 +111,10 @@ def _leaf_axes(out_axes, out, what: str | None = None) -> list:
     if what is None:
       raise
     raise TransformError(
-        f"{what}: out_axes={out_axes!r} is not a prefix of the function's output "
-        f"({jax.tree_util.tree_structure(out, is_leaf=is_node)}): {e} Fix: give one "
-        "axis (e.g. `out_axes=0`), or a tuple / dict shaped like the output.") from None
+      f"{what}: out_axes={out_axes!r} is not a prefix of the function's output "
+      f"({jax.tree_util.tree_structure(out, is_leaf=is_node)}): {e} Fix: give one "
+      "axis (e.g. `out_axes=0`), or a tuple / dict shaped like the output."
+    ) from None
   return found
 
 
@@ -114,16 +127,18 @@ def _placed_axis(what, placed, var_path, value) -> int:
   ndim = jnp.ndim(value)
   if axis is None:
     raise TransformError(
-        f"{what}: {where} is a module made inside the function, and out_axes gives it "
-        "None (not mapped), but each index builds its own, so it comes out as a stack "
-        "along the mapped axis. Fix: give it an axis (`out_axes=0` puts the layer axis "
-        "in front).")
+      f"{what}: {where} is a module made inside the function, and out_axes gives it "
+      "None (not mapped), but each index builds its own, so it comes out as a stack "
+      "along the mapped axis. Fix: give it an axis (`out_axes=0` puts the layer axis "
+      "in front)."
+    )
   if not isinstance(axis, int) or not -ndim <= axis < ndim:
     raise TransformError(
-        f"{what}: out_axes puts the mapped axis of {where} at {axis!r}, but its "
-        f"Variable `{format_path(var_path)}` has {ndim} axes with it (shape "
-        f"{tuple(jnp.shape(value))}, mapped axis in front). Fix: give an axis in "
-        f"{-ndim}..{ndim - 1}.")
+      f"{what}: out_axes puts the mapped axis of {where} at {axis!r}, but its "
+      f"Variable `{format_path(var_path)}` has {ndim} axes with it (shape "
+      f"{tuple(jnp.shape(value))}, mapped axis in front). Fix: give an axis in "
+      f"{-ndim}..{ndim - 1}."
+    )
   return axis % ndim
 
 
@@ -154,36 +169,47 @@ def _check_returned_inputs(what, out, out_axes, rebuilt, plan, values) -> None:
         continue
       at = jax.tree_util.keystr(path)
       full = at + ("." if at else "") + format_path(var_path) if var_path else at
-      also = (f"map the Variable along axis {axis} on the way in too (`variable_axes="
-              f"{{{filter_repr(type(var))}: {axis}}}`), " if isinstance(axis, int) and
-              -ndim <= axis < ndim else "")
+      also = (
+        f"map the Variable along axis {axis} on the way in too (`variable_axes="
+        f"{{{filter_repr(type(var))}: {axis}}}`), "
+        if isinstance(axis, int) and -ndim <= axis < ndim
+        else ""
+      )
       raise TransformError(
-          f"{what}: the function returns `{full or '<root>'}` "
-          f"({type(var).__name__}, shape {tuple(jnp.shape(values[i]))}) of its module "
-          f"argument, where out_axes puts the mapped axis at {axis!r}, but "
-          f"variable_axes maps that Variable along axis {mapped}. A module passed in "
-          "comes back as the caller's own object, laid out as variable_axes maps it, "
-          "so out_axes cannot move its axis (nnx: inconsistent aliasing). Nothing was "
-          f"changed. Fix: give {f'the output `{at}`' if at else 'that output'} "
-          f"`out_axes={mapped}`, {also}or do not return the module (the caller holds "
-          "it already).")
+        f"{what}: the function returns `{full or '<root>'}` "
+        f"({type(var).__name__}, shape {tuple(jnp.shape(values[i]))}) of its module "
+        f"argument, where out_axes puts the mapped axis at {axis!r}, but "
+        f"variable_axes maps that Variable along axis {mapped}. A module passed in "
+        "comes back as the caller's own object, laid out as variable_axes maps it, "
+        "so out_axes cannot move its axis (nnx: inconsistent aliasing). Nothing was "
+        f"changed. Fix: give {f'the output `{at}`' if at else 'that output'} "
+        f"`out_axes={mapped}`, {also}or do not return the module (the caller holds "
+        "it already)."
+      )
 
 
-def _stacked_outputs(what, out: ModulesOut, n: int, stack_class, metadata_params,
-                     out_axes) -> ModulesOut:
+def _stacked_outputs(
+  what, out: ModulesOut, n: int, stack_class, metadata_params, out_axes
+) -> ModulesOut:
   """``out`` with the Variables made inside marked as stacked (layer axis where the
   int ``out_axes`` put them) and each module made inside and returned of its stacked
   class; as it is for ``out_axes=None`` (nothing mapped: not a stack)."""
   if out_axes is None:
     return out
   graphdef, treedef, positions, n_roots, n_variables = out.info
-  axes = [_placed_axis(what, ((), out_axes), path, value) for path, value in
-          zip(graphdef.var_paths[n_variables:], out.values)]
+  axes = [
+    _placed_axis(what, ((), out_axes), path, value)
+    for path, value in zip(graphdef.var_paths[n_variables:], out.values)
+  ]
   name = (metadata_params or {}).get("partition_name")
-  classes = {j: stack_class(d[1], n, axes[0] if axes else 0)
-             for j, d in enumerate(graphdef.tree)
-             if j >= n_roots and d[0] == _NODE}
-  graphdef = rewrite(graphdef, root_classes=classes, metadata=lambda i, m: (
-      mark_frozen(m, axes[i - n_variables], name) if i >= n_variables else m))
-  return ModulesOut(out.leaves, out.values, (graphdef, treedef, positions, n_roots,
-                                             n_variables))
+  classes = {
+    j: stack_class(d[1], n, axes[0] if axes else 0)
+    for j, d in enumerate(graphdef.tree)
+    if j >= n_roots and d[0] == _NODE
+  }
+  graphdef = rewrite(
+    graphdef,
+    root_classes=classes,
+    metadata=lambda i, m: mark_frozen(m, axes[i - n_variables], name) if i >= n_variables else m,
+  )
+  return ModulesOut(out.leaves, out.values, (graphdef, treedef, positions, n_roots, n_variables))
