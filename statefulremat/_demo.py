@@ -190,16 +190,12 @@ def _write_outputs(model, losses: list[float], out: Path) -> dict[str, Path]:
 
   matplotlib.use("Agg")  # files only: no window, on any machine
   import matplotlib.pyplot as plt
-  import treescope
-
-  from .display._display import stacked_arrays
 
   checkpoint = out / "checkpoint"
   sr.save(checkpoint, model)
 
   page = out / "stacked_state.html"
-  with treescope.active_autovisualizer.set_scoped(stacked_arrays):
-    page.write_text(treescope.render_to_html(model.blocks), encoding="utf-8")
+  sr.display(model.blocks, path=page)  # draws as it loads; its text where no script runs
 
   plot = out / "loss.png"
   fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -1,7 +1,9 @@
 """treescope's HTML for a 100-layer remat_scan model with BatchNorm, in a real headless
 Chromium (Debian's chromium and chromedriver, driven by selenium): it draws, the class
 names and the named layer axis are visible, and a folded Param unfolds on a click into
-an array figure whose layer axis is labelled."""
+an array figure whose layer axis is labelled. The page ``sr.display(model, path=...)``
+writes draws a stacked BatchStat as one layers × features image in a screenshot, and
+with JavaScript off shows the tree as text, not "(Loading...)"."""
 
 import importlib.util
 import os
@@ -19,7 +21,7 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 WIDTH, HEIGHT = 1280, 1024
 LAYERS, FEATURES = 100, 8
 TIMEOUT = 30  # seconds: only ever reached when something is broken
-# The figure's axis label, e.g. "layers (axis 0): 100".
+# A figure's axis over all the layers, e.g. "layers (axis 0): 100", "layers: 100".
 FIGURE_LABEL = re.compile(rf"^layers\b.*\b{LAYERS}$", re.MULTILINE)
 
 
@@ -51,13 +53,16 @@ def require_browser():
   )
 
 
-@pytest.fixture(scope="module")
-def driver():
+def start_browser(javascript: bool = True):
   require_browser()
   from selenium import webdriver
   from selenium.webdriver.chrome.service import Service
 
   options = webdriver.ChromeOptions()
+  if not javascript:
+    options.add_experimental_option(
+      "prefs", {"profile.managed_default_content_settings.javascript": 2}
+    )
   options.binary_location = CHROMIUM
   for arg in (
     "--headless=new",
@@ -73,7 +78,12 @@ def driver():
     # and SE_CHROMEDRIVER would override the Service's path.
     env.setenv("SE_OFFLINE", "true")
     env.delenv("SE_CHROMEDRIVER", raising=False)
-    browser = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    return webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+
+
+@pytest.fixture(scope="module")
+def driver():
+  browser = start_browser()
   try:
     yield browser
   finally:
@@ -137,7 +147,9 @@ def test_class_names_and_layer_axis_are_visible(driver, url, model):
 
   root = open_page(driver, url)
   labels = [e.text for e in shown(root.find_elements(By.CSS_SELECTOR, ".foldable_node > label"))]
-  for name in (type(model).__name__, "Linear", "BatchNorm", "Param", "BatchStat"):
+  # The root names the user's class and the layer count, not the generated class.
+  assert f"RematScan[NormBlock] × {LAYERS}(" in labels[0], labels[0]
+  for name in ("Linear", "BatchNorm", "Param", "BatchStat"):
     assert any(name in label for label in labels), (name, labels)
   # Every stacked variable (Linear's 2 Params, BatchNorm's 2 Params and 2 BatchStats)
   # shows its layer axis by name in its summary.
@@ -163,26 +175,29 @@ def test_clicking_a_folded_param_draws_its_layer_axis(driver, url, tmp_path):
     if label_of(n).text.startswith("Param") and f"layers:{LAYERS}" in n.text
   ]
   assert len(params) >= 4, "Linear's and BatchNorm's Params should show a layer axis"
-  # The longest summary is Linear's kernel: random (not constant), so its figure has
-  # many colours to check for.
-  param = max(params, key=lambda n: len(n.text))
+  # Linear's kernel: random (not constant), so its figure has many colours to check
+  # for. treescope's layout starts it folded, on one line.
+  kernel = f"float32(layers:{LAYERS}, {FEATURES}, {FEATURES})"
+  (param,) = [n for n in params if kernel in n.text]
   assert not is_open(param)
   assert not FIGURE_LABEL.search(param.text)  # folded: no figure shown
 
   label_of(param).click()
   WebDriverWait(driver, TIMEOUT).until(lambda _: is_open(param))
-  # Its value is itself folded (summary only); unfolding it draws the figure.
+  # Its value shows its summary; open (a click where treescope's layout folded it), it
+  # draws one layer with a slider over the layers, and each layer's norm.
   value = param.find_element(By.CSS_SELECTOR, ".foldable_node")
-  assert f"layers:{LAYERS}" in label_of(value).text and not is_open(value)
-  label_of(value).click()
+  assert kernel in label_of(value).text
+  if not is_open(value):
+    label_of(value).click()
   WebDriverWait(driver, TIMEOUT).until(lambda _: FIGURE_LABEL.search(value.text))
 
-  axis = [
-    e for e in shown(value.find_elements(By.CSS_SELECTOR, "div")) if FIGURE_LABEL.fullmatch(e.text)
-  ]
-  assert axis, value.text
+  texts = [e.text for e in shown(value.find_elements(By.CSS_SELECTOR, "div"))]
+  assert any(FIGURE_LABEL.fullmatch(t) for t in texts), value.text  # the norms' axis
+  assert "layers (axis 0)" in value.text  # the slider's
+  assert "L2 norm of each layer: least" in value.text
   canvas = shown(value.find_elements(By.CSS_SELECTOR, "canvas"))
-  assert canvas, "the array figure has no visible canvas"
+  assert len(canvas) == 2, "one layer's figure and the norms' strip"
   colours = driver.execute_script(
     """
       const c = arguments[0];
@@ -194,3 +209,95 @@ def test_clicking_a_folded_param_draws_its_layer_axis(driver, url, tmp_path):
   )
   assert colours > 32, f"the figure's canvas is (nearly) blank: {colours} colours"
   assert driver.save_screenshot(tmp_path / "unfolded.png")
+
+
+# -- the page sr.display writes ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def page(driver, tmp_path_factory):  # driver first: a skip builds no model
+  """The page of a model whose BatchNorm means differ by layer and feature."""
+  deep = sr.remat_scan(NormBlock, lengths=(10, 10))(FEATURES, rngs=sr.Rngs(0))
+  layer, feature = jnp.arange(LAYERS)[:, None], jnp.arange(FEATURES)[None, :]
+  deep.norm.mean.value = jnp.sin(layer / 10 + feature)
+  path = tmp_path_factory.mktemp("page") / "model.html"
+  sr.display(deep, path=path)
+  return path
+
+
+def variable_canvases(driver, root):
+  """Each figure's canvas with the label of its Variable and of its value."""
+  return driver.execute_script(
+    """
+      const out = [];
+      for (const canvas of arguments[0].querySelectorAll('canvas')) {
+        const labels = [];
+        for (let n = canvas; n && labels.length < 2; n = n.parentNode) {
+          if (n.classList && n.classList.contains('foldable_node')) {
+            labels.push(n.querySelector(':scope > label').innerText);
+          }
+        }
+        out.push([canvas, labels[1] || '', labels[0] || '']);
+      }
+      return out;""",
+    root,
+  )
+
+
+def test_the_page_draws_a_stacked_batchstat_as_one_layers_by_features_image(driver, page):
+  from PIL import Image
+  from selenium.webdriver.common.by import By
+  from selenium.webdriver.support.ui import WebDriverWait
+
+  driver.get(page.as_uri())
+  root = driver.find_element(By.CSS_SELECTOR, "treescope-container").shadow_root
+  # Drawn as it loads: no "(Loading...)" step, and the figures are open at once.
+  WebDriverWait(driver, TIMEOUT).until(
+    lambda _: len(root.find_elements(By.CSS_SELECTOR, "canvas")) >= 7
+  )
+  means = [
+    (canvas, value)
+    for canvas, variable, value in variable_canvases(driver, root)
+    if variable.startswith("BatchStat(") and " ±0.0 " not in value  # var is constant
+  ]
+  assert len(means) == 1, "the BatchStat mean should have one figure"
+  canvas, value = means[0]
+  assert value.startswith(f"<float32(layers:{LAYERS}, {FEATURES})"), value
+  # One image, the layers across (7 pixels a cell), no slider: all layers at a glance.
+  width, height = canvas.size["width"], canvas.size["height"]
+  assert LAYERS * 7 <= width < LAYERS * 7 + 40 and FEATURES * 7 <= height < FEATURES * 7 + 40
+  figure = canvas.find_element(By.XPATH, "./ancestor::*[contains(@class, 'arrayviz_container')]")
+  # The layer axis is an axis of the image ("layers (axis 0): 100"), not a slider's:
+  # the one range input is treescope's zoom.
+  assert f"layers (axis 0): {LAYERS}" in figure.text, figure.text
+  assert len(shown(figure.find_elements(By.CSS_SELECTOR, "input[type=range]"))) == 1
+
+  driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", canvas)
+  box = driver.execute_script("return arguments[0].getBoundingClientRect().toJSON();", canvas)
+  png = page.parent / "mean.png"
+  assert driver.save_screenshot(png)
+  with Image.open(png) as shot:
+    pixels = shot.convert("RGB").crop(
+      (int(box["left"]) + 8, int(box["top"]) + 8, int(box["right"]) - 8, int(box["bottom"]) - 8)
+    )
+    colours = pixels.getcolors(maxcolors=1 << 16) or []
+  painted = sum(n for n, rgb in colours if rgb != (255, 255, 255))
+  assert painted > 0.9 * pixels.width * pixels.height, "the image's box is (nearly) blank"
+  assert len(colours) > 16, f"the image has {len(colours)} colours: not a varying mean"
+
+
+def test_without_javascript_the_page_shows_the_tree_as_text(page):
+  from selenium.webdriver.common.by import By
+
+  browser = start_browser(javascript=False)
+  try:
+    browser.get(page.as_uri())
+    text = browser.find_element(By.TAG_NAME, "body").text
+    png = page.parent / "no_script.png"
+    assert browser.save_screenshot(png)
+  finally:
+    browser.quit()
+  assert "(Loading...)" not in text
+  assert text.startswith(f"RematScan[NormBlock] × {LAYERS}(\n"), text[:200]
+  assert f"mean=BatchStat(\n      value=<jax.Array float32(layers:{LAYERS}, {FEATURES}) ≈" in text
+  assert png.stat().st_size > 10_000  # the text drawn, not a blank page

@@ -66,12 +66,12 @@ def test_summary_counts_the_layers_as_the_pattern_does():
   lines = str(table).splitlines()
   # Local: 20 params a layer, at layers 0, 3, 6 and 1, 4; Global: 28, at layers 2, 5.
   assert [(r.path_text, r.class_name, r.params_text()) for r in table.rows] == [
-    ("(root)", "RematScanPattern", "156 (7 layers)"),
-    ("pattern[0]", "RematScanLocal", "60 (3 × 20)"),
+    ("(root)", "RematScan[Local, Local, Global]", "156 (7 layers)"),
+    ("pattern[0]", "RematScan[Local]", "60 (3 × 20)"),
     ("pattern[0].linear", "Linear", "60 (3 × 20)"),
-    ("pattern[1]", "RematScanLocal", "40 (2 × 20)"),
+    ("pattern[1]", "RematScan[Local]", "40 (2 × 20)"),
     ("pattern[1].linear", "Linear", "40 (2 × 20)"),
-    ("pattern[2]", "RematScanGlobal", "56 (2 × 28)"),
+    ("pattern[2]", "RematScan[Global]", "56 (2 × 28)"),
     ("pattern[2].linear", "Linear", "40 (2 × 20)"),
     ("pattern[2].norm", "LayerNorm", "16 (2 × 8)"),
   ]
@@ -79,9 +79,11 @@ def test_summary_counts_the_layers_as_the_pattern_does():
   assert table.rows[0].layers == 7
   assert table.rows[0].pattern == "7 layers: (Local, Local, Global) × 2 + (Local)"
   # The cycle once: each position's stack with the layers of the whole it holds.
-  start = lines.index("(root): RematScanPattern, 7 layers: (Local, Local, Global) × 2 + (Local)")
+  start = lines.index(
+    "(root): RematScan[Local, Local, Global], 7 layers: (Local, Local, Global) × 2 + (Local)"
+  )
   assert lines[start : start + 4] == [
-    "(root): RematScanPattern, 7 layers: (Local, Local, Global) × 2 + (Local)",
+    "(root): RematScan[Local, Local, Global], 7 layers: (Local, Local, Global) × 2 + (Local)",
     "  pattern[0]  position 0 of 3: Local, 3 layers (0, 3, 6)",
     "  pattern[1]  position 1 of 3: Local, 2 layers (1, 4)",
     "  pattern[2]  position 2 of 3: Global, 2 layers (2, 5)",
@@ -100,7 +102,7 @@ def test_summary_norms_number_each_positions_layers_as_the_stack_does():
   assert list(norms.stack_layers) == [2, 5, 8, 11, 14, 17, 20, 23]
   lines = norms.lines()
   assert lines[0] == (
-    "pattern[2]: RematScanGlobal, 8 layers (2, 5, …, 23 of the pattern "
+    "pattern[2]: RematScan[Global], 8 layers (2, 5, …, 23 of the pattern "
     "stack), L2 norm of each layer's Params"
   )
   assert [line.split()[0] for line in lines[2:]] == [str(i) for i in range(2, 26, 3)]
@@ -123,20 +125,22 @@ def test_repr_draws_the_cycle_once_with_each_position_labelled():
   before = values(stack)
   text = repr(stack)
   lines = text.splitlines()
-  assert lines[0] == ("RematScanPattern(  # 7 layers: (Local, Local, Global) × 2 + (Local)")
+  assert lines[0] == (
+    "RematScan[Local, Local, Global](  # 7 layers: (Local, Local, Global) × 2 + (Local)"
+  )
   assert lines[1] == "  pattern=("
   labels = [line.strip() for line in lines if "# position" in line]
   assert labels == [
-    "RematScanLocal(  # position 0 of 3: Local, 3 layers (0, 3, 6)",
-    "RematScanLocal(  # position 1 of 3: Local, 2 layers (1, 4)",
-    "RematScanGlobal(  # position 2 of 3: Global, 2 layers (2, 5)",
+    "RematScan[Local] × 3(  # position 0 of 3: Local, 3 layers (0, 3, 6)",
+    "RematScan[Local] × 2(  # position 1 of 3: Local, 2 layers (1, 4)",
+    "RematScan[Global] × 2(  # position 2 of 3: Global, 2 layers (2, 5)",
   ]
   # Each position's arrays once, with its own layer count on the layer axis.
   assert text.count("kernel=Param(") == 3
-  assert "float32(4, 4 | layers:3)" in text and "float32(4, 4 | layers:2)" in text
+  assert "float32(layers:3, 4, 4)" in text and "float32(layers:2, 4, 4)" in text
   # A position drawn alone keeps its label; an ordinary stack has none.
   assert repr(stack.pattern[2]).splitlines()[0] == (
-    "RematScanGlobal(  # position 2 of 3: Global, 2 layers (2, 5)"
+    "RematScan[Global] × 2(  # position 2 of 3: Global, 2 layers (2, 5)"
   )
   plain = sr.remat_scan(Local, length=3, lengths=(3,))(D, rngs=sr.Rngs(0))
   assert "#" not in repr(plain).splitlines()[0]
@@ -147,7 +151,9 @@ def test_display_and_html_label_the_positions(capsys):
   stack = gemma_like()
   sr.display(stack)
   shown = capsys.readouterr().out
-  assert shown.startswith("RematScanPattern(  # 7 layers: (Local, Local, Global) × 2 + (Local)\n")
+  assert shown.startswith(
+    "RematScan[Local, Local, Global](  # 7 layers: (Local, Local, Global) × 2 + (Local)\n"
+  )
   assert shown.count("# position") == 3
   with treescope.active_autovisualizer.set_scoped(treescope.ArrayAutovisualizer()):
     html = treescope.render_to_html(stack, compressed=False)
@@ -165,7 +171,7 @@ def test_an_edited_pattern_stack_says_what_it_holds():
   stack = gemma_like()
   stack.pattern = (stack.pattern[2], stack.pattern[0], stack.pattern[2])  # 2, 3, 2
   assert repr(stack).splitlines()[0] == (
-    "RematScanPattern(  # 7 layers, not one pattern: its positions hold [2, 3, 2]"
+    "RematScan[Local, Local, Global](  # 7 layers, not one pattern: its positions hold [2, 3, 2]"
   )
 
 

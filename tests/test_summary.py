@@ -127,6 +127,52 @@ Total                  72         288 B               64 B"""
   assert "hidden  Linear" in html
 
 
+def test_a_stack_is_named_as_the_transform_over_the_users_class():
+  class Body(sr.Module):
+    def __init__(self, dim, *, rngs):
+      self.linear = sr.nn.Linear(dim, dim, kernel_init=jax.nn.initializers.ones, rngs=rngs)
+
+    def __call__(self, x):
+      return self.linear(x)
+
+  class Model(sr.Module):
+    def __init__(self, rngs):
+      self.blocks = sr.remat_scan(Body, lengths=(3,))(2, rngs=rngs)
+      self.ensemble = sr.vmap(sr.nn.Linear, axis_size=2)(
+        2, 2, use_bias=False, kernel_init=jax.nn.initializers.ones, rngs=rngs
+      )
+
+    def __call__(self, x):
+      return self.ensemble(self.blocks(x))
+
+  table = sr.summary(Model(sr.Rngs(0)), jnp.ones((2, 5, 2)))
+  # Not the generated RematScanBody and VmapLinear: the transform and the user's class.
+  assert (
+    str(table)
+    == """\
+path           class                params  params bytes  output
+------------------------------------------------------------------------
+(root)         Model                    26         104 B  float32[2,5,2]
+blocks         RematScan[Body]  18 (3 × 6)          72 B  float32[2,5,2]
+blocks.linear  Linear           18 (3 × 6)          72 B  float32[2,5,2]
+ensemble       Vmap[Linear]      8 (2 × 4)          32 B  float32[2,5,2]
+------------------------------------------------------------------------
+Total                                   26         104 B
+
+blocks: RematScan[Body], 3 layers, L2 norm of each layer's Params
+layer  params
+    0       2
+    1       2
+    2       2
+
+ensemble: Vmap[Linear], 2 layers, L2 norm of each layer's Params
+layer  params
+    0       2
+    1       2"""
+  )
+  assert [n.class_name for n in table.layer_norms] == ["RematScan[Body]", "Vmap[Linear]"]
+
+
 def test_repeated_calls_and_shared_modules():
   class Twice(sr.Module):
     def __init__(self, rngs):
@@ -293,7 +339,7 @@ def test_display_in_a_notebook_draws_only_stacked_arrays_as_figures(monkeypatch)
 
 
 def test_a_big_layer_is_cut_within_the_layer_never_across_layers():
-  from statefulremat.display._display import layer_slider_figure
+  from statefulremat.display._figures import layer_slider_figure
   from statefulremat.display._treescope_arrays import LayeredArray
 
   # 12 layers of 768 x 3072: every layer stays reachable by the slider; each layer's
@@ -310,7 +356,7 @@ def test_a_big_layer_is_cut_within_the_layer_never_across_layers():
 
 
 def test_display_all_arrays_slides_the_stacked_ones():
-  from statefulremat.display._display import autovisualizer
+  from statefulremat.display._figures import autovisualizer
 
   class Holder(sr.Module):
     def __init__(self):
@@ -405,7 +451,7 @@ def test_per_layer_norms_of_a_stack():
   assert stack.path == ("blocks",) and stack.grads is None
   np.testing.assert_allclose(stack.params, expected, rtol=1e-6)
   lines = str(table).split("\n")
-  start = lines.index("blocks: RematScanBlock, 20 layers, L2 norm of each layer's Params")
+  start = lines.index("blocks: RematScan[Block], 20 layers, L2 norm of each layer's Params")
   assert lines[start + 1] == "layer  params"
   assert lines[start + 2] == f"    0  {expected[0]:6.4g}"
   assert len(lines) == start + 2 + 20
@@ -461,7 +507,7 @@ def test_gradient_norms_given_grads():
     "output",
   ]
   start = lines.index(
-    "blocks: RematScanBlock, 6 layers, L2 norm of each layer's Params and gradients"
+    "blocks: RematScan[Block], 6 layers, L2 norm of each layer's Params and gradients"
   )
   assert lines[start + 1].split() == ["layer", "params", "grads"]
   assert lines[start + 2].split() == ["0", f"{stack.params[0]:.4g}", f"{expected[0]:.4g}"]

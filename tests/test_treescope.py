@@ -44,13 +44,13 @@ def test_stacked_module_names_its_layer_axis():
   assert (
     text(stack)
     == """\
-VmapTiny(
+Vmap[Tiny] × 3(
   count=BatchStat(
-    value=<jax.Array float32(| layers:3) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:3>,
+    value=<jax.Array float32(layers:3) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:3>,
   ),
   label='tiny',
   w=Param(
-    value=<jax.Array float32(2 | layers:3, embed:2) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:12>,
+    value=<jax.Array float32(layers:3, embed:2, 2) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:12>,
     sharding=('embed', None),
   ),
 )"""
@@ -62,8 +62,7 @@ def test_stacked_module_uses_the_partition_name():
     Tiny, length=4, variable_axes={sr.Param: 0}, metadata_params={"partition_name": "depth"}
   )()
   rendered = text(stack)
-  assert "float32(| depth:4, embed:2, 2)" not in rendered  # positional axes come first
-  assert "value=<jax.Array float32(2 | depth:4, embed:2)" in rendered
+  assert "value=<jax.Array float32(depth:4, embed:2, 2)" in rendered  # in .shape order
   assert "sharding=('depth', 'embed', None)" in rendered
   # The BatchStat is broadcast (not stacked): no layer axis.
   assert "count=BatchStat(value=<jax.Array(1., dtype=float32)>)" in rendered
@@ -128,7 +127,7 @@ def test_html_array_figure_labels_the_layer_axis():
   with treescope.active_autovisualizer.set_scoped(treescope.ArrayAutovisualizer()):
     html = treescope.render_to_html(stack, compressed=False)
   assert '"label": "layers (axis 0): 3"' in html
-  assert "float32(2 | layers:3, embed:2)" in html
+  assert "float32(layers:3, embed:2, 2)" in html
 
 
 def test_rendering_leaves_the_model_unchanged():
@@ -207,8 +206,8 @@ def test_parts_of_a_stack_drawn_alone_still_name_the_layer_axis():
 
   stack = sr.vmap(Holder, axis_size=3)()
   # inner.w is (3, 1, 2): the layer axis, then `embed` (1), then an unnamed 2.
-  assert "float32(2 | layers:3, embed:1)" in text(stack.inner)
-  assert "float32(2 | layers:3, embed:1)" in text(stack.inner.w)
+  assert "float32(layers:3, embed:1, 2)" in text(stack.inner)
+  assert "float32(layers:3, embed:1, 2)" in text(stack.inner.w)
   assert "layers:" not in text(Tiny(1).w)  # an ordinary Variable: no layer axis
 
 
@@ -311,22 +310,22 @@ Dropout(
 
 def test_the_demo_page_opens_on_the_layers_and_folds_the_rng_streams():
   from statefulremat._demo import ResidualMLP
-  from statefulremat.display._display import stacked_arrays
+  from statefulremat.display._figures import stacked_arrays
 
   model = ResidualMLP(100, 8, rngs=sr.Rngs(params=0, dropout=1))
   with treescope.active_autovisualizer.set_scoped(stacked_arrays):
     page = text(model.blocks)  # the layout the HTML page opens with
   assert page.startswith("""\
-RematScanBlock(
+RematScan[Block] × 100(
   drop=Dropout(
     rate=0.1,
     rngs=Rngs(params=…, dropout=…),
     # 3 at defaults: broadcast_dims, deterministic, rng_collection
   ),
   fc1=Linear(
-    bias=Param(value=<float32(8 | layers:100) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:800>),
+    bias=Param(value=<float32(layers:100, 8) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:800>),
     in_features=8,
-    kernel=Param(value=<float32(8, 8 | layers:100) ≈""")
+    kernel=Param(value=<float32(layers:100, 8, 8) ≈""")
   for line in (
     "  norm=BatchNorm(\n",
     "    momentum=0.9,\n",
@@ -412,3 +411,242 @@ def test_settings_inside_a_trace_compare_without_raising():
 
   f(jnp.zeros(2))
   assert seen == [(False, False)]
+
+
+# -- the view of a stack: shapes in .shape order, statistics, figures, the root's name ---
+
+
+def zero_scan_linear():
+  Stack = sr.scan(
+    sr.nn.Linear,
+    length=4,
+    variable_axes={sr.Param: 0},
+    split_rngs={"params": True},
+    metadata_params={"partition_name": "layers"},
+  )
+  return Stack(
+    2,
+    3,
+    kernel_init=jax.nn.initializers.zeros,
+    kernel_metadata={"sharding": ("embed", "mlp")},
+    rngs=sr.Rngs(0),
+  )
+
+
+def test_a_stack_reads_in_shape_order_with_its_axes_named_in_place():
+  from statefulremat.display._display import page
+
+  stack = zero_scan_linear()
+  assert stack.kernel.shape == (4, 2, 3)
+  assert (
+    repr(stack)
+    == """\
+Scan[Linear] × 4(
+  bias=Param(
+    value=<jax.Array float32(layers:4, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:12>,
+  ),
+  in_features=2,
+  kernel=Param(
+    value=<jax.Array float32(layers:4, embed:2, mlp:3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:24>,
+    sharding=('layers', 'embed', 'mlp'),
+  ),
+  out_features=3,
+)"""
+  )
+  # The same notation in the foldable view, and in the HTML page's summaries.
+  assert "float32(layers:4, embed:2, mlp:3)" in text(stack)
+  assert "float32(layers:4, embed:2, mlp:3)" in page(stack)
+
+
+def test_a_layer_axis_not_first_is_named_where_it_is():
+  stack = sr.scan(Tiny, length=2, variable_axes={sr.Param: 1})()
+  assert stack.w.shape == (2, 2, 2)
+  assert (
+    repr(stack.w)
+    == """\
+Param(
+  value=<jax.Array float32(embed:2, layers:2, 2) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:8>,
+  sharding=('embed', None),
+)"""
+  )
+
+
+def test_a_stack_of_stacks_names_both_layer_axes_and_both_classes():
+  nested = sr.vmap(sr.scan(Tiny, length=2, variable_axes={sr.Param: 0}), axis_size=3)()
+  assert (
+    repr(nested)
+    == """\
+Vmap[Scan[Tiny] × 2] × 3(
+  count=BatchStat(
+    value=<jax.Array float32(layers:3) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:3>,
+  ),
+  label='tiny',
+  w=Param(
+    value=<jax.Array float32(layers:3, layers:2, embed:2, 2) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:24>,
+    sharding=('embed', None),
+  ),
+)"""
+  )
+
+
+def test_a_pattern_stack_names_its_classes_and_each_position_its_layers():
+  stack = sr.vmap((Tiny, Tiny), axis_size=3)()
+  assert (
+    repr(stack)
+    == """\
+Vmap[Tiny, Tiny](  # 3 layers: (Tiny, Tiny) × 1 + (Tiny)
+  pattern=(
+    Vmap[Tiny] × 2(  # position 0 of 2: Tiny, 2 layers (0, 2)
+      count=BatchStat(
+        value=<jax.Array float32(layers:2) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:2>,
+      ),
+      label='tiny',
+      w=Param(
+        value=<jax.Array float32(layers:2, embed:2, 2) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:8>,
+        sharding=('embed', None),
+      ),
+    ),
+    Vmap[Tiny] × 1(  # position 1 of 2: Tiny, 1 layer (1)
+      count=BatchStat(
+        value=<jax.Array float32(layers:1) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:1>,
+      ),
+      label='tiny',
+      w=Param(
+        value=<jax.Array float32(layers:1, embed:2, 2) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:4>,
+        sharding=('embed', None),
+      ),
+    ),
+  ),
+)"""
+  )
+
+
+def test_the_root_names_the_users_class_and_the_layer_count():
+  assert repr(sr.remat_scan(Tiny, lengths=(2, 2))()).startswith("RematScan[Tiny] × 4(\n")
+  assert text(sr.vmap(Tiny, axis_size=3)()).startswith("Vmap[Tiny] × 3(\n")
+
+  class Pair(sr.Module):
+    def __init__(self):
+      self.a = sr.vmap(Tiny, axis_size=2)()
+      self.b = self.a
+
+  lines = repr(Pair()).splitlines()
+  assert lines[1] == "  a=Vmap[Tiny] × 2("
+  assert lines[-2] == "  b=Vmap[Tiny](<shared: drawn at a>),"
+  # Roundtrip mode still names the class a program can import.
+  stack = sr.vmap(Tiny, axis_size=3)()
+  assert "VmapTiny(" in treescope.render_to_text(stack, roundtrip_mode=True)
+
+
+def test_an_unstacked_array_is_drawn_as_before():
+  assert (
+    repr(sr.Param(jnp.zeros((8, 8))))
+    == """\
+Param(
+  value=<jax.Array float32(8, 8) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:64>,
+)"""
+  )
+  assert repr(sr.Param(jnp.zeros(2))) == "Param(value=<jax.Array([0., 0.], dtype=float32)>)"
+
+
+def test_every_array_gets_its_statistics_the_big_ones_too():
+  # 160,000 entries: past treescope's 100,000, where it said "too large to summarize".
+  big = sr.Param(jnp.zeros((400, 400)))
+  assert (
+    repr(big)
+    == """\
+Param(
+  value=<jax.Array float32(400, 400) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:160_000>,
+)"""
+  )
+  assert text(big).startswith("""\
+Param(
+  value=# jax.Array float32(400, 400) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:160_000
+""")
+  stacked = sr.vmap(Tiny, axis_size=3)(40_000).w  # (3, 40000, 2): 240,000 entries
+  assert "float32(layers:3, embed:40000, 2) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:240_000>" in repr(stacked)
+
+
+def test_statistics_are_computed_once_per_array(monkeypatch):
+  from statefulremat.display import _array_stats
+
+  calls = []
+  summarize = _array_stats._summarize
+  monkeypatch.setattr(_array_stats, "_summarize", lambda a: calls.append(1) or summarize(a))
+  stack = sr.vmap(Tiny, axis_size=3)(300)
+  for _ in range(3):
+    repr(stack)
+    text(stack)
+  assert len(calls) == 2  # w and count, once each
+
+
+def html_of(obj, visualizer=None) -> str:
+  from statefulremat.display._figures import stacked_arrays
+
+  with treescope.active_autovisualizer.set_scoped(visualizer or stacked_arrays):
+    html = treescope.render_to_html(obj, compressed=False)
+  return html.replace("&quot;", '"')
+
+
+def test_a_stacked_bias_or_batchstat_is_one_layers_by_features_image():
+  stack = zero_scan_linear()
+  html = html_of(stack.bias)
+  # The whole (4, 3) array in one figure, a column per layer; no slider.
+  assert (
+    '"xAxisSpecs": [{"name": "a0", "label": "layers (axis 0): 4", "start": 0, "end": 4}], '
+    '"yAxisSpecs": [{"name": "a1", "label": "axis 1: 3", "start": 0, "end": 3}], '
+    '"slicedAxisSpecs": []'
+  ) in html
+  # A per-layer scalar: one strip of layers.
+  counts = html_of(sr.vmap(Tiny, axis_size=3)().count)
+  assert (
+    '"xAxisSpecs": [{"name": "a0", "label": "layers (axis 0): 3", "start": 0, "end": 3}], '
+    '"yAxisSpecs": [], "slicedAxisSpecs": []'
+  ) in counts
+
+
+def test_a_stacked_kernel_has_a_slider_and_each_layers_norm():
+  stack = zero_scan_linear()
+  stack.kernel.value = jnp.arange(4.0)[:, None, None] * jnp.ones((4, 2, 3))
+  html = html_of(stack.kernel)
+  # One layer (embed × mlp, named by its sharding) at a time, the layers on a slider.
+  assert (
+    '"xAxisSpecs": [{"name": "a2", "label": "mlp (axis 2): 3", "start": 0, "end": 3}], '
+    '"yAxisSpecs": [{"name": "a1", "label": "embed (axis 1): 2", "start": 0, "end": 2}], '
+    '"slicedAxisSpecs": [{"name": "a0", "label": "layers (axis 0)", "start": 0, "end": 4}]'
+  ) in html
+  # Beside it each layer's norm, a strip of layers: layer i is i * ones(2, 3), its
+  # norm i * sqrt(6).
+  assert "L2 norm of each layer: least 0 at layers[0], most 7.348 at layers[3]" in html
+  assert (
+    '"xAxisSpecs": [{"name": "a0", "label": "layers: 4", "start": 0, "end": 4}], '
+    '"yAxisSpecs": [], "slicedAxisSpecs": []'
+  ) in html
+
+
+def test_under_treescopes_array_autovisualizer_a_stack_is_drawn_as_ours():
+  # What `treescope.basic_interactive_setup()` turns on in a notebook.
+  stack = zero_scan_linear()
+  html = html_of(stack, treescope.ArrayAutovisualizer())
+  assert '"label": "layers (axis 0): 4"' in html  # the bias, one image
+  assert "L2 norm of each layer: least" in html  # the kernel, a slider and norms
+  plain = html_of(Tiny(), treescope.ArrayAutovisualizer())
+  assert "L2 norm" not in plain and '"label": "axis 0: 2"' in plain
+
+
+def test_the_page_draws_as_it_loads_and_carries_its_text(tmp_path):
+  from statefulremat.display._display import page
+
+  stack = sr.vmap(Tiny, axis_size=3)()
+  path = tmp_path / "stack.html"
+  sr.display(stack, path=path)
+  html = path.read_text(encoding="utf-8")
+  assert html.split("<treescope-container")[0] == page(stack).split("<treescope-container")[0]
+  assert html.startswith('<!DOCTYPE html>\n<html><head><meta charset="utf-8">')
+  noscript = html[html.index("<noscript>") : html.index("</noscript>")]
+  assert noscript == (
+    '<noscript><pre class="sr-text">'
+    + repr(stack).replace("<", "&lt;").replace(">", "&gt;").replace("'", "&#x27;")
+    + "</pre>"
+  )
+  assert "Vmap[Tiny] × 3</span>(" in html.split("</noscript>")[1]  # the tree, not deflated

@@ -15,15 +15,25 @@
 # its layer axis, so a `(100, 8, 8)` kernel reads as 100 layers of `8 x 8`, not as a
 # three-dimensional weight. This tutorial prints a small model, a stacked one, its
 # summary table and one of its layers, and writes the interactive view to an HTML file.
+#
+# In a notebook, one line makes treescope draw every output, arrays as figures:
+# `treescope.basic_interactive_setup(autovisualize_arrays=True)` (a script has no
+# notebook to set up, so this one skips it).
 
 # %%
+import builtins
+
+import treescope
+
+if hasattr(builtins, "get_ipython"):  # in a notebook (IPython), not as a script
+  treescope.basic_interactive_setup(autovisualize_arrays=True)
+
 import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import treescope
 
 import statefulremat as sr
 
@@ -57,11 +67,13 @@ print(treescope.render_to_text(sr.state(layer)))
 # ## A stacked model names its layer axis
 #
 # `sr.display` draws a model: in a notebook as a foldable tree where stacked arrays are
-# figures with the layer axis labelled; in a script it prints the text. In the text,
-# axes after the `|` are named: `float32(8 | layers:12)` is a bias of 8 features in each
-# of 12 layers, and the kernel's other two axes take their names from its `sharding`
-# metadata. The layer axis is called `layers` unless `metadata_params={"partition_name":
-# ...}` names it otherwise.
+# figures with the layer axis labelled; in a script it prints the text. Shapes read in
+# `.shape` order with each named axis named in place: `float32(layers:12, 8)` is a bias
+# of 8 features in each of 12 layers, and the kernel's other two axes take their names
+# from its `sharding` metadata: `float32(layers:12, embed:8, mlp:8)`. The layer axis is
+# called `layers` unless `metadata_params={"partition_name": ...}` names it otherwise.
+# The stack names the class it stacks and how many layers: `Scan[Block] × 12`. Every
+# array shows its statistics (mean, standard deviation, range), the big ones too.
 
 
 # %%
@@ -133,13 +145,14 @@ print(repr(layer3.norm.mean))
 # %% [markdown]
 # ## The interactive view as an HTML file
 #
-# `treescope.render_to_html` returns a self-contained page: open it in a browser to fold
-# and unfold the tree. Under treescope's array autovisualizer, stacked arrays are drawn
-# as figures with the layer axis labelled.
+# `sr.display(model, path=...)` writes a self-contained page: open it in a browser to
+# fold and unfold the tree. A stacked array whose layer is 0-d or 1-d (a bias, the
+# BatchNorm statistics) is drawn as one layers × features image, so how the layers
+# differ shows at a glance; a bigger one (a kernel) one layer at a time with a slider,
+# the L2 norm of each layer beside it. Where no script runs (JavaScript off, a static
+# preview) the page shows the tree as text.
 
 # %%
-with treescope.active_autovisualizer.set_scoped(treescope.ArrayAutovisualizer()):
-  html = treescope.render_to_html(net)
 path = OUT / "05_net.html"
-path.write_text(html)
-print(f"wrote {path} ({len(html) / 1024:.0f} KiB)")
+sr.display(net, path=path)
+print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")

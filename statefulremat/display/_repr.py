@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 
 def value_summary(value) -> str:
@@ -52,7 +53,7 @@ def pattern_text(stack) -> str | None:
 
   cls = _pattern_of(stack)
   counts = _position_counts(stack) if cls is not None else None
-  if counts is None:
+  if cls is None or counts is None:
     return None
   names, n, p = list(cls._sr_names), sum(counts), len(counts)
   full, rest = divmod(n, p)
@@ -60,6 +61,53 @@ def pattern_text(stack) -> str | None:
     return f"{n} layers, not one pattern: its positions hold {counts}"
   text = f"{n} layers: ({', '.join(names)}) × {full}"
   return text + (f" + ({', '.join(names[:rest])})" if rest else "")
+
+
+def class_text(cls: type) -> str:
+  """How a class is named on screen: a stack's class (made by a transform's class
+  form) as the transform over the user's class, ``RematScan[Block]`` (the generated
+  ``RematScanBlock`` is named after neither); a pattern stack's over its classes,
+  ``RematScan[Local, Local, Global]``; a stack of stacks nests, with the inner
+  stack's layer count where its class knows it, ``Vmap[Scan[Block] × 12]``; any other
+  class by its name.
+
+  >>> import statefulremat as sr
+  >>> from statefulremat.display._repr import class_text
+  >>> class_text(sr.vmap(sr.nn.Linear, axis_size=3)), class_text(sr.nn.Linear)
+  ('Vmap[Linear]', 'Linear')
+  """
+  own = cls.__dict__
+  if "_sr_positions" in own:  # a pattern stack: `{label}Pattern` over its classes
+    label = cls.__name__.removesuffix("Pattern")
+    return f"{label}[{', '.join(own['_sr_names'])}]"
+  inner = own.get("_sr_layer_class")
+  if not isinstance(inner, type):
+    return cls.__name__
+  label = cls.__name__.removesuffix(inner.__name__)
+  of = class_text(inner)
+  if isinstance(inner.__dict__.get("_sr_length"), int):  # a stack of stacks
+    of = f"{of} × {inner.__dict__['_sr_length']}"
+  return f"{label or cls.__name__}[{of}]"
+
+
+def module_text(module) -> str:
+  """``class_text`` of ``module``'s class, with a stack's layer count:
+  ``RematScan[Block] × 100``. A pattern stack's count is in its ``pattern_text``.
+
+  >>> import statefulremat as sr
+  >>> from statefulremat.display._repr import module_text
+  >>> module_text(sr.vmap(sr.nn.Linear, axis_size=3)(2, 2, rngs=sr.Rngs(0)))
+  'Vmap[Linear] × 3'
+  """
+  from ..core._stacks import is_stacked
+
+  name = class_text(type(module))
+  if not is_stacked(module):
+    return name
+  try:
+    return f"{name} × {len(module)}"
+  except Exception:  # a display never raises: a stack with no stacked Variable
+    return name
 
 
 def position_text(position) -> str | None:
@@ -85,7 +133,8 @@ def _position_counts(stack) -> list[int] | None:
   if not isinstance(positions, tuple) or not positions:
     return None
   counts = [_layer_count(position) for position in positions]
-  return None if None in counts else counts
+  known = [n for n in counts if n is not None]
+  return known if len(known) == len(counts) else None
 
 
 def _layer_count(position) -> int | None:
@@ -247,11 +296,7 @@ def _is_array(x) -> bool:
 
 
 def _same_array(a, b) -> bool:
-  if (
-    not (_is_array(a) and _is_array(b))
-    or isinstance(a, jax.core.Tracer)
-    or isinstance(b, jax.core.Tracer)
-  ):
+  if not (_is_array(a) and _is_array(b)) or isinstance(a, Tracer) or isinstance(b, Tracer):
     return False
   if np.shape(a) != np.shape(b) or np.dtype(a.dtype) != np.dtype(b.dtype):
     return False

@@ -19,7 +19,7 @@ import dataclasses
 
 from ..core._errors import format_path
 from ..core._module import Module
-from ._repr import pattern_text, position_text
+from ._repr import class_text, pattern_text, position_text
 from ._summary_norms import LayerNorms as LayerNorms
 from ._summary_norms import Norms, columns, norm_text
 from ._summary_outputs import _at, trace_outputs
@@ -83,7 +83,7 @@ class SummaryRow:
     return f"{self.params:,} ({self.layers} × {self.params_per_layer:,}{extra})"
 
   def outputs_text(self) -> str:
-    """The output column: the distinct shapes joined by `` / `` and ``×n`` for ``n``
+    """The output column: the distinct shapes joined by ``' / '`` and ``×n`` for ``n``
     calls; ``-`` when the module was not called.
 
     >>> import statefulremat as sr
@@ -209,7 +209,7 @@ class Summary:
       out += [
         "",
         f"{row.path_text}: {row.class_name}, {row.pattern}",
-        *("  " + line for line in columns([[r.path_text, r.position] for r in below], set())),
+        *("  " + line for line in columns([[r.path_text, r.position or ""] for r in below], set())),
       ]
     for stack in self.layer_norms:
       out += ["", *stack.lines()]
@@ -287,14 +287,14 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None, **kwar
   >>> grads = sr.grad(lambda m, x: jnp.sum(m(x)))(model, x)
   >>> table = sr.summary(model, x, grads=grads)
   >>> print(table)
-  path     class            params  params bytes  params norm  grads norm  output
-  ---------------------------------------------------------------------------------------
-  (root)   Ensemble    48 (3 × 16)         192 B        6.928       17.89  float32[3,2,4]
-  members  VmapLinear  48 (3 × 16)         192 B        6.928       17.89  float32[3,2,4]
-  ---------------------------------------------------------------------------------------
-  Total                         48         192 B        6.928       17.89
+  path     class              params  params bytes  params norm  grads norm  output
+  -----------------------------------------------------------------------------------------
+  (root)   Ensemble      48 (3 × 16)         192 B        6.928       17.89  float32[3,2,4]
+  members  Vmap[Linear]  48 (3 × 16)         192 B        6.928       17.89  float32[3,2,4]
+  -----------------------------------------------------------------------------------------
+  Total                           48         192 B        6.928       17.89
   <BLANKLINE>
-  members: VmapLinear, 3 layers, L2 norm of each layer's Params and gradients
+  members: Vmap[Linear], 3 layers, L2 norm of each layer's Params and gradients
   layer  params  grads
       0       4      0
       1       4      8
@@ -361,7 +361,7 @@ def _row(module: ModuleEntry, variables, outputs, norms: Norms, obj) -> SummaryR
     n, per_layer, unstacked = len(obj), 0, 0
   return SummaryRow(
     module.path,
-    module.cls.__name__,
+    class_text(module.cls),
     params,
     sizes,
     n,

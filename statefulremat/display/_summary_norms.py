@@ -14,9 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from ..core._errors import format_path
-from ._repr import layer_numbers
+from ._repr import class_text, layer_numbers
 from ._summary_walk import Description
 
 
@@ -49,7 +50,8 @@ class LayerNorms:
     """A title and one line per layer; past ``show`` layers, the first and last 8,
     and the layers with the largest norms, ``…`` between them."""
     layers = len(self.params)
-    has_grads = self.grads is not None
+    grads = self.grads
+    has_grads = grads is not None
     numbers = self.stack_layers if self.stack_layers is not None else range(layers)
     of_stack = (
       f" ({layer_numbers(self.stack_layers)} of the pattern stack)"
@@ -63,8 +65,8 @@ class LayerNorms:
     keep = set(range(layers))
     if layers > show:
       keep = {*range(8), *range(layers - 8, layers), int(np.nanargmax(self.params))}
-      if has_grads:
-        keep.add(int(np.nanargmax(self.grads)))
+      if grads is not None:
+        keep.add(int(np.nanargmax(grads)))
     header = ["layer", "params", *(["grads"] * has_grads)]
     body, last = [], -1
     for i in sorted(keep):
@@ -74,7 +76,7 @@ class LayerNorms:
         [
           str(numbers[i]),
           norm_text(self.params[i]),
-          *([norm_text(self.grads[i])] if has_grads else []),
+          *([norm_text(grads[i])] if grads is not None else []),
         ]
       )
       last = i
@@ -137,7 +139,7 @@ class Norms:
       out.append(
         LayerNorms(
           module.path,
-          module.cls.__name__,
+          class_text(module.cls),
           params,
           grads,
           range(k, k + p * len(params), p) if p > 1 else None,
@@ -176,7 +178,13 @@ def _grads_by_path(grads, params) -> dict[tuple, Any]:
     )
   shapes = {e.path: np.shape(e.variable._value) for _, e in params}
   out = {}
-  for path, g in flat().items():
+  flat_grads = flat()
+  if not isinstance(flat_grads, dict):
+    raise TypeError(
+      f"sr.summary(..., grads=...): `grads.flat()` gave a {type(flat_grads).__name__}, "
+      "not a dict of paths to arrays. Fix: pass the State sr.grad returns."
+    )
+  for path, g in flat_grads.items():
     if path not in shapes:
       raise ValueError(
         f"sr.summary(..., grads=...): `{format_path(path)}` is not a Param of this "
@@ -202,7 +210,7 @@ def _squares(x, layer_axis):
 
 
 def _is_concrete(value) -> bool:
-  if isinstance(value, jax.core.Tracer) or not isinstance(value, (jax.Array, np.ndarray)):
+  if isinstance(value, Tracer) or not isinstance(value, (jax.Array, np.ndarray)):
     return False
   return not (isinstance(value, jax.Array) and value.is_deleted())
 

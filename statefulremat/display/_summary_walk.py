@@ -204,6 +204,7 @@ class _Graph:
     key: list[tuple] = [()] * len(self.objects)
     for i in range(1, len(self.objects)):
       m = self.owner[i]
+      assert m is not None  # every object but the root has an owner
       key[i] = key[m] + (rank[m][self.paths[i][len(self.paths[m])]], i)
     return sorted(range(len(self.objects)), key=key.__getitem__)
 

@@ -1,14 +1,17 @@
 """treescope rendering of modules, variables and State.
 
 Every object renders through ``__treescope_repr__`` and ``treescope.repr_lib`` (no
-treescope internals); Variables are coloured by collection. Two things are ours:
+treescope internals); Variables are coloured by collection. Three things are ours:
 
-* a stacked module (the class forms of scan, remat_scan and vmap) shows each stacked
-  variable's layer axis by name, penzai-style: ``float32(8, 8 | layers:6)``, or with
-  ``sharding`` names ``float32(| layers:6, embed:8, mlp:8)``. The name is the stack's
-  partition name, else ``layers``. The value is wrapped in a ``LayeredArray``, which
-  treescope's array visualiser reads through an ``NDArrayAdapter``, so the HTML figure
-  labels its axes with the same names;
+* a stacked module (the class forms of scan, remat_scan and vmap) names the user's
+  class and its layer count, ``RematScan[Block] × 100`` (not the generated
+  ``RematScanBlock``), and each stacked variable's layer axis in place, in ``.shape``
+  order: ``float32(layers:6, 8, 8)``, or with ``sharding`` names
+  ``float32(layers:6, embed:8, mlp:8)``. The name is the stack's partition name, else
+  ``layers``. The value is wrapped in a ``LayeredArray``, which treescope's array
+  visualiser reads through an ``NDArrayAdapter``, so the HTML figure labels its axes
+  with the same names;
+* every array shows its statistics, the big ones too (``_treescope_arrays``);
 * a module or Variable reached twice (shared) is drawn once, with a comment naming
   its other places (``# shared: also at tied``); later places say where it is drawn:
   ``Param(<shared: drawn at first.w>)`` (and treescope's own "repeated object"
@@ -29,6 +32,7 @@ treescope is imported on first render, so ``import statefulremat`` stays light.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from typing import Any
 
@@ -72,9 +76,9 @@ def text_repr(obj, fallback) -> str:
 
 
 def _is_tracer(value) -> bool:
-  import jax
+  from jax.core import Tracer
 
-  return isinstance(value, jax.core.Tracer)
+  return isinstance(value, Tracer)
 
 
 def _is_long(value) -> bool:
@@ -116,7 +120,7 @@ def _mark_shared(value, path: tuple, first: dict):
 
   if isinstance(value, (Module, Variable)):
     where = first.get(id(value), [path])[0]
-    return value if where == path else _SharedMark(value, where)
+    return value if where == path else SharedMark(value, where)
   if isinstance(value, (list, tuple, dict)):
     items = value.items() if isinstance(value, dict) else enumerate(value)
     marked = {k: _mark_shared(v, path + (k,), first) for k, v in items}
@@ -164,7 +168,7 @@ class _Text:
 
 
 def render_module(module, path, subtree_renderer):
-  from ._repr import pattern_text, position_text, settings_at_defaults
+  from ._repr import module_text, pattern_text, position_text, settings_at_defaults
 
   first = _FIRST.get()
   tokens = []
@@ -180,10 +184,13 @@ def render_module(module, path, subtree_renderer):
     # A stack of a repeating pattern draws its cycle once, as its positions: each
     # says which layers of the whole stack it holds.
     comment = pattern_text(module) or position_text(module)
-    if comment and isinstance(shown.get("pattern"), tuple):
-      shown["pattern"] = tuple(shown["pattern"])  # drawn as the tuple it is
+    positions = shown.get("pattern")
+    if comment and isinstance(positions, tuple):
+      shown["pattern"] = tuple(positions)  # drawn as the tuple it is
     if _COMPACT.get():  # a repr: what differs from the defaults, laid out as it fits
-      rendering = _constructor(type(module), shown, {}, path, subtree_renderer, comment=comment)
+      rendering = _constructor(
+        type(module), shown, {}, path, subtree_renderer, comment=comment, title=module_text(module)
+      )
     else:
       folded = {k: v for k, v in attributes.items() if k in at_defaults}
       rendering = _constructor(
@@ -194,6 +201,7 @@ def render_module(module, path, subtree_renderer):
         subtree_renderer,
         plumbing=_is_rng_plumbing(module),
         comment=comment,
+        title=module_text(module),
       )
     return _with_other_places(rendering, first.get(id(module), ()))
   finally:
@@ -215,6 +223,7 @@ def _constructor(
   subtree_renderer,
   plumbing: bool | None = None,
   comment: str | None = None,
+  title: str | None = None,
 ):
   """``Kind(name=value, ...)`` as ``repr_lib.render_object_constructor`` draws it, and
   in treescope's foldable view (``plumbing`` not None) how it first shows:
@@ -225,7 +234,8 @@ def _constructor(
     Variables as ``…``: ``Rngs(params=…, dropout=…)``.
 
   A user can click any of them open or shut. ``comment`` follows the opening
-  bracket while the node is open: ``RematScanPattern(  # 26 layers: ...``.
+  bracket while the node is open: ``RematScan[Local, Global](  # 26 layers: ...``.
+  ``title`` replaces the class's name outside roundtrip mode (``RematScan[Block] × 100``).
   """
   from treescope import rendering_parts as rp
 
@@ -249,9 +259,10 @@ def _constructor(
     children.append(
       rp.fold_condition(expanded=_defaults_group(folded, path, subtree_renderer).renderable)
     )
-  prefix = rp.siblings(
-    rp.roundtrip_condition(roundtrip=rp.text("<")), rp.maybe_qualified_type_name(kind), "("
-  )
+  kind_name = rp.maybe_qualified_type_name(kind)
+  if title is not None and title != kind.__name__:
+    kind_name = rp.roundtrip_condition(roundtrip=kind_name, not_roundtrip=rp.text(title))
+  prefix = rp.siblings(rp.roundtrip_condition(roundtrip=rp.text("<")), kind_name, "(")
   if comment:
     prefix = rp.siblings(
       prefix, rp.fold_condition(expanded=rp.comment_color(rp.text(f"  # {comment}")))
@@ -315,7 +326,9 @@ def render_variable(var, path, subtree_renderer):
   value = var._value
   layer = layer_axis(var)
   if layer is not None and hasattr(value, "shape"):
-    value = LayeredArray(value, layer[0], axis_name(layer[1]), var._metadata.get("sharding"))
+    inner = [(a, axis_name(n)) for a, n in var._metadata[LAYER_AXIS][1:]]
+    sharding = var._metadata.get("sharding")
+    value = LayeredArray(value, layer[0], axis_name(layer[1]), sharding, inner)
   elif _COMPACT.get() and _is_long(value):
     value = ArraySummary(value)
   elif _is_tracer(value):  # treescope would add the tracer's default repr, an address
@@ -324,10 +337,35 @@ def render_variable(var, path, subtree_renderer):
   attributes = {
     k: _without_address(v) for k, v in {"value": value, **var._metadata}.items() if k != LAYER_AXIS
   }
-  rendering = repr_lib.render_object_constructor(
-    type(var), attributes, path, subtree_renderer, color=collection_color(type(var))
-  )
+  import treescope
+  from treescope.external import jax_support
+
+  # An unstacked array past treescope's size threshold gets its statistics too.
+  with contextlib.ExitStack() as scopes:
+    scopes.enter_context(jax_support.summarization_threshold.set_scoped({"default": None}))
+    if isinstance(value, LayeredArray):
+      scopes.enter_context(_stacks_drawn_as_ours(treescope.active_autovisualizer))
+    rendering = repr_lib.render_object_constructor(
+      type(var), attributes, path, subtree_renderer, color=collection_color(type(var))
+    )
   return _with_other_places(rendering, (_FIRST.get() or {}).get(id(var), ()))
+
+
+def _stacks_drawn_as_ours(active):
+  """Where arrays are drawn as figures (an autovisualizer is active, as
+  ``treescope.basic_interactive_setup()`` makes it in a notebook), a stacked array
+  is drawn as ours (``_figures.stacked_arrays``: the layers at a glance), the rest as
+  the active autovisualizer draws them. Nothing changes where none is active."""
+  from ._figures import stacked_arrays
+
+  current = active.get()
+  if current is None or current is stacked_arrays:
+    return contextlib.nullcontext()
+
+  def ours_first(value, path):
+    return stacked_arrays(value, path) or current(value, path)
+
+  return active.set_scoped(ours_first)
 
 
 def _with_other_places(rendering, paths):
@@ -357,7 +395,7 @@ def render_state(state, path, subtree_renderer):
   return repr_lib.render_dictionary_wrapper(type(state), nested, path, subtree_renderer)
 
 
-class _SharedMark:
+class SharedMark:
   """A module or Variable drawn earlier: ``Param(<shared: also at a.kernel>)``."""
 
   def __init__(self, obj, where: tuple, is_type: bool = False):
@@ -366,96 +404,7 @@ class _SharedMark:
   def __treescope_repr__(self, path, subtree_renderer):
     from treescope import rendering_parts
 
+    from ._repr import class_text
+
     where = format_path(self.where) if self.where else "the root"
-    return rendering_parts.text(f"{self.kind.__name__}(<shared: drawn at {where}>)")
-
-
-def render_graphdef(graphdef, path, subtree_renderer):
-  """A GraphDef as the module tree it describes: classes, static attributes and each
-  Variable's kind and metadata, with no values; references say where they point."""
-  from treescope import rendering_parts
-
-  from ..core._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR
-  from ..core._state import thaw_metadata
-
-  drawn: list[tuple[type, tuple]] = []  # (class, path) of each numbered object
-
-  def skeleton(d, where):
-    tag = d[0]
-    if tag == _REF:
-      kind, first = drawn[d[1]]
-      return _SharedMark(kind, first, is_type=True)
-    if tag == _VAR:
-      drawn.append((d[1], where))
-      return _Skeleton(d[1], dict(thaw_metadata(d[2])), collection_color(d[1]))
-    if tag == _NODE:
-      drawn.append((d[1], where))
-      return _Skeleton(d[1], {k: skeleton(sub, where + (k,)) for k, sub in d[2]})
-    if tag in (_LIST, _TUPLE):
-      items = [skeleton(sub, where + (i,)) for i, sub in enumerate(d[2])]
-      return _Sequence(d[1], items)
-    if tag == _DICT:
-      return _Mapping(d[1], {k: skeleton(sub, where + (k,)) for k, sub in d[2]})
-    return d[2]
-
-  roots = [skeleton(d, (i,) if len(graphdef.tree) > 1 else ()) for i, d in enumerate(graphdef.tree)]
-  children = [
-    rendering_parts.build_full_line_with_annotations(
-      subtree_renderer(root),
-      rendering_parts.fold_condition(
-        expanded=rendering_parts.text(","),
-        collapsed=rendering_parts.text(", " if i < len(roots) - 1 else ""),
-      ),
-    )
-    for i, root in enumerate(roots)
-  ]
-  return rendering_parts.build_foldable_tree_node_from_children(
-    prefix=rendering_parts.text(f"{type(graphdef).__name__}("),
-    children=children,
-    suffix=rendering_parts.text(")"),
-    path=path,
-  )
-
-
-class _Skeleton:
-  """One module or Variable of a GraphDef, drawn like the object without values."""
-
-  def __init__(self, kind: type, attributes: dict, color: str | None = None):
-    self.kind, self.attributes, self.color = kind, attributes, color
-
-  def __treescope_repr__(self, path, subtree_renderer):
-    from treescope import repr_lib
-
-    return repr_lib.render_object_constructor(
-      self.kind, self.attributes, None, subtree_renderer, color=self.color
-    )
-
-
-class _Sequence:
-  """A list or tuple of a GraphDef (a ``ModuleList`` shows its class)."""
-
-  def __init__(self, kind: type, items: list):
-    self.kind, self.items = kind, items
-
-  def __treescope_repr__(self, path, subtree_renderer):
-    from treescope import repr_lib
-
-    if self.kind is list:
-      return subtree_renderer(self.items)
-    if self.kind is tuple:
-      return subtree_renderer(tuple(self.items))
-    return repr_lib.render_list_wrapper(self.kind, self.items, None, subtree_renderer)
-
-
-class _Mapping:
-  """A dict of a GraphDef (a ``ModuleDict`` shows its class)."""
-
-  def __init__(self, kind: type, items: dict):
-    self.kind, self.items = kind, items
-
-  def __treescope_repr__(self, path, subtree_renderer):
-    from treescope import repr_lib
-
-    if self.kind is dict:
-      return subtree_renderer(self.items)
-    return repr_lib.render_dictionary_wrapper(self.kind, self.items, None, subtree_renderer)
+    return rendering_parts.text(f"{class_text(self.kind)}(<shared: drawn at {where}>)")

@@ -12,8 +12,11 @@ class LayeredArrayAdapter(ndarray_adapters.NDArrayAdapter):
   """Delegates to the adapter of ``LayeredArray.array``; only the axis info differs."""
 
   @staticmethod
-  def _inner(layered):
-    return type_registries.lookup_ndarray_adapter(layered.array)
+  def _inner(layered) -> ndarray_adapters.NDArrayAdapter:
+    adapter = type_registries.lookup_ndarray_adapter(layered.array)
+    if adapter is None:  # a LayeredArray is made only of arrays treescope draws
+      raise TypeError(f"treescope has no adapter for {type(layered.array).__name__}")
+    return adapter
 
   # treescope calls these with keywords: the parameter names are its own.
 
@@ -32,7 +35,10 @@ class LayeredArrayAdapter(ndarray_adapters.NDArrayAdapter):
     )
 
   def get_array_summary(self, array, fast):
-    return array.axes_text()
+    from ._array_stats import data_summary
+
+    stats = "" if fast else data_summary(array.array)
+    return f"{array.axes_text()} {stats}".rstrip()
 
   def get_numpy_dtype(self, array):
     return self._inner(array).get_numpy_dtype(array.array)

@@ -1,0 +1,97 @@
+"""A GraphDef drawn as the module tree it describes: classes, static attributes and each
+Variable's kind and metadata, no values."""
+
+from __future__ import annotations
+
+from ._treescope import SharedMark, collection_color
+
+
+def render_graphdef(graphdef, path, subtree_renderer):
+  """A GraphDef as the module tree it describes: classes, static attributes and each
+  Variable's kind and metadata, with no values; references say where they point."""
+  from treescope import rendering_parts
+
+  from ..core._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR
+  from ..core._state import thaw_metadata
+
+  drawn: list[tuple[type, tuple]] = []  # (class, path) of each numbered object
+
+  def skeleton(d, where):
+    tag = d[0]
+    if tag == _REF:
+      kind, first = drawn[d[1]]
+      return SharedMark(kind, first, is_type=True)
+    if tag == _VAR:
+      drawn.append((d[1], where))
+      return _Skeleton(d[1], dict(thaw_metadata(d[2])), collection_color(d[1]))
+    if tag == _NODE:
+      drawn.append((d[1], where))
+      return _Skeleton(d[1], {k: skeleton(sub, where + (k,)) for k, sub in d[2]})
+    if tag in (_LIST, _TUPLE):
+      items = [skeleton(sub, where + (i,)) for i, sub in enumerate(d[2])]
+      return _Sequence(d[1], items)
+    if tag == _DICT:
+      return _Mapping(d[1], {k: skeleton(sub, where + (k,)) for k, sub in d[2]})
+    return d[2]
+
+  roots = [skeleton(d, (i,) if len(graphdef.tree) > 1 else ()) for i, d in enumerate(graphdef.tree)]
+  children = [
+    rendering_parts.build_full_line_with_annotations(
+      subtree_renderer(root),
+      rendering_parts.fold_condition(
+        expanded=rendering_parts.text(","),
+        collapsed=rendering_parts.text(", " if i < len(roots) - 1 else ""),
+      ),
+    )
+    for i, root in enumerate(roots)
+  ]
+  return rendering_parts.build_foldable_tree_node_from_children(
+    prefix=rendering_parts.text(f"{type(graphdef).__name__}("),
+    children=children,
+    suffix=rendering_parts.text(")"),
+    path=path,
+  )
+
+
+class _Skeleton:
+  """One module or Variable of a GraphDef, drawn like the object without values."""
+
+  def __init__(self, kind: type, attributes: dict, color: str | None = None):
+    self.kind, self.attributes, self.color = kind, attributes, color
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import repr_lib
+
+    return repr_lib.render_object_constructor(
+      self.kind, self.attributes, None, subtree_renderer, color=self.color
+    )
+
+
+class _Sequence:
+  """A list or tuple of a GraphDef (a ``ModuleList`` shows its class)."""
+
+  def __init__(self, kind: type, items: list):
+    self.kind, self.items = kind, items
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import repr_lib
+
+    if self.kind is list:
+      return subtree_renderer(self.items)
+    if self.kind is tuple:
+      return subtree_renderer(tuple(self.items))
+    return repr_lib.render_list_wrapper(self.kind, self.items, None, subtree_renderer)
+
+
+class _Mapping:
+  """A dict of a GraphDef (a ``ModuleDict`` shows its class)."""
+
+  def __init__(self, kind: type, items: dict):
+    self.kind, self.items = kind, items
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from treescope import repr_lib
+
+    if self.kind is dict:
+      return subtree_renderer(self.items)
+    return repr_lib.render_dictionary_wrapper(self.kind, self.items, None, subtree_renderer)
