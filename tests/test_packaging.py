@@ -1,9 +1,18 @@
-"""What the package says about itself is true: one version, a licence file, typed."""
+"""What the package says about itself is true: one version, a licence file, typed, and
+dependency floors that .ci/floors installs exactly and tests."""
 
 import importlib.metadata
 import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import jax.extend.core
+from packaging.version import Version
 
 import statefulremat as sr
+from statefulremat.core import _tracing
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -18,3 +27,45 @@ def test_the_licence_and_the_typed_marker_ship_with_the_package():
   assert "Apache License" in (ROOT / "LICENSE").read_text()
   assert (pathlib.Path(sr.__file__).parent / "py.typed").exists()
   assert meta["Requires-Python"] == ">=3.11"
+
+
+def _declared_floors() -> dict[str, str]:
+  deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+  floors = dict(re.fullmatch(r"([A-Za-z0-9_.\-]+)>=([0-9][A-Za-z0-9.]*)", d).groups() for d in deps)
+  assert len(floors) == len(deps), f"every dependency needs one '>=' floor: {deps}"
+  return floors
+
+
+def test_the_floor_script_pins_exactly_the_floors_pyproject_declares():
+  script = (ROOT / ".ci" / "floors").read_text()
+  # The pins come from pyproject.toml, never from a second list in the script.
+  assert not re.search(r"[A-Za-z]==[0-9]", script), "a version is pinned in .ci/floors itself"
+  assert ".venv-floors" in script and "--clear" in script
+  reader = re.search(r"<<'PY'\n(.*?)\nPY\n", script, re.S).group(1)
+  out = subprocess.run(
+    [sys.executable, "-c", reader], cwd=ROOT, capture_output=True, text=True, check=True
+  )
+  floors = _declared_floors()
+  assert out.stdout.split() == [f"{name}=={v}" for name, v in floors.items()]
+  assert {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "treescope", "numpy"} <= set(floors)
+
+
+def test_ci_runs_the_floors_after_the_main_tests_and_needs_both():
+  run = (ROOT / ".ci" / "run").read_text()
+  main = run.index('pip install -e ".[dev]" && python -m pytest -n 2')
+  assert main < run.index("bash .ci/floors")
+  assert '[ "$main_rc" -eq 0 ] && [ "$floors_rc" -eq 0 ]' in run
+
+
+def test_the_installed_dependencies_meet_the_declared_floors():
+  for name, floor in _declared_floors().items():
+    installed = importlib.metadata.version(name)
+    assert Version(installed) >= Version(floor), f"{name} {installed} is below its floor {floor}"
+
+
+def test_the_trace_identity_comes_from_jax_extend_without_deprecation_warnings():
+  assert _tracing.get_opaque_trace_state is jax.extend.core.get_opaque_trace_state
+  # A fresh interpreter with every warning an error: jax.core's deprecated copy is not touched.
+  subprocess.run(
+    [sys.executable, "-W", "error", "-c", "import statefulremat"], cwd=ROOT, check=True
+  )

@@ -17,8 +17,19 @@ import itertools
 import threading
 
 import jax
+import jax.core
 import numpy as np
-from jax.extend.core import get_opaque_trace_state
+
+try:
+  # No public API but this one says which trace is current; jax.extend.core has it from
+  # jax 0.10 (before, it lived in jax.core, whose copy now warns it is deprecated).
+  from jax.extend.core import get_opaque_trace_state
+except ImportError as e:
+  raise ImportError(
+    f"statefulremat needs jax >= 0.10.2 (the floor pyproject.toml declares), and jax "
+    f"{jax.__version__} is installed: jax.extend.core.get_opaque_trace_state is missing. "
+    f"Fix: pip install 'jax>=0.10.2' 'jaxlib>=0.10.2'."
+  ) from e
 
 _Tracer = jax.core.Tracer
 
