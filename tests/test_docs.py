@@ -1,0 +1,271 @@
+"""The docs site builds with warnings as errors (``sphinx-build -W``), once per test
+session: every public name has its API page, sr.remat_scan's shows its signature and
+docstring (and draws in a real headless Chromium), and the tutorials are executed
+notebooks whose outputs, treescope's included, are on their pages."""
+
+from __future__ import annotations
+
+import fcntl
+import html.parser
+import importlib.util
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import statefulremat as sr
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+TUTORIALS = sorted((ROOT / "tutorials").glob("*.py"))
+BUILD_TIMEOUT = 1800  # seconds; the build takes about 11 minutes on 2 busy cores
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+SCREENSHOT_COPY = Path("/tmp/docs_remat_scan.png")
+WIDTH, HEIGHT = 1280, 1024
+
+
+def require_docs_tools():
+  needed = ("sphinx", "myst_nb", "jupytext", "sphinx_book_theme", "ipykernel")
+  missing = [m for m in needed if importlib.util.find_spec(m) is None]
+  if not missing:
+    return
+  what = ", ".join(missing)
+  if os.environ.get("CI") == "true":
+    pytest.fail(f"CI=true, but missing {what}: pip install -e '.[dev]' installs them.")
+  pytest.skip(f"the docs build needs {what} (pip install -e '.[docs]')")
+
+
+def _shared_dir(tmp_path_factory) -> Path:
+  # pytest-xdist's workers share one run id and one temp root: one build for all of
+  # them. Without xdist, this session's own temp folder.
+  run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+  if run_id:
+    return tmp_path_factory.getbasetemp().parent / f"docs-{run_id}"
+  return tmp_path_factory.getbasetemp() / "docs"
+
+
+def _build(out: Path) -> dict:
+  # The suite's 8 simulated devices (tests/conftest.py) are not passed on: tutorials
+  # that need them set them up themselves, as for a reader.
+  xla_flags = re.sub(
+    r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
+  ).strip()
+  env = dict(os.environ, SR_TUTORIAL_QUICK="1", XLA_FLAGS=xla_flags)
+  command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html"]
+  command += ["-d", str(out / "doctrees"), str(DOCS), str(out / "html")]
+  result = subprocess.run(
+    command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT
+  )
+  return {"returncode": result.returncode, "log": result.stdout + result.stderr}
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory) -> Path:
+  """The built site's html folder; the build ran once, whichever worker came first."""
+  require_docs_tools()
+  shared = _shared_dir(tmp_path_factory)
+  shared.mkdir(parents=True, exist_ok=True)
+  marker = shared / "result.json"
+  with open(shared / "lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits here for the build
+    try:
+      if not marker.exists():
+        shutil.rmtree(shared / "out", ignore_errors=True)
+        marker.write_text(json.dumps(_build(shared / "out")))
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+  result = json.loads(marker.read_text())
+  problems = [
+    line
+    for line in result["log"].splitlines()
+    if re.search(r"WARNING|ERROR|Error|Traceback", line) and "IPKernelApp" not in line
+  ]
+  assert result["returncode"] == 0, (
+    f"sphinx-build -W failed ({result['returncode']}):\n"
+    + "\n".join(problems[-60:] or result["log"].splitlines()[-60:])
+  )
+  return shared / "out" / "html"
+
+
+class _Text(html.parser.HTMLParser):
+  """A page's visible text: no scripts, styles or templates."""
+
+  def __init__(self):
+    super().__init__()
+    self.parts: list[str] = []
+    self._skip = 0
+
+  def handle_starttag(self, tag, attrs):
+    if tag in ("script", "style", "template"):
+      self._skip += 1
+
+  def handle_endtag(self, tag):
+    if tag in ("script", "style", "template") and self._skip:
+      self._skip -= 1
+
+  def handle_data(self, data):
+    if not self._skip:
+      self.parts.append(data)
+
+
+def page_text(path: Path) -> str:
+  parser = _Text()
+  parser.feed(path.read_text(encoding="utf-8"))
+  return " ".join(" ".join(parser.parts).split())
+
+
+def squeezed(text: str) -> str:
+  """Text without whitespace: the page spaces inline markup differently."""
+  return "".join(text.replace("``", "").split())
+
+
+def public_names() -> dict[str, object]:
+  """Every public name the package exports, by its documented full name."""
+  names = {}
+  for module, prefix in ((sr, "statefulremat"), (sr.nn, "statefulremat.nn")):
+    for name, obj in vars(module).items():
+      if not name.startswith("_") and not inspect.ismodule(obj):
+        names[f"{prefix}.{name}"] = obj
+  names["statefulremat.nn.initializers"] = sr.nn.initializers
+  for name in sr.interop.__all__:
+    names[f"statefulremat.interop.{name}"] = getattr(sr.interop, name)
+  return names
+
+
+def test_the_site_builds_with_warnings_as_errors(site):
+  assert (site / "index.html").is_file()
+  # The README's sections are its guide pages, single-sourced.
+  for page, heading in (("which_remat", "Which remat?"), ("deep_stacks", "Deep stacks")):
+    assert heading in page_text(site / "guide" / f"{page}.html"), page
+
+
+def test_every_public_name_has_a_page(site):
+  pages = {p.stem for p in (site / "_autosummary").glob("*.html")}
+  names = public_names()
+  missing = []
+  for full, obj in names.items():
+    # A name exported twice (sr.Sequential is sr.nn.Sequential) has one page.
+    aliases = [other for other, o in names.items() if o is obj]
+    if not any(alias in pages for alias in aliases):
+      missing.append(full)
+  assert not missing, f"no API page for {missing}: add them to a group in docs/api/*.rst"
+  initializers = (site / "_autosummary" / "statefulremat.nn.initializers.html").read_text()
+  for name in dir(sr.nn.initializers):
+    obj = getattr(sr.nn.initializers, name)
+    if not name.startswith("_") and callable(obj) and name != "Callable":
+      assert f'id="statefulremat.nn.initializers.{name}"' in initializers, name
+
+
+def test_the_remat_scan_page_shows_its_signature_and_docstring(site):
+  page = site / "_autosummary" / "statefulremat.remat_scan.html"
+  source = page.read_text(encoding="utf-8")
+  signature = re.search(
+    r'<dt class="sig[^"]*" id="statefulremat.remat_scan">(.*?)</dt>', source, re.S
+  )
+  assert signature, "no signature for statefulremat.remat_scan"
+  shown = " ".join(re.sub(r"<[^>]+>", "", signature.group(1)).split())
+  for argument in ("lengths", "memory_budget"):
+    assert argument in shown, shown
+  text = page_text(page)
+  doc = inspect.getdoc(sr.remat_scan)
+  assert squeezed(doc.splitlines()[0]) in squeezed(text)
+  assert ">>> " in text  # its doctest example
+
+
+def test_api_pages_show_no_raw_markup(site):
+  # reST takes ``None``s or `` / `` as text without a warning: the page shows the quotes.
+  broken = {}
+  for page in sorted((site / "_autosummary").glob("*.html")):
+    text = page_text(page)
+    if "``" in text:
+      at = text.index("``")
+      broken[page.stem] = text[max(0, at - 60) : at + 40]
+  assert not broken, f"docstrings whose ``literals`` do not render: {broken}"
+
+
+def test_tutorials_are_executed_with_their_outputs(site):
+  for tutorial in TUTORIALS:
+    source = (site / "tutorials" / f"{tutorial.stem}.html").read_text(encoding="utf-8")
+    assert "cell_output" in source, f"{tutorial.name}: no executed output on its page"
+  # sr.display in a notebook: treescope's foldable HTML, with the script that draws it.
+  treescope = (site / "tutorials" / "05_treescope_inspection.html").read_text(encoding="utf-8")
+  assert "<treescope-container" in treescope and "<script" in treescope
+
+
+def require_browser():
+  missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
+  if importlib.util.find_spec("selenium") is None:
+    missing.append("the selenium package")
+  if not missing:
+    return
+  what = " and ".join(missing)
+  if os.environ.get("CI") == "true":
+    pytest.fail(
+      f"CI=true, but missing {what}: .ci/run should have installed Debian's "
+      "chromium and chromium-driver (apt-get) and selenium (the dev extra).",
+      pytrace=False,
+    )
+  pytest.skip(
+    f"real-browser test, missing {what} (Debian: apt-get install chromium "
+    "chromium-driver; selenium comes with pip install -e '.[dev]')"
+  )
+
+
+@pytest.fixture
+def driver():
+  require_browser()
+  from selenium import webdriver
+  from selenium.webdriver.chrome.service import Service
+
+  options = webdriver.ChromeOptions()
+  options.binary_location = CHROMIUM
+  for arg in (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    f"--window-size={WIDTH},{HEIGHT}",
+    "--force-device-scale-factor=1",
+  ):
+    options.add_argument(arg)
+  with pytest.MonkeyPatch.context() as env:
+    # Debian's browser and driver or nothing: Selenium Manager must never download one.
+    env.setenv("SE_OFFLINE", "true")
+    env.delenv("SE_CHROMEDRIVER", raising=False)
+    browser = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+  try:
+    yield browser
+  finally:
+    browser.quit()
+
+
+def test_the_remat_scan_page_in_a_browser(site, driver, tmp_path):
+  from PIL import Image
+  from selenium.webdriver.common.by import By
+
+  driver.get((site / "_autosummary" / "statefulremat.remat_scan.html").as_uri())
+  signature = driver.find_element(By.ID, "statefulremat.remat_scan")
+  assert signature.is_displayed() and signature.size["width"] > 0
+  for text in ("remat_scan", "lengths", "memory_budget"):
+    assert text in signature.text, signature.text
+  assert "remat_scan" in driver.title
+
+  png = tmp_path / "remat_scan.png"
+  assert driver.save_screenshot(str(png))
+  shutil.copyfile(png, SCREENSHOT_COPY)
+  with Image.open(png) as image:
+    pixels = image.convert("RGB")
+    assert pixels.size[0] == WIDTH
+    background = pixels.getpixel((pixels.size[0] - 1, pixels.size[1] - 1))
+    colours = pixels.getcolors(maxcolors=1 << 24)
+  drawn = sum(count for count, colour in colours if colour != background)
+  # Text, the sidebar and the signature: a blank or unstyled page draws far less.
+  assert drawn > 0.02 * WIDTH * pixels.size[1], (drawn, background)
+  assert len(colours) > 50, "a styled page has anti-aliased text in several colours"
