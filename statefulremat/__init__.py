@@ -26,6 +26,7 @@ from .core._filters import Any as Any
 from .core._filters import Not as Not
 from .core._filters import PathContains as PathContains
 from .core._graph import GraphDef as GraphDef
+from .core._iter_graph import iter_graph as iter_graph
 from .core._kinds import BatchStat as BatchStat
 from .core._kinds import Cache as Cache
 from .core._kinds import Intermediate as Intermediate
@@ -38,7 +39,6 @@ from .core._rngs import Rngs as Rngs
 from .core._rngs import RngStream as RngStream
 from .core._split_merge import clone as clone
 from .core._split_merge import graphdef as graphdef
-from .core._split_merge import iter_graph as iter_graph
 from .core._split_merge import merge as merge
 from .core._split_merge import pop as pop
 from .core._split_merge import split as split
@@ -73,8 +73,8 @@ from .transforms._remat_plan import RematPlanError as RematPlanError
 from .transforms._remat_scan import plan_remat as plan_remat
 from .transforms._remat_scan import remat_scan as remat_scan
 from .transforms._saved_residuals import saved_residuals as saved_residuals
-from .transforms._scan import broadcast as broadcast
 from .transforms._scan import scan as scan
+from .transforms._scan_axes import broadcast as broadcast
 from .transforms._vmap import vmap as vmap
 
 _old_paths.install()  # pickles of 0.1 name the modules before the floor folders

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -57,16 +58,20 @@ def stacked_blocks(kind: str, depth: int) -> type:
   """The stack class: every variable gets one layer axis; params and dropout split."""
   streams = {"params": True, "dropout": True}
   if kind == "remat_scan":
-    return sr.remat_scan(
+    stack = sr.remat_scan(
       Block,
       lengths=lengths_for(depth),
       split_rngs=streams,
       metadata_params={"partition_name": "layers"},
     )
-  body = {"scan": ScanBlock, "scan(remat)": sr.remat(ScanBlock, prevent_cse=False)}[kind]
-  return sr.scan(
-    body, length=depth, variable_axes={sr.Param: 0, sr.BatchStat: 0}, split_rngs=streams
-  )
+  else:
+    body = {"scan": ScanBlock, "scan(remat)": sr.remat(ScanBlock, prevent_cse=False)}[kind]
+    stack = sr.scan(
+      body, length=depth, variable_axes={sr.Param: 0, sr.BatchStat: 0}, split_rngs=streams
+    )
+  # Given a Module class the transforms return a class; their return type is the
+  # union over all the targets they take.
+  return cast(type, stack)
 
 
 def lengths_for(depth: int) -> tuple[int, ...]:
@@ -106,7 +111,13 @@ def gradient_memory(kind: str, depth: int, width: int, batch: int) -> int:
     return sr.grad(loss_fn)(sr.merge(graphdef, state), x, y)
 
   compiled = jax.jit(gradient).lower(state, x, y).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    raise RuntimeError(
+      f"gradient_memory: the {jax.default_backend()} backend gives no memory analysis "
+      "of compiled code. Fix: run the demo with compare_memory=False."
+    )
+  return analysis.temp_size_in_bytes
 
 
 def run(
@@ -148,7 +159,7 @@ def run(
   for _ in bar:
     x, y = make_batch(data.data(), batch)
     losses.append(float(train_step(model, opt, x, y)))
-    if hasattr(bar, "set_postfix"):
+    if not isinstance(bar, range):  # a tqdm bar
       bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
   seconds = time.perf_counter() - start
   model.eval()  # running BatchNorm averages, no dropout

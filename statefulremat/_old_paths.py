@@ -78,7 +78,9 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     return importlib.util.spec_from_loader(fullname, self)
 
   def create_module(self, spec):
-    return importlib.import_module(new_name(spec.name))
+    target = new_name(spec.name)
+    assert target is not None  # find_spec hands out specs for moved names only
+    return importlib.import_module(target)
 
   def exec_module(self, module):
     pass  # the module at its new place is already loaded

@@ -20,15 +20,13 @@ from pathlib import Path
 import pytest
 
 import statefulremat as sr
+from tests._browser import WIDTH, start_browser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.py"))
 BUILD_TIMEOUT = 1800  # seconds; the build takes about 11 minutes on 2 busy cores
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
 SCREENSHOT_COPY = Path("/tmp/docs_remat_scan.png")
-WIDTH, HEIGHT = 1280, 1024
 
 
 def require_docs_tools():
@@ -199,47 +197,9 @@ def test_tutorials_are_executed_with_their_outputs(site):
   assert "<treescope-container" in treescope and "<script" in treescope
 
 
-def require_browser():
-  missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
-  if importlib.util.find_spec("selenium") is None:
-    missing.append("the selenium package")
-  if not missing:
-    return
-  what = " and ".join(missing)
-  if os.environ.get("CI") == "true":
-    pytest.fail(
-      f"CI=true, but missing {what}: .ci/run should have installed Debian's "
-      "chromium and chromium-driver (apt-get) and selenium (the dev extra).",
-      pytrace=False,
-    )
-  pytest.skip(
-    f"real-browser test, missing {what} (Debian: apt-get install chromium "
-    "chromium-driver; selenium comes with pip install -e '.[dev]')"
-  )
-
-
 @pytest.fixture
 def driver():
-  require_browser()
-  from selenium import webdriver
-  from selenium.webdriver.chrome.service import Service
-
-  options = webdriver.ChromeOptions()
-  options.binary_location = CHROMIUM
-  for arg in (
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    f"--window-size={WIDTH},{HEIGHT}",
-    "--force-device-scale-factor=1",
-  ):
-    options.add_argument(arg)
-  with pytest.MonkeyPatch.context() as env:
-    # Debian's browser and driver or nothing: Selenium Manager must never download one.
-    env.setenv("SE_OFFLINE", "true")
-    env.delenv("SE_CHROMEDRIVER", raising=False)
-    browser = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+  browser = start_browser()
   try:
     yield browser
   finally:

@@ -39,7 +39,8 @@ CORE_ORDER = [
   {"_state"},
   {"_module"},
   {"_graph", "_rngs", "_graph_lock"},
-  {"_graph_diff", "_pytree", "_split_merge"},
+  {"_graph_build"},
+  {"_graph_diff", "_pytree", "_split_merge", "_iter_graph"},
   {"_stacks"},
   {"_stacking"},
 ]

@@ -171,6 +171,8 @@ for step in range(STEPS):
 
 # %%
 print("optimizer steps:", int(opt.step.value))
-print("dropout keys drawn:", int(model.drop.rngs.dropout.count.value))
+dropout_rngs = model.drop.rngs
+assert isinstance(dropout_rngs, sr.Rngs)  # the model's Rngs, handed to Dropout above
+print("dropout keys drawn:", int(dropout_rngs.dropout.count.value))
 print("running mean, first 4:", [round(v, 3) for v in model.norm.mean.value[:4].tolist()])
 print(f"test loss after training: {float(test_loss(model.eval(), x_test, y_test)):.4f}")

@@ -131,7 +131,9 @@ def temp_mib(make_model):
   params = jax.eval_shape(build)
   x = jax.ShapeDtypeStruct((BATCH, DIM), jnp.float32)
   compiled = jax.jit(jax.grad(loss_fn(box["graphdef"]))).lower(params, x).compile()
-  return compiled.memory_analysis().temp_size_in_bytes / 2**20
+  memory = compiled.memory_analysis()
+  assert memory is not None, f"{jax.default_backend()} reports no memory analysis"
+  return memory.temp_size_in_bytes / 2**20
 
 
 print(f"backend: {jax.default_backend()}, batch {BATCH}, width {DIM}, {LAYERS} blocks")

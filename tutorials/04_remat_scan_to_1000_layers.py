@@ -28,6 +28,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,9 @@ class ScanBlock(Block):
 
 
 def stack_class(kind, n):
-  scan_options = dict(length=n, variable_axes={sr.Param: 0}, split_rngs={"params": True})
+  scan_options: dict[str, Any] = dict(
+    length=n, variable_axes={sr.Param: 0}, split_rngs={"params": True}
+  )
   if kind == "scan":
     return sr.scan(ScanBlock, **scan_options)
   if kind == "scan(remat)":
@@ -107,7 +110,9 @@ def compile_gradient(kind, n):
   start = time.perf_counter()
   compiled = jax.jit(jax.grad(loss)).lower(params, rest, x).compile()
   seconds = time.perf_counter() - start
-  return compiled.memory_analysis().temp_size_in_bytes / 2**20, seconds
+  memory = compiled.memory_analysis()
+  assert memory is not None, f"{jax.default_backend()} reports no memory analysis"
+  return memory.temp_size_in_bytes / 2**20, seconds
 
 
 # %% [markdown]

@@ -70,7 +70,9 @@ started = time.perf_counter()
 # are dropped. One line had to change: flax 0.12 refuses a plain Python list of
 # modules as an attribute (jaxgarden was written for flax 0.10), so `self.layers` is
 # an `nnx.List` of the same blocks. Its state paths are the same either way:
-# `layers.0.attention.q_proj.kernel`, ...
+# `layers.0.attention.q_proj.kernel`, ... The `# pyright: ignore` comments are ours:
+# flax's type hints do not say that a method under `@nnx.jit()` binds `self`, and
+# their `attention_mask` defaults to `None` although `jnp.where` needs one.
 
 
 # %%
@@ -179,7 +181,7 @@ class LlamaAttention(nnx.Module):
       .transpose((0, 2, 1, 3))
     )
     # Assuming batch_size=1
-    cos, sin = self.rotary_emb(position_ids[0])
+    cos, sin = self.rotary_emb(position_ids[0])  # pyright: ignore[reportCallIssue]  # nnx.jit method
     query, key = self.apply_rotary_pos_emb(query, key, cos, sin)
     key = self.repeat_kv(key, self.n_heads // self.n_kv_heads)
     value = self.repeat_kv(value, self.n_heads // self.n_kv_heads)
@@ -243,12 +245,12 @@ class LlamaTransformerBlock(nnx.Module):
   @nnx.jit()
   def __call__(self, x, position_ids, attention_mask):
     residual = x
-    x = self.input_layernorm(x)
-    x = self.attention(x, position_ids, attention_mask)
+    x = self.input_layernorm(x)  # pyright: ignore[reportCallIssue]  # nnx.jit method
+    x = self.attention(x, position_ids, attention_mask)  # pyright: ignore[reportCallIssue]  # nnx.jit method
     x = residual + x
     residual = x
-    x = self.post_attention_layernorm(x)
-    x = self.mlp(x)
+    x = self.post_attention_layernorm(x)  # pyright: ignore[reportCallIssue]  # nnx.jit method
+    x = self.mlp(x)  # pyright: ignore[reportCallIssue]  # nnx.jit method
     x = residual + x
     return x
 
@@ -283,11 +285,11 @@ class LlamaForCausalLM(nnx.Module):
   def __call__(self, input_ids, attention_mask=None, deterministic=True):
     assert input_ids.shape[0] == 1, "Only batch size 1 is supported"
     position_ids = jnp.arange(input_ids.shape[-1])[None, :].astype(jnp.int32)
-    attention_mask = jnp.where(attention_mask, 0.0, -jnp.inf)[None, None, ...]
+    attention_mask = jnp.where(attention_mask, 0.0, -jnp.inf)[None, None, ...]  # pyright: ignore[reportArgumentType]  # callers pass one
     x = self.token_embed(input_ids)
     for layer in self.layers:
-      x = layer(x, position_ids, attention_mask)
-    x = self.norm(x)
+      x = layer(x, position_ids, attention_mask)  # pyright: ignore[reportCallIssue]  # nnx.jit method
+    x = self.norm(x)  # pyright: ignore[reportCallIssue]  # nnx.jit method
     logits = self.lm_head(x)
     return logits
 
@@ -323,7 +325,7 @@ for path, param in nnx.iter_graph(theirs):
 text = (pathlib.Path(os.__file__).parent / "functools.py").read_bytes()
 tokens = jnp.asarray(np.frombuffer(text[:SEQ], np.uint8).astype(np.int32))[None]
 causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))
-their_logits = theirs(tokens, causal)
+their_logits = theirs(tokens, causal)  # pyright: ignore[reportCallIssue]  # nnx.jit method
 print(config)
 print("their logits:", their_logits.shape, their_logits.dtype)
 for path, param in nnx.to_flat_state(nnx.state(theirs, nnx.Param)):
@@ -422,12 +424,15 @@ class Attention(sr.Module):
     key = heads(self.k_proj(x), self.n_kv_heads)
     value = heads(self.v_proj(x), self.n_kv_heads)
     if self.decode:  # one position: the cache says which, and what it may see
+      assert self.cached_key is not None and self.cache_index is not None, "init_cache first"
       index = self.cache_index.value
       positions = index[None]
       mask = jnp.where(jnp.arange(self.cached_key.shape[-2]) <= index, 0.0, -jnp.inf)
     query = rope_like_theirs(query, positions, self.rope_theta)
     key = rope_like_theirs(key, positions, self.rope_theta)
     if self.decode:
+      assert self.cached_key is not None and self.cached_value is not None
+      assert self.cache_index is not None
       at = (0, 0, index, 0)
       key = self.cached_key.value = jax.lax.dynamic_update_slice(self.cached_key.value, key, at)
       value = self.cached_value.value = jax.lax.dynamic_update_slice(

@@ -124,6 +124,7 @@ class Block(sr.Module):
     if self.attn.decode and self.attn.cached_key is not None:
       # One query, at the cache index, against the whole cache. (Without a cache the
       # attention raises, saying how to make one.)
+      assert self.attn.cache_index is not None  # init_cache makes it with cached_key
       t = self.attn.cache_index.value
       keys = jnp.arange(self.attn.cached_key.shape[-3])
       return (keys > t - self.window)[None, None, None, :]

@@ -232,6 +232,7 @@ def reading(root: str):
   """The directory of the version ``root``'s pointer names (raising as ``current``
   does), which no save deletes before the block ends: a shared lock on it."""
   version = current(root)
+  assert version is not None  # fn="restore": raises rather than returning None
   threads = _locks.threads_of(root)
   while True:
     with threads.reading():
@@ -251,6 +252,7 @@ def reading(root: str):
       finally:
         _locks.unlock(fd)
     version = current(root)
+    assert version is not None  # as above
 
 
 def begin(root: str) -> tuple[str, _locks.SaveLock]:
@@ -296,7 +298,9 @@ def commit(root: str, version: str) -> None:
   The caller holds the save lock, so no other save is under way.
   """
   name = os.path.basename(version)
-  number = int(_VERSION.fullmatch(name).group(1))
+  named = _VERSION.fullmatch(name)
+  assert named is not None  # `version` is a directory begin() made, sr-<number>
+  number = int(named.group(1))
   # A name of this writer's own: another writer's temporary is never replaced.
   temporary = os.path.join(
     root, f"{POINTER}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"

@@ -56,6 +56,7 @@ def flock(path: str, shared: bool) -> int | None:
 def unlock(fd: int | None) -> None:
   if fd is None:
     return
+  assert fcntl is not None  # descriptors come from flock, which needs fcntl
   try:
     # Explicitly: a child forked meanwhile shares the descriptor, and closing ours
     # alone would leave the path locked for as long as the child lives.

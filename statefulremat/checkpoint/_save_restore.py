@@ -22,8 +22,10 @@ configuration, not state: the model's own is kept.
 from __future__ import annotations
 
 import os
+from typing import Literal, overload
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,7 +58,7 @@ def _describe(value) -> tuple[str, str | None]:
   is stored (``None``: it cannot be)."""
   if isinstance(value, (jax.Array, np.ndarray, np.generic)):
     dims = ",".join(map(str, np.shape(value)))
-    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    if isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
       return f"{value.dtype}[{dims}]", "key"
     if isinstance(value, jax.Array):
       return f"{value.dtype}[{dims}]", "array"
@@ -95,6 +97,12 @@ def _refuse_traced(variables, fn: str) -> None:
       )
 
 
+@overload
+def save(path: str | os.PathLike, model, *, blocking: Literal[True] = True) -> None: ...
+@overload
+def save(path: str | os.PathLike, model, *, blocking: Literal[False]) -> SaveHandle: ...
+@overload
+def save(path: str | os.PathLike, model, *, blocking: bool) -> SaveHandle | None: ...
 def save(path: str | os.PathLike, model, *, blocking: bool = True) -> SaveHandle | None:
   """Saves every Variable of ``model`` to the directory ``path``, atomically.
 
@@ -174,7 +182,7 @@ def save(path: str | os.PathLike, model, *, blocking: bool = True) -> SaveHandle
 
   def finish():
     try:
-      if not blocking:
+      if isinstance(checkpointer, ocp.AsyncCheckpointer):  # i.e. not blocking
         checkpointer.wait_until_finished()
       checkpointer.close()
       if is_primary():
@@ -263,7 +271,7 @@ def _python_as_array(value, where: str) -> np.ndarray:
   )
 
 
-def _target(value, how: str):
+def _target(value, how: str | None):
   """What orbax should restore to: the model's shape, dtype and sharding."""
   if how == "key":
     value = jax.random.key_data(value)
@@ -274,7 +282,7 @@ def _target(value, how: str):
   return np.empty(np.shape(value), np.asarray(value).dtype)
 
 
-def _as_model_holds(restored, old, how: str):
+def _as_model_holds(restored, old, how: str | None):
   if how == "key":
     return jax.random.wrap_key_data(restored, impl=jax.random.key_impl(old))
   if how == "python":
@@ -344,7 +352,7 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
     where = {p: i for i, (p, _, _) in enumerate(saved)}
     order = [where[key] for key in keys]
     # Orbax reads the arrays named here; the rest of the checkpoint stays on disk.
-    targets = {str(j): ocp.PLACEHOLDER for j in range(len(saved))}
+    targets: dict[str, object] = {str(j): ocp.PLACEHOLDER for j in range(len(saved))}
     targets.update(
       {
         str(j): _target(var._value, how)

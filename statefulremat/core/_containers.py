@@ -8,6 +8,8 @@ flattening of the graph notices ``self.layers.append(...)``.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import jax
 
 from ._tracing import structure_epoch
@@ -226,5 +228,7 @@ def adopt(value):
     return ModuleDict((k, adopt(v)) for k, v in value.items())
   if isinstance(value, tuple) and any(isinstance(v, (list, dict, tuple)) for v in value):
     items = [adopt(v) for v in value]
-    return type(value)._make(items) if hasattr(value, "_fields") else type(value)(items)
+    if hasattr(value, "_fields"):  # a namedtuple: rebuilt from its items by `_make`
+      return cast(Any, type(value))._make(items)
+    return type(value)(items)
   return value

@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 from typing import Any as _AnyType
+from typing import cast
 
 from ._variables import Variable
 
@@ -27,6 +28,12 @@ Predicate = Callable[[tuple, Variable], bool]
 
 class _Predicate:
   __slots__ = ()
+
+  def _args(self) -> tuple:
+    raise NotImplementedError
+
+  def __call__(self, path: tuple, variable: Variable) -> bool:
+    raise NotImplementedError
 
   def __repr__(self):
     return f"{type(self).__name__}({', '.join(map(repr, self._args()))})"
@@ -188,7 +195,7 @@ def to_predicate(filter: Filter) -> Predicate:
   if isinstance(filter, (tuple, list)):
     return Any(*filter)
   if callable(filter):
-    return filter
+    return cast(Predicate, filter)
   raise TypeError(
     f"{filter!r} is not a filter. A filter is a Variable subclass (sr.Param), a "
     "collection name ('batch_stats'), ..., True/False/None, a (path, variable) -> bool "

@@ -58,7 +58,7 @@ from typing import Any
 
 import jax
 
-from . import _graph, _module
+from . import _graph, _graph_build, _module
 from ._tracing import guard as _guard
 from ._tracing import structure_epoch
 from ._variables import _closure_read
@@ -216,7 +216,7 @@ def _unflatten(graphdef, leaves):
   # change its (fresh) copy of the module and return it. The new module's walk is
   # known already, so flattening it again (the next step of a loop) walks nothing.
   epoch = structure_epoch.value
-  roots, variables = _graph.unflatten(graphdef, leaves, remember=_guard.depth > 0)
+  roots, variables = _graph_build.unflatten(graphdef, leaves, remember=_guard.depth > 0)
   _remember(roots[0], epoch, graphdef, variables)
   return roots[0]
 

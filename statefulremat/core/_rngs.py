@@ -9,7 +9,7 @@ variable). ``Rngs(0)`` makes a ``default`` stream that serves any name asked for
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -196,7 +196,8 @@ class Rngs(Module):
       if layer is not None and stream is not None:
         layer.asked.add(name)
         if layer.splits(name) != layer.splits("default"):
-          return _ServedStream(stream, name, layer)
+          # A proxy with the stream's interface (calls draw keys, attributes forward).
+          return cast(RngStream, _ServedStream(stream, name, layer))
     if stream is None:
       raise AttributeError(
         f"this Rngs has no {name!r} stream and no default stream (it has "

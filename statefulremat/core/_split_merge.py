@@ -9,15 +9,16 @@ every node and leaf as flax.nnx's does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, overload
 
 import jax
+import jax.core
 import numpy as np
 
 from ._errors import GraphError, StateMismatchError, TransformError, format_path
 from ._filters import Filter, filter_repr, to_predicate
-from ._graph import GraphDef, flatten, unflatten
+from ._graph import GraphDef, flatten
+from ._graph_build import unflatten
 from ._graph_lock import hold, let_go
 from ._module import Module, arrivals
 from ._state import State, partition
@@ -37,7 +38,22 @@ def _states(graphdef: GraphDef, variables: list[Variable], filters) -> list[Stat
   return [State.from_variables(items[i] for i in group) for group in groups]
 
 
-def split(node, *filters: Filter) -> tuple:
+# The overloads give `sr.split`, `sr.state` and `sr.pop` the shape of what they return
+# for the number of filters passed, so `graphdef, params, rest = sr.split(m, sr.Param, ...)`
+# and `sr.state(m, sr.Param).flat()` type-check in user code.
+@overload
+def split(node, /) -> tuple[GraphDef, State]: ...
+@overload
+def split(node, filter: Filter, /) -> tuple[GraphDef, State]: ...
+@overload
+def split(node, f1: Filter, f2: Filter, /) -> tuple[GraphDef, State, State]: ...
+@overload
+def split(node, f1: Filter, f2: Filter, f3: Filter, /) -> tuple[GraphDef, State, State, State]: ...
+@overload
+def split(
+  node, f1: Filter, f2: Filter, f3: Filter, f4: Filter, /, *filters: Filter
+) -> tuple[GraphDef, *tuple[State, ...]]: ...
+def split(node, *filters: Filter) -> tuple[GraphDef, *tuple[State, ...]]:
   """Splits a graph into its GraphDef and one State per filter.
 
   Each variable lands in the State of the first filter that matches it; a variable
@@ -107,6 +123,12 @@ def merge(graphdef: GraphDef, *states: State) -> Any:
   return roots[0]
 
 
+@overload
+def state(node, /) -> State: ...
+@overload
+def state(node, filter: Filter, /) -> State: ...
+@overload
+def state(node, f1: Filter, f2: Filter, /, *filters: Filter) -> tuple[State, ...]: ...
 def state(node, *filters: Filter) -> State | tuple[State, ...]:
   """The State of ``node``: all of it, the entries a filter matches, or a tuple for several.
 
@@ -299,6 +321,10 @@ def deleted_error(variables, what: str, kind: type, after: str = "") -> Exceptio
   )
 
 
+@overload
+def pop(node, filter: Filter, /) -> State: ...
+@overload
+def pop(node, f1: Filter, f2: Filter, /, *filters: Filter) -> tuple[State, ...]: ...
 def pop(node, *filters: Filter) -> State | tuple[State, ...]:
   """Takes the Variables that ``filters`` match out of ``node`` and returns their State,
   as flax.nnx's ``pop``: one State per filter (a tuple for several), each Variable in
@@ -379,56 +405,3 @@ def _node_at(root, path: tuple):
   for key in path:
     obj = vars(obj)[key] if isinstance(obj, Module) else obj[key]
   return obj
-
-
-def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
-  """Yields ``(path, value)`` for everything reachable from ``node``, as flax.nnx's
-  ``iter_graph``: modules, Variables, the lists/tuples/dicts that hold them and the
-  static attributes (ints, strings, functions, ...), ``node`` itself last.
-
-  The order is nnx's: depth first, children before their parent, a module's
-  attributes and a dict's keys sorted, list items in order. A module, Variable or
-  container reached again (shared) is yielded at its first path only; a Variable is a
-  leaf (its value is not entered). Attributes statefulremat keeps for itself
-  (``_sr_...``) are left out, as nnx leaves out its own. For modules and Variables
-  alone, first path first, use ``model.iter_modules()`` / ``model.iter_variables()``.
-
-  >>> import statefulremat as sr
-  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
-  >>> [(path, type(v).__name__) for path, v in sr.iter_graph([model, model])
-  ...  if not path or path[-1] in ("kernel", "bias", 0, 1)]
-  [((0, 'bias'), 'Param'), ((0, 'kernel'), 'Param'), ((0,), 'Linear'), ((), 'list')]
-  """
-  seen: set[int] = set()
-  todo: list[tuple[tuple, Any, bool]] = [((), node, False)]
-  while todo:
-    path, obj, done = todo.pop()
-    if done:
-      yield path, obj
-      continue
-    if isinstance(obj, Module):
-      children = _sorted_items({k: v for k, v in vars(obj).items() if not k.startswith("_sr_")})
-    elif isinstance(obj, dict):
-      children = _sorted_items(obj)
-    elif isinstance(obj, (list, tuple)):
-      children = list(enumerate(obj))
-    elif isinstance(obj, Variable):
-      children = None
-    else:
-      yield path, obj  # a static leaf: yielded wherever it appears
-      continue
-    if id(obj) in seen:
-      continue
-    seen.add(id(obj))
-    if children is None:
-      yield path, obj
-      continue
-    todo.append((path, obj, True))
-    todo.extend((path + (k,), v, False) for k, v in reversed(children))
-
-
-def _sorted_items(mapping: dict) -> list:
-  try:
-    return sorted(mapping.items(), key=lambda kv: kv[0])
-  except TypeError:  # keys of mixed types: keep their order
-    return list(mapping.items())

@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 
 from ._errors import TransformError, format_path
-from ._graph import flatten, rewrite, unflatten
+from ._graph import flatten, rewrite
+from ._graph_build import unflatten
 from ._graph_diff import first_difference
 from ._module import Module
 from ._split_merge import type_change
@@ -170,7 +172,7 @@ def _same_value(a, b) -> bool | None:
     if jnp.shape(x) != jnp.shape(y):
       return False
     dtype = getattr(x, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
       x, y = jax.random.key_data(x), jax.random.key_data(y)
     if not bool(jnp.array_equal(x, y, equal_nan=True)):
       return False
@@ -227,6 +229,12 @@ def _pattern_origin(layers) -> type | None:
   return parents.pop() if len(parents) == 1 else None
 
 
+def _position(stack: Module, k: int) -> Module:
+  """Position ``k`` of a pattern stack (``stack.pattern[k]``; its class is built at run
+  time by transforms/_pattern, a floor above this one, so the attribute is looked up)."""
+  return vars(stack)["pattern"][k]
+
+
 def _stack_pattern(layers: list, like, cls: type):
   """``sr.stack`` for a pattern: layer ``i`` goes to position ``i % P``."""
   positions = cls._sr_positions
@@ -246,7 +254,7 @@ def _stack_pattern(layers: list, like, cls: type):
         "pattern order (as `sr.unstack` gives them)."
       )
   stacks = [
-    stack(layers[k::p], like=like.pattern[k] if isinstance(like, Module) else positions[k])
+    stack(layers[k::p], like=_position(like, k) if isinstance(like, Module) else positions[k])
     for k in range(p)
   ]
   return cls._sr_from_positions(stacks)

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from ._errors import TransformError, format_path
-from ._graph import flatten, rewrite, unflatten
+from ._graph import flatten, rewrite
+from ._graph_build import unflatten
 from ._module import Module
 from ._state import freeze, thaw_metadata
 from ._variables import Variable, path_of
@@ -95,7 +96,7 @@ def layer_levels(variables, what: str) -> tuple[tuple[int, str | None], ...]:
   Variables without a layer axis (shared ones) are skipped; stacked ones that
   disagree are an error, as they cannot be one stack's layers.
   """
-  found, first = None, None
+  found, first = None, ()
   for path, var in variables:
     levels = var._metadata.get(LAYER_AXIS)
     if not levels:
@@ -196,9 +197,9 @@ def stacked_variables(stack) -> list[tuple[tuple, Variable, int, str | None]]:
   """``(path, variable, axis, name)`` of each Variable of ``stack`` with a layer axis."""
   graphdef, variables = flatten([stack])
   return [
-    (path, var, *layer_axis(var))
+    (path, var, *axis)
     for path, var in zip(graphdef.var_paths, variables)
-    if layer_axis(var) is not None
+    if (axis := layer_axis(var)) is not None
   ]
 
 

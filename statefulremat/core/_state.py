@@ -10,7 +10,7 @@ keys: ``("layers", 0, "kernel")``. Indexing walks them: ``state["layers"][0]["ke
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, overload
 
 import jax
 
@@ -201,7 +201,7 @@ class State(Mapping):
       for p, k, v, m in zip(self._spec.paths, self._spec.kinds, self._values, self._spec.metas)
     }
 
-  def __getitem__(self, key):
+  def __getitem__(self, key) -> Any:  # a leaf (array) or a sub-State: the paths decide
     paths = self._spec.paths
     picked = [i for i, p in enumerate(paths) if p and p[0] == key]
     if not picked:
@@ -235,6 +235,10 @@ class State(Mapping):
   def _matches(self, predicate) -> list[bool]:
     return [predicate(path, var) for path, var in self.flat_variables().items()]
 
+  @overload
+  def filter(self, filter: Filter, /) -> State: ...
+  @overload
+  def filter(self, f1: Filter, f2: Filter, /, *filters: Filter) -> tuple[State, ...]: ...
   def filter(self, *filters: Filter) -> State | tuple[State, ...]:
     """The entries matching each filter: one State, or a tuple for several filters.
 
@@ -293,7 +297,10 @@ class State(Mapping):
           kinds[i], metas[i], values[i] = k, m, v
         else:
           index[p] = len(paths)
-          paths.append(p), kinds.append(k), metas.append(m), values.append(v)
+          paths.append(p)
+          kinds.append(k)
+          metas.append(m)
+          values.append(v)
     return State._make(_Spec(tuple(paths), tuple(kinds), tuple(metas)), values)
 
   def __repr__(self) -> str:

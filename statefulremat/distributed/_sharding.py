@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 

@@ -224,11 +224,11 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
     if fill.whole is not None:
       value = _from_linen_value(e, fill.whole, problems)
     else:
+      assert fill.layers is not None and e.axis is not None  # a stack, filled per layer
       values = [_from_linen_value(e, s, problems, layer=i) for i, s in enumerate(fill.layers)]
+      present = [v for v in values if v is not None]
       value = (
-        None
-        if any(v is None for v in values)
-        else placed_like(e.var, jnp.stack(values, axis=e.axis))
+        None if len(present) < len(values) else placed_like(e.var, jnp.stack(present, axis=e.axis))
       )
     if value is not None:
       new[e.path] = value

@@ -67,11 +67,11 @@ class Fill:
 
 @dataclass
 class Match:
+  names: Callable[[Entry, int | None], list[str]]
   fills: list[Fill] = field(default_factory=list)
   missing: list[Entry] = field(default_factory=list)
   wrong: list[tuple[Entry, Source]] = field(default_factory=list)  # other collection
   unused: list[Source] = field(default_factory=list)
-  names: Callable[[Entry, int | None], list[str]] | None = None
   # difflib is slow on thousands of names, and a message shows a dozen problems
   asked: int = 0
 
@@ -83,7 +83,8 @@ class Match:
     """`` Nearest unused: …`` with the unused source names closest to ``e``'s."""
     if not self._ask():
       return ""
-    targets = {s.target: s for s in self.unused if not s.extra}
+    # Unused sources were all renamed to a name (a None target is left out earlier).
+    targets = {s.target: s for s in self.unused if not s.extra and s.target is not None}
     close: list[str] = []
     for name in self.names(e, None):
       close += [t for t in difflib.get_close_matches(name, list(targets), n=3) if t not in close]
@@ -102,6 +103,7 @@ class Match:
       for i in range(e.layers or 0):
         for name in self.names(e, i):
           names.setdefault(name, e)
+    assert s.target is not None  # an unused source was renamed to a name
     close = difflib.get_close_matches(s.target, list(names), n=3)
     return (
       " Nearest of ours still unfilled: " + ", ".join(f"`{name}`" for name in close) + "."
@@ -236,21 +238,24 @@ def match(
       if whole is not None:
         result.fills.append(Fill(e, whole=whole))
       continue
+    count = e.layers
+    assert count is not None  # per_layer is non-empty only for a stacked variable
     layers = [
       pick(e, per_layer[i], f"{e.where()} layer {i}") if i in per_layer else None
-      for i in range(e.layers)
+      for i in range(count)
     ]
-    gaps = [i for i in range(e.layers) if i not in per_layer]
+    picked = [s for s in layers if s is not None]
+    gaps = [i for i in range(count) if i not in per_layer]
     if gaps:
-      have = [i for i in range(e.layers) if i in per_layer]
+      have = [i for i in range(count) if i in per_layer]
       problems.add(
         f"{e.where()} ({e.layers} layers on axis {e.axis}) is given as a list of "
         f"layers with gaps: layer(s) {_ranges(have)} given, not {_ranges(gaps)} "
         f"(layer {have[0]}: {per_layer[have[0]][0].label()}).",
         _FIX_LAYERS,
       )
-    elif all(s is not None for s in layers):
-      result.fills.append(Fill(e, layers=layers))
+    elif len(picked) == len(layers):
+      result.fills.append(Fill(e, layers=picked))
   return result
 
 

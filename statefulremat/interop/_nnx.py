@@ -85,10 +85,8 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
   want = select_collections(collections, what)
   ours = entries(model, what)
   if want is None:
-    want = ({e.collection for e in ours} | {_collection(leaf) for leaf in flat.values()}) - {
-      "rngs",
-      None,
-    }
+    seen = {e.collection for e in ours} | {_collection(leaf) for leaf in flat.values()}
+    want = {c for c in seen if c is not None} - {"rngs"}
   ours = [e for e in ours if e.collection in want]
   theirs = {
     p: leaf for p, leaf in flat.items() if _collection(leaf) is None or _collection(leaf) in want
@@ -143,11 +141,12 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
   pairs = []
   for fill in found.fills:
     e = fill.entry
-    given = (
-      [(fill.whole, None)]
-      if fill.whole is not None
-      else [(s, i) for i, s in enumerate(fill.layers)]
-    )
+    given: list[tuple[Source, int | None]]
+    if fill.whole is not None:
+      given = [(fill.whole, None)]
+    else:
+      assert fill.layers is not None  # a Fill holds either `whole` or `layers`
+      given = [(s, i) for i, s in enumerate(fill.layers)]
     if all(_fits(e, s, layer, problems) for s, layer in given):
       pairs.append((e, [(s.key, s.leaf, layer) for s, layer in given]))
   for s in found.unused:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 
 from ..core._errors import format_path

@@ -198,9 +198,11 @@ def from_state_dict(
       if value is not None:
         new[e.path] = placed_like(e.var, value)
     else:
+      assert fill.layers is not None and e.axis is not None  # a stack, filled per layer
       values = [_value(e, s, i, axes, problems) for i, s in enumerate(fill.layers)]
-      if all(v is not None for v in values):
-        new[e.path] = placed_like(e.var, jnp.stack(values, axis=e.axis))
+      present = [v for v in values if v is not None]
+      if len(present) == len(values):
+        new[e.path] = placed_like(e.var, jnp.stack(present, axis=e.axis))
   for s in found.unused:
     problems.add(
       f"{s.shown} ({array_str(s.leaf)})"

@@ -34,18 +34,18 @@ def _validate_qkv_shapes(query, key, value=None):
 
 
 def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.float32) -> jax.Array | None:
-  """The logical AND of the given masks (``None``s skipped), or ``None`` if none given.
+  """The logical AND of the given masks (``None`` masks skipped), or ``None`` if none given.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.nn.combine_masks(jnp.array([1, 1, 0]), None, jnp.array([0, 1, 1])).tolist()
   [0.0, 1.0, 0.0]
   """
-  masks = [m for m in masks if m is not None]
-  if not masks:
+  given = [m for m in masks if m is not None]
+  if not given:
     return None
-  if not all(m.ndim == masks[0].ndim for m in masks):
-    raise ValueError(f"masks must have the same rank, got {tuple(m.ndim for m in masks)}.")
-  mask, *others = masks
+  if not all(m.ndim == given[0].ndim for m in given):
+    raise ValueError(f"masks must have the same rank, got {tuple(m.ndim for m in given)}.")
+  mask, *others = given
   for other in others:
     mask = jnp.logical_and(mask, other)
   return mask.astype(dtype)
@@ -145,10 +145,18 @@ def dot_product_attention_weights(
     if is_causal:
       causal = jnp.tril(jnp.ones(weights.shape[-2:], dtype=dtype))
       masks.append(jnp.broadcast_to(causal, mask.shape if mask is not None else weights.shape))
-    weights = jnp.where(combine_masks(*masks, dtype=dtype), weights, jnp.finfo(dtype).min)
+    combined = combine_masks(*masks, dtype=dtype)
+    assert combined is not None  # `masks` holds the mask, the causal one, or both
+    weights = jnp.where(combined, weights, jnp.finfo(dtype).min)
   weights = jax.nn.softmax(weights).astype(dtype)
 
   if not deterministic and dropout_rate > 0.0:
+    if dropout_rng is None:
+      raise ValueError(
+        f"dot_product_attention_weights: dropout_rate={dropout_rate} and "
+        "deterministic=False need a key to draw the dropout mask, and dropout_rng is "
+        "None. Fix: pass `dropout_rng=rngs.dropout()`, or `deterministic=True`."
+      )
     keep_prob = 1.0 - dropout_rate
     # The rank of the (unexpanded) key is the rank of the weights.
     ndim = key.ndim - 1 if is_gqa else key.ndim
@@ -203,10 +211,12 @@ def dot_product_attention(
     shape = query.shape
     if len(shape) > 4:
 
-      def to_4d(x):
-        return None if x is None else jnp.reshape(x, (math.prod(x.shape[:-3]), *x.shape[-3:]))
+      def to_4d(x: jax.Array) -> jax.Array:
+        return jnp.reshape(x, (math.prod(x.shape[:-3]), *x.shape[-3:]))
 
-      query, key, value, bias, mask = map(to_4d, (query, key, value, bias, mask))
+      query, key, value = to_4d(query), to_4d(key), to_4d(value)
+      bias = None if bias is None else to_4d(bias)
+      mask = None if mask is None else to_4d(mask)
     if mask is not None:
       mask = mask.astype(jnp.bool_)
     out = jax.nn.dot_product_attention(query, key, value, bias, mask, is_causal=is_causal)

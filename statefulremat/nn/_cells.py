@@ -1,15 +1,15 @@
 """Recurrent cells, as ``flax.nnx``'s: ``SimpleCell``, ``LSTMCell``,
 ``OptimizedLSTMCell``, ``GRUCell``.
 
-A cell computes one time step, ``cell(carry, x) -> (carry, y)``; ``sr.nn.RNN`` scans it
-over a sequence. Names, constructor signatures, sub-layers (``Linear``s named as nnx
+A cell computes one time step, ``cell(carry, x) -> (carry, y)`` (the protocol and its
+checks are ``RNNCellBase``'s, in ``_cell_base``); ``sr.nn.RNN`` scans it over a
+sequence. Names, constructor signatures, sub-layers (``Linear``s named as nnx
 names them) and numerics are nnx 0.12's, so ``sr.interop.from_nnx`` moves the weights
 of an nnx cell into ours with no rename.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -17,13 +17,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..core._errors import format_path
-from ..core._module import Module
-from ..core._rngs import Rngs, RngStream
-from ..core._variables import path_of
+from ..core._rngs import Rngs
+from ._cell_base import RNNCellBase
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._linear import Linear, default_bias_init, default_kernel_init
-from ._rngs_arg import check_rngs
 
 _orthogonal = jax.nn.initializers.orthogonal()
 
@@ -43,167 +40,7 @@ def modified_orthogonal(key: jax.Array, shape: tuple, dtype: Any = jnp.float32) 
   return _orthogonal(key, shape).astype(dtype)
 
 
-def where(module) -> str:
-  """``"LSTMCell at `path`"`` (the module's path in its model), or the class name."""
-  path = path_of(module)
-  name = type(module).__name__
-  return f"{name} at `{format_path(path)}`" if path else name
-
-
-class RNNCellBase(Module):
-  """Base class of the recurrent cells: one time step, ``cell(carry, x) -> (carry, y)``.
-
-  A cell of one's own (a ConvLSTM) subclasses it and defines ``__call__``,
-  ``initialize_carry(input_shape, rngs=None, carry_init=None)`` and
-  ``num_feature_axes`` (how many trailing axes of the input are features; ``RNN``
-  finds the time axis from it). The cells here also keep ``in_features`` and
-  ``hidden_features`` and check their inputs against them.
-
-  >>> import jax.numpy as jnp, statefulremat as sr
-  >>> cell = sr.nn.GRUCell(3, 4, rngs=sr.Rngs(0))
-  >>> isinstance(cell, sr.nn.RNNCellBase), cell.num_feature_axes
-  (True, 1)
-  """
-
-  #: carry arrays of the cell: 1 (``h``), or 2 for the LSTMs (``(c, h)``)
-  _carry_arity = 1
-  #: whether ``check_step`` knows the cell's input and carry (the cells here do; a
-  #: subclass of this base with a carry of its own is not checked)
-  _checks_steps = False
-
-  def _setup(
-    self,
-    name: str,
-    in_features: int,
-    hidden_features: int,
-    *,
-    dtype: Any,
-    param_dtype: Any,
-    carry_init: Callable | None,
-    promote_dtype: Callable,
-    keep_rngs: bool,
-    rngs: Rngs,
-  ) -> None:
-    check_rngs(name, rngs)
-    for arg, value in (("in_features", in_features), ("hidden_features", hidden_features)):
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}.")
-    self.in_features = in_features
-    self.hidden_features = hidden_features
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.promote_dtype = promote_dtype
-    if keep_rngs:
-      warnings.warn(
-        f"{name}(keep_rngs=True) is deprecated, as in flax.nnx: pass the rngs to "
-        "`initialize_carry(input_shape, rngs)` (or `RNN(...)(x, rngs=rngs)`) instead.",
-        DeprecationWarning,
-        stacklevel=3,
-      )
-      self.rngs = RngStream(rngs.carry(), tag="carry")
-    else:
-      self.rngs = None
-    if carry_init is not None:
-      warnings.warn(
-        f"{name}: carry_init given to the constructor, as flax.nnx still allows but "
-        "warns about: two cells that differ only in it have different graph "
-        "definitions. Pass it to `initialize_carry(input_shape, rngs, carry_init=...)` "
-        "instead.",
-        UserWarning,
-        stacklevel=3,
-      )
-    self.carry_init = carry_init
-
-  @property
-  def num_feature_axes(self) -> int:
-    """How many trailing axes of the input are features (1 for these cells)."""
-    return 1
-
-  def initialize_carry(
-    self,
-    input_shape: tuple,
-    rngs: Rngs | RngStream | None = None,
-    carry_init: Callable | None = None,
-  ):
-    """The carry for a time step of inputs of shape ``input_shape`` ``(*batch, in)``.
-
-    Each carry array has shape ``(*batch, hidden_features)`` and dtype ``param_dtype``:
-    zeros, or drawn from ``carry_init(key, shape, dtype)`` with keys from ``rngs`` (an
-    ``sr.Rngs``'s ``carry`` stream, an ``sr.RngStream``, or the cell's own stream
-    when built with ``keep_rngs=True``). Zeros need no keys, so ``rngs`` may be
-    omitted then (nnx insists on one).
-
-    >>> import jax.numpy as jnp, statefulremat as sr
-    >>> c, h = sr.nn.LSTMCell(3, 4, rngs=sr.Rngs(0)).initialize_carry((2, 3))
-    >>> c.shape, h.shape
-    ((2, 4), (2, 4))
-    """
-    init = carry_init if carry_init is not None else self.carry_init
-    shape = tuple(input_shape)[:-1] + (self.hidden_features,)
-    if init is None:
-      zeros = jnp.zeros(shape, self.param_dtype)
-      return (zeros, zeros) if self._carry_arity == 2 else zeros
-    if rngs is None:
-      rngs = self.rngs
-    if isinstance(rngs, Rngs):
-      rngs = rngs.carry
-    if rngs is None:
-      raise ValueError(
-        f"{where(self)}: initialize_carry with carry_init={init!r} draws keys, but no "
-        "rngs was given and the cell keeps none. Fix: pass them, "
-        "`cell.initialize_carry(input_shape, sr.Rngs(0))` (its `carry` stream)."
-      )
-    carries = tuple(init(rngs(), shape, self.param_dtype) for _ in range(self._carry_arity))
-    return carries if self._carry_arity == 2 else carries[0]
-
-  def carry_shapes(self, input_shape: tuple):
-    """The shape of each carry array for inputs of ``input_shape`` (a pair for LSTMs).
-
-    >>> import statefulremat as sr
-    >>> sr.nn.GRUCell(3, 4, rngs=sr.Rngs(0)).carry_shapes((5, 3))
-    (5, 4)
-    """
-    shape = tuple(input_shape)[:-1] + (self.hidden_features,)
-    return (shape, shape) if self._carry_arity == 2 else shape
-
-  def check_step(self, carry, input_shape: tuple, *, exact: bool = False) -> None:
-    """Raises a ``ValueError`` naming the cell's path unless ``carry`` and an input of
-    ``input_shape`` fit it: features ``in_features``, carry arrays ``(..., hidden)``
-    (``exact``: exactly ``carry_shapes(input_shape)``, as a scan over time needs)."""
-    if not self._checks_steps:
-      return
-    input_shape = tuple(input_shape)
-    if not input_shape or input_shape[-1] != self.in_features:
-      fix = (
-        f"build the cell with in_features={input_shape[-1]}"
-        if input_shape
-        else "give the input a feature axis, e.g. `x[..., None]`"
-      )
-      raise ValueError(
-        f"{where(self)} was built with in_features={self.in_features} but got an "
-        f"input of shape {input_shape} (expected (*batch, {self.in_features})). Fix "
-        f"the input, or {fix}."
-      )
-    expected = self.carry_shapes(input_shape)
-    if self._carry_arity == 2:
-      ok = isinstance(carry, (tuple, list)) and len(carry) == 2
-      leaves = list(carry) if ok else []
-      want = f"a pair (c, h) of arrays of shape {expected[0]}"
-    else:
-      ok = not isinstance(carry, (tuple, list, dict))
-      leaves = [carry] if ok else []
-      want = f"one array of shape {expected}"
-    shapes = [tuple(jnp.shape(leaf)) for leaf in leaves]
-    target = expected[0] if self._carry_arity == 2 else expected
-    ok = ok and all((s == target) if exact else (s[-1:] == target[-1:]) for s in shapes)
-    if not ok:
-      got = jax.tree.map(lambda leaf: tuple(jnp.shape(leaf)), carry)
-      raise ValueError(
-        f"{where(self)}: the carry has shapes {got}, but for inputs of shape "
-        f"{input_shape} it must be {want} (batch dims, then hidden_features="
-        f"{self.hidden_features}). Fix: start from "
-        f"`cell.initialize_carry({input_shape})`."
-      )
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 def _linear(
@@ -211,14 +48,14 @@ def _linear(
   out_features: int,
   *,
   use_bias: bool,
-  kernel_init,
-  bias_init=default_bias_init,
-  dtype,
-  param_dtype,
-  promote_dtype,
-  rngs,
-  kernel_metadata,
-  bias_metadata=MappingProxyType({}),
+  kernel_init: Callable,
+  bias_init: Callable = default_bias_init,
+  dtype: Any,
+  param_dtype: Any,
+  promote_dtype: Callable,
+  rngs: Rngs,
+  kernel_metadata: Mapping[str, Any],
+  bias_metadata: Mapping[str, Any] = _EMPTY,
 ) -> Linear:
   return Linear(
     in_features,
@@ -231,11 +68,8 @@ def _linear(
     promote_dtype=promote_dtype,
     rngs=rngs,
     kernel_metadata=kernel_metadata,
-    bias_metadata=bias_metadata if use_bias else MappingProxyType({}),
+    bias_metadata=bias_metadata if use_bias else _EMPTY,
   )
-
-
-_EMPTY = MappingProxyType({})
 
 
 class LSTMCell(RNNCellBase):

@@ -165,8 +165,9 @@ class Conv(Module):
       ``'CAUSAL'`` (1-D, left padding), an int, or ``(low, high)`` pairs per axis.
     feature_group_count: split the channels into this many groups (depthwise when
       equal to ``in_features``).
-    use_bias, dtype, param_dtype, precision, kernel_init, bias_init, promote_dtype,
-    preferred_element_type, rngs, kernel_metadata, bias_metadata: as ``Linear``.
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as ``Linear``.
+    promote_dtype, preferred_element_type, rngs, kernel_metadata, bias_metadata: as
+      ``Linear``.
     conv_general_dilated: the convolution (default ``lax.conv_general_dilated``).
 
   nnx's weight ``mask`` argument is not supported (it would be an array attribute

@@ -34,8 +34,9 @@ class ConvTranspose(Module):
     padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'`` (periodic), an int, or
       ``(low, high)`` pairs per axis, as ``lax.conv_transpose`` reads them.
     transpose_kernel: flip the kernel's spatial axes and swap its channel axes.
-    use_bias, dtype, param_dtype, precision, kernel_init, bias_init, promote_dtype,
-    preferred_element_type, rngs, kernel_metadata, bias_metadata: as ``Conv``.
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as ``Conv``.
+    promote_dtype, preferred_element_type, rngs, kernel_metadata, bias_metadata: as
+      ``Conv``.
 
   nnx's weight ``mask`` is not supported (an array outside any Variable), as in
   ``Conv``; ``lax.conv_transpose`` takes no ``out_sharding``, so under explicit mesh
@@ -113,8 +114,8 @@ class ConvTranspose(Module):
     check_conv_input("ConvTranspose", inputs, self.kernel_size, self.in_features, self)
     n_spatial = len(self.kernel_size)
     n_batch = inputs.ndim - (n_spatial + 1)
+    batch_shape = inputs.shape[:n_batch]
     if n_batch != 1:
-      batch_shape = inputs.shape[:n_batch]
       inputs = jnp.reshape(inputs, (-1,) + inputs.shape[n_batch:])
     strides = self._per_axis(self.strides)
     padding = canonicalize_padding(self.padding, n_spatial)

@@ -58,8 +58,9 @@ class Einsum(Module):
     einsum_str: e.g. ``'btd,dnh->btnh'``.
     kernel_shape: the kernel's shape, one size per kernel letter.
     bias_shape: the bias's shape (the output's kernel axes, in order), or ``None``.
-    dtype, param_dtype, precision, kernel_init, bias_init, promote_dtype,
-    preferred_element_type, rngs, kernel_metadata, bias_metadata: as ``Linear``.
+    dtype, param_dtype, precision, kernel_init, bias_init: as ``Linear``.
+    promote_dtype, preferred_element_type, rngs, kernel_metadata, bias_metadata: as
+      ``Linear``.
     einsum_op: the contraction (default ``jnp.einsum``).
 
   >>> import jax.numpy as jnp, statefulremat as sr

@@ -98,7 +98,8 @@ class Embed(Module):
       return jnp.broadcast_to(embedding, shape)
     if out_sharding is not None:
       take = jax.sharding.auto_axes(lambda e, i: jnp.take(e, i, axis=0), out_sharding=out_sharding)
-      return take(embedding, inputs)
+      # jax's auto_axes is unannotated: pyright infers its `f=None` (decorator) branch too.
+      return take(embedding, inputs)  # pyright: ignore[reportCallIssue]
     return jnp.take(embedding, inputs, axis=0)
 
   def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:

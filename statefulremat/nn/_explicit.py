@@ -107,5 +107,5 @@ def dedupe(entries: Sequence) -> tuple:
 
 def drop_dims(spec: Sequence, dims: Sequence[int]) -> tuple:
   """``spec`` with the entries of ``dims`` replicated (e.g. broadcast size-1 axes)."""
-  dims = {d % len(spec) for d in dims}
-  return tuple(None if i in dims else e for i, e in enumerate(spec))
+  dropped = {d % len(spec) for d in dims}
+  return tuple(None if i in dropped else e for i, e in enumerate(spec))

@@ -67,9 +67,10 @@ class GroupNorm(Module):
     num_features: number of channels (``scale``/``bias`` shape ``(num_features,)``).
     num_groups: number of groups (default 32); must divide ``num_features``.
     group_size: channels per group, instead of ``num_groups``.
-    epsilon, dtype, param_dtype, use_bias, use_scale, bias_init, scale_init,
-    axis_name, axis_index_groups, use_fast_variance, promote_dtype, rngs,
-    bias_metadata, scale_metadata: as ``LayerNorm``.
+    epsilon, dtype, param_dtype, use_bias, use_scale, bias_init, scale_init: as
+      ``LayerNorm``.
+    axis_name, axis_index_groups, use_fast_variance, promote_dtype: as ``LayerNorm``.
+    rngs, bias_metadata, scale_metadata: as ``LayerNorm``.
     reduction_axes: the statistics' axes, the last among them (the channels) split
       into groups; ``None`` means every axis but the first.
 
@@ -79,6 +80,9 @@ class GroupNorm(Module):
   >>> y.shape, norm.scale.shape, round(float(y[0, :, :2].std()), 3)
   ((2, 5, 6), (6,), 1.0)
   """
+
+  scale: Param | None  # set by _init_scale_bias
+  bias: Param | None
 
   def __init__(
     self,
@@ -200,9 +204,10 @@ class InstanceNorm(Module):
   Args:
     num_features: size of the feature axes (``scale``/``bias`` shape).
     feature_axes: the feature axes (never axis 0, the batch).
-    epsilon, dtype, param_dtype, use_bias, use_scale, bias_init, scale_init,
-    axis_name, axis_index_groups, use_fast_variance, promote_dtype, rngs,
-    bias_metadata, scale_metadata: as ``LayerNorm``.
+    epsilon, dtype, param_dtype, use_bias, use_scale, bias_init, scale_init: as
+      ``LayerNorm``.
+    axis_name, axis_index_groups, use_fast_variance, promote_dtype: as ``LayerNorm``.
+    rngs, bias_metadata, scale_metadata: as ``LayerNorm``.
 
   >>> import jax, statefulremat as sr
   >>> norm = sr.nn.InstanceNorm(3, rngs=sr.Rngs(0))
@@ -210,6 +215,9 @@ class InstanceNorm(Module):
   >>> y.shape, round(float(y[1, :, 2].mean()), 5) == 0
   ((2, 8, 3), True)
   """
+
+  scale: Param | None  # set by _init_scale_bias
+  bias: Param | None
 
   def __init__(
     self,

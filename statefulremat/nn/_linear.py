@@ -44,7 +44,12 @@ def located(message: str, module: Any = None) -> str:
 
 
 def check_features(
-  layer: str, x: jax.Array, axis: int, expected: int, name: str = "in_features", module: Any = None
+  layer: str,
+  x: jax.Array | np.ndarray,
+  axis: int,
+  expected: int,
+  name: str = "in_features",
+  module: Any = None,
 ) -> None:
   """Raises a ValueError naming the layer (and ``module``'s path) when
   ``x.shape[axis] != expected``."""

@@ -43,9 +43,9 @@ class LinearGeneral(Module):
     axis: the input axes to contract (default ``-1``), one per ``in_features``.
     batch_axis: ``{axis: size}`` of leading input axes that get their own kernel
       (batched matmul); they must be ``0, 1, ...``. Stored as a tuple of pairs.
-    use_bias, dtype, param_dtype, kernel_init, bias_init, precision, promote_dtype,
-    dot_general, preferred_element_type, rngs, kernel_metadata, bias_metadata: as
-      for ``Linear``.
+    use_bias, dtype, param_dtype, kernel_init, bias_init, precision: as for ``Linear``.
+    promote_dtype, dot_general, preferred_element_type, rngs: as for ``Linear``.
+    kernel_metadata, bias_metadata: as for ``Linear``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> layer = sr.nn.LinearGeneral((2, 3), (4, 5), axis=(1, -1), rngs=sr.Rngs(0))

@@ -37,7 +37,7 @@ class MLP(Module):
     dropout_rate: rate of ``dropout`` (0 disables it; no RNG is drawn then).
     deterministic: initial mode of ``dropout``; ``model.train()`` / ``eval()`` flip it.
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init: passed to both
-      ``Linear``s.
+      ``Linear`` layers.
     rngs: draws ``fc1``'s then ``fc2``'s parameters; kept by ``dropout``.
     kernel_metadata, bias_metadata: metadata of ``fc1`` (and of ``fc2`` unless
       ``out_kernel_metadata`` / ``out_bias_metadata`` are given), e.g.
@@ -116,8 +116,8 @@ class MLP(Module):
     A key passed as ``rngs`` is split in two, one per dropout.
     """
     if isinstance(rngs, jax.Array):
-      rngs = tuple(jax.random.split(rngs))
+      first, second = jax.random.split(rngs)
     else:
-      rngs = (rngs, rngs)
-    h = self.dropout(self.activation(self.fc1(x)), deterministic=deterministic, rngs=rngs[0])
-    return self.dropout(self.fc2(h), deterministic=deterministic, rngs=rngs[1])
+      first = second = rngs
+    h = self.dropout(self.activation(self.fc1(x)), deterministic=deterministic, rngs=first)
+    return self.dropout(self.fc2(h), deterministic=deterministic, rngs=second)

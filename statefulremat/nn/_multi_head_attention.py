@@ -1,4 +1,8 @@
-"""MultiHeadAttention: projections to heads, dot-product attention, projection back."""
+"""MultiHeadAttention: projections to heads, dot-product attention, projection back.
+
+The key/value cache it decodes with (the step's checks and writes) is in
+``_attention_cache``.
+"""
 
 from __future__ import annotations
 
@@ -10,19 +14,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
 from ..core._errors import format_path
 from ..core._kinds import Cache
 from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
 from ..core._stacks import per_layer
-from ..core._variables import path_of
-from ._attention import combine_masks, dot_product_attention
+from ..core._variables import Variable, path_of
+from ._attention import dot_product_attention
+from ._attention_cache import cache_slot, cache_write
 from ._dropout import draw_key
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._explicit import explicit_specs
 from ._linear import default_kernel_init
 from ._linear_general import LinearGeneral
 from ._normalization import LayerNorm
@@ -90,9 +92,10 @@ class MultiHeadAttention(Module):
       the sub-layers.
     rngs: draws the projections' parameters; kept for dropout if ``keep_rngs``.
     keep_rngs: store ``rngs`` (when ``dropout_rate > 0``) as ``self.rngs``.
-    kernel_metadata, bias_metadata, out_kernel_metadata, out_bias_metadata,
-    query_ln_scale_metadata, key_ln_scale_metadata: Variable metadata (``out_*``
-      default to the others).
+    kernel_metadata, bias_metadata: Variable metadata.
+    out_kernel_metadata, out_bias_metadata: Variable metadata of ``out`` (default:
+      ``kernel_metadata``, ``bias_metadata``).
+    query_ln_scale_metadata, key_ln_scale_metadata: Variable metadata.
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> attn = sr.nn.MultiHeadAttention(num_heads=2, in_features=8, rngs=sr.Rngs(0))
@@ -254,9 +257,9 @@ class MultiHeadAttention(Module):
       bias_metadata=out_bias_metadata or bias_metadata,
     )
     self.rngs = rngs if keep_rngs and dropout_rate > 0 else None
-    self.cached_key = None
-    self.cached_value = None
-    self.cache_index = None
+    self.cached_key: Variable | None = None  # Cache Variables, made by init_cache
+    self.cached_value: Variable | None = None
+    self.cache_index: Variable | None = None
 
   def __call__(
     self,
@@ -306,15 +309,21 @@ class MultiHeadAttention(Module):
     key = self.key(inputs_k, out_sharding=qkv_sharding)
     value = self.value(inputs_v, out_sharding=qkv_sharding)
     if self.normalize_qk:
+      assert self.query_ln is not None and self.key_ln is not None  # made with the flag
       query = self.query_ln(query)
       key = self.key_ln(key)
 
     decode = self.decode if decode is None else decode
     if decode:
-      query, key, value, mask = self._decode_step(query, key, value, mask, positions)
+      key, value, index = cache_slot(self, key, value)
+      if self.rope_base is not None:
+        # The cache stores rotated keys: each is rotated once, at its own position.
+        at = index[None] if positions is None else positions
+        query, key = self._rotate(query, key, at, self.rope_base)
+      key, value, mask = cache_write(self, key, value, index, mask)
       is_causal = False  # the decode mask lets the query see exactly the past
     elif self.rope_base is not None:
-      query, key = self._rotate(query, key, positions)
+      query, key = self._rotate(query, key, positions, self.rope_base)
 
     dropout_rng = None
     if self.dropout_rate > 0.0:
@@ -369,8 +378,11 @@ class MultiHeadAttention(Module):
           f"or build the layer with {attr}={x.shape[-1]}."
         )
 
-  def _rotate(self, query, key, positions):
-    """``sr.nn.rope`` on queries and keys, both at ``positions`` (default arange)."""
+  def _rotate(
+    self, query: jax.Array, key: jax.Array, positions: jax.Array | None, base: float
+  ) -> tuple[jax.Array, jax.Array]:
+    """``sr.nn.rope`` of ``base`` on queries and keys, both at ``positions`` (default
+    arange)."""
     if key.shape[-3] != query.shape[-3]:
       raise ValueError(
         f"{self._where()}: rope_base is set, and keys take the queries' positions, "
@@ -382,86 +394,11 @@ class MultiHeadAttention(Module):
       positions = jnp.arange(query.shape[-3])
     else:
       check_positions(self._where(), positions, query.shape)
-    return (rope(query, positions, base=self.rope_base), rope(key, positions, base=self.rope_base))
-
-  def _decode_step(self, query, key, value, mask, positions):
-    """Writes this step's key/value (rotated, with rope) into the cache; returns the
-    query, the cached keys/values and a mask."""
-    if self.cached_key is None:
-      raise ValueError(
-        f"{self._where()}: decode=True needs the key/value cache, and it has none. "
-        f"Fix: call `init_cache((batch, max_length, {self.in_features}))` on it "
-        "before decoding, outside any transform (it creates Variables); on a stack, "
-        "`stack.attn.init_cache(...)` makes one cache per layer, stacked along the "
-        "layer axis (on a pattern stack, once per position: "
-        "`stack.pattern[k].attn.init_cache(...)`)."
-      )
-    *batch_dims, max_length, num_kv_heads, depth = self.cached_key.shape
-    expected = tuple(batch_dims) + (1, num_kv_heads, depth)
-    if key.shape != expected:
-      raise ValueError(
-        f"MultiHeadAttention decode feeds one position at a time: expected a key of "
-        f"shape {expected} (from an input of length 1), got {key.shape}."
-      )
-    if explicit_specs("MultiHeadAttention", key=key, cached_key=self.cached_key.value):
-      # Explicit mesh axes: the step is written where the cache lives (init_cache
-      # makes it replicated; sr.shard or a reshard may place it otherwise).
-      key = jax.sharding.reshard(key, jax.typeof(self.cached_key.value).sharding)
-      value = jax.sharding.reshard(value, jax.typeof(self.cached_value.value).sharding)
-    index = self._check_room(self.cache_index.value, max_length)
-    if self.rope_base is not None:
-      # The cache stores rotated keys: each is rotated once, at its own position.
-      query, key = self._rotate(query, key, index[None] if positions is None else positions)
-    zero = jnp.array(0, dtype=lax.dtype(index.dtype))
-    indices = (zero,) * len(batch_dims) + (index, zero, zero)
-    key = lax.dynamic_update_slice(self.cached_key.value, key, indices)
-    value = lax.dynamic_update_slice(self.cached_value.value, value, indices)
-    self.cached_key.value = key
-    self.cached_value.value = value
-    self.cache_index.value = index + 1
-    # The single query may attend only to the positions already cached.
-    mask = combine_masks(
-      mask,
-      jnp.broadcast_to(jnp.arange(max_length) <= index, tuple(batch_dims) + (1, 1, max_length)),
-    )
-    return query, key, value, mask
+    return rope(query, positions, base=base), rope(key, positions, base=base)
 
   def _where(self) -> str:
     path = path_of(self)
     return f"MultiHeadAttention at `{format_path(path)}`" if path else "MultiHeadAttention"
-
-  def _check_room(self, index, max_length: int):
-    """Raises when every cache position is used: a write there would be clamped
-    onto the last position (``dynamic_update_slice``), a silently wrong result.
-    Returns ``index``."""
-
-    def report(index, where=None):  # eager: the path is read only when it raises
-      if (np.asarray(index) >= max_length).any():
-        raise ValueError(
-          f"{where or self._where()}: decoding past the end of the key/value cache: "
-          f"it holds max_length={max_length} positions and all are used (cache_index="
-          f"{int(index.max())}). Fix: give the sequence a longer cache, "
-          f"`init_cache((batch, max_length, {self.in_features}))` with max_length at "
-          "least the number of positions decoded (it also starts a new sequence); on "
-          "a stack call it on the stack's attention, `stack.attn.init_cache(...)` "
-          "(on a pattern stack, `stack.pattern[k].attn.init_cache(...)` per position)."
-        )
-      return index
-
-    if not isinstance(index, jax.core.Tracer):
-      return report(index)  # eager: raise before anything is written
-    # Traced (sr.jit, a stack's scan): the host is called only when the cache is full,
-    # and its error stops the call before the transform writes anything back. A
-    # pure_callback whose result the write uses, so it is not pruned: the effect of
-    # jax.debug.callback cost every decode call ~0.2 ms on CPU where this costs ~0.03.
-    # The path is read now: the host call runs after the trace's modules are gone.
-    checked = functools.partial(
-      jax.pure_callback,
-      functools.partial(report, where=self._where()),
-      jax.ShapeDtypeStruct(index.shape, index.dtype),
-      vmap_method="broadcast_all",
-    )
-    return lax.cond(index >= max_length, checked, lambda i: i, index)
 
   def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
     """Creates the ``Cache`` Variables for decoding inputs ``(batch..., max_length, features)``.

@@ -68,25 +68,26 @@ def compute_stats(
   x = jnp.asarray(x, dtype)
   axes = canonicalize_axes(x.ndim, axes)
 
-  def mean(*xs):
+  def means(*xs: jax.Array) -> tuple[jax.Array, ...]:
     mus = tuple(v.mean(axes, where=mask) for v in xs)
     if axis_name is None:
-      return mus if len(xs) > 1 else mus[0]
+      return mus
     # One collective for both statistics: stack them.
     if len(xs) > 1:
       reduced = lax.pmean(jnp.stack(mus, axis=0), axis_name, axis_index_groups=axis_index_groups)
       return tuple(reduced[i] for i in range(len(xs)))
-    return lax.pmean(mus[0], axis_name, axis_index_groups=axis_index_groups)
+    return (lax.pmean(mus[0], axis_name, axis_index_groups=axis_index_groups),)
 
   if not use_mean:
-    var = mean(_abs_sq(x))
+    (var,) = means(_abs_sq(x))
     return jnp.zeros_like(var), var
   if use_fast_variance:
-    mu, mu2 = mean(x, _abs_sq(x))
+    mu, mu2 = means(x, _abs_sq(x))
     # mu2 - mu^2 can dip below zero by round-off; a negative variance would NaN.
     return mu, jnp.maximum(0.0, mu2 - _abs_sq(mu))
-  mu = mean(x)
-  return mu, mean(_abs_sq(x - jnp.expand_dims(mu, axes)))
+  (mu,) = means(x)
+  (var,) = means(_abs_sq(x - jnp.expand_dims(mu, axes)))
+  return mu, var
 
 
 def normalize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from ..core._rngs import Rngs, RngStream
 
@@ -32,7 +33,7 @@ def check_rngs(layer: str, rngs, *, optional: bool = False, stream: bool = False
     return
   wanted = "an sr.Rngs" + (", an sr.RngStream" if stream else "") + (" or None" if optional else "")
   if isinstance(rngs, jax.Array) and (
-    jax.dtypes.issubdtype(rngs.dtype, jax.dtypes.prng_key) or rngs.dtype == "uint32"
+    jnp.issubdtype(rngs.dtype, jax.dtypes.prng_key) or rngs.dtype == "uint32"
   ):
     got, fix = f"a JAX key ({rngs.dtype}{list(rngs.shape)})", "sr.Rngs(key)"
   elif isinstance(rngs, int) and not isinstance(rngs, bool):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +22,18 @@ from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
 from ..transforms._scan import scan
-from ._cells import RNNCellBase, where
+from ._cell_base import RNNCellBase, where
 
 _NOT_PARAM = Not(Param)
+
+
+class _Cell(Protocol):
+  """What ``RNN`` asks of its cell: an ``RNNCellBase`` or any Module shaped like one."""
+
+  @property
+  def num_feature_axes(self) -> int: ...
+
+  def initialize_carry(self, input_shape: tuple, rngs: Any = None) -> Any: ...
 
 
 def flip_sequences(
@@ -215,7 +224,7 @@ class RNN(Module):
     time_major = self.time_major if time_major is None else time_major
     reverse = self.reverse if reverse is None else reverse
     keep_order = self.keep_order if keep_order is None else keep_order
-    cell = self.cell
+    cell = cast(_Cell, self.cell)
     features = cell.num_feature_axes
     shape = tuple(jnp.shape(inputs))
     if len(shape) < features + 1:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +193,7 @@ class SpectralNorm(Module):
 
   def _matrix_shape(self, path: tuple, shape: tuple, where: str) -> tuple[int, int]:
     """The (rows, columns) a Param of ``shape`` (2 or more dims) is normalised as."""
+    columns = shape[-1]
     rows = 1
     for n in shape[:-1]:
       rows *= n
@@ -204,7 +205,7 @@ class SpectralNorm(Module):
         f"({rows}, {shape[-1]}) matrix of its leading axes against its last, or wrap "
         "a layer whose weights are matrices (e.g. Linear)."
       )
-    return rows, shape[-1]
+    return rows, columns
 
   def __call__(self, x: Any, update_stats: bool | None = None) -> jax.Array:
     """Runs the wrapped layer on ``x`` with its weight matrices spectrally normalised.
@@ -229,7 +230,7 @@ class SpectralNorm(Module):
           normalised.append((var, w))
           stats.append((path, u, sigma))
     with _substituted(normalised):
-      y = self.layer_instance(x)
+      y = _callable(self.layer_instance)(x)
     if update_stats:
       for path, u, sigma in stats:
         for name, value in (("u", u), ("sigma", sigma)):
@@ -349,7 +350,7 @@ class WeightNorm(Module):
         "WeightNorm would do nothing. Fix: pass a variable_filter that names the "
         "weights to normalise, e.g. variable_filter=sr.PathContains('kernel')."
       )
-    scales = None
+    scales: dict[tuple, Param] | None = None
     if use_scale:
       scales = {}
       for path, var in matched:
@@ -379,7 +380,7 @@ class WeightNorm(Module):
       if self.variable_filter(path, var):
         normalised.append((var, self._normalise(path, var.value)))
     with _substituted(normalised):
-      return self.layer_instance(x, *args, **kwargs)
+      return _callable(self.layer_instance)(x, *args, **kwargs)
 
   def _normalise(self, path: tuple, w: jax.Array) -> jax.Array:
     ndim = jnp.ndim(w)
@@ -387,7 +388,7 @@ class WeightNorm(Module):
     value = _l2_normalize(w, axis=reduction, eps=self.epsilon)
     scale = None
     if self.use_scale:
-      stat = self.scales.get(path)
+      stat = (self.scales or {}).get(path)
       want = tuple(jnp.shape(w)[a] for a in feature)
       if stat is None or tuple(stat.shape) != want:
         have = (
@@ -404,3 +405,8 @@ class WeightNorm(Module):
         scale = jnp.reshape(scale, [jnp.shape(w)[a] if a in feature else 1 for a in range(ndim)])
       value = value * scale
     return self.promote_dtype((value, w, scale), dtype=self.dtype)[0]
+
+
+def _callable(layer: Module) -> Callable[..., Any]:
+  """The wrapped layer, to call: a Module subclass defines ``__call__``, Module does not."""
+  return cast(Callable[..., Any], layer)

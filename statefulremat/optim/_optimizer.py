@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import jax
+import jax.core
 import jax.numpy as jnp
 
 from ..core._errors import StateMismatchError, format_path
@@ -164,7 +167,9 @@ class Optimizer(Module):
     updates, opt_state = self.tx.update(grads, opt_state, params)
     import optax
 
-    new_params = optax.apply_updates(params, updates)
+    # apply_updates keeps the tree's structure (a State in, a State out); optax types
+    # its result as any tree.
+    new_params = cast(State, optax.apply_updates(params, updates))
     update(self.model, new_params)
     for var, leaf in zip(self.opt_state, jax.tree.leaves(opt_state)):
       var.value = leaf

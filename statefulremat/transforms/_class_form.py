@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..core._module import Module
 
 
-def is_module_class(target) -> bool:
+def is_module_class(target: object) -> TypeGuard[type[Module]]:
   return isinstance(target, type) and issubclass(target, Module)
 
 

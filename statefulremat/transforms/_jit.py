@@ -154,7 +154,9 @@ def jit(
       out = out.rebuild(split_call(args, kwargs)[0])
     return out
 
-  wrapper.lower = lambda *a, **k: with_room(_lower, compiled, cache, static, names, what, *a, **k)
+  wrapper.lower = lambda *a, **k: with_room(  # pyright: ignore[reportAttributeAccessIssue]  # a function attribute, as on jax.jit's result
+    _lower, compiled, cache, static, names, what, *a, **k
+  )
   return wrapper
 
 
@@ -168,7 +170,7 @@ class _JitPerStructure:
 
   def __init__(self, pure: Callable, donate_state: bool, jit_kwargs: dict, size: int = 64):
     self._pure = pure
-    self._options = dict(jit_kwargs, donate_argnums=(0,) if donate_state else ())
+    self._options: dict[str, Any] = dict(jit_kwargs, donate_argnums=(0,) if donate_state else ())
     self._jitted: OrderedDict = OrderedDict()
     self._size = size
 
@@ -259,10 +261,10 @@ def _unaliased(values: list, leaves: list) -> list:
 
 
 def _insert(args: tuple, statics: tuple) -> tuple:
-  args = list(args)
+  merged = list(args)
   for i, value in statics:  # ascending, so each lands at its original position
-    args.insert(i, value)
-  return tuple(args)
+    merged.insert(i, value)
+  return tuple(merged)
 
 
 def _lower(compiled, cache, static, names, what, *args, **kwargs):

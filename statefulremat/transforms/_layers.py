@@ -188,6 +188,7 @@ class LayerLoop:
       ),
       slices,
     )
+    assert self.data_transform is not None  # _substitute calls this only when it is set
     out = self.data_transform(state)
     if not isinstance(out, State) or out._spec.paths != paths:
       raise TransformError(
@@ -228,7 +229,7 @@ class LayerLoop:
 
   def _stacked_inputs(self) -> list:
     """The stacked values the loop runs over, layer axis first."""
-    return [_move_axis(self.values[i], self.plan.axes[i], 0) for i in self.stacked]
+    return [_move_axis(self.values[i], self.plan.stacked_axis(i), 0) for i in self.stacked]
 
   def run(self, body: Callable, carry: Any, xs: Any, lengths: Sequence[int], **options):
     """Runs the layers; returns ``(carry, ys, changed)`` — ``changed`` by flat index.

@@ -25,10 +25,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 
 from ..core._errors import GraphError, TraceContextError, TransformError
-from ..core._graph import GraphDef, flatten, unflatten
+from ..core._graph import GraphDef, flatten
+from ..core._graph_build import unflatten
 from ..core._graph_diff import describe_change
 from ..core._graph_lock import Reached, hold, holding, let_go
 from ..core._module import Module

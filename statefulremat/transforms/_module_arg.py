@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.core
 import jax.numpy as jnp
 
 from ..core._errors import format_path
@@ -157,6 +158,7 @@ def stacked_sources(plan: Plan, lifted: Lifted, variables) -> list[tuple[str, in
   out = []
   for i, (kind, axis) in enumerate(zip(plan.kinds, plan.axes)):
     if kind == STACKED:
+      assert axis is not None  # a stacked variable has its layer axis
       path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
       out.append(
         (f"the stacked variable `{path}` (axis {axis})", jnp.shape(variables[i]._value)[axis])
@@ -187,7 +189,7 @@ def compiled_when_eager(wrapper: Callable) -> Callable:
       kwargs or _tracing(args) or not any(map(is_node, jax.tree.leaves(args[:1], is_leaf=is_node)))
     ):
       return direct(*args, **kwargs)  # in a trace already, or misused: let it explain
-    if jitted is None or watch.changed():
+    if jitted is None or watch is None or watch.changed():  # both set together
       from ._jit import jit
 
       watch = Watch(body)  # before tracing: what the compiled body will have read

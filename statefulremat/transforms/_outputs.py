@@ -17,7 +17,8 @@ from typing import Any
 
 import jax
 
-from ..core._graph import flatten, unflatten
+from ..core._graph import flatten
+from ..core._graph_build import unflatten
 from ._lift import is_node
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, SupportsIndex, overload
 
 import jax
 import jax.numpy as jnp
@@ -71,9 +71,10 @@ def elements(what: str, pattern) -> list[tuple[type, Callable | None]]:
     elif isinstance(element, functools.partial) and is_module_class(element.func):
       out.append((element.func, element))
     else:
+      name = getattr(element, "__name__", None)
       got = (
-        f"the function {element.__name__}"
-        if callable(element) and hasattr(element, "__name__")
+        f"the function {name}"
+        if callable(element) and name is not None
         else f"a {type(element).__name__} instance"
         if isinstance(element, Module)
         else f"{type(element).__name__} {element!r}"
@@ -97,6 +98,10 @@ class Pattern(tuple):
   """The positions of a pattern stack: ``stack.pattern[k]`` is the stack of position
   ``k`` (a tuple; stored like one in the module graph)."""
 
+  @overload
+  def __getitem__(self, k: SupportsIndex) -> Any: ...  # one position's stack
+  @overload
+  def __getitem__(self, k: slice) -> tuple: ...
   def __getitem__(self, k):
     if not isinstance(k, slice):
       n = len(self)
@@ -133,6 +138,9 @@ class PatternStack(Module):
   _sr_positions: tuple = ()
   _sr_length: int = 0
   _sr_what: str = ""
+  # Set by the class form (pattern_class); declared here for the type checker only.
+  _sr_init_in_axes: Any
+  _sr_names: tuple[str, ...]
 
   def __init__(self, *args, **kwargs):
     positions = type(self)._sr_positions

@@ -52,7 +52,7 @@ class CycleLoop(LayerLoop):
   def _stacked_inputs(self) -> list:
     out = []
     for i in self.stacked:
-      value = _move_axis(self.values[i], self.plan.axes[i], 0)
+      value = _move_axis(self.values[i], self.plan.stacked_axis(i), 0)
       out.append(
         value if jnp.shape(value)[0] == self.full else lax.slice_in_dim(value, 0, self.full)
       )
@@ -133,13 +133,23 @@ class CycleLoop(LayerLoop):
     if rest and self.reverse:
       (carried, carry), tail_out = self._tail(body, carried, carry, xs, remat)
     lengths = (full,) if lengths is None else tuple(lengths)
-    options = dict(policy=policy, prevent_cse=prevent_cse, carried=carried)
     if remat and math.prod(lengths) != full:
-      carried, carry, written = self.segments(body, carry, full, lengths, **options)
+      carried, carry, written = self.segments(
+        body, carry, full, lengths, policy=policy, prevent_cse=prevent_cse, carried=carried
+      )
       ys = None
     else:
       carried, carry, written, ys = self.levels(
-        body, carry, xs_full, lengths, reverse=self.reverse, unroll=unroll, remat=remat, **options
+        body,
+        carry,
+        xs_full,
+        lengths,
+        reverse=self.reverse,
+        unroll=unroll,
+        remat=remat,
+        policy=policy,
+        prevent_cse=prevent_cse,
+        carried=carried,
       )
     if rest and not self.reverse:
       (carried, carry), tail_out = self._tail(body, carried, carry, xs, remat)
@@ -153,7 +163,7 @@ class CycleLoop(LayerLoop):
     full, p = self.full, self.period
     slices = []
     for i, k in zip(self.stacked, self.position):
-      value = _move_axis(self.values[i], self.plan.axes[i], 0)
+      value = _move_axis(self.values[i], self.plan.stacked_axis(i), 0)
       slices.append(lax.index_in_dim(value, full if k < self.rest else 0, keepdims=False))
     x = (
       slices,
@@ -177,7 +187,7 @@ class CycleLoop(LayerLoop):
     for i, k in zip(self.stacked, self.position):
       if k >= self.rest or (i not in written and i not in tail):
         continue
-      value = _move_axis(self.values[i], self.plan.axes[i], 0)
+      value = _move_axis(self.values[i], self.plan.stacked_axis(i), 0)
       head = written.get(i, lax.slice_in_dim(value, 0, self.full))
       last = tail.get(i, lax.index_in_dim(value, self.full, keepdims=False))
       out[i] = lax.concatenate([head, last[None]], 0)

@@ -58,7 +58,9 @@ def vmap_pattern(
       "put back in member order along one axis, so out_axes is one int."
     )
   for j, (a, ax) in enumerate(zip(args, arg_axes)):
-    for leaf in jax.tree.leaves(a) if ax is not None else ():
+    if ax is None:  # broadcast: nothing to check
+      continue
+    for leaf in jax.tree.leaves(a):
       shape = tuple(jnp.shape(leaf))
       if not -len(shape) <= ax < len(shape) or shape[ax] != n:
         raise TransformError(
@@ -112,7 +114,7 @@ def vmap_pattern(
       axis_name=axis_name,
     )([values[i] for i in mine], members.astype(jnp.uint32), sliced)
     outs.append(out)
-    changed.update({i: jnp.moveaxis(v, 0, plan.axes[i]) for i, v in written.items()})
+    changed.update({i: jnp.moveaxis(v, 0, plan.stacked_axis(i)) for i, v in written.items()})
   plan.check_stream_names()
   out = _member_order(what, outs, out_axes, n, period, names)
   for i in used:

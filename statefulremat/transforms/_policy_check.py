@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Jaxpr
@@ -102,9 +103,10 @@ def _read(policy) -> _Reading:
   if _made_by(policy, "save_from_both_policies"):
     parts = [_read(cells[k]) for k in ("policy_1", "policy_2") if k in cells]
     excludes = [p.excludes for p in parts]
+    known = [e for e in excludes if e is not None]
     return _Reading(
       keeps=tuple(n for p in parts for n in p.keeps),
-      excludes=None if None in excludes else tuple(n for e in excludes for n in e),
+      excludes=None if len(known) < len(excludes) else tuple(n for e in known for n in e),
       offload_to=tuple(d for p in parts for d in p.offload_to),
       excluders=tuple(e for p in parts for e in p.excluders),
     )

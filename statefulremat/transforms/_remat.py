@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import TypeVar, overload
 
 import jax
 
@@ -11,7 +12,7 @@ from ..core._errors import GraphError
 from ..core._filters import Filter, to_predicate
 from ..core._graph import flatten
 from ..core._kinds import RngState
-from ..core._module import iter_graph
+from ..core._module import Module, iter_graph
 from ..core._rngs import Rngs, RngStream
 from ..core._tracing import tracing_user_code
 from ._class_form import display_name, is_module_class, transformed_class
@@ -21,7 +22,33 @@ from ._policy_check import policy_check
 from ._restructure import split_new
 from ._rules import Rules
 
+_M = TypeVar("_M", bound=Module)
 
+
+@overload
+def remat(
+  target: type[_M],
+  *,
+  policy: Callable | None = None,
+  prevent_cse: bool = True,
+  static_argnums: int | Sequence[int] = (),
+  variables: Filter = True,
+  rngs: Filter = True,
+  methods: Sequence[str] | None = None,
+  concrete: bool = False,
+) -> type[_M]: ...  # the class form: a subclass whose methods are rematted
+@overload
+def remat(
+  target: Callable | None = None,
+  *,
+  policy: Callable | None = None,
+  prevent_cse: bool = True,
+  static_argnums: int | Sequence[int] = (),
+  variables: Filter = True,
+  rngs: Filter = True,
+  methods: Sequence[str] | None = None,
+  concrete: bool = False,
+) -> Callable: ...
 def remat(
   target: Callable | type | None = None,
   *,

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -35,15 +34,13 @@ from ._pattern import (
 )
 from ._pattern_loop import CycleLoop, lift_pattern
 from ._policy_check import policy_check
+from ._remat_budget import fit_budget
 from ._remat_plan import (
-  DOTS,
   POLICIES,
   RematPlan,
-  RematPlanError,
   block_inputs,
   choose,
   cycle_inputs,
-  format_bytes,
   parse_bytes,
   residual_bytes,
   tree_bytes,
@@ -57,7 +54,7 @@ _SPLIT_ALL = MappingProxyType({True: True})
 
 
 def remat_scan(
-  target: Callable | type | None = None,
+  target: Callable | type | Sequence[Callable] | None = None,
   lengths: Sequence[int] | str | RematPlan = (),
   *,
   length: int | None = None,
@@ -82,7 +79,7 @@ def remat_scan(
       for layer in sr.unstack(module):     # N layers
         carry = f(layer, carry)
 
-  but runs as ``d = len(lengths)`` nested ``jax.lax.scan``s, every level (the innermost
+  but runs as ``d = len(lengths)`` nested ``jax.lax.scan`` loops, every level (the innermost
   included) under ``jax.checkpoint``: the backward pass keeps only each level's
   carries and recomputes the rest. ``policy`` applies to the innermost level only;
   outer levels save nothing but their carries (a saving policy there would keep every
@@ -159,10 +156,15 @@ def remat_scan(
       f"{what}: pattern stacks are not pipelined yet. Fix: drop "
       "pipeline=, or pipeline a stack of one block class."
     )
-  if is_pattern(target):
+  if isinstance(target, (tuple, list)) and is_pattern(target):
     if length is not None and not auto:  # without length, pattern_class says so
       check_lengths(what, lengths, None)
       check_cycles(what, lengths, length, len(target))
+
+    def position_class(cls: type, n: int) -> type:
+      stacked = remat_scan(cls, (n,), methods=methods, init_in_axes=init_in_axes, **options)
+      return cast(type, stacked)  # the class form: a class in, a class out
+
     return pattern_class(
       target,
       "RematScan",
@@ -170,15 +172,13 @@ def remat_scan(
       what=what,
       methods=methods,
       init_in_axes=init_in_axes,
-      position_class=lambda cls, n: remat_scan(
-        cls, (n,), methods=methods, init_in_axes=init_in_axes, **options
-      ),
+      position_class=position_class,
       run=lambda name: remat_scan(
         call_method(name, "RematScanPattern"), lengths, memory_budget=budget, **options
       ),
     )
   n = length if auto else check_lengths(what, lengths, length)
-  if is_module_class(target):
+  if isinstance(target, type) and is_module_class(target):
     if n is None:
       raise TransformError(
         f"{what}: the class form with lengths='auto' needs `length=N`, the number of "
@@ -200,7 +200,7 @@ def remat_scan(
         m, lengths, length=n, memory_budget=budget, pipeline=pipeline, **options
       ),
       methods=methods,
-      metadata_params=metadata_params,
+      metadata_params=dict(metadata_params),
       init_in_axes=init_in_axes,
     )
     if not auto:
@@ -208,6 +208,12 @@ def remat_scan(
     return cls
   if methods is not None:
     raise TypeError("sr.remat_scan(methods=...) applies to a Module class, not a function.")
+  if not callable(target):
+    raise TypeError(
+      f"sr.remat_scan takes a function f(layer, carry) -> carry, a Module class or a "
+      f"tuple of classes (a pattern); got a {type(target).__name__}: {target!r}. Fix: "
+      "pass the body function, or the block class to stack."
+    )
   refuse_init_axes("sr.remat_scan", target, init_in_axes)
   if pipeline is not None:  # sr.PipelineSpec runs each stage through remat_scan
     return pipeline._pipelined(
@@ -272,7 +278,8 @@ def _remat_scan_function(
       module, what, rules, metadata_params, "f(module, carry) -> carry"
     )
     sources = stacked_sources(plan, lifted, variables)
-    count = resolve_length(what, None, ([(label, n)] if label else []) + sources)
+    given = [(label, n)] if label is not None and n is not None else []
+    count = resolve_length(what, None, given + sources)
     loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
 
     def body(tree, c, _):
@@ -300,7 +307,7 @@ def _remat_scan_function(
       stack, what, rules, metadata_params, "f(module, carry) -> carry"
     )
     layers, period = sum(counts), len(counts)
-    if n is not None and not auto:
+    if n is not None and isinstance(lengths, tuple):  # given, not "auto"
       check_cycles(what, lengths, layers, period)
     loop = CycleLoop(
       *loop_args, what, data_transform, period=period, length=layers, names=position_names(stack)
@@ -394,7 +401,7 @@ def plan_remat(
     lowered = jit(grad(loss)).lower(abstract, carry)
     return int(lowered.compile().memory_analysis().temp_size_in_bytes)
 
-  def make(scales: dict | None = None, budget: int | None = budget) -> RematPlan:
+  def make(scales: dict[int, float] | None, budget: int | None) -> RematPlan:
     best, ranked = choose(
       n, carry_bytes, inputs.layer_bytes, residuals, budget, max_depth, scales=scales
     )
@@ -412,122 +419,9 @@ def plan_remat(
       unit="cycle" if is_pattern_stack(stack) else "layer",
     )
 
-  def make_unbudgeted() -> RematPlan:
-    return dataclasses.replace(make(budget=None), memory_budget=budget)
-
   if budget is None:
-    return make()
-  compiled: dict = {}
-
-  def measure(plan: RematPlan) -> int:  # one compile per plan while planning
-    key = (plan.lengths, plan.policy_name)
-    if key not in compiled:
-      compiled[key] = verify(plan)
-    return compiled[key]
-
-  try:
-    plan = make()
-  except RematPlanError:
-    # The model puts every plan over the budget; those within its error of it may
-    # still fit once compiled.
-    fitting = _smallest_that_fits(make_unbudgeted(), budget, measure)
-    if fitting is None:
-      raise
-    return fitting
-  # Where the model is exact (Dense + tanh: to 0.1 % of XLA's figure), a plan with fewer
-  # evaluations that it puts under the budget itself, inside the headroom kept for
-  # other blocks, is compiled first: where it fits, that one compile is all.
-  bold = _bolder(plan, budget)
-  if bold is not None:
-    measured = measure(bold)
-    if measured <= budget:
-      return _fewer_evaluations(dataclasses.replace(bold, measured_bytes=measured), budget, measure)
-  # A budget is a promise: compile the pick, and where the model was off for this
-  # block (small shapes, other backends, deep nestings), scale its figures for nestings
-  # of that depth by what XLA said and choose again.
-  scales: dict[int, float] = {}
-  for _ in range(4):
-    measured = measure(plan)
-    if measured <= budget:
-      return _fewer_evaluations(dataclasses.replace(plan, measured_bytes=measured), budget, measure)
-    depth = len(plan.lengths)
-    scales[depth] = scales.get(depth, 1.0) * measured / plan.temp_bytes
-    try:
-      plan = make(scales)
-    except RematPlanError:
-      break
-  raise RematPlanError(
-    f"no remat plan for {n} layers fits memory_budget={format_bytes(budget)} once "
-    f"compiled: the last pick, lengths={plan.lengths}, measured "
-    f"{format_bytes(measured)}. Fix: a larger budget (at least "
-    f"{format_bytes(measured)} fits that plan)."
-  )
-
-
-def _picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
-  """``plan`` with the candidate ``pick`` chosen (first among its candidates)."""
-  rest = tuple(c for c in plan.candidates if c is not pick)
-  return dataclasses.replace(
-    plan,
-    lengths=pick.lengths,
-    policy_name=pick.policy,
-    evals=pick.evals,
-    temp_bytes=pick.temp_bytes,
-    candidates=(pick,) + rest,
-    measured_bytes=measured,
-  )
-
-
-def _bolder(plan: RematPlan, budget: int) -> RematPlan | None:
-  """The plan with the fewest evaluations, fewer than ``plan``'s, that the model puts
-  at most at the budget (no headroom); or None."""
-  bolder = [c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= budget]
-  if not bolder:
-    return None
-  return _picking(
-    plan, min(bolder, key=lambda c: (c.evals, c.policy != DOTS, c.temp_bytes, len(c.lengths)))
-  )
-
-
-def _fewer_evaluations(plan: RematPlan, budget: int, verify: Callable) -> RematPlan:
-  """``plan``, or one with fewer evaluations that fits once compiled though the model
-  put it over the budget's headroom by up to its error on this block (read from the
-  compile of ``plan``: ``measured_bytes`` against ``temp_bytes``, plus 1 %, at most
-  5 %): where the model is exact only plans it puts under the budget itself are
-  compiled, where it was off a few per cent a tight budget sits within that of
-  several nestings."""
-  error = abs(plan.measured_bytes / plan.temp_bytes - 1) if plan.temp_bytes else 1.0
-  band = min(NEAR_MISS, 1 + error + MODEL_SLACK)
-  near = sorted(
-    (c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= band * budget),
-    key=lambda c: (-c.evals, c.temp_bytes),
-  )
-  for probe in near[:PROBES]:  # the next fewer evaluations first, likeliest first
-    measured = verify(_picking(plan, probe))
-    if measured <= budget:
-      return _picking(plan, probe, measured)
-  return plan
-
-
-def _smallest_that_fits(plan: RematPlan, budget: int, verify: Callable):
-  """The plan with the fewest evaluations among those the model puts just over the
-  budget (within its error) that fit once compiled, the smallest tried first; or None."""
-  near = sorted(
-    (c for c in plan.candidates if c.temp_bytes <= NEAR_MISS * budget), key=lambda c: c.temp_bytes
-  )
-  for probe in near[:PROBES]:
-    candidate = _picking(plan, probe)
-    measured = verify(candidate)
-    if measured <= budget:
-      return _fewer_evaluations(
-        dataclasses.replace(candidate, measured_bytes=measured), budget, verify
-      )
-  return None
-
-
-NEAR_MISS = 1.05  # the model's error band, above the budget
-MODEL_SLACK = 0.01  # what the band adds to the model's error measured on the pick
-PROBES = 8  # compiles at most, to find a plan with fewer evaluations
+    return make(None, None)
+  return fit_budget(make, budget, verify)
 
 
 def _avals(tree):

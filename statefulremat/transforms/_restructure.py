@@ -64,7 +64,7 @@ class NewStructure:
     input Variables keep their metadata (a layer view's differs from the caller's).
     """
     at_path = _objects_by_path(nodes)
-    new_values = iter(new_values)
+    fresh = iter(new_values)
     trace = current_trace()
     objects: list = []
     count = [0]
@@ -86,7 +86,7 @@ class NewStructure:
           meta = thaw_metadata(d[2])
           if stacked_axis is not None:
             meta = mark(meta, stacked_axis, partition_name)
-          var = bare_variable(d[1], next(new_values), meta, trace)
+          var = bare_variable(d[1], next(fresh), meta, trace)
         objects.append(var)
         return var
       if tag == _NODE:
@@ -96,6 +96,7 @@ class NewStructure:
         objects.append(node)
         attrs = {k: build(sub, path + (k,)) for k, sub in d[2]}
         if reuse:
+          assert node is not None  # reuse: isinstance(old, d[1]) held
           _update_attributes(node, attrs)
         else:
           for k, v in attrs.items():

@@ -31,7 +31,7 @@ import contextvars
 import copy
 import difflib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,7 @@ def stream_predicate(filter) -> Callable[[str], bool]:
     preds = [stream_predicate(f) for f in filter]
     return lambda name: any(p(name) for p in preds)
   if callable(filter):
-    return filter
+    return cast(Callable[[str], bool], filter)  # a user's `name -> bool` predicate
   raise TypeError(
     f"{filter!r} is not a stream filter: use True/False, a stream name such as "
     "'dropout', a tuple of names, or a name -> bool callable."
@@ -297,6 +297,7 @@ class Plan:
         continue
       kind, axis = rules.classify(self.display_path(path), var)
       if kind == STACKED:
+        assert axis is not None  # classify gives a stacked variable its axis
         ndim = jnp.ndim(var._value) + rank_offset
         if ndim == 0:
           raise TransformError(
@@ -337,6 +338,12 @@ class Plan:
   def indices(self, kind: str) -> list[int]:
     return [i for i, k in enumerate(self.kinds) if k == kind]
 
+  def stacked_axis(self, i: int) -> int:
+    """The layer axis of variable ``i``, which is stacked."""
+    axis = self.axes[i]
+    assert axis is not None, f"variable {i} is not stacked"
+    return axis
+
   def seed_layer(self, flat: list, values, index) -> list:
     """Puts one iteration's RNG state into ``flat``: each stream's key for this call,
     folded with ``index`` when split (else shared by every iteration), and a fresh
@@ -347,7 +354,11 @@ class Plan:
       index = index * jnp.uint32(period) + jnp.uint32(position)
     for s in self.streams:
       base = jax.random.fold_in(values[s.key], values[s.count])
-      flat[s.key] = jax.random.fold_in(base, index) if s.split else base
+      if s.split:
+        assert index is not None, "a split stream is folded with the iteration index"
+        flat[s.key] = jax.random.fold_in(base, index)
+      else:
+        flat[s.key] = base
       flat[s.count] = jnp.zeros((), jnp.uint32)
       if s.serves:
         served.append((s.key, base))

@@ -211,7 +211,7 @@ def _record(aval, name, source, op=None) -> Residual:
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # a call's body, outputs one to one
 
 
-def _origin(eqn, k: int, depth: int = 0) -> tuple[str | None, str, str]:
+def _origin(eqn, k: int, depth: int = 0) -> tuple[str | None, str | None, str]:
   """``(name, op, source)`` of output ``k`` of ``eqn``, traced into the bodies of calls
   (jit, scan, remat, custom derivatives) whose outputs are the body's outputs."""
   if eqn.primitive is name_primitive():

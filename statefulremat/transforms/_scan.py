@@ -1,19 +1,24 @@
-"""sr.scan: ``jax.lax.scan`` over modules, with per-collection rules."""
+"""sr.scan: ``jax.lax.scan`` over modules, with per-collection rules.
+
+The class form builds a stack of layers (``_stacked``) whose call is the function
+form; the function form lifts the module and runs the loop (``_layers``, or
+``_pattern_loop`` for a pattern stack). Its ``in_axes`` / ``out_axes`` trees and
+``sr.broadcast`` are in ``_scan_axes``.
+"""
 
 from __future__ import annotations
 
 import functools
-import numbers
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast, overload
 
 import jax
 import jax.numpy as jnp
 
+from ..core._module import Module
 from ._class_form import display_name, is_module_class, refuse_init_axes
-from ._layers import LayerLoop, carry_out_structure, describe_node
+from ._layers import LayerLoop, carry_out_structure
 from ._lift import refuse_layer_list, write_back
 from ._module_arg import (
   check_no_modules,
@@ -26,47 +31,52 @@ from ._module_arg import (
 from ._pattern import call_method, is_pattern, is_pattern_stack, pattern_class, pattern_repr
 from ._pattern_loop import scan_pattern
 from ._rules import Rules, TransformError
+from ._scan_axes import broadcast as broadcast  # pickled sr.broadcast named this module
+from ._scan_axes import check_axes, in_axes_per_leaf, leaf_path, stack_ys
 from ._stacked import stacked_class
 
 _EMPTY = MappingProxyType({})
 
 
-class _Broadcast:
-  """``sr.broadcast``: in ``sr.scan``'s ``in_axes``, the value is not scanned.
-
-  Gives the whole value to every iteration: the same as ``None`` there, and as
-  flax.linen's ``nn.broadcast``. Not allowed in ``out_axes`` (ys differ per
-  iteration; return a value computed once through the carry).
-
-  >>> import jax.numpy as jnp, statefulremat as sr
-  >>> sr.broadcast
-  sr.broadcast
-  >>> class Scale(sr.Module):
-  ...   def __init__(self, w):
-  ...     self.w = sr.Param(w)
-  >>> def body(m, c, x, bias):
-  ...   return c + m.w.value * x + bias, None
-  >>> stack = Scale(jnp.arange(3.0))  # one weight per iteration
-  >>> c, _ = sr.scan(body, variable_axes={sr.Param: 0}, in_axes=(0, sr.broadcast))(
-  ...     stack, 0.0, jnp.ones(3), 10.0)
-  >>> float(c)  # the loop: sum of w[i] * 1 + 10 over i
-  33.0
-  """
-
-  __slots__ = ()
-
-  def __repr__(self) -> str:
-    return "sr.broadcast"
-
-  def __reduce__(self) -> str:
-    return "broadcast"  # pickles and copies as the one instance
-
-
-broadcast = _Broadcast()
-
-
+@overload
 def scan(
-  target: Callable | type | None = None,
+  target: type[Module] | Sequence[type[Module] | functools.partial],
+  *,
+  variable_axes: Mapping = _EMPTY,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  split_rngs: Mapping = _EMPTY,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  length: int | None = None,
+  reverse: bool = False,
+  unroll: int | bool = 1,
+  data_transform: Callable | None = None,
+  metadata_params: Mapping = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+) -> type: ...  # the class form: a subclass of target's class; as a stack it also has
+# `__len__` / `layer`, which `type[M]` would hide (typing has no intersection)
+@overload
+def scan(
+  target: Callable | None = None,
+  *,
+  variable_axes: Mapping = _EMPTY,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  split_rngs: Mapping = _EMPTY,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  length: int | None = None,
+  reverse: bool = False,
+  unroll: int | bool = 1,
+  data_transform: Callable | None = None,
+  metadata_params: Mapping = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+) -> Callable: ...
+def scan(
+  target: Callable | type | Sequence[Callable] | None = None,
   *,
   variable_axes: Mapping = _EMPTY,
   variable_broadcast: Any = False,
@@ -187,9 +197,14 @@ def scan(
   )
   if target is None:
     return functools.partial(scan, methods=methods, init_in_axes=init_in_axes, **options)
-  if is_pattern(target):
+  if isinstance(target, (tuple, list)) and is_pattern(target):
     what = f"sr.scan({pattern_repr(target)})"
-    _check_axes(what, in_axes, out_axes)
+    check_axes(what, in_axes, out_axes)
+
+    def position_class(cls: type, n: int) -> type:
+      stacked = scan(cls, **{**options, "length": n}, methods=methods, init_in_axes=init_in_axes)
+      return cast(type, stacked)  # the class form: a class in, a class out
+
     return pattern_class(
       target,
       "Scan",
@@ -197,13 +212,11 @@ def scan(
       what=what,
       methods=methods,
       init_in_axes=init_in_axes,
-      position_class=lambda cls, n: scan(
-        cls, **{**options, "length": n}, methods=methods, init_in_axes=init_in_axes
-      ),
+      position_class=position_class,
       run=lambda name: scan(call_method(name, "ScanPattern"), **{**options, "length": None}),
     )
-  if is_module_class(target):
-    _check_axes(f"sr.scan({target.__name__})", in_axes, out_axes)
+  if isinstance(target, type) and is_module_class(target):
+    check_axes(f"sr.scan({target.__name__})", in_axes, out_axes)
     rules = Rules(
       f"sr.scan({target.__name__})",
       variable_axes=variable_axes,
@@ -220,150 +233,19 @@ def scan(
       # variables (a stack rebuilt by sr.stack may have another).
       wrap=lambda m: scan(m, **{**options, "length": None}),
       methods=methods,
-      metadata_params=metadata_params,
+      metadata_params=dict(metadata_params),
       init_in_axes=init_in_axes,
     )
   if methods is not None:
     raise TypeError("sr.scan(methods=...) applies to a Module class, not a function.")
+  if not callable(target):
+    raise TypeError(
+      f"sr.scan takes a function f(module, carry, *xs) -> (carry, ys), a Module class "
+      f"or a tuple of classes (a pattern); got a {type(target).__name__}: {target!r}. "
+      "Fix: pass the body function, or the layer class to stack."
+    )
   refuse_init_axes("sr.scan", target, init_in_axes)
   return _scan_function(target, **options)
-
-
-# -- in_axes / out_axes prefix trees ------------------------------------------------------
-# Checked in two steps: the tree itself when the transform is built (before anything is
-# traced), then its fit against xs / ys at call time. An int (the common case) fits
-# anything and is never walked.
-
-
-def _is_axis(a) -> bool:
-  return isinstance(a, numbers.Integral) and not isinstance(a, bool)
-
-
-def _check_axes(what: str, in_axes, out_axes) -> None:
-  """Raises unless both are prefix trees of ints / None / sr.broadcast (none in out)."""
-  for name, axes in (("in_axes", in_axes), ("out_axes", out_axes)):
-    if isinstance(axes, int) and not isinstance(axes, bool):
-      continue
-    for path, a in _axes_leaves(axes, ()):
-      where = f"{name}={axes!r}" + (
-        f" has {a!r} at `{name}{jax.tree_util.keystr(path)}`" if path else ""
-      )
-      if a is None or a is broadcast:
-        if name == "out_axes":
-          raise TransformError(
-            f"{what}: {where}, but ys differ per iteration, so every ys leaf needs the "
-            "axis that stacks them. Fix: give an int there (e.g. 0); return a value "
-            "computed once through the carry."
-          )
-      elif not _is_axis(a):
-        whole = ", None or sr.broadcast (the whole value)" if name == "in_axes" else ""
-        which = ", which" if path else ""
-        raise TransformError(
-          f"{what}: {where}{which} is not an axis: expected an int (the axis){whole}, "
-          "or a tuple/list/dict of them following the structure. Fix that entry."
-        )
-
-
-def _axes_leaves(axes, path):
-  if isinstance(axes, (tuple, list)):
-    for i, a in enumerate(axes):
-      yield from _axes_leaves(a, path + (jax.tree_util.SequenceKey(i),))
-  elif isinstance(axes, dict):
-    for k, a in axes.items():
-      yield from _axes_leaves(a, path + (jax.tree_util.DictKey(k),))
-  else:
-    yield path, axes
-
-
-def _fit(prefix, tree, path: tuple, mismatch: Callable) -> list:
-  """One axis (an int, or None to broadcast) per leaf of ``tree``, in its leaf order.
-
-  ``prefix`` follows ``tree`` through tuples/lists (either for either) and dicts (the
-  same keys) down to an axis, which then covers the whole subtree below it.
-  """
-  if not isinstance(prefix, (tuple, list, dict)):
-    axis = None if prefix is None or prefix is broadcast else operator.index(prefix)
-    return [axis] * len(jax.tree.leaves(tree))
-  # One level of ``tree``, in jax's own order (dict keys sorted, namedtuple fields).
-  children = [
-    (keys[0], child)
-    for keys, child in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda n: n is not tree)[
-      0
-    ]
-    if len(keys) == 1
-  ]
-  if isinstance(prefix, dict):
-    fits = isinstance(tree, dict) and set(prefix) == {k.key for k, _ in children}
-    entries = [prefix[k.key] for k, _ in children] if fits else []
-  else:
-    fits = isinstance(tree, (tuple, list)) and len(prefix) == len(children)
-    entries = prefix
-  if not fits:
-    mismatch(path, prefix, tree)
-  out = []
-  for entry, (key, child) in zip(entries, children):
-    out.extend(_fit(entry, child, path + (key,), mismatch))
-  return out
-
-
-def _in_axes_per_leaf(what: str, in_axes, xs: tuple, n_leaves: int) -> list:
-  if not isinstance(in_axes, (tuple, list, dict)):
-    return [None if in_axes is broadcast else in_axes] * n_leaves
-  if isinstance(in_axes, dict) or len(in_axes) != len(xs):
-    raise TransformError(
-      f"{what}: in_axes={in_axes!r} does not fit {len(xs)} xs argument(s): give an "
-      "int, None (or sr.broadcast), or a tuple with one entry (an int, None, or a "
-      "prefix tree of the argument) per argument."
-    )
-  out = []
-  for i, (entry, x) in enumerate(zip(in_axes, xs)):
-
-    def mismatch(path, sub, node, entry=entry, i=i):
-      where = f"xs{jax.tree_util.keystr(path)}"
-      raise TransformError(
-        f"{what}: in_axes entry {entry!r} is not a prefix of xs argument {i}: at "
-        f"`{where}` it has {describe_node(sub)} where the argument has "
-        f"{describe_node(node)}. "
-        "Fix: follow the argument's structure there, or give one int (or None) for all "
-        f"of `{where}`."
-      )
-
-    out.extend(_fit(entry, x, (jax.tree_util.SequenceKey(i),), mismatch))
-  return out
-
-
-def _leaf_path(tree, j: int) -> str:
-  return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][j][0])
-
-
-def _stack_ys(what: str, out_axes, ys):
-  """Moves the iteration axis of each ``ys`` leaf (first, from lax.scan) to out_axes."""
-  leaves, treedef = jax.tree.flatten(ys)
-  if isinstance(out_axes, int):
-    axes = [out_axes] * len(leaves)
-  else:
-
-    def mismatch(path, sub, node):
-      where = f"ys{jax.tree_util.keystr(path)}"
-      raise TransformError(
-        f"{what}: out_axes={out_axes!r} is not a prefix of the body's ys: at `{where}` "
-        f"it has {describe_node(sub)} where ys has {describe_node(node)} (stacked over the "
-        "iterations). Fix: follow the structure of ys there, or give one int for all "
-        f"of `{where}`."
-      )
-
-    axes = _fit(out_axes, ys, (), mismatch)
-  moved = []
-  for j, (y, axis) in enumerate(zip(leaves, axes)):
-    rank = jnp.ndim(y)
-    if not -rank <= axis < rank:
-      raise TransformError(
-        f"{what}: out_axes puts the iteration axis of `ys{_leaf_path(ys, j)}` at "
-        f"{axis}, but stacked over the iterations it has shape "
-        f"{tuple(jnp.shape(y))} (rank {rank}). Fix: choose an axis in [-{rank}, {rank})."
-      )
-    moved.append(y if axis % rank == 0 else jnp.moveaxis(y, 0, axis))
-  return jax.tree.unflatten(treedef, moved)
 
 
 def _scan_function(
@@ -382,7 +264,7 @@ def _scan_function(
   metadata_params,
 ) -> Callable:
   what = f"sr.scan({display_name(fn)})"
-  _check_axes(what, in_axes, out_axes)
+  check_axes(what, in_axes, out_axes)
   rules = Rules(
     what,
     variable_axes=variable_axes,
@@ -401,7 +283,7 @@ def _scan_function(
     check_no_modules(kwargs, what, "the keyword argument")
     x_leaves, x_tree = jax.tree.flatten(xs)
     # Checked before the module is lifted or anything traced.
-    axes = _in_axes_per_leaf(what, in_axes, xs, len(x_leaves))
+    axes = in_axes_per_leaf(what, in_axes, xs, len(x_leaves))
     scanned, sources = [], []
     for j, (x, axis) in enumerate(zip(x_leaves, axes)):
       if axis is None:
@@ -410,7 +292,7 @@ def _scan_function(
       if not -ndim <= axis < ndim:
         raise TransformError(
           f"{what}: in_axes puts the scanned axis of xs leaf {j} at {axis}, but it has "
-          f"shape {tuple(jnp.shape(x))} (rank {ndim}) at `xs{_leaf_path(xs, j)}`. Fix: "
+          f"shape {tuple(jnp.shape(x))} (rank {ndim}) at `xs{leaf_path(xs, j)}`. Fix: "
           f"choose an axis in [-{ndim}, {ndim}), or use None to broadcast it (every "
           "iteration sees it whole)."
         )
@@ -473,7 +355,7 @@ def _scan_function(
         unroll=unroll,
       )
     if ys is not None and not (isinstance(out_axes, int) and out_axes == 0):
-      ys = _stack_ys(what, out_axes, ys)  # may raise: before anything is written back
+      ys = stack_ys(what, out_axes, ys)  # may raise: before anything is written back
     finish()
     return carry, ys
 

@@ -16,14 +16,15 @@ instance of the plain layer class, the layer axis (and its partition name) remov
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from ..core._errors import TransformError, format_path
-from ..core._graph import flatten, rewrite, unflatten
+from ..core._graph import flatten, rewrite
+from ..core._graph_build import unflatten
 from ..core._module import Module
 from ..core._stacks import LAYER_AXIS, layer, layer_graphdef, mark_frozen, num_layers, unmark
 from ..core._state import freeze, thaw_metadata
@@ -64,7 +65,7 @@ def stacked_class(
   length: int | None,
   wrap: Callable,
   methods: Sequence[str] | None,
-  metadata_params: dict,
+  metadata_params: Mapping,
   init_in_axes: Any = None,
 ) -> type:
   """The class form: ``{label}{layer_cls}`` building and running a stack of layers."""
@@ -283,6 +284,6 @@ def _classifier(rules: Rules):
 
   def classify(graphdef, variables, layer) -> dict[int, int]:
     plan = Plan(rules, graphdef, variables, [layer], rank_offset=1)
-    return {i: axis for i, (kind, axis) in enumerate(zip(plan.kinds, plan.axes)) if kind == STACKED}
+    return {i: plan.stacked_axis(i) for i, kind in enumerate(plan.kinds) if kind == STACKED}
 
   return staticmethod(classify)

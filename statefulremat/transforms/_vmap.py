@@ -5,15 +5,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast, overload
 
 import jax
 import jax.numpy as jnp
 
-from ..core._errors import format_path
-from ..core._filters import filter_repr
 from ..core._module import Module
-from ..core._stacks import layer_axis
 from ..core._tracing import tracing_user_code
 from ..core._variables import Variable
 from ._class_form import display_name, is_module_class, refuse_init_axes
@@ -32,14 +29,46 @@ from ._pattern_vmap import vmap_pattern
 from ._restructure import split_new
 from ._rules import STACKED, Rules, TransformError
 from ._stacked import stacked_class
+from ._vmap_checks import refuse_mapping_plain, refuse_shared_write
 from ._vmap_outputs import _check_returned_inputs, _stacked_outputs, _vmap_creating
 
 _ALL = MappingProxyType({True: 0})
 _SPLIT_ALL = MappingProxyType({True: True})
 
 
+@overload
 def vmap(
-  target: Callable | type | None = None,
+  target: type[Module] | Sequence[type[Module] | functools.partial],
+  *,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  axis_size: int | None = None,
+  axis_name: str | None = None,
+  variable_axes: Mapping = _ALL,
+  split_rngs: Mapping = _SPLIT_ALL,
+  variable_broadcast: Any = False,
+  metadata_params: Mapping = MappingProxyType({}),
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+) -> type: ...  # the class form: a subclass of target's class; as a stack it also has
+# `__len__` / `layer`, which `type[_M]` would hide (typing has no intersection)
+@overload
+def vmap(
+  target: Callable | None = None,
+  *,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  axis_size: int | None = None,
+  axis_name: str | None = None,
+  variable_axes: Mapping = _ALL,
+  split_rngs: Mapping = _SPLIT_ALL,
+  variable_broadcast: Any = False,
+  metadata_params: Mapping = MappingProxyType({}),
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+) -> Callable: ...
+def vmap(
+  target: Callable | type | Sequence[Callable] | None = None,
   *,
   in_axes: Any = 0,
   out_axes: Any = 0,
@@ -141,9 +170,10 @@ def vmap(
   if methods is not None:
     raise TypeError("sr.vmap(methods=...) applies to a Module class, not a function.")
   refuse_init_axes("sr.vmap", target, init_in_axes)
-  if getattr(target, "__name__", None) == "__init__":
-    return _vmapped_init(target, options)
-  return _vmap_function(target, what=what, rules=rules, **options)
+  fn = cast(Callable, target)  # a pattern and a Module class were handled above
+  if getattr(fn, "__name__", None) == "__init__":
+    return _vmapped_init(fn, options)
+  return _vmap_function(fn, what=what, rules=rules, **options)
 
 
 def _vmap_function(
@@ -198,7 +228,7 @@ def _vmap_function(
     values = [v._value for v in variables]
     stacked = plan.indices(STACKED)
     if variable_axes is _ALL:
-      _refuse_mapping_plain(what, lifted, plan, variables, stacked)
+      refuse_mapping_plain(what, lifted, plan, variables, stacked)
     arg_axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
     if len(arg_axes) != len(args):
       raise TransformError(
@@ -217,8 +247,9 @@ def _vmap_function(
           sources.append((f"argument {j + 1} (axis {ax})", jnp.shape(leaf)[ax]))
     if axis_size is not None:
       sources.insert(0, (f"axis_size={axis_size}", int(axis_size)))
-    if not sources and class_length(module) is not None:
-      sources.append(("the stack's axis_size", class_length(module)))
+    stack_length = class_length(module)
+    if not sources and stack_length is not None:
+      sources.append(("the stack's axis_size", stack_length))
     if not sources:
       raise TransformError(
         f"{what}: cannot tell the size of the mapped axis: no argument is mapped "
@@ -271,9 +302,9 @@ def _vmap_function(
     except ValueError as e:
       if not record.get("shared") or "out_axes" not in str(e):
         raise
-      _refuse_shared_write(what, lifted, variables, record["shared"])
+      refuse_shared_write(what, lifted, variables, record["shared"])
     plan.check_stream_names()
-    changed = {i: jnp.moveaxis(v, 0, plan.axes[i]) for i, v in written.items()}
+    changed = {i: jnp.moveaxis(v, 0, plan.stacked_axis(i)) for i, v in written.items()}
     changed.update(shared)
     for i in used:
       changed[i] = values[i] + jnp.uint32(1)
@@ -314,49 +345,6 @@ def _vmap_function(
     return compiled(*args, **kwargs)
 
   return call
-
-
-def _refuse_mapping_plain(what, lifted, plan, variables, stacked) -> None:
-  """Under the default ``variable_axes``, mapping a Variable that carries no layer axis
-  would hand each example one row of a parameter: the per-example case
-  (``sr.vmap(lambda m, x: m(x))(linear, xs)``) computes wrong numbers of the right
-  shape. Only Variables of a stack (layer axis in their metadata) map by default."""
-  for i in stacked:
-    var = variables[i]
-    if layer_axis(var) is not None:
-      continue
-    path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
-    kind = filter_repr(type(var))
-    raise TransformError(
-      f"{what}: `{path}` ({type(var).__name__}, shape {tuple(jnp.shape(var._value))}) belongs to a "
-      "plain module and carries no layer axis, but the default variable_axes="
-      "{True: 0} would map its axis 0 alongside the inputs, giving each example one "
-      "slice of it. Nothing was run. Fix: to apply the same module to every example, "
-      "pass `variable_broadcast=True` (read-only; or e.g. "
-      f"`variable_broadcast={kind}`); for an ensemble of independently initialised "
-      "modules, build it with the class form (`sr.vmap(Block, axis_size=n)(...)`) or "
-      "`sr.stack(layers)`; to map this variable on purpose, give the rule explicitly "
-      f"(`variable_axes={{{kind}: 0}}`)."
-    )
-
-
-def _refuse_shared_write(what, lifted, variables, written) -> None:
-  names = []
-  for i in written:
-    var = variables[i]
-    path = var.path_str() or format_path(lifted.graphdef.var_paths[i])
-    names.append(f"`{path}` ({type(var).__name__}, collection {var.collection!r})")
-  var = variables[written[0]]
-  also = f" (it also wrote to {', '.join(names[1:])})" if len(names) > 1 else ""
-  raise TransformError(
-    f"{what}: the function wrote to {names[0]}, which is not mapped (broadcast or "
-    f"matched by no rule){also}, and a value written depends on the mapped axis, so "
-    "each layer's write may differ. Nothing was written. (A write that does not depend "
-    "on it, e.g. a step counter, is kept: the caller sees the one value.) Fix: map it "
-    "with "
-    f"`variable_axes={{{var.collection!r}: 0}}`, or write a value that does not "
-    "depend on the mapped inputs."
-  ) from None
 
 
 def _vmapped_init(init: Callable, options: dict) -> Callable:
@@ -439,6 +427,6 @@ def _stack_class(cls: type, n: int, axis: int = 0) -> type:
     return cls
   key = (cls, n, axis)
   if key not in _STACK_CLASSES:
-    rules = {} if axis == 0 else {"variable_axes": {True: axis}}
+    rules: dict[str, Any] = {} if axis == 0 else {"variable_axes": {True: axis}}
     _STACK_CLASSES[key] = vmap(cls, axis_size=n, in_axes=None, **rules)
   return _STACK_CLASSES[key]

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from ..core._errors import format_path
 from ..core._filters import filter_repr
-from ..core._graph import _NODE, flatten, rewrite, unflatten
+from ..core._graph import _NODE, flatten, rewrite
+from ..core._graph_build import unflatten
 from ..core._stacks import mark_frozen
 from ..core._tracing import tracing_user_code
 from ._lift import is_node

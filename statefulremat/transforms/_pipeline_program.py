@@ -1,0 +1,282 @@
+"""The traced program of ``sr.pipeline``: one SPMD program over the stages.
+
+``jax.shard_map`` over the mesh axis ``axis`` (S stages; the other mesh axes stay
+automatic, so a batch sharded over ``"data"`` stays so), inside it one ``lax.scan``
+over the schedule's time steps. At step ``t`` stage ``s`` works on ``u = t - s``: pass
+``r = u // P`` of microbatch ``m = u % P`` (``P = max(k, S)``), a bubble when that is
+outside ``k`` microbatches and ``R`` passes. Each step runs the stage's chunk of layers
+through the library's own ``sr.remat_scan`` (one level with ``policy``, or the nesting
+``lengths="auto"`` plans for the chunk under a per-device ``memory_budget``) on a
+module rebuilt from the chunk's values (per-layer rules, RNG seeding and state
+read-back are ``remat_scan``'s), with each RNG stream's count set to ``c0 + m`` and the
+layers seeded by their global index; a bubble's state writes are dropped (the old
+values selected). Activations move with ``jax.lax.ppermute`` (stage ``s`` to ``s +
+1``; circular wraps ``S - 1`` to stage 0, which keeps them until the microbatch's next
+pass).
+
+The Q = S·R chunks are the stack's layers in order, ``N // Q`` or one more each (the
+first ``N % Q``); chunk ``q = r·S + s`` is stage ``s``'s pass ``r``. Where that layout
+differs from the stack's (circular, or N not divisible by Q) the stacked values are
+gathered into it inside the trace (``_pipeline_layout``), each chunk padded to the
+longest with layers the stage skips (the carry passes them unchanged), and written
+state is gathered back.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from ..core._graph import flatten
+from ..core._kinds import RngCount, RngKey
+from ..core._split_merge import merge
+from ..core._state import State
+from ._accumulate import split_rows
+from ._lift import write_back
+from ._pipeline_checks import stacked_axes
+from ._pipeline_layout import Layout, is_array, join, per_device
+from ._remat_scan import plan_remat, remat_scan
+from ._rules import TransformError, layer_index_map
+
+
+def schedule_steps(k: int, stages: int, repeats: int) -> int:
+  """The schedule's time steps: stage 0 starts pass r of microbatch m at r·P + m."""
+  return (repeats - 1) * max(k, stages) + k + stages - 1
+
+
+def program(
+  fn: Callable,
+  *,
+  microbatches: int,
+  axis: str,
+  repeats: int,
+  what: str,
+  auto: bool,
+  budget: int | None,
+  options: dict,
+) -> Callable:
+  """The traced pipeline ``run(stack, x, *args, **kwargs) -> y`` (under a mesh with
+  ``axis``): ``fn`` over the stack's layers, spread over ``axis``, ``microbatches``
+  flowing through, each stage's chunk run by ``remat_scan`` with ``options`` (or, with
+  ``auto``, as ``plan_remat`` plans it under ``budget``)."""
+  k = microbatches
+  plans: dict = {}  # lengths="auto": one plan per (stage structure, shapes)
+
+  def body(layer, carry, *args, **kwargs):
+    return fn(layer, carry, *args, **kwargs)
+
+  def skipping(layer, carry, *args, **kwargs):
+    x, c, size = carry
+    y = fn(layer, x, *args, **kwargs)
+    y = jax.tree.map(lambda new, old: jnp.where(c < size, new, old), y, x)
+    return y, c + 1, size
+
+  @functools.wraps(fn)
+  def run(stack, x, *args, **kwargs):
+    graphdef, variables, axes = stacked_axes(stack)
+    mesh = jax.sharding.get_abstract_mesh()
+    stages = mesh.shape[axis]
+    n = next(jnp.shape(v._value)[a] for v, a in zip(variables, axes) if a is not None)
+    layout = Layout(n, stages, repeats)
+    chunk, period = layout.chunk, max(k, stages)
+    steps = schedule_steps(k, stages, repeats)
+    spec_ = State.from_variables(zip(graphdef.var_paths, variables))._spec
+    layer_axis = {i: a for i, a in enumerate(axes) if a is not None}
+    stacked = list(layer_axis)
+    counts = [
+      i for i, (v, a) in enumerate(zip(variables, axes)) if a is None and isinstance(v, RngCount)
+    ]
+    others = [i for i, a in enumerate(axes) if a is None]
+    bad = [i for i in others if not isinstance(variables[i], (RngCount, RngKey))]
+    if bad:
+      var = variables[bad[0]]
+      raise TransformError(
+        f"{what}: `{var.path_str()}` ({type(var).__name__}) has no layer axis, so it "
+        "cannot be spread over the stages (only RNG streams may be unstacked). Fix: "
+        "give it the layer axis (one value per layer), or keep it out of the stack."
+      )
+    stage_fn = skipping if layout.padded else body
+    values = [v._value for v in variables]
+    xs = jax.tree.map(lambda v: split_rows(v, k), x)
+    extras, extras_tree = jax.tree.flatten((args, kwargs))
+    dynamic = [j for j, leaf in enumerate(extras) if is_array(leaf)]
+
+    def with_extras(given):
+      leaves = list(extras)
+      for j, v in zip(dynamic, given):
+        leaves[j] = v
+      return jax.tree.unflatten(extras_tree, leaves)
+
+    def stage_module(flat):
+      """The stage's chunk as a module: the layer axis back where the stack has it."""
+      flat = list(flat)
+      for i in stacked:
+        flat[i] = jnp.moveaxis(flat[i], 0, layer_axis[i]) if layer_axis[i] else flat[i]
+      return merge(graphdef, State._make(spec_, flat))
+
+    if auto:
+
+      def chunk_shape(i):
+        shape = list(jnp.shape(values[i]))
+        shape[layer_axis[i]] = chunk
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(values[i]))
+
+      abstract = [
+        chunk_shape(i)
+        if i in layer_axis
+        else jax.ShapeDtypeStruct(jnp.shape(values[i]), jnp.result_type(values[i]))
+        for i in range(len(values))
+      ]
+      carry = jax.tree.map(per_device, jax.tree.map(lambda v: v[0], xs), x)
+      if layout.padded:
+        carry = (carry, jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+      key = (
+        graphdef,
+        chunk,
+        _avals(carry),
+        extras_tree,
+        tuple(_avals(v) if is_array(v) else v for v in extras),
+      )
+      plan = plans.get(key)
+      if plan is None:
+        module = merge(graphdef, State._make(spec_, abstract))
+
+        def planned(layer, c):  # the extra arrays as zeros: the plan needs only shapes
+          a, kw = with_extras(
+            [jnp.zeros(jnp.shape(extras[j]), jnp.result_type(extras[j])) for j in dynamic]
+          )
+          return stage_fn(layer, c, *a, **kw)
+
+        plan = plans[key] = plan_remat(module, carry, fn=planned, memory_budget=budget)
+      inner = remat_scan(
+        stage_fn, lengths=plan, **{o: v for o, v in options.items() if o != "policy"}
+      )
+    else:
+      inner = remat_scan(stage_fn, lengths=(chunk,), **options)
+
+    def to_layout(v, a):
+      v = jnp.moveaxis(v, a, 0) if a else v
+      return v if layout.identity else jnp.take(v, layout.slots, axis=0)
+
+    def from_layout(v, a):
+      v = v if layout.identity else jnp.take(v, layout.inverse, axis=0)
+      return jnp.moveaxis(v, 0, a) if a else v
+
+    laid = [to_layout(values[i], layer_axis[i]) for i in stacked]
+    found: dict = {}  # what the stage's body wrote, learnt while tracing it
+
+    def stage_program(laid, fixed, xs, given):
+      s = lax.axis_index(axis)
+      varying = lambda v: lax.pcast(v, (axis,), to="varying")
+      call_args, call_kwargs = with_extras(given)
+
+      def one_step(t, local, inp):
+        """Stage s at step t: (output, the written chunk values, valid, m, r)."""
+        u = t - s
+        r, m = u // period, u % period
+        valid = (u >= 0) & (m < k) & (r < repeats)
+        m, r = jnp.clip(m, 0, k - 1), jnp.clip(r, 0, repeats - 1)
+        q = r * stages + s
+        flat: list[Any] = [None] * len(values)
+        for j, i in enumerate(stacked):
+          flat[i] = (
+            lax.dynamic_slice_in_dim(local[j], r * chunk, chunk) if repeats > 1 else local[j]
+          )
+        for j, i in enumerate(others):
+          flat[i] = fixed[j]
+        for i in counts:
+          flat[i] = flat[i] + m.astype(flat[i].dtype)
+        module = stage_module(flat)
+        before = [v._value for v in flatten([module])[1]]
+        carry = (inp, jnp.zeros((), jnp.int32), layout.size(q)) if layout.padded else inp
+        with layer_index_map(module, 1, layout.offset(q)):
+          out = inner(module, carry, *call_args, **call_kwargs)
+        out = out[0] if layout.padded else out
+        after = [v._value for v in flatten([module])[1]]
+        found["written"] = [j for j, i in enumerate(stacked) if after[i] is not before[i]]
+        found["counts"] = [i for i in counts if after[i] is not before[i]]
+        new = [after[stacked[j]] for j in found["written"]]
+        new = [
+          jnp.moveaxis(v, layer_axis[stacked[j]], 0) if layer_axis[stacked[j]] else v
+          for j, v in zip(found["written"], new)
+        ]
+        return out, new, valid, m, r
+
+      one_step(jnp.int32(0), laid, jax.tree.map(lambda v: varying(v[0]), xs))  # learns `found`
+      written = found["written"]
+      forward = [(i, (i + 1) % stages) for i in range(stages if repeats > 1 else stages - 1)]
+
+      def step(state, t):
+        recv, buf, outs, local_w = state
+        if repeats > 1:  # stage 0 keeps what came round from stage S-1 for the next pass
+          u = t - stages
+          back = (u >= 0) & (u % period < k) & (u // period < repeats - 1) & (s == 0)
+          slot = jnp.clip(u % period, 0, k - 1)
+          buf = jax.tree.map(
+            lambda b, v: jnp.where(back, lax.dynamic_update_index_in_dim(b, v, slot, 0), b),
+            buf,
+            recv,
+          )
+        u = t - s
+        m0 = jnp.clip(u % period, 0, k - 1)
+        inp = jax.tree.map(
+          lambda b, v: jnp.where(s == 0, lax.dynamic_index_in_dim(b, m0, 0, False), v), buf, recv
+        )
+        local = list(laid)
+        for j, v in zip(written, local_w):
+          local[j] = v
+        out, new, valid, m, r = one_step(t, local, inp)
+        updated = []
+        for v, old in zip(new, local_w):
+          if repeats > 1:
+            v = lax.dynamic_update_slice_in_dim(old, v, r * chunk, 0)
+          updated.append(jnp.where(valid, v, old))
+        last = valid & (s == stages - 1) & (r == repeats - 1)
+        outs = jax.tree.map(
+          lambda o, v: jnp.where(last, lax.dynamic_update_index_in_dim(o, v, m, 0), o), outs, out
+        )
+        recv = jax.tree.map(lambda v: lax.ppermute(v, axis, forward), out)
+        return (recv, buf, outs, updated), None
+
+      zeros = jax.tree.map(lambda v: varying(jnp.zeros_like(v[0])), xs)
+      init = (
+        zeros,
+        jax.tree.map(varying, xs),
+        jax.tree.map(varying, xs),
+        [laid[j] for j in written],
+      )
+      (_, _, outs, local_w), _ = lax.scan(step, init, jnp.arange(steps, dtype=jnp.int32))
+      outs = jax.tree.map(
+        lambda o: lax.psum(jnp.where(s == stages - 1, o, jnp.zeros_like(o)), axis), outs
+      )
+      return outs, local_w
+
+    fixed = [values[i] for i in others]
+    # out_specs P(axis) is a prefix of the written values' list, whatever its length
+    # (the body's writes are known only once traced).
+    program = jax.shard_map(
+      stage_program,
+      mesh=mesh,
+      in_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec(), PartitionSpec()),
+      out_specs=(PartitionSpec(), PartitionSpec(axis)),
+      axis_names={axis},
+    )
+    outs, local_w = program(laid, fixed, xs, [extras[j] for j in dynamic])
+    written, used = found["written"], found["counts"]
+    changed = {stacked[j]: from_layout(v, layer_axis[stacked[j]]) for j, v in zip(written, local_w)}
+    for i in used:
+      changed[i] = values[i] + jnp.asarray(k, values[i].dtype)
+    write_back(variables, changed, what)
+    return jax.tree.map(join, outs, x)
+
+  return run
+
+
+def _avals(tree):
+  return tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree))

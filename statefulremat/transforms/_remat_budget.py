@@ -1,0 +1,140 @@
+"""How ``sr.plan_remat`` keeps a memory budget: it compiles.
+
+The memory model (``_remat_plan``) ranks every nesting and policy and picks the plan
+with the fewest block evaluations that it puts inside the budget (less 3 % headroom).
+A budget is a promise, and the model is an estimate, so ``fit_budget`` compiles the
+pick to check it; where the model was off for this block it rescales the model by
+XLA's figure and picks again; and it tries the plans with fewer evaluations that the
+model put just over the budget (within its error), a few compiles at most.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from ._remat_plan import DOTS, RematPlan, RematPlanError, format_bytes
+
+NEAR_MISS = 1.05  # the model's error band, above the budget
+MODEL_SLACK = 0.01  # what the band adds to the model's error measured on the pick
+PROBES = 8  # compiles at most, to find a plan with fewer evaluations
+
+#: ``make(scales, budget)``: the model's pick, its figures for a nesting of depth ``d``
+#: scaled by ``scales[d]``, under ``budget`` (None: the least memory at <= 3N
+#: evaluations); raises ``RematPlanError`` when the model puts every plan over it.
+MakePlan = Callable[[dict[int, float] | None, int | None], RematPlan]
+
+
+def fit_budget(make: MakePlan, budget: int, verify: Callable[[RematPlan], int]) -> RematPlan:
+  """The plan with the fewest evaluations that fits ``budget`` once compiled
+  (``verify(plan)``: XLA's temp bytes), with its ``measured_bytes``; raises
+  ``RematPlanError`` when none of those tried fits."""
+  compiled: dict[tuple, int] = {}
+
+  def measure(plan: RematPlan) -> int:  # one compile per plan while planning
+    key = (plan.lengths, plan.policy_name)
+    if key not in compiled:
+      compiled[key] = verify(plan)
+    return compiled[key]
+
+  try:
+    plan = make(None, budget)
+  except RematPlanError:
+    # The model puts every plan over the budget; those within its error of it may
+    # still fit once compiled.
+    unbudgeted = dataclasses.replace(make(None, None), memory_budget=budget)
+    fitting = _smallest_that_fits(unbudgeted, budget, measure)
+    if fitting is None:
+      raise
+    return fitting
+  # Where the model is exact (Dense + tanh: to 0.1 % of XLA's figure), a plan with fewer
+  # evaluations that it puts under the budget itself, inside the headroom kept for
+  # other blocks, is compiled first: where it fits, that one compile is all.
+  bold = _bolder(plan, budget)
+  if bold is not None:
+    measured = measure(bold)
+    if measured <= budget:
+      return _fewer_evaluations(bold, measured, budget, measure)
+  # A budget is a promise: compile the pick, and where the model was off for this
+  # block (small shapes, other backends, deep nestings), scale its figures for nestings
+  # of that depth by what XLA said and choose again.
+  scales: dict[int, float] = {}
+  for _ in range(4):
+    measured = measure(plan)
+    if measured <= budget:
+      return _fewer_evaluations(plan, measured, budget, measure)
+    depth = len(plan.lengths)
+    scales[depth] = scales.get(depth, 1.0) * measured / plan.temp_bytes
+    try:
+      plan = make(scales, budget)
+    except RematPlanError:
+      break
+  raise RematPlanError(
+    f"no remat plan for {plan.n} layers fits memory_budget={format_bytes(budget)} once "
+    f"compiled: the last pick, lengths={plan.lengths}, measured "
+    f"{format_bytes(measured)}. Fix: a larger budget (at least "
+    f"{format_bytes(measured)} fits that plan)."
+  )
+
+
+def _picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
+  """``plan`` with the candidate ``pick`` chosen (first among its candidates)."""
+  rest = tuple(c for c in plan.candidates if c is not pick)
+  return dataclasses.replace(
+    plan,
+    lengths=pick.lengths,
+    policy_name=pick.policy,
+    evals=pick.evals,
+    temp_bytes=pick.temp_bytes,
+    candidates=(pick,) + rest,
+    measured_bytes=measured,
+  )
+
+
+def _bolder(plan: RematPlan, budget: int) -> RematPlan | None:
+  """The plan with the fewest evaluations, fewer than ``plan``'s, that the model puts
+  at most at the budget (no headroom); or None."""
+  bolder = [c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= budget]
+  if not bolder:
+    return None
+  return _picking(
+    plan, min(bolder, key=lambda c: (c.evals, c.policy != DOTS, c.temp_bytes, len(c.lengths)))
+  )
+
+
+def _fewer_evaluations(
+  plan: RematPlan, measured: int, budget: int, verify: Callable[[RematPlan], int]
+) -> RematPlan:
+  """``plan`` (that fits, ``measured`` bytes once compiled) with its measure, or one
+  with fewer evaluations that fits once compiled though the model put it over the
+  budget's headroom by up to its error on this block (read from the compile of
+  ``plan``: ``measured`` against ``temp_bytes``, plus 1 %, at most 5 %): where the
+  model is exact only plans it puts under the budget itself are compiled, where it was
+  off a few per cent a tight budget sits within that of several nestings."""
+  error = abs(measured / plan.temp_bytes - 1) if plan.temp_bytes else 1.0
+  band = min(NEAR_MISS, 1 + error + MODEL_SLACK)
+  near = sorted(
+    (c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= band * budget),
+    key=lambda c: (-c.evals, c.temp_bytes),
+  )
+  for probe in near[:PROBES]:  # the next fewer evaluations first, likeliest first
+    probed = verify(_picking(plan, probe))
+    if probed <= budget:
+      return _picking(plan, probe, probed)
+  return dataclasses.replace(plan, measured_bytes=measured)
+
+
+def _smallest_that_fits(
+  plan: RematPlan, budget: int, verify: Callable[[RematPlan], int]
+) -> RematPlan | None:
+  """The plan with the fewest evaluations among those the model puts just over the
+  budget (within its error) that fit once compiled, the smallest tried first; or None."""
+  near = sorted(
+    (c for c in plan.candidates if c.temp_bytes <= NEAR_MISS * budget), key=lambda c: c.temp_bytes
+  )
+  for probe in near[:PROBES]:
+    candidate = _picking(plan, probe)
+    measured = verify(candidate)
+    if measured <= budget:
+      return _fewer_evaluations(candidate, measured, budget, verify)
+  return None

@@ -1,0 +1,187 @@
+"""``sr.scan``'s ``in_axes`` / ``out_axes``: prefix trees of axes, and ``sr.broadcast``.
+
+``in_axes`` says where each ``xs`` leaf is scanned (or, ``None`` / ``sr.broadcast``,
+that it is given whole to every iteration), ``out_axes`` where the iterations are
+stacked in each ``ys`` leaf; each is an int for every leaf, or a prefix tree following
+the structure down to an int per subtree, as in ``flax.linen.scan``. A tree is checked
+in two steps: the tree itself when the transform is built (before anything is traced),
+then its fit against ``xs`` / ``ys`` at call time. An int (the common case) fits
+anything and is never walked.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ._layers import describe_node
+from ._rules import TransformError
+
+
+class _Broadcast:
+  """``sr.broadcast``: in ``sr.scan``'s ``in_axes``, the value is not scanned.
+
+  Gives the whole value to every iteration: the same as ``None`` there, and as
+  flax.linen's ``nn.broadcast``. Not allowed in ``out_axes`` (ys differ per
+  iteration; return a value computed once through the carry).
+
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.broadcast
+  sr.broadcast
+  >>> class Scale(sr.Module):
+  ...   def __init__(self, w):
+  ...     self.w = sr.Param(w)
+  >>> def body(m, c, x, bias):
+  ...   return c + m.w.value * x + bias, None
+  >>> stack = Scale(jnp.arange(3.0))  # one weight per iteration
+  >>> c, _ = sr.scan(body, variable_axes={sr.Param: 0}, in_axes=(0, sr.broadcast))(
+  ...     stack, 0.0, jnp.ones(3), 10.0)
+  >>> float(c)  # the loop: sum of w[i] * 1 + 10 over i
+  33.0
+  """
+
+  __slots__ = ()
+
+  def __repr__(self) -> str:
+    return "sr.broadcast"
+
+  def __reduce__(self) -> str:
+    return "broadcast"  # pickles and copies as the one instance
+
+
+broadcast = _Broadcast()
+
+
+def _is_axis(a) -> bool:
+  return isinstance(a, numbers.Integral) and not isinstance(a, bool)
+
+
+def check_axes(what: str, in_axes, out_axes) -> None:
+  """Raises unless both are prefix trees of ints / None / sr.broadcast (none in out)."""
+  for name, axes in (("in_axes", in_axes), ("out_axes", out_axes)):
+    if isinstance(axes, int) and not isinstance(axes, bool):
+      continue
+    for path, a in _axes_leaves(axes, ()):
+      where = f"{name}={axes!r}" + (
+        f" has {a!r} at `{name}{jax.tree_util.keystr(path)}`" if path else ""
+      )
+      if a is None or a is broadcast:
+        if name == "out_axes":
+          raise TransformError(
+            f"{what}: {where}, but ys differ per iteration, so every ys leaf needs the "
+            "axis that stacks them. Fix: give an int there (e.g. 0); return a value "
+            "computed once through the carry."
+          )
+      elif not _is_axis(a):
+        whole = ", None or sr.broadcast (the whole value)" if name == "in_axes" else ""
+        which = ", which" if path else ""
+        raise TransformError(
+          f"{what}: {where}{which} is not an axis: expected an int (the axis){whole}, "
+          "or a tuple/list/dict of them following the structure. Fix that entry."
+        )
+
+
+def _axes_leaves(axes, path):
+  if isinstance(axes, (tuple, list)):
+    for i, a in enumerate(axes):
+      yield from _axes_leaves(a, path + (jax.tree_util.SequenceKey(i),))
+  elif isinstance(axes, dict):
+    for k, a in axes.items():
+      yield from _axes_leaves(a, path + (jax.tree_util.DictKey(k),))
+  else:
+    yield path, axes
+
+
+def _fit(prefix, tree, path: tuple, mismatch: Callable) -> list:
+  """One axis (an int, or None to broadcast) per leaf of ``tree``, in its leaf order.
+
+  ``prefix`` follows ``tree`` through tuples/lists (either for either) and dicts (the
+  same keys) down to an axis, which then covers the whole subtree below it.
+  """
+  if not isinstance(prefix, (tuple, list, dict)):
+    axis = None if prefix is None or prefix is broadcast else operator.index(prefix)
+    return [axis] * len(jax.tree.leaves(tree))
+  # One level of ``tree``, in jax's own order (dict keys sorted, namedtuple fields).
+  children = [
+    (keys[0], child)
+    for keys, child in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda n: n is not tree)[
+      0
+    ]
+    if len(keys) == 1
+  ]
+  if isinstance(prefix, dict):
+    fits = isinstance(tree, dict) and set(prefix) == {k.key for k, _ in children}
+    entries = [prefix[k.key] for k, _ in children] if fits else []
+  else:
+    fits = isinstance(tree, (tuple, list)) and len(prefix) == len(children)
+    entries = prefix
+  if not fits:
+    mismatch(path, prefix, tree)
+  out = []
+  for entry, (key, child) in zip(entries, children):
+    out.extend(_fit(entry, child, path + (key,), mismatch))
+  return out
+
+
+def in_axes_per_leaf(what: str, in_axes, xs: tuple, n_leaves: int) -> list:
+  if not isinstance(in_axes, (tuple, list, dict)):
+    return [None if in_axes is broadcast else in_axes] * n_leaves
+  if isinstance(in_axes, dict) or len(in_axes) != len(xs):
+    raise TransformError(
+      f"{what}: in_axes={in_axes!r} does not fit {len(xs)} xs argument(s): give an "
+      "int, None (or sr.broadcast), or a tuple with one entry (an int, None, or a "
+      "prefix tree of the argument) per argument."
+    )
+  out = []
+  for i, (entry, x) in enumerate(zip(in_axes, xs)):
+
+    def mismatch(path, sub, node, entry=entry, i=i):
+      where = f"xs{jax.tree_util.keystr(path)}"
+      raise TransformError(
+        f"{what}: in_axes entry {entry!r} is not a prefix of xs argument {i}: at "
+        f"`{where}` it has {describe_node(sub)} where the argument has "
+        f"{describe_node(node)}. "
+        "Fix: follow the argument's structure there, or give one int (or None) for all "
+        f"of `{where}`."
+      )
+
+    out.extend(_fit(entry, x, (jax.tree_util.SequenceKey(i),), mismatch))
+  return out
+
+
+def leaf_path(tree, j: int) -> str:
+  return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][j][0])
+
+
+def stack_ys(what: str, out_axes, ys):
+  """Moves the iteration axis of each ``ys`` leaf (first, from lax.scan) to out_axes."""
+  leaves, treedef = jax.tree.flatten(ys)
+  if isinstance(out_axes, int):
+    axes = [out_axes] * len(leaves)
+  else:
+
+    def mismatch(path, sub, node):
+      where = f"ys{jax.tree_util.keystr(path)}"
+      raise TransformError(
+        f"{what}: out_axes={out_axes!r} is not a prefix of the body's ys: at `{where}` "
+        f"it has {describe_node(sub)} where ys has {describe_node(node)} (stacked over the "
+        "iterations). Fix: follow the structure of ys there, or give one int for all "
+        f"of `{where}`."
+      )
+
+    axes = _fit(out_axes, ys, (), mismatch)
+  moved = []
+  for j, (y, axis) in enumerate(zip(leaves, axes)):
+    rank = jnp.ndim(y)
+    if not -rank <= axis < rank:
+      raise TransformError(
+        f"{what}: out_axes puts the iteration axis of `ys{leaf_path(ys, j)}` at "
+        f"{axis}, but stacked over the iterations it has shape "
+        f"{tuple(jnp.shape(y))} (rank {rank}). Fix: choose an axis in [-{rank}, {rank})."
+      )
+    moved.append(y if axis % rank == 0 else jnp.moveaxis(y, 0, axis))
+  return jax.tree.unflatten(treedef, moved)
