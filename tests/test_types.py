@@ -68,6 +68,8 @@ def _pyright_report(user_file: pathlib.Path) -> dict:
       "-m",
       "pyright",
       "--outputjson",
+      "--project",  # this checkout's pyproject.toml, never a pyrightconfig.json above it
+      str(ROOT),
       "--pythonpath",
       sys.executable,
       "statefulremat",
