@@ -68,7 +68,7 @@ class _ClosureGuard(threading.local):
 
 guard = _ClosureGuard()
 
-# Graphs that ``_graph.unflatten`` rebuilt inside the current user-code trace, for
+# Graphs that ``_graph_build.unflatten`` rebuilt inside the current user-code trace, for
 # ``_graph.flatten`` to recognise; they hold tracers, so they go when the trace ends.
 rebuilt_graphs: list[tuple] = []
 
