@@ -84,7 +84,16 @@ X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
 
 
 def checkpoint_eqns(jaxpr):
-  return [e for e in jaxpr.eqns if e.primitive.name.startswith(("remat", "checkpoint"))]
+  """The parameters of each ``jax.checkpoint`` in ``jaxpr``, as this jax writes them
+  (under jax_remat3 they sit on the rule object that is the equation's one parameter)."""
+
+  def params(eqn):
+    (only, *rest) = eqn.params.values() if eqn.params else (None,)
+    return (
+      only.params if not rest and isinstance(getattr(only, "params", None), dict) else eqn.params
+    )
+
+  return [p for p in map(params, jaxpr.eqns) if {"jaxpr", "policy", "prevent_cse"} <= set(p)]
 
 
 # -- the three forms ---------------------------------------------------------------
@@ -274,8 +283,10 @@ def test_every_policy_is_accepted_and_keeps_gradients(name):
     jaxpr = jax.make_jaxpr(lambda x: sr.remat(Mlp.__call__, policy=policy)(rematted, x))(X)
   for path, value in g0.flat().items():
     np.testing.assert_allclose(g.flat()[path], value, rtol=1e-6, atol=1e-7)
-  (eqn,) = checkpoint_eqns(jaxpr.jaxpr)
-  assert eqn.params["policy"] is policy
+  (params,) = checkpoint_eqns(jaxpr.jaxpr)
+  # jax_remat3 writes nothing_saveable as None (no policy): the same remat.
+  nothing = policy is jax.checkpoint_policies.nothing_saveable and params["policy"] is None
+  assert params["policy"] is policy or nothing
 
 
 def saved_residuals(policy, capsys):
@@ -299,7 +310,9 @@ def test_policy_changes_what_is_saved(capsys):
   assert all("from the argument" in r or "from a constant" in r for r in nothing)
   assert any("output of cos" in r for r in everything)
   assert not any("output of" in r for r in nothing)
-  assert sum("output of dot_general" in r for r in dots) == 2
+  # The two matmuls' outputs; jax 0.12 names the jitted `_dense` they are computed in.
+  matmul = ("output of dot_general", "output of jitted function '_dense'")
+  assert sum(any(m in r for m in matmul) for r in dots) == 2
   assert sum("named 'hidden'" in r for r in named) == 1
   assert not any("named" in r for r in dots + nothing)
 
@@ -308,8 +321,8 @@ def test_prevent_cse_is_passed_on():
   model = Mlp(4, rngs=sr.Rngs(0))
   for prevent_cse in (True, False):
     f = sr.remat(Mlp.__call__, prevent_cse=prevent_cse)
-    (eqn,) = checkpoint_eqns(jax.make_jaxpr(lambda x: f(model, x))(X).jaxpr)
-    assert eqn.params["prevent_cse"] is prevent_cse
+    (params,) = checkpoint_eqns(jax.make_jaxpr(lambda x: f(model, x))(X).jaxpr)
+    assert params["prevent_cse"] is prevent_cse
     np.testing.assert_allclose(f(model, X), model(X), rtol=1e-6)
 
 

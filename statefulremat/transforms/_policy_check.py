@@ -1,27 +1,35 @@
 """What is saved is what was asked: remat policies checked against the traced body.
 
-Three policies of ``jax.checkpoint_policies`` can do something other than what they say
+A policy of ``jax.checkpoint_policies`` can do something other than what it says
 without any error from JAX:
 
 * a names policy (``save_only_these_names("atn")``) whose names match no
   ``jax.ad_checkpoint.checkpoint_name`` in the body is a silent no-op;
-* a policy that claims to exclude names but saves them anyway (JAX 0.10's
-  ``save_anything_except_these_names`` ignores its names and saves everything);
-* an offload policy on a backend that offloads nothing (CPU: the transfer to host
-  memory is dropped when lowering, the residuals stay where they are).
+* a policy that claims to exclude names but keeps them (jax's
+  ``save_anything_except_these_names`` ignores its names and saves every value);
+* an offload policy on a backend that offloads nothing (CPU: the residuals stay where
+  they are).
 
-``policy_check(policy, what)`` reads the policy once, when the transform is made (the
-second case raises there), and returns None when there is nothing to check at trace
-time, so a policy-free transform pays nothing. Otherwise ``check.run(f, *args)`` runs
-``f`` — a function whose trace contains the ``jax.checkpoint`` with ``policy`` — once
-per trace: for a names policy it traces ``f`` to a jaxpr, compares the policy's names
-with those the checkpointed body gives (sub-jaxprs included: jit, scan, cond, custom
-derivatives, nested remat), then evaluates that same jaxpr, so the user's function is
-traced once; for an offload policy it warns when the backend moves nothing to the host.
+Everything here rests on public JAX, so it holds under either remat implementation
+(``jax_remat3`` included). The body's names are read off the jaxpr that
+``jax.checkpoint`` traces anyway (``_jaxpr_reading``), and a policy is judged by what it
+answers when asked about them, in the calling convention JAX itself uses:
+``policy(name_primitive, aval, name=...)``, answered with a bool or
+``jax.ad_checkpoint.Saveable`` / ``Recompute`` / ``Offloadable(src, dst)``. A policy is
+never opened up. Where it publishes the names it was given (jax 0.10 and 0.11 make
+their names policies frozen dataclasses, whose fields are their public description),
+every one of them is compared with the body's, each missing name listed with a
+suggestion. Where it does not (jax 0.12 makes them closures; ``save_from_both_policies``
+always does), the check judges what it can see: a policy from an allow-list factory
+that keeps none of the body's named values, or one from an excluding factory that
+keeps all of them, is refused; a misspelt name beside a correct one cannot be seen
+there (``sr.saved_residuals`` shows what is kept).
 
-The policies are recognised by what they are (the classes and factories of
-``jax.checkpoint_policies``) and judged by what they do: an excluding policy is asked
-about its own names, the backend is asked to lower a tiny offload.
+``policy_check(policy, what)`` returns None where there is nothing to check, so a
+policy-free transform pays nothing. Otherwise ``check.run(f, *args)`` runs ``f`` (a
+function whose trace contains the ``jax.checkpoint`` with ``policy``) once per trace:
+it traces ``f`` to a jaxpr, checks the policy against the names found under that
+checkpoint, then evaluates the same jaxpr, so the user's function is traced once.
 """
 
 from __future__ import annotations
@@ -31,169 +39,135 @@ import difflib
 import functools
 import os
 import sys
+import types
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.core
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
 
 from ..core._errors import TransformError
+from ._jaxpr_reading import names_under, remat_flavour
 
 _POLICIES = jax.checkpoint_policies
-_SAVE_ONLY = type(_POLICIES.save_only_these_names())
-_SAVE_NAMES_BUT = type(_POLICIES.save_any_names_but_these())
+_ALLOW_LISTS = ("save_only_these_names", "save_and_offload_only_these_names")
+_EXCLUDING = ("save_any_names_but_these", "save_anything_except_these_names")
+_OFFLOADING = ("save_and_offload_only_these_names", "offload_dot_with_no_batch_dims")
+_PROBE = "<statefulremat probe>"
+
+
+# -- asking a policy -----------------------------------------------------------------
 
 
 @functools.cache
-def name_primitive():
-  """The primitive ``jax.ad_checkpoint.checkpoint_name`` binds, learnt by tracing it."""
-  return jax.make_jaxpr(lambda x: checkpoint_name(x, "n"))(0.0).eqns[0].primitive
+def _asked_primitive(_flavour: bool):
+  """The primitive JAX passes a policy when it asks about a named value: learnt by
+  asking, with a policy that records its questions."""
+  asked = []
 
+  def recorder(prim, *_, **params):
+    if params.get("name") == _PROBE:
+      asked.append(prim)
+    return False
 
-@functools.cache
-def _remat_primitive():
-  """The primitive ``jax.checkpoint`` binds, learnt by tracing it."""
-  return jax.make_jaxpr(jax.checkpoint(lambda x: x))(0.0).eqns[0].primitive
-
-
-@dataclasses.dataclass(frozen=True)
-class _Reading:
-  """What a policy says about names: those it saves or offloads (``keeps``), those it
-  excludes (``excludes``; None where the policy kept no record of them), and the memory
-  kinds it offloads to."""
-
-  keeps: tuple[str, ...] = ()
-  excludes: tuple[str, ...] | None = ()
-  offload_to: tuple[str, ...] = ()
-  excluders: tuple[Callable, ...] = ()  # the parts that claim to exclude names
-
-
-def _made_by(policy, factory: str) -> bool:
-  return (getattr(policy, "__module__", "") or "").startswith("jax") and (
-    getattr(policy, "__qualname__", "").startswith(factory + ".")
-  )
-
-
-def _closure(policy) -> dict[str, Any]:
-  code, cells = getattr(policy, "__code__", None), getattr(policy, "__closure__", None)
-  if code is None or not cells:
-    return {}
-  return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
-
-
-def _strings(value) -> tuple[str, ...]:
-  if isinstance(value, (set, frozenset, list, tuple)) and all(isinstance(v, str) for v in value):
-    return tuple(sorted(value))
-  return ()
-
-
-def _read(policy) -> _Reading:
-  """The names and offloads of a ``jax.checkpoint_policies`` policy (recursively through
-  ``save_from_both_policies``); an unknown policy says nothing."""
-  if isinstance(policy, _SAVE_ONLY):
-    return _Reading(keeps=tuple(sorted(policy.saveable_names)))
-  if isinstance(policy, _SAVE_NAMES_BUT):
-    names = tuple(sorted(policy.names))
-    return _Reading(excludes=names, excluders=(policy,))
-  cells = _closure(policy)
-  if _made_by(policy, "save_from_both_policies"):
-    parts = [_read(cells[k]) for k in ("policy_1", "policy_2") if k in cells]
-    excludes = [p.excludes for p in parts]
-    known = [e for e in excludes if e is not None]
-    return _Reading(
-      keeps=tuple(n for p in parts for n in p.keeps),
-      excludes=None if len(known) < len(excludes) else tuple(n for e in known for n in e),
-      offload_to=tuple(d for p in parts for d in p.offload_to),
-      excluders=tuple(e for p in parts for e in p.excluders),
+  f = jax.checkpoint(lambda x: checkpoint_name(jnp.sin(x), _PROBE), policy=recorder)
+  jax.make_jaxpr(jax.grad(f))(jnp.zeros((), jnp.float32))
+  if not asked:  # only a jax whose policies cannot act on names reaches this
+    raise RuntimeError(
+      "statefulremat: this jax never asks a remat policy about a checkpoint_name, so "
+      "names policies cannot be checked; please report the jax version."
     )
-  if _made_by(policy, "save_and_offload_only_these_names"):
-    return _Reading(
-      keeps=_strings(cells.get("names_which_can_be_saved", ()))
-      + _strings(cells.get("names_which_can_be_offloaded", ())),
-      offload_to=(str(cells.get("offload_dst")),),
-    )
-  if _made_by(policy, "offload_dot_with_no_batch_dims"):
-    return _Reading(offload_to=(str(cells.get("offload_dst")),))
-  if _made_by(policy, "save_anything_except_these_names"):
-    kept = [_strings(v) for v in cells.values() if isinstance(v, (set, frozenset, tuple))]
-    excludes = tuple(n for names in kept for n in names) if kept else None
-    return _Reading(excludes=excludes, excluders=(policy,))
-  return _Reading()
+  return asked[0]
 
 
-def _saves(decision) -> bool:
-  """Whether a policy's answer keeps the value (saved or offloaded)."""
+def _answer(policy, name: str) -> tuple[bool, str | None]:
+  """``(keeps, offload_dst)``: whether ``policy`` keeps the value named ``name`` (saved
+  or offloaded), and the memory kind it offloads it to."""
+  aval = jax.core.ShapedArray((), jnp.float32)
+  decision = policy(_asked_primitive(remat_flavour()), aval, name=name)
   if isinstance(decision, bool):
-    return decision
-  return type(decision).__name__ != "RecomputeType"
+    return decision, None
+  if isinstance(decision, Offloadable):
+    return True, str(decision.dst)
+  return decision is not Recompute, None
+
+
+def _made_by(policy) -> str | None:
+  """The ``jax.checkpoint_policies`` factory that made ``policy`` (None: not one): the
+  class it returns, in the jax versions where it returns instances, or the function
+  it defines."""
+  for factory, made in _factory_types().items():
+    if type(policy) is made:
+      return factory
+  qualname = getattr(policy, "__qualname__", "")
+  if (getattr(policy, "__module__", "") or "").startswith("jax") and "." in qualname:
+    return qualname.split(".")[0]
+  return None
+
+
+@functools.cache
+def _factory_types() -> dict[str, type]:
+  """The classes the factories' policies are instances of, where they are classes."""
+  samples = {
+    "save_only_these_names": _POLICIES.save_only_these_names(),
+    "save_any_names_but_these": _POLICIES.save_any_names_but_these(),
+    "save_and_offload_only_these_names": _POLICIES.save_and_offload_only_these_names(
+      names_which_can_be_saved=(),
+      names_which_can_be_offloaded=(),
+      offload_src="device",
+      offload_dst="pinned_host",
+    ),
+    "offload_dot_with_no_batch_dims": _POLICIES.offload_dot_with_no_batch_dims(
+      "device", "pinned_host"
+    ),
+  }
+  return {k: type(v) for k, v in samples.items() if not isinstance(v, types.FunctionType)}
+
+
+def _published_names(policy) -> tuple[str, ...] | None:
+  """The names a policy publishes: the string-set fields of a dataclass policy (None
+  where it publishes none, as a closure does)."""
+  if not dataclasses.is_dataclass(policy) or isinstance(policy, type):
+    return None
+  fields = [getattr(policy, field.name) for field in dataclasses.fields(policy)]
+  sets = [
+    sorted(v)
+    for v in fields
+    if isinstance(v, (set, frozenset, tuple, list)) and all(isinstance(n, str) for n in v)
+  ]
+  return tuple(dict.fromkeys(n for names in sets for n in names)) if sets else None
 
 
 def _describe(policy) -> str:
-  if isinstance(policy, _SAVE_ONLY):
-    names = ", ".join(map(repr, sorted(policy.saveable_names)))
-    return f"jax.checkpoint_policies.save_only_these_names({names})"
-  if isinstance(policy, _SAVE_NAMES_BUT):
-    names = ", ".join(map(repr, sorted(policy.names)))
-    return f"jax.checkpoint_policies.save_any_names_but_these({names})"
-  qualname = getattr(policy, "__qualname__", "")
-  if (getattr(policy, "__module__", "") or "").startswith("jax") and "." in qualname:
-    return f"jax.checkpoint_policies.{qualname.split('.')[0]}(...)"
+  factory = _made_by(policy)
+  names = _published_names(policy)
+  if factory is not None and names is not None and factory in _ALLOW_LISTS[:1] + _EXCLUDING[:1]:
+    return f"jax.checkpoint_policies.{factory}({', '.join(map(repr, names))})"
+  if factory is not None:
+    return f"jax.checkpoint_policies.{factory}(...)"
   return getattr(policy, "__name__", None) or repr(policy)
 
 
-def _check_excluders(reading: _Reading, policy, what: str) -> None:
-  """Raises where a part of ``policy`` that claims to exclude names saves them."""
-  name_p = name_primitive()
-  aval = jax.core.ShapedArray((), jnp.float32)
-  for part in reading.excluders:
-    part_reading = _read(part)
-    if part_reading.excludes is None:
-      # No record of the names kept: ask about a name it cannot have been given.
-      probes, lost = ("<statefulremat probe>",), True
-    else:
-      probes, lost = part_reading.excludes, False
-    saved = [n for n in probes if _saves(part(name_p, aval, name=n))]
-    if not saved:
-      continue
-    how = (
-      "ignores the names it was given (it keeps no record of them) and saves every "
-      "value, named or not"
-      if lost
-      else f"saves {', '.join(map(repr, saved))}, which it was told to exclude"
-    )
-    whole = "" if part is policy else f" (inside policy={_describe(policy)})"
-    raise TransformError(
-      f"{what}: policy={_describe(part)}{whole} {how}, so remat would save what "
-      f"you asked it not to. Fix: `jax.checkpoint_policies.save_any_names_but_these("
-      f"{'*names' if lost else ', '.join(map(repr, probes))})` saves the named values "
-      "except those names and recomputes the rest; "
-      "`jax.checkpoint_policies.everything_saveable` if saving everything is meant."
-    )
+# -- the check -----------------------------------------------------------------------
 
 
 class PolicyCheck:
   """The trace-time checks of one transform's policy (see the module docstring)."""
 
-  __slots__ = ("policy", "what", "names", "offload_to")
+  __slots__ = ("policy", "what", "factory", "names")
 
-  def __init__(self, policy, what: str, names: tuple[str, ...], offload_to: tuple[str, ...]):
+  def __init__(self, policy, what: str, factory: str | None, names: tuple[str, ...] | None):
     self.policy, self.what = policy, what
-    self.names, self.offload_to = names, offload_to
+    self.factory, self.names = factory, names
 
   def run(self, f: Callable, *args):
     """``f(*args)``, after checking the policy against the body ``f`` traces."""
-    if self.offload_to:
-      self._warn_offload()
-    if not self.names:
-      return f(*args)
     closed, shapes = jax.make_jaxpr(f, return_shape=True)(*args)
-    found = _names_under(closed.jaxpr, self.policy)
+    found = names_under(closed.jaxpr, self.policy)
     if found is not None:
-      self._check_names(found)
+      self._check(found)
     # Bound where we stand, not where make_jaxpr stood: its tracebacks stop at its
     # own frame, and the equations' source lines would lose the user's code.
     out = jax.core.eval_jaxpr(
@@ -201,7 +175,31 @@ class PolicyCheck:
     )
     return jax.tree.unflatten(jax.tree.structure(shapes), out)
 
-  def _check_names(self, found: set[str]) -> None:
+  def _check(self, found: set[str]) -> None:
+    answers = {name: _answer(self.policy, name) for name in sorted(found)}
+    offload_to = {dst for _, dst in answers.values() if dst is not None}
+    if self.factory == "offload_dot_with_no_batch_dims":
+      offload_to.add("pinned_host")  # what the factory offloads to: host memory
+    for kind in sorted(offload_to):
+      self._warn_offload(kind)
+    kept = [name for name, (keeps, _) in answers.items() if keeps]
+    if self.names is not None:
+      self._check_published(found)
+    elif self.factory in _ALLOW_LISTS and not kept:
+      self._refuse_keeps_nothing(found)
+    elif self.factory == "save_anything_except_these_names" and len(kept) == len(found):
+      # Keeping every name means its exclusions are ignored or name nothing here. (An
+      # unpublished save_any_names_but_these that keeps every name may have been given
+      # none, which is meant: it is not judged.)
+      self._refuse_excludes_nothing(found)
+
+  def _body_names(self, found: set[str]) -> str:
+    if found:
+      return f"The body names: {', '.join(map(repr, sorted(found)))}."
+    return "The body names nothing: it has no checkpoint_name at all."
+
+  def _check_published(self, found: set[str]) -> None:
+    assert self.names is not None
     missing = [n for n in self.names if n not in found]
     if not missing:
       return
@@ -209,34 +207,54 @@ class PolicyCheck:
     for name in missing:
       close = difflib.get_close_matches(name, sorted(found), n=1)
       listed.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    if found:
-      there = f"The body names: {', '.join(map(repr, sorted(found)))}."
-    else:
-      there = "The body names nothing: it has no checkpoint_name at all."
     plural, them = ("s", "them") if len(missing) > 1 else ("", "it")
     raise TransformError(
       f"{self.what}: policy={_describe(self.policy)} refers to the name{plural} "
       f"{', '.join(listed)}, which no `jax.ad_checkpoint.checkpoint_name` in the "
-      f"traced body gives, so the policy would silently ignore {them}. {there} Fix: "
-      "spell the policy's names as the body does, or name the value in the body: "
-      f"`checkpoint_name(x, {missing[0]!r})`."
+      f"traced body gives, so the policy would silently ignore {them}. "
+      f"{self._body_names(found)} Fix: spell the policy's names as the body does, or "
+      f"name the value in the body: `checkpoint_name(x, {missing[0]!r})`."
     )
 
-  def _warn_offload(self) -> None:
-    for kind in self.offload_to:
-      platform = jax.default_backend()
-      if _offloads(platform, kind):
-        continue
-      warnings.warn(
-        f"{self.what}: policy={_describe(self.policy)} offloads residuals to "
-        f"{kind!r} memory, but on this backend ({platform}) nothing is offloaded: the "
-        "compiled program has no transfer to host memory, so the values the policy "
-        "offloads stay in device memory, as if it saved them. Offloading needs a "
-        "GPU or TPU backend; here, a saving policy (e.g. "
-        "jax.checkpoint_policies.save_only_these_names) says what happens.",
-        UserWarning,
-        stacklevel=_user_stacklevel(),
-      )
+  def _refuse_keeps_nothing(self, found: set[str]) -> None:
+    example = sorted(found)[0] if found else "h"
+    raise TransformError(
+      f"{self.what}: policy={_describe(self.policy)} keeps none of the values the "
+      "traced body names, so it saves nothing and remat recomputes everything: the "
+      "names it was given match no `jax.ad_checkpoint.checkpoint_name` in the body "
+      f"(this jax keeps a policy's names to itself, so they cannot be listed). "
+      f"{self._body_names(found)} Fix: spell the policy's names as the body does "
+      f"(e.g. `save_only_these_names({example!r})`), or name the value in the body: "
+      "`checkpoint_name(x, name)`."
+    )
+
+  def _refuse_excludes_nothing(self, found: set[str]) -> None:
+    listed = ", ".join(map(repr, sorted(found))) or "nothing"
+    raise TransformError(
+      f"{self.what}: policy={_describe(self.policy)} is meant to save every value "
+      f"except the names it was given, but it keeps every value the traced body names "
+      f"({listed}), so remat would save what you asked it not to: this jax's "
+      "save_anything_except_these_names ignores its names (or none of them is in the "
+      f"body). {self._body_names(found)} Fix: "
+      "`jax.checkpoint_policies.save_any_names_but_these(*names)` saves the named "
+      "values except those names and recomputes the rest; "
+      "`jax.checkpoint_policies.everything_saveable` if saving everything is meant."
+    )
+
+  def _warn_offload(self, kind: str) -> None:
+    platform = jax.default_backend()
+    if _offloads(platform, kind):
+      return
+    warnings.warn(
+      f"{self.what}: policy={_describe(self.policy)} offloads residuals to "
+      f"{kind!r} memory, but on this backend ({platform}) nothing is offloaded: the "
+      "compiled program keeps no bytes in host memory, so the values the policy "
+      "offloads stay in device memory, as if it saved them. Offloading needs a "
+      "GPU or TPU backend; here, a saving policy (e.g. "
+      "jax.checkpoint_policies.save_only_these_names) says what happens.",
+      UserWarning,
+      stacklevel=_user_stacklevel(),
+    )
 
 
 # Frames of these folders are not the user's: a warning points past them.
@@ -257,68 +275,41 @@ def _user_stacklevel() -> int:
 @functools.cache
 def _offloads(platform: str, kind: str) -> bool:
   """Whether the default backend, ``platform``, moves an offloaded residual to ``kind``
-  memory: it has that memory kind and the lowered program of a tiny offloading remat
-  transfers to it."""
+  memory: it has that memory kind, and a tiny offloading remat, compiled, keeps bytes
+  there (or its lowered program places a value there)."""
+  del platform  # the cache key: the answer is the default backend's
   device = jax.devices()[0]
-  kinds = {m.kind for m in device.addressable_memories()}
-  if kind not in kinds:
+  if kind not in {m.kind for m in device.addressable_memories()}:
     return False
-  policy = _POLICIES.offload_dot_with_no_batch_dims("device", kind)
+  policy = _POLICIES.save_and_offload_only_these_names(
+    names_which_can_be_saved=(),
+    names_which_can_be_offloaded=("offloaded",),
+    offload_src="device",
+    offload_dst=kind,
+  )
+
+  def body(w, x):
+    return jnp.sin(checkpoint_name(jnp.sin(x @ w), "offloaded") @ w)
 
   def loss(w, x):
-    return jnp.sum(jax.checkpoint(lambda w, x: jnp.sin(x @ w), policy=policy)(w, x))
+    return jnp.sum(jax.checkpoint(body, policy=policy)(w, x))
 
-  w = jax.ShapeDtypeStruct((2, 2), jnp.float32)
-  text = jax.jit(jax.grad(loss)).lower(w, w).as_text()
-  return "annotate_device_placement" in text or "_xla_buffer_placement" in text
-
-
-def _sub_jaxprs(jaxpr: Jaxpr) -> Iterator[tuple[Any, Jaxpr]]:
-  """``(equation, sub-jaxpr)`` for each jaxpr in an equation's parameters (jit, scan,
-  cond branches, while, custom_jvp / custom_vjp, remat)."""
-  for eqn in jaxpr.eqns:
-    for value in eqn.params.values():
-      for v in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(v, ClosedJaxpr):
-          yield eqn, v.jaxpr
-        elif isinstance(v, Jaxpr):
-          yield eqn, v
-
-
-def _checkpoint_names(jaxpr: Jaxpr) -> set[str]:
-  """Every name ``jax.ad_checkpoint.checkpoint_name`` gives in ``jaxpr``, sub-jaxprs
-  included."""
-  name_p = name_primitive()
-  names = {eqn.params["name"] for eqn in jaxpr.eqns if eqn.primitive is name_p}
-  for _, sub in _sub_jaxprs(jaxpr):
-    names |= _checkpoint_names(sub)
-  return names
-
-
-def _names_under(jaxpr: Jaxpr, policy) -> set[str] | None:
-  """The names given inside every ``jax.checkpoint`` with ``policy`` in ``jaxpr``;
-  None if there is no such checkpoint (then there is nothing to compare)."""
-  remat_p = _remat_primitive()
-  found: set[str] | None = None
-  for eqn, sub in _sub_jaxprs(jaxpr):
-    if eqn.primitive is remat_p and eqn.params.get("policy") is policy:
-      found = (found or set()) | _checkpoint_names(sub)
-    else:
-      inner = _names_under(sub, policy)
-      if inner is not None:
-        found = (found or set()) | inner
-  return found
+  w = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+  lowered = jax.jit(jax.grad(loss)).lower(w, w)
+  text = lowered.as_text()
+  if "annotate_device_placement" in text or "_xla_buffer_placement" in text:
+    return True
+  stats = lowered.compile().memory_analysis()
+  host = ("host_temp_size_in_bytes", "host_output_size_in_bytes", "host_argument_size_in_bytes")
+  return stats is not None and any(getattr(stats, a, 0) for a in host)
 
 
 def policy_check(policy, what: str) -> PolicyCheck | None:
-  """The trace-time check of ``policy`` (None: nothing to check). Raises at once for
-  a policy that saves what it claims to exclude."""
+  """The trace-time check of ``policy`` (None: nothing to check)."""
   if policy is None:
     return None
-  reading = _read(policy)
-  if reading.excluders:
-    _check_excluders(reading, policy, what)
-  names = tuple(dict.fromkeys(reading.keeps + (reading.excludes or ())))
-  if not names and not reading.offload_to:
+  factory = _made_by(policy)
+  names = _published_names(policy)
+  if names is None and factory not in _ALLOW_LISTS + _EXCLUDING + _OFFLOADING:
     return None
-  return PolicyCheck(policy, what, names, reading.offload_to)
+  return PolicyCheck(policy, what, factory, names)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import Jaxpr, Literal
 
 from ..core._errors import format_path
 from ..core._filters import Filter, to_predicate
@@ -34,8 +34,8 @@ from ..core._kinds import Param
 from ..core._module import Module
 from ..core._tracing import tracing_user_code
 from ._class_form import display_name
+from ._jaxpr_reading import called_body, checkpoint_name_of, reduce_precision_primitive
 from ._lift import Lifted, check_no_nodes, is_node, split_call
-from ._policy_check import name_primitive
 
 _PACKAGE = str(pathlib.Path(__file__).resolve().parent.parent) + os.sep
 
@@ -180,9 +180,8 @@ def _argument_names(fn, args: tuple, kwargs: dict) -> list[str]:
 def _classify(jaxpr: Jaxpr, residuals: list, input_names: list[str]) -> list[Residual]:
   """One record per distinct residual, in JAX's order: literals, constants, inputs, then
   computed values in the order they are computed."""
-  rounding = {
-    e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive.name == "reduce_precision"
-  }
+  rounding_p = reduce_precision_primitive()
+  rounding = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive is rounding_p}
   wanted, seen = [], set()
   for v in residuals:
     v = v if isinstance(v, Literal) else rounding.get(v, v)
@@ -208,21 +207,18 @@ def _record(aval, name, source, op=None) -> Residual:
   return Residual(name, tuple(aval.shape), aval.dtype, source, op)
 
 
-_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # a call's body, outputs one to one
-
-
 def _origin(eqn, k: int, depth: int = 0) -> tuple[str | None, str | None, str]:
   """``(name, op, source)`` of output ``k`` of ``eqn``, traced into the bodies of calls
   (jit, scan, remat, custom derivatives) whose outputs are the body's outputs."""
-  if eqn.primitive is name_primitive():
-    return eqn.params["name"], None, _where(eqn)
-  body = next((eqn.params[p] for p in _CALLS if p in eqn.params), None)
-  if isinstance(body, ClosedJaxpr):
-    body = body.jaxpr
-  if isinstance(body, Jaxpr) and len(body.outvars) == len(eqn.outvars) and depth < 16:
+  name = checkpoint_name_of(eqn)
+  if name is not None:
+    return name, None, _where(eqn)
+  body = called_body(eqn)
+  if body is not None and depth < 16:
     v = body.outvars[k]
     producers = {out: (e, i) for e in body.eqns for i, out in enumerate(e.outvars)}
-    while v in producers and producers[v][0].primitive.name == "reduce_precision":
+    rounding_p = reduce_precision_primitive()
+    while v in producers and producers[v][0].primitive is rounding_p:
       v = producers[v][0].invars[0]
     if not isinstance(v, Literal) and v in producers:
       return _origin(*producers[v], depth + 1)
