@@ -63,16 +63,16 @@ nb_merge_streams = True
 
 os.environ.setdefault("SR_TUTORIAL_QUICK", "1")
 
-# The kernels run the tutorials under the test suite's warning policy (pyproject.toml:
-# a warning is an error, but for the same three exceptions), as tests/test_tutorials.py
-# runs them: an IPython startup file, in a profile of the build's own. The kernel's
-# own machinery (ipykernel warns at shutdown) is not the tutorial's code.
-_KERNEL_STARTUP = """\
-import warnings
-warnings.simplefilter("error")
-warnings.filterwarnings("ignore", category=DeprecationWarning, module="orbax.*")
-warnings.filterwarnings("ignore", category=DeprecationWarning, module="flax.*")
-warnings.filterwarnings("ignore", message=".*os.fork.*", category=RuntimeWarning)
+# The kernels run the tutorials under the test suite's warning policy (pyproject.toml's
+# filterwarnings: a warning is an error, but for its exceptions), as
+# tests/test_tutorials.py runs them: an IPython startup file, in a profile of the
+# build's own. The kernel's own machinery (ipykernel warns at shutdown) is not the
+# tutorial's code.
+_KERNEL_STARTUP = f"""\
+import sys, warnings
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import _warning_policy
+_warning_policy.apply()
 warnings.filterwarnings("ignore", module="ipykernel.*")
 """
 _ipython_dir = Path(tempfile.mkdtemp(prefix="sr_docs_ipython_"))

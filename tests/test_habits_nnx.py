@@ -535,3 +535,65 @@ def test_every_public_nnx_name_is_ours_or_answered_or_internal():
   # nnx's layers answer through sr.nn; one that sr.nn lacks keeps the plain error.
   assert set(unanswered) <= NNX_LAYERS - set(vars(sr.nn)), unanswered
   assert not set(SPELLED_DIFFERENTLY) & set(dir(sr))  # the table names nothing we have
+
+
+# -- rotary embeddings as nnx spells them (flax >= 0.12.10: nnx.RoPE) -------------------
+
+ROPE_X = jax.random.normal(jax.random.key(0), (2, 5, 3, 8))  # [batch, length, heads, head_dim]
+
+
+@pytest.mark.parametrize(
+  "options", [{}, {"embedding_size": 8, "max_seq_len": 16}, {"theta": 500000.0}]
+)
+def test_rope_module_is_sr_nn_rope_per_head_and_nnxs_where_nnx_has_it(options):
+  ours = sr.nn.RoPE(**options)
+  per_head = jax.vmap(ours, in_axes=-2, out_axes=-2)(ROPE_X)
+  close(per_head, sr.nn.rope(ROPE_X, jnp.arange(5), base=ours.theta), 1e-5)
+  positions = jnp.arange(5.0) + 3
+  if hasattr(nnx, "RoPE"):  # flax 0.12.10 and later
+    theirs = nnx.RoPE(**options)
+    close(ours(ROPE_X[:, :, 0]), theirs(ROPE_X[:, :, 0]))
+    close(ours(ROPE_X[:, :, 0], positions), theirs(ROPE_X[:, :, 0], positions))
+  by_rope = sr.nn.rope(ROPE_X[:, :, :1], positions, base=ours.theta)[:, :, 0]
+  close(ours(ROPE_X[:, :, 0], positions), by_rope, 1e-5)
+
+
+def test_attention_with_rope_rotates_queries_and_keys_and_ports_from_nnx():
+  import functools
+
+  rope = sr.nn.RoPE(embedding_size=8, max_seq_len=16)
+  out = sr.nn.dot_product_attention_with_rope(ROPE_X, ROPE_X, ROPE_X, rope=rope)
+  rotated = sr.nn.rope(ROPE_X, jnp.arange(5))
+  close(out, sr.nn.dot_product_attention(rotated, rotated, ROPE_X), 1e-5)
+  ours = sr.nn.MultiHeadAttention(
+    num_heads=3,
+    in_features=24,
+    decode=False,
+    rngs=sr.Rngs(0),
+    attention_fn=functools.partial(sr.nn.dot_product_attention_with_rope, rope=rope),
+  )
+  q = jax.random.normal(jax.random.key(1), (2, 5, 24))
+  if hasattr(nnx, "dot_product_attention_with_rope"):  # flax 0.12.10 and later
+    their_rope = nnx.RoPE(embedding_size=8, max_seq_len=16)
+    theirs = nnx.MultiHeadAttention(
+      num_heads=3,
+      in_features=24,
+      decode=False,
+      rngs=nnx.Rngs(0),
+      attention_fn=functools.partial(nnx.dot_product_attention_with_rope, rope=their_rope),
+    )
+    close(sr.interop.from_nnx(ours, theirs)(q), theirs(q), 1e-5)
+
+
+@pytest.mark.parametrize(
+  "options, match",
+  [
+    ({"embedding_size": 8}, r"embedding_size=8 and max_seq_len=None.*Fix: give both"),
+    ({"embedding_size": 7, "max_seq_len": 4}, r"embedding_size=7.*positive and even"),
+  ],
+)
+def test_rope_module_misuse_names_the_argument_and_the_fix(options, match):
+  with pytest.raises(ValueError, match=match):
+    sr.nn.RoPE(**options)
+  with pytest.raises(ValueError, match=r"input_positions has 4 positions .* for a sequence of 5"):
+    sr.nn.RoPE()(ROPE_X[:, :, 0], jnp.arange(4.0))

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -244,8 +245,18 @@ def test_explicit_decode_writes_the_step_where_the_cache_lives():
 
 
 def dot_general_out_shardings(fn, *args):
-  jaxpr = jax.make_jaxpr(fn)(*args)
-  return [eqn.params["out_sharding"] for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
+  """The ``out_sharding`` of every ``dot_general`` the program runs, in the bodies of
+  its calls too: jax 0.12 keeps an ``inline=True`` jit (``Linear``'s ``_dense``) as a
+  ``jit`` equation in the jaxpr, where jax 0.10 inlined it."""
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        yield eqn.params["out_sharding"]
+      for sub in jaxprs_in_params(eqn.params):
+        yield from walk(sub)
+
+  return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
 
 
 def test_auto_axes_and_no_mesh_take_the_plain_path():

@@ -20,14 +20,13 @@ HEADER = """\
 #       format_name: percent
 # ---
 """
-# Runs a tutorial under the suite's warning policy (pyproject.toml: warnings are
-# errors, but for the same three exceptions).
-RUNNER = """\
-import runpy, sys, warnings
-warnings.simplefilter("error")
-warnings.filterwarnings("ignore", category=DeprecationWarning, module="orbax.*")
-warnings.filterwarnings("ignore", category=DeprecationWarning, module="flax.*")
-warnings.filterwarnings("ignore", message=".*os.fork.*", category=RuntimeWarning)
+# Runs a tutorial under the suite's warning policy (pyproject.toml's filterwarnings:
+# warnings are errors, but for its exceptions; tests/_warning_policy.py reads them).
+RUNNER = f"""\
+import runpy, sys
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import _warning_policy
+_warning_policy.apply()
 runpy.run_path(sys.argv[1], run_name="__main__")
 """
 

@@ -66,6 +66,8 @@ from ._pooling import pool as pool
 from ._rnn import RNN as RNN
 from ._rnn import Bidirectional as Bidirectional
 from ._rope import rope as rope
+from ._rope_module import RoPE as RoPE
+from ._rope_module import dot_product_attention_with_rope as dot_product_attention_with_rope
 from ._sequential import Sequential as Sequential
 from ._weight_norms import SpectralNorm as SpectralNorm
 from ._weight_norms import WeightNorm as WeightNorm

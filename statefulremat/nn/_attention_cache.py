@@ -7,6 +7,12 @@ checks the step against the cache and finds the position it goes to (raising, ra
 than letting ``dynamic_update_slice`` clamp a write past the end onto the last
 position); ``cache_write`` writes it there and returns the keys and values cached so
 far with the mask that lets the query see exactly them.
+
+Under explicit mesh axes the step is written where the cache lives, and the keys and
+values cached so far are read back where the step's were (the projections' placement),
+so the attention gets them placed as it does without decoding: its contractions need
+the keys' and values' batch and head axes sharded exactly as the queries' (jax 0.12
+refuses a replicated operand against a sharded one, which earlier versions let pass).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def cache_slot(
   layer: Decoding, key: jax.Array, value: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Checks one decoding step's ``key`` / ``value`` against the cache; returns them
-  (placed where the cache lives) and the position they go to."""
+  and the position they go to."""
   cached_key, cached_value, cache_index = _cache(layer)
   *batch_dims, max_length, num_kv_heads, depth = cached_key.shape
   expected = tuple(batch_dims) + (1, num_kv_heads, depth)
@@ -70,11 +76,6 @@ def cache_slot(
       f"MultiHeadAttention decode feeds one position at a time: expected a key of "
       f"shape {expected} (from an input of length 1), got {key.shape}."
     )
-  if explicit_specs("MultiHeadAttention", key=key, cached_key=cached_key.value):
-    # Explicit mesh axes: the step is written where the cache lives (init_cache
-    # makes it replicated; sr.shard or a reshard may place it otherwise).
-    key = jax.sharding.reshard(key, jax.typeof(cached_key.value).sharding)
-    value = jax.sharding.reshard(value, jax.typeof(cached_value.value).sharding)
   return key, value, _check_room(layer, cache_index.value, max_length)
 
 
@@ -82,9 +83,23 @@ def cache_write(
   layer: Decoding, key: jax.Array, value: jax.Array, index: jax.Array, mask: jax.Array | None
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """Writes ``key`` / ``value`` at ``index`` and moves the index on; returns the cached
-  keys and values and ``mask`` combined with the positions cached so far."""
+  keys and values (placed where ``key`` / ``value`` were) and ``mask`` combined with the
+  positions cached so far."""
   cached_key, cached_value, cache_index = _cache(layer)
   *batch_dims, max_length, _, _ = cached_key.shape
+  step_shardings = None
+  if explicit_specs(
+    "MultiHeadAttention",
+    key=key,
+    value=value,
+    cached_key=cached_key.value,
+    cached_value=cached_value.value,
+  ):
+    # Explicit mesh axes: the step is written where the cache lives (init_cache
+    # makes it replicated; sr.shard or a reshard may place it otherwise) ...
+    step_shardings = jax.typeof(key).sharding, jax.typeof(value).sharding
+    key = jax.sharding.reshard(key, jax.typeof(cached_key.value).sharding)
+    value = jax.sharding.reshard(value, jax.typeof(cached_value.value).sharding)
   zero = jnp.array(0, dtype=lax.dtype(index.dtype))
   indices = (zero,) * len(batch_dims) + (index, zero, zero)
   key = lax.dynamic_update_slice(cached_key.value, key, indices)
@@ -92,6 +107,11 @@ def cache_write(
   cached_key.value = key
   cached_value.value = value
   cache_index.value = index + 1
+  if step_shardings is not None:
+    # ... and read back where the step was, the queries' batch and head placement
+    # (a replicated cache is sliced locally, one placed as the step is left as is).
+    key = jax.sharding.reshard(key, step_shardings[0])
+    value = jax.sharding.reshard(value, step_shardings[1])
   # The single query may attend only to the positions already cached.
   mask = combine_masks(
     mask,

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
@@ -345,7 +346,9 @@ def residual_bytes(layer_fn: Callable, params: Any, carry: Any, policy) -> int:
     if isinstance(v, Literal) or v in param_vars or v in seen:
       continue
     seen.add(v)
-    total += math.prod(v.aval.shape) * jnp.dtype(v.aval.dtype).itemsize
+    aval = v.aval
+    assert isinstance(aval, jax.core.ShapedArray)  # a residual is an array
+    total += math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
   return total
 
 
