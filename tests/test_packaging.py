@@ -50,11 +50,43 @@ def test_the_floor_script_pins_exactly_the_floors_pyproject_declares():
   assert {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "treescope", "numpy"} <= set(floors)
 
 
-def test_ci_runs_the_floors_after_the_main_tests_and_needs_both():
+def test_ci_runs_every_supported_stack_after_the_main_tests_and_needs_them_all():
   run = (ROOT / ".ci" / "run").read_text()
-  main = run.index('pip install -e ".[dev]" && python -m pytest -n 2')
-  assert main < run.index("bash .ci/floors")
-  assert '[ "$main_rc" -eq 0 ] && [ "$floors_rc" -eq 0 ]' in run
+  lanes = [
+    'lane "main tests" bash -c \'pip install -e ".[dev]" && python -m pytest -n 2\'',
+    "bash .ci/newest 3.12",
+    "bash .ci/newest 3.13",
+    "bash .ci/floors",
+  ]
+  places = [run.index(lane) for lane in lanes]
+  assert places == sorted(places)
+  assert '[ "$rc" -eq 0 ] || failed=1' in run and run.rstrip().endswith('[ "$failed" -eq 0 ]')
+
+
+def _listed(name: str) -> list[str]:
+  lines = (ROOT / ".ci" / name).read_text().splitlines()
+  return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_the_lanes_test_lists_name_test_files_that_exist():
+  for name in ("smoke-tests", "remat3-tests"):
+    assert _listed(name), name
+    for path in _listed(name):
+      assert (ROOT / path).is_file(), f".ci/{name} names {path}, which does not exist"
+  newest = (ROOT / ".ci" / "newest").read_text()
+  assert "JAX_REMAT3=1" in newest and "remat3-tests" in newest
+  assert "--ignore=tests/test_docs.py --ignore=tests/test_browser.py" in newest
+
+
+def test_the_classifiers_name_each_python_a_lane_tests():
+  meta = importlib.metadata.metadata("statefulremat")
+  tested = {"3.11", "3.12", "3.13"}  # main and floors on 3.11; .ci/newest 3.12 and 3.13
+  classified = {
+    c.rsplit(" :: ", 1)[1]
+    for c in meta.get_all("Classifier") or []
+    if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
+  }
+  assert classified == tested
 
 
 def test_the_installed_dependencies_meet_the_declared_floors():
