@@ -21,9 +21,11 @@ their names policies frozen dataclasses, whose fields are their public descripti
 every one of them is compared with the body's, each missing name listed with a
 suggestion. Where it does not (jax 0.12 makes them closures; ``save_from_both_policies``
 always does), the check judges what it can see: a policy from an allow-list factory
-that keeps none of the body's named values, or one from an excluding factory that
-keeps all of them, is refused; a misspelt name beside a correct one cannot be seen
-there (``sr.saved_residuals`` shows what is kept).
+that keeps none of the body's named values, or a ``save_anything_except_these_names``
+that keeps all of them, is refused. A misspelt name beside a correct one, a
+``save_any_names_but_these`` whose names match nothing (keeping every named value is
+also what it means with no names) and the parts of a combination cannot be seen there
+(``sr.saved_residuals`` shows what they keep).
 
 ``policy_check(policy, what)`` returns None where there is nothing to check, so a
 policy-free transform pays nothing. Otherwise ``check.run(f, *args)`` runs ``f`` (a
@@ -143,7 +145,8 @@ def _published_names(policy) -> tuple[str, ...] | None:
 def _describe(policy) -> str:
   factory = _made_by(policy)
   names = _published_names(policy)
-  if factory is not None and names is not None and factory in _ALLOW_LISTS[:1] + _EXCLUDING[:1]:
+  listing = ("save_only_these_names", "save_any_names_but_these")  # names are all they take
+  if factory in listing and names is not None:
     return f"jax.checkpoint_policies.{factory}({', '.join(map(repr, names))})"
   if factory is not None:
     return f"jax.checkpoint_policies.{factory}(...)"
@@ -217,15 +220,13 @@ class PolicyCheck:
     )
 
   def _refuse_keeps_nothing(self, found: set[str]) -> None:
-    example = sorted(found)[0] if found else "h"
     raise TransformError(
       f"{self.what}: policy={_describe(self.policy)} keeps none of the values the "
       "traced body names, so it saves nothing and remat recomputes everything: the "
       "names it was given match no `jax.ad_checkpoint.checkpoint_name` in the body "
-      f"(this jax keeps a policy's names to itself, so they cannot be listed). "
-      f"{self._body_names(found)} Fix: spell the policy's names as the body does "
-      f"(e.g. `save_only_these_names({example!r})`), or name the value in the body: "
-      "`checkpoint_name(x, name)`."
+      "(this jax keeps a policy's names to itself, so they cannot be listed). "
+      f"{self._body_names(found)} Fix: spell the policy's names as the body does, or "
+      "name the value in the body: `checkpoint_name(x, name)`."
     )
 
   def _refuse_excludes_nothing(self, found: set[str]) -> None:
