@@ -83,3 +83,38 @@ def test_a_failing_jit_call_after_a_sow_leaves_the_model_as_it_was():
     sr.jit(step)(model, jnp.ones((2, D)))
   assert not hasattr(model, "features") and sr.graphdef(model) == before
   assert jax.tree.structure(sr.state(model)) == jax.tree.structure(sr.state(Block(rngs=sr.Rngs(1))))
+
+
+@pytest.mark.parametrize(
+  "lengths, n", [((4,), 4), ((2, 2), 4), ((2, 2, 2), 8), ((3, 3), 7), ((2, 2, 2), 7)]
+)
+def test_sow_at_any_remat_scan_depth_equals_the_loop(lengths, n):
+  """A sown tuple is a pytree value: every level folds and unfolds each of its leaves
+  along the layer axis, full levels and short last segments alike."""
+  stack = sr.remat_scan(Block, lengths=lengths, length=n)(rngs=sr.Rngs(0))
+  layers = [stack.layer(i) for i in range(n)]
+  x = jax.random.normal(jax.random.key(1), (2, D))
+  for call in range(1, 3):
+    h = x
+    for layer in layers:
+      h = layer(h)
+    close(stack(x), h)
+    assert len(stack.features.value) == call
+    for k in range(call):
+      expected = jnp.stack([layer.features.value[k] for layer in layers])
+      close(stack.features.value[k], expected)
+  sown = sr.pop(stack, sr.Intermediate)
+  assert not hasattr(stack, "features") and len(sown["features"]) == 2
+
+
+def test_a_sown_tuple_is_sliced_per_layer_by_stack_layer():
+  stack = sr.remat_scan(Block, lengths=(2, 2))(rngs=sr.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, D))
+  stack(x)
+  stack(x)
+  for i in (0, 3, -1):
+    layer = stack.layer(i)
+    assert len(layer.features.value) == 2
+    for k in range(2):
+      close(layer.features.value[k], stack.features.value[k][i])
+  assert [len(layer.features.value) for layer in sr.unstack(stack)] == [2] * 4

@@ -209,10 +209,16 @@ def num_layers(stack) -> int:
   return _count(stack, variables, [layer_axis(v) for v in variables])
 
 
+def axis_size(value, axis: int) -> int:
+  """The size of a Variable value's ``axis``: a pytree value (a sown tuple) is stacked
+  leaf by leaf, each leaf with the axis."""
+  return jnp.shape(jax.tree.leaves(value)[0])[axis]
+
+
 def _count(stack, variables, axes) -> int:
   for var, axis in zip(variables, axes):
     if axis is not None:
-      return jnp.shape(var._value)[axis[0]]
+      return axis_size(var._value, axis[0])
   if type(stack)._sr_length is not None:
     return type(stack)._sr_length
   raise TypeError(f"{type(stack).__name__} has no stacked variables, so no layer count.")
@@ -245,7 +251,8 @@ def layer(stack, i: int):
     raise IndexError(f"layer {i} of a stack of {n} layers: use 0..{n - 1} (or -{n}..-1).")
   i %= n
   values = [
-    v._value if a is None else jnp.take(v._value, i, axis=a[0]) for v, a in zip(variables, axes)
+    v._value if a is None else jax.tree.map(lambda x, a=a: jnp.take(x, i, axis=a[0]), v._value)
+    for v, a in zip(variables, axes)
   ]
   roots, _ = unflatten(layer_graphdef(graphdef), values)
   roots[0].__dict__["_sr_stacked_from"] = type(stack)

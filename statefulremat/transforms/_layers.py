@@ -265,7 +265,8 @@ class LayerLoop:
     else:
       fold = lambda x: lax.reshape(x, lengths + jnp.shape(x)[1:])
       unfold = lambda x: lax.reshape(x, (n,) + jnp.shape(x)[len(lengths) :])
-    stacked_in = [fold(v) for v in self._stacked_inputs()]
+    # A Variable's value may be a pytree (a sown tuple): each leaf has the layer axis.
+    stacked_in = [jax.tree.map(fold, v) for v in self._stacked_inputs()]
     # The layer index only feeds the RNG streams' per-layer keys.
     index = lax.reshape(lax.iota(jnp.uint32, n), lengths) if self.plan.streams else None
     state = (self._carried_values(carried), carry)
@@ -291,7 +292,7 @@ class LayerLoop:
     (carry_values, carry), (written, ys) = level(
       0, state, (stacked_in, jax.tree.map(fold, xs), index)
     )
-    written = {i: unfold(v) for i, v in written.items()}
+    written = {i: jax.tree.map(unfold, v) for i, v in written.items()}
     return carry_values, carry, written, jax.tree.map(unfold, ys)
 
   def _changed(self, written: dict, carry_values: list) -> dict:
@@ -362,12 +363,13 @@ class LayerLoop:
       if full > 1:
 
         def step(state, i):
-          sub = [lax.dynamic_slice_in_dim(v, i * m, m) for v in values]
+          sub = [jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, i * m, m), v) for v in values]
           return segment(d + 1, state, sub, m, offset + i * m)
 
         step = jax.checkpoint(step, prevent_cse=prevent_cse)
         state, written = lax.scan(step, state, lax.iota(jnp.int32, full))
-        parts.append({i: lax.reshape(v, (full * m,) + v.shape[2:]) for i, v in written.items()})
+        merge = lambda v: lax.reshape(v, (full * m,) + v.shape[2:])
+        parts.append({i: jax.tree.map(merge, v) for i, v in written.items()})
       # A single step (a short last one, or a lone full one) runs outside any scan,
       # where XLA would merge its recomputation with the forward pass (common
       # subexpressions) and keep the residuals after all: prevent_cse=True stops it.
@@ -375,7 +377,7 @@ class LayerLoop:
       # schedules the recomputations together. sr.plan_remat never proposes that.)
       singles = ([(0, m)] if full == 1 else []) + ([(full * m, rest)] if rest else [])
       for begin, size in singles:
-        sub = [lax.slice_in_dim(v, begin, begin + size) for v in values]
+        sub = [jax.tree.map(lambda v: lax.slice_in_dim(v, begin, begin + size), v) for v in values]
 
         def single(state, sub, begin=begin, size=size):
           return segment(d + 1, state, sub, size, offset + begin)
@@ -384,7 +386,8 @@ class LayerLoop:
         parts.append(written)
       if len(parts) == 1:
         return state, parts[0]
-      return state, {i: lax.concatenate([p[i] for p in parts], 0) for i in parts[0]}
+      join = lambda *vs: lax.concatenate(vs, 0)
+      return state, {i: jax.tree.map(join, *[p[i] for p in parts]) for i in parts[0]}
 
     state = (self._carried_values(carried), carry)
     (carry_values, carry), written = segment(0, state, self._stacked_inputs(), n, 0)
@@ -392,7 +395,9 @@ class LayerLoop:
 
 
 def _move_axis(x, source: int, destination: int):
-  return x if source == destination else jnp.moveaxis(x, source, destination)
+  if source == destination:
+    return x
+  return jax.tree.map(lambda leaf: jnp.moveaxis(leaf, source, destination), x)
 
 
 def carry_out_structure(loop: LayerLoop, module, variables, metadata_params) -> None:

@@ -12,13 +12,12 @@ from collections.abc import Callable
 
 import jax
 import jax.core
-import jax.numpy as jnp
 
 from ..core._errors import format_path
 from ..core._filters import filter_repr
 from ..core._graph import flatten
 from ..core._module import iter_graph
-from ..core._stacks import is_stacked, layer_axis
+from ..core._stacks import axis_size, is_stacked, layer_axis
 from ..core._variables import Variable
 from ._closures import Watch
 from ._lift import Lifted, is_node, serialised, split_call
@@ -58,7 +57,7 @@ def check_stacks_sliced(nodes, graphdef, variables, plan: Plan, what: str) -> No
     if found is None or (plan.kinds[i], plan.axes[i]) == (STACKED, found[0]):
       continue
     axis, path, stack_cls = found[0], path[1:] if multi else path, type(root)
-    n = jnp.shape(var._value)[axis]
+    n = axis_size(var._value, axis)
     got = (
       f"slice it along axis {plan.axes[i]}"
       if plan.kinds[i] == STACKED
@@ -161,7 +160,7 @@ def stacked_sources(plan: Plan, lifted: Lifted, variables) -> list[tuple[str, in
       assert axis is not None  # a stacked variable has its layer axis
       path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
       out.append(
-        (f"the stacked variable `{path}` (axis {axis})", jnp.shape(variables[i]._value)[axis])
+        (f"the stacked variable `{path}` (axis {axis})", axis_size(variables[i]._value, axis))
       )
   return out
 

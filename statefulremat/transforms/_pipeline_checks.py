@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core._graph import flatten
-from ..core._stacks import layer_axis
+from ..core._stacks import axis_size, layer_axis
 from ._lift import split_call
 from ._rules import TransformError
 
@@ -72,7 +72,7 @@ def check_layer_sharding(stack, mesh, spec, what: str, layers: int | None = None
   be seen (placed arrays; traced ones under an Explicit axis): otherwise every device
   would hold the whole stack, and the pipeline saves nothing."""
   _, variables, axes = stacked_axes(stack)
-  sizes = {jnp.shape(v._value)[a] for v, a in zip(variables, axes) if a is not None}
+  sizes = {axis_size(v._value, a) for v, a in zip(variables, axes) if a is not None}
   if not sizes:
     raise TransformError(
       f"{what}: the module has no stacked variables (no layer axis) to spread over "

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 from ..core._graph import flatten
 from ..core._kinds import RngCount, RngKey
 from ..core._split_merge import merge
+from ..core._stacks import axis_size
 from ..core._state import State
 from ._accumulate import split_rows
 from ._lift import write_back
@@ -82,7 +83,7 @@ def program(
     graphdef, variables, axes = stacked_axes(stack)
     mesh = jax.sharding.get_abstract_mesh()
     stages = mesh.shape[axis]
-    n = next(jnp.shape(v._value)[a] for v, a in zip(variables, axes) if a is not None)
+    n = next(axis_size(v._value, a) for v, a in zip(variables, axes) if a is not None)
     layout = Layout(n, stages, repeats)
     chunk, period = layout.chunk, max(k, stages)
     steps = schedule_steps(k, stages, repeats)

@@ -298,7 +298,8 @@ class Plan:
       kind, axis = rules.classify(self.display_path(path), var)
       if kind == STACKED:
         assert axis is not None  # classify gives a stacked variable its axis
-        ndim = jnp.ndim(var._value) + rank_offset
+        # A pytree value (a sown tuple) is stacked leaf by leaf: each needs the axis.
+        ndim = min(map(jnp.ndim, jax.tree.leaves(var._value)), default=0) + rank_offset
         if ndim == 0:
           raise TransformError(
             f"{rules.what}: variable_axes slices `{format_path(self.display_path(path))}`"
@@ -315,7 +316,7 @@ class Plan:
           raise TransformError(
             f"{rules.what}: variable_axes puts the layer axis of "
             f"`{format_path(self.display_path(path))}` at {axis}, but its value has "
-            f"shape {tuple(jnp.shape(var._value))} (rank {ndim}). Fix: choose an axis "
+            f"shape {_shapes(var._value)} (rank {ndim}). Fix: choose an axis "
             f"in [-{ndim}, {ndim}), or exclude this variable from variable_axes."
           )
         axis = axis % ndim
@@ -422,3 +423,9 @@ class Plan:
       f"a default stream {sorted(self.asked) or 'none'}. Fix: spell the name as the "
       f"stream is named, e.g. `split_rngs={{{(guesses or unruled)[0]!r}: True}}`."
     )
+
+
+def _shapes(value) -> str:
+  """The shape of an array value, or of each leaf of a pytree value."""
+  shapes = [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(value)]
+  return str(shapes[0]) if len(shapes) == 1 else ", ".join(map(str, shapes))
