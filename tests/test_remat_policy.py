@@ -497,3 +497,45 @@ def test_the_readme_example_runs_and_prints_what_it_shows(capsys):
     where.sub(" from <src> (", line) for line in capsys.readouterr().out.strip().splitlines()
   ]
   assert printed == [where.sub(" from <src> (", line) for line in shown.strip().splitlines()]
+
+
+# -- what is not a policy ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "policy, match",
+  [
+    (
+      "nothing_saveable",
+      r"policy='nothing_saveable' is a string.*"
+      + re.escape("Fix: `policy=jax.checkpoint_policies.nothing_saveable`."),
+    ),
+    (
+      "save_only_these_names",
+      r"policy='save_only_these_names' is a string.*"
+      + re.escape("Fix: `policy=jax.checkpoint_policies.save_only_these_names("),
+    ),
+    ("nothing", r"policy='nothing' is a string.*Fix: a policy of `jax.checkpoint_policies`"),
+    (0.5, r"policy=0.5 \(float\) is not a remat policy\. Fix: "),
+    (
+      P.save_only_these_names,
+      r"policy=jax.checkpoint_policies.save_only_these_names is the factory that makes a "
+      r"policy, not a policy.*Fix: call it",
+    ),
+    (
+      P.offload_dot_with_no_batch_dims,
+      r"policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims is the factory.*"
+      + re.escape("offload_dot_with_no_batch_dims('device', 'pinned_host')`."),
+    ),
+  ],
+  ids=["constant-by-name", "factory-by-name", "unknown-name", "number", "factory", "offload"],
+)
+@pytest.mark.parametrize("form", ["function", "class", "remat_scan"])
+def test_what_is_not_a_policy_is_refused_when_the_transform_is_made(policy, match, form):
+  make = {
+    "function": lambda: sr.remat(Plain.__call__, policy=policy),
+    "class": lambda: sr.remat(Plain, policy=policy),
+    "remat_scan": lambda: sr.remat_scan(stacked_body, (2,), policy=policy),
+  }[form]
+  with pytest.raises(TypeError, match=r"^sr\.remat(_scan)?\(.*\): " + match):
+    make()

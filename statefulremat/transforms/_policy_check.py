@@ -305,10 +305,58 @@ def _offloads(platform: str, kind: str) -> bool:
   return stats is not None and any(getattr(stats, a, 0) for a in host)
 
 
+_FACTORY_EXAMPLES = {
+  "save_only_these_names": "save_only_these_names('attn_out', 'mlp_out')",
+  "save_any_names_but_these": "save_any_names_but_these('mlp_hidden')",
+  "save_anything_except_these_names": "save_any_names_but_these('mlp_hidden')",
+  "save_and_offload_only_these_names": (
+    "save_and_offload_only_these_names(names_which_can_be_saved=[], "
+    "names_which_can_be_offloaded=['attn_out'], offload_src='device', "
+    "offload_dst='pinned_host')"
+  ),
+  "offload_dot_with_no_batch_dims": "offload_dot_with_no_batch_dims('device', 'pinned_host')",
+  "save_from_both_policies": (
+    "save_from_both_policies(jax.checkpoint_policies.dots_saveable, "
+    "jax.checkpoint_policies.save_only_these_names('attn_out'))"
+  ),
+}
+
+
+def _check_argument(policy, what: str) -> None:
+  """Refuses what is not a policy: a name, another value, a factory not called."""
+  if isinstance(policy, str):
+    known = policy in _FACTORY_EXAMPLES or callable(getattr(_POLICIES, policy, None))
+    fix = (
+      f"`policy=jax.checkpoint_policies.{_FACTORY_EXAMPLES.get(policy, policy)}`"
+      if known
+      else "a policy of `jax.checkpoint_policies` (e.g. `jax.checkpoint_policies."
+      "nothing_saveable`) or a function `(prim, *avals, **params) -> bool`"
+    )
+    raise TypeError(
+      f"{what}: policy={policy!r} is a string; jax.checkpoint takes the policy itself, "
+      f"not its name. Fix: {fix}."
+    )
+  if not callable(policy):
+    raise TypeError(
+      f"{what}: policy={policy!r} ({type(policy).__name__}) is not a remat policy. Fix: "
+      "a policy of `jax.checkpoint_policies` (e.g. `jax.checkpoint_policies."
+      "dots_saveable`), a function `(prim, *avals, **params) -> bool`, or None."
+    )
+  factory = next((n for n in _FACTORY_EXAMPLES if getattr(_POLICIES, n, None) is policy), None)
+  if factory is not None:
+    raise TypeError(
+      f"{what}: policy=jax.checkpoint_policies.{factory} is the factory that makes a "
+      "policy, not a policy: JAX would call it with its questions about each value. "
+      f"Fix: call it, e.g. `policy=jax.checkpoint_policies.{_FACTORY_EXAMPLES[factory]}`."
+    )
+
+
 def policy_check(policy, what: str) -> PolicyCheck | None:
-  """The trace-time check of ``policy`` (None: nothing to check)."""
+  """The trace-time check of ``policy`` (None: nothing to check). Raises a TypeError
+  at once for what is not a policy (a name, a factory not called)."""
   if policy is None:
     return None
+  _check_argument(policy, what)
   factory = _made_by(policy)
   names = _published_names(policy)
   if names is None and factory not in _ALLOW_LISTS + _EXCLUDING + _OFFLOADING:
