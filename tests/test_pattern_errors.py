@@ -295,6 +295,22 @@ def test_pattern_index_out_of_range_lists_the_positions():
       stack.pattern[k]
 
 
+def test_numpy_and_jax_integers_index_a_pattern_stack_as_python_ints_do():
+  stack = sr.scan((Local, Global), length=5, **SCAN)(D, rngs=sr.Rngs(0))
+  for i in (np.int64(3), np.int32(-2), jnp.int32(3)):
+    assert stack.pattern[i % 2] is stack.pattern[int(i) % 2]
+    layer, expected = stack.layer(i), stack.layer(int(i))
+    assert type(layer) is type(expected)
+    ours, theirs = sr.state(layer, sr.Param).flat(), sr.state(expected, sr.Param).flat()
+    assert ours.keys() == theirs.keys()
+    for path, value in theirs.items():
+      np.testing.assert_array_equal(ours[path], value)
+  with pytest.raises(IndexError, match=r"layer np\.int64\(5\) of a pattern stack of 5"):
+    stack.layer(np.int64(5))
+  with pytest.raises(IndexError, match=r"layer 1\.0 of a pattern stack"):
+    stack.layer(1.0)
+
+
 def test_sr_stack_of_layers_out_of_pattern_order_names_the_layer_and_position():
   stack = sr.scan((Local, Global), length=4, **SCAN)(D, rngs=sr.Rngs(0))
   layers = sr.unstack(stack)

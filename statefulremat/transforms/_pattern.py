@@ -17,6 +17,7 @@ stack is built with.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex, overload
 
@@ -94,6 +95,15 @@ def _name(cls: type, factory) -> str:
   return f"partial({cls.__name__}, {', '.join(given)})"
 
 
+def _as_index(k) -> int | None:
+  """``k`` as a Python int where Python's sequences take it (numpy and JAX integers
+  too, as ``operator.index`` does), else None."""
+  try:
+    return operator.index(k)
+  except TypeError:
+    return None
+
+
 class Pattern(tuple):
   """The positions of a pattern stack: ``stack.pattern[k]`` is the stack of position
   ``k`` (a tuple; stored like one in the module graph)."""
@@ -104,13 +114,14 @@ class Pattern(tuple):
   def __getitem__(self, k: slice) -> tuple: ...
   def __getitem__(self, k):
     if not isinstance(k, slice):
-      n = len(self)
-      if not isinstance(k, int) or not -n <= k < n:
+      n, index = len(self), _as_index(k)
+      if index is None or not -n <= index < n:
         names = ", ".join(type(s)._sr_pattern_name for s in self)
         raise IndexError(
           f"stack.pattern[{k!r}]: the pattern has {n} positions ({names}); use 0..{n - 1} "
           f"(or -{n}..-1). Layer i of the stack is `stack.layer(i)`, at position i % {n}."
         )
+      k = index
     return super().__getitem__(k)
 
 
@@ -177,12 +188,12 @@ class PatternStack(Module):
 
   def layer(self, i: int):
     """Layer ``i`` as an ordinary module: ``stack.pattern[i % P].layer(i // P)``."""
-    n, p = len(self), len(self.pattern)
-    if not isinstance(i, int) or not -n <= i < n:
+    n, p, index = len(self), len(self.pattern), _as_index(i)
+    if index is None or not -n <= index < n:
       raise IndexError(
         f"layer {i!r} of a pattern stack of {n} layers: use 0..{n - 1} (or -{n}..-1)."
       )
-    i %= n
+    i = index % n
     return self.pattern[i % p].layer(i // p)
 
 
