@@ -103,7 +103,12 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Ar
   # rank first (jax_numpy_rank_promotion may be set to "raise").
   positions = positions.reshape((1,) * (x.ndim - 2 - positions.ndim) + positions.shape + (1, 1))
   angles = positions / timescale.reshape((1,) * (x.ndim - 1) + (half,))
-  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  return rotate_halves(x, jnp.sin(angles), jnp.cos(angles)).astype(x.dtype)
+
+
+def rotate_halves(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+  """``x``'s pairs ``(x[..., i], x[..., i + d/2])`` rotated by the angles whose sines and
+  cosines are ``sin`` / ``cos`` (``[..., d/2]``, broadcast against ``x``'s halves)."""
+  half = x.shape[-1] // 2
   x1, x2 = x[..., :half], x[..., half:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from ..core._module import Module
 from ..core._variables import Variable
 from ._attention import dot_product_attention
+from ._rope import rotate_halves
 
 
 class RoPE(Module):
@@ -91,13 +92,8 @@ class RoPE(Module):
           f"shape {tuple(x.shape)}). Fix: give one position per token."
         )
       sin, cos = self._rotation_for(size, input_positions)
-    sin = jnp.concatenate([sin, sin], axis=-1)
-    cos = jnp.concatenate([cos, cos], axis=-1)
     lead = (1,) * (x.ndim - cos.ndim)
-    sin, cos = sin.reshape(lead + sin.shape), cos.reshape(lead + cos.shape)
-    half = size // 2
-    rotated_half = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated_half * sin
+    return rotate_halves(x, sin.reshape(lead + sin.shape), cos.reshape(lead + cos.shape))
 
 
 def dot_product_attention_with_rope(

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Jaxpr
 
-_PROBE_NAME = "statefulremat probe"
+PROBE_NAME = "<statefulremat probe>"  # a name no user gives a value
 
 
 def _probe_policy(*_, **__) -> bool:
@@ -81,7 +81,9 @@ def remat_flavour() -> bool:
 @functools.cache
 def _name_layout(_flavour: bool) -> _Layout:
   x = jnp.zeros((), jnp.float32)
-  return _learn(lambda: checkpoint_name(x, _PROBE_NAME), lambda v: v == _PROBE_NAME)
+  return _learn(
+    lambda: checkpoint_name(x, PROBE_NAME), lambda v: isinstance(v, str) and v == PROBE_NAME
+  )
 
 
 @functools.cache
@@ -150,15 +152,8 @@ def names_under(jaxpr: Jaxpr, policy) -> set[str] | None:
 
 
 @functools.cache
-def primitive_of(make: Callable[[], Any]) -> Any:
-  """The primitive the first equation of ``make``'s trace binds (``lax.reduce_precision``,
-  ``jnp.dot``), learnt rather than named."""
-  return jax.make_jaxpr(make)().jaxpr.eqns[0].primitive
-
-
 def reduce_precision_primitive() -> Any:
-  return primitive_of(_reduce_precision)
-
-
-def _reduce_precision():
-  return jax.lax.reduce_precision(jnp.zeros((), jnp.float32), 8, 23)
+  """The primitive ``lax.reduce_precision`` binds (remat puts it on saved values),
+  learnt by tracing it rather than named."""
+  x = jnp.zeros((), jnp.float32)
+  return jax.make_jaxpr(lambda: jax.lax.reduce_precision(x, 8, 23))().jaxpr.eqns[0].primitive

@@ -51,13 +51,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
 
 from ..core._errors import TransformError
-from ._jaxpr_reading import names_under, remat_flavour
+from ._jaxpr_reading import PROBE_NAME, names_under, remat_flavour
 
 _POLICIES = jax.checkpoint_policies
 _ALLOW_LISTS = ("save_only_these_names", "save_and_offload_only_these_names")
 _EXCLUDING = ("save_any_names_but_these", "save_anything_except_these_names")
 _OFFLOADING = ("save_and_offload_only_these_names", "offload_dot_with_no_batch_dims")
-_PROBE = "<statefulremat probe>"
 
 
 # -- asking a policy -----------------------------------------------------------------
@@ -70,11 +69,11 @@ def _asked_primitive(_flavour: bool):
   asked = []
 
   def recorder(prim, *_, **params):
-    if params.get("name") == _PROBE:
+    if params.get("name") == PROBE_NAME:
       asked.append(prim)
     return False
 
-  f = jax.checkpoint(lambda x: checkpoint_name(jnp.sin(x), _PROBE), policy=recorder)
+  f = jax.checkpoint(lambda x: checkpoint_name(jnp.sin(x), PROBE_NAME), policy=recorder)
   jax.make_jaxpr(jax.grad(f))(jnp.zeros((), jnp.float32))
   if not asked:  # only a jax whose policies cannot act on names reaches this
     raise RuntimeError(
