@@ -288,20 +288,6 @@ def test_an_eager_transform_rereads_closures_helpers_and_containers_changed_in_p
   np.testing.assert_allclose(mapped(layer, jnp.ones(2)), [4.0, 4.0])
 
 
-def test_an_unchanged_closure_compiles_once():
-  layer = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
-  traces = types.SimpleNamespace(count=0)  # followed by identity, not by value
-
-  def body(m, c):
-    traces.count += 1
-    return c * 2.0, None
-
-  run = sr.scan(body, length=2, variable_broadcast=True)
-  for _ in range(3):
-    run(layer, jnp.ones(2))
-  assert traces.count == 1
-
-
 def test_a_module_as_a_static_jax_jit_argument_is_refused_with_the_fix():
   model = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
   f = jax.jit(lambda m, x: m(x), static_argnums=0)

@@ -17,8 +17,16 @@ from ..core._graph import flatten
 from ..core._graph_lock import hold, let_go
 from ..core._tracing import tracing_user_code
 from ._class_form import display_name
-from ._lift import Lifted, check_no_nodes, is_node, raise_if_deleted, split_call, write_back
-from ._module_arg import check_no_modules, compiled_when_eager
+from ._lift import (
+  Lifted,
+  check_no_nodes,
+  is_node,
+  raise_if_deleted,
+  serialised,
+  split_call,
+  write_back,
+)
+from ._module_arg import check_no_modules
 
 
 def accumulate(fn: Callable, *, microbatches: int) -> Callable:
@@ -104,7 +112,7 @@ def accumulate(fn: Callable, *, microbatches: int) -> Callable:
   def wrapper(model, *batch, **kwargs):
     return _accumulate(fn, k, what, model, batch, kwargs)
 
-  return compiled_when_eager(wrapper)
+  return serialised(wrapper)
 
 
 def _accumulate(fn, k: int, what: str, model, batch: tuple, kwargs: dict):

@@ -1,14 +1,10 @@
 """Argument 0 of scan, remat_scan and vmap: the modules the layers come from.
 
 Shared by the three: lifting the module argument (with the one-layer view of stacked
-modules), refusing modules anywhere else, agreeing on the layer count, and running
-eager calls through a cached ``sr.jit`` so they compile once.
+modules), refusing modules anywhere else, and agreeing on the layer count.
 """
 
 from __future__ import annotations
-
-import functools
-from collections.abc import Callable
 
 import jax
 import jax.core
@@ -16,11 +12,8 @@ import jax.core
 from ..core._errors import format_path
 from ..core._filters import filter_repr
 from ..core._graph import flatten
-from ..core._module import iter_graph
 from ..core._stacks import axis_size, is_stacked, layer_axis
-from ..core._variables import Variable
-from ._closures import Watch
-from ._lift import Lifted, is_node, serialised, split_call
+from ._lift import Lifted, is_node, split_call
 from ._rules import STACKED, Plan, Rules, TransformError
 from ._stacked import layer_view
 
@@ -163,50 +156,3 @@ def stacked_sources(plan: Plan, lifted: Lifted, variables) -> list[tuple[str, in
         (f"the stacked variable `{path}` (axis {axis})", axis_size(variables[i]._value, axis))
       )
   return out
-
-
-def compiled_when_eager(wrapper: Callable) -> Callable:
-  """Runs ``wrapper`` through a cached ``sr.jit`` when called outside any trace.
-
-  An eager ``jax.lax.scan`` (or ``vmap``) over a fresh body closure recompiles on every
-  call; under ``sr.jit`` the compiled call is cached per module structure. The Python
-  values the body (``wrapper.__wrapped__``) closes over are watched (``Watch``): when
-  one changes, the next call compiles again, so an eager call never serves a result
-  computed from stale values. Inside a trace (``sr.jit``, ``sr.grad``, another
-  transform) the wrapper runs as is, and reads them as any traced function does.
-  """
-  jitted, watch = None, None
-  body = getattr(wrapper, "__wrapped__", wrapper)
-  direct = serialised(wrapper)  # run without sr.jit, it holds the graph lock itself
-
-  @functools.wraps(wrapper)
-  def call(*args, **kwargs):
-    nonlocal jitted, watch
-    # Keyword arguments are Python-level options (flags) passed to every layer as they
-    # are; compiling them would trace them, so such calls run directly.
-    if (
-      kwargs or _tracing(args) or not any(map(is_node, jax.tree.leaves(args[:1], is_leaf=is_node)))
-    ):
-      return direct(*args, **kwargs)  # in a trace already, or misused: let it explain
-    if jitted is None or watch is None or watch.changed():  # both set together
-      from ._jit import jit
-
-      watch = Watch(body)  # before tracing: what the compiled body will have read
-      jitted = jit(wrapper)
-    return jitted(*args)
-
-  return call
-
-
-def _tracing(args) -> bool:
-  leaves = jax.tree.leaves(args, is_leaf=is_node)
-  for leaf in leaves:
-    if is_node(leaf):
-      if any(
-        isinstance(obj, Variable) and isinstance(obj._value, jax.core.Tracer)
-        for _, obj in iter_graph(leaf)
-      ):
-        return True
-    elif isinstance(leaf, jax.core.Tracer):
-      return True
-  return False

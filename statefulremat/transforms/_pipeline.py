@@ -14,8 +14,8 @@ from collections.abc import Callable
 import jax
 
 from ._class_form import display_name
-from ._lift import refuse_layer_list
-from ._module_arg import check_no_modules, compiled_when_eager
+from ._lift import refuse_layer_list, serialised
+from ._module_arg import check_no_modules
 from ._pattern import is_pattern_stack
 from ._pipeline_checks import check_batch, check_layer_sharding, find_mesh
 from ._pipeline_program import program, schedule_steps
@@ -184,7 +184,7 @@ def pipelined(
         "PipelineSpec's policy, or give lengths= yourself to use it."
       )
     options["policy"] = spec.policy
-  traced = compiled_when_eager(
+  traced = serialised(
     program(
       fn,
       microbatches=spec.microbatches,

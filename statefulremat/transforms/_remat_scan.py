@@ -16,10 +16,9 @@ from ._autodiff import grad
 from ._class_form import display_name, is_module_class, refuse_init_axes
 from ._jit import jit
 from ._layers import LayerLoop, carry_out_structure
-from ._lift import refuse_layer_list, write_back
+from ._lift import refuse_layer_list, serialised, write_back
 from ._module_arg import (
   check_no_modules,
-  compiled_when_eager,
   lift_module_arg,
   resolve_length,
   stacked_sources,
@@ -330,7 +329,7 @@ def _remat_scan_function(
     carry_out_structure(loop, tuple(stack.pattern), loop_args[2], metadata_params)
     return carry
 
-  return compiled_when_eager(wrapper)
+  return serialised(wrapper)
 
 
 def plan_remat(

@@ -19,11 +19,10 @@ import jax.numpy as jnp
 from ..core._module import Module
 from ._class_form import display_name, is_module_class, refuse_init_axes
 from ._layers import LayerLoop, carry_out_structure
-from ._lift import refuse_layer_list, write_back
+from ._lift import refuse_layer_list, serialised, write_back
 from ._module_arg import (
   check_no_modules,
   class_length,
-  compiled_when_eager,
   lift_module_arg,
   resolve_length,
   stacked_sources,
@@ -359,7 +358,7 @@ def _scan_function(
     finish()
     return carry, ys
 
-  return compiled_when_eager(wrapper)
+  return serialised(wrapper)
 
 
 def _scan_stack(

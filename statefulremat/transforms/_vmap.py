@@ -14,11 +14,10 @@ from ..core._module import Module
 from ..core._tracing import tracing_user_code
 from ..core._variables import Variable
 from ._class_form import display_name, is_module_class, refuse_init_axes
-from ._lift import is_node, split_call, write_back
+from ._lift import is_node, serialised, split_call, write_back
 from ._module_arg import (
   check_no_modules,
   class_length,
-  compiled_when_eager,
   lift_module_arg,
   resolve_length,
   stacked_sources,
@@ -324,7 +323,7 @@ def _vmap_function(
       )
     return out
 
-  compiled = compiled_when_eager(wrapper)
+  compiled = serialised(wrapper)
 
   @functools.wraps(fn)
   def call(*args, **kwargs):
