@@ -6,7 +6,6 @@
 (3, 2)
 """
 
-from . import _old_paths
 from . import interop as interop
 from . import nn as nn
 from .checkpoint._files import CheckpointError as CheckpointError
@@ -77,8 +76,6 @@ from .transforms._scan import scan as scan
 from .transforms._scan_axes import broadcast as broadcast
 from .transforms._vmap import vmap as vmap
 
-_old_paths.install()  # pickles of 0.1 name the modules before the floor folders
-
 __version__ = "0.1.0"
 
 
@@ -87,7 +84,7 @@ def __getattr__(name: str):
   # nnx.Linear -> sr.nn.Linear); dunder and private names (probed by pytest, doctest,
   # pickle, IPython) and names nnx lacks keep Python's plain AttributeError.
   if not name.startswith("_"):
-    from .interop import _nnx_names
+    from .nn import _nnx_names
 
     text = _nnx_names.message(__name__, name, name in vars(nn))
     if text is not None:

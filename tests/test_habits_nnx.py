@@ -522,7 +522,7 @@ NNX_LAYERS = {
 
 
 def test_every_public_nnx_name_is_ours_or_answered_or_internal():
-  from statefulremat.interop._nnx_names import SPELLED_DIFFERENTLY
+  from statefulremat.nn._nnx_names import SPELLED_DIFFERENTLY
 
   unanswered = []
   for name in dir(nnx):

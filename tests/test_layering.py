@@ -4,9 +4,9 @@ The package's folders are its floors (../shared/DESIGN.md, "The pieces"), bottom
 
   core/                 Variables, filters, State, the graph walk, Module, Rngs, stacks
   transforms/ display/ checkpoint/ distributed/ optim/   each built on the core alone
-  nn/                   layers, on the core and the sharding rules
+  nn/                   layers, on the core and (read at call time) sr's public names
   interop/              weights from flax, on the core
-  the package itself    ``__init__``, the demo, ``__main__``, the old module paths
+  the package itself    ``__init__``, the demo, ``__main__``
 
 A file imports only from floors below its own and from its own folder, function-level
 imports included, and never in a cycle. Inside the core the files keep an order of their
@@ -16,8 +16,15 @@ floor registers (``core._display_hooks``): it imports nothing above it, not even
 
 import ast
 import pathlib
+import pickle
+import types
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+
+import statefulremat as sr
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "statefulremat"
 
@@ -26,7 +33,7 @@ FLOORS = [
   {"transforms", "display", "checkpoint", "distributed", "optim"},
   {"nn"},
   {"interop"},
-  {"__init__", "__main__", "_demo", "_old_paths"},
+  {"__init__", "__main__", "_demo"},
 ]
 FLOOR_OF = {name: i for i, names in enumerate(FLOORS) for name in names}
 TOP = len(FLOORS) - 1
@@ -42,6 +49,7 @@ CORE_ORDER = [
   {"_graph_build"},
   {"_graph_diff", "_pytree", "_split_merge", "_iter_graph"},
   {"_stacks"},
+  {"_pattern_stack"},
   {"_stacking"},
 ]
 CORE_LAYER = {name: i for i, names in enumerate(CORE_ORDER) for name in names}
@@ -95,7 +103,7 @@ def test_every_folder_is_a_floor_and_no_private_file_sits_at_the_top():
   units = {folder(m) for _, m, _, _ in imports()} | {folder(t) for _, _, t, _ in imports()}
   assert units <= set(FLOOR_OF), f"give these a floor: {sorted(units - set(FLOOR_OF))}"
   top_files = sorted(p.name for p in PACKAGE.glob("*.py"))
-  assert top_files == ["__init__.py", "__main__.py", "_demo.py", "_old_paths.py"]
+  assert top_files == ["__init__.py", "__main__.py", "_demo.py"]
 
 
 def test_imports_run_down_the_floors():
@@ -106,6 +114,8 @@ def test_imports_run_down_the_floors():
     if here == there or FLOOR_OF[here] == FLOOR_OF[there] == TOP:
       continue  # the package itself: its files among themselves (no cycle, below)
     if target == "" and FLOOR_OF[here] != TOP:
+      if here == "nn" and function:
+        continue  # sr's public names, read at call time (test_nn_builds_on_the_core_...)
       wrong.append(f"{file}{where} imports the whole package")
     elif FLOOR_OF[there] >= FLOOR_OF[here]:
       wrong.append(f"{file}{where} imports {target} (floor {FLOOR_OF[there]} >= {FLOOR_OF[here]})")
@@ -154,10 +164,74 @@ def test_no_import_cycle_inside_a_folder(unit):
     visit(start, [])
 
 
-def test_the_old_module_paths_name_every_moved_module():
-  from statefulremat import _old_paths
+# Public objects pickle and load back as they were.
 
-  for old, new in _old_paths.MOVED.items():
-    assert (PACKAGE / (new.replace(".", "/") + ".py")).exists() or (
-      PACKAGE / new / "__init__.py"
-    ).exists(), (old, new)
+
+def _pickled():
+  model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
+  return {
+    "Param": sr.Param(jnp.arange(3.0)),
+    "State": sr.state(model),
+    "Rngs": sr.Rngs(0, dropout=1),
+    "Linear": model,
+  }
+
+
+@pytest.mark.parametrize("kind", ["Param", "State", "Rngs", "Linear"])
+def test_pickles_round_trip(kind):
+  value = _pickled()[kind]
+  again = pickle.loads(pickle.dumps(value))
+  assert type(again) is type(value)
+  if kind == "Param":
+    np.testing.assert_array_equal(again.value, value.value)
+  elif kind == "State":
+    assert again.flat().keys() == value.flat().keys()
+    for path, array in value.flat().items():
+      np.testing.assert_array_equal(again.flat()[path], array)
+  elif kind == "Rngs":  # the same keys, stream by stream
+    assert (jax.random.key_data(again.dropout()) == jax.random.key_data(value.dropout())).all()
+    assert (jax.random.key_data(again()) == jax.random.key_data(value())).all()
+  else:
+    x = jnp.ones((1, 2))
+    np.testing.assert_array_equal(again(x), value(x))
+
+
+def test_nn_builds_on_the_core_and_the_public_names_only():
+  """nn/ is built on the public API (DESIGN, "The pieces"): it imports its own files, the
+  core (any of it) and, from the package, only its public names (``from statefulremat
+  import scan``, inside the function that needs it: the package imports nn before it
+  binds them), never a file of transforms/, distributed/, display/, checkpoint/, optim/
+  or interop/."""
+  public = {
+    name
+    for name, value in vars(sr).items()
+    if not name.startswith("_") and not isinstance(value, types.ModuleType)
+  }
+  wrong = []
+  for path in sorted((PACKAGE / "nn").glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      where = f"nn/{path.name}:{getattr(node, 'lineno', '?')}"
+      if isinstance(node, ast.Import):
+        wrong += [
+          f"{where} import {a.name} (import the public names: `from statefulremat import x`)"
+          for a in node.names
+          if a.name.split(".")[0] == "statefulremat"
+        ]
+        continue
+      if not isinstance(node, ast.ImportFrom) or node.level == 1:
+        continue  # not an import, or one of nn's own files
+      if node.level == 0:
+        top, _, rest = (node.module or "").partition(".")
+        if top != "statefulremat":
+          continue  # jax, numpy, the standard library
+        module = rest or None
+      else:
+        module = node.module
+      names = [a.name for a in node.names]
+      if module is None:
+        private = [n for n in names if n not in public]
+        if private:
+          wrong.append(f"{where} imports {', '.join(private)} from the package: not public")
+      elif module.split(".")[0] != "core":
+        wrong.append(f"{where} from ..{module} import {', '.join(names)}")
+  assert not wrong, "nn/ reaches past the public API:\n  " + "\n  ".join(wrong)

@@ -7,7 +7,6 @@ test checks the message (what, where, the fix) and that the objects are unchange
 """
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp

@@ -98,3 +98,16 @@ def format_path(path: tuple) -> str:
     else:
       out.append(f"[{key!r}]")
   return "".join(out) or "<root>"
+
+
+def describe_mesh(mesh) -> str:
+  """Names a JAX mesh in a message, each axis with its size and type:
+  ``{'data': 2 Explicit, 'model': 4 Explicit}``."""
+  return (
+    "{"
+    + ", ".join(
+      f"{name!r}: {size} {kind.name}"
+      for (name, size), kind in zip(mesh.shape.items(), mesh.axis_types)
+    )
+    + "}"
+  )

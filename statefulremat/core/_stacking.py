@@ -20,8 +20,17 @@ from ._graph import flatten, rewrite
 from ._graph_build import unflatten
 from ._graph_diff import first_difference
 from ._module import Module
+from ._pattern_stack import from_positions
 from ._split_merge import type_change
-from ._stacks import _pattern_of, layer_axis, mark_frozen, partition_name, stacked_variables
+from ._stacks import (
+  _pattern_of,
+  layer_axis,
+  layer_origin,
+  mark_frozen,
+  partition_name,
+  stack_info,
+  stacked_variables,
+)
 from ._variables import Variable
 
 
@@ -50,7 +59,7 @@ def stack(layers: Sequence[Module], *, like: Any = None):
   if pattern is not None:
     return _stack_pattern(layers, like, pattern)
   if cls is None:
-    origins = {layer.__dict__.get("_sr_stacked_from") for layer in layers}
+    origins = {getattr(layer_origin(layer), "stack_class", None) for layer in layers}
     if len(origins) != 1 or None in origins:
       raise TypeError(
         "sr.stack cannot tell which stacked class to build: these layers did not all "
@@ -58,13 +67,15 @@ def stack(layers: Sequence[Module], *, like: Any = None):
         "(e.g. the class `sr.scan(Block, ...)` returned)."
       )
     cls = origins.pop()
-  if not (isinstance(cls, type) and "_sr_layer_class" in cls.__dict__):
+  info = stack_info(cls) if isinstance(cls, type) else None
+  if info is None or info.layer_class is None or not isinstance(cls, type):
     raise TypeError(f"sr.stack(like=...) takes a stacked module or class, got {cls!r}.")
   flats = [flatten([layer]) for layer in layers]
   graphdef, variables = flats[0]
   _check_alike(layers, flats)
   # A shared RNG stream that `layer(i)` split per layer goes back as the stack held it.
-  origins = layers[0].__dict__.get("_sr_stream_origins", {})
+  origin = layer_origin(layers[0])
+  origins = origin.stream_origins if origin is not None else {}
   axes, why_shared = _layer_axes_of(layers, like, cls, graphdef, variables, origins)
   columns = [[flat[1][j]._value for flat in flats] for j in range(len(axes))]
   for j, why in why_shared.items():
@@ -73,7 +84,7 @@ def stack(layers: Sequence[Module], *, like: Any = None):
       variables[j],
       columns[j],
       why,
-      getattr(cls._sr_layer_class, "__name__", "Block"),
+      getattr(info.layer_class, "__name__", "Block"),
     )
   values = []
   for j, (axis, column) in enumerate(zip(axes, columns)):
@@ -105,7 +116,7 @@ def _layer_axes_of(layers, like, cls, graphdef, variables, origins) -> tuple[lis
     known = {p: layer_axis(v) for p, v, _, _ in stacked_variables(like)}
     held = set(flatten([like])[0].var_paths) - set(known)
   else:
-    marks = [layer.__dict__.get("_sr_stacked_paths") for layer in layers]
+    marks = [getattr(layer_origin(layer), "stacked_paths", None) for layer in layers]
     known = marks[0] if all(m == marks[0] for m in marks) else None
   known = dict(known or {})
   name = partition_name(cls)
@@ -121,7 +132,9 @@ def _layer_axes_of(layers, like, cls, graphdef, variables, origins) -> tuple[lis
       why[i] = "`like` holds it without a layer axis"
     elif path not in origins:
       if rules is None:  # the class's rules decide, as at its init
-        rules = cls._sr_classify(graphdef, variables, layers[0])
+        info = stack_info(cls)
+        assert info is not None and info.rules is not None
+        rules = info.rules.classify(graphdef, variables, layers[0])
       if i in rules:
         axes[i] = (rules[i], name)
       else:
@@ -224,20 +237,30 @@ def _value_at(root, path: tuple):
 def _pattern_origin(layers) -> type | None:
   """The pattern class the layers came out of (``stack.layer`` / ``sr.unstack``)."""
   parents = {
-    getattr(layer.__dict__.get("_sr_stacked_from"), "_sr_pattern_parent", None) for layer in layers
+    getattr(stack_info(origin.stack_class), "parent", None)
+    if (origin := layer_origin(layer)) is not None
+    else None
+    for layer in layers
   }
   return parents.pop() if len(parents) == 1 else None
 
 
+def _layer_class(stacked_class: type) -> type:
+  info = stack_info(stacked_class)
+  assert info is not None and info.layer_class is not None, stacked_class
+  return info.layer_class
+
+
 def _position(stack: Module, k: int) -> Module:
-  """Position ``k`` of a pattern stack (``stack.pattern[k]``; its class is built at run
-  time by transforms/_pattern, a floor above this one, so the attribute is looked up)."""
+  """Position ``k`` of a pattern stack: ``stack.pattern[k]``."""
   return vars(stack)["pattern"][k]
 
 
 def _stack_pattern(layers: list, like, cls: type):
   """``sr.stack`` for a pattern: layer ``i`` goes to position ``i % P``."""
-  positions = cls._sr_positions
+  info = stack_info(cls)
+  assert info is not None
+  positions = info.positions
   p = len(positions)
   if len(layers) < p:
     raise TransformError(
@@ -246,7 +269,7 @@ def _stack_pattern(layers: list, like, cls: type):
       f"i % {p})."
     )
   for i, layer in enumerate(layers):
-    want = positions[i % p]._sr_layer_class
+    want = _layer_class(positions[i % p])
     if not isinstance(layer, want):
       raise TransformError(
         f"sr.stack: layer {i} is a {type(layer).__name__}, but layer {i} of this "
@@ -257,4 +280,4 @@ def _stack_pattern(layers: list, like, cls: type):
     stack(layers[k::p], like=_position(like, k) if isinstance(like, Module) else positions[k])
     for k in range(p)
   ]
-  return cls._sr_from_positions(stacks)
+  return from_positions(cls, stacks)

@@ -15,12 +15,21 @@ split off a stack, a checkpoint, a treescope rendering, a summary and
 ``sr.get_partition_spec`` know the layer axis without the stack's class. This file
 reads and writes that metadata and moves between a stack and its layers:
 ``stack.layer(i)``, ``len(stack)``, ``sr.unstack`` (``sr.stack`` is ``_stacking``).
-Nothing here knows the transforms' rules: a stacked class carries what it needs as class attributes
-(``_sr_layer_class``, ``_sr_length``, ``_sr_metadata_params`` and ``_sr_classify``,
-which the transform that made it provides).
+What a stacked class is lives in one frozen record, ``StackInfo``, written once by the
+class form that made the class and read through ``stack_info``: its unit (a layer
+class, or for a pattern stack the stacked class of each position), its length, its
+partition name, and the transform's rules as a two-method protocol (``StackRules``),
+so nothing here knows those rules. A class's record is its own (not inherited): the
+ensemble ``sr.vmap(PatternClass, axis_size=3)`` is a stack of 3 pattern stacks, whatever
+its base class says. A layer copied out of a stack (``stack.layer(i)``) remembers where
+it came from in one ``LayerOrigin`` record, so ``sr.stack`` can put it back.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +43,99 @@ from ._variables import Variable, path_of
 
 LAYER_AXIS = "layer_axis"
 DEFAULT_NAME = "layers"  # how a layer axis without a partition name is shown
+
+
+class StackRules(Protocol):
+  """What a stacked class's transform supplies: how its rules treat one layer."""
+
+  def classify(self, graphdef, variables, layer) -> dict[int, int]:
+    """``{flat index: layer axis}`` of the Variables the rules stack, as at init."""
+    ...
+
+  def seed_layer(self, layer: Module, index, shared: set[int]) -> dict[int, Any]:
+    """Gives the copy ``layer`` the keys layer ``index`` draws inside the stack from
+    the streams the layers share (flat indices ``shared``); returns ``{flat index:
+    value before}`` of the Variables it rewrote."""
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class StackInfo:
+  """What a stacked class is (see the module docstring).
+
+  ``layer_class`` is the class of one layer (for a pattern stack, None and
+  ``positions`` holds the stacked class of each position, named by ``names``). A
+  position of a pattern knows its place: ``index_map = (period, position)`` (its layer
+  ``i`` is the pattern's layer ``i * period + position``), its ``parent`` pattern
+  class and the ``factory`` (a ``functools.partial``) that builds one of its layers.
+  ``lengths`` is ``sr.remat_scan``'s nested layout (for ``sr.interop.to_linen``).
+  """
+
+  label: str  # the transform's class-form label: "Scan", "RematScan", "Vmap"
+  length: int | None
+  what: str  # how errors name the class form
+  layer_class: type | None = None
+  rules: StackRules | None = None
+  partition_name: str | None = None
+  init_in_axes: Any = None
+  positions: tuple[type, ...] = ()
+  names: tuple[str, ...] = ()
+  factory: Callable | None = None
+  index_map: tuple[int, int] = (1, 0)
+  name: str | None = None  # a position's name in its pattern, e.g. "partial(Block, w=2)"
+  parent: type | None = None
+  lengths: tuple[int, ...] | None = None
+
+  @property
+  def is_pattern(self) -> bool:
+    return bool(self.positions)
+
+  def layer_maker(self) -> Callable:
+    """What builds one layer: the position's factory, else the layer class."""
+    assert self.layer_class is not None
+    return self.factory or self.layer_class
+
+
+_INFO = "_sr_stack"  # the class attribute holding a stacked class's StackInfo
+
+
+def stack_info(obj) -> StackInfo | None:
+  """The ``StackInfo`` of a stacked class or of a stack (an instance), else None."""
+  cls = obj if isinstance(obj, type) else type(obj)
+  return cls.__dict__.get(_INFO)
+
+
+def set_stack_info(cls: type, info: StackInfo) -> type:
+  """Records ``info`` as what ``cls`` is (by the class form that made it)."""
+  setattr(cls, _INFO, info)
+  return cls
+
+
+def update_stack_info(cls: type, **changes) -> StackInfo:
+  """Replaces fields of ``cls``'s record (a pattern's positions learn their place)."""
+  info = stack_info(cls)
+  assert info is not None, cls
+  set_stack_info(cls, info := dataclasses.replace(info, **changes))
+  return info
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOrigin:
+  """Where a layer copied out of a stack (``stack.layer(i)``) came from: the stack's
+  class, the layer axis of each of its stacked Variables (by path), and the value the
+  stack held of each shared RNG Variable the copy was given layer ``i``'s keys in."""
+
+  stack_class: type
+  stacked_paths: dict
+  stream_origins: dict
+
+
+_ORIGIN = "_sr_origin"
+
+
+def layer_origin(module) -> LayerOrigin | None:
+  """The ``LayerOrigin`` of a layer copied out of a stack, else None."""
+  return vars(module).get(_ORIGIN) if isinstance(module, Module) else None
 
 
 def layer_axis(var: Variable) -> tuple[int, str | None] | None:
@@ -185,12 +287,15 @@ def per_layer(module: Module, variable: Variable) -> Variable:
 
 
 def is_stacked(module) -> bool:
-  """Whether ``module`` is a stack (its class was made by a transform's class form)."""
-  return isinstance(module, Module) and "_sr_layer_class" in type(module).__dict__
+  """Whether ``module`` is a stack of layers of one class (its class was made by a
+  transform's class form; a pattern stack holds such stacks)."""
+  info = stack_info(module) if isinstance(module, Module) else None
+  return info is not None and not info.is_pattern
 
 
 def partition_name(cls: type) -> str | None:
-  return cls._sr_metadata_params.get("partition_name")
+  info = stack_info(cls)
+  return None if info is None else info.partition_name
 
 
 def stacked_variables(stack) -> list[tuple[tuple, Variable, int, str | None]]:
@@ -219,8 +324,9 @@ def _count(stack, variables, axes) -> int:
   for var, axis in zip(variables, axes):
     if axis is not None:
       return axis_size(var._value, axis[0])
-  if type(stack)._sr_length is not None:
-    return type(stack)._sr_length
+  info = stack_info(stack)
+  if info is not None and info.length is not None:
+    return info.length
   raise TypeError(f"{type(stack).__name__} has no stacked variables, so no layer count.")
 
 
@@ -228,9 +334,11 @@ def layer_graphdef(graphdef, metadata=unmark_frozen):
   """The GraphDef of one layer: each stacked root its layer class, each Variable's
   metadata mapped by ``metadata(i, frozen)`` (default: its layer axis removed)."""
   classes = {
-    j: root[1]._sr_layer_class
+    j: info.layer_class
     for j, root in enumerate(graphdef.tree)
-    if isinstance(root[1], type) and "_sr_layer_class" in root[1].__dict__
+    if isinstance(root[1], type)
+    and (info := stack_info(root[1])) is not None
+    and info.layer_class is not None
   }
   return rewrite(graphdef, root_classes=classes, metadata=metadata)
 
@@ -255,20 +363,20 @@ def layer(stack, i: int):
     for v, a in zip(variables, axes)
   ]
   roots, _ = unflatten(layer_graphdef(graphdef), values)
-  roots[0].__dict__["_sr_stacked_from"] = type(stack)
-  roots[0].__dict__["_sr_stacked_paths"] = {
-    p: a for p, a in zip(graphdef.var_paths, axes) if a is not None
-  }
-  # The RNG streams the layers share are split when the stack runs; the class's hook
-  # gives this copy the keys layer i draws there (and says what the stack held).
-  seed = getattr(type(stack), "_sr_layer_rngs", None)
+  # The RNG streams the layers share are split when the stack runs; the class's rules
+  # give this copy the keys layer i draws there (and say what the stack held).
+  info = stack_info(stack)
   shared = {j for j, a in enumerate(axes) if a is None}
-  # One position of a pattern: its layer i is layer i * period + position there.
-  period, position = getattr(type(stack), "_sr_index_map", None) or (1, 0)
-  before = seed(roots[0], i * period + position, shared) if seed is not None else {}
-  roots[0].__dict__["_sr_stream_origins"] = {
-    graphdef.var_paths[j]: value for j, value in before.items()
-  }
+  before = {}
+  if info is not None and info.rules is not None:
+    # One position of a pattern: its layer i is layer i * period + position there.
+    period, position = info.index_map
+    before = info.rules.seed_layer(roots[0], i * period + position, shared)
+  roots[0].__dict__[_ORIGIN] = LayerOrigin(
+    type(stack),
+    {p: a for p, a in zip(graphdef.var_paths, axes) if a is not None},
+    {graphdef.var_paths[j]: value for j, value in before.items()},
+  )
   return roots[0]
 
 
@@ -292,10 +400,11 @@ def unstack(stack) -> list:
 
 # -- stacks of a repeating pattern -------------------------------------------------------
 # A pattern stack (made by a class form over a tuple of classes) holds one stack per
-# position in ``.pattern``; its class lists their classes in ``_sr_positions``.
+# position in ``.pattern``; its record lists their classes in ``positions``.
 
 
 def _pattern_of(obj) -> type | None:
   """The pattern stack class of ``obj`` (an instance or a class), else None."""
   cls = obj if isinstance(obj, type) else type(obj)
-  return cls if "_sr_positions" in cls.__dict__ else None
+  info = stack_info(cls)
+  return cls if info is not None and info.is_pattern else None

@@ -15,6 +15,10 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
+from ..core._module import Module
+from ..core._stacks import _pattern_of, is_stacked, stack_info
+from ..core._variables import Variable
+
 
 def value_summary(value) -> str:
   if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval"):
@@ -49,13 +53,11 @@ def pattern_text(stack) -> str | None:
   >>> position_text(stack.pattern[1])
   'position 1 of 2: partial(Linear, use_bias=False), 2 layers (1, 3)'
   """
-  from ..core._stacks import _pattern_of
-
   cls = _pattern_of(stack)
   counts = _position_counts(stack) if cls is not None else None
   if cls is None or counts is None:
     return None
-  names, n, p = list(cls._sr_names), sum(counts), len(counts)
+  names, n, p = list(stack_info(cls).names), sum(counts), len(counts)  # pyright: ignore[reportOptionalMemberAccess]
   full, rest = divmod(n, p)
   if counts != [len(range(k, n, p)) for k in range(p)]:
     return f"{n} layers, not one pattern: its positions hold {counts}"
@@ -76,18 +78,17 @@ def class_text(cls: type) -> str:
   >>> class_text(sr.vmap(sr.nn.Linear, axis_size=3)), class_text(sr.nn.Linear)
   ('Vmap[Linear]', 'Linear')
   """
-  own = cls.__dict__
-  if "_sr_positions" in own:  # a pattern stack: `{label}Pattern` over its classes
-    label = cls.__name__.removesuffix("Pattern")
-    return f"{label}[{', '.join(own['_sr_names'])}]"
-  inner = own.get("_sr_layer_class")
-  if not isinstance(inner, type):
+  info = stack_info(cls)
+  if info is None:
     return cls.__name__
-  label = cls.__name__.removesuffix(inner.__name__)
-  of = class_text(inner)
-  if isinstance(inner.__dict__.get("_sr_length"), int):  # a stack of stacks
-    of = f"{of} × {inner.__dict__['_sr_length']}"
-  return f"{label or cls.__name__}[{of}]"
+  if info.is_pattern:  # a pattern stack: the transform over its classes
+    return f"{info.label}[{', '.join(info.names)}]"
+  assert info.layer_class is not None
+  of = class_text(info.layer_class)
+  inner = stack_info(info.layer_class)
+  if inner is not None and inner.length is not None:  # a stack of stacks
+    of = f"{of} × {inner.length}"
+  return f"{info.label}[{of}]"
 
 
 def module_text(module) -> str:
@@ -99,8 +100,6 @@ def module_text(module) -> str:
   >>> module_text(sr.vmap(sr.nn.Linear, axis_size=3)(2, 2, rngs=sr.Rngs(0)))
   'Vmap[Linear] × 3'
   """
-  from ..core._stacks import is_stacked
-
   name = class_text(type(module))
   if not is_stacked(module):
     return name
@@ -114,10 +113,10 @@ def position_text(position) -> str | None:
   """For the stack of position ``k`` of a pattern stack, which layers of the whole
   stack it holds: ``position 2 of 3: Global, 8 layers (2, 5, …, 23)``; None for any
   other object."""
-  cls = type(position)
-  name, index = cls.__dict__.get("_sr_pattern_name"), cls.__dict__.get("_sr_index_map")
-  if name is None or index is None:
+  info = stack_info(position) if isinstance(position, Module) else None
+  if info is None or info.name is None:
     return None
+  name, index = info.name, info.index_map
   n = _layer_count(position)
   if n is None:
     return None
@@ -138,8 +137,6 @@ def _position_counts(stack) -> list[int] | None:
 
 
 def _layer_count(position) -> int | None:
-  from ..core._stacks import is_stacked
-
   if not is_stacked(position):
     return None
   try:
@@ -216,9 +213,6 @@ def settings_at_defaults(module, attributes: dict[str, Any] | None = None) -> li
   >>> settings_at_defaults(sr.nn.Dropout(0.1, deterministic=True))
   ['broadcast_dims', 'rng_collection', 'rngs']
   """
-  from ..core._module import Module
-  from ..core._variables import Variable
-
   defaults = constructor_defaults(type(module))
   if attributes is None:
     attributes = {k: v for k, v in vars(module).items() if not k.startswith("_sr_")}
@@ -324,9 +318,6 @@ def _is_empty(x) -> bool:
 
 
 def module_repr(module, indent: int = 0, seen=None) -> str:
-  from ..core._module import Module
-  from ..core._variables import Variable
-
   seen = set() if seen is None else seen
   if id(module) in seen:
     return f"{type(module).__name__}(...)"

@@ -17,6 +17,7 @@ import numpy as np
 from jax.core import Tracer
 
 from ..core._errors import format_path
+from ..core._stacks import stack_info
 from ._repr import class_text, layer_numbers
 from ._summary_walk import Description
 
@@ -135,7 +136,7 @@ class Norms:
       grads = per_layer(self.grads) if self.grads is not None else None
       params = per_layer(self.params)
       # One position of a pattern stack: its layer i is layer k + i * P of the stack.
-      p, k = module.cls.__dict__.get("_sr_index_map") or (1, 0)
+      p, k = getattr(stack_info(module.cls), "index_map", (1, 0))
       out.append(
         LayerNorms(
           module.path,

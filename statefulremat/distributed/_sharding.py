@@ -19,7 +19,7 @@ import jax.core
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..core._errors import StatefulRematError, format_path
+from ..core._errors import StatefulRematError, describe_mesh, format_path
 from ..core._stacks import LAYER_AXIS
 from ..core._state import State, thaw_metadata
 
@@ -248,18 +248,6 @@ def _check_trace_mesh(state: State, mesh) -> None:
       "the jitted function inside `with jax.set_mesh(mesh):` with this mesh, or "
       "call sr.shard(model, mesh, rules) outside it, before the step."
     )
-
-
-def describe_mesh(mesh) -> str:
-  """``{'data': 2 Explicit, 'model': 4 Explicit}``."""
-  return (
-    "{"
-    + ", ".join(
-      f"{name!r}: {size} {kind.name}"
-      for (name, size), kind in zip(mesh.shape.items(), mesh.axis_types)
-    )
-    + "}"
-  )
 
 
 def _place(value, sharding: NamedSharding):

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from ..core._errors import format_path
 from ..core._graph import flatten
 from ..core._module import Module
-from ..core._stacks import is_stacked, stacked_variables
+from ..core._stacks import is_stacked, stack_info, stacked_variables
 from ..core._variables import Variable
 
 
@@ -160,8 +160,7 @@ def _stack_axes(stack) -> tuple[dict, tuple | None]:
 
 def remat_scan_lengths(cls: type) -> tuple | None:
   """The ``lengths`` a ``sr.remat_scan`` class form was built with; None for others."""
-  lengths = cls.__dict__.get("_sr_lengths")
-  return None if lengths is None else tuple(lengths)
+  return getattr(stack_info(cls), "lengths", None)
 
 
 def placed_like(var: Variable, value):

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core._split_merge import update
+from ..core._stacks import stack_info
 from ..core._state import State
 from ..nn._batchnorm import BatchNorm
 from ..nn._conv import Conv
@@ -66,7 +67,7 @@ def _torch_rule(e: Entry) -> tuple[str, tuple | None] | None:
   our layer's array is ``np.transpose(torch's, axes)`` (None: the same); None for
   variables that keep our name and layout."""
   for cls in type(e.owner).__mro__:
-    if "_sr_layer_class" in cls.__dict__:  # a stack's class: look at its layer class
+    if stack_info(cls) is not None:  # a stack's class: look at its layer class
       continue
     names = _TORCH_NAMES.get(cls)
     if names is not None:

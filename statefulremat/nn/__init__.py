@@ -5,6 +5,7 @@
 (1, 2)
 """
 
+from . import _nnx_names
 from . import initializers as initializers
 from ._activations import PReLU as PReLU
 from ._activations import celu as celu
@@ -72,53 +73,13 @@ from ._sequential import Sequential as Sequential
 from ._weight_norms import SpectralNorm as SpectralNorm
 from ._weight_norms import WeightNorm as WeightNorm
 
-# The module-level names of the package, as an nnx or linen user may look for them here.
-_AT_TOP = (
-  "Module",
-  "Variable",
-  "Param",
-  "BatchStat",
-  "Cache",
-  "Intermediate",
-  "Rngs",
-  "RngStream",
-  "State",
-  "Optimizer",
-  "jit",
-  "grad",
-  "value_and_grad",
-  "remat",
-  "scan",
-  "vmap",
-  "split",
-  "merge",
-  "state",
-  "update",
-  "graphdef",
-  "clone",
-  "pop",
-  "iter_graph",
-  "summary",
-  "display",
-  "eval_shape",
-)
-_ELSEWHERE = {name: f"use sr.{name} (it is at the top of the package)" for name in _AT_TOP}
-_ELSEWHERE.update(
-  {
-    "Dict": "use sr.ModuleDict, or simply assign a dict to a Module attribute",
-    "List": "use sr.ModuleList, or simply assign a list to a Module attribute",
-    "tabulate": "use sr.summary(model, *inputs)",
-    "Dense": "use sr.nn.Linear (flax.linen's Dense; parameters kernel and bias)",
-    "DenseGeneral": "use sr.nn.LinearGeneral (flax.linen's DenseGeneral)",
-  }
-)
-
 
 def __getattr__(name: str):
-  # Names that live elsewhere say where; dunder and private names (probed by pytest,
-  # doctest, pickle) and unknown names keep Python's plain AttributeError.
-  if name in _ELSEWHERE:
-    raise AttributeError(
-      f"module {__name__!r} has no attribute {name!r}: {_ELSEWHERE[name]}", name=name, obj=None
-    )
+  # A name at the top of the package (sr.nn.Module) or one nnx or linen spells differently
+  # (Dict, tabulate, Dense) says where to go, from the table the package's own __getattr__
+  # reads; dunder and private names (probed by pytest, doctest, pickle) and unknown names
+  # keep Python's plain AttributeError.
+  text = None if name.startswith("_") else _nnx_names.message_in_nn(__name__, name)
+  if text is not None:
+    raise AttributeError(text, name=name, obj=None)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

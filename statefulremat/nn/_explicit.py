@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..distributed._sharding import ShardingError, describe_mesh
+from ..core._errors import describe_mesh
 
 
 class Specs(tuple):
@@ -67,6 +67,9 @@ def _one_mesh(layer: str, arrays: dict, avals: list):
   first, first_mesh = named[0]
   for name, mesh in named[1:]:
     if mesh != first_mesh:
+      # The public sr.ShardingError, imported here: the package imports nn first.
+      from statefulremat import ShardingError
+
       raise ShardingError(
         f"{layer}: `{name}` lives on mesh {describe_mesh(mesh)} but `{first}` on "
         f"{describe_mesh(first_mesh)}; under explicit mesh axes every array of one op "

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeGuard
+import functools
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeGuard, TypeVar
 
 from ..core._module import Module
 
@@ -79,3 +81,57 @@ def refuse_init_axes(transform: str, target, init_in_axes) -> None:
       f"(the class form), but {display_name(target)} is a function. Fix: map the "
       "function's arguments with in_axes."
     )
+
+
+F = TypeVar("F", bound=Callable)
+
+# Made classes by the frozen arguments that made them: an entry lives while its class
+# does (instances, a jit cache or the user hold it), and keeps the user's class alive.
+_MADE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def cached_class_form(transform: F) -> F:
+  """``transform`` whose class form returns one class per equal arguments.
+
+  ``sr.remat(Block) is sr.remat(Block)``: a model that builds its stack in
+  ``__init__`` gets the same class for every instance of one config, so ``sr.jit``
+  compiles once for them and ``sr.stack`` takes their layers together. Arguments that
+  cannot be compared by value (an array) make a new class each time, as before.
+  ``fresh(transform)`` is the uncached form (a class that is then edited: a
+  pattern's positions).
+  """
+
+  @functools.wraps(transform)
+  def call(target=None, *args, **kwargs):
+    if not (isinstance(target, type) or isinstance(target, (tuple, list))):
+      return transform(target, *args, **kwargs)
+    try:
+      key = _frozen((transform.__name__, target, args, kwargs))
+      made = _MADE.get(key)
+    except TypeError:  # an argument not hashable by value
+      return transform(target, *args, **kwargs)
+    if made is None:
+      made = transform(target, *args, **kwargs)
+      if isinstance(made, type):
+        _MADE[key] = made
+    return made
+
+  return call  # pyright: ignore[reportReturnType]
+
+
+def fresh(transform: Callable) -> Callable:
+  """The uncached class form of a ``cached_class_form`` transform."""
+  return getattr(transform, "__wrapped__", transform)
+
+
+def _frozen(value) -> Any:
+  """``value`` as a hashable key equal for equal arguments (types kept: ``1`` is not
+  ``True``); raises ``TypeError`` for what has no value equality (an array)."""
+  if isinstance(value, Mapping):
+    return ("mapping", tuple((_frozen(k), _frozen(v)) for k, v in value.items()))
+  if isinstance(value, (list, tuple)):
+    return (type(value).__name__, tuple(_frozen(v) for v in value))
+  if isinstance(value, functools.partial):
+    return ("partial", value.func, _frozen(value.args), _frozen(value.keywords))
+  hash(value)
+  return (type(value), value)

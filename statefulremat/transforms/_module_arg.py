@@ -12,10 +12,10 @@ import jax.core
 from ..core._errors import format_path
 from ..core._filters import filter_repr
 from ..core._graph import flatten
-from ..core._stacks import axis_size, is_stacked, layer_axis
+from ..core._stacks import axis_size, is_stacked, layer_axis, stack_info
 from ._lift import Lifted, is_node, split_call
 from ._rules import STACKED, Plan, Rules, TransformError
-from ._stacked import layer_view
+from ._stacked import LayerRules, layer_view
 
 
 def lift_module_arg(module, what: str, rules: Rules, metadata_params, call_form: str):
@@ -71,8 +71,9 @@ def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
   """When the stack's own class form does not slice ``var`` either (e.g. a KV cache
   made after building ``sr.scan(Block, variable_axes={sr.Param: 0})``), calling the
   stack cannot work: the fix is a class built with the rule."""
-  rules = getattr(stack_cls, "_sr_rules", None)
-  if rules is None or rules.classify(path, var)[0] == STACKED:
+  info = stack_info(stack_cls)
+  rules = getattr(info, "rules", None)
+  if not isinstance(rules, LayerRules) or rules.rules.classify(path, var)[0] == STACKED:
     return ""
   kind = filter_repr(type(var))
   return (
@@ -117,7 +118,8 @@ def check_no_modules(tree, what: str, label: str, *, first: int | None = None) -
 
 def class_length(module) -> int | None:
   """The layer count a stacked module's class was built with (None for a function)."""
-  return getattr(type(module), "_sr_length", None) if is_stacked(module) else None
+  info = stack_info(module) if is_stacked(module) else None
+  return None if info is None else info.length
 
 
 def resolve_length(

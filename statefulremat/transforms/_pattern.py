@@ -1,13 +1,9 @@
-"""Stacks of a repeating pattern: a tuple of classes as one cycle.
+"""The class form over a pattern: a tuple of classes as one cycle.
 
 ``sr.scan((Local, Local, Global), length=26, ...)`` (likewise ``sr.remat_scan`` and
-``sr.vmap``) returns a class whose instances hold one ordinary stack per position of
-the pattern, ``stack.pattern[k]``: the layers ``k, k + P, k + 2P, ...`` (P the
-pattern's length) of the class ``pattern[k]``, in order. Layer ``i`` is an instance of
-``pattern[i % P]``: ``stack.layer(i)`` is ``stack.pattern[i % P].layer(i // P)``; the
-last cycle may be short. Calling the stack runs the function form of its transform
-over it (``_pattern_loop``: one traced body per cycle), which equals the Python loop
-``for i in range(length): x = stack.layer(i)(x)``.
+``sr.vmap``) returns a pattern stack class (``core/_pattern_stack``): one stacked class
+per position, the layers ``k, k + P, ...`` of ``pattern[k]``. Calling the stack runs
+the function form of its transform over it, whose loop's unit is then one cycle.
 
 A pattern element may be a ``functools.partial`` of a class (``partial(Block,
 window=512)``): its arguments go to that position's constructor, before the ones the
@@ -17,17 +13,13 @@ stack is built with.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Sequence
-from typing import Any, SupportsIndex, overload
-
-import jax
-import jax.numpy as jnp
+from typing import Any
 
 from ..core._errors import TransformError
-from ..core._graph import flatten
 from ..core._module import Module
-from ..core._stacks import is_stacked
+from ..core._pattern_stack import Pattern, PatternStack
+from ..core._stacks import StackInfo, is_stacked, set_stack_info, stack_info, update_stack_info
 from ._class_form import is_module_class, transform_name
 
 
@@ -55,7 +47,10 @@ def pattern_repr(pattern) -> str:
 
 
 def is_pattern_stack(module) -> bool:
-  return isinstance(module, PatternStack)
+  """Whether ``module``'s own class is a pattern stack's (an ensemble of pattern
+  stacks, ``sr.vmap(PatternClass, ...)``, is a stack of them, not one)."""
+  info = stack_info(module) if isinstance(module, Module) else None
+  return info is not None and info.is_pattern
 
 
 def elements(what: str, pattern) -> list[tuple[type, Callable | None]]:
@@ -95,138 +90,6 @@ def _name(cls: type, factory) -> str:
   return f"partial({cls.__name__}, {', '.join(given)})"
 
 
-def _as_index(k) -> int | None:
-  """``k`` as a Python int where Python's sequences take it (numpy and JAX integers
-  too, as ``operator.index`` does), else None."""
-  try:
-    return operator.index(k)
-  except TypeError:
-    return None
-
-
-class Pattern(tuple):
-  """The positions of a pattern stack: ``stack.pattern[k]`` is the stack of position
-  ``k`` (a tuple; stored like one in the module graph)."""
-
-  @overload
-  def __getitem__(self, k: SupportsIndex) -> Any: ...  # one position's stack
-  @overload
-  def __getitem__(self, k: slice) -> tuple: ...
-  def __getitem__(self, k):
-    if not isinstance(k, slice):
-      n, index = len(self), _as_index(k)
-      if index is None or not -n <= index < n:
-        names = ", ".join(type(s)._sr_pattern_name for s in self)
-        raise IndexError(
-          f"stack.pattern[{k!r}]: the pattern has {n} positions ({names}); use 0..{n - 1} "
-          f"(or -{n}..-1). Layer i of the stack is `stack.layer(i)`, at position i % {n}."
-        )
-      k = index
-    return super().__getitem__(k)
-
-
-class PatternStack(Module):
-  """A stack of a repeating pattern of blocks (see the module docstring).
-
-  >>> import jax.numpy as jnp, statefulremat as sr
-  >>> class Up(sr.Module):
-  ...   def __init__(self, *, rngs):
-  ...     self.w = sr.Param(jnp.ones(()) * 2.0)
-  ...   def __call__(self, x):
-  ...     return x * self.w.value
-  >>> class Down(sr.Module):
-  ...   def __init__(self, *, rngs):
-  ...     self.b = sr.Param(jnp.ones(()))
-  ...   def __call__(self, x):
-  ...     return x - self.b.value
-  >>> stack = sr.remat_scan((Up, Down), length=5, lengths=(3,))(rngs=sr.Rngs(0))
-  >>> len(stack), [type(stack.layer(i)).__name__ for i in range(5)]
-  (5, ['Up', 'Down', 'Up', 'Down', 'Up'])
-  >>> float(stack(jnp.float32(1.0)))  # ((1*2 - 1)*2 - 1)*2
-  2.0
-  """
-
-  _sr_positions: tuple = ()
-  _sr_length: int = 0
-  _sr_what: str = ""
-  # Set by the class form (pattern_class); declared here for the type checker only.
-  _sr_init_in_axes: Any
-  _sr_names: tuple[str, ...]
-
-  def __init__(self, *args, **kwargs):
-    positions = type(self)._sr_positions
-    axes = type(self)._sr_init_in_axes
-    # Each position's build advances the RNG streams it draws from: a failure at a
-    # later position puts back what the earlier ones drew, so nothing has changed.
-    modules = jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, Module))
-    given = flatten([x for x in modules if isinstance(x, Module)])[1]
-    before = [v._value for v in given]
-    built = []
-    try:
-      for k, position in enumerate(positions):
-        built.append(position(*_position_args(self, k, args, axes), **kwargs))
-    except BaseException as e:
-      for var, value in zip(given, before):
-        var._value = value
-      if isinstance(e, Exception):
-        e.add_note(
-          f"(while {type(self)._sr_what} built position {k} of its pattern, "
-          f"{position._sr_pattern_name}; nothing was built)"
-        )
-      raise
-    self.pattern = Pattern(built)
-
-  @classmethod
-  def _sr_from_positions(cls, stacks):
-    """A stack of this class holding ``stacks`` (one per position); ``sr.stack``."""
-    out = object.__new__(cls)
-    out.pattern = Pattern(stacks)
-    return out
-
-  def __len__(self) -> int:
-    return sum(len(s) for s in self.pattern)
-
-  def layer(self, i: int):
-    """Layer ``i`` as an ordinary module: ``stack.pattern[i % P].layer(i // P)``."""
-    n, p, index = len(self), len(self.pattern), _as_index(i)
-    if index is None or not -n <= index < n:
-      raise IndexError(
-        f"layer {i!r} of a pattern stack of {n} layers: use 0..{n - 1} (or -{n}..-1)."
-      )
-    i = index % n
-    return self.pattern[i % p].layer(i // p)
-
-
-def _position_args(stack, k: int, args: tuple, axes) -> tuple:
-  """The constructor arguments of position ``k``: those ``init_in_axes`` maps cut to
-  the layers ``k, k + P, ...`` along their axis."""
-  if axes is None:
-    return args
-  cls = type(stack)
-  n, p = cls._sr_length, len(cls._sr_positions)
-  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,) * len(args)
-  if len(axes) != len(args):
-    raise TransformError(
-      f"{cls._sr_what}: init_in_axes={axes!r} has {len(axes)} entries for {len(args)} "
-      "positional constructor arguments. Fix: one entry (an axis, or None to pass it "
-      "whole to every layer) per positional argument."
-    )
-  out = []
-  for j, (arg, axis) in enumerate(zip(args, axes)):
-    if axis is None:
-      out.append(arg)
-      continue
-    shape = tuple(jnp.shape(arg))
-    if not -len(shape) <= axis < len(shape) or shape[axis] != n:
-      raise TransformError(
-        f"{cls._sr_what}: init_in_axes maps constructor argument {j} along axis {axis}, "
-        f"one slice per layer, so it needs {n} entries there; it has shape {shape}. "
-        f"Fix: give it {n} entries at axis {axis}, or None in init_in_axes."
-      )
-    out.append(jnp.take(arg, jnp.arange(k, n, p), axis=axis))
-  return tuple(out)
-
-
 def pattern_class(
   pattern,
   label: str,
@@ -261,20 +124,13 @@ def pattern_class(
   positions = []
   for k, (cls, factory) in enumerate(found):
     position = position_class(cls, len(range(k, length, p)))
-    position._sr_layer_factory = factory
-    position._sr_index_map = (p, k)
-    position._sr_pattern_name = names[k]
+    update_stack_info(position, factory=factory, index_map=(p, k), name=names[k])
     position.__qualname__ = f"{position.__qualname__}[{k}]"
     positions.append(position)
   methods = (
     ["__call__"] if methods is None else [methods] if isinstance(methods, str) else list(methods)
   )
   namespace: dict[str, Any] = {
-    "_sr_positions": tuple(positions),
-    "_sr_length": length,
-    "_sr_what": what,
-    "_sr_init_in_axes": init_in_axes,
-    "_sr_names": tuple(names),
     "__module__": found[0][0].__module__,
     "__qualname__": f"{label}Pattern[{', '.join(names)}]",
     "__doc__": (
@@ -290,8 +146,12 @@ def pattern_class(
         )
     namespace[name] = _method(run(name), name)
   cls = type(f"{label}Pattern", (PatternStack,), namespace)
+  info = StackInfo(
+    label, length, what, positions=tuple(positions), names=tuple(names), init_in_axes=init_in_axes
+  )
+  set_stack_info(cls, info)
   for position in positions:
-    position._sr_pattern_parent = cls
+    update_stack_info(position, parent=cls)
   return cls
 
 
@@ -316,7 +176,9 @@ def call_method(name: str, owner: str) -> Callable:
 
 
 def position_names(stack: PatternStack) -> list[str]:
-  return list(type(stack)._sr_names)
+  info = stack_info(stack)
+  assert info is not None
+  return list(info.names)
 
 
 def check_positions(stack: PatternStack, what: str) -> list[int]:

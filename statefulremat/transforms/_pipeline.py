@@ -17,7 +17,7 @@ from ._class_form import display_name
 from ._lift import refuse_layer_list, serialised
 from ._module_arg import check_no_modules
 from ._pattern import is_pattern_stack
-from ._pipeline_checks import check_batch, check_layer_sharding, find_mesh
+from ._pipeline_checks import check_batch, check_layer_sharding, check_whole_cycles, find_mesh
 from ._pipeline_program import program, schedule_steps
 from ._remat_scan_args import AUTO, resolve_plan
 from ._rules import TransformError
@@ -203,12 +203,9 @@ def pipelined(
     check_no_modules(x, what, "the carry")
     check_no_modules(args, what, "the extra argument")
     check_no_modules(kwargs, what, "the keyword argument")
-    if is_pattern_stack(stack):
-      raise TransformError(
-        f"{what}: pattern stacks are not pipelined yet. Fix: pipeline a plain stack "
-        "(sr.remat_scan(Block, ...)), or run this one with sr.remat_scan."
-      )
     mesh = find_mesh(stack, spec.axis, what)
+    if is_pattern_stack(stack):
+      check_whole_cycles(stack, mesh.shape[spec.axis] * spec.repeats, what)
     check_batch(x, spec.microbatches, what)
     check_layer_sharding(stack, mesh, spec, what, layers)
     if jax.sharding.get_abstract_mesh().empty and isinstance(mesh, jax.sharding.Mesh):

@@ -115,3 +115,23 @@ def check_layer_sharding(stack, mesh, spec, what: str, layers: int | None = None
         f"sr.shard(stack, mesh, [('layers', {spec.axis!r}), ...]), or "
         f"jax.device_put its arrays with PartitionSpec({spec.axis!r}) at that axis."
       )
+
+
+def check_whole_cycles(stack, chunks: int, what: str) -> None:
+  """A pattern stack is pipelined by whole cycles, in equal chunks: its length must be
+  a multiple of the pattern's, and its cycles of the stage count (times ``repeats``)."""
+  counts = [len(position) for position in stack.pattern]
+  p, n = len(counts), sum(counts)
+  cycles = counts[0]
+  if n % p:
+    raise TransformError(
+      f"{what}: the pattern stack has {n} layers, not a whole number of cycles of "
+      f"{p}, and a pipeline stage holds whole cycles. Fix: a length that is a multiple "
+      f"of {p} (e.g. {n - n % p or p}), or run it with sr.remat_scan."
+    )
+  if cycles % chunks:
+    raise TransformError(
+      f"{what}: the pattern stack holds {cycles} cycles of {p} layers, which do not "
+      f"split into {chunks} equal chunks (stages x repeats). Fix: a number of cycles "
+      f"divisible by {chunks} (length a multiple of {p * chunks})."
+    )

@@ -15,7 +15,7 @@ from ..core._kinds import RngState
 from ..core._module import Module, iter_graph
 from ..core._rngs import Rngs, RngStream
 from ..core._tracing import tracing_user_code
-from ._class_form import display_name, is_module_class, transformed_class
+from ._class_form import cached_class_form, display_name, is_module_class, transformed_class
 from ._lift import Lifted, check_no_nodes, is_node, serialised, split_call, write_back
 from ._outputs import Restructured
 from ._policy_check import policy_check
@@ -49,6 +49,7 @@ def remat(
   methods: Sequence[str] | None = None,
   concrete: bool = False,
 ) -> Callable: ...
+@cached_class_form
 def remat(
   target: Callable | type | None = None,
   *,

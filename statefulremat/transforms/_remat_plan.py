@@ -163,7 +163,8 @@ def runs_in_order(n: int, lengths: Sequence[int]) -> bool:
 
 
 def predict_temp(n: int, lengths: Sequence[int], carry: int, residual: int, layer: int) -> int:
-  """The model's temp bytes for the gradient of ``n`` layers nested as ``lengths``."""
+  """The model's temp bytes for the gradient of ``n`` layers nested as ``lengths``, for a
+  policy that keeps ``residual`` bytes per layer (before ``choose``'s calibration)."""
   steps, per_step = structure(n, lengths)
   d = len(lengths)
   return int(
@@ -283,18 +284,10 @@ def choose(
   candidates = []
   for lengths in nestings(n, max_depth):
     evals = (len(lengths) + 1) * n
-    steps, per_step = structure(n, lengths)
-    fixed = (
-      carry * sum(steps[:-1])
-      + 2 * layer * sum(per_step[:-1])
-      + (3 + (len(lengths) >= 2)) * carry
-      + ragged_bytes(n, lengths, carry, layer)
-    )
     scale = (scales or {}).get(len(lengths), 1.0)
     for policy, residual in residuals.items():
-      candidates.append(
-        Candidate(lengths, policy, evals, int(scale * (fixed + residual * steps[-1])))
-      )
+      temp = predict_temp(n, lengths, carry, residual, layer)
+      candidates.append(Candidate(lengths, policy, evals, int(scale * temp)))
   rank = {DOTS: 0, NOTHING: 1}
   if memory_budget is None:
     pool = [c for c in candidates if c.evals <= 3 * n]

@@ -11,9 +11,9 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
-from ..core._stacks import is_stacked, num_layers
+from ..core._stacks import is_stacked, num_layers, update_stack_info
 from ._autodiff import grad
-from ._class_form import display_name, is_module_class, refuse_init_axes
+from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
 from ._jit import jit
 from ._layers import LayerLoop, carry_out_structure
 from ._lift import refuse_layer_list, serialised, write_back
@@ -52,6 +52,7 @@ _ALL = MappingProxyType({True: 0})
 _SPLIT_ALL = MappingProxyType({True: True})
 
 
+@cached_class_form
 def remat_scan(
   target: Callable | type | Sequence[Callable] | None = None,
   lengths: Sequence[int] | str | RematPlan = (),
@@ -150,18 +151,13 @@ def remat_scan(
       f"{what}: pipeline={pipeline!r}; it takes sr.PipelineSpec(axis=..., "
       "microbatches=..., schedule=..., repeats=...)."
     )
-  if pipeline is not None and is_pattern(target):
-    raise TransformError(
-      f"{what}: pattern stacks are not pipelined yet. Fix: drop "
-      "pipeline=, or pipeline a stack of one block class."
-    )
   if isinstance(target, (tuple, list)) and is_pattern(target):
     if length is not None and not auto:  # without length, pattern_class says so
       check_lengths(what, lengths, None)
       check_cycles(what, lengths, length, len(target))
 
     def position_class(cls: type, n: int) -> type:
-      stacked = remat_scan(cls, (n,), methods=methods, init_in_axes=init_in_axes, **options)
+      stacked = fresh(remat_scan)(cls, (n,), methods=methods, init_in_axes=init_in_axes, **options)
       return cast(type, stacked)  # the class form: a class in, a class out
 
     return pattern_class(
@@ -173,7 +169,11 @@ def remat_scan(
       init_in_axes=init_in_axes,
       position_class=position_class,
       run=lambda name: remat_scan(
-        call_method(name, "RematScanPattern"), lengths, memory_budget=budget, **options
+        call_method(name, "RematScanPattern"),
+        lengths,
+        memory_budget=budget,
+        pipeline=pipeline,
+        **options,
       ),
     )
   n = length if auto else check_lengths(what, lengths, length)
@@ -203,7 +203,7 @@ def remat_scan(
       init_in_axes=init_in_axes,
     )
     if not auto:
-      cls._sr_lengths = lengths  # the nested layout, for sr.interop.to_linen
+      update_stack_info(cls, lengths=tuple(lengths))  # the nested layout, for to_linen
     return cls
   if methods is not None:
     raise TypeError("sr.remat_scan(methods=...) applies to a Module class, not a function.")

@@ -40,6 +40,7 @@ from ..core._errors import TransformError, format_path
 from ..core._filters import filter_repr, is_everything, to_predicate
 from ..core._module import iter_graph
 from ..core._rngs import LayerKeys, Rngs, RngStream
+from ..core._stacks import stack_info
 from ..core._variables import Variable, owner_chain
 
 STACKED, BROADCAST, CARRY, RNG, READONLY = "stacked", "broadcast", "carry", "rng", "read-only"
@@ -229,14 +230,23 @@ def layer_index_map(node, period, position):
 
 
 def _index_map(nodes) -> tuple[int, int] | None:
-  """``(period, position)`` of a lone stack that is one position of a pattern (or a
-  slice of a stack, ``layer_index_map``)."""
+  """``(period, position)`` of a lone stack that is one position of a pattern, or of
+  a slice of a stack (``layer_index_map``); for the positions of a slice of a pattern
+  stack (whole cycles), the slice's first cycle in layers, as the cycle loop counts."""
+  given = _INDEX_MAP.get()
+  if given is not None:
+    node, (period, position) = given
+    if len(nodes) == 1 and node is nodes[0]:
+      return period, position
+    info = stack_info(node)
+    positions = vars(node)["pattern"] if info is not None and info.is_pattern else ()
+    if len(positions) == len(nodes) and all(a is b for a, b in zip(positions, nodes)):
+      assert period == 1, "a slice of whole cycles"
+      return 1, position * len(nodes)
   if len(nodes) != 1:
     return None
-  given = _INDEX_MAP.get()
-  if given is not None and given[0] is nodes[0]:
-    return given[1]
-  return getattr(type(nodes[0]), "_sr_index_map", None)
+  info = stack_info(nodes[0])
+  return None if info is None or info.index_map == (1, 0) else info.index_map
 
 
 class Plan:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core._module import Module
-from ._class_form import display_name, is_module_class, refuse_init_axes
+from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
 from ._layers import LayerLoop, carry_out_structure
 from ._lift import refuse_layer_list, serialised, write_back
 from ._module_arg import (
@@ -74,6 +74,7 @@ def scan(
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
 ) -> Callable: ...
+@cached_class_form
 def scan(
   target: Callable | type | Sequence[Callable] | None = None,
   *,
@@ -201,7 +202,9 @@ def scan(
     check_axes(what, in_axes, out_axes)
 
     def position_class(cls: type, n: int) -> type:
-      stacked = scan(cls, **{**options, "length": n}, methods=methods, init_in_axes=init_in_axes)
+      stacked = fresh(scan)(
+        cls, **{**options, "length": n}, methods=methods, init_in_axes=init_in_axes
+      )
       return cast(type, stacked)  # the class form: a class in, a class out
 
     return pattern_class(

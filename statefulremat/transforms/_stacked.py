@@ -26,7 +26,17 @@ from ..core._errors import TransformError, format_path
 from ..core._graph import flatten, rewrite
 from ..core._graph_build import unflatten
 from ..core._module import Module
-from ..core._stacks import LAYER_AXIS, layer, layer_graphdef, mark_frozen, num_layers, unmark
+from ..core._stacks import (
+  LAYER_AXIS,
+  StackInfo,
+  layer,
+  layer_graphdef,
+  mark_frozen,
+  num_layers,
+  set_stack_info,
+  stack_info,
+  unmark,
+)
 from ..core._state import freeze, thaw_metadata
 from ..core._variables import Variable
 from ._class_form import subclass, transform_name
@@ -70,20 +80,12 @@ def stacked_class(
 ) -> type:
   """The class form: ``{label}{layer_cls}`` building and running a stack of layers."""
   namespace: dict[str, Any] = {
-    "_sr_layer_class": layer_cls,
-    "_sr_rules": rules,
-    "_sr_length": length,
-    "_sr_metadata_params": dict(metadata_params or {}),
     "__new__": _new_stack,
     "__init__": _init_nothing,
     "layer": layer,
     "__len__": num_layers,
-    "_sr_classify": _classifier(rules),
-    "_sr_layer_rngs": _layer_rngs(rules),
-    "_sr_init_in_axes": init_in_axes,
-    "_sr_layer_factory": None,
   }
-  return subclass(
+  cls = subclass(
     layer_cls,
     label,
     wrap,
@@ -91,6 +93,16 @@ def stacked_class(
     namespace,
     f"A stack of {layer_cls.__name__} layers under {transform_name(label)}.",
   )
+  info = StackInfo(
+    label,
+    length,
+    f"sr.{cls.__name__}(...)",
+    layer_class=layer_cls,
+    rules=LayerRules(rules),
+    partition_name=(metadata_params or {}).get("partition_name"),
+    init_in_axes=init_in_axes,
+  )
+  return set_stack_info(cls, info)
 
 
 def _init_nothing(self, *args, **kwargs):
@@ -102,12 +114,12 @@ def _new_stack(cls, *args, **kwargs):
 
 
 def build_stack(cls: type, args: tuple, kwargs: dict):
-  """Builds ``cls._sr_length`` layers of ``cls._sr_layer_class`` in one vmapped init."""
-  rules: Rules = cls._sr_rules
-  length = cls._sr_length
-  what = f"sr.{cls.__name__}(...)"
+  """Builds the ``length`` layers of the class's ``StackInfo`` in one vmapped init."""
+  info = stack_info(cls)
+  assert info is not None and isinstance(info.rules, LayerRules)
+  rules, length, what = info.rules.rules, info.length, info.what
   nodes, leaves, treedef, positions = split_call(args, kwargs)
-  mapped = _mapped_leaves(what, cls._sr_init_in_axes, args, length)
+  mapped = _mapped_leaves(what, info.init_in_axes, args, length)
   leaves = list(leaves)
   in_graphdef, in_vars = flatten(nodes)
   lifted = Lifted(in_graphdef, treedef, positions)
@@ -125,7 +137,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     tree, rebuilt, roots = lifted.rebuild(flat, mine)
     in_plan.serve_names(served, rebuilt, index)
     call_args, call_kwargs = tree
-    layer = (cls._sr_layer_factory or cls._sr_layer_class)(*call_args, **call_kwargs)
+    layer = info.layer_maker()(*call_args, **call_kwargs)
     counts = {s.count for s in in_plan.streams}
     changed = lifted.collect(roots, flat, what)
     for i in changed:
@@ -186,7 +198,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
         "split RNG stream. Stack it with variable_axes, or do not split the stream it "
         f"draws from (e.g. split_rngs={{'params': False}}). JAX said: {e}"
       ) from None
-  name = cls._sr_metadata_params.get("partition_name")
+  name = info.partition_name
   graphdef = rewrite(
     record["graphdef"],
     root_classes={-1: cls},
@@ -244,22 +256,32 @@ def _mapped_leaves(what: str, init_in_axes, args: tuple, length) -> list[tuple[i
   return out
 
 
-def _layer_rngs(rules: Rules):
-  """How ``stack.layer(i)`` gives layer ``i`` the keys it draws inside the stack.
+class LayerRules:
+  """A stacked class's rules as the core reads them (``core._stacks.StackRules``)."""
 
-  A stream the layers share (not stacked) is split at call time: in the transform,
-  layer ``i`` draws from ``fold_in(fold_in(key, count), i)`` (without the last fold
-  when ``split_rngs`` does not split it) with a count from 0, and a ``default`` stream
-  serves each name by that name's rule. The hook puts exactly that into layer ``i``'s
-  copy of the stream, so ``stack.layer(i)(x)`` and the loop over ``sr.unstack(stack)``
-  draw what the stack's next call draws. Returns ``{flat index: value before}`` of the
-  Variables it rewrote, so ``sr.stack`` can put the stack's own stream back.
-  """
+  def __init__(self, rules: Rules):
+    self.rules = rules
 
-  def seed(layer_module, index: int, shared: set[int]) -> dict[int, Any]:
-    """``shared``: the flat indices that had no layer axis in the stack."""
-    graphdef, variables = flatten([layer_module])
-    plan = Plan(rules, graphdef, variables, [layer_module], rank_offset=1)
+  def classify(self, graphdef, variables, layer) -> dict[int, int]:
+    """How ``sr.stack(layers, like=StackedClass)`` learns which variables to stack:
+    the class's rules, as at its init (``{flat index: layer axis}``)."""
+    plan = Plan(self.rules, graphdef, variables, [layer], rank_offset=1)
+    return {i: plan.stacked_axis(i) for i, kind in enumerate(plan.kinds) if kind == STACKED}
+
+  def seed_layer(self, layer, index, shared: set[int]) -> dict[int, Any]:
+    """How ``stack.layer(i)`` gives layer ``i`` the keys it draws inside the stack.
+
+    A stream the layers share (not stacked; flat indices ``shared``) is split at call
+    time: in the transform, layer ``i`` draws from ``fold_in(fold_in(key, count), i)``
+    (without the last fold when ``split_rngs`` does not split it) with a count from 0,
+    and a ``default`` stream serves each name by that name's rule. This puts exactly
+    that into layer ``i``'s copy of the stream, so ``stack.layer(i)(x)`` and the loop
+    over ``sr.unstack(stack)`` draw what the stack's next call draws. Returns ``{flat
+    index: value before}`` of the Variables it rewrote, so ``sr.stack`` can put the
+    stack's own stream back.
+    """
+    graphdef, variables = flatten([layer])
+    plan = Plan(self.rules, graphdef, variables, [layer], rank_offset=1)
     # A stream with one key per layer (stacked by the init) is the layer's own already.
     plan.streams = [s for s in plan.streams if s.key in shared]
     if not plan.streams:
@@ -274,16 +296,3 @@ def _layer_rngs(rules: Rules):
         before[i] = values[i]
         variables[i]._value = flat[i]
     return before
-
-  return staticmethod(seed)
-
-
-def _classifier(rules: Rules):
-  """How ``sr.stack(layers, like=StackedClass)`` learns which variables to stack: the
-  class's rules, as at its init (``{flat index: layer axis}``)."""
-
-  def classify(graphdef, variables, layer) -> dict[int, int]:
-    plan = Plan(rules, graphdef, variables, [layer], rank_offset=1)
-    return {i: plan.stacked_axis(i) for i, kind in enumerate(plan.kinds) if kind == STACKED}
-
-  return staticmethod(classify)

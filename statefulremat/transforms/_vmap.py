@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from ..core._module import Module
+from ..core._stacks import stack_info
 from ..core._tracing import tracing_user_code
 from ..core._variables import Variable
-from ._class_form import display_name, is_module_class, refuse_init_axes
+from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
 from ._lift import is_node, serialised, split_call, write_back
 from ._module_arg import (
   check_no_modules,
@@ -66,6 +67,7 @@ def vmap(
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
 ) -> Callable: ...
+@cached_class_form
 def vmap(
   target: Callable | type | Sequence[Callable] | None = None,
   *,
@@ -150,7 +152,7 @@ def vmap(
       what=what,
       methods=methods,
       init_in_axes=init_in_axes,
-      position_class=lambda cls, n: vmap(
+      position_class=lambda cls, n: fresh(vmap)(
         cls, **{**options, "axis_size": n}, methods=methods, init_in_axes=init_in_axes
       ),
       run=lambda name: vmap(call_method(name, "VmapPattern"), **{**options, "axis_size": None}),
@@ -415,17 +417,13 @@ def _release(value, owner) -> None:
       _release(v, owner)
 
 
-_STACK_CLASSES: dict = {}
-
-
 def _stack_class(cls: type, n: int, axis: int = 0) -> type:
   """The stacked class a module built under ``sr.vmap`` comes out as (one per layer
   class, size and layer axis): ``sr.vmap(cls, axis_size=n, in_axes=None)``, mapping
   ``axis`` (``variable_axes={True: axis}``) where out_axes put it elsewhere."""
-  if "_sr_layer_class" in cls.__dict__:  # a stack made per member: stays as it is
+  if (
+    info := stack_info(cls)
+  ) is not None and not info.is_pattern:  # a stack made per member: stays as it is
     return cls
-  key = (cls, n, axis)
-  if key not in _STACK_CLASSES:
-    rules: dict[str, Any] = {} if axis == 0 else {"variable_axes": {True: axis}}
-    _STACK_CLASSES[key] = vmap(cls, axis_size=n, in_axes=None, **rules)
-  return _STACK_CLASSES[key]
+  rules: dict[str, Any] = {} if axis == 0 else {"variable_axes": {True: axis}}
+  return vmap(cls, axis_size=n, in_axes=None, **rules)

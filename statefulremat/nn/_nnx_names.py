@@ -1,22 +1,60 @@
-"""flax.nnx's public names that statefulremat spells differently, or has no use for.
+"""flax.nnx's public names that are elsewhere here, spelled differently, or have no use:
+the one table ``sr.<name>`` and ``sr.nn.<name>`` read when a name is missing.
 
-``sr.<name>`` for a name missing here raises an ``AttributeError`` that names ours (the
-package's ``__getattr__`` reads ``SPELLED_DIFFERENTLY``), so code ported from nnx
-says where to go. Every public name of ``flax.nnx`` 0.12 falls in one of four groups:
+The package's ``__getattr__`` raises an ``AttributeError`` with ``message``'s text and
+``sr.nn``'s with ``message_in_nn``'s, so code ported from nnx (or linen) says where to
+go. Every public name of ``flax.nnx`` 0.12 falls in one of four groups:
 
 * the same name in ``sr`` (``sr.Module``, ``sr.Param``, ``sr.jit``, ``sr.state``, ...):
-  nothing to do;
+  nothing to do there; looked for in ``sr.nn`` (``nnx.Module`` sits beside
+  ``nnx.Linear``), ``AT_TOP`` points up;
 * a layer, activation or initializer, which lives in ``sr.nn`` (``nnx.Linear`` is
   ``sr.nn.Linear``): the package's ``__getattr__`` looks it up there, so the message
   never names a layer that is not there;
-* another spelling or no equivalent: the table below (and ``jax.nn`` for an activation
-  ``sr.nn`` lacks);
+* another spelling or no equivalent: ``SPELLED_DIFFERENTLY`` (and ``jax.nn`` for an
+  activation ``sr.nn`` lacks); linen's layer names that nnx renamed, ``LINEN``;
 * nnx's type variables, submodules of its implementation and internal contexts
   (``A``, ``M``, ``graphlib``, ``pytreelib``, ``SplitContext``, ...), which ported
   model code does not name: Python's plain ``AttributeError``.
+
+It sits in ``nn/``, the lowest floor both namespaces can read (``tests/test_layering.py``).
 """
 
 from __future__ import annotations
+
+# The package's names an nnx or linen user may look for in sr.nn (nnx keeps them beside
+# its layers).
+AT_TOP = frozenset(
+  (
+    "Module",
+    "Variable",
+    "Param",
+    "BatchStat",
+    "Cache",
+    "Intermediate",
+    "Rngs",
+    "RngStream",
+    "State",
+    "Optimizer",
+    "jit",
+    "grad",
+    "value_and_grad",
+    "remat",
+    "scan",
+    "vmap",
+    "split",
+    "merge",
+    "state",
+    "update",
+    "graphdef",
+    "clone",
+    "pop",
+    "iter_graph",
+    "summary",
+    "display",
+    "eval_shape",
+  )
+)
 
 _SUMMARY = "use sr.summary(model, *inputs) (or sr.display(model) for the tree)"
 _NO_ANNOTATION = (
@@ -176,6 +214,12 @@ SPELLED_DIFFERENTLY: dict[str, str] = {
   "Initializer": "use jax.nn.initializers.Initializer (the type of sr.nn.initializers)",
 }
 
+# flax.linen's layers that nnx renamed.
+LINEN = {
+  "Dense": "use sr.nn.Linear (flax.linen's Dense; parameters kernel and bias)",
+  "DenseGeneral": "use sr.nn.LinearGeneral (flax.linen's DenseGeneral)",
+}
+
 # nnx's activations are jax.nn's functions: where sr.nn lacks one, jax.nn has it.
 ACTIVATIONS = frozenset(
   "celu elu gelu glu hard_sigmoid hard_silu hard_swish hard_tanh identity leaky_relu "
@@ -185,15 +229,31 @@ ACTIVATIONS = frozenset(
 
 
 def message(package: str, name: str, found_in_nn: bool) -> str | None:
-  """The AttributeError's text for ``sr.<name>``, or None for Python's plain one."""
+  """The AttributeError's text for ``sr.<name>`` (``package``: the package's name), or
+  None for Python's plain one; ``found_in_nn``: ``sr.nn`` has ``name``."""
   if found_in_nn:
     return (
       f"module {package!r} has no attribute {name!r}: layers, activations and "
       f"initializers live in sr.nn, use sr.nn.{name}"
     )
-  hint = SPELLED_DIFFERENTLY.get(name)
-  if hint is None and name in ACTIVATIONS:
-    hint = f"use jax.nn.{name} (nnx's activations are jax.nn's functions)"
+  if name in SPELLED_DIFFERENTLY:
+    origin, hint = f"nnx.{name}", SPELLED_DIFFERENTLY[name]
+  elif name in LINEN:
+    origin, hint = f"flax.linen.{name}", LINEN[name]
+  elif name in ACTIVATIONS:
+    origin, hint = f"nnx.{name}", f"use jax.nn.{name} (nnx's activations are jax.nn's functions)"
+  else:
+    return None
+  return f"module {package!r} has no attribute {name!r} ({origin}): {hint}"
+
+
+def message_in_nn(package: str, name: str) -> str | None:
+  """The AttributeError's text for ``sr.nn.<name>`` (``package``: ``sr.nn``'s name), or
+  None for Python's plain one."""
+  if name in AT_TOP:
+    hint = f"use sr.{name} (it is at the top of the package)"
+  else:
+    hint = SPELLED_DIFFERENTLY.get(name) or LINEN.get(name)
   if hint is None:
     return None
-  return f"module {package!r} has no attribute {name!r} (nnx.{name}): {hint}"
+  return f"module {package!r} has no attribute {name!r}: {hint}"
