@@ -235,3 +235,37 @@ def test_nn_builds_on_the_core_and_the_public_names_only():
       elif module.split(".")[0] != "core":
         wrong.append(f"{where} from ..{module} import {', '.join(names)}")
   assert not wrong, "nn/ reaches past the public API:\n  " + "\n  ".join(wrong)
+
+
+# The files that each hold one public transform (DESIGN, "The pieces"); the others in
+# transforms/ are the machinery they share.
+TRANSFORM_FILES = {
+  "_accumulate",
+  "_autodiff",
+  "_eval_shape",
+  "_jit",
+  "_pipeline",
+  "_remat",
+  "_remat_scan",
+  "_saved_residuals",
+  "_scan",
+  "_vmap",
+}
+
+
+def test_no_transform_reaches_into_another_transforms_file():
+  """A file of transforms/ takes from a transform's file only what the package exports
+  (``remat_scan``, ``grad``: built on the public transform), never its helpers: what two
+  transforms share lives in a file of its own."""
+  public = {name for name in vars(sr) if not name.startswith("_")}
+  wrong = []
+  for path in sorted((PACKAGE / "transforms").glob("*.py")):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+      if not (isinstance(node, ast.ImportFrom) and node.level == 1):
+        continue
+      if node.module in TRANSFORM_FILES and node.module != path.stem:
+        for alias in node.names:
+          if alias.name not in public:
+            wrong.append(f"transforms/{path.name} imports {alias.name} from {node.module}")
+  assert not wrong, "\n  ".join(["helpers taken from another transform's file:", *wrong])

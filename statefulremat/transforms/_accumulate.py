@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +25,7 @@ from ._lift import (
   split_call,
   write_back,
 )
+from ._microbatches import split_rows
 from ._module_arg import check_no_modules
 
 
@@ -168,26 +168,6 @@ def _microbatched(x, j: int, batch: tuple, k: int, what: str):
       f"microbatches={k} equal microbatches ({rows}). Fix: {fix}."
     )
   return split_rows(x, k)
-
-
-def split_rows(x, k: int):
-  """``x`` as ``(k, B // k, ...)``, ``k`` dividing ``B``: microbatch ``m`` is rows
-  ``m·B/k …``, spread over the Explicit mesh axes that split ``x``'s rows."""
-  shape = tuple(jnp.shape(x))
-  rows = shape[0] // k
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  spec: tuple = tuple(getattr(sharding, "spec", ()))  # a PartitionSpec's entries
-  if not spec or spec[0] is None:  # axis 0 replicated, or axes the type does not show
-    return jnp.reshape(x, (k, rows) + shape[1:])
-  # Explicit mesh axes split axis 0: each microbatch is spread over the same axes (one
-  # all-to-all of the batch here), or, where its rows do not divide among them,
-  # replicated. The reshape cannot keep axis 0's sharding: microbatch m's rows lie on
-  # a 1/k slice of the devices, and stepping through them would gather each one.
-  assert sharding is not None  # it gave a non-empty spec
-  names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-  size = math.prod(sharding.mesh.shape[n] for n in names)
-  out = P(None, spec[0] if rows % size == 0 else None, *spec[1:])
-  return jnp.reshape(x, (k, rows) + shape[1:], out_sharding=out)
 
 
 def _leaf_where(batch: tuple, j: int) -> str:

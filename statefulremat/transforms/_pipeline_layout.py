@@ -1,14 +1,12 @@
-"""The pipeline's layout and its microbatches: where each layer sits among the stages'
-chunks (``Layout``), and the microbatches' outputs joined back into one batch, kept
-spread over an Explicit axis that shards the batch (``sr.accumulate``'s ``split_rows``
-splits it)."""
+"""The pipeline's layout: where each layer sits among the stages' chunks (``Layout``),
+and the shape of one microbatch per device."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 
 class Layout:
@@ -41,22 +39,6 @@ class Layout:
 
   def size(self, q):
     return self.base + (q < self.extra)
-
-
-def explicit_spec(v) -> tuple:
-  """``v``'s partition spec where Explicit mesh axes show it in its type, else ``()``."""
-  return tuple(getattr(getattr(jax.typeof(v), "sharding", None), "spec", None) or ())
-
-
-def join(o, like):
-  """The microbatches' outputs ``(k, B // k, ...)`` back as one batch, sharded as the
-  carry was where Explicit axes show it."""
-  shape = tuple(jnp.shape(o))
-  whole = (shape[0] * shape[1],) + shape[2:]
-  spec = explicit_spec(like)
-  if not spec or jnp.shape(like) != whole:
-    return jnp.reshape(o, whole)
-  return jnp.reshape(o, whole, out_sharding=PartitionSpec(*spec))
 
 
 def is_array(leaf) -> bool:

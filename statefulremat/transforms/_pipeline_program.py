@@ -38,10 +38,10 @@ from ..core._kinds import RngCount, RngKey
 from ..core._split_merge import merge
 from ..core._stacks import axis_size
 from ..core._state import State
-from ._accumulate import split_rows
 from ._lift import write_back
+from ._microbatches import join, split_rows
 from ._pipeline_checks import stacked_axes
-from ._pipeline_layout import Layout, is_array, join, per_device
+from ._pipeline_layout import Layout, is_array, per_device
 from ._remat_scan import plan_remat, remat_scan
 from ._rules import TransformError, layer_index_map
 
