@@ -234,8 +234,31 @@ def test_batch_not_divisible_names_argument_shape_and_fix():
     ),
   ):
     sr.accumulate(sr.value_and_grad(loss_fn), microbatches=K)(model, x, y)
-  with pytest.raises(sr.TransformError, match=r"argument 1 at `\['y'\]` has shape \(6, 1\)"):
+  with pytest.raises(sr.TransformError, match=r"argument 1 at `\['x'\]` has shape \(6, 4\)"):
     sr.accumulate(lambda m, d: (0.0, {}), microbatches=4)(
+      model, {"x": jnp.ones((6, 4)), "y": jnp.ones((6, 1))}
+    )
+  assert_unchanged(model, before)
+
+
+def test_batch_arrays_of_different_lengths_are_refused_not_broadcast():
+  # x of 8 rows and y of 4 split into 4 microbatches each would pair x's rows 0-1 with
+  # y's row 0: a loss of the wrong examples. Both arrays are named, nothing changes.
+  model = Net(sr.Rngs(0))
+  before = snapshot(model)
+  x, y = batch(8)
+  step = sr.accumulate(sr.value_and_grad(loss_fn), microbatches=K)
+  with pytest.raises(
+    sr.TransformError,
+    match=(
+      r"sr.accumulate\(loss_fn\): argument 1 has 8 rows but argument 2 has 4; every "
+      r"array of the batch is split along axis 0 into the same microbatches.*Nothing "
+      r"was run\. Fix: pass arrays of one batch size"
+    ),
+  ):
+    step(model, x, y[:4])
+  with pytest.raises(sr.TransformError, match=r"argument 1 at `\['x'\]` has 8 rows but"):
+    sr.accumulate(lambda m, d: (0.0, {}), microbatches=2)(
       model, {"x": jnp.ones((8, 4)), "y": jnp.ones((6, 1))}
     )
   assert_unchanged(model, before)

@@ -326,12 +326,13 @@ def test_shard_eagerly_and_inside_jit(axis_type):
     return model.up.kernel.value * 1
 
   with jax.set_mesh(mesh):
-    shardings = sr.shard(eager, mesh, RULES)
+    sr.shard(eager, mesh, RULES)
+    shardings = {path: v.sharding for path, v in sr.state(eager).flat().items()}
     out = constrain(traced)
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "model")), 3)
   for model in (eager, traced):
     for path, value in sr.state(model).flat().items():
-      assert value.sharding.is_equivalent_to(shardings.flat()[path], value.ndim), path
+      assert value.sharding.is_equivalent_to(shardings[path], value.ndim), path
   assert eager.up.kernel.value.sharding.spec == P(None, None, "model")
 
 
@@ -362,7 +363,8 @@ def test_remat_scan_train_step_equals_one_device(axis_type):
   mesh = make_mesh(axis_type)
   parallel = build_stack()
   with jax.set_mesh(mesh):
-    shardings = sr.shard(parallel, mesh, RULES)
+    sr.shard(parallel, mesh, RULES)
+    shardings = {path: v.sharding for path, v in sr.state(parallel).flat().items()}
     batch = NamedSharding(mesh, P("data"))
     losses2, opt = train(parallel, jax.device_put(x, batch), jax.device_put(y, batch))
 
@@ -371,13 +373,13 @@ def test_remat_scan_train_step_equals_one_device(axis_type):
   for path in new1:
     np.testing.assert_allclose(new2[path], new1[path], rtol=1e-4, atol=1e-5, err_msg=path)
   # The step kept every variable where its spec says, and adam's moments follow.
-  for path, sharding in shardings.flat().items():
+  for path, sharding in shardings.items():
     value = sr.state(parallel).flat()[path]
     assert value.sharding.is_equivalent_to(sharding, value.ndim), (path, value.sharding)
   adam, _ = jax.tree.unflatten(opt.opt_state_def, [v.value for v in opt.opt_state])
   for moments in (adam.mu, adam.nu):
     for path, value in moments.flat().items():
-      assert value.sharding.is_equivalent_to(shardings.flat()[path], value.ndim), path
+      assert value.sharding.is_equivalent_to(shardings[path], value.ndim), path
 
 
 # -- misuse ----------------------------------------------------------------------------

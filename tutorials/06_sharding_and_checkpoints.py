@@ -94,7 +94,7 @@ mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 rules = [("batch", "data"), ("mlp", "model"), ("embed", None), ("layers", None)]
 print("mesh spec of up.kernel:", sr.logical_to_mesh(specs["up"]["kernel"], rules))
 
-shardings = sr.shard(stack, mesh, rules)
+stack = sr.shard(stack, mesh, rules)  # in place, and returns the model
 kernel = stack.up.kernel.value
 print(
   "up.kernel is now",

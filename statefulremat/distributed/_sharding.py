@@ -12,7 +12,7 @@ names to mesh axes with flax-style rules (``[("mlp", "model"), ("embed", None)]`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.core
@@ -22,6 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..core._errors import StatefulRematError, describe_mesh, format_path
 from ..core._stacks import LAYER_AXIS
 from ..core._state import State, thaw_metadata
+
+M = TypeVar("M")  # the model sr.shard returns, its own type
 
 Rules = Sequence[tuple[str, Any]]
 
@@ -86,9 +88,11 @@ def logical_to_mesh(specs, rules: Rules):
   )
 
 
-def shard(model, mesh: jax.sharding.Mesh, rules: Rules = ()) -> State:
+def shard(model: M, mesh: jax.sharding.Mesh, rules: Rules = ()) -> M:
   """Places every array of ``model`` on ``mesh`` as its ``sharding`` metadata says
-  (through ``rules``), in place; returns the State of ``NamedSharding`` s used.
+  (through ``rules``), in place; returns ``model``, so ``model = sr.shard(Model(...),
+  mesh, rules)`` reads as it does. Each array's ``.sharding`` is then the
+  ``NamedSharding`` its spec gives.
 
   Outside a trace the arrays move (``jax.device_put``); inside ``sr.jit`` they are
   constrained (``jax.lax.with_sharding_constraint``; on a mesh with ``Explicit`` axes,
@@ -101,9 +105,10 @@ def shard(model, mesh: jax.sharding.Mesh, rules: Rules = ()) -> State:
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
   >>> layer = sr.nn.Linear(2, 4, kernel_metadata={"sharding": (None, "mlp")},
   ...                      rngs=sr.Rngs(0))
-  >>> shardings = sr.shard(layer, mesh, rules=[("mlp", "model")])
-  >>> shardings["kernel"].spec, layer.kernel.value.sharding == shardings["kernel"]
-  (P(None, 'model'), True)
+  >>> sr.shard(layer, mesh, rules=[("mlp", "model")]) is layer
+  True
+  >>> layer.kernel.value.sharding.spec
+  P(None, 'model')
   """
   from ..core._module import Module
   from ..core._split_merge import update
@@ -127,7 +132,7 @@ def shard(model, mesh: jax.sharding.Mesh, rules: Rules = ()) -> State:
   _check_trace_mesh(state, mesh)
   placed = [_place(v, s) for v, s in zip(state._values, shardings)]
   update(model, State._make(state._spec, placed))
-  return State._make(state._spec, shardings)
+  return model
 
 
 # -- helpers ----------------------------------------------------------------------

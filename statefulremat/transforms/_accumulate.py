@@ -132,6 +132,7 @@ def _accumulate(fn, k: int, what: str, model, batch: tuple, kwargs: dict):
       f"{what}: there is no batch to split: the arguments after the model hold no "
       "array. Fix: pass the batch positionally after the model, `step(model, x, y)`."
     )
+  _check_one_batch_size(leaves, batch, what)
   split = [_microbatched(x, j, batch, k, what) for j, x in enumerate(leaves)]
 
   graphdef, variables = flatten(nodes)
@@ -168,6 +169,22 @@ def _microbatched(x, j: int, batch: tuple, k: int, what: str):
       f"microbatches={k} equal microbatches ({rows}). Fix: {fix}."
     )
   return split_rows(x, k)
+
+
+def _check_one_batch_size(leaves: list, batch: tuple, what: str) -> None:
+  """Every batch array has the same number of rows: split alike, arrays of different
+  lengths would pair each microbatch of one with the wrong rows of the other."""
+  sized = [(j, jnp.shape(x)[0]) for j, x in enumerate(leaves) if jnp.ndim(x)]
+  for j, rows in sized[1:]:
+    if rows != sized[0][1]:
+      first, n = sized[0]
+      raise TransformError(
+        f"{what}: {_leaf_where(batch, first)} has {n} rows but {_leaf_where(batch, j)} "
+        f"has {rows}; every array of the batch is split along axis 0 into the same "
+        "microbatches, so they must have the same number of rows (one per example). "
+        "Nothing was run. Fix: pass arrays of one batch size, or values every "
+        "microbatch shares as keyword arguments (they are given whole to each)."
+      )
 
 
 def _leaf_where(batch: tuple, j: int) -> str:
