@@ -362,3 +362,38 @@ def test_a_pattern_stack_with_edited_positions_is_refused_before_running():
     ),
   ):
     stack(jnp.ones((D,)))
+
+
+def test_indexing_a_stack_or_reaching_into_a_pattern_stack_points_to_the_way():
+  class Attn(sr.Module):
+    def __init__(self, *, rngs):
+      self.attn = sr.nn.Linear(2, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.attn(x)
+
+  class Scale(sr.Module):
+    def __init__(self, *, rngs):
+      self.w = sr.Param(jnp.ones((2,)))
+
+    def __call__(self, x):
+      return x * self.w.value
+
+  stack = sr.remat_scan(sr.nn.Linear, lengths=(3,))(2, 2, rngs=sr.Rngs(0))
+  with pytest.raises(
+    TypeError, match=r"not subscriptable: layer 2 of the stack is `stack\.layer\(2\)`"
+  ):
+    stack[2]
+  pattern = sr.remat_scan((Attn, Scale), lengths=(2,), length=4)(rngs=sr.Rngs(0))
+  with pytest.raises(
+    AttributeError,
+    match=r"no attribute 'attn': a pattern stack holds its layers by position.*position 0 of 2 "
+    r"has it: `stack\.pattern\[0\]\.attn`",
+  ):
+    pattern.attn
+  with pytest.raises(AttributeError, match=r"no attribute 'nope'.*no position has it either"):
+    pattern.nope
+  with pytest.raises(TypeError, match=r"`stack\.layer\(1\)`.*`stack\.pattern\[k\]`"):
+    pattern[1]
+  assert not hasattr(pattern, "_private") and getattr(pattern, "attn", None) is None
+  assert pattern.pattern[0].attn.kernel.shape == (2, 2, 2)

@@ -106,6 +106,32 @@ class PatternStack(Module):
   def __len__(self) -> int:
     return sum(len(s) for s in self.pattern)
 
+  def __getattr__(self, name: str):
+    # Only for names not found: a sub-module of the blocks lives in their positions.
+    pattern = vars(self).get("pattern")
+    if name.startswith("_") or pattern is None:
+      raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    having = [k for k, position in enumerate(pattern) if hasattr(position, name)]
+    where = (
+      f"position{'s' * (len(having) > 1)} {', '.join(map(str, having))} of "
+      f"{len(pattern)} ha{'ve' if len(having) > 1 else 's'} it: "
+      f"`stack.pattern[{having[0]}].{name}`"
+      if having
+      else "no position has it either"
+    )
+    raise AttributeError(
+      f"{type(self).__name__!r} object has no attribute {name!r}: a pattern stack holds "
+      f"its layers by position, one stack per position in `stack.pattern`, and {where} "
+      f"(layer i is `stack.layer(i)`)."
+    )
+
+  def __getitem__(self, i):
+    raise TypeError(
+      f"{type(self).__name__!r} object is not subscriptable: layer {i!r} of the stack is "
+      f"`stack.layer({i!r})` (a copy), `sr.unstack(stack)` gives every layer, and "
+      "`stack.pattern[k]` is the stack of position k."
+    )
+
   def layer(self, i: int):
     """Layer ``i`` as an ordinary module: ``stack.pattern[i % P].layer(i // P)``."""
     n, p, index = len(self), len(self.pattern), _as_index(i)

@@ -85,6 +85,8 @@ def stacked_class(
     "layer": layer,
     "__len__": num_layers,
   }
+  if not hasattr(layer_cls, "__getitem__"):  # a layer class's own indexing stays
+    namespace["__getitem__"] = _not_subscriptable
   cls = subclass(
     layer_cls,
     label,
@@ -103,6 +105,13 @@ def stacked_class(
     init_in_axes=init_in_axes,
   )
   return set_stack_info(cls, info)
+
+
+def _not_subscriptable(self, i):
+  raise TypeError(
+    f"{type(self).__name__!r} object is not subscriptable: layer {i!r} of the stack is "
+    f"`stack.layer({i!r})` (a copy of it), and `sr.unstack(stack)` gives every layer."
+  )
 
 
 def _init_nothing(self, *args, **kwargs):
