@@ -69,10 +69,21 @@ def test_an_impossible_budget_names_the_smallest_achievable():
     sr.plan_remat(_stack(37), CARRY, fn=body, memory_budget="1KiB")
 
 
-@pytest.mark.parametrize("budget", ["lots", -5, "0MiB", 2.5])
+@pytest.mark.parametrize("budget", ["lots", -5, "0MiB", 2.5, float("nan"), True])
 def test_a_budget_that_is_not_an_amount_of_memory_raises(budget):
   with pytest.raises(sr.RematPlanError, match="is not an amount of memory"):
     sr.plan_remat(_stack(5), CARRY, fn=body, memory_budget=budget)
+
+
+def test_a_whole_number_of_bytes_is_a_budget_whatever_its_type():
+  # 1e9 is a float and np.int64 not an int, but both are a whole number of bytes.
+  plans = [
+    sr.plan_remat(_stack(5), CARRY, fn=body, memory_budget=b)
+    for b in (10**9, 1e9, np.int64(10**9), "1GB")
+  ]
+  assert {(p.memory_budget, p.lengths, p.policy) for p in plans} == {
+    (10**9, plans[0].lengths, plans[0].policy)
+  }
 
 
 def test_plan_remat_wants_a_stack():

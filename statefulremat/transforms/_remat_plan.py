@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -225,13 +226,22 @@ def nestings(n: int, max_depth: int = 3):
 
 
 def parse_bytes(budget: int | str | None, what: str = "memory_budget") -> int | None:
-  """Bytes from an int or a string such as ``"512MiB"``, ``"2GiB"``, ``"1.5 GB"``.
+  """Bytes from a whole number (``1024``, ``1e9``, a numpy integer) or a string such as
+  ``"512MiB"``, ``"2GiB"``, ``"1.5 GB"``.
 
-  >>> parse_bytes("512MiB"), parse_bytes("2 GB"), parse_bytes(1024)
-  (536870912, 2000000000, 1024)
+  >>> parse_bytes("512MiB"), parse_bytes("2 GB"), parse_bytes(1024), parse_bytes(1e9)
+  (536870912, 2000000000, 1024, 1000000000)
   """
-  if budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget > 0):
-    return budget
+  if budget is None:
+    return None
+  if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
+    if budget > 0 and float(budget).is_integer():
+      return int(budget)
+    raise RematPlanError(
+      f"{what}={budget!r} is not an amount of memory: bytes come whole and positive. "
+      "Fix: a positive whole number of bytes (1e9 and 2**30 are), or a string such as "
+      "'512MiB', '2GiB' or '1.5GB'."
+    )
   units = {
     "": 1,
     "b": 1,
