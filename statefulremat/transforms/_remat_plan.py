@@ -225,7 +225,7 @@ def nestings(n: int, max_depth: int = 3):
   yield from extend((), 1)
 
 
-def parse_bytes(budget: int | str | None, what: str = "memory_budget") -> int | None:
+def parse_bytes(budget: float | str | None, what: str = "memory_budget") -> int | None:
   """Bytes from a whole number (``1024``, ``1e9``, a numpy integer) or a string such as
   ``"512MiB"``, ``"2GiB"``, ``"1.5 GB"``.
 
@@ -235,8 +235,9 @@ def parse_bytes(budget: int | str | None, what: str = "memory_budget") -> int | 
   if budget is None:
     return None
   if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
-    if budget > 0 and float(budget).is_integer():
-      return int(budget)
+    amount = float(budget)
+    if amount > 0 and amount.is_integer():
+      return int(amount)
     raise RematPlanError(
       f"{what}={budget!r} is not an amount of memory: bytes come whole and positive. "
       "Fix: a positive whole number of bytes (1e9 and 2**30 are), or a string such as "
