@@ -287,9 +287,11 @@ def per_layer(module: Module, variable: Variable) -> Variable:
 
 
 def is_stacked(module) -> bool:
-  """Whether ``module`` is a stack of layers of one class (its class was made by a
-  transform's class form; a pattern stack holds such stacks)."""
-  info = stack_info(module) if isinstance(module, Module) else None
+  """Whether ``module`` (or a class) is a stack of layers of one class (its class was
+  made by a transform's class form; a pattern stack holds such stacks)."""
+  if not (isinstance(module, Module) or isinstance(module, type) and issubclass(module, Module)):
+    return False
+  info = stack_info(module)
   return info is not None and not info.is_pattern
 
 
@@ -401,6 +403,12 @@ def unstack(stack) -> list:
 # -- stacks of a repeating pattern -------------------------------------------------------
 # A pattern stack (made by a class form over a tuple of classes) holds one stack per
 # position in ``.pattern``; its record lists their classes in ``positions``.
+
+
+def cycle(stack) -> tuple:
+  """The stacks whose layers make one unit of a loop over ``stack``: a pattern stack's
+  position stacks (one cycle: a layer of each, in order), else ``(stack,)``."""
+  return tuple(vars(stack)["pattern"]) if _pattern_of(stack) is not None else (stack,)
 
 
 def _pattern_of(obj) -> type | None:

@@ -14,7 +14,7 @@ out as stacked outputs, parameters that were only read do not (no extra copy).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -25,7 +25,8 @@ from ..core._errors import format_path
 from ..core._graph import _DICT, _LIST, _NODE, _TUPLE, _VAR
 from ..core._state import State, _Spec
 from ..core._tracing import tracing_user_code
-from ._lift import Lifted, check_no_nodes
+from ._lift import Lifted, check_no_nodes, split_call, write_back
+from ._module_arg import stacked_sources
 from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, Plan, TransformError
 
 
@@ -106,6 +107,8 @@ def var_entries(graphdef) -> list[tuple[type, Any]]:
 class LayerLoop:
   """Runs a body once per layer over the lifted modules (see module docstring)."""
 
+  period = 1  # layers per unit of the loop (a cycle loop runs a pattern's cycles)
+
   def __init__(
     self,
     lifted: Lifted,
@@ -114,11 +117,19 @@ class LayerLoop:
     leaves: list,
     what: str,
     data_transform: Callable | None = None,
+    *,
+    module: Any,
+    length: int,
+    metadata_params: Mapping | None = None,
+    reverse: bool = False,
   ):
     self.lifted, self.plan, self.leaves = lifted, plan, leaves
     self.variables = variables
     self.values = [v._value for v in variables]
     self.what, self.data_transform = what, data_transform
+    self.module, self.length, self.reverse = module, length, reverse
+    self.metadata_params = metadata_params
+    self.changed: dict[int, Any] = {}
     self.stacked = plan.indices(STACKED)
     self.carried = plan.indices(CARRY)
     self.count_of = {s.count: s for s in plan.streams}
@@ -223,6 +234,59 @@ class LayerLoop:
       )
 
   # -- the loop --------------------------------------------------------------------
+
+  @property
+  def units(self) -> int:
+    """The number of units the loop runs (what ``lengths`` counts)."""
+    return -(-self.length // self.period)
+
+  def loop(
+    self,
+    body: Callable,
+    carry: Any,
+    xs: Any,
+    *,
+    lengths: Sequence[int] | None = None,
+    remat: bool = False,
+    policy: Callable | None = None,
+    prevent_cse: bool = True,
+    unroll: int | bool = 1,
+  ):
+    """Runs every layer, ``body(layer, carry, x) -> (carry, ys)``: ``(carry, ys)``.
+
+    ``xs`` and ``ys`` leaves have the layer axis first. ``lengths`` nests the units
+    (``remat``: each level under ``jax.checkpoint``; a product above the unit count
+    makes the last segments short). Nothing is written until ``finish()``.
+    """
+    lengths = (self.length,) if lengths is None else tuple(lengths)
+    layer_body = lambda tree, c, x: body(tree[0][0], c, x)
+    if remat and math.prod(lengths) != self.length:
+      carry, ys, self.changed = self.run_segments(
+        layer_body, carry, self.length, lengths, policy=policy, prevent_cse=prevent_cse
+      )
+      return carry, ys
+    carry, ys, self.changed = self.run(
+      layer_body,
+      carry,
+      xs,
+      lengths,
+      reverse=self.reverse,
+      unroll=unroll,
+      remat=remat,
+      policy=policy,
+      prevent_cse=prevent_cse,
+    )
+    return carry, ys
+
+  def finish(self) -> None:
+    """Writes what the loop changed into the caller's modules (after the whole call
+    succeeded): the values, then the attributes the body added or deleted."""
+    write_back(self.variables, self.changed, self.what)
+    carry_out_structure(self)
+
+  def sources(self) -> list[tuple[str, int]]:
+    """``(description, layer count)`` of each stacked Variable, for error messages."""
+    return stacked_sources(self.plan, self.lifted, self.variables)
 
   def _carried_values(self, carried: list | None) -> list:
     return [self.values[i] for i in self.carried] if carried is None else carried
@@ -400,19 +464,17 @@ def _move_axis(x, source: int, destination: int):
   return jax.tree.map(lambda leaf: jnp.moveaxis(leaf, source, destination), x)
 
 
-def carry_out_structure(loop: LayerLoop, module, variables, metadata_params) -> None:
+def carry_out_structure(loop: LayerLoop) -> None:
   """After the loop's write-back: the attributes its body added or deleted, carried
-  out to the caller's ``module``; a Variable made inside comes out stacked (layer axis
-  0, marked as a stack's)."""
+  out to the caller's module; a Variable made inside comes out stacked (layer axis 0,
+  marked as a stack's)."""
   if loop.structure is None:
     return
-  from ._lift import split_call
-
   loop.structure.apply(
-    split_call((module,), {})[0],
-    variables,
+    split_call((loop.module,), {})[0],
+    loop.variables,
     loop.made,
     stacked_axis=0,
-    partition_name=(metadata_params or {}).get("partition_name"),
+    partition_name=(loop.metadata_params or {}).get("partition_name"),
     keep_metadata=True,
   )

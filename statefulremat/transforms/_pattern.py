@@ -46,13 +46,6 @@ def pattern_repr(pattern) -> str:
   return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
 
 
-def is_pattern_stack(module) -> bool:
-  """Whether ``module``'s own class is a pattern stack's (an ensemble of pattern
-  stacks, ``sr.vmap(PatternClass, ...)``, is a stack of them, not one)."""
-  info = stack_info(module) if isinstance(module, Module) else None
-  return info is not None and info.is_pattern
-
-
 def elements(what: str, pattern) -> list[tuple[type, Callable | None]]:
   """``(layer class, factory or None)`` per position; raises on anything else."""
   if not pattern:

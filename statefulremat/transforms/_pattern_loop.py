@@ -1,4 +1,9 @@
-"""The cycle loop: scan and remat_scan over a stack of a repeating pattern.
+"""The loop's unit: scan and remat_scan run a layer, or a cycle of a repeating pattern.
+
+``lift_loop`` lifts argument 0 and returns the loop over its units: a ``LayerLoop``
+(``_layers``) for a stack of one class, a ``CycleLoop`` for a pattern stack. Both run
+``body(layer, carry, x)`` through ``loop(...)`` and write back with ``finish()``, so
+the transforms never ask which they have.
 
 A pattern stack (``_pattern``) holds one ordinary stack per position of its pattern
 of P blocks; layer ``i`` is layer ``i // P`` of position ``i % P``. The loop lifts the
@@ -20,14 +25,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..core._module import Module
+from ..core._pattern_stack import PatternStack
+from ..core._stacks import cycle
 from ..core._tracing import tracing_user_code
 from ._layers import LayerLoop, _move_axis, check_same_type
+from ._module_arg import class_length, lift_module_arg, resolve_length, stacked_sources
+from ._pattern import check_positions, position_names
 from ._rules import TransformError
 
 
@@ -39,13 +49,10 @@ def take(tree, k: int):
 class CycleLoop(LayerLoop):
   """``LayerLoop`` whose iteration is one cycle of a pattern (see module docstring)."""
 
-  def __init__(
-    self, *args, period: int, length: int, names: Sequence[str], reverse: bool = False, **kwargs
-  ):
+  def __init__(self, *args, period: int, names: Sequence[str], **kwargs):
     super().__init__(*args, **kwargs)
-    self.period, self.length, self.names = period, length, tuple(names)
-    self.full, self.rest = divmod(length, period)
-    self.reverse = reverse
+    self.period, self.names = period, tuple(names)
+    self.full, self.rest = divmod(self.length, period)
     paths = self.lifted.graphdef.var_paths
     self.position = [paths[i][0] for i in self.stacked]
 
@@ -106,6 +113,30 @@ class CycleLoop(LayerLoop):
       ) from None
 
   # -- the loop --------------------------------------------------------------------
+
+  def loop(
+    self,
+    body: Callable,
+    carry: Any,
+    xs: Any,
+    *,
+    lengths: Sequence[int] | None = None,
+    remat: bool = False,
+    policy: Callable | None = None,
+    prevent_cse: bool = True,
+    unroll: int | bool = 1,
+  ):
+    carry, ys, self.changed = self.run_cycles(
+      lambda k, layer, c, x: body(layer, c, x),
+      carry,
+      xs,
+      lengths=lengths,
+      remat=remat,
+      policy=policy,
+      prevent_cse=prevent_cse,
+      unroll=unroll,
+    )
+    return carry, ys
 
   def run_cycles(
     self,
@@ -245,65 +276,71 @@ def _shapes(tree) -> str:
   return ", ".join(f"{jnp.dtype(d).name}{list(s)}" for s, d in leaves)
 
 
-# -- the function forms over a pattern stack --------------------------------------------
+# -- the loop over a module's units ---------------------------------------------------
 
 
-def lift_pattern(stack, what: str, rules, metadata_params, call_form: str):
-  """``(loop arguments, counts)``: the position stacks lifted together."""
-  from ._module_arg import lift_module_arg
-  from ._pattern import check_positions
-
-  counts = check_positions(stack, what)
-  lifted, variables, plan, leaves = lift_module_arg(
-    tuple(stack.pattern), what, rules, metadata_params, call_form
-  )
-  return (lifted, plan, variables, leaves), counts
-
-
-def scan_pattern(
-  stack,
-  body: Callable,
-  carry,
-  xs: list,
-  sources: list,
-  *,
+def lift_loop(
+  module,
   what: str,
   rules,
   metadata_params,
-  length,
-  data_transform,
-  reverse,
-  unroll,
-):
-  """``sr.scan``'s function form over a pattern stack: ``(carry, ys, finish)``."""
-  from ._layers import carry_out_structure
-  from ._lift import write_back
-  from ._pattern import position_names
+  call_form: str,
+  *,
+  sizes: Sequence[tuple[str, int]] = (),
+  fallback: int | None = None,
+  data_transform: Callable | None = None,
+  reverse: bool = False,
+) -> LayerLoop:
+  """The loop scan and remat_scan run over argument 0: its unit one layer, or one cycle
+  of a pattern stack (``cycle(module)`` holds several position stacks).
 
-  args, counts = lift_pattern(
-    stack, what, rules, metadata_params, "f(module, carry, *xs) -> (carry, ys)"
-  )
+  ``sizes``: ``(description, n)`` of what else counts the layers (scanned xs,
+  ``length=``), which must agree with the stack; ``fallback``: the count when nothing
+  tells it (no stacked Variable).
+  """
+  positions = cycle(module) if isinstance(module, Module) else (module,)
+  if len(positions) == 1:
+    lifted, variables, plan, leaves = lift_module_arg(
+      module, what, rules, metadata_params, call_form
+    )
+    stacked = stacked_sources(plan, lifted, variables)
+    n = resolve_length(what, None, list(sizes) + stacked, fallback=class_length(module) or fallback)
+    return LayerLoop(
+      lifted,
+      plan,
+      variables,
+      leaves,
+      what,
+      data_transform,
+      module=module,
+      length=n,
+      metadata_params=metadata_params,
+      reverse=reverse,
+    )
+  stack = cast(PatternStack, module)
+  counts = check_positions(stack, what)
   n = sum(counts)
-  for label, size in sources + ([("length=", length)] if length is not None else []):
+  for label, size in sizes:
     if size != n:
       raise TransformError(
         f"{what}: {label} has {size} entries along the scanned axis, but the pattern "
         f"stack has {n} layers. Fix: one entry per layer ({n}), or None in in_axes to "
         "give it whole to every layer."
       )
-  loop = CycleLoop(
-    *args,
+  lifted, variables, plan, leaves = lift_module_arg(
+    positions, what, rules, metadata_params, call_form
+  )
+  return CycleLoop(
+    lifted,
+    plan,
+    variables,
+    leaves,
     what,
     data_transform,
-    period=len(counts),
+    module=positions,
     length=n,
-    names=position_names(stack),
+    metadata_params=metadata_params,
     reverse=reverse,
+    period=len(counts),
+    names=position_names(stack),
   )
-  carry, ys, changed = loop.run_cycles(body, carry, xs, unroll=unroll)
-
-  def finish():
-    write_back(args[2], changed, what)
-    carry_out_structure(loop, tuple(stack.pattern), args[2], metadata_params)
-
-  return carry, ys, finish

@@ -15,10 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..core._stacks import cycle
 from ..core._tracing import tracing_user_code
 from ._lift import write_back
-from ._pattern import position_names
-from ._pattern_loop import lift_pattern
+from ._module_arg import lift_module_arg
+from ._pattern import check_positions, position_names
 from ._rules import STACKED, TransformError
 
 
@@ -36,8 +37,9 @@ def vmap_pattern(
   axis_name,
   metadata_params,
 ) -> Any:
-  (lifted, plan, variables, leaves), counts = lift_pattern(
-    stack, what, rules, metadata_params, "f(module, *args)"
+  counts = check_positions(stack, what)
+  lifted, variables, plan, leaves = lift_module_arg(
+    cycle(stack), what, rules, metadata_params, "f(module, *args)"
   )
   n, period = sum(counts), len(counts)
   names = position_names(stack)

@@ -16,7 +16,6 @@ import jax
 from ._class_form import display_name
 from ._lift import refuse_layer_list, serialised
 from ._module_arg import check_no_modules
-from ._pattern import is_pattern_stack
 from ._pipeline_checks import check_batch, check_layer_sharding, check_whole_cycles, find_mesh
 from ._pipeline_program import program, schedule_steps
 from ._remat_scan_args import AUTO, resolve_plan
@@ -204,8 +203,7 @@ def pipelined(
     check_no_modules(args, what, "the extra argument")
     check_no_modules(kwargs, what, "the keyword argument")
     mesh = find_mesh(stack, spec.axis, what)
-    if is_pattern_stack(stack):
-      check_whole_cycles(stack, mesh.shape[spec.axis] * spec.repeats, what)
+    check_whole_cycles(stack, mesh.shape[spec.axis] * spec.repeats, what)
     check_batch(x, spec.microbatches, what)
     check_layer_sharding(stack, mesh, spec, what, layers)
     if jax.sharding.get_abstract_mesh().empty and isinstance(mesh, jax.sharding.Mesh):

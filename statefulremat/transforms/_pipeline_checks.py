@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core._graph import flatten
-from ..core._stacks import axis_size, layer_axis
+from ..core._module import Module
+from ..core._stacks import axis_size, cycle, layer_axis
 from ._lift import split_call
 from ._rules import TransformError
 
@@ -119,8 +120,12 @@ def check_layer_sharding(stack, mesh, spec, what: str, layers: int | None = None
 
 def check_whole_cycles(stack, chunks: int, what: str) -> None:
   """A pattern stack is pipelined by whole cycles, in equal chunks: its length must be
-  a multiple of the pattern's, and its cycles of the stage count (times ``repeats``)."""
-  counts = [len(position) for position in stack.pattern]
+  a multiple of the pattern's, and its cycles of the stage count (times ``repeats``).
+  A stack whose unit is one layer is split by ``check_layer_sharding``."""
+  positions = cycle(stack) if isinstance(stack, Module) else ()
+  if len(positions) < 2:
+    return
+  counts = [len(position) for position in positions]
   p, n = len(counts), sum(counts)
   cycles = counts[0]
   if n % p:

@@ -38,7 +38,7 @@ from jax.extend.core import Literal
 
 from ..core._errors import StatefulRematError
 from ..core._split_merge import merge, split
-from ..core._stacks import num_layers, stacked_variables
+from ..core._stacks import cycle, num_layers, stacked_variables
 
 # A plan fits a budget when the model puts it at most this fraction of it: on Dense +
 # tanh the model is within 0.1 % of XLA's figure (1 % at 64 x 256 activations), other
@@ -362,57 +362,40 @@ def tree_bytes(tree: Any) -> int:
   )
 
 
-# -- one layer of a stack ---------------------------------------------------------
+# -- one unit of a stack: a layer, or a cycle of a pattern -------------------------------
 
 
 @dataclasses.dataclass
 class _BlockInputs:
-  layer_fn: Callable  # (one layer's state values, carry) -> carry
-  params: Any  # one layer's state values, abstract
-  layer_bytes: int  # one layer's stacked bytes
+  layer_fn: Callable  # (one unit's state values, carry) -> carry
+  params: Any  # one unit's state values, abstract
+  layer_bytes: int  # one unit's stacked bytes
 
 
-def block_inputs(stack, fn: Callable) -> _BlockInputs:
-  """One layer of ``stack`` as a function of its state, abstractly (nothing is sliced)."""
+def unit_inputs(stack, fn: Callable) -> tuple[int, _BlockInputs]:
+  """``(units, inputs)``: the number of units of the loop over ``stack`` and one unit
+  (its first layer at each position of ``cycle(stack)``, run in order) as a function
+  of its state, abstractly; nothing is sliced."""
+  positions = cycle(stack)
   graphdefs = []
 
-  def one_layer(stack):
-    graphdef, state = split(stack.layer(0))
-    graphdefs.append(graphdef)
-    return state
-
-  state = jax.eval_shape(one_layer, stack)
-  n = num_layers(stack)
-  stacked = sum(tree_bytes(v._value) for _, v, _, _ in stacked_variables(stack))
-
-  def layer_fn(state, carry):
-    return fn(merge(graphdefs[0], state), carry)
-
-  return _BlockInputs(layer_fn, state, stacked // n)
-
-
-def cycle_inputs(stack, fn: Callable) -> _BlockInputs:
-  """One cycle of a pattern stack (its first layer at each position, run in order) as
-  a function of its state, abstractly: the block the planner plans for a pattern."""
-  graphdefs = []
-
-  def one_cycle(stack):
+  def one_unit(stack):
     states = []
-    for position in stack.pattern:
+    for position in cycle(stack):
       graphdef, state = split(position.layer(0))
       graphdefs.append(graphdef)
       states.append(state)
     return states
 
-  states = jax.eval_shape(one_cycle, stack)
-  cycles = -(-len(stack) // len(stack.pattern))
+  states = jax.eval_shape(one_unit, stack)
+  units = -(-sum(map(num_layers, positions)) // len(positions))
   stacked = sum(
-    tree_bytes(v._value) for position in stack.pattern for _, v, _, _ in stacked_variables(position)
+    tree_bytes(v._value) for position in positions for _, v, _, _ in stacked_variables(position)
   )
 
-  def cycle_fn(states, carry):
+  def unit_fn(states, carry):
     for graphdef, state in zip(graphdefs, states):
       carry = fn(merge(graphdef, state), carry)
     return carry
 
-  return _BlockInputs(cycle_fn, states, stacked // cycles)
+  return units, _BlockInputs(unit_fn, states, stacked // units)

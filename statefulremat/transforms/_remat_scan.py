@@ -11,40 +11,27 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
-from ..core._stacks import is_stacked, num_layers, update_stack_info
+from ..core._module import Module
+from ..core._stacks import cycle, is_stacked, update_stack_info
 from ._autodiff import grad
 from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
 from ._jit import jit
-from ._layers import LayerLoop, carry_out_structure
-from ._lift import refuse_layer_list, serialised, write_back
-from ._module_arg import (
-  check_no_modules,
-  lift_module_arg,
-  resolve_length,
-  stacked_sources,
-)
-from ._pattern import (
-  call_method,
-  is_pattern,
-  is_pattern_stack,
-  pattern_class,
-  pattern_repr,
-  position_names,
-)
-from ._pattern_loop import CycleLoop, lift_pattern
+from ._lift import refuse_layer_list, serialised
+from ._module_arg import check_no_modules
+from ._pattern import call_method, is_pattern, pattern_class, pattern_repr
+from ._pattern_loop import lift_loop
 from ._policy_check import policy_check
 from ._remat_budget import fit_budget
 from ._remat_plan import (
   POLICIES,
   RematPlan,
-  block_inputs,
   choose,
-  cycle_inputs,
   parse_bytes,
   residual_bytes,
   tree_bytes,
+  unit_inputs,
 )
-from ._remat_scan_args import AUTO, check_cycles, check_lengths, resolve_plan
+from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units, resolve_plan
 from ._rules import Rules, TransformError
 from ._stacked import stacked_class
 
@@ -271,62 +258,30 @@ def _remat_scan_function(
     check_no_modules(carry, what, "the carry")
     check_no_modules(args, what, "the extra argument")
     check_no_modules(kwargs, what, "the keyword argument")
-    if is_pattern_stack(module):
-      return _run_pattern(module, carry, args, kwargs)
-    lifted, variables, plan, leaves = lift_module_arg(
-      module, what, rules, metadata_params, "f(module, carry) -> carry"
+    loop = lift_loop(
+      module,
+      what,
+      rules,
+      metadata_params,
+      "f(module, carry) -> carry",
+      fallback=n,
+      data_transform=data_transform,
     )
-    sources = stacked_sources(plan, lifted, variables)
-    given = [(label, n)] if label is not None and n is not None else []
-    count = resolve_length(what, None, given + sources)
-    loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
-
-    def body(tree, c, _):
-      return fn(tree[0][0], c, *args, **kwargs), None
-
-    nesting, innermost = planned(module, lifted, count, carry, args, kwargs)
+    if n is not None and label is not None:
+      check_units(what, label, n, lengths, loop)
+    nesting, innermost = planned(module, loop.lifted, loop.length, carry, args, kwargs)
 
     def run(carry):
-      if count != math.prod(nesting):
-        return loop.run_segments(
-          body, carry, count, nesting, policy=innermost, prevent_cse=prevent_cse
-        )
-      return loop.run(
-        body, carry, None, nesting, remat=True, policy=innermost, prevent_cse=prevent_cse
+      body = lambda layer, c, _: (fn(layer, c, *args, **kwargs), None)
+      carry, _ = loop.loop(
+        body, carry, None, lengths=nesting, remat=True, policy=innermost, prevent_cse=prevent_cse
       )
+      return carry, loop.changed, loop.made
 
-    carry, _, changed = run(carry) if check is None else check.run(run, carry)
-    write_back(variables, changed, what)
-    carry_out_structure(loop, module, variables, metadata_params)
-    return carry
-
-  def _run_pattern(stack, carry, args, kwargs):
-    """The same over a pattern stack: the nesting counts its cycles."""
-    loop_args, counts = lift_pattern(
-      stack, what, rules, metadata_params, "f(module, carry) -> carry"
-    )
-    layers, period = sum(counts), len(counts)
-    if n is not None and isinstance(lengths, tuple):  # given, not "auto"
-      check_cycles(what, lengths, layers, period)
-    loop = CycleLoop(
-      *loop_args, what, data_transform, period=period, length=layers, names=position_names(stack)
-    )
-    nesting, innermost = planned(stack, loop.lifted, layers, carry, args, kwargs)
-
-    def run(carry):
-      return loop.run_cycles(
-        lambda k, layer, c, _: (fn(layer, c, *args, **kwargs), None),
-        carry,
-        None,
-        lengths=nesting,
-        remat=True,
-        policy=innermost,
-        prevent_cse=prevent_cse,
-      )
-
-    carry, _, changed = run(carry) if check is None else check.run(run, carry)
-    write_back(loop_args[2], changed, what)
-    carry_out_structure(loop, tuple(stack.pattern), loop_args[2], metadata_params)
+    # Under a policy check the loop runs in a jaxpr first: its results come out
+    # through the returned values, never as that trace's tracers left on `loop`.
+    carry, loop.changed, loop.made = run(carry) if check is None else check.run(run, carry)
+    loop.finish()
     return carry
 
   return serialised(wrapper)
@@ -372,7 +327,8 @@ def plan_remat(
   >>> y = sr.remat_scan(lambda layer, h: jnp.tanh(layer(h)), lengths=plan)(
   ...     stack, jnp.ones((8, 256)))
   """
-  if not is_stacked(stack) and not is_pattern_stack(stack):
+  positions = cycle(stack) if isinstance(stack, Module) else ()
+  if not positions or not all(map(is_stacked, positions)):
     raise TypeError(
       f"sr.plan_remat plans a stack of layers; got {type(stack).__name__}. Fix: pass "
       "the stacked module (e.g. `sr.vmap(Block, axis_size=N)(...)` or a class form of "
@@ -380,12 +336,7 @@ def plan_remat(
     )
   fn = _call if fn is None else fn
   budget = parse_bytes(memory_budget)
-  if is_pattern_stack(stack):  # plans cycles
-    n = -(-len(stack) // len(stack.pattern))
-    inputs = cycle_inputs(stack, fn)
-  else:
-    n = num_layers(stack)
-    inputs = block_inputs(stack, fn)
+  n, inputs = unit_inputs(stack, fn)
   carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), carry)
   carry_bytes = tree_bytes(carry)
   residuals = {
@@ -415,7 +366,7 @@ def plan_remat(
       carry_bytes,
       inputs.layer_bytes,
       verify,
-      unit="cycle" if is_pattern_stack(stack) else "layer",
+      unit="cycle" if len(positions) > 1 else "layer",
     )
 
   if budget is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from ._module_arg import resolve_length
 from ._remat_plan import RematPlan, parse_bytes
 from ._rules import TransformError
 
@@ -99,3 +100,13 @@ def check_cycles(what: str, lengths: tuple, length: int, period: int) -> None:
       f"cycle may be short). Fix: {covering(cycles, len(lengths))}, or "
       "lengths='auto'."
     )
+
+
+def check_units(what: str, label: str, n: int, lengths: tuple | str, loop) -> None:
+  """The given count against the loop's: a count of layers equals the stack's; for a
+  loop over cycles, given ``lengths`` cover them (the last cycle may be short)."""
+  if loop.period > 1:
+    if isinstance(lengths, tuple):
+      check_cycles(what, lengths, loop.length, loop.period)
+  else:
+    resolve_length(what, None, [(label, n)] + loop.sources())

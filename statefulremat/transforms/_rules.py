@@ -40,7 +40,7 @@ from ..core._errors import TransformError, format_path
 from ..core._filters import filter_repr, is_everything, to_predicate
 from ..core._module import iter_graph
 from ..core._rngs import LayerKeys, Rngs, RngStream
-from ..core._stacks import stack_info
+from ..core._stacks import cycle, stack_info
 from ..core._variables import Variable, owner_chain
 
 STACKED, BROADCAST, CARRY, RNG, READONLY = "stacked", "broadcast", "carry", "rng", "read-only"
@@ -238,8 +238,7 @@ def _index_map(nodes) -> tuple[int, int] | None:
     node, (period, position) = given
     if len(nodes) == 1 and node is nodes[0]:
       return period, position
-    info = stack_info(node)
-    positions = vars(node)["pattern"] if info is not None and info.is_pattern else ()
+    positions = cycle(node)
     if len(positions) == len(nodes) and all(a is b for a, b in zip(positions, nodes)):
       assert period == 1, "a slice of whole cycles"
       return 1, position * len(nodes)

@@ -1,8 +1,8 @@
 """sr.scan: ``jax.lax.scan`` over modules, with per-collection rules.
 
 The class form builds a stack of layers (``_stacked``) whose call is the function
-form; the function form lifts the module and runs the loop (``_layers``, or
-``_pattern_loop`` for a pattern stack). Its ``in_axes`` / ``out_axes`` trees and
+form; the function form lifts the module and runs the loop over its units
+(``_pattern_loop.lift_loop``: one layer, or one cycle of a pattern stack). Its ``in_axes`` / ``out_axes`` trees and
 ``sr.broadcast`` are in ``_scan_axes``.
 """
 
@@ -18,17 +18,10 @@ import jax.numpy as jnp
 
 from ..core._module import Module
 from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
-from ._layers import LayerLoop, carry_out_structure
-from ._lift import refuse_layer_list, serialised, write_back
-from ._module_arg import (
-  check_no_modules,
-  class_length,
-  lift_module_arg,
-  resolve_length,
-  stacked_sources,
-)
-from ._pattern import call_method, is_pattern, is_pattern_stack, pattern_class, pattern_repr
-from ._pattern_loop import scan_pattern
+from ._lift import refuse_layer_list, serialised
+from ._module_arg import check_no_modules
+from ._pattern import call_method, is_pattern, pattern_class, pattern_repr
+from ._pattern_loop import lift_loop
 from ._rules import Rules, TransformError
 from ._scan_axes import broadcast as broadcast  # pickled sr.broadcast named this module
 from ._scan_axes import check_axes, in_axes_per_leaf, leaf_path, stack_ys
@@ -326,72 +319,22 @@ def _scan_function(
       x_leaves[j] if axes[j] % jnp.ndim(x_leaves[j]) == 0 else jnp.moveaxis(x_leaves[j], axes[j], 0)
       for j in scanned
     ]
-    if is_pattern_stack(module):
-      carry, ys, finish = scan_pattern(
-        module,
-        lambda k, layer, c, x: call(layer, c, x),
-        carry,
-        moved,
-        sources,
-        what=what,
-        rules=rules,
-        metadata_params=metadata_params,
-        length=length,
-        data_transform=data_transform,
-        reverse=reverse,
-        unroll=unroll,
-      )
-    else:
-      carry, ys, finish = _scan_stack(
-        module,
-        lambda tree, c, x: call(tree[0][0], c, x),
-        carry,
-        moved,
-        sources,
-        what=what,
-        rules=rules,
-        metadata_params=metadata_params,
-        length=length,
-        data_transform=data_transform,
-        reverse=reverse,
-        unroll=unroll,
-      )
+    if length is not None:
+      sources.insert(0, ("length", int(length)))
+    loop = lift_loop(
+      module,
+      what,
+      rules,
+      metadata_params,
+      "f(module, carry, *xs) -> (carry, ys)",
+      sizes=sources,
+      data_transform=data_transform,
+      reverse=reverse,
+    )
+    carry, ys = loop.loop(call, carry, moved, unroll=unroll)
     if ys is not None and not (isinstance(out_axes, int) and out_axes == 0):
       ys = stack_ys(what, out_axes, ys)  # may raise: before anything is written back
-    finish()
+    loop.finish()
     return carry, ys
 
   return serialised(wrapper)
-
-
-def _scan_stack(
-  module,
-  body,
-  carry,
-  moved,
-  sources,
-  *,
-  what,
-  rules,
-  metadata_params,
-  length,
-  data_transform,
-  reverse,
-  unroll,
-):
-  """The scan over a module's layers: ``(carry, ys, finish)``; ``finish()`` writes
-  back."""
-  lifted, variables, plan, leaves = lift_module_arg(
-    module, what, rules, metadata_params, "f(module, carry, *xs) -> (carry, ys)"
-  )
-  n = resolve_length(
-    what, length, sources + stacked_sources(plan, lifted, variables), fallback=class_length(module)
-  )
-  loop = LayerLoop(lifted, plan, variables, leaves, what, data_transform)
-  carry, ys, changed = loop.run(body, carry, moved, (n,), reverse=reverse, unroll=unroll)
-
-  def finish():
-    write_back(variables, changed, what)
-    carry_out_structure(loop, module, variables, metadata_params)
-
-  return carry, ys, finish

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core._module import Module
-from ..core._stacks import stack_info
+from ..core._stacks import cycle, is_stacked
 from ..core._tracing import tracing_user_code
 from ..core._variables import Variable
 from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
@@ -24,7 +24,7 @@ from ._module_arg import (
   stacked_sources,
 )
 from ._outputs import ModulesOut, lift_outputs
-from ._pattern import call_method, is_pattern, is_pattern_stack, pattern_class, pattern_repr
+from ._pattern import call_method, is_pattern, pattern_class, pattern_repr
 from ._pattern_vmap import vmap_pattern
 from ._restructure import split_new
 from ._rules import STACKED, Rules, TransformError
@@ -209,7 +209,7 @@ def _vmap_function(
       )
     check_no_modules(args, what, "argument", first=1)
     check_no_modules(kwargs, what, "the keyword argument")
-    if is_pattern_stack(module):
+    if isinstance(module, Module) and len(cycle(module)) > 1:  # members of P classes
       return vmap_pattern(
         module,
         fn,
@@ -421,9 +421,7 @@ def _stack_class(cls: type, n: int, axis: int = 0) -> type:
   """The stacked class a module built under ``sr.vmap`` comes out as (one per layer
   class, size and layer axis): ``sr.vmap(cls, axis_size=n, in_axes=None)``, mapping
   ``axis`` (``variable_axes={True: axis}``) where out_axes put it elsewhere."""
-  if (
-    info := stack_info(cls)
-  ) is not None and not info.is_pattern:  # a stack made per member: stays as it is
+  if is_stacked(cls):  # a stack made per member: stays as it is
     return cls
   rules: dict[str, Any] = {} if axis == 0 else {"variable_axes": {True: axis}}
   return vmap(cls, axis_size=n, in_axes=None, **rules)
