@@ -12,19 +12,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..core._errors import TransformError, format_path
-from ..core._graph import flatten
-from ..core._graph_lock import hold, let_go
-from ..core._tracing import tracing_user_code
 from ._class_form import display_name
-from ._lift import (
-  Lifted,
-  check_no_nodes,
-  is_node,
-  raise_if_deleted,
-  serialised,
-  split_call,
-  write_back,
-)
+from ._lift import Lifted, check_no_nodes, held, is_node, lift, serialised, write_back
 from ._microbatches import split_rows
 from ._module_arg import check_no_modules
 
@@ -116,7 +105,7 @@ def accumulate(fn: Callable, *, microbatches: int) -> Callable:
 
 
 def _accumulate(fn, k: int, what: str, model, batch: tuple, kwargs: dict):
-  nodes, others, treedef, positions = split_call((model,), {})
+  lifted, variables, others, nodes = lift((model,), {})
   if not nodes or not all(is_node(n) for n in jax.tree.leaves(model, is_leaf=is_node)):
     raise TransformError(
       f"{what}: argument 0 must be the model (a module, or a tuple/dict of modules), "
@@ -135,18 +124,10 @@ def _accumulate(fn, k: int, what: str, model, batch: tuple, kwargs: dict):
   _check_one_batch_size(leaves, batch, what)
   split = [_microbatched(x, j, batch, k, what) for j, x in enumerate(leaves)]
 
-  graphdef, variables = flatten(nodes)
-  lifted = Lifted(graphdef, treedef, positions)
-  lock = hold(variables)  # None when nested in a call that holds it
-  try:
+  with held(variables):
     values = [v._value for v in variables]
     out, changed = _scan(fn, k, what, lifted, values, others, split, batch_tree, kwargs)
     write_back(variables, changed, what)
-  except RuntimeError:
-    raise_if_deleted(variables)
-    raise
-  finally:
-    let_go(lock)
   return out
 
 
@@ -230,11 +211,10 @@ def _scan(
 
   def step(vals, mb):
     """One microbatch: ``(loss, aux, grads, {index: new value})``."""
-    with tracing_user_code(what):
-      tree, _, roots = lifted.rebuild(vals, others)
-      out = fn(tree[0][0], *jax.tree.unflatten(batch_tree, mb), **kwargs)
+    call = lambda model: fn(model, *jax.tree.unflatten(batch_tree, mb), **kwargs)
+    out, changes = lifted.run(call, list(vals), others, what)
     loss, aux, grads = _parse(out, what)
-    return loss, aux, grads, lifted.collect(roots, vals, what)
+    return loss, aux, grads, changes.values
 
   def probe(vals, mb):
     loss, aux, grads, changed = step(vals, mb)

@@ -11,12 +11,10 @@ import jax.numpy as jnp
 from ..core._errors import format_path
 from ..core._filters import Filter, collections_and_guess, filter_repr, to_predicate
 from ..core._graph import flatten
-from ..core._graph_lock import hold, let_go
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._state import State, _Spec, freeze
-from ..core._tracing import tracing_user_code
-from ._lift import Lifted, check_no_nodes, raise_if_deleted, split_call, write_back
+from ._lift import Lifted, check_no_nodes, held, split_call, write_back
 from ._rules import TransformError
 
 
@@ -57,7 +55,7 @@ def value_and_grad(
       return _through_containers(fn, args, kwargs, targets, single, wrt, has_aux)
     module_targets = {t for t in targets if isinstance(args[t], Module)}
     array_targets = [t for t in targets if t not in module_targets]
-    held = tuple(args[t] for t in array_targets)
+    array_args = tuple(args[t] for t in array_targets)
     args = tuple(None if t in array_targets else a for t, a in enumerate(args))
     nodes, leaves, treedef, positions = split_call(args, kwargs)
     # Walk the differentiated modules first, so a variable they share with another
@@ -85,8 +83,7 @@ def value_and_grad(
       if not diff_index[t]:
         _nothing_to_differentiate(what, wrt, t, args[t])
     diffed = {i for entries in diff_index.values() for i, _ in entries}
-    lock = hold(variables)  # None when nested in a call that holds it
-    try:
+    with held(variables):
       values = [v._value for v in variables]
       for t in module_targets:
         for i, local in diff_index[t]:
@@ -104,13 +101,14 @@ def value_and_grad(
         for t in module_targets:
           for (i, _), value in zip(diff_index[t], diff_values[t]):
             flat[i] = value
-        with tracing_user_code(what):
-          tree, _, roots = lifted.rebuild(flat, leaves)
-          call_args, call_kwargs = tree
+
+        def call(*call_args, **call_kwargs):
           call_args = list(call_args)
           for t, value in zip(array_targets, array_values):
             call_args[t] = value
-          out = fn(*call_args, **call_kwargs)
+          return fn(*call_args, **call_kwargs)
+
+        out, changes = lifted.run(call, flat, leaves, what)
         if has_aux:
           if not (isinstance(out, (tuple, list)) and len(out) == 2):
             got = (
@@ -136,19 +134,14 @@ def value_and_grad(
         else:
           loss, aux = out, None
         check_no_nodes(aux, what)
-        return loss, (aux, lifted.collect(roots, flat, what))
+        return loss, (aux, changes.values)
 
       diff_values = {t: [values[i] for i, _ in diff_index[t]] for t in module_targets}
       others = [None if i in diffed else v for i, v in enumerate(values)]
       (loss, (aux, changed)), (g_mod, g_arr) = jax.value_and_grad(
         pure, argnums=(0, 1), has_aux=True
-      )(diff_values, held, others)
+      )(diff_values, array_args, others)
       write_back(variables, changed, what)
-    except RuntimeError:
-      raise_if_deleted(variables)
-      raise
-    finally:
-      let_go(lock)
 
     grads = []
     for t in targets:

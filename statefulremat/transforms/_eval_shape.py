@@ -7,10 +7,9 @@ from typing import Any
 
 import jax
 
-from ..core._graph import flatten
 from ..core._module import Module
 from ..core._tracing import tracing_user_code
-from ._lift import Lifted, split_call
+from ._lift import lift
 from ._outputs import ModulesOut, lift_outputs
 
 
@@ -50,9 +49,7 @@ def eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
       "`sr.eval_shape(lambda: Model(rngs=sr.Rngs(0)))` or `sr.eval_shape(model, x)`."
     )
   what = f"sr.eval_shape({getattr(fn, '__name__', 'fn')})"
-  nodes, leaves, treedef, positions = split_call(args, kwargs)
-  graphdef, variables = flatten(nodes)
-  lifted = Lifted(graphdef, treedef, positions)
+  lifted, variables, leaves, _ = lift(args, kwargs)
 
   def pure(values, leaves):
     with tracing_user_code(what):

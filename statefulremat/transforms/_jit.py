@@ -13,11 +13,9 @@ import jax.numpy as jnp
 
 from ..core._graph_lock import hold, let_go
 from ..core._module import Module
-from ..core._tracing import tracing_user_code
 from ..core._variables import Variable
 from ._lift import FlattenCache, raise_if_deleted, split_call, write_back
-from ._outputs import ModulesOut, Restructured, lift_outputs
-from ._restructure import split_new
+from ._outputs import ModulesOut, Restructured
 
 _PASSED_THROUGH = {"keep_unused", "inline", "compiler_options", "backend", "device"}
 
@@ -108,19 +106,15 @@ def jit(
   what = f"sr.jit({getattr(fn, '__name__', 'fn')})"
 
   def pure(lifted, statics, values, leaves):
-    with tracing_user_code(what):
-      tree, _, roots = lifted.rebuild(values, leaves)
-      args, kwargs = tree
-      positional, named = statics
-      out = fn(*_insert(args, positional), **kwargs, **dict(named))
-      structure: list = []
-      changed = lifted.collect(roots, values, what, structure)
-      if structure:  # attributes added or deleted: carried out after the call
-        changed, made = split_new(changed)
-        out = lift_outputs(out, roots, len(structure[0].origin))
-        out = Restructured(out, made, structure[0])
-      else:
-        out = lift_outputs(out, roots, len(values))
+    positional, named = statics
+
+    def call(*args, **kwargs):
+      return fn(*_insert(args, positional), **kwargs, **dict(named))
+
+    out, changes = lifted.run(call, values, leaves, what, restructure=True, outputs=True)
+    changed = changes.values
+    if changes.structure is not None:  # attributes added or deleted: carried out after
+      out = Restructured(out, changes.made, changes.structure)
     if donate_state:
       changed = {i: changed.get(i, v) for i, v in enumerate(values)}
     return out, changed
@@ -135,7 +129,9 @@ def jit(
     else:
       statics = no_statics
     lifted, variables, leaves = cache.lift_call(args, kwargs)
-    lock = hold(variables)  # None when nested in a call that holds it
+    # `with held(variables)`, spelt out: the context manager's three calls cost about
+    # 0.5 µs, 5 % of a small step's dispatch.
+    lock = hold(variables)
     try:
       values = [v._value for v in variables]
       if donate_state:

@@ -24,8 +24,7 @@ from jax import lax
 from ..core._errors import format_path
 from ..core._graph import _DICT, _LIST, _NODE, _TUPLE, _VAR
 from ..core._state import State, _Spec
-from ..core._tracing import tracing_user_code
-from ._lift import Lifted, check_no_nodes, split_call, write_back
+from ._lift import Changes, Lifted, check_no_nodes, split_call, write_back
 from ._module_arg import stacked_sources
 from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, Plan, TransformError
 
@@ -144,12 +143,15 @@ class LayerLoop:
     carry_values, user_carry = state
     slices, xs_slice, index = x
     flat = self._substitute(slices, carry_values)
-    served = self.plan.seed_layer(flat, self.values, index)
-    with tracing_user_code(self.what):
-      tree, variables, roots = self.lifted.rebuild(flat, self.leaves)
-      self.plan.serve_names(served, variables, index)
-      new_carry, ys = body(tree, user_carry, xs_slice)
-    return self._read_back(roots, flat, user_carry, new_carry, ys)
+    (new_carry, ys), changes = self.lifted.run(
+      lambda layer: body(layer, user_carry, xs_slice),
+      flat,
+      self.leaves,
+      self.what,
+      seed=(self.plan, index),
+      restructure=True,
+    )
+    return self._read_back(changes, flat, user_carry, new_carry, ys)
 
   def _substitute(self, slices, carry_values) -> list:
     """The flat values of one iteration: stacked slices and carried values put in."""
@@ -162,16 +164,14 @@ class LayerLoop:
       flat[i] = value
     return flat
 
-  def _read_back(self, roots, flat, user_carry, new_carry, ys, carry_label="carry"):
+  def _read_back(self, changes: Changes, flat, user_carry, new_carry, ys, carry_label="carry"):
     """After the body: ``((carry values, carry), (written, ys))`` of one iteration."""
     check_no_nodes((new_carry, ys), self.what)
-    structure: list = []
-    changed = self.lifted.collect(roots, flat, self.what, structure)
-    if structure:
-      self.structure = structure[0]
+    changed = changes.values
+    if changes.structure is not None:
+      self.structure = changes.structure
     for i in changed:
-      if i >= 0:
-        self._check_writable(i)
+      self._check_writable(i)
     check_same_type(user_carry, new_carry, self.what, carry_label)
     new_carry_values = []
     for i in self.carried:
@@ -182,7 +182,7 @@ class LayerLoop:
       new_carry_values.append(value)
     written = {i: changed[i] for i in self.stacked if i in changed}
     # Variables made inside (keys -1, -2, ...): one per layer, stacked like the ys.
-    written.update({i: v for i, v in changed.items() if i < 0})
+    written.update({-1 - k: v for k, v in enumerate(changes.made)})
     return (new_carry_values, new_carry), (written, ys)
 
   def _transform_data(self, slices):
@@ -259,14 +259,13 @@ class LayerLoop:
     makes the last segments short). Nothing is written until ``finish()``.
     """
     lengths = (self.length,) if lengths is None else tuple(lengths)
-    layer_body = lambda tree, c, x: body(tree[0][0], c, x)
     if remat and math.prod(lengths) != self.length:
       carry, ys, self.changed = self.run_segments(
-        layer_body, carry, self.length, lengths, policy=policy, prevent_cse=prevent_cse
+        body, carry, self.length, lengths, policy=policy, prevent_cse=prevent_cse
       )
       return carry, ys
     carry, ys, self.changed = self.run(
-      layer_body,
+      body,
       carry,
       xs,
       lengths,

@@ -37,13 +37,10 @@ from ..core._module import Module
 from ..core._split_merge import deleted_error
 from ..core._stacks import is_stacked
 from ..core._tracing import contains_tracer as _contains_tracer
-from ..core._tracing import current_trace, structure_epoch
+from ..core._tracing import current_trace, structure_epoch, tracing_user_code
 from ..core._variables import Variable
-from ._restructure import NewStructure
-
-
-def is_node(x) -> bool:
-  return isinstance(x, (Module, Variable))
+from ._outputs import is_node, lift_outputs
+from ._restructure import NewStructure, split_new
 
 
 class Roots(list):
@@ -56,6 +53,22 @@ class Roots(list):
   def __init__(self, roots, variables):
     super().__init__(roots)
     self.variables, self.epoch = variables, structure_epoch.value
+
+
+class Changes:
+  """What a lifted call did to its modules (``Lifted.run``), read inside the trace.
+
+  ``values``: ``{flat index: new value}`` of each Variable the function wrote;
+  ``made``: the values of the Variables it made, in the new graph's order, and
+  ``structure``: the ``NewStructure`` (None when the structure stayed); ``roots`` and
+  ``variables``: the rebuilt objects, for reading the results.
+  """
+
+  __slots__ = ("values", "made", "structure", "roots", "variables")
+
+  def __init__(self, values: dict, made: list, structure, roots, variables):
+    self.values, self.made, self.structure = values, made, structure
+    self.roots, self.variables = roots, variables
 
 
 class Lifted:
@@ -95,6 +108,49 @@ class Lifted:
     rest = iter(leaves)
     merged = [at[i] if i in at else next(rest) for i in range(len(leaves) + len(roots))]
     return jax.tree_util.tree_unflatten(self.treedef, merged), variables, roots
+
+  def run(
+    self,
+    fn: Callable,
+    values: list,
+    leaves: Sequence[Any],
+    what: str,
+    *,
+    seed: tuple | None = None,
+    restructure: bool = False,
+    outputs: bool = False,
+  ) -> tuple[Any, Changes]:
+    """Inside a trace: ``fn(*args, **kwargs)`` on fresh objects holding ``values``
+    (the call's arguments, its modules rebuilt); returns ``(out, Changes)``.
+
+    ``seed=(plan, index)`` first gives each RNG stream of ``plan`` the key of
+    iteration ``index`` (in ``values``, which it rewrites) and a fresh count.
+    ``restructure``: the transform carries changes of structure out (``Changes.made``
+    and ``.structure``); otherwise such a change raises. ``outputs``: modules in
+    ``out`` cross the boundary as a ``ModulesOut`` (``lift_outputs``).
+    """
+    if seed is not None:
+      plan, index = seed
+      served = plan.seed_layer(values, values, index)
+    with tracing_user_code(what):
+      (args, kwargs), variables, roots = self.rebuild(values, leaves)
+      if seed is not None:
+        plan.serve_names(served, variables, index)
+      out = fn(*args, **kwargs)
+      changes = self.changes(roots, variables, values, what, restructure)
+      if outputs:  # read inside the guard: a module reached by closure raises
+        known = len(values) if changes.structure is None else len(changes.structure.origin)
+        out = lift_outputs(out, roots, known)
+    return out, changes
+
+  def changes(self, roots, variables, values, what: str, restructure: bool = False) -> Changes:
+    """After the user's function: what it did to the objects ``rebuild`` made."""
+    found: list | None = [] if restructure else None
+    changed = self.collect(roots, values, what, found)
+    if not found:
+      return Changes(changed, [], None, roots, variables)
+    changed, made = split_new(changed)
+    return Changes(changed, made, found[0], roots, variables)
 
   def collect(
     self, roots, values: Sequence[Any], what: str, structure: list | None = None
@@ -163,6 +219,15 @@ def split_call(args: tuple, kwargs: dict):
       if type(leaf) not in _PLAIN:
         _learn_plain(leaf)
   return nodes, others, treedef, tuple(positions)
+
+
+def lift(args: tuple, kwargs: dict) -> tuple[Lifted, list[Variable], list[Any], list[Any]]:
+  """A call's arguments split for tracing: ``(lifted, variables, leaves, nodes)`` (its
+  ``Lifted``, the Variables of its modules in flat order, the other pytree leaves, and
+  the modules and Variables as they sit in the arguments)."""
+  nodes, leaves, treedef, positions = split_call(args, kwargs)
+  graphdef, variables = flatten(nodes)
+  return Lifted(graphdef, treedef, positions), variables, leaves, nodes
 
 
 def _split_flat(args: tuple):
@@ -325,16 +390,34 @@ def serialised(wrapper: Callable) -> Callable:
       variables = cache.lift_call(args, kwargs)[1]
     except TypeError:  # not a module graph: the transform says what is wrong
       return wrapper(*args, **kwargs)
-    lock = hold(variables)
-    try:
+    with held(variables):
       return wrapper(*args, **kwargs)
-    except RuntimeError:
-      raise_if_deleted(variables)
-      raise
-    finally:
-      let_go(lock)
 
   return call
+
+
+class held:
+  """``with held(variables):`` a call's read-to-write-back: the graph's lock when it is
+  the thread's outermost call (nested calls take none), and a failure on a deleted
+  array named by the Variable that holds it. Writes happen only at its end, after
+  everything succeeded, so any exception (a KeyboardInterrupt too) leaves the objects
+  as they were."""
+
+  __slots__ = ("variables", "lock")
+
+  def __init__(self, variables: Sequence[Variable]):
+    self.variables = variables
+
+  def __enter__(self):
+    self.lock = hold(self.variables)  # None when nested in a call that holds it
+
+  def __exit__(self, kind, error, traceback):
+    try:
+      if kind is not None and issubclass(kind, RuntimeError):
+        raise_if_deleted(self.variables)
+    finally:
+      let_go(self.lock)
+    return False
 
 
 def raise_if_deleted(variables: Sequence[Variable]) -> None:

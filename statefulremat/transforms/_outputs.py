@@ -19,7 +19,13 @@ import jax
 
 from ..core._graph import flatten
 from ..core._graph_build import unflatten
-from ._lift import is_node
+from ..core._module import Module
+from ..core._variables import Variable
+
+
+def is_node(x) -> bool:
+  """Whether ``x`` is a module or a Variable: what lifting rebuilds, not a pytree leaf."""
+  return isinstance(x, (Module, Variable))
 
 
 class ModulesOut:

@@ -100,7 +100,8 @@ class CycleLoop(LayerLoop):
     for j, s in enumerate(streams):
       variables[s.key]._value = flat[s.key]
       variables[s.count]._value = flat[s.count] + jnp.uint32(1) if drew[j] else flat[s.count]
-    return self._read_back(roots, flat, user_carry, carry, tuple(ys))
+    changes = self.lifted.changes(roots, variables, flat, self.what, restructure=True)
+    return self._read_back(changes, flat, user_carry, carry, tuple(ys))
 
   def _check_carry(self, k: int, before, after) -> None:
     what = f"{self.what}: position {k} of the pattern ({self.names[k]})"

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from ..core._stacks import cycle
-from ..core._tracing import tracing_user_code
 from ._lift import write_back
 from ._module_arg import lift_module_arg
 from ._pattern import check_positions, position_names
@@ -86,12 +85,14 @@ def vmap_pattern(
       flat = list(values)
       for i, value in zip(mine, slices):
         flat[i] = value
-      served = plan.seed_layer(flat, values, index)
-      with tracing_user_code(what):
-        tree, rebuilt, roots = lifted.rebuild(flat, leaves)
-        plan.serve_names(served, rebuilt, index)
-        out = fn(tree[0][0][k], *call_args, **kwargs)
-      wrote = lifted.collect(roots, flat, what)
+      out, changes = lifted.run(
+        lambda positions: fn(positions[k], *call_args, **kwargs),
+        flat,
+        leaves,
+        what,
+        seed=(plan, index),
+      )
+      wrote = changes.values
       for i in wrote:
         if i in counts_of:
           used.add(i)

@@ -10,16 +10,13 @@ import jax
 
 from ..core._errors import GraphError
 from ..core._filters import Filter, to_predicate
-from ..core._graph import flatten
 from ..core._kinds import RngState
 from ..core._module import Module, iter_graph
 from ..core._rngs import Rngs, RngStream
-from ..core._tracing import tracing_user_code
 from ._class_form import cached_class_form, display_name, is_module_class, transformed_class
-from ._lift import Lifted, check_no_nodes, is_node, serialised, split_call, write_back
+from ._lift import check_no_nodes, is_node, lift, serialised, write_back
 from ._outputs import Restructured
 from ._policy_check import policy_check
-from ._restructure import split_new
 from ._rules import Rules
 
 _M = TypeVar("_M", bound=Module)
@@ -157,41 +154,38 @@ def _remat_function(
           "static_argnums and mark only the Python values the function branches on."
         )
     dynamic = tuple(a for i, a in enumerate(args) if i not in statics)
-    nodes, leaves, treedef, positions = split_call(dynamic, kwargs)
-    graphdef, variables_ = flatten(nodes)
-    lifted = Lifted(graphdef, treedef, positions)
+    lifted, variables_, leaves, nodes = lift(dynamic, kwargs)
+    graphdef = lifted.graphdef
     values = [v._value for v in variables_]
     lifted_streams = _lifted_streams(nodes, stream_rules)
     traced, frozen_rngs = [], set()
     for i, (path, var) in enumerate(zip(graphdef.var_paths, variables_)):
       if isinstance(var, RngState):
-        lift = lifted_streams.get(id(var))
-        if lift is None:
-          lift = stream_rules.splits(var._metadata.get("tag", "default"))
-        if lift:
+        split = lifted_streams.get(id(var))
+        if split is None:
+          split = stream_rules.splits(var._metadata.get("tag", "default"))
+        if split:
           traced.append(i)
         else:
           frozen_rngs.add(i)
       elif traced_pred(path[1:] if len(nodes) > 1 else path, var):
         traced.append(i)  # filters see paths within their module, as in sr.state
 
+    def call(*call_args, **call_kwargs):
+      call_args = list(call_args)
+      for i in sorted(statics):
+        call_args.insert(i, statics[i])
+      return fn(*call_args, **call_kwargs)
+
     def pure(traced_values, leaves):
       flat = list(values)
       for i, value in zip(traced, traced_values):
         flat[i] = value
-      with tracing_user_code(what):
-        tree, _, roots = lifted.rebuild(flat, leaves)
-        call_args, call_kwargs = tree
-        call_args = list(call_args)
-        for i in sorted(statics):
-          call_args.insert(i, statics[i])
-        out = fn(*call_args, **call_kwargs)
+      out, changes = lifted.run(call, flat, leaves, what, restructure=True)
       check_no_nodes(out, what)
-      structure: list = []
-      changed = lifted.collect(roots, flat, what, structure)
-      if structure:  # attributes added or deleted: carried out after the call
-        changed, made = split_new(changed)
-        out = Restructured(out, made, structure[0])
+      changed = changes.values
+      if changes.structure is not None:  # attributes added or deleted: carried out after
+        out = Restructured(out, changes.made, changes.structure)
       for i in changed:
         if i in frozen_rngs:
           var = variables_[i]
@@ -230,9 +224,9 @@ def _lifted_streams(nodes, rules: Rules) -> dict[int, bool]:
       own = obj.stream_names()
       for name in own:
         stream = vars(obj)[name]
-        lift = rules.splits_default(own) if name == "default" else rules.splits(name)
-        out.setdefault(id(stream.key), lift)
-        out.setdefault(id(stream.count), lift)
+        split = rules.splits_default(own) if name == "default" else rules.splits(name)
+        out.setdefault(id(stream.key), split)
+        out.setdefault(id(stream.count), split)
   for obj in graph:
     if isinstance(obj, RngStream):
       out.setdefault(id(obj.key), rules.splits(obj.tag))

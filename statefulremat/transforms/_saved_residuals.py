@@ -29,13 +29,12 @@ from jax.extend.core import Jaxpr, Literal
 
 from ..core._errors import format_path
 from ..core._filters import Filter, to_predicate
-from ..core._graph import flatten
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._tracing import tracing_user_code
 from ._class_form import display_name
 from ._jaxpr_reading import called_body, checkpoint_name_of, reduce_precision_primitive
-from ._lift import Lifted, check_no_nodes, is_node, split_call
+from ._lift import check_no_nodes, is_node, lift
 
 _PACKAGE = str(pathlib.Path(__file__).resolve().parent.parent) + os.sep
 
@@ -96,9 +95,8 @@ def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[
     fn, args = type(fn).__call__, (fn, *args)
   what = f"sr.saved_residuals({display_name(fn)})"
   predicate = to_predicate(wrt)
-  nodes, leaves, treedef, positions = split_call(args, kwargs)
-  graphdef, variables = flatten(nodes)
-  lifted = Lifted(graphdef, treedef, positions)
+  lifted, variables, leaves, nodes = lift(args, kwargs)
+  graphdef, positions = lifted.graphdef, lifted.node_positions
   described = _argument_names(fn, args, kwargs)
   node_names = [described[p] for p in positions]
   at_nodes = set(positions)

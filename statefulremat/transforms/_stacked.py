@@ -40,7 +40,7 @@ from ..core._stacks import (
 from ..core._state import freeze, thaw_metadata
 from ..core._variables import Variable
 from ._class_form import subclass, transform_name
-from ._lift import Lifted, split_call, write_back
+from ._lift import lift, write_back
 from ._rules import STACKED, Plan, Rules
 
 
@@ -127,28 +127,23 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   info = stack_info(cls)
   assert info is not None and isinstance(info.rules, LayerRules)
   rules, length, what = info.rules.rules, info.length, info.what
-  nodes, leaves, treedef, positions = split_call(args, kwargs)
   mapped = _mapped_leaves(what, info.init_in_axes, args, length)
-  leaves = list(leaves)
-  in_graphdef, in_vars = flatten(nodes)
-  lifted = Lifted(in_graphdef, treedef, positions)
+  lifted, in_vars, leaves, nodes = lift(args, kwargs)
+  in_graphdef = lifted.graphdef
   in_plan = Plan(rules.for_init(), in_graphdef, in_vars, nodes)
   in_values = [v._value for v in in_vars]
   n_in = len(in_vars)
   record: dict[str, Any] = {}
 
   def init_one(index, slices=()):
-    flat = list(in_values)
-    served = in_plan.seed_layer(flat, in_values, index)
     mine = list(leaves)
     for (k, _), value in zip(mapped, slices):
       mine[k] = value
-    tree, rebuilt, roots = lifted.rebuild(flat, mine)
-    in_plan.serve_names(served, rebuilt, index)
-    call_args, call_kwargs = tree
-    layer = info.layer_maker()(*call_args, **call_kwargs)
+    layer, changes = lifted.run(
+      info.layer_maker(), list(in_values), mine, what, seed=(in_plan, index)
+    )
+    roots, changed = changes.roots, changes.values
     counts = {s.count for s in in_plan.streams}
-    changed = lifted.collect(roots, flat, what)
     for i in changed:
       if i not in counts:
         raise TransformError(

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 
 from ..core._module import Module
 from ..core._stacks import cycle, is_stacked
-from ..core._tracing import tracing_user_code
 from ..core._variables import Variable
 from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
 from ._lift import is_node, serialised, split_call, write_back
@@ -23,10 +22,9 @@ from ._module_arg import (
   resolve_length,
   stacked_sources,
 )
-from ._outputs import ModulesOut, lift_outputs
+from ._outputs import ModulesOut
 from ._pattern import call_method, is_pattern, pattern_class, pattern_repr
 from ._pattern_vmap import vmap_pattern
-from ._restructure import split_new
 from ._rules import STACKED, Rules, TransformError
 from ._stacked import stacked_class
 from ._vmap_checks import refuse_mapping_plain, refuse_shared_write
@@ -263,19 +261,19 @@ def _vmap_function(
       flat = list(values)
       for i, value in zip(stacked, stacked_values):
         flat[i] = value
-      served = plan.seed_layer(flat, values, index)
-      with tracing_user_code(what):
-        tree, rebuilt, roots = lifted.rebuild(flat, leaves)
-        plan.serve_names(served, rebuilt, index)
-        out = fn(tree[0][0], *call_args, **kwargs)
-        _check_returned_inputs(what, out, out_axes, rebuilt, plan, values)
-        # Modules made inside and returned come out stacked (after the call).
-        out = lift_outputs(out, roots, len(flat))
-      structure: list = []
-      changed = lifted.collect(roots, flat, what, structure)
-      if structure:
-        record["structure"] = structure[0]
-      changed, made = split_new(changed)
+
+      def call(module):
+        out = fn(module, *call_args, **kwargs)
+        _check_returned_inputs(what, out, out_axes, module, plan, values)
+        return out
+
+      # Modules made inside and returned come out stacked (after the call).
+      out, changes = lifted.run(
+        call, flat, leaves, what, seed=(plan, index), restructure=True, outputs=True
+      )
+      if changes.structure is not None:
+        record["structure"] = changes.structure
+      changed, made = changes.values, changes.made
       counts = {s.count for s in plan.streams}
       shared = {}
       for i in changed:

@@ -13,7 +13,7 @@ from ..core._graph import _NODE, flatten, rewrite
 from ..core._graph_build import unflatten
 from ..core._stacks import mark_frozen
 from ..core._tracing import tracing_user_code
-from ._lift import is_node
+from ._lift import is_node, split_call
 from ._outputs import ModulesOut
 from ._rules import STACKED, TransformError
 
@@ -143,14 +143,15 @@ def _placed_axis(what, placed, var_path, value) -> int:
   return axis % ndim
 
 
-def _check_returned_inputs(what, out, out_axes, rebuilt, plan, values) -> None:
+def _check_returned_inputs(what, out, out_axes, module, plan, values) -> None:
   """nnx's consistent aliasing between inputs and outputs: a module (or Variable) of
   the module argument that the function returns comes back as the caller's own
   object, laid out as ``variable_axes`` maps it, so an ``out_axes`` that puts a mapped
-  Variable's axis elsewhere cannot be honoured: refused, not ignored. (``rebuilt``:
-  the Variables inside, in the order of ``values``, the caller's values.)"""
+  Variable's axis elsewhere cannot be honoured: refused, not ignored. (``module``: the
+  rebuilt argument 0, whose Variables are in the order of ``values``, the caller's.)"""
   if not any(map(is_node, jax.tree.leaves(out, is_leaf=is_node))):
     return
+  rebuilt = flatten(split_call((module,), {})[0])[1]
   try:
     found = _leaf_axes(out_axes, out)
   except ValueError:
