@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -33,7 +33,52 @@ from ._state import freeze
 from ._tracing import rebuilt_graphs, structure_epoch
 from ._variables import Variable
 
+# How the walk encodes what it met, as nested tuples ``(tag, class, contents)``: cheap
+# to hash and compare, which jax.jit's cache does on every call. Only this file and the
+# builder (``_graph_build``, the walk's other half) read the tags; everything else
+# reads the typed view, ``GraphDef.nodes`` and ``GraphDef.variables``.
 _REF, _VAR, _NODE, _LIST, _TUPLE, _DICT, _STATIC = range(7)
+_KINDS = ("ref", "variable", "module", "list", "tuple", "dict", "static")
+
+
+class GraphNode(NamedTuple):
+  """What the walk met at one place of a graph (``GraphDef.nodes``).
+
+  ``kind`` is ``"module"``, ``"variable"``, ``"list"``, ``"tuple"``, ``"dict"``, a
+  ``"ref"`` (an object met before) or ``"static"`` (any other attribute value);
+  ``type`` its class (the module class, Variable kind or container type); ``items``
+  the ``(key, GraphNode)`` pairs of a module's attributes or a container's entries
+  (keys: names, indices, dict keys); ``value`` a Variable's frozen metadata, a
+  static value, or for a ref the number of the module or Variable it points to (in
+  the order the walk first met them).
+  """
+
+  kind: str
+  type: Any
+  items: tuple
+  value: Any
+
+
+class VariableEntry(NamedTuple):
+  """A Variable of a GraphDef (``GraphDef.variables``): its first path, its kind
+  (the Variable class) and its frozen metadata."""
+
+  path: tuple
+  kind: type
+  metadata: Any
+
+
+def _typed(d) -> GraphNode:
+  tag = d[0]
+  if tag == _REF:
+    return GraphNode("ref", None, (), d[1])
+  if tag == _VAR:
+    return GraphNode("variable", d[1], (), d[2])
+  if tag == _STATIC:
+    return GraphNode("static", d[1], (), d[2])
+  if tag == _NODE or tag == _DICT:
+    return GraphNode(_KINDS[tag], d[1], tuple((k, _typed(sub)) for k, sub in d[2]), None)
+  return GraphNode(_KINDS[tag], d[1], tuple((i, _typed(sub)) for i, sub in enumerate(d[2])), None)
 
 
 @jax.tree_util.register_static
@@ -54,7 +99,7 @@ class GraphDef:
   ([], True)
   """
 
-  __slots__ = ("tree", "var_paths", "_hash", "_plan", "__weakref__")
+  __slots__ = ("tree", "var_paths", "_hash", "_plan", "_nodes", "_variables", "__weakref__")
 
   def __init__(self, tree: tuple, var_paths: tuple):
     self.tree = tree
@@ -63,6 +108,46 @@ class GraphDef:
     # How `unflatten` builds this graph (a `_graph_build._Plan`, a layer above this
     # file, hence `Any`), worked out on first use.
     self._plan: Any = None
+    self._nodes: tuple[GraphNode, ...] | None = None
+    self._variables: tuple[VariableEntry, ...] | None = None
+
+  @property
+  def nodes(self) -> tuple[GraphNode, ...]:
+    """The graph's roots as ``GraphNode`` trees (one per root walked together).
+
+    >>> import statefulremat as sr
+    >>> (root,) = sr.graphdef(sr.nn.Linear(2, 3, rngs=sr.Rngs(0))).nodes
+    >>> root.kind, root.type.__name__, [(k, n.kind) for k, n in root.items][:2]
+    ('module', 'Linear', [('bias', 'variable'), ('dot_general', 'static')])
+    """
+    if self._nodes is None:
+      self._nodes = tuple(_typed(d) for d in self.tree)
+    return self._nodes
+
+  @property
+  def variables(self) -> tuple[VariableEntry, ...]:
+    """Each Variable's ``(path, kind, metadata)``, in flat (walk) order.
+
+    >>> import statefulremat as sr
+    >>> [(e.path, e.kind.__name__) for e in sr.graphdef(sr.nn.Linear(2, 3,
+    ...     rngs=sr.Rngs(0))).variables]
+    [(('bias',), 'Param'), (('kernel',), 'Param')]
+    """
+    if self._variables is None:
+      found: list[GraphNode] = []
+
+      def walk(node: GraphNode) -> None:
+        if node.kind == "variable":
+          found.append(node)
+        for _, sub in node.items:
+          walk(sub)
+
+      for root in self.nodes:
+        walk(root)
+      self._variables = tuple(
+        VariableEntry(path, n.type, n.value) for path, n in zip(self.var_paths, found)
+      )
+    return self._variables
 
   def __reduce__(self):
     return GraphDef, (self.tree, self.var_paths)

@@ -187,21 +187,17 @@ def _keys(graphdef: _graph.GraphDef) -> list[ModulePathKey]:
   if keys is None:
     keys = []
 
-    def walk(d, path):
-      tag = d[0]
-      if tag == _graph._VAR:
-        keys.append(ModulePathKey(path))
-      elif tag == _graph._NODE:
-        for name, sub in d[2]:
-          walk(sub, path + (_GetAttrKey(name),))
-      elif tag == _graph._LIST or tag == _graph._TUPLE:
-        for i, sub in enumerate(d[2]):
-          walk(sub, path + (_SequenceKey(i),))
-      elif tag == _graph._DICT:
-        for k, sub in d[2]:
-          walk(sub, path + (_DictKey(k),))
+    key_of = {"module": _GetAttrKey, "list": _SequenceKey, "tuple": _SequenceKey, "dict": _DictKey}
 
-    walk(graphdef.tree[0], ())
+    def walk(node, path):
+      if node.kind == "variable":
+        keys.append(ModulePathKey(path))
+      elif node.kind in key_of:
+        key = key_of[node.kind]
+        for k, sub in node.items:
+          walk(sub, path + (key(k),))
+
+    walk(graphdef.nodes[0], ())
     _key_cache[graphdef] = keys
   return keys
 

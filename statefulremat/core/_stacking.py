@@ -214,7 +214,7 @@ def _check_alike(layers, flats) -> None:
 
 def _layer_difference(first, other, g0, g1) -> str:
   """The first place two layers differ in structure, with both values if static."""
-  found = first_difference(g0.tree[0], g1.tree[0], ())
+  found = first_difference(g0.nodes[0], g1.nodes[0], ())
   if found is None:
     return "their structure differs"
   path, verb = found

@@ -337,9 +337,9 @@ def layer_graphdef(graphdef, metadata=unmark_frozen):
   metadata mapped by ``metadata(i, frozen)`` (default: its layer axis removed)."""
   classes = {
     j: info.layer_class
-    for j, root in enumerate(graphdef.tree)
-    if isinstance(root[1], type)
-    and (info := stack_info(root[1])) is not None
+    for j, root in enumerate(graphdef.nodes)
+    if isinstance(root.type, type)
+    and (info := stack_info(root.type)) is not None
     and info.layer_class is not None
   }
   return rewrite(graphdef, root_classes=classes, metadata=metadata)

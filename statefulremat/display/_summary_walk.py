@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR, GraphDef, flatten
+from ..core._graph import GraphDef, GraphNode, flatten
 from ..core._kinds import Param
 from ..core._stacks import LAYER_AXIS, is_stacked, layer_axis
 from ..core._variables import Variable
@@ -92,7 +92,7 @@ def describe(model) -> Description:
   objects: list[Any] = []
   graphdef, graph_variables = flatten([model], objects=objects)
   graph = _Graph(objects)
-  (root,) = graphdef.tree
+  (root,) = graphdef.nodes
   graph.read(root, (), None)
   reach = {i: graph.reach(i) for i in graph.modules}
 
@@ -152,29 +152,25 @@ class _Graph:
     self.variables: list[int] = []
     self._count = 0
 
-  def read(self, entry, path: tuple, owner: int | None) -> None:
-    tag = entry[0]
-    if tag == _REF:
-      self.arrivals[entry[1]] += 1
+  def read(self, node: GraphNode, path: tuple, owner: int | None) -> None:
+    if node.kind == "ref":
+      self.arrivals[node.value] += 1
       if owner is not None:
-        self.refs[owner].append(entry[1])
-    elif tag == _VAR or tag == _NODE:
+        self.refs[owner].append(node.value)
+    elif node.kind in ("variable", "module"):
       i = self._count
       self._count += 1
       self.paths[i], self.owner[i] = path, owner
-      if tag == _VAR:
+      if node.kind == "variable":
         self.variables.append(i)
         return
       self.modules.append(i)
       self.refs[i] = []
-      for key, sub in entry[2]:
+      for key, sub in node.items:
         self.read(sub, path + (key,), i)
       self.last[i] = self._count - 1
-    elif tag == _LIST or tag == _TUPLE:
-      for key, sub in enumerate(entry[2]):
-        self.read(sub, path + (key,), owner)
-    elif tag == _DICT:
-      for key, sub in entry[2]:
+    else:  # a container's entries belong to the module holding it
+      for key, sub in node.items:
         self.read(sub, path + (key,), owner)
 
   def reach(self, module: int) -> set[int]:

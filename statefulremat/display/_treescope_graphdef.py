@@ -11,30 +11,29 @@ def render_graphdef(graphdef, path, subtree_renderer):
   Variable's kind and metadata, with no values; references say where they point."""
   from treescope import rendering_parts
 
-  from ..core._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR
   from ..core._state import thaw_metadata
 
   drawn: list[tuple[type, tuple]] = []  # (class, path) of each numbered object
 
-  def skeleton(d, where):
-    tag = d[0]
-    if tag == _REF:
-      kind, first = drawn[d[1]]
-      return SharedMark(kind, first, is_type=True)
-    if tag == _VAR:
-      drawn.append((d[1], where))
-      return _Skeleton(d[1], dict(thaw_metadata(d[2])), collection_color(d[1]))
-    if tag == _NODE:
-      drawn.append((d[1], where))
-      return _Skeleton(d[1], {k: skeleton(sub, where + (k,)) for k, sub in d[2]})
-    if tag in (_LIST, _TUPLE):
-      items = [skeleton(sub, where + (i,)) for i, sub in enumerate(d[2])]
-      return _Sequence(d[1], items)
-    if tag == _DICT:
-      return _Mapping(d[1], {k: skeleton(sub, where + (k,)) for k, sub in d[2]})
-    return d[2]
+  def skeleton(node, where):
+    kind, cls = node.kind, node.type
+    if kind == "ref":
+      first_kind, first = drawn[node.value]
+      return SharedMark(first_kind, first, is_type=True)
+    if kind == "variable":
+      drawn.append((cls, where))
+      return _Skeleton(cls, dict(thaw_metadata(node.value)), collection_color(cls))
+    if kind == "module":
+      drawn.append((cls, where))
+      return _Skeleton(cls, {k: skeleton(sub, where + (k,)) for k, sub in node.items})
+    if kind in ("list", "tuple"):
+      return _Sequence(cls, [skeleton(sub, where + (i,)) for i, sub in node.items])
+    if kind == "dict":
+      return _Mapping(cls, {k: skeleton(sub, where + (k,)) for k, sub in node.items})
+    return node.value
 
-  roots = [skeleton(d, (i,) if len(graphdef.tree) > 1 else ()) for i, d in enumerate(graphdef.tree)]
+  multi = len(graphdef.nodes) > 1
+  roots = [skeleton(root, (i,) if multi else ()) for i, root in enumerate(graphdef.nodes)]
   children = [
     rendering_parts.build_full_line_with_annotations(
       subtree_renderer(root),

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core._errors import format_path
-from ..core._graph import _DICT, _LIST, _NODE, _TUPLE, _VAR
 from ..core._state import State, _Spec
 from ._lift import Changes, Lifted, check_no_nodes, split_call, write_back
 from ._module_arg import stacked_sources
@@ -82,25 +81,6 @@ def _structure_difference(a, b, path: tuple) -> tuple[tuple, str, str]:
     if jax.tree.structure(x) != jax.tree.structure(y):
       return _structure_difference(x, y, path + (key,))
   return path, describe_node(a), describe_node(b)
-
-
-def var_entries(graphdef) -> list[tuple[type, Any]]:
-  """``(kind, frozen metadata)`` of each Variable of ``graphdef``, in flat order."""
-  out = []
-
-  def walk(d):
-    if d[0] == _VAR:
-      out.append((d[1], d[2]))
-    elif d[0] in (_NODE, _DICT):
-      for _, sub in d[2]:
-        walk(sub)
-    elif d[0] in (_LIST, _TUPLE):
-      for sub in d[2]:
-        walk(sub)
-
-  for d in graphdef.tree:
-    walk(d)
-  return out
 
 
 class LayerLoop:
@@ -190,12 +170,12 @@ class LayerLoop:
     paths = tuple(graphdef.var_paths[i] for i in self.stacked)
     # Each entry keeps its kind and the layer's metadata (the partition name removed),
     # so the hook can filter (`state.filter(sr.Param)`) and read `sharding`.
-    entries = var_entries(graphdef)
+    entries = graphdef.variables
     state = State._make(
       _Spec(
         paths,
-        tuple(entries[i][0] for i in self.stacked),
-        tuple(entries[i][1] for i in self.stacked),
+        tuple(entries[i].kind for i in self.stacked),
+        tuple(entries[i].metadata for i in self.stacked),
       ),
       slices,
     )

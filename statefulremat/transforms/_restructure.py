@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..core._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR, GraphDef
+from ..core._graph import GraphDef, GraphNode
 from ..core._module import Module, _record_owners
 from ..core._stacks import mark
 from ..core._state import thaw_metadata
@@ -69,52 +69,52 @@ class NewStructure:
     objects: list = []
     count = [0]
 
-    def build(d, path):
-      tag = d[0]
-      if tag == _REF:
-        return objects[d[1]]
-      if tag == _VAR:
+    def build(node: GraphNode, path):
+      kind, cls = node.kind, node.type
+      if kind == "ref":
+        return objects[node.value]
+      if kind == "variable":
         j = self.origin[count[0]]
         count[0] += 1
         if j >= 0:
           var = variables[j]
           if not keep_metadata:
-            meta = thaw_metadata(d[2])
+            meta = thaw_metadata(node.value)
             if meta != var._metadata:
               var._metadata = meta
         else:
-          meta = thaw_metadata(d[2])
+          meta = thaw_metadata(node.value)
           if stacked_axis is not None:
             meta = mark(meta, stacked_axis, partition_name)
-          var = bare_variable(d[1], next(fresh), meta, trace)
+          var = bare_variable(cls, next(fresh), meta, trace)
         objects.append(var)
         return var
-      if tag == _NODE:
+      if kind == "module":
         old = at_path.get(path)
-        reuse = isinstance(old, d[1]) and not any(o is old for o in objects)
-        node = old if reuse else object.__new__(d[1])
-        objects.append(node)
-        attrs = {k: build(sub, path + (k,)) for k, sub in d[2]}
+        reuse = isinstance(old, cls) and not any(o is old for o in objects)
+        module = old if reuse else object.__new__(cls)
+        objects.append(module)
+        attrs = {k: build(sub, path + (k,)) for k, sub in node.items}
         if reuse:
-          assert node is not None  # reuse: isinstance(old, d[1]) held
-          _update_attributes(node, attrs)
+          assert module is not None  # reuse: isinstance(old, cls) held
+          _update_attributes(module, attrs)
         else:
           for k, v in attrs.items():
-            _record_owners(node, v, (k,))
-          node.__dict__.update(attrs)
-        return node
-      if tag == _LIST:
-        return d[1](build(x, path + (i,)) for i, x in enumerate(d[2]))
-      if tag == _TUPLE:
-        items = [build(x, path + (i,)) for i, x in enumerate(d[2])]
-        return d[1]._make(items) if hasattr(d[1], "_fields") else d[1](items)
-      if tag == _DICT:
-        return d[1]((k, build(v, path + (k,))) for k, v in d[2])
-      return d[2]
+            _record_owners(module, v, (k,))
+          module.__dict__.update(attrs)
+        return module
+      if kind == "list":
+        return cls(build(x, path + (i,)) for i, x in node.items)
+      if kind == "tuple":
+        items = [build(x, path + (i,)) for i, x in node.items]
+        return cls._make(items) if hasattr(cls, "_fields") else cls(items)
+      if kind == "dict":
+        return cls((k, build(v, path + (k,))) for k, v in node.items)
+      return node.value
 
-    multi = len(self.graphdef.tree) > 1
-    for i, d in enumerate(self.graphdef.tree):
-      build(d, (i,) if multi else ())
+    multi = len(self.graphdef.nodes) > 1
+    for i, root in enumerate(self.graphdef.nodes):
+      build(root, (i,) if multi else ())
     structure_epoch.bump()
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from ..core._errors import format_path
 from ..core._filters import filter_repr
-from ..core._graph import _NODE, flatten, rewrite
+from ..core._graph import flatten, rewrite
 from ..core._graph_build import unflatten
 from ..core._stacks import mark_frozen
 from ..core._tracing import tracing_user_code
@@ -81,9 +81,9 @@ def _vmap_creating(
   values = [jnp.moveaxis(v, 0, axis) for v, axis in zip(values, axes)]
   name = (metadata_params or {}).get("partition_name")
   classes = {
-    j: stack_class(d[1], n, root_axes.get(j, 0))
-    for j, d in enumerate(graphdef.tree)
-    if d[0] == _NODE and n is not None
+    j: stack_class(root.type, n, root_axes.get(j, 0))
+    for j, root in enumerate(graphdef.nodes)
+    if root.kind == "module" and n is not None
   }
   graphdef = rewrite(
     graphdef, root_classes=classes, metadata=lambda i, m: mark_frozen(m, axes[i], name)
@@ -205,9 +205,9 @@ def _stacked_outputs(
   ]
   name = (metadata_params or {}).get("partition_name")
   classes = {
-    j: stack_class(d[1], n, axes[0] if axes else 0)
-    for j, d in enumerate(graphdef.tree)
-    if j >= n_roots and d[0] == _NODE
+    j: stack_class(root.type, n, axes[0] if axes else 0)
+    for j, root in enumerate(graphdef.nodes)
+    if j >= n_roots and root.kind == "module"
   }
   graphdef = rewrite(
     graphdef,
