@@ -39,7 +39,7 @@ FLOOR_OF = {name: i for i, names in enumerate(FLOORS) for name in names}
 TOP = len(FLOORS) - 1
 
 CORE_ORDER = [
-  {"_errors", "_display_hooks"},
+  {"_errors", "_display_hooks", "_bookkeeping"},
   {"_tracing"},
   {"_variables"},
   {"_filters", "_containers", "_kinds"},

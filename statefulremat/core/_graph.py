@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from . import _display_hooks
+from ._bookkeeping import is_bookkeeping
 from ._errors import GraphError, format_path
 from ._module import Module
 from ._state import freeze
@@ -239,7 +240,7 @@ def flatten(
       return (
         _NODE,
         type(obj),
-        tuple((k, walk(attrs[k], path + (k,))) for k in sorted(attrs) if not k.startswith("_sr_")),
+        tuple((k, walk(attrs[k], path + (k,))) for k in sorted(attrs) if not is_bookkeeping(k)),
       )
     if isinstance(obj, list):
       return (_LIST, type(obj), tuple(walk(x, path + (i,)) for i, x in enumerate(obj)))

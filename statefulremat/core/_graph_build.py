@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from ._bookkeeping import OWNER
 from ._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR, GraphDef, note_rebuilt
 from ._module import _record_owners
 from ._state import thaw_metadata
@@ -215,7 +216,7 @@ class _Plan:
         elif spec[0] != _CONST:
           built.append((name, spec))
       if link(k) is not None:
-        template["_sr_owner"] = None
+        template[OWNER] = None
       fills.append((template, tuple(direct), tuple(built), link(k)))
     self.fills = tuple(fills)
     self.roots = tuple(final(spec) for spec in roots)
@@ -246,7 +247,7 @@ class _Plan:
       for name, spec in built:
         attrs[name] = _item(spec, objects)
       if owner is not None:
-        attrs["_sr_owner"] = (refs[owner[0]], owner[1])
+        attrs[OWNER] = (refs[owner[0]], owner[1])
       _set(module, "__dict__", attrs)  # not Module.__setattr__: nothing to adopt
     if self.root is not None:  # one module or Variable, the usual case
       return [objects[self.root]], variables

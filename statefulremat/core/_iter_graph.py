@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from ._bookkeeping import is_bookkeeping
 from ._module import Module
 from ._variables import Variable
 
@@ -18,7 +19,7 @@ def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
   attributes and a dict's keys sorted, list items in order. A module, Variable or
   container reached again (shared) is yielded at its first path only; a Variable is a
   leaf (its value is not entered). Attributes statefulremat keeps for itself
-  (``_sr_...``) are left out, as nnx leaves out its own. For modules and Variables
+  (``core/_bookkeeping``) are left out, as nnx leaves out its own. For modules and Variables
   alone, first path first, use ``model.iter_modules()`` / ``model.iter_variables()``.
 
   >>> import statefulremat as sr
@@ -35,7 +36,7 @@ def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
       yield path, obj
       continue
     if isinstance(obj, Module):
-      children = _sorted_items({k: v for k, v in vars(obj).items() if not k.startswith("_sr_")})
+      children = _sorted_items({k: v for k, v in vars(obj).items() if not is_bookkeeping(k)})
     elif isinstance(obj, dict):
       children = _sorted_items(obj)
     elif isinstance(obj, (list, tuple)):

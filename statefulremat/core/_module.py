@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from . import _display_hooks
+from ._bookkeeping import OWNER, TRANSFORMED, is_bookkeeping
 from ._containers import adopt
 from ._errors import GraphError, format_path, refuse_hash
 from ._tracing import structure_epoch
@@ -132,7 +133,7 @@ class Module:
     if isinstance(self.__dict__.get(name), Variable) and _is_array_like(value):
       _refuse_array_over_variable(self, name, value)
     value = adopt(value)
-    if not name.startswith("_sr_"):
+    if not is_bookkeeping(name):
       _record_owners(self, value, (name,))
     object.__setattr__(self, name, value)
     structure_epoch.bump()
@@ -292,7 +293,7 @@ class Module:
   # -- pickling ----------------------------------------------------------------
 
   def __getstate__(self):
-    if type(self).__dict__.get("_sr_transformed"):
+    if type(self).__dict__.get(TRANSFORMED):
       raise pickle.PicklingError(
         f"cannot pickle a {type(self).__name__}: its class was made by a transform "
         "(sr.scan / sr.remat_scan / sr.vmap / sr.remat of a class) and cannot be "
@@ -301,12 +302,12 @@ class Module:
         "with `sr.update(model, state)`."
       )
     # Owner links are weak references: rebuilt on load, never saved.
-    return {k: v for k, v in vars(self).items() if k != "_sr_owner"}
+    return {k: v for k, v in vars(self).items() if k != OWNER}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
     for name, value in state.items():
-      if not name.startswith("_sr_"):
+      if not is_bookkeeping(name):
         _record_owners(self, value, (name,))
 
   def __repr__(self) -> str:
@@ -356,7 +357,7 @@ def arrivals(root, *, sort: bool = False) -> Iterator[tuple[tuple, Any, bool]]:
       if first and isinstance(obj, Module):
         attrs = vars(obj)
         for k in sorted(attrs) if sort else attrs:
-          if not k.startswith("_sr_"):
+          if not is_bookkeeping(k):
             yield from walk(attrs[k], path + (k,))
     elif isinstance(obj, (list, tuple)):
       for i, x in enumerate(obj):

@@ -14,6 +14,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
+from ._bookkeeping import LAYER_KEYS
 from ._kinds import RngCount, RngKey
 from ._module import Module
 
@@ -192,7 +193,7 @@ class Rngs(Module):
     stream = vars(self).get(name)
     if stream is None:
       stream = vars(self).get("default")
-      layer = vars(self).get("_sr_layer_keys")
+      layer = vars(self).get(LAYER_KEYS)
       if layer is not None and stream is not None:
         layer.asked.add(name)
         if layer.splits(name) != layer.splits("default"):

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from ._bookkeeping import LAYER_ORIGIN, STACK_INFO
 from ._errors import TransformError, format_path
 from ._graph import flatten, rewrite
 from ._graph_build import unflatten
@@ -96,7 +97,7 @@ class StackInfo:
     return self.factory or self.layer_class
 
 
-_INFO = "_sr_stack"  # the class attribute holding a stacked class's StackInfo
+_INFO = STACK_INFO
 
 
 def stack_info(obj) -> StackInfo | None:
@@ -130,7 +131,7 @@ class LayerOrigin:
   stream_origins: dict
 
 
-_ORIGIN = "_sr_origin"
+_ORIGIN = LAYER_ORIGIN
 
 
 def layer_origin(module) -> LayerOrigin | None:

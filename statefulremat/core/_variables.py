@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from . import _display_hooks
+from ._bookkeeping import OWNER
 from ._errors import TraceContextError, format_path, refuse_hash
 from ._tracing import contains_tracer as _contains_tracer
 from ._tracing import current_trace, serials, structure_epoch
@@ -412,8 +413,8 @@ def set_owner(obj, parent, key_path: tuple) -> None:
   if isinstance(obj, Variable):
     if obj._owner is None:
       obj._owner = (weakref.ref(parent), key_path)
-  elif obj.__dict__.get("_sr_owner") is None:
-    obj.__dict__["_sr_owner"] = (weakref.ref(parent), key_path)
+  elif obj.__dict__.get(OWNER) is None:
+    obj.__dict__[OWNER] = (weakref.ref(parent), key_path)
 
 
 def owner_chain(obj):
@@ -422,7 +423,7 @@ def owner_chain(obj):
   it comes back round a cycle."""
   seen = {id(obj)}
   while True:
-    owner = obj._owner if isinstance(obj, Variable) else vars(obj).get("_sr_owner")
+    owner = obj._owner if isinstance(obj, Variable) else vars(obj).get(OWNER)
     if owner is None:
       return
     parent = owner[0]()

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
+from ..core._bookkeeping import is_bookkeeping
 from ..core._module import Module
 from ..core._stacks import _pattern_of, is_stacked, stack_info
 from ..core._variables import Variable
@@ -215,7 +216,7 @@ def settings_at_defaults(module, attributes: dict[str, Any] | None = None) -> li
   """
   defaults = constructor_defaults(type(module))
   if attributes is None:
-    attributes = {k: v for k, v in vars(module).items() if not k.startswith("_sr_")}
+    attributes = {k: v for k, v in vars(module).items() if not is_bookkeeping(k)}
   hidden = []
   for name, value in attributes.items():
     if isinstance(value, (Module, Variable)):
@@ -340,7 +341,7 @@ def module_repr(module, indent: int = 0, seen=None) -> str:
       return f"{{\n{inner}\n{'  ' * (depth + 1)}}}"
     return static_repr(value)
 
-  attrs = [(k, v) for k, v in vars(module).items() if not k.startswith("_sr_")]
+  attrs = [(k, v) for k, v in vars(module).items() if not is_bookkeeping(k)]
   hidden = set(settings_at_defaults(module, dict(attrs)))
   attrs = [(k, v) for k, v in attrs if k not in hidden]
   if not attrs:

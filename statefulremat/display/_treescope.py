@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core._bookkeeping import is_bookkeeping
 from ..core._errors import format_path
 from ._treescope_arrays import ArraySummary, LayeredArray
 
@@ -100,7 +101,7 @@ def collection_color(kind: type) -> str:
 
 
 def _attributes(module) -> dict[str, Any]:
-  return {k: v for k, v in vars(module).items() if not k.startswith("_sr_")}
+  return {k: v for k, v in vars(module).items() if not is_bookkeeping(k)}
 
 
 def _first_paths(root) -> dict[int, list[tuple]]:

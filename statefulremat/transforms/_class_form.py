@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeGuard, TypeVar
 
+from ..core._bookkeeping import TRANSFORMED
 from ..core._module import Module
 
 
@@ -47,7 +48,7 @@ def subclass(
     **namespace,
     "__module__": cls.__module__,
     "__doc__": doc,
-    "_sr_transformed": True,
+    TRANSFORMED: True,
     "__qualname__": f"{label}{cls.__qualname__}",
   }
   for name in methods:

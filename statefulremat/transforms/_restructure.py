@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..core._bookkeeping import is_bookkeeping
 from ..core._graph import GraphDef, GraphNode
 from ..core._module import Module, _record_owners
 from ..core._stacks import mark
@@ -119,9 +120,9 @@ class NewStructure:
 
 
 def _update_attributes(module: Module, attrs: dict) -> None:
-  """Gives ``module`` exactly ``attrs`` (besides its ``_sr_`` bookkeeping)."""
+  """Gives ``module`` exactly ``attrs`` (besides the library's notes, ``_bookkeeping``)."""
   current = vars(module)
-  for k in [k for k in current if not k.startswith("_sr_") and k not in attrs]:
+  for k in [k for k in current if not is_bookkeeping(k) and k not in attrs]:
     object.__delattr__(module, k)
   for k, v in attrs.items():
     if k in current and _same(current[k], v):
@@ -151,7 +152,7 @@ def _objects_by_path(nodes: Sequence[Any]) -> dict[tuple, Any]:
       out[path] = obj
       attrs = vars(obj)
       for k in sorted(attrs):
-        if not k.startswith("_sr_"):
+        if not is_bookkeeping(k):
           walk(attrs[k], path + (k,))
     elif isinstance(obj, (list, tuple)):
       for i, x in enumerate(obj):

@@ -36,6 +36,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
+from ..core._bookkeeping import LAYER_KEYS
 from ..core._errors import TransformError, format_path
 from ..core._filters import filter_repr, is_everything, to_predicate
 from ..core._module import iter_graph
@@ -397,9 +398,7 @@ class Plan:
       stream_owner = next(owner_chain(variables[key_i]), (None,))[0]
       rngs_owner = next(owner_chain(stream_owner), (None,))[0] if stream_owner else None
       if isinstance(rngs_owner, Rngs):
-        rngs_owner.__dict__["_sr_layer_keys"] = LayerKeys(
-          base, index, self.rules.splits, self.asked
-        )
+        rngs_owner.__dict__[LAYER_KEYS] = LayerKeys(base, index, self.rules.splits, self.asked)
 
   def check_stream_names(self) -> None:
     """Raises if ``split_rngs`` names a stream that matches nothing while a stream of

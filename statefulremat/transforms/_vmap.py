@@ -10,6 +10,7 @@ from typing import Any, cast, overload
 import jax
 import jax.numpy as jnp
 
+from ..core._bookkeeping import OWNER, is_bookkeeping
 from ..core._module import Module
 from ..core._stacks import cycle, is_stacked
 from ..core._variables import Variable
@@ -391,7 +392,7 @@ def _vmapped_init(init: Callable, options: dict) -> Callable:
     else:
       stack = vmap(build, **call_options)(*plain_args)
     for k, v in list(vars(stack).items()):
-      if not k.startswith("_sr_"):
+      if not is_bookkeeping(k):
         _release(v, stack)
         setattr(self, k, v)
 
@@ -404,9 +405,9 @@ def _release(value, owner) -> None:
     if value._owner is not None and value._owner[0]() is owner:
       value._owner = None
   elif isinstance(value, Module):
-    link = vars(value).get("_sr_owner")
+    link = vars(value).get(OWNER)
     if link is not None and link[0]() is owner:
-      vars(value)["_sr_owner"] = None
+      vars(value)[OWNER] = None
   elif isinstance(value, (list, tuple)):
     for v in value:
       _release(v, owner)
