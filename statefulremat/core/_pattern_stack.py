@@ -18,10 +18,9 @@ from typing import Any, SupportsIndex, overload
 import jax
 import jax.numpy as jnp
 
-from ._errors import TransformError
 from ._graph import flatten
 from ._module import Module
-from ._stacks import stack_info
+from ._stacks import check_init_leaf, init_axes, not_subscriptable, stack_info
 
 
 def _as_index(k) -> int | None:
@@ -126,11 +125,7 @@ class PatternStack(Module):
     )
 
   def __getitem__(self, i):
-    raise TypeError(
-      f"{type(self).__name__!r} object is not subscriptable: layer {i!r} of the stack is "
-      f"`stack.layer({i!r})` (a copy), `sr.unstack(stack)` gives every layer, and "
-      "`stack.pattern[k]` is the stack of position k."
-    )
+    not_subscriptable(self, i)
 
   def layer(self, i: int):
     """Layer ``i`` as an ordinary module: ``stack.pattern[i % P].layer(i // P)``."""
@@ -151,25 +146,12 @@ def _position_args(stack, k: int, args: tuple, axes) -> tuple:
   info = stack_info(stack)
   assert info is not None and info.length is not None
   n, p, what = info.length, len(info.positions), info.what
-  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,) * len(args)
-  if len(axes) != len(args):
-    raise TransformError(
-      f"{what}: init_in_axes={axes!r} has {len(axes)} entries for {len(args)} "
-      "positional constructor arguments. Fix: one entry (an axis, or None to pass it "
-      "whole to every layer) per positional argument."
-    )
   out = []
-  for j, (arg, axis) in enumerate(zip(args, axes)):
+  for j, (arg, axis) in enumerate(zip(args, init_axes(what, axes, args))):
     if axis is None:
       out.append(arg)
       continue
-    shape = tuple(jnp.shape(arg))
-    if not -len(shape) <= axis < len(shape) or shape[axis] != n:
-      raise TransformError(
-        f"{what}: init_in_axes maps constructor argument {j} along axis {axis}, "
-        f"one slice per layer, so it needs {n} entries there; it has shape {shape}. "
-        f"Fix: give it {n} entries at axis {axis}, or None in init_in_axes."
-      )
+    check_init_leaf(what, j, axis, tuple(jnp.shape(arg)), n)
     out.append(jnp.take(arg, jnp.arange(k, n, p), axis=axis))
   return tuple(out)
 

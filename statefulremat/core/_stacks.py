@@ -406,6 +406,43 @@ def unstack(stack) -> list:
 # position in ``.pattern``; its record lists their classes in ``positions``.
 
 
+def not_subscriptable(stack, i):
+  """Raises for ``stack[i]``: a stack's layers are taken out with ``stack.layer(i)``."""
+  pattern = _pattern_of(stack) is not None
+  raise TypeError(
+    f"{type(stack).__name__!r} object is not subscriptable: layer {i!r} of the stack is "
+    f"`stack.layer({i!r})` (a copy of it), and `sr.unstack(stack)` gives every layer"
+    + (", and `stack.pattern[k]` is the stack of position k." if pattern else ".")
+  )
+
+
+def init_axes(what: str, init_in_axes, args: tuple) -> tuple:
+  """``init_in_axes`` as one entry per positional constructor argument."""
+  if isinstance(init_in_axes, (tuple, list)):
+    axes = tuple(init_in_axes)
+  else:
+    axes = (init_in_axes,) * len(args)
+  if len(axes) != len(args):
+    raise TransformError(
+      f"{what}: init_in_axes={init_in_axes!r} has {len(axes)} entries for {len(args)} "
+      "positional constructor arguments. Fix: one entry (an axis, or None to pass it "
+      "whole to every layer) per positional argument."
+    )
+  return axes
+
+
+def check_init_leaf(what: str, j: int, axis: int, shape: tuple, length: int) -> None:
+  """Raises unless constructor argument ``j`` (a leaf of it, of ``shape``) has one entry
+  per layer along the ``axis`` that ``init_in_axes`` maps."""
+  if not -len(shape) <= axis < len(shape) or shape[axis] != length:
+    raise TransformError(
+      f"{what}: init_in_axes maps constructor argument {j} along axis {axis}, one "
+      f"slice per layer, so it needs {length} entries there; it has shape {shape}. Fix: "
+      f"give it {length} entries at axis {axis} (a leading layer axis), or None in "
+      "init_in_axes to pass it whole to every layer."
+    )
+
+
 def cycle(stack) -> tuple:
   """The stacks whose layers make one unit of a loop over ``stack``: a pattern stack's
   position stacks (one cycle: a layer of each, in order), else ``(stack,)``."""

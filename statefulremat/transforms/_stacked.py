@@ -29,9 +29,12 @@ from ..core._module import Module
 from ..core._stacks import (
   LAYER_AXIS,
   StackInfo,
+  check_init_leaf,
+  init_axes,
   layer,
   layer_graphdef,
   mark_frozen,
+  not_subscriptable,
   num_layers,
   set_stack_info,
   stack_info,
@@ -86,7 +89,7 @@ def stacked_class(
     "__len__": num_layers,
   }
   if not hasattr(layer_cls, "__getitem__"):  # a layer class's own indexing stays
-    namespace["__getitem__"] = _not_subscriptable
+    namespace["__getitem__"] = not_subscriptable
   cls = subclass(
     layer_cls,
     label,
@@ -105,13 +108,6 @@ def stacked_class(
     init_in_axes=init_in_axes,
   )
   return set_stack_info(cls, info)
-
-
-def _not_subscriptable(self, i):
-  raise TypeError(
-    f"{type(self).__name__!r} object is not subscriptable: layer {i!r} of the stack is "
-    f"`stack.layer({i!r})` (a copy of it), and `sr.unstack(stack)` gives every layer."
-  )
 
 
 def _init_nothing(self, *args, **kwargs):
@@ -226,17 +222,8 @@ def _mapped_leaves(what: str, init_in_axes, args: tuple, length) -> list[tuple[i
       f"{what}: init_in_axes maps constructor arguments per layer, so the number of "
       "layers must be known at init: pass `length=` (or `axis_size=`) to the transform."
     )
-  axes = (
-    tuple(init_in_axes) if isinstance(init_in_axes, (tuple, list)) else (init_in_axes,) * len(args)
-  )
-  if len(axes) != len(args):
-    raise TransformError(
-      f"{what}: init_in_axes={init_in_axes!r} has {len(axes)} entries for {len(args)} "
-      "positional constructor arguments. Fix: one entry (an axis, or None to pass it "
-      "whole to every layer) per positional argument."
-    )
   out, k = [], 0
-  for j, (arg, axis) in enumerate(zip(args, axes)):
+  for j, (arg, axis) in enumerate(zip(args, init_axes(what, init_in_axes, args))):
     for leaf in jax.tree.leaves(arg, is_leaf=lambda x: isinstance(x, (Module, Variable))):
       if isinstance(leaf, (Module, Variable)):
         if axis is not None:
@@ -247,14 +234,7 @@ def _mapped_leaves(what: str, init_in_axes, args: tuple, length) -> list[tuple[i
           )
         continue
       if axis is not None:
-        shape = tuple(jnp.shape(leaf))
-        if not -len(shape) <= axis < len(shape) or (length is not None and shape[axis] != length):
-          raise TransformError(
-            f"{what}: init_in_axes maps constructor argument {j} along axis {axis}, "
-            f"one slice per layer, so it needs {length} entries there; it has shape "
-            f"{shape}. Fix: give it shape with {length} at axis {axis} (a leading "
-            "layer axis), or None in init_in_axes to pass it whole to every layer."
-          )
+        check_init_leaf(what, j, axis, tuple(jnp.shape(leaf)), length)
         out.append((k, axis))
       k += 1
   return out
