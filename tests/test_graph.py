@@ -200,6 +200,55 @@ def test_split_merge_round_trip(data):
 
 @GRAPH_SETTINGS
 @given(st.data())
+def test_graphdef_typed_view_matches_the_graph(data):
+  """``GraphDef.nodes`` reads back every module, Variable, container and static value
+  at its place; ``GraphDef.variables`` gives each Variable's path, kind and metadata."""
+  model = random_graph(data)
+  graphdef, state = sr.split(model)
+  seen: list = []
+
+  def check(node, obj, path):
+    if node.kind == "ref":
+      assert seen[node.value] is obj
+      return
+    if node.kind in ("module", "variable"):
+      seen.append(obj)
+    assert node.type is type(obj) or node.kind == "static"
+    if node.kind == "variable":
+      return
+    if node.kind == "static":
+      assert node.value == obj and node.type is type(obj)
+      return
+    if node.kind == "module":
+      children = {k: v for k, v in vars(obj).items() if not k.startswith("_sr_")}
+      assert [k for k, _ in node.items] == sorted(children)
+    elif node.kind == "dict":
+      children = obj
+      assert [k for k, _ in node.items] == list(obj)
+    else:
+      assert node.kind == ("list" if isinstance(obj, list) else "tuple")
+      children = dict(enumerate(obj))
+    for key, sub in node.items:
+      check(sub, children[key], path + (key,))
+
+  (root,) = graphdef.nodes
+  check(root, model, ())
+  entries = graphdef.variables
+  assert [e.path for e in entries] == list(graphdef.var_paths) == list(state.flat())
+  variables = [v for v in seen if isinstance(v, sr.Variable)]
+  assert [e.kind for e in entries] == [type(v) for v in variables]
+  rebuilt = sr.State.from_parts(
+    [e.path for e in entries],
+    [e.kind for e in entries],
+    [e.metadata for e in entries],
+    jax.tree.leaves(state),
+  )
+  assert_states_equal(rebuilt, state)
+  assert_same_graph(sr.merge(graphdef, rebuilt), model)
+
+
+@GRAPH_SETTINGS
+@given(st.data())
 def test_split_with_filters_partitions_every_variable_once(data):
   model = random_graph(data)
   filters = (sr.Param, "batch_stats", sr.PathContains("attr0"), ...)

@@ -336,7 +336,7 @@ def on_new_class(hook) -> None:
 def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
   """Yields ``(path, object)`` for each module and Variable reachable from ``node``,
   once, in the GraphDef's order (a module's attributes sorted), each before what it
-  holds. (The public ``sr.iter_graph``, in ``_split_merge``, follows flax.nnx instead:
+  holds. (The public ``sr.iter_graph``, in ``_iter_graph``, follows flax.nnx instead:
   children first, containers and static attributes included.)"""
   for path, obj, first in arrivals(node, sort=True):
     if first:

@@ -160,6 +160,16 @@ class State(Mapping):
     return state
 
   @classmethod
+  def from_parts(cls, paths, kinds, metadata, values) -> State:
+    """A State from its parts, one of each per entry: paths, Variable kinds, frozen
+    metadata (as ``GraphDef.variables`` gives it) and values."""
+    return cls._make(_Spec(tuple(paths), tuple(kinds), tuple(metadata)), values)
+
+  def with_values(self, values) -> State:
+    """The same entries (paths, kinds, metadata) holding ``values``, in order."""
+    return State._make(self._spec, values)
+
+  @classmethod
   def from_variables(cls, items) -> State:
     """A State from ``(path, variable)`` pairs."""
     items = list(items)

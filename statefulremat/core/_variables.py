@@ -417,6 +417,25 @@ def set_owner(obj, parent, key_path: tuple) -> None:
     obj.__dict__[OWNER] = (weakref.ref(parent), key_path)
 
 
+def release_owner(value, parent) -> None:
+  """Forgets that the objects directly in ``value`` (a Variable, a module, or a list,
+  tuple or dict of them) hang off ``parent``: they move to another owner."""
+  if isinstance(value, Variable):
+    if value._owner is not None and value._owner[0]() is parent:
+      value._owner = None
+  elif isinstance(value, (list, tuple)):
+    for v in value:
+      release_owner(v, parent)
+  elif isinstance(value, dict):
+    for v in value.values():
+      release_owner(v, parent)
+  else:
+    attrs = getattr(value, "__dict__", None)
+    link = None if attrs is None else attrs.get(OWNER)
+    if link is not None and link[0]() is parent:
+      attrs[OWNER] = None
+
+
 def owner_chain(obj):
   """Yields ``(parent, key_path)`` from ``obj`` up its recorded (first) owners; the
   chain ends at an object with no owner, at a parent that is gone (``None``) or where

@@ -13,7 +13,7 @@ from ..core._filters import Filter, collections_and_guess, filter_repr, to_predi
 from ..core._graph import flatten
 from ..core._kinds import Param
 from ..core._module import Module
-from ..core._state import State, _Spec, freeze
+from ..core._state import State, freeze
 from ._lift import Lifted, check_no_nodes, held, split_call, write_back
 from ._rules import TransformError
 
@@ -147,12 +147,14 @@ def value_and_grad(
     for t in targets:
       if t in module_targets:
         entries = diff_index[t]
-        spec = _Spec(
-          tuple(p for _, p in entries),
-          tuple(type(variables[i]) for i, _ in entries),
-          tuple(freeze(variables[i]._metadata) for i, _ in entries),
+        grads.append(
+          State.from_parts(
+            [p for _, p in entries],
+            [type(variables[i]) for i, _ in entries],
+            [freeze(variables[i]._metadata) for i, _ in entries],
+            g_mod[t],
+          )
         )
-        grads.append(State._make(spec, g_mod[t]))
       else:
         grads.append(g_arr[array_targets.index(t)])
     grads = grads[0] if single else tuple(grads)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core._errors import format_path
-from ..core._state import State, _Spec
+from ..core._state import State
 from ._lift import Changes, Lifted, check_no_nodes, split_call, write_back
 from ._module_arg import stacked_sources
 from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, Plan, TransformError
@@ -171,17 +171,15 @@ class LayerLoop:
     # Each entry keeps its kind and the layer's metadata (the partition name removed),
     # so the hook can filter (`state.filter(sr.Param)`) and read `sharding`.
     entries = graphdef.variables
-    state = State._make(
-      _Spec(
-        paths,
-        tuple(entries[i].kind for i in self.stacked),
-        tuple(entries[i].metadata for i in self.stacked),
-      ),
+    state = State.from_parts(
+      paths,
+      [entries[i].kind for i in self.stacked],
+      [entries[i].metadata for i in self.stacked],
       slices,
     )
     assert self.data_transform is not None  # _substitute calls this only when it is set
     out = self.data_transform(state)
-    if not isinstance(out, State) or out._spec.paths != paths:
+    if not isinstance(out, State) or tuple(out.flat()) != paths:
       raise TransformError(
         f"{self.what}: data_transform must return a State with the same entries it "
         "was given (e.g. `lambda s: jax.tree.map(constrain, s)`)."

@@ -87,7 +87,7 @@ def program(
     layout = Layout(n, stages, repeats)
     chunk, period = layout.chunk, max(k, stages)
     steps = schedule_steps(k, stages, repeats)
-    spec_ = State.from_variables(zip(graphdef.var_paths, variables))._spec
+    like = State.from_variables(zip(graphdef.var_paths, variables))
     layer_axis = {i: a for i, a in enumerate(axes) if a is not None}
     stacked = list(layer_axis)
     counts = [
@@ -119,7 +119,7 @@ def program(
       flat = list(flat)
       for i in stacked:
         flat[i] = jnp.moveaxis(flat[i], 0, layer_axis[i]) if layer_axis[i] else flat[i]
-      return merge(graphdef, State._make(spec_, flat))
+      return merge(graphdef, like.with_values(flat))
 
     if auto:
 
@@ -146,7 +146,7 @@ def program(
       )
       plan = plans.get(key)
       if plan is None:
-        module = merge(graphdef, State._make(spec_, abstract))
+        module = merge(graphdef, like.with_values(abstract))
 
         def planned(layer, c):  # the extra arrays as zeros: the plan needs only shapes
           a, kw = with_extras(

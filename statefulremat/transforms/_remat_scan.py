@@ -138,6 +138,17 @@ def remat_scan(
       f"{what}: pipeline={pipeline!r}; it takes sr.PipelineSpec(axis=..., "
       "microbatches=..., schedule=..., repeats=...)."
     )
+
+  def function_form(fn: Callable, layers: int | None) -> Callable:
+    """The function form over ``fn``, its arguments checked once, above: the class
+    forms' methods run it too."""
+    what = f"sr.remat_scan({display_name(fn)})"
+    if pipeline is not None:  # sr.PipelineSpec runs each stage through remat_scan
+      return pipeline._pipelined(
+        fn, what=what, lengths=lengths, layers=layers, memory_budget=budget, **options
+      )
+    return _remat_scan_function(fn, lengths, layers, budget, what=what, **options)
+
   if isinstance(target, (tuple, list)) and is_pattern(target):
     if length is not None and not auto:  # without length, pattern_class says so
       check_lengths(what, lengths, None)
@@ -155,12 +166,9 @@ def remat_scan(
       methods=methods,
       init_in_axes=init_in_axes,
       position_class=position_class,
-      run=lambda name: remat_scan(
-        call_method(name, "RematScanPattern"),
-        lengths,
-        memory_budget=budget,
-        pipeline=pipeline,
-        **options,
+      # lengths count cycles here: the given count is theirs, checked at call time.
+      run=lambda name: function_form(
+        call_method(name, "RematScanPattern"), None if auto else math.prod(lengths)
       ),
     )
   n = length if auto else check_lengths(what, lengths, length)
@@ -182,9 +190,7 @@ def remat_scan(
       "RematScan",
       rules=rules,
       length=n,
-      wrap=lambda m: remat_scan(
-        m, lengths, length=n, memory_budget=budget, pipeline=pipeline, **options
-      ),
+      wrap=lambda m: function_form(m, n),
       methods=methods,
       metadata_params=dict(metadata_params),
       init_in_axes=init_in_axes,
@@ -201,11 +207,7 @@ def remat_scan(
       "pass the body function, or the block class to stack."
     )
   refuse_init_axes("sr.remat_scan", target, init_in_axes)
-  if pipeline is not None:  # sr.PipelineSpec runs each stage through remat_scan
-    return pipeline._pipelined(
-      target, what=what, lengths=lengths, layers=n, memory_budget=budget, **options
-    )
-  return _remat_scan_function(target, lengths, n, budget, what=what, **options)
+  return function_form(target, n)
 
 
 def _remat_scan_function(

@@ -208,7 +208,9 @@ def scan(
       methods=methods,
       init_in_axes=init_in_axes,
       position_class=position_class,
-      run=lambda name: scan(call_method(name, "ScanPattern"), **{**options, "length": None}),
+      run=lambda name: _scan_function(
+        call_method(name, "ScanPattern"), **{**options, "length": None}
+      ),
     )
   if isinstance(target, type) and is_module_class(target):
     check_axes(f"sr.scan({target.__name__})", in_axes, out_axes)
@@ -226,7 +228,7 @@ def scan(
       length=length,
       # At call time the layer count comes from the stacked
       # variables (a stack rebuilt by sr.stack may have another).
-      wrap=lambda m: scan(m, **{**options, "length": None}),
+      wrap=lambda m: _scan_function(m, **{**options, "length": None}),
       methods=methods,
       metadata_params=dict(metadata_params),
       init_in_axes=init_in_axes,

@@ -10,10 +10,10 @@ from typing import Any, cast, overload
 import jax
 import jax.numpy as jnp
 
-from ..core._bookkeeping import OWNER, is_bookkeeping
+from ..core._bookkeeping import is_bookkeeping
 from ..core._module import Module
 from ..core._stacks import cycle, is_stacked
-from ..core._variables import Variable
+from ..core._variables import release_owner
 from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
 from ._lift import is_node, serialised, split_call, write_back
 from ._module_arg import (
@@ -393,27 +393,10 @@ def _vmapped_init(init: Callable, options: dict) -> Callable:
       stack = vmap(build, **call_options)(*plain_args)
     for k, v in list(vars(stack).items()):
       if not is_bookkeeping(k):
-        _release(v, stack)
+        release_owner(v, stack)
         setattr(self, k, v)
 
   return wrapper
-
-
-def _release(value, owner) -> None:
-  """Clears the owner link of the objects directly under ``owner`` (they move)."""
-  if isinstance(value, Variable):
-    if value._owner is not None and value._owner[0]() is owner:
-      value._owner = None
-  elif isinstance(value, Module):
-    link = vars(value).get(OWNER)
-    if link is not None and link[0]() is owner:
-      vars(value)[OWNER] = None
-  elif isinstance(value, (list, tuple)):
-    for v in value:
-      _release(v, owner)
-  elif isinstance(value, dict):
-    for v in value.values():
-      _release(v, owner)
 
 
 def _stack_class(cls: type, n: int, axis: int = 0) -> type:
