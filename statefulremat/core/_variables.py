@@ -432,7 +432,7 @@ def release_owner(value, parent) -> None:
   else:
     attrs = getattr(value, "__dict__", None)
     link = None if attrs is None else attrs.get(OWNER)
-    if link is not None and link[0]() is parent:
+    if attrs is not None and link is not None and link[0]() is parent:
       attrs[OWNER] = None
 
 

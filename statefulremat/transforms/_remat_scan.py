@@ -168,7 +168,7 @@ def remat_scan(
       position_class=position_class,
       # lengths count cycles here: the given count is theirs, checked at call time.
       run=lambda name: function_form(
-        call_method(name, "RematScanPattern"), None if auto else math.prod(lengths)
+        call_method(name, "RematScanPattern"), None if auto else int(math.prod(lengths))
       ),
     )
   n = length if auto else check_lengths(what, lengths, length)
