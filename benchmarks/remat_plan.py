@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 import statefulremat as sr
-from statefulremat.transforms._remat_plan import HEADROOM, RematPlan, format_bytes
+from statefulremat.transforms.memory._remat_plan import HEADROOM, RematPlan, format_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 W, B = 256, 4096

@@ -67,14 +67,14 @@ from .transforms._jit import jit as jit
 from .transforms._pipeline import PipelineSpec as PipelineSpec
 from .transforms._pipeline import pipeline as pipeline
 from .transforms._remat import remat as remat
-from .transforms._remat_plan import RematPlan as RematPlan
-from .transforms._remat_plan import RematPlanError as RematPlanError
 from .transforms._remat_scan import plan_remat as plan_remat
 from .transforms._remat_scan import remat_scan as remat_scan
-from .transforms._saved_residuals import saved_residuals as saved_residuals
 from .transforms._scan import scan as scan
 from .transforms._scan_axes import broadcast as broadcast
 from .transforms._vmap import vmap as vmap
+from .transforms.memory._remat_plan import RematPlan as RematPlan
+from .transforms.memory._remat_plan import RematPlanError as RematPlanError
+from .transforms.memory._saved_residuals import saved_residuals as saved_residuals
 
 __version__ = "0.1.0"
 

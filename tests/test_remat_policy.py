@@ -17,7 +17,7 @@ X = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32).reshape(2, 4)
 README = Path(__file__).resolve().parent.parent / "README.md"
 # jax 0.10 and 0.11 make a names policy a frozen dataclass that publishes its names, so
 # every name is checked; jax 0.12's are closures, judged by what they keep of the body's
-# names (statefulremat/transforms/_policy_check.py).
+# names (statefulremat/transforms/memory/_policy_check.py).
 PUBLISHED = dataclasses.is_dataclass(P.save_only_these_names("h"))
 PUBLISHED_OFFLOAD = dataclasses.is_dataclass(
   P.save_and_offload_only_these_names(

@@ -16,8 +16,8 @@ from ..core._rngs import Rngs, RngStream
 from ._class_form import cached_class_form, display_name, is_module_class, transformed_class
 from ._lift import check_no_nodes, is_node, lift, serialised, write_back
 from ._outputs import Restructured
-from ._policy_check import policy_check
 from ._rules import Rules
+from .memory._policy_check import policy_check
 
 _M = TypeVar("_M", bound=Module)
 

@@ -20,9 +20,12 @@ from ._lift import refuse_layer_list, serialised
 from ._module_arg import check_no_modules
 from ._pattern import call_method, is_pattern, pattern_class, pattern_repr
 from ._pattern_loop import lift_loop
-from ._policy_check import policy_check
-from ._remat_budget import fit_budget
-from ._remat_plan import (
+from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units, resolve_plan
+from ._rules import Rules, TransformError
+from ._stacked import stacked_class
+from .memory._policy_check import policy_check
+from .memory._remat_budget import fit_budget
+from .memory._remat_plan import (
   POLICIES,
   RematPlan,
   choose,
@@ -31,9 +34,6 @@ from ._remat_plan import (
   tree_bytes,
   unit_inputs,
 )
-from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units, resolve_plan
-from ._rules import Rules, TransformError
-from ._stacked import stacked_class
 
 _ALL = MappingProxyType({True: 0})
 _SPLIT_ALL = MappingProxyType({True: True})

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 from ._module_arg import resolve_length
-from ._remat_plan import RematPlan, parse_bytes
 from ._rules import TransformError
+from .memory._remat_plan import RematPlan, parse_bytes
 
 AUTO = "auto"
 

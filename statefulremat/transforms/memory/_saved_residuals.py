@@ -27,14 +27,14 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import Jaxpr, Literal
 
-from ..core._errors import format_path
-from ..core._filters import Filter, to_predicate
-from ..core._kinds import Param
-from ..core._module import Module
-from ..core._tracing import tracing_user_code
-from ._class_form import display_name
+from ...core._errors import format_path
+from ...core._filters import Filter, to_predicate
+from ...core._kinds import Param
+from ...core._module import Module
+from ...core._tracing import tracing_user_code
+from .._class_form import display_name
+from .._lift import check_no_nodes, is_node, lift
 from ._jaxpr_reading import called_body, checkpoint_name_of, reduce_precision_primitive
-from ._lift import check_no_nodes, is_node, lift
 
 _PACKAGE = str(pathlib.Path(__file__).resolve().parent.parent) + os.sep
 

@@ -36,9 +36,9 @@ import jax.core
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from ..core._errors import StatefulRematError
-from ..core._split_merge import merge, split
-from ..core._stacks import cycle, num_layers, stacked_variables
+from ...core._errors import StatefulRematError
+from ...core._split_merge import merge, split
+from ...core._stacks import cycle, num_layers, stacked_variables
 
 # A plan fits a budget when the model puts it at most this fraction of it: on Dense +
 # tanh the model is within 0.1 % of XLA's figure (1 % at 64 x 256 activations), other

@@ -50,7 +50,7 @@ import jax.core
 import jax.numpy as jnp
 from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
 
-from ..core._errors import TransformError
+from ...core._errors import TransformError
 from ._jaxpr_reading import PROBE_NAME, names_under, remat_flavour
 
 _POLICIES = jax.checkpoint_policies

@@ -1,0 +1,1 @@
+"""What a rematerialised computation keeps in memory: see README.md."""
