@@ -64,8 +64,6 @@ from .transforms._autodiff import grad as grad
 from .transforms._autodiff import value_and_grad as value_and_grad
 from .transforms._eval_shape import eval_shape as eval_shape
 from .transforms._jit import jit as jit
-from .transforms._pipeline import PipelineSpec as PipelineSpec
-from .transforms._pipeline import pipeline as pipeline
 from .transforms._remat import remat as remat
 from .transforms._remat_scan import plan_remat as plan_remat
 from .transforms._remat_scan import remat_scan as remat_scan
@@ -75,6 +73,8 @@ from .transforms._vmap import vmap as vmap
 from .transforms.memory._remat_plan import RematPlan as RematPlan
 from .transforms.memory._remat_plan import RematPlanError as RematPlanError
 from .transforms.memory._saved_residuals import saved_residuals as saved_residuals
+from .transforms.pipeline._pipeline import PipelineSpec as PipelineSpec
+from .transforms.pipeline._pipeline import pipeline as pipeline
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,7 @@ pass).
 The Q = S·R chunks are the stack's layers in order, ``N // Q`` or one more each (the
 first ``N % Q``); chunk ``q = r·S + s`` is stage ``s``'s pass ``r``. Where that layout
 differs from the stack's (circular, or N not divisible by Q) the stacked values are
-gathered into it inside the trace (``_pipeline_layout``), each chunk padded to the
+gathered into it inside the trace (``_layout``), each chunk padded to the
 longest with layers the stage skips (the carry passes them unchanged), and written
 state is gathered back.
 """
@@ -33,17 +33,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from ..core._graph import flatten
-from ..core._kinds import RngCount, RngKey
-from ..core._split_merge import merge
-from ..core._stacks import axis_size
-from ..core._state import State
-from ._lift import write_back
-from ._microbatches import join, split_rows
-from ._pipeline_checks import stacked_axes
-from ._pipeline_layout import Layout, is_array, per_device
-from ._remat_scan import plan_remat, remat_scan
-from ._rules import TransformError, layer_index_map
+from ...core._graph import flatten
+from ...core._kinds import RngCount, RngKey
+from ...core._split_merge import merge
+from ...core._stacks import axis_size
+from ...core._state import State
+from .._lift import write_back
+from .._microbatches import join, split_rows
+from .._remat_scan import plan_remat, remat_scan
+from .._rules import TransformError, layer_index_map
+from ._checks import stacked_axes
+from ._layout import Layout, is_array, per_device
 
 
 def schedule_steps(k: int, stages: int, repeats: int) -> int:

@@ -1,8 +1,8 @@
 """sr.pipeline: a stack's layers spread over a mesh axis, microbatches flowing through.
 
 Here: ``sr.PipelineSpec`` and its checks, and the front (``pipeline`` / ``pipelined``)
-that checks a call (``_pipeline_checks``) and runs the traced program
-(``_pipeline_program``, which says how the schedule runs) under the stack's mesh.
+that checks a call (``_checks``) and runs the traced program
+(``_program``, which says how the schedule runs) under the stack's mesh.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from collections.abc import Callable
 
 import jax
 
-from ._class_form import display_name
-from ._lift import refuse_layer_list, serialised
-from ._module_arg import check_no_modules
-from ._pipeline_checks import check_batch, check_layer_sharding, check_whole_cycles, find_mesh
-from ._pipeline_program import program, schedule_steps
-from ._remat_scan_args import AUTO, resolve_plan
-from ._rules import TransformError
+from .._class_form import display_name
+from .._lift import refuse_layer_list, serialised
+from .._module_arg import check_no_modules
+from .._remat_scan_args import AUTO, resolve_plan
+from .._rules import TransformError
+from ._checks import check_batch, check_layer_sharding, check_whole_cycles, find_mesh
+from ._program import program, schedule_steps
 
 SCHEDULES = ("gpipe", "circular")
 

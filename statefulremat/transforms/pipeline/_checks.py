@@ -10,11 +10,11 @@ import jax.core
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..core._graph import flatten
-from ..core._module import Module
-from ..core._stacks import axis_size, cycle, layer_axis
-from ._lift import split_call
-from ._rules import TransformError
+from ...core._graph import flatten
+from ...core._module import Module
+from ...core._stacks import axis_size, cycle, layer_axis
+from .._lift import split_call
+from .._rules import TransformError
 
 
 def stacked_axes(stack) -> tuple[Any, list, list[int | None]]:

@@ -1,0 +1,1 @@
+"""sr.pipeline: see README.md."""
