@@ -150,11 +150,14 @@ def nnx_stateful_vector_dot(weights, x):  # nnx 0.12 spells the in-place add `[.
 def test_01_vmap_applies_a_function_to_a_module_and_data():
   theirs, ours = NnxWeights(**batched()), Weights(**batched())
   expected = nnx.vmap(vector_dot, in_axes=0, out_axes=1)(theirs, X)
-  # a plain module's variables map only when the rules say so (DESIGN: trust rules)
-  y = sr.vmap(vector_dot, in_axes=0, out_axes=1, variable_axes={sr.Param: 0})(ours, X)
+  # as written: an explicit in_axes covers the module argument, as nnx's does
+  y = sr.vmap(vector_dot, in_axes=0, out_axes=1)(ours, X)
   assert y.shape == expected.shape == (3, 10)
   close(y, expected)
   close(ours.kernel.value, val(theirs.kernel))
+  # the same with the rule spelt out, and with nnx's tuple (the module's entry first)
+  close(sr.vmap(vector_dot, out_axes=1, variable_axes={sr.Param: 0})(ours, X), expected)
+  close(sr.vmap(vector_dot, in_axes=(0, 0), out_axes=1)(ours, X), expected)
 
 
 def test_02_vmap_of_a_constructor_function_returns_a_stack():

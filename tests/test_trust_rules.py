@@ -304,3 +304,38 @@ def test_a_module_as_a_static_jax_jit_argument_is_refused_with_the_fix():
   model.kernel.value = model.kernel.value * 0
   np.testing.assert_allclose(g(model, jnp.ones((1, 2))), model.bias.value[None])
   assert not np.allclose(before, model.bias.value[None])
+
+
+def test_vmap_with_an_explicit_in_axes_maps_the_plain_module_as_nnx_does():
+  """nnx's ``in_axes`` cover the module argument: ``in_axes=0`` (or a tuple whose first
+  entry is the module's) is the user saying to map its Variables, so the nnx guide's
+  first example runs as written; the default in_axes still refuses (above)."""
+  kernel = jnp.arange(24.0).reshape(4, 2, 3)
+  bias = jnp.arange(12.0).reshape(4, 3)
+
+  class Weights(sr.Module):
+    def __init__(self):
+      self.kernel, self.bias = sr.Param(kernel), sr.Param(bias)
+
+  def vector_dot(weights, x):
+    assert weights.kernel.ndim == 2 and x.ndim == 1
+    return x @ weights.kernel + weights.bias
+
+  xs = jnp.arange(8.0).reshape(4, 2)
+  loop = jnp.stack([xs[i] @ kernel[i] + bias[i] for i in range(4)])
+  weights = Weights()
+  before = snapshot(weights)
+  np.testing.assert_allclose(sr.vmap(vector_dot, in_axes=0)(weights, xs), loop)
+  np.testing.assert_allclose(sr.vmap(vector_dot, in_axes=(0, 0))(weights, xs), loop)
+  decorated = sr.vmap(in_axes=0, out_axes=1)(vector_dot)
+  np.testing.assert_allclose(decorated(weights, xs), loop.T)
+  # the module's entry None broadcasts it: every example sees the whole module
+  one = sr.vmap(lambda w, x: x @ w.kernel.value[0], in_axes=(None, 0))(weights, xs)
+  np.testing.assert_allclose(one, xs @ kernel[0])
+  # the default, undecorated or decorated, is not the user saying so
+  for run in (sr.vmap(vector_dot), sr.vmap(out_axes=0)(vector_dot)):
+    with pytest.raises(sr.TransformError, match=r"belongs to a plain module"):
+      run(weights, xs)
+  with pytest.raises(sr.TransformError, match=r"one more whose first entry maps the module"):
+    sr.vmap(vector_dot, in_axes=(0, 0, 0))(weights, xs)
+  assert_unchanged(weights, before)

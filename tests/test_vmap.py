@@ -106,6 +106,8 @@ def test_function_form_matches_stacking_over_members():
   np.testing.assert_allclose(got, jnp.swapaxes(want, 0, 1), rtol=1e-6, atol=1e-6)
   # in_axes=-3 is the same axis as 0.
   np.testing.assert_allclose(sr.vmap(apply, in_axes=-3)(ens, xs), want, rtol=1e-6, atol=1e-6)
+  # nnx's spelling: one entry more, the module's first (its layer axis)
+  np.testing.assert_allclose(sr.vmap(apply, in_axes=(0, 0))(ens, xs), want, rtol=1e-6, atol=1e-6)
 
 
 def test_in_axes_per_argument_and_broadcast():
@@ -302,8 +304,11 @@ def test_in_axes_errors():
     r"has shape \(2, 4\)",
   ):
     sr.vmap(apply, in_axes=2)(ens, data())
-  with pytest.raises(sr.TransformError, match=r"in_axes=\(0, 0\) has 2 entries for 1 arguments"):
-    sr.vmap(apply, in_axes=(0, 0))(ens, data())
+  # one entry more than the arguments is nnx's spelling (the module's first); two are not
+  with pytest.raises(
+    sr.TransformError, match=r"in_axes=\(0, 0, 0\) has 3 entries for 1 arguments.*as nnx"
+  ):
+    sr.vmap(apply, in_axes=(0, 0, 0))(ens, data())
   with pytest.raises(
     sr.TransformError, match=r"variable_axes puts the layer axis of `linear\.bias` at 5"
   ):

@@ -32,6 +32,15 @@ from ._vmap_checks import refuse_mapping_plain, refuse_shared_write
 from ._vmap_outputs import _check_returned_inputs, _stacked_outputs, _vmap_creating
 
 _ALL = MappingProxyType({True: 0})
+
+
+class _DefaultAxis(int):
+  """``in_axes``'s default, 0: an axis for the arguments, as an explicit 0 is, but not
+  the user saying how the module argument maps (nnx's ``in_axes`` cover it)."""
+
+
+_DEFAULT_IN_AXES = _DefaultAxis(0)
+_UNSAID = object()
 _SPLIT_ALL = MappingProxyType({True: True})
 
 
@@ -39,7 +48,7 @@ _SPLIT_ALL = MappingProxyType({True: True})
 def vmap(
   target: type[Module] | Sequence[type[Module] | functools.partial],
   *,
-  in_axes: Any = 0,
+  in_axes: Any = _DEFAULT_IN_AXES,
   out_axes: Any = 0,
   axis_size: int | None = None,
   axis_name: str | None = None,
@@ -55,7 +64,7 @@ def vmap(
 def vmap(
   target: Callable | None = None,
   *,
-  in_axes: Any = 0,
+  in_axes: Any = _DEFAULT_IN_AXES,
   out_axes: Any = 0,
   axis_size: int | None = None,
   axis_name: str | None = None,
@@ -70,7 +79,7 @@ def vmap(
 def vmap(
   target: Callable | type | Sequence[Callable] | None = None,
   *,
-  in_axes: Any = 0,
+  in_axes: Any = _DEFAULT_IN_AXES,
   out_axes: Any = 0,
   axis_size: int | None = None,
   axis_name: str | None = None,
@@ -91,7 +100,11 @@ def vmap(
   Under the default ``variable_axes`` only a stack's Variables (those carrying a layer
   axis) are mapped: a plain module's parameters raise rather than hand each example
   one slice of them. Per-example use of one module is ``variable_broadcast=True``;
-  explicit ``variable_axes`` map what they name.
+  explicit ``variable_axes`` map what they name. An explicit ``in_axes`` covers the
+  module argument as nnx's does: ``in_axes=0`` maps a plain module's Variables along
+  axis 0 with the inputs (a stack's map along their layer axis), and a tuple with one
+  entry more than the arguments gives the module the first (an axis, or ``None`` to
+  broadcast it): ``sr.vmap(f, in_axes=(None, 0))(model, xs)``.
 
   Class form: ``sr.vmap(Block, axis_size=8)(*args, rngs=...)`` builds 8 independently
   initialised layers (an ensemble) in one traced init (``init_in_axes`` maps positional
@@ -123,8 +136,9 @@ def vmap(
   >>> sr.vmap(lambda m, x: m(x), variable_broadcast=True)(linear, jnp.ones((4, 3))).shape
   (4, 2)
   """
+  explicit_axes = type(in_axes) is not _DefaultAxis
   options = dict(
-    in_axes=in_axes,
+    in_axes=in_axes if explicit_axes else 0,
     out_axes=out_axes,
     axis_size=axis_size,
     axis_name=axis_name,
@@ -134,7 +148,8 @@ def vmap(
     metadata_params=metadata_params,
   )
   if target is None:
-    return functools.partial(vmap, methods=methods, init_in_axes=init_in_axes, **options)
+    given = {**options, "in_axes": in_axes}  # the default stays the default
+    return functools.partial(vmap, methods=methods, init_in_axes=init_in_axes, **given)
   what = f"sr.vmap({pattern_repr(target) if is_pattern(target) else display_name(target)})"
   rules = Rules(
     what,
@@ -143,6 +158,26 @@ def vmap(
     variable_carry=False,
     split_rngs=split_rngs,
   )
+
+  def function_form(fn: Callable, covers_module: bool, **given) -> Callable:
+    """The function form over ``fn``; a class form's methods run it directly, their
+    module argument (the stack) mapped by the class's rules, never by ``in_axes``."""
+    fn_what = f"sr.vmap({display_name(fn)})"
+    fn_rules = (
+      rules
+      if fn_what == what
+      else Rules(
+        fn_what,
+        variable_axes=variable_axes,
+        variable_broadcast=variable_broadcast,
+        variable_carry=False,
+        split_rngs=split_rngs,
+      )
+    )
+    return _vmap_function(
+      fn, what=fn_what, rules=fn_rules, covers_module=covers_module, **{**options, **given}
+    )
+
   if is_pattern(target):
     return pattern_class(
       target,
@@ -154,7 +189,7 @@ def vmap(
       position_class=lambda cls, n: fresh(vmap)(
         cls, **{**options, "axis_size": n}, methods=methods, init_in_axes=init_in_axes
       ),
-      run=lambda name: vmap(call_method(name, "VmapPattern"), **{**options, "axis_size": None}),
+      run=lambda name: function_form(call_method(name, "VmapPattern"), False, axis_size=None),
     )
   if is_module_class(target):
     return stacked_class(
@@ -162,7 +197,7 @@ def vmap(
       "Vmap",
       rules=rules,
       length=axis_size,
-      wrap=lambda m: vmap(m, **{**options, "axis_size": None}),
+      wrap=lambda m: function_form(m, False, axis_size=None),
       methods=methods,
       metadata_params=metadata_params,
       init_in_axes=init_in_axes,
@@ -173,7 +208,9 @@ def vmap(
   fn = cast(Callable, target)  # a pattern and a Module class were handled above
   if getattr(fn, "__name__", None) == "__init__":
     return _vmapped_init(fn, options)
-  return _vmap_function(fn, what=what, rules=rules, **options)
+  # nnx's in_axes cover the module argument: an explicit one says how its Variables map.
+  covers = variable_axes is _ALL and variable_broadcast is False
+  return function_form(fn, covers and explicit_axes)
 
 
 def _vmap_function(
@@ -189,7 +226,23 @@ def _vmap_function(
   split_rngs,
   variable_broadcast,
   metadata_params,
+  covers_module: bool = False,
 ):
+  module_rules: dict = {}  # the module argument's axis -> its Rules (covers_module)
+
+  def rules_for(module_axis) -> Rules:
+    """The Rules an explicit ``in_axes`` entry gives the module argument: its
+    Variables mapped along that axis, or (None) broadcast, as nnx's vmap does."""
+    found = module_rules.get(module_axis)
+    if found is None:
+      found = module_rules[module_axis] = Rules(
+        what,
+        variable_axes={} if module_axis is None else {True: module_axis},
+        variable_broadcast=module_axis is None,
+        variable_carry=False,
+        split_rngs=split_rngs,
+      )
+    return found
 
   @functools.wraps(fn)
   def wrapper(module, *args, **kwargs):
@@ -208,6 +261,11 @@ def _vmap_function(
       )
     check_no_modules(args, what, "argument", first=1)
     check_no_modules(kwargs, what, "the keyword argument")
+    call_rules, call_axes, by_default = rules, in_axes, variable_axes is _ALL
+    if covers_module:
+      module_axis, call_axes = _module_entry(in_axes, len(args), _holds_stack(module))
+      if module_axis is not _UNSAID:
+        call_rules, by_default = rules_for(module_axis), False
     if isinstance(module, Module) and len(cycle(module)) > 1:  # members of P classes
       return vmap_pattern(
         module,
@@ -215,26 +273,28 @@ def _vmap_function(
         args,
         kwargs,
         what=what,
-        rules=rules,
-        in_axes=in_axes,
+        rules=call_rules,
+        in_axes=call_axes,
         out_axes=out_axes,
         axis_size=axis_size,
         axis_name=axis_name,
         metadata_params=metadata_params,
       )
     lifted, variables, plan, leaves = lift_module_arg(
-      module, what, rules, metadata_params, "f(module, *args)"
+      module, what, call_rules, metadata_params, "f(module, *args)"
     )
     values = [v._value for v in variables]
     stacked = plan.indices(STACKED)
-    if variable_axes is _ALL:
-      refuse_mapping_plain(what, lifted, plan, variables, stacked)
-    arg_axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+    arg_axes = call_axes if isinstance(call_axes, (tuple, list)) else (call_axes,) * len(args)
     if len(arg_axes) != len(args):
       raise TransformError(
-        f"{what}: in_axes={in_axes!r} has {len(arg_axes)} entries for "
-        f"{len(args)} arguments (the module excluded)."
+        f"{what}: in_axes={call_axes!r} has {len(arg_axes)} entries for "
+        f"{len(args)} arguments (the module excluded). Fix: one entry per argument after "
+        "the module, or, as nnx writes it, one more whose first entry maps the module "
+        "(an axis, or None to broadcast it)."
       )
+    if by_default:
+      refuse_mapping_plain(what, lifted, plan, variables, stacked)
     sources = stacked_sources(plan, lifted, variables)
     for j, (a, ax) in enumerate(zip(args, arg_axes)):
       if isinstance(ax, int):
@@ -407,3 +467,25 @@ def _stack_class(cls: type, n: int, axis: int = 0) -> type:
     return cls
   rules: dict[str, Any] = {} if axis == 0 else {"variable_axes": {True: axis}}
   return vmap(cls, axis_size=n, in_axes=None, **rules)
+
+
+def _module_entry(in_axes, n_args: int, stacked: bool) -> tuple[Any, Any]:
+  """``(the module argument's axis, or _UNSAID; the other arguments' in_axes)`` of an
+  explicit ``in_axes``: the first entry of a tuple with one entry more than the
+  arguments after the module is the module's, as nnx writes it; an int covers a plain
+  module too (nnx's ``in_axes=0``), but not a stack, whose Variables map along their
+  layer axis whatever axis the data is mapped along (``in_axes=1`` for a batch)."""
+  if isinstance(in_axes, (tuple, list)):
+    if len(in_axes) == n_args + 1:
+      return in_axes[0], type(in_axes)(in_axes[1:])
+    return _UNSAID, in_axes
+  if isinstance(in_axes, int) and not stacked:
+    return in_axes, in_axes
+  return _UNSAID, in_axes
+
+
+def _holds_stack(module) -> bool:
+  return any(
+    isinstance(node, Module) and is_stacked(node)
+    for node in jax.tree.leaves(module, is_leaf=is_node)
+  )
