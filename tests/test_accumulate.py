@@ -350,3 +350,21 @@ def test_carried_value_changing_shape_is_refused():
   ):
     sr.accumulate(grow, microbatches=2)(model, jnp.ones((4, 4)))
   assert_unchanged(model, before)
+
+
+def test_raw_jax_value_and_grad_under_accumulate_points_to_sr_value_and_grad():
+  """Raw ``jax.value_and_grad`` over a module returns the gradients as a module; the
+  message names that and the fix, and the model is left as it was."""
+  model = sr.nn.Linear(3, 2, rngs=sr.Rngs(0))
+  before = snapshot(model)
+
+  def step(m, x, y):
+    return jax.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(m)
+
+  with pytest.raises(
+    sr.TransformError,
+    match=r"gradients as a module \(Linear\): raw `jax\.grad` / `jax\.value_and_grad`.*"
+    r"Fix: .*sr\.accumulate\(sr\.value_and_grad\(loss_fn\), microbatches=k\)",
+  ):
+    sr.accumulate(step, microbatches=2)(model, jnp.ones((4, 3)), jnp.ones((4, 2)))
+  assert_unchanged(model, before)

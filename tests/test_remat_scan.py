@@ -419,3 +419,29 @@ def test_memory_matches_raw_jax(policy):
   grads = ours_compiled(params, rest, x)
   want = raw_compiled(raw_params, x)
   np.testing.assert_allclose(grads["linear"]["kernel"], want["kernel"], rtol=1e-4, atol=1e-7)
+
+
+def test_a_block_returning_carry_and_more_says_what_remat_scan_takes():
+  """A block written for sr.scan (or returning an auxiliary output) returns ``(x,
+  aux)``: the message says remat_scan's body returns the carry alone, and the ways to
+  keep ``aux``."""
+
+  class Aux(sr.Module):
+    def __init__(self, *, rngs):
+      self.linear = sr.nn.Linear(W, W, rngs=rngs)
+
+    def __call__(self, x):
+      y = self.linear(x)
+      return y, y.sum()
+
+  stack = sr.remat_scan(Aux, lengths=(2,))(rngs=sr.Rngs(0))
+  before = sr.state(stack)
+  with pytest.raises(
+    sr.TransformError,
+    match=r"returned a pair \(carry, an array of shape \(\)\) where sr\.remat_scan's body "
+    r"returns the carry alone.*self\.sow\(sr\.Intermediate.*use sr\.scan",
+  ):
+    stack(data())
+  np.testing.assert_array_equal(
+    sr.state(stack).flat()[("linear", "kernel")], before.flat()[("linear", "kernel")]
+  )

@@ -302,6 +302,16 @@ def _parse(out, what: str):
       )
     first, aux = first
     check_no_nodes(aux, what)
+  if is_node(grads) or any(map(is_node, jax.tree.leaves(grads, is_leaf=is_node))):
+    kind = f"a module ({type(grads).__name__})" if is_node(grads) else "a pytree of modules"
+    raise TransformError(
+      f"{what}: fn returned its gradients as {kind}: raw `jax.grad` / "
+      "`jax.value_and_grad` over a module return one, the model's structure with "
+      "gradients where the arrays were, which accumulate cannot sum into the model's "
+      "gradient State. Fix: differentiate with statefulremat's, whose gradients are a "
+      "State: `sr.accumulate(sr.value_and_grad(loss_fn), microbatches=k)` (or "
+      "`sr.value_and_grad(loss_fn)(model, *batch)` inside fn)."
+    )
   check_no_nodes(grads, what)
   if not (
     isinstance(first, (jax.Array, float)) and jnp.issubdtype(jnp.result_type(first), jnp.inexact)

@@ -16,6 +16,7 @@ from ..core._stacks import cycle, is_stacked, update_stack_info
 from ._autodiff import grad
 from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
 from ._jit import jit
+from ._layers import describe_node
 from ._lift import refuse_layer_list, serialised
 from ._module_arg import check_no_modules
 from ._pattern import call_method, is_pattern, pattern_class, pattern_repr
@@ -273,8 +274,12 @@ def _remat_scan_function(
       check_units(what, label, n, lengths, loop)
     nesting, innermost = planned(module, loop.lifted, loop.length, carry, args, kwargs)
 
+    def body(layer, c, _):
+      out = fn(layer, c, *args, **kwargs)
+      refuse_carry_and_more(what, c, out)
+      return out, None
+
     def run(carry):
-      body = lambda layer, c, _: (fn(layer, c, *args, **kwargs), None)
       carry, _ = loop.loop(
         body, carry, None, lengths=nesting, remat=True, policy=innermost, prevent_cse=prevent_cse
       )
@@ -374,6 +379,24 @@ def plan_remat(
   if budget is None:
     return make(None, None)
   return fit_budget(make, budget, verify)
+
+
+def refuse_carry_and_more(what: str, carry, out) -> None:
+  """Raises if the body returned ``(carry, something)`` where remat_scan takes the carry
+  alone (a block written for ``sr.scan``, or returning an auxiliary output)."""
+  if jax.tree.structure(out) == jax.tree.structure(carry):
+    return
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    return  # another change of structure: the loop's carry check says where
+  if jax.tree.structure(out[0]) != jax.tree.structure(carry):
+    return
+  raise TransformError(
+    f"{what}: the body returned a pair (carry, {describe_node(out[1])}) where "
+    "sr.remat_scan's body returns the carry alone: each layer's output is the next "
+    "layer's input. Fix: return only the carry; keep an auxiliary output with "
+    "`self.sow(sr.Intermediate, 'name', value)` (it comes out stacked per layer), or "
+    "use sr.scan (wrapped in sr.remat for the memory), whose body returns (carry, ys)."
+  )
 
 
 def _avals(tree):
