@@ -1,5 +1,7 @@
 """Stacked modules: stack.layer(i), len, sr.unstack / sr.stack, and the graph functions."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -262,3 +264,41 @@ def test_a_restacked_subset_of_layers_runs_with_its_own_count():
   out = smaller(x)
   assert out.shape == (2, 5, 3)
   np.testing.assert_allclose(out[1], layers[1](x), rtol=1e-6)
+
+
+def test_a_partial_of_a_class_is_a_class_form_in_every_single_class_form():
+  """``sr.vmap(partial(Block, ...))`` (and scan, remat_scan) build a stack of ``Block``
+  layers made by the partial, its arguments first, as a pattern's positions take one;
+  the class is made once, and the plain class form of ``Block`` is another."""
+
+  class Scaled(sr.Module):
+    def __init__(self, width, *, scale=1.0, rngs):
+      self.linear = sr.nn.Linear(width, width, rngs=rngs)
+      self.scale = scale
+
+    def __call__(self, x):
+      return jnp.tanh(self.linear(x)) * self.scale
+
+  made = functools.partial(Scaled, 3, scale=2.0)
+  x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+  deep = sr.remat_scan(made, lengths=(2, 2))(rngs=sr.Rngs(0))
+  assert sr.remat_scan(made, lengths=(2, 2)) is type(deep)
+  assert sr.remat_scan(Scaled, lengths=(2, 2)) is not type(deep)
+  layers = sr.unstack(deep)
+  assert [type(layer).__name__ for layer in layers] == ["Scaled"] * 4
+  assert {layer.scale for layer in layers} == {2.0}
+  h = x
+  for layer in layers:
+    h = layer(h)
+  np.testing.assert_allclose(deep(x), h, rtol=1e-6, atol=1e-6)
+  ensemble = sr.vmap(made, axis_size=3, in_axes=None)(rngs=sr.Rngs(1))
+  want = jnp.stack([member(x) for member in sr.unstack(ensemble)])
+  np.testing.assert_allclose(ensemble(x), want, rtol=1e-6, atol=1e-6)
+  scanned = sr.scan(
+    functools.partial(Scaled, 3, scale=0.5),
+    length=2,
+    variable_axes={sr.Param: 0},
+    split_rngs={"params": True},
+    methods="__call__",
+  )(rngs=sr.Rngs(2))
+  assert sr.unstack(scanned)[1].scale == 0.5

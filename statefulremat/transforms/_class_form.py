@@ -9,6 +9,7 @@ from typing import Any, TypeGuard, TypeVar
 
 from ..core._bookkeeping import TRANSFORMED
 from ..core._module import Module
+from ..core._stacks import is_stacked, update_stack_info
 
 
 def is_module_class(target: object) -> TypeGuard[type[Module]]:
@@ -104,7 +105,8 @@ def cached_class_form(transform: F) -> F:
 
   @functools.wraps(transform)
   def call(target=None, *args, **kwargs):
-    if not (isinstance(target, type) or isinstance(target, (tuple, list))):
+    partial = is_class_partial(target)
+    if not (isinstance(target, type) or isinstance(target, (tuple, list)) or partial):
       return transform(target, *args, **kwargs)
     try:
       key = _frozen((transform.__name__, target, args, kwargs))
@@ -112,12 +114,29 @@ def cached_class_form(transform: F) -> F:
     except TypeError:  # an argument not hashable by value
       return transform(target, *args, **kwargs)
     if made is None:
-      made = transform(target, *args, **kwargs)
+      made = _stack_of_partial(transform, target, args, kwargs) if partial else None
+      made = transform(target, *args, **kwargs) if made is None else made
       if isinstance(made, type):
         _MADE[key] = made
     return made
 
   return call  # pyright: ignore[reportReturnType]
+
+
+def is_class_partial(target) -> bool:
+  """Whether ``target`` is a ``functools.partial`` of a Module class."""
+  return isinstance(target, functools.partial) and is_module_class(target.func)
+
+
+def _stack_of_partial(transform: Callable, target, args: tuple, kwargs: dict) -> type | None:
+  """The stacked class of ``partial(Block, ...)``, as the patterns take one: the class
+  form of ``Block`` whose layers are built by the partial (its arguments first). None
+  where the transform's class form makes no stack (``sr.remat``)."""
+  made = transform(target.func, *args, **kwargs)
+  if not is_stacked(made):
+    return None
+  update_stack_info(made, factory=target)
+  return made
 
 
 def fresh(transform: Callable) -> Callable:
