@@ -238,21 +238,23 @@ class LayerLoop:
     """
     lengths = (self.length,) if lengths is None else tuple(lengths)
     if remat and math.prod(lengths) != self.length:
-      carry, ys, self.changed = self.run_segments(
+      carried, carry, written = self.segments(
         body, carry, self.length, lengths, policy=policy, prevent_cse=prevent_cse
       )
-      return carry, ys
-    carry, ys, self.changed = self.run(
-      body,
-      carry,
-      xs,
-      lengths,
-      reverse=self.reverse,
-      unroll=unroll,
-      remat=remat,
-      policy=policy,
-      prevent_cse=prevent_cse,
-    )
+      ys = None
+    else:
+      carried, carry, written, ys = self.levels(
+        body,
+        carry,
+        xs,
+        lengths,
+        reverse=self.reverse,
+        unroll=unroll,
+        remat=remat,
+        policy=policy,
+        prevent_cse=prevent_cse,
+      )
+    self.changed = self._changed(written, carried)
     return carry, ys
 
   def finish(self) -> None:
@@ -272,14 +274,6 @@ class LayerLoop:
     """The stacked values the loop runs over, layer axis first."""
     return [_move_axis(self.values[i], self.plan.stacked_axis(i), 0) for i in self.stacked]
 
-  def run(self, body: Callable, carry: Any, xs: Any, lengths: Sequence[int], **options):
-    """Runs the layers; returns ``(carry, ys, changed)`` — ``changed`` by flat index.
-
-    ``xs`` leaves have the layer axis first (size ``prod(lengths)``); so do ``ys``.
-    """
-    carry_values, carry, written, ys = self.levels(body, carry, xs, lengths, **options)
-    return carry, ys, self._changed(written, carry_values)
-
   def levels(
     self,
     body: Callable,
@@ -294,7 +288,7 @@ class LayerLoop:
     prevent_cse: bool = True,
     carried: list | None = None,
   ):
-    """``run`` before the write-back is worked out: ``(carry values, carry, written,
+    """``loop`` before the write-back is worked out: ``(carry values, carry, written,
     ys)``, ``written`` by flat index with the layer axis first. ``carried``: the
     carried variables' values to start from (default: their values now)."""
     lengths = tuple(lengths)
@@ -350,12 +344,6 @@ class LayerLoop:
       changed[i] = self.values[i] + jnp.uint32(1)
     return changed
 
-  def run_segments(self, body: Callable, carry: Any, n: int, lengths: Sequence[int], **options):
-    """``run(body, carry, None, lengths, remat=True)`` for ``n < prod(lengths)`` layers
-    (see ``segments``)."""
-    carry_values, carry, written = self.segments(body, carry, n, lengths, **options)
-    return carry, None, self._changed(written, carry_values)
-
   def segments(
     self,
     body: Callable,
@@ -367,11 +355,11 @@ class LayerLoop:
     prevent_cse: bool = False,
     carried: list | None = None,
   ):
-    """``run(body, carry, None, lengths, remat=True)`` for ``n < prod(lengths)`` layers.
+    """``loop(body, carry, None, lengths=lengths, remat=True)`` for ``n < prod(lengths)`` layers.
 
     Level ``d`` runs ``n_d // m`` full steps of ``m = prod(lengths[d+1:])`` layers as a
     scan, then, if some are left, one short step; every step under
-    ``jax.checkpoint``, as in ``run``. A step takes its layers' stacked values as one
+    ``jax.checkpoint``, as in ``levels``. A step takes its layers' stacked values as one
     ``dynamic_slice`` of its level's values and hands that slice down: a prefix
     sliced statically (or reshaped, which needs ``m`` to divide it) would copy nearly
     every layer's parameters (20 % more temp memory at N=97), and slicing the whole

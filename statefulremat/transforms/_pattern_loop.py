@@ -69,8 +69,8 @@ class CycleLoop(LayerLoop):
     return self.cycle(body, state, x, self.period)
 
   def cycle(self, body: Callable, state, x, active: int):
-    """Layers ``0 .. active - 1`` of one cycle. ``body(k, layer, carry, xs_k) ->
-    (carry, ys)``; ``x`` is ``(slices, xs, cycle)``, xs with the positions in front."""
+    """Layers ``0 .. active - 1`` of one cycle. ``body(layer, carry, xs_k) -> (carry,
+    ys)``; ``x`` is ``(slices, xs, cycle)``, xs with the positions in front."""
     carry_values, user_carry = state
     slices, xs, cycle = x
     flat = self._substitute(slices, carry_values)
@@ -91,7 +91,7 @@ class CycleLoop(LayerLoop):
             variables, self.values, None if first is None else first + jnp.uint32(k)
           )
         before = carry
-        carry, ys[k] = body(k, tree[0][0][k], carry, take(xs, k))
+        carry, ys[k] = body(tree[0][0][k], carry, take(xs, k))
         self._check_carry(k, before, carry)
         for j, s in enumerate(streams):
           drew[j] = drew[j] or variables[s.count]._value is not counts[j]
@@ -127,31 +127,7 @@ class CycleLoop(LayerLoop):
     prevent_cse: bool = True,
     unroll: int | bool = 1,
   ):
-    carry, ys, self.changed = self.run_cycles(
-      lambda k, layer, c, x: body(layer, c, x),
-      carry,
-      xs,
-      lengths=lengths,
-      remat=remat,
-      policy=policy,
-      prevent_cse=prevent_cse,
-      unroll=unroll,
-    )
-    return carry, ys
-
-  def run_cycles(
-    self,
-    body: Callable,
-    carry: Any,
-    xs: Any,
-    *,
-    lengths: Sequence[int] | None = None,
-    remat: bool = False,
-    policy: Callable | None = None,
-    prevent_cse: bool = True,
-    unroll: int | bool = 1,
-  ):
-    """Runs every layer; returns ``(carry, ys, changed)``, ys in layer order.
+    """``LayerLoop.loop`` over cycles: ``(carry, ys)``, ys in layer order.
 
     ``xs`` leaves have the layer axis first (size ``length``). ``lengths`` (remat)
     nests the full cycles as ``LayerLoop.levels`` nests layers.
@@ -188,7 +164,8 @@ class CycleLoop(LayerLoop):
     if tail_out is not None:
       written = self._join(written, tail_out[0])
     ys = self._layer_order(ys, None if tail_out is None else tail_out[1])
-    return carry, ys, self._changed(written, carried)
+    self.changed = self._changed(written, carried)
+    return carry, ys
 
   def _tail(self, body, carried, carry, xs, remat: bool):
     """The short last cycle: positions ``0 .. rest - 1``, layer ``full`` of each."""
