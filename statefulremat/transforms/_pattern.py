@@ -1,4 +1,7 @@
-"""The class form over a pattern: a tuple of classes as one cycle.
+"""The class forms of the stacking transforms: a class, or a pattern of classes.
+
+``class_form`` is where scan, remat_scan and vmap tell the two apart: a Module class
+becomes its stacked class (``_stacked``), a tuple of classes a pattern stack.
 
 ``sr.scan((Local, Local, Global), length=26, ...)`` (likewise ``sr.remat_scan`` and
 ``sr.vmap``) returns a pattern stack class (``core/_pattern_stack``): one stacked class
@@ -13,14 +16,64 @@ stack is built with.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..core._errors import TransformError
 from ..core._module import Module
 from ..core._pattern_stack import Pattern, PatternStack
 from ..core._stacks import StackInfo, is_stacked, set_stack_info, stack_info, update_stack_info
-from ._class_form import is_module_class, transform_name
+from ._class_form import display_name, is_module_class, transform_name
+from ._rules import Rules
+from ._stacked import stacked_class
+
+
+def class_form(
+  target,
+  label: str,
+  *,
+  what: str,
+  rules: Rules,
+  count: Callable[[int], int | None],
+  run: Callable[[Callable, int | None], Callable],
+  position_class: Callable[[type, int], type],
+  methods: Sequence[str] | None,
+  metadata_params: Mapping,
+  init_in_axes: Any = None,
+) -> type | None:
+  """The class form of scan, remat_scan or vmap over ``target``; None for a function.
+
+  ``count(period)`` is the number of layers to build, checked as the transform counts
+  them (period 1 for a class, the pattern's length for a pattern); ``run(fn, n)`` the
+  transform's function form over ``fn`` (a layer's method, or the same method of each
+  layer of a cycle); ``position_class(cls, n)`` the stacked class of a pattern's
+  position (``n`` layers).
+  """
+  if is_pattern(target):
+    n = count(len(target))
+    return pattern_class(
+      target,
+      label,
+      length=n,
+      what=what,
+      methods=methods,
+      init_in_axes=init_in_axes,
+      position_class=position_class,
+      run=lambda name: run(call_method(name, f"{label}Pattern"), n),
+    )
+  if not is_module_class(target):
+    return None
+  n = count(1)
+  return stacked_class(
+    target,
+    label,
+    rules=rules,
+    length=n,
+    wrap=lambda method: run(method, n),
+    methods=methods,
+    metadata_params=dict(metadata_params),
+    init_in_axes=init_in_axes,
+  )
 
 
 def is_pattern(target) -> bool:
@@ -28,10 +81,11 @@ def is_pattern(target) -> bool:
   return isinstance(target, (tuple, list)) and not isinstance(target, Pattern)
 
 
-def pattern_repr(pattern) -> str:
-  """How errors name a pattern: ``(Local, Local, Global)``."""
-  if not isinstance(pattern, (tuple, list)):
-    return repr(pattern)
+def target_repr(pattern) -> str:
+  """How errors name a transform's target: ``f``, ``Block``, or a pattern ``(Local,
+  Local, Global)``."""
+  if not is_pattern(pattern):
+    return display_name(pattern)
   names = [
     getattr(e, "__name__", None)
     or (

@@ -19,11 +19,10 @@ from ._jit import jit
 from ._layers import describe_node
 from ._lift import refuse_layer_list, serialised
 from ._module_arg import check_no_modules
-from ._pattern import call_method, is_pattern, pattern_class, pattern_repr
+from ._pattern import class_form, target_repr
 from ._pattern_loop import lift_loop
 from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units, resolve_plan
 from ._rules import Rules, TransformError
-from ._stacked import stacked_class
 from .memory._policy_check import policy_check
 from .memory._remat_budget import fit_budget
 from .memory._remat_plan import (
@@ -130,7 +129,7 @@ def remat_scan(
       pipeline=pipeline,
       **options,
     )
-  what = f"sr.remat_scan({pattern_repr(target) if is_pattern(target) else display_name(target)})"
+  what = f"sr.remat_scan({target_repr(target)})"
   lengths, length, policy, budget = resolve_plan(what, lengths, length, policy, memory_budget)
   options["policy"] = policy
   auto = lengths == AUTO
@@ -150,55 +149,48 @@ def remat_scan(
       )
     return _remat_scan_function(fn, lengths, layers, budget, what=what, **options)
 
-  if isinstance(target, (tuple, list)) and is_pattern(target):
-    if length is not None and not auto:  # without length, pattern_class says so
-      check_lengths(what, lengths, None)
-      check_cycles(what, lengths, length, len(target))
+  def count(period: int) -> int | None:
+    """The layers a class form builds; a pattern's ``lengths`` count its cycles."""
+    if auto:
+      if length is None and period == 1:  # a pattern's class form says it for a pattern
+        raise TransformError(
+          f"{what}: the class form with lengths='auto' needs `length=N`, the number of "
+          "layers to build (the plan is made at call time, from the carry's shapes)."
+        )
+      return length
+    nesting = cast(tuple, lengths)  # not "auto"
+    if period == 1:
+      return check_lengths(what, nesting, length)
+    if length is not None:  # without length, the pattern's class form says so
+      check_lengths(what, nesting, None)
+      check_cycles(what, nesting, length, period)
+    return length
 
-    def position_class(cls: type, n: int) -> type:
-      stacked = fresh(remat_scan)(cls, (n,), methods=methods, init_in_axes=init_in_axes, **options)
-      return cast(type, stacked)  # the class form: a class in, a class out
-
-    return pattern_class(
-      target,
-      "RematScan",
-      length=length,
-      what=what,
-      methods=methods,
-      init_in_axes=init_in_axes,
-      position_class=position_class,
-      # lengths count cycles here: the given count is theirs, checked at call time.
-      run=lambda name: function_form(
-        call_method(name, "RematScanPattern"), None if auto else int(math.prod(lengths))
-      ),
-    )
-  n = length if auto else check_lengths(what, lengths, length)
-  if isinstance(target, type) and is_module_class(target):
-    if n is None:
-      raise TransformError(
-        f"{what}: the class form with lengths='auto' needs `length=N`, the number of "
-        "layers to build (the plan is made at call time, from the carry's shapes)."
-      )
-    rules = Rules(
+  made = class_form(
+    target,
+    "RematScan",
+    what=what,
+    rules=Rules(
       what,
       variable_axes=variable_axes,
       variable_broadcast=variable_broadcast,
       variable_carry=variable_carry,
       split_rngs=split_rngs,
-    )
-    cls = stacked_class(
-      target,
-      "RematScan",
-      rules=rules,
-      length=n,
-      wrap=lambda m: function_form(m, n),
-      methods=methods,
-      metadata_params=dict(metadata_params),
-      init_in_axes=init_in_axes,
-    )
-    if not auto:
-      update_stack_info(cls, lengths=tuple(lengths))  # the nested layout, for to_linen
-    return cls
+    ),
+    count=count,
+    run=function_form,
+    position_class=lambda cls, n: fresh(remat_scan)(
+      cls, (n,), methods=methods, init_in_axes=init_in_axes, **options
+    ),
+    methods=methods,
+    metadata_params=metadata_params,
+    init_in_axes=init_in_axes,
+  )
+  if made is not None:
+    if not auto and is_module_class(target):  # the nested layout, for to_linen
+      update_stack_info(made, lengths=tuple(lengths))
+    return made
+  n = length if auto else check_lengths(what, lengths, length)
   if methods is not None:
     raise TypeError("sr.remat_scan(methods=...) applies to a Module class, not a function.")
   if not callable(target):

@@ -2,8 +2,8 @@
 
 The class form builds a stack of layers (``_stacked``) whose call is the function
 form; the function form lifts the module and runs the loop over its units
-(``_pattern_loop.lift_loop``: one layer, or one cycle of a pattern stack). Its ``in_axes`` / ``out_axes`` trees and
-``sr.broadcast`` are in ``_scan_axes``.
+(``_pattern_loop.lift_loop``: one layer, or one cycle of a pattern stack). Its
+``in_axes`` / ``out_axes`` trees and ``sr.broadcast`` are in ``_scan_axes``.
 """
 
 from __future__ import annotations
@@ -11,21 +11,20 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, cast, overload
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
 
 from ..core._module import Module
-from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
+from ._class_form import cached_class_form, display_name, fresh, refuse_init_axes
 from ._lift import refuse_layer_list, serialised
 from ._module_arg import check_no_modules
-from ._pattern import call_method, is_pattern, pattern_class, pattern_repr
+from ._pattern import class_form, target_repr
 from ._pattern_loop import lift_loop
 from ._rules import Rules, TransformError
 from ._scan_axes import broadcast as broadcast  # pickled sr.broadcast named this module
 from ._scan_axes import check_axes, in_axes_per_leaf, leaf_path, stack_ys
-from ._stacked import stacked_class
 
 _EMPTY = MappingProxyType({})
 
@@ -190,49 +189,32 @@ def scan(
   )
   if target is None:
     return functools.partial(scan, methods=methods, init_in_axes=init_in_axes, **options)
-  if isinstance(target, (tuple, list)) and is_pattern(target):
-    what = f"sr.scan({pattern_repr(target)})"
-    check_axes(what, in_axes, out_axes)
-
-    def position_class(cls: type, n: int) -> type:
-      stacked = fresh(scan)(
-        cls, **{**options, "length": n}, methods=methods, init_in_axes=init_in_axes
-      )
-      return cast(type, stacked)  # the class form: a class in, a class out
-
-    return pattern_class(
-      target,
-      "Scan",
-      length=length,
-      what=what,
-      methods=methods,
-      init_in_axes=init_in_axes,
-      position_class=position_class,
-      run=lambda name: _scan_function(
-        call_method(name, "ScanPattern"), **{**options, "length": None}
-      ),
-    )
-  if isinstance(target, type) and is_module_class(target):
-    check_axes(f"sr.scan({target.__name__})", in_axes, out_axes)
-    rules = Rules(
-      f"sr.scan({target.__name__})",
+  what = f"sr.scan({target_repr(target)})"
+  check_axes(what, in_axes, out_axes)
+  made = class_form(
+    target,
+    "Scan",
+    what=what,
+    rules=Rules(
+      what,
       variable_axes=variable_axes,
       variable_broadcast=variable_broadcast,
       variable_carry=variable_carry,
       split_rngs=split_rngs,
-    )
-    return stacked_class(
-      target,
-      "Scan",
-      rules=rules,
-      length=length,
-      # At call time the layer count comes from the stacked
-      # variables (a stack rebuilt by sr.stack may have another).
-      wrap=lambda m: _scan_function(m, **{**options, "length": None}),
-      methods=methods,
-      metadata_params=dict(metadata_params),
-      init_in_axes=init_in_axes,
-    )
+    ),
+    count=lambda _: length,
+    # At call time the layer count comes from the stacked variables (a stack rebuilt
+    # by sr.stack may have another).
+    run=lambda fn, _: _scan_function(fn, **{**options, "length": None}),
+    position_class=lambda cls, n: fresh(scan)(
+      cls, **{**options, "length": n}, methods=methods, init_in_axes=init_in_axes
+    ),
+    methods=methods,
+    metadata_params=metadata_params,
+    init_in_axes=init_in_axes,
+  )
+  if made is not None:
+    return made
   if methods is not None:
     raise TypeError("sr.scan(methods=...) applies to a Module class, not a function.")
   if not callable(target):

@@ -14,7 +14,7 @@ from ..core._bookkeeping import is_bookkeeping
 from ..core._module import Module
 from ..core._stacks import cycle, is_stacked
 from ..core._variables import release_owner
-from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
+from ._class_form import cached_class_form, display_name, fresh, refuse_init_axes
 from ._lift import is_node, serialised, split_call, write_back
 from ._module_arg import (
   check_no_modules,
@@ -24,10 +24,9 @@ from ._module_arg import (
   stacked_sources,
 )
 from ._outputs import ModulesOut
-from ._pattern import call_method, is_pattern, pattern_class, pattern_repr
+from ._pattern import class_form, target_repr
 from ._pattern_vmap import vmap_pattern
 from ._rules import STACKED, Rules, TransformError
-from ._stacked import stacked_class
 from ._vmap_checks import refuse_mapping_plain, refuse_shared_write
 from ._vmap_outputs import _check_returned_inputs, _stacked_outputs, _vmap_creating
 
@@ -150,62 +149,44 @@ def vmap(
   if target is None:
     given = {**options, "in_axes": in_axes}  # the default stays the default
     return functools.partial(vmap, methods=methods, init_in_axes=init_in_axes, **given)
-  what = f"sr.vmap({pattern_repr(target) if is_pattern(target) else display_name(target)})"
-  rules = Rules(
-    what,
-    variable_axes=variable_axes,
-    variable_broadcast=variable_broadcast,
-    variable_carry=False,
-    split_rngs=split_rngs,
-  )
+
+  def rules(what: str) -> Rules:
+    return Rules(
+      what,
+      variable_axes=variable_axes,
+      variable_broadcast=variable_broadcast,
+      variable_carry=False,
+      split_rngs=split_rngs,
+    )
 
   def function_form(fn: Callable, covers_module: bool, **given) -> Callable:
     """The function form over ``fn``; a class form's methods run it directly, their
     module argument (the stack) mapped by the class's rules, never by ``in_axes``."""
-    fn_what = f"sr.vmap({display_name(fn)})"
-    fn_rules = (
-      rules
-      if fn_what == what
-      else Rules(
-        fn_what,
-        variable_axes=variable_axes,
-        variable_broadcast=variable_broadcast,
-        variable_carry=False,
-        split_rngs=split_rngs,
-      )
-    )
+    what = f"sr.vmap({display_name(fn)})"
     return _vmap_function(
-      fn, what=fn_what, rules=fn_rules, covers_module=covers_module, **{**options, **given}
+      fn, what=what, rules=rules(what), covers_module=covers_module, **{**options, **given}
     )
 
-  if is_pattern(target):
-    return pattern_class(
-      target,
-      "Vmap",
-      length=axis_size,
-      what=what,
-      methods=methods,
-      init_in_axes=init_in_axes,
-      position_class=lambda cls, n: fresh(vmap)(
-        cls, **{**options, "axis_size": n}, methods=methods, init_in_axes=init_in_axes
-      ),
-      run=lambda name: function_form(call_method(name, "VmapPattern"), False, axis_size=None),
-    )
-  if is_module_class(target):
-    return stacked_class(
-      target,
-      "Vmap",
-      rules=rules,
-      length=axis_size,
-      wrap=lambda m: function_form(m, False, axis_size=None),
-      methods=methods,
-      metadata_params=metadata_params,
-      init_in_axes=init_in_axes,
-    )
+  made = class_form(
+    target,
+    "Vmap",
+    what=f"sr.vmap({target_repr(target)})",
+    rules=rules(f"sr.vmap({target_repr(target)})"),
+    count=lambda _: axis_size,
+    run=lambda fn, _: function_form(fn, False, axis_size=None),
+    position_class=lambda cls, n: fresh(vmap)(
+      cls, **{**options, "axis_size": n}, methods=methods, init_in_axes=init_in_axes
+    ),
+    methods=methods,
+    metadata_params=metadata_params,
+    init_in_axes=init_in_axes,
+  )
+  if made is not None:
+    return made
   if methods is not None:
     raise TypeError("sr.vmap(methods=...) applies to a Module class, not a function.")
   refuse_init_axes("sr.vmap", target, init_in_axes)
-  fn = cast(Callable, target)  # a pattern and a Module class were handled above
+  fn = cast(Callable, target)  # a pattern and a Module class made a class above
   if getattr(fn, "__name__", None) == "__init__":
     return _vmapped_init(fn, options)
   # nnx's in_axes cover the module argument: an explicit one says how its Variables map.
