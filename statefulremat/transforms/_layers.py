@@ -234,28 +234,52 @@ class LayerLoop:
 
     ``xs`` and ``ys`` leaves have the layer axis first. ``lengths`` nests the units
     (``remat``: each level under ``jax.checkpoint``; a product above the unit count
-    makes the last segments short). Nothing is written until ``finish()``.
+    makes the last segments short); a cycle loop runs the layers of a short last
+    cycle once, after the scan (before it, reversed). Nothing is written until
+    ``finish()``.
     """
-    lengths = (self.length,) if lengths is None else tuple(lengths)
-    if remat and math.prod(lengths) != self.length:
+    full, rest = divmod(self.length, self.period)
+    carried, tail = self._carried_values(None), None
+    if rest and self.reverse:
+      (carried, carry), tail = self._tail(body, carried, carry, xs, remat)
+    lengths = (full,) if lengths is None else tuple(lengths)
+    if remat and math.prod(lengths) != full:
       carried, carry, written = self.segments(
-        body, carry, self.length, lengths, policy=policy, prevent_cse=prevent_cse
+        body, carry, full, lengths, policy=policy, prevent_cse=prevent_cse, carried=carried
       )
       ys = None
     else:
       carried, carry, written, ys = self.levels(
         body,
         carry,
-        xs,
+        self._unit_xs(xs),
         lengths,
         reverse=self.reverse,
         unroll=unroll,
         remat=remat,
         policy=policy,
         prevent_cse=prevent_cse,
+        carried=carried,
       )
+    if rest and not self.reverse:
+      (carried, carry), tail = self._tail(body, carried, carry, xs, remat)
+    if tail is not None:
+      written = self._join(written, tail[0])
     self.changed = self._changed(written, carried)
-    return carry, ys
+    return carry, self._layer_order(ys, None if tail is None else tail[1])
+
+  # A cycle loop's hooks: its xs by cycle, the short last cycle, its ys in layer order.
+  def _unit_xs(self, xs):
+    return xs
+
+  def _tail(self, body, carried, carry, xs, remat: bool):
+    raise AssertionError("a loop over layers has no short last unit")
+
+  def _join(self, written: dict, tail: dict) -> dict:
+    raise AssertionError("a loop over layers has no short last unit")
+
+  def _layer_order(self, ys, tail_ys):
+    return ys
 
   def finish(self) -> None:
     """Writes what the loop changed into the caller's modules (after the whole call

@@ -23,9 +23,8 @@ P slices nothing).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -113,59 +112,12 @@ class CycleLoop(LayerLoop):
         "carries must agree in structure, shape and dtype."
       ) from None
 
-  # -- the loop --------------------------------------------------------------------
-
-  def loop(
-    self,
-    body: Callable,
-    carry: Any,
-    xs: Any,
-    *,
-    lengths: Sequence[int] | None = None,
-    remat: bool = False,
-    policy: Callable | None = None,
-    prevent_cse: bool = True,
-    unroll: int | bool = 1,
-  ):
-    """``LayerLoop.loop`` over cycles: ``(carry, ys)``, ys in layer order.
-
-    ``xs`` leaves have the layer axis first (size ``length``). ``lengths`` (remat)
-    nests the full cycles as ``LayerLoop.levels`` nests layers.
-    """
-    p, full, rest = self.period, self.full, self.rest
-    xs_full = jax.tree.map(
+  def _unit_xs(self, xs):
+    """xs by cycle: ``(full, P, ...)``, the short last cycle's layers left out."""
+    p, full = self.period, self.full
+    return jax.tree.map(
       lambda x: lax.reshape(lax.slice_in_dim(x, 0, full * p), (full, p) + jnp.shape(x)[1:]), xs
     )
-    carried = [self.values[i] for i in self.carried]
-    tail_out = None
-    if rest and self.reverse:
-      (carried, carry), tail_out = self._tail(body, carried, carry, xs, remat)
-    lengths = (full,) if lengths is None else tuple(lengths)
-    if remat and math.prod(lengths) != full:
-      carried, carry, written = self.segments(
-        body, carry, full, lengths, policy=policy, prevent_cse=prevent_cse, carried=carried
-      )
-      ys = None
-    else:
-      carried, carry, written, ys = self.levels(
-        body,
-        carry,
-        xs_full,
-        lengths,
-        reverse=self.reverse,
-        unroll=unroll,
-        remat=remat,
-        policy=policy,
-        prevent_cse=prevent_cse,
-        carried=carried,
-      )
-    if rest and not self.reverse:
-      (carried, carry), tail_out = self._tail(body, carried, carry, xs, remat)
-    if tail_out is not None:
-      written = self._join(written, tail_out[0])
-    ys = self._layer_order(ys, None if tail_out is None else tail_out[1])
-    self.changed = self._changed(written, carried)
-    return carry, ys
 
   def _tail(self, body, carried, carry, xs, remat: bool):
     """The short last cycle: positions ``0 .. rest - 1``, layer ``full`` of each."""
