@@ -1,25 +1,40 @@
-"""The demo at small sizes: it trains, compares memory, writes a checkpoint that
-restores, a treescope page naming the layer axis and a loss plot, and says where."""
+"""The demo (examples/demo.py) at small sizes: run as a script, it trains, compares
+memory, writes a checkpoint that restores, a treescope page naming the layer axis and a
+loss plot, and says where."""
 
+import pathlib
 import re
+import runpy
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import statefulremat as sr
-from statefulremat.__main__ import main
-from statefulremat._demo import ResidualMLP, lengths_for
+
+DEMO = pathlib.Path(__file__).resolve().parent.parent / "examples" / "demo.py"
 
 
-def test_demo_trains_compares_memory_and_writes_its_files(tmp_path, capsys):
+def run_demo(monkeypatch, *args: str) -> int:
+  """Runs the script as ``python examples/demo.py *args`` would, in this process (no
+  second start of jax); returns its exit status."""
+  monkeypatch.setattr(sys, "argv", [str(DEMO), *args])
+  with pytest.raises(SystemExit) as info:
+    runpy.run_path(str(DEMO), run_name="__main__")
+  return info.value.code
+
+
+@pytest.fixture(scope="module")
+def demo():
+  """The script's names (its classes and functions), loaded without running the demo."""
+  return runpy.run_path(str(DEMO))
+
+
+def test_demo_trains_compares_memory_and_writes_its_files(tmp_path, capsys, monkeypatch, demo):
   out = tmp_path / "out"
-  assert (
-    main(
-      ["demo", "--depth", "6", "--width", "8", "--steps", "30", "--batch", "32", "--out", str(out)]
-    )
-    == 0
-  )
+  args = ["--depth", "6", "--width", "8", "--steps", "30", "--batch", "32", "--out", str(out)]
+  assert run_demo(monkeypatch, *args) == 0
   text = capsys.readouterr().out
   assert "6 residual blocks (BatchNorm, Dropout) of width 8 under remat_scan lengths=(2, 3)" in text
   memory = dict(re.findall(r"^  (scan|scan\(remat\)|remat_scan) +([\d.]+) MiB", text, re.MULTILINE))
@@ -30,7 +45,7 @@ def test_demo_trains_compares_memory_and_writes_its_files(tmp_path, capsys):
     assert str(out / name) in text and (out / name).exists()
 
   # The checkpoint is the trained model: it restores into a fresh one.
-  model = ResidualMLP(6, 8, rngs=sr.Rngs(params=9, dropout=9))
+  model = demo["ResidualMLP"](6, 8, rngs=sr.Rngs(params=9, dropout=9))
   sr.restore(out / "checkpoint", model)
   assert int(model.blocks.norm.mean.value.shape[0]) == 6
   assert not np.allclose(model.blocks.norm.mean.value, 0)  # trained batch statistics
@@ -42,25 +57,22 @@ def test_demo_trains_compares_memory_and_writes_its_files(tmp_path, capsys):
   assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_remat_scan_lengths_are_as_even_as_the_depth_allows():
+def test_remat_scan_lengths_are_as_even_as_the_depth_allows(demo):
+  lengths_for = demo["lengths_for"]
   assert lengths_for(100) == (10, 10)
   assert lengths_for(96) == (8, 12)
   assert lengths_for(7) == (7,)
   assert lengths_for(1) == (1,)
 
 
-def test_help_explains_the_options(capsys):
-  with pytest.raises(SystemExit) as info:
-    main(["demo", "--help"])
-  assert info.value.code == 0
+def test_help_explains_the_options(capsys, monkeypatch):
+  assert run_demo(monkeypatch, "--help") == 0
   text = capsys.readouterr().out
   for option in ("--depth", "--width", "--steps", "--batch", "--seed", "--out", "--no-memory"):
     assert option in text
   assert "remat_scan" in text
 
 
-def test_bad_sizes_are_refused(capsys):
-  with pytest.raises(SystemExit) as info:
-    main(["demo", "--depth", "0"])
-  assert info.value.code == 2
+def test_bad_sizes_are_refused(capsys, monkeypatch):
+  assert run_demo(monkeypatch, "--depth", "0") == 2
   assert "--depth must be a positive integer, got 0" in capsys.readouterr().err

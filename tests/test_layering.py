@@ -6,7 +6,7 @@ The package's folders are its floors (../shared/DESIGN.md, "The pieces"), bottom
   transforms/ display/ checkpoint/ distributed/ optim/   each built on the core alone
   nn/                   layers, on the core and (read at call time) sr's public names
   interop/              weights from flax, on the core
-  the package itself    ``__init__``, the demo, ``__main__``
+  the package itself    ``__init__``
 
 A file imports only from floors below its own and from its own folder, function-level
 imports included, and never in a cycle. Inside the core the files keep an order of their
@@ -33,7 +33,7 @@ FLOORS = [
   {"transforms", "display", "checkpoint", "distributed", "optim"},
   {"nn"},
   {"interop"},
-  {"__init__", "__main__", "_demo"},
+  {"__init__"},
 ]
 FLOOR_OF = {name: i for i, names in enumerate(FLOORS) for name in names}
 TOP = len(FLOORS) - 1
@@ -57,7 +57,7 @@ CORE_LAYER = {name: i for i, names in enumerate(CORE_ORDER) for name in names}
 
 def folder(module: str) -> str:
   """The floor unit of a dotted module name inside the package: `transforms._scan` ->
-  `transforms`, `_demo` -> `_demo`, the package's own `__init__` -> `__init__`."""
+  `transforms`, `nn` -> `nn`, the package's own `__init__` -> `__init__`."""
   return module.split(".")[0] or "__init__"
 
 
@@ -103,7 +103,7 @@ def test_every_folder_is_a_floor_and_no_private_file_sits_at_the_top():
   units = {folder(m) for _, m, _, _ in imports()} | {folder(t) for _, _, t, _ in imports()}
   assert units <= set(FLOOR_OF), f"give these a floor: {sorted(units - set(FLOOR_OF))}"
   top_files = sorted(p.name for p in PACKAGE.glob("*.py"))
-  assert top_files == ["__init__.py", "__main__.py", "_demo.py"]
+  assert top_files == ["__init__.py"]  # the demo is examples/demo.py, outside the package
 
 
 def test_imports_run_down_the_floors():

@@ -4,6 +4,8 @@ leaves out settings at their constructor defaults, the foldable view folds them 
 RNG streams) and opens the modules."""
 
 import functools
+import pathlib
+import runpy
 
 import jax
 import jax.numpy as jnp
@@ -309,7 +311,8 @@ Dropout(
 
 
 def test_the_demo_page_opens_on_the_layers_and_folds_the_rng_streams():
-  from statefulremat._demo import ResidualMLP
+  demo = pathlib.Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+  ResidualMLP = runpy.run_path(str(demo))["ResidualMLP"]  # its names; main() runs as __main__ only
   from statefulremat.display._figures import stacked_arrays
 
   model = ResidualMLP(100, 8, rngs=sr.Rngs(params=0, dropout=1))

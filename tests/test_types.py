@@ -1,8 +1,8 @@
-"""pyright (basic, as configured in pyproject.toml) is clean on the package, the tutorials
-and on user code that leans on the public signatures (`sr.state(m, sr.Param).flat()`,
-`graphdef, params, rest = sr.split(m, sr.Param, ...)`).
+"""pyright (basic, as configured in pyproject.toml) is clean on the package, the tutorials,
+the examples (examples/demo.py) and on user code that leans on the public signatures
+(`sr.state(m, sr.Param).flat()`, `graphdef, params, rest = sr.split(m, sr.Param, ...)`).
 
-One pyright run checks all three (a run costs ~20 s of start-up and jax's stubs); each
+One pyright run checks them all (a run costs ~20 s of start-up and jax's stubs); each
 test reads its own files' diagnostics from the JSON report.
 """
 
@@ -61,7 +61,7 @@ def _pyright_report(user_file: pathlib.Path) -> dict:
   # `--pythonpath` points pyright at the interpreter running the tests, so jax and flax
   # resolve from the active environment (no venv path is recorded in the config). The
   # project's [tool.pyright] settings apply; files named on the command line replace
-  # its `include`, so the package and the tutorials are named here too.
+  # its `include`, so the package, the tutorials and the examples are named here too.
   done = subprocess.run(
     [
       sys.executable,
@@ -74,6 +74,7 @@ def _pyright_report(user_file: pathlib.Path) -> dict:
       sys.executable,
       "statefulremat",
       "tutorials",
+      "examples",
       str(user_file),
     ],
     cwd=ROOT,
@@ -119,7 +120,7 @@ def test_pyright_is_clean_on_the_package_and_tutorials(report):
   ]
   summary = report["report"]["summary"]
   assert not ours, (
-    f"pyright (basic) finds {len(ours)} error(s) in statefulremat/ and tutorials/ "
+    f"pyright (basic) finds {len(ours)} error(s) in statefulremat/, tutorials/ and examples/ "
     f"({summary['filesAnalyzed']} files); fix them (run `python -m pyright`):\n{_lines(ours)}"
   )
   assert summary["filesAnalyzed"] > 100  # the package and the tutorials were read
