@@ -69,12 +69,12 @@ from .transforms._remat_scan import plan_remat as plan_remat
 from .transforms._remat_scan import remat_scan as remat_scan
 from .transforms._scan import scan as scan
 from .transforms._scan_axes import broadcast as broadcast
-from .transforms._vmap import vmap as vmap
 from .transforms.memory._remat_plan import RematPlan as RematPlan
 from .transforms.memory._remat_plan import RematPlanError as RematPlanError
 from .transforms.memory._saved_residuals import saved_residuals as saved_residuals
 from .transforms.pipeline._pipeline import PipelineSpec as PipelineSpec
 from .transforms.pipeline._pipeline import pipeline as pipeline
+from .transforms.vmap._vmap import vmap as vmap
 
 __version__ = "0.1.0"
 

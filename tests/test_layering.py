@@ -249,7 +249,7 @@ TRANSFORM_FILES = {
   ("_remat_scan",),
   ("memory", "_saved_residuals"),
   ("_scan",),
-  ("_vmap",),
+  ("vmap", "_vmap"),
 }
 
 

@@ -272,7 +272,7 @@ class LayerLoop:
   def _unit_xs(self, xs):
     return xs
 
-  def _tail(self, body, carried, carry, xs, remat: bool):
+  def _tail(self, body, carried, carry, xs, remat: bool) -> tuple[tuple, tuple]:
     raise AssertionError("a loop over layers has no short last unit")
 
   def _join(self, written: dict, tail: dict) -> dict:

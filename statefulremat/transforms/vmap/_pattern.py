@@ -15,11 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..core._stacks import cycle
-from ._lift import write_back
-from ._module_arg import lift_module_arg
-from ._pattern import check_positions, position_names
-from ._rules import STACKED, TransformError
+from ...core._stacks import cycle
+from .._lift import write_back
+from .._module_arg import lift_module_arg
+from .._pattern import check_positions, position_names
+from .._rules import STACKED, TransformError
 
 
 def vmap_pattern(

@@ -10,25 +10,25 @@ from typing import Any, cast, overload
 import jax
 import jax.numpy as jnp
 
-from ..core._bookkeeping import is_bookkeeping
-from ..core._module import Module
-from ..core._stacks import cycle, is_stacked
-from ..core._variables import release_owner
-from ._class_form import cached_class_form, display_name, fresh, refuse_init_axes
-from ._lift import is_node, serialised, split_call, write_back
-from ._module_arg import (
+from ...core._bookkeeping import is_bookkeeping
+from ...core._module import Module
+from ...core._stacks import cycle, is_stacked
+from ...core._variables import release_owner
+from .._class_form import cached_class_form, display_name, fresh, refuse_init_axes
+from .._lift import is_node, serialised, split_call, write_back
+from .._module_arg import (
   check_no_modules,
   class_length,
   lift_module_arg,
   resolve_length,
   stacked_sources,
 )
-from ._outputs import ModulesOut
-from ._pattern import class_form, target_repr
-from ._pattern_vmap import vmap_pattern
-from ._rules import STACKED, Rules, TransformError
-from ._vmap_checks import refuse_mapping_plain, refuse_shared_write
-from ._vmap_outputs import _check_returned_inputs, _stacked_outputs, _vmap_creating
+from .._outputs import ModulesOut
+from .._pattern import class_form, target_repr
+from .._rules import STACKED, Rules, TransformError
+from ._checks import refuse_mapping_plain, refuse_shared_write
+from ._outputs import check_returned_inputs, stacked_outputs, vmap_creating
+from ._pattern import vmap_pattern
 
 _ALL = MappingProxyType({True: 0})
 
@@ -228,7 +228,7 @@ def _vmap_function(
   @functools.wraps(fn)
   def wrapper(module, *args, **kwargs):
     if not any(map(is_node, jax.tree.leaves((module, args, kwargs), is_leaf=is_node))):
-      return _vmap_creating(
+      return vmap_creating(
         fn,
         (module,) + args,
         kwargs,
@@ -306,7 +306,7 @@ def _vmap_function(
 
       def call(module):
         out = fn(module, *call_args, **kwargs)
-        _check_returned_inputs(what, out, out_axes, module, plan, values)
+        check_returned_inputs(what, out, out_axes, module, plan, values)
         return out
 
       # Modules made inside and returned come out stacked (after the call).
@@ -351,7 +351,7 @@ def _vmap_function(
       changed[i] = values[i] + jnp.uint32(1)
     write_back(variables, changed, what)
     if type(out) is ModulesOut:
-      out = _stacked_outputs(what, out, n, _stack_class, metadata_params, out_axes).rebuild(
+      out = stacked_outputs(what, out, n, _stack_class, metadata_params, out_axes).rebuild(
         split_call((module,), {})[0]
       )
     if "structure" in record:
@@ -371,7 +371,7 @@ def _vmap_function(
   def call(*args, **kwargs):
     if not args and not any(map(is_node, jax.tree.leaves(kwargs, is_leaf=is_node))):
       # nnx's `init_vmap()`: nothing to map, `axis_size=` says how many to build
-      return _vmap_creating(
+      return vmap_creating(
         fn,
         (),
         kwargs,

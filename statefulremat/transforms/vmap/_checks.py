@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..core._errors import format_path
-from ..core._filters import filter_repr
-from ..core._stacks import layer_axis
-from ._rules import TransformError
+from ...core._errors import format_path
+from ...core._filters import filter_repr
+from ...core._stacks import layer_axis
+from .._rules import TransformError
 
 
 def refuse_mapping_plain(what, lifted, plan, variables, stacked) -> None:

@@ -7,18 +7,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..core._errors import format_path
-from ..core._filters import filter_repr
-from ..core._graph import flatten, rewrite
-from ..core._graph_build import unflatten
-from ..core._stacks import mark_frozen
-from ..core._tracing import tracing_user_code
-from ._lift import is_node, split_call
-from ._outputs import ModulesOut
-from ._rules import STACKED, TransformError
+from ...core._errors import format_path
+from ...core._filters import filter_repr
+from ...core._graph import flatten, rewrite
+from ...core._graph_build import unflatten
+from ...core._stacks import mark_frozen
+from ...core._tracing import tracing_user_code
+from .._lift import is_node, split_call
+from .._outputs import ModulesOut
+from .._rules import STACKED, TransformError
 
 
-def _vmap_creating(
+def vmap_creating(
   fn, args, kwargs, stack_class, *, what, in_axes, out_axes, axis_size, axis_name, metadata_params
 ):
   """``sr.vmap(f)(*args)`` where no argument holds a module, or ``sr.vmap(f,
@@ -143,7 +143,7 @@ def _placed_axis(what, placed, var_path, value) -> int:
   return axis % ndim
 
 
-def _check_returned_inputs(what, out, out_axes, module, plan, values) -> None:
+def check_returned_inputs(what, out, out_axes, module, plan, values) -> None:
   """nnx's consistent aliasing between inputs and outputs: a module (or Variable) of
   the module argument that the function returns comes back as the caller's own
   object, laid out as ``variable_axes`` maps it, so an ``out_axes`` that puts a mapped
@@ -190,7 +190,7 @@ def _check_returned_inputs(what, out, out_axes, module, plan, values) -> None:
       )
 
 
-def _stacked_outputs(
+def stacked_outputs(
   what, out: ModulesOut, n: int, stack_class, metadata_params, out_axes
 ) -> ModulesOut:
   """``out`` with the Variables made inside marked as stacked (layer axis where the

@@ -1,0 +1,1 @@
+"""sr.vmap: see README.md."""
