@@ -355,6 +355,8 @@ def test_remat_inside_each_stage_by_policy_or_planned_under_a_budget():
   for options in (
     {"policy": jax.checkpoint_policies.dots_saveable},
     {"lengths": "auto", "memory_budget": "64KiB"},
+    # planned for the policy given
+    {"lengths": "auto", "memory_budget": "64KiB", "policy": jax.checkpoint_policies.dots_saveable},
   ):
     stack = build(NormDropBlock, 8, mesh)
     piped = sr.pipeline(apply, microbatches=4, **options)
@@ -440,11 +442,6 @@ def test_class_form_and_option_errors():
     sr.remat_scan(
       apply, lengths=(4,), pipeline=spec, policy=jax.checkpoint_policies.nothing_saveable
     )
-  with pytest.raises(
-    sr.TransformError,
-    match=(r"lengths='auto' chooses each stage's policy too; drop the PipelineSpec's policy"),
-  ):
-    sr.remat_scan(apply, lengths="auto", pipeline=spec)
   with pytest.raises(
     sr.TransformError,
     match=(

@@ -133,12 +133,43 @@ def test_a_checkpoint_of_one_nesting_restores_into_auto(tmp_path):
   np.testing.assert_allclose(auto(x), saved(x), rtol=1e-5)
 
 
+def named(layer, h):
+  return jnp.tanh(jax.ad_checkpoint.checkpoint_name(layer(h), "hidden"))
+
+
+def test_auto_plans_the_nesting_for_the_policy_given():
+  stack, policy = _stack(13), jax.checkpoint_policies.save_only_these_names("hidden")
+  plan = sr.plan_remat(stack, CARRY, fn=named, policy=policy)
+  assert plan.policy is policy and plan.policy_name == "given policy"
+  assert {c.policy for c in plan.candidates} == {"given policy"}
+  # Planned for what the policy keeps (one (B, W) float32 per layer): above nothing
+  # saveable for every nesting, and as XLA measures it.
+  nothing = sr.plan_remat(stack, CARRY, fn=named)
+  temp = lambda p, name: {c.lengths: c.temp_bytes for c in p.candidates if c.policy == name}
+  given, kept = temp(plan, "given policy"), temp(nothing, "nothing_saveable")
+  assert all(given[n] > kept[n] for n in given)
+  assert abs(plan.verify() / plan.temp_bytes - 1) < 0.1
+  run = sr.remat_scan(named, lengths="auto", policy=policy)
+  x = jax.random.normal(jax.random.key(1), (B, W))
+  h = x
+  for layer in sr.unstack(stack):
+    h = named(layer, h)
+  np.testing.assert_allclose(run(stack, x), h, rtol=1e-5)
+  g_auto = sr.grad(lambda m, x: jnp.sum(run(m, x)))(stack, x)
+  g_plan = sr.grad(lambda m, x: jnp.sum(sr.remat_scan(named, lengths=plan)(m, x)))(stack, x)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), g_auto, g_plan)
+  # The policy reaches the loop, where it is checked as any policy is.
+  typo = sr.remat_scan(
+    named, lengths="auto", policy=jax.checkpoint_policies.save_only_these_names("hiden")
+  )
+  with pytest.raises(sr.TransformError, match=r"hiden"):
+    sr.grad(lambda m, x: jnp.sum(typo(m, x)))(stack, x)
+
+
 def test_misused_planning_options_explain_themselves():
   plan = sr.plan_remat(_stack(13), CARRY, fn=body)
   with pytest.raises(sr.TransformError, match=r"the only string it takes is 'auto'"):
     sr.remat_scan(body, lengths="atuo")
-  with pytest.raises(sr.TransformError, match=r"chooses the innermost policy too"):
-    sr.remat_scan(body, lengths="auto", policy=jax.checkpoint_policies.dots_saveable)
   with pytest.raises(
     sr.TransformError,
     match=r"memory_budget='1GiB' is for planning; "

@@ -35,7 +35,7 @@ def class_form(
   what: str,
   rules: Rules,
   count: Callable[[int], int | None],
-  run: Callable[[Callable, int | None], Callable],
+  run: Callable[[Callable, int], Callable],
   position_class: Callable[[type, int], type],
   methods: Sequence[str] | None,
   metadata_params: Mapping,
@@ -44,9 +44,9 @@ def class_form(
   """The class form of scan, remat_scan or vmap over ``target``; None for a function.
 
   ``count(period)`` is the number of layers to build, checked as the transform counts
-  them (period 1 for a class, the pattern's length for a pattern); ``run(fn, n)`` the
-  transform's function form over ``fn`` (a layer's method, or the same method of each
-  layer of a cycle); ``position_class(cls, n)`` the stacked class of a pattern's
+  them (period 1 for a class, the pattern's length for a pattern); ``run(fn, period)``
+  the transform's function form over ``fn`` (a layer's method, or the same method of
+  each layer of a cycle); ``position_class(cls, n)`` the stacked class of a pattern's
   position (``n`` layers).
   """
   if is_pattern(target):
@@ -59,7 +59,7 @@ def class_form(
       methods=methods,
       init_in_axes=init_in_axes,
       position_class=position_class,
-      run=lambda name: run(call_method(name, f"{label}Pattern"), n),
+      run=lambda name: run(call_method(name, f"{label}Pattern"), len(target)),
     )
   if not is_module_class(target):
     return None
@@ -69,7 +69,7 @@ def class_form(
     label,
     rules=rules,
     length=n,
-    wrap=lambda method: run(method, n),
+    wrap=lambda method: run(method, 1),
     methods=methods,
     metadata_params=dict(metadata_params),
     init_in_axes=init_in_axes,

@@ -26,6 +26,7 @@ from ._rules import Rules, TransformError
 from .memory._policy_check import policy_check
 from .memory._remat_budget import fit_budget
 from .memory._remat_plan import (
+  GIVEN,
   POLICIES,
   RematPlan,
   choose,
@@ -70,8 +71,10 @@ def remat_scan(
   included) under ``jax.checkpoint``: the backward pass keeps only each level's
   carries and recomputes the rest. ``policy`` applies to the innermost level only;
   outer levels save nothing but their carries (a saving policy there would keep every
-  layer's residuals alive). It is checked as ``sr.remat`` checks it: names that no
-  ``checkpoint_name`` in the body gives raise, an offload that the backend drops warns.
+  layer's residuals alive); ``lengths="auto"`` plans the nesting for it at trace time
+  (without ``policy``, the plan chooses it too: ``sr.plan_remat``). It is checked as
+  ``sr.remat`` checks it: names that no ``checkpoint_name`` in the body gives raise, an
+  offload that the backend drops warns.
   Stacked variables keep ONE flat layer axis of size N — the nested shape exists only
   inside the trace, so changing ``lengths`` never changes the state. Any N works,
   primes included: with ``length=N < prod(lengths)`` the last segment is short
@@ -178,7 +181,10 @@ def remat_scan(
       split_rngs=split_rngs,
     ),
     count=count,
-    run=function_form,
+    # A pattern's lengths count its cycles, and so does the count its calls check.
+    run=lambda fn, period: function_form(
+      fn, count(1) if period == 1 else None if auto else int(math.prod(lengths))
+    ),
     position_class=lambda cls, n: fresh(remat_scan)(
       cls, (n,), methods=methods, init_in_axes=init_in_axes, **options
     ),
@@ -243,7 +249,11 @@ def _remat_scan_function(
     chosen = plans.get(key)
     if chosen is None:
       chosen = plans[key] = plan_remat(
-        module, carry, fn=lambda layer, c: fn(layer, c, *args, **kwargs), memory_budget=budget
+        module,
+        carry,
+        fn=lambda layer, c: fn(layer, c, *args, **kwargs),
+        memory_budget=budget,
+        policy=policy,
       )
     return chosen.lengths, chosen.policy
 
@@ -293,12 +303,13 @@ def plan_remat(
   fn: Callable | None = None,
   memory_budget: int | str | None = None,
   max_depth: int = 4,
+  policy: Callable | None = None,
 ) -> RematPlan:
   """Plans ``sr.remat_scan`` over ``stack`` for a ``carry`` of these shapes.
 
   Every nesting of up to ``max_depth`` levels (short last segments included) and both
-  innermost policies (nothing saveable, dots saveable) are ranked by a memory model
-  (see ``sr.RematPlan``): with ``memory_budget`` (bytes, or ``"512MiB"``) the fewest
+  innermost policies (nothing saveable, dots saveable; or only the ``policy`` given)
+  are ranked by a memory model (see ``sr.RematPlan``): with ``memory_budget`` (bytes, or ``"512MiB"``) the fewest
   block evaluations whose temp memory fits, else the least memory at no more than 3N
   evaluations. Without a budget nothing is compiled (``plan.verify()`` compiles once
   and measures); with one, the pick is compiled once to check it fits (a plan the
@@ -316,6 +327,9 @@ def plan_remat(
     carry: the carry, or ``jax.ShapeDtypeStruct`` s of it.
     fn: the body ``(layer, carry) -> carry``; default ``layer(carry)``.
     memory_budget: bytes or a string; None for the least memory at <= 3N evaluations.
+    policy: the innermost level's policy to plan with (e.g. one saving the names
+      ``save_only_these_names`` lists), in place of choosing between nothing saveable
+      and dots saveable; the nesting is then planned for the bytes it keeps.
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> stack = sr.vmap(sr.nn.Linear, axis_size=97)(256, 256, rngs=sr.Rngs(0))
@@ -338,9 +352,10 @@ def plan_remat(
   n, inputs = unit_inputs(stack, fn)
   carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), carry)
   carry_bytes = tree_bytes(carry)
+  given = {GIVEN: policy} if policy is not None else POLICIES
   residuals = {
-    name: residual_bytes(inputs.layer_fn, inputs.params, carry, policy)
-    for name, policy in POLICIES.items()
+    name: residual_bytes(inputs.layer_fn, inputs.params, carry, innermost)
+    for name, innermost in given.items()
   }
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), stack)
 
@@ -366,6 +381,7 @@ def plan_remat(
       inputs.layer_bytes,
       verify,
       unit="cycle" if len(positions) > 1 else "layer",
+      _policy=policy,
     )
 
   if budget is None:

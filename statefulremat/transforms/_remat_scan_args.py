@@ -36,12 +36,7 @@ def resolve_plan(what, lengths, length, policy, memory_budget):
         f"{what}: lengths={lengths!r}; the only string it takes is "
         "'auto' (plan the nesting at trace time)."
       )
-    if policy is not None:
-      raise TransformError(
-        f"{what}: lengths='auto' chooses the innermost policy too (nothing saveable "
-        "or dots saveable); drop `policy=`, or give `lengths=` yourself to use it."
-      )
-    return AUTO, length, None, parse_bytes(memory_budget)
+    return AUTO, length, policy, parse_bytes(memory_budget)  # planned with the policy
   if memory_budget is not None:
     raise TransformError(
       f"{what}: memory_budget={memory_budget!r} is for planning; pass "

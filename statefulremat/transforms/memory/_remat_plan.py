@@ -47,6 +47,7 @@ HEADROOM = 0.97
 NOTHING = "nothing_saveable"
 DOTS = "dots_saveable"
 POLICIES = {NOTHING: None, DOTS: jax.checkpoint_policies.dots_saveable}
+GIVEN = "given policy"  # the one policy a plan was asked to use (plan_remat(policy=))
 
 
 class RematPlanError(StatefulRematError, ValueError):
@@ -68,8 +69,8 @@ class Candidate:
 class RematPlan:
   """A planned ``remat_scan``: run it with ``sr.remat_scan(f, lengths=plan)``.
 
-  ``lengths`` and ``policy`` (None: nothing saveable; or ``dots_saveable``) are what
-  it runs; ``evals`` the block evaluations per gradient step; ``temp_bytes`` the
+  ``lengths`` and ``policy`` (None: nothing saveable; ``dots_saveable``; or the
+  policy planning was given, ``policy_name`` then ``"given policy"``) are what it runs; ``evals`` the block evaluations per gradient step; ``temp_bytes`` the
   predicted temp memory of the gradient; ``candidates`` every plan considered, best
   first; ``str(plan)`` a table of the first few; ``measured_bytes`` XLA's figure where
   planning compiled it (with a budget), else None.
@@ -87,10 +88,11 @@ class RematPlan:
   _verify: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
   measured_bytes: int | None = None
   unit: str = "layer"  # what N counts: "cycle" for a pattern stack
+  _policy: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def policy(self):
-    return POLICIES[self.policy_name]
+    return POLICIES[self.policy_name] if self._policy is None else self._policy
 
   def verify(self) -> int:
     """Compiles the gradient of this plan once; returns XLA's temp bytes."""
@@ -299,7 +301,7 @@ def choose(
     for policy, residual in residuals.items():
       temp = predict_temp(n, lengths, carry, residual, layer)
       candidates.append(Candidate(lengths, policy, evals, int(scale * temp)))
-  rank = {DOTS: 0, NOTHING: 1}
+  rank = {DOTS: 0, NOTHING: 1, GIVEN: 0}
   if memory_budget is None:
     pool = [c for c in candidates if c.evals <= 3 * n]
     key = lambda c: (c.temp_bytes, c.evals, len(c.lengths), rank[c.policy])

@@ -121,8 +121,8 @@ def pipeline(
   ``remat_scan`` broadcasts them: every layer and every microbatch gets them whole
   (what differs per example, such as a padding mask per row, belongs in the carry,
   which is split). Each stage runs its layers as ``sr.remat_scan``: one level with
-  ``policy`` (what it saves), or, with ``lengths="auto"``, the nesting and policy
-  ``sr.plan_remat`` chooses for one stage's layers and one microbatch under
+  ``policy`` (what it saves), or, with ``lengths="auto"``, the nesting (and the policy,
+  unless given) ``sr.plan_remat`` chooses for one stage's layers and one microbatch under
   ``memory_budget`` (bytes, or ``"512MiB"``: per device; the microbatch is counted per
   device where its sharding is known while tracing, under ``Explicit`` axes, else
   whole). The class form is ``sr.remat_scan(Block, lengths=..., pipeline=spec)``
@@ -176,11 +176,6 @@ def pipelined(
     if options.get("policy") is not None:
       raise TransformError(
         f"{what}: the policy is given twice, as policy= and in the PipelineSpec. Fix: give it once."
-      )
-    if lengths == AUTO:
-      raise TransformError(
-        f"{what}: lengths='auto' chooses each stage's policy too; drop the "
-        "PipelineSpec's policy, or give lengths= yourself to use it."
       )
     options["policy"] = spec.policy
   traced = serialised(

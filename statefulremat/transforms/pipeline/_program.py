@@ -154,7 +154,9 @@ def program(
           )
           return stage_fn(layer, c, *a, **kw)
 
-        plan = plans[key] = plan_remat(module, carry, fn=planned, memory_budget=budget)
+        plan = plans[key] = plan_remat(
+          module, carry, fn=planned, memory_budget=budget, policy=options.get("policy")
+        )
       inner = remat_scan(
         stage_fn, lengths=plan, **{o: v for o, v in options.items() if o != "policy"}
       )
