@@ -61,11 +61,14 @@ def _rope_numpy(x, positions, base):
   return out
 
 
-def _rope_gemma(x, positions, base):
+def _rope_gemma(x, positions, base, scale_factor=1.0):
   """The formula of flax's examples/gemma/positional_embeddings.py ``apply_rope``."""
   d = x.shape[-1]
   timescale = base ** (2 * np.arange(d // 2) / d)
   angles = (positions[..., None] / timescale)[..., None, :]
+  if scale_factor < 1.0:
+    raise ValueError(f"scale_factor must be >= 1.0, got {scale_factor}")
+  angles /= scale_factor
   first, second = np.split(x, 2, axis=-1)
   return np.concatenate(
     [
@@ -97,6 +100,31 @@ def test_rope_equals_a_numpy_loop_and_gemma_and_llama_formulas(base):
   _close(got, _rope_llama(np.asarray(x), positions, base), atol=1e-4)
   # One [length] vector of positions serves every batch row.
   _close(sr.nn.rope(x, jnp.arange(5), base=base), _rope_numpy(x, np.arange(5), base), atol=1e-4)
+
+
+@pytest.mark.parametrize("scale_factor", [1.0, 8.0, 2.5])
+def test_rope_scale_factor_equals_gemmas_apply_rope(scale_factor):
+  x = _x(B, 5, 3, 8)
+  positions = np.array([[0, 1, 2, 3, 4], [7, 3, 100, 2048, 1]])
+  for base in (10000.0, 1000000.0):
+    got = sr.nn.rope(x, positions, base=base, scale_factor=scale_factor)
+    want = _rope_gemma(np.asarray(x, np.float64), positions, base, scale_factor)
+    _close(got, want, atol=1e-4)
+  # Position interpolation: position p * scale_factor turns as p did without it.
+  _close(
+    sr.nn.rope(x, jnp.arange(5) * scale_factor, scale_factor=scale_factor),
+    sr.nn.rope(x, jnp.arange(5)),
+    atol=1e-5,
+  )
+
+
+@pytest.mark.parametrize("bad", [0.5, 0.0, -2.0, float("nan"), True, "8"])
+def test_rope_scale_factor_below_one_names_it_and_the_fix(bad):
+  with pytest.raises(
+    ValueError,
+    match=r"sr\.nn\.rope: scale_factor=.* must be a number >= 1\.0.*Fix: scale_factor=1\.0",
+  ):
+    sr.nn.rope(_x(1, 3, 2, 4), jnp.arange(3), scale_factor=bad)
 
 
 def test_rope_scores_depend_on_relative_positions_only():

@@ -23,6 +23,7 @@ from ..core._stacks import per_layer
 from ..core._variables import Variable, path_of
 from ._attention import dot_product_attention
 from ._attention_cache import cache_slot, cache_write
+from ._attention_fn import call_attention_fn, check_attention_fn
 from ._dropout import draw_key
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._linear import default_kernel_init
@@ -82,7 +83,16 @@ class MultiHeadAttention(Module):
     deterministic: evaluation mode for dropout (``model.train()`` / ``eval()`` flip it).
     kernel_init, bias_init, out_kernel_init, out_bias_init: projection initialisers
       (``out_*`` default to the others).
-    attention_fn: ``dot_product_attention`` or a function with its signature.
+    attention_fn: ``dot_product_attention`` or another attention function: flax's
+      ``flax.nnx.dot_product_attention`` and ``flax.linen.dot_product_attention``,
+      ``jax.nn.dot_product_attention``, or yours. It is called with ``query, key,
+      value`` and those of the options ``mask``, ``is_causal``, ``dropout_rng``,
+      ``dropout_rate``, ``broadcast_dropout``, ``deterministic``, ``dtype`` and
+      ``precision`` its signature takes (all of them for ``**kwargs``); without
+      ``is_causal``, causality reaches it as part of ``mask``. Dropout or
+      ``precision`` it does not take is an error, not dropped. With grouped-query
+      attention it must take fewer key/value heads than query heads (linen's does
+      not).
     rope_base: ``None`` (no rotary embeddings, nnx's layer) or the ``base`` of
       ``sr.nn.rope`` applied to queries and keys (10000.0 for Llama 2 and Gemma);
       ``head_dim`` must be even. Not an nnx argument; it adds no parameters.
@@ -105,6 +115,15 @@ class MultiHeadAttention(Module):
   >>> mask = sr.nn.make_causal_mask(x[..., 0])
   >>> attn(x, mask=mask).shape
   (3, 5, 8)
+
+  A flax or jax attention function, with the same parameters (the same seed); flax.linen's
+  takes no ``is_causal``, and gets causality as a mask:
+
+  >>> import flax.linen
+  >>> ported = sr.nn.MultiHeadAttention(2, 8, attention_fn=flax.linen.dot_product_attention,
+  ...                                   rngs=sr.Rngs(0))
+  >>> bool(jnp.allclose(ported(x, is_causal=True), attn(x, is_causal=True), atol=1e-6))
+  True
 
   Grouped-query attention with rotary embeddings, 4 query heads sharing 2 kv heads:
 
@@ -203,6 +222,9 @@ class MultiHeadAttention(Module):
     self.deterministic = deterministic
     self.precision = precision
     self.use_bias = use_bias
+    check_attention_fn(
+      "MultiHeadAttention", attention_fn, dropout_rate=dropout_rate, precision=precision
+    )
     self.attention_fn = attention_fn
     self.decode = decode
     self.normalize_qk = normalize_qk
@@ -342,7 +364,9 @@ class MultiHeadAttention(Module):
     else:
       deterministic = True
 
-    x = self.attention_fn(
+    x = call_attention_fn(
+      self._where(),
+      self.attention_fn,
       query,
       key,
       value,

@@ -220,13 +220,24 @@ class RMSNorm(Module):
   ``x * rsqrt(mean(x^2) + epsilon) * scale`` over ``reduction_axes``: no centring,
   no bias. Defaults are nnx's (``epsilon=1e-6``, scale ones).
 
-  Args: as ``LayerNorm``, without the bias ones.
+  Gemma's RMSNorm (flax's Gemma example, Hugging Face's ``GemmaRMSNorm``) multiplies by
+  ``1 + scale`` and starts ``scale`` at zeros: ``add_unit_offset=True`` (the spelling of
+  Google's ``gemma_pytorch`` and of litgpt). ``scale`` then holds the checkpoints'
+  values as they are: flax Gemma's ``scale``, Hugging Face Gemma's ``weight``.
+
+  Args: as ``LayerNorm``, without the bias ones, and ``add_unit_offset``: multiply by
+  ``1 + scale`` instead of ``scale``, ``scale_init`` then defaulting to zeros (so the
+  layer starts as plain RMS normalisation, as with ones otherwise); it needs
+  ``use_scale=True``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> norm = sr.nn.RMSNorm(2, rngs=sr.Rngs(0))
   >>> x = jnp.array([[3.0, 4.0]])
   >>> bool(jnp.allclose(norm(x), x / jnp.sqrt(jnp.mean(x ** 2))))
   True
+  >>> gemma = sr.nn.RMSNorm(2, add_unit_offset=True, rngs=sr.Rngs(0))
+  >>> gemma.scale.value.tolist(), bool(jnp.allclose(gemma(x), norm(x)))
+  ([0.0, 0.0], True)
   """
 
   def __init__(
@@ -237,7 +248,7 @@ class RMSNorm(Module):
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     use_scale: bool = True,
-    scale_init: Callable = jax.nn.initializers.ones,
+    scale_init: Callable | None = None,
     reduction_axes: int | Sequence[int] = -1,
     feature_axes: int | Sequence[int] = -1,
     axis_name: str | None = None,
@@ -246,8 +257,18 @@ class RMSNorm(Module):
     promote_dtype: Callable = default_promote_dtype,
     rngs: Rngs,
     scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    add_unit_offset: bool = False,
   ):
     check_rngs("RMSNorm", rngs)
+    if add_unit_offset and not use_scale:
+      raise ValueError(
+        "RMSNorm(add_unit_offset=True, use_scale=False): the unit offset is added to "
+        "scale, and there is no scale. Fix: use_scale=True (Gemma's RMSNorm), or "
+        "add_unit_offset=False for a norm without scale."
+      )
+    if scale_init is None:
+      zeros, ones = jax.nn.initializers.zeros, jax.nn.initializers.ones
+      scale_init = zeros if add_unit_offset else ones
     self.scale = (
       Param(scale_init(rngs.params(), (num_features,), param_dtype), **(scale_metadata or {}))
       if use_scale
@@ -258,6 +279,7 @@ class RMSNorm(Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.use_scale = use_scale
+    self.add_unit_offset = add_unit_offset
     self.reduction_axes = freeze_axes(reduction_axes)
     self.feature_axes = freeze_axes(feature_axes)
     self.axis_name = axis_name
@@ -270,6 +292,8 @@ class RMSNorm(Module):
     check_feature_axes("RMSNorm", x, self.feature_axes, self.num_features, self)
     scale = self.scale.value if self.scale is not None else None
     x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+    if scale is not None and self.add_unit_offset:
+      scale = 1 + scale
     mean, var = compute_stats(
       x,
       self.reduction_axes,

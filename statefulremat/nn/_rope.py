@@ -11,6 +11,8 @@ work with the other.)
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,11 +68,13 @@ def check_positions(where: str, positions: jax.Array, x_shape: tuple) -> None:
     )
 
 
-def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Array:
+def rope(
+  x: jax.Array, positions: jax.Array, *, base: float = 10000.0, scale_factor: float = 1.0
+) -> jax.Array:
   """Rotary position embeddings of queries or keys, Gemma's and Llama's "rotate half".
 
   With ``d = head_dim``, ``x1, x2 = x[..., :d/2], x[..., d/2:]`` and the angle
-  ``theta[..., i] = positions[...] / base ** (2 i / d)``, it returns
+  ``theta[..., i] = positions[...] / base ** (2 i / d) / scale_factor``, it returns
   ``concat([x1 cos(theta) - x2 sin(theta), x2 cos(theta) + x1 sin(theta)], -1)``,
   the same for every head. The angles are computed in float32 and the result is cast
   back to ``x``'s dtype. The dot product of a rotated query at position ``m`` and a
@@ -81,6 +85,10 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Ar
     positions: each token's position, ``[batch..., length]`` or ``[length]``.
     base: the largest wavelength's scale (10000 for Llama 2 and Gemma; Llama 3 uses
       500000, Gemma 3's global layers 1000000).
+    scale_factor: divides every angle, as ``scale_factor`` of flax's Gemma
+      ``apply_rope`` (position interpolation: positions ``p`` turn as ``p /
+      scale_factor`` did, to stretch a trained context; Gemma 3's global layers use
+      8.0 from 4B up). At least 1.0; 1.0 is plain rope.
 
   Returns:
     ``x`` rotated, same shape and dtype.
@@ -92,10 +100,24 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Ar
   ((1, 3, 2, 4), [1.0, 1.0, 1.0, 1.0])
   >>> [round(v, 3) for v in y[0, 1, 0].tolist()]      # position 1: angles 1 and 0.01
   [-0.301, 0.99, 1.382, 1.01]
+  >>> z = sr.nn.rope(q, jnp.arange(3), scale_factor=2.0)   # position 2 turns as 1 did
+  >>> bool(jnp.allclose(z[0, 2], y[0, 1]))
+  True
   """
   x = jnp.asarray(x)
   check_rope_input("sr.nn.rope", x, "give the heads an even size.")
   check_positions("sr.nn.rope", positions, x.shape)
+  if (
+    not isinstance(scale_factor, numbers.Real)
+    or isinstance(scale_factor, bool)
+    or not scale_factor >= 1.0
+  ):
+    raise ValueError(
+      f"sr.nn.rope: scale_factor={scale_factor!r} must be a number >= 1.0: it divides "
+      "the angles (positions / scale_factor), stretching the context it was trained "
+      "on, never shrinking it (flax's Gemma refuses < 1.0 too). Fix: scale_factor=1.0 "
+      "for plain rope, or your model's (8.0 for the global layers of Gemma 3 4B+)."
+    )
   half = x.shape[-1] // 2
   timescale = base ** (2 * jnp.arange(half, dtype=jnp.float32) / x.shape[-1])
   positions = jnp.asarray(positions).astype(jnp.float32)
@@ -103,6 +125,8 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Ar
   # rank first (jax_numpy_rank_promotion may be set to "raise").
   positions = positions.reshape((1,) * (x.ndim - 2 - positions.ndim) + positions.shape + (1, 1))
   angles = positions / timescale.reshape((1,) * (x.ndim - 1) + (half,))
+  if scale_factor != 1.0:
+    angles = angles / scale_factor
   return rotate_halves(x, jnp.sin(angles), jnp.cos(angles)).astype(x.dtype)
 
 
