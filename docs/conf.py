@@ -11,16 +11,20 @@ The tutorials run in quick mode (``SR_TUTORIAL_QUICK=1``) unless the environment
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
 import tempfile
 from pathlib import Path
 
+from sphinx.util.inspect import safe_getattr
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the package as checked out, installed or not
 
 import statefulremat  # noqa: E402
+from statefulremat.core._bookkeeping import DEFINED_IN  # noqa: E402
 
 project = "statefulremat"
 author = "the statefulremat authors"
@@ -109,5 +113,26 @@ def _readme_sections_as_pages(app, relative_path, parent_docname, content):
     content[0] = _promote_headings(content[0])
 
 
+# A public class names its public module (``sr.State.__module__ == "statefulremat"``, for
+# pickles), whose file does not define it: autodoc reads the class's source (its members'
+# order, its canonical name) and viewcode links it from the file that does.
+def _defined_in(value) -> str | None:
+  return vars(value).get(DEFINED_IN) if isinstance(value, type) else None
+
+
+def _class_attribute(cls: type, name: str, *default):
+  if name == "__module__" and _defined_in(cls):
+    return _defined_in(cls)
+  return safe_getattr(cls, name, *default)
+
+
+def _source_module(app, modname: str, fullname: str) -> str | None:
+  if "." in fullname:  # a method: its function names its file
+    return None
+  return _defined_in(getattr(importlib.import_module(modname), fullname, None))
+
+
 def setup(app):
   app.connect("include-read", _readme_sections_as_pages)
+  app.add_autodoc_attrgetter(type, _class_attribute)
+  app.connect("viewcode-follow-imported", _source_module)

@@ -13,6 +13,7 @@ from .checkpoint._save_restore import restore as restore
 from .checkpoint._save_restore import save as save
 from .checkpoint._sync import SaveHandle as SaveHandle
 from .core import _pytree  # noqa: F401  (registers every Module class as a JAX pytree)
+from .core._bookkeeping import name_public_classes as _name_public_classes
 from .core._containers import ModuleDict as ModuleDict
 from .core._containers import ModuleList as ModuleList
 from .core._errors import GraphError as GraphError
@@ -77,6 +78,9 @@ from .transforms.pipeline._pipeline import pipeline as pipeline
 from .transforms.vmap._vmap import vmap as vmap
 
 __version__ = "0.1.0"
+
+# Pickles and reprs name the public path (statefulremat.State), not a file that may move.
+_name_public_classes(globals(), __name__)
 
 
 def __getattr__(name: str):

@@ -17,6 +17,8 @@ floor registers (``core._display_hooks``): it imports nothing above it, not even
 import ast
 import pathlib
 import pickle
+import pickletools
+import sys
 import types
 
 import jax
@@ -25,6 +27,7 @@ import numpy as np
 import pytest
 
 import statefulremat as sr
+from statefulremat.core._bookkeeping import DEFINED_IN
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "statefulremat"
 
@@ -194,6 +197,165 @@ def test_pickles_round_trip(kind):
   else:
     x = jnp.ones((1, 2))
     np.testing.assert_array_equal(again(x), value(x))
+
+
+# A pickle names each class by the public module it is imported from (statefulremat.State,
+# statefulremat.nn.Dropout), never the private file that defines it: moving files breaks
+# no pickle. The package's __init__ files set it (core/_bookkeeping.name_public_classes).
+
+PUBLIC_MODULES = (sr, sr.nn, sr.interop)
+
+
+def _public_classes(module) -> dict[str, type]:
+  return {
+    name: value
+    for name, value in vars(module).items()
+    if isinstance(value, type)
+    and not name.startswith("_")
+    and value.__module__.split(".")[0] == "statefulremat"
+  }
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES, ids=lambda m: m.__name__)
+def test_public_classes_name_the_public_module_they_come_from(module):
+  classes = _public_classes(module)
+  assert classes
+  wrong = {
+    name: cls.__module__
+    for name, cls in classes.items()
+    if "._" in cls.__module__ or getattr(sys.modules[cls.__module__], cls.__qualname__) is not cls
+  }
+  assert not wrong, f"classes whose __module__ is not where users import them: {wrong}"
+  assert sr.Sequential.__module__ == "statefulremat.nn"  # exported twice: documented in nn
+
+
+def test_classes_made_later_keep_their_own_module():
+  class Block(sr.Module):
+    def __init__(self, rngs):
+      self.linear = sr.nn.Linear(2, 2, rngs=rngs)
+
+  assert Block.__module__ == __name__ and DEFINED_IN not in vars(Block)
+  stack = sr.vmap(Block, axis_size=2)  # a class form's stack class: not a public class
+  assert stack.__module__ == __name__ and DEFINED_IN not in vars(stack)
+
+
+def test_public_classes_keep_their_doctests_in_their_own_files():
+  # doctest looks for a class's examples, and its methods', in the module its __module__
+  # names; ../conftest.py points it at the file that defines the class instead.
+  import doctest
+
+  import statefulremat.core._state as defining
+
+  def found(module):
+    return {t.name for t in doctest.DocTestFinder().find(module) if t.examples}
+
+  assert {"statefulremat.core._state.State", "statefulremat.core._state.State.filter"} <= (
+    found(defining)
+  )
+  assert not {name for name in found(sr) if name.startswith("statefulremat.State")}
+
+
+class _Net(sr.Module):
+  def __init__(self, rngs):
+    self.w = sr.Param(jnp.arange(3.0), note={"tags": ["a", "b"]})  # metadata, frozen
+    self.mean = sr.BatchStat(jnp.zeros(3))
+    self.cache = sr.Cache(jnp.ones(2))
+    self.drop = sr.nn.Dropout(0.5, rngs=rngs)
+    self.rope = sr.nn.RoPE(4)
+    self.blocks = sr.ModuleList([sr.nn.Dropout(0.1, rngs=rngs)])
+    self.heads = sr.ModuleDict({"a": sr.Sequential(sr.nn.Dropout(0.2, rngs=rngs))})
+
+  def __call__(self, x):
+    return self.drop(x * self.w)
+
+
+def _public_objects():
+  net = _Net(sr.Rngs(0, dropout=1))
+  graphdef, state = sr.split(net)
+  plan = dict(n=4, lengths=(2, 2), policy_name="nothing_saveable", evals=12, temp_bytes=8)
+  plan.update(memory_budget=None, candidates=(), carry_bytes=4, layer_bytes=4)
+  return {
+    "State": state,
+    "GraphDef": graphdef,
+    "Module": net,
+    "Dropout": sr.nn.Dropout(0.5, rngs=sr.Rngs(0)),
+    "Rngs": sr.Rngs(0, dropout=1),
+    "Param": sr.Param(jnp.arange(3.0)),
+    "Intermediate": sr.Intermediate((jnp.ones(2),)),
+    "OptState": sr.OptState(jnp.zeros(2)),
+    "LoRAParam": sr.nn.LoRAParam(jnp.ones(2)),
+    "filter": sr.Any(sr.Not(sr.All(sr.Param, sr.PathContains("w"))), "cache", True, None),
+    "RematPlan": sr.RematPlan(**plan),
+    "PipelineSpec": sr.PipelineSpec(microbatches=4, schedule="circular", repeats=2),
+    "Summary": sr.summary(net, jnp.ones(3)),
+    "StateMismatchError": sr.StateMismatchError("paths differ"),
+    "InteropError": sr.interop.InteropError("no such variable"),
+  }
+
+
+def _data(array):
+  return (
+    jax.random.key_data(array) if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key) else array
+  )
+
+
+def _module_names(data: bytes) -> set[str]:
+  """The modules a protocol-2 pickle imports from (its GLOBAL opcodes)."""
+  return {arg.split()[0] for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"}
+
+
+def _pickle_names_public_paths_only(value):
+  data = pickle.dumps(value, protocol=2)
+  ours = {m for m in _module_names(data) if m.split(".")[0] == "statefulremat"}
+  assert ours and all("._" not in m for m in ours), ours
+  newest = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+  named = {a for _, a, _ in pickletools.genops(newest) if str(a).startswith("statefulremat")}
+  assert named <= {m.__name__ for m in PUBLIC_MODULES}, named
+  return pickle.loads(newest)
+
+
+PICKLED = ["State", "GraphDef", "Module", "Dropout", "Rngs", "Param", "Intermediate"]
+PICKLED += ["OptState", "LoRAParam", "filter", "RematPlan", "PipelineSpec", "Summary"]
+PICKLED += ["StateMismatchError", "InteropError"]
+
+
+@pytest.mark.parametrize("kind", PICKLED)
+def test_pickles_name_public_paths_and_round_trip(kind):
+  objects = _public_objects()
+  assert list(objects) == PICKLED
+  value = objects[kind]
+  again = _pickle_names_public_paths_only(value)
+  assert type(again) is type(value)
+  assert repr(again) == repr(value)
+  if kind in ("filter", "RematPlan", "PipelineSpec", "GraphDef"):
+    assert again == value
+  elif kind == "State":
+    assert again.flat().keys() == value.flat().keys()
+    for path, variable in value.flat_variables().items():
+      twin = again.flat_variables()[path]
+      assert type(twin) is type(variable) and twin.metadata == variable.metadata
+      np.testing.assert_array_equal(_data(twin.value), _data(variable.value))
+    sr.update(_Net(sr.Rngs(9, dropout=2)), again)
+  elif kind == "Module":
+    x = jnp.ones(3)
+    np.testing.assert_array_equal(again.eval()(x), value.eval()(x))
+  elif kind == "Summary":
+    assert str(again) == str(value)
+
+
+@pytest.mark.parametrize(
+  "kind",
+  [
+    pytest.param("Linear", marks=pytest.mark.xfail(strict=True, reason="promote_dtype")),
+    pytest.param("broadcast", marks=pytest.mark.xfail(strict=True, reason="transforms/")),
+  ],
+)
+def test_pickles_that_still_name_a_private_path(kind):
+  # sr.nn's layers keep their default promote_dtype, a function of the private
+  # nn/_dtypes.py that nothing public names; sr.broadcast pickles as the module of its
+  # class, transforms/_scan_axes.py. Each needs a public path of its own.
+  value = {"Linear": sr.nn.Linear(2, 3, rngs=sr.Rngs(0)), "broadcast": sr.broadcast}[kind]
+  assert _pickle_names_public_paths_only(value) is not None
 
 
 def test_nn_builds_on_the_core_and_the_public_names_only():

@@ -15,6 +15,8 @@ a GraphDef, a State or a repr. They are named here, once, and read through these
   class, its stacked paths and the RNG state it drew from (``_stacks.LayerOrigin``).
 * ``TRANSFORMED`` on a class made by a class form (``sr.remat(Block)``): True; such
   a class cannot be found again by name, so its instances refuse to pickle.
+* ``DEFINED_IN`` on a public class: the private module that defines it, now that its
+  ``__module__`` is the public one (``name_public_classes``), the class's own.
 """
 
 from __future__ import annotations
@@ -25,8 +27,26 @@ LAYER_KEYS = _PREFIX + "layer_keys"
 TRANSFORMED = _PREFIX + "transformed"
 STACK_INFO = _PREFIX + "stack"
 LAYER_ORIGIN = _PREFIX + "origin"
+DEFINED_IN = _PREFIX + "defined_in"
 
 
 def is_bookkeeping(name: str) -> bool:
   """Whether attribute ``name`` is one of the library's notes (skipped by walks)."""
   return name.startswith(_PREFIX)
+
+
+def name_public_classes(namespace: dict, module: str) -> None:
+  """Names ``module`` (a public module: ``statefulremat``, ``statefulremat.nn``) as the
+  ``__module__`` of each class in its ``namespace`` that a private file under it defines,
+  so that pickles, reprs and tracebacks say ``statefulremat.State``, a path that moving
+  files never breaks. The defining module stays as the class's own ``DEFINED_IN`` for
+  the tools that read source by module: doctest's finder (../conftest.py) and Sphinx's
+  autodoc and viewcode (docs/conf.py). Classes made later keep their own ``__module__``:
+  a user's subclass, the stack class of a class form (``sr.scan(Block, ...)``).
+  """
+  for value in list(namespace.values()):
+    if not isinstance(value, type) or not value.__module__.startswith(module + "."):
+      continue
+    if any(part.startswith("_") for part in value.__module__.split(".")):
+      setattr(value, DEFINED_IN, value.__module__)
+      value.__module__ = module

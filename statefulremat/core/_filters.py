@@ -44,6 +44,11 @@ class _Predicate:
   def __hash__(self):
     return hash((type(self), self._args()))
 
+  def __reduce__(self):
+    # Rebuilt from the filters it was given (sr.Param, "cache"), so that a pickle of
+    # sr.Not / sr.Any / sr.All names them and the kinds, never this file's helpers.
+    return type(self), tuple(map(_as_filter, self._args()))
+
 
 class _OfType(_Predicate):
   __slots__ = ("kind",)
@@ -169,6 +174,19 @@ class All(_Predicate):
 
   def __call__(self, path, variable):
     return all(p(path, variable) for p in self.predicates)
+
+
+def _as_filter(predicate):
+  """The filter that ``to_predicate`` turns into ``predicate``."""
+  if isinstance(predicate, _OfType):
+    return predicate.kind
+  if isinstance(predicate, _InCollection):
+    return predicate.name
+  if isinstance(predicate, _Everything):
+    return True
+  if isinstance(predicate, _Nothing):
+    return False
+  return predicate
 
 
 def to_predicate(filter: Filter) -> Predicate:

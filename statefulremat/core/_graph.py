@@ -30,7 +30,7 @@ from . import _display_hooks
 from ._bookkeeping import is_bookkeeping
 from ._errors import GraphError, format_path
 from ._module import Module
-from ._state import freeze
+from ._state import freeze, thaw
 from ._tracing import rebuilt_graphs, structure_epoch
 from ._variables import Variable
 
@@ -150,8 +150,14 @@ class GraphDef:
       )
     return self._variables
 
-  def __reduce__(self):
-    return GraphDef, (self.tree, self.var_paths)
+  def __getstate__(self):
+    # Metadata thawed to plain dicts and lists: a pickle names sr.GraphDef and the graph's
+    # classes, never _state's frozen helpers, so moving them breaks no pickle.
+    return thaw(self.tree), self.var_paths
+
+  def __setstate__(self, state):
+    tree, var_paths = state
+    GraphDef.__init__(self, freeze(tree), var_paths)
 
   def __eq__(self, other):
     if self is other:

@@ -326,6 +326,19 @@ class State(Mapping):
   def __treescope_repr__(self, path, subtree_renderer):
     return _display_hooks.treescope(self, path, subtree_renderer)
 
+  # -- pickling ----------------------------------------------------------------
+
+  def __getstate__(self):
+    # Plain data (metadata thawed): a pickle names sr.State and the Variable kinds, never
+    # this file's helpers (_Spec, _FrozenDict), so moving them breaks no pickle.
+    spec = self._spec
+    return spec.paths, spec.kinds, tuple(map(thaw, spec.metas)), self._values
+
+  def __setstate__(self, state):
+    paths, kinds, metas, values = state
+    self._spec = _Spec(paths, kinds, tuple(map(freeze, metas)))
+    self._values = values
+
 
 def _flatten_entries(entries: Mapping) -> dict:
   if entries and all(isinstance(k, tuple) for k in entries):

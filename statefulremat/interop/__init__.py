@@ -70,6 +70,7 @@ The mapping:
             'norm': {'bias': (4,), 'scale': (4,)}}}
 """
 
+from ..core._bookkeeping import name_public_classes as _name_public_classes
 from ._linen import from_linen as from_linen
 from ._linen import to_linen as to_linen
 from ._nnx import from_nnx as from_nnx
@@ -87,3 +88,6 @@ __all__ = [
   "to_nnx",
   "to_state_dict",
 ]
+
+# Pickles and reprs name the public path (statefulremat.interop.InteropError), not a file.
+_name_public_classes(globals(), __name__)

@@ -78,7 +78,7 @@ def _torch_rule(e: Entry) -> tuple[str, tuple | None] | None:
         return names[name], None
       n = len(e.layer_shape())  # (out, in, *window) -> (*window, in, out)
       return names[name], tuple(range(2, n)) + (1, 0)
-    if cls.__module__.startswith("statefulremat."):
+    if cls.__module__.split(".")[0] == "statefulremat":
       return None  # one of our other layers (ConvTranspose & co.): our layout
   return None
 

@@ -5,6 +5,7 @@
 (1, 2)
 """
 
+from ..core._bookkeeping import name_public_classes as _name_public_classes
 from . import _nnx_names
 from . import initializers as initializers
 from ._activations import PReLU as PReLU
@@ -72,6 +73,9 @@ from ._rope_module import dot_product_attention_with_rope as dot_product_attenti
 from ._sequential import Sequential as Sequential
 from ._weight_norms import SpectralNorm as SpectralNorm
 from ._weight_norms import WeightNorm as WeightNorm
+
+# Pickles and reprs name the public path (statefulremat.nn.Linear), not a file that may move.
+_name_public_classes(globals(), __name__)
 
 
 def __getattr__(name: str):
