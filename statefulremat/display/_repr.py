@@ -19,6 +19,7 @@ from ..core._bookkeeping import is_bookkeeping
 from ..core._module import Module
 from ..core._stacks import _pattern_of, is_stacked, stack_info
 from ..core._variables import Variable
+from ._pattern_names import pattern_names, position_label
 
 
 def value_summary(value) -> str:
@@ -44,6 +45,9 @@ def pattern_text(stack) -> str | None:
   """How the layers of a stack of a repeating pattern repeat, or None for any other
   object: ``26 layers: (Local, Local, Global) × 8 + (Local, Local)`` (the last cycle
   cut short). Read off the positions it holds, so an edited stack says what it holds.
+  A run of one element is written once with its count, and long elements by short
+  labels that ``pattern_names(stack).legend`` spells out: ``12 layers: (Block#1 × 5,
+  Block#2) × 2`` (see ``_pattern_names``).
 
   >>> import functools, statefulremat as sr
   >>> Stack = sr.vmap((sr.nn.Linear, functools.partial(sr.nn.Linear, use_bias=False)),
@@ -58,19 +62,24 @@ def pattern_text(stack) -> str | None:
   counts = _position_counts(stack) if cls is not None else None
   if cls is None or counts is None:
     return None
-  names, n, p = list(stack_info(cls).names), sum(counts), len(counts)  # pyright: ignore[reportOptionalMemberAccess]
+  names, n, p = pattern_names(cls), sum(counts), len(counts)
   full, rest = divmod(n, p)
   if counts != [len(range(k, n, p)) for k in range(p)]:
-    return f"{n} layers, not one pattern: its positions hold {counts}"
-  text = f"{n} layers: ({', '.join(names)}) × {full}"
-  return text + (f" + ({', '.join(names[:rest])})" if rest else "")
+    return f"{_layers(n)}, not one pattern: its positions hold {counts}"
+  text = f"{_layers(n)}: ({names.cycle()}) × {full}"
+  return text + (f" + ({names.cycle(rest)})" if rest else "")
+
+
+def _layers(n: int) -> str:
+  return f"{n} layer{'s' * (n != 1)}"
 
 
 def class_text(cls: type) -> str:
   """How a class is named on screen: a stack's class (made by a transform's class
   form) as the transform over the user's class, ``RematScan[Block]`` (the generated
   ``RematScanBlock`` is named after neither); a pattern stack's over its classes,
-  ``RematScan[Local, Local, Global]``; a stack of stacks nests, with the inner
+  ``RematScan[Local, Local, Global]`` (``RematScan[Block#1 × 5, Block#2]``: long
+  elements by labels, see ``pattern_text``); a stack of stacks nests, with the inner
   stack's layer count where its class knows it, ``Vmap[Scan[Block] × 12]``; any other
   class by its name.
 
@@ -83,7 +92,7 @@ def class_text(cls: type) -> str:
   if info is None:
     return cls.__name__
   if info.is_pattern:  # a pattern stack: the transform over its classes
-    return f"{info.label}[{', '.join(info.names)}]"
+    return f"{info.label}[{pattern_names(cls).cycle()}]"
   assert info.layer_class is not None
   of = class_text(info.layer_class)
   inner = stack_info(info.layer_class)
@@ -115,17 +124,12 @@ def position_text(position) -> str | None:
   stack it holds: ``position 2 of 3: Global, 8 layers (2, 5, …, 23)``; None for any
   other object."""
   info = stack_info(position) if isinstance(position, Module) else None
-  if info is None or info.name is None:
+  name = position_label(type(position)) if info is not None else None
+  n = _layer_count(position) if name is not None else None
+  if info is None or name is None or n is None:
     return None
-  name, index = info.name, info.index_map
-  n = _layer_count(position)
-  if n is None:
-    return None
-  p, k = index
-  return (
-    f"position {k} of {p}: {name}, {n} layer{'s' * (n != 1)} "
-    f"({layer_numbers(range(k, k + p * n, p))})"
-  )
+  p, k = info.index_map
+  return f"position {k} of {p}: {name}, {_layers(n)} ({layer_numbers(range(k, k + p * n, p))})"
 
 
 def _position_counts(stack) -> list[int] | None:

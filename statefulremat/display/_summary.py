@@ -19,10 +19,11 @@ import dataclasses
 
 from ..core._errors import format_path
 from ..core._module import Module
+from ._pattern_names import pattern_names
 from ._repr import class_text, pattern_text, position_text
 from ._summary_norms import LayerNorms as LayerNorms
 from ._summary_norms import Norms, columns, norm_text
-from ._summary_outputs import _at, trace_outputs
+from ._summary_outputs import OUTPUT_WIDTH, _at, shorten, trace_outputs
 from ._summary_walk import ModuleEntry, describe
 
 
@@ -39,6 +40,8 @@ class SummaryRow:
   ``pattern`` says how its layers repeat (``26 layers: (Local, Local, Global) × 8 +
   (Local, Local)``) and ``layers`` counts them all; ``position`` says, for the stack of
   one of its positions, which layers of the whole it holds; both None elsewhere.
+  Where a pattern's elements are named by short labels, ``legend`` says what each
+  stands for (``Block#1 = partial(Block, window=512)``).
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> Stack = sr.vmap(sr.nn.Linear, axis_size=4)
@@ -59,6 +62,7 @@ class SummaryRow:
   grad_norm: float | None = None
   pattern: str | None = None
   position: str | None = None
+  legend: tuple[str, ...] = ()
 
   @property
   def path_text(self) -> str:
@@ -76,31 +80,44 @@ class SummaryRow:
     '12,100 (3 × 4,000 + 100)'
     """
     if self.pattern is not None:
-      return f"{self.params:,} ({self.layers} layers)"
+      return f"{self.params:,} ({self.layers} layer{'s' * (self.layers != 1)})"
     if self.layers == 1:
       return f"{self.params:,}"
     extra = f" + {self.params_unstacked:,}" if self.params_unstacked else ""
     return f"{self.params:,} ({self.layers} × {self.params_per_layer:,}{extra})"
 
-  def outputs_text(self) -> str:
+  def outputs_text(self, width: int = OUTPUT_WIDTH) -> str:
     """The output column: the distinct shapes joined by ``' / '`` and ``×n`` for ``n``
-    calls; ``-`` when the module was not called.
+    calls; ``-`` when the module was not called. A text longer than ``width`` (a dict
+    of many outputs) is shortened: dtypes as jaxprs write them, and cut after the items
+    that fit, ``…`` for the rest (``outputs`` keeps it whole; see ``shorten``); past
+    ``width`` in all, ``/ …`` stands for the other shapes.
 
     >>> import statefulremat as sr
     >>> row = sr.SummaryRow(("head",), "Linear", 8, {},
     ...                     outputs=("float32[5,2]", "float32[5,2]", "float32[1,2]"))
     >>> row.outputs_text(), sr.SummaryRow((), "Linear", 8, {}).outputs_text()
     ('float32[5,2] / float32[1,2] ×3', '-')
+    >>> out = "{'logits': float32[2,8], 'cache': {'k': float32[2,4], 'v': float32[2,4]}}"
+    >>> sr.SummaryRow(("block",), "Block", 8, {}, outputs=(out,)).outputs_text(width=50)
+    "{'logits': f32[2,8], 'cache': {'k': f32[2,4], …}}"
     """
     if not self.outputs:
       return "-"
-    distinct = list(dict.fromkeys(self.outputs))
+    distinct = [shorten(text, width) for text in dict.fromkeys(self.outputs)]
     calls = f" ×{len(self.outputs)}" if len(self.outputs) > 1 else ""
-    return " / ".join(distinct) + calls
+    shown = distinct[:1]
+    for text in distinct[1:]:
+      if len(" / ".join([*shown, text])) > width:
+        shown.append("…")
+        break
+      shown.append(text)
+    return " / ".join(shown) + calls
 
 
-class Summary:
-  """The table ``sr.summary`` returns; ``str()`` is the text table, treescope draws it.
+class Summary(str):
+  """The table ``sr.summary`` returns: a ``str``, the text table (as ``nnx.tabulate``
+  returns one), that keeps its parts; treescope draws it.
 
   ``rows`` lists every module (the root first, then depth first in definition order);
   ``total_params`` and ``total_bytes`` count each Variable once, shared or not.
@@ -111,10 +128,19 @@ class Summary:
   >>> table = sr.summary(sr.nn.Linear(3, 2, rngs=sr.Rngs(0)), jnp.ones((5, 3)))
   >>> table.total_params, table.rows[0].outputs
   (8, ('float32[5,2]',))
+  >>> isinstance(table, str), table.splitlines()[2]
+  (True, '(root)  Linear       8          32 B  float32[5,2]')
   """
 
-  def __init__(
-    self,
+  rows: list[SummaryRow]
+  collections: list[str]
+  total_params: int
+  total_bytes: dict[str, int]
+  layer_norms: list[LayerNorms]
+  _norms: dict[str, float]
+
+  def __new__(
+    cls,
     rows: list[SummaryRow],
     collections: list[str],
     total_params: int,
@@ -122,10 +148,16 @@ class Summary:
     layer_norms: list[LayerNorms] | None = None,
     norms: dict[str, float] | None = None,
   ):
-    self.rows, self.collections = rows, collections
-    self.total_params, self.total_bytes = total_params, total_bytes
-    self.layer_norms = list(layer_norms or [])
+    args = (rows, collections, total_params, total_bytes, list(layer_norms or []))
+    text = "\n".join(_lines(*args, dict(norms or {})))
+    self = super().__new__(cls, text)
+    self.rows, self.collections, self.total_params, self.total_bytes, self.layer_norms = args
     self._norms = dict(norms or {})
+    return self
+
+  def __reduce__(self):  # pickle and copy rebuild it from its parts, not from the text
+    parts = (self.rows, self.collections, self.total_params, self.total_bytes)
+    return (type(self), (*parts, self.layer_norms, self._norms))
 
   def norms(self) -> dict[str, float]:
     """Every L2 norm, levanter's way: ``params/norm/<path>`` for each Param (a stacked
@@ -143,8 +175,9 @@ class Summary:
     return dict(self._norms)
 
   def lines(self) -> list[str]:
-    """The text table as a list of lines: header, rule, one line per row, rule, total;
-    then, for each stack, its per-layer norms. ``str(summary)`` joins them.
+    """The text table as a list of lines (``self.splitlines()``): header, rule, one
+    line per row, rule, total; then, for each stack of a pattern, its positions, and
+    for each stack, its per-layer norms.
 
     >>> import jax.numpy as jnp, statefulremat as sr
     >>> table = sr.summary(sr.nn.Linear(3, 2, rngs=sr.Rngs(0)), jnp.ones((5, 3)))
@@ -155,84 +188,95 @@ class Summary:
     --------------------------------------------------
     Total                8          32 B
     """
-    with_norms = any(r.grad_norm is not None for r in self.rows)
-    norm_header = ["params norm", "grads norm"] if with_norms else []
-    header = [
-      "path",
-      "class",
-      "params",
-      *(f"{c} bytes" for c in self.collections),
-      *norm_header,
-      "output",
-    ]
-    body = [
-      [
-        r.path_text,
-        r.class_name,
-        r.params_text(),
-        *(_bytes_text(r.bytes.get(c, 0)) or "-" for c in self.collections),
-        *([norm_text(r.param_norm), norm_text(r.grad_norm)] if with_norms else []),
-        r.outputs_text(),
-      ]
-      for r in self.rows
-    ]
-    total = [
-      "Total",
-      "",
-      f"{self.total_params:,}",
-      *(_bytes_text(self.total_bytes.get(c, 0)) for c in self.collections),
-      *(
-        [
-          norm_text(self._norms.get("params/norm/total")),
-          norm_text(self._norms.get("grad/norm/total")),
-        ]
-        if with_norms
-        else []
-      ),
-      "",
-    ]
-    numeric = set(range(2, len(header) - 1))
-    lines = columns([header, *body, total], numeric)
-    rule = "-" * max(map(len, lines))
-    out = [lines[0], rule, *lines[1:-1], rule, lines[-1]]
-    for row in self.rows:
-      if row.pattern is None:
-        continue
-      # The cycle once: each position's stack, and the layers of the whole it holds.
-      below = [
-        r
-        for r in self.rows
-        if r.position is not None
-        and len(r.path) == len(row.path) + 2
-        and r.path[: len(row.path)] == row.path
-      ]
-      out += [
-        "",
-        f"{row.path_text}: {row.class_name}, {row.pattern}",
-        *("  " + line for line in columns([[r.path_text, r.position or ""] for r in below], set())),
-      ]
-    for stack in self.layer_norms:
-      out += ["", *stack.lines()]
-    return out
+    return self.splitlines()
 
   def __str__(self) -> str:
-    return "\n".join(self.lines())
+    return str.__str__(self)
 
-  def __repr__(self) -> str:
-    return str(self)
+  def __repr__(self) -> str:  # at a prompt, the table itself, not a quoted string
+    return str.__str__(self)
 
   def __treescope_repr__(self, path, subtree_renderer):
     from treescope import rendering_parts
 
-    lines = self.lines()
+    lines, n = self.lines(), len(self.rows)
     return rendering_parts.build_foldable_tree_node_from_children(
       prefix=rendering_parts.text(
-        f"Summary(  # {self.total_params:,} params, {len(self.rows)} modules"
+        f"Summary(  # {self.total_params:,} params, {n} module{'s' * (n != 1)}"
       ),
       children=[rendering_parts.text(line) for line in lines],
       suffix=rendering_parts.text(")"),
       path=path,
     )
+
+
+def _lines(
+  rows: list[SummaryRow],
+  collections: list[str],
+  total_params: int,
+  total_bytes: dict[str, int],
+  layer_norms: list[LayerNorms],
+  norms: dict[str, float],
+) -> list[str]:
+  """The lines of ``Summary``'s text (see ``Summary.lines``)."""
+  with_norms = any(r.grad_norm is not None for r in rows)
+  norm_header = ["params norm", "grads norm"] if with_norms else []
+  header = [
+    "path",
+    "class",
+    "params",
+    *(f"{c} bytes" for c in collections),
+    *norm_header,
+    "output",
+  ]
+  body = [
+    [
+      r.path_text,
+      r.class_name,
+      r.params_text(),
+      *(_bytes_text(r.bytes.get(c, 0)) or "-" for c in collections),
+      *([norm_text(r.param_norm), norm_text(r.grad_norm)] if with_norms else []),
+      r.outputs_text(),
+    ]
+    for r in rows
+  ]
+  total = [
+    "Total",
+    "",
+    f"{total_params:,}",
+    *(_bytes_text(total_bytes.get(c, 0)) for c in collections),
+    *(
+      [norm_text(norms.get("params/norm/total")), norm_text(norms.get("grad/norm/total"))]
+      if with_norms
+      else []
+    ),
+    "",
+  ]
+  numeric = set(range(2, len(header) - 1))
+  lines = columns([header, *body, total], numeric)
+  rule = "-" * max(map(len, lines))
+  out = [lines[0], rule, *lines[1:-1], rule, lines[-1]]
+  for row in rows:
+    if row.pattern is None:
+      continue
+    # The cycle once: each position's stack, and the layers of the whole it holds;
+    # before them, what the short labels of a long pattern stand for.
+    below = [
+      r
+      for r in rows
+      if r.position is not None
+      and len(r.path) == len(row.path) + 2
+      and r.path[: len(row.path)] == row.path
+    ]
+    out += [
+      "",
+      f"{row.path_text}: {row.class_name}, {row.pattern}",
+      *(f"  {line}" for line in row.legend),
+      *("  " + line for line in columns([[r.path_text, r.position or ""] for r in below], set())),
+    ]
+  for stack in layer_norms:
+    out += ["", *stack.lines()]
+  return out
 
 
 def summary(model, *example_inputs, method: str = "__call__", grads=None, **kwargs) -> Summary:
@@ -245,9 +289,10 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None, **kwar
   reduction per parameter array. Counts cover each module
   and everything below it; stacked modules (scan, remat_scan, vmap) also give their
   layer count and the count of one layer. Each module and Variable is listed once, at
-  the path ``sr.state`` gives it (a shared Rngs under the same owner). ``print`` it
-  for text; treescope (and ``sr.display``) draw it too. With no inputs, the output
-  column stays empty.
+  the path ``sr.state`` gives it (a shared Rngs under the same owner). It is the text
+  (a ``str``, as ``nnx.tabulate`` returns): ``print`` it or ``.splitlines()``;
+  treescope (and ``sr.display``) draw it too. With no inputs, the output column stays
+  empty; an output wider than the column (a dict of many arrays) is cut, keys kept.
 
   Norms are what one looks at when a deep model diverges, and what levanter logs for
   its scanned stacks: ``grads`` (the ``State`` ``sr.grad`` returns, same paths as
@@ -372,6 +417,7 @@ def _row(module: ModuleEntry, variables, outputs, norms: Norms, obj) -> SummaryR
     norms.total(module.variables, norms.grads),
     pattern,
     position,
+    pattern_names(obj).legend if pattern is not None else (),
   )
 
 

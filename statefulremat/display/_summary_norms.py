@@ -59,8 +59,9 @@ class LayerNorms:
       if self.stack_layers is not None
       else ""
     )
+    plural = "s" * (layers != 1)
     title = (
-      f"{self.path_text}: {self.class_name}, {layers} layers{of_stack}, L2 norm "
+      f"{self.path_text}: {self.class_name}, {layers} layer{plural}{of_stack}, L2 norm "
       f"of each layer's Params{' and gradients' if has_grads else ''}"
     )
     keep = set(range(layers))

@@ -11,6 +11,7 @@ stack's sub-layers get rows like ``blocks.linear``.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -129,3 +130,86 @@ def _shapes_text(tree) -> str:
     return repr(Shape(tree))
   # Modules are pytrees too: a returned module shows as its class name, not its leaves.
   return repr(jax.tree.map(Shape, tree, is_leaf=lambda x: isinstance(x, Module)))
+
+
+OUTPUT_WIDTH = 72  # characters of one output's text in the summary's output column
+
+_OPEN, _CLOSE = "([{", {"(": ")", "[": "]", "{": "}"}
+_SHORT_DTYPE = re.compile(r"\b(bfloat|float|uint|int|complex)(\d+)\[")
+_SHORT_KIND = {"bfloat": "bf", "float": "f", "uint": "u", "int": "i", "complex": "c"}
+
+
+def shorten(text: str, width: int = OUTPUT_WIDTH) -> str:
+  """``text`` (an output's shapes, as ``_shapes_text`` writes them) in ``width``
+  characters: if longer, its dtypes as jaxprs write them (``f32[2,4]``), then cut
+  after the items that fit, ``…`` for the rest and the open brackets closed. Each
+  item kept is whole (a dict's key with its value), so the keys read as they are; a
+  shape is never cut.
+
+  >>> from statefulremat.display._summary_outputs import shorten
+  >>> shorten("{'x': float32[2,4], 'y': float32[2,4], 'z': float32[2,4]}", 40)
+  "{'x': f32[2,4], 'y': f32[2,4], …}"
+  >>> shorten("(float32[2,4], {'k': float32[2,4], 'v': float32[2,4]})", 22)
+  '(f32[2,4], {…})'
+  """
+  if len(text) <= width:
+    return text
+  text = _SHORT_DTYPE.sub(lambda m: f"{_SHORT_KIND[m[1]]}{m[2]}[", text)
+  if len(text) <= width:
+    return text
+  closes = _matching_closes(text)
+  stack: list[tuple[str, int]] = []  # (closing bracket, where it closes) per open one
+  best = None
+  for i, c in _structure(text):
+    if c in _OPEN:
+      stack.append((_CLOSE[c], closes.get(i, len(text))))
+      if c != "[" or not (i and text[i - 1].isalnum()):  # a container's items start
+        best = _cut(text, i + 1, stack, width, best)
+    elif c in ")]}" and stack:
+      stack.pop()
+    elif c == "," and text.startswith(", ", i) and stack:
+      best = _cut(text, i + 2, stack, width, best)
+  return best if best is not None else text
+
+
+def _structure(text: str):
+  """``(index, character)`` of ``text``'s characters outside quoted strings (a key's
+  brackets and commas are not the tree's)."""
+  quote, escaped = None, False
+  for i, c in enumerate(text):
+    if quote is not None:
+      if escaped:
+        escaped = False
+      elif c == "\\":
+        escaped = True
+      elif c == quote:
+        quote = None
+    elif c in "'\"":
+      quote = c
+    else:
+      yield i, c
+
+
+def _matching_closes(text: str) -> dict[int, int]:
+  """Where each opening bracket of ``text`` closes: ``{index: index}``."""
+  closes, opened = {}, []
+  for i, c in _structure(text):
+    if c in _OPEN:
+      opened.append(i)
+    elif c in ")]}" and opened:
+      closes[opened.pop()] = i
+  return closes
+
+
+def _cut(text: str, at: int, stack, width: int, best: str | None) -> str | None:
+  """``text`` up to ``at``, then ``…``, and the brackets ``stack`` left open closed,
+  each followed by ``, …`` where its container has more items after it; kept over
+  ``best`` if it fits ``width`` (the first cut is kept if none fits)."""
+  cut = text[:at] + "…"
+  for closer, close in reversed(stack):
+    cut += closer
+    if text.startswith(", ", close + 1):
+      cut += ", …"
+  if best is None or len(cut) <= width:
+    return cut
+  return best

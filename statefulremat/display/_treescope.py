@@ -169,6 +169,7 @@ class _Text:
 
 
 def render_module(module, path, subtree_renderer):
+  from ._pattern_names import pattern_names
   from ._repr import module_text, pattern_text, position_text, settings_at_defaults
 
   first = _FIRST.get()
@@ -184,13 +185,23 @@ def render_module(module, path, subtree_renderer):
     shown = {k: v for k, v in attributes.items() if k not in at_defaults}
     # A stack of a repeating pattern draws its cycle once, as its positions: each
     # says which layers of the whole stack it holds.
-    comment = pattern_text(module) or position_text(module)
+    pattern = pattern_text(module)
+    comment = pattern or position_text(module)
+    # What the short labels of a long pattern stand for, a line each.
+    legend = pattern_names(module).legend if pattern else ()
     positions = shown.get("pattern")
     if comment and isinstance(positions, tuple):
       shown["pattern"] = tuple(positions)  # drawn as the tuple it is
     if _COMPACT.get():  # a repr: what differs from the defaults, laid out as it fits
       rendering = _constructor(
-        type(module), shown, {}, path, subtree_renderer, comment=comment, title=module_text(module)
+        type(module),
+        shown,
+        {},
+        path,
+        subtree_renderer,
+        comment=comment,
+        title=module_text(module),
+        legend=legend,
       )
     else:
       folded = {k: v for k, v in attributes.items() if k in at_defaults}
@@ -203,6 +214,7 @@ def render_module(module, path, subtree_renderer):
         plumbing=_is_rng_plumbing(module),
         comment=comment,
         title=module_text(module),
+        legend=legend,
       )
     return _with_other_places(rendering, first.get(id(module), ()))
   finally:
@@ -225,6 +237,7 @@ def _constructor(
   plumbing: bool | None = None,
   comment: str | None = None,
   title: str | None = None,
+  legend: tuple[str, ...] = (),
 ):
   """``Kind(name=value, ...)`` as ``repr_lib.render_object_constructor`` draws it, and
   in treescope's foldable view (``plumbing`` not None) how it first shows:
@@ -235,15 +248,24 @@ def _constructor(
     Variables as ``…``: ``Rngs(params=…, dropout=…)``.
 
   A user can click any of them open or shut. ``comment`` follows the opening
-  bracket while the node is open: ``RematScan[Local, Global](  # 26 layers: ...``.
-  ``title`` replaces the class's name outside roundtrip mode (``RematScan[Block] × 100``).
+  bracket while the node is open: ``RematScan[Local, Global](  # 26 layers: ...``,
+  and each line of ``legend`` is a comment line of its own before the attributes
+  (``# Block#1 = partial(Block, window=512)``). ``title`` replaces the class's name
+  outside roundtrip mode (``RematScan[Block] × 100``).
   """
   from treescope import rendering_parts as rp
 
   from ..core._module import Module
+  from ..core._stacks import _pattern_of
   from ..core._variables import Variable
+  from ._pattern_names import pattern_names
 
-  children = []
+  children = [
+    rp.fold_condition(
+      expanded=rp.build_full_line_with_annotations(rp.comment_color(rp.text(f"# {line}")))
+    )
+    for line in legend
+  ]
   for i, (name, value) in enumerate(shown.items()):
     drawn = subtree_renderer(value, path=None if path is None else f"{path}.{name}")
     if plumbing and isinstance(value, (Module, Variable)):
@@ -261,6 +283,8 @@ def _constructor(
       rp.fold_condition(expanded=_defaults_group(folded, path, subtree_renderer).renderable)
     )
   kind_name = rp.maybe_qualified_type_name(kind)
+  if _pattern_of(kind) is not None:  # its __qualname__ spells every element in full
+    kind_name = rp.text(f"{kind.__module__}.{kind.__name__}[{pattern_names(kind).cycle()}]")
   if title is not None and title != kind.__name__:
     kind_name = rp.roundtrip_condition(roundtrip=kind_name, not_roundtrip=rp.text(title))
   prefix = rp.siblings(rp.roundtrip_condition(roundtrip=rp.text("<")), kind_name, "(")
