@@ -80,7 +80,8 @@ from .transforms.vmap._vmap import vmap as vmap
 __version__ = "0.1.0"
 
 # Pickles and reprs name the public path (statefulremat.State), not a file that may move.
-_name_public_classes(globals(), __name__)
+# sr.broadcast pickles by name, as the one instance: its class's module says where.
+_name_public_classes({**globals(), "broadcast": type(broadcast)}, __name__)
 
 
 def __getattr__(name: str):

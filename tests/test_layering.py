@@ -290,6 +290,7 @@ def _public_objects():
     "Summary": sr.summary(net, jnp.ones(3)),
     "StateMismatchError": sr.StateMismatchError("paths differ"),
     "InteropError": sr.interop.InteropError("no such variable"),
+    "broadcast": sr.broadcast,
   }
 
 
@@ -316,7 +317,7 @@ def _pickle_names_public_paths_only(value):
 
 PICKLED = ["State", "GraphDef", "Module", "Dropout", "Rngs", "Param", "Intermediate"]
 PICKLED += ["OptState", "LoRAParam", "filter", "RematPlan", "PipelineSpec", "Summary"]
-PICKLED += ["StateMismatchError", "InteropError"]
+PICKLED += ["StateMismatchError", "InteropError", "broadcast"]
 
 
 @pytest.mark.parametrize("kind", PICKLED)
@@ -327,6 +328,8 @@ def test_pickles_name_public_paths_and_round_trip(kind):
   again = _pickle_names_public_paths_only(value)
   assert type(again) is type(value)
   assert repr(again) == repr(value)
+  if kind == "broadcast":
+    assert again is sr.broadcast
   if kind in ("filter", "RematPlan", "PipelineSpec", "GraphDef"):
     assert again == value
   elif kind == "State":
@@ -347,14 +350,12 @@ def test_pickles_name_public_paths_and_round_trip(kind):
   "kind",
   [
     pytest.param("Linear", marks=pytest.mark.xfail(strict=True, reason="promote_dtype")),
-    pytest.param("broadcast", marks=pytest.mark.xfail(strict=True, reason="transforms/")),
   ],
 )
 def test_pickles_that_still_name_a_private_path(kind):
   # sr.nn's layers keep their default promote_dtype, a function of the private
-  # nn/_dtypes.py that nothing public names; sr.broadcast pickles as the module of its
-  # class, transforms/_scan_axes.py. Each needs a public path of its own.
-  value = {"Linear": sr.nn.Linear(2, 3, rngs=sr.Rngs(0)), "broadcast": sr.broadcast}[kind]
+  # nn/_dtypes.py that nothing public names: it needs a public path of its own.
+  value = {"Linear": sr.nn.Linear(2, 3, rngs=sr.Rngs(0))}[kind]
   assert _pickle_names_public_paths_only(value) is not None
 
 

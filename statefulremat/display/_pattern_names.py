@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 
 from ..core._stacks import stack_info
+from ._static_repr import static_repr
 
 WIDTH = 60  # characters the elements of a pattern may take in full before labels do
 RUN = 3  # a run this long of one element is written once, with its count
@@ -88,8 +89,6 @@ def _element(position) -> tuple[str, str]:
   """``(full name, class name)`` of the element that builds a position's layers:
   ``partial(Block, window=512)``, its arguments as written (``static_repr``: a
   function by its name, never its address)."""
-  from ._repr import static_repr
-
   info = stack_info(position)
   assert info is not None and info.layer_class is not None
   layer, factory = info.layer_class, info.factory

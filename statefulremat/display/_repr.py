@@ -20,6 +20,7 @@ from ..core._module import Module
 from ..core._stacks import _pattern_of, is_stacked, stack_info
 from ..core._variables import Variable
 from ._pattern_names import pattern_names, position_label
+from ._static_repr import static_repr
 
 
 def value_summary(value) -> str:
@@ -27,18 +28,6 @@ def value_summary(value) -> str:
     dtype = str(value.dtype)
     return f"{dtype}[{','.join(map(str, value.shape))}]"
   return repr(value)
-
-
-def static_repr(value) -> str:
-  """A static attribute as it would be written: functions and classes by name, and
-  never a memory address (``<function f at 0x...>`` changes from run to run)."""
-  if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
-    # Classes, functions and wrapped functions (jax.nn.relu is a custom_jvp object).
-    return value.__qualname__
-  if isinstance(value, functools.partial):
-    return f"partial({static_repr(value.func)}, ...)"
-  text = repr(value)
-  return f"<{type(value).__name__}>" if " at 0x" in text else text
 
 
 def pattern_text(stack) -> str | None:

@@ -151,7 +151,7 @@ def _without_address(value):
     return value
   if isinstance(value, type) or "<" not in getattr(value, "__qualname__", "<"):
     return value  # treescope names importable functions and classes by qualified name
-  from ._repr import static_repr
+  from ._static_repr import static_repr
 
   return _Text(static_repr(value))
 
