@@ -256,3 +256,45 @@ def test_decoding_past_the_cache_length_raises_and_changes_nothing():
   ):
     stack(x[:, 2:3])
   assert _unchanged(stack, before)
+
+
+def test_decoding_another_batch_than_the_caches_names_both_batches_and_init_cache():
+  stack = STACKS["remat_scan"]()(rngs=sr.Rngs(0))
+  _init_caches(stack)  # batch B = 2
+  stack.set_attributes(decode=True)
+  before = _leaves(stack)
+  x = jax.random.normal(jax.random.key(1), (3, 1, D))
+  with pytest.raises(
+    ValueError,
+    match=(
+      r"MultiHeadAttention at `.*attn`: decoding a batch of 3 into a key/value cache made "
+      r"for a batch of 2 \(`.*attn\.cached_key` has shape \(2, 10, 2, 4\).*Fix: make the "
+      r"cache for this batch, `init_cache\(\(3, 10, 16\)\)`.*"
+      r"`stack\.pattern\[k\]\.attn\.init_cache\(\(3, 10, 16\)\)`"
+    ),
+  ):
+    stack(x)
+  assert _unchanged(stack, before)
+  for position in stack.pattern:  # the fix the message gives
+    position.attn.init_cache((3, T, D))
+  assert _out(stack(x)).shape == (3, 1, D)
+
+
+def test_a_decode_step_of_several_positions_says_one_at_a_time():
+  attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV_HEADS, rngs=sr.Rngs(0))
+  attn.init_cache((B, T, D))
+  with pytest.raises(
+    ValueError,
+    match=(
+      r"MultiHeadAttention: decode=True feeds one position at a time, but the input has "
+      r"length 2 .*Fix: call it once per position, with inputs of shape \(batch\.\.\., 1, "
+      r"16\)"
+    ),
+  ):
+    attn(_tokens()[:, :2], decode=True)
+  with pytest.raises(
+    ValueError,
+    match=r"decoding an input without a batch axis into a key/value cache made for a "
+    r"batch of 2 \(`cached_key` has shape .*`init_cache\(\(10, 16\)\)`",
+  ):
+    attn(_tokens()[0, :1], decode=True)

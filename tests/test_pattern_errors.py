@@ -336,6 +336,102 @@ def test_sr_stack_of_layers_out_of_pattern_order_names_the_layer_and_position():
   )
 
 
+def test_sr_stack_of_a_patterns_layers_names_the_layer_as_the_user_numbered_it():
+  stack = sr.remat_scan((Local, Global), length=6, lengths=(3,))(D, rngs=sr.Rngs(0))
+  layers = [stack.layer(i) for i in range(6)]
+  layers[4].linear.kernel.value = jnp.zeros((D, D + 1))
+  with pytest.raises(
+    sr.TransformError,
+    match=(
+      r"sr\.stack: `linear\.kernel` of layer 4 does not have the shape and dtype of layer "
+      r"0's \(position 0 of the pattern stacks layers 0, 2, 4\): float32\[4, 4\] \(layer "
+      r"0\) vs float32\[4, 5\] \(layer 4\)"
+    ),
+  ):
+    sr.stack(layers, like=stack)
+  layers = [stack.layer(i) for i in range(6)]
+  layers[5].linear.bias.value = layers[5].linear.bias.value.astype(jnp.float16)
+  with pytest.raises(
+    sr.TransformError,
+    match=r"`linear\.bias` of layer 5 .* of layer 1's \(position 1 of the pattern stacks "
+    r"layers 1, 3, 5\): float32\[4\] \(layer 1\) vs float16\[4\] \(layer 5\)",
+  ):
+    sr.stack(layers, like=stack)
+
+
+def test_sr_stack_of_a_patterns_layers_names_the_layer_holding_another_shared_value():
+  class Norm(sr.Module):
+    def __init__(self, dim, *, rngs):
+      self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
+      self.bn = sr.nn.BatchNorm(dim, rngs=rngs)
+
+    def __call__(self, x):
+      return self.bn(self.linear(x))
+
+  stack = sr.scan((Norm, Local), length=6, variable_axes={sr.Param: 0})(D, rngs=sr.Rngs(0))
+  layers = [stack.layer(i) for i in range(6)]
+  layers[4].bn.mean.value = layers[4].bn.mean.value + 1.0
+  with pytest.raises(
+    sr.TransformError,
+    match=(
+      r"`bn\.mean` \(BatchStat\) is not stacked .* but layer 4's differs from layer 0's "
+      r"\(position 0 of the pattern stacks layers 0, 2, 4\).*"
+      r"`NewClass = sr\.scan\(\(Norm, Local\), \.\.\., variable_axes=\{sr\.BatchStat: 0\}\)`"
+    ),
+  ):
+    sr.stack(layers, like=stack)
+
+
+class Normed(sr.Module):
+  def __init__(self, dim, *, rngs):
+    self.linear = sr.nn.Linear(dim, dim, rngs=rngs)
+    self.bn = sr.nn.BatchNorm(dim, rngs=rngs)
+
+  def __call__(self, x):
+    return self.bn(self.linear(x)), None
+
+
+class Other(Normed):
+  pass
+
+
+def test_a_pattern_scans_messages_name_variables_as_the_user_reaches_them():
+  stack = sr.scan((Normed, Other), length=4, variable_axes={sr.Param: 0})(D, rngs=sr.Rngs(0))
+  before = values(stack)
+  with pytest.raises(
+    sr.TransformError,
+    match=(
+      r"the body wrote to `pattern\[0\]\.bn\.mean` \(BatchStat, collection "
+      r"'batch_stats'\), which is matched by no collection rule.*Fix: carry it"
+    ),
+  ):
+    stack(jnp.ones((3, D)))
+  assert_unchanged(stack, before)
+  assert stack.pattern[0].bn.mean.shape == (D,)  # the path the message gave
+  # A function-form scan over a pattern stack whose stacked stats its rules do not slice.
+  stack = sr.remat_scan((Normed, Other), length=4, lengths=(2,))(D, rngs=sr.Rngs(0))
+  with pytest.raises(
+    sr.TransformError,
+    match=(
+      r"`pattern\[0\]\.bn\.mean` \(BatchStat\) of the pattern stack's position 0, a "
+      r"stacked RematScanNormed, carries the layer axis \(axis 0, 2 layers\)"
+    ),
+  ):
+    sr.remat_scan(lambda m, c: m(c)[0], lengths=(2,), variable_axes={sr.Param: 0})(
+      stack, jnp.ones((3, D))
+    )
+  # Both variable_broadcast and variable_carry: the rules' own message names it so too.
+  with pytest.raises(
+    sr.TransformError, match=r"`pattern\[0\]\.bn\.mean` \(BatchStat\) is matched by both"
+  ):
+    sr.scan(
+      lambda m, c: (m(c)[0], None),
+      variable_axes={sr.Param: 0},
+      variable_broadcast="batch_stats",
+      variable_carry="batch_stats",
+    )(stack, jnp.ones((3, D)))
+
+
 def test_a_pattern_stack_with_edited_positions_is_refused_before_running():
   Stack = sr.remat_scan((Local, Global), length=4, lengths=(2,))
   stack, longer = (

@@ -58,6 +58,34 @@ def stack(layers: Sequence[Module], *, like: Any = None):
   pattern = _pattern_of(cls) if cls is not None else _pattern_origin(layers)
   if pattern is not None:
     return _stack_pattern(layers, like, pattern)
+  return _stack(layers, like, cls, _Numbers(range(len(layers))))
+
+
+class _Numbers:
+  """How messages number the layers given to ``_stack``: the user's index of each in
+  the list passed to ``sr.stack`` (a pattern's position gets every P-th), the position
+  they hold in a pattern and its blocks, ``"(Local, Global)"`` (None for a plain stack)."""
+
+  def __init__(
+    self, numbers: Sequence[int], position: int | None = None, pattern: str | None = None
+  ):
+    self.numbers, self.position, self.pattern = list(numbers), position, pattern
+
+  def __getitem__(self, i: int) -> int:
+    return self.numbers[i]
+
+  def first(self, possessive: bool = False) -> str:
+    """The first layer, which the others are compared with (``layer 0``, ``layer 0's``)
+    and, in a pattern, which layers its position stacks together."""
+    text = f"layer {self.numbers[0]}" + "'s" * possessive
+    if self.position is None:
+      return text
+    together = ", ".join(map(str, self.numbers))
+    return f"{text} (position {self.position} of the pattern stacks layers {together})"
+
+
+def _stack(layers: list, like: Any, cls: type | None, numbers: _Numbers):
+  """``sr.stack`` of one class of layers; ``numbers`` names them in messages."""
   if cls is None:
     origins = {getattr(layer_origin(layer), "stack_class", None) for layer in layers}
     if len(origins) != 1 or None in origins:
@@ -72,7 +100,7 @@ def stack(layers: Sequence[Module], *, like: Any = None):
     raise TypeError(f"sr.stack(like=...) takes a stacked module or class, got {cls!r}.")
   flats = [flatten([layer]) for layer in layers]
   graphdef, variables = flats[0]
-  _check_alike(layers, flats)
+  _check_alike(layers, flats, numbers)
   # A shared RNG stream that `layer(i)` split per layer goes back as the stack held it.
   origin = layer_origin(layers[0])
   origins = origin.stream_origins if origin is not None else {}
@@ -84,7 +112,8 @@ def stack(layers: Sequence[Module], *, like: Any = None):
       variables[j],
       columns[j],
       why,
-      getattr(info.layer_class, "__name__", "Block"),
+      numbers.pattern or getattr(info.layer_class, "__name__", "Block"),
+      numbers,
     )
   values = []
   for j, (axis, column) in enumerate(zip(axes, columns)):
@@ -142,7 +171,9 @@ def _layer_axes_of(layers, like, cls, graphdef, variables, origins) -> tuple[lis
   return axes, why
 
 
-def _check_shared(path, var: Variable, column: list, why: str, block: str) -> None:
+def _check_shared(
+  path, var: Variable, column: list, why: str, block: str, numbers: _Numbers
+) -> None:
   """Raises unless every layer holds the same value of a Variable the stack will hold
   once: keeping layer 0's would silently drop the others'."""
   for i, value in enumerate(column[1:], 1):
@@ -153,16 +184,17 @@ def _check_shared(path, var: Variable, column: list, why: str, block: str) -> No
     kind_name = (
       f"sr.{kind.__name__}" if kind.__module__.startswith("statefulremat") else kind.__name__
     )
+    first = numbers.first(possessive=True)
     differs = (
-      "may differ from layer 0's: it is traced, so sr.stack cannot compare them"
+      f"may differ from {first}: it is traced, so sr.stack cannot compare them"
       if same is None
-      else "differs from layer 0's"
+      else f"differs from {first}"
     )
     raise TransformError(
       f"sr.stack: `{format_path(path)}` ({kind.__name__}) is not stacked ({why}), so "
-      f"the stack holds one value of it for every layer, but layer {i}'s {differs}; "
-      "keeping layer 0's would lose the others'. Fix: give every layer the same "
-      "value, or stack it: build a stacked class whose rules stack it, e.g. "
+      f"the stack holds one value of it for every layer, but layer {numbers[i]}'s "
+      f"{differs}; keeping layer {numbers[0]}'s would lose the others'. Fix: give every "
+      "layer the same value, or stack it: build a stacked class whose rules stack it, e.g. "
       f"`NewClass = sr.scan({block}, ..., variable_axes={{{kind_name}: 0}})`, and "
       "pass it: `sr.stack(layers, like=NewClass)`."
     )
@@ -192,27 +224,29 @@ def _same_value(a, b) -> bool | None:
   return True
 
 
-def _check_alike(layers, flats) -> None:
+def _check_alike(layers, flats, numbers: _Numbers) -> None:
   graphdef, variables = flats[0]
   for i, (g, layer_vars) in enumerate(flats[1:], 1):
     if g != graphdef:
+      difference = _layer_difference(layers[0], layers[i], graphdef, g, numbers[0])
       raise TransformError(
-        f"sr.stack: layer {i} is not structured like layer 0: "
-        f"{_layer_difference(layers[0], layers[i], graphdef, g)}. Only identical "
-        "layers can be stacked: build them with the same arguments (and the same "
-        "mode, `.train()` / `.eval()`)."
+        f"sr.stack: layer {numbers[i]} is not structured like {numbers.first()}: "
+        f"{difference}. Only identical layers can be stacked: build them with the same "
+        "arguments (and the same mode, `.train()` / `.eval()`)."
       )
     for path, v0, v in zip(graphdef.var_paths, variables, layer_vars):
       why = type_change(v0._value, v._value)
       if why is not None:
+        a, b = numbers[0], numbers[i]
+        both = why.replace(" -> ", f" (layer {a}) vs ")
         raise TransformError(
-          f"sr.stack: `{format_path(path)}` of layer {i} does not have the shape and "
-          f"dtype of layer 0's: {why.replace(' -> ', ' (layer 0) vs ')} (layer {i}). "
-          "Only identical layers can be stacked: build them with the same sizes."
+          f"sr.stack: `{format_path(path)}` of layer {b} does not have the shape and "
+          f"dtype of {numbers.first(possessive=True)}: {both} (layer {b}). Only identical "
+          "layers can be stacked: build them with the same sizes (and dtypes)."
         )
 
 
-def _layer_difference(first, other, g0, g1) -> str:
+def _layer_difference(first, other, g0, g1, number: int = 0) -> str:
   """The first place two layers differ in structure, with both values if static."""
   found = first_difference(g0.nodes[0], g1.nodes[0], ())
   if found is None:
@@ -224,7 +258,7 @@ def _layer_difference(first, other, g0, g1) -> str:
     except (AttributeError, KeyError, IndexError, TypeError):
       return f"`{format_path(path)}` differs"
     if not isinstance(was, (Module, Variable)) and not isinstance(now, (Module, Variable)):
-      return f"`{format_path(path)}` is {was!r} in layer 0 but {now!r} here"
+      return f"`{format_path(path)}` is {was!r} in layer {number} but {now!r} here"
   return f"attribute `{format_path(path)}` {verb}"
 
 
@@ -276,8 +310,13 @@ def _stack_pattern(layers: list, like, cls: type):
         f"pattern (position {i % p}) is a {want.__name__}. Fix: put the layers in "
         "pattern order (as `sr.unstack` gives them)."
       )
-  stacks = [
-    stack(layers[k::p], like=_position(like, k) if isinstance(like, Module) else positions[k])
-    for k in range(p)
-  ]
+  # Each position's layers are stacked as one plain stack; messages number them as
+  # the user did, layer i of the list (not its index among the position's layers).
+  n, block = len(layers), f"({', '.join(info.names)})"
+  stacks = []
+  for k in range(p):
+    mine = layers[k::p]
+    position = _position(like, k) if isinstance(like, Module) else positions[k]
+    kind = position if isinstance(position, type) else type(position)
+    stacks.append(_stack(mine, position, kind, _Numbers(range(k, n, p), k, block)))
   return from_positions(cls, stacks)

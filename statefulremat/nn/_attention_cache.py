@@ -26,7 +26,8 @@ import numpy as np
 from jax import lax
 from jax.core import Tracer
 
-from ..core._variables import Variable
+from ..core._errors import format_path
+from ..core._variables import Variable, path_of
 from ._attention import combine_masks
 from ._explicit import explicit_specs
 
@@ -70,13 +71,40 @@ def cache_slot(
   and the position they go to."""
   cached_key, cached_value, cache_index = _cache(layer)
   *batch_dims, max_length, num_kv_heads, depth = cached_key.shape
-  expected = tuple(batch_dims) + (1, num_kv_heads, depth)
+  cached, batch = tuple(batch_dims), tuple(key.shape[:-3])
+  if batch != cached:
+    raise ValueError(_batch_mismatch(layer, cached_key, batch, max_length))
+  expected = cached + (1, num_kv_heads, depth)
   if key.shape != expected:
     raise ValueError(
-      f"MultiHeadAttention decode feeds one position at a time: expected a key of "
-      f"shape {expected} (from an input of length 1), got {key.shape}."
+      f"{layer._where()}: decode=True feeds one position at a time, but the input has "
+      f"length {key.shape[-3]} (key of shape {key.shape}, expected {expected}). Fix: "
+      "call it once per position, with inputs of shape (batch..., 1, "
+      f"{layer.in_features}); to fill the cache with a prompt, decode its positions one "
+      "by one."
     )
   return key, value, _check_room(layer, cache_index.value, max_length)
+
+
+def _batch_mismatch(layer: Decoding, cached_key: Variable, batch: tuple, max_length: int) -> str:
+  """The message for a decoding step whose batch is not the one the cache was made for."""
+
+  def of(dims: tuple) -> str:
+    return f"a batch of {dims[0]}" if len(dims) == 1 else f"a batch of shape {dims}"
+
+  cached = tuple(cached_key.shape[:-3])
+  path = path_of(cached_key)
+  where = f"`{format_path(path)}`" if path else "its `cached_key`"
+  shape = f"({', '.join(map(str, batch + (max_length, layer.in_features)))})"
+  return (
+    f"{layer._where()}: decoding {of(batch) if batch else 'an input without a batch axis'}"
+    f" into a key/value cache made for {of(cached) if cached else 'no batch axis'} "
+    f"({where} has shape {tuple(cached_key.shape)}: batch..., max_length, num_kv_heads, "
+    f"head_dim). Fix: make the cache for this batch, `init_cache({shape})` (it starts a "
+    f"new sequence); on a stack, `stack.attn.init_cache({shape})`, on a pattern stack "
+    f"for each position k, `stack.pattern[k].attn.init_cache({shape})`. Or decode "
+    f"{of(cached) if cached else 'inputs without a batch axis'}, as the cache was made."
+  )
 
 
 def cache_write(

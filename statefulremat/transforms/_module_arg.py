@@ -18,8 +18,15 @@ from ._rules import STACKED, Plan, Rules, TransformError
 from ._stacked import LayerRules, layer_view
 
 
-def lift_module_arg(module, what: str, rules: Rules, metadata_params, call_form: str):
-  """Lifts argument 0: ``(lifted, variables, plan, leaves)``; inside, one layer."""
+def lift_module_arg(
+  module, what: str, rules: Rules, metadata_params, call_form: str, *, pattern: bool = False
+):
+  """Lifts argument 0: ``(lifted, variables, plan, leaves)``; inside, one layer.
+
+  ``pattern``: ``module`` is ``cycle(stack)``, the position stacks of a pattern stack,
+  and messages name a Variable as the user reaches it, ``pattern[1].bn.mean``
+  (``pattern_path``); the rules still see the path from the tuple, ``(1, "bn", "mean")``.
+  """
   nodes, leaves, treedef, positions = split_call((module,), {})
   if not nodes:
     raise TypeError(
@@ -27,13 +34,29 @@ def lift_module_arg(module, what: str, rules: Rules, metadata_params, call_form:
       f"{type(module).__name__}. The function is called as {call_form}."
     )
   graphdef, variables = flatten(nodes)
-  plan = Plan(rules, graphdef, variables, nodes)
-  check_stacks_sliced(nodes, graphdef, variables, plan, what)
+  # A pattern's rules see the path from the tuple, as before messages named it.
+  plan = Plan(
+    rules,
+    graphdef,
+    variables,
+    nodes,
+    display_path=pattern_path if pattern else None,
+    rules_path=(lambda p: p) if pattern else None,
+  )
+  check_stacks_sliced(nodes, graphdef, variables, plan, what, pattern=pattern)
   inner = layer_view(graphdef, plan, metadata_params)
   return Lifted(inner, treedef, positions), variables, plan, leaves
 
 
-def check_stacks_sliced(nodes, graphdef, variables, plan: Plan, what: str) -> None:
+def pattern_path(path: tuple) -> tuple:
+  """A flat path of a pattern stack's positions, ``(1, "bn", "mean")``, as the user
+  reaches it from the stack: ``("pattern", 1, "bn", "mean")``, ``pattern[1].bn.mean``."""
+  return ("pattern",) + tuple(path)
+
+
+def check_stacks_sliced(
+  nodes, graphdef, variables, plan: Plan, what: str, *, pattern: bool = False
+) -> None:
   """Raises if a stacked module's layer axis is not sliced per iteration by ``plan``.
 
   Otherwise every iteration would compute with the whole stack where one layer was
@@ -56,9 +79,15 @@ def check_stacks_sliced(nodes, graphdef, variables, plan: Plan, what: str) -> No
       if plan.kinds[i] == STACKED
       else f"treat it as {plan.kinds[i]}"
     )
+    where = (
+      f"`{format_path(plan.display_path(graphdef.var_paths[i]))}` ({type(var).__name__}) "
+      f"of the pattern stack's position {graphdef.var_paths[i][0]}, a stacked "
+      f"{stack_cls.__name__},"
+      if pattern
+      else f"`{format_path(path)}` ({type(var).__name__}) of the stacked {stack_cls.__name__}"
+    )
     raise TransformError(
-      f"{what}: `{format_path(path)}` ({type(var).__name__}) of the stacked "
-      f"{stack_cls.__name__} carries the layer axis (axis {axis}, {n} layers), but "
+      f"{what}: {where} carries the layer axis (axis {axis}, {n} layers), but "
       f"this transform's rules {got}, so every iteration would compute with the "
       f"whole stack where one layer was meant. Fix: slice it per layer, e.g. "
       f"`variable_axes={{{filter_repr(type(var))}: {axis}}}` (collection "

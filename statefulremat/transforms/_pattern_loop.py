@@ -258,7 +258,7 @@ def lift_loop(
         "give it whole to every layer."
       )
   lifted, variables, plan, leaves = lift_module_arg(
-    positions, what, rules, metadata_params, call_form
+    positions, what, rules, metadata_params, call_form, pattern=True
   )
   return CycleLoop(
     lifted,

@@ -139,11 +139,14 @@ class Rules:
       value and any(n not in own_names for n in names) for _, value, names in self.split_entries
     )
 
-  def classify(self, path: tuple, var) -> tuple[str, int | None]:
+  def classify(self, path: tuple, var, shown: tuple | None = None) -> tuple[str, int | None]:
+    """``(kind, axis)`` of the Variable at ``path`` (the path the filters see);
+    ``shown``, the path messages name, if another (default ``path``)."""
     broadcast, carry = self.broadcast(path, var), self.carry(path, var)
+    where = format_path(path if shown is None else shown)
     if broadcast and carry:
       raise TransformError(
-        f"{self.what}: `{format_path(path)}` ({type(var).__name__}) is matched by both "
+        f"{self.what}: `{where}` ({type(var).__name__}) is matched by both "
         "variable_broadcast and variable_carry. A variable is either read-only in "
         "every iteration or carried from one to the next: narrow one of the filters."
       )
@@ -156,7 +159,7 @@ class Rules:
       for pred, f in self.named_axes:
         if pred(path, var):
           raise TransformError(
-            f"{self.what}: `{format_path(path)}` ({type(var).__name__}) is matched by "
+            f"{self.what}: `{where}` ({type(var).__name__}) is matched by "
             f"both variable_axes ({filter_repr(f)}: sliced per iteration) and {rule} "
             f"({role}). Choose one: narrow the variable_axes filter (e.g. "
             f"`sr.All({filter_repr(f)}, sr.Not(...))`) or the {rule} one."
@@ -260,15 +263,19 @@ class Plan:
     nodes,
     *,
     display_path=None,
+    rules_path=None,
     rng_streams: bool = True,
     rank_offset: int = 0,
     skip: int = 0,
   ):
-    """``rng_streams=False`` classifies RNG state by the rules like any variable;
-    ``rank_offset=1`` checks axes for values that do not have the layer axis yet;
-    the first ``skip`` variables are not classified (read-only)."""
+    """``display_path`` turns a flat path into the one messages name (as the user
+    reaches the Variable), ``rules_path`` into the one the rules' filters see (default
+    ``display_path``); ``rng_streams=False`` classifies RNG state by the rules like any
+    variable; ``rank_offset=1`` checks axes for values that do not have the layer axis
+    yet; the first ``skip`` variables are not classified (read-only)."""
     self.rules = rules
     self.display_path = display_path or (lambda p: p)
+    rules_path = rules_path or self.display_path
     # Layer ``j`` of a stack that holds one position of a pattern is layer
     # ``j * period + position`` of the pattern: its streams are split by that index.
     self.index_map = _index_map(nodes)
@@ -305,7 +312,7 @@ class Plan:
         self.kinds.append(RNG)
         self.axes.append(None)
         continue
-      kind, axis = rules.classify(self.display_path(path), var)
+      kind, axis = rules.classify(rules_path(path), var, self.display_path(path))
       if kind == STACKED:
         assert axis is not None  # classify gives a stacked variable its axis
         # A pytree value (a sown tuple) is stacked leaf by leaf: each needs the axis.

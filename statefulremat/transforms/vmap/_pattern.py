@@ -38,7 +38,7 @@ def vmap_pattern(
 ) -> Any:
   counts = check_positions(stack, what)
   lifted, variables, plan, leaves = lift_module_arg(
-    cycle(stack), what, rules, metadata_params, "f(module, *args)"
+    cycle(stack), what, rules, metadata_params, "f(module, *args)", pattern=True
   )
   n, period = sum(counts), len(counts)
   names = position_names(stack)
