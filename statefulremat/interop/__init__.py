@@ -35,6 +35,13 @@ The mapping:
   stack's path, layer ``i`` from ``blocks[i]`` (nnx's ``nnx.List``, a list, linen's
   ``blocks_i``, a state dict's ``blocks.i.…``), and ``to_nnx`` into such a list,
   ``to_linen(unstack=True)`` and ``to_state_dict(unstack=True)`` write one back.
+  Layers go by the index ``stack.layer(i)`` takes: layer ``i`` of a pattern stack
+  (``sr.scan((Local, Global), ...)``) is ``blocks[i]`` / ``blocks_i`` / ``blocks.i.…``
+  (the split into positions, ``i % P`` and ``i // P``, is done here), and a stacked
+  array of the other side (linen's ``nn.scan``, nnx's scan-over-layers, our stack's
+  state dict) fills a list of layers, or a pattern stack, index by index along its
+  first axis. So one regex rename (``{r"^layers\.": "blocks."}``) maps a list, a stack
+  and a pattern stack onto each other; when names do not map, the error proposes it.
 * **rename.** Every function takes ``rename=``: a callable, or a mapping of regular
   expressions to replacements applied in order like ``re.sub``
   (``{r"^layers\.(\d+)\.": r"blocks.\1."}``). Names are dot-joined paths with list

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from ..core._split_merge import update
 from ..core._state import State
+from ._hints import report_unmatched
 from ._names import Source, made_names, match
 from ._paths import Entry, entries, flat_tree, nearest, placed_like, select_collections
 from ._report import Problems, array_str, keys_str, shape_str, where_str
@@ -114,7 +115,9 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
   ``sr.scan`` / ``sr.remat_scan`` / ``sr.vmap``) takes linen's ``nn.scan`` layout
   (``(L, ...)``) or ``nn.remat_scan``'s (``(a, b, ..., ...)`` with ``a * b * ... ==
   L``), whatever our own ``lengths``, or a list of layers at the stack's name
-  (``blocks_0`` … ``blocks_{L-1}``, as linen's ``setup`` names a list). Shapes and
+  (``blocks_0`` … ``blocks_{L-1}``, as linen's ``setup`` names a list; a pattern
+  stack's layer ``i``, ``stack.layer(i)``, is ``blocks_i``); a list of layers of ours
+  takes an ``nn.scan`` stack at its name, one index of the layer axis each. Shapes and
   dtypes must match exactly. The model then holds linen's arrays (placed like the
   ones they replace), not copies.
 
@@ -158,6 +161,28 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
   ...                             rename={r"^Dense_(\d+)\.": r"layers.\1."})
   >>> bool((net.layers[0].bias.value == variables["params"]["Dense_0"]["bias"]).all())
   True
+
+  An ``nn.scan`` stack into a list of layers, layer ``i`` from index ``i``:
+
+  >>> class Block(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x, _):
+  ...     return nn.Dense(2)(x), None
+  >>> class Scanned(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     return nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+  ...                    length=2)(name="layers")(x, None)[0]
+  >>> variables = Scanned().init(jax.random.key(2), jnp.ones((1, 2)))
+  >>> class Listed(sr.Module):
+  ...   def __init__(self, rngs):
+  ...     self.layers = [sr.Module() for _ in range(2)]
+  ...     for layer in self.layers:
+  ...       layer.Dense_0 = sr.nn.Linear(2, 2, rngs=rngs)
+  >>> net = sr.interop.from_linen(Listed(sr.Rngs(0)), variables)
+  >>> bool((net.layers[1].Dense_0.kernel.value
+  ...       == variables["params"]["layers"]["Dense_0"]["kernel"][1]).all())
+  True
   """
   what = "sr.interop.from_linen"
   _check_variables(variables, what)
@@ -200,17 +225,25 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
     problems,
     "linen",
   )
-  for e in found.missing:
+
+  def missing(e: Entry) -> str:
     c = e.collection
     if rename is None:
       prefix, below = nearest(flats[c], e.linen)
-      text = (
+      return (
         f"linen has no `{_linen_str(c, e.linen)}` "
         f"(`{_linen_str(c, prefix)}` has: {keys_str(below)})."
       )
-    else:
-      text = f"no linen `{c}` entry is renamed to {_answers(e)}."
-    problems.add(f"{e.where()}: {text}{found.nearest_sources(e)}", _FIX_NAMES)
+    return f"no linen `{c}` entry is renamed to {_answers(e)}."
+
+  def unused(s: Source) -> str:
+    return (
+      f"{s.shown} ({array_str(_unboxed(s.leaf))})"
+      + (f", renamed `{s.target}`," if s.target != s.name else "")
+      + " matches no variable of ours."
+    )
+
+  report_unmatched(found, problems, missing, unused, (_FIX_NAMES, _FIX_UNUSED), "linen", rename)
   for e, s in found.wrong:
     problems.add(
       f"{e.where()} belongs to collection `{e.collection}`, but linen has it as "
@@ -232,14 +265,6 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
       )
     if value is not None:
       new[e.path] = value
-  for s in found.unused:
-    if not s.extra:
-      problems.add(
-        f"{s.shown} ({array_str(_unboxed(s.leaf))})"
-        + (f", renamed `{s.target}`," if s.target != s.name else "")
-        + f" matches no variable of ours.{found.nearest_ours(s)}",
-        _FIX_UNUSED,
-      )
   problems.raise_if_any()
   update(model, State(new))
   return model
@@ -253,10 +278,10 @@ def _names(e: Entry, layer: int | None) -> list[str]:
 
 def _answers(e: Entry) -> str:
   words = " or ".join(f"`{n}`" for n in _names(e, None))
+  layer0 = e.global_names(_names(e, 0), 0) or _names(e, 0)
   if e.layers:
     words += (
-      f" (or, layer by layer, {' or '.join(f'`{n}`' for n in _names(e, 0))} "
-      f"… for its {e.layers} layers)"
+      f" (or, layer by layer, {' or '.join(f'`{n}`' for n in layer0)} … for its {e.layers} layers)"
     )
   return words
 
@@ -269,9 +294,11 @@ def _unboxed(value):
 def _from_linen_value(e: Entry, s: Source, problems: Problems, layer: int | None = None):
   """The value of ``s`` in our layout (layer axes flattened), or None after adding a
   problem; with ``layer``, one layer's slice, kept as it is for stacking."""
-  value = _unboxed(s.leaf)
-  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   where = e.where() if layer is None else f"{e.where()} layer {layer}"
+  value = s.layer_of(_unboxed(s.leaf), e.where(), problems)
+  if value is None:
+    return None
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   if shape is None or dtype is None:
     problems.add(f"{where}: {s.label()} is a {type(value).__name__}, not an array.")
     return None
@@ -377,7 +404,8 @@ def to_linen(
   out: dict[str, dict] = {}
   for e, layer, name in names:
     node = out.setdefault(e.collection, {})
-    *scope, last = e.linen_name(layer) if rename is None else name.split(".")
+    plain = rename is None and (layer is None or e.pattern is None)
+    *scope, last = e.linen_name(layer) if plain else name.split(".")
     for key in scope:
       node = node.setdefault(key, {})
     value = e.var.value

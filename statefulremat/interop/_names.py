@@ -5,7 +5,11 @@ state dicts do (``layers.3.linear.kernel``). ``rename`` turns each source name i
 ours; then every source entry finds the variable of ours that answers to that name,
 whole or as one layer of a stack: a stacked variable at ``blocks.linear.kernel`` (the
 stack at ``blocks``) also answers to ``blocks.3.linear.kernel`` for its layer 3, so a
-list of layers at the stack's path fills it layer by layer. ``match`` collects every
+list of layers at the stack's path fills it layer by layer. Layers are numbered as the
+user numbers them: layer ``i`` of a pattern stack at ``blocks`` (``stack.layer(i)``)
+also answers to ``blocks.i.…``, and a stacked array of the other side (one layer axis
+in front) fills a list of layers, or a pattern stack, index by index (``Entry``'s
+``global_names`` and ``stacked_names``). ``match`` collects every
 problem (two sources for one variable, a list of layers with gaps) before anything
 is written; the callers check values and word what is missing or unused for their side.
 """
@@ -15,7 +19,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._paths import Entry
@@ -30,6 +34,10 @@ _FIX_LAYERS = (
   "numbered 0 to L-1 at the stack's path (`blocks.0.…` … "
   "`blocks.{L-1}.…`); check the layer count, or give the whole stacked "
   "array instead."
+)
+_FIX_COUNT = (
+  "a stacked array fills a list of layers (or a pattern stack) by its first axis, "
+  "one index per layer: build both with the same number of layers."
 )
 _NEAREST = 24  # problems that get their nearest names (the message shows 12)
 _FIX_BOTH = (
@@ -49,11 +57,30 @@ class Source:
   collection: str | None = None  # None: any of ours (state dicts, raw nnx arrays)
   extra: bool = False  # from a collection not transferred: never reported unused
   target: str | None = None  # ``name`` after rename
+  index: int | None = None  # a stacked source's layer ``index`` of ``count``
+  count: int = 0
 
   def label(self) -> str:
+    at = "" if self.index is None else f" layer {self.index}"
     if self.target is not None and self.target != self.name:
-      return f"{self.shown} (renamed `{self.target}`)"
-    return self.shown
+      return f"{self.shown}{at} (renamed `{self.target}`)"
+    return self.shown + at
+
+  def layer_of(self, value, where: str, problems: Problems):
+    """``value`` (this source's array), or its layer ``index`` for a slice of a
+    stacked source; None after adding a problem if it has not ``count`` layers."""
+    if self.index is None:
+      return value
+    shape = tuple(getattr(value, "shape", ()))
+    if not shape or shape[0] != self.count:
+      line = (
+        f"{self.shown} ({'x'.join(map(str, shape)) or 'no array'}) fills {where} … layer "
+        f"by layer from its first axis, but ours has {self.count} layers there."
+      )
+      if line not in problems.lines:
+        problems.add(line, _FIX_COUNT)
+      return None
+    return value[self.index]
 
 
 @dataclass
@@ -72,6 +99,7 @@ class Match:
   missing: list[Entry] = field(default_factory=list)
   wrong: list[tuple[Entry, Source]] = field(default_factory=list)  # other collection
   unused: list[Source] = field(default_factory=list)
+  known: set = field(default_factory=set)  # every name one of ours answers to
   # difflib is slow on thousands of names, and a message shows a dozen problems
   asked: int = 0
 
@@ -183,19 +211,30 @@ def match(
       table.setdefault(name, (n, None))
   for n, e in enumerate(ours):
     for i in range(e.layers or 0):
-      for name in names(e, i):
+      local = names(e, i)
+      for name in local + e.global_names(local, i):
         table.setdefault(name, (n, i))
-  result = Match(names=names)
+  # Stacked names: a stacked source there gives its layer `index` to each slot.
+  stacked: dict[str, dict[int, tuple[int, int | None]]] = {}
+  for n, e in enumerate(ours):
+    for name, index, layer in e.stacked_names(names(e, None)):
+      if name not in table:
+        stacked.setdefault(name, {}).setdefault(index, (n, layer))
+  result = Match(names=names, known=set(table) | set(stacked))
   by_slot: dict[tuple[int, int | None], list[Source]] = {}
   for s in sources:
     s.target = apply(s.name)
     if s.target is None:
       continue
     slot = table.get(s.target)
-    if slot is None:
-      result.unused.append(s)
-    else:
+    slots = stacked.get(s.target, {})
+    if slot is not None:
       by_slot.setdefault(slot, []).append(s)
+    elif slots and sorted(slots) == list(range(len(slots))):
+      for index, at in slots.items():
+        by_slot.setdefault(at, []).append(replace(s, index=index, count=len(slots)))
+    else:
+      result.unused.append(s)
 
   def pick(e: Entry, cands: list[Source], where: str) -> Source | None:
     right = [s for s in cands if s.collection is None or s.collection == e.collection]
@@ -271,6 +310,13 @@ def _ranges(numbers: list[int]) -> str:
   return ", ".join(out)
 
 
+def _global(e: Entry, name: str, layer: int | None) -> str:
+  """A pattern position's layer named by its global index (``blocks.5.…``)."""
+  if layer is None or e.pattern is None:
+    return name
+  return (e.global_names([name], layer) or [name])[0]
+
+
 def made_names(
   ours: list[Entry],
   unstack: bool,
@@ -283,7 +329,8 @@ def made_names(
   nested: bool,
 ) -> list[tuple[Entry, int | None, str]]:
   """``(entry, layer or None, name)`` for each variable (each layer, with ``unstack``)
-  we write out: ``default(entry, layer)``, or ``rename(given(entry, layer))``.
+  we write out: ``default(entry, layer)``, or ``rename(given(entry, layer))``; a
+  pattern stack's layers by their global index (``blocks.5.…``, linen ``blocks_5``).
 
   Two of ours written to one name, or (``nested``) to a name and a name below it,
   are reported: an output must not lose a variable.
@@ -292,9 +339,11 @@ def made_names(
   out, seen = [], {}
   for e in ours:
     for layer in range(e.layers) if unstack and e.layers else [None]:
-      name = default(e, layer) if apply is None else apply(given(e, layer))
+      name = default(e, layer) if apply is None else apply(_global(e, given(e, layer), layer))
       if name is None:
         continue
+      if apply is None:
+        name = _global(e, name, layer)
       where = e.where() if layer is None else f"{e.where()} layer {layer}"
       if name in seen:
         problems.add(

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from ..core._errors import format_path
 from ..core._split_merge import update
 from ..core._state import State
+from ._hints import report_unmatched
 from ._names import Source, match
 from ._paths import Entry, dotted, entries, flat_tree, nearest, placed_like, select_collections
 from ._report import Problems, array_str, keys_str, shape_str, where_str
@@ -79,9 +80,10 @@ def _is_leaf(node) -> bool:
 
 
 def _match(model, flat: dict, collections, rename, what: str, problems: Problems):
-  """``[(entry, [(nnx path, nnx leaf, layer or None)])]`` for our variables in the
-  chosen collections: one pair for a whole variable, one per layer for a stack
-  filled from a list of layers."""
+  """``[(entry, [(nnx path, nnx leaf, layer or None, index or None)])]`` for our
+  variables in the chosen collections: one pair for a whole variable, one per layer
+  for a stack filled from a list of layers; ``index`` is the layer of a stacked nnx
+  array that fills it."""
   want = select_collections(collections, what)
   ours = entries(model, what)
   if want is None:
@@ -118,19 +120,29 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
   found = match(
     [e for e in ours if e.collection not in absent], sources, _names, rename, what, problems, "nnx"
   )
-  for e in found.missing:
+
+  def missing(e: Entry) -> str:
     if rename is None:
       prefix, below = nearest(flat, e.path)
-      text = f"nnx has no `{format_path(e.path)}` (`{format_path(prefix)}` has: {keys_str(below)})."
-    else:
-      text = (
-        f"no nnx variable is renamed to `{e.dotted()}`"
-        + (
-          f" (or, layer by layer, `{e.dotted(0)}` … for its {e.layers} layers)" if e.layers else ""
-        )
-        + "."
+      return f"nnx has no `{format_path(e.path)}` (`{format_path(prefix)}` has: {keys_str(below)})."
+    return (
+      f"no nnx variable is renamed to `{e.dotted()}`"
+      + (
+        f" (or, layer by layer, `{e.layer_name(0)}` … for its {e.layers} layers)"
+        if e.layers
+        else ""
       )
-    problems.add(f"{e.where()}: {text}{found.nearest_sources(e)}", _FIX_NAMES)
+      + "."
+    )
+
+  def unused(s: Source) -> str:
+    return (
+      f"{s.shown} ({_describe(s.leaf)})"
+      + (f", renamed `{s.target}`," if s.target != s.name else "")
+      + " matches no variable of ours."
+    )
+
+  report_unmatched(found, problems, missing, unused, (_FIX_NAMES, _FIX_UNUSED), "nnx", rename)
   for e, s in found.wrong:
     problems.add(
       f"{e.where()} belongs to collection `{e.collection}`, but nnx has a "
@@ -148,15 +160,7 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
       assert fill.layers is not None  # a Fill holds either `whole` or `layers`
       given = [(s, i) for i, s in enumerate(fill.layers)]
     if all(_fits(e, s, layer, problems) for s, layer in given):
-      pairs.append((e, [(s.key, s.leaf, layer) for s, layer in given]))
-  for s in found.unused:
-    if not s.extra:
-      problems.add(
-        f"{s.shown} ({_describe(s.leaf)})"
-        + (f", renamed `{s.target}`," if s.target != s.name else "")
-        + f" matches no variable of ours.{found.nearest_ours(s)}",
-        _FIX_UNUSED,
-      )
+      pairs.append((e, [(s.key, s.leaf, layer, s.index) for s, layer in given]))
   return pairs
 
 
@@ -166,9 +170,11 @@ def _names(e: Entry, layer: int | None) -> list[str]:
 
 def _fits(e: Entry, s: Source, layer: int | None, problems: Problems) -> bool:
   """Whether ``s`` has ``e``'s shape (one layer's, with ``layer``) and dtype."""
-  value = _value(s.leaf)
-  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   where = e.where() if layer is None else f"{e.where()} layer {layer}"
+  value = s.layer_of(_value(s.leaf), e.where(), problems)
+  if value is None:
+    return False
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   ours = e.shape if layer is None else e.layer_shape()
   if shape is None or tuple(shape) != ours:
     problems.add(
@@ -197,7 +203,9 @@ def from_nnx(model, source, *, collections: Any = None, rename: Any = None):
   collection name). Shapes and dtypes must match exactly. A stacked variable takes
   either a stacked array at its path (nnx's scan-over-layers modules, built under
   ``nnx.vmap``: ``(L, ...)`` arrays, the layer axis at 0) or a list of layers there
-  (``blocks[0]`` … ``blocks[L-1]``, an ``nnx.List`` or a list), one slice per layer.
+  (``blocks[0]`` … ``blocks[L-1]``, an ``nnx.List`` or a list), one slice per layer;
+  a pattern stack's layer ``i`` is ``blocks[i]`` (as ``stack.layer(i)``), and our list
+  of layers takes a stacked nnx array at its path, one index per layer.
   RNG state is skipped unless ``collections`` names ``"rngs"`` (nnx's ``Dropout``
   keeps its stream elsewhere than ours). Everything is checked first; on a mismatch
   ``InteropError`` names every variable that does not fit (with the nearest names)
@@ -248,12 +256,11 @@ def from_nnx(model, source, *, collections: Any = None, rename: Any = None):
   problems.raise_if_any()
   new = {}
   for e, given in pairs:
+    values = [_value(leaf) if index is None else _value(leaf)[index] for _, leaf, _, index in given]
     if given[0][2] is None:
-      new[e.path] = placed_like(e.var, _value(given[0][1]))
+      new[e.path] = placed_like(e.var, values[0])
     else:
-      new[e.path] = placed_like(
-        e.var, jnp.stack([_value(leaf) for _, leaf, _ in given], axis=e.axis)
-      )
+      new[e.path] = placed_like(e.var, jnp.stack(values, axis=e.axis))
   update(model, State(new))
   return model
 
@@ -294,11 +301,17 @@ def to_nnx(model, target, *, collections: Any = None, rename: Any = None):
   problems = Problems(what, "the nnx target is unchanged")
   pairs = _match(model, flat, collections, rename, what, problems)
   problems.raise_if_any()
-  values = {
-    path: e.var.value if layer is None else jnp.take(e.var.value, layer, e.axis)
-    for e, given in pairs
-    for path, _, layer in given
-  }
+  values: dict = {}
+  layers: dict = {}  # a stacked nnx array written from layers of ours: {path: {index: value}}
+  for e, given in pairs:
+    for path, _, layer, index in given:
+      value = e.var.value if layer is None else jnp.take(e.var.value, layer, e.axis)
+      if index is None:
+        values[path] = value
+      else:
+        layers.setdefault(path, {})[index] = value
+  for path, parts in layers.items():
+    values[path] = jnp.stack([parts[i] for i in range(len(parts))])
   if is_module:
     nnx.update(target, nnx.from_flat_state(list(values.items())))
     return nnx.state(target)

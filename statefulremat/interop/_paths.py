@@ -16,7 +16,13 @@
 * ``depth`` / ``linen_depth``: where the stack sits on the path and the linen name, so
   that layer ``i`` also answers to the list-of-layers names ``blocks.i.linear.kernel``
   and linen's ``blocks_i`` (``Entry.dotted(i)``, ``Entry.linen_name(i)``);
-* ``owner``: the module holding the variable (its class decides PyTorch's layout).
+* ``owner``: the module holding the variable (its class decides PyTorch's layout);
+* ``items``: which keys of ``path`` are items of a list, tuple or dict (the rest are
+  attributes), so that a name can be rewritten with a layer index put in or taken out;
+* ``pattern``: for a variable of one position of a pattern stack, ``(depth, period,
+  position)``: its layer ``i`` is the pattern stack's layer ``i * period + position``,
+  which also answers to ``blocks.{i * period + position}.…`` (the global index, as
+  ``stack.layer`` takes it) and, in a stacked array at ``blocks.…``, to that index.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import jax.numpy as jnp
 from ..core._errors import format_path
 from ..core._graph import flatten
 from ..core._module import Module
-from ..core._stacks import is_stacked, stack_info, stacked_variables
+from ..core._stacks import _pattern_of, is_stacked, stack_info, stacked_variables
 from ..core._variables import Variable
 
 
@@ -48,6 +54,8 @@ class Entry:
   owner: Any = None  # the module whose attribute (or list, dict) holds the variable
   depth: int = 0  # for a stacked variable: how many keys of ``path`` reach the stack
   linen_depth: int = 0  # ... and of ``linen``
+  items: tuple = ()  # per key of ``path``: True for a list, tuple or dict item
+  pattern: tuple | None = None  # (depth, period, position) in a pattern stack
 
   @property
   def collection(self) -> str:
@@ -92,6 +100,55 @@ class Entry:
       return (str(layer),) + self.linen
     return self.linen[: d - 1] + (f"{self.linen[d - 1]}_{layer}",) + self.linen[d:]
 
+  def global_index(self, layer: int) -> int:
+    """The index of local ``layer`` in the stack the user sees (a pattern stack's)."""
+    if self.pattern is None:
+      return layer
+    _, period, position = self.pattern
+    return layer * period + position
+
+  def layer_name(self, layer: int) -> str:
+    """The dotted name of ``layer`` in a list of layers, by the index ``stack.layer``
+    takes (a pattern position's layer by its global index)."""
+    name = self.dotted(layer)
+    return (self.global_names([name], layer) or [name])[0]
+
+  def _prefixes(self, path: tuple, items: tuple) -> list[str]:
+    return [dotted(path), linen_join(path, items)]
+
+  def global_names(self, names: list[str], layer: int) -> list[str]:
+    """``names`` of local ``layer`` of a pattern position, with the position's place
+    (``blocks.pattern.1.2.…``, linen ``blocks.pattern_1_2.…``) written as the global
+    index (``blocks.5.…``, ``blocks_5.…``); [] for other variables."""
+    if self.pattern is None:
+      return []
+    top, d = self.pattern[0], self.depth
+    g = self.global_index(layer)
+    local = self._prefixes(self.path[:d] + (layer,), self.items[:d] + (True,))
+    glob = self._prefixes(self.path[:top] + (g,), self.items[:top] + (True,))
+    return _swap(names, local, glob)
+
+  def stacked_names(self, names: list[str]) -> list[tuple[str, int, int | None]]:
+    """``(name, index, local layer or None)``: where a stacked array of the other side
+    (one layer axis in front) holds this variable, at which index. A pattern
+    position's layer ``i`` is index ``global_index(i)`` of ``blocks.…``; an item of a
+    list of layers (``layers.3.…``, not in a stack) is index 3 of ``layers.…``."""
+    if self.pattern is not None:
+      top, d = self.pattern[0], self.depth
+      local = self._prefixes(self.path[:d], self.items[:d])
+      whole = self._prefixes(self.path[:top], self.items[:top])
+      renamed = _swap(names, local, whole)
+      assert self.layers is not None  # a pattern position's variables are stacked
+      return [(n, self.global_index(i), i) for i in range(self.layers) for n in renamed]
+    if self.axis is not None or True not in self.items:
+      return []
+    j = self.items.index(True)
+    if not isinstance(self.path[j], int):
+      return []
+    local = self._prefixes(self.path[: j + 1], self.items[: j + 1])
+    whole = self._prefixes(self.path[:j], self.items[:j])
+    return [(n, self.path[j], None) for n in _swap(names, local, whole)]
+
   def linen_shape(self, flat: bool = False) -> tuple:
     """The shape linen keeps this variable in: nested layer axes for remat_scan."""
     shape = self.shape
@@ -110,7 +167,7 @@ def entries(model, what: str) -> list[Entry]:
   stacks: dict[int, tuple[dict, tuple | None]] = {}
   out = []
   for path, var in zip(graphdef.var_paths, variables):
-    linen, stack, owner, depth, linen_depth = _walk(model, path)
+    linen, stack, owner, depth, linen_depth, items, pattern = _walk(model, path)
     axis = lengths = None
     if stack is not None:
       if id(stack) not in stacks:
@@ -125,27 +182,64 @@ def entries(model, what: str) -> list[Entry]:
         lengths = stack_lengths
     if axis is None:
       depth = linen_depth = 0
-    out.append(Entry(path, var, linen, axis, lengths, owner, depth, linen_depth))
+      pattern = None
+    e = Entry(path, var, linen, axis, lengths, owner, depth, linen_depth, items, pattern)
+    out.append(e)
   return out
 
 
-def _walk(root, path: tuple) -> tuple[tuple, Any, Any, int, int]:
+def _walk(root, path: tuple):
   """The linen name of ``path``, the outermost stacked module on the way, the module
-  holding the variable, and how many keys of the path and of the name reach the stack."""
+  holding the variable, how many keys of the path and of the name reach the stack,
+  which keys are container items, and the pattern stack around the stack if any."""
   scope: list[str] = []
   name, obj, stack, owner = None, root, None, root
   depth = linen_depth = 0
+  items: list[bool] = []
+  patterns: dict[int, int] = {}  # where a pattern stack sits -> its period
+  pattern = None
   for n, key in enumerate(path):
     if isinstance(obj, Module):
       if stack is None and is_stacked(obj):
         stack, depth, linen_depth = obj, n, len(scope) + (name is not None)
+        if n >= 2 and n - 2 in patterns and path[n - 2] == "pattern":
+          pattern = (n - 2, patterns[n - 2], path[n - 1])
+      if stack is None and _pattern_of(obj) is not None:
+        patterns[n] = len(vars(obj)["pattern"])
       if name is not None:
         scope.append(name)
       owner = obj
       name, obj = str(key), vars(obj)[key]
+      items.append(False)
     else:
       name, obj = f"{name}_{key}", obj[key]
-  return tuple(scope) + (name,), stack, owner, depth, linen_depth
+      items.append(True)
+  return tuple(scope) + (name,), stack, owner, depth, linen_depth, tuple(items), pattern
+
+
+def linen_join(path: tuple, items: tuple) -> str:
+  """The dot-joined linen name of ``path``: items joined to their attribute by ``_``."""
+  names: list[str] = []
+  for key, item in zip(path, items):
+    if item and names:
+      names[-1] += f"_{key}"
+    else:
+      names.append(str(key))
+  return ".".join(names)
+
+
+def _swap(names: list[str], old: list[str], new: list[str]) -> list[str]:
+  """Each of ``names`` that starts with a prefix in ``old`` (a whole dotted name part),
+  with that prefix replaced by the one at the same place in ``new``."""
+  out: list[str] = []
+  for name in names:
+    for a, b in zip(old, new):
+      if name == a or name.startswith(a + "."):
+        renamed = (b + name[len(a) :]) if b else name[len(a) + 1 :]
+        if renamed not in out:
+          out.append(renamed)
+        break
+  return out
 
 
 def dotted(path: tuple) -> str:

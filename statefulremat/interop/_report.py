@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..core._errors import StateMismatchError
 
-_SHOWN = 12
+_SHOWN = 10
 
 
 class InteropError(StateMismatchError):
@@ -31,9 +31,11 @@ class Problems:
     self.unchanged = unchanged
     self.lines: list[str] = []
     self.fixes: list[str] = []
+    self.count = 0  # variables: a line may sum up many
 
-  def add(self, line: str, fix: str | None = None) -> None:
+  def add(self, line: str, fix: str | None = None, count: int = 1) -> None:
     self.lines.append(line)
+    self.count += count
     if fix and fix not in self.fixes:
       self.fixes.append(fix)
 
@@ -43,12 +45,12 @@ class Problems:
   def raise_if_any(self) -> None:
     if not self.lines:
       return
-    if len(self.lines) == 1:
+    if len(self.lines) == 1 and self.count == 1:
       text = f"{self.what}: {self.lines[0]}"
     else:
       shown = "\n".join(f"  - {line}" for line in self.lines[:_SHOWN])
       more = len(self.lines) - _SHOWN
-      text = f"{self.what}: {len(self.lines)} variables do not map:\n{shown}" + (
+      text = f"{self.what}: {self.count} variables do not map:\n{shown}" + (
         f"\n  ... and {more} more" if more > 0 else ""
       )
     fixes = "".join(f"\nFix: {fix}" for fix in self.fixes)

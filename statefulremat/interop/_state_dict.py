@@ -27,6 +27,7 @@ from ..nn._conv import Conv
 from ..nn._embed import Embed
 from ..nn._linear import Linear
 from ..nn._normalization import LayerNorm, RMSNorm
+from ._hints import report_unmatched
 from ._names import Source, made_names, match
 from ._paths import Entry, entries, placed_like, select_collections
 from ._report import Problems, array_str, shape_str
@@ -176,19 +177,26 @@ def from_state_dict(
 
   sources = [Source(name, name, f"state dict `{name}`", value) for name, value in flat.items()]
   found = match(ours, sources, names, rename, what, problems, "state dict")
-  for e in found.missing:
+
+  def missing(e: Entry) -> str:
     answers = " or ".join(f"`{n}`" for n in names(e, None))
     if e.layers:
       answers += (
-        f" (or, layer by layer, {' or '.join(f'`{n}`' for n in names(e, 0))}"
+        f" (or, layer by layer, {' or '.join(f'`{n}`' for n in _layer_names(e, names))}"
         f" … for its {e.layers} layers)"
       )
-    problems.add(
-      f"{e.where()}: the state dict has no "
-      f"{'entry renamed to ' if rename is not None else ''}{answers}."
-      f"{found.nearest_sources(e)}",
-      _FIX_NAMES,
+    return f"the state dict has no {'entry renamed to ' if rename is not None else ''}{answers}."
+
+  def unused(s: Source) -> str:
+    return (
+      f"{s.shown} ({array_str(s.leaf)})"
+      + (f", renamed `{s.target}`," if s.target != s.name else "")
+      + " matches no variable of ours."
     )
+
+  report_unmatched(
+    found, problems, missing, unused, (_FIX_NAMES, _FIX_UNUSED), "state dict", rename
+  )
   new: dict[tuple, Any] = {}
   for fill in found.fills:
     e = fill.entry
@@ -204,24 +212,24 @@ def from_state_dict(
       present = [v for v in values if v is not None]
       if len(present) == len(values):
         new[e.path] = placed_like(e.var, jnp.stack(present, axis=e.axis))
-  for s in found.unused:
-    problems.add(
-      f"{s.shown} ({array_str(s.leaf)})"
-      + (f", renamed `{s.target}`," if s.target != s.name else "")
-      + f" matches no variable of ours.{found.nearest_ours(s)}",
-      _FIX_UNUSED,
-    )
   problems.raise_if_any()
   update(model, State(new))
   return model
 
 
+def _layer_names(e: Entry, names) -> list[str]:
+  """The names layer 0 of ``e`` answers to, a pattern position's by its global index."""
+  return e.global_names(names(e, 0), 0) or names(e, 0)
+
+
 def _value(e: Entry, s: Source, layer: int | None, axes: tuple | None, problems: Problems):
   """``s``'s array in our layout (one layer's with ``layer``), or None after adding a
   problem."""
-  value = s.leaf
-  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   where = e.where() if layer is None else f"{e.where()} layer {layer}"
+  value = s.layer_of(s.leaf, e.where(), problems)
+  if value is None:
+    return None
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   if shape is None or dtype is None:
     problems.add(f"{where}: {s.label()} is a {type(value).__name__}, not an array.")
     return None

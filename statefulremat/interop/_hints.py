@@ -1,0 +1,164 @@
+"""Wording what does not map by name: a bounded message, and the rename that would fix it.
+
+A few unmatched variables are listed one by one, each with the nearest names of the
+other side. Many (a whole model named differently: 80 of ours, 80 of theirs) are
+summed up in two lines, a few examples of each side and a count, and when one
+regular expression would map them (``layers_3.mlp.kernel`` -> ``blocks.3.mlp.kernel``,
+or a stacked ``layers.mlp.kernel`` -> a list of layers at ``blocks``), the fix says
+that ``rename=``, checked against our names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+from ._names import Match, Source
+from ._paths import Entry
+from ._report import Problems
+
+_DETAIL = 6  # up to this many unmatched variables are listed one by one
+_EXAMPLES = 4  # otherwise, this many of each side
+_INDEX = re.compile(r"(?:^|(?<=[._]))(\d+)(?=\.|$)")
+
+
+def report_unmatched(
+  found: Match,
+  problems: Problems,
+  missing: Callable[[Entry], str],
+  unused: Callable[[Source], str],
+  fixes: tuple[str, str],
+  side: str,
+  rename,
+) -> None:
+  """Adds to ``problems`` the variables of ours ``found`` left unfilled (worded by
+  ``missing``) and the sources it left unused (``unused``), with ``fixes`` (for each
+  kind) or the rename that would map them."""
+  left = [s for s in found.unused if not s.extra]
+  hint = suggest(found, left, side, rename)
+  fix_names, fix_unused = (hint, hint) if hint else fixes
+  if len(found.missing) + len(left) <= _DETAIL:
+    for e in found.missing:
+      problems.add(f"{e.where()}: {missing(e)}{found.nearest_sources(e)}", fix_names)
+    for s in left:
+      problems.add(f"{unused(s)}{found.nearest_ours(s)}", fix_unused)
+    return
+  if found.missing:
+    first, rest = found.missing[0], found.missing[1:_EXAMPLES]
+    problems.add(
+      f"{_count(len(found.missing), 'variable')} of ours unfilled: {first.where()}: "
+      f"{missing(first)}"
+      + (f" Also {', '.join(e.where() for e in rest)}" if rest else "")
+      + _more(len(found.missing) - 1 - len(rest)),
+      fix_names,
+      count=len(found.missing),
+    )
+  if left:
+    examples = ", ".join(s.label() for s in left[:_EXAMPLES])
+    problems.add(
+      f"{_count(len(left), f'{side} entry', f'{side} entries')} match no variable of "
+      f"ours: {examples}{_more(len(left) - _EXAMPLES)}",
+      fix_unused,
+      count=len(left),
+    )
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+  return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def _more(n: int) -> str:
+  return f" … and {n} more." if n > 0 else "."
+
+
+def suggest(found: Match, left: list[Source], side: str, rename) -> str | None:
+  """The rename that maps the most of ``left`` onto names of ours still unfilled, as
+  a sentence for the message; None when no one rule maps any."""
+  if not left or not found.missing:
+    return None
+  ours = _unfilled_names(found)
+  indexed: dict[tuple, set[str]] = {}  # (index, tail) -> heads
+  suffixes: dict[str, set[str]] = {}  # a dotted suffix of a name without index -> heads
+  for name in ours:
+    parts = _split(name)
+    if parts is not None:
+      head, index, tail = parts
+      indexed.setdefault((index, tail), set()).add(head)
+      continue
+    words = name.split(".")
+    for k in range(1, len(words)):
+      suffixes.setdefault(".".join(words[k:]), set()).add(".".join(words[:k]) + ".")
+  votes: Counter = Counter()
+  for s in left:
+    assert s.target is not None  # an unused source was renamed to a name
+    parts = _split(s.target)
+    if parts is not None:
+      head, index, tail = parts
+      for ours_head in indexed.get((index, tail), ()):
+        if ours_head != head:
+          votes[(head, ours_head, tail.startswith("."))] += 1
+      continue
+    words = s.target.split(".")
+    for k in range(1, len(words)):
+      heads = suffixes.get(".".join(words[k:]))
+      if heads:
+        head = ".".join(words[:k]) + "."
+        votes.update((head, h, None) for h in heads if h != head)
+        break
+  best = None
+  for (head, ours_head, dotted), _ in votes.most_common(5):
+    if dotted is None:
+      pattern, repl = "^" + re.escape(head), ours_head
+    elif dotted:
+      pattern, repl = "^" + re.escape(head) + r"(\d+)\.", ours_head + r"\1."
+    else:
+      pattern, repl = "^" + re.escape(head) + r"(\d+)$", ours_head + r"\1"
+    regex = re.compile(pattern)
+    mapped = [s for s in left if regex.sub(repl, s.target or "") in found.known]
+    rank = (len(mapped), repl.endswith("."))  # on a tie, our dotted path
+    if mapped and (best is None or rank > best[0]):
+      best = (rank, pattern, repl, mapped)
+  if best is None:
+    return None
+  _, pattern, repl, mapped = best
+  example = mapped[0].target or ""
+  rule = f'{{r"{pattern}": r"{repl}"}}'
+  where = (
+    f"rename={rule}"
+    if rename is None
+    else f"add {rule} at the end of your rename="
+    if isinstance(rename, Mapping)
+    else f"apply {rule} to what your rename= returns"
+  )
+  entries = _count(len(left), f"{side} entry", f"{side} entries")
+  return (
+    f"{where} maps {len(mapped)} of the {entries} left over onto ours (`{example}` -> "
+    f"`{re.sub(pattern, repl, example)}`); layers are numbered as `stack.layer(i)` "
+    "numbers them."
+  )
+
+
+def _split(name: str) -> tuple[str, int, str] | None:
+  """``("layers.", 3, ".mlp.kernel")`` for ``layers.3.mlp.kernel`` (and ``layers_3``)."""
+  m = _INDEX.search(name)
+  if m is None:
+    return None
+  return name[: m.start(1)], int(m[1]), name[m.end(1) :]
+
+
+def _unfilled_names(found: Match) -> list[str]:
+  """Every name our unfilled variables answer to (a stack's by layer, a pattern
+  stack's by global index, a list's item as an index of a stacked array)."""
+  out: list[str] = []
+  for e in found.missing:
+    whole = found.names(e, None)
+    out += whole + [name for name, _, _ in e.stacked_names(whole)]
+    if e.pattern is not None:
+      assert e.layers is not None  # a pattern position's variables are stacked
+      for i in range(e.layers):
+        out += e.global_names(found.names(e, i), i)
+    else:
+      for i in range(e.layers or 0):
+        out += found.names(e, i)
+  return out
