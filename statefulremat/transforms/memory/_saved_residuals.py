@@ -31,7 +31,6 @@ from ...core._errors import format_path
 from ...core._filters import Filter, to_predicate
 from ...core._kinds import Param
 from ...core._module import Module
-from ...core._tracing import tracing_user_code
 from .._class_form import display_name
 from .._lift import check_no_nodes, is_node, lift
 from ._jaxpr_reading import called_body, checkpoint_name_of, reduce_precision_primitive
@@ -126,10 +125,8 @@ def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[
     call_leaves = list(leaves)
     for j, i in enumerate(traced_leaves):
       call_leaves[i] = flat_inputs[n_vars + j]
-    with tracing_user_code(what):
-      tree, _, _ = lifted.rebuild(values, call_leaves)
-      call_args, call_kwargs = tree
-      out = fn(*call_args, **call_kwargs)
+    # What the function writes or adds is measured, never kept: the changes are dropped.
+    out, _ = lifted.run(fn, values, call_leaves, what, restructure=True)
     check_no_nodes(out, what)
     return out
 
