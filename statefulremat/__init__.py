@@ -63,6 +63,7 @@ from .optim._optimizer import OptState as OptState
 from .transforms._accumulate import accumulate as accumulate
 from .transforms._autodiff import grad as grad
 from .transforms._autodiff import value_and_grad as value_and_grad
+from .transforms._class_form import made_class as _made_class
 from .transforms._eval_shape import eval_shape as eval_shape
 from .transforms._jit import jit as jit
 from .transforms._remat import remat as remat
@@ -82,6 +83,9 @@ __version__ = "0.1.0"
 # Pickles and reprs name the public path (statefulremat.State), not a file that may move.
 # sr.broadcast pickles by name, as the one instance: its class's module says where.
 _name_public_classes({**globals(), "broadcast": type(broadcast)}, __name__)
+# A class a class form made (sr.scan(Block, ...)) pickles as the call that makes it
+# again, by this function's name here.
+_made_class.__module__, _made_class.__qualname__ = __name__, "_made_class"
 
 
 def __getattr__(name: str):

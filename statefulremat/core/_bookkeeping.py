@@ -9,12 +9,19 @@ a GraphDef, a State or a repr. They are named here, once, and read through these
   objects by it. Rebuilt on load, never pickled.
 * ``LAYER_KEYS`` on an ``Rngs`` rebuilt inside a layer loop: the keys each stream
   name draws for this layer (``_rules.LayerKeys``).
+* ``SPLITS`` on a stacked class: a classmethod, ``name -> bool``, whether the class's
+  rules split RNG stream ``name``; the ``LayerKeys`` of a layer taken out of a stack
+  asks it, so that a pickle of the layer names the class, not the rules' lambdas.
 * ``STACK_INFO`` on a class made by a class form over layers: its ``StackInfo``
   (``_stacks``), the class's own (read from its ``__dict__``, never inherited).
 * ``LAYER_ORIGIN`` on a layer taken out of a stack (``stack.layer(i)``): the stack
-  class, its stacked paths and the RNG state it drew from (``_stacks.LayerOrigin``).
-* ``TRANSFORMED`` on a class made by a class form (``sr.remat(Block)``): True; such
-  a class cannot be found again by name, so its instances refuse to pickle.
+  class, its stacked paths and the RNG state it drew from (``_stacks.LayerOrigin``),
+  kept as a plain tuple so that a pickled layer names no private class.
+* ``TRANSFORMED`` on a class made by a class form (``sr.remat(Block)``): True. Such a
+  class cannot be found by name, so pickle makes it again from its ``MADE_BY``.
+* ``MADE_BY`` on a class a class form returned: ``(form, target, args, kwargs)``, the
+  call that made it (``sr.scan(Block, length=3)``: ``("scan", Block, (), {"length":
+  3})``), the class's own (``transforms/_class_form``).
 * ``DEFINED_IN`` on a public class: the private module that defines it, now that its
   ``__module__`` is the public one (``name_public_classes``), the class's own.
 """
@@ -24,7 +31,9 @@ from __future__ import annotations
 _PREFIX = "_sr_"
 OWNER = _PREFIX + "owner"
 LAYER_KEYS = _PREFIX + "layer_keys"
+SPLITS = _PREFIX + "splits"
 TRANSFORMED = _PREFIX + "transformed"
+MADE_BY = _PREFIX + "made_by"
 STACK_INFO = _PREFIX + "stack"
 LAYER_ORIGIN = _PREFIX + "origin"
 DEFINED_IN = _PREFIX + "defined_in"

@@ -10,13 +10,13 @@ An attribute that holds a Variable keeps it: ``model.w += 1`` updates the Variab
 place, and assigning an array over it (``model.w = model.w * 2``) raises, pointing at
 ``model.w.value = ...``, since the array would silently leave the model's state.
 Modules pickle (their Variables' values, not their traces or owner links); a stack,
-whose class a transform made, points to ``sr.save`` / ``sr.state`` instead.
+whose class a class form made, pickles that class as the call that made it
+(``transforms/_class_form``).
 """
 
 from __future__ import annotations
 
 import numbers
-import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from . import _display_hooks
-from ._bookkeeping import OWNER, TRANSFORMED, is_bookkeeping
+from ._bookkeeping import OWNER, is_bookkeeping
 from ._containers import adopt
 from ._errors import GraphError, format_path, refuse_hash
 from ._tracing import structure_epoch
@@ -293,14 +293,6 @@ class Module:
   # -- pickling ----------------------------------------------------------------
 
   def __getstate__(self):
-    if type(self).__dict__.get(TRANSFORMED):
-      raise pickle.PicklingError(
-        f"cannot pickle a {type(self).__name__}: its class was made by a transform "
-        "(sr.scan / sr.remat_scan / sr.vmap / sr.remat of a class) and cannot be "
-        "found again by name. Save its state instead: `sr.save(path, model)` (then "
-        "`sr.restore(path, Model(...))`), or pickle `sr.state(model)` and load it "
-        "with `sr.update(model, state)`."
-      )
     # Owner links are weak references: rebuilt on load, never saved.
     return {k: v for k, v in vars(self).items() if k != OWNER}
 

@@ -105,6 +105,18 @@ class PatternStack(Module):
   def __len__(self) -> int:
     return sum(len(s) for s in self.pattern)
 
+  # A pickle holds the positions as a plain tuple: it names no private class.
+  def __getstate__(self):
+    state = super().__getstate__()
+    if isinstance(state.get("pattern"), Pattern):
+      state["pattern"] = tuple(state["pattern"])
+    return state
+
+  def __setstate__(self, state):
+    if isinstance(state.get("pattern"), tuple):
+      state = {**state, "pattern": Pattern(state["pattern"])}
+    super().__setstate__(state)
+
   def __getattr__(self, name: str):
     # Only for names not found: a sub-module of the blocks lives in their positions.
     pattern = vars(self).get("pattern")

@@ -207,6 +207,19 @@ class Rngs(Module):
       )
     return stream
 
+  # A pickle keeps a layer's LayerKeys as a plain tuple: it names no private class.
+  def __getstate__(self):
+    state = super().__getstate__()
+    keys = state.get(LAYER_KEYS)
+    if isinstance(keys, LayerKeys):
+      state[LAYER_KEYS] = (keys.base, keys.index, keys.splits, keys.asked)
+    return state
+
+  def __setstate__(self, state):
+    if isinstance(state.get(LAYER_KEYS), tuple):
+      state = {**state, LAYER_KEYS: LayerKeys(*state[LAYER_KEYS])}
+    super().__setstate__(state)
+
   def __getattr__(self, name: str) -> RngStream:
     # Only reached for names that are not attributes: serve them from `default`.
     # Never for private names: tools probe `_repr_html_`, `_ipython_display_` & co.,

@@ -136,7 +136,9 @@ _ORIGIN = LAYER_ORIGIN
 
 def layer_origin(module) -> LayerOrigin | None:
   """The ``LayerOrigin`` of a layer copied out of a stack, else None."""
-  return vars(module).get(_ORIGIN) if isinstance(module, Module) else None
+  # Kept on the layer as a plain tuple, so that a pickled layer names no private class.
+  kept = vars(module).get(_ORIGIN) if isinstance(module, Module) else None
+  return None if kept is None else LayerOrigin(*kept)
 
 
 def layer_axis(var: Variable) -> tuple[int, str | None] | None:
@@ -375,7 +377,7 @@ def layer(stack, i: int):
     # One position of a pattern: its layer i is layer i * period + position there.
     period, position = info.index_map
     before = info.rules.seed_layer(roots[0], i * period + position, shared)
-  roots[0].__dict__[_ORIGIN] = LayerOrigin(
+  roots[0].__dict__[_ORIGIN] = (  # a LayerOrigin's fields (see layer_origin)
     type(stack),
     {p: a for p, a in zip(graphdef.var_paths, axes) if a is not None},
     {graphdef.var_paths[j]: value for j, value in before.items()},

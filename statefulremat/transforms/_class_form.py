@@ -1,15 +1,25 @@
-"""The class form shared by the transforms: a subclass whose methods are transformed."""
+"""The class form shared by the transforms: a subclass whose methods are transformed.
+
+A class a class form makes cannot be found by name, as pickle finds a class, so it has
+a metaclass of its own, ``MadeClass``, that pickles it by the call that made it
+(``MADE_BY``): on load, ``sr.scan(Block, length=3)`` is called again, and gives the
+same class while the cache below holds it (an equal one otherwise). A pattern's
+position is its pattern's class and its place in it.
+"""
 
 from __future__ import annotations
 
+import copyreg
 import functools
+import pickle
+import reprlib
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeGuard, TypeVar
 
-from ..core._bookkeeping import TRANSFORMED
+from ..core._bookkeeping import MADE_BY, STACK_INFO, TRANSFORMED
 from ..core._module import Module
-from ..core._stacks import is_stacked, update_stack_info
+from ..core._stacks import is_stacked, stack_info, update_stack_info
 
 
 def is_module_class(target: object) -> TypeGuard[type[Module]]:
@@ -62,7 +72,29 @@ def subclass(
     wrapped = wrap(method)
     wrapped.__name__ = name
     namespace[name] = wrapped
-  return type(f"{label}{cls.__name__}", (cls,), namespace)
+  return made_type(f"{label}{cls.__name__}", cls, namespace)
+
+
+class MadeClass(type):
+  """The metaclass of the classes the class forms make (see the module docstring)."""
+
+
+_JOINED: dict[type, type] = {}  # a user's metaclass -> it joined with MadeClass
+
+
+def made_type(name: str, base: type, namespace: dict[str, Any]) -> type:
+  """``type(name, (base,), namespace)`` under ``MadeClass`` (joined with ``base``'s
+  own metaclass where it has one)."""
+  meta = type(base)
+  if not issubclass(meta, MadeClass):
+    if meta is type:
+      meta = MadeClass
+    elif (joined := _JOINED.get(meta)) is not None:
+      meta = joined
+    else:
+      meta = _JOINED[meta] = type(f"Made{meta.__name__}", (MadeClass, meta), {})
+      copyreg.pickle(meta, _reduce_class)
+  return meta(name, (base,), namespace)
 
 
 def transformed_class(cls: type, wrap: Callable, methods: Sequence[str] | None, label: str) -> type:
@@ -112,15 +144,119 @@ def cached_class_form(transform: F) -> F:
       key = _frozen((transform.__name__, target, args, kwargs))
       made = _MADE.get(key)
     except TypeError:  # an argument not hashable by value
-      return transform(target, *args, **kwargs)
+      made = transform(target, *args, **kwargs)
+      if isinstance(made, type):
+        _record(made, transform, target, args, kwargs)
+      return made
     if made is None:
       made = _stack_of_partial(transform, target, args, kwargs) if partial else None
       made = transform(target, *args, **kwargs) if made is None else made
       if isinstance(made, type):
         _MADE[key] = made
+        _record(made, transform, target, args, kwargs)
     return made
 
+  _FORMS[transform.__name__] = call
   return call  # pyright: ignore[reportReturnType]
+
+
+# The cached class forms by name ("scan"): what a class's MADE_BY calls again.
+_FORMS: dict[str, Callable] = {}
+
+
+def _record(made: type, transform: Callable, target, args: tuple, kwargs: dict) -> None:
+  if isinstance(made, MadeClass) and MADE_BY not in made.__dict__:
+    setattr(made, MADE_BY, (transform.__name__, target, args, dict(kwargs)))
+
+
+def made_class(recipe: tuple, position: int | None = None) -> type:
+  """The class the class-form call ``recipe`` (a class's ``MADE_BY``) makes: the same
+  class while the class form's cache holds it, else an equal one; for a pattern, the
+  class of its position ``position``. Pickles of made classes call it, by its public
+  name ``statefulremat._made_class``."""
+  form, target, args, kwargs = recipe
+  cls = _FORMS[form](target, *args, **kwargs)
+  if position is None:
+    return cls
+  info = stack_info(cls)
+  assert info is not None and info.is_pattern, cls
+  return info.positions[position]
+
+
+class _Refused(pickle.PicklingError):
+  """A made class that cannot be pickled (raised once, however deep it sits)."""
+
+
+def _reduce_class(cls: type):
+  """How pickle saves a class under ``MadeClass``: by the call that made it; a user's
+  subclass of a made class by name, as any class."""
+  info = stack_info(cls)
+  if MADE_BY in cls.__dict__:
+    recipe, position = cls.__dict__[MADE_BY], None
+  elif info is not None and info.parent is not None:
+    parent = stack_info(info.parent)
+    assert parent is not None
+    recipe, position = info.parent.__dict__.get(MADE_BY), parent.positions.index(cls)
+  elif TRANSFORMED in cls.__dict__ or STACK_INFO in cls.__dict__:
+    recipe, position = None, None
+  else:
+    return cls.__qualname__
+  if recipe is None:
+    raise _Refused(
+      f"cannot pickle {cls.__name__}: it was made by a class form but not through "
+      "its public call (`sr.scan(Block, ...)`), so pickle has no call to make it again "
+      f"by. {_SAVE_STATE}"
+    )
+  _check_picklable(cls, recipe)
+  return made_class, (recipe,) if position is None else (recipe, position)
+
+
+_SAVE_STATE = (
+  "Or save the state instead: `sr.save(path, model)` (then `sr.restore(path, "
+  "Model(...))`), or pickle `sr.state(model)` and load it with `sr.update(model, state)`."
+)
+
+
+def _check_picklable(cls: type, recipe: tuple) -> None:
+  """Raises, naming the argument, unless every part of the call ``recipe`` pickles (so
+  that the error comes now and says why, not as pickle's lookup failure)."""
+  form, target, args, kwargs = recipe
+  call = f"sr.{form}({_target_words(target)}, ...)"
+  parts = [("class" if isinstance(target, type) else "target", target)]
+  parts += [(f"argument {i}", a) for i, a in enumerate(args, 1)]
+  parts += [(f"argument `{k}=`", v) for k, v in kwargs.items()]
+  for what, value in parts:
+    try:
+      pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except _Refused:
+      raise
+    except Exception as e:  # pickle raises PicklingError, TypeError or AttributeError
+      raise _Refused(
+        f"cannot pickle {cls.__name__}: pickle makes a class that a class form "
+        f"made by calling the class form again, {call}, but its {what} "
+        f"({_value_words(value)}) cannot be pickled ({e}). Fix: give {call} what "
+        "pickle finds by name, as it needs for any class: classes and functions "
+        "defined at the top level of a module (not a lambda, nor a class or function "
+        f"defined inside a function). {_SAVE_STATE}"
+      ) from e
+
+
+def _target_words(target) -> str:
+  if isinstance(target, (tuple, list)):
+    return "(" + ", ".join(_target_words(e) for e in target) + ")"
+  if isinstance(target, functools.partial):
+    return f"partial({_target_words(target.func)}, ...)"
+  return getattr(target, "__name__", None) or type(target).__name__
+
+
+def _value_words(value) -> str:
+  """A class or function by where pickle looks for it, another value by its repr."""
+  if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+    return f"{value.__module__}.{value.__qualname__}"
+  return reprlib.repr(value)
+
+
+copyreg.pickle(MadeClass, _reduce_class)
 
 
 def is_class_partial(target) -> bool:

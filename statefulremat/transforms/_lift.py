@@ -135,7 +135,7 @@ class Lifted:
     with tracing_user_code(what):
       (args, kwargs), variables, roots = self.rebuild(values, leaves)
       if seed is not None:
-        plan.serve_names(served, variables, index)
+        plan.serve_names(served, variables)
       out = fn(*args, **kwargs)
       changes = self.changes(roots, variables, values, what, restructure)
       if outputs:  # read inside the guard: a module reached by closure raises

@@ -23,7 +23,7 @@ from ..core._errors import TransformError
 from ..core._module import Module
 from ..core._pattern_stack import Pattern, PatternStack
 from ..core._stacks import StackInfo, is_stacked, set_stack_info, stack_info, update_stack_info
-from ._class_form import display_name, is_module_class, transform_name
+from ._class_form import display_name, is_module_class, made_type, transform_name
 from ._rules import Rules
 from ._stacked import stacked_class
 
@@ -192,7 +192,7 @@ def pattern_class(
           "class of the pattern defines."
         )
     namespace[name] = _method(run(name), name)
-  cls = type(f"{label}Pattern", (PatternStack,), namespace)
+  cls = made_type(f"{label}Pattern", PatternStack, namespace)
   info = StackInfo(
     label, length, what, positions=tuple(positions), names=tuple(names), init_in_axes=init_in_axes
   )

@@ -83,7 +83,7 @@ class CycleLoop(LayerLoop):
     carry, ys = user_carry, [None] * active
     with tracing_user_code(self.what):
       tree, variables, roots = self.lifted.rebuild(flat, self.leaves)
-      self.plan.serve_names(served, variables, first)
+      self.plan.serve_names(served, variables)
       for n, k in enumerate(order):
         if n:
           counts = self.plan.reseed(

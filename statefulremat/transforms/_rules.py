@@ -362,12 +362,12 @@ class Plan:
     assert axis is not None, f"variable {i} is not stacked"
     return axis
 
-  def seed_layer(self, flat: list, values, index) -> list:
+  def seed_layer(self, flat: list, values, index) -> tuple:
     """Puts one iteration's RNG state into ``flat``: each stream's key for this call,
     folded with ``index`` when split (else shared by every iteration), and a fresh
     count. Returns what ``serve_names`` needs after the rebuild."""
     served = []
-    if self.index_map is not None and index is not None:
+    if self.index_map is not None and index is not None:  # the pattern's layer index
       period, position = self.index_map
       index = index * jnp.uint32(period) + jnp.uint32(position)
     for s in self.streams:
@@ -380,7 +380,7 @@ class Plan:
       flat[s.count] = jnp.zeros((), jnp.uint32)
       if s.serves:
         served.append((s.key, base))
-    return served
+    return index, served
 
   def reseed(self, variables, values, index) -> list:
     """``seed_layer`` on rebuilt Variables: the next layer of a cycle that one rebuild
@@ -393,15 +393,14 @@ class Plan:
       variables[s.key]._value = flat[s.key]
       variables[s.count]._value = flat[s.count]
       counts.append(flat[s.count])
-    self.serve_names(served, variables, index)
+    self.serve_names(served, variables)
     return counts
 
-  def serve_names(self, served: list, variables, index) -> None:
-    """On the rebuilt Rngs of each default stream: keys per name asked (LayerKeys)."""
-    if self.index_map is not None and index is not None:
-      period, position = self.index_map
-      index = index * jnp.uint32(period) + jnp.uint32(position)
-    for key_i, base in served:
+  def serve_names(self, served: tuple, variables) -> None:
+    """On the rebuilt Rngs of each default stream: keys per name asked (LayerKeys),
+    from what ``seed_layer`` returned."""
+    index, streams = served
+    for key_i, base in streams:
       stream_owner = next(owner_chain(variables[key_i]), (None,))[0]
       rngs_owner = next(owner_chain(stream_owner), (None,))[0] if stream_owner else None
       if isinstance(rngs_owner, Rngs):

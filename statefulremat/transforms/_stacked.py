@@ -22,10 +22,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..core._bookkeeping import LAYER_KEYS, SPLITS
 from ..core._errors import TransformError, format_path
 from ..core._graph import flatten, rewrite
 from ..core._graph_build import unflatten
-from ..core._module import Module
+from ..core._module import Module, iter_graph
 from ..core._stacks import (
   LAYER_AXIS,
   StackInfo,
@@ -82,11 +83,18 @@ def stacked_class(
   init_in_axes: Any = None,
 ) -> type:
   """The class form: ``{label}{layer_cls}`` building and running a stack of layers."""
+
+  def splits(cls, name: str) -> bool:
+    return rules.splits(name)
+
+  splits.__name__ = splits.__qualname__ = SPLITS  # pickled by name: getattr(cls, SPLITS)
   namespace: dict[str, Any] = {
     "__new__": _new_stack,
     "__init__": _init_nothing,
     "layer": layer,
     "__len__": num_layers,
+    "__reduce__": _reduce_stack,
+    SPLITS: classmethod(splits),
   }
   if not hasattr(layer_cls, "__getitem__"):  # a layer class's own indexing stays
     namespace["__getitem__"] = not_subscriptable
@@ -103,11 +111,17 @@ def stacked_class(
     length,
     f"sr.{cls.__name__}(...)",
     layer_class=layer_cls,
-    rules=LayerRules(rules),
+    rules=LayerRules(rules, getattr(cls, SPLITS)),
     partition_name=(metadata_params or {}).get("partition_name"),
     init_in_axes=init_in_axes,
   )
   return set_stack_info(cls, info)
+
+
+def _reduce_stack(self):
+  """Pickles and copies a stack as its class and state: loading makes the instance
+  with ``object.__new__``, not the class's ``__new__``, which would build layers."""
+  return object.__new__, (type(self),), self.__getstate__()
 
 
 def _init_nothing(self, *args, **kwargs):
@@ -243,8 +257,8 @@ def _mapped_leaves(what: str, init_in_axes, args: tuple, length) -> list[tuple[i
 class LayerRules:
   """A stacked class's rules as the core reads them (``core._stacks.StackRules``)."""
 
-  def __init__(self, rules: Rules):
-    self.rules = rules
+  def __init__(self, rules: Rules, splits: Callable[[str], bool]):
+    self.rules, self.splits = rules, splits
 
   def classify(self, graphdef, variables, layer) -> dict[int, int]:
     """How ``sr.stack(layers, like=StackedClass)`` learns which variables to stack:
@@ -273,7 +287,12 @@ class LayerRules:
     values = [v._value for v in variables]
     flat = list(values)
     served = plan.seed_layer(flat, values, jnp.uint32(index))
-    plan.serve_names(served, variables, jnp.uint32(index))
+    plan.serve_names(served, variables)
+    # The copy asks its class whether a name splits (the same rules): it pickles.
+    for _, node in iter_graph(layer):
+      keys = vars(node).get(LAYER_KEYS) if isinstance(node, Module) else None
+      if keys is not None:
+        keys.splits = self.splits
     before = {}
     for s in plan.streams:
       for i in (s.key, s.count):
