@@ -15,41 +15,9 @@ import numpy as np
 import pytest
 
 import statefulremat as sr
+from tests._pattern_blocks import D, Gate, Mix, Norm
 
-D = 4
 X = jax.random.normal(jax.random.key(1), (3, D))
-
-
-class Mix(sr.Module):
-  """Linear, tanh and live dropout."""
-
-  def __init__(self, *, rngs, scale=1.0):
-    self.lin = sr.nn.Linear(D, D, rngs=rngs)
-    self.drop = sr.nn.Dropout(0.3, rngs=rngs)
-    self.scale = scale
-
-  def __call__(self, x):
-    return self.drop(jnp.tanh(self.lin(x))) * self.scale
-
-
-class Norm(sr.Module):
-  """A per-feature gain and a BatchNorm: other parameter shapes, batch statistics."""
-
-  def __init__(self, *, rngs):
-    self.gain = sr.Param(1.0 + 0.1 * jax.random.normal(rngs.params(), (D,)))
-    self.bn = sr.nn.BatchNorm(D, rngs=rngs)
-
-  def __call__(self, x):
-    return self.bn(x * self.gain.value[None])
-
-
-class Gate(sr.Module):
-  def __init__(self, *, rngs):
-    self.w = sr.Param(jax.random.normal(rngs.params(), (D, D)) / D)
-
-  def __call__(self, x):
-    return x + jax.nn.sigmoid(x @ self.w.value)
-
 
 PATTERNS = {
   "2": (Mix, Norm),

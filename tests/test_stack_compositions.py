@@ -16,35 +16,7 @@ import numpy as np
 import pytest
 
 import statefulremat as sr
-
-D = 4
-
-
-class Mix(sr.Module):
-  def __init__(self, *, rngs):
-    self.lin = sr.nn.Linear(D, D, rngs=rngs)
-    self.drop = sr.nn.Dropout(0.3, rngs=rngs)
-
-  def __call__(self, x):
-    return self.drop(jnp.tanh(self.lin(x)))
-
-
-class Norm(sr.Module):
-  def __init__(self, *, rngs):
-    self.gain = sr.Param(1.0 + 0.1 * jax.random.normal(rngs.params(), (D,)))
-    self.bn = sr.nn.BatchNorm(D, rngs=rngs)
-
-  def __call__(self, x):
-    return self.bn(x * self.gain.value[None])
-
-
-class Gate(sr.Module):
-  def __init__(self, *, rngs):
-    self.w = sr.Param(jax.random.normal(rngs.params(), (D, D)) / D)
-
-  def __call__(self, x):
-    return x + jax.nn.sigmoid(x @ self.w.value)
-
+from tests._pattern_blocks import D, Gate, Mix, Norm
 
 INNER = {
   "plain": lambda: sr.remat_scan(Gate, lengths=(3,)),
