@@ -493,3 +493,23 @@ def test_indexing_a_stack_or_reaching_into_a_pattern_stack_points_to_the_way():
     pattern[1]
   assert not hasattr(pattern, "_private") and getattr(pattern, "attn", None) is None
   assert pattern.pattern[0].attn.kernel.shape == (2, 2, 2)
+
+
+def test_a_scan_baseline_of_a_remat_scan_pattern_takes_one_fix_per_step():
+  # Issue 34, item 17: a no-remat baseline of a remat_scan pattern stack. Each refusal
+  # says the whole way: the class form's default variable_axes, then the block's
+  # return, where remat_scan with everything saved is the same block without remat.
+  with pytest.raises(
+    sr.TransformError, match=r"here `linear.bias`, `linear.kernel`\).*`variable_axes=\{True: 0\}`"
+  ):
+    sr.scan((Local, Global), length=4)(D, rngs=sr.Rngs(0))
+  stack = sr.scan((Local, Global), length=4, variable_axes={True: 0})(D, rngs=sr.Rngs(0))
+  with pytest.raises(TypeError, match=r"everything_saveable\), which keeps every residual"):
+    stack(jnp.ones((2, D)))
+  saved = jax.checkpoint_policies.everything_saveable
+  kept = sr.remat_scan((Local, Global), length=4, lengths=(2,), policy=saved)(D, rngs=sr.Rngs(0))
+  x = jnp.ones((2, D))
+  h = x
+  for i in range(4):
+    h = kept.layer(i)(h)
+  np.testing.assert_allclose(kept(x), h, rtol=1e-6)

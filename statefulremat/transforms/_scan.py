@@ -205,7 +205,7 @@ def scan(
     count=lambda _: length,
     # At call time the layer count comes from the stacked variables (a stack rebuilt
     # by sr.stack may have another).
-    run=lambda fn, _: _scan_function(fn, **{**options, "length": None}),
+    run=lambda fn, _: _scan_function(fn, **{**options, "length": None}, from_class_form=True),
     position_class=lambda cls, n: fresh(scan)(
       cls, **{**options, "length": n}, methods=methods, init_in_axes=init_in_axes
     ),
@@ -241,6 +241,7 @@ def _scan_function(
   unroll,
   data_transform,
   metadata_params,
+  from_class_form: bool = False,
 ) -> Callable:
   what = f"sr.scan({display_name(fn)})"
   check_axes(what, in_axes, out_axes)
@@ -295,6 +296,14 @@ def _scan_function(
         raise TypeError(
           f"{what}: the body must return a pair (carry, ys), got {got}. "
           "Return `carry, None` if there are no ys."
+          + (
+            " A block written for sr.remat_scan returns the carry alone: the same "
+            "block runs without remat as sr.remat_scan(..., lengths=(n,), "
+            "policy=jax.checkpoint_policies.everything_saveable), which keeps every "
+            "residual (nothing is recomputed)."
+            if isinstance(out, jax.Array) and from_class_form
+            else ""
+          )
         )
       return tuple(out)
 

@@ -206,11 +206,24 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     except ValueError as e:
       if "out_axes" not in str(e):
         raise
+      kept = [
+        format_path(plan.display_path(record["graphdef"].var_paths[n_in + j]))
+        for j, s in enumerate(stacked)
+        if not s
+      ]
+      named = ", ".join(f"`{p}`" for p in kept[:3]) + (" …" if len(kept) > 3 else "")
+      default = (
+        " sr.scan's class form stacks only what variable_axes names (by default "
+        "nothing, as flax.linen's nn.scan); `variable_axes={True: 0}` stacks every "
+        "Variable, as sr.remat_scan's and sr.vmap's defaults do."
+        if info.label == "Scan" and not rules.axes
+        else ""
+      )
       raise TransformError(
-        f"{what}: a variable that is not stacked (broadcast, carried or read-only) came "
-        "out different for each layer, usually because its initializer drew from a "
-        "split RNG stream. Stack it with variable_axes, or do not split the stream it "
-        f"draws from (e.g. split_rngs={{'params': False}}). JAX said: {e}"
+        f"{what}: a variable that is not stacked (broadcast, carried or read-only; here "
+        f"{named}) came out different for each layer, usually because its initializer "
+        "drew from a split RNG stream. Stack it with variable_axes, or do not split the "
+        f"stream it draws from (e.g. split_rngs={{'params': False}}).{default} JAX said: {e}"
       ) from None
   name = info.partition_name
   graphdef = rewrite(
