@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from ._names import Match, Source
 from ._paths import Entry
@@ -27,14 +28,19 @@ def report_unmatched(
   found: Match,
   problems: Problems,
   missing: Callable[[Entry], str],
-  unused: Callable[[Source], str],
+  describe: Callable[[Any], str],
   fixes: tuple[str, str],
   side: str,
   rename,
 ) -> None:
   """Adds to ``problems`` the variables of ours ``found`` left unfilled (worded by
-  ``missing``) and the sources it left unused (``unused``), with ``fixes`` (for each
-  kind) or the rename that would map them."""
+  ``missing``) and the sources it left unused (their values worded by ``describe``),
+  with ``fixes`` (for each kind) or the rename that would map them."""
+
+  def unused(s: Source) -> str:
+    renamed = f", renamed `{s.target}`," if s.target != s.name else ""
+    return f"{s.shown} ({describe(s.leaf)}){renamed} matches no variable of ours."
+
   left = [s for s in found.unused if not s.extra]
   hint = suggest(found, left, side, rename)
   fix_names, fix_unused = (hint, hint) if hint else fixes

@@ -236,14 +236,15 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
       )
     return f"no linen `{c}` entry is renamed to {_answers(e)}."
 
-  def unused(s: Source) -> str:
-    return (
-      f"{s.shown} ({array_str(_unboxed(s.leaf))})"
-      + (f", renamed `{s.target}`," if s.target != s.name else "")
-      + " matches no variable of ours."
-    )
-
-  report_unmatched(found, problems, missing, unused, (_FIX_NAMES, _FIX_UNUSED), "linen", rename)
+  report_unmatched(
+    found,
+    problems,
+    missing,
+    lambda leaf: array_str(_unboxed(leaf)),
+    (_FIX_NAMES, _FIX_UNUSED),
+    "linen",
+    rename,
+  )
   for e, s in found.wrong:
     problems.add(
       f"{e.where()} belongs to collection `{e.collection}`, but linen has it as "

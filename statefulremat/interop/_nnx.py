@@ -135,14 +135,7 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
       + "."
     )
 
-  def unused(s: Source) -> str:
-    return (
-      f"{s.shown} ({_describe(s.leaf)})"
-      + (f", renamed `{s.target}`," if s.target != s.name else "")
-      + " matches no variable of ours."
-    )
-
-  report_unmatched(found, problems, missing, unused, (_FIX_NAMES, _FIX_UNUSED), "nnx", rename)
+  report_unmatched(found, problems, missing, _describe, (_FIX_NAMES, _FIX_UNUSED), "nnx", rename)
   for e, s in found.wrong:
     problems.add(
       f"{e.where()} belongs to collection `{e.collection}`, but nnx has a "

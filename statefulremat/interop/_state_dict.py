@@ -187,15 +187,8 @@ def from_state_dict(
       )
     return f"the state dict has no {'entry renamed to ' if rename is not None else ''}{answers}."
 
-  def unused(s: Source) -> str:
-    return (
-      f"{s.shown} ({array_str(s.leaf)})"
-      + (f", renamed `{s.target}`," if s.target != s.name else "")
-      + " matches no variable of ours."
-    )
-
   report_unmatched(
-    found, problems, missing, unused, (_FIX_NAMES, _FIX_UNUSED), "state dict", rename
+    found, problems, missing, array_str, (_FIX_NAMES, _FIX_UNUSED), "state dict", rename
   )
   new: dict[tuple, Any] = {}
   for fill in found.fills:
