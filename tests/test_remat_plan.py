@@ -162,7 +162,8 @@ def test_auto_plans_the_nesting_for_the_policy_given():
   typo = sr.remat_scan(
     named, lengths="auto", policy=jax.checkpoint_policies.save_only_these_names("hiden")
   )
-  with pytest.raises(sr.TransformError, match=r"hiden"):
+  # (jax 0.12 keeps a policy's names to itself: the message says so instead of `hiden`.)
+  with pytest.raises(sr.TransformError, match=r"hiden|match no `jax\.ad_checkpoint"):
     sr.grad(lambda m, x: jnp.sum(typo(m, x)))(stack, x)
 
 
