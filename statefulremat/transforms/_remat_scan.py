@@ -152,6 +152,7 @@ def remat_scan(
       )
     return _remat_scan_function(fn, lengths, layers, budget, what=what, **options)
 
+  @functools.cache  # checked once, for the class and for each method's function form
   def count(period: int) -> int | None:
     """The layers a class form builds; a pattern's ``lengths`` count its cycles."""
     if auto:
