@@ -12,14 +12,13 @@ yields three things:
 * from those, ``State``s (per filter) holding the values.
 
 ``unflatten`` (in ``_graph_build``) replays the walk from the GraphDef, building
-fresh objects, and fills in the values; it tells this file what it rebuilt, so a
-``flatten`` of those very roots is a look-up. The public ``split`` / ``merge`` /
+fresh objects, and fills in the values; it notes what it rebuilt in the graph cache
+(``_graph_cache``), so a ``flatten`` of those very roots is a look-up. The public ``split`` / ``merge`` /
 ``update`` on top of both are in ``_split_merge``.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -29,9 +28,9 @@ import numpy as np
 from . import _display_hooks
 from ._bookkeeping import is_bookkeeping
 from ._errors import GraphError, format_path
+from ._graph_cache import per_structure, walk_of
 from ._module import Module
 from ._state import freeze, thaw
-from ._tracing import rebuilt_graphs, structure_epoch
 from ._variables import Variable
 
 # How the walk encodes what it met, as nested tuples ``(tag, class, contents)``: cheap
@@ -100,17 +99,15 @@ class GraphDef:
   ([], True)
   """
 
-  __slots__ = ("tree", "var_paths", "_hash", "_plan", "_nodes", "_variables", "__weakref__")
+  __slots__ = ("tree", "var_paths", "_hash", "_derived", "__weakref__")
 
   def __init__(self, tree: tuple, var_paths: tuple):
     self.tree = tree
     self.var_paths = var_paths
     self._hash = hash(tree)
-    # How `unflatten` builds this graph (a `_graph_build._Plan`, a layer above this
-    # file, hence `Any`), worked out on first use.
-    self._plan: Any = None
-    self._nodes: tuple[GraphNode, ...] | None = None
-    self._variables: tuple[VariableEntry, ...] | None = None
+    # What is worked out from the structure on first use, shared by equal GraphDefs
+    # (`_graph_cache.per_structure`).
+    self._derived: dict | None = None
 
   @property
   def nodes(self) -> tuple[GraphNode, ...]:
@@ -121,9 +118,11 @@ class GraphDef:
     >>> root.kind, root.type.__name__, [(k, n.kind) for k, n in root.items][:2]
     ('module', 'Linear', [('bias', 'variable'), ('dot_general', 'static')])
     """
-    if self._nodes is None:
-      self._nodes = tuple(_typed(d) for d in self.tree)
-    return self._nodes
+    derived = self._derived or per_structure(self)
+    nodes = derived.get("nodes")
+    if nodes is None:
+      nodes = derived["nodes"] = tuple(_typed(d) for d in self.tree)
+    return nodes
 
   @property
   def variables(self) -> tuple[VariableEntry, ...]:
@@ -134,7 +133,9 @@ class GraphDef:
     ...     rngs=sr.Rngs(0))).variables]
     [(('bias',), 'Param'), (('kernel',), 'Param')]
     """
-    if self._variables is None:
+    derived = self._derived or per_structure(self)
+    entries = derived.get("variables")
+    if entries is None:
       found: list[GraphNode] = []
 
       def walk(node: GraphNode) -> None:
@@ -145,10 +146,10 @@ class GraphDef:
 
       for root in self.nodes:
         walk(root)
-      self._variables = tuple(
+      entries = derived["variables"] = tuple(
         VariableEntry(path, n.type, n.value) for path, n in zip(self.var_paths, found)
       )
-    return self._variables
+    return entries
 
   def __getstate__(self):
     # Metadata thawed to plain dicts and lists: a pickle names sr.GraphDef and the graph's
@@ -211,9 +212,9 @@ def flatten(
   the GraphDef numbers them (what ``unflatten(..., substitute=objects)`` takes).
   """
   if objects is None:
-    known = _rebuilt(roots)
+    known = walk_of(roots)
     if known is not None:
-      return known
+      return known.graphdef, list(known.variables)
   index: dict[int, int] = {}
   objects = [] if objects is None else objects
   variables: list[Variable] = []
@@ -258,34 +259,6 @@ def flatten(
 
   tree = tuple(walk(root, (i,) if len(roots) > 1 else ()) for i, root in enumerate(roots))
   return GraphDef(tree, tuple(paths)), variables
-
-
-# A transform inside another (grad inside jit, remat inside a scan body) receives
-# exactly the roots the outer one rebuilt; flattening them again would walk the whole
-# graph once per level per trace to find the GraphDef the outer level already has.
-# While no structure has changed since (the epoch), unflatten's result is the answer.
-
-
-def note_rebuilt(graphdef: GraphDef, roots: list, variables: list) -> None:
-  """Notes that ``unflatten`` built ``roots`` (and ``variables``) from ``graphdef``."""
-  if not all(isinstance(r, Module) for r in roots):
-    return
-  refs = tuple(weakref.ref(r) for r in roots)
-  rebuilt_graphs.append((structure_epoch.value, refs, graphdef, variables))
-  if len(rebuilt_graphs) > 8:
-    del rebuilt_graphs[0]
-
-
-def _rebuilt(roots: Sequence[Any]) -> tuple[GraphDef, list[Variable]] | None:
-  epoch = structure_epoch.value
-  for seen, refs, graphdef, variables in reversed(rebuilt_graphs):
-    if (
-      seen == epoch
-      and len(refs) == len(roots)
-      and all(ref() is root for ref, root in zip(refs, roots))
-    ):
-      return graphdef, list(variables)
-  return None
 
 
 def rewrite(

@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._bookkeeping import OWNER
-from ._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR, GraphDef, note_rebuilt
-from ._module import _record_owners
+from ._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR, GraphDef
+from ._graph_cache import per_structure, remember
+from ._module import Module, _record_owners
 from ._state import thaw_metadata
-from ._tracing import current_trace, serials
+from ._tracing import current_trace, serials, structure_epoch
 from ._variables import Variable, bare_variable
 
 
@@ -27,25 +28,25 @@ def unflatten(
   metas=None,
   trace=None,
   substitute: Sequence[Any] = (),
-  *,
-  remember: bool = True,
 ) -> tuple[list[Any], list[Variable]]:
   """Builds fresh objects from ``graphdef``; the i-th Variable gets ``values[i]``.
 
   ``kinds`` / ``metas`` override the GraphDef's Variable kinds and metadata (an entry
   ``None`` keeps the GraphDef's). The first ``len(substitute)`` objects are not built:
   ``substitute`` (from ``flatten(..., objects=...)``) gives existing ones, so a graph
-  that refers into existing modules is rebuilt pointing at them. ``remember=False``
-  leaves the result out of the rebuilt graphs that ``flatten`` recognises (the pytree
-  unflatten keeps its own cache).
+  that refers into existing modules is rebuilt pointing at them. A graph of modules
+  built from the GraphDef alone is remembered (``_graph_cache``), so a ``flatten`` of
+  those very roots, by a transform inside another or by raw JAX, is a look-up.
   Returns the roots and the new Variables in walk order.
   """
   trace = current_trace() if trace is None else trace
   if kinds is None and metas is None and not substitute:
-    plan = graphdef._plan or _plan(graphdef)
+    epoch = structure_epoch.value
+    derived = graphdef._derived or per_structure(graphdef)
+    plan = derived.get("build") or derived.setdefault("build", _Plan(graphdef))
     roots, variables = plan.build(values, trace)
-    if remember:
-      note_rebuilt(graphdef, roots, variables)
+    if all(isinstance(r, Module) for r in roots):
+      remember(roots, epoch, graphdef, variables)
     return roots, variables
   objects: list[Any] = []
   variables: list[Variable] = []
@@ -109,18 +110,6 @@ def unflatten(
 _OBJ, _CONST, _SEQ, _MAP = range(4)
 _new = object.__new__
 _set = object.__setattr__
-
-
-# Equal GraphDefs share their plan (sr.split makes a new GraphDef on every call).
-_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _plan(graphdef: GraphDef) -> _Plan:
-  plan = _plans.get(graphdef)
-  if plan is None:
-    plan = _plans.setdefault(graphdef, _Plan(graphdef))
-  graphdef._plan = plan
-  return plan
 
 
 def _item(spec, objects: list):

@@ -53,12 +53,11 @@ flattening a module reached by closure raises, as reading its ``.value`` does.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import jax
 
-from . import _graph, _graph_build, _module
+from . import _graph, _graph_build, _graph_cache, _module
 from ._tracing import guard as _guard
 from ._tracing import structure_epoch
 from ._variables import _closure_read
@@ -112,49 +111,24 @@ class ModulePathKey:
 # -- the walk, cached per module -----------------------------------------------------
 #
 # Raw JAX flattens a module on every call (a `jax.jit` dispatch, `jax.tree.map`), and
-# walking the graph costs microseconds per Variable. The walk depends only on the
-# graph's structure, and every structural change bumps `structure_epoch`, so a walk is
-# kept per module while the epoch stands, as `sr.jit` keeps its own: a flatten then
-# only reads the Variables' current values. Modules refuse hashing, so the cache is
-# keyed by `id` and guarded by a weak reference that also drops the entry when the
-# module goes; nothing is stored on the module itself.
+# walking the graph costs microseconds per Variable: the walk is kept per module in the
+# graph cache (`_graph_cache`) while no structure changes, as `sr.jit` keeps its own,
+# so a flatten then only reads the Variables' current values.
 
 
-class _Walk(weakref.ref):
-  """A module's cache entry: a weak reference to it (the entry goes when the module
-  does) with its walk, the GraphDef and the Variables, valid while the structure epoch
-  is ``epoch``."""
-
-  __slots__ = ("epoch", "graphdef", "variables", "key")
+_walks = _graph_cache.walks
 
 
-_walks: dict[int, _Walk] = {}
-
-# Equal GraphDefs are made one object: JAX compares a call's tree structure with the
-# one it compiled for, and two models of one structure then compare by identity.
-_graphdefs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _remember(module, epoch: int, graphdef: _graph.GraphDef, variables: list) -> _Walk:
-  walk = _Walk(module, _forget)
-  walk.epoch, walk.graphdef, walk.variables = epoch, graphdef, variables
-  walk.key = id(module)
-  _walks[walk.key] = walk
-  return walk
-
-
-def _forget(walk: _Walk) -> None:
-  if _walks.get(walk.key) is walk:  # not a newer module's under the same id
-    _walks.pop(walk.key, None)
-
-
-def _walk(module) -> _Walk:
-  epoch = structure_epoch.value  # read first: a change during the walk is a miss later
-  walk = _walks.get(id(module))
-  if walk is not None and walk.epoch == epoch and walk() is module:
+def _walk(module) -> _graph_cache.Walk:
+  walk = _graph_cache.walk_of((module,))
+  if walk is not None:
     return walk
+  epoch = structure_epoch.value  # read first: a change during the walk is a miss later
   graphdef, variables = _graph.flatten([module])
-  return _remember(module, epoch, _graphdefs.setdefault(graphdef, graphdef), variables)
+  graphdef = _graph_cache.canonical(graphdef)
+  walk = _graph_cache.remember((module,), epoch, graphdef, variables)
+  assert walk is not None  # a module can be referred to weakly
+  return walk
 
 
 def _values(variables) -> list:
@@ -178,12 +152,10 @@ def _flatten(module):
   return [v._value for v in walk.variables], walk.graphdef
 
 
-_key_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _keys(graphdef: _graph.GraphDef) -> list[ModulePathKey]:
   """The key of each Variable, in order: its first path, read off the GraphDef."""
-  keys = _key_cache.get(graphdef)
+  derived = _graph_cache.per_structure(graphdef)
+  keys = derived.get("keys")
   if keys is None:
     keys = []
 
@@ -198,7 +170,7 @@ def _keys(graphdef: _graph.GraphDef) -> list[ModulePathKey]:
           walk(sub, path + (key(k),))
 
     walk(graphdef.nodes[0], ())
-    _key_cache[graphdef] = keys
+    derived["keys"] = keys
   return keys
 
 
@@ -211,9 +183,7 @@ def _unflatten(graphdef, leaves):
   # The Variables take the current trace: inside a raw `jax.jit` the function may
   # change its (fresh) copy of the module and return it. The new module's walk is
   # known already, so flattening it again (the next step of a loop) walks nothing.
-  epoch = structure_epoch.value
-  roots, variables = _graph_build.unflatten(graphdef, leaves, remember=_guard.depth > 0)
-  _remember(roots[0], epoch, graphdef, variables)
+  roots, _ = _graph_build.unflatten(graphdef, leaves)  # remembers its walk
   return roots[0]
 
 

@@ -68,10 +68,6 @@ class _ClosureGuard(threading.local):
 
 guard = _ClosureGuard()
 
-# Graphs that ``_graph_build.unflatten`` rebuilt inside the current user-code trace, for
-# ``_graph.flatten`` to recognise; they hold tracers, so they go when the trace ends.
-rebuilt_graphs: list[tuple] = []
-
 
 @contextlib.contextmanager
 def tracing_user_code(what: str):
@@ -87,8 +83,6 @@ def tracing_user_code(what: str):
     yield
   finally:
     guard.depth -= 1
-    if guard.depth == 0:
-      rebuilt_graphs.clear()
 
 
 def contains_tracer(value) -> bool:

@@ -25,7 +25,7 @@ from ..core._errors import format_path
 from ..core._state import State
 from ._lift import Changes, Lifted, check_no_nodes, split_call, write_back
 from ._module_arg import stacked_sources
-from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, Plan, TransformError
+from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, TransformError, Treatment
 
 
 def _aval(x):
@@ -91,7 +91,7 @@ class LayerLoop:
   def __init__(
     self,
     lifted: Lifted,
-    plan: Plan,
+    treatment: Treatment,
     variables: list,
     leaves: list,
     what: str,
@@ -102,16 +102,16 @@ class LayerLoop:
     metadata_params: Mapping | None = None,
     reverse: bool = False,
   ):
-    self.lifted, self.plan, self.leaves = lifted, plan, leaves
+    self.lifted, self.treatment, self.leaves = lifted, treatment, leaves
     self.variables = variables
     self.values = [v._value for v in variables]
     self.what, self.data_transform = what, data_transform
     self.module, self.length, self.reverse = module, length, reverse
     self.metadata_params = metadata_params
     self.changed: dict[int, Any] = {}
-    self.stacked = plan.indices(STACKED)
-    self.carried = plan.indices(CARRY)
-    self.count_of = {s.count: s for s in plan.streams}
+    self.stacked = treatment.indices(STACKED)
+    self.carried = treatment.indices(CARRY)
+    self.count_of = {s.count: s for s in treatment.streams}
     self.used: set[int] = set()
     self.carry_written: set[int] = set()
     self.structure = None  # a NewStructure, if the body added or deleted attributes
@@ -128,7 +128,7 @@ class LayerLoop:
       flat,
       self.leaves,
       self.what,
-      seed=(self.plan, index),
+      seed=(self.treatment, index),
       restructure=True,
     )
     return self._read_back(changes, flat, user_carry, new_carry, ys)
@@ -187,10 +187,10 @@ class LayerLoop:
     return list(out._values)
 
   def _name(self, i: int) -> str:
-    return format_path(self.plan.display_path(self.lifted.graphdef.var_paths[i]))
+    return format_path(self.treatment.display_path(self.lifted.graphdef.var_paths[i]))
 
   def _check_writable(self, i: int) -> None:
-    kind = self.plan.kinds[i]
+    kind = self.treatment.kinds[i]
     if kind == RNG:
       if i in self.count_of:
         self.used.add(i)
@@ -289,14 +289,14 @@ class LayerLoop:
 
   def sources(self) -> list[tuple[str, int]]:
     """``(description, layer count)`` of each stacked Variable, for error messages."""
-    return stacked_sources(self.plan, self.lifted, self.variables)
+    return stacked_sources(self.treatment, self.lifted, self.variables)
 
   def _carried_values(self, carried: list | None) -> list:
     return [self.values[i] for i in self.carried] if carried is None else carried
 
   def _stacked_inputs(self) -> list:
     """The stacked values the loop runs over, layer axis first."""
-    return [_move_axis(self.values[i], self.plan.stacked_axis(i), 0) for i in self.stacked]
+    return [_move_axis(self.values[i], self.treatment.stacked_axis(i), 0) for i in self.stacked]
 
   def levels(
     self,
@@ -327,7 +327,7 @@ class LayerLoop:
     # A Variable's value may be a pytree (a sown tuple): each leaf has the layer axis.
     stacked_in = [jax.tree.map(fold, v) for v in self._stacked_inputs()]
     # The layer index only feeds the RNG streams' per-layer keys.
-    index = lax.reshape(lax.iota(jnp.uint32, n), lengths) if self.plan.streams else None
+    index = lax.reshape(lax.iota(jnp.uint32, n), lengths) if self.treatment.streams else None
     state = (self._carried_values(carried), carry)
     depth = len(lengths)
 
@@ -355,12 +355,12 @@ class LayerLoop:
     return carry_values, carry, written, jax.tree.map(unfold, ys)
 
   def _changed(self, written: dict, carry_values: list) -> dict:
-    self.plan.check_stream_names()  # the body is traced: the names drawn are known
+    self.treatment.check_stream_names()  # the body is traced: the names drawn are known
     changed = {}
     self.made = [written[i] for i in sorted((i for i in written if i < 0), reverse=True)]
     for i, value in written.items():
       if i >= 0:
-        changed[i] = _move_axis(value, 0, self.plan.axes[i])
+        changed[i] = _move_axis(value, 0, self.treatment.axes[i])
     for i, value in zip(self.carried, carry_values):
       if i in self.carry_written:
         changed[i] = value
@@ -392,7 +392,7 @@ class LayerLoop:
     """
     lengths = tuple(lengths)
     depth = len(lengths)
-    streams = bool(self.plan.streams)
+    streams = bool(self.treatment.streams)
 
     def layers(state, values, count, offset):  # the innermost level: single layers
       index = (

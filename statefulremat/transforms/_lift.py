@@ -123,19 +123,19 @@ class Lifted:
     """Inside a trace: ``fn(*args, **kwargs)`` on fresh objects holding ``values``
     (the call's arguments, its modules rebuilt); returns ``(out, Changes)``.
 
-    ``seed=(plan, index)`` first gives each RNG stream of ``plan`` the key of
+    ``seed=(treatment, index)`` first gives each RNG stream of ``treatment`` the key of
     iteration ``index`` (in ``values``, which it rewrites) and a fresh count.
     ``restructure``: the transform carries changes of structure out (``Changes.made``
     and ``.structure``); otherwise such a change raises. ``outputs``: modules in
     ``out`` cross the boundary as a ``ModulesOut`` (``lift_outputs``).
     """
     if seed is not None:
-      plan, index = seed
-      served = plan.seed_layer(values, values, index)
+      treatment, index = seed
+      served = treatment.seed_layer(values, values, index)
     with tracing_user_code(what):
       (args, kwargs), variables, roots = self.rebuild(values, leaves)
       if seed is not None:
-        plan.serve_names(served, variables)
+        treatment.serve_names(served, variables)
       out = fn(*args, **kwargs)
       changes = self.changes(roots, variables, values, what, restructure)
       if outputs:  # read inside the guard: a module reached by closure raises

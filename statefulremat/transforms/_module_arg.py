@@ -14,14 +14,14 @@ from ..core._filters import filter_repr
 from ..core._graph import flatten
 from ..core._stacks import axis_size, is_stacked, layer_axis, stack_info
 from ._lift import Lifted, is_node, split_call
-from ._rules import STACKED, Plan, Rules, TransformError
+from ._rules import STACKED, Rules, TransformError, Treatment
 from ._stacked import LayerRules, layer_view
 
 
 def lift_module_arg(
   module, what: str, rules: Rules, metadata_params, call_form: str, *, pattern: bool = False
 ):
-  """Lifts argument 0: ``(lifted, variables, plan, leaves)``; inside, one layer.
+  """Lifts argument 0: ``(lifted, variables, treatment, leaves)``; inside, one layer.
 
   ``pattern``: ``module`` is ``cycle(stack)``, the position stacks of a pattern stack,
   and messages name a Variable as the user reaches it, ``pattern[1].bn.mean``
@@ -35,7 +35,7 @@ def lift_module_arg(
     )
   graphdef, variables = flatten(nodes)
   # A pattern's rules see the path from the tuple, as before messages named it.
-  plan = Plan(
+  treatment = Treatment(
     rules,
     graphdef,
     variables,
@@ -43,9 +43,9 @@ def lift_module_arg(
     display_path=pattern_path if pattern else None,
     rules_path=(lambda p: p) if pattern else None,
   )
-  check_stacks_sliced(nodes, graphdef, variables, plan, what, pattern=pattern)
-  inner = layer_view(graphdef, plan, metadata_params)
-  return Lifted(inner, treedef, positions), variables, plan, leaves
+  check_stacks_sliced(nodes, graphdef, variables, treatment, what, pattern=pattern)
+  inner = layer_view(graphdef, treatment, metadata_params)
+  return Lifted(inner, treedef, positions), variables, treatment, leaves
 
 
 def pattern_path(path: tuple) -> tuple:
@@ -55,9 +55,9 @@ def pattern_path(path: tuple) -> tuple:
 
 
 def check_stacks_sliced(
-  nodes, graphdef, variables, plan: Plan, what: str, *, pattern: bool = False
+  nodes, graphdef, variables, treatment: Treatment, what: str, *, pattern: bool = False
 ) -> None:
-  """Raises if a stacked module's layer axis is not sliced per iteration by ``plan``.
+  """Raises if a stacked module's layer axis is not sliced per iteration by ``treatment``.
 
   Otherwise every iteration would compute with the whole stack where one layer was
   meant (a ``(3, 4, 4)`` kernel broadcasting against one layer's input). Only the
@@ -70,17 +70,17 @@ def check_stacks_sliced(
   for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
     root = nodes[path[0]] if multi else nodes[0]
     found = layer_axis(var) if is_stacked(root) else None
-    if found is None or (plan.kinds[i], plan.axes[i]) == (STACKED, found[0]):
+    if found is None or (treatment.kinds[i], treatment.axes[i]) == (STACKED, found[0]):
       continue
     axis, path, stack_cls = found[0], path[1:] if multi else path, type(root)
     n = axis_size(var._value, axis)
     got = (
-      f"slice it along axis {plan.axes[i]}"
-      if plan.kinds[i] == STACKED
-      else f"treat it as {plan.kinds[i]}"
+      f"slice it along axis {treatment.axes[i]}"
+      if treatment.kinds[i] == STACKED
+      else f"treat it as {treatment.kinds[i]}"
     )
     where = (
-      f"`{format_path(plan.display_path(graphdef.var_paths[i]))}` ({type(var).__name__}) "
+      f"`{format_path(treatment.display_path(graphdef.var_paths[i]))}` ({type(var).__name__}) "
       f"of the pattern stack's position {graphdef.var_paths[i][0]}, a stacked "
       f"{stack_cls.__name__},"
       if pattern
@@ -177,12 +177,12 @@ def resolve_length(
   return n0
 
 
-def stacked_sources(plan: Plan, lifted: Lifted, variables) -> list[tuple[str, int]]:
+def stacked_sources(treatment: Treatment, lifted: Lifted, variables) -> list[tuple[str, int]]:
   out = []
-  for i, (kind, axis) in enumerate(zip(plan.kinds, plan.axes)):
+  for i, (kind, axis) in enumerate(zip(treatment.kinds, treatment.axes)):
     if kind == STACKED:
       assert axis is not None  # a stacked variable has its layer axis
-      path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
+      path = format_path(treatment.display_path(lifted.graphdef.var_paths[i]))
       out.append(
         (f"the stacked variable `{path}` (axis {axis})", axis_size(variables[i]._value, axis))
       )

@@ -58,7 +58,7 @@ class CycleLoop(LayerLoop):
   def _stacked_inputs(self) -> list:
     out = []
     for i in self.stacked:
-      value = _move_axis(self.values[i], self.plan.stacked_axis(i), 0)
+      value = _move_axis(self.values[i], self.treatment.stacked_axis(i), 0)
       out.append(
         value if jnp.shape(value)[0] == self.full else lax.slice_in_dim(value, 0, self.full)
       )
@@ -75,18 +75,18 @@ class CycleLoop(LayerLoop):
     flat = self._substitute(slices, carry_values)
     # No RNG stream: the loop passes no cycle index (None), and nothing is seeded.
     first = None if cycle is None else cycle * jnp.uint32(self.period)
-    streams = self.plan.streams
-    served = self.plan.seed_layer(flat, self.values, first)
+    streams = self.treatment.streams
+    served = self.treatment.seed_layer(flat, self.values, first)
     counts = [flat[s.count] for s in streams]
     drew = [False] * len(streams)
     order = range(active)[::-1] if self.reverse else range(active)
     carry, ys = user_carry, [None] * active
     with tracing_user_code(self.what):
       tree, variables, roots = self.lifted.rebuild(flat, self.leaves)
-      self.plan.serve_names(served, variables)
+      self.treatment.serve_names(served, variables)
       for n, k in enumerate(order):
         if n:
-          counts = self.plan.reseed(
+          counts = self.treatment.reseed(
             variables, self.values, None if first is None else first + jnp.uint32(k)
           )
         before = carry
@@ -124,7 +124,7 @@ class CycleLoop(LayerLoop):
     full, p = self.full, self.period
     slices = []
     for i, k in zip(self.stacked, self.position):
-      value = _move_axis(self.values[i], self.plan.stacked_axis(i), 0)
+      value = _move_axis(self.values[i], self.treatment.stacked_axis(i), 0)
       slices.append(lax.index_in_dim(value, full if k < self.rest else 0, keepdims=False))
     x = (
       slices,
@@ -148,7 +148,7 @@ class CycleLoop(LayerLoop):
     for i, k in zip(self.stacked, self.position):
       if k >= self.rest or (i not in written and i not in tail):
         continue
-      value = _move_axis(self.values[i], self.plan.stacked_axis(i), 0)
+      value = _move_axis(self.values[i], self.treatment.stacked_axis(i), 0)
       head = written.get(i, lax.slice_in_dim(value, 0, self.full))
       last = tail.get(i, lax.index_in_dim(value, self.full, keepdims=False))
       out[i] = lax.concatenate([head, last[None]], 0)
@@ -230,14 +230,14 @@ def lift_loop(
   """
   positions = cycle(module) if isinstance(module, Module) else (module,)
   if len(positions) == 1:
-    lifted, variables, plan, leaves = lift_module_arg(
+    lifted, variables, treatment, leaves = lift_module_arg(
       module, what, rules, metadata_params, call_form
     )
-    stacked = stacked_sources(plan, lifted, variables)
+    stacked = stacked_sources(treatment, lifted, variables)
     n = resolve_length(what, None, list(sizes) + stacked, fallback=class_length(module) or fallback)
     return LayerLoop(
       lifted,
-      plan,
+      treatment,
       variables,
       leaves,
       what,
@@ -257,12 +257,12 @@ def lift_loop(
         f"stack has {n} layers. Fix: one entry per layer ({n}), or None in in_axes to "
         "give it whole to every layer."
       )
-  lifted, variables, plan, leaves = lift_module_arg(
+  lifted, variables, treatment, leaves = lift_module_arg(
     positions, what, rules, metadata_params, call_form, pattern=True
   )
   return CycleLoop(
     lifted,
-    plan,
+    treatment,
     variables,
     leaves,
     what,

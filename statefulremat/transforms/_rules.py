@@ -19,7 +19,7 @@ A *stream filter* (the keys of ``split_rngs``, the ``rngs`` of remat) is
 (``"dropout"``), a ``name -> bool`` callable, or a tuple of these. Names served by a
 ``default`` stream count under the name asked for: with ``sr.Rngs(0)`` and
 ``split_rngs={"params": True, "dropout": False}``, ``rngs.params()`` gives each
-iteration its own key and ``rngs.dropout()`` the same key to all (``Plan.serve_names``).
+iteration its own key and ``rngs.dropout()`` the same key to all (``Treatment.serve_names``).
 The class forms initialise their layers with ``params`` split unless ``split_rngs``
 names it (``Rules.for_init``), so the layers differ.
 """
@@ -104,7 +104,7 @@ class Rules:
     self.carry = to_predicate(variable_carry)
     entries = split_rngs.items() if isinstance(split_rngs, Mapping) else [(split_rngs, True)]
     self.split_entries = [(stream_predicate(f), bool(v), _explicit_names(f)) for f, v in entries]
-    # Collection names typed into a rule, checked against the modules (Plan).
+    # Collection names typed into a rule, checked against the modules (Treatment).
     self.typed_collections = [
       (label, name)
       for label, filters in (
@@ -208,7 +208,7 @@ class Stream:
   """An unstacked RNG stream found in the lifted graph: flat indices and whether split.
 
   ``serves``: it is an Rngs's ``default`` stream, so the names it serves are split or
-  not by their own rule (see ``Plan.serve_names``).
+  not by their own rule (see ``Treatment.serve_names``).
   """
 
   __slots__ = ("key", "count", "name", "split", "serves")
@@ -223,7 +223,7 @@ _INDEX_MAP: contextvars.ContextVar = contextvars.ContextVar("sr_index_map", defa
 
 @contextlib.contextmanager
 def layer_index_map(node, period, position):
-  """Inside: a Plan over the lone ``node`` seeds its layer ``j`` as layer
+  """Inside: a Treatment over the lone ``node`` seeds its layer ``j`` as layer
   ``j * period + position`` (``position`` may be traced): a pipeline stage's slice of
   a stack draws the keys of its layers' global indices."""
   token = _INDEX_MAP.set((node, (period, position)))
@@ -252,7 +252,7 @@ def _index_map(nodes) -> tuple[int, int] | None:
   return None if info is None or info.index_map == (1, 0) else info.index_map
 
 
-class Plan:
+class Treatment:
   """The treatment of every flat variable of one call, and the RNG streams."""
 
   def __init__(

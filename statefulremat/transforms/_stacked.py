@@ -45,27 +45,27 @@ from ..core._state import freeze, thaw_metadata
 from ..core._variables import Variable
 from ._class_form import subclass, transform_name
 from ._lift import lift, write_back
-from ._rules import STACKED, Plan, Rules
+from ._rules import STACKED, Rules, Treatment
 
 
-def layer_view(graphdef, plan: Plan, metadata_params: dict | None = None):
+def layer_view(graphdef, treatment: Treatment, metadata_params: dict | None = None):
   """The GraphDef of one layer of the lifted modules: each stacked root its layer
-  class, each variable the plan slices without its layer axis in the metadata.
+  class, each variable the treatment slices without its layer axis in the metadata.
 
-  A variable sliced by the plan that records no layer axis (a function-form scan over
+  A variable sliced by the treatment that records no layer axis (a function-form scan over
   a module whose arrays were stacked by hand) loses the ``partition_name`` of
   ``metadata_params`` from its ``sharding``, if there.
   """
   name = (metadata_params or {}).get("partition_name")
 
   def edit(i, frozen):
-    if plan.kinds[i] != STACKED:
+    if treatment.kinds[i] != STACKED:
       return frozen
     meta = thaw_metadata(frozen)
     if LAYER_AXIS not in meta:
       if name is None:
         return frozen
-      meta[LAYER_AXIS] = ((plan.axes[i], name),)
+      meta[LAYER_AXIS] = ((treatment.axes[i], name),)
     return freeze(unmark(meta))
 
   return layer_graphdef(graphdef, edit)
@@ -140,7 +140,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   mapped = _mapped_leaves(what, info.init_in_axes, args, length)
   lifted, in_vars, leaves, nodes = lift(args, kwargs)
   in_graphdef = lifted.graphdef
-  in_plan = Plan(rules.for_init(), in_graphdef, in_vars, nodes)
+  in_treatment = Treatment(rules.for_init(), in_graphdef, in_vars, nodes)
   in_values = [v._value for v in in_vars]
   n_in = len(in_vars)
   record: dict[str, Any] = {}
@@ -150,10 +150,10 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     for (k, _), value in zip(mapped, slices):
       mine[k] = value
     layer, changes = lifted.run(
-      info.layer_maker(), list(in_values), mine, what, seed=(in_plan, index)
+      info.layer_maker(), list(in_values), mine, what, seed=(in_treatment, index)
     )
     roots, changed = changes.roots, changes.values
-    counts = {s.count for s in in_plan.streams}
+    counts = {s.count for s in in_treatment.streams}
     for i in changed:
       if i not in counts:
         raise TransformError(
@@ -161,7 +161,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
           " of an argument. Constructor arguments are shared by every layer and "
           "read-only; only RNG streams may be drawn from."
         )
-    record["used"] = [s.count for s in in_plan.streams if s.count in changed]
+    record["used"] = [s.count for s in in_treatment.streams if s.count in changed]
     graphdef, variables = flatten(list(roots) + [layer])
     record["graphdef"] = graphdef
     new_vars = variables[n_in:]
@@ -170,7 +170,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     # rules like any variable, not split like the streams passed in.
     # rank_offset=1: the axes index the stacked value, which has one more axis than
     # a layer's (variable_axes={Param: -1} puts the layer axis last).
-    plan = Plan(
+    treatment = Treatment(
       rules,
       graphdef,
       variables,
@@ -180,25 +180,25 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
       rank_offset=1,
       display_path=lambda p: p[1:] if p and p[0] == prefix else p,
     )
-    record["plan"] = plan
+    record["treatment"] = treatment
     return [v._value for v in new_vars]
 
   firsts = [jnp.take(leaves[k], 0, axis=axis) for k, axis in mapped]
   jax.eval_shape(init_one, jnp.uint32(0), firsts)
-  in_plan.check_stream_names()
-  plan: Plan = record["plan"]
-  stacked = [k == STACKED for k in plan.kinds[n_in:]]
+  in_treatment.check_stream_names()
+  treatment: Treatment = record["treatment"]
+  stacked = [k == STACKED for k in treatment.kinds[n_in:]]
   if length is None:
     if any(stacked):
-      first = plan.kinds.index(STACKED)
+      first = treatment.kinds.index(STACKED)
       raise TransformError(
-        f"{what}: `{format_path(plan.display_path(record['graphdef'].var_paths[first]))}` "
+        f"{what}: `{format_path(treatment.display_path(record['graphdef'].var_paths[first]))}` "
         "is stacked by variable_axes, so the number of layers must be known at init: "
         f"pass `length=` (or `axis_size=`) to the transform."
       )
     values = init_one(jnp.uint32(0), firsts)
   else:
-    out_axes = [plan.axes[n_in + j] if s else None for j, s in enumerate(stacked)]
+    out_axes = [treatment.axes[n_in + j] if s else None for j, s in enumerate(stacked)]
     try:
       values = jax.vmap(
         init_one, in_axes=(0, [axis for _, axis in mapped]), out_axes=out_axes, axis_size=length
@@ -207,7 +207,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
       if "out_axes" not in str(e):
         raise
       kept = [
-        format_path(plan.display_path(record["graphdef"].var_paths[n_in + j]))
+        format_path(treatment.display_path(record["graphdef"].var_paths[n_in + j]))
         for j, s in enumerate(stacked)
         if not s
       ]
@@ -229,7 +229,9 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   graphdef = rewrite(
     record["graphdef"],
     root_classes={-1: cls},
-    metadata=lambda i, m: mark_frozen(m, plan.axes[i], name) if plan.kinds[i] == STACKED else m,
+    metadata=lambda i, m: (
+      mark_frozen(m, treatment.axes[i], name) if treatment.kinds[i] == STACKED else m
+    ),
   )
   objects: list = []
   flatten(nodes, objects=objects)
@@ -276,8 +278,10 @@ class LayerRules:
   def classify(self, graphdef, variables, layer) -> dict[int, int]:
     """How ``sr.stack(layers, like=StackedClass)`` learns which variables to stack:
     the class's rules, as at its init (``{flat index: layer axis}``)."""
-    plan = Plan(self.rules, graphdef, variables, [layer], rank_offset=1)
-    return {i: plan.stacked_axis(i) for i, kind in enumerate(plan.kinds) if kind == STACKED}
+    treatment = Treatment(self.rules, graphdef, variables, [layer], rank_offset=1)
+    return {
+      i: treatment.stacked_axis(i) for i, kind in enumerate(treatment.kinds) if kind == STACKED
+    }
 
   def seed_layer(self, layer, index, shared: set[int]) -> dict[int, Any]:
     """How ``stack.layer(i)`` gives layer ``i`` the keys it draws inside the stack.
@@ -292,22 +296,22 @@ class LayerRules:
     stack's own stream back.
     """
     graphdef, variables = flatten([layer])
-    plan = Plan(self.rules, graphdef, variables, [layer], rank_offset=1)
+    treatment = Treatment(self.rules, graphdef, variables, [layer], rank_offset=1)
     # A stream with one key per layer (stacked by the init) is the layer's own already.
-    plan.streams = [s for s in plan.streams if s.key in shared]
-    if not plan.streams:
+    treatment.streams = [s for s in treatment.streams if s.key in shared]
+    if not treatment.streams:
       return {}
     values = [v._value for v in variables]
     flat = list(values)
-    served = plan.seed_layer(flat, values, jnp.uint32(index))
-    plan.serve_names(served, variables)
+    served = treatment.seed_layer(flat, values, jnp.uint32(index))
+    treatment.serve_names(served, variables)
     # The copy asks its class whether a name splits (the same rules): it pickles.
     for _, node in iter_graph(layer):
       keys = vars(node).get(LAYER_KEYS) if isinstance(node, Module) else None
       if keys is not None:
         keys.splits = self.splits
     before = {}
-    for s in plan.streams:
+    for s in treatment.streams:
       for i in (s.key, s.count):
         before[i] = values[i]
         variables[i]._value = flat[i]

@@ -11,7 +11,7 @@ from ...core._stacks import layer_axis
 from .._rules import TransformError
 
 
-def refuse_mapping_plain(what, lifted, plan, variables, stacked) -> None:
+def refuse_mapping_plain(what, lifted, treatment, variables, stacked) -> None:
   """Under the default ``variable_axes``, mapping a Variable that carries no layer axis
   would hand each example one row of a parameter: the per-example case
   (``sr.vmap(lambda m, x: m(x))(linear, xs)``) computes wrong numbers of the right
@@ -20,7 +20,7 @@ def refuse_mapping_plain(what, lifted, plan, variables, stacked) -> None:
     var = variables[i]
     if layer_axis(var) is not None:
       continue
-    path = format_path(plan.display_path(lifted.graphdef.var_paths[i]))
+    path = format_path(treatment.display_path(lifted.graphdef.var_paths[i]))
     kind = filter_repr(type(var))
     raise TransformError(
       f"{what}: `{path}` ({type(var).__name__}, shape {tuple(jnp.shape(var._value))}) belongs to a "

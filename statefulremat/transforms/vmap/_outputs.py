@@ -143,7 +143,7 @@ def _placed_axis(what, placed, var_path, value) -> int:
   return axis % ndim
 
 
-def check_returned_inputs(what, out, out_axes, module, plan, values) -> None:
+def check_returned_inputs(what, out, out_axes, module, treatment, values) -> None:
   """nnx's consistent aliasing between inputs and outputs: a module (or Variable) of
   the module argument that the function returns comes back as the caller's own
   object, laid out as ``variable_axes`` maps it, so an ``out_axes`` that puts a mapped
@@ -163,10 +163,10 @@ def check_returned_inputs(what, out, out_axes, module, plan, values) -> None:
     graphdef, variables = flatten([leaf])
     for var_path, var in zip(graphdef.var_paths, variables):
       i = index.get(id(var))
-      if i is None or plan.kinds[i] != STACKED:
+      if i is None or treatment.kinds[i] != STACKED:
         continue
       ndim = jnp.ndim(values[i])
-      mapped = plan.axes[i] % ndim
+      mapped = treatment.axes[i] % ndim
       if isinstance(axis, int) and -ndim <= axis < ndim and axis % ndim == mapped:
         continue
       at = jax.tree_util.keystr(path)

@@ -37,7 +37,7 @@ def vmap_pattern(
   metadata_params,
 ) -> Any:
   counts = check_positions(stack, what)
-  lifted, variables, plan, leaves = lift_module_arg(
+  lifted, variables, treatment, leaves = lift_module_arg(
     cycle(stack), what, rules, metadata_params, "f(module, *args)", pattern=True
   )
   n, period = sum(counts), len(counts)
@@ -72,8 +72,8 @@ def vmap_pattern(
         )
   values = [v._value for v in variables]
   paths = lifted.graphdef.var_paths
-  stacked = plan.indices(STACKED)
-  counts_of = {s.count for s in plan.streams}
+  stacked = treatment.indices(STACKED)
+  counts_of = {s.count for s in treatment.streams}
   used: set[int] = set()
   changed: dict[int, Any] = {}
   outs = []
@@ -90,7 +90,7 @@ def vmap_pattern(
         flat,
         leaves,
         what,
-        seed=(plan, index),
+        seed=(treatment, index),
       )
       wrote = changes.values
       for i in wrote:
@@ -111,14 +111,14 @@ def vmap_pattern(
     )
     out, written = jax.vmap(
       one,
-      in_axes=([plan.axes[i] for i in mine], 0, tuple(arg_axes)),
+      in_axes=([treatment.axes[i] for i in mine], 0, tuple(arg_axes)),
       out_axes=(out_axes, 0),
       axis_size=counts[k],
       axis_name=axis_name,
     )([values[i] for i in mine], members.astype(jnp.uint32), sliced)
     outs.append(out)
-    changed.update({i: jnp.moveaxis(v, 0, plan.stacked_axis(i)) for i, v in written.items()})
-  plan.check_stream_names()
+    changed.update({i: jnp.moveaxis(v, 0, treatment.stacked_axis(i)) for i, v in written.items()})
+  treatment.check_stream_names()
   out = _member_order(what, outs, out_axes, n, period, names)
   for i in used:
     changed[i] = values[i] + jnp.uint32(1)

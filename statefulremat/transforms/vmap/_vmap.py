@@ -261,11 +261,11 @@ def _vmap_function(
         axis_name=axis_name,
         metadata_params=metadata_params,
       )
-    lifted, variables, plan, leaves = lift_module_arg(
+    lifted, variables, treatment, leaves = lift_module_arg(
       module, what, call_rules, metadata_params, "f(module, *args)"
     )
     values = [v._value for v in variables]
-    stacked = plan.indices(STACKED)
+    stacked = treatment.indices(STACKED)
     arg_axes = call_axes if isinstance(call_axes, (tuple, list)) else (call_axes,) * len(args)
     if len(arg_axes) != len(args):
       raise TransformError(
@@ -275,8 +275,8 @@ def _vmap_function(
         "(an axis, or None to broadcast it)."
       )
     if by_default:
-      refuse_mapping_plain(what, lifted, plan, variables, stacked)
-    sources = stacked_sources(plan, lifted, variables)
+      refuse_mapping_plain(what, lifted, treatment, variables, stacked)
+    sources = stacked_sources(treatment, lifted, variables)
     for j, (a, ax) in enumerate(zip(args, arg_axes)):
       if isinstance(ax, int):
         for leaf in jax.tree.leaves(a):
@@ -306,22 +306,22 @@ def _vmap_function(
 
       def call(module):
         out = fn(module, *call_args, **kwargs)
-        check_returned_inputs(what, out, out_axes, module, plan, values)
+        check_returned_inputs(what, out, out_axes, module, treatment, values)
         return out
 
       # Modules made inside and returned come out stacked (after the call).
       out, changes = lifted.run(
-        call, flat, leaves, what, seed=(plan, index), restructure=True, outputs=True
+        call, flat, leaves, what, seed=(treatment, index), restructure=True, outputs=True
       )
       if changes.structure is not None:
         record["structure"] = changes.structure
       changed, made = changes.values, changes.made
-      counts = {s.count for s in plan.streams}
+      counts = {s.count for s in treatment.streams}
       shared = {}
       for i in changed:
         if i in counts:
           used.add(i)
-        elif plan.kinds[i] != STACKED:
+        elif treatment.kinds[i] != STACKED:
           shared[i] = changed[i]
       record["shared"] = sorted(shared)
       return out, {i: changed[i] for i in stacked if i in changed}, shared, made
@@ -333,7 +333,7 @@ def _vmap_function(
     # out_axes=None, which JAX refuses for a value that varies along the axis.
     mapped = jax.vmap(
       one,
-      in_axes=([plan.axes[i] for i in stacked], 0, tuple(arg_axes)),
+      in_axes=([treatment.axes[i] for i in stacked], 0, tuple(arg_axes)),
       out_axes=(out_axes, 0, None, 0),
       axis_size=n,
       axis_name=axis_name,
@@ -344,8 +344,8 @@ def _vmap_function(
       if not record.get("shared") or "out_axes" not in str(e):
         raise
       refuse_shared_write(what, lifted, variables, record["shared"])
-    plan.check_stream_names()
-    changed = {i: jnp.moveaxis(v, 0, plan.stacked_axis(i)) for i, v in written.items()}
+    treatment.check_stream_names()
+    changed = {i: jnp.moveaxis(v, 0, treatment.stacked_axis(i)) for i, v in written.items()}
     changed.update(shared)
     for i in used:
       changed[i] = values[i] + jnp.uint32(1)

@@ -1,0 +1,111 @@
+"""One cache per graph: what is worked out from a structure, and each graph's walk.
+
+Two things are expensive to redo and depend only on a graph's structure:
+
+* **per structure** (``per_structure``): what the floors derive from a GraphDef, such
+  as the typed view, unflatten's build plan, the pytree keys. Equal GraphDefs share one
+  dictionary of these (``sr.split`` makes a new GraphDef on every call), and equal
+  GraphDefs are made one object (``canonical``): JAX compares a call's tree structure
+  with the one it compiled for, and two models of one structure then compare by
+  identity.
+* **per graph** (``walk_of`` / ``remember``): for live roots, their GraphDef and their
+  Variables in walk order. A raw JAX call flattens its modules each time, and a
+  transform inside another receives exactly the roots the outer one rebuilt; walking
+  the graph again costs microseconds per Variable. An entry holds while no structure
+  changed anywhere (``structure_epoch``: every change to a module's attributes, a
+  tracked container or a Variable's metadata bumps it) and goes with its roots:
+  modules refuse hashing, so entries are keyed by ``id`` and guarded by weak
+  references; nothing is stored on the modules.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from ._tracing import structure_epoch
+
+# -- per structure ------------------------------------------------------------------
+
+_canonical: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def canonical(graphdef):
+  """The one object of all GraphDefs equal to ``graphdef`` (``graphdef`` if first)."""
+  return _canonical.setdefault(graphdef, graphdef)
+
+
+def per_structure(graphdef) -> dict:
+  """The dictionary of what is derived from ``graphdef``'s structure, shared by every
+  GraphDef equal to it. Keys name what is kept (``"nodes"``, ``"build"``, ...)."""
+  cache = graphdef._derived
+  if cache is None:
+    first = canonical(graphdef)
+    if first._derived is None:
+      first._derived = {}
+    cache = graphdef._derived = first._derived
+  return cache
+
+
+# -- per graph ----------------------------------------------------------------------
+
+
+class Walk(weakref.ref):
+  """A graph's entry: a weak reference to its first root (the entry goes when any root
+  does) with the GraphDef and the Variables, valid while the structure epoch is
+  ``epoch``."""
+
+  __slots__ = ("epoch", "graphdef", "variables", "key", "others")
+
+
+walks: dict[Any, Walk] = {}  # id(root), or the ids of several roots walked together
+
+
+def _forget(ref: weakref.ref, key=None, walks=walks) -> None:
+  # `walks` bound here: at interpreter exit the module's globals may be gone first.
+  key = ref.key if key is None else key  # type: ignore[attr-defined]
+  walk = walks.get(key)
+  if walk is not None and (walk is ref or ref in walk.others):  # not a newer graph's
+    walks.pop(key, None)
+
+
+def remember(roots: Sequence[Any], epoch: int, graphdef, variables: list) -> Walk | None:
+  """Notes that ``roots`` walk to ``graphdef`` and ``variables`` while ``epoch`` holds.
+
+  Only graphs of modules are kept (a list or dict root cannot be referred to weakly).
+  """
+  if not roots:
+    return None
+  try:
+    walk = Walk(roots[0], _forget)
+    if len(roots) == 1:
+      walk.key, walk.others = id(roots[0]), ()
+    else:
+      walk.key = key = tuple(map(id, roots))
+      walk.others = tuple(weakref.ref(r, lambda ref, k=key: _forget(ref, k)) for r in roots[1:])
+  except TypeError:
+    return None
+  walk.epoch, walk.graphdef, walk.variables = epoch, graphdef, variables
+  walks[walk.key] = walk
+  return walk
+
+
+def walk_of(roots: Sequence[Any]) -> Walk | None:
+  """The entry of ``roots`` if it still holds (no structure changed since), else None."""
+  if len(roots) == 1:
+    walk = walks.get(id(roots[0]))
+    others = ()
+  elif not roots:
+    return None
+  else:
+    walk = walks.get(tuple(map(id, roots)))
+    others = roots[1:]
+  if (
+    walk is None
+    or walk.epoch != structure_epoch.value
+    or walk() is not roots[0]
+    or any(ref() is not r for ref, r in zip(walk.others, others))
+  ):
+    return None
+  return walk
