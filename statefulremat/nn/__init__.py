@@ -48,6 +48,8 @@ from ._cells import SimpleCell as SimpleCell
 from ._conv import Conv as Conv
 from ._conv_transpose import ConvTranspose as ConvTranspose
 from ._dropout import Dropout as Dropout
+from ._dtypes import canonicalize_dtype as canonicalize_dtype
+from ._dtypes import promote_dtype as promote_dtype
 from ._einsum import Einsum as Einsum
 from ._embed import Embed as Embed
 from ._group_norm import GroupNorm as GroupNorm
@@ -76,6 +78,9 @@ from ._weight_norms import WeightNorm as WeightNorm
 
 # Pickles and reprs name the public path (statefulremat.nn.Linear), not a file that may move.
 _name_public_classes(globals(), __name__)
+# Every layer holds `promote_dtype` (its default) as an attribute, so a pickled layer
+# names the function too: by its public path.
+promote_dtype.__module__ = canonicalize_dtype.__module__ = __name__
 
 
 def __getattr__(name: str):

@@ -16,9 +16,8 @@ import jax.numpy as jnp
 def canonicalize_dtype(*args: Any, dtype: Any = None, inexact: bool = True) -> Any:
   """The dtype ``args`` should be cast to: ``dtype`` if given, else their promotion.
 
-  >>> import jax.numpy as jnp
-  >>> from statefulremat.nn._dtypes import canonicalize_dtype
-  >>> canonicalize_dtype(jnp.ones(2, jnp.int32), None)
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> sr.nn.canonicalize_dtype(jnp.ones(2, jnp.int32), None)
   dtype('float32')
   """
   if dtype is None:
@@ -36,9 +35,8 @@ def promote_dtype(args: tuple, /, *, dtype: Any = None, inexact: bool = True) ->
   The signature is flax.nnx's ``promote_dtype``, so either can be passed as a layer's
   ``promote_dtype``.
 
-  >>> import jax.numpy as jnp
-  >>> from statefulremat.nn._dtypes import promote_dtype
-  >>> x, w, b = promote_dtype((jnp.ones(2, jnp.bfloat16), jnp.ones(2), None))
+  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> x, w, b = sr.nn.promote_dtype((jnp.ones(2, jnp.bfloat16), jnp.ones(2), None))
   >>> x.dtype, w.dtype, b
   (dtype('float32'), dtype('float32'), None)
   """
