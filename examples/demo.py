@@ -223,7 +223,18 @@ def _write_outputs(model, losses: list[float], out: Path) -> dict[str, Path]:
   sr.save(checkpoint, model)
 
   page = out / "stacked_state.html"
-  sr.display(model.blocks, path=page)  # draws as it loads; its text where no script runs
+  layers = len(model.blocks)
+  sr.display(  # draws as it loads; its text where no script runs
+    model.blocks,
+    path=page,
+    title=f"The {layers} residual blocks of the demo, after {len(losses)} training steps",
+    description=(
+      "The trained state of the remat_scan stack that examples/demo.py builds. Each "
+      f"Variable holds all {layers} layers along its layer axis: a bias or a BatchNorm "
+      "statistic is drawn as one layers × features image, a kernel one layer at a time "
+      "(the slider picks which) beside the norm of each layer."
+    ),
+  )
 
   plot = out / "loss.png"
   fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -247,6 +247,8 @@ def test_without_javascript_the_page_shows_the_tree_as_text(page):
   finally:
     browser.quit()
   assert "(Loading...)" not in text
-  assert text.startswith(f"RematScan[NormBlock] × {LAYERS}(\n"), text[:200]
+  heading, _, tree = text.partition("\n")  # the page's heading names the model
+  assert heading == f"RematScan[NormBlock] × {LAYERS}", text[:200]
+  assert tree.lstrip("\n").startswith(f"RematScan[NormBlock] × {LAYERS}(\n"), text[:200]
   assert f"mean=BatchStat(\n      value=<jax.Array float32(layers:{LAYERS}, {FEATURES}) ≈" in text
   assert png.stat().st_size > 10_000  # the text drawn, not a blank page

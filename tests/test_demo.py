@@ -54,6 +54,9 @@ def test_demo_trains_compares_memory_and_writes_its_files(tmp_path, capsys, monk
 
   page = (out / "stacked_state.html").read_text(encoding="utf-8")
   assert "<script" in page
+  # A heading says what the page shows, a sentence under it where it comes from.
+  heading = "The 6 residual blocks of the demo, after 30 training steps"
+  assert f"<title>{heading}</title>" in page and f"<h1>{heading}</h1>\n<p>The trained " in page
   assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

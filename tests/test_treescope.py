@@ -47,14 +47,14 @@ def test_stacked_module_names_its_layer_axis():
     text(stack)
     == """\
 Vmap[Tiny] × 3(
-  count=BatchStat(
-    value=<jax.Array float32(layers:3) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:3>,
-  ),
-  label='tiny',
   w=Param(
     value=<jax.Array float32(layers:3, embed:2, 2) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:12>,
     sharding=('embed', None),
   ),
+  count=BatchStat(
+    value=<jax.Array float32(layers:3) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:3>,
+  ),
+  label='tiny',
 )"""
   )
 
@@ -320,19 +320,20 @@ def test_the_demo_page_opens_on_the_layers_and_folds_the_rng_streams():
     page = text(model.blocks)  # the layout the HTML page opens with
   assert page.startswith("""\
 RematScan[Block] × 100(
-  drop=Dropout(
-    rate=0.1,
-    rngs=Rngs(params=…, dropout=…),
-    # 3 at defaults: broadcast_dims, deterministic, rng_collection
+  norm=BatchNorm(
+    mean=BatchStat(value=<float32(layers:100, 8) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:800>),
+    var=BatchStat(value=<float32(layers:100, 8) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:800>),
+    scale=Param(value=<float32(layers:100, 8) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:800>),
+    bias=Param(value=<float32(layers:100, 8) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:800>),
+    num_features=8,
+    momentum=0.9,
+    # 11 at defaults: use_running_average, axis, epsilon, dtype, param_dtype, …
   ),
   fc1=Linear(
-    bias=Param(value=<float32(layers:100, 8) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:800>),
-    in_features=8,
     kernel=Param(value=<float32(layers:100, 8, 8) ≈""")
-  for line in (
-    "  norm=BatchNorm(\n",
-    "    momentum=0.9,\n",
-    "    # 11 at defaults: axis, axis_index_groups, axis_name, dtype, epsilon, …",
+  for line in (  # in the order Block.__init__ sets them, as repr(block) shows
+    "  drop=Dropout(\n    rate=0.1,\n    rngs=Rngs(params=…, dropout=…),\n",
+    "    # 3 at defaults: broadcast_dims, deterministic, rng_collection\n  ),\n  fc2=Linear(",
   ):
     assert line in page
 
@@ -445,14 +446,14 @@ def test_a_stack_reads_in_shape_order_with_its_axes_named_in_place():
     repr(stack)
     == """\
 Scan[Linear] × 4(
-  bias=Param(
-    value=<jax.Array float32(layers:4, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:12>,
-  ),
-  in_features=2,
   kernel=Param(
     value=<jax.Array float32(layers:4, embed:2, mlp:3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:24>,
     sharding=('layers', 'embed', 'mlp'),
   ),
+  bias=Param(
+    value=<jax.Array float32(layers:4, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:12>,
+  ),
+  in_features=2,
   out_features=3,
 )"""
   )
@@ -480,14 +481,14 @@ def test_a_stack_of_stacks_names_both_layer_axes_and_both_classes():
     repr(nested)
     == """\
 Vmap[Scan[Tiny] × 2] × 3(
-  count=BatchStat(
-    value=<jax.Array float32(layers:3) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:3>,
-  ),
-  label='tiny',
   w=Param(
     value=<jax.Array float32(layers:3, layers:2, embed:2, 2) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:24>,
     sharding=('embed', None),
   ),
+  count=BatchStat(
+    value=<jax.Array float32(layers:3) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:3>,
+  ),
+  label='tiny',
 )"""
   )
 
@@ -500,24 +501,24 @@ def test_a_pattern_stack_names_its_classes_and_each_position_its_layers():
 Vmap[Tiny, Tiny](  # 3 layers: (Tiny, Tiny) × 1 + (Tiny)
   pattern=(
     Vmap[Tiny] × 2(  # position 0 of 2: Tiny, 2 layers (0, 2)
-      count=BatchStat(
-        value=<jax.Array float32(layers:2) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:2>,
-      ),
-      label='tiny',
       w=Param(
         value=<jax.Array float32(layers:2, embed:2, 2) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:8>,
         sharding=('embed', None),
       ),
-    ),
-    Vmap[Tiny] × 1(  # position 1 of 2: Tiny, 1 layer (1)
       count=BatchStat(
-        value=<jax.Array float32(layers:1) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:1>,
+        value=<jax.Array float32(layers:2) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:2>,
       ),
       label='tiny',
+    ),
+    Vmap[Tiny] × 1(  # position 1 of 2: Tiny, 1 layer (1)
       w=Param(
         value=<jax.Array float32(layers:1, embed:2, 2) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:4>,
         sharding=('embed', None),
       ),
+      count=BatchStat(
+        value=<jax.Array float32(layers:1) ≈1.0 ±0.0 [≥1.0, ≤1.0] nonzero:1>,
+      ),
+      label='tiny',
     ),
   ),
 )"""

@@ -57,7 +57,9 @@ print(repr(layer))
 
 # %% [markdown]
 # `treescope.render_to_text` gives the full text, small arrays printed in full. A
-# `State` shows only the variables, keyed by path:
+# `State` shows only the variables, keyed by path. (In a notebook that draws arrays as
+# figures, the text writes each figure as the line it folds to: dtype, shape and
+# statistics.)
 
 # %%
 print(treescope.render_to_text(layer.kernel))

@@ -244,11 +244,12 @@ def flatten(
       index[id(obj)] = len(index)
       objects.append(obj)
       attrs = vars(obj)
-      return (
-        _NODE,
-        type(obj),
-        tuple((k, walk(attrs[k], path + (k,))) for k in sorted(attrs) if not is_bookkeeping(k)),
-      )
+      names = [k for k in attrs if not is_bookkeeping(k)]
+      node = (_NODE, type(obj), tuple((k, walk(attrs[k], path + (k,))) for k in sorted(names)))
+      # The walk goes in sorted order (the Variables' numbering must not depend on the
+      # order attributes were set), but a rebuilt module keeps its definition order, as
+      # `repr` and `vars` show it: noted only where it differs.
+      return node if names == sorted(names) else (*node, tuple(names))
     if isinstance(obj, list):
       return (_LIST, type(obj), tuple(walk(x, path + (i,)) for i, x in enumerate(obj)))
     if isinstance(obj, tuple):
@@ -279,12 +280,12 @@ def rewrite(
       count[0] += 1
       return d if metadata is None else (_VAR, d[1], metadata(i, d[2]))
     if tag == _NODE or tag == _DICT:
-      return (tag, d[1], tuple((k, walk(sub)) for k, sub in d[2]))
+      return (tag, d[1], tuple((k, walk(sub)) for k, sub in d[2]), *d[3:])
     if tag == _LIST or tag == _TUPLE:
       return (tag, d[1], tuple(walk(sub) for sub in d[2]))
     return d
 
   tree = [walk(d) for d in graphdef.tree]
   for position, cls in (root_classes or {}).items():
-    tree[position] = (tree[position][0], cls, tree[position][2])
+    tree[position] = (tree[position][0], cls, *tree[position][2:])
   return GraphDef(tuple(tree), graphdef.var_paths)

@@ -82,6 +82,8 @@ def unflatten(
       node = object.__new__(d[1])
       objects.append(node)
       attrs = {k: build(sub) for k, sub in d[2]}
+      if len(d) > 3:  # built in the walk's order, kept in the definition order
+        attrs = {k: attrs[k] for k in d[3]}
       for k, v in attrs.items():
         _record_owners(node, v, (k,))
       node.__dict__.update(attrs)
@@ -204,6 +206,8 @@ class _Plan:
           direct.append((name, spec[1]))
         elif spec[0] != _CONST:
           built.append((name, spec))
+      if len(order[k]) > 3:  # the module's definition order (see `_graph.flatten`)
+        template = {name: template[name] for name in order[k][3]}
       if link(k) is not None:
         template[OWNER] = None
       fills.append((template, tuple(direct), tuple(built), link(k)))

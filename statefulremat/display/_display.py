@@ -12,7 +12,14 @@ from typing import Any
 from ._figures import autovisualizer
 
 
-def display(obj: Any, *, arrays: str = "stacked", path: str | os.PathLike | None = None) -> None:
+def display(
+  obj: Any,
+  *,
+  arrays: str = "stacked",
+  path: str | os.PathLike | None = None,
+  title: str | None = None,
+  description: str | None = None,
+) -> None:
   """Shows ``obj`` with treescope: a foldable, coloured tree in a notebook (IPython),
   its text elsewhere; with ``path``, writes that view as an HTML page instead.
 
@@ -25,8 +32,23 @@ def display(obj: Any, *, arrays: str = "stacked", path: str | os.PathLike | None
   Outside a notebook it prints the repr's text.
 
   The page at ``path`` is self-contained and draws at once when opened (no loading
-  step a screenshot could catch); where no script runs (a browser with JavaScript
+  step a screenshot could catch); it opens with a heading, ``title``, and the
+  sentence ``description`` under it; where no script runs (a browser with JavaScript
   off, a static preview) it shows the repr's text.
+
+  Args:
+    obj: what to show: a module, Variable, ``State``, ``GraphDef`` or any value
+      treescope draws.
+    arrays: which arrays are drawn as figures: ``"stacked"`` (the layer axis of a
+      stack), ``"all"`` or ``"none"``.
+    path: where to write the page; ``None`` shows ``obj`` instead.
+    title: the page's heading (``<h1>``) and title; ``None`` names ``obj``, as its
+      tree does (``RematScan[Block] × 100``). Only with ``path``.
+    description: a sentence under the heading saying what the page shows; ``None``
+      for none. Only with ``path``.
+
+  Raises:
+    ValueError: ``arrays`` is none of the three.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.display(sr.Param(jnp.zeros(2)))  # outside a notebook: the text
@@ -37,7 +59,8 @@ def display(obj: Any, *, arrays: str = "stacked", path: str | os.PathLike | None
   from treescope.external import jax_support
 
   if path is not None:
-    pathlib.Path(path).write_text(page(obj, arrays=arrays), encoding="utf-8")
+    text = page(obj, arrays=arrays, title=title, description=description)
+    pathlib.Path(path).write_text(text, encoding="utf-8")
     return
   from ._treescope import compact_text
 
@@ -50,15 +73,20 @@ def display(obj: Any, *, arrays: str = "stacked", path: str | os.PathLike | None
     treescope.display(obj, autovisualize=visualizer if visualizer else False)
 
 
-def page(obj: Any, *, arrays: str = "stacked") -> str:
+def page(
+  obj: Any, *, arrays: str = "stacked", title: str | None = None, description: str | None = None
+) -> str:
   """``obj``'s treescope view as a self-contained HTML page (what ``sr.display(obj,
-  path=...)`` writes): every Variable open on its figure, uncompressed, so it draws
-  as it loads, and with the repr's text inside ``<noscript>`` for a browser that runs
-  no script.
+  path=...)`` writes): a heading (``title``, else ``obj``'s name as its tree gives
+  it) and ``description``; every Variable open on its figure, uncompressed, so it
+  draws as it loads, and with the repr's text inside ``<noscript>`` for a browser that
+  runs no script.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> from statefulremat.display._display import page
-  >>> html = page(sr.Param(jnp.zeros(2)))
+  >>> html = page(sr.Param(jnp.zeros(2)), description="A Param of two zeros.")
+  >>> "<h1>Param</h1>" in html and "<p>A Param of two zeros.</p>" in html
+  True
   >>> "<noscript>" in html and "Param(value=&lt;jax.Array([0., 0.], dtype=float32)&gt;)" in html
   True
   """
@@ -77,11 +105,30 @@ def page(obj: Any, *, arrays: str = "stacked") -> str:
   ):
     body = treescope.render_to_html(obj, compressed=False)
   text = html.escape(compact_text(obj))
+  heading = html.escape(title if title is not None else _name(obj))
+  intro = f"<h1>{heading}</h1>\n"
+  if description:
+    intro += f"<p>{html.escape(description)}</p>\n"
   return (
     '<!DOCTYPE html>\n<html><head><meta charset="utf-8">'
-    f"<title>{html.escape(type(obj).__name__)}</title></head><body>\n"
+    f"<title>{heading}</title>{_STYLE}</head><body>\n{intro}"
     f'<noscript><pre class="sr-text">{text}</pre></noscript>\n{body}\n</body></html>\n'
   )
+
+
+# The heading and its sentence in the page's sans-serif, as wide as the tree's text.
+_STYLE = (
+  "<style>body > h1, body > p {font-family: system-ui, sans-serif; max-width: 50em}"
+  " body > h1 {font-size: 1.5em; margin-bottom: 0.3em}</style>"
+)
+
+
+def _name(obj: Any) -> str:
+  """``obj`` named as its tree names it: ``RematScan[Block] × 100``, ``Param``."""
+  from ..core._module import Module
+  from ._repr import module_text
+
+  return module_text(obj) if isinstance(obj, Module) else type(obj).__name__
 
 
 def _in_notebook() -> bool:

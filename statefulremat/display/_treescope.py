@@ -11,7 +11,9 @@ treescope internals); Variables are coloured by collection. Three things are our
   ``layers``. The value is wrapped in a ``LayeredArray``, which treescope's array
   visualiser reads through an ``NDArrayAdapter``, so the HTML figure labels its axes
   with the same names;
-* every array shows its statistics, the big ones too (``_treescope_arrays``);
+* every array shows its statistics, the big ones too (``_treescope_arrays``), and
+  where arrays are drawn as figures, the text of the view writes each figure as the
+  line it folds to, never as ``<Arrayviz rendering>`` (``_figure_text``);
 * a module or Variable reached twice (shared) is drawn once, with a comment naming
   its other places (``# shared: also at tied``); later places say where it is drawn:
   ``Param(<shared: drawn at first.w>)`` (and treescope's own "repeated object"
@@ -32,7 +34,6 @@ treescope is imported on first render, so ``import statefulremat`` stays light.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from typing import Any
 
@@ -56,13 +57,18 @@ def compact_text(obj) -> str:
   """treescope's text for ``obj``, Variables' long arrays folded to one-line summaries.
 
   Any node wider than treescope's target width goes on several lines, however tall
-  that makes the text (text cannot be unfolded later, as HTML can).
+  that makes the text (text cannot be unfolded later, as HTML can). No array is drawn
+  as a figure, whatever autovisualizer is active (a notebook's): text has none.
   """
   import treescope
 
   token = _COMPACT.set(True)
   try:
-    with treescope.using_expansion_strategy(max_height=None):
+    with (
+      treescope.using_expansion_strategy(max_height=None),
+      # Text draws no figure: a notebook's autovisualizer would leave placeholders.
+      treescope.active_autovisualizer.set_scoped(None),
+    ):
       return treescope.render_to_text(obj)
   finally:
     _COMPACT.reset(token)
@@ -169,8 +175,9 @@ class _Text:
 
 
 def render_module(module, path, subtree_renderer):
-  from ._pattern_names import pattern_names
-  from ._repr import module_text, pattern_text, position_text, settings_at_defaults
+  import treescope
+
+  from ._figure_text import drawing_scope
 
   first = _FIRST.get()
   tokens = []
@@ -178,48 +185,57 @@ def render_module(module, path, subtree_renderer):
     first = _first_paths(module)
     tokens.append((_FIRST, _FIRST.set(first)))
   try:
-    here = first.get(id(module), [()])[0]
-    own = _attributes(module)
-    at_defaults = set(settings_at_defaults(module, own))
-    attributes = {k: _mark_shared(v, here + (k,), first) for k, v in own.items()}
-    shown = {k: v for k, v in attributes.items() if k not in at_defaults}
-    # A stack of a repeating pattern draws its cycle once, as its positions: each
-    # says which layers of the whole stack it holds.
-    pattern = pattern_text(module)
-    comment = pattern or position_text(module)
-    # What the short labels of a long pattern stand for, a line each.
-    legend = pattern_names(module).legend if pattern else ()
-    positions = shown.get("pattern")
-    if comment and isinstance(positions, tuple):
-      shown["pattern"] = tuple(positions)  # drawn as the tuple it is
-    if _COMPACT.get():  # a repr: what differs from the defaults, laid out as it fits
-      rendering = _constructor(
-        type(module),
-        shown,
-        {},
-        path,
-        subtree_renderer,
-        comment=comment,
-        title=module_text(module),
-        legend=legend,
-      )
-    else:
-      folded = {k: v for k, v in attributes.items() if k in at_defaults}
-      rendering = _constructor(
-        type(module),
-        shown,
-        folded,
-        path,
-        subtree_renderer,
-        plumbing=_is_rng_plumbing(module),
-        comment=comment,
-        title=module_text(module),
-        legend=legend,
-      )
-    return _with_other_places(rendering, first.get(id(module), ()))
+    # An array attribute's figure, if any, reads as its folded line in text.
+    with drawing_scope(treescope.active_autovisualizer):
+      return _render_module(module, path, subtree_renderer, first)
   finally:
     for var, token in reversed(tokens):
       var.reset(token)
+
+
+def _render_module(module, path, subtree_renderer, first: dict):
+  from ._pattern_names import pattern_names
+  from ._repr import module_text, pattern_text, position_text, settings_at_defaults
+
+  here = first.get(id(module), [()])[0]
+  own = _attributes(module)
+  at_defaults = set(settings_at_defaults(module, own))
+  attributes = {k: _mark_shared(v, here + (k,), first) for k, v in own.items()}
+  shown = {k: v for k, v in attributes.items() if k not in at_defaults}
+  # A stack of a repeating pattern draws its cycle once, as its positions: each
+  # says which layers of the whole stack it holds.
+  pattern = pattern_text(module)
+  comment = pattern or position_text(module)
+  # What the short labels of a long pattern stand for, a line each.
+  legend = pattern_names(module).legend if pattern else ()
+  positions = shown.get("pattern")
+  if comment and isinstance(positions, tuple):
+    shown["pattern"] = tuple(positions)  # drawn as the tuple it is
+  if _COMPACT.get():  # a repr: what differs from the defaults, laid out as it fits
+    rendering = _constructor(
+      type(module),
+      shown,
+      {},
+      path,
+      subtree_renderer,
+      comment=comment,
+      title=module_text(module),
+      legend=legend,
+    )
+  else:
+    folded = {k: v for k, v in attributes.items() if k in at_defaults}
+    rendering = _constructor(
+      type(module),
+      shown,
+      folded,
+      path,
+      subtree_renderer,
+      plumbing=_is_rng_plumbing(module),
+      comment=comment,
+      title=module_text(module),
+      legend=legend,
+    )
+  return _with_other_places(rendering, first.get(id(module), ()))
 
 
 def _is_rng_plumbing(module) -> bool:
@@ -365,32 +381,21 @@ def render_variable(var, path, subtree_renderer):
   import treescope
   from treescope.external import jax_support
 
+  from ._figure_text import drawing_scope
+
   # An unstacked array past treescope's size threshold gets its statistics too.
-  with contextlib.ExitStack() as scopes:
-    scopes.enter_context(jax_support.summarization_threshold.set_scoped({"default": None}))
-    if isinstance(value, LayeredArray):
-      scopes.enter_context(_stacks_drawn_as_ours(treescope.active_autovisualizer))
+  # Where arrays are drawn as figures (an autovisualizer is active, as
+  # `treescope.basic_interactive_setup()` makes it in a notebook), a stacked array is
+  # drawn as ours (the layers at a glance), and any figure reads as its folded line in
+  # text.
+  with (
+    jax_support.summarization_threshold.set_scoped({"default": None}),
+    drawing_scope(treescope.active_autovisualizer, stacks_first=isinstance(value, LayeredArray)),
+  ):
     rendering = repr_lib.render_object_constructor(
       type(var), attributes, path, subtree_renderer, color=collection_color(type(var))
     )
   return _with_other_places(rendering, (_FIRST.get() or {}).get(id(var), ()))
-
-
-def _stacks_drawn_as_ours(active):
-  """Where arrays are drawn as figures (an autovisualizer is active, as
-  ``treescope.basic_interactive_setup()`` makes it in a notebook), a stacked array
-  is drawn as ours (``_figures.stacked_arrays``: the layers at a glance), the rest as
-  the active autovisualizer draws them. Nothing changes where none is active."""
-  from ._figures import stacked_arrays
-
-  current = active.get()
-  if current is None or current is stacked_arrays:
-    return contextlib.nullcontext()
-
-  def ours_first(value, path):
-    return stacked_arrays(value, path) or current(value, path)
-
-  return active.set_scoped(ours_first)
 
 
 def _with_other_places(rendering, paths):

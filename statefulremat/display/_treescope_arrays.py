@@ -38,13 +38,16 @@ class ArraySummary:
     axes = [str(n) if label is None else f"{label}:{n}" for n, label in zip(shape, self.names)]
     return f"{self.array.dtype}({', '.join(axes)})"
 
+  def text(self) -> str:
+    """The line: ``<jax.Array float32(2, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:6>``."""
+    kind = "np.ndarray" if isinstance(self.array, np.ndarray) else "jax.Array"
+    stats = data_summary(self.array)
+    return f"<{kind} {self.axes_text()}{' ' + stats if stats else ''}>"
+
   def __treescope_repr__(self, path, subtree_renderer):
     from treescope import rendering_parts
 
-    kind = "np.ndarray" if isinstance(self.array, np.ndarray) else "jax.Array"
-    stats = data_summary(self.array)
-    body = f"<{kind} {self.axes_text()}{' ' + stats if stats else ''}>"
-    return rendering_parts.text(body)
+    return rendering_parts.text(self.text())
 
 
 class LayeredArray(ArraySummary):
