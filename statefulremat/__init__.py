@@ -21,6 +21,7 @@ from .core._errors import StatefulRematError as StatefulRematError
 from .core._errors import StateMismatchError as StateMismatchError
 from .core._errors import TraceContextError as TraceContextError
 from .core._errors import TransformError as TransformError
+from .core._errors import folded as _folded
 from .core._filters import All as All
 from .core._filters import Any as Any
 from .core._filters import Not as Not
@@ -53,7 +54,6 @@ from .display._display import display as display
 from .display._summary import Summary as Summary
 from .display._summary import SummaryRow as SummaryRow
 from .display._summary import summary as summary
-from .distributed._sharding import ShardingError as ShardingError
 from .distributed._sharding import get_partition_spec as get_partition_spec
 from .distributed._sharding import logical_to_mesh as logical_to_mesh
 from .distributed._sharding import shard as shard
@@ -72,7 +72,6 @@ from .transforms._remat_scan import remat_scan as remat_scan
 from .transforms._scan import scan as scan
 from .transforms._scan_axes import broadcast as broadcast
 from .transforms.memory._remat_plan import RematPlan as RematPlan
-from .transforms.memory._remat_plan import RematPlanError as RematPlanError
 from .transforms.memory._saved_residuals import saved_residuals as saved_residuals
 from .transforms.pipeline._pipeline import PipelineSpec as PipelineSpec
 from .transforms.pipeline._pipeline import pipeline as pipeline
@@ -89,6 +88,10 @@ _made_class.__module__, _made_class.__qualname__ = __name__, "_made_class"
 
 
 def __getattr__(name: str):
+  # sr.RematPlanError and sr.ShardingError, folded into the error kinds: importable, with
+  # a warning, for one release.
+  if name in ("RematPlanError", "ShardingError"):
+    return _folded(f"{__name__}.{name}")
   # A name flax.nnx has and we spell differently says ours (nnx.tabulate -> sr.summary,
   # nnx.Linear -> sr.nn.Linear); dunder and private names (probed by pytest, doctest,
   # pickle, IPython) and names nnx lacks keep Python's plain AttributeError.

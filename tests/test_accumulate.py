@@ -306,7 +306,7 @@ def test_non_module_first_argument():
 def test_module_in_batch_refused():
   model, other = Net(sr.Rngs(0)), Net(sr.Rngs(1))
   with pytest.raises(
-    sr.TransformError,
+    sr.GraphError,
     match=r"argument 2 is a Net\. Modules go in "
     r"argument 0 only.*Fix",
   ):

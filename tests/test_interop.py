@@ -500,7 +500,7 @@ def test_missing_and_unused_linen_entries():
   linear = variables["params"]["blocks"]["linear"]
   linear["kernel_0"] = linear.pop("kernel") * 2
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError) as info:
+  with pytest.raises(sr.StateMismatchError) as info:
     sr.interop.from_linen(ours, variables)
   message = str(info.value)
   assert (
@@ -521,7 +521,7 @@ def test_extra_linen_entry():
   variables["params"]["bn"]["scale"] = variables["params"]["bn"]["scale"] + 1
   before = snapshot(ours)
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"^sr\.interop\.from_linen: linen `params/extra/kernel` "
     r"\(float32\[2, 2\]\) matches no variable of ours\.\nFix: every "
     r"linen entry needs a variable of ours",
@@ -536,7 +536,7 @@ def test_shape_mismatch_names_both_shapes():
   variables["params"]["linear"]["kernel"] = jnp.zeros((D, D + 1))
   before = snapshot(ours)
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"`linear\.kernel` \(Param\): shape mismatch: ours is \(4, 4\), "
     r"linen `params/linear/kernel` is \(4, 5\)\.",
   ):
@@ -550,7 +550,7 @@ def test_stacked_shape_mismatch_names_the_layer_axis():
   variables["params"]["blocks"]["linear"]["kernel"] = jnp.zeros((2, 2, D, D))
   before = snapshot(ours)
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"`blocks\.linear\.kernel` \(Param\): shape mismatch: ours is "
     r"\(6, 4, 4\) \(6 layers on axis 0\), linen "
     r"`params/blocks/linear/kernel` is \(2, 2, 4, 4\)\.\nFix: a "
@@ -566,7 +566,7 @@ def test_dtype_mismatch_is_not_cast():
   variables["params"]["linear"]["bias"] = jnp.zeros((D,), jnp.bfloat16)
   before = snapshot(ours)
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"`linear\.bias` \(Param\): dtype mismatch: ours is float32, "
     r"linen `params/linear/bias` is bfloat16\.\nFix: dtypes must "
     r"match exactly \(no silent casts\)",
@@ -581,7 +581,7 @@ def test_wrong_collection():
   variables["params"]["bn"].update(variables.pop("batch_stats")["bn"])
   variables["batch_stats"] = {}
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError) as info:
+  with pytest.raises(sr.StateMismatchError) as info:
     sr.interop.from_linen(ours, variables)
   message = str(info.value)
   assert message.startswith("sr.interop.from_linen: 2 variables do not map:\n")
@@ -598,7 +598,7 @@ def test_missing_collection():
   variables = sr.interop.to_linen(ours)
   before = snapshot(ours)
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"linen variables have no `batch_stats` collection \(they have: "
     r"params\), but ours has 2 variable\(s\) in it: `bn\.mean` "
     r"\(BatchStat\), `bn\.var` \(BatchStat\)\.\nFix: .* "
@@ -635,7 +635,7 @@ def test_name_collision():
       self.layers_0 = sr.nn.Linear(2, 2, rngs=rngs)
 
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"`layers_0\.bias` \(Param\) and `layers\[0\]\.bias` \(Param\) "
     r"both map to linen `params/layers_0/bias`",
   ):
@@ -652,14 +652,14 @@ def test_nnx_missing_unused_and_shape():
 
   theirs = Other(nnx.Rngs(0))
   before, theirs_before = snapshot(ours), nnx.to_pure_dict(nnx.state(theirs))
-  with pytest.raises(sr.interop.InteropError) as info:
+  with pytest.raises(sr.StateMismatchError) as info:
     sr.interop.from_nnx(ours, theirs)
   message = str(info.value)
   assert "`linear.kernel` (Param): nnx has no `linear.kernel` (`<root>` has: bn, dense)" in message
   assert "`bn.scale` (Param): shape mismatch: ours is (4,), nnx `bn.scale` is (5,)" in message
   assert "nnx `dense.kernel` (Param, float32[4, 4]) matches no variable of ours" in message
   assert_unchanged(ours, before)
-  with pytest.raises(sr.interop.InteropError, match=r"the nnx target is unchanged"):
+  with pytest.raises(sr.StateMismatchError, match=r"the nnx target is unchanged"):
     sr.interop.to_nnx(ours, theirs)
   assert_trees_equal(nnx.to_pure_dict(nnx.state(theirs)), theirs_before)
 
@@ -669,7 +669,7 @@ def test_nnx_wrong_collection_and_dtype():
   theirs = NnxBNNet(nnx.Rngs(0), param_dtype=jnp.bfloat16)
   theirs.bn.mean = nnx.Param(theirs.bn.mean[...])
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError) as info:
+  with pytest.raises(sr.StateMismatchError) as info:
     sr.interop.from_nnx(ours, theirs)
   message = str(info.value)
   assert (
@@ -687,7 +687,7 @@ def test_nnx_missing_collection():
   theirs = NnxBNNet(nnx.Rngs(0))
   before = snapshot(ours)
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"the nnx side has no variables of collection `batch_stats`, "
     r"but ours has 2: `bn\.mean` \(BatchStat\), `bn\.var`",
   ):

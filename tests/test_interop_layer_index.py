@@ -165,7 +165,7 @@ def test_state_dicts_map_list_stack_and_pattern_stack_by_layer_index(source, tar
     # Not built yet: a pattern stack's stacked state dict keeps one array per position
     # (`blocks.pattern.0.mlp.kernel`), which only a pattern stack of the same pattern
     # takes; elsewhere it is refused, naming what it holds.
-    with pytest.raises(sr.interop.InteropError, match=r"do not map[\s\S]*blocks\.pattern\.0"):
+    with pytest.raises(sr.StateMismatchError, match=r"do not map[\s\S]*blocks\.pattern\.0"):
       sr.interop.from_state_dict(built(target), flat)
     return
   ours = sr.interop.from_state_dict(built(target), flat)
@@ -175,7 +175,7 @@ def test_state_dicts_map_list_stack_and_pattern_stack_by_layer_index(source, tar
 def test_a_stacked_source_with_another_layer_count_is_refused():
   variables = linen_scanned(L - 1).init(jax.random.key(2), X)
   with pytest.raises(
-    sr.interop.InteropError, match=r"linen `params/blocks/mlp/kernel` \(5x4x4\) fills .* ours has 6"
+    sr.StateMismatchError, match=r"linen `params/blocks/mlp/kernel` \(5x4x4\) fills .* ours has 6"
   ):
     sr.interop.from_linen(built(Listed), variables)
 
@@ -189,7 +189,7 @@ def test_many_unmatched_names_give_a_short_message_with_the_rename():
       return x
 
   variables = Compact().init(jax.random.key(4), X)
-  with pytest.raises(sr.interop.InteropError) as info:
+  with pytest.raises(sr.StateMismatchError) as info:
     sr.interop.from_linen(built(Patterned), variables)
   message = str(info.value)
   assert len(message) < 1200, message
@@ -207,7 +207,7 @@ def test_many_unmatched_names_give_a_short_message_with_the_rename():
 def test_the_hint_maps_a_stack_under_another_name_onto_a_list():
   variables = linen_scanned(L).init(jax.random.key(2), X)
   variables = {"params": {"layers": variables["params"]["blocks"]}}
-  with pytest.raises(sr.interop.InteropError) as info:
+  with pytest.raises(sr.StateMismatchError) as info:
     sr.interop.from_linen(built(Listed), variables)
   message = str(info.value)
   assert len(message) < 1000, message
@@ -220,7 +220,7 @@ def test_the_hint_maps_a_stack_under_another_name_onto_a_list():
 
 def test_the_hint_adds_to_a_rename_given():
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=re.escape(r'add {r"^block\.(\d+)\.": r"blocks.\1."} at the end of your rename='),
   ):
     sr.interop.from_nnx(built(Patterned), NnxLayers(nnx.Rngs(0)), rename={r"^layers\.": "block."})

@@ -372,7 +372,7 @@ def test_missing_and_unused_names_the_nearest():
   flat = {drop_counter(k): v for k, v in torch_state_dict().items() if drop_counter(k)}
   flat["head.wieght"] = flat.pop("head.weight")
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError) as info:
+  with pytest.raises(sr.StateMismatchError) as info:
     sr.interop.from_state_dict(ours, flat, layout="torch")
   message = str(info.value)
   assert message.startswith("sr.interop.from_state_dict: 2 variables do not map:\n")
@@ -395,7 +395,7 @@ def test_rename_mapping_two_names_onto_one_is_listed():
   flat["ema.head.bias"] = flat["head.bias"]
   before = snapshot(ours)
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"`head\.bias` \(Param\): 2 state dict entries map onto it: "
     r"state dict `head\.bias`, state dict `ema\.head\.bias` "
     r"\(renamed `head\.bias`\)\.\nFix: make `rename` map each "
@@ -413,7 +413,7 @@ def test_list_of_layers_with_a_gap():
     if not k.startswith("layers.1.")
   }
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError) as info:
+  with pytest.raises(sr.StateMismatchError) as info:
     sr.interop.from_state_dict(ours, state)
   message = str(info.value)
   assert (
@@ -430,7 +430,7 @@ def test_more_nnx_layers_than_ours_and_to_nnx_leaves_the_target_unchanged():
   theirs = NnxDeep(nnx.Rngs(0), n=N + 1)
   before, theirs_before = snapshot(ours), nnx_arrays(theirs)
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"nnx `layers\[3\]\.linear\.kernel` \(Param, float32\[4, 4\]\) "
     r"matches no variable of ours\.",
   ):
@@ -439,7 +439,7 @@ def test_more_nnx_layers_than_ours_and_to_nnx_leaves_the_target_unchanged():
   fewer = NnxDeep(nnx.Rngs(0), n=N - 1)
   fewer_before = nnx_arrays(fewer)
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"layer\(s\) 0-1 given, not 2 .*\n(.|\n)*the nnx target is "
     r"unchanged",
   ):
@@ -455,7 +455,7 @@ def test_whole_and_per_layer_at_once():
   flat["layers.linear.bias"] = np.zeros((N, D), np.float32)
   before = snapshot(ours)
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"`layers\.linear\.bias` \(Param\): given both whole "
     r"\(state dict `layers\.linear\.bias`\) and as a list of layers "
     r"\(state dict `layers\.0\.linear\.bias`, …\)\.\nFix: give a "
@@ -471,7 +471,7 @@ def test_torch_shapes_are_checked_after_the_transposition():
   flat["head.weight"] = flat["head.weight"].T  # given in our layout by mistake
   flat["layers.1.linear.bias"] = flat["layers.1.linear.bias"].astype(np.float16)
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError) as info:
+  with pytest.raises(sr.StateMismatchError) as info:
     sr.interop.from_state_dict(ours, flat, layout="torch")
   message = str(info.value)
   assert (
@@ -491,7 +491,7 @@ def test_linen_per_layer_shape_and_renamed_missing():
   variables = LinenCompact().init(jax.random.key(3), X)
   variables["params"]["LinenBlock_2"]["linear"]["bias"] = jnp.zeros((D + 1,))
   before = snapshot(ours)
-  with pytest.raises(sr.interop.InteropError) as info:
+  with pytest.raises(sr.StateMismatchError) as info:
     sr.interop.from_linen(
       ours, variables, rename={r"^LinenBlock_(\d+)\.": r"layers.\1.", r"^Dense_0\.": "hed."}
     )
@@ -515,14 +515,14 @@ def test_linen_per_layer_shape_and_renamed_missing():
 def test_made_names_that_collide():
   ours = deep()
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"`layers\.linear\.bias` \(Param\) and `layers\.linear\.kernel` "
     r"\(Param\) both become state dict entry `layers\.linear\.w`\."
     r"(.|\n)*no state dict was returned",
   ):
     sr.interop.to_state_dict(ours, rename={r"\.(kernel|bias)$": ".w"})
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"`head\.kernel` \(Param\) becomes linen `head\.kernel`, below "
     r"`layers\.linear\.kernel` \(Param\), which becomes `head`",
   ):
@@ -564,7 +564,7 @@ def test_one_layer_in_another_collection():
   theirs.layers[1].linear.bias = nnx.BatchStat(theirs.layers[1].linear.bias[...])
   before = snapshot(ours)
   with pytest.raises(
-    sr.interop.InteropError,
+    sr.StateMismatchError,
     match=r"^sr\.interop\.from_nnx: `layers\.linear\.bias` \(Param\) "
     r"belongs to collection `params`, but nnx has a BatchStat there "
     r"\(collection `batch_stats`\)\.\nFix: use the same variable "

@@ -388,7 +388,7 @@ def test_remat_scan_train_step_equals_one_device(axis_type):
 @AXIS_TYPES
 def test_a_mesh_axis_the_mesh_lacks_raises_in_both_modes(axis_type):
   with pytest.raises(
-    sr.ShardingError,
+    sr.StateMismatchError,
     match=(
       r"`bias`: its spec .* names mesh axis 'tensor', but the mesh has "
       r"\('data', 'model'\). Fix: map the logical name"
@@ -411,11 +411,12 @@ def test_explicit_shard_inside_jit_needs_the_mesh_set():
     r"trace runs under WHERE. Fix: call the jitted function inside `with "
     r"jax.set_mesh\(mesh\):`"
   )
-  with pytest.raises(sr.ShardingError, match=message.replace("WHERE", "no mesh")):
+  with pytest.raises(sr.StateMismatchError, match=message.replace("WHERE", "no mesh")):
     constrain(LAYERS["Linear"][0]())
   with jax.set_mesh(make_mesh(AxisType.Auto)):
     with pytest.raises(
-      sr.ShardingError, match=message.replace("WHERE", r"mesh \{'data': 2 Auto, 'model': 4 Auto\}")
+      sr.StateMismatchError,
+      match=message.replace("WHERE", r"mesh \{'data': 2 Auto, 'model': 4 Auto\}"),
     ):
       constrain(LAYERS["Linear"][0]())
 
@@ -427,7 +428,7 @@ def test_explicit_input_and_a_model_on_another_mesh_names_the_variable():
   sr.shard(layer, other, RULES)
   x = jax.device_put(normal((8, D)), NamedSharding(mesh, P("data")))
   with pytest.raises(
-    sr.ShardingError,
+    sr.StateMismatchError,
     match=(
       r"Linear: `kernel` lives on mesh \{'data': 4 Explicit, 'model': 2 Explicit\} but "
       r"`inputs` on \{'data': 2 Explicit, 'model': 4 Explicit\}.* Fix: shard the model on "

@@ -395,7 +395,7 @@ def test_10_a_module_in_two_arguments_raises():
   m = Holder(jnp.arange(10))
   arg1, arg2 = {"a": {"b": m}, "c": m}, [(m, m), m]
   with pytest.raises(
-    sr.TransformError,
+    sr.GraphError,
     match=r"sr\.vmap\(f\): argument 1 at `\[0\]\[0\]` "
     r"is a Holder\. Modules go in argument 0 only"
     r".*Fix: pass every module in argument 0",
@@ -408,13 +408,13 @@ def test_a_module_outside_argument_0_is_named_by_argument_and_path():
   m = Holder(jnp.arange(10))
   f = sr.vmap(lambda *args, **kwargs: None, in_axes=(0, 1, 0), variable_axes={sr.Param: 0})
   # the error counts arguments as the user does: argument 0 is the module argument
-  with pytest.raises(sr.TransformError, match=r"argument 1 at `\[0\]\[0\]` is a Holder") as e:
+  with pytest.raises(sr.GraphError, match=r"argument 1 at `\[0\]\[0\]` is a Holder") as e:
     f({"c": m}, [(m, m), m], jnp.ones(10))
   assert isinstance(e.value, TypeError)  # still caught by `except TypeError`
-  with pytest.raises(sr.TransformError, match=r"argument 2 is a Param\. .*Nothing was run"):
+  with pytest.raises(sr.GraphError, match=r"argument 2 is a Param\. .*Nothing was run"):
     f({"c": m}, jnp.ones(10), m.param)
   with pytest.raises(
-    sr.TransformError,
+    sr.GraphError,
     match=r"the keyword argument `\['k'\]\[1\]` is a "
     r"Holder",
   ):

@@ -110,7 +110,7 @@ def test_a_stack_without_a_partition_name_replicates_its_layer_axis():
   layer = stack.layer(0)
   layer.down.bias = sr.Param(jnp.zeros((4, D)), sharding=("embed",))
   with pytest.raises(
-    sr.ShardingError,
+    sr.StateMismatchError,
     match=(
       r"`down.bias` has sharding=\('embed',\) for an array of shape \(4, 8\): give one "
       r"axis name .* one short: .* metadata_params=\{'partition_name': 'layers'\}"
@@ -121,7 +121,7 @@ def test_a_stack_without_a_partition_name_replicates_its_layer_axis():
 
 def test_bad_rules_and_bad_arguments():
   with pytest.raises(
-    sr.ShardingError,
+    sr.TransformError,
     match=r"each rule is a \(logical name, mesh axis\) "
     r"pair, got 'mlp'",
   ):
@@ -154,7 +154,7 @@ def test_shard_that_does_not_fit_names_the_path_and_moves_nothing():
   stack = Stack(D, rngs=sr.Rngs(0))
   wrong_axis = [("mlp", "tensor")]
   with pytest.raises(
-    sr.ShardingError,
+    sr.StateMismatchError,
     match=(
       r"`down.kernel`: its spec .* names mesh axis 'tensor', but the mesh has "
       r"\('data', 'model'\). Fix: map the logical name"
@@ -164,7 +164,7 @@ def test_shard_that_does_not_fit_names_the_path_and_moves_nothing():
   assert stack.up.kernel.value.sharding.num_devices == 1
   odd = sr.nn.Linear(2, 3, kernel_metadata=named(None, "mlp"), rngs=sr.Rngs(0))
   with pytest.raises(
-    sr.ShardingError,
+    sr.StateMismatchError,
     match=(
       r"`kernel`: dimension 1 \(size 3\) does not divide over mesh axes \('model',\) "
       r"\(4 devices\)"

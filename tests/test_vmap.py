@@ -343,14 +343,14 @@ def test_absent_rng_stream():
 def test_module_in_args():
   ens = ensemble(Block, W)
   with pytest.raises(
-    sr.TransformError,
+    sr.GraphError,
     match=r"sr\.vmap\(apply\): argument 1 is a "
     r"VmapBlock\. Modules go in argument 0 only"
     r".*Nothing was run\. Fix: pass every module "
     r"in argument 0",
   ) as caught:
     sr.vmap(apply, in_axes=None)(ens, ens)
-  assert isinstance(caught.value, TypeError)  # what it was before it was a TransformError
+  assert isinstance(caught.value, TypeError)  # a GraphError is a TypeError
   # No module anywhere: jax.vmap over the arguments (modules made inside come out
   # stacked), which here maps nothing.
   with pytest.raises(

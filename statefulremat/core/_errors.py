@@ -6,13 +6,28 @@ Every message says what was wrong, where (a variable or attribute path such as
 
 from __future__ import annotations
 
+import warnings
+
 
 class StatefulRematError(Exception):
-  """Base class of every error statefulremat raises on purpose.
+  """Base class of every error statefulremat raises on purpose; each is one of five kinds.
+
+  ``TraceContextError``: a traced value crosses into a Variable of another trace.
+  ``GraphError`` (a ``TypeError``): a module graph cannot be split, merged or changed as
+  asked, or a module sits where a transform takes only arrays. ``StateMismatchError`` (a
+  ``ValueError``): state does not fit a module (paths, shapes, dtypes; flax or state-dict
+  variables in ``sr.interop``; a sharding or mesh that does not fit the arrays).
+  ``TransformError`` (a ``ValueError``): a transform, the remat planner or the sharding
+  rules were asked for something their arguments cannot give. ``CheckpointError``:
+  saving or restoring failed (``CheckpointNotFoundError``, also a ``FileNotFoundError``,
+  where there is no checkpoint at all).
 
   >>> import statefulremat as sr
-  >>> issubclass(sr.GraphError, sr.StatefulRematError)
-  True
+  >>> try:
+  ...   sr.remat_scan(lambda m, c: c, lengths=())
+  ... except sr.StatefulRematError as e:
+  ...   print(type(e).__name__, isinstance(e, ValueError))
+  TransformError True
   """
 
 
@@ -35,6 +50,9 @@ class TraceContextError(StatefulRematError):
 class GraphError(StatefulRematError, TypeError):
   """A module graph cannot be split, merged, or changed the way it was asked.
 
+  Also raised where a transform finds a module (or Variable) in an argument that takes
+  only arrays: modules go in argument 0.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> class Bad(sr.Module):
   ...   def __init__(self):
@@ -50,6 +68,10 @@ class GraphError(StatefulRematError, TypeError):
 class StateMismatchError(StatefulRematError, ValueError):
   """A State does not fit the module (or the other State) it is combined with.
 
+  Also raised where flax or state-dict variables do not map onto a model
+  (``sr.interop``; nothing is written) and where a ``sharding`` annotation or a mesh
+  does not fit the arrays.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> model = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
   >>> try:
@@ -63,6 +85,9 @@ class StateMismatchError(StatefulRematError, ValueError):
 class TransformError(StatefulRematError, ValueError):
   """A transform was asked for something that does not fit its arguments.
 
+  Also raised by the remat planner (``sr.plan_remat``: a budget that is not an amount
+  of memory, or that no plan fits) and by malformed sharding rules.
+
   >>> import statefulremat as sr
   >>> try:
   ...   sr.remat_scan(lambda m, c: c, lengths=())
@@ -70,6 +95,30 @@ class TransformError(StatefulRematError, ValueError):
   ...   print(str(e)[:52])
   sr.remat_scan(<lambda>): lengths=() must be a non-em
   """
+
+
+# Classes folded into the kinds above, by their old public names: importable, with a
+# DeprecationWarning, for one release (the package's and sr.interop's module __getattr__
+# resolve them here); not listed by dir() or __all__, not documented.
+FOLDED = {
+  "statefulremat.RematPlanError": TransformError,
+  "statefulremat.ShardingError": StateMismatchError,
+  "statefulremat.interop.InteropError": StateMismatchError,
+}
+
+
+def folded(name: str) -> type:
+  """The kind that old public class ``name`` (``statefulremat.ShardingError``) became,
+  with a DeprecationWarning that names it."""
+  kind = FOLDED[name]
+  old = "sr." + name.removeprefix("statefulremat.")
+  warnings.warn(
+    f"{old} is folded into sr.{kind.__name__} (statefulremat 0.1.0; the old name goes "
+    f"in 0.2): catch sr.{kind.__name__} instead.",
+    DeprecationWarning,
+    stacklevel=3,  # folded <- the module's __getattr__ <- the code that named it
+  )
+  return kind
 
 
 def refuse_hash(obj) -> None:

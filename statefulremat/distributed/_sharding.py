@@ -19,30 +19,13 @@ import jax.core
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..core._errors import StatefulRematError, describe_mesh, format_path
+from ..core._errors import StateMismatchError, TransformError, describe_mesh, format_path
 from ..core._stacks import LAYER_AXIS
 from ..core._state import State, thaw_metadata
 
 M = TypeVar("M")  # the model sr.shard returns, its own type
 
 Rules = Sequence[tuple[str, Any]]
-
-
-class ShardingError(StatefulRematError, ValueError):
-  """A ``sharding`` annotation that does not fit the array, the rules or the mesh.
-
-  Also a ``ValueError`` and an ``sr.StatefulRematError``; the message names the path.
-
-  >>> import statefulremat as sr
-  >>> layer = sr.nn.Linear(2, 4, kernel_metadata={"sharding": ("embed",)},
-  ...                      rngs=sr.Rngs(0))
-  >>> try:
-  ...   sr.get_partition_spec(layer)
-  ... except sr.ShardingError as e:
-  ...   print(e)
-  `kernel` has sharding=('embed',) for an array of shape (2, 4): give one axis name
-  (or None) per dimension. It is one short: ...
-  """
 
 
 def get_partition_spec(state) -> State:
@@ -175,7 +158,7 @@ def _spec_of(path: tuple, value, metadata: dict) -> PartitionSpec:
         "metadata_params={'partition_name': 'layers'} on its scan/remat_scan/vmap "
         "(a name with no rule stays replicated)."
       )
-    raise ShardingError(
+    raise StateMismatchError(
       f"`{format_path(path)}` has sharding={sharding!r} for an array of shape "
       f"{tuple(np.shape(value))}: give one axis name (or None) per dimension.{hint}"
     )
@@ -186,7 +169,7 @@ def _check_rules(rules) -> list[tuple[str, tuple]]:
   checked = []
   for rule in rules:
     if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-      raise ShardingError(
+      raise TransformError(
         f"logical_to_mesh: each rule is a (logical name, mesh axis) pair, got {rule!r}. "
         "Fix: e.g. rules=[('batch', 'data'), ('mlp', 'model'), ('embed', None)]."
       )
@@ -221,14 +204,14 @@ def _check_fits(path: tuple, value, spec: PartitionSpec, mesh) -> None:
     size = 1
     for axis in axes:
       if axis not in mesh.shape:
-        raise ShardingError(
+        raise StateMismatchError(
           f"`{format_path(path)}`: its spec {spec} names mesh axis {axis!r}, but the "
           f"mesh has {tuple(mesh.axis_names)}. Fix: map the logical name to one of "
           "those in the rules."
         )
       size *= mesh.shape[axis]
     if dim < len(shape) and shape[dim] % size:
-      raise ShardingError(
+      raise StateMismatchError(
         f"`{format_path(path)}`: dimension {dim} (size {shape[dim]}) does not divide "
         f"over mesh axes {axes} ({size} devices); shape {tuple(shape)}, spec {spec}. "
         "Fix: map that logical axis to a smaller mesh axis or None in the rules."
@@ -246,7 +229,7 @@ def _check_trace_mesh(state: State, mesh) -> None:
   context = jax.sharding.get_abstract_mesh()
   if context != mesh.abstract_mesh:
     where = "no mesh" if context.empty else f"mesh {describe_mesh(context)}"
-    raise ShardingError(
+    raise StateMismatchError(
       f"sr.shard inside a traced function (sr.jit, a transform) on mesh "
       f"{describe_mesh(mesh)}, whose Explicit axes become part of each array's type "
       f"(`{format_path(path)}` first), but the trace runs under {where}. Fix: call "

@@ -5,8 +5,8 @@ variables into our modules in place; ``to_linen(model)`` returns linen variables
 ``to_nnx(model, nnx_module_or_state)`` writes ours into nnx.
 ``from_state_dict(model, flat)`` / ``to_state_dict(model)`` do the same for a flat
 ``{name: array}`` mapping (safetensors files; ``layout="torch"`` for PyTorch's).
-Every call checks the whole mapping first and raises ``InteropError`` naming each
-variable that does not fit (missing, unused, two for one, wrong collection, shape or
+Every call checks the whole mapping first and raises ``sr.StateMismatchError`` naming
+each variable that does not fit (missing, unused, two for one, wrong collection, shape or
 dtype, with the nearest names) before writing anything.
 
 The mapping:
@@ -77,17 +77,15 @@ The mapping:
             'norm': {'bias': (4,), 'scale': (4,)}}}
 """
 
-from ..core._bookkeeping import name_public_classes as _name_public_classes
+from ..core._errors import folded as _folded
 from ._linen import from_linen as from_linen
 from ._linen import to_linen as to_linen
 from ._nnx import from_nnx as from_nnx
 from ._nnx import to_nnx as to_nnx
-from ._report import InteropError as InteropError
 from ._state_dict import from_state_dict as from_state_dict
 from ._state_dict import to_state_dict as to_state_dict
 
 __all__ = [
-  "InteropError",
   "from_linen",
   "from_nnx",
   "from_state_dict",
@@ -96,5 +94,10 @@ __all__ = [
   "to_state_dict",
 ]
 
-# Pickles and reprs name the public path (statefulremat.interop.InteropError), not a file.
-_name_public_classes(globals(), __name__)
+
+def __getattr__(name: str):
+  # sr.interop.InteropError, folded into sr.StateMismatchError: importable, with a
+  # warning, for one release.
+  if name == "InteropError":
+    return _folded(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

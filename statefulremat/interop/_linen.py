@@ -122,7 +122,7 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
   ones they replace), not copies.
 
   Everything is checked before anything is written: a missing, unused or misplaced
-  linen entry, or a shape or dtype that differs, raises ``InteropError`` naming each
+  linen entry, or a shape or dtype that differs, raises ``sr.StateMismatchError`` naming each
   one (with the nearest names), and leaves the model unchanged.
 
   Args:

@@ -201,7 +201,7 @@ def from_nnx(model, source, *, collections: Any = None, rename: Any = None):
   of layers takes a stacked nnx array at its path, one index per layer.
   RNG state is skipped unless ``collections`` names ``"rngs"`` (nnx's ``Dropout``
   keeps its stream elsewhere than ours). Everything is checked first; on a mismatch
-  ``InteropError`` names every variable that does not fit (with the nearest names)
+  ``sr.StateMismatchError`` names every variable that does not fit (with the nearest names)
   and the model is unchanged.
 
   Args:
@@ -266,7 +266,7 @@ def to_nnx(model, target, *, collections: Any = None, rename: Any = None):
   ``nnx.List`` at our stack's path) gets one layer of our stack each. Given an nnx
   Module, its variables are updated in place (``nnx.update``); given an nnx State,
   a new State is returned and the one given is left as it is. Everything is checked
-  first; on a mismatch ``InteropError`` names every variable that does not fit and
+  first; on a mismatch ``sr.StateMismatchError`` names every variable that does not fit and
   the target is unchanged.
 
   Args:

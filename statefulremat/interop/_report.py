@@ -1,4 +1,5 @@
-"""InteropError, and the list of problems a mapping collects before it writes anything."""
+"""The list of problems a mapping collects before it writes anything, raised as one
+``StateMismatchError``."""
 
 from __future__ import annotations
 
@@ -7,24 +8,8 @@ from ..core._errors import StateMismatchError
 _SHOWN = 10
 
 
-class InteropError(StateMismatchError):
-  """Our model and the flax variables do not map onto each other; nothing was written.
-
-  The message lists every variable that does not fit (a missing or unused entry, a
-  shape, dtype or collection that differs), each with both paths.
-
-  >>> import jax.numpy as jnp, statefulremat as sr
-  >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
-  >>> try:
-  ...   sr.interop.from_linen(model, {"params": {"kernel": jnp.zeros((2, 3))}})
-  ... except sr.interop.InteropError as e:
-  ...   print(str(e).splitlines()[0])
-  sr.interop.from_linen: `bias` (Param): linen has no `params/bias` (`params` has: kernel).
-  """
-
-
 class Problems:
-  """Collects what does not fit, then raises one InteropError naming all of it."""
+  """Collects what does not fit, then raises one StateMismatchError naming all of it."""
 
   def __init__(self, what: str, unchanged: str):
     self.what = what
@@ -54,7 +39,7 @@ class Problems:
         f"\n  ... and {more} more" if more > 0 else ""
       )
     fixes = "".join(f"\nFix: {fix}" for fix in self.fixes)
-    raise InteropError(f"{text}{fixes}\nNothing was written: {self.unchanged}.")
+    raise StateMismatchError(f"{text}{fixes}\nNothing was written: {self.unchanged}.")
 
 
 def shape_str(shape) -> str:

@@ -138,7 +138,7 @@ def from_state_dict(
 
   Everything is checked before anything is written: an entry that fills nothing,
   a variable of ours left unfilled, two entries for one variable, or a shape or
-  dtype that differs raises ``InteropError`` naming each (with the nearest names),
+  dtype that differs raises ``sr.StateMismatchError`` naming each (with the nearest names),
   and leaves the model unchanged.
 
   Args:

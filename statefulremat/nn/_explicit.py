@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..core._errors import describe_mesh
+from ..core._errors import StateMismatchError, describe_mesh
 
 
 class Specs(tuple):
@@ -38,7 +38,7 @@ def explicit_specs(layer: str, **arrays) -> Specs | None:
 
   ``None`` covers no mesh, an ``AxisType.Auto`` mesh (whose axes never show in a
   type) and explicitly replicated arrays: none of them needs an ``out_sharding``.
-  Arrays on two different meshes raise a ``ShardingError`` naming ``layer``'s
+  Arrays on two different meshes raise a ``StateMismatchError`` naming ``layer``'s
   variable (keyword names are the layer's attribute names) and the fix.
   """
   # .aval, not jax.typeof: this runs on every call of every layer, and reading the
@@ -67,10 +67,7 @@ def _one_mesh(layer: str, arrays: dict, avals: list):
   first, first_mesh = named[0]
   for name, mesh in named[1:]:
     if mesh != first_mesh:
-      # The public sr.ShardingError, imported here: the package imports nn first.
-      from statefulremat import ShardingError
-
-      raise ShardingError(
+      raise StateMismatchError(
         f"{layer}: `{name}` lives on mesh {describe_mesh(mesh)} but `{first}` on "
         f"{describe_mesh(first_mesh)}; under explicit mesh axes every array of one op "
         "must be on the same mesh. Fix: shard the model on the mesh its inputs use, "

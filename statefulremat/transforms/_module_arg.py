@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.core
 
-from ..core._errors import format_path
+from ..core._errors import GraphError, format_path
 from ..core._filters import filter_repr
 from ..core._graph import flatten
 from ..core._stacks import axis_size, is_stacked, layer_axis, stack_info
@@ -113,13 +113,9 @@ def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
   )
 
 
-class ModuleArgumentError(TransformError, TypeError):
-  """A module (or Variable) where a transform takes only arrays. Also a ``TypeError``,
-  which it was before it was a ``TransformError``."""
-
-
 def check_no_modules(tree, what: str, label: str, *, first: int | None = None) -> None:
-  """Raises if ``tree`` holds a module or Variable anywhere.
+  """Raises ``GraphError`` (a ``TypeError``: a module where only arrays go) if ``tree``
+  holds a module or Variable anywhere.
 
   ``label`` names ``tree`` in the message (``"the carry"``); with ``first``, ``tree``
   is a tuple of positional arguments, the first of them argument ``first`` of the
@@ -134,7 +130,7 @@ def check_no_modules(tree, what: str, label: str, *, first: int | None = None) -
     else:
       inner = jax.tree_util.keystr(path[1:])
       where = f"{label} {first + path[0].idx}" + (f" at `{inner}`" if inner else "")
-    raise ModuleArgumentError(
+    raise GraphError(
       f"{what}: {where} is a {type(leaf).__name__}. Modules go in argument 0 only: "
       "a transform maps or broadcasts a module's Variables by its collection rules "
       "(variable_axes, variable_broadcast, variable_carry), not by in_axes, so a "

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ._remat_plan import DOTS, RematPlan, RematPlanError, format_bytes
+from ...core._errors import TransformError
+from ._remat_plan import DOTS, RematPlan, format_bytes
 
 NEAR_MISS = 1.05  # the model's error band, above the budget
 MODEL_SLACK = 0.01  # what the band adds to the model's error measured on the pick
@@ -21,14 +22,14 @@ PROBES = 8  # compiles at most, to find a plan with fewer evaluations
 
 #: ``make(scales, budget)``: the model's pick, its figures for a nesting of depth ``d``
 #: scaled by ``scales[d]``, under ``budget`` (None: the least memory at <= 3N
-#: evaluations); raises ``RematPlanError`` when the model puts every plan over it.
+#: evaluations); raises ``TransformError`` when the model puts every plan over it.
 MakePlan = Callable[[dict[int, float] | None, int | None], RematPlan]
 
 
 def fit_budget(make: MakePlan, budget: int, verify: Callable[[RematPlan], int]) -> RematPlan:
   """The plan with the fewest evaluations that fits ``budget`` once compiled
   (``verify(plan)``: XLA's temp bytes), with its ``measured_bytes``; raises
-  ``RematPlanError`` when none of those tried fits."""
+  ``TransformError`` when none of those tried fits."""
   compiled: dict[tuple, int] = {}
 
   def measure(plan: RematPlan) -> int:  # one compile per plan while planning
@@ -39,7 +40,7 @@ def fit_budget(make: MakePlan, budget: int, verify: Callable[[RematPlan], int]) 
 
   try:
     plan = make(None, budget)
-  except RematPlanError:
+  except TransformError:
     # The model puts every plan over the budget; those within its error of it may
     # still fit once compiled.
     unbudgeted = dataclasses.replace(make(None, None), memory_budget=budget)
@@ -67,9 +68,9 @@ def fit_budget(make: MakePlan, budget: int, verify: Callable[[RematPlan], int]) 
     scales[depth] = scales.get(depth, 1.0) * measured / plan.temp_bytes
     try:
       plan = make(scales, budget)
-    except RematPlanError:
+    except TransformError:
       break
-  raise RematPlanError(
+  raise TransformError(
     f"no remat plan for {plan.n} layers fits memory_budget={format_bytes(budget)} once "
     f"compiled: the last pick, lengths={plan.lengths}, measured "
     f"{format_bytes(measured)}. Fix: a larger budget (at least "

@@ -36,7 +36,7 @@ import jax.core
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from ...core._errors import StatefulRematError
+from ...core._errors import TransformError
 from ...core._split_merge import merge, split
 from ...core._stacks import cycle, num_layers, stacked_variables
 
@@ -48,10 +48,6 @@ NOTHING = "nothing_saveable"
 DOTS = "dots_saveable"
 POLICIES = {NOTHING: None, DOTS: jax.checkpoint_policies.dots_saveable}
 GIVEN = "given policy"  # the one policy a plan was asked to use (plan_remat(policy=))
-
-
-class RematPlanError(StatefulRematError, ValueError):
-  """No candidate fits the memory budget (the message names the smallest)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +93,7 @@ class RematPlan:
   def verify(self) -> int:
     """Compiles the gradient of this plan once; returns XLA's temp bytes."""
     if self._verify is None:
-      raise RematPlanError(
+      raise TransformError(
         "this plan was made without a stack and carry to compile; "
         "use sr.plan_remat(stack, carry) to get one that verifies."
       )
@@ -240,7 +236,7 @@ def parse_bytes(budget: float | str | None, what: str = "memory_budget") -> int 
     amount = float(budget)
     if amount > 0 and amount.is_integer():
       return int(amount)
-    raise RematPlanError(
+    raise TransformError(
       f"{what}={budget!r} is not an amount of memory: bytes come whole and positive. "
       "Fix: a positive whole number of bytes (1e9 and 2**30 are), or a string such as "
       "'512MiB', '2GiB' or '1.5GB'."
@@ -263,7 +259,7 @@ def parse_bytes(budget: float | str | None, what: str = "memory_budget") -> int 
     else None
   )
   if match is None or match.group(2).lower() not in units or float(match.group(1)) <= 0:
-    raise RematPlanError(
+    raise TransformError(
       f"{what}={budget!r} is not an amount of memory. Fix: a positive number of bytes "
       "or a string such as '512MiB', '2GiB' or '1.5GB'."
     )
@@ -311,7 +307,7 @@ def choose(
     if not pool:
       smallest = min(candidates, key=lambda c: c.temp_bytes)
       needed = math.ceil(smallest.temp_bytes / HEADROOM)
-      raise RematPlanError(
+      raise TransformError(
         f"no remat plan for {n} layers fits memory_budget="
         f"{format_bytes(memory_budget)}: the smallest needs "
         f"{format_bytes(smallest.temp_bytes)} (lengths={smallest.lengths}, "
