@@ -1,6 +1,8 @@
 """pyright (basic, as configured in pyproject.toml) is clean on the package, the tutorials,
 the examples (examples/demo.py) and on user code that leans on the public signatures
-(`sr.state(m, sr.Param).flat()`, `graphdef, params, rest = sr.split(m, sr.Param, ...)`).
+(`sr.state(m, sr.Param).flat()`, `graphdef, params, rest = sr.split(m, sr.Param, ...)`);
+in strict mode on a user's script (tests/typing/user_script.py: types survive the
+transforms); and the main names have the types tests/typing/reveal_types.py says.
 
 One pyright run checks them all (a run costs ~20 s of start-up and jax's stubs); each
 test reads its own files' diagnostics from the JSON report.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +20,8 @@ import textwrap
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+USER_SCRIPT = ROOT / "tests" / "typing" / "user_script.py"
+REVEALS = ROOT / "tests" / "typing" / "reveal_types.py"
 
 # What a user writes: every line must type-check with no error (and no warning).
 USER_CODE = textwrap.dedent(
@@ -76,6 +81,8 @@ def _pyright_report(user_file: pathlib.Path) -> dict:
       "tutorials",
       "examples",
       str(user_file),
+      str(USER_SCRIPT),
+      str(REVEALS),
     ],
     cwd=ROOT,
     capture_output=True,
@@ -124,3 +131,40 @@ def test_pyright_is_clean_on_the_package_and_tutorials(report):
     f"({summary['filesAnalyzed']} files); fix them (run `python -m pyright`):\n{_lines(ours)}"
   )
   assert summary["filesAnalyzed"] > 100  # the package and the tutorials were read
+
+
+def _diagnostics(report: dict, path: pathlib.Path) -> list[dict]:
+  return [d for d in report["report"]["generalDiagnostics"] if d["file"] == str(path)]
+
+
+def test_user_script_passes_strict_mode(report):
+  # `# pyright: strict` at its top: every type of the package it touches is known (the
+  # stack from sr.remat_scan, its layers and kernels, sr.jit's and sr.value_and_grad's
+  # results), so the script has no error and no warning.
+  found = _diagnostics(report, USER_SCRIPT)
+  assert not found, f"pyright (strict) finds problems in {USER_SCRIPT.name}:\n{_lines(found)}"
+
+
+def test_revealed_types_of_the_main_names(report):
+  lines = REVEALS.read_text().splitlines()
+  expected = {
+    i: line.split("  # -> ", 1)[1].strip()
+    for i, line in enumerate(lines)
+    if line.startswith("reveal_type(") and "  # -> " in line
+  }
+  assert len(expected) > 25
+  found = _diagnostics(report, REVEALS)
+  problems = [d for d in found if d["severity"] != "information"]
+  assert not problems, _lines(problems)
+  revealed = {}
+  for d in found:
+    match = re.fullmatch(r'Type of ".*" is "(.*)"', d["message"], re.S)
+    if match:
+      revealed[d["range"]["start"]["line"]] = match.group(1)
+  wrong = [
+    f"line {i + 1}: {lines[i].split('  # -> ')[0]}\n  expected {want}\n  pyright: "
+    f"{revealed.get(i, '(nothing revealed)')}"
+    for i, want in expected.items()
+    if revealed.get(i) != want
+  ]
+  assert not wrong, "revealed types differ:\n" + "\n".join(wrong)

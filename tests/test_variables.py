@@ -17,6 +17,40 @@ def test_value_get_and_set():
   np.testing.assert_array_equal(w.value, np.ones(3))
 
 
+def test_get_value_and_set_value_are_value_as_nnx_spells_it():
+  w = sr.Param(jnp.zeros(3))
+  assert w.get_value() is w.value
+  w.set_value(jnp.ones(3))
+  np.testing.assert_array_equal(w.value, np.ones(3))
+
+
+def test_set_value_checks_what_assigning_value_checks():
+  w = sr.Param(jnp.zeros(2))
+  with pytest.raises(TypeError, match=r"cannot assign a Param to `.*\.value`"):
+    w.set_value(sr.Param(jnp.ones(2)))
+
+  @jax.jit
+  def bump(v):
+    v.set_value(v.get_value() + 1)
+
+  with pytest.raises(sr.TraceContextError, match=r"traced value was assigned.*sr\.jit"):
+    bump(w)
+  np.testing.assert_array_equal(w.value, np.zeros(2))
+
+
+def test_get_value_inside_a_trace_reads_as_value_does():
+  # A module reached by closure inside sr.jit: get_value refuses as .value does.
+  model = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))
+  other = sr.nn.Linear(2, 2, rngs=sr.Rngs(1))
+
+  @sr.jit
+  def step(m):
+    return m.kernel.get_value() + other.kernel.get_value()
+
+  with pytest.raises(sr.TraceContextError, match="closure"):
+    step(model)
+
+
 def test_value_can_be_a_python_scalar_or_pytree():
   count = sr.Variable(0)
   count.value += 1

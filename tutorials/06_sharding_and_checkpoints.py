@@ -77,7 +77,7 @@ Stack = sr.remat_scan(Block, lengths=LENGTHS, metadata_params={"partition_name":
 stack = Stack(DIM, rngs=sr.Rngs(0))
 specs = sr.get_partition_spec(stack)  # a State of PartitionSpecs, by path
 print("up.kernel  ", stack.up.kernel.shape, specs["up"]["kernel"])
-print("down.bias  ", stack.down.bias.shape, specs["down"]["bias"])
+print("down.bias  ", stack.down.bias.shape, specs["down"]["bias"])  # pyright: ignore[reportOptionalMemberAccess]  (use_bias=False: None)
 
 # %% [markdown]
 # ## From logical names to a mesh
@@ -98,7 +98,7 @@ stack = sr.shard(stack, mesh, rules)  # in place, and returns the model
 kernel = stack.up.kernel.value
 print(
   "up.kernel is now",
-  kernel.sharding.spec,
+  kernel.sharding.spec,  # pyright: ignore[reportAttributeAccessIssue]  (jax types .sharding as Sharding)
   "over",
   len(kernel.devices()),
   "devices;",
@@ -138,7 +138,7 @@ for step in range(STEPS):
     print(f"step {step:2d}: loss {float(loss):.6f} on 8 devices, {float(loss_single):.6f} on one")
 print(
   "up.kernel still",
-  stack.up.kernel.value.sharding.spec,
+  stack.up.kernel.value.sharding.spec,  # pyright: ignore[reportAttributeAccessIssue]  (jax types .sharding as Sharding)
   "| same values as one device:",
   np.allclose(stack.up.kernel.value, single.up.kernel.value, atol=1e-6),
 )
@@ -190,13 +190,14 @@ def create():
   return model
 
 
-per_device = sr.jit(create).lower().compile().memory_analysis().output_size_in_bytes
+analysis = sr.jit(create).lower().compile().memory_analysis()
+per_device = analysis.output_size_in_bytes  # pyright: ignore[reportOptionalMemberAccess]  (None: no analysis)
 whole = sum(v.nbytes for v in jax.tree.leaves(sr.state(single)))
 built = sr.jit(create)()
 print(
   f"outputs per device {per_device} bytes; the whole model {whole} bytes;",
   "up.kernel:",
-  built.up.kernel.value.sharding.spec,
+  built.up.kernel.value.sharding.spec,  # pyright: ignore[reportAttributeAccessIssue]  (jax types .sharding as Sharding)
 )
 sr.shard(built, explicit, rules)  # the same layout, now typed on the Explicit mesh
 print("on the Explicit mesh:", jax.typeof(built.up.kernel.value))

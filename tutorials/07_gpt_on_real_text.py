@@ -253,7 +253,7 @@ cached = jnp.stack(
 )
 print(
   "cache:",
-  model.blocks.attn.cached_key.shape,
+  model.blocks.attn.cached_key.shape,  # pyright: ignore[reportOptionalMemberAccess]  (None until init_cache)
   "| max |cached - full| logits:",
   float(jnp.abs(cached - full).max()),
 )

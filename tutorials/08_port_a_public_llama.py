@@ -545,7 +545,7 @@ print(
 before = model.blocks.input_layernorm.scale.value
 try:
   sr.interop.from_nnx(model, checkpoint32, rename={r"^layers\.": "blocks."})
-except sr.interop.InteropError as err:
+except sr.StateMismatchError as err:
   print(err)
 assert model.blocks.input_layernorm.scale.value is before  # unchanged
 
@@ -706,7 +706,7 @@ prompt = jnp.asarray(np.frombuffer(b"def ", np.uint8).astype(np.int32))[None]
 max_length = prompt.shape[1] + DECODE
 model.blocks.attention.init_cache(batch=1, max_length=max_length)
 model.set_attributes(decode=True)
-print("cache:", model.blocks.attention.cached_key.shape)
+print("cache:", model.blocks.attention.cached_key.shape)  # pyright: ignore[reportOptionalMemberAccess]  (None until init_cache)
 for t in range(prompt.shape[1] - 1):  # the prompt fills the cache
   decode_step(model, prompt[:, t], jnp.int32(t))
 sequence, worst = prompt, 0.0

@@ -164,7 +164,7 @@ def build_sharded():
 kernel = model.blocks.mlp.fc1.kernel.value
 print(
   "fc1 kernel:",
-  kernel.sharding.spec,
+  kernel.sharding.spec,  # pyright: ignore[reportAttributeAccessIssue]  (jax types .sharding as Sharding)
   "; device 0 holds",
   kernel.addressable_shards[0].data.shape,
   "of",
@@ -244,7 +244,7 @@ print(
 )
 print(
   "dropout draws so far:",
-  int(model.blocks.drop.rngs.dropout.count.value),
+  int(model.blocks.drop.rngs.dropout.count.value),  # pyright: ignore  (rngs: an Rngs here)
   "(one per microbatch); state max difference:",
   max_difference(model, reference),
 )
@@ -335,7 +335,7 @@ for i in range(2):
 train_diff = max_difference(model, reference)
 print(
   f"max loss difference {max(loss_diffs):.1e}; max parameter difference after two "
-  f"steps {train_diff:.1e}; fc1 kernel still {model.blocks.mlp.fc1.kernel.value.sharding.spec}"
+  f"steps {train_diff:.1e}; fc1 kernel still {model.blocks.mlp.fc1.kernel.value.sharding.spec}"  # pyright: ignore[reportAttributeAccessIssue]
 )
 assert max(loss_diffs) < 1e-5 and train_diff < 1e-5
 

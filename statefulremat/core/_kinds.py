@@ -7,10 +7,10 @@ kind subclasses ``sr.Variable`` (a new collection) or one of these (the same one
 
 from __future__ import annotations
 
-from ._variables import Variable
+from ._variables import A, Variable
 
 
-class Param(Variable):
+class Param(Variable[A]):
   """A trainable parameter (collection ``"params"``).
 
   >>> import jax.numpy as jnp, statefulremat as sr
@@ -21,7 +21,7 @@ class Param(Variable):
   collection = "params"
 
 
-class BatchStat(Variable):
+class BatchStat(Variable[A]):
   """A running statistic updated in training mode (collection ``"batch_stats"``).
 
   >>> import jax.numpy as jnp, statefulremat as sr
@@ -32,7 +32,7 @@ class BatchStat(Variable):
   collection = "batch_stats"
 
 
-class Cache(Variable):
+class Cache(Variable[A]):
   """A decoding cache or similar scratch state (collection ``"cache"``).
 
   >>> import jax.numpy as jnp, statefulremat as sr
@@ -43,7 +43,7 @@ class Cache(Variable):
   collection = "cache"
 
 
-class Intermediate(Variable):
+class Intermediate(Variable[A]):
   """A value kept for inspection, such as an activation (collection ``"intermediates"``).
 
   >>> import jax.numpy as jnp, statefulremat as sr
@@ -54,7 +54,7 @@ class Intermediate(Variable):
   collection = "intermediates"
 
 
-class RngState(Variable):
+class RngState(Variable[A]):
   """Base kind of the state of an RNG stream (collection ``"rngs"``).
 
   >>> import statefulremat as sr
@@ -65,7 +65,7 @@ class RngState(Variable):
   collection = "rngs"
 
 
-class RngKey(RngState):
+class RngKey(RngState[A]):
   """The base key of an RNG stream (a typed ``jax.random.key``).
 
   >>> import statefulremat as sr
@@ -74,7 +74,7 @@ class RngKey(RngState):
   """
 
 
-class RngCount(RngState):
+class RngCount(RngState[A]):
   """How many keys an RNG stream has handed out (a uint32 scalar).
 
   >>> import statefulremat as sr

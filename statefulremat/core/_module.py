@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import numpy as np
@@ -100,6 +100,22 @@ def _kind_named(variable_type, module, name: str) -> type:
   )
 
 
+if TYPE_CHECKING:
+  _Stack = TypeVar("_Stack")
+
+  def _stack_layer(self: _Stack, index: int, /) -> _Stack:
+    """``stack.layer(i)``: layer ``i`` of a stack, of the layer class (``core/_stacks``)."""
+    ...
+
+  def _stack_len(self) -> int:
+    """``len(stack)``: the number of layers of a stack."""
+    ...
+
+  def _any_call(self, *args: Any, **kwargs: Any) -> Any:
+    """A module's ``__call__``, where the type checker knows only that it is a Module."""
+    ...
+
+
 class Module:
   """Base class of stateful modules.
 
@@ -118,6 +134,20 @@ class Module:
   >>> [(path, type(v).__name__) for path, v in m.iter_variables()]
   [(('w',), 'Param')]
   """
+
+  if TYPE_CHECKING:
+    # A stack, an instance of a class form (`sr.remat_scan(Block, ...)`), is typed as
+    # its layer class (`Block`): typing has no intersection to add what the stack's
+    # class adds, `stack.layer(i)` (a `Block`) and `len(stack)`, so every Module shows
+    # them to the type checker (at run time only stacks have them). Assignments, not
+    # `def`s: a subclass's own `self.layer = sr.nn.Linear(...)` then overrides them
+    # without a type error.
+    layer = _stack_layer
+    __len__ = _stack_len
+    # `sr.grad(lambda m: loss(m(x)))` types `m` as a Module (the bound of its argument
+    # type), so a Module's call is known as taking anything; subclasses' own `__call__`
+    # replace it.
+    __call__ = _any_call
 
   def __init_subclass__(cls, **kwargs):
     # Every Module class is a pytree (raw jax.jit / jax.grad / jax.tree.map take

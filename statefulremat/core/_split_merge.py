@@ -9,7 +9,7 @@ every node and leaf as flax.nnx's does.
 
 from __future__ import annotations
 
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import jax
 import jax.core
@@ -23,6 +23,8 @@ from ._graph_lock import hold, let_go
 from ._module import Module, arrivals
 from ._state import State, partition
 from ._variables import Variable, _dtype_of
+
+T = TypeVar("T")
 
 
 def _check_node(node, fn: str):
@@ -42,18 +44,20 @@ def _states(graphdef: GraphDef, variables: list[Variable], filters) -> list[Stat
 # for the number of filters passed, so `graphdef, params, rest = sr.split(m, sr.Param, ...)`
 # and `sr.state(m, sr.Param).flat()` type-check in user code.
 @overload
-def split(node, /) -> tuple[GraphDef, State]: ...
+def split(node: Any, /) -> tuple[GraphDef, State]: ...
 @overload
-def split(node, filter: Filter, /) -> tuple[GraphDef, State]: ...
+def split(node: Any, filter: Filter, /) -> tuple[GraphDef, State]: ...
 @overload
-def split(node, f1: Filter, f2: Filter, /) -> tuple[GraphDef, State, State]: ...
-@overload
-def split(node, f1: Filter, f2: Filter, f3: Filter, /) -> tuple[GraphDef, State, State, State]: ...
+def split(node: Any, f1: Filter, f2: Filter, /) -> tuple[GraphDef, State, State]: ...
 @overload
 def split(
-  node, f1: Filter, f2: Filter, f3: Filter, f4: Filter, /, *filters: Filter
+  node: Any, f1: Filter, f2: Filter, f3: Filter, /
+) -> tuple[GraphDef, State, State, State]: ...
+@overload
+def split(
+  node: Any, f1: Filter, f2: Filter, f3: Filter, f4: Filter, /, *filters: Filter
 ) -> tuple[GraphDef, *tuple[State, ...]]: ...
-def split(node, *filters: Filter) -> tuple[GraphDef, *tuple[State, ...]]:
+def split(node: Any, *filters: Filter) -> tuple[GraphDef, *tuple[State, ...]]:
   """Splits a graph into its GraphDef and one State per filter.
 
   Each variable lands in the State of the first filter that matches it; a variable
@@ -124,12 +128,12 @@ def merge(graphdef: GraphDef, *states: State) -> Any:
 
 
 @overload
-def state(node, /) -> State: ...
+def state(node: Any, /) -> State: ...
 @overload
-def state(node, filter: Filter, /) -> State: ...
+def state(node: Any, filter: Filter, /) -> State: ...
 @overload
-def state(node, f1: Filter, f2: Filter, /, *filters: Filter) -> tuple[State, ...]: ...
-def state(node, *filters: Filter) -> State | tuple[State, ...]:
+def state(node: Any, f1: Filter, f2: Filter, /, *filters: Filter) -> tuple[State, ...]: ...
+def state(node: Any, *filters: Filter) -> State | tuple[State, ...]:
   """The State of ``node``: all of it, the entries a filter matches, or a tuple for several.
 
   >>> import statefulremat as sr
@@ -146,7 +150,7 @@ def state(node, *filters: Filter) -> State | tuple[State, ...]:
   return whole.filter(*filters)
 
 
-def graphdef(node) -> GraphDef:
+def graphdef(node: Any) -> GraphDef:
   """The GraphDef of ``node`` (``sr.split(node)[0]``).
 
   >>> import statefulremat as sr
@@ -157,7 +161,7 @@ def graphdef(node) -> GraphDef:
   return flatten([node])[0]
 
 
-def update(node, *states: State) -> None:
+def update(node: Any, *states: State) -> None:
   """Writes the values of ``states`` into the variables of ``node`` with the same paths.
 
   Every value must have the structure, shape and dtype of the value it replaces;
@@ -241,7 +245,7 @@ def type_change(old, new) -> str | None:
   return None
 
 
-def clone(node):
+def clone(node: T) -> T:
   """A deep copy of the graph: new modules and Variables holding copies of the values.
 
   Shared modules and Variables stay shared within the copy. JAX arrays (typed PRNG
@@ -322,10 +326,10 @@ def deleted_error(variables, what: str, kind: type, after: str = "") -> Exceptio
 
 
 @overload
-def pop(node, filter: Filter, /) -> State: ...
+def pop(node: Any, filter: Filter, /) -> State: ...
 @overload
-def pop(node, f1: Filter, f2: Filter, /, *filters: Filter) -> tuple[State, ...]: ...
-def pop(node, *filters: Filter) -> State | tuple[State, ...]:
+def pop(node: Any, f1: Filter, f2: Filter, /, *filters: Filter) -> tuple[State, ...]: ...
+def pop(node: Any, *filters: Filter) -> State | tuple[State, ...]:
   """Takes the Variables that ``filters`` match out of ``node`` and returns their State,
   as flax.nnx's ``pop``: one State per filter (a tuple for several), each Variable in
   the first that matches.

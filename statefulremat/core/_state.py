@@ -119,7 +119,7 @@ class _Spec:
     return self._hash
 
 
-class State(Mapping):
+class State(Mapping[Any, Any]):
   """The values of a set of variables, keyed by path; a pytree of arrays.
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
@@ -180,7 +180,7 @@ class State(Mapping):
 
   # -- reading ---------------------------------------------------------------
 
-  def flat(self) -> dict[tuple, Any]:
+  def flat(self) -> dict[tuple[Any, ...], Any]:
     """``{path: value}`` for every entry, paths as full tuples.
 
     >>> import statefulremat as sr
@@ -192,7 +192,7 @@ class State(Mapping):
     """
     return dict(zip(self._spec.paths, self._values))
 
-  def flat_variables(self) -> dict[tuple, Variable]:
+  def flat_variables(self) -> dict[tuple[Any, ...], Variable[Any]]:
     """``{path: Variable}``: each entry as a fresh Variable of its kind and metadata.
 
     The Variables are new boxes, not the module's: setting their values changes
@@ -211,7 +211,7 @@ class State(Mapping):
       for p, k, v, m in zip(self._spec.paths, self._spec.kinds, self._values, self._spec.metas)
     }
 
-  def __getitem__(self, key) -> Any:  # a leaf (array) or a sub-State: the paths decide
+  def __getitem__(self, key: Any) -> Any:  # a leaf (array) or a sub-State: the paths decide
     paths = self._spec.paths
     picked = [i for i, p in enumerate(paths) if p and p[0] == key]
     if not picked:
@@ -220,7 +220,7 @@ class State(Mapping):
       return self._values[picked[0]]
     return self._select(picked, strip=1)
 
-  def __iter__(self) -> Iterator:
+  def __iter__(self) -> Iterator[Any]:
     return iter(dict.fromkeys(p[0] for p in self._spec.paths if p))
 
   def __len__(self) -> int:

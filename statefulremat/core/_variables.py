@@ -24,7 +24,7 @@ from __future__ import annotations
 import operator
 import re
 import weakref
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar
 
 import jax
 import numpy as np
@@ -66,6 +66,9 @@ def bare_variable(kind: type, value: Any, metadata: dict, trace) -> Variable:
   return var
 
 
+A = TypeVar("A")  # what a Variable holds: an array, or any pytree
+
+
 def _snake_case(name: str) -> str:
   return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
@@ -75,14 +78,16 @@ def _dtype_of(value):
   return jax.numpy.result_type(value) if dtype is None else dtype
 
 
-class Variable:
+class Variable(Generic[A]):
   """A mutable box holding one array (or pytree) of a module's state.
 
   ``Variable(value, **metadata)``: ``metadata`` is free-form (``sharding=("embed",
   "mlp")`` is read by ``sr.get_partition_spec``) and readable as attributes.
   Subclass it to define a new kind; a direct subclass names its collection with a
   ``collection`` class attribute (default: the class name in snake case), deeper
-  subclasses inherit their parent's.
+  subclasses inherit their parent's. A Variable is generic in its value for type
+  checkers: ``sr.Param(jnp.zeros(2))`` is a ``Param[jax.Array]``, whose ``.value`` (and
+  ``get_value()``) is a ``jax.Array``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> w = sr.Param(jnp.ones((2, 3)), sharding=("embed", "mlp"))
@@ -101,6 +106,7 @@ class Variable:
 
   __slots__ = ("_value", "_metadata", "_trace", "_owner", "_serial", "__weakref__")
   collection: ClassVar[str] = "variables"
+  _value: Any
   _owner: tuple[weakref.ref, tuple] | None  # (parent, key path): see set_owner
 
   if TYPE_CHECKING:
@@ -156,7 +162,7 @@ class Variable:
   def __hash__(self):
     refuse_hash(self)  # mutable: see refuse_hash
 
-  def __init__(self, value: Any, **metadata: Any):
+  def __init__(self, value: A, **metadata: Any):
     if isinstance(value, Variable):
       raise TypeError(
         f"{type(self).__name__}(...) got a {type(value).__name__} as its value; a "
@@ -171,14 +177,14 @@ class Variable:
   # -- value -----------------------------------------------------------------
 
   @property
-  def value(self) -> Any:
+  def value(self) -> A:
     """The array held; assign to replace it."""
     if _guard.depth and self._serial < _guard.start:
       _closure_read(self)
     return self._value
 
   @value.setter
-  def value(self, new: Any):
+  def value(self, new: A):
     if isinstance(new, Variable):
       raise TypeError(
         f"cannot assign a {type(new).__name__} to `{self.path_str()}.value`; assign "
@@ -195,6 +201,40 @@ class Variable:
         "of closing over it."
       )
     self._value = new
+
+  def get_value(self) -> A:
+    """The array held: ``var.value``, as flax.nnx 0.12 spells it.
+
+    Returns:
+      The value (an array, or the pytree the Variable holds), read as ``.value`` reads
+      it: inside ``sr.jit`` & co., a Variable the function reached by closure raises
+      ``TraceContextError``.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> w = sr.Param(jnp.ones(2))
+    >>> w.get_value().tolist()
+    [1.0, 1.0]
+    """
+    return self.value
+
+  def set_value(self, value: A) -> None:
+    """Replaces the array held: ``var.value = value``, as flax.nnx 0.12 spells it.
+
+    Args:
+      value: the new array (or pytree).
+
+    Raises:
+      TypeError: ``value`` is a Variable (assign its ``.value``).
+      TraceContextError: ``value`` is traced by a JAX transform that does not own the
+        Variable (a plain ``jax.jit`` closing over the module), as for ``.value =``.
+
+    >>> import jax.numpy as jnp, statefulremat as sr
+    >>> w = sr.Param(jnp.ones(2))
+    >>> w.set_value(w.get_value() * 3)
+    >>> w.value.tolist()
+    [3.0, 3.0]
+    """
+    self.value = value
 
   def path_str(self) -> str:
     """The variable's last known path from its root module, e.g. ``block.linear.kernel``.
@@ -243,7 +283,7 @@ class Variable:
         f"{type(self).__name__} has no attribute or metadata entry {name!r}"
       ) from None
 
-  def replace(self, value: Any) -> Variable:
+  def replace(self, value: A) -> Self:
     """A new Variable of the same kind and metadata holding ``value``.
 
     ``self`` is left as it is, and the new Variable belongs to no module yet.
@@ -258,11 +298,15 @@ class Variable:
 
   # -- array-like use --------------------------------------------------------
 
-  def __jax_array__(self):
+  def _read(self) -> Any:
+    # `.value`, checks included, typed as what the methods below treat it as: an array.
     return self.value
 
+  def __jax_array__(self):
+    return self._read()
+
   def __array__(self, dtype=None, copy=None):
-    return np.asarray(self.value, dtype=dtype)
+    return np.asarray(self._read(), dtype=dtype)
 
   # np.shape & co. also answer for Python scalars (a plain AttributeError here would
   # fall through to the metadata lookup and blame a missing metadata entry).
@@ -272,7 +316,7 @@ class Variable:
   size = property(lambda self: np.size(self._value), doc="The value's element count.")
 
   def __getitem__(self, index):
-    return self.value[index]
+    return self._read()[index]
 
   def __setitem__(self, index, new):
     """``var[index] = x`` writes into the value (``var[...] = x`` replaces it whole).
@@ -286,28 +330,29 @@ class Variable:
     >>> w.value.tolist()
     [[1.0, 6.0], [1.0, 1.0]]
     """
-    old = self.value
+    old = self._read()
     if isinstance(new, Variable):
       new = new.value
     if index is Ellipsis and jax.numpy.shape(new) == jax.numpy.shape(old):
       self.value = new
     else:
-      self.value = jax.numpy.asarray(old).at[index].set(new)
+      updated: Any = jax.numpy.asarray(old).at[index].set(new)
+      self.value = updated
 
   def __len__(self):
-    return len(self.value)
+    return len(self._read())
 
   def __iter__(self):
-    return iter(self.value)
+    return iter(self._read())
 
   def __bool__(self):
-    return bool(self.value)
+    return bool(self._read())
 
   def __float__(self):
-    return float(self.value)
+    return float(self._read())
 
   def __int__(self):
-    return int(self.value)
+    return int(self._read())
 
   # -- pickling ----------------------------------------------------------------
 

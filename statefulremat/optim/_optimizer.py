@@ -16,10 +16,10 @@ from ..core._kinds import Param
 from ..core._module import Module
 from ..core._split_merge import state, update
 from ..core._state import State
-from ..core._variables import Variable
+from ..core._variables import A, Variable
 
 
-class OptState(Variable):
+class OptState(Variable[A]):
   """Optimizer state (collection ``"opt_state"``): moments, step counts.
 
   >>> import jax.numpy as jnp, statefulremat as sr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +18,39 @@ from ..core._state import State, freeze
 from ._lift import Lifted, check_no_nodes, held, split_call, write_back
 from ._rules import TransformError
 
+M = TypeVar("M", bound=Module)
+P = ParamSpec("P")
+R = TypeVar("R")
+Aux = TypeVar("Aux")
 
+# The types say what the default (argnums=0) with a module there gives: its gradient is a
+# State. Other argnums (arrays, several arguments, a list of modules) give what
+# jax.grad gives for them, typed Any.
+
+
+@overload
 def value_and_grad(
-  fn: Callable, argnums: int | Sequence[int] = 0, *, wrt: Filter = Param, has_aux: bool = False
-) -> Callable:
+  fn: Callable[Concatenate[M, P], R],
+  argnums: Literal[0] = 0,
+  *,
+  wrt: Filter = Param,
+  has_aux: bool = False,
+) -> Callable[Concatenate[M, P], tuple[R, State]]: ...
+@overload
+def value_and_grad(
+  fn: Callable[P, R],
+  argnums: int | Sequence[int] = 0,
+  *,
+  wrt: Filter = Param,
+  has_aux: bool = False,
+) -> Callable[P, tuple[R, Any]]: ...
+def value_and_grad(
+  fn: Callable[..., Any],
+  argnums: int | Sequence[int] = 0,
+  *,
+  wrt: Filter = Param,
+  has_aux: bool = False,
+) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``; a module argument's gradient is a State.
 
   For a module at ``argnums`` the gradient is taken with respect to its variables
@@ -234,9 +264,37 @@ def _non_float_dtype(value):
   return None
 
 
+@overload
 def grad(
-  fn: Callable, argnums: int | Sequence[int] = 0, *, wrt: Filter = Param, has_aux: bool = False
-) -> Callable:
+  fn: Callable[Concatenate[M, P], Any],
+  argnums: Literal[0] = 0,
+  *,
+  wrt: Filter = Param,
+  has_aux: Literal[False] = False,
+) -> Callable[Concatenate[M, P], State]: ...
+@overload
+def grad(
+  fn: Callable[Concatenate[M, P], tuple[Any, Aux]],
+  argnums: Literal[0] = 0,
+  *,
+  wrt: Filter = Param,
+  has_aux: Literal[True],
+) -> Callable[Concatenate[M, P], tuple[State, Aux]]: ...
+@overload
+def grad(
+  fn: Callable[P, Any],
+  argnums: int | Sequence[int] = 0,
+  *,
+  wrt: Filter = Param,
+  has_aux: bool = False,
+) -> Callable[P, Any]: ...
+def grad(
+  fn: Callable[..., Any],
+  argnums: int | Sequence[int] = 0,
+  *,
+  wrt: Filter = Param,
+  has_aux: bool = False,
+) -> Callable[..., Any]:
   """Like ``jax.grad``; a module argument's gradient is a State (see ``value_and_grad``).
 
   >>> import jax.numpy as jnp, statefulremat as sr

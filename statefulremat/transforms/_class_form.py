@@ -15,11 +15,26 @@ import pickle
 import reprlib
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeGuard, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeGuard, TypeVar, overload
 
 from ..core._bookkeeping import MADE_BY, STACK_INFO, TRANSFORMED
 from ..core._module import Module
 from ..core._stacks import is_stacked, stack_info, update_stack_info
+
+M = TypeVar("M", bound=Module)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Transform(Protocol):
+  """What ``sr.remat`` / ``sr.scan`` / ``sr.remat_scan`` / ``sr.vmap`` return when given
+  only keywords (a decorator): applied to a Module class it gives a class typed as that
+  class (``type[Block]``), to a function one with the same signature."""
+
+  @overload
+  def __call__(self, target: type[M], /) -> type[M]: ...
+  @overload
+  def __call__(self, target: Callable[P, R], /) -> Callable[P, R]: ...
 
 
 def is_module_class(target: object) -> TypeGuard[type[Module]]:

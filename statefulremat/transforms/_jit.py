@@ -6,7 +6,7 @@ import functools
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +19,43 @@ from ._outputs import ModulesOut, Restructured
 
 _PASSED_THROUGH = {"keep_unused", "inline", "compiler_options", "backend", "device"}
 
+P = ParamSpec("P")
+R = TypeVar("R", covariant=True)
 
+
+class Jitted(Protocol[P, R]):
+  """What ``sr.jit(fn)`` returns: ``fn``'s signature, and ``lower`` as on ``jax.jit``'s."""
+
+  def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
+  def lower(self, *args: P.args, **kwargs: P.kwargs) -> jax.stages.Lowered: ...
+
+
+@overload
 def jit(
-  fn: Callable | None = None,
+  fn: Callable[P, R],
   *,
   static_argnums: int | Sequence[int] = (),
   static_argnames: str | Sequence[str] = (),
   donate_state: bool = False,
   **jit_kwargs: Any,
-) -> Callable:
+) -> Jitted[P, R]: ...  # `@sr.jit`, `sr.jit(fn)`: the same signature
+@overload
+def jit(
+  fn: None = None,
+  *,
+  static_argnums: int | Sequence[int] = (),
+  static_argnames: str | Sequence[str] = (),
+  donate_state: bool = False,
+  **jit_kwargs: Any,
+) -> Callable[[Callable[P, R]], Jitted[P, R]]: ...  # `@sr.jit(static_argnums=...)`
+def jit(
+  fn: Callable[..., Any] | None = None,
+  *,
+  static_argnums: int | Sequence[int] = (),
+  static_argnames: str | Sequence[str] = (),
+  donate_state: bool = False,
+  **jit_kwargs: Any,
+) -> Any:
   """Compiles ``fn`` with ``jax.jit``; modules in its arguments are updated in place.
 
   Every Variable the function changes (params, batch stats, RNG counts, optimizer

@@ -4,53 +4,72 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TypeVar, overload
+from typing import Any, overload
 
 import jax
 
 from ..core._errors import GraphError
 from ..core._filters import Filter, to_predicate
 from ..core._kinds import RngState
-from ..core._module import Module, iter_graph
+from ..core._module import iter_graph
 from ..core._rngs import Rngs, RngStream
-from ._class_form import cached_class_form, display_name, is_module_class, transformed_class
+from ._class_form import (
+  M,
+  P,
+  R,
+  Transform,
+  cached_class_form,
+  display_name,
+  is_module_class,
+  transformed_class,
+)
 from ._lift import check_no_nodes, is_node, lift, serialised, write_back
 from ._outputs import Restructured
 from ._rules import Rules
 from .memory._policy_check import policy_check
 
-_M = TypeVar("_M", bound=Module)
-
 
 @overload
 def remat(
-  target: type[_M],
+  target: type[M],
   *,
-  policy: Callable | None = None,
+  policy: Callable[..., Any] | None = None,
   prevent_cse: bool = True,
   static_argnums: int | Sequence[int] = (),
   variables: Filter = True,
   rngs: Filter = True,
   methods: Sequence[str] | None = None,
   concrete: bool = False,
-) -> type[_M]: ...  # the class form: a subclass whose methods are rematted
+) -> type[M]: ...  # the class form: a subclass whose methods are rematted
 @overload
 def remat(
-  target: Callable | None = None,
+  target: Callable[P, R],
   *,
-  policy: Callable | None = None,
+  policy: Callable[..., Any] | None = None,
   prevent_cse: bool = True,
   static_argnums: int | Sequence[int] = (),
   variables: Filter = True,
   rngs: Filter = True,
   methods: Sequence[str] | None = None,
   concrete: bool = False,
-) -> Callable: ...
+) -> Callable[P, R]: ...  # the function form: the same signature
+@overload
+def remat(
+  target: None = None,
+  *,
+  policy: Callable[..., Any] | None = None,
+  prevent_cse: bool = True,
+  static_argnums: int | Sequence[int] = (),
+  variables: Filter = True,
+  rngs: Filter = True,
+  methods: Sequence[str] | None = None,
+  concrete: bool = False,
+) -> Transform: ...  # keywords only: a decorator of a class or a function
 @cached_class_form
 def remat(
   target: Callable | type | None = None,
   *,
-  policy: Callable | None = None,
+  policy: Callable[..., Any] | None = None,
   prevent_cse: bool = True,
   static_argnums: int | Sequence[int] = (),
   variables: Filter = True,
@@ -103,7 +122,7 @@ def remat(
       "If the function branches on a Python value, mark that argument static: "
       "`sr.remat(f, static_argnums=(i,))` (argument 0 is the module or `self`)."
     )
-  options = dict(
+  options: dict[str, Any] = dict(
     policy=policy,
     prevent_cse=prevent_cse,
     static_argnums=static_argnums,

@@ -6,7 +6,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,17 @@ import jax.numpy as jnp
 from ..core._module import Module
 from ..core._stacks import cycle, is_stacked, update_stack_info
 from ._autodiff import grad
-from ._class_form import cached_class_form, display_name, fresh, is_module_class, refuse_init_axes
+from ._class_form import (
+  M,
+  P,
+  R,
+  Transform,
+  cached_class_form,
+  display_name,
+  fresh,
+  is_module_class,
+  refuse_init_axes,
+)
 from ._jit import jit
 from ._layers import describe_node
 from ._lift import refuse_layer_list, serialised
@@ -40,6 +50,82 @@ _ALL = MappingProxyType({True: 0})
 _SPLIT_ALL = MappingProxyType({True: True})
 
 
+@overload
+def remat_scan(
+  target: type[M],
+  lengths: Sequence[int] | str | RematPlan = (),
+  *,
+  length: int | None = None,
+  memory_budget: int | str | None = None,
+  policy: Callable[..., Any] | None = None,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  prevent_cse: bool = False,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+  pipeline: Any = None,
+) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
+@overload
+def remat_scan(
+  target: Sequence[type[Module] | functools.partial[Any]],
+  lengths: Sequence[int] | str | RematPlan = (),
+  *,
+  length: int | None = None,
+  memory_budget: int | str | None = None,
+  policy: Callable[..., Any] | None = None,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  prevent_cse: bool = False,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+  pipeline: Any = None,
+) -> type: ...  # a pattern stack, whose positions differ
+@overload
+def remat_scan(
+  target: Callable[P, R],
+  lengths: Sequence[int] | str | RematPlan = (),
+  *,
+  length: int | None = None,
+  memory_budget: int | str | None = None,
+  policy: Callable[..., Any] | None = None,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  prevent_cse: bool = False,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+  pipeline: Any = None,
+) -> Callable[P, R]: ...  # the function form: the same signature
+@overload
+def remat_scan(
+  target: None = None,
+  lengths: Sequence[int] | str | RematPlan = (),
+  *,
+  length: int | None = None,
+  memory_budget: int | str | None = None,
+  policy: Callable[..., Any] | None = None,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  prevent_cse: bool = False,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+  pipeline: Any = None,
+) -> Transform: ...  # keywords only: a decorator of a class or a function
 @cached_class_form
 def remat_scan(
   target: Callable | type | Sequence[Callable] | None = None,
@@ -47,14 +133,14 @@ def remat_scan(
   *,
   length: int | None = None,
   memory_budget: int | str | None = None,
-  policy: Callable | None = None,
+  policy: Callable[..., Any] | None = None,
   variable_broadcast: Any = False,
   variable_carry: Any = False,
-  variable_axes: Mapping = _ALL,
-  split_rngs: Mapping = _SPLIT_ALL,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   prevent_cse: bool = False,
-  data_transform: Callable | None = None,
-  metadata_params: Mapping = MappingProxyType({}),
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
   pipeline: Any = None,
@@ -111,7 +197,7 @@ def remat_scan(
   >>> bool(jnp.allclose(x, y, rtol=1e-4))
   True
   """
-  options = dict(
+  options: dict[str, Any] = dict(
     policy=policy,
     variable_broadcast=variable_broadcast,
     variable_carry=variable_carry,
@@ -301,10 +387,10 @@ def plan_remat(
   stack,
   carry,
   *,
-  fn: Callable | None = None,
+  fn: Callable[..., Any] | None = None,
   memory_budget: int | str | None = None,
   max_depth: int = 4,
-  policy: Callable | None = None,
+  policy: Callable[..., Any] | None = None,
 ) -> RematPlan:
   """Plans ``sr.remat_scan`` over ``stack`` for a ``carry`` of these shapes.
 
@@ -364,7 +450,8 @@ def plan_remat(
     run = remat_scan(fn, lengths=plan)
     loss = lambda m, c: sum(jnp.sum(x) for x in jax.tree.leaves(run(m, c)))
     lowered = jit(grad(loss)).lower(abstract, carry)
-    return int(lowered.compile().memory_analysis().temp_size_in_bytes)
+    analysis: Any = lowered.compile().memory_analysis()  # None only where XLA gives none
+    return int(analysis.temp_size_in_bytes)
 
   def make(scales: dict[int, float] | None, budget: int | None) -> RematPlan:
     best, ranked = choose(

@@ -17,7 +17,16 @@ import jax
 import jax.numpy as jnp
 
 from ..core._module import Module
-from ._class_form import cached_class_form, display_name, fresh, refuse_init_axes
+from ._class_form import (
+  M,
+  P,
+  R,
+  Transform,
+  cached_class_form,
+  display_name,
+  fresh,
+  refuse_init_axes,
+)
 from ._lift import refuse_layer_list, serialised
 from ._module_arg import check_no_modules
 from ._pattern import class_form, target_repr
@@ -31,56 +40,91 @@ _EMPTY = MappingProxyType({})
 
 @overload
 def scan(
-  target: type[Module] | Sequence[type[Module] | functools.partial],
+  target: type[M],
   *,
-  variable_axes: Mapping = _EMPTY,
+  variable_axes: Mapping[Any, Any] = _EMPTY,
   variable_broadcast: Any = False,
   variable_carry: Any = False,
-  split_rngs: Mapping = _EMPTY,
+  split_rngs: Mapping[Any, Any] = _EMPTY,
   in_axes: Any = 0,
   out_axes: Any = 0,
   length: int | None = None,
   reverse: bool = False,
   unroll: int | bool = 1,
-  data_transform: Callable | None = None,
-  metadata_params: Mapping = _EMPTY,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
-) -> type: ...  # the class form: a subclass of target's class; as a stack it also has
-# `__len__` / `layer`, which `type[M]` would hide (typing has no intersection)
+) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
 @overload
 def scan(
-  target: Callable | None = None,
+  target: Sequence[type[Module] | functools.partial[Any]],
   *,
-  variable_axes: Mapping = _EMPTY,
+  variable_axes: Mapping[Any, Any] = _EMPTY,
   variable_broadcast: Any = False,
   variable_carry: Any = False,
-  split_rngs: Mapping = _EMPTY,
+  split_rngs: Mapping[Any, Any] = _EMPTY,
   in_axes: Any = 0,
   out_axes: Any = 0,
   length: int | None = None,
   reverse: bool = False,
   unroll: int | bool = 1,
-  data_transform: Callable | None = None,
-  metadata_params: Mapping = _EMPTY,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
-) -> Callable: ...
+) -> type: ...  # a pattern stack, whose positions differ
+@overload
+def scan(
+  target: Callable[P, R],
+  *,
+  variable_axes: Mapping[Any, Any] = _EMPTY,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  split_rngs: Mapping[Any, Any] = _EMPTY,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  length: int | None = None,
+  reverse: bool = False,
+  unroll: int | bool = 1,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+) -> Callable[P, R]: ...  # the function form: the same signature
+@overload
+def scan(
+  target: None = None,
+  *,
+  variable_axes: Mapping[Any, Any] = _EMPTY,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  split_rngs: Mapping[Any, Any] = _EMPTY,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  length: int | None = None,
+  reverse: bool = False,
+  unroll: int | bool = 1,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+) -> Transform: ...  # keywords only: a decorator of a class or a function
 @cached_class_form
 def scan(
   target: Callable | type | Sequence[Callable] | None = None,
   *,
-  variable_axes: Mapping = _EMPTY,
+  variable_axes: Mapping[Any, Any] = _EMPTY,
   variable_broadcast: Any = False,
   variable_carry: Any = False,
-  split_rngs: Mapping = _EMPTY,
+  split_rngs: Mapping[Any, Any] = _EMPTY,
   in_axes: Any = 0,
   out_axes: Any = 0,
   length: int | None = None,
   reverse: bool = False,
   unroll: int | bool = 1,
-  data_transform: Callable | None = None,
-  metadata_params: Mapping = _EMPTY,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
 ):
@@ -174,7 +218,7 @@ def scan(
   >>> cs.shape, sums.shape
   ((4, 2, 3), (2, 4))
   """
-  options = dict(
+  options: dict[str, Any] = dict(
     variable_axes=variable_axes,
     variable_broadcast=variable_broadcast,
     variable_carry=variable_carry,

@@ -14,7 +14,16 @@ from ...core._bookkeeping import is_bookkeeping
 from ...core._module import Module
 from ...core._stacks import cycle, is_stacked
 from ...core._variables import release_owner
-from .._class_form import cached_class_form, display_name, fresh, refuse_init_axes
+from .._class_form import (
+  M,
+  P,
+  R,
+  Transform,
+  cached_class_form,
+  display_name,
+  fresh,
+  refuse_init_axes,
+)
 from .._lift import is_node, serialised, split_call, write_back
 from .._module_arg import (
   check_no_modules,
@@ -45,35 +54,64 @@ _SPLIT_ALL = MappingProxyType({True: True})
 
 @overload
 def vmap(
-  target: type[Module] | Sequence[type[Module] | functools.partial],
+  target: type[M],
   *,
   in_axes: Any = _DEFAULT_IN_AXES,
   out_axes: Any = 0,
   axis_size: int | None = None,
   axis_name: str | None = None,
-  variable_axes: Mapping = _ALL,
-  split_rngs: Mapping = _SPLIT_ALL,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   variable_broadcast: Any = False,
-  metadata_params: Mapping = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
-) -> type: ...  # the class form: a subclass of target's class; as a stack it also has
-# `__len__` / `layer`, which `type[_M]` would hide (typing has no intersection)
+) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
 @overload
 def vmap(
-  target: Callable | None = None,
+  target: Sequence[type[Module] | functools.partial[Any]],
   *,
   in_axes: Any = _DEFAULT_IN_AXES,
   out_axes: Any = 0,
   axis_size: int | None = None,
   axis_name: str | None = None,
-  variable_axes: Mapping = _ALL,
-  split_rngs: Mapping = _SPLIT_ALL,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   variable_broadcast: Any = False,
-  metadata_params: Mapping = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
-) -> Callable: ...
+) -> type: ...  # a pattern stack, whose positions differ
+@overload
+def vmap(
+  target: Callable[P, R],
+  *,
+  in_axes: Any = _DEFAULT_IN_AXES,
+  out_axes: Any = 0,
+  axis_size: int | None = None,
+  axis_name: str | None = None,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  variable_broadcast: Any = False,
+  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+) -> Callable[P, R]: ...  # the function form: the same signature
+@overload
+def vmap(
+  target: None = None,
+  *,
+  in_axes: Any = _DEFAULT_IN_AXES,
+  out_axes: Any = 0,
+  axis_size: int | None = None,
+  axis_name: str | None = None,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  variable_broadcast: Any = False,
+  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+) -> Transform: ...  # keywords only: a decorator of a class or a function
 @cached_class_form
 def vmap(
   target: Callable | type | Sequence[Callable] | None = None,
@@ -82,10 +120,10 @@ def vmap(
   out_axes: Any = 0,
   axis_size: int | None = None,
   axis_name: str | None = None,
-  variable_axes: Mapping = _ALL,
-  split_rngs: Mapping = _SPLIT_ALL,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   variable_broadcast: Any = False,
-  metadata_params: Mapping = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
 ):
@@ -136,7 +174,7 @@ def vmap(
   (4, 2)
   """
   explicit_axes = type(in_axes) is not _DefaultAxis
-  options = dict(
+  options: dict[str, Any] = dict(
     in_axes=in_axes if explicit_axes else 0,
     out_axes=out_axes,
     axis_size=axis_size,
