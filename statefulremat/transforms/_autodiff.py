@@ -53,13 +53,38 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``; a module argument's gradient is a State.
 
-  For a module at ``argnums`` the gradient is taken with respect to its variables
-  matched by ``wrt`` and returned as a ``State`` with the paths of
-  ``sr.state(module, wrt)``; a list, tuple or dict of modules there (a list of
-  layers) gets the same structure with a State per module, as ``nnx.grad`` gives;
-  other arguments at ``argnums`` get ordinary gradients.
   Changes the function makes to other variables (batch stats, RNG counts) are written
   back to the caller's modules; if it raises, nothing is.
+
+  Args:
+    fn: the function to differentiate; it returns a scalar loss, or ``(loss, aux)``
+      with ``has_aux=True``.
+    argnums: the position, or a sequence of positions, of the arguments to
+      differentiate (default ``0``). For a module there the gradient is taken with
+      respect to its variables matched by ``wrt`` and is a ``State`` with the paths of
+      ``sr.state(module, wrt)``; a list, tuple or dict of modules there (a list of
+      layers) gets the same structure with a State per module, as ``nnx.grad`` gives;
+      other arguments get ordinary gradients.
+    wrt: a filter choosing the variables of the modules at ``argnums`` to differentiate
+      (default ``sr.Param``; ``'params'`` or another filter selects others). It must
+      match at least one variable, and only float arrays.
+    has_aux: whether ``fn`` returns a pair ``(loss, aux)``, of which only ``loss`` is
+      differentiated (default ``False``).
+
+  Returns:
+    A function taking ``fn``'s arguments and returning ``(value, grads)``, where
+    ``value`` is ``fn``'s result (``(loss, aux)`` with ``has_aux=True``) and ``grads``
+    is the gradient of the argument at ``argnums`` (a tuple of them for a sequence).
+
+  Raises:
+    TypeError: at call, ``argnums`` names a position the call does not have; ``wrt``
+      matches a variable that is not a float array; ``fn`` returns a tuple, list or dict
+      without ``has_aux=True``, or not a pair with it.
+    sr.TransformError: ``wrt`` matches no variable of a module at ``argnums``.
+    sr.GraphError: ``fn`` returns a module or a Variable, or changes the structure of its
+      modules (adds or removes sub-modules or Variables).
+    sr.TraceContextError: the call runs inside a plain JAX transform that closes over the
+      module, so its new values would leak that transform's tracers.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))
@@ -296,6 +321,36 @@ def grad(
   has_aux: bool = False,
 ) -> Callable[..., Any]:
   """Like ``jax.grad``; a module argument's gradient is a State (see ``value_and_grad``).
+
+  Changes the function makes to other variables (batch stats, RNG counts) are written
+  back to the caller's modules; if it raises, nothing is.
+
+  Args:
+    fn: the function to differentiate; it returns a scalar loss, or ``(loss, aux)``
+      with ``has_aux=True``.
+    argnums: the position, or a sequence of positions, of the arguments to
+      differentiate (default ``0``). A module there gets a ``State`` with the paths of
+      ``sr.state(module, wrt)``; a list, tuple or dict of modules the same structure
+      with a State per module; other arguments ordinary gradients.
+    wrt: a filter choosing the variables of the modules at ``argnums`` to differentiate
+      (default ``sr.Param``). It must match at least one variable, and only float arrays.
+    has_aux: whether ``fn`` returns a pair ``(loss, aux)``, of which only ``loss`` is
+      differentiated (default ``False``).
+
+  Returns:
+    A function taking ``fn``'s arguments and returning ``grads``, the gradient of the
+    argument at ``argnums`` (a tuple of them for a sequence), or ``(grads, aux)`` with
+    ``has_aux=True``.
+
+  Raises:
+    TypeError: at call, ``argnums`` names a position the call does not have; ``wrt``
+      matches a variable that is not a float array; ``fn`` returns a tuple, list or dict
+      without ``has_aux=True``, or not a pair with it.
+    sr.TransformError: ``wrt`` matches no variable of a module at ``argnums``.
+    sr.GraphError: ``fn`` returns a module or a Variable, or changes the structure of its
+      modules (adds or removes sub-modules or Variables).
+    sr.TraceContextError: the call runs inside a plain JAX transform that closes over the
+      module, so its new values would leak that transform's tracers.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))

@@ -122,8 +122,17 @@ def transformed_class(cls: type, wrap: Callable, methods: Sequence[str] | None, 
   )
 
 
-def refuse_init_axes(transform: str, target, init_in_axes) -> None:
-  """``init_in_axes`` maps constructor arguments: it only means something for a class."""
+def function_target(transform: str, target, *, takes: str, methods=None, init_in_axes=None):
+  """Checks the target of a function form: a callable, without the options that only a
+  class form takes (``methods`` names a class's methods, ``init_in_axes`` maps its
+  constructor's arguments). ``takes`` says what the transform takes, for the message."""
+  if methods is not None:
+    raise TypeError(f"{transform}(methods=...) applies to a Module class, not a function.")
+  if not callable(target):
+    raise TypeError(
+      f"{transform} takes {takes}; got a {type(target).__name__}: {target!r}. Fix: pass "
+      "the function, or the layer class to stack."
+    )
   if init_in_axes is not None:
     raise TypeError(
       f"{transform}(init_in_axes=...) maps the constructor arguments of a Module class "

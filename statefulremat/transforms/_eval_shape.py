@@ -28,6 +28,19 @@ def eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
   The usual use: the shapes, bytes and partition specs of a model too big to build,
   before building it sharded with ``sr.jit`` (see ``sr.shard``).
 
+  Args:
+    fn: the function to evaluate (modules may sit anywhere in its arguments), or a
+      module, which is then called: ``sr.eval_shape(model, x)`` is ``model(x)``.
+    *args: ``fn``'s positional arguments: arrays, modules, Variables, pytrees of them.
+    **kwargs: ``fn``'s keyword arguments.
+
+  Returns:
+    ``fn``'s result with each array as a ``jax.ShapeDtypeStruct``, and each module in
+    it a new, abstract one (its Variables holding ``ShapeDtypeStruct`` s).
+
+  Raises:
+    TypeError: ``fn`` is neither callable nor a module.
+
   >>> import jax, statefulremat as sr
   >>> class Block(sr.Module):
   ...   def __init__(self, *, rngs):

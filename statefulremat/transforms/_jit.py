@@ -88,12 +88,27 @@ def jit(
   on how deep the caller stands.
 
   Args:
-    fn: the function; modules may sit anywhere in its arguments.
-    static_argnums: positions of hashable, non-array arguments to compile for.
-    static_argnames: names of hashable, non-array keyword arguments to compile for.
+    fn: the function; modules may sit anywhere in its arguments. ``None`` (only
+      keywords given, ``@sr.jit(static_argnums=1)``) makes a decorator.
+    static_argnums: positions of hashable, non-array arguments to compile for (default
+      ``()``: none).
+    static_argnames: names of hashable, non-array keyword arguments to compile for
+      (default ``()``: none).
     donate_state: donate the modules' current buffers to the computation (saves memory;
-      every Variable is then written back, changed or not).
+      every Variable is then written back, changed or not). Default ``False``.
     **jit_kwargs: ``keep_unused``, ``inline``, ``compiler_options``, ``backend``, ``device``.
+
+  Returns:
+    A function of ``fn``'s signature that runs it compiled, writes the changes back to
+    the modules passed in and returns ``fn``'s result, with a ``lower(*args)`` method as
+    on ``jax.jit``'s; with no ``fn``, a decorator that takes it.
+
+  Raises:
+    TypeError: a keyword in ``**jit_kwargs`` other than those five; at call,
+      ``static_argnums`` naming a position the call does not have, or a static argument
+      that is a module, a Variable, or not hashable.
+    sr.TraceContextError: the call runs inside a plain JAX transform that closes over the
+      module, so its new values would leak that transform's tracers.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> model = sr.nn.Linear(2, 2, rngs=sr.Rngs(0))

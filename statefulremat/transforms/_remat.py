@@ -20,6 +20,7 @@ from ._class_form import (
   Transform,
   cached_class_form,
   display_name,
+  function_target,
   is_module_class,
   transformed_class,
 )
@@ -104,6 +105,25 @@ def remat(
     methods: for a class target, the methods to remat (default ``["__call__"]``).
     concrete: removed from JAX; ``True`` raises an error pointing at ``static_argnums``.
 
+  Returns:
+    For a function, a function of the same signature that runs ``target`` under
+    ``jax.checkpoint`` and writes its mutations back to the modules passed in; for a
+    Module class, the subclass ``Remat{Name}`` whose ``methods`` are rematted (the same
+    class for equal arguments); with no ``target``, a decorator that takes it.
+
+  Raises:
+    TypeError: ``concrete=True``; a ``target`` that is not callable; ``methods`` with a
+      function; a ``policy`` that is not one (a string, a factory not called); at call,
+      ``static_argnums`` naming a position the call does not have.
+    AttributeError: ``methods`` names a method the class does not define.
+    sr.GraphError: at call, ``static_argnums`` marks an argument that holds a module;
+      the function draws from an RNG stream ``rngs`` does not lift, or returns a module
+      or a Variable.
+    sr.TransformError: when traced, ``policy`` names values no ``checkpoint_name`` in
+      the body gives (or saves what it should exclude).
+    sr.TraceContextError: the call runs inside a plain JAX transform that closes over the
+      module, so its new values would leak that transform's tracers.
+
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> model = sr.nn.Linear(3, 3, rngs=sr.Rngs(0))
   >>> def loss(model, x):
@@ -133,8 +153,7 @@ def remat(
     return functools.partial(remat, methods=methods, **options)
   if is_module_class(target):
     return transformed_class(target, lambda m: remat(m, **options), methods, "Remat")
-  if methods is not None:
-    raise TypeError("sr.remat(methods=...) applies to a Module class, not a function.")
+  function_target("sr.remat", target, takes="a function or a Module class", methods=methods)
   return _remat_function(target, **options)
 
 

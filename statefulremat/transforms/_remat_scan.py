@@ -22,8 +22,8 @@ from ._class_form import (
   cached_class_form,
   display_name,
   fresh,
+  function_target,
   is_module_class,
-  refuse_init_axes,
 )
 from ._jit import jit
 from ._layers import describe_node
@@ -155,35 +155,81 @@ def remat_scan(
 
   but runs as ``d = len(lengths)`` nested ``jax.lax.scan`` loops, every level (the innermost
   included) under ``jax.checkpoint``: the backward pass keeps only each level's
-  carries and recomputes the rest. ``policy`` applies to the innermost level only;
-  outer levels save nothing but their carries (a saving policy there would keep every
-  layer's residuals alive); ``lengths="auto"`` plans the nesting for it at trace time
-  (without ``policy``, the plan chooses it too: ``sr.plan_remat``). It is checked as
-  ``sr.remat`` checks it: names that no ``checkpoint_name`` in the body gives raise, an
-  offload that the backend drops warns.
+  carries and recomputes the rest.
   Stacked variables keep ONE flat layer axis of size N — the nested shape exists only
   inside the trace, so changing ``lengths`` never changes the state. Any N works,
-  primes included: with ``length=N < prod(lengths)`` the last segment is short
-  (``lengths=(10, 10), length=97`` runs 9 full outer steps of 10 and one of 7), with
-  no padding and no copies of parameter slices. The defaults stack
-  every variable (``variable_axes={True: 0}``) and split every RNG stream. Arguments
-  after the carry (``remat_scan(f, lengths)(module, carry, position_ids, flag=True)``,
+  primes included (see ``length``). Arguments after the carry
+  (``remat_scan(f, lengths)(module, carry, position_ids, flag=True)``,
   ``f(layer, carry, position_ids, flag=True)``: an attention mask, Llama's position
   ids) are broadcast: every layer gets them whole, keyword ones unchanged.
-  ``data_transform`` and ``metadata_params`` are ``sr.scan``'s: a ``State -> State`` map of each layer's stacked values (e.g. a
-  ``jax.lax.with_sharding_constraint``), and ``{"partition_name": name}`` for the layer
-  axis's name in ``sharding`` metadata.
 
-  The class form ``sr.remat_scan(Block, lengths=(10, 10))(*args, rngs=...)`` builds
-  the N layers in one vmapped init (``init_in_axes`` maps positional constructor
-  arguments per layer, as ``sr.scan``'s); calling it runs ``Block.__call__(carry, *args) ->
-  carry``, the extra arguments broadcast to every layer.
+  Args:
+    target: ``f(layer, carry, *args, **kwargs) -> carry`` (also a method); or a Module
+      class: the class form ``sr.remat_scan(Block, lengths=(10, 10))(*args, rngs=...)``
+      builds the N layers in one vmapped init, and calling it runs
+      ``Block.__call__(carry, *args) -> carry``, the extra arguments broadcast to every
+      layer; or a tuple of classes (a pattern, whose ``lengths`` count cycles).
+      ``None`` (only keywords given) makes a decorator.
+    lengths: the layers per level of nesting, outermost first, e.g. ``(10, 10)`` for
+      100 layers: a non-empty tuple of positive ints (the default ``()`` is refused);
+      ``"auto"`` plans the nesting at trace time for ``policy`` (without ``policy``,
+      the plan chooses it too: ``sr.plan_remat``); or an ``sr.RematPlan`` from
+      ``sr.plan_remat``, which brings its own length and policy.
+    length: N, the number of layers (default ``None``: ``prod(lengths)``). With
+      ``length=N < prod(lengths)`` the last segment is short (``lengths=(10, 10),
+      length=97`` runs 9 full outer steps of 10 and one of 7), with no padding and no
+      copies of parameter slices. The class form with ``lengths="auto"`` needs it.
+    memory_budget: with ``lengths="auto"``, the memory the plan must fit: bytes or a
+      string such as ``"512MiB"`` (per device under ``pipeline``). Default ``None``:
+      the least memory at no more than 3N evaluations.
+    policy: the ``jax.checkpoint_policies`` entry of the innermost level only (default
+      ``None``: save nothing); outer levels save nothing but their carries (a saving
+      policy there would keep every layer's residuals alive). It is checked as
+      ``sr.remat`` checks it: names that no ``checkpoint_name`` in the body gives
+      raise, an offload that the backend drops warns.
+    variable_broadcast: filter of variables read-only in every layer (default
+      ``False``: none).
+    variable_carry: filter of variables threaded from layer to layer (default
+      ``False``: none).
+    variable_axes: ``{filter: axis}`` — the stacked variables and their layer axis
+      (default ``{True: 0}``: every variable, at axis 0).
+    split_rngs: ``{stream filter: bool}`` — the RNG streams that give each layer its
+      key (default ``{True: True}``: every stream is split).
+    prevent_cse: as in ``jax.checkpoint`` (default ``False``, as suits a checkpoint
+      under a scan).
+    data_transform: ``sr.scan``'s: a ``State -> State`` map of each layer's stacked
+      values (e.g. a ``jax.lax.with_sharding_constraint``). Default ``None``: none.
+    metadata_params: ``sr.scan``'s: ``{"partition_name": name}`` for the layer axis's
+      name in ``sharding`` metadata. Default ``{}``.
+    methods: for a class target, the methods to run (default ``None``: ``__call__``).
+    init_in_axes: for a class target, the positional constructor arguments that differ
+      per layer, as ``sr.scan``'s (default ``None``: every argument whole).
+    pipeline: ``sr.PipelineSpec(axis=..., microbatches=...)`` runs it as
+      ``sr.pipeline`` (the class form's ``stack(x)`` and the function form alike),
+      under a mesh whose ``axis`` the layer axis is sharded over: ``lengths`` /
+      ``length`` still count the stack's layers, each stage runs its own as one level
+      with ``policy``, or as ``lengths="auto"`` plans them under ``memory_budget`` per
+      device. Default ``None``: no pipeline.
 
-  ``pipeline=sr.PipelineSpec(axis=..., microbatches=...)`` runs it as ``sr.pipeline``
-  (the class form's ``stack(x)`` and the function form alike), under a mesh whose
-  ``axis`` the layer axis is sharded over: ``lengths`` / ``length`` still count the
-  stack's layers, each stage runs its own as one level with ``policy``, or as
-  ``lengths="auto"`` plans them under ``memory_budget`` per device.
+  Returns:
+    For a function, ``run(module, carry, *args, **kwargs) -> carry``, which writes the
+    body's changes back to ``module``; for a Module class (or a pattern), the stack
+    class ``RematScan{Name}``, whose instances hold the N layers (the same class for
+    equal arguments); with no ``target``, a decorator that takes it.
+
+  Raises:
+    sr.TransformError: ``lengths`` that are not a non-empty tuple of positive ints,
+      ``"auto"`` or a plan; ``length`` not covered by ``lengths`` (or leaving a whole
+      outer step empty), or not the plan's; ``policy`` or ``memory_budget`` with a plan,
+      ``memory_budget`` without ``"auto"``; the class form with ``"auto"`` and no
+      ``length``; a ``pipeline`` that is not an ``sr.PipelineSpec``; at call, the body
+      returning ``(carry, ys)`` or changing the carry's structure, shape or dtype, a
+      variable matched by two rules, a ``policy`` naming values the body does not
+      name, or no plan fitting ``memory_budget``.
+    TypeError: a ``target`` that is not callable; ``methods`` / ``init_in_axes`` with a
+      function; a ``policy`` that is not one; at call, argument 0 not a module.
+    sr.GraphError: a module in the carry or the arguments after it (modules go in
+      argument 0).
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> Deep = sr.remat_scan(sr.nn.Linear, lengths=(4, 5))
@@ -284,15 +330,13 @@ def remat_scan(
       update_stack_info(made, lengths=tuple(lengths))
     return made
   n = length if auto else check_lengths(what, lengths, length)
-  if methods is not None:
-    raise TypeError("sr.remat_scan(methods=...) applies to a Module class, not a function.")
-  if not callable(target):
-    raise TypeError(
-      f"sr.remat_scan takes a function f(layer, carry) -> carry, a Module class or a "
-      f"tuple of classes (a pattern); got a {type(target).__name__}: {target!r}. Fix: "
-      "pass the body function, or the block class to stack."
-    )
-  refuse_init_axes("sr.remat_scan", target, init_in_axes)
+  function_target(
+    "sr.remat_scan",
+    target,
+    takes="a function f(layer, carry) -> carry, a Module class or a tuple of classes (a pattern)",
+    methods=methods,
+    init_in_axes=init_in_axes,
+  )
   return function_form(target, n)
 
 
@@ -396,9 +440,9 @@ def plan_remat(
 
   Every nesting of up to ``max_depth`` levels (short last segments included) and both
   innermost policies (nothing saveable, dots saveable; or only the ``policy`` given)
-  are ranked by a memory model (see ``sr.RematPlan``): with ``memory_budget`` (bytes, or ``"512MiB"``) the fewest
-  block evaluations whose temp memory fits, else the least memory at no more than 3N
-  evaluations. Without a budget nothing is compiled (``plan.verify()`` compiles once
+  are ranked by a memory model (see ``sr.RematPlan``): with ``memory_budget`` (bytes,
+  or ``"512MiB"``) the fewest block evaluations whose temp memory fits, else the least
+  memory at no more than 3N evaluations. Without a budget nothing is compiled (``plan.verify()`` compiles once
   and measures); with one, the pick is compiled once to check it fits (a plan the
   model puts inside the budget's 3 % headroom, or, tried first, one with fewer
   evaluations that it puts under the budget itself: where it fits, one compile is
@@ -414,9 +458,20 @@ def plan_remat(
     carry: the carry, or ``jax.ShapeDtypeStruct`` s of it.
     fn: the body ``(layer, carry) -> carry``; default ``layer(carry)``.
     memory_budget: bytes or a string; None for the least memory at <= 3N evaluations.
+    max_depth: the most levels of nesting a plan may have (default ``4``).
     policy: the innermost level's policy to plan with (e.g. one saving the names
       ``save_only_these_names`` lists), in place of choosing between nothing saveable
       and dots saveable; the nesting is then planned for the bytes it keeps.
+
+  Returns:
+    An ``sr.RematPlan``: its ``lengths``, innermost ``policy``, block evaluations and
+    modelled temp bytes (``measured_bytes`` too where a budget was checked); pass it
+    as ``sr.remat_scan(fn, lengths=plan)``.
+
+  Raises:
+    TypeError: ``stack`` is not a stacked module.
+    sr.TransformError: ``memory_budget`` is not an amount of memory, or no plan fits it
+      once compiled.
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> stack = sr.vmap(sr.nn.Linear, axis_size=97)(256, 256, rngs=sr.Rngs(0))

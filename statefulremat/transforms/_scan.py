@@ -25,7 +25,7 @@ from ._class_form import (
   cached_class_form,
   display_name,
   fresh,
-  refuse_init_axes,
+  function_target,
 )
 from ._lift import refuse_layer_list, serialised
 from ._module_arg import check_no_modules
@@ -154,29 +154,40 @@ def scan(
     target: ``f(module, carry, *xs) -> (carry, ys)`` (also a method), or a Module
       class: the class form builds ``length`` independently initialised layers in one
       traced init (the ``params`` stream split per layer unless ``split_rngs`` names
-      it) and scans its ``methods`` (default ``__call__``).
-    variable_axes: ``{filter: axis}`` — variables sliced along ``axis`` per iteration.
-    variable_broadcast: filter of variables read-only in every iteration.
-    variable_carry: filter of variables threaded from iteration to iteration.
-    split_rngs: ``{stream filter: bool}`` — streams that give each iteration its key.
+      it) and scans its ``methods`` (default ``__call__``); or a tuple of classes (a
+      pattern). ``None`` (only keywords given) makes a decorator.
+    variable_axes: ``{filter: axis}`` — variables sliced along ``axis`` per iteration
+      (default ``{}``: none; a variable no rule matches is read-only).
+    variable_broadcast: filter of variables read-only in every iteration (default
+      ``False``: none).
+    variable_carry: filter of variables threaded from iteration to iteration (default
+      ``False``: none).
+    split_rngs: ``{stream filter: bool}`` — streams that give each iteration its key
+      (default ``{}``: every iteration gets the same key).
     in_axes: where each ``xs`` leaf is sliced, as a prefix tree of ``xs`` (as in
       flax.linen.scan): an int is the scanned axis of every leaf below it (negative
       counts from the end); ``None`` or ``sr.broadcast`` gives the whole value to every
       iteration; at the top a tuple/list has one entry per ``xs`` argument, and each
       entry may itself be a tuple/list/dict following that argument's structure down
-      to any depth.
+      to any depth. Default ``0``.
     out_axes: where the iterations are stacked in each ``ys`` leaf: an int for every
       leaf, or a prefix tree of ``ys`` (tuple/list/dict) with an int per subtree;
       negative axes count against the stacked output's rank. ``None`` is an error, as
       ys differ per iteration (return a value computed once through the carry).
-    length: the number of iterations; required when nothing else tells it.
-    reverse, unroll: as in ``jax.lax.scan``.
+      Default ``0``.
+    length: the number of iterations; required when nothing else tells it (no ``xs``,
+      no stacked variables), and for a class target. Default ``None``.
+    reverse: run the iterations from last to first, as in ``jax.lax.scan`` (default
+      ``False``).
+    unroll: iterations per loop step, as in ``jax.lax.scan`` (default ``1``).
     data_transform: ``State -> State`` applied to each iteration's stacked values
       (e.g. ``jax.lax.with_sharding_constraint``); its entries keep their Variable
-      kinds and the layer's metadata, so it can filter and read ``sharding``.
+      kinds and the layer's metadata, so it can filter and read ``sharding``. Default
+      ``None``: none.
     metadata_params: ``{"partition_name": name}`` puts ``name`` into the ``sharding``
       metadata of stacked variables at the layer axis (removed inside the body).
-    methods: for a class target, the methods to scan.
+      Default ``{}``.
+    methods: for a class target, the methods to scan (default ``None``: ``__call__``).
     init_in_axes: for a class target, the positional constructor arguments that differ
       per layer: an axis (every positional argument) or a tuple with one entry per
       positional argument, ``None`` for one passed whole to every layer (the default
@@ -184,6 +195,25 @@ def scan(
       ``nnx.vmap(create, in_axes=(0, ...))`` over the init arguments; e.g.
       ``sr.scan(Block, length=4, init_in_axes=(0,))(jnp.arange(4.0), rngs=...)``.
       Keyword arguments always pass whole.
+
+  Returns:
+    For a function, ``scanned(module, carry, *xs, **kwargs) -> (carry, ys)``, which
+    writes the body's changes back to ``module``; for a Module class (or a pattern),
+    the stack class ``Scan{Name}``, whose instances hold ``length`` layers and scan its
+    ``methods`` (the same class for equal arguments); with no ``target``, a decorator
+    that takes it.
+
+  Raises:
+    TypeError: a ``target`` that is not callable, or ``methods`` / ``init_in_axes`` with
+      a function; ``variable_axes`` that is not ``{filter: int}``; at call, argument 0
+      is not a module, or the body does not return a pair ``(carry, ys)``.
+    sr.TransformError: ``in_axes`` / ``out_axes`` that are not axes, not a prefix of
+      ``xs`` / ``ys``, or out of range; a variable matched by two rules; the iteration
+      count unknown (no ``length``) or disagreeing between inputs; the carry changing
+      structure, shape or dtype; the body writing a read-only variable; a ``split_rngs``
+      or collection name that matches nothing; a list of unstacked layers as argument 0.
+    sr.GraphError: a module in the carry, ``xs`` or keyword arguments (modules go in
+      argument 0), or the body returning one.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> class Layer(sr.Module):
@@ -259,15 +289,14 @@ def scan(
   )
   if made is not None:
     return made
-  if methods is not None:
-    raise TypeError("sr.scan(methods=...) applies to a Module class, not a function.")
-  if not callable(target):
-    raise TypeError(
-      f"sr.scan takes a function f(module, carry, *xs) -> (carry, ys), a Module class "
-      f"or a tuple of classes (a pattern); got a {type(target).__name__}: {target!r}. "
-      "Fix: pass the body function, or the layer class to stack."
-    )
-  refuse_init_axes("sr.scan", target, init_in_axes)
+  function_target(
+    "sr.scan",
+    target,
+    takes="a function f(module, carry, *xs) -> (carry, ys), a Module class or a tuple of "
+    "classes (a pattern)",
+    methods=methods,
+    init_in_axes=init_in_axes,
+  )
   return _scan_function(target, **options)
 
 

@@ -31,6 +31,22 @@ class PipelineSpec:
 
   ``spec.apply(fn)`` is ``sr.pipeline(fn, **fields)``.
 
+  Args:
+    axis: the name of the mesh axis the stages are spread over; ``"stage"`` by default.
+    microbatches: the number of microbatches the carry's batch is split into; 1 by
+      default.
+    schedule: ``"gpipe"`` (the default: each stage holds one run of consecutive
+      layers) or ``"circular"`` (each stage holds ``repeats`` chunks).
+    repeats: how many times a microbatch goes round the stages, for ``"circular"``;
+      1 by default.
+    policy: the ``jax.checkpoint`` policy of each stage's layers (what they save);
+      None (the default) saves nothing.
+
+  Raises:
+    sr.TransformError: ``axis`` is not a str, ``microbatches`` or ``repeats`` is not a
+      positive int, ``schedule`` is not one of the two, or ``repeats`` is not 1 with
+      ``"gpipe"``.
+
   >>> import statefulremat as sr
   >>> spec = sr.PipelineSpec(microbatches=4, schedule="circular", repeats=2)
   >>> spec.axis, spec.bubble_fraction(stages=4)
@@ -105,10 +121,8 @@ def pipeline(
   ``sr.remat_scan(fn, lengths=(N,))(stack, mb)`` on each microbatch ``mb`` of ``x``
   (rows ``m·B/k`` to ``(m+1)·B/k − 1``) in turn and concatenating: per layer, state
   (BatchNorm statistics) sees the microbatches in order, dropout draws that run's keys,
-  and every RNG stream advances once per microbatch. ``"gpipe"``: stage s holds layers
-  ``s·N/S …``; ``"circular"`` with ``repeats`` R: the layers in S·R chunks, stage s
-  holding chunks s, s+S, …, a microbatch going round the stages R times (bubble
-  (S−1)/(R·k+S−1)). It is one ``shard_map`` over ``axis`` with ``ppermute`` between
+  and every RNG stream advances once per microbatch. It is one ``shard_map`` over
+  ``axis`` with ``ppermute`` between
   stages (other mesh axes, e.g. a ``"data"`` axis the batch is sharded over or a
   ``"model"`` axis a kernel is sharded over, stay as they are), so it works under
   ``sr.jit``, ``sr.grad`` and ``sr.Optimizer``. It runs under ``jax.set_mesh(mesh)``
@@ -120,13 +134,44 @@ def pipeline(
   Arguments after the carry (``(stack, x, mask, train=True)``) are broadcast, as
   ``remat_scan`` broadcasts them: every layer and every microbatch gets them whole
   (what differs per example, such as a padding mask per row, belongs in the carry,
-  which is split). Each stage runs its layers as ``sr.remat_scan``: one level with
-  ``policy`` (what it saves), or, with ``lengths="auto"``, the nesting (and the policy,
-  unless given) ``sr.plan_remat`` chooses for one stage's layers and one microbatch under
-  ``memory_budget`` (bytes, or ``"512MiB"``: per device; the microbatch is counted per
-  device where its sharding is known while tracing, under ``Explicit`` axes, else
-  whole). The class form is ``sr.remat_scan(Block, lengths=..., pipeline=spec)``
+  which is split). Each stage runs its layers as ``sr.remat_scan`` (see ``lengths``).
+  The class form is ``sr.remat_scan(Block, lengths=..., pipeline=spec)``
   (``sr.PipelineSpec``).
+
+  Args:
+    fn: the body ``fn(layer, carry, *args, **kwargs) -> carry``, as ``sr.remat_scan``'s.
+    axis: the mesh axis the S stages lie along (default ``"stage"``); the stack's layer
+      axis is sharded over it.
+    microbatches: k, the number of microbatches the carry's batch (its leading axis) is
+      split into; required, and it must divide the batch.
+    schedule: ``"gpipe"`` (the default): stage s holds layers ``s·N/S …``;
+      ``"circular"``: the layers in S·R chunks, stage s holding chunks s, s+S, …, a
+      microbatch going round the stages R times (bubble (S−1)/(R·k+S−1)).
+    repeats: R, the rounds of ``schedule="circular"`` (default ``1``, the only value
+      ``"gpipe"`` takes).
+    policy: what each stage's ``sr.remat_scan`` level saves, a
+      ``jax.checkpoint_policies`` entry (default ``None``: nothing, or with
+      ``lengths="auto"`` the plan's choice).
+    lengths: ``None`` (the default): each stage runs its layers as one level with
+      ``policy``; ``"auto"``: the nesting (and the policy, unless given) that
+      ``sr.plan_remat`` chooses for one stage's layers and one microbatch under
+      ``memory_budget``. A nesting of the whole stack (a tuple) is refused.
+    memory_budget: with ``lengths="auto"``, bytes, or a string such as ``"512MiB"``: per
+      device; the microbatch is counted per device where its sharding is known while
+      tracing, under ``Explicit`` axes, else whole. Default ``None``.
+
+  Returns:
+    ``run(stack, x, *args, **kwargs)``, which returns the carry after every layer (the
+    microbatches concatenated back) and writes the layers' state changes back to
+    ``stack``.
+
+  Raises:
+    sr.TransformError: ``axis`` not a str; ``microbatches`` or ``repeats`` not a
+      positive int; an unknown ``schedule``, or ``repeats`` with ``"gpipe"``; a tuple of
+      ``lengths``; at call, no mesh or no ``axis`` in it; ``microbatches`` not dividing
+      the carry's batch; a stack without stacked variables, whose layer axis is not
+      sharded over ``axis``, or whose layers do not split into the stages.
+    sr.GraphError: a module in the carry or the arguments after it.
 
   >>> import jax, jax.numpy as jnp, numpy as np, statefulremat as sr
   >>> Stack = sr.remat_scan(sr.nn.Linear, lengths=(4,))

@@ -22,7 +22,7 @@ from .._class_form import (
   cached_class_form,
   display_name,
   fresh,
-  refuse_init_axes,
+  function_target,
 )
 from .._lift import is_node, serialised, split_call, write_back
 from .._module_arg import (
@@ -130,23 +130,13 @@ def vmap(
   """``jax.vmap`` over a module: ``vmap(f)(module, *args)``; or a stacked init.
 
   Function form: equivalent to ``stack([f(layer_i, *args_i) for i ...])`` where
-  ``layer_i`` holds slice ``i`` of each variable matched by ``variable_axes`` (default:
-  every variable not broadcast), and the same value of each broadcast one. ``in_axes`` /
-  ``out_axes`` describe the non-module positional arguments and the outputs, as in
-  ``jax.vmap``; keyword arguments pass unmapped to every layer (e.g. Python flags).
-  Under the default ``variable_axes`` only a stack's Variables (those carrying a layer
-  axis) are mapped: a plain module's parameters raise rather than hand each example
-  one slice of them. Per-example use of one module is ``variable_broadcast=True``;
-  explicit ``variable_axes`` map what they name. An explicit ``in_axes`` covers the
-  module argument as nnx's does: ``in_axes=0`` maps a plain module's Variables along
-  axis 0 with the inputs (a stack's map along their layer axis), and a tuple with one
-  entry more than the arguments gives the module the first (an axis, or ``None`` to
-  broadcast it): ``sr.vmap(f, in_axes=(None, 0))(model, xs)``.
+  ``layer_i`` holds slice ``i`` of each variable matched by ``variable_axes``, and the
+  same value of each broadcast one; keyword arguments pass unmapped to every layer
+  (e.g. Python flags).
 
   Class form: ``sr.vmap(Block, axis_size=8)(*args, rngs=...)`` builds 8 independently
-  initialised layers (an ensemble) in one traced init (``init_in_axes`` maps positional
-  constructor arguments per member, as ``sr.scan``'s); calling it maps ``methods``
-  (default ``__call__``) over the layers, the call's arguments by ``in_axes``.
+  initialised layers (an ensemble) in one traced init; calling it maps ``methods``
+  over the layers, the call's arguments by ``in_axes``.
 
   A function that takes no module (``sr.vmap(lambda key: Block(rngs=sr.Rngs(key)))(
   keys)``) is ``jax.vmap`` over its arguments (with none, ``sr.vmap(f, axis_size=n)()``
@@ -163,6 +153,55 @@ def vmap(
   layer), as do modules made inside. A write to a Variable that is not mapped is
   kept when its value does not depend on the mapped axis (a step counter), else
   raises.
+
+  Args:
+    target: a function ``f(module, *args, **kwargs)`` (also a method, or ``__init__``),
+      a Module class (the class form), or a tuple of classes (a pattern). ``None``
+      (only keywords given) makes a decorator.
+    in_axes: where each non-module positional argument is mapped, as in ``jax.vmap``
+      (default ``0``; ``None`` broadcasts). An explicit ``in_axes`` covers the module
+      argument as nnx's does: ``in_axes=0`` maps a plain module's Variables along axis
+      0 with the inputs (a stack's map along their layer axis), and a tuple with one
+      entry more than the arguments gives the module the first (an axis, or ``None``
+      to broadcast it): ``sr.vmap(f, in_axes=(None, 0))(model, xs)``.
+    out_axes: where the mapped axis goes in each output, as in ``jax.vmap`` (default
+      ``0``, in front); for a returned module, where its Variables' layer axis goes.
+    axis_size: the size of the mapped axis, needed where no mapped argument or stacked
+      variable tells it; for the class form, the number of layers to build. Default
+      ``None``.
+    axis_name: a name for the mapped axis, for collectives inside (as ``jax.vmap``'s).
+      Default ``None``.
+    variable_axes: ``{filter: axis}`` — the variables mapped and their axis (default
+      ``{True: 0}``: every variable not broadcast). Under the default only a stack's
+      Variables (those carrying a layer axis) are mapped: a plain module's parameters
+      raise rather than hand each example one slice of them. Explicit
+      ``variable_axes`` map what they name.
+    split_rngs: ``{stream filter: bool}`` — the RNG streams that give each layer its
+      key (default ``{True: True}``: every stream is split).
+    variable_broadcast: filter of the variables every layer sees whole (default
+      ``False``: none). Per-example use of one module is ``variable_broadcast=True``.
+    metadata_params: ``{"partition_name": name}`` puts ``name`` into the ``sharding``
+      metadata of the mapped variables at the layer axis, as ``sr.scan``'s. Default
+      ``{}``.
+    methods: for a class target, the methods to map (default ``None``: ``__call__``).
+    init_in_axes: for a class target, the positional constructor arguments that differ
+      per member, as ``sr.scan``'s (default ``None``: every argument whole).
+
+  Returns:
+    For a function, a function of the same arguments that maps it and writes its
+    changes back to the module passed in; for a Module class (or a pattern), the stack
+    class ``Vmap{Name}``, whose instances hold ``axis_size`` layers (the same class for
+    equal arguments); with no ``target``, a decorator that takes it.
+
+  Raises:
+    sr.TransformError: ``in_axes`` / ``out_axes`` that do not fit the arguments or the
+      output; no way to tell the mapped size (pass ``axis_size``); the default
+      ``variable_axes`` meeting a plain module's Variables; a write to a variable that
+      is not mapped, with a value that depends on the mapped axis; a variable matched
+      by two rules.
+    TypeError: a ``target`` that is not callable; ``methods`` / ``init_in_axes`` with a
+      function; ``variable_axes`` that is not ``{filter: int}``.
+    sr.GraphError: a module in an argument after argument 0 or in a keyword argument.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> Ensemble = sr.vmap(sr.nn.Linear, axis_size=5, in_axes=None)
@@ -221,9 +260,13 @@ def vmap(
   )
   if made is not None:
     return made
-  if methods is not None:
-    raise TypeError("sr.vmap(methods=...) applies to a Module class, not a function.")
-  refuse_init_axes("sr.vmap", target, init_in_axes)
+  function_target(
+    "sr.vmap",
+    target,
+    takes="a function, a Module class or a tuple of classes (a pattern)",
+    methods=methods,
+    init_in_axes=init_in_axes,
+  )
   fn = cast(Callable, target)  # a pattern and a Module class made a class above
   if getattr(fn, "__name__", None) == "__init__":
     return _vmapped_init(fn, options)
