@@ -311,6 +311,13 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
   ``float32[]``) and gets a Python number of its type back. On any error
   (``KeyboardInterrupt`` included) the model is unchanged.
 
+  Args:
+    path: the directory (str or os.PathLike) an ``sr.save`` wrote.
+    model: the Module (or list/tuple/dict of them) to write the values into, in
+      place; the same structure as the one saved.
+    *filters: read only the model's variables that any of these matches (as
+      ``sr.state`` takes them); none reads all of them.
+
   Raises:
     FileNotFoundError: there is no checkpoint at ``path`` (the path does not exist,
       or no save into it finished); it is also an ``sr.CheckpointError``. So a
@@ -319,6 +326,8 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
       file of it missing or unreadable); not an ``OSError``, so the resume loop
       above stops on it rather than silently starting over.
     sr.StateMismatchError: the checkpoint does not fit the model.
+    TypeError: ``model`` is a State or not a module, its variables hold traced values
+      (a call inside a JAX transform), or ``filters`` match none of its variables.
 
   >>> import os, tempfile, statefulremat as sr
   >>> with tempfile.TemporaryDirectory() as tmp:

@@ -95,6 +95,12 @@ class SaveHandle:
   """An ``sr.save(path, model, blocking=False)`` still writing: ``wait()`` blocks until
   the checkpoint is committed (and raises what the save raised).
 
+  ``sr.save`` makes it; there is no need to build one.
+
+  Args:
+    path: the checkpoint directory being written.
+    finish: writes and commits the checkpoint; run at once on a background thread.
+
   >>> import os, tempfile, statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
   >>> with tempfile.TemporaryDirectory() as tmp:

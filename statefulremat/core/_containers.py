@@ -29,6 +29,12 @@ def _bumping(method_name, base):
 class ModuleList(list):
   """A ``list`` held by a module; its mutations are tracked.
 
+  A list assigned to a module attribute becomes one by itself; there is no need to
+  build one.
+
+  Args:
+    iterable: the items, as ``list(iterable)`` takes them; empty by default.
+
   >>> import statefulremat as sr
   >>> class Net(sr.Module):
   ...   def __init__(self):

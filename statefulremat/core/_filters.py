@@ -99,6 +99,10 @@ class _Nothing(_Predicate):
 class PathContains(_Predicate):
   """Matches variables whose path contains ``key`` (an attribute name or index).
 
+  Args:
+    key: one entry of a path: an attribute name (``"norm"``) or a list index (``0``),
+      anywhere along the path, compared whole (``"norm"`` does not match ``"norm1"``).
+
   >>> import statefulremat as sr
   >>> sr.PathContains("norm")(("block", "norm", "scale"), None)
   True
@@ -118,6 +122,13 @@ class PathContains(_Predicate):
 
 class Not(_Predicate):
   """Matches what ``filter`` does not match.
+
+  Args:
+    filter: any filter (a Variable kind, a collection name, a predicate, a tuple of
+      filters, ...; see ``sr.state``).
+
+  Raises:
+    TypeError: ``filter`` is not a filter.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.Not(sr.Param)((), sr.BatchStat(jnp.zeros(1)))
@@ -139,6 +150,13 @@ class Not(_Predicate):
 class Any(_Predicate):
   """Matches what at least one of ``filters`` matches.
 
+  Args:
+    *filters: the filters (Variable kinds, collection names, predicates, ...); with
+      none, it matches nothing.
+
+  Raises:
+    TypeError: one of ``filters`` is not a filter.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.Any(sr.Param, "batch_stats")((), sr.BatchStat(jnp.zeros(1)))
   True
@@ -158,6 +176,13 @@ class Any(_Predicate):
 
 class All(_Predicate):
   """Matches what every one of ``filters`` matches.
+
+  Args:
+    *filters: the filters (Variable kinds, collection names, predicates, ...); with
+      none, it matches everything.
+
+  Raises:
+    TypeError: one of ``filters`` is not a filter.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.All(sr.Param, sr.PathContains("w"))(("w",), sr.Param(jnp.zeros(1)))

@@ -13,8 +13,8 @@ yields three things:
 
 ``unflatten`` (in ``_graph_build``) replays the walk from the GraphDef, building
 fresh objects, and fills in the values; it notes what it rebuilt in the graph cache
-(``_graph_cache``), so a ``flatten`` of those very roots is a look-up. The public ``split`` / ``merge`` /
-``update`` on top of both are in ``_split_merge``.
+(``_graph_cache``), so a ``flatten`` of those very roots is a look-up. The public
+``split`` / ``merge`` / ``update`` on top of both are in ``_split_merge``.
 """
 
 from __future__ import annotations
@@ -89,6 +89,12 @@ class GraphDef:
   argument of ``jax.jit``. ``var_paths`` lists the path of each variable in order.
   It is a pytree with no leaves (itself static aux data), as nnx's is, so a plain
   ``jax.jit(step)(graphdef, state)`` or ``jax.tree.map`` over the pair takes it.
+
+  ``sr.split`` and ``sr.graphdef`` make it; there is no need to build one.
+
+  Args:
+    tree: the walk's record of each root, as nested tuples (read it through ``nodes``).
+    var_paths: the path of each Variable (its first, for a shared one), in walk order.
 
   >>> import jax, statefulremat as sr
   >>> g1 = sr.graphdef(sr.nn.Linear(2, 3, rngs=sr.Rngs(0)))

@@ -22,6 +22,13 @@ def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
   (``core/_bookkeeping``) are left out, as nnx leaves out its own. For modules and Variables
   alone, first path first, use ``model.iter_modules()`` / ``model.iter_variables()``.
 
+  Args:
+    node: where to start: a Module, a Variable, or a list/tuple/dict of them.
+
+  Yields:
+    ``(path, value)`` pairs: the path from ``node`` (a tuple of attribute names, list
+    indices and dict keys; ``()`` for ``node``) and what is there.
+
   >>> import statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
   >>> [(path, type(v).__name__) for path, v in sr.iter_graph([model, model])

@@ -13,6 +13,11 @@ from ._variables import A, Variable
 class Param(Variable[A]):
   """A trainable parameter (collection ``"params"``).
 
+  Args:
+    value: the parameter's array (or pytree of arrays).
+    **metadata: free-form attributes kept beside it (``sharding=``, ...), as
+      ``sr.Variable`` takes them; none by default.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.Param(jnp.zeros(3)).collection
   'params'
@@ -23,6 +28,11 @@ class Param(Variable[A]):
 
 class BatchStat(Variable[A]):
   """A running statistic updated in training mode (collection ``"batch_stats"``).
+
+  Args:
+    value: the statistic's array (a running mean or variance, ...).
+    **metadata: free-form attributes kept beside it (``sharding=``, ...), as
+      ``sr.Variable`` takes them; none by default.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.BatchStat(jnp.zeros(3)).collection
@@ -35,6 +45,11 @@ class BatchStat(Variable[A]):
 class Cache(Variable[A]):
   """A decoding cache or similar scratch state (collection ``"cache"``).
 
+  Args:
+    value: the cached array (or pytree of arrays).
+    **metadata: free-form attributes kept beside it (``sharding=``, ...), as
+      ``sr.Variable`` takes them; none by default.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.Cache(jnp.zeros(3)).collection
   'cache'
@@ -45,6 +60,11 @@ class Cache(Variable[A]):
 
 class Intermediate(Variable[A]):
   """A value kept for inspection, such as an activation (collection ``"intermediates"``).
+
+  Args:
+    value: the value kept, usually a tuple of the values ``Module.sow`` collected.
+    **metadata: free-form attributes kept beside it (``sharding=``, ...), as
+      ``sr.Variable`` takes them; none by default.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.Intermediate(jnp.zeros(3)).collection
@@ -57,6 +77,11 @@ class Intermediate(Variable[A]):
 class RngState(Variable[A]):
   """Base kind of the state of an RNG stream (collection ``"rngs"``).
 
+  Args:
+    value: the stream's state (a key or a count).
+    **metadata: free-form attributes kept beside it (``sharding=``, ...), as
+      ``sr.Variable`` takes them; none by default.
+
   >>> import statefulremat as sr
   >>> sr.RngKey.collection, sr.RngCount.collection
   ('rngs', 'rngs')
@@ -68,6 +93,11 @@ class RngState(Variable[A]):
 class RngKey(RngState[A]):
   """The base key of an RNG stream (a typed ``jax.random.key``).
 
+  Args:
+    value: the key, a typed ``jax.random.key``.
+    **metadata: free-form attributes kept beside it (``sharding=``, ...), as
+      ``sr.Variable`` takes them; none by default.
+
   >>> import statefulremat as sr
   >>> type(sr.Rngs(0).default.key).__name__
   'RngKey'
@@ -76,6 +106,11 @@ class RngKey(RngState[A]):
 
 class RngCount(RngState[A]):
   """How many keys an RNG stream has handed out (a uint32 scalar).
+
+  Args:
+    value: the count, a uint32 scalar array.
+    **metadata: free-form attributes kept beside it (``sharding=``, ...), as
+      ``sr.Variable`` takes them; none by default.
 
   >>> import statefulremat as sr
   >>> rngs = sr.Rngs(0)

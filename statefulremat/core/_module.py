@@ -67,10 +67,6 @@ def _record_owners(parent, value, key_path: tuple) -> None:
 _MISSING = object()
 
 
-def _append(values: tuple, value) -> tuple:
-  return (*values, value)
-
-
 def _kind_named(variable_type, module, name: str) -> type:
   """The Variable kind ``sow`` was given: a Variable subclass, or a collection name
   resolved to the most basic kind of that collection (``"intermediates"`` ->
@@ -223,7 +219,7 @@ class Module:
     variable_type: type[Variable] | str,
     name: str,
     value: Any,
-    reduce_fn: Callable[[Any, Any], Any] = _append,
+    reduce_fn: Callable[[Any, Any], Any] = lambda values, value: (*values, value),
     init_fn: Callable[[], Any] = tuple,
   ) -> bool:
     """Keeps ``value`` in the Variable ``self.<name>`` of kind ``variable_type``, as

@@ -58,6 +58,16 @@ def _refuse_split_keys(shape: tuple, tag: str) -> None:
 class RngStream(Module):
   """One named stream: ``stream()`` returns a fresh key and advances the counter.
 
+  Args:
+    seed: an int, a typed key (``jax.random.key``) or a raw uint32 key; or one key per
+      layer (``jax.random.split(key, n)``), drawn from inside an ``sr.vmap`` mapping it.
+    tag: the stream's name (``"params"``, ``"dropout"``, ``"default"``), kept on its
+      key and count.
+
+  Raises:
+    TypeError: ``seed`` is not an int or a key.
+    ValueError: ``seed`` holds keys of more than one axis.
+
   >>> import jax, statefulremat as sr
   >>> stream = sr.RngStream(0, tag="dropout")
   >>> k1, k2 = stream(), stream()
@@ -132,6 +142,18 @@ class Rngs(Module):
   ``Rngs(params=0, dropout=1)`` gives each name its own stream;
   ``Rngs(0, dropout=1)`` has a ``dropout`` stream and a default for the rest.
   Stored on a module, an Rngs is part of the module's graph (collection ``"rngs"``).
+
+  Args:
+    default: the seed of the ``default`` stream, which serves every name without a
+      stream of its own (an int, a typed ``jax.random.key`` or a raw uint32 key; or
+      ``jax.random.split(key, n)``, one key per layer, for ``sr.vmap``). None (the
+      default): no default stream, so only the names in ``streams`` can be drawn.
+    **streams: a seed (as ``default`` takes it) for each stream of its own, by name.
+
+  Raises:
+    ValueError: no seed at all, two default seeds (positional and ``default=``), or a
+      stream name that starts with ``_`` or is an Rngs method.
+    TypeError: a seed is not an int or a key.
 
   >>> import statefulremat as sr
   >>> rngs = sr.Rngs(0, dropout=1)

@@ -63,6 +63,22 @@ def split(node: Any, *filters: Filter) -> tuple[GraphDef, *tuple[State, ...]]:
   Each variable lands in the State of the first filter that matches it; a variable
   matched by none is an error unless the last filter is ``...``.
 
+  Args:
+    node: a Module, a Variable, or a list/tuple/dict of them.
+    *filters: the filters (``sr.Param``, ``"batch_stats"``, ``...`` for the rest, a
+      predicate, ...), one State each; none gives one State of everything.
+
+  Returns:
+    A tuple: the GraphDef, then one State per filter in order (a single State of
+    every variable without filters).
+
+  Raises:
+    TypeError: ``node`` is not a module or container of them, or a filter is not a
+      filter.
+    sr.StateMismatchError: a variable matches none of the filters.
+    sr.GraphError: an attribute holds an array outside a Variable, or another value
+      that cannot be static (not hashable).
+
   >>> import statefulremat as sr
   >>> model = sr.nn.BatchNorm(3, rngs=sr.Rngs(0))
   >>> graphdef, state = sr.split(model)
@@ -83,6 +99,19 @@ def merge(graphdef: GraphDef, *states: State) -> Any:
   Together the States must hold exactly the GraphDef's variables (by path). Each
   Variable gets the kind and metadata its State entry remembers; entries of a State
   built by hand (``sr.State({"kernel": w})``, which knows no kinds) take the GraphDef's.
+
+  Args:
+    graphdef: the structure, as ``sr.split`` or ``sr.graphdef`` gave it.
+    *states: the States holding the values; on a path held by several, the last wins.
+
+  Returns:
+    A new object graph (the Module, or the list/tuple/dict ``split`` was given), sharing
+    nothing with the graph it was split from.
+
+  Raises:
+    TypeError: ``graphdef`` is not a GraphDef, or one of ``states`` is not a State.
+    sr.StateMismatchError: the States lack a value for one of the GraphDef's variables,
+      or hold a path it has no variable for.
 
   >>> import statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
@@ -136,6 +165,21 @@ def state(node: Any, f1: Filter, f2: Filter, /, *filters: Filter) -> tuple[State
 def state(node: Any, *filters: Filter) -> State | tuple[State, ...]:
   """The State of ``node``: all of it, the entries a filter matches, or a tuple for several.
 
+  Args:
+    node: a Module, a Variable, or a list/tuple/dict of them.
+    *filters: which variables to take (``sr.Param``, ``"batch_stats"``, a predicate,
+      ...); a variable may match several. Without filters, all of them.
+
+  Returns:
+    One State (of everything, or of what the one filter matches), or a tuple of one
+    State per filter for several.
+
+  Raises:
+    TypeError: ``node`` is not a module or container of them, or a filter is not a
+      filter.
+    sr.GraphError: an attribute holds an array outside a Variable, or another value
+      that cannot be static (not hashable).
+
   >>> import statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
   >>> sorted(sr.state(model, sr.Param).flat())
@@ -153,6 +197,17 @@ def state(node: Any, *filters: Filter) -> State | tuple[State, ...]:
 def graphdef(node: Any) -> GraphDef:
   """The GraphDef of ``node`` (``sr.split(node)[0]``).
 
+  Args:
+    node: a Module, a Variable, or a list/tuple/dict of them.
+
+  Returns:
+    The GraphDef: the structure of ``node``, everything but the values.
+
+  Raises:
+    TypeError: ``node`` is not a module or container of them.
+    sr.GraphError: an attribute holds an array outside a Variable, or another value
+      that cannot be static (not hashable).
+
   >>> import statefulremat as sr
   >>> sr.graphdef(sr.nn.Linear(2, 3, rngs=sr.Rngs(0))).var_paths
   (('bias',), ('kernel',))
@@ -167,6 +222,17 @@ def update(node: Any, *states: State) -> None:
   Every value must have the structure, shape and dtype of the value it replaces;
   otherwise ``StateMismatchError`` lists the paths that differ and nothing is written
   (to change a variable's shape, assign ``var.value`` directly).
+
+  Args:
+    node: the Module (or list/tuple/dict of them) to write into, in place.
+    *states: States keyed by paths of ``node`` (all of its variables, or some); on a
+      path several hold, the last wins.
+
+  Raises:
+    TypeError: ``node`` is not a module or container of them, or one of ``states``
+      is not a State.
+    sr.StateMismatchError: a State has a path ``node`` has no variable at, or a value
+      whose structure, shape or dtype differs from the one it would replace.
 
   >>> import jax, statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
@@ -253,6 +319,17 @@ def clone(node: T) -> T:
   are copied, so nothing done to the original's buffers reaches the copy: a
   ``best = sr.clone(model)`` taken before ``sr.jit(step, donate_state=True)`` steps
   the model stays intact. Python numbers are kept as they are.
+
+  Args:
+    node: a Module, a Variable, or a list/tuple/dict of them.
+
+  Returns:
+    The copy, of the same type as ``node``.
+
+  Raises:
+    TypeError: ``node`` is not a module or container of them.
+    sr.TransformError: a Variable holds an array that was deleted (donated to a
+      ``donate_state=True`` step, or freed).
 
   >>> import statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
@@ -342,6 +419,21 @@ def pop(node: Any, *filters: Filter) -> State | tuple[State, ...]:
   must be held by module attributes or dicts: one inside a list or tuple cannot be
   removed without renumbering its neighbours, so that is an error, and nothing is
   removed.
+
+  Args:
+    node: the Module (or list/tuple/dict of them) to take the Variables out of.
+    *filters: what to take out (``sr.Intermediate``, ``"intermediates"``, ...); at
+      least one.
+
+  Returns:
+    The State of the Variables taken out: one for one filter, or a tuple of one per
+    filter.
+
+  Raises:
+    TypeError: no filter is given, ``node`` is not a module or container of them, or
+      a filter is not a filter.
+    sr.GraphError: ``node`` is itself a Variable a filter matches, or a matched
+      Variable sits in a list or tuple.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> class Net(sr.Module):

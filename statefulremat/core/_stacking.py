@@ -45,6 +45,23 @@ def stack(layers: Sequence[Module], *, like: Any = None):
   A Variable left unstacked is held once for all layers, so it must be equal in
   every layer: a ``TransformError`` names it otherwise (never layer 0's kept).
 
+  Args:
+    layers: the layers, in order: modules built alike (the same class, arguments and
+      mode), as ``sr.unstack`` gives them.
+    like: the stacked module or class to build (what ``sr.vmap(Block, ...)`` or
+      ``sr.scan(Block, ...)`` made); None (the default) takes it from the layers'
+      origin, for layers that came out of ``sr.unstack`` or ``stack.layer``.
+
+  Returns:
+    The stacked module, its Variables holding the layers' values along the layer axis.
+
+  Raises:
+    ValueError: ``layers`` is empty.
+    TypeError: ``like`` is not a stacked module or class, or it is None and the layers
+      did not all come out of the same stack.
+    sr.TransformError: the layers are not structured alike (another structure, shape
+      or dtype), or a Variable held once for all layers differs between them.
+
   >>> import statefulremat as sr
   >>> stack = sr.vmap(sr.nn.Linear, axis_size=4)(2, 3, rngs=sr.Rngs(0))
   >>> again = sr.stack(sr.unstack(stack))

@@ -241,6 +241,20 @@ def per_layer(module: Module, variable: Variable) -> Variable:
   collection (``variable_axes={True: 0}``, the default of ``sr.remat_scan`` and
   ``sr.vmap``, does).
 
+  Args:
+    module: the module the Variable is for (usually ``self``), plain or reached
+      through a stack.
+    variable: one layer's Variable, without a layer axis.
+
+  Returns:
+    A new Variable holding ``variable``'s value once per layer, or ``variable`` itself
+    on a plain module.
+
+  Raises:
+    TypeError: ``module`` is not a Module or ``variable`` not a Variable.
+    sr.TransformError: ``module`` is a stack none of whose Variables carries the layer
+      axis, or ``variable`` already carries one.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> class Counter(sr.Module):
   ...   def __init__(self, *, rngs):
@@ -387,6 +401,17 @@ def layer(stack, i: int):
 
 def unstack(stack) -> list:
   """The layers of a stacked module, as ordinary modules: ``[stack.layer(i) ...]``.
+
+  Args:
+    stack: a stacked module (built by the class form of ``sr.scan``, ``sr.remat_scan``
+      or ``sr.vmap``, or by ``sr.stack``).
+
+  Returns:
+    A list of the layers in order, each a copy holding its slice of the stack's values
+    (a pattern stack's layers in the order they run).
+
+  Raises:
+    TypeError: ``stack`` is not a stacked module.
 
   >>> import statefulremat as sr
   >>> stack = sr.vmap(sr.nn.Linear, axis_size=4)(2, 3, rngs=sr.Rngs(0))

@@ -122,6 +122,16 @@ class _Spec:
 class State(Mapping[Any, Any]):
   """The values of a set of variables, keyed by path; a pytree of arrays.
 
+  ``sr.state`` and ``sr.split`` make one from a model; build one yourself from values
+  keyed by path.
+
+  Args:
+    entries: the values, as ``{path_tuple: value}`` (``{("layers", 0, "kernel"): w}``)
+      or as a nested dict (``{"layers": {0: {"kernel": w}}}``); None (the default) for
+      an empty State.
+    kinds: the Variable subclass of each path (``{("kernel",): sr.Param}``); None (the
+      default) or a path left out: ``sr.Variable``.
+
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> model = sr.nn.Linear(2, 3, rngs=sr.Rngs(0))
   >>> state = sr.state(model)

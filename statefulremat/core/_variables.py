@@ -89,6 +89,14 @@ class Variable(Generic[A]):
   checkers: ``sr.Param(jnp.zeros(2))`` is a ``Param[jax.Array]``, whose ``.value`` (and
   ``get_value()``) is a ``jax.Array``.
 
+  Args:
+    value: the array (or pytree of arrays, or Python number) held.
+    **metadata: free-form attributes kept beside the value (``sharding=``, ...), read
+      as ``var.sharding``; none by default.
+
+  Raises:
+    TypeError: ``value`` is itself a Variable (pass ``other.value``).
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> w = sr.Param(jnp.ones((2, 3)), sharding=("embed", "mlp"))
   >>> w.shape, w.collection, w.sharding

@@ -43,6 +43,26 @@ class SummaryRow:
   Where a pattern's elements are named by short labels, ``legend`` says what each
   stands for (``Block#1 = partial(Block, window=512)``).
 
+  ``sr.summary`` makes the rows; build one yourself only to test how a row shows.
+
+  Args:
+    path: the module's path in the model (``("blocks", 0)``); ``()`` for the root.
+    class_name: the module's class as the table shows it (``"Linear"``,
+      ``"Vmap[Linear]"``).
+    params: the number of parameters of the module and all below it.
+    bytes: the bytes its variables take, per collection (``{"params": 32}``).
+    layers: the number of layers its stacked variables hold; 1 (the default) outside
+      a stack.
+    params_per_layer: the stacked parameters of one layer; 0 by default.
+    params_unstacked: the parameters a stack broadcasts, held once; 0 by default.
+    outputs: one shape text per call (``("float32[5,2]",)``); none by default.
+    param_norm: the L2 norm of its Params; None (the default) where there is none.
+    grad_norm: the L2 norm of their gradients; None (the default) without ``grads``.
+    pattern: how a pattern stack's layers repeat; None (the default) elsewhere.
+    position: which layers of the whole pattern stack a position's stack holds; None
+      (the default) elsewhere.
+    legend: what each short label of ``pattern`` stands for; none by default.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> Stack = sr.vmap(sr.nn.Linear, axis_size=4)
   >>> row = sr.summary(Stack(2, 3, rngs=sr.Rngs(0)), jnp.ones((4, 5, 2))).rows[0]
@@ -123,6 +143,16 @@ class Summary(str):
   ``total_params`` and ``total_bytes`` count each Variable once, shared or not.
   ``layer_norms`` has a ``LayerNorms`` per stack; ``norms()`` gives every norm under
   the keys a metrics logger takes.
+
+  ``sr.summary`` makes it; building one from its parts writes the text table anew.
+
+  Args:
+    rows: a ``SummaryRow`` per module, the root first.
+    collections: the collections the table has a bytes column for, in column order.
+    total_params: the parameters of the whole model, each Variable counted once.
+    total_bytes: the bytes of the whole model per collection.
+    layer_norms: a ``LayerNorms`` per stack; None (the default): none.
+    norms: every L2 norm, under the keys ``norms()`` returns; None (the default): none.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> table = sr.summary(sr.nn.Linear(3, 2, rngs=sr.Rngs(0)), jnp.ones((5, 3)))
@@ -301,6 +331,24 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None, **kwar
   ``summary.norms()`` has them all as ``params/norm/...`` and ``grad/norm/...``
   (levanter's keys), ``summary.layer_norms`` as arrays. Norms need values: for an
   abstract model (``sr.eval_shape``) there are none.
+
+  Args:
+    model: the Module to describe; it is left as it was.
+    *example_inputs: the positional arguments of a call (arrays or
+      ``jax.ShapeDtypeStruct``), traced to fill the output column; none leaves it empty.
+    method: the name of the method to call; ``"__call__"`` by default.
+    grads: the gradients of the model's Params (the ``State`` ``sr.grad`` returns), to
+      add their norms; None (the default) for none.
+    **kwargs: keyword arguments of the call, traced as ``example_inputs`` are.
+
+  Returns:
+    A ``Summary``: the text table, a ``str``, that keeps its rows, totals and norms.
+
+  Raises:
+    TypeError: ``model`` is not a Module, or ``grads`` is not a State of arrays.
+    AttributeError: the model has no method ``method``.
+    ValueError: ``grads`` holds a path that is not a Param of the model, or a gradient
+      whose shape is not its Param's.
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> class MLP(sr.Module):

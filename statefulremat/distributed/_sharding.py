@@ -36,6 +36,18 @@ def get_partition_spec(state) -> State:
 
   Takes a State or a module (its whole State).
 
+  Args:
+    state: a State, or a Module (its whole State).
+
+  Returns:
+    A State with the same entries, each holding a ``jax.sharding.PartitionSpec`` of
+    logical axis names.
+
+  Raises:
+    TypeError: ``state`` is neither a State nor a Module.
+    sr.StateMismatchError: an entry's ``sharding`` does not name one axis per
+      dimension of its array.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> layer = sr.nn.Linear(2, 4, kernel_metadata={"sharding": ("embed", "mlp")},
   ...                      rngs=sr.Rngs(0))
@@ -58,6 +70,17 @@ def logical_to_mesh(specs, rules: Rules):
   ``rules`` is a sequence of ``(logical name, mesh axis | tuple of mesh axes | None)``,
   as in flax: for each name the first rule whose mesh axes this spec has not used yet
   applies; a name with no rule is replicated (None).
+
+  Args:
+    specs: a ``PartitionSpec`` of logical names, or a pytree of them (a State).
+    rules: ``(logical name, mesh axis | tuple of mesh axes | None)`` pairs, tried in
+      order.
+
+  Returns:
+    ``specs`` with the same structure, each ``PartitionSpec`` naming mesh axes.
+
+  Raises:
+    sr.TransformError: a rule is not a ``(str, mesh axes)`` pair.
 
   >>> from jax.sharding import PartitionSpec as P
   >>> import statefulremat as sr
@@ -83,6 +106,22 @@ def shard(model: M, mesh: jax.sharding.Mesh, rules: Rules = ()) -> M:
   that mesh: ``with jax.set_mesh(mesh):``), so a training step keeps its parameters
   where their specs say. Nothing moves unless every entry fits: a mesh axis the mesh
   lacks or a dimension the mesh axis does not divide raises, naming the path.
+
+  Args:
+    model: the Module whose arrays to place, in place.
+    mesh: the ``jax.sharding.Mesh`` to place them on.
+    rules: ``(logical name, mesh axes)`` pairs, as ``sr.logical_to_mesh`` takes them;
+      empty (the default) replicates every array.
+
+  Returns:
+    ``model`` itself, its arrays placed (or, traced, constrained).
+
+  Raises:
+    TypeError: ``model`` is not a Module, or ``mesh`` not a ``jax.sharding.Mesh``.
+    sr.TransformError: a rule is not a ``(str, mesh axes)`` pair.
+    sr.StateMismatchError: a spec does not fit its array (another number of axes, a
+      mesh axis the mesh lacks, a dimension the mesh axes do not divide), or, called
+      in a trace on a mesh with ``Explicit`` axes, the trace does not run under it.
 
   >>> import jax, jax.numpy as jnp, numpy as np, statefulremat as sr
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))

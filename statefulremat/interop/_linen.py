@@ -139,6 +139,15 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
       (``layers_0.kernel``, ``blocks_3.linear.kernel``). The collection is matched by
       kind, not renamed.
 
+  Returns:
+    ``model`` itself, now holding linen's arrays.
+
+  Raises:
+    sr.StateMismatchError: a linen entry is missing, unused or misplaced, or its shape
+      or dtype differs from ours (each named; the model is unchanged).
+    TypeError: ``variables`` is not a dict of collections.
+    ValueError: ``collections`` names ``"rngs"``, which linen variables do not hold.
+
   >>> import jax, jax.numpy as jnp, flax.linen as nn, statefulremat as sr
   >>> class Net(sr.Module):
   ...   def __init__(self, rngs):

@@ -36,6 +36,18 @@ def _validate_qkv_shapes(query, key, value=None):
 def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.float32) -> jax.Array | None:
   """The logical AND of the given masks (``None`` masks skipped), or ``None`` if none given.
 
+  Args:
+    *masks: masks of one rank (broadcastable shapes), nonzero where attending is allowed;
+      ``None`` entries are skipped.
+    dtype: dtype of the result (default ``jnp.float32``: 0.0 / 1.0).
+
+  Returns:
+    The combined mask in ``dtype``, broadcast to the masks' common shape, or ``None``
+    when every mask is ``None``.
+
+  Raises:
+    ValueError: when the masks given do not all have the same rank.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.nn.combine_masks(jnp.array([1, 1, 0]), None, jnp.array([0, 1, 1])).tolist()
   [0.0, 1.0, 0.0]
@@ -63,6 +75,17 @@ def make_attention_mask(
   ``mask[..., 0, i, j] = pairwise_fn(query_input[..., i], key_input[..., j])``; e.g. a
   padding mask from two 0/1 validity vectors.
 
+  Args:
+    query_input: ``[batch..., q_len]``, one value per query position.
+    key_input: ``[batch..., kv_len]``, one value per key position.
+    pairwise_fn: combines a query and a key value, elementwise (default
+      ``jnp.multiply``: both nonzero for 0/1 inputs).
+    extra_batch_dims: how many size-1 axes to put in front (default ``0``).
+    dtype: dtype of the mask (default ``jnp.float32``).
+
+  Returns:
+    The mask, ``[1] * extra_batch_dims + [batch..., 1, q_len, kv_len]``, in ``dtype``.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> valid = jnp.array([[1, 1, 0]])
   >>> sr.nn.make_attention_mask(valid, valid).shape
@@ -78,6 +101,15 @@ def make_causal_mask(
   x: jax.Array, extra_batch_dims: int = 0, dtype: Any = jnp.float32
 ) -> jax.Array:
   """A ``[batch..., 1, len, len]`` lower-triangular mask for ``x`` ``[batch..., len]``.
+
+  Args:
+    x: ``[batch..., len]``; only its shape is read.
+    extra_batch_dims: how many size-1 axes to put in front (default ``0``).
+    dtype: dtype of the mask (default ``jnp.float32``).
+
+  Returns:
+    The mask, ``[1] * extra_batch_dims + [batch..., 1, len, len]``: 1 where the query
+    position is at or after the key position, else 0.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.nn.make_causal_mask(jnp.ones((1, 3)))[0, 0].tolist()
@@ -107,6 +139,34 @@ def dot_product_attention_weights(
 
   ``mask`` is False (0) where a query must not attend; ``broadcast_dropout`` shares
   one dropout mask across the batch and head axes.
+
+  Args:
+    query: ``[batch..., q_len, num_heads, depth]``.
+    key: ``[batch..., kv_len, num_kv_heads, depth]``; ``num_heads`` must be a multiple
+      of ``num_kv_heads``.
+    bias: added to the logits before the softmax, broadcastable to
+      ``[batch..., num_heads, q_len, kv_len]`` (default ``None``: none).
+    mask: broadcastable to the weights' shape, False (0) where a query must not attend
+      (default ``None``: attend everywhere).
+    broadcast_dropout: one dropout mask shared across the batch and head axes (default
+      ``True``).
+    dropout_rng: the key the dropout mask is drawn with; needed when dropout applies.
+    dropout_rate: the probability of dropping a weight (default ``0.0``: no dropout).
+    deterministic: ``True`` turns dropout off (default ``False``).
+    dtype: the computation dtype; default ``None``: the promoted dtype of ``query`` and
+      ``key``.
+    precision: the ``jax.lax.Precision`` of the einsum (default ``None``).
+    promote_dtype: ``(arrays,), dtype=`` -> the arrays cast to one dtype (default
+      ``sr.nn.promote_dtype``).
+    is_causal: also mask out keys after each query's position (default ``False``).
+
+  Returns:
+    The weights, ``[batch..., num_heads, q_len, kv_len]``, summing to 1 over ``kv_len``.
+
+  Raises:
+    ValueError: when the ranks, batch axes or depths of ``query`` and ``key`` differ,
+      ``num_heads`` is not a multiple of ``num_kv_heads``, or dropout applies and
+      ``dropout_rng`` is ``None``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> q = k = jnp.ones((2, 5, 4, 8))
@@ -195,6 +255,36 @@ def dot_product_attention(
   argument for sowing weights): ``weights @ value`` with the weights of
   ``dot_product_attention_weights``; without dropout it is
   ``jax.nn.dot_product_attention`` (batch axes flattened to one).
+
+  Args:
+    query: ``[batch..., q_len, num_heads, depth]``.
+    key: ``[batch..., kv_len, num_kv_heads, depth]``; ``num_heads`` must be a multiple
+      of ``num_kv_heads``.
+    value: ``[batch..., kv_len, num_kv_heads, v_depth]``.
+    bias: added to the logits before the softmax, broadcastable to
+      ``[batch..., num_heads, q_len, kv_len]`` (default ``None``: none).
+    mask: broadcastable to ``[batch..., num_heads, q_len, kv_len]``, False (0) where a
+      query must not attend (default ``None``: attend everywhere).
+    broadcast_dropout: one dropout mask shared across the batch and head axes (default
+      ``True``).
+    dropout_rng: the key the dropout mask is drawn with; needed when dropout applies.
+    dropout_rate: the probability of dropping a weight (default ``0.0``: no dropout).
+    deterministic: ``True`` turns dropout off (default ``False``).
+    dtype: the computation dtype; default ``None``: the promoted dtype of ``query``,
+      ``key`` and ``value``.
+    precision: the ``jax.lax.Precision`` of the einsums (default ``None``); read only
+      with dropout (``jax.nn.dot_product_attention`` takes none).
+    promote_dtype: ``(arrays,), dtype=`` -> the arrays cast to one dtype (default
+      ``sr.nn.promote_dtype``).
+    is_causal: also mask out keys after each query's position (default ``False``).
+
+  Returns:
+    The attended values, ``[batch..., q_len, num_heads, v_depth]``.
+
+  Raises:
+    ValueError: when the ranks or batch axes of ``query``, ``key`` and ``value`` differ,
+      ``key`` and ``value`` lengths differ, ``num_heads`` is not a multiple of
+      ``num_kv_heads``, or dropout applies and ``dropout_rng`` is ``None``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> q = k = v = jnp.ones((2, 5, 4, 8))

@@ -16,6 +16,7 @@ from ..core._module import Module
 from ..core._rngs import Rngs
 from ..core._variables import path_of
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._linear import Initializer
 from ._normalization import (
   canonicalize_axes,
   check_feature_axes,
@@ -40,19 +41,36 @@ class BatchNorm(Module):
 
   Args:
     num_features: size of the feature axis.
-    use_running_average: evaluation mode (the call argument overrides it).
-    axis: the feature axis (an int, or a tuple of axes whose sizes multiply to
-      ``num_features``).
-    momentum: decay of the running averages.
-    epsilon: added to the variance.
-    dtype: result dtype (default: inferred); param_dtype: parameter dtype.
-    use_bias, use_scale: whether ``bias`` / ``scale`` exist.
-    bias_init, scale_init: initialisers (zeros, ones).
-    axis_name, axis_index_groups: average the batch statistics over a mapped axis.
-    use_fast_variance: ``E[x^2] - E[x]^2`` instead of ``E[(x - E[x])^2]``.
-    promote_dtype: ``(x, mean, var, scale, bias), dtype=`` -> promoted arrays.
+    use_running_average: evaluation mode (default ``False``: training); the call
+      argument overrides it, ``None`` requires it.
+    axis: the feature axis (default ``-1``), or a tuple of axes whose sizes multiply to
+      ``num_features``.
+    momentum: decay of the running averages (default ``0.99``).
+    epsilon: added to the variance (default ``1e-5``).
+    dtype: result dtype; default ``None``: the promotion of the input's and the
+      parameters' dtypes.
+    param_dtype: dtype ``scale`` and ``bias`` are initialised in (default
+      ``jnp.float32``; the running averages are always float32).
+    use_bias: whether ``bias`` exists (default ``True``).
+    use_scale: whether ``scale`` exists (default ``True``).
+    bias_init: initialiser of ``bias`` (default ``jax.nn.initializers.zeros``).
+    scale_init: initialiser of ``scale`` (default ``jax.nn.initializers.ones``).
+    axis_name: a mapped axis (``jax.vmap`` / ``shard_map``) to average the batch
+      statistics over (default ``None``: none).
+    axis_index_groups: groups of indices along ``axis_name`` averaged separately, as
+      ``jax.lax.pmean`` takes them (default ``None``: all together).
+    use_fast_variance: ``E[x^2] - E[x]^2`` instead of ``E[(x - E[x])^2]`` (default
+      ``True``).
+    promote_dtype: ``(x, mean, var, scale, bias), dtype=`` -> promoted arrays (default
+      ``sr.nn.promote_dtype``).
     rngs: draws ``rngs.params()`` per parameter, as nnx does.
-    scale_metadata, bias_metadata, mean_metadata, var_metadata: Variable metadata.
+    bias_metadata: metadata put on ``bias`` (default ``{}``: none).
+    scale_metadata: metadata put on ``scale`` (default ``{}``: none).
+    mean_metadata: metadata put on ``mean`` (default ``{}``: none).
+    var_metadata: metadata put on ``var`` (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> bn = sr.nn.BatchNorm(3, momentum=0.5, rngs=sr.Rngs(0))
@@ -77,8 +95,8 @@ class BatchNorm(Module):
     param_dtype: Any = jnp.float32,
     use_bias: bool = True,
     use_scale: bool = True,
-    bias_init: Callable = jax.nn.initializers.zeros,
-    scale_init: Callable = jax.nn.initializers.ones,
+    bias_init: Initializer = jax.nn.initializers.zeros,
+    scale_init: Initializer = jax.nn.initializers.ones,
     axis_name: str | None = None,
     axis_index_groups: Any = None,
     use_fast_variance: bool = True,

@@ -17,6 +17,7 @@ from ..core._errors import format_path
 from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
 from ..core._variables import path_of
+from ._linear import Initializer
 from ._rngs_arg import check_rngs
 
 
@@ -56,7 +57,7 @@ class RNNCellBase(Module):
     *,
     dtype: Any,
     param_dtype: Any,
-    carry_init: Callable | None,
+    carry_init: Initializer | None,
     promote_dtype: Callable,
     keep_rngs: bool,
     rngs: Rngs,
@@ -100,7 +101,7 @@ class RNNCellBase(Module):
     self,
     input_shape: tuple,
     rngs: Rngs | RngStream | None = None,
-    carry_init: Callable | None = None,
+    carry_init: Initializer | None = None,
   ):
     """The carry for a time step of inputs of shape ``input_shape`` ``(*batch, in)``.
 

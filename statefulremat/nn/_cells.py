@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from ..core._rngs import Rngs
 from ._cell_base import RNNCellBase
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Linear, default_bias_init, default_kernel_init
+from ._linear import Initializer, Linear, default_bias_init, default_kernel_init
 
-_orthogonal = jax.nn.initializers.orthogonal()
+default_recurrent_kernel_init = jax.nn.initializers.orthogonal()
 
 
 def modified_orthogonal(key: jax.Array, shape: tuple, dtype: Any = jnp.float32) -> jax.Array:
@@ -37,7 +37,7 @@ def modified_orthogonal(key: jax.Array, shape: tuple, dtype: Any = jnp.float32) 
   ...                            jnp.eye(3), atol=1e-2))
   (dtype(bfloat16), True)
   """
-  return _orthogonal(key, shape).astype(dtype)
+  return default_recurrent_kernel_init(key, shape).astype(dtype)
 
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
@@ -48,8 +48,8 @@ def _linear(
   out_features: int,
   *,
   use_bias: bool,
-  kernel_init: Callable,
-  bias_init: Callable = default_bias_init,
+  kernel_init: Initializer,
+  bias_init: Initializer = default_bias_init,
   dtype: Any,
   param_dtype: Any,
   promote_dtype: Callable,
@@ -87,18 +87,31 @@ class LSTMCell(RNNCellBase):
   ``(hidden, hidden)`` with the bias). The carry is ``(c, h)``; the output is ``h'``.
 
   Args:
-    in_features, hidden_features: input and hidden sizes.
-    gate_fn: the gates' activation (sigmoid); activation_fn: the cell's (tanh).
-    kernel_init, recurrent_kernel_init, bias_init: initialisers (lecun_normal,
-      orthogonal computed in float32, zeros).
-    dtype: computation dtype (default: promoted from inputs and parameters);
-      param_dtype: parameters' and carry's dtype.
-    carry_init: the carry's initialiser (nnx warns here; prefer
-      ``initialize_carry(..., carry_init=)``).
-    promote_dtype: as ``Linear``'s.
-    keep_rngs: deprecated, as in nnx: keep a ``carry`` stream for ``initialize_carry``.
-    rngs: an ``sr.Rngs`` (``params`` stream).
-    kernel_metadata, recurrent_kernel_metadata, bias_metadata: Variable metadata.
+    in_features: size of the input's last axis.
+    hidden_features: size of the hidden state (the carry's and the output's last axis).
+    gate_fn: the gates' activation (default ``jax.nn.sigmoid``).
+    activation_fn: the cell's activation (default ``jnp.tanh``).
+    kernel_init: initialiser of the input kernels (default
+      ``jax.nn.initializers.lecun_normal()``).
+    recurrent_kernel_init: initialiser of the recurrent kernels (default: orthogonal, drawn in
+      float32 then cast, so half precision works).
+    bias_init: initialiser of the bias (default ``jax.nn.initializers.zeros``).
+    dtype: computation dtype; default ``None``: promoted from the inputs and the parameters.
+    param_dtype: dtype of the parameters and of the carry (default ``jnp.float32``).
+    carry_init: the carry's initialiser; default ``None``: zeros (nnx warns when it is given
+      here; prefer ``initialize_carry(..., carry_init=)``).
+    promote_dtype: ``(inputs, kernel, bias), dtype=`` -> promoted arrays, given to every
+      ``Linear`` (default ``sr.nn.promote_dtype``).
+    keep_rngs: deprecated, as in nnx: keep a ``carry`` stream for ``initialize_carry`` (default
+      ``False``).
+    rngs: an ``sr.Rngs``; its ``params`` stream draws the parameters.
+    kernel_metadata: metadata put on the input kernels (default ``{}``: none).
+    recurrent_kernel_metadata: metadata put on the recurrent kernels (default ``{}``: none).
+    bias_metadata: metadata put on the recurrent layers' biases (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
+    ValueError: when ``in_features`` or ``hidden_features`` is not a positive int.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> cell = sr.nn.LSTMCell(3, 4, rngs=sr.Rngs(0))
@@ -118,12 +131,12 @@ class LSTMCell(RNNCellBase):
     *,
     gate_fn: Callable = jax.nn.sigmoid,
     activation_fn: Callable = jnp.tanh,
-    kernel_init: Callable = default_kernel_init,
-    recurrent_kernel_init: Callable = modified_orthogonal,
-    bias_init: Callable = default_bias_init,
+    kernel_init: Initializer = default_kernel_init,
+    recurrent_kernel_init: Initializer = modified_orthogonal,
+    bias_init: Initializer = default_bias_init,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
-    carry_init: Callable | None = None,
+    carry_init: Initializer | None = None,
     promote_dtype: Callable = default_promote_dtype,
     keep_rngs: bool = False,
     rngs: Rngs,
@@ -195,6 +208,33 @@ class OptimizedLSTMCell(RNNCellBase):
   2048. The arguments are ``LSTMCell``'s (the recurrent kernel's default initialiser
   is ``orthogonal()``).
 
+  Args:
+    in_features: size of the input's last axis.
+    hidden_features: size of the hidden state (the carry's and the output's last axis).
+    gate_fn: the gates' activation (default ``jax.nn.sigmoid``).
+    activation_fn: the cell's activation (default ``jnp.tanh``).
+    kernel_init: initialiser of the input kernels (default
+      ``jax.nn.initializers.lecun_normal()``).
+    recurrent_kernel_init: initialiser of the recurrent kernels (default
+      ``jax.nn.initializers.orthogonal()``).
+    bias_init: initialiser of the bias (default ``jax.nn.initializers.zeros``).
+    dtype: computation dtype; default ``None``: promoted from the inputs and the parameters.
+    param_dtype: dtype of the parameters and of the carry (default ``jnp.float32``).
+    carry_init: the carry's initialiser; default ``None``: zeros (nnx warns when it is given
+      here; prefer ``initialize_carry(..., carry_init=)``).
+    promote_dtype: ``(inputs, kernel, bias), dtype=`` -> promoted arrays, given to every
+      ``Linear`` (default ``sr.nn.promote_dtype``).
+    keep_rngs: deprecated, as in nnx: keep a ``carry`` stream for ``initialize_carry`` (default
+      ``False``).
+    rngs: an ``sr.Rngs``; its ``params`` stream draws the parameters.
+    kernel_metadata: metadata put on the input kernels (default ``{}``: none).
+    recurrent_kernel_metadata: metadata put on the recurrent kernels (default ``{}``: none).
+    bias_metadata: metadata put on the bias (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
+    ValueError: when ``in_features`` or ``hidden_features`` is not a positive int.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> cell = sr.nn.OptimizedLSTMCell(3, 4, rngs=sr.Rngs(0))
   >>> (c, h), y = cell(cell.initialize_carry((2, 3)), jnp.ones((2, 3)))
@@ -212,12 +252,12 @@ class OptimizedLSTMCell(RNNCellBase):
     *,
     gate_fn: Callable = jax.nn.sigmoid,
     activation_fn: Callable = jnp.tanh,
-    kernel_init: Callable = default_kernel_init,
-    recurrent_kernel_init: Callable = _orthogonal,
-    bias_init: Callable = default_bias_init,
+    kernel_init: Initializer = default_kernel_init,
+    recurrent_kernel_init: Initializer = default_recurrent_kernel_init,
+    bias_init: Initializer = default_bias_init,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
-    carry_init: Callable | None = None,
+    carry_init: Initializer | None = None,
     promote_dtype: Callable = default_promote_dtype,
     keep_rngs: bool = False,
     rngs: Rngs,
@@ -278,6 +318,34 @@ class SimpleCell(RNNCellBase):
   the output are ``h'``. Other arguments as ``LSTMCell``'s (recurrent kernel:
   ``orthogonal()``).
 
+  Args:
+    in_features: size of the input's last axis.
+    hidden_features: size of the hidden state (the carry's and the output's last axis).
+    dtype: computation dtype (default ``jnp.float32``, as nnx's; ``None``: promoted from the
+      inputs and the parameters).
+    param_dtype: dtype of the parameters and of the carry (default ``jnp.float32``).
+    carry_init: the carry's initialiser; default ``None``: zeros (nnx warns when it is given
+      here; prefer ``initialize_carry(..., carry_init=)``).
+    residual: add ``h`` before the activation (default ``False``).
+    activation_fn: the cell's activation (default ``jnp.tanh``).
+    kernel_init: initialiser of the input kernels (default
+      ``jax.nn.initializers.lecun_normal()``).
+    recurrent_kernel_init: initialiser of the recurrent kernels (default
+      ``jax.nn.initializers.orthogonal()``).
+    bias_init: initialiser of the bias (default ``jax.nn.initializers.zeros``).
+    promote_dtype: ``(inputs, kernel, bias), dtype=`` -> promoted arrays, given to every
+      ``Linear`` (default ``sr.nn.promote_dtype``).
+    keep_rngs: deprecated, as in nnx: keep a ``carry`` stream for ``initialize_carry`` (default
+      ``False``).
+    rngs: an ``sr.Rngs``; its ``params`` stream draws the parameters.
+    kernel_metadata: metadata put on the input kernels (default ``{}``: none).
+    recurrent_kernel_metadata: metadata put on the recurrent kernels (default ``{}``: none).
+    bias_metadata: metadata put on the bias (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
+    ValueError: when ``in_features`` or ``hidden_features`` is not a positive int.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> cell = sr.nn.SimpleCell(3, 4, rngs=sr.Rngs(0))
   >>> h, y = cell(cell.initialize_carry((2, 3)), jnp.ones((2, 3)))
@@ -294,12 +362,12 @@ class SimpleCell(RNNCellBase):
     *,
     dtype: Any = jnp.float32,
     param_dtype: Any = jnp.float32,
-    carry_init: Callable | None = None,
+    carry_init: Initializer | None = None,
     residual: bool = False,
     activation_fn: Callable = jnp.tanh,
-    kernel_init: Callable = default_kernel_init,
-    recurrent_kernel_init: Callable = _orthogonal,
-    bias_init: Callable = default_bias_init,
+    kernel_init: Initializer = default_kernel_init,
+    recurrent_kernel_init: Initializer = default_recurrent_kernel_init,
+    bias_init: Initializer = default_bias_init,
     promote_dtype: Callable = default_promote_dtype,
     keep_rngs: bool = False,
     rngs: Rngs,
@@ -365,6 +433,33 @@ class GRUCell(RNNCellBase):
   no bias). The carry and the output are ``h'``. Other arguments as ``LSTMCell``'s
   (recurrent kernel: ``orthogonal()``).
 
+  Args:
+    in_features: size of the input's last axis.
+    hidden_features: size of the hidden state (the carry's and the output's last axis).
+    gate_fn: the gates' activation (default ``jax.nn.sigmoid``).
+    activation_fn: the cell's activation (default ``jnp.tanh``).
+    kernel_init: initialiser of the input kernels (default
+      ``jax.nn.initializers.lecun_normal()``).
+    recurrent_kernel_init: initialiser of the recurrent kernels (default
+      ``jax.nn.initializers.orthogonal()``).
+    bias_init: initialiser of the bias (default ``jax.nn.initializers.zeros``).
+    dtype: computation dtype; default ``None``: promoted from the inputs and the parameters.
+    param_dtype: dtype of the parameters and of the carry (default ``jnp.float32``).
+    carry_init: the carry's initialiser; default ``None``: zeros (nnx warns when it is given
+      here; prefer ``initialize_carry(..., carry_init=)``).
+    promote_dtype: ``(inputs, kernel, bias), dtype=`` -> promoted arrays, given to every
+      ``Linear`` (default ``sr.nn.promote_dtype``).
+    keep_rngs: deprecated, as in nnx: keep a ``carry`` stream for ``initialize_carry`` (default
+      ``False``).
+    rngs: an ``sr.Rngs``; its ``params`` stream draws the parameters.
+    kernel_metadata: metadata put on the input kernels (default ``{}``: none).
+    recurrent_kernel_metadata: metadata put on the recurrent kernels (default ``{}``: none).
+    bias_metadata: metadata put on the bias (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
+    ValueError: when ``in_features`` or ``hidden_features`` is not a positive int.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> cell = sr.nn.GRUCell(3, 4, rngs=sr.Rngs(0))
   >>> h, y = cell(cell.initialize_carry((2, 3)), jnp.ones((2, 3)))
@@ -381,12 +476,12 @@ class GRUCell(RNNCellBase):
     *,
     gate_fn: Callable = jax.nn.sigmoid,
     activation_fn: Callable = jnp.tanh,
-    kernel_init: Callable = default_kernel_init,
-    recurrent_kernel_init: Callable = _orthogonal,
-    bias_init: Callable = default_bias_init,
+    kernel_init: Initializer = default_kernel_init,
+    recurrent_kernel_init: Initializer = default_recurrent_kernel_init,
+    bias_init: Initializer = default_bias_init,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
-    carry_init: Callable | None = None,
+    carry_init: Initializer | None = None,
     promote_dtype: Callable = default_promote_dtype,
     keep_rngs: bool = False,
     rngs: Rngs,

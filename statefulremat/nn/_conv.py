@@ -9,13 +9,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
-from ._linear import default_bias_init, default_kernel_init, located
+from ._linear import Initializer, default_bias_init, default_kernel_init, located
 from ._rngs_arg import check_rngs
 
 
@@ -156,19 +157,45 @@ class Conv(Module):
   last, ``(*batch, *spatial, in_features)``; several batch axes are flattened for
   the convolution and restored, and an input without a batch axis is accepted.
 
+  Its output (bias added) is named ``conv_out`` (``jax.ad_checkpoint.checkpoint_name``):
+  ``jax.checkpoint_policies.save_only_these_names("conv_out")`` saves the convolutions
+  of a block, as ``dots_saveable`` (which skips convolutions) saves its matmuls.
+
   Args:
-    in_features, out_features: channel counts.
+    in_features: number of input channels (the input's last axis).
+    out_features: number of output channels.
     kernel_size: an int (1-D) or one size per spatial axis.
-    strides, input_dilation, kernel_dilation: an int or one per spatial axis
-      (``None`` means 1). ``input_dilation`` d is a transposed convolution of stride d.
-    padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'`` (periodic), ``'REFLECT'``,
-      ``'CAUSAL'`` (1-D, left padding), an int, or ``(low, high)`` pairs per axis.
-    feature_group_count: split the channels into this many groups (depthwise when
-      equal to ``in_features``).
-    use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as ``Linear``.
-    promote_dtype, preferred_element_type, rngs, kernel_metadata, bias_metadata: as
-      ``Linear``.
+    strides: an int or one per spatial axis (default ``1``; ``None`` means 1).
+    padding: ``'SAME'`` (default), ``'VALID'``, ``'CIRCULAR'`` (periodic),
+      ``'REFLECT'``, ``'CAUSAL'`` (1-D, left padding), an int, or ``(low, high)``
+      pairs per axis.
+    input_dilation: an int or one per spatial axis (default ``1``; ``None`` means 1);
+      ``input_dilation`` d is a transposed convolution of stride d.
+    kernel_dilation: an int or one per spatial axis (default ``1``; ``None`` means 1):
+      the spacing of the kernel's taps (atrous convolution).
+    feature_group_count: split the channels into this many groups (default ``1``;
+      depthwise when equal to ``in_features``).
+    use_bias: add ``bias`` (default ``True``).
+    dtype: computation dtype; default ``None``: the promotion of the input's and the
+      parameters' dtypes.
+    param_dtype: dtype the parameters are initialised in (default ``jnp.float32``).
+    precision: ``lax.Precision`` of the convolution (default ``None``).
+    kernel_init: ``init(key, shape, dtype)`` of the kernel (default
+      ``jax.nn.initializers.lecun_normal()``).
+    bias_init: ``init(key, shape, dtype)`` of the bias (default zeros).
     conv_general_dilated: the convolution (default ``lax.conv_general_dilated``).
+    promote_dtype: ``(inputs, kernel, bias), dtype=`` -> promoted arrays (default
+      ``sr.nn.promote_dtype``).
+    preferred_element_type: accumulation/output dtype passed to the convolution
+      (default ``None``: JAX's choice).
+    rngs: draws ``rngs.params()`` for the kernel, then the bias.
+    kernel_metadata: metadata put on the ``kernel`` Variable (default ``{}``: none).
+    bias_metadata: metadata put on the ``bias`` Variable (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
+    ValueError: when ``in_features`` or ``out_features`` is not divisible by
+      ``feature_group_count``, or ``padding`` is not one of the forms above.
 
   nnx's weight ``mask`` argument is not supported (it would be an array attribute
   outside any Variable); multiply the kernel yourself if you need one.
@@ -195,8 +222,8 @@ class Conv(Module):
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     precision: Any = None,
-    kernel_init: Callable = default_kernel_init,
-    bias_init: Callable = default_bias_init,
+    kernel_init: Initializer = default_kernel_init,
+    bias_init: Initializer = default_bias_init,
     conv_general_dilated: Callable = lax.conv_general_dilated,
     promote_dtype: Callable = default_promote_dtype,
     preferred_element_type: Any = None,
@@ -305,4 +332,4 @@ class Conv(Module):
       y += lax.expand_dims(bias, tuple(range(y.ndim - 1)))  # lax: cheap to trace
     if n_batch != 1:
       y = jnp.reshape(y, batch_shape + y.shape[1:])
-    return y
+    return checkpoint_name(y, "conv_out")  # a convolution is no dot: dots_saveable skips it

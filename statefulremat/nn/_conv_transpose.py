@@ -9,12 +9,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ._conv import _freeze, canonicalize_padding, check_conv_input, kernel_and_bias, per_axis
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import default_bias_init, default_kernel_init
+from ._linear import Initializer, default_bias_init, default_kernel_init
 from ._rngs_arg import check_rngs
 
 
@@ -25,18 +26,39 @@ class ConvTranspose(Module):
   ``(*batch, *spatial, in_features)``; several batch axes are flattened for the
   convolution and restored, and an input without a batch axis is accepted. With
   ``transpose_kernel=True`` the kernel is ``(*kernel_size, out, in)``, the layout of
-  the ``Conv`` it transposes, and the layer computes that convolution's gradient.
+  the ``Conv`` it transposes, and the layer computes that convolution's gradient. Its
+  output is named ``conv_out``, as ``Conv``'s (``jax.ad_checkpoint.checkpoint_name``).
 
   Args:
-    in_features, out_features: channel counts.
+    in_features: number of input channels (the input's last axis).
+    out_features: number of output channels.
     kernel_size: an int (1-D) or one size per spatial axis.
-    strides, kernel_dilation: an int or one per spatial axis (``None`` means 1).
-    padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'`` (periodic), an int, or
+    strides: an int or one per spatial axis (default ``None``: 1), the upsampling
+      factor.
+    padding: ``'SAME'`` (default), ``'VALID'``, ``'CIRCULAR'`` (periodic), an int, or
       ``(low, high)`` pairs per axis, as ``lax.conv_transpose`` reads them.
-    transpose_kernel: flip the kernel's spatial axes and swap its channel axes.
-    use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as ``Conv``.
-    promote_dtype, preferred_element_type, rngs, kernel_metadata, bias_metadata: as
-      ``Conv``.
+    kernel_dilation: an int or one per spatial axis (default ``None``: 1).
+    use_bias: add ``bias`` (default ``True``).
+    dtype: computation dtype; default ``None``: the promotion of the input's and the
+      parameters' dtypes.
+    param_dtype: dtype the parameters are initialised in (default ``jnp.float32``).
+    precision: ``lax.Precision`` of the convolution (default ``None``).
+    kernel_init: ``init(key, shape, dtype)`` of the kernel (default
+      ``jax.nn.initializers.lecun_normal()``).
+    bias_init: ``init(key, shape, dtype)`` of the bias (default zeros).
+    transpose_kernel: flip the kernel's spatial axes and swap its channel axes
+      (default ``False``).
+    promote_dtype: ``(inputs, kernel, bias), dtype=`` -> promoted arrays (default
+      ``sr.nn.promote_dtype``).
+    preferred_element_type: accumulation/output dtype passed to the convolution
+      (default ``None``: JAX's choice).
+    rngs: draws ``rngs.params()`` for the kernel, then the bias.
+    kernel_metadata: metadata put on the ``kernel`` Variable (default ``{}``: none).
+    bias_metadata: metadata put on the ``bias`` Variable (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
+    ValueError: when ``padding`` is not one of the forms above.
 
   nnx's weight ``mask`` is not supported (an array outside any Variable), as in
   ``Conv``; ``lax.conv_transpose`` takes no ``out_sharding``, so under explicit mesh
@@ -61,8 +83,8 @@ class ConvTranspose(Module):
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     precision: Any = None,
-    kernel_init: Callable = default_kernel_init,
-    bias_init: Callable = default_bias_init,
+    kernel_init: Initializer = default_kernel_init,
+    bias_init: Initializer = default_bias_init,
     transpose_kernel: bool = False,
     promote_dtype: Callable = default_promote_dtype,
     preferred_element_type: Any = None,
@@ -137,7 +159,7 @@ class ConvTranspose(Module):
       y += lax.expand_dims(bias, tuple(range(y.ndim - 1)))
     if n_batch != 1:
       y = jnp.reshape(y, batch_shape + y.shape[1:])
-    return y
+    return checkpoint_name(y, "conv_out")
 
   def _wrap(self, y: jax.Array, periods: list[int]) -> jax.Array:
     """Folds the full transposed convolution onto ``periods`` (input size x stride)

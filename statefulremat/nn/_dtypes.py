@@ -16,6 +16,18 @@ import jax.numpy as jnp
 def canonicalize_dtype(*args: Any, dtype: Any = None, inexact: bool = True) -> Any:
   """The dtype ``args`` should be cast to: ``dtype`` if given, else their promotion.
 
+  Args:
+    *args: arrays (or scalars, dtypes); ``None`` entries are skipped.
+    dtype: the dtype to use; default ``None``: ``jnp.result_type`` of ``args``.
+    inexact: whether the result must be a float or complex type (default ``True``): a
+      promoted integer dtype is raised to at least ``jnp.float32``.
+
+  Returns:
+    The dtype, as a numpy ``dtype`` (or ``dtype`` itself when given).
+
+  Raises:
+    ValueError: when ``inexact`` is ``True`` and the given ``dtype`` is not a float type.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.nn.canonicalize_dtype(jnp.ones(2, jnp.int32), None)
   dtype('float32')
@@ -34,6 +46,18 @@ def promote_dtype(args: tuple, /, *, dtype: Any = None, inexact: bool = True) ->
 
   The signature is flax.nnx's ``promote_dtype``, so either can be passed as a layer's
   ``promote_dtype``.
+
+  Args:
+    args: a tuple of arrays and ``None`` entries (positional only).
+    dtype: the dtype to cast to; default ``None``: the promotion of ``args`` (see
+      ``canonicalize_dtype``).
+    inexact: whether the common dtype must be a float type (default ``True``).
+
+  Returns:
+    A tuple of the same length, each array cast to the common dtype, ``None`` kept.
+
+  Raises:
+    ValueError: when ``inexact`` is ``True`` and the given ``dtype`` is not a float type.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> x, w, b = sr.nn.promote_dtype((jnp.ones(2, jnp.bfloat16), jnp.ones(2), None))

@@ -14,7 +14,7 @@ from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import default_bias_init, default_kernel_init, located
+from ._linear import Initializer, default_bias_init, default_kernel_init, located
 from ._rngs_arg import check_rngs
 
 
@@ -55,13 +55,31 @@ class Einsum(Module):
   explicit (``'->'``); the call may give another one.
 
   Args:
-    einsum_str: e.g. ``'btd,dnh->btnh'``.
+    einsum_str: e.g. ``'btd,dnh->btnh'``: the input's axes, the kernel's, then the
+      output's.
     kernel_shape: the kernel's shape, one size per kernel letter.
-    bias_shape: the bias's shape (the output's kernel axes, in order), or ``None``.
-    dtype, param_dtype, precision, kernel_init, bias_init: as ``Linear``.
-    promote_dtype, preferred_element_type, rngs, kernel_metadata, bias_metadata: as
-      ``Linear``.
+    bias_shape: the bias's shape (the output's kernel axes, in order); default ``None``:
+      no bias.
+    dtype: computation dtype; default ``None``: the promotion of the input's and the
+      parameters' dtypes.
+    param_dtype: dtype the parameters are initialised in (default ``jnp.float32``).
+    precision: ``lax.Precision`` of the contraction (default ``None``).
+    kernel_init: ``init(key, shape, dtype)`` of the kernel (default
+      ``jax.nn.initializers.lecun_normal()``).
+    bias_init: ``init(key, shape, dtype)`` of the bias (default zeros).
+    promote_dtype: ``(inputs, kernel, bias), dtype=`` -> promoted arrays (default
+      ``sr.nn.promote_dtype``).
     einsum_op: the contraction (default ``jnp.einsum``).
+    preferred_element_type: accumulation/output dtype passed to ``einsum_op`` (default
+      ``None``: JAX's choice).
+    rngs: draws ``rngs.params()`` for the kernel, then the bias.
+    kernel_metadata: metadata put on the ``kernel`` Variable (default ``{}``: none).
+    bias_metadata: metadata put on the ``bias`` Variable (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``, or ``einsum_str`` is not a string.
+    ValueError: when ``einsum_str`` has no ``'->'`` or not exactly two operands, or its
+      kernel term does not have one letter per ``kernel_shape`` entry.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> layer = sr.nn.Einsum("btd,dnh->btnh", (8, 2, 4), (2, 4), rngs=sr.Rngs(0))
@@ -78,8 +96,8 @@ class Einsum(Module):
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     precision: Any = None,
-    kernel_init: Callable = default_kernel_init,
-    bias_init: Callable = default_bias_init,
+    kernel_init: Initializer = default_kernel_init,
+    bias_init: Initializer = default_bias_init,
     promote_dtype: Callable = default_promote_dtype,
     einsum_op: Callable = jnp.einsum,
     preferred_element_type: Any = None,

@@ -14,7 +14,7 @@ from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
-from ._linear import check_features, located
+from ._linear import Initializer, check_features, located
 from ._rngs_arg import check_rngs
 
 default_embed_init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
@@ -50,7 +50,7 @@ class Embed(Module):
     *,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
-    embedding_init: Callable = default_embed_init,
+    embedding_init: Initializer = default_embed_init,
     promote_dtype: Callable = default_promote_dtype,
     rngs: Rngs,
     embedding_metadata: Mapping[str, Any] = MappingProxyType({}),

@@ -17,7 +17,7 @@ from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import located
+from ._linear import Initializer, located
 from ._normalization import (
   canonicalize_axes,
   check_feature_axes,
@@ -65,14 +65,35 @@ class GroupNorm(Module):
 
   Args:
     num_features: number of channels (``scale``/``bias`` shape ``(num_features,)``).
-    num_groups: number of groups (default 32); must divide ``num_features``.
-    group_size: channels per group, instead of ``num_groups``.
-    epsilon, dtype, param_dtype, use_bias, use_scale, bias_init, scale_init: as
-      ``LayerNorm``.
-    axis_name, axis_index_groups, use_fast_variance, promote_dtype: as ``LayerNorm``.
-    rngs, bias_metadata, scale_metadata: as ``LayerNorm``.
+    num_groups: number of groups (default ``32``); must divide ``num_features``.
+    group_size: channels per group, instead of ``num_groups`` (default ``None``: given
+      by ``num_groups``).
+    epsilon: added to the variance (default ``1e-6``).
+    dtype: result dtype; default ``None``: the promotion of the input's and the
+      parameters' dtypes.
+    param_dtype: dtype the parameters are initialised in (default ``jnp.float32``).
+    use_bias: whether ``bias`` exists (default ``True``).
+    use_scale: whether ``scale`` exists (default ``True``).
+    bias_init: initialiser of ``bias`` (default ``jax.nn.initializers.zeros``).
+    scale_init: initialiser of ``scale`` (default ``jax.nn.initializers.ones``).
     reduction_axes: the statistics' axes, the last among them (the channels) split
-      into groups; ``None`` means every axis but the first.
+      into groups; default ``None``: every axis but the first.
+    axis_name: a mapped axis (``jax.vmap`` / ``shard_map``) to average the statistics
+      over too (default ``None``: none).
+    axis_index_groups: groups of indices along ``axis_name`` averaged separately, as
+      ``jax.lax.pmean`` takes them (default ``None``: all together).
+    use_fast_variance: ``E[x^2] - E[x]^2`` instead of ``E[(x - E[x])^2]`` (default
+      ``True``).
+    promote_dtype: ``(x, scale, bias), dtype=`` -> promoted arrays (default
+      ``sr.nn.promote_dtype``).
+    rngs: draws ``rngs.params()`` for ``scale``, then ``bias``.
+    bias_metadata: metadata put on ``bias`` (default ``{}``: none).
+    scale_metadata: metadata put on ``scale`` (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
+    ValueError: when both or neither of ``num_groups`` and ``group_size`` are given, or
+      the one given does not divide ``num_features``.
 
   >>> import jax, statefulremat as sr
   >>> norm = sr.nn.GroupNorm(6, num_groups=3, rngs=sr.Rngs(0))
@@ -95,8 +116,8 @@ class GroupNorm(Module):
     param_dtype: Any = jnp.float32,
     use_bias: bool = True,
     use_scale: bool = True,
-    bias_init: Callable = jax.nn.initializers.zeros,
-    scale_init: Callable = jax.nn.initializers.ones,
+    bias_init: Initializer = jax.nn.initializers.zeros,
+    scale_init: Initializer = jax.nn.initializers.ones,
     reduction_axes: int | Sequence[int] | None = None,
     axis_name: str | None = None,
     axis_index_groups: Any = None,
@@ -203,11 +224,29 @@ class InstanceNorm(Module):
 
   Args:
     num_features: size of the feature axes (``scale``/``bias`` shape).
-    feature_axes: the feature axes (never axis 0, the batch).
-    epsilon, dtype, param_dtype, use_bias, use_scale, bias_init, scale_init: as
-      ``LayerNorm``.
-    axis_name, axis_index_groups, use_fast_variance, promote_dtype: as ``LayerNorm``.
-    rngs, bias_metadata, scale_metadata: as ``LayerNorm``.
+    epsilon: added to the variance (default ``1e-6``).
+    dtype: result dtype; default ``None``: the promotion of the input's and the
+      parameters' dtypes.
+    param_dtype: dtype the parameters are initialised in (default ``jnp.float32``).
+    use_bias: whether ``bias`` exists (default ``True``).
+    use_scale: whether ``scale`` exists (default ``True``).
+    bias_init: initialiser of ``bias`` (default ``jax.nn.initializers.zeros``).
+    scale_init: initialiser of ``scale`` (default ``jax.nn.initializers.ones``).
+    feature_axes: the feature axes, never axis 0, the batch (default ``-1``).
+    axis_name: a mapped axis (``jax.vmap`` / ``shard_map``) to average the statistics
+      over too (default ``None``: none).
+    axis_index_groups: groups of indices along ``axis_name`` averaged separately, as
+      ``jax.lax.pmean`` takes them (default ``None``: all together).
+    use_fast_variance: ``E[x^2] - E[x]^2`` instead of ``E[(x - E[x])^2]`` (default
+      ``True``).
+    promote_dtype: ``(x, scale, bias), dtype=`` -> promoted arrays (default
+      ``sr.nn.promote_dtype``).
+    rngs: draws ``rngs.params()`` for ``scale``, then ``bias``.
+    bias_metadata: metadata put on ``bias`` (default ``{}``: none).
+    scale_metadata: metadata put on ``scale`` (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
 
   >>> import jax, statefulremat as sr
   >>> norm = sr.nn.InstanceNorm(3, rngs=sr.Rngs(0))
@@ -228,8 +267,8 @@ class InstanceNorm(Module):
     param_dtype: Any = jnp.float32,
     use_bias: bool = True,
     use_scale: bool = True,
-    bias_init: Callable = jax.nn.initializers.zeros,
-    scale_init: Callable = jax.nn.initializers.ones,
+    bias_init: Initializer = jax.nn.initializers.zeros,
+    scale_init: Initializer = jax.nn.initializers.ones,
     feature_axes: int | Sequence[int] = -1,
     axis_name: str | None = None,
     axis_index_groups: Any = None,

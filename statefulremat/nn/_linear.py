@@ -21,6 +21,9 @@ from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
 from ._rngs_arg import check_rngs
 
+# An initializer: `init(key, shape, dtype) -> jax.Array`, as jax.nn.initializers gives.
+Initializer = Callable[..., jax.Array]
+
 default_kernel_init = jax.nn.initializers.lecun_normal()
 default_bias_init = jax.nn.initializers.zeros
 
@@ -84,17 +87,27 @@ class Linear(Module):
   Args:
     in_features: size of the input's last axis.
     out_features: size of the output's last axis.
-    use_bias: add ``bias``.
-    dtype: computation dtype (default: inferred from inputs and parameters).
-    param_dtype: dtype the parameters are initialised in.
-    precision: ``lax.Precision`` of the matmul.
-    kernel_init, bias_init: ``jax.nn.initializers``-style initialisers.
+    use_bias: add ``bias`` (default ``True``).
+    dtype: computation dtype; default ``None``: the promotion of the input's and the
+      parameters' dtypes.
+    param_dtype: dtype the parameters are initialised in (default ``jnp.float32``).
+    precision: ``lax.Precision`` of the matmul (default ``None``: JAX's default).
+    kernel_init: ``init(key, shape, dtype)`` of the kernel (default
+      ``jax.nn.initializers.lecun_normal()``).
+    bias_init: ``init(key, shape, dtype)`` of the bias (default
+      ``jax.nn.initializers.zeros``).
     dot_general: the contraction (default ``lax.dot_general``).
-    promote_dtype: ``(inputs, kernel, bias), dtype=`` -> promoted arrays.
-    preferred_element_type: accumulation/output dtype passed to ``dot_general``.
+    promote_dtype: ``(inputs, kernel, bias), dtype=`` -> promoted arrays (default
+      ``sr.nn.promote_dtype``).
+    preferred_element_type: accumulation/output dtype passed to ``dot_general``
+      (default ``None``: JAX's choice).
     rngs: draws ``rngs.params()`` for the kernel, then the bias.
-    kernel_metadata, bias_metadata: metadata put on the Variables (e.g.
-      ``{"sharding": ("embed", "mlp")}``).
+    kernel_metadata: metadata put on the ``kernel`` Variable (e.g.
+      ``{"sharding": ("embed", "mlp")}``; default ``{}``: none).
+    bias_metadata: metadata put on the ``bias`` Variable (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs`` (e.g. a bare key or an int seed).
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> layer = sr.nn.Linear(3, 4, kernel_metadata={"sharding": ("embed", "mlp")},
@@ -112,8 +125,8 @@ class Linear(Module):
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     precision: Any = None,
-    kernel_init: Callable = default_kernel_init,
-    bias_init: Callable = default_bias_init,
+    kernel_init: Initializer = default_kernel_init,
+    bias_init: Initializer = default_bias_init,
     dot_general: Callable = lax.dot_general,
     promote_dtype: Callable = default_promote_dtype,
     preferred_element_type: Any = None,

@@ -16,7 +16,7 @@ from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
-from ._linear import default_bias_init, default_kernel_init
+from ._linear import Initializer, default_bias_init, default_kernel_init
 from ._rngs_arg import check_rngs
 
 
@@ -42,10 +42,29 @@ class LinearGeneral(Module):
     out_features: size(s) of the output axes appended to the result.
     axis: the input axes to contract (default ``-1``), one per ``in_features``.
     batch_axis: ``{axis: size}`` of leading input axes that get their own kernel
-      (batched matmul); they must be ``0, 1, ...``. Stored as a tuple of pairs.
-    use_bias, dtype, param_dtype, kernel_init, bias_init, precision: as for ``Linear``.
-    promote_dtype, dot_general, preferred_element_type, rngs: as for ``Linear``.
-    kernel_metadata, bias_metadata: as for ``Linear``.
+      (batched matmul); they must be ``0, 1, ...``. Stored as a tuple of pairs
+      (default ``{}``: none).
+    use_bias: add ``bias`` (default ``True``).
+    dtype: computation dtype; default ``None``: the promotion of the input's and the
+      parameters' dtypes.
+    param_dtype: dtype the parameters are initialised in (default ``jnp.float32``).
+    kernel_init: ``init(key, shape, dtype)`` of the flattened 2-D kernel (default
+      ``jax.nn.initializers.lecun_normal()``).
+    bias_init: ``init(key, shape, dtype)`` of the flattened bias (default zeros).
+    precision: ``lax.Precision`` of the contraction (default ``None``).
+    promote_dtype: ``(inputs, kernel, bias), dtype=`` -> promoted arrays (default
+      ``sr.nn.promote_dtype``).
+    dot_general: the contraction; default ``None``: ``lax.dot_general``.
+    preferred_element_type: accumulation/output dtype passed to ``dot_general``
+      (default ``None``: JAX's choice).
+    rngs: draws ``rngs.params()`` for the kernel, then the bias.
+    kernel_metadata: metadata put on the ``kernel`` Variable (default ``{}``: none).
+    bias_metadata: metadata put on the ``bias`` Variable (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
+    ValueError: when ``in_features`` and ``axis`` differ in length, or the keys of
+      ``batch_axis`` are not the leading axes ``0, 1, ...``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> layer = sr.nn.LinearGeneral((2, 3), (4, 5), axis=(1, -1), rngs=sr.Rngs(0))
@@ -63,8 +82,8 @@ class LinearGeneral(Module):
     use_bias: bool = True,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
-    kernel_init: Callable = default_kernel_init,
-    bias_init: Callable = default_bias_init,
+    kernel_init: Initializer = default_kernel_init,
+    bias_init: Initializer = default_bias_init,
     precision: Any = None,
     promote_dtype: Callable = default_promote_dtype,
     dot_general: Callable | None = None,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
+from ..core._variables import A
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._linear import Linear, check_features
 from ._rngs_arg import check_rngs
@@ -25,9 +26,13 @@ default_a_initializer = jax.nn.initializers.he_uniform()
 default_b_initializer = jax.nn.initializers.zeros
 
 
-class LoRAParam(Param):
+class LoRAParam(Param[A]):
   """A LoRA adapter weight: a ``Param`` (collection ``"params"``) that filters can
   single out, as ``flax.nnx.LoRAParam``.
+
+  Args:
+    value: the adapter's array, e.g. ``lora_a`` of shape ``(in_features, lora_rank)``.
+    **metadata: free-form metadata readable as attributes (e.g. ``sharding=...``).
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> lora = sr.nn.LoRA(3, 2, 4, rngs=sr.Rngs(0))
@@ -44,14 +49,26 @@ class LoRA(Module):
   nothing), both of ``lora_param_type``.
 
   Args:
-    in_features, lora_rank, out_features: the adapter's sizes.
-    base_module: a module called on the same input, its output added.
-    dtype: computation dtype (default: inferred); param_dtype: parameter dtype.
-    a_initializer, b_initializer: initialisers of ``lora_a`` / ``lora_b``.
-    lora_param_type: the Variable kind of the adapters (default ``LoRAParam``).
-    promote_dtype: ``(x, lora_a, lora_b), dtype=`` -> promoted arrays.
+    in_features: size of the input's last axis.
+    lora_rank: the adapter's rank, the inner size of ``lora_a @ lora_b``.
+    out_features: size of the output's last axis.
+    base_module: a layer called on the same input, its output added; default ``None``:
+      the adapter alone.
+    dtype: computation dtype; default ``None``: the promotion of the input's and the
+      adapters' dtypes.
+    param_dtype: dtype the adapters are initialised in (default ``jnp.float32``).
+    a_initializer: initialiser of ``lora_a`` (default
+      ``jax.nn.initializers.he_uniform()``).
+    b_initializer: initialiser of ``lora_b`` (default ``jax.nn.initializers.zeros``).
+    lora_param_type: the Variable kind of the adapters (default ``sr.nn.LoRAParam``).
+    promote_dtype: ``(x, lora_a, lora_b), dtype=`` -> promoted arrays (default
+      ``sr.nn.promote_dtype``).
     rngs: draws ``rngs.params()`` for ``lora_a``, then ``lora_b``.
-    a_metadata, b_metadata: metadata put on the Variables.
+    a_metadata: metadata put on ``lora_a`` (default ``{}``: none).
+    b_metadata: metadata put on ``lora_b`` (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``, or ``base_module`` is not callable.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> base = sr.nn.Linear(3, 4, rngs=sr.Rngs(0))
@@ -119,13 +136,26 @@ class LoRALinear(Linear):
   arguments other than the LoRA ones go to ``Linear``.
 
   Args:
-    in_features, out_features: as ``Linear``.
+    in_features: size of the input's last axis.
+    out_features: size of the output's last axis.
     lora_rank: the adapter's rank.
-    lora_dtype, lora_param_dtype, lora_promote_dtype: the adapter's ``dtype``,
-      ``param_dtype`` and ``promote_dtype``.
-    a_initializer, b_initializer, lora_param_type, a_metadata, b_metadata: as ``LoRA``.
+    lora_dtype: the adapter's computation dtype; default ``None``: inferred from the
+      input and the adapters.
+    lora_param_dtype: dtype the adapters are initialised in (default ``jnp.float32``).
+    a_initializer: initialiser of ``lora.lora_a`` (default
+      ``jax.nn.initializers.he_uniform()``).
+    b_initializer: initialiser of ``lora.lora_b`` (default zeros: a new adapter adds
+      nothing).
+    lora_param_type: the Variable kind of the adapters (default ``sr.nn.LoRAParam``).
+    lora_promote_dtype: the adapter's ``promote_dtype`` (default
+      ``sr.nn.promote_dtype``).
     rngs: draws the ``Linear``'s parameters, then the adapter's.
+    a_metadata: metadata put on ``lora.lora_a`` (default ``{}``: none).
+    b_metadata: metadata put on ``lora.lora_b`` (default ``{}``: none).
     **kwargs: ``Linear``'s other arguments (``use_bias``, ``dtype``, ...).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> layer = sr.nn.LoRALinear(3, 4, lora_rank=2, rngs=sr.Rngs(0))

@@ -8,11 +8,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
 from ._dropout import Dropout
-from ._linear import Linear, default_bias_init, default_kernel_init
+from ._linear import Initializer, Linear, default_bias_init, default_kernel_init
 from ._rngs_arg import check_rngs
 
 
@@ -29,20 +30,38 @@ class MLP(Module):
   time), the placement of timm's ``Mlp`` and scenic's ``MlpBlock``. There is no
   flax.nnx counterpart; the sub-layers are ordinary ``Linear`` / ``Dropout``.
 
+  Memory names, MaxText's (``jax.ad_checkpoint.checkpoint_name``, what remat policies
+  such as ``sr.policies.minimal`` save by): ``mlpwi``, ``fc1``'s output (before the
+  activation), and ``mlpwo``, ``fc2``'s (before the dropout).
+
   Args:
     in_features: size of the input's last axis.
     hidden_features: size of the hidden layer.
     out_features: output size (default ``in_features``).
     activation: applied after ``fc1`` (default ``jax.nn.gelu``, tanh approximation).
-    dropout_rate: rate of ``dropout`` (0 disables it; no RNG is drawn then).
-    deterministic: initial mode of ``dropout``; ``model.train()`` / ``eval()`` flip it.
-    use_bias, dtype, param_dtype, precision, kernel_init, bias_init: passed to both
-      ``Linear`` layers.
+    dropout_rate: rate of ``dropout`` (default ``0.0``: disabled, no RNG is drawn).
+    deterministic: initial mode of ``dropout`` (default ``False``: training);
+      ``model.train()`` / ``eval()`` flip it.
+    use_bias: give both ``Linear`` layers a bias (default ``True``).
+    dtype: computation dtype of both ``Linear`` layers; default ``None``: inferred from
+      inputs and parameters.
+    param_dtype: dtype the parameters are initialised in (default ``jnp.float32``).
+    precision: ``lax.Precision`` of both matmuls (default ``None``).
+    kernel_init: initialiser of both kernels (default ``Linear``'s, ``lecun_normal()``).
+    bias_init: initialiser of both biases (default zeros).
     rngs: draws ``fc1``'s then ``fc2``'s parameters; kept by ``dropout``.
-    kernel_metadata, bias_metadata: metadata of ``fc1`` (and of ``fc2`` unless
-      ``out_kernel_metadata`` / ``out_bias_metadata`` are given), e.g.
-      ``kernel_metadata={"sharding": ("embed", "mlp")}``,
-      ``out_kernel_metadata={"sharding": ("mlp", "embed")}``.
+    kernel_metadata: metadata of ``fc1.kernel``, and of ``fc2.kernel`` unless
+      ``out_kernel_metadata`` is given, e.g. ``{"sharding": ("embed", "mlp")}``
+      (default ``{}``: none).
+    bias_metadata: metadata of ``fc1.bias``, and of ``fc2.bias`` unless
+      ``out_bias_metadata`` is given (default ``{}``: none).
+    out_kernel_metadata: metadata of ``fc2.kernel``, e.g.
+      ``{"sharding": ("mlp", "embed")}`` (default ``{}``: ``kernel_metadata``).
+    out_bias_metadata: metadata of ``fc2.bias`` (default ``{}``: ``bias_metadata``).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
+    ValueError: when ``dropout_rate`` is outside ``[0, 1]``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> mlp = sr.nn.MLP(4, 16, dropout_rate=0.1, rngs=sr.Rngs(0))
@@ -65,8 +84,8 @@ class MLP(Module):
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     precision: Any = None,
-    kernel_init: Callable = default_kernel_init,
-    bias_init: Callable = default_bias_init,
+    kernel_init: Initializer = default_kernel_init,
+    bias_init: Initializer = default_bias_init,
     rngs: Rngs,
     kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
     bias_metadata: Mapping[str, Any] = MappingProxyType({}),
@@ -75,7 +94,7 @@ class MLP(Module):
   ):
     check_rngs("MLP", rngs)
     out_features = in_features if out_features is None else out_features
-    common = dict(
+    common: dict[str, Any] = dict(
       use_bias=use_bias,
       dtype=dtype,
       param_dtype=param_dtype,
@@ -119,5 +138,7 @@ class MLP(Module):
       first, second = jax.random.split(rngs)
     else:
       first = second = rngs
-    h = self.dropout(self.activation(self.fc1(x)), deterministic=deterministic, rngs=first)
-    return self.dropout(self.fc2(h), deterministic=deterministic, rngs=second)
+    h = checkpoint_name(self.fc1(x), "mlpwi")
+    h = self.dropout(self.activation(h), deterministic=deterministic, rngs=first)
+    y = checkpoint_name(self.fc2(h), "mlpwo")
+    return self.dropout(y, deterministic=deterministic, rngs=second)

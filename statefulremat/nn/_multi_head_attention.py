@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ..core._errors import format_path
 from ..core._kinds import Cache
@@ -26,7 +27,7 @@ from ._attention_cache import cache_slot, cache_write
 from ._attention_fn import call_attention_fn, check_attention_fn
 from ._dropout import draw_key
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import default_kernel_init
+from ._linear import Initializer, default_kernel_init
 from ._linear_general import LinearGeneral
 from ._normalization import LayerNorm
 from ._rngs_arg import check_rngs
@@ -67,6 +68,13 @@ class MultiHeadAttention(Module):
   the ``sow_weights`` call argument (which adds a Variable while running) are left
   out.
 
+  Memory names, MaxText's (``jax.ad_checkpoint.checkpoint_name``, what remat policies
+  such as ``sr.policies.minimal`` save by): ``query_proj``, ``key_proj`` and
+  ``value_proj``, the projected queries, keys and values as attention reads them
+  (after ``normalize_qk`` and rope); ``context``, attention's output before the output
+  projection (``[batch..., q_len, num_heads, head_dim]``); ``out_proj``, the layer's
+  output.
+
   Args:
     num_heads: number of query heads.
     in_features: size of ``inputs_q``'s last axis.
@@ -77,12 +85,23 @@ class MultiHeadAttention(Module):
       attention. Must divide ``num_heads``.
     in_kv_features: size of ``inputs_k`` / ``inputs_v``'s last axis (default
       ``in_features``).
-    dtype, param_dtype, precision, use_bias: passed to the projections.
-    broadcast_dropout: one attention-dropout mask across batch and heads.
-    dropout_rate: attention-dropout rate.
-    deterministic: evaluation mode for dropout (``model.train()`` / ``eval()`` flip it).
-    kernel_init, bias_init, out_kernel_init, out_bias_init: projection initialisers
-      (``out_*`` default to the others).
+    dtype: computation dtype of the projections and attention; default ``None``:
+      inferred from the inputs and parameters.
+    param_dtype: dtype the parameters are initialised in (default ``jnp.float32``).
+    broadcast_dropout: one attention-dropout mask across batch and heads (default
+      ``True``).
+    dropout_rate: attention-dropout rate (default ``0.0``: none).
+    deterministic: evaluation mode for dropout (``model.train()`` / ``eval()`` flip it;
+      the call argument overrides it); default ``None``: unset, which a call with
+      dropout refuses.
+    precision: ``lax.Precision`` of the projections and attention (default ``None``).
+    kernel_init: initialiser of the ``query``, ``key`` and ``value`` kernels (default
+      ``jax.nn.initializers.lecun_normal()``).
+    out_kernel_init: initialiser of ``out``'s kernel; default ``None``: ``kernel_init``.
+    bias_init: initialiser of the ``query``, ``key`` and ``value`` biases (default
+      zeros).
+    out_bias_init: initialiser of ``out``'s bias; default ``None``: ``bias_init``.
+    use_bias: give the projections biases (default ``True``).
     attention_fn: ``dot_product_attention`` or another attention function: flax's
       ``flax.nnx.dot_product_attention`` and ``flax.linen.dot_product_attention``,
       ``jax.nn.dot_product_attention``, or yours. It is called with ``query, key,
@@ -96,16 +115,34 @@ class MultiHeadAttention(Module):
     rope_base: ``None`` (no rotary embeddings, nnx's layer) or the ``base`` of
       ``sr.nn.rope`` applied to queries and keys (10000.0 for Llama 2 and Gemma);
       ``head_dim`` must be even. Not an nnx argument; it adds no parameters.
-    decode: autoregressive decoding with a key/value cache (see ``init_cache``).
-    normalize_qk: LayerNorm the projected queries and keys (ViT-22B).
-    qkv_promote_dtype, out_promote_dtype, ln_promote_dtype: promotion functions of
-      the sub-layers.
+    decode: autoregressive decoding with a key/value cache (see ``init_cache``);
+      default ``None``: no cache unless the call asks for it.
+    normalize_qk: LayerNorm the projected queries and keys (ViT-22B; default
+      ``False``).
+    qkv_promote_dtype: promotion function of ``query``, ``key`` and ``value`` (default
+      ``sr.nn.promote_dtype``).
+    out_promote_dtype: promotion function of ``out`` (default ``sr.nn.promote_dtype``).
+    ln_promote_dtype: promotion function of ``query_ln`` and ``key_ln`` (default
+      ``sr.nn.promote_dtype``).
     rngs: draws the projections' parameters; kept for dropout if ``keep_rngs``.
-    keep_rngs: store ``rngs`` (when ``dropout_rate > 0``) as ``self.rngs``.
-    kernel_metadata, bias_metadata: Variable metadata.
-    out_kernel_metadata, out_bias_metadata: Variable metadata of ``out`` (default:
-      ``kernel_metadata``, ``bias_metadata``).
-    query_ln_scale_metadata, key_ln_scale_metadata: Variable metadata.
+    keep_rngs: store ``rngs`` (when ``dropout_rate > 0``) as ``self.rngs`` (default
+      ``True``).
+    kernel_metadata: metadata of the ``query``, ``key`` and ``value`` kernels (and of
+      ``out``'s unless ``out_kernel_metadata`` is given; default ``{}``: none).
+    out_kernel_metadata: metadata of ``out``'s kernel (default ``{}``:
+      ``kernel_metadata``).
+    bias_metadata: metadata of the ``query``, ``key`` and ``value`` biases (and of
+      ``out``'s unless ``out_bias_metadata`` is given; default ``{}``: none).
+    out_bias_metadata: metadata of ``out``'s bias (default ``{}``: ``bias_metadata``).
+    query_ln_scale_metadata: metadata of ``query_ln.scale`` (default ``{}``: none).
+    key_ln_scale_metadata: metadata of ``key_ln.scale`` (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``, or ``attention_fn`` is not callable.
+    ValueError: when ``num_kv_heads`` does not divide ``num_heads``, ``num_heads`` does
+      not divide ``qkv_features``, ``rope_base`` is not a positive number or ``head_dim``
+      is odd with it, or ``attention_fn`` takes no dropout arguments with
+      ``dropout_rate > 0`` (or no ``precision`` with one given).
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> attn = sr.nn.MultiHeadAttention(num_heads=2, in_features=8, rngs=sr.Rngs(0))
@@ -151,10 +188,10 @@ class MultiHeadAttention(Module):
     dropout_rate: float = 0.0,
     deterministic: bool | None = None,
     precision: Any = None,
-    kernel_init: Callable = default_kernel_init,
-    out_kernel_init: Callable | None = None,
-    bias_init: Callable = jax.nn.initializers.zeros,
-    out_bias_init: Callable | None = None,
+    kernel_init: Initializer = default_kernel_init,
+    out_kernel_init: Initializer | None = None,
+    bias_init: Initializer = jax.nn.initializers.zeros,
+    out_bias_init: Initializer | None = None,
     use_bias: bool = True,
     attention_fn: Callable = dot_product_attention,
     rope_base: float | None = None,
@@ -364,6 +401,11 @@ class MultiHeadAttention(Module):
     else:
       deterministic = True
 
+    # Named where MaxText names them: as attention reads them (after normalize_qk and
+    # rope, whose backward needs no copy of its input).
+    query = checkpoint_name(query, "query_proj")
+    key = checkpoint_name(key, "key_proj")
+    value = checkpoint_name(value, "value_proj")
     x = call_attention_fn(
       self._where(),
       self.attention_fn,
@@ -379,7 +421,8 @@ class MultiHeadAttention(Module):
       precision=self.precision,
       is_causal=is_causal,
     )
-    return self.out(x, out_sharding=out_sharding)
+    x = checkpoint_name(x, "context")
+    return checkpoint_name(self.out(x, out_sharding=out_sharding), "out_proj")
 
   def _check_inputs(self, inputs_q, inputs_k, inputs_v) -> None:
     """Raises, naming the layer's path and the expected shape, on inputs that do not

@@ -20,7 +20,7 @@ from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import canonicalize_dtype
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import located
+from ._linear import Initializer, located
 from ._rngs_arg import check_rngs
 
 
@@ -129,17 +129,32 @@ class LayerNorm(Module):
   zeros, the fast variance.
 
   Args:
-    num_features: size of the feature axis (``scale``/``bias`` shape).
-    epsilon: added to the variance.
-    dtype: result dtype (default: inferred); param_dtype: parameter dtype.
-    use_bias, use_scale: whether ``bias`` / ``scale`` exist.
-    bias_init, scale_init: initialisers.
-    reduction_axes: axes of the statistics; feature_axes: axes of scale and bias.
-    axis_name, axis_index_groups: average the statistics over a mapped axis too.
-    use_fast_variance: ``E[x^2] - E[x]^2`` instead of ``E[(x - E[x])^2]``.
-    promote_dtype: ``(x, scale, bias), dtype=`` -> promoted arrays.
+    num_features: size of the feature axes (``scale``/``bias`` shape).
+    epsilon: added to the variance (default ``1e-6``).
+    dtype: result dtype; default ``None``: the promotion of the input's and the
+      parameters' dtypes.
+    param_dtype: dtype the parameters are initialised in (default ``jnp.float32``).
+    use_bias: whether ``bias`` exists (default ``True``).
+    use_scale: whether ``scale`` exists (default ``True``).
+    bias_init: initialiser of ``bias`` (default ``jax.nn.initializers.zeros``).
+    scale_init: initialiser of ``scale`` (default ``jax.nn.initializers.ones``).
+    reduction_axes: the axes the statistics are taken over (default ``-1``).
+    feature_axes: the axes ``scale`` and ``bias`` cover, their sizes multiplying to
+      ``num_features`` (default ``-1``).
+    axis_name: a mapped axis (``jax.vmap`` / ``shard_map``) to average the statistics
+      over too (default ``None``: none).
+    axis_index_groups: groups of indices along ``axis_name`` averaged separately, as
+      ``jax.lax.pmean`` takes them (default ``None``: all together).
+    use_fast_variance: ``E[x^2] - E[x]^2`` instead of ``E[(x - E[x])^2]`` (default
+      ``True``).
+    promote_dtype: ``(x, scale, bias), dtype=`` -> promoted arrays (default
+      ``sr.nn.promote_dtype``).
     rngs: draws ``rngs.params()`` per parameter, as nnx does.
-    scale_metadata, bias_metadata: metadata put on the Variables.
+    bias_metadata: metadata put on ``bias`` (default ``{}``: none).
+    scale_metadata: metadata put on ``scale`` (default ``{}``: none).
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
 
   >>> import jax, statefulremat as sr
   >>> norm = sr.nn.LayerNorm(6, rngs=sr.Rngs(0))
@@ -157,8 +172,8 @@ class LayerNorm(Module):
     param_dtype: Any = jnp.float32,
     use_bias: bool = True,
     use_scale: bool = True,
-    bias_init: Callable = jax.nn.initializers.zeros,
-    scale_init: Callable = jax.nn.initializers.ones,
+    bias_init: Initializer = jax.nn.initializers.zeros,
+    scale_init: Initializer = jax.nn.initializers.ones,
     reduction_axes: int | Sequence[int] = -1,
     feature_axes: int | Sequence[int] = -1,
     axis_name: str | None = None,
@@ -225,10 +240,35 @@ class RMSNorm(Module):
   Google's ``gemma_pytorch`` and of litgpt). ``scale`` then holds the checkpoints'
   values as they are: flax Gemma's ``scale``, Hugging Face Gemma's ``weight``.
 
-  Args: as ``LayerNorm``, without the bias ones, and ``add_unit_offset``: multiply by
-  ``1 + scale`` instead of ``scale``, ``scale_init`` then defaulting to zeros (so the
-  layer starts as plain RMS normalisation, as with ones otherwise); it needs
-  ``use_scale=True``.
+  Args:
+    num_features: size of the feature axes (``scale`` shape).
+    epsilon: added to the mean square (default ``1e-6``).
+    dtype: result dtype; default ``None``: the promotion of the input's and the
+      parameters' dtypes.
+    param_dtype: dtype ``scale`` is initialised in (default ``jnp.float32``).
+    use_scale: whether ``scale`` exists (default ``True``).
+    scale_init: initialiser of ``scale``; default ``None``: ones, or zeros with
+      ``add_unit_offset=True`` (so the layer starts as plain RMS normalisation either
+      way).
+    reduction_axes: the axes the statistics are taken over (default ``-1``).
+    feature_axes: the axes ``scale`` covers, their sizes multiplying to
+      ``num_features`` (default ``-1``).
+    axis_name: a mapped axis (``jax.vmap`` / ``shard_map``) to average the statistics
+      over too (default ``None``: none).
+    axis_index_groups: groups of indices along ``axis_name`` averaged separately, as
+      ``jax.lax.pmean`` takes them (default ``None``: all together).
+    use_fast_variance: taken for nnx's signature, without effect: the mean square needs
+      no centring (default ``True``).
+    promote_dtype: ``(x, scale), dtype=`` -> promoted arrays (default
+      ``sr.nn.promote_dtype``).
+    rngs: draws ``rngs.params()`` for ``scale``.
+    scale_metadata: metadata put on ``scale`` (default ``{}``: none).
+    add_unit_offset: multiply by ``1 + scale`` instead of ``scale`` (default
+      ``False``); it needs ``use_scale=True``.
+
+  Raises:
+    TypeError: when ``rngs`` is not an ``sr.Rngs``.
+    ValueError: when ``add_unit_offset=True`` with ``use_scale=False``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> norm = sr.nn.RMSNorm(2, rngs=sr.Rngs(0))

@@ -78,12 +78,20 @@ def pool(
   """Reduces each window of ``inputs`` with ``reduce_fn`` from ``init`` (``lax.reduce_window``).
 
   Args:
-    inputs: ``(*batch, *window dims, features)``.
+    inputs: ``(*batch, *window dims, features)``, a float array.
     init: the reduction's initial value (e.g. ``0.0`` for a sum).
     reduce_fn: ``(T, T) -> T``, e.g. ``lax.add``.
-    window_shape: the window, one size per window axis.
-    strides: one stride per window axis (default all 1).
+    window_shape: the window, a tuple of ints, one size per window axis.
+    strides: an int or one stride per window axis; ``None``: all 1.
     padding: ``'SAME'``, ``'VALID'`` or ``(low, high)`` pairs per window axis.
+
+  Returns:
+    The reduced windows, ``(*batch, *pooled window dims, features)``.
+
+  Raises:
+    TypeError: when ``window_shape`` is not a tuple of ints, or ``inputs`` is not float.
+    ValueError: when ``strides`` or ``padding`` does not give one entry per window axis,
+      or ``inputs`` has fewer than ``len(window_shape) + 1`` axes.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> from jax import lax
@@ -113,9 +121,20 @@ def avg_pool(
   """The mean of each window.
 
   Args:
-    inputs, window_shape, strides, padding: as ``pool``.
-    count_include_pad: divide by the full window size, padding included (default),
-      or by the number of real entries in the window.
+    inputs: ``(*batch, *window dims, features)``, a float array.
+    window_shape: the window, a tuple of ints, one size per window axis.
+    strides: an int or one stride per window axis; default ``None``: all 1.
+    padding: ``'SAME'``, ``'VALID'`` (default) or ``(low, high)`` pairs per window axis.
+    count_include_pad: divide by the full window size, padding included (default
+      ``True``), or by the number of real entries in the window (``False``).
+
+  Returns:
+    The window means, ``(*batch, *pooled window dims, features)``.
+
+  Raises:
+    TypeError: when ``window_shape`` is not a tuple of ints, or ``inputs`` is not float.
+    ValueError: when ``strides`` or ``padding`` does not give one entry per window axis,
+      or ``inputs`` has fewer than ``len(window_shape) + 1`` axes.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> x = jnp.array([1.0, 2.0, 3.0])[:, None]
@@ -142,6 +161,20 @@ def max_pool(
 ) -> jax.Array:
   """The maximum of each window (padding counts as ``-inf``); arguments as ``pool``.
 
+  Args:
+    inputs: ``(*batch, *window dims, features)``, a float array.
+    window_shape: the window, a tuple of ints, one size per window axis.
+    strides: an int or one stride per window axis; default ``None``: all 1.
+    padding: ``'SAME'``, ``'VALID'`` (default) or ``(low, high)`` pairs per window axis.
+
+  Returns:
+    The window maxima, ``(*batch, *pooled window dims, features)``.
+
+  Raises:
+    TypeError: when ``window_shape`` is not a tuple of ints, or ``inputs`` is not float.
+    ValueError: when ``strides`` or ``padding`` does not give one entry per window axis,
+      or ``inputs`` has fewer than ``len(window_shape) + 1`` axes.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.nn.max_pool(jnp.array([[1.0], [3.0], [2.0]]), (2,))[:, 0].tolist()
   [3.0, 3.0]
@@ -157,6 +190,20 @@ def min_pool(
   padding: Any = "VALID",
 ) -> jax.Array:
   """The minimum of each window (padding counts as ``inf``); arguments as ``pool``.
+
+  Args:
+    inputs: ``(*batch, *window dims, features)``, a float array.
+    window_shape: the window, a tuple of ints, one size per window axis.
+    strides: an int or one stride per window axis; default ``None``: all 1.
+    padding: ``'SAME'``, ``'VALID'`` (default) or ``(low, high)`` pairs per window axis.
+
+  Returns:
+    The window minima, ``(*batch, *pooled window dims, features)``.
+
+  Raises:
+    TypeError: when ``window_shape`` is not a tuple of ints, or ``inputs`` is not float.
+    ValueError: when ``strides`` or ``padding`` does not give one entry per window axis,
+      or ``inputs`` has fewer than ``len(window_shape) + 1`` axes.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.nn.min_pool(jnp.array([[1.0], [3.0], [2.0]]), (2,))[:, 0].tolist()

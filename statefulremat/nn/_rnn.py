@@ -23,8 +23,6 @@ from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
 from ._cell_base import RNNCellBase, where
 
-_NOT_PARAM = Not(Param)
-
 
 class _Cell(Protocol):
   """What ``RNN`` asks of its cell: an ``RNNCellBase`` or any Module shaped like one."""
@@ -145,16 +143,33 @@ class RNN(Module):
   ``broadcast_rngs`` names (the same key at every step).
 
   Args:
-    cell: an ``RNNCellBase`` (``LSTMCell``, ``GRUCell``, ...).
-    time_major, return_carry, reverse, keep_order: defaults of the call's arguments.
-    unroll: time steps per loop iteration (``jax.lax.scan``'s ``unroll``).
-    variable_broadcast, variable_carry: filters, as in ``sr.scan`` (nnx's
-      ``state_axes``).
+    cell: an ``RNNCellBase`` (``LSTMCell``, ``GRUCell``, ...) or a module shaped like
+      one.
+    time_major: default of the call's ``time_major``: inputs ``(time, *batch,
+      *features)`` (default ``False``).
+    return_carry: default of the call's ``return_carry``: return ``(carry, outputs)``
+      instead of ``outputs`` (default ``False``).
+    reverse: default of the call's ``reverse``: run from the last step to the first
+      (default ``False``).
+    keep_order: default of the call's ``keep_order``: with ``reverse``, flip the
+      outputs back into the input's order (default ``False``).
+    unroll: time steps per loop iteration (``jax.lax.scan``'s ``unroll``; default
+      ``1``, ``True`` unrolls fully).
+    variable_broadcast: filter of the cell's variables shared by every step, as in
+      ``sr.scan`` (default ``sr.Param``).
+    variable_carry: filter of the cell's variables carried from step to step, as in
+      ``sr.scan`` (default ``sr.Not(sr.Param)``: everything but the parameters).
     broadcast_rngs: a stream filter (e.g. ``"dropout"``): streams that give every
-      step the same key.
-    rngs: ``True`` (a ``carry`` stream seeded 0, as nnx), an ``sr.Rngs`` (forks its
-      ``carry`` stream), an ``sr.RngStream``, or ``False``; it seeds a cell's
-      ``carry_init`` when the call gives no ``rngs`` (zeros need none).
+      step the same key (default ``None``: every stream split per step).
+    rngs: ``True`` (a ``carry`` stream seeded 0, as nnx; the default), an ``sr.Rngs``
+      (forks its ``carry`` stream), an ``sr.RngStream``, or ``False``; it seeds a
+      cell's ``carry_init`` when the call gives no ``rngs`` (zeros need none).
+    state_axes: nnx's argument, refused: spell it with ``variable_broadcast`` and
+      ``variable_carry``. Must stay ``None`` (the default).
+
+  Raises:
+    TypeError: when ``state_axes`` is given, ``cell`` is not a ``Module``, or ``rngs``
+      is none of the above.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> rnn = sr.nn.RNN(sr.nn.LSTMCell(3, 4, rngs=sr.Rngs(0)), return_carry=True)
@@ -176,7 +191,7 @@ class RNN(Module):
     keep_order: bool = False,
     unroll: int | bool = 1,
     variable_broadcast: Any = Param,
-    variable_carry: Any = _NOT_PARAM,
+    variable_carry: Any = Not(Param),  # noqa: B008 (a filter is immutable)
     broadcast_rngs: Any = None,
     rngs: Any = True,
     state_axes: Any = None,
@@ -291,6 +306,22 @@ class Bidirectional(Module):
   The carry returned (``return_carry``) is ``(forward_carry, backward_carry)``, and an
   ``initial_carry`` is such a pair. Passing the same RNN twice shares its parameters.
 
+  Args:
+    forward_rnn: the ``RNN`` run forward over the input.
+    backward_rnn: the ``RNN`` run backward (the same one shares its parameters).
+    merge_fn: ``merge_fn(forward_out, backward_out)`` -> the output at each step;
+      default ``None``: the two concatenated along the last (feature) axis.
+    time_major: default of the call's ``time_major``: inputs ``(time, *batch,
+      *features)`` instead of ``(*batch, time, *features)`` (default ``False``).
+    return_carry: default of the call's ``return_carry``: also return
+      ``(forward_carry, backward_carry)`` (default ``False``).
+    rngs: ``True`` (a ``carry`` stream seeded 0, as nnx; the default), an ``sr.Rngs``
+      (forks its ``carry`` stream), an ``sr.RngStream``, or ``False``; it seeds the
+      cells' ``carry_init`` when the call gives no ``rngs``.
+
+  Raises:
+    TypeError: when ``rngs`` is none of those.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> layer = sr.nn.Bidirectional(sr.nn.RNN(sr.nn.GRUCell(3, 4, rngs=sr.Rngs(0))),
   ...                             sr.nn.RNN(sr.nn.GRUCell(3, 4, rngs=sr.Rngs(1))))
@@ -303,14 +334,14 @@ class Bidirectional(Module):
     forward_rnn: RNN,
     backward_rnn: RNN,
     *,
-    merge_fn: Callable = _concatenate,
+    merge_fn: Callable | None = None,
     time_major: bool = False,
     return_carry: bool = False,
     rngs: Any = True,
   ):
     self.forward_rnn = forward_rnn
     self.backward_rnn = backward_rnn
-    self.merge_fn = merge_fn
+    self.merge_fn = _concatenate if merge_fn is None else merge_fn
     self.time_major = time_major
     self.return_carry = return_carry
     self.rngs = _carry_stream(rngs, "Bidirectional")

@@ -34,6 +34,12 @@ class Sequential(Module):
     for layer in self.layers:
       x = layer(x)
 
+  Args:
+    *layers: the modules and functions to apply, in order.
+
+  Raises:
+    TypeError: when a layer is not callable.
+
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> rngs = sr.Rngs(0)
   >>> model = sr.Sequential(sr.nn.Linear(1, 4, rngs=rngs), jax.nn.relu,

@@ -30,6 +30,7 @@ from ..core._rngs import Rngs
 from ..core._variables import Variable, path_of
 from ._dtypes import canonicalize_dtype
 from ._dtypes import promote_dtype as default_promote_dtype
+from ._linear import Initializer
 from ._normalization import canonicalize_axes, freeze_axes
 from ._rngs_arg import check_rngs
 
@@ -320,7 +321,7 @@ class WeightNorm(Module):
     *,
     feature_axes: int | Sequence[int] | None = -1,
     use_scale: bool = True,
-    scale_init: Callable = jax.nn.initializers.ones,
+    scale_init: Initializer = jax.nn.initializers.ones,
     epsilon: float = 1e-12,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,

@@ -22,6 +22,11 @@ from ..core._variables import A, Variable
 class OptState(Variable[A]):
   """Optimizer state (collection ``"opt_state"``): moments, step counts.
 
+  Args:
+    value: one leaf of the optax state (a moment's array, a step count).
+    **metadata: free-form attributes kept beside it, as ``sr.Variable`` takes them;
+      none by default.
+
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.OptState(jnp.zeros(2)).collection
   'opt_state'
@@ -73,6 +78,14 @@ class Optimizer(Module):
 
   The optimizer is a module, so it goes through ``sr.jit`` with the model (pass both;
   the model is shared, not copied) and its state is saved like any other.
+
+  Args:
+    model: the Module to optimize; ``update`` changes it in place.
+    tx: the optax transformation (``optax.adamw(1e-3)``, a chain, ...); its state is
+      made from the ``wrt`` variables at once.
+    wrt: the filter of the variables to optimize (as ``sr.state`` takes it);
+      ``sr.Param`` by default. The gradients given to ``update`` must have exactly
+      their paths.
 
   >>> import jax.numpy as jnp, optax, statefulremat as sr
   >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))

@@ -122,10 +122,13 @@ def transformed_class(cls: type, wrap: Callable, methods: Sequence[str] | None, 
   )
 
 
-def function_target(transform: str, target, *, takes: str, methods=None, init_in_axes=None):
-  """Checks the target of a function form: a callable, without the options that only a
-  class form takes (``methods`` names a class's methods, ``init_in_axes`` maps its
-  constructor's arguments). ``takes`` says what the transform takes, for the message."""
+def function_target(
+  transform: str, target, *, takes: str, methods=None, init_in_axes=None
+) -> Callable[..., Any]:
+  """``target``, checked as the target of a function form: a callable, without the
+  options that only a class form takes (``methods`` names a class's methods,
+  ``init_in_axes`` maps its constructor's arguments). ``takes`` says what the transform
+  takes, for the message."""
   if methods is not None:
     raise TypeError(f"{transform}(methods=...) applies to a Module class, not a function.")
   if not callable(target):
@@ -139,6 +142,7 @@ def function_target(transform: str, target, *, takes: str, methods=None, init_in
       f"(the class form), but {display_name(target)} is a function. Fix: map the "
       "function's arguments with in_axes."
     )
+  return target
 
 
 F = TypeVar("F", bound=Callable)

@@ -33,7 +33,7 @@ def class_form(
   label: str,
   *,
   what: str,
-  rules: Rules,
+  rules: Callable[[], Rules],
   count: Callable[[int], int | None],
   run: Callable[[Callable, int], Callable],
   position_class: Callable[[type, int], type],
@@ -43,7 +43,8 @@ def class_form(
 ) -> type | None:
   """The class form of scan, remat_scan or vmap over ``target``; None for a function.
 
-  ``count(period)`` is the number of layers to build, checked as the transform counts
+  ``rules()`` makes the collection rules (only a class needs them); ``count(period)``
+  is the number of layers to build, checked as the transform counts
   them (period 1 for a class, the pattern's length for a pattern); ``run(fn, period)``
   the transform's function form over ``fn`` (a layer's method, or the same method of
   each layer of a cycle); ``position_class(cls, n)`` the stacked class of a pattern's
@@ -67,7 +68,7 @@ def class_form(
   return stacked_class(
     target,
     label,
-    rules=rules,
+    rules=rules(),
     length=n,
     wrap=lambda method: run(method, 1),
     methods=methods,

@@ -153,8 +153,8 @@ def remat(
     return functools.partial(remat, methods=methods, **options)
   if is_module_class(target):
     return transformed_class(target, lambda m: remat(m, **options), methods, "Remat")
-  function_target("sr.remat", target, takes="a function or a Module class", methods=methods)
-  return _remat_function(target, **options)
+  fn = function_target("sr.remat", target, takes="a function or a Module class", methods=methods)
+  return _remat_function(fn, **options)
 
 
 def _remat_function(

@@ -306,7 +306,7 @@ def remat_scan(
     target,
     "RematScan",
     what=what,
-    rules=Rules(
+    rules=lambda: Rules(
       what,
       variable_axes=variable_axes,
       variable_broadcast=variable_broadcast,
@@ -330,14 +330,14 @@ def remat_scan(
       update_stack_info(made, lengths=tuple(lengths))
     return made
   n = length if auto else check_lengths(what, lengths, length)
-  function_target(
+  fn = function_target(
     "sr.remat_scan",
     target,
     takes="a function f(layer, carry) -> carry, a Module class or a tuple of classes (a pattern)",
     methods=methods,
     init_in_axes=init_in_axes,
   )
-  return function_form(target, n)
+  return function_form(fn, n)
 
 
 def _remat_scan_function(

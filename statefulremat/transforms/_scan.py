@@ -269,7 +269,7 @@ def scan(
     target,
     "Scan",
     what=what,
-    rules=Rules(
+    rules=lambda: Rules(
       what,
       variable_axes=variable_axes,
       variable_broadcast=variable_broadcast,
@@ -289,7 +289,7 @@ def scan(
   )
   if made is not None:
     return made
-  function_target(
+  fn = function_target(
     "sr.scan",
     target,
     takes="a function f(module, carry, *xs) -> (carry, ys), a Module class or a tuple of "
@@ -297,7 +297,7 @@ def scan(
     methods=methods,
     init_in_axes=init_in_axes,
   )
-  return _scan_function(target, **options)
+  return _scan_function(fn, **options)
 
 
 def _scan_function(

@@ -66,10 +66,34 @@ class RematPlan:
   """A planned ``remat_scan``: run it with ``sr.remat_scan(f, lengths=plan)``.
 
   ``lengths`` and ``policy`` (None: nothing saveable; ``dots_saveable``; or the
-  policy planning was given, ``policy_name`` then ``"given policy"``) are what it runs; ``evals`` the block evaluations per gradient step; ``temp_bytes`` the
+  policy planning was given, ``policy_name`` then ``"given policy"``) are what it
+  runs; ``evals`` the block evaluations per gradient step; ``temp_bytes`` the
   predicted temp memory of the gradient; ``candidates`` every plan considered, best
   first; ``str(plan)`` a table of the first few; ``measured_bytes`` XLA's figure where
   planning compiled it (with a budget), else None.
+
+  ``sr.plan_remat`` makes it; there is no need to build one.
+
+  Args:
+    n: the number of layers (cycles, for a pattern stack) the plan runs.
+    lengths: the ``remat_scan`` nesting, outermost first (``(10, 10)``).
+    policy_name: the innermost level's policy: ``"nothing_saveable"``,
+      ``"dots_saveable"`` or ``"given policy"``.
+    evals: the block evaluations per gradient step.
+    temp_bytes: the gradient's temp memory, as the model predicts it.
+    memory_budget: the budget planning was given, in bytes; None for none.
+    candidates: every plan considered (``lengths``, policy, evals, temp bytes), best
+      first.
+    carry_bytes: the bytes of the carry.
+    layer_bytes: the bytes of one layer's (or cycle's) stacked variables.
+    _verify: internal: compiles the plan's gradient and returns XLA's temp bytes; None
+      (the default) where the plan has no stack and carry to compile.
+    measured_bytes: XLA's temp bytes where planning compiled the plan; None (the
+      default) otherwise.
+    unit: what ``n`` counts: ``"layer"`` (the default), or ``"cycle"`` for a pattern
+      stack.
+    _policy: internal: the policy planning was given; None (the default) to run the
+      one ``policy_name`` names.
   """
 
   n: int

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, cast, overload
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -248,7 +248,7 @@ def vmap(
     target,
     "Vmap",
     what=f"sr.vmap({target_repr(target)})",
-    rules=rules(f"sr.vmap({target_repr(target)})"),
+    rules=lambda: rules(f"sr.vmap({target_repr(target)})"),
     count=lambda _: axis_size,
     run=lambda fn, _: function_form(fn, False, axis_size=None),
     position_class=lambda cls, n: fresh(vmap)(
@@ -260,14 +260,13 @@ def vmap(
   )
   if made is not None:
     return made
-  function_target(
+  fn = function_target(
     "sr.vmap",
     target,
     takes="a function, a Module class or a tuple of classes (a pattern)",
     methods=methods,
     init_in_axes=init_in_axes,
   )
-  fn = cast(Callable, target)  # a pattern and a Module class made a class above
   if getattr(fn, "__name__", None) == "__init__":
     return _vmapped_init(fn, options)
   # nnx's in_axes cover the module argument: an explicit one says how its Variables map.
