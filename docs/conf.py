@@ -1,19 +1,33 @@
-"""Sphinx configuration: API pages from the docstrings (autodoc + autosummary), the
-README's sections as guide pages (MyST includes), the tutorials executed (myst-nb).
+"""Sphinx configuration: the landing, installation and getting-started pages, the guides
+(docs/guide/), the tutorials executed (myst-nb), API pages from the docstrings (autodoc +
+autosummary), the benchmarks page (written from benchmarks/results/ at each build), the
+changelog and a glossary.
 
 Build with warnings as errors::
 
   sphinx-build -W --keep-going -b html docs docs/_build/html
 
 The tutorials run in quick mode (``SR_TUTORIAL_QUICK=1``) unless the environment sets
-``SR_TUTORIAL_QUICK=0``, which runs them at full size (tens of minutes).
+``SR_TUTORIAL_QUICK=0``, which runs them at full size (tens of minutes). Their executed
+notebooks are cached (myst-nb's ``cache`` mode) under ``docs/_build/.jupyter_cache/``, one
+folder per state of the library, its pinned dependencies and the quick mode: a rebuild
+with the same sources reuses them, a change to any of them executes the tutorials again.
+``SR_DOCS_JUPYTER_CACHE=DIR`` puts the cache elsewhere (tests/test_docs.py gives each test
+run a fresh one).
+
+Links into the jax, flax, optax, orbax, treescope and Python docs (intersphinx) need their
+inventories from the network: ``SR_DOCS_INTERSPHINX=1`` turns them on (the published
+site's build). Without it the build reads nothing from the network, and those names show
+as code without a link.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import inspect
 import os
-import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the package as checked out, installed or not
 
 import statefulremat  # noqa: E402
+from benchmarks import docs_page  # noqa: E402
+from docs._signatures import public_path, readable_default  # noqa: E402
 from statefulremat.core._bookkeeping import DEFINED_IN  # noqa: E402
 
 project = "statefulremat"
@@ -35,11 +51,28 @@ extensions = [
   "myst_nb",  # also registers myst_parser for the .md pages
   "sphinx.ext.autodoc",
   "sphinx.ext.autosummary",
+  "sphinx.ext.intersphinx",
   "sphinx.ext.napoleon",  # the docstrings' Args: / Returns: sections (Google style)
   "sphinx.ext.viewcode",
 ]
 
-exclude_patterns = ["_build", "conf.py", "**/__pycache__", "**/.ipynb_checkpoints"]
+# "*.py": this folder's own scripts (conf.py, helpers), not notebooks; tutorials/*.py are.
+exclude_patterns = ["_build", "*.py", "**/__pycache__", "**/.ipynb_checkpoints"]
+REPOSITORY = "https://github.com/statefulremat/statefulremat"
+
+# -- Links to the ecosystem's docs ---------------------------------------------------
+# Off unless asked for: fetching an inventory offline is a warning, and -W fails on it.
+intersphinx_mapping = {}
+if os.environ.get("SR_DOCS_INTERSPHINX") == "1":
+  intersphinx_mapping = {
+    "python": ("https://docs.python.org/3/", None),
+    "jax": ("https://docs.jax.dev/en/latest/", None),
+    "flax": ("https://flax.readthedocs.io/en/latest/", None),
+    "optax": ("https://optax.readthedocs.io/en/latest/", None),
+    "orbax": ("https://orbax.readthedocs.io/en/latest/", None),
+    "treescope": ("https://treescope.readthedocs.io/en/stable/", None),
+  }
+intersphinx_timeout = 10
 templates_path = ["_templates"]
 
 # -- API pages ---------------------------------------------------------------------
@@ -54,18 +87,49 @@ napoleon_numpy_docstring = False
 default_role = "code"
 
 # -- MyST pages and notebooks ------------------------------------------------------
-myst_enable_extensions = ["colon_fence"]
+myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 # The tutorials are jupytext percent scripts in tutorials/ (docs/tutorials links there):
-# one source, run by tests/test_tutorials.py as scripts and executed here as notebooks.
+# one source, executed here as notebooks (tests/test_docs.py checks each one's run).
 nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}
-nb_execution_mode = "force"
+nb_execution_mode = "cache"
 nb_execution_raise_on_error = True  # a failing cell fails the build
+nb_execution_show_tb = True  # and the log shows its traceback
 nb_execution_timeout = 600  # seconds per cell: one running longer is stuck
 nb_execution_in_temp = True  # files a tutorial writes land in a temporary folder
 nb_merge_streams = True
 
 os.environ.setdefault("SR_TUTORIAL_QUICK", "1")
+
+
+def _cache_key() -> str:
+  """What the tutorials' outputs depend on besides their own text (which jupyter-cache
+  hashes): the library's source, the dependencies' versions, the quick mode."""
+  digest = hashlib.sha256(os.environ["SR_TUTORIAL_QUICK"].encode())
+  sources = sorted((ROOT / "statefulremat").rglob("*.py"))
+  sources += [ROOT / "pyproject.toml", ROOT / "tests" / "_warning_policy.py"]
+  for path in sources:
+    digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+  from importlib.metadata import version
+
+  for package in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "treescope", "numpy"):
+    digest.update(f"{package}=={version(package)}".encode())
+  return digest.hexdigest()[:16]
+
+
+def _execution_cache() -> str:
+  if os.environ.get("SR_DOCS_JUPYTER_CACHE"):
+    return os.environ["SR_DOCS_JUPYTER_CACHE"]
+  caches = ROOT / "docs" / "_build" / ".jupyter_cache"  # git-ignored with docs/_build/
+  here = caches / _cache_key()
+  if caches.is_dir():  # an older state's outputs are never read again
+    for old in caches.iterdir():
+      if old != here and old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+  return str(here)
+
+
+nb_execution_cache_path = _execution_cache()
 
 # The kernels run the tutorials under the test suite's warning policy (pyproject.toml's
 # filterwarnings: a warning is an error, but for its exceptions), as
@@ -89,28 +153,13 @@ html_theme = "sphinx_book_theme"
 html_title = f"statefulremat {release}"
 html_theme_options = {
   "show_toc_level": 2,
+  "repository_url": REPOSITORY,
+  "repository_branch": "main",
+  "path_to_docs": "docs",
+  "use_repository_button": True,
+  "use_issues_button": True,
+  "use_source_button": True,
 }
-
-_HEADING = re.compile(r"^(#{2,6}) ", re.MULTILINE)
-_FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
-
-
-def _promote_headings(text: str) -> str:
-  """``## Title`` -> ``# Title`` (and ``###`` -> ``##``) outside code fences."""
-  out, last = [], 0
-  for fence in _FENCE.finditer(text):
-    out.append(_HEADING.sub(lambda m: m.group(1)[1:] + " ", text[last : fence.start()]))
-    out.append(fence.group(0))
-    last = fence.end()
-  out.append(_HEADING.sub(lambda m: m.group(1)[1:] + " ", text[last:]))
-  return "".join(out)
-
-
-def _readme_sections_as_pages(app, relative_path, parent_docname, content):
-  # A guide page is one README section ("## X" with "### Y" inside): its headings move
-  # up a level so that the section's title is the page's title.
-  if Path(relative_path).name == "README.md":
-    content[0] = _promote_headings(content[0])
 
 
 # A public class names its public module (``sr.State.__module__ == "statefulremat"``, for
@@ -132,7 +181,48 @@ def _source_module(app, modname: str, fullname: str) -> str | None:
   return _defined_in(getattr(importlib.import_module(modname), fullname, None))
 
 
+def _write_benchmarks_page(app):
+  # docs/benchmarks.md is generated (git-ignored), from the committed results; written
+  # only when its text changes, so an unchanged rebuild reads it again not at all.
+  docs_page.write(ROOT / "docs" / "benchmarks.md")
+
+
+def _readable_signature(app, what, name, obj, options, signature, return_annotation):
+  # Defaults and return types as users write them (docs/_signatures.py says why).
+  fn = obj.__init__ if isinstance(obj, type) else obj
+  namespace = getattr(inspect.unwrap(fn), "__globals__", {})
+  public = {n for n in vars(statefulremat) if not n.startswith("_")}
+  if signature:
+    signature = public_path(readable_default(signature, namespace), public)
+  if return_annotation:
+    return_annotation = public_path(return_annotation, public)
+  return signature, return_annotation
+
+
+def _readable_overload_defaults(app, doctree):
+  # autodoc sends only a function's first signature through the event above: the
+  # defaults of its other @overload signatures are rewritten here, on the page.
+  from docutils import nodes
+  from sphinx import addnodes
+
+  for signature in doctree.findall(addnodes.desc_signature):
+    module, fullname = signature.get("module"), signature.get("fullname")
+    if not module or not fullname or "." in fullname:
+      continue
+    obj = getattr(importlib.import_module(module), fullname, None)
+    fn = obj.__init__ if isinstance(obj, type) else obj
+    namespace = getattr(inspect.unwrap(fn), "__globals__", {}) if fn is not None else {}
+    for default in signature.findall(nodes.inline):
+      if "default_value" in default.get("classes", ()):
+        text = default.astext()
+        shown = readable_default(text, namespace)
+        if shown != text:
+          default.children = [nodes.Text(shown)]
+
+
 def setup(app):
-  app.connect("include-read", _readme_sections_as_pages)
+  app.connect("builder-inited", _write_benchmarks_page)
+  app.connect("autodoc-process-signature", _readable_signature)
+  app.connect("doctree-read", _readable_overload_defaults)
   app.add_autodoc_attrgetter(type, _class_attribute)
   app.connect("viewcode-follow-imported", _source_module)

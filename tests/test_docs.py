@@ -1,7 +1,13 @@
 """The docs site builds with warnings as errors (``sphinx-build -W``), once per test
 session: every public name has its API page, sr.remat_scan's shows its signature and
 docstring (and draws in a real headless Chromium), and the tutorials are executed
-notebooks whose outputs, treescope's included, are on their pages."""
+notebooks whose outputs, treescope's included, are on their pages.
+
+This build is where the test suite executes the tutorials, once each, into a notebook
+cache of its own (never the developer's docs/_build/.jupyter_cache, whose outputs may
+predate the library's current state): test_tutorial_runs reports each tutorial's
+failure with its traceback. Without the docs tools (outside CI), it runs each tutorial
+as a script instead, as a reader would."""
 
 from __future__ import annotations
 
@@ -29,9 +35,13 @@ BUILD_TIMEOUT = 1800  # seconds; the build takes about 11 minutes on 2 busy core
 SCREENSHOT_COPY = Path("/tmp/docs_remat_scan.png")
 
 
-def require_docs_tools():
+def missing_docs_tools() -> list[str]:
   needed = ("sphinx", "myst_nb", "jupytext", "sphinx_book_theme", "ipykernel")
-  missing = [m for m in needed if importlib.util.find_spec(m) is None]
+  return [m for m in needed if importlib.util.find_spec(m) is None]
+
+
+def require_docs_tools():
+  missing = missing_docs_tools()
   if not missing:
     return
   what = ", ".join(missing)
@@ -49,14 +59,26 @@ def _shared_dir(tmp_path_factory) -> Path:
   return tmp_path_factory.getbasetemp() / "docs"
 
 
-def _build(out: Path) -> dict:
+def _xla_flags() -> str:
   # The suite's 8 simulated devices (tests/conftest.py) are not passed on: tutorials
   # that need them set them up themselves, as for a reader.
-  xla_flags = re.sub(
+  return re.sub(
     r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
   ).strip()
-  env = dict(os.environ, SR_TUTORIAL_QUICK="1", XLA_FLAGS=xla_flags)
+
+
+def _build(out: Path) -> dict:
+  env = dict(
+    os.environ,
+    SR_TUTORIAL_QUICK="1",
+    XLA_FLAGS=_xla_flags(),
+    SR_DOCS_JUPYTER_CACHE=str(out / "jupyter_cache"),  # this run's: every tutorial runs
+  )
+  env.pop("SR_DOCS_INTERSPHINX", None)  # no network here
   command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html"]
+  # A failing tutorial fails the build (-W) but not the others' execution: each one's
+  # traceback lands in html/reports/tutorials/<name>.err.log for test_tutorial_runs.
+  command += ["-D", "nb_execution_raise_on_error=0"]
   command += ["-d", str(out / "doctrees"), str(DOCS), str(out / "html")]
   result = subprocess.run(
     command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT
@@ -65,8 +87,9 @@ def _build(out: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
-def site(tmp_path_factory) -> Path:
-  """The built site's html folder; the build ran once, whichever worker came first."""
+def build(tmp_path_factory) -> dict:
+  """The build's result (``returncode``, ``log``, ``html``); it ran once, whichever
+  worker came first."""
   require_docs_tools()
   shared = _shared_dir(tmp_path_factory)
   shared.mkdir(parents=True, exist_ok=True)
@@ -79,17 +102,20 @@ def site(tmp_path_factory) -> Path:
         marker.write_text(json.dumps(_build(shared / "out")))
     finally:
       fcntl.flock(lock, fcntl.LOCK_UN)
-  result = json.loads(marker.read_text())
+  return dict(json.loads(marker.read_text()), html=shared / "out" / "html")
+
+
+@pytest.fixture(scope="session")
+def site(build) -> Path:
+  """The built site's html folder, the build having passed with warnings as errors."""
   problems = [
     line
-    for line in result["log"].splitlines()
+    for line in build["log"].splitlines()
     if re.search(r"WARNING|ERROR|Error|Traceback", line) and "IPKernelApp" not in line
   ]
-  assert result["returncode"] == 0, (
-    f"sphinx-build -W failed ({result['returncode']}):\n"
-    + "\n".join(problems[-60:] or result["log"].splitlines()[-60:])
-  )
-  return shared / "out" / "html"
+  shown = "\n".join(problems[-60:] or build["log"].splitlines()[-60:])
+  assert build["returncode"] == 0, f"sphinx-build -W failed ({build['returncode']}):\n{shown}"
+  return build["html"]
 
 
 class _Text(html.parser.HTMLParser):
@@ -134,6 +160,10 @@ def public_names() -> dict[str, object]:
   names["statefulremat.nn.initializers"] = sr.nn.initializers
   for name in sr.interop.__all__:
     names[f"statefulremat.interop.{name}"] = getattr(sr.interop, name)
+  # sr.policies' own functions and class; its presets and JAX's re-exported policies are
+  # listed on its page (docs/api/policies.rst).
+  for name in ("preset", "custom", "Policy"):
+    names[f"statefulremat.policies.{name}"] = getattr(sr.policies, name)
   return names
 
 
@@ -142,6 +172,37 @@ def test_the_site_builds_with_warnings_as_errors(site):
   # The README's sections are its guide pages, single-sourced.
   for page, heading in (("which_remat", "Which remat?"), ("deep_stacks", "Deep stacks")):
     assert heading in page_text(site / "guide" / f"{page}.html"), page
+
+
+def test_the_site_opens_with_install_a_first_model_and_the_way_in(site):
+  landing = page_text(site / "index.html")
+  for text in ("activation checkpointing", "sr.remat_scan(Block", "train_step"):
+    assert text in landing, text
+  assert "pip install" in page_text(site / "installation.html")
+  assert "jax[cuda12]" in page_text(site / "installation.html")
+  getting_started = page_text(site / "getting_started.html")
+  assert "sr.remat_scan(Block" in getting_started and "Line by line" in getting_started
+  assert "Unreleased" in page_text(site / "changelog.html")  # CHANGELOG.md, included
+  glossary = (site / "glossary.html").read_text(encoding="utf-8")
+  for term in ("remat", "activation checkpointing", "layer axis", "carry", "broadcast"):
+    assert f'id="term-{term.replace(" ", "-")}"' in glossary, term
+  # The source: sphinx-book-theme's repository button, on every page.
+  assert "github.com/statefulremat/statefulremat" in (site / "index.html").read_text()
+  # The guides link the API pages of the names they use.
+  deep_stacks = (site / "guide" / "deep_stacks.html").read_text(encoding="utf-8")
+  assert "_autosummary/statefulremat.remat_scan.html" in deep_stacks
+
+
+def test_the_benchmarks_page_is_written_from_the_results(site):
+  from benchmarks import docs_page
+
+  text = page_text(site / "benchmarks.html")
+  assert "At a glance" in text and "statefulremat meets" in text
+  # Each committed report is on the page, under its own heading.
+  for stem, _ in docs_page.PARTS:
+    report = ROOT / "benchmarks" / "results" / f"{stem}.md"
+    title = report.read_text(encoding="utf-8").splitlines()[0].lstrip("# ")
+    assert squeezed(title) in squeezed(text), stem
 
 
 def test_every_public_name_has_a_page(site):
@@ -188,10 +249,66 @@ def test_api_pages_show_no_raw_markup(site):
   assert not broken, f"docstrings whose ``literals`` do not render: {broken}"
 
 
-def test_tutorials_are_executed_with_their_outputs(site):
-  for tutorial in TUTORIALS:
-    source = (site / "tutorials" / f"{tutorial.stem}.html").read_text(encoding="utf-8")
-    assert "cell_output" in source, f"{tutorial.name}: no executed output on its page"
+# Runs a tutorial under the suite's warning policy (pyproject.toml's filterwarnings:
+# warnings are errors, but for its exceptions; tests/_warning_policy.py reads them).
+SCRIPT_RUNNER = f"""\
+import runpy, sys
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import _warning_policy
+_warning_policy.apply()
+runpy.run_path(sys.argv[1], run_name="__main__")
+"""
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def run_as_script(path: Path, tmp_path: Path):
+  python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+  env = dict(
+    os.environ,
+    SR_TUTORIAL_QUICK="1",
+    SR_TUTORIAL_OUT=str(tmp_path / "out"),
+    MPLBACKEND="Agg",
+    XLA_FLAGS=_xla_flags(),
+    PYTHONPATH=python_path,
+  )
+  result = subprocess.run(
+    [sys.executable, "-c", SCRIPT_RUNNER, str(path)],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, (
+    f"{path.name} exited with {result.returncode}; stdout ends:\n"
+    + "\n".join(result.stdout.splitlines()[-10:])
+    + "\nstderr ends:\n"
+    + "\n".join(result.stderr.splitlines()[-40:])
+  )
+
+
+@pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
+def test_tutorial_runs(tutorial, request, tmp_path):
+  """Each tutorial's run: its cells executed by the docs build (once per test run), or
+  the tutorial run as a script: without the docs tools outside CI, and in the lanes that
+  build no docs (``SR_TUTORIALS_AS_SCRIPTS=1``, .ci/newest)."""
+  as_scripts = os.environ.get("SR_TUTORIALS_AS_SCRIPTS") == "1"
+  if as_scripts or (missing_docs_tools() and os.environ.get("CI") != "true"):
+    run_as_script(tutorial, tmp_path)
+    return
+  html = request.getfixturevalue("build")["html"]
+  report = html / "reports" / "tutorials" / f"{tutorial.stem}.err.log"
+  if report.is_file():
+    traceback = ANSI.sub("", report.read_text(encoding="utf-8"))
+    pytest.fail(f"{tutorial.name} failed in the docs build:\n{traceback[-6000:]}")
+  page = html / "tutorials" / f"{tutorial.stem}.html"
+  assert page.is_file(), f"{tutorial.name}: no page (the build log says why)"
+  assert "cell_output" in page.read_text(encoding="utf-8"), (
+    f"{tutorial.name}: no executed output on its page"
+  )
+
+
+def test_treescope_outputs_are_kept(site):
   # sr.display in a notebook: treescope's foldable HTML, with the script that draws it.
   treescope = (site / "tutorials" / "05_treescope_inspection.html").read_text(encoding="utf-8")
   assert "<treescope-container" in treescope and "<script" in treescope
