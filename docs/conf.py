@@ -220,8 +220,21 @@ def _readable_overload_defaults(app, doctree):
           default.children = [nodes.Text(shown)]
 
 
+def _one_signature(app, doctree):
+  # A transform's @overload signatures are for type checkers (a class in, its class
+  # out); the page shows the first, as flax's do one, and the Args say the rest.
+  from sphinx import addnodes
+
+  for desc in doctree.findall(addnodes.desc):
+    signatures = [c for c in desc.children if isinstance(c, addnodes.desc_signature)]
+    if len({s.get("fullname") for s in signatures}) == 1:
+      for extra in signatures[1:]:
+        desc.remove(extra)
+
+
 def setup(app):
   app.connect("builder-inited", _write_benchmarks_page)
+  app.connect("doctree-read", _one_signature)
   app.connect("autodoc-process-signature", _readable_signature)
   app.connect("doctree-read", _readable_overload_defaults)
   app.add_autodoc_attrgetter(type, _class_attribute)
