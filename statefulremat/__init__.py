@@ -8,6 +8,7 @@
 
 from . import interop as interop
 from . import nn as nn
+from . import policies as policies
 from .checkpoint._files import CheckpointError as CheckpointError
 from .checkpoint._save_restore import restore as restore
 from .checkpoint._save_restore import save as save

@@ -4,7 +4,8 @@ The package's folders are its floors (../shared/DESIGN.md, "The pieces"), bottom
 
   core/                 Variables, filters, State, the graph walk, Module, Rngs, stacks
   transforms/ display/ checkpoint/ distributed/ optim/   each built on the core alone
-  nn/                   layers, on the core and (read at call time) sr's public names
+  nn/ policies/         layers, on the core and (read at call time) sr's public names;
+                        sr.policies' presets, on the transforms
   interop/              weights from flax, on the core
   the package itself    ``__init__``
 
@@ -34,7 +35,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "statefulremat"
 FLOORS = [
   {"core"},
   {"transforms", "display", "checkpoint", "distributed", "optim"},
-  {"nn"},
+  {"nn", "policies"},
   {"interop"},
   {"__init__"},
 ]

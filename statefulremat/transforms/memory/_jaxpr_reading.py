@@ -157,3 +157,14 @@ def reduce_precision_primitive() -> Any:
   learnt by tracing it rather than named."""
   x = jnp.zeros((), jnp.float32)
   return jax.make_jaxpr(lambda: jax.lax.reduce_precision(x, 8, 23))().jaxpr.eqns[0].primitive
+
+
+def is_offload_copy(eqn) -> bool:
+  """Whether ``eqn`` copies one value from device into host memory, as the residuals
+  an offload policy offloads are copied (on every backend, CPU included): read off
+  the values' memory spaces, whatever primitive this jax copies with."""
+  if len(eqn.invars) != 1 or len(eqn.outvars) != 1:
+    return False
+  host = jax.memory.Space.Host
+  space = getattr(eqn.outvars[0].aval, "memory_space", None)
+  return space == host and getattr(eqn.invars[0].aval, "memory_space", None) != host

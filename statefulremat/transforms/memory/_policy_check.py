@@ -27,6 +27,10 @@ that keeps all of them, is refused. A misspelt name beside a correct one, a
 also what it means with no names) and the parts of a combination cannot be seen there
 (``sr.saved_residuals`` shows what they keep).
 
+An ``sr.policies`` policy (``_named_policies.Policy``) publishes its names, but is held
+to a looser rule: a preset names the tensors of a whole transformer, and a block may
+give only some of them, so it is refused only when it keeps none of the body's names.
+
 ``policy_check(policy, what)`` returns None where there is nothing to check, so a
 policy-free transform pays nothing. Otherwise ``check.run(f, *args)`` runs ``f`` (a
 function whose trace contains the ``jax.checkpoint`` with ``policy``) once per trace:
@@ -52,6 +56,7 @@ from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
 
 from ...core._errors import TransformError
 from ._jaxpr_reading import PROBE_NAME, names_under, remat_flavour
+from ._named_policies import Policy
 
 _POLICIES = jax.checkpoint_policies
 _ALLOW_LISTS = ("save_only_these_names", "save_and_offload_only_these_names")
@@ -185,7 +190,10 @@ class PolicyCheck:
     for kind in sorted(offload_to):
       self._warn_offload(kind)
     kept = [name for name, (keeps, _) in answers.items() if keeps]
-    if self.names is not None:
+    if isinstance(self.policy, Policy):
+      if not kept:
+        self._refuse_names_nothing(found)
+    elif self.names is not None:
       self._check_published(found)
     elif self.factory in _ALLOW_LISTS and not kept:
       self._refuse_keeps_nothing(found)
@@ -216,6 +224,19 @@ class PolicyCheck:
       f"traced body gives, so the policy would silently ignore {them}. "
       f"{self._body_names(found)} Fix: spell the policy's names as the body does, or "
       f"name the value in the body: `checkpoint_name(x, {missing[0]!r})`."
+    )
+
+  def _refuse_names_nothing(self, found: set[str]) -> None:
+    assert isinstance(self.policy, Policy)
+    raise TransformError(
+      f"{self.what}: policy={self.policy!r} keeps the values named "
+      f"{', '.join(map(repr, self.policy.names))}, and no "
+      "`jax.ad_checkpoint.checkpoint_name` in the traced body gives any of them, so "
+      "it would save nothing and remat would recompute everything. (An sr.policies "
+      "policy needs only one of its names in the body: a block may hold only some of "
+      f"a preset's tensors.) {self._body_names(found)} Fix: a policy naming the "
+      "body's values (`sr.policies.custom({name: 'device'})`), names in the body "
+      "(`checkpoint_name(x, name)`), or `sr.policies.full` to save nothing."
     )
 
   def _refuse_keeps_nothing(self, found: set[str]) -> None:
@@ -356,6 +377,9 @@ def policy_check(policy, what: str) -> PolicyCheck | None:
   if policy is None:
     return None
   _check_argument(policy, what)
+  if isinstance(policy, Policy):
+    # Lenient (see _named_policies): at least one of its names must be in the body.
+    return PolicyCheck(policy, what, None, None) if policy.names else None
   factory = _made_by(policy)
   names = _published_names(policy)
   if names is None and factory not in _ALLOW_LISTS + _EXCLUDING + _OFFLOADING:

@@ -19,7 +19,7 @@ import inspect
 import os
 import pathlib
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,12 @@ from ...core._kinds import Param
 from ...core._module import Module
 from .._class_form import display_name
 from .._lift import check_no_nodes, is_node, lift
-from ._jaxpr_reading import called_body, checkpoint_name_of, reduce_precision_primitive
+from ._jaxpr_reading import (
+  called_body,
+  checkpoint_name_of,
+  is_offload_copy,
+  reduce_precision_primitive,
+)
 
 _PACKAGE = str(pathlib.Path(__file__).resolve().parent.parent) + os.sep
 
@@ -44,7 +49,8 @@ class Residual(NamedTuple):
   ``name`` is its ``jax.ad_checkpoint.checkpoint_name`` (None if unnamed); ``op`` the
   JAX primitive that computed it (None for an input or a constant); ``source`` where
   it comes from: ``file:line (function)`` of the user's code that computed it, or the
-  input it is (``Param `model.linear.kernel```, ``argument `x```).
+  input it is (``Param `model.linear.kernel```, ``argument `x```); ``offloaded``
+  whether an offload policy keeps it in host memory rather than on the device.
   """
 
   name: str | None
@@ -52,28 +58,42 @@ class Residual(NamedTuple):
   dtype: np.dtype
   source: str
   op: str | None = None
+  offloaded: bool = False
 
   def __str__(self) -> str:
     aval = f"{self.dtype}[{','.join(map(str, self.shape))}]"
+    where = " (offloaded to host)" if self.offloaded else ""
     if self.name is not None:
-      return f"{aval} named {self.name!r} from {self.source}"
+      return f"{aval} named {self.name!r}{where} from {self.source}"
     if self.op is not None:
-      return f"{aval} output of {self.op} from {self.source}"
-    return f"{aval} from {self.source}"
+      return f"{aval} output of {self.op}{where} from {self.source}"
+    return f"{aval}{where} from {self.source}"
 
 
 def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[Residual]:
   """What reverse-mode autodiff of ``fn(*args, **kwargs)`` saves for the backward pass.
 
-  ``fn`` takes modules like ``sr.grad``'s functions (anywhere in its arguments), or is
-  a module (``sr.saved_residuals(model, x)`` for ``model(x)``). Its
-  gradient is taken with respect to the modules' variables matched by ``wrt`` and
-  every floating-point array argument, as ``jax.ad_checkpoint.print_saved_residuals``
-  does for arrays; the residuals of that ``jax.vjp`` are returned as ``Residual``
-  records ``(name, shape, dtype, source, op)``, ``print``-able one per line. Nothing
-  is computed (the function is only traced) and the modules are left unchanged.
-  ``sr.remat`` / ``sr.scan`` / ``sr.remat_scan`` inside ``fn`` show their policies'
-  effect; a value that a scan saves per layer has the layer axis in front.
+  The gradient is taken as ``jax.ad_checkpoint.print_saved_residuals`` takes it for
+  arrays. Nothing is computed (the function is only traced) and the modules are left
+  unchanged. ``sr.remat`` / ``sr.scan`` / ``sr.remat_scan`` inside ``fn`` show their
+  policies' effect; a value that a scan saves per layer has the layer axis in front.
+
+  Args:
+    fn: a function taking modules like ``sr.grad``'s functions (anywhere in its
+      arguments), or a module (``sr.saved_residuals(model, x)`` for ``model(x)``).
+    *args: ``fn``'s positional arguments; the gradient is taken with respect to every
+      floating-point array among them.
+    wrt: a filter choosing the modules' variables the gradient is taken with respect to
+      (default ``sr.Param``; only float ones count).
+    **kwargs: ``fn``'s keyword arguments.
+
+  Returns:
+    The residuals of that ``jax.vjp``, a list of ``Residual`` records ``(name, shape,
+    dtype, source, op)``, ``print``-able one per line.
+
+  Raises:
+    sr.GraphError: ``fn`` returns a module or a Variable, or its modules cannot be
+      lifted (an array held outside any Variable).
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> from jax.ad_checkpoint import checkpoint_name
@@ -177,9 +197,17 @@ def _classify(jaxpr: Jaxpr, residuals: list, input_names: list[str]) -> list[Res
   computed values in the order they are computed."""
   rounding_p = reduce_precision_primitive()
   rounding = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive is rounding_p}
+  # An offloaded residual is the host copy of a value: described as that value.
+  moved: dict[Any, Any] = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if is_offload_copy(e)}
+  offloaded = set()
   wanted, seen = [], set()
   for v in residuals:
-    v = v if isinstance(v, Literal) else rounding.get(v, v)
+    if not isinstance(v, Literal):
+      copied = v in moved
+      v = moved.get(v, v)
+      v = rounding.get(v, v)
+      if copied:
+        offloaded.add(v)
     key = id(v) if isinstance(v, Literal) else v
     if key not in seen:
       seen.add(key)
@@ -188,39 +216,47 @@ def _classify(jaxpr: Jaxpr, residuals: list, input_names: list[str]) -> list[Res
   variables = {v for v in wanted if not isinstance(v, Literal)}
   records += [_record(v.aval, None, "a constant") for v in jaxpr.constvars if v in variables]
   records += [
-    _record(v.aval, None, input_names[i]) for i, v in enumerate(jaxpr.invars) if v in variables
+    _record(v.aval, None, input_names[i], offloaded=v in offloaded)
+    for i, v in enumerate(jaxpr.invars)
+    if v in variables
   ]
   for eqn in jaxpr.eqns:
     for k, v in enumerate(eqn.outvars):
       if v in variables:
-        name, op, source = _origin(eqn, k)
-        records.append(_record(v.aval, name, source, op))
+        name, op, source, moved_inside = _origin(eqn, k)
+        records.append(_record(v.aval, name, source, op, v in offloaded or moved_inside))
   return records
 
 
-def _record(aval, name, source, op=None) -> Residual:
-  return Residual(name, tuple(aval.shape), aval.dtype, source, op)
+def _record(aval, name, source, op=None, offloaded=False) -> Residual:
+  return Residual(name, tuple(aval.shape), aval.dtype, source, op, offloaded)
 
 
-def _origin(eqn, k: int, depth: int = 0) -> tuple[str | None, str | None, str]:
-  """``(name, op, source)`` of output ``k`` of ``eqn``, traced into the bodies of calls
-  (jit, scan, remat, custom derivatives) whose outputs are the body's outputs."""
+def _origin(eqn, k: int, depth: int = 0) -> tuple[str | None, str | None, str, bool]:
+  """``(name, op, source, offloaded)`` of output ``k`` of ``eqn``, traced into the
+  bodies of calls (jit, scan, remat, custom derivatives) whose outputs are the body's
+  outputs, and through the copy an offload policy makes (``offloaded``)."""
   name = checkpoint_name_of(eqn)
   if name is not None:
-    return name, None, _where(eqn)
+    return name, None, _where(eqn), False
   body = called_body(eqn)
   if body is not None and depth < 16:
     v = body.outvars[k]
     producers = {out: (e, i) for e in body.eqns for i, out in enumerate(e.outvars)}
     rounding_p = reduce_precision_primitive()
-    while v in producers and producers[v][0].primitive is rounding_p:
+    offloaded = False
+    while v in producers and (
+      producers[v][0].primitive is rounding_p or is_offload_copy(producers[v][0])
+    ):
+      offloaded |= is_offload_copy(producers[v][0])
       v = producers[v][0].invars[0]
     if not isinstance(v, Literal) and v in producers:
-      return _origin(*producers[v], depth + 1)
+      name, op, source, inner = _origin(*producers[v], depth + 1)
+      return name, op, source, offloaded or inner
   op = eqn.primitive.name
   if op in ("jit", "pjit"):
     op = f"jit({eqn.params.get('name', '?')})"
-  return None, op, _where(eqn)
+  return None, op, _where(eqn), False
 
 
 def _where(eqn) -> str:
