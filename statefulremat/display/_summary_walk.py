@@ -78,7 +78,7 @@ class Description:
   >>> from statefulremat.display._summary_walk import describe
   >>> d = describe(sr.vmap(sr.nn.Linear, axis_size=4)(2, 3, rngs=sr.Rngs(0)))
   >>> [(e.path, e.layers) for e in d.variables], d.modules[0].is_stack
-  ([(('bias',), 4), (('kernel',), 4)], True)
+  ([(('kernel',), 4), (('bias',), 4)], True)
   """
 
   modules: tuple[ModuleEntry, ...]
