@@ -61,7 +61,6 @@ from .distributed._sharding import shard as shard
 from .nn._sequential import Sequential as Sequential
 from .optim._optimizer import Optimizer as Optimizer
 from .optim._optimizer import OptState as OptState
-from .transforms._accumulate import accumulate as accumulate
 from .transforms._autodiff import grad as grad
 from .transforms._autodiff import value_and_grad as value_and_grad
 from .transforms._class_form import made_class as _made_class
@@ -72,6 +71,7 @@ from .transforms._remat_scan import plan_remat as plan_remat
 from .transforms._remat_scan import remat_scan as remat_scan
 from .transforms._scan import scan as scan
 from .transforms._scan_axes import broadcast as broadcast
+from .transforms.accumulate._accumulate import accumulate as accumulate
 from .transforms.memory._remat_plan import RematPlan as RematPlan
 from .transforms.memory._saved_residuals import saved_residuals as saved_residuals
 from .transforms.pipeline._pipeline import PipelineSpec as PipelineSpec

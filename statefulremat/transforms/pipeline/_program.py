@@ -39,9 +39,9 @@ from ...core._split_merge import merge
 from ...core._stacks import axis_size
 from ...core._state import State
 from .._lift import write_back
-from .._microbatches import join, split_rows
 from .._remat_scan import plan_remat, remat_scan
 from .._rules import TransformError, layer_index_map
+from ..accumulate._microbatches import join, split_rows
 from ._checks import stacked_axes
 from ._layout import Layout, is_array, per_device
 

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..core._errors import TransformError, format_path
-from ._class_form import display_name
-from ._lift import Lifted, check_no_nodes, held, is_node, lift, serialised, write_back
+from ...core._errors import TransformError, format_path
+from .._class_form import display_name
+from .._lift import Lifted, check_no_nodes, held, is_node, lift, serialised, write_back
+from .._module_arg import check_no_modules
 from ._microbatches import split_rows
-from ._module_arg import check_no_modules
 
 
 def accumulate(fn: Callable, *, microbatches: int) -> Callable:

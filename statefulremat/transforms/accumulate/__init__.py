@@ -1,0 +1,1 @@
+"""sr.accumulate: see README.md."""
