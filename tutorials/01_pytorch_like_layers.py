@@ -11,11 +11,12 @@
 #
 # In statefulremat a layer is a plain Python object that owns its parameters, as in
 # PyTorch: `__init__` creates them eagerly (there is no `super().__init__()` to call),
-# `__call__` uses them. Every array the model holds sits in a **Variable**, and the
-# Variable's kind says which **collection** it belongs to: `sr.Param` (`"params"`),
-# `sr.BatchStat` (`"batch_stats"`), the RNG keys and counters (`"rngs"`). This tutorial
-# builds a small network, takes it apart and puts it back, switches between training
-# and evaluation, and trains it.
+# `__call__` uses them. Every array the model holds sits in a
+# **{py:class}`Variable <statefulremat.Variable>`**, and the Variable's kind says which
+# **{term}`collection`** it belongs to: {py:class}`sr.Param <statefulremat.Param>` (`"params"`),
+# {py:class}`sr.BatchStat <statefulremat.BatchStat>` (`"batch_stats"`), the RNG keys and counters
+# (`"rngs"`). This tutorial builds a small network, takes it apart and puts it back, switches
+# between training and evaluation, and trains it.
 
 # %%
 import os
@@ -34,10 +35,11 @@ BATCH = 128
 # %% [markdown]
 # ## A module owns its variables
 #
-# `sr.nn` has flax.nnx's layers (same names, shapes and numerics). Randomness comes
-# from `sr.Rngs`, a set of named PRNG streams: here `params` for initialisation and
-# `dropout` for the masks. Each stream is a key and a counter; `Dropout` keeps the
-# `Rngs` it was given (shared, not copied), so both streams are part of the model.
+# [`sr.nn`](/api/nn.rst) has flax.nnx's layers (same names, shapes and numerics). Randomness comes
+# from {py:class}`sr.Rngs <statefulremat.Rngs>`, a set of named PRNG streams: here `params` for
+# initialisation and `dropout` for the masks. Each stream is a key and a counter;
+# {py:class}`Dropout <statefulremat.nn.Dropout>` keeps the `Rngs` it was given (shared, not copied),
+# so both streams are part of the model.
 
 
 # %%
@@ -62,10 +64,11 @@ for path, variable in model.iter_variables():
 # %% [markdown]
 # ## split, merge, state
 #
-# JAX transforms take arrays, not objects. `sr.split` turns the object graph into a
-# `GraphDef` (the structure: hashable, no arrays) and `State`s (pytrees of arrays, one
-# per filter; `...` takes the rest). `sr.merge` builds a new object graph from them;
-# `sr.state` reads a State without the GraphDef.
+# JAX transforms take arrays, not objects. {py:func}`sr.split <statefulremat.split>` turns the
+# object graph into a {py:class}`GraphDef <statefulremat.GraphDef>` (the structure: hashable, no
+# arrays) and {py:class}`State <statefulremat.State>`s (pytrees of arrays, one per filter; `...`
+# takes the rest). {py:func}`sr.merge <statefulremat.merge>` builds a new object graph from them;
+# {py:func}`sr.state <statefulremat.state>` reads a State without the GraphDef.
 
 # %%
 graphdef, params, rest = sr.split(model, sr.Param, ...)
@@ -87,15 +90,16 @@ print("batch statistics only:", sorted(sr.state(model, sr.BatchStat).flat()))
 # %% [markdown]
 # ## Training and evaluation mode
 #
-# `BatchNorm` has a `use_running_average` flag and `Dropout` a `deterministic` flag.
-# `model.train()` sets both to `False` throughout the model, `model.eval()` sets both to
-# `True`. In training mode BatchNorm normalises with the batch's statistics and updates
-# its running averages, and Dropout draws a new mask on every call.
+# {py:class}`BatchNorm <statefulremat.nn.BatchNorm>` has a `use_running_average` flag and `Dropout`
+# a `deterministic` flag. {py:meth}`model.train() <statefulremat.Module.train>` sets both to `False`
+# throughout the model, {py:meth}`model.eval() <statefulremat.Module.eval>` sets both to `True`. In
+# training mode BatchNorm normalises with the batch's statistics and updates its running averages,
+# and Dropout draws a new mask on every call.
 #
 # `model(x)` works as it is, op by op. JAX compiles every new operation on first use,
-# though, so we wrap the call in `sr.jit`: one compiled program per mode, and every
-# change the call makes (statistics, RNG counters) is written back to `model` just the
-# same.
+# though, so we wrap the call in {py:func}`sr.jit <statefulremat.jit>`: one compiled program per
+# mode, and every change the call makes (statistics, RNG counters) is written back to `model` just
+# the same.
 
 # %%
 forward = sr.jit(lambda model, x: model(x))
@@ -117,11 +121,11 @@ print("eval: two calls equal:", bool(jnp.array_equal(a, b)))
 # %% [markdown]
 # ## A training loop
 #
-# The task: fit `y = sin(2x) + x/2` on `[-3, 3]`. `sr.Optimizer` wraps an optax
-# transformation and holds its state; by default it updates the `sr.Param`s.
-# `sr.value_and_grad` differentiates with respect to the Params and returns the
-# gradients as a `State` shaped like them. `sr.jit` compiles the whole step with
-# `jax.jit` and writes every change back into `model` and `opt`: parameters, optimizer
+# The task: fit `y = sin(2x) + x/2` on `[-3, 3]`. {py:class}`sr.Optimizer <statefulremat.Optimizer>`
+# wraps an optax transformation and holds its state; by default it updates the `sr.Param`s.
+# {py:func}`sr.value_and_grad <statefulremat.value_and_grad>` differentiates with respect to the
+# Params and returns the gradients as a `State` shaped like them. `sr.jit` compiles the whole step
+# with `jax.jit` and writes every change back into `model` and `opt`: parameters, optimizer
 # state, BatchNorm statistics and the dropout stream's counter.
 
 

@@ -10,7 +10,7 @@
 # # 2. Stacked layers and scan
 #
 # A deep network often repeats one block N times. Instead of N Python objects,
-# statefulremat builds **one** block whose variables carry an extra leading *layer axis*
+# statefulremat builds **one** block whose variables carry an extra leading *{term}`layer axis`*
 # of size N, and runs it with `jax.lax.scan`: the block is traced once, whatever N is.
 # This tutorial builds such stacks, shows what happens to each collection (parameters,
 # batch statistics, RNG streams) and checks the scan against a Python loop.
@@ -33,9 +33,9 @@ data = np.random.default_rng(0)  # NumPy draws: inputs need no compiled ops
 # %% [markdown]
 # ## One block, N initialisations: `sr.vmap`
 #
-# The class form `sr.vmap(Block, axis_size=N)` returns a subclass of `Block` whose
-# constructor traces `Block.__init__` under `jax.vmap` (not N times in Python), with the
-# `params` RNG stream split so that every layer gets its own initialisation. Calling it
+# The class form {py:func}`sr.vmap(Block, axis_size=N) <statefulremat.vmap>` returns a subclass of
+# `Block` whose constructor traces `Block.__init__` under `jax.vmap` (not N times in Python), with
+# the `params` RNG stream split so that every layer gets its own initialisation. Calling it
 # maps `__call__` over the layers; with `in_axes=None` every layer sees the same input:
 # an ensemble of N blocks.
 
@@ -70,9 +70,9 @@ print("ensemble output:", y.shape)
 # %% [markdown]
 # ## The same stack, applied in sequence: `sr.scan`
 #
-# `sr.scan(Block, length=N, ...)` builds the stack the same way (the same seed gives the
-# same kernels) but calls the layers one after another, passing the carry along. linen's
-# vocabulary says what happens to each collection: `variable_axes` are sliced along the
+# {py:func}`sr.scan(Block, length=N, ...) <statefulremat.scan>` builds the stack the same way (the
+# same seed gives the same kernels) but calls the layers one after another, passing the carry along.
+# linen's vocabulary says what happens to each collection: `variable_axes` are sliced along the
 # layer axis (layer i sees slice i); `split_rngs` gives each layer its own key from a
 # stream. Here parameters *and* batch statistics are per layer.
 
@@ -91,8 +91,8 @@ print("running mean of feature 0, per layer:", np.asarray(stack.norm.mean.value[
 # %% [markdown]
 # Every layer updated its own row of statistics. The scan is equivalent to a Python
 # loop over the unstacked layers: the outputs agree, and so do every layer's
-# statistics. (`sr.jit` compiles the loop as written, unrolled, and writes the
-# statistics back into `layers`; it only saves compiling each operation on its own.)
+# statistics. ({py:func}`sr.jit <statefulremat.jit>` compiles the loop as written, unrolled, and
+# writes the statistics back into `layers`; it only saves compiling each operation on its own.)
 
 
 # %%

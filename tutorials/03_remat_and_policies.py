@@ -12,9 +12,9 @@
 # To compute gradients, reverse-mode autodiff keeps intermediate values of the forward
 # pass (the *residuals*) until the backward pass needs them. Rematerialisation
 # (`jax.checkpoint`, "remat") keeps fewer of them and recomputes the rest during the
-# backward pass: less memory, more compute. `sr.remat` is `jax.checkpoint` for
-# modules, and a **policy** says which intermediates are still worth saving. This
-# tutorial looks at what each choice saves, then at what XLA allocates for it.
+# backward pass: less memory, more compute. {py:func}`sr.remat <statefulremat.remat>` is
+# `jax.checkpoint` for modules, and a **{term}`policy`** says which intermediates are still worth
+# saving. This tutorial looks at what each choice saves, then at what XLA allocates for it.
 
 # %%
 import os
@@ -53,8 +53,10 @@ class Block(sr.Module):
 #
 # `sr.remat(Block, policy=...)` returns a subclass of `Block` whose `__call__` runs
 # under `jax.checkpoint`. `jax.ad_checkpoint.print_saved_residuals` takes a function of
-# arrays, so we `sr.split` the model into its `GraphDef` and its arrays and `sr.merge`
-# it back inside the loss. Each printed line is one saved array and where it came from.
+# arrays, so we {py:func}`sr.split <statefulremat.split>` the model into its
+# {py:class}`GraphDef <statefulremat.GraphDef>` and its arrays and
+# {py:func}`sr.merge <statefulremat.merge>` it back inside the loss. Each printed line is one saved
+# array and where it came from.
 
 
 # %%
@@ -146,8 +148,8 @@ for name, cls in {"no remat": Block, "remat": sr.remat(Block)}.items():
 # computation and its recomputation side by side; it drops the optimisation barriers
 # that `jax.checkpoint` put between them and merges the two, so the saving is undone.
 # Remat pays off when the recomputation *cannot* be merged: inside a `scan`, whose
-# backward loop recomputes one layer per iteration. `sr.scan` over the remat'd block
-# (`prevent_cse=False` is the recommended setting under a scan):
+# backward loop recomputes one layer per iteration. {py:func}`sr.scan <statefulremat.scan>` over the
+# remat'd block (`prevent_cse=False` is the recommended setting under a scan):
 
 
 # %%
@@ -170,7 +172,7 @@ for name, cls in {
 # Without remat the scan keeps, for every layer, the residuals listed at the top
 # (`tanh`'s output and its derivative): more than XLA kept for the straight-line loop,
 # where it optimises the whole program at once. With `policy=None` the scan keeps each
-# layer's input (the carry) and recomputes the block in the backward loop. Saving `"hidden"` keeps the widest array
-# of every layer and so lands in between: a policy trades memory for recomputation,
-# one layer at a time. Tutorial 4 nests scans (`sr.remat_scan`) to go further: memory
-# that grows like the square root of depth.
+# layer's input (the carry) and recomputes the block in the backward loop. Saving `"hidden"` keeps
+# the widest array of every layer and so lands in between: a policy trades memory for recomputation,
+# one layer at a time. Tutorial 4 nests scans ({py:func}`sr.remat_scan <statefulremat.remat_scan>`)
+# to go further: memory that grows like the square root of depth.

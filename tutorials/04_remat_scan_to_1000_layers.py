@@ -11,10 +11,11 @@
 #
 # A scan traces its body once, so compile time does not depend on the number of
 # layers N. Gradient memory still does: a plain scan keeps every layer's residuals, and
-# `scan(remat)` still keeps every layer's input (the carry). `sr.remat_scan(Block,
-# lengths=(a, b))` runs N = a * b layers as two nested scans, both rematerialised: the
-# backward pass keeps a carries of the outer scan and, while it recomputes one outer
-# step, b carries of the inner one. Memory grows like `a + b`, about `2 * sqrt(N)`.
+# `scan(remat)` still keeps every layer's input (the {term}`carry`).
+# {py:func}`sr.remat_scan(Block, lengths=(a, b)) <statefulremat.remat_scan>` runs N = a * b layers
+# as two nested scans, both rematerialised: the backward pass keeps a carries of the outer scan and,
+# while it recomputes one outer step, b carries of the inner one. Memory grows like `a + b`, about
+# `2 * sqrt(N)`.
 #
 # Which nesting is best depends on N, the carry and the block; `lengths="auto"` lets
 # statefulremat plan it when it traces (the carry's shapes are known then), for any N,
@@ -47,8 +48,9 @@ OUT = pathlib.Path(os.environ.get("SR_TUTORIAL_OUT", "tutorial_out"))
 OUT.mkdir(parents=True, exist_ok=True)
 
 # %% [markdown]
-# The layer: `Linear` + `tanh`. A `scan` body returns `(carry, output)`, a `remat_scan`
-# body returns only the carry, hence two small classes.
+# The layer: {py:class}`Linear <statefulremat.nn.Linear>` + `tanh`. A
+# {py:func}`scan <statefulremat.scan>` body returns `(carry, output)`, a `remat_scan` body returns
+# only the carry, hence two small classes.
 
 
 # %%
@@ -78,8 +80,9 @@ def stack_class(kind, n):
 
 # %% [markdown]
 # To compile without allocating, we build the model under `jax.eval_shape`: its
-# variables come out as `jax.ShapeDtypeStruct`s, and the `GraphDef` (plain Python,
-# no arrays) is kept aside. `jax.jit(...).lower(...)` accepts the abstract shapes.
+# variables come out as `jax.ShapeDtypeStruct`s, and the
+# {py:class}`GraphDef <statefulremat.GraphDef>` (plain Python, no arrays) is kept aside.
+# `jax.jit(...).lower(...)` accepts the abstract shapes.
 
 
 # %%
@@ -169,9 +172,9 @@ plt.close(fig)
 #
 # The price of the saving is recomputation: with `d` nested levels each layer's
 # forward pass runs `d + 1` times per gradient step (the forward pass and one
-# recomputation per level). `sr.plan_remat` shows the trade before anything runs: it
-# ranks every nesting of up to four levels, short last segments included, and two
-# innermost policies (save nothing, or save the matmuls' outputs), with a memory model
+# recomputation per level). {py:func}`sr.plan_remat <statefulremat.plan_remat>` shows the trade
+# before anything runs: it ranks every nesting of up to four levels, short last segments included,
+# and two innermost policies (save nothing, or save the matmuls' outputs), with a memory model
 # that needs no compilation. With a budget it picks the fewest evaluations that fit;
 # without one, the least memory at no more than 3N evaluations. A prime depth is no
 # harder than any other.

@@ -9,12 +9,14 @@
 # %% [markdown]
 # # 5. Inspecting models with treescope
 #
-# Every statefulremat object (modules, Variables, `State`, `GraphDef`) renders through
-# [treescope](https://treescope.readthedocs.io): as text in a terminal, as a foldable
-# tree in a notebook. A stacked model (built by `scan`, `remat_scan` or `vmap`) names
+# Every statefulremat object (modules, {py:class}`Variable <statefulremat.Variable>`s,
+# {py:class}`State <statefulremat.State>`, {py:class}`GraphDef <statefulremat.GraphDef>`) renders
+# through [treescope](https://treescope.readthedocs.io): as text in a terminal, as a foldable tree
+# in a notebook. A stacked model (built by {py:func}`scan <statefulremat.scan>`,
+# {py:func}`remat_scan <statefulremat.remat_scan>` or {py:func}`vmap <statefulremat.vmap>`) names
 # its layer axis, so a `(100, 8, 8)` kernel reads as 100 layers of `8 x 8`, not as a
-# three-dimensional weight. This tutorial prints a small model, a stacked one, its
-# summary table and one of its layers, and writes the interactive view to an HTML file.
+# three-dimensional weight. This tutorial prints a small model, a stacked one, its summary table and
+# one of its layers, and writes the interactive view to an HTML file.
 #
 # In a notebook, one line makes treescope draw every output, arrays as figures:
 # `treescope.basic_interactive_setup(autovisualize_arrays=True)` (a script has no
@@ -68,10 +70,10 @@ print(treescope.render_to_text(sr.state(layer)))
 # %% [markdown]
 # ## A stacked model names its layer axis
 #
-# `sr.display` draws a model: in a notebook as a foldable tree where stacked arrays are
-# figures with the layer axis labelled; in a script it prints the text. Shapes read in
-# `.shape` order with each named axis named in place: `float32(layers:12, 8)` is a bias
-# of 8 features in each of 12 layers, and the kernel's other two axes take their names
+# {py:func}`sr.display <statefulremat.display>` draws a model: in a notebook as a foldable tree
+# where stacked arrays are figures with the layer axis labelled; in a script it prints the text.
+# Shapes read in `.shape` order with each named axis named in place: `float32(layers:12, 8)` is a
+# bias of 8 features in each of 12 layers, and the kernel's other two axes take their names
 # from its `sharding` metadata: `float32(layers:12, embed:8, mlp:8)`. The layer axis is
 # called `layers` unless `metadata_params={"partition_name": ...}` names it otherwise.
 # The stack names the class it stacks and how many layers: `Scan[Block] × 12`. Every
@@ -121,9 +123,9 @@ print("stacked kernel:", net.blocks.linear.kernel.shape, net.blocks.linear.kerne
 # %% [markdown]
 # ## A summary table
 #
-# `sr.summary(model, *inputs)` lists every module path with its class, parameter count,
-# bytes per collection and output shapes. The call is traced with `jax.eval_shape`, so
-# nothing is computed and the model's state does not change; inputs may be
+# {py:func}`sr.summary(model, *inputs) <statefulremat.summary>` lists every module path with its
+# class, parameter count, bytes per collection and output shapes. The call is traced with
+# `jax.eval_shape`, so nothing is computed and the model's state does not change; inputs may be
 # `jax.ShapeDtypeStruct`s. A stacked row counts `layers x per layer`.
 
 # %%

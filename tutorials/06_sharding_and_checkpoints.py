@@ -9,12 +9,13 @@
 # %% [markdown]
 # # 6. Sharding and checkpoints
 #
-# statefulremat does not have its own parallelism: it uses JAX's SPMD. Each Variable
-# names its axes with *logical* names in its `sharding` metadata (`"embed"`, `"mlp"`),
-# a list of rules maps logical names to the axes of a device mesh (`"data"`, `"model"`),
-# and `jax.jit` partitions the computation. Then a model is saved with `sr.save` and
-# read back with `sr.restore`, onto any placement and, for a `remat_scan` stack, with
-# any `lengths`.
+# statefulremat does not have its own parallelism: it uses JAX's SPMD. Each
+# {py:class}`Variable <statefulremat.Variable>` names its axes with *logical* names in its
+# `sharding` metadata (`"embed"`, `"mlp"`), a list of rules maps logical names to the axes of a
+# device mesh (`"data"`, `"model"`), and `jax.jit` partitions the computation. Then a model is saved
+# with {py:func}`sr.save <statefulremat.save>` and read back with
+# {py:func}`sr.restore <statefulremat.restore>`, onto any placement and, for a
+# {py:func}`remat_scan <statefulremat.remat_scan>` stack, with any `lengths`.
 #
 # No cluster is needed to follow along: XLA can pretend the CPU is 8 devices. The first
 # cell asks for that (and for the CPU) before JAX is imported; in a notebook, restart
@@ -49,8 +50,8 @@ print(len(jax.devices()), "devices:", jax.devices()[:2], "...")
 # %% [markdown]
 # ## Logical axis names
 #
-# Every `sr.nn` layer takes `*_metadata` dicts for its Variables. A block whose hidden
-# layer has `2 * DIM` features (`"mlp"`) between two `DIM`-wide ones (`"embed"`):
+# Every [`sr.nn`](/api/nn.rst) layer takes `*_metadata` dicts for its Variables. A block whose
+# hidden layer has `2 * DIM` features (`"mlp"`) between two `DIM`-wide ones (`"embed"`):
 
 
 # %%
@@ -84,8 +85,9 @@ print("down.bias  ", stack.down.bias.shape, specs["down"]["bias"])  # pyright: i
 #
 # A mesh arranges the 8 devices as 2 x 4: `"data"` splits the batch, `"model"` splits
 # the `"mlp"` features. Rules name, for each logical axis, a mesh axis (or `None`:
-# replicated). `sr.logical_to_mesh` applies them; `sr.shard` applies them and moves
-# every array of the model to its `NamedSharding`, in place.
+# replicated). {py:func}`sr.logical_to_mesh <statefulremat.logical_to_mesh>` applies them;
+# {py:func}`sr.shard <statefulremat.shard>` applies them and moves every array of the model to its
+# `NamedSharding`, in place.
 
 # %%
 # Auto axes: jax.jit chooses the intermediate shardings. (jax.make_mesh's default in
@@ -110,8 +112,8 @@ print(
 # ## A data- and model-parallel training step
 #
 # The step is the one from tutorial 1. Only the inputs change: the batch is split over
-# `"data"`. `jax.jit` (inside `sr.jit`) partitions the whole step from the shardings of
-# its inputs. The result is what one device computes, up to floating-point rounding
+# `"data"`. `jax.jit` (inside {py:func}`sr.jit <statefulremat.jit>`) partitions the whole step from
+# the shardings of its inputs. The result is what one device computes, up to floating-point rounding
 # (the sums are split differently):
 
 
@@ -224,11 +226,12 @@ print(
 
 # %% [markdown]
 # A save can run in the background: `sr.save(path, model, blocking=False)` returns a
-# handle once the arrays are copied to host memory, so training goes on at once (the
-# model may change without changing what is saved); `handle.wait()` blocks until the
-# checkpoint is committed. A save is atomic: one interrupted, even killed, leaves the
-# previous checkpoint loadable. Filters restore part of a checkpoint, e.g. pretrained
-# parameters into a model whose batch statistics and RNG streams start fresh:
+# {py:class}`handle <statefulremat.SaveHandle>` once the arrays are copied to host memory, so
+# training goes on at once (the model may change without changing what is saved);
+# {py:meth}`handle.wait() <statefulremat.SaveHandle.wait>` blocks until the checkpoint is committed.
+# A save is atomic: one interrupted, even killed, leaves the previous checkpoint loadable. Filters
+# restore part of a checkpoint, e.g. pretrained parameters into a model whose batch statistics and
+# RNG streams start fresh:
 
 # %%
 at_save = stack.down.kernel.value

@@ -12,9 +12,9 @@
 # Everything from the earlier tutorials, end to end, on a model users care about: a
 # byte-level GPT trained on the Python standard library's own source code (every Python
 # ships it, so there is nothing to download). Token and position embeddings, pre-LN
-# transformer blocks stacked with `sr.remat_scan`, AdamW through `sr.Optimizer`, a
-# checkpoint taken and resumed mid-run, and sampling one byte at a time with a
-# key/value cache per layer.
+# transformer blocks stacked with {py:func}`sr.remat_scan <statefulremat.remat_scan>`, AdamW through
+# {py:class}`sr.Optimizer <statefulremat.Optimizer>`, a checkpoint taken and resumed mid-run, and
+# sampling one byte at a time with a key/value cache per layer.
 
 # %%
 import os
@@ -87,9 +87,9 @@ print("a training window:", repr(bytes(np.asarray(x[0], np.uint8)).decode("utf-8
 # initialises `LAYERS` blocks at once (vmapped, each its own random draw), and calling
 # it scans over them with rematerialisation, in nested scans whose `lengths` are
 # planned at trace time from the activations' shapes. The GPT around it embeds bytes
-# and positions and reads the logits off the token embedding (`Embed.attend`, tied
-# weights). `start` is the position of the first input: 0 in training, the current
-# position when decoding one byte at a time.
+# and positions and reads the logits off the token embedding
+# ({py:meth}`Embed.attend <statefulremat.nn.Embed.attend>`, tied weights). `start` is the position
+# of the first input: 0 in training, the current position when decoding one byte at a time.
 
 
 # %%
@@ -129,10 +129,11 @@ print(sr.summary(model, x))
 # %% [markdown]
 # ## Training: sr.Optimizer, a jitted step, a progress bar
 #
-# The step is the one from tutorial 1 with a cross-entropy loss. `sr.jit` compiles it
-# once; the dropout keys advance inside it (their counters are part of the model's
-# state), so every step draws new masks. Validation runs in `eval()` mode (no dropout)
-# on a fixed set of held-out windows.
+# The step is the one from tutorial 1 with a cross-entropy loss.
+# {py:func}`sr.jit <statefulremat.jit>` compiles it once; the dropout keys advance inside it (their
+# counters are part of the model's state), so every step draws new masks. Validation runs in
+# {py:meth}`eval() <statefulremat.Module.eval>` mode (no dropout) on a fixed set of held-out
+# windows.
 
 
 # %%
@@ -186,10 +187,11 @@ train(model, opt, STEPS // 2)
 # %% [markdown]
 # ## Save, restore, and the next step is the same
 #
-# `sr.save(path, [model, opt])` writes every Variable: parameters, the optimizer's
-# moments and step count, and the dropout streams' keys and counters. Restored into a
-# freshly built model and optimizer (other seeds), the next training step computes
-# exactly the same loss as the original's: the run resumes as if never interrupted.
+# {py:func}`sr.save(path, [model, opt]) <statefulremat.save>` writes every
+# {py:class}`Variable <statefulremat.Variable>`: parameters, the optimizer's moments and step count,
+# and the dropout streams' keys and counters. Restored into a freshly built model and optimizer
+# (other seeds), the next training step computes exactly the same loss as the original's: the run
+# resumes as if never interrupted.
 
 # %%
 ckpt = OUT / "07_checkpoint"
@@ -228,11 +230,13 @@ print("final validation loss", f"{val_losses[-1][1]:.3f};", "plot:", OUT / "07_l
 # ## Decoding with a key/value cache per layer
 #
 # To sample, each attention layer keeps the keys and values of the positions seen so
-# far. On the stack, `model.blocks.attn.init_cache((batch, max_length, DIM))` makes one
-# cache per layer, stacked along the layer axis like the parameters, and
-# `set_attributes(decode=True)` switches every attention to decoding: each call then
-# takes one position, attends to the cache, and appends to it. The same blocks that
-# trained on whole sequences decode; the cached logits equal the full forward's.
+# far. On the stack,
+# {py:meth}`model.blocks.attn.init_cache((batch, max_length, DIM)) <statefulremat.nn.MultiHeadAttention.init_cache>`
+# makes one cache per layer, stacked along the layer axis like the parameters, and
+# {py:meth}`set_attributes(decode=True) <statefulremat.Module.set_attributes>` switches every
+# attention to decoding: each call then takes one position, attends to the cache, and appends to it.
+# The same blocks that trained on whole sequences decode; the cached logits equal the full
+# forward's.
 
 
 # %%

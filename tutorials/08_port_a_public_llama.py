@@ -11,12 +11,12 @@
 #
 # Most models arrive as somebody else's code. This tutorial takes a Llama written in
 # flax.nnx by other people, builds it, and ports it to statefulremat: the same blocks,
-# but the decoder layers become ONE `sr.remat_scan` stack (one compiled body, memory
-# planned per call) instead of a Python list of layers. Its weights move over by name
-# with `sr.interop.from_nnx` and a two-line `rename`; then we check that the port
-# computes the same logits and gradients, look at the remat plan, train it a little on
-# bytes of the Python standard library, decode greedily with a key/value cache, and
-# write the trained weights back into the nnx model.
+# but the decoder layers become ONE {py:func}`sr.remat_scan <statefulremat.remat_scan>` stack (one
+# compiled body, memory planned per call) instead of a Python list of layers. Its weights move over
+# by name with {py:func}`sr.interop.from_nnx <statefulremat.interop.from_nnx>` and a two-line
+# `rename`; then we check that the port computes the same logits and gradients, look at the remat
+# plan, train it a little on bytes of the Python standard library, decode greedily with a key/value
+# cache, and write the trained weights back into the nnx model.
 #
 # The model is jaxgarden's Llama (https://github.com/ml-gde/jaxgarden, file
 # `jaxgarden/models/llama.py`, at commit `0ab3a32b1c03560a0c8e77762f0eace3b860707e`,
@@ -336,14 +336,14 @@ for path, param in nnx.to_flat_state(nnx.state(theirs, nnx.Param)):
 # ## 2. The port
 #
 # Layer by layer, the mapping is direct: `nnx.Linear(..., use_bias=False)` is
-# `sr.nn.Linear(..., use_bias=False)` (same `kernel`, same `(in, out)` shape) and
-# `nnx.Embed` is `sr.nn.Embed` (`embedding`). The attributes keep their names
-# (`input_layernorm`, `attention`, `q_proj`, ...), so the rename later has little to
-# do.
+# {py:class}`sr.nn.Linear(..., use_bias=False) <statefulremat.nn.Linear>` (same `kernel`, same
+# `(in, out)` shape) and `nnx.Embed` is {py:class}`sr.nn.Embed <statefulremat.nn.Embed>`
+# (`embedding`). The attributes keep their names (`input_layernorm`, `attention`, `q_proj`, ...), so
+# the rename later has little to do.
 #
-# Their RMSNorm is what `sr.nn.RMSNorm(dim, epsilon=1e-5)` computes, up to one
-# float32 rounding: it multiplies by `1 / sqrt(mean + eps)` where ours uses `rsqrt`.
-# Ordinarily that is nothing, but here the bfloat16 roundings downstream (next
+# Their RMSNorm is what {py:class}`sr.nn.RMSNorm(dim, epsilon=1e-5) <statefulremat.nn.RMSNorm>`
+# computes, up to one float32 rounding: it multiplies by `1 / sqrt(mean + eps)` where ours uses
+# `rsqrt`. Ordinarily that is nothing, but here the bfloat16 roundings downstream (next
 # paragraph) now and then turn such a last-bit difference into a whole bfloat16 step
 # of an attention score, about 1e-3 in the logits. So the port writes their two lines
 # as a small module. Its weight is named `scale`, as `sr.nn.RMSNorm`'s, so the
@@ -351,21 +351,22 @@ for path, param in nnx.to_flat_state(nnx.state(theirs, nnx.Param)):
 #
 # Attention needs a decision. Their rotary embedding is the "rotate half"
 # convention (`q * cos + rotate_half(q) * sin`, pairs `(x[i], x[i + d/2])`), the one
-# `sr.nn.rope` implements, so the weights would work with it. But their code rounds
-# `cos` and `sin`, the scaled scores and the softmax probabilities to `bfloat16`, and
-# `sr.nn.rope` / `sr.nn.MultiHeadAttention(rope_base=..., num_kv_heads=...)` compute
-# in float32; the latter also keeps nnx's `MultiHeadAttention` kernel shapes `(dim,
-# heads, head_dim)`, not their `(dim, heads * head_dim)`. To reproduce their numbers
-# we keep their attention arithmetic, casts included, in our own module (the cell
-# in section 4 measures what `sr.nn.rope` would change).
+# {py:func}`sr.nn.rope <statefulremat.nn.rope>` implements, so the weights would work with it. But
+# their code rounds `cos` and `sin`, the scaled scores and the softmax probabilities to `bfloat16`,
+# and `sr.nn.rope` /
+# {py:class}`sr.nn.MultiHeadAttention(rope_base=..., num_kv_heads=...) <statefulremat.nn.MultiHeadAttention>`
+# compute in float32; the latter also keeps nnx's `MultiHeadAttention` kernel shapes
+# `(dim, heads, head_dim)`, not their `(dim, heads * head_dim)`. To reproduce their numbers we keep
+# their attention arithmetic, casts included, in our own module (the cell in section 4 measures what
+# `sr.nn.rope` would change).
 #
 # Our attention also gets what theirs lacks: a key/value cache for decoding one token
 # at a time (section 7). `init_cache` makes `cached_key` / `cached_value` /
-# `cache_index` (`sr.Cache` variables). On the stack, `model.blocks.attention` is all
-# layers' attention at once: its kernels carry the layer axis in front, and
-# `sr.per_layer(self, variable)` makes one layer's Variable per layer of the stack
-# `self` belongs to (on a single layer it returns the Variable as it is), so each
-# layer gets its own cache.
+# `cache_index` ({py:class}`sr.Cache <statefulremat.Cache>` variables). On the stack,
+# `model.blocks.attention` is all layers' attention at once: its kernels carry the layer axis in
+# front, and {py:func}`sr.per_layer(self, variable) <statefulremat.per_layer>` makes one layer's
+# {py:class}`Variable <statefulremat.Variable>` per layer of the stack `self` belongs to (on a
+# single layer it returns the Variable as it is), so each layer gets its own cache.
 
 
 # %%
@@ -566,9 +567,9 @@ np.testing.assert_allclose(theirs32(tokens, causal), their_logits, rtol=1e-6, at
 
 # %% [markdown]
 # Gradients too: the next-token cross-entropy, differentiated by `nnx.grad` on their
-# float32 model and by `sr.grad` on ours, with respect to a few parameters (their
-# layer list's entries are slices of our stacked gradients). Here float32 precision is
-# not on offer: the backward pass of `.astype(jnp.bfloat16)` hands back a bfloat16
+# float32 model and by {py:func}`sr.grad <statefulremat.grad>` on ours, with respect to a few
+# parameters (their layer list's entries are slices of our stacked gradients). Here float32
+# precision is not on offer: the backward pass of `.astype(jnp.bfloat16)` hands back a bfloat16
 # cotangent, so a float32 rounding difference anywhere in the backward pass can
 # move a gradient entry by one bfloat16 step. They agree to within one bfloat16 step
 # (`2 ** -8`) of the largest entry, where a wrong port (a transposed kernel, a
@@ -635,8 +636,9 @@ print(
 #
 # With `lengths="auto"` the stack plans its nesting of scans the first time it traces
 # a shape, choosing among all nestings and the innermost remat policy by a memory
-# model. `sr.plan_remat` makes the same call for us to look at; with few layers there
-# is little to choose, and with hundreds it is where the memory goes (tutorial 4).
+# model. {py:func}`sr.plan_remat <statefulremat.plan_remat>` makes the same call for us to look at;
+# with few layers there is little to choose, and with hundreds it is where the memory goes
+# (tutorial 4).
 
 
 # %%
@@ -654,8 +656,8 @@ print(sr.summary(model, tokens))
 # ## 6. Training
 #
 # A few steps of AdamW on bytes of the standard library (as in tutorial 7), batches of
-# `BATCH` windows; `sr.Optimizer` keeps its moments as Variables next to the model,
-# and `sr.jit` compiles the step once.
+# `BATCH` windows; {py:class}`sr.Optimizer <statefulremat.Optimizer>` keeps its moments as Variables
+# next to the model, and {py:func}`sr.jit <statefulremat.jit>` compiles the step once.
 
 # %%
 stdlib = pathlib.Path(os.__file__).parent
@@ -685,9 +687,9 @@ assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
 #
 # Greedy decoding, one token per call: `init_cache` on the stack's attention makes
 # one cache per layer (shape `(layers, batch, kv_heads, max_length, head_dim)`),
-# `set_attributes(decode=True)` switches every layer's attention to reading and
-# appending to it, and each step feeds only the newest token. As a check, every step
-# is also done the slow way: the whole sequence so far through the full causal
+# {py:meth}`set_attributes(decode=True) <statefulremat.Module.set_attributes>` switches every
+# layer's attention to reading and appending to it, and each step feeds only the newest token. As a
+# check, every step is also done the slow way: the whole sequence so far through the full causal
 # forward, whose last logits must match and pick the same token.
 
 
@@ -728,9 +730,9 @@ print(repr(bytes(np.asarray(sequence[0], np.uint8))))
 # %% [markdown]
 # ## 8. Back to nnx
 #
-# `sr.interop.to_nnx` writes ours into their model with the same `rename` (their names
-# are renamed and find ours), the stack going back into their list of layers. The
-# float32 copy of their model then computes our trained logits. (To put them back
+# {py:func}`sr.interop.to_nnx <statefulremat.interop.to_nnx>` writes ours into their model with the
+# same `rename` (their names are renamed and find ours), the stack going back into their list of
+# layers. The float32 copy of their model then computes our trained logits. (To put them back
 # into their bfloat16 model one casts first, and rounds the trained weights.) The
 # decoding cache is ours alone, so only the parameters travel.
 

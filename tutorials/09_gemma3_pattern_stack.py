@@ -17,8 +17,8 @@
 # the MLP, and a gated GELU MLP; the logits are read off the token embedding (tied
 # weights).
 #
-# `sr.remat_scan((Local,) * 5 + (Global,), length=LAYERS, lengths="auto")` makes the
-# whole stack one module: layer `i` is a `Local` or a `Global` block by `i % 6`, the
+# {py:func}`sr.remat_scan((Local,) * 5 + (Global,), length=LAYERS, lengths="auto") <statefulremat.remat_scan>`
+# makes the whole stack one module: layer `i` is a `Local` or a `Global` block by `i % 6`, the
 # length need not be a multiple of six, the scan runs over whole cycles (one traced
 # body, whatever the depth) with rematerialisation planned at trace time. Below it is
 # trained on the standard library's source (as in tutorial 7), saved and restored into
@@ -92,10 +92,10 @@ train_batches = batches(train_data, np.random.default_rng(0))
 # key `j` is seen from position `t` (the cache index) when `j > t - WINDOW`.
 #
 # Gemma keeps only `WINDOW` keys in a local layer's cache (a ring buffer).
-# `sr.nn.MultiHeadAttention`'s cache is linear (position `t` is written at slot `t`,
-# and decoding past `max_length` raises), so here the local layers keep a full-length
-# cache and the mask does the windowing: the same numbers, at the cost of the local
-# layers' cache memory (`max_length` keys, not `WINDOW`).
+# {py:class}`sr.nn.MultiHeadAttention <statefulremat.nn.MultiHeadAttention>`'s cache is linear
+# (position `t` is written at slot `t`, and decoding past `max_length` raises), so here the local
+# layers keep a full-length cache and the mask does the windowing: the same numbers, at the cost of
+# the local layers' cache memory (`max_length` keys, not `WINDOW`).
 #
 # Gemma 3 also normalises queries and keys with an RMSNorm (`normalize_qk` here uses a
 # LayerNorm without bias, nnx's choice) and scales the embeddings by `sqrt(DIM)`; the
@@ -162,9 +162,9 @@ model = GemmaLike(rngs=sr.Rngs(0))
 # ## What the stack holds
 #
 # `model.blocks.pattern[k]` is position `k` of the pattern: an ordinary stack of the
-# layers `k, k + 6, k + 12, ...`, whose Variables carry a layer axis of that many
-# layers (positions before the short last cycle have one more). `model.blocks.layer(i)`
-# is layer `i` as a plain `Block` (a copy), and `len` counts layers.
+# layers `k, k + 6, k + 12, ...`, whose {py:class}`Variable <statefulremat.Variable>`s carry a layer
+# axis of that many layers (positions before the short last cycle have one more).
+# `model.blocks.layer(i)` is layer `i` as a plain `Block` (a copy), and `len` counts layers.
 
 # %%
 blocks = model.blocks
@@ -185,11 +185,11 @@ assert np.array_equal(
 )
 
 # %% [markdown]
-# `sr.summary` tables every module with its parameter count and output shapes (traced
-# with `jax.eval_shape`, nothing computed); each position of the pattern is a row with
-# its layer count. `sr.display` draws a module: in a notebook a foldable tree with
-# the stacked arrays as figures, in a script its text. Here it draws the global
-# position (the whole model as text runs to hundreds of lines), and
+# {py:func}`sr.summary <statefulremat.summary>` tables every module with its parameter count and
+# output shapes (traced with `jax.eval_shape`, nothing computed); each position of the pattern is a
+# row with its layer count. {py:func}`sr.display <statefulremat.display>` draws a module: in a
+# notebook a foldable tree with the stacked arrays as figures, in a script its text. Here it draws
+# the global position (the whole model as text runs to hundreds of lines), and
 # `treescope.render_to_html` writes the whole model's interactive view to a file.
 
 # %%
@@ -206,7 +206,8 @@ print(f"wrote {OUT / '09_model.html'} ({len(html) / 1024:.0f} KiB)")
 #
 # `lengths="auto"` plans the nesting of the scan when the stack is traced, from the
 # shapes of the activations; for a pattern it plans *cycles* (here
-# `ceil(LAYERS / 6)` of them). `sr.plan_remat` shows the choice before anything runs:
+# `ceil(LAYERS / 6)` of them). {py:func}`sr.plan_remat <statefulremat.plan_remat>` shows the choice
+# before anything runs:
 
 # %%
 carry = jax.ShapeDtypeStruct((BATCH, SEQ, DIM), jnp.float32)
@@ -216,7 +217,7 @@ print(plan)
 # %% [markdown]
 # ## Training
 #
-# AdamW through `sr.Optimizer`, a jitted step, as in tutorial 7.
+# AdamW through {py:class}`sr.Optimizer <statefulremat.Optimizer>`, a jitted step, as in tutorial 7.
 
 
 # %%
@@ -274,11 +275,12 @@ assert difference < 1e-4
 # ## Decoding with a key/value cache per layer
 #
 # Each position of the pattern is an ordinary stack, so its attention makes one cache
-# per layer, stacked along its layer axis: `init_cache` on each `pattern[k].attn`.
-# `set_attributes(decode=True)` switches every attention to decoding (one position
-# per call). With grouped-query attention the cache holds `KV_HEADS` heads, not
-# `HEADS`. Decoding the prompt one byte at a time gives the logits of the full causal
-# forward: the window masks agree with the training ones.
+# per layer, stacked along its layer axis:
+# {py:meth}`init_cache <statefulremat.nn.MultiHeadAttention.init_cache>` on each `pattern[k].attn`.
+# {py:meth}`set_attributes(decode=True) <statefulremat.Module.set_attributes>` switches every
+# attention to decoding (one position per call). With grouped-query attention the cache holds
+# `KV_HEADS` heads, not `HEADS`. Decoding the prompt one byte at a time gives the logits of the full
+# causal forward: the window masks agree with the training ones.
 
 
 # %%

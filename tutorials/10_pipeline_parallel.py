@@ -9,19 +9,20 @@
 # %% [markdown]
 # # 10. Pipeline parallelism over a stack
 #
-# A `remat_scan` stack keeps all its layers in one set of arrays with a leading layer
-# axis. Shard that axis over a mesh axis `"stage"` and each group of devices holds a
-# quarter of the layers; `sr.pipeline` then runs the stack as a pipeline: the batch is
-# cut into microbatches, stage 0 works on microbatch 0, hands its activations to stage
-# 1 (a `ppermute`) and takes microbatch 1, and so on. It is one SPMD program under
-# `jax.jit` (a `shard_map` over `"stage"`), so it composes with a `"data"` axis of the
-# same mesh, with `sr.grad`, `sr.jit` and `sr.Optimizer`.
+# A {py:func}`remat_scan <statefulremat.remat_scan>` stack keeps all its layers in one set of arrays
+# with a leading layer axis. Shard that axis over a mesh axis `"stage"` and each group of devices
+# holds a quarter of the layers; {py:func}`sr.pipeline <statefulremat.pipeline>` then runs the stack
+# as a pipeline: the batch is cut into microbatches, stage 0 works on microbatch 0, hands its
+# activations to stage 1 (a `ppermute`) and takes microbatch 1, and so on. It is one SPMD program
+# under `jax.jit` (a `shard_map` over `"stage"`), so it composes with a `"data"` axis of the
+# same mesh, with {py:func}`sr.grad <statefulremat.grad>`, {py:func}`sr.jit <statefulremat.jit>` and
+# {py:class}`sr.Optimizer <statefulremat.Optimizer>`.
 #
 # The promise checked in this tutorial: the pipelined run equals the same stack run
 # sequentially, microbatch after microbatch, to the last bit of its dropout masks; and
 # each device holds only its stage's layers. Then the two schedules (GPipe and
 # circular) and their idle "bubbles", what each device holds and scratches, and
-# `sr.accumulate`, the one-device way to a big batch.
+# {py:func}`sr.accumulate <statefulremat.accumulate>`, the one-device way to a big batch.
 #
 # As in tutorial 6, XLA pretends the CPU is 8 devices; the first cell asks for that
 # before JAX is imported (in a notebook, restart the kernel if JAX was already
@@ -58,9 +59,9 @@ print(len(jax.devices()), "devices:", jax.devices()[:2], "...")
 # %% [markdown]
 # ## The model: pre-LN blocks in a remat_scan stack
 #
-# A block is `x + drop(attn(ln1(x)))` then `x + drop(mlp(ln2(x)))`. Every Variable
-# names its axes in `sharding` metadata (tutorial 6), and
-# `metadata_params={"partition_name": "layers"}` names the stack's layer axis
+# A block is `x + drop(attn(ln1(x)))` then `x + drop(mlp(ln2(x)))`. Every
+# {py:class}`Variable <statefulremat.Variable>` names its axes in `sharding` metadata (tutorial 6),
+# and `metadata_params={"partition_name": "layers"}` names the stack's layer axis
 # `"layers"`: that is the axis the stages split. The language model around the stack
 # (token embedding, final LayerNorm, logits read off the embedding) is small and stays
 # replicated; `blocks` says how the stack is run, so the same model runs pipelined or
@@ -138,8 +139,8 @@ print(
 # The 8 devices form a `(stage=4, data=2)` mesh. The rules send the layer axis to
 # `"stage"` and the batch to `"data"`; the feature axes stay whole on each device
 # (add a `"model"` axis to the mesh and a rule such as `("mlp", "model")` for tensor
-# parallelism on top). `sr.shard` moves every array to its place: each device now
-# holds 2 of the 8 layers.
+# parallelism on top). {py:func}`sr.shard <statefulremat.shard>` moves every array to its place:
+# each device now holds 2 of the 8 layers.
 
 # %%
 mesh = jax.make_mesh((STAGES, DATA), ("stage", "data"), axis_types=(AxisType.Auto,) * 2)
@@ -255,9 +256,9 @@ assert forward_diff < 1e-5 and max_difference(model, reference) < 1e-6
 # ## Gradients, and training steps with sr.Optimizer
 #
 # Nothing new in the step: it is tutorial 1's, with the blocks run by the pipeline.
-# `sr.value_and_grad` differentiates through the `shard_map` (the backward pass runs the
-# pipeline in reverse, with its own `ppermute`s), and `sr.Optimizer` updates the sharded
-# parameters where they are.
+# {py:func}`sr.value_and_grad <statefulremat.value_and_grad>` differentiates through the `shard_map`
+# (the backward pass runs the pipeline in reverse, with its own `ppermute`s), and `sr.Optimizer`
+# updates the sharded parameters where they are.
 #
 # First the gradients, from fresh copies of the model. They agree to float rounding
 # relative to each gradient's size. One exception proves the rule: the attention's key
@@ -371,8 +372,9 @@ print(f"{TRAIN_STEPS} pipelined steps in {time.perf_counter() - start:.1f}s (the
 # chunks of consecutive layers, stage s holding chunks s, s + S, ...; a microbatch
 # goes round the stages R times. Each step is R times shorter (fewer layers per
 # chunk), and the bubble shrinks to (S − 1)/(R·k + S − 1), at the price of R times more
-# hand-offs between stages. `sr.PipelineSpec` holds a schedule's settings and computes
-# its bubble; `spec.apply(fn)` is the pipeline. Both schedules give the same result.
+# hand-offs between stages. {py:class}`sr.PipelineSpec <statefulremat.PipelineSpec>` holds a
+# schedule's settings and computes its bubble; `spec.apply(fn)` is the pipeline. Both schedules give
+# the same result.
 
 # %%
 print("bubble fraction with 4 stages:")
@@ -573,8 +575,8 @@ print(
 #   before.
 # - It equals the sequential microbatch-by-microbatch run: outputs, gradients, state
 #   writes and dropout masks; it trains under `sr.jit` with `sr.Optimizer`.
-# - `sr.PipelineSpec(...).bubble_fraction(stages=S)` gives the idle share:
-#   (S − 1)/(k + S − 1) for GPipe, (S − 1)/(R·k + S − 1) for circular.
+# - {py:meth}`sr.PipelineSpec(...).bubble_fraction(stages=S) <statefulremat.PipelineSpec.bubble_fraction>`
+#   gives the idle share: (S − 1)/(k + S − 1) for GPipe, (S − 1)/(R·k + S − 1) for circular.
 # - Each device holds its stage's layers: parameter bytes drop by about the number of
 #   stages.
 # - On one device, `sr.accumulate` gets the same gradients in one microbatch's scratch
