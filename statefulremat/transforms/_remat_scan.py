@@ -508,9 +508,11 @@ def plan_remat(
     analysis: Any = lowered.compile().memory_analysis()  # None only where XLA gives none
     return int(analysis.temp_size_in_bytes)
 
+  unit = "cycle" if len(positions) > 1 else "layer"
+
   def make(scales: dict[int, float] | None, budget: int | None) -> RematPlan:
     best, ranked = choose(
-      n, carry_bytes, inputs.layer_bytes, residuals, budget, max_depth, scales=scales
+      n, carry_bytes, inputs.layer_bytes, residuals, budget, max_depth, scales, unit
     )
     return RematPlan(
       n,
@@ -523,7 +525,7 @@ def plan_remat(
       carry_bytes,
       inputs.layer_bytes,
       verify,
-      unit="cycle" if len(positions) > 1 else "layer",
+      unit=unit,
       _policy=policy,
     )
 

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 
 from ...core._errors import TransformError
-from ._remat_plan import DOTS, RematPlan, format_bytes
+from ._remat_plan import DOTS, RematPlan, counted, format_bytes
 
 NEAR_MISS = 1.05  # the model's error band, above the budget
 MODEL_SLACK = 0.01  # what the band adds to the model's error measured on the pick
@@ -71,7 +71,8 @@ def fit_budget(make: MakePlan, budget: int, verify: Callable[[RematPlan], int]) 
     except TransformError:
       break
   raise TransformError(
-    f"no remat plan for {plan.n} layers fits memory_budget={format_bytes(budget)} once "
+    f"no remat plan for {counted(plan.n, plan.unit)} fits memory_budget="
+    f"{format_bytes(budget)} once "
     f"compiled: the last pick, lengths={plan.lengths}, measured "
     f"{format_bytes(measured)}. Fix: a larger budget (at least "
     f"{format_bytes(measured)} fits that plan)."

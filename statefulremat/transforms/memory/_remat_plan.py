@@ -297,6 +297,11 @@ def format_bytes(n: int) -> str:
   return f"{n} B"
 
 
+def counted(n: int, unit: str) -> str:
+  """``n`` units as a message says them: ``"37 layers"``, or cycles said as such."""
+  return f"{n} {unit}s" + (" (a cycle is one pass over the pattern)" if unit == "cycle" else "")
+
+
 def choose(
   n: int,
   carry: int,
@@ -305,6 +310,7 @@ def choose(
   memory_budget: int | None,
   max_depth: int = 4,
   scales: dict[int, float] | None = None,
+  unit: str = "layer",
 ) -> tuple[Candidate, list]:
   """The best candidate and all of them, best first.
 
@@ -312,7 +318,7 @@ def choose(
   headroom for the model's error), at equal evaluations the one that recomputes less
   (dots saved) and then the smaller. Without: the least memory at no more than 3N
   evaluations. ``scales`` multiplies the predictions of nestings of each depth (a
-  calibration from compiling).
+  calibration from compiling). ``unit`` is what ``n`` counts, for messages.
   """
   candidates = []
   for lengths in nestings(n, max_depth):
@@ -332,7 +338,7 @@ def choose(
       smallest = min(candidates, key=lambda c: c.temp_bytes)
       needed = math.ceil(smallest.temp_bytes / HEADROOM)
       raise TransformError(
-        f"no remat plan for {n} layers fits memory_budget="
+        f"no remat plan for {counted(n, unit)} fits memory_budget="
         f"{format_bytes(memory_budget)}: the smallest needs "
         f"{format_bytes(smallest.temp_bytes)} (lengths={smallest.lengths}, "
         f"{smallest.policy}, {smallest.evals // n}N evaluations; predicted, planned "
