@@ -31,6 +31,7 @@ PARTS = (
   ("which_remat", "python -m benchmarks.which_remat"),
   ("transformer", "python -m benchmarks.transformer"),
   ("pattern", "python -m benchmarks --part pattern"),
+  ("planner", "python -m benchmarks --part planner"),
   ("pipeline", "python -m benchmarks --part pipeline"),
   ("sharded_init", "python -m benchmarks.sharded_init"),
   ("hotpaths", "python -m benchmarks --part hotpaths"),

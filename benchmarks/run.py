@@ -6,6 +6,7 @@
     python -m benchmarks --part hotpaths [--quick] [--out DIR]
     python -m benchmarks --part pattern [--quick] [--out DIR]
     python -m benchmarks --part pipeline [--quick] [--out DIR]
+    python -m benchmarks --part planner [--quick] [--out DIR]
 
 Runs every part in one process, on the deep-stack model (N x Linear W->W + tanh, loss
 mean(out**2), gradient over the params; see ``benchmarks/models.py``):
@@ -34,6 +35,9 @@ statefulremat's pattern stacks against the raw JAX cycle scan and the unrolled l
 ``pattern.json`` / ``.md``; it needs no ``results.json``. ``--part pipeline`` runs issue
 26's ``sr.pipeline`` benchmark (``benchmarks/pipeline.py``) in a process of its own, with 8
 host CPU devices forced, into ``pipeline.json`` / ``.md``; it needs no ``results.json``.
+``--part planner`` runs issue 36's planner benchmark (``benchmarks/planner.py``: the
+remat planner's predictions against XLA's temp bytes on attention, MLP, conv and
+pattern blocks) into ``planner.json`` / ``.md``; it needs no ``results.json``.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from benchmarks import (  # noqa: E402
   dispatch,
   hotpaths,
   pattern,
+  planner,
   plots,
   remat_plan,
   report,
@@ -71,7 +76,7 @@ from benchmarks import (  # noqa: E402
 from benchmarks.models import lengths_for  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("dispatch", "hotpaths", "pattern", "pipeline")  # the parts --part can run alone
+PARTS = ("dispatch", "hotpaths", "pattern", "pipeline", "planner")  # the parts --part can run alone
 
 FULL = {
   "width": 256,
@@ -259,7 +264,7 @@ def run_part(part: str, quick: bool = False, out: str | Path = RESULTS, *, log=p
 
   The part's section of ``results.json`` is replaced, the targets recomputed, and
   ``results.md`` and the part's plot rewritten; the other parts' figures stay as
-  they were measured. ``pattern`` writes only its own ``pattern.json`` / ``.md``.
+  they were measured. ``pattern`` and ``planner`` write only their own ``.json`` / ``.md``.
   """
   if part not in PARTS:
     raise ValueError(f"--part {part!r}: the parts that run alone are {list(PARTS)}")
@@ -267,6 +272,9 @@ def run_part(part: str, quick: bool = False, out: str | Path = RESULTS, *, log=p
   if part == "pattern":  # its own files only
     command = "python -m benchmarks --part pattern" + (" --quick" if quick else "")
     return pattern.run(quick, out, machine=machine(), command=command, log=log)
+  if part == "planner":  # its own files only
+    command = "python -m benchmarks --part planner" + (" --quick" if quick else "")
+    return planner.run(quick, out, machine=machine(), command=command, log=log)
   if part == "pipeline":  # its own files, from its own process: it needs 8 devices
     return _pipeline(quick, out)
   path = out / "results.json"
@@ -352,6 +360,8 @@ def main(argv=None) -> None:
       if args.part == "hotpaths"
       else pattern.markdown(results)
       if args.part == "pattern"
+      else planner.markdown(results)
+      if args.part == "planner"
       else "(its table is above)"
       if args.part == "pipeline"
       else dispatch.table(results["dispatch"])

@@ -251,6 +251,22 @@ def test_pytree_flatten_quick_mode_measures_every_model_and_library():
   assert table.count("met") + table.count("missed") >= 6
 
 
+def test_planner_part_sets_each_candidate_against_xla(tmp_path):
+  # The whole part takes a minute on 2 cores: two of its blocks show its plumbing;
+  # tests/test_remat_plan_blocks.py checks the planner itself on attention blocks.
+  from benchmarks import planner
+
+  result = planner.run(True, tmp_path, only=("conv", "Dense + tanh"), log=lambda *a: None)
+  assert json.loads((tmp_path / "planner.json").read_text()) == json.loads(json.dumps(result))
+  rows = result["rows"]
+  assert {r["block"] for r in rows} == {"conv", "Dense + tanh"}
+  for r in rows:
+    assert r["measured"] > 0 and abs(r["error"]) <= planner.TARGET  # else run raised
+  assert [r["rank"] for r in rows if r["block"] == "conv"] == list(range(1 + planner.QUICK["next"]))
+  text = (tmp_path / "planner.md").read_text()
+  assert "| conv | 6 layers | 0 |" in text and "target |error| <= 10 %: met." in text
+
+
 def test_pattern_part_runs_every_implementation_at_every_depth(tmp_path):
   # --part pattern needs no results.json: it writes its own two files.
   from benchmarks import pattern

@@ -34,7 +34,7 @@ from ._pattern_loop import lift_loop
 from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units, resolve_plan
 from ._rules import Rules, TransformError
 from .memory._policy_check import policy_check
-from .memory._remat_budget import fit_budget
+from .memory._remat_budget import calibrate, fit_budget
 from .memory._remat_plan import (
   GIVEN,
   POLICIES,
@@ -442,16 +442,23 @@ def plan_remat(
   innermost policies (nothing saveable, dots saveable; or only the ``policy`` given)
   are ranked by a memory model (see ``sr.RematPlan``): with ``memory_budget`` (bytes,
   or ``"512MiB"``) the fewest block evaluations whose temp memory fits, else the least
-  memory at no more than 3N evaluations. Without a budget nothing is compiled (``plan.verify()`` compiles once
-  and measures); with one, the pick is compiled once to check it fits (a plan the
-  model puts inside the budget's 3 % headroom, or, tried first, one with fewer
-  evaluations that it puts under the budget itself: where it fits, one compile is
-  all), and where the model was off for this block, it is rescaled by XLA's figure and
-  the choice made again; plans with fewer evaluations that the model put just over the
-  budget (within its error on the pick plus 1 %, at most 5 %) are compiled too, up to
-  8, and the first that fits is taken (``plan.measured_bytes``: XLA's figure for the
-  plan returned). When the model puts every plan over the budget, those within its error
-  of it are compiled before planning raises.
+  memory at no more than 3N evaluations.
+
+  The model's terms for what changes between nestings (saved carries, residuals,
+  parameter slices) are exact; what one unit's backward pass needs besides (attention
+  scores, an MLP's hidden activations) depends on XLA, so planning compiles the
+  stack's gradient at the model's best plan and reads that from XLA's temp bytes
+  (and once more where the pick has the other policy): after that every candidate's
+  figure is within 10 % of XLA's (``benchmarks/planner.py``).
+
+  With a budget, the pick is compiled to check it fits (a plan the model puts inside
+  the budget's 3 % headroom, or, tried first, one with fewer evaluations that it puts
+  under the budget itself), and where the model was still off, it is rescaled by
+  XLA's figure and the choice made again; plans with fewer evaluations that the model
+  put just over the budget (within its error on the pick plus 1 %, at most 5 %) are
+  compiled too, up to 8, and the first that fits is taken. ``plan.measured_bytes`` is
+  XLA's figure for the plan returned where planning compiled it. When no plan fits,
+  the error names the smallest and what it needs, once compiled.
 
   Args:
     stack: a stacked module (N layers), or its ``sr.eval_shape``.
@@ -465,8 +472,8 @@ def plan_remat(
 
   Returns:
     An ``sr.RematPlan``: its ``lengths``, innermost ``policy``, block evaluations and
-    modelled temp bytes (``measured_bytes`` too where a budget was checked); pass it
-    as ``sr.remat_scan(fn, lengths=plan)``.
+    modelled temp bytes (``measured_bytes`` too where planning compiled the plan); pass
+    it as ``sr.remat_scan(fn, lengths=plan)``.
 
   Raises:
     TypeError: ``stack`` is not a stacked module.
@@ -509,10 +516,27 @@ def plan_remat(
     return int(analysis.temp_size_in_bytes)
 
   unit = "cycle" if len(positions) > 1 else "layer"
+  measured: dict[tuple, int] = {}
+
+  def measure(plan: RematPlan) -> int:  # each plan compiled at most once while planning
+    key = (plan.lengths, plan.policy_name)
+    if key not in measured:
+      measured[key] = verify(plan)
+    return measured[key]
+
+  working_sets: dict[str, int] | None = None  # W per policy, once calibrated
 
   def make(scales: dict[int, float] | None, budget: int | None) -> RematPlan:
     best, ranked = choose(
-      n, carry_bytes, inputs.layer_bytes, residuals, budget, max_depth, scales, unit
+      n,
+      carry_bytes,
+      inputs.layer_bytes,
+      residuals,
+      budget,
+      max_depth,
+      scales,
+      unit,
+      working_sets,
     )
     return RematPlan(
       n,
@@ -525,13 +549,24 @@ def plan_remat(
       carry_bytes,
       inputs.layer_bytes,
       verify,
+      measured_bytes=measured.get((best.lengths, best.policy)),
       unit=unit,
       _policy=policy,
     )
 
+  def calibrated(policy: str | None = None) -> None:
+    nonlocal working_sets
+    working_sets = None
+    working_sets = calibrate(make(None, None), measure, residuals, policy)
+
+  calibrated()
   if budget is None:
+    plan = make(None, None)
+    if plan.measured_bytes is not None:
+      return plan
+    calibrated(plan.policy_name)  # the pick's policy was derived: measure it
     return make(None, None)
-  return fit_budget(make, budget, verify)
+  return fit_budget(make, budget, measure)
 
 
 def refuse_carry_and_more(what: str, carry, out) -> None:

@@ -1,17 +1,23 @@
-"""How ``sr.plan_remat`` keeps a memory budget: it compiles.
+"""How ``sr.plan_remat`` stays true to XLA: it compiles, a few times at most.
 
-The memory model (``_remat_plan``) ranks every nesting and policy and picks the plan
-with the fewest block evaluations that it puts inside the budget (less 3 % headroom).
-A budget is a promise, and the model is an estimate, so ``fit_budget`` compiles the
-pick to check it; where the model was off for this block it rescales the model by
-XLA's figure and picks again; and it tries the plans with fewer evaluations that the
-model put just over the budget (within its error), a few compiles at most.
+The memory model (``_remat_plan``) ranks every nesting and policy. What one unit's
+backward pass needs besides the terms that change between nestings (its working set
+``W``) is XLA's to decide, so ``calibrate`` compiles the model's best plan for each
+innermost policy once and takes ``W`` from the difference.
+
+With a budget the model picks the plan with the fewest block evaluations that it puts
+inside the budget (less 3 % headroom). A budget is a promise, and the model is an
+estimate, so ``fit_budget`` compiles the pick to check it; where the model was off it
+rescales the model by XLA's figure and picks again; and it tries the plans with fewer
+evaluations that the model put just over the budget (within its error), a few
+compiles at most. When none fits, the error names the smallest plan and its need.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NoReturn
 
 from ...core._errors import TransformError
 from ._remat_plan import DOTS, RematPlan, counted, format_bytes
@@ -26,18 +32,30 @@ PROBES = 8  # compiles at most, to find a plan with fewer evaluations
 MakePlan = Callable[[dict[int, float] | None, int | None], RematPlan]
 
 
-def fit_budget(make: MakePlan, budget: int, verify: Callable[[RematPlan], int]) -> RematPlan:
+def calibrate(
+  model: RematPlan,
+  measure: Callable[[RematPlan], int],
+  residuals: dict[str, int],
+  policy: str | None = None,
+) -> dict[str, int]:
+  """``W`` per innermost policy. For ``policy`` (default: that of ``model``'s best
+  candidate) it is XLA's temp bytes for the best candidate of that policy
+  (``measure(plan)``: one compile), less the model's figure for it (``model`` is made
+  without ``W``); negative where the model's constant terms overcount a small block.
+  The others are derived: a policy that saves ``R_p`` bytes per unit reads them from
+  the saved stack where the other recomputes them, so ``W_p = W - (R_p - R)`` (within
+  3 % of a compile on the planner benchmark's blocks)."""
+  policy = model.candidates[0].policy if policy is None else policy
+  best = next(c for c in model.candidates if c.policy == policy)  # best first
+  working_set = measure(_picking(model, best)) - best.temp_bytes
+  return {p: working_set - (r - residuals[policy]) for p, r in residuals.items()}
+
+
+def fit_budget(make: MakePlan, budget: int, measure: Callable[[RematPlan], int]) -> RematPlan:
   """The plan with the fewest evaluations that fits ``budget`` once compiled
-  (``verify(plan)``: XLA's temp bytes), with its ``measured_bytes``; raises
-  ``TransformError`` when none of those tried fits."""
-  compiled: dict[tuple, int] = {}
-
-  def measure(plan: RematPlan) -> int:  # one compile per plan while planning
-    key = (plan.lengths, plan.policy_name)
-    if key not in compiled:
-      compiled[key] = verify(plan)
-    return compiled[key]
-
+  (``measure(plan)``: XLA's temp bytes, each plan compiled once), with its
+  ``measured_bytes``; raises ``TransformError`` naming the smallest plan when none of
+  those tried fits."""
   try:
     plan = make(None, budget)
   except TransformError:
@@ -46,7 +64,7 @@ def fit_budget(make: MakePlan, budget: int, verify: Callable[[RematPlan], int]) 
     unbudgeted = dataclasses.replace(make(None, None), memory_budget=budget)
     fitting = _smallest_that_fits(unbudgeted, budget, measure)
     if fitting is None:
-      raise
+      _no_plan_fits(unbudgeted, budget, measure)
     return fitting
   # Where the model is exact (Dense + tanh: to 0.1 % of XLA's figure), a plan with fewer
   # evaluations that it puts under the budget itself, inside the headroom kept for
@@ -70,13 +88,27 @@ def fit_budget(make: MakePlan, budget: int, verify: Callable[[RematPlan], int]) 
       plan = make(scales, budget)
     except TransformError:
       break
+  _no_plan_fits(plan, budget, measure)
+
+
+def _no_plan_fits(plan: RematPlan, budget: int, measure: Callable[[RematPlan], int]) -> NoReturn:
+  smallest = _smallest(plan, measure)
+  need = format_bytes(smallest.measured_bytes or 0)
   raise TransformError(
     f"no remat plan for {counted(plan.n, plan.unit)} fits memory_budget="
-    f"{format_bytes(budget)} once "
-    f"compiled: the last pick, lengths={plan.lengths}, measured "
-    f"{format_bytes(measured)}. Fix: a larger budget (at least "
-    f"{format_bytes(measured)} fits that plan)."
+    f"{format_bytes(budget)} once compiled: the smallest, lengths={smallest.lengths} "
+    f"({smallest.policy_name}, {smallest.evals // smallest.n}N evaluations), needs "
+    f"{need}. Fix: a budget of at least {need} (that plan), a smaller batch or carry, "
+    "or sharding the activations over more devices."
   )
+
+
+def _smallest(plan: RematPlan, measure: Callable[[RematPlan], int]) -> RematPlan:
+  """Of the model's smallest candidate (compiled now) and ``plan`` (compiled), the one
+  that needs less once compiled, with its ``measured_bytes``."""
+  smallest = _picking(plan, min(plan.candidates, key=lambda c: c.temp_bytes))
+  best = min(smallest, plan, key=measure)
+  return dataclasses.replace(best, measured_bytes=measure(best))
 
 
 def _picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:

@@ -1,25 +1,32 @@
 """Remat planning: which ``lengths`` and innermost policy a ``remat_scan`` should use.
 
-A memory model ranks every candidate in microseconds; nothing is compiled unless
-``RematPlan.verify`` is asked to. With ``C`` the carry's bytes, ``P`` one layer's
-stacked bytes, ``R`` one layer's residual bytes under the innermost policy (read from
-the block's own VJP), ``s_i`` the steps a segment of level ``i`` runs and ``n_i`` the
-layers in one step of level ``i`` (levels ``0 … d-1``, the innermost last)::
+A memory model ranks every candidate in microseconds. With ``C`` the carry's bytes,
+``P`` one layer's stacked bytes, ``R`` one layer's residual bytes under the innermost
+policy (read from the block's own VJP), ``s_i`` the steps a segment of level ``i`` runs
+and ``n_i`` the layers in one step of level ``i`` (levels ``0 … d-1``, the innermost
+last)::
 
     temp ~ C * sum(s_i, i < d-1) + R * s_{d-1} + 2P * sum(n_i, i < d-1) + (3 + [d >= 2]) C
-           + P * sum(r_i) - C * [N ragged]
+           + P * sum(r_i) - C * [N ragged] + W
 
 The backward pass holds every outer level's saved carries, the innermost segment's
-residuals, and one step's parameter slice and its gradient per outer level. Where the
-depth is ragged, ``r_i`` counts the layers of level ``i``'s short step where it follows
-full ones (they are sliced out of the stack statically: a copy of their parameters),
-and the short step, run outside the scan, holds one carry fewer. At N=1000 that term
-is up to 10 % of the whole; with it the model matched XLA's temp bytes to 2e-5 over
-126 nestings of 3 and 4 levels there, and to 1e-3 over 150 more at N=61 to 256. ``d``
-levels cost ``(d + 1) N`` block evaluations (the forward pass, and one recomputation
-per level; XLA may skip part of a short last segment's, so it is an upper bound there).
-On the benchmark block (Dense + tanh) the model is within 0.1 % of XLA's temp bytes
-(1 % at small shapes); ``verify`` compiles the plan once where it matters.
+residuals, one step's parameter slice and its gradient per outer level, and the
+working set ``W`` of one unit's recomputation and VJP. Where the depth is ragged,
+``r_i`` counts the layers of level ``i``'s short step where it follows full ones (they
+are sliced out of the stack statically: a copy of their parameters), and the short
+step, run outside the scan, holds one carry fewer. ``d`` levels cost ``(d + 1) N``
+block evaluations (the forward pass, and one recomputation per level; XLA may skip
+part of a short last segment's, so it is an upper bound there).
+
+``W`` is what a block's attention scores, MLP hidden and normalisation statistics
+need while one unit is differentiated: on a Dense + tanh block it is nothing the other
+terms miss, on an attention block it is most of the total (Gemma-3-like cycles: 300 of
+310 MiB). It depends on XLA's fusion and scheduling, so it is not modelled: it is
+measured, per innermost policy, by compiling the stack once at the model's best
+nesting for that policy (``calibrate``) — the remaining terms are what change between
+nestings. On every block of ``benchmarks/planner.py`` (MHA and GQA with and without
+dropout, MLP, conv, a pattern's cycles, Dense + tanh) the calibrated model is within
+10 % of XLA's temp bytes on the pick and the candidates after it.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ class RematPlan:
   runs; ``evals`` the block evaluations per gradient step; ``temp_bytes`` the
   predicted temp memory of the gradient; ``candidates`` every plan considered, best
   first; ``str(plan)`` a table of the first few; ``measured_bytes`` XLA's figure where
-  planning compiled it (with a budget), else None.
+  planning compiled it (it compiles the pick, to measure the block), else None.
 
   ``sr.plan_remat`` makes it; there is no need to build one.
 
@@ -311,22 +318,24 @@ def choose(
   max_depth: int = 4,
   scales: dict[int, float] | None = None,
   unit: str = "layer",
+  working_sets: dict[str, int] | None = None,
 ) -> tuple[Candidate, list]:
   """The best candidate and all of them, best first.
 
   With a budget: the fewest evaluations whose predicted temp fits (with 3 %
   headroom for the model's error), at equal evaluations the one that recomputes less
   (dots saved) and then the smaller. Without: the least memory at no more than 3N
-  evaluations. ``scales`` multiplies the predictions of nestings of each depth (a
-  calibration from compiling). ``unit`` is what ``n`` counts, for messages.
+  evaluations. ``working_sets`` is ``W`` per policy (``calibrate``; none: 0);
+  ``scales`` multiplies the predictions of nestings of each depth (a correction from
+  compiling a pick). ``unit`` is what ``n`` counts, for messages.
   """
   candidates = []
   for lengths in nestings(n, max_depth):
     evals = (len(lengths) + 1) * n
     scale = (scales or {}).get(len(lengths), 1.0)
     for policy, residual in residuals.items():
-      temp = predict_temp(n, lengths, carry, residual, layer)
-      candidates.append(Candidate(lengths, policy, evals, int(scale * temp)))
+      temp = predict_temp(n, lengths, carry, residual, layer) + (working_sets or {}).get(policy, 0)
+      candidates.append(Candidate(lengths, policy, evals, max(0, int(scale * temp))))
   rank = {DOTS: 0, NOTHING: 1, GIVEN: 0}
   if memory_budget is None:
     pool = [c for c in candidates if c.evals <= 3 * n]
