@@ -158,6 +158,15 @@ def test_custom_with_offload_lowers_and_warns_on_cpu():
   assert saved == {"query_proj": ((3, 2, 8, 2, 8), True)}
 
 
+def test_custom_takes_designs_attention_out_for_context():
+  # DESIGN names attention's output before out_proj `attention_out`; the layer tags it
+  # `context`, MaxText's name: custom takes either.
+  policy = sr.policies.custom({"attention_out": "device"})
+  assert policy.saved == ("context",)
+  model = stack(policy)
+  assert named(sr.saved_residuals(loss, model, X)) == {"context": ((3, 2, 8, 2, 8), False)}
+
+
 @pytest.mark.parametrize(
   "tensors, error, match",
   [

@@ -112,6 +112,10 @@ def preset(name: str) -> Policy:
   return PRESETS[name]
 
 
+#: Other names for the values ``sr.nn`` tags, as custom takes them.
+ALIASES = {"attention_out": "context"}
+
+
 def custom(tensors: Mapping[str, str]) -> Policy:
   """A remat policy that treats each named tensor as ``tensors`` says, as MaxText's custom.
 
@@ -120,6 +124,8 @@ def custom(tensors: Mapping[str, str]) -> Policy:
   ``"remat"`` (recomputed, as is every value the mapping does not name). Built on
   ``jax.checkpoint_policies.save_and_offload_only_these_names``. On a backend that
   offloads nothing (CPU) the remat warns that offloaded values stay on the device.
+  ``"attention_out"`` is taken as ``"context"``, the name ``sr.nn.MultiHeadAttention``
+  gives attention's output before its output projection (MaxText's name).
 
   Args:
     tensors: ``{checkpoint name: choice}``, each choice ``"device"``, ``"offload"`` or
@@ -164,7 +170,7 @@ def custom(tensors: Mapping[str, str]) -> Policy:
         "name maps to 'remat' (recompute it), 'device' (save it on the device) or "
         f"'offload' (save it in host memory). Fix: {{{name!r}: {fix!r}}}."
       )
-    chosen[choice].append(name)
+    chosen[choice].append(ALIASES.get(name, name))
   return Policy(
     f"sr.policies.custom({dict(tensors)!r})",
     chosen["device"],
