@@ -26,6 +26,7 @@ from ..core._state import State
 from ._lift import Changes, Lifted, check_no_nodes, split_call, write_back
 from ._module_arg import stacked_sources
 from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, TransformError, Treatment
+from .memory._carries import OffloadCarries, offload_policy, tag, tracing_step
 
 
 def _aval(x):
@@ -229,23 +230,32 @@ class LayerLoop:
     policy: Callable | None = None,
     prevent_cse: bool = True,
     unroll: int | bool = 1,
+    offload: bool = False,
   ):
     """Runs every layer, ``body(layer, carry, x) -> (carry, ys)``: ``(carry, ys)``.
 
     ``xs`` and ``ys`` leaves have the layer axis first. ``lengths`` nests the units
     (``remat``: each level under ``jax.checkpoint``; a product above the unit count
     makes the last segments short); a cycle loop runs the layers of a short last
-    cycle once, after the scan (before it, reversed). Nothing is written until
-    ``finish()``.
+    cycle once, after the scan (before it, reversed). ``offload``: the carries the
+    outer levels save (a single level's: each unit's input) are kept in host memory
+    (``memory._carries``). Nothing is written until ``finish()``.
     """
     full, rest = divmod(self.length, self.period)
     carried, tail = self._carried_values(None), None
     if rest and self.reverse:
-      (carried, carry), tail = self._tail(body, carried, carry, xs, remat)
+      (carried, carry), tail = self._tail(body, carried, carry, xs, remat, offload)
     lengths = (full,) if lengths is None else tuple(lengths)
     if remat and math.prod(lengths) != full:
       carried, carry, written = self.segments(
-        body, carry, full, lengths, policy=policy, prevent_cse=prevent_cse, carried=carried
+        body,
+        carry,
+        full,
+        lengths,
+        policy=policy,
+        prevent_cse=prevent_cse,
+        carried=carried,
+        offload=offload,
       )
       ys = None
     else:
@@ -260,9 +270,10 @@ class LayerLoop:
         policy=policy,
         prevent_cse=prevent_cse,
         carried=carried,
+        offload=offload,
       )
     if rest and not self.reverse:
-      (carried, carry), tail = self._tail(body, carried, carry, xs, remat)
+      (carried, carry), tail = self._tail(body, carried, carry, xs, remat, offload)
     if tail is not None:
       written = self._join(written, tail[0])
     self.changed = self._changed(written, carried)
@@ -272,7 +283,7 @@ class LayerLoop:
   def _unit_xs(self, xs):
     return xs
 
-  def _tail(self, body, carried, carry, xs, remat: bool) -> tuple[tuple, tuple]:
+  def _tail(self, body, carried, carry, xs, remat: bool, offload: bool) -> tuple[tuple, tuple]:
     raise AssertionError("a loop over layers has no short last unit")
 
   def _join(self, written: dict, tail: dict) -> dict:
@@ -311,6 +322,7 @@ class LayerLoop:
     policy: Callable | None = None,
     prevent_cse: bool = True,
     carried: list | None = None,
+    offload: bool = False,
   ):
     """``loop`` before the write-back is worked out: ``(carry values, carry, written,
     ys)``, ``written`` by flat index with the layer axis first. ``carried``: the
@@ -340,7 +352,13 @@ class LayerLoop:
       def step(state, x):
         return level(d + 1, state, x)
 
-      if remat:
+      if offload and (d < depth - 1 or depth == 1):
+        # Without remat (sr.scan) the step saves what a plain scan saves, prevent_cse
+        # being needless under a scan.
+        step = offloaded(
+          step, policy if d == depth - 1 else None, remat, prevent_cse if remat else False
+        )
+      elif remat:
         step = jax.checkpoint(
           step, policy=policy if d == depth - 1 else None, prevent_cse=prevent_cse
         )
@@ -378,6 +396,7 @@ class LayerLoop:
     policy: Callable | None = None,
     prevent_cse: bool = False,
     carried: list | None = None,
+    offload: bool = False,
   ):
     """``loop(body, carry, None, lengths=lengths, remat=True)`` for ``n < prod(lengths)`` layers.
 
@@ -400,9 +419,11 @@ class LayerLoop:
         if streams
         else None
       )
-      step = jax.checkpoint(
-        lambda state, x: self._layer(body, state, x), policy=policy, prevent_cse=prevent_cse
-      )
+      step = lambda state, x: self._layer(body, state, x)
+      if offload and depth == 1:
+        step = offloaded(step, policy, True, prevent_cse)
+      else:
+        step = jax.checkpoint(step, policy=policy, prevent_cse=prevent_cse)
       state, (written, _) = lax.scan(step, state, (values, None, index), length=count)
       return state, written
 
@@ -419,7 +440,11 @@ class LayerLoop:
           sub = [jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, i * m, m), v) for v in values]
           return segment(d + 1, state, sub, m, offset + i * m)
 
-        step = jax.checkpoint(step, prevent_cse=prevent_cse)
+        step = (
+          offloaded(step, None, True, prevent_cse)
+          if offload
+          else jax.checkpoint(step, prevent_cse=prevent_cse)
+        )
         state, written = lax.scan(step, state, lax.iota(jnp.int32, full))
         merge = lambda v: lax.reshape(v, (full * m,) + v.shape[2:])
         parts.append({i: jax.tree.map(merge, v) for i, v in written.items()})
@@ -435,7 +460,12 @@ class LayerLoop:
         def single(state, sub, begin=begin, size=size):
           return segment(d + 1, state, sub, size, offset + begin)
 
-        state, written = jax.checkpoint(single, prevent_cse=True)(state, sub)
+        single = (
+          offloaded(single, None, True, True)
+          if offload
+          else jax.checkpoint(single, prevent_cse=True)
+        )
+        state, written = single(state, sub)
         parts.append(written)
       if len(parts) == 1:
         return state, parts[0]
@@ -445,6 +475,23 @@ class LayerLoop:
     state = (self._carried_values(carried), carry)
     (carry_values, carry), written = segment(0, state, self._stacked_inputs(), n, 0)
     return carry_values, carry, written
+
+
+def offloaded(step: Callable, policy: Callable | None, remat: bool, prevent_cse: bool):
+  """``step(state, *x)`` under a ``jax.checkpoint`` that keeps its input ``state`` in host
+  memory; every other value as ``policy`` says (``remat``), or saved as a plain scan
+  saves it (not ``remat``: ``sr.scan``'s step)."""
+
+  if remat:
+    tagged = lambda state, *x: step(tag(state), *x)
+    return jax.checkpoint(tagged, policy=offload_policy(policy), prevent_cse=prevent_cse)
+  saving = OffloadCarries(True)  # its own: the sr.remat calls in the body report to it
+
+  def reporting(state, *x):
+    with tracing_step(saving):
+      return step(tag(state), *x)
+
+  return jax.checkpoint(reporting, policy=saving, prevent_cse=prevent_cse)
 
 
 def _move_axis(x, source: int, destination: int):

@@ -34,7 +34,7 @@ from ..core._module import Module
 from ..core._pattern_stack import PatternStack
 from ..core._stacks import cycle
 from ..core._tracing import tracing_user_code
-from ._layers import LayerLoop, _move_axis, check_same_type
+from ._layers import LayerLoop, _move_axis, check_same_type, offloaded
 from ._module_arg import class_length, lift_module_arg, resolve_length, stacked_sources
 from ._pattern import check_positions, position_names
 from ._rules import TransformError
@@ -119,7 +119,7 @@ class CycleLoop(LayerLoop):
       lambda x: lax.reshape(lax.slice_in_dim(x, 0, full * p), (full, p) + jnp.shape(x)[1:]), xs
     )
 
-  def _tail(self, body, carried, carry, xs, remat: bool):
+  def _tail(self, body, carried, carry, xs, remat: bool, offload: bool):
     """The short last cycle: positions ``0 .. rest - 1``, layer ``full`` of each."""
     full, p = self.full, self.period
     slices = []
@@ -135,9 +135,11 @@ class CycleLoop(LayerLoop):
     def step(state, x):
       return self.cycle(body, state, x, self.rest)
 
-    if remat:
-      # Run alone, outside any scan: without prevent_cse XLA would merge the
-      # recomputation with the forward pass and keep the residuals after all.
+    # Run alone, outside any scan: without prevent_cse XLA would merge the
+    # recomputation with the forward pass and keep the residuals after all.
+    if offload:  # its input carry is saved as an outer step's is
+      step = offloaded(step, None, remat, True)
+    elif remat:
       step = jax.checkpoint(step, prevent_cse=True)
     return step((carried, carry), x)
 

@@ -27,6 +27,7 @@ from ._class_form import (
 from ._lift import check_no_nodes, is_node, lift, serialised, write_back
 from ._outputs import Restructured
 from ._rules import Rules
+from .memory._carries import report_remat
 from .memory._policy_check import policy_check
 
 
@@ -234,6 +235,7 @@ def _remat_function(
           )
       return out, changed
 
+    report_remat(policy)  # to an sr.scan step that offloads its carries, if inside one
     checkpointed = jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)
     inputs = [values[i] for i in traced]
     if check is None:

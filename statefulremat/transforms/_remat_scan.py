@@ -33,6 +33,7 @@ from ._pattern import class_form, target_repr
 from ._pattern_loop import lift_loop
 from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units, resolve_plan
 from ._rules import Rules, TransformError
+from .memory._carries import check_carries, moves_to_host, quiet, warn_if_kept, warning_once
 from .memory._policy_check import policy_check
 from .memory._remat_budget import calibrate, fit_budget
 from .memory._remat_plan import (
@@ -58,6 +59,7 @@ def remat_scan(
   length: int | None = None,
   memory_budget: int | str | None = None,
   policy: Callable[..., Any] | None = None,
+  carries: str | None = None,
   variable_broadcast: Any = False,
   variable_carry: Any = False,
   variable_axes: Mapping[Any, Any] = _ALL,
@@ -77,6 +79,7 @@ def remat_scan(
   length: int | None = None,
   memory_budget: int | str | None = None,
   policy: Callable[..., Any] | None = None,
+  carries: str | None = None,
   variable_broadcast: Any = False,
   variable_carry: Any = False,
   variable_axes: Mapping[Any, Any] = _ALL,
@@ -96,6 +99,7 @@ def remat_scan(
   length: int | None = None,
   memory_budget: int | str | None = None,
   policy: Callable[..., Any] | None = None,
+  carries: str | None = None,
   variable_broadcast: Any = False,
   variable_carry: Any = False,
   variable_axes: Mapping[Any, Any] = _ALL,
@@ -115,6 +119,7 @@ def remat_scan(
   length: int | None = None,
   memory_budget: int | str | None = None,
   policy: Callable[..., Any] | None = None,
+  carries: str | None = None,
   variable_broadcast: Any = False,
   variable_carry: Any = False,
   variable_axes: Mapping[Any, Any] = _ALL,
@@ -134,6 +139,7 @@ def remat_scan(
   length: int | None = None,
   memory_budget: int | str | None = None,
   policy: Callable[..., Any] | None = None,
+  carries: str | None = None,
   variable_broadcast: Any = False,
   variable_carry: Any = False,
   variable_axes: Mapping[Any, Any] = _ALL,
@@ -187,6 +193,16 @@ def remat_scan(
       policy there would keep every layer's residuals alive). It is checked as
       ``sr.remat`` checks it: names that no ``checkpoint_name`` in the body gives
       raise, an offload that the backend drops warns.
+    carries: where the carries the outer levels save for the backward pass live (one
+      per outer step, alive through the whole backward pass): ``"device"`` or
+      ``"offload"``, kept in host memory (``pinned_host``). With one level
+      (``lengths=(N,)``) that is each layer's input; the innermost level of a deeper
+      nesting keeps its carries on the device (they live only while one segment is
+      recomputed), and ``policy`` still says what it saves. Where the backend
+      offloads nothing (CPU) the carries stay on the device and each trace warns once.
+      Default ``None``: on the device, unless ``lengths="auto"`` plans under a
+      ``memory_budget`` that only offloading them meets (``sr.plan_remat``); a plan
+      brings its own.
     variable_broadcast: filter of variables read-only in every layer (default
       ``False``: none).
     variable_carry: filter of variables threaded from layer to layer (default
@@ -208,7 +224,7 @@ def remat_scan(
       ``sr.pipeline`` (the class form's ``stack(x)`` and the function form alike),
       under a mesh whose ``axis`` the layer axis is sharded over: ``lengths`` /
       ``length`` still count the stack's layers, each stage runs its own as one level
-      with ``policy``, or as ``lengths="auto"`` plans them under ``memory_budget`` per
+      with ``policy`` and ``carries``, or as ``lengths="auto"`` plans them under ``memory_budget`` per
       device. Default ``None``: no pipeline.
 
   Returns:
@@ -219,8 +235,9 @@ def remat_scan(
 
   Raises:
     sr.TransformError: ``lengths`` that are not a non-empty tuple of positive ints,
-      ``"auto"`` or a plan; ``length`` not covered by ``lengths`` (or leaving a whole
-      outer step empty), or not the plan's; ``policy`` or ``memory_budget`` with a plan,
+      ``"auto"`` or a plan; ``carries`` neither ``"device"`` nor ``"offload"``;
+      ``length`` not covered by ``lengths`` (or leaving a whole outer step empty), or
+      not the plan's; ``policy`` or ``memory_budget`` with a plan,
       ``memory_budget`` without ``"auto"``; the class form with ``"auto"`` and no
       ``length``; a ``pipeline`` that is not an ``sr.PipelineSpec``; at call, the body
       returning ``(carry, ys)`` or changing the carry's structure, shape or dtype, a
@@ -245,6 +262,7 @@ def remat_scan(
   """
   options: dict[str, Any] = dict(
     policy=policy,
+    carries=carries,
     variable_broadcast=variable_broadcast,
     variable_carry=variable_carry,
     variable_axes=variable_axes,
@@ -265,8 +283,11 @@ def remat_scan(
       **options,
     )
   what = f"sr.remat_scan({target_repr(target)})"
-  lengths, length, policy, budget = resolve_plan(what, lengths, length, policy, memory_budget)
-  options["policy"] = policy
+  check_carries(what, carries, planned=True)
+  lengths, length, policy, budget, carries = resolve_plan(
+    what, lengths, length, policy, memory_budget, carries
+  )
+  options["policy"], options["carries"] = policy, carries
   auto = lengths == AUTO
   if pipeline is not None and not hasattr(pipeline, "_pipelined"):
     raise TransformError(
@@ -279,9 +300,10 @@ def remat_scan(
     forms' methods run it too."""
     what = f"sr.remat_scan({display_name(fn)})"
     if pipeline is not None:  # sr.PipelineSpec runs each stage through remat_scan
-      return pipeline._pipelined(
+      run = pipeline._pipelined(
         fn, what=what, lengths=lengths, layers=layers, memory_budget=budget, **options
       )
+      return warning_once(run, what) if carries == "offload" else run
     return _remat_scan_function(fn, lengths, layers, budget, what=what, **options)
 
   @functools.cache  # checked once, for the class and for each method's function form
@@ -348,6 +370,7 @@ def _remat_scan_function(
   *,
   what,
   policy,
+  carries,
   variable_broadcast,
   variable_carry,
   variable_axes,
@@ -364,6 +387,7 @@ def _remat_scan_function(
     split_rngs=split_rngs,
   )
   auto = lengths == AUTO
+  offload = check_carries(what, carries, planned=True)
   check = policy_check(policy, what)  # the innermost level's policy, once per trace
   if auto:
     label = None if n is None else f"length={n}"
@@ -372,10 +396,10 @@ def _remat_scan_function(
     label = f"length={n}" if n != math.prod(lengths) else f"lengths={lengths} (product)"
 
   def planned(module, lifted, count, carry, args, kwargs) -> tuple:
-    """``(lengths, innermost policy)``: as given, or planned once per structure, layer
-    count and shapes (lengths="auto")."""
+    """``(lengths, innermost policy, offload)``: as given, or planned once per
+    structure, layer count and shapes (lengths="auto")."""
     if not auto:
-      return lengths, policy
+      return lengths, policy, offload
     key = (lifted, count, _avals(carry), _avals(args), _avals(kwargs))
     chosen = plans.get(key)
     if chosen is None:
@@ -385,8 +409,9 @@ def _remat_scan_function(
         fn=lambda layer, c: fn(layer, c, *args, **kwargs),
         memory_budget=budget,
         policy=policy,
+        carries=carries,
       )
-    return chosen.lengths, chosen.policy
+    return chosen.lengths, chosen.policy, chosen.carries == "offload"
 
   @functools.wraps(fn)
   def wrapper(module, carry, *args, **kwargs):
@@ -405,7 +430,7 @@ def _remat_scan_function(
     )
     if n is not None and label is not None:
       check_units(what, label, n, lengths, loop)
-    nesting, innermost = planned(module, loop.lifted, loop.length, carry, args, kwargs)
+    nesting, innermost, offloading = planned(module, loop.lifted, loop.length, carry, args, kwargs)
 
     def body(layer, c, _):
       out = fn(layer, c, *args, **kwargs)
@@ -414,9 +439,19 @@ def _remat_scan_function(
 
     def run(carry):
       carry, _ = loop.loop(
-        body, carry, None, lengths=nesting, remat=True, policy=innermost, prevent_cse=prevent_cse
+        body,
+        carry,
+        None,
+        lengths=nesting,
+        remat=True,
+        policy=innermost,
+        prevent_cse=prevent_cse,
+        offload=offloading,
       )
       return carry, loop.changed, loop.made
+
+    if offloading:
+      warn_if_kept(what)
 
     # Under a policy check the loop runs in a jaxpr first: its results come out
     # through the returned values, never as that trace's tracers left on `loop`.
@@ -435,6 +470,8 @@ def plan_remat(
   memory_budget: int | str | None = None,
   max_depth: int = 4,
   policy: Callable[..., Any] | None = None,
+  carries: str | None = None,
+  host_bandwidth: float | str = "25GB/s",
 ) -> RematPlan:
   """Plans ``sr.remat_scan`` over ``stack`` for a ``carry`` of these shapes.
 
@@ -460,6 +497,13 @@ def plan_remat(
   XLA's figure for the plan returned where planning compiled it. When no plan fits,
   the error names the smallest and what it needs, once compiled.
 
+  Where no plan keeping the carries on the device fits a budget, recompute alone
+  cannot meet it: on a backend that moves offloaded values to host memory (GPU, TPU)
+  the plans that keep the outer levels' carries there (``carries="offload"``) are
+  planned next, the fewest evaluations first and then the least host traffic, and the
+  plan's ``reason`` says why it offloads and what the traffic costs at
+  ``host_bandwidth``. On one that moves nothing (CPU) the error says so.
+
   Args:
     stack: a stacked module (N layers), or its ``sr.eval_shape``.
     carry: the carry, or ``jax.ShapeDtypeStruct`` s of it.
@@ -469,6 +513,13 @@ def plan_remat(
     policy: the innermost level's policy to plan with (e.g. one saving the names
       ``save_only_these_names`` lists), in place of choosing between nothing saveable
       and dots saveable; the nesting is then planned for the bytes it keeps.
+    carries: where the outer levels' carries may live: ``"device"``, ``"offload"``
+      (host memory: planned for the device bytes that leaves), or ``None`` (the
+      default): on the device, unless only offloading them meets ``memory_budget``.
+    host_bandwidth: bytes per second between device and host memory, for the cost an
+      offloading plan reports: a number, or a string such as ``"25GB/s"`` (the
+      default, PCIe 4.0 x16 in practice; PCIe 5.0 gives about 50, a GH200's
+      NVLink-C2C about 450).
 
   Returns:
     An ``sr.RematPlan``: its ``lengths``, innermost ``policy``, block evaluations and
@@ -477,8 +528,8 @@ def plan_remat(
 
   Raises:
     TypeError: ``stack`` is not a stacked module.
-    sr.TransformError: ``memory_budget`` is not an amount of memory, or no plan fits it
-      once compiled.
+    sr.TransformError: ``memory_budget`` or ``host_bandwidth`` is not an amount, no plan
+      fits the budget once compiled, or ``carries`` is not a choice.
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> stack = sr.vmap(sr.nn.Linear, axis_size=97)(256, 256, rngs=sr.Rngs(0))
@@ -498,6 +549,17 @@ def plan_remat(
     )
   fn = _call if fn is None else fn
   budget = parse_bytes(memory_budget)
+  check_carries("sr.plan_remat", carries, planned=True)
+  try:
+    bandwidth = parse_bytes(
+      host_bandwidth.removesuffix("/s") if isinstance(host_bandwidth, str) else host_bandwidth
+    )
+  except TransformError:
+    raise TransformError(
+      f"sr.plan_remat: host_bandwidth={host_bandwidth!r} is not an amount of bandwidth. "
+      "Fix: bytes per second, e.g. 25e9, or a string such as '25GB/s'."
+    ) from None
+  moves = moves_to_host()
   n, inputs = unit_inputs(stack, fn)
   carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), carry)
   carry_bytes = tree_bytes(carry)
@@ -511,7 +573,8 @@ def plan_remat(
   def verify(plan: RematPlan) -> int:
     run = remat_scan(fn, lengths=plan)
     loss = lambda m, c: sum(jnp.sum(x) for x in jax.tree.leaves(run(m, c)))
-    lowered = jit(grad(loss)).lower(abstract, carry)
+    with quiet():  # planning's compiles: the plan warns once, where it is run
+      lowered = jit(grad(loss)).lower(abstract, carry)
     analysis: Any = lowered.compile().memory_analysis()  # None only where XLA gives none
     return int(analysis.temp_size_in_bytes)
 
@@ -519,14 +582,16 @@ def plan_remat(
   measured: dict[tuple, int] = {}
 
   def measure(plan: RematPlan) -> int:  # each plan compiled at most once while planning
-    key = (plan.lengths, plan.policy_name)
+    key = (plan.lengths, plan.policy_name, plan.carries)
     if key not in measured:
       measured[key] = verify(plan)
     return measured[key]
 
   working_sets: dict[str, int] | None = None  # W per policy, once calibrated
 
-  def make(scales: dict[int, float] | None, budget: int | None) -> RematPlan:
+  placements = ("offload",) if carries == "offload" else ("device",)
+
+  def make(scales: dict[int, float] | None, budget: int | None, placements=placements) -> RematPlan:
     best, ranked = choose(
       n,
       carry_bytes,
@@ -537,6 +602,8 @@ def plan_remat(
       scales,
       unit,
       working_sets,
+      placements,
+      moves,
     )
     return RematPlan(
       n,
@@ -549,9 +616,10 @@ def plan_remat(
       carry_bytes,
       inputs.layer_bytes,
       verify,
-      measured_bytes=measured.get((best.lengths, best.policy)),
+      measured_bytes=measured.get((best.lengths, best.policy, best.carries)),
       unit=unit,
       _policy=policy,
+      carries=best.carries,
     )
 
   def calibrated(policy: str | None = None) -> None:
@@ -566,7 +634,16 @@ def plan_remat(
       return plan
     calibrated(plan.policy_name)  # the pick's policy was derived: measure it
     return make(None, None)
-  return fit_budget(make, budget, measure)
+  if carries is not None:
+    return fit_budget(make, budget, measure)
+  if not moves:
+    note = (
+      f" Offloading the outer levels' carries (carries='offload') would not help: "
+      f"this backend ({jax.default_backend()}) moves nothing to host memory."
+    )
+    return fit_budget(make, budget, measure, note=note)
+  offloading = lambda scales, budget: make(scales, budget, ("offload",))
+  return fit_budget(make, budget, measure, offloading, bandwidth or 25e9)
 
 
 def refuse_carry_and_more(what: str, carry, out) -> None:

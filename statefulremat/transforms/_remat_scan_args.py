@@ -13,10 +13,18 @@ from .memory._remat_plan import RematPlan, parse_bytes
 AUTO = "auto"
 
 
-def resolve_plan(what, lengths, length, policy, memory_budget):
-  """``(lengths, length, policy, budget)`` from a RematPlan, ``"auto"`` or a tuple."""
+def resolve_plan(what, lengths, length, policy, memory_budget, carries=None):
+  """``(lengths, length, policy, budget, carries)`` from a RematPlan, ``"auto"`` or a
+  tuple (``carries``: where the outer levels' carries live; None: planned, else on the
+  device)."""
   if isinstance(lengths, RematPlan):
     plan = lengths
+    if carries is not None and carries != plan.carries:
+      raise TransformError(
+        f"{what}: the plan keeps its carries in {plan.carries!r} memory; drop "
+        f"`carries={carries!r}`, or pass `lengths=plan.lengths, carries=...` to "
+        "override it."
+      )
     if length is not None and length != plan.n:
       raise TransformError(f"{what}: the plan is for {plan.n} layers but length={length}.")
     if policy is not None:
@@ -29,20 +37,20 @@ def resolve_plan(what, lengths, length, policy, memory_budget):
         f"{what}: memory_budget plans lengths='auto'; the plan "
         f"given was made for budget {plan.memory_budget}."
       )
-    return plan.lengths, plan.n, plan.policy, None
+    return plan.lengths, plan.n, plan.policy, None, plan.carries
   if isinstance(lengths, str):
     if lengths != AUTO:
       raise TransformError(
         f"{what}: lengths={lengths!r}; the only string it takes is "
         "'auto' (plan the nesting at trace time)."
       )
-    return AUTO, length, policy, parse_bytes(memory_budget)  # planned with the policy
+    return AUTO, length, policy, parse_bytes(memory_budget), carries  # planned with them
   if memory_budget is not None:
     raise TransformError(
       f"{what}: memory_budget={memory_budget!r} is for planning; pass "
       "lengths='auto' with it (or sr.plan_remat(...) to see the plan first)."
     )
-  return tuple(lengths), length, policy, None
+  return tuple(lengths), length, policy, None, carries
 
 
 def check_lengths(what: str, lengths: tuple, length: int | None) -> int:

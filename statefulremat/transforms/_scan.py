@@ -34,6 +34,7 @@ from ._pattern_loop import lift_loop
 from ._rules import Rules, TransformError
 from ._scan_axes import broadcast as broadcast  # pickled sr.broadcast named this module
 from ._scan_axes import check_axes, in_axes_per_leaf, leaf_path, stack_ys
+from .memory._carries import check_carries, warn_if_kept
 
 _EMPTY = MappingProxyType({})
 
@@ -51,6 +52,7 @@ def scan(
   length: int | None = None,
   reverse: bool = False,
   unroll: int | bool = 1,
+  carries: str = "device",
   data_transform: Callable[..., Any] | None = None,
   metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
@@ -69,6 +71,7 @@ def scan(
   length: int | None = None,
   reverse: bool = False,
   unroll: int | bool = 1,
+  carries: str = "device",
   data_transform: Callable[..., Any] | None = None,
   metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
@@ -87,6 +90,7 @@ def scan(
   length: int | None = None,
   reverse: bool = False,
   unroll: int | bool = 1,
+  carries: str = "device",
   data_transform: Callable[..., Any] | None = None,
   metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
@@ -105,6 +109,7 @@ def scan(
   length: int | None = None,
   reverse: bool = False,
   unroll: int | bool = 1,
+  carries: str = "device",
   data_transform: Callable[..., Any] | None = None,
   metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
@@ -123,6 +128,7 @@ def scan(
   length: int | None = None,
   reverse: bool = False,
   unroll: int | bool = 1,
+  carries: str = "device",
   data_transform: Callable[..., Any] | None = None,
   metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
@@ -180,6 +186,11 @@ def scan(
     reverse: run the iterations from last to first, as in ``jax.lax.scan`` (default
       ``False``).
     unroll: iterations per loop step, as in ``jax.lax.scan`` (default ``1``).
+    carries: where each iteration's input carry, which the scan saves for the
+      backward pass, lives: ``"device"`` (the default) or ``"offload"``, kept in host
+      memory (``pinned_host``). Everything else the body saves is saved as before (a
+      body under ``sr.remat`` keeps its policy). Where the backend offloads nothing
+      (CPU) the carries stay on the device and each trace warns once.
     data_transform: ``State -> State`` applied to each iteration's stacked values
       (e.g. ``jax.lax.with_sharding_constraint``); its entries keep their Variable
       kinds and the layer's metadata, so it can filter and read ``sharding``. Default
@@ -208,7 +219,8 @@ def scan(
       a function; ``variable_axes`` that is not ``{filter: int}``; at call, argument 0
       is not a module, or the body does not return a pair ``(carry, ys)``.
     sr.TransformError: ``in_axes`` / ``out_axes`` that are not axes, not a prefix of
-      ``xs`` / ``ys``, or out of range; a variable matched by two rules; the iteration
+      ``xs`` / ``ys``, or out of range; ``carries`` neither ``"device"`` nor
+      ``"offload"``; a variable matched by two rules; the iteration
       count unknown (no ``length``) or disagreeing between inputs; the carry changing
       structure, shape or dtype; the body writing a read-only variable; a ``split_rngs``
       or collection name that matches nothing; a list of unstacked layers as argument 0.
@@ -258,6 +270,7 @@ def scan(
     length=length,
     reverse=reverse,
     unroll=unroll,
+    carries=carries,
     data_transform=data_transform,
     metadata_params=metadata_params,
   )
@@ -265,6 +278,7 @@ def scan(
     return functools.partial(scan, methods=methods, init_in_axes=init_in_axes, **options)
   what = f"sr.scan({target_repr(target)})"
   check_axes(what, in_axes, out_axes)
+  check_carries(what, carries)
   made = class_form(
     target,
     "Scan",
@@ -312,12 +326,14 @@ def _scan_function(
   length,
   reverse,
   unroll,
+  carries,
   data_transform,
   metadata_params,
   from_class_form: bool = False,
 ) -> Callable:
   what = f"sr.scan({display_name(fn)})"
   check_axes(what, in_axes, out_axes)
+  offload = check_carries(what, carries)
   rules = Rules(
     what,
     variable_axes=variable_axes,
@@ -397,7 +413,9 @@ def _scan_function(
       data_transform=data_transform,
       reverse=reverse,
     )
-    carry, ys = loop.loop(call, carry, moved, unroll=unroll)
+    if offload:
+      warn_if_kept(what)
+    carry, ys = loop.loop(call, carry, moved, unroll=unroll, offload=offload)
     if ys is not None and not (isinstance(out_axes, int) and out_axes == 0):
       ys = stack_ys(what, out_axes, ys)  # may raise: before anything is written back
     loop.finish()

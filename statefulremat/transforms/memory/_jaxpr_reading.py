@@ -24,6 +24,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Jaxpr
 
 PROBE_NAME = "<statefulremat probe>"  # a name no user gives a value
+# The name the stacks give the carries they offload (``carries="offload"``, ``_carries``):
+# the library's, never a name of the user's body.
+STACK_CARRY = "sr_stack_carry"
 
 
 def _probe_policy(*_, **__) -> bool:
@@ -136,13 +139,16 @@ def checkpoint_names(jaxpr: Jaxpr) -> set[str]:
 
 
 def names_under(jaxpr: Jaxpr, policy) -> set[str] | None:
-  """The names given inside every ``jax.checkpoint`` with ``policy`` in ``jaxpr``; None
-  where there is no such checkpoint (then there is nothing to compare)."""
+  """The names the body gives inside every ``jax.checkpoint`` with ``policy`` (or with
+  a policy wrapping it, as ``_carries.OffloadCarries`` does) in ``jaxpr``, the stacks'
+  own ``STACK_CARRY`` left out; None where there is no such checkpoint (then there is
+  nothing to compare)."""
   found: set[str] | None = None
   for eqn in jaxpr.eqns:
-    if remat_policy_of(eqn) is policy:
+    used = remat_policy_of(eqn)
+    if used is not None and (used is policy or getattr(used, "__wrapped__", None) is policy):
       for sub in sub_jaxprs(eqn):
-        found = (found or set()) | checkpoint_names(sub)
+        found = (found or set()) | (checkpoint_names(sub) - {STACK_CARRY})
       continue
     for sub in sub_jaxprs(eqn):
       inner = names_under(sub, policy)

@@ -51,11 +51,49 @@ def calibrate(
   return {p: working_set - (r - residuals[policy]) for p, r in residuals.items()}
 
 
-def fit_budget(make: MakePlan, budget: int, measure: Callable[[RematPlan], int]) -> RematPlan:
+def fit_budget(
+  make: MakePlan,
+  budget: int,
+  measure: Callable[[RematPlan], int],
+  offload: MakePlan | None = None,
+  host_bandwidth: float = 25e9,
+  note: str = "",
+) -> RematPlan:
   """The plan with the fewest evaluations that fits ``budget`` once compiled
   (``measure(plan)``: XLA's temp bytes, each plan compiled once), with its
   ``measured_bytes``; raises ``TransformError`` naming the smallest plan when none of
-  those tried fits."""
+  those tried fits (``note`` ends its message). Where none keeping the carries on the
+  device fits and ``offload`` makes plans that may offload them, those are tried next;
+  the plan then says why it offloads, and what that costs at ``host_bandwidth`` bytes
+  per second."""
+  try:
+    return _fit(make, budget, measure, note)
+  except TransformError as error:
+    if offload is None:
+      raise
+    on_device = getattr(error, "smallest", None)
+  try:
+    plan = _fit(offload, budget, measure, "")
+  except TransformError as error:
+    raise TransformError(f"{error} (Its carries in host memory: carries='offload'.)") from None
+  if plan.carries == "device" or on_device is None:
+    return plan
+  host = next(c.host_bytes for c in plan.candidates if c.carries == plan.carries)
+  return dataclasses.replace(
+    plan,
+    reason=(
+      f"Carries offloaded: no plan keeping them on the device fits memory_budget="
+      f"{format_bytes(budget)} (the smallest, lengths={on_device.lengths}, needs "
+      f"{format_bytes(on_device.measured_bytes or 0)}); with the outer levels' carries "
+      f"in host memory, {format_bytes(host)} go out and back per step (~"
+      f"{1e3 * host / host_bandwidth:.1f} ms each way at host_bandwidth="
+      f"{host_bandwidth / 1e9:g} GB/s), and lengths={plan.lengths} needs "
+      f"{format_bytes(plan.measured_bytes or 0)} on the device."
+    ),
+  )
+
+
+def _fit(make: MakePlan, budget: int, measure: Callable[[RematPlan], int], note: str) -> RematPlan:
   try:
     plan = make(None, budget)
   except TransformError:
@@ -64,7 +102,7 @@ def fit_budget(make: MakePlan, budget: int, measure: Callable[[RematPlan], int])
     unbudgeted = dataclasses.replace(make(None, None), memory_budget=budget)
     fitting = _smallest_that_fits(unbudgeted, budget, measure)
     if fitting is None:
-      _no_plan_fits(unbudgeted, budget, measure)
+      _no_plan_fits(unbudgeted, budget, measure, note)
     return fitting
   # Where the model is exact (Dense + tanh: to 0.1 % of XLA's figure), a plan with fewer
   # evaluations that it puts under the budget itself, inside the headroom kept for
@@ -88,19 +126,23 @@ def fit_budget(make: MakePlan, budget: int, measure: Callable[[RematPlan], int])
       plan = make(scales, budget)
     except TransformError:
       break
-  _no_plan_fits(plan, budget, measure)
+  _no_plan_fits(plan, budget, measure, note)
 
 
-def _no_plan_fits(plan: RematPlan, budget: int, measure: Callable[[RematPlan], int]) -> NoReturn:
+def _no_plan_fits(
+  plan: RematPlan, budget: int, measure: Callable[[RematPlan], int], note: str
+) -> NoReturn:
   smallest = _smallest(plan, measure)
   need = format_bytes(smallest.measured_bytes or 0)
-  raise TransformError(
+  error = TransformError(
     f"no remat plan for {counted(plan.n, plan.unit)} fits memory_budget="
     f"{format_bytes(budget)} once compiled: the smallest, lengths={smallest.lengths} "
     f"({smallest.policy_name}, {smallest.evals // smallest.n}N evaluations), needs "
     f"{need}. Fix: a budget of at least {need} (that plan), a smaller batch or carry, "
-    "or sharding the activations over more devices."
+    f"or sharding the activations over more devices.{note}"
   )
+  error.smallest = smallest  # type: ignore[attr-defined]  # for fit_budget's reason
+  raise error
 
 
 def _smallest(plan: RematPlan, measure: Callable[[RematPlan], int]) -> RematPlan:
@@ -118,6 +160,7 @@ def _picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
     plan,
     lengths=pick.lengths,
     policy_name=pick.policy,
+    carries=pick.carries,
     evals=pick.evals,
     temp_bytes=pick.temp_bytes,
     candidates=(pick,) + rest,

@@ -60,12 +60,15 @@ GIVEN = "given policy"  # the one policy a plan was asked to use (plan_remat(pol
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   """One way to run N layers: ``lengths``, the innermost ``policy``, its evaluations
-  per gradient step and its predicted temp bytes."""
+  per gradient step and its predicted temp bytes (device memory); ``carries`` where
+  the saved carries live, ``host_bytes`` what goes to host memory for them."""
 
   lengths: tuple
   policy: str
   evals: int
   temp_bytes: int
+  carries: str = "device"
+  host_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +104,10 @@ class RematPlan:
       stack.
     _policy: internal: the policy planning was given; None (the default) to run the
       one ``policy_name`` names.
+    carries: where the carries the outer levels save live: ``"device"`` (the default)
+      or ``"offload"`` (host memory), as ``sr.remat_scan``'s ``carries``.
+    reason: why planning offloaded the carries, with the host traffic it costs; ``""``
+      (the default) where they stay on the device.
   """
 
   n: int
@@ -116,6 +123,8 @@ class RematPlan:
   measured_bytes: int | None = None
   unit: str = "layer"  # what N counts: "cycle" for a pattern stack
   _policy: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
+  carries: str = "device"
+  reason: str = ""
 
   @property
   def policy(self):
@@ -140,15 +149,25 @@ class RematPlan:
       f"{format_bytes(self.layer_bytes)})",
       f"{'':2}{'lengths':<18}{'policy':<18}{'evals':>8}{'temp (predicted)':>18}",
     ]
+    offloading = any(c.carries != "device" for c in self.candidates)
+    if offloading:
+      lines[-1] += f"{'carries':>10}"
     for c in self.candidates[:8]:
-      mark = "->" if (c.lengths, c.policy) == (self.lengths, self.policy_name) else ""
+      mark = "->" if _key(c) == (self.lengths, self.policy_name, self.carries) else ""
       lines.append(
         f"{mark:2}{str(c.lengths):<18}{c.policy:<18}"
         f"{f'{c.evals // self.n}N':>8}{format_bytes(c.temp_bytes):>18}"
+        + (f"{c.carries:>10}" if offloading else "")
       )
     if len(self.candidates) > 8:
       lines.append(f"  … {len(self.candidates) - 8} more")
+    if self.reason:
+      lines.append(self.reason)
     return "\n".join(lines)
+
+
+def _key(c: Candidate) -> tuple:
+  return (c.lengths, c.policy, c.carries)
 
 
 # -- the model ------------------------------------------------------------------------
@@ -226,6 +245,18 @@ def ragged_bytes(n: int, lengths: Sequence[int], carry: int, layer: int) -> int:
       extra += layer * rest
     count = rest
   return extra
+
+
+def offloaded_bytes(n: int, lengths: Sequence[int], carry: int) -> int:
+  """The bytes ``carries="offload"`` keeps in host memory: the carries the outer levels
+  save (one per step of each, across the whole backward pass), or a single level's
+  (one per unit).
+
+  >>> offloaded_bytes(100, (10, 10), 4), offloaded_bytes(100, (100,), 4)
+  (40, 400)
+  """
+  steps = structure(n, lengths)[0]
+  return carry * (sum(steps[:-1]) if len(steps) > 1 else steps[0])
 
 
 def nestings(n: int, max_depth: int = 3):
@@ -319,15 +350,21 @@ def choose(
   scales: dict[int, float] | None = None,
   unit: str = "layer",
   working_sets: dict[str, int] | None = None,
+  carries: Sequence[str] = ("device",),
+  moves: bool = True,
 ) -> tuple[Candidate, list]:
   """The best candidate and all of them, best first.
 
   With a budget: the fewest evaluations whose predicted temp fits (with 3 %
   headroom for the model's error), at equal evaluations the one that recomputes less
-  (dots saved) and then the smaller. Without: the least memory at no more than 3N
-  evaluations. ``working_sets`` is ``W`` per policy (``calibrate``; none: 0);
-  ``scales`` multiplies the predictions of nestings of each depth (a correction from
-  compiling a pick). ``unit`` is what ``n`` counts, for messages.
+  (dots saved) and then the smaller; a plan keeping its carries on the device before
+  any that offloads them, and of those, the least host traffic. Without: the least
+  memory at no more than 3N evaluations. ``working_sets`` is ``W`` per policy
+  (``calibrate``; none: 0); ``scales`` multiplies the predictions of nestings of each
+  depth (a correction from compiling a pick); ``carries`` the placements to consider
+  (``"device"``, ``"offload"``); ``moves``: whether the backend moves offloaded values
+  to host memory (on one that does not, offloading saves nothing). ``unit`` is what
+  ``n`` counts, for messages.
   """
   candidates = []
   for lengths in nestings(n, max_depth):
@@ -335,14 +372,27 @@ def choose(
     scale = (scales or {}).get(len(lengths), 1.0)
     for policy, residual in residuals.items():
       temp = predict_temp(n, lengths, carry, residual, layer) + (working_sets or {}).get(policy, 0)
-      candidates.append(Candidate(lengths, policy, evals, max(0, int(scale * temp))))
+      for placement in carries:
+        host = offloaded_bytes(n, lengths, carry) if placement == "offload" else 0
+        # Offloaded, the saved carries leave the device but for one in transit.
+        device = temp - (host - carry if moves and host else 0)
+        candidates.append(
+          Candidate(lengths, policy, evals, max(0, int(scale * device)), placement, host)
+        )
   rank = {DOTS: 0, NOTHING: 1, GIVEN: 0}
   if memory_budget is None:
     pool = [c for c in candidates if c.evals <= 3 * n]
-    key = lambda c: (c.temp_bytes, c.evals, len(c.lengths), rank[c.policy])
+    key = lambda c: (c.temp_bytes, c.evals, len(c.lengths), rank[c.policy], c.host_bytes)
   else:
     pool = [c for c in candidates if c.temp_bytes <= HEADROOM * memory_budget]
-    key = lambda c: (c.evals, rank[c.policy], c.temp_bytes, len(c.lengths))
+    key = lambda c: (
+      c.host_bytes > 0,
+      c.evals,
+      c.host_bytes,
+      rank[c.policy],
+      c.temp_bytes,
+      len(c.lengths),
+    )
     if not pool:
       smallest = min(candidates, key=lambda c: c.temp_bytes)
       needed = math.ceil(smallest.temp_bytes / HEADROOM)

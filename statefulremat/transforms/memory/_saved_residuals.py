@@ -34,6 +34,7 @@ from ...core._module import Module
 from .._class_form import display_name
 from .._lift import check_no_nodes, is_node, lift
 from ._jaxpr_reading import (
+  STACK_CARRY,
   called_body,
   checkpoint_name_of,
   is_offload_copy,
@@ -237,6 +238,8 @@ def _origin(eqn, k: int, depth: int = 0) -> tuple[str | None, str | None, str, b
   bodies of calls (jit, scan, remat, custom derivatives) whose outputs are the body's
   outputs, and through the copy an offload policy makes (``offloaded``)."""
   name = checkpoint_name_of(eqn)
+  if name == STACK_CARRY:  # named by the library, where no line of the user's is
+    return name, None, "each step's input carry (carries='offload')", False
   if name is not None:
     return name, None, _where(eqn), False
   body = called_body(eqn)

@@ -192,7 +192,7 @@ def pipeline(
       "of the whole stack does not apply. Fix: lengths='auto' with memory_budget= "
       "(planned per stage), or leave it out (one level per stage, with policy=)."
     )
-  nesting, _, policy, budget = resolve_plan(
+  nesting, _, policy, budget, _ = resolve_plan(
     what, () if lengths is None else lengths, None, policy, memory_budget
   )
   return pipelined(

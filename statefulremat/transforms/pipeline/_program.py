@@ -162,10 +162,17 @@ def program(
           return stage_fn(layer, c, *a, **kw)
 
         plan = plans[key] = plan_remat(
-          module, carry, fn=planned, memory_budget=budget, policy=options.get("policy")
+          module,
+          carry,
+          fn=planned,
+          memory_budget=budget,
+          policy=options.get("policy"),
+          carries=options.get("carries"),
         )
       inner = remat_scan(
-        stage_fn, lengths=plan, **{o: v for o, v in options.items() if o != "policy"}
+        stage_fn,
+        lengths=plan,
+        **{o: v for o, v in options.items() if o not in ("policy", "carries")},
       )
     else:
       inner = remat_scan(stage_fn, lengths=(chunk,), **options)
