@@ -1,7 +1,7 @@
 """sr.plan_remat true to XLA on real blocks: attention (MHA, GQA, dropout), a pattern's
 cycles and a conv block, where a unit's backward pass needs far more than the terms
-that change between nestings (issue 36, item 4). ``benchmarks/planner.py`` measures the
-same at full size."""
+that change between nestings (issue 36, item 4). ``benchmarks/planner.py``'s blocks,
+which it measures at full size."""
 
 import dataclasses
 import functools
@@ -12,32 +12,9 @@ import jax.numpy as jnp
 import pytest
 
 import statefulremat as sr
+from benchmarks.planner import GPT, ConvBlock
 
 WIDTH, SEQ, BATCH = 32, 16, 2
-
-
-class GPT(sr.Module):
-  def __init__(self, heads, kv_heads=None, dropout=0.0, *, rngs):
-    self.attn_norm = sr.nn.LayerNorm(WIDTH, rngs=rngs)
-    self.attn = sr.nn.MultiHeadAttention(
-      heads, WIDTH, num_kv_heads=kv_heads, dropout_rate=dropout, deterministic=False, rngs=rngs
-    )
-    self.mlp_norm = sr.nn.LayerNorm(WIDTH, rngs=rngs)
-    self.mlp = sr.nn.MLP(WIDTH, 4 * WIDTH, dropout_rate=dropout, rngs=rngs)
-
-  def __call__(self, x):
-    x = x + self.attn(self.attn_norm(x), is_causal=True)
-    return x + self.mlp(self.mlp_norm(x))
-
-
-class Conv(sr.Module):
-  def __init__(self, *, rngs):
-    self.conv1 = sr.nn.Conv(8, 8, (3, 3), rngs=rngs)
-    self.norm = sr.nn.GroupNorm(8, num_groups=4, rngs=rngs)
-    self.conv2 = sr.nn.Conv(8, 8, (3, 3), rngs=rngs)
-
-  def __call__(self, x):
-    return x + self.conv2(jax.nn.relu(self.norm(self.conv1(x))))
 
 
 class Local(GPT):
@@ -65,11 +42,11 @@ def _measured(plan, candidate) -> int:
 
 
 CASES = {
-  "MHA": (lambda: _stack(GPT, 8, 4), TOKENS),
-  "GQA + dropout": (lambda: _stack(GPT, 8, 4, kv_heads=2, dropout=0.1), TOKENS),
-  "conv": (lambda: _stack(Conv, 8), jax.ShapeDtypeStruct((2, 8, 8, 8), jnp.float32)),
+  "MHA": (lambda: _stack(GPT, 8, WIDTH, 4), TOKENS),
+  "GQA + dropout": (lambda: _stack(GPT, 8, WIDTH, 4, kv_heads=2, dropout=0.1), TOKENS),
+  "conv": (lambda: _stack(ConvBlock, 8, 8), jax.ShapeDtypeStruct((2, 8, 8, 8), jnp.float32)),
   "pattern": (
-    lambda: _stack((functools.partial(Local, 4), functools.partial(GPT, 4)), 12),
+    lambda: _stack((functools.partial(Local, WIDTH, 4), functools.partial(GPT, WIDTH, 4)), 12),
     TOKENS,
   ),
 }
