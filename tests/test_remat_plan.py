@@ -143,12 +143,13 @@ def test_auto_plans_the_nesting_for_the_policy_given():
   plan = sr.plan_remat(stack, CARRY, fn=named, policy=policy)
   assert plan.policy is policy and plan.policy_name == "given policy"
   assert {c.policy for c in plan.candidates} == {"given policy"}
-  # Planned for what the policy keeps (one (B, W) float32 per layer): above nothing
-  # saveable for every nesting.
+  # Planned for what the policy keeps (one (B, W) float32 per layer): never below
+  # nothing saveable, above it where the residuals add up (under jax's next remat,
+  # JAX_REMAT3=1, XLA keeps no more than nothing saveable at the calibrated nesting).
   nothing = sr.plan_remat(stack, CARRY, fn=named)
   temp = lambda p, name: {c.lengths: c.temp_bytes for c in p.candidates if c.policy == name}
   given, kept = temp(plan, "given policy"), temp(nothing, "nothing_saveable")
-  assert all(given[n] > kept[n] for n in given)
+  assert all(given[n] >= kept[n] for n in given) and given[(13,)] > kept[(13,)]
   # Within the model's error; under jax's next remat (JAX_REMAT3=1) XLA keeps 13 % less.
   assert 0.8 < plan.verify() / plan.temp_bytes < 1.1
   run = sr.remat_scan(named, lengths="auto", policy=policy)
