@@ -267,6 +267,26 @@ def test_planner_part_sets_each_candidate_against_xla(tmp_path):
   assert "| conv | 6 layers | 0 |" in text and "target |error| <= 10 %: met." in text
 
 
+def test_offload_benchmark_runs_and_on_cpu_moves_nothing(tmp_path):
+  # For a GPU session: on CPU it shows every construction runs with equal gradients.
+  from benchmarks import offload
+
+  with pytest.warns(UserWarning, match="nothing is offloaded"):
+    result = offload.run(True, tmp_path, log=lambda *a: None)
+  assert json.loads((tmp_path / "offload.json").read_text()) == json.loads(json.dumps(result))
+  assert [r["construction"] for r in result["rows"]] == [
+    "remat_scan (2, 4)",
+    "remat_scan (8,)",
+    "scan(remat)",
+  ]
+  for r in result["rows"]:
+    assert r["grad_difference"] == 0.0 and r["offloaded"] > 0
+    assert r["drop"] == 0 and r["offload"]["host_temp"] == 0  # the CPU moves nothing
+  assert not result["config"]["moves"]
+  assert "would not help: this backend (cpu)" in result["planning"]["error"]
+  assert "| remat_scan (8,) |" in (tmp_path / "offload.md").read_text()
+
+
 def test_pattern_part_runs_every_implementation_at_every_depth(tmp_path):
   # --part pattern needs no results.json: it writes its own two files.
   from benchmarks import pattern
