@@ -62,7 +62,9 @@ def test_an_offloaded_plan_keeps_the_outer_carries_off_the_device():
 def test_a_budget_the_device_meets_keeps_the_carries_there():
   budget = int(smallest("device") / planning.HEADROOM) + 1
   plan = budget_fitting.fit_budget(make, budget, exact, offloading)
-  assert plan.carries == "device" and plan.reason == ""
+  assert plan.carries == "device"
+  assert plan.reason.startswith("Carries on the device: recompute alone meets memory_budget=")
+  assert f"lengths={plan.lengths}" in plan.reason and plan.reason in str(plan)
 
 
 def test_a_budget_only_offloading_meets_offloads_and_says_why():

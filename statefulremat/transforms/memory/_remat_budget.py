@@ -67,7 +67,8 @@ def fit_budget(
   the plan then says why it offloads, and what that costs at ``host_bandwidth`` bytes
   per second."""
   try:
-    return _fit(make, budget, measure, note)
+    plan = _fit(make, budget, measure, note)
+    return dataclasses.replace(plan, reason=_why(plan, budget))
   except TransformError as error:
     if offload is None:
       raise
@@ -77,7 +78,7 @@ def fit_budget(
   except TransformError as error:
     raise TransformError(f"{error} (Its carries in host memory: carries='offload'.)") from None
   if plan.carries == "device" or on_device is None:
-    return plan
+    return dataclasses.replace(plan, reason=_why(plan, budget))
   host = next(c.host_bytes for c in plan.candidates if c.carries == plan.carries)
   return dataclasses.replace(
     plan,
@@ -91,6 +92,19 @@ def fit_budget(
       f"{format_bytes(plan.measured_bytes or 0)} on the device."
     ),
   )
+
+
+def _why(plan: RematPlan, budget: int) -> str:
+  """Where the plan keeps its carries, and why, for a plan that fits ``budget``."""
+  pick = (
+    f"lengths={plan.lengths} ({plan.policy_name}, {plan.evals // plan.n}N evaluations) "
+    f"needs {format_bytes(plan.measured_bytes or 0)} on the device once compiled"
+  )
+  if plan.carries == "device":
+    return (
+      f"Carries on the device: recompute alone meets memory_budget={format_bytes(budget)}; {pick}."
+    )
+  return f"Carries in host memory, as carries='offload' asks; {pick}."
 
 
 def _fit(make: MakePlan, budget: int, measure: Callable[[RematPlan], int], note: str) -> RematPlan:

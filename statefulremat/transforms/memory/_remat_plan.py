@@ -106,8 +106,9 @@ class RematPlan:
       one ``policy_name`` names.
     carries: where the carries the outer levels save live: ``"device"`` (the default)
       or ``"offload"`` (host memory), as ``sr.remat_scan``'s ``carries``.
-    reason: why planning offloaded the carries, with the host traffic it costs; ``""``
-      (the default) where they stay on the device.
+    reason: with a budget, where planning put the carries and why (on the device:
+      recompute alone meets the budget; offloaded: none on the device does, with the
+      host traffic it costs); ``""`` (the default) without one.
   """
 
   n: int
