@@ -26,7 +26,7 @@ from ..core._state import State
 from ._lift import Changes, Lifted, check_no_nodes, split_call, write_back
 from ._module_arg import stacked_sources
 from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, TransformError, Treatment
-from .memory._carries import OffloadCarries, offload_policy, tag, tracing_step
+from .memory._carries import offloaded
 
 
 def _aval(x):
@@ -475,23 +475,6 @@ class LayerLoop:
     state = (self._carried_values(carried), carry)
     (carry_values, carry), written = segment(0, state, self._stacked_inputs(), n, 0)
     return carry_values, carry, written
-
-
-def offloaded(step: Callable, policy: Callable | None, remat: bool, prevent_cse: bool):
-  """``step(state, *x)`` under a ``jax.checkpoint`` that keeps its input ``state`` in host
-  memory; every other value as ``policy`` says (``remat``), or saved as a plain scan
-  saves it (not ``remat``: ``sr.scan``'s step)."""
-
-  if remat:
-    tagged = lambda state, *x: step(tag(state), *x)
-    return jax.checkpoint(tagged, policy=offload_policy(policy), prevent_cse=prevent_cse)
-  saving = OffloadCarries(True)  # its own: the sr.remat calls in the body report to it
-
-  def reporting(state, *x):
-    with tracing_step(saving):
-      return step(tag(state), *x)
-
-  return jax.checkpoint(reporting, policy=saving, prevent_cse=prevent_cse)
 
 
 def _move_axis(x, source: int, destination: int):

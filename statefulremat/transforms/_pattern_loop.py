@@ -34,10 +34,11 @@ from ..core._module import Module
 from ..core._pattern_stack import PatternStack
 from ..core._stacks import cycle
 from ..core._tracing import tracing_user_code
-from ._layers import LayerLoop, _move_axis, check_same_type, offloaded
+from ._layers import LayerLoop, _move_axis, check_same_type
 from ._module_arg import class_length, lift_module_arg, resolve_length, stacked_sources
 from ._pattern import check_positions, position_names
 from ._rules import TransformError
+from .memory._carries import offloaded
 
 
 def take(tree, k: int):

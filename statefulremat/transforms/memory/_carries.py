@@ -161,3 +161,20 @@ def warning_once(fn: Callable, what: str) -> Callable:
       _QUIET.reset(token)
 
   return call
+
+
+def offloaded(step: Callable, policy: Callable | None, remat: bool, prevent_cse: bool):
+  """``step(state, *x)`` under a ``jax.checkpoint`` that keeps its input ``state`` in host
+  memory; every other value as ``policy`` says (``remat``), or saved as a plain scan
+  saves it (not ``remat``: ``sr.scan``'s step)."""
+
+  if remat:
+    tagged = lambda state, *x: step(tag(state), *x)
+    return jax.checkpoint(tagged, policy=offload_policy(policy), prevent_cse=prevent_cse)
+  saving = OffloadCarries(True)  # its own: the sr.remat calls in the body report to it
+
+  def reporting(state, *x):
+    with tracing_step(saving):
+      return step(tag(state), *x)
+
+  return jax.checkpoint(reporting, policy=saving, prevent_cse=prevent_cse)
