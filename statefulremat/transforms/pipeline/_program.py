@@ -18,8 +18,9 @@ The Q = S·R chunks are the stack's layers in order, ``N // Q`` or one more each
 first ``N % Q``); chunk ``q = r·S + s`` is stage ``s``'s pass ``r``. Where that layout
 differs from the stack's (circular, or N not divisible by Q) the stacked values are
 gathered into it inside the trace (``_layout``), each chunk padded to the
-longest with layers the stage skips (the carry passes them unchanged), and written
-state is gathered back.
+longest with layers the stage skips (the carry passes them unchanged); written
+state and the gradients go back into the stack's own layout, so that N layers, N not
+a multiple of S, are never split unevenly over the stages (which Explicit axes refuse).
 """
 
 from __future__ import annotations
@@ -181,10 +182,15 @@ def program(
 
     def to_layout(v, a):
       v = jnp.moveaxis(v, a, 0) if a else v
-      return v if layout.identity else relaid(v, layout.slots, layout.inverse, axis, explicit)
+      return v if layout.identity else relaid(v, layout, axis, explicit)
 
-    def from_layout(v, a):
-      v = v if layout.identity else moved(v, layout.inverse, axis, explicit)
+    def from_layout(v, i):
+      """A written value back in the stack's own layout (and, on Explicit axes, its
+      sharding: with N not divisible by S that is not split over the stages)."""
+      a = layer_axis[i]
+      if not layout.identity:
+        home = jnp.moveaxis(values[i], a, 0) if a else values[i]
+        v = moved(v, layout.inverse, axis, explicit, stages, home_spec(home, explicit))
       return jnp.moveaxis(v, 0, a) if a else v
 
     laid = [to_layout(values[i], layer_axis[i]) for i in stacked]
@@ -225,6 +231,7 @@ def program(
           jnp.moveaxis(v, layer_axis[stacked[j]], 0) if layer_axis[stacked[j]] else v
           for j, v in zip(found["written"], new)
         ]
+        found["dtypes"] = [jnp.result_type(v) for v in new]
         return out, new, valid, m, r
 
       one_step(jnp.int32(0), laid, jax.tree.map(lambda v: varying(v[0]), xs))  # learns `found`
@@ -270,7 +277,9 @@ def program(
         zeros,
         jax.tree.map(varying, xs),
         jax.tree.map(varying, xs),
-        [laid[j] for j in written],
+        # In the dtype the body writes, as after the sequential run's first microbatch
+        # (a BatchNorm's float32 statistics updated from a float64 batch are float64).
+        [lax.convert_element_type(laid[j], d) for j, d in zip(written, found["dtypes"])],
       )
       (_, _, outs, local_w), _ = lax.scan(step, init, jnp.arange(steps, dtype=jnp.int32))
       outs = jax.tree.map(
@@ -290,7 +299,7 @@ def program(
     )
     outs, local_w = program(laid, fixed, xs, [extras[j] for j in dynamic])
     written, used = found["written"], found["counts"]
-    changed = {stacked[j]: from_layout(v, layer_axis[stacked[j]]) for j, v in zip(written, local_w)}
+    changed = {stacked[j]: from_layout(v, stacked[j]) for j, v in zip(written, local_w)}
     for i in used:
       changed[i] = values[i] + jnp.asarray(k, values[i].dtype)
     write_back(variables, changed, what)
@@ -299,30 +308,46 @@ def program(
   return run
 
 
-def relaid(v, order, inverse, axis: str, explicit: bool):
-  """``moved(v, order, ...)`` whose gradient is moved back by ``inverse`` (a layer's
-  slot; a padding slot repeats a layer and gets no gradient, as its stage skips it),
-  rather than scattered into a whole stack on every device."""
+def relaid(v, layout: Layout, axis: str, explicit: bool):
+  """``v`` (layer axis first) moved into the pipeline's layout, whose gradient is moved
+  back by ``layout.inverse`` (a layer's slot; a padding slot repeats a layer and gets no
+  gradient, as its stage skips it) into ``v``'s own layout, rather than scattered into
+  a whole stack on every device."""
+  stages, home = layout.stages, home_spec(v, explicit)
 
   @jax.custom_vjp
   def move(v):
-    return moved(v, order, axis, explicit)
+    return moved(v, layout.slots, axis, explicit, stages)
 
-  move.defvjp(lambda v: (move(v), None), lambda _, ct: (moved(ct, inverse, axis, explicit),))
+  move.defvjp(
+    lambda v: (move(v), None),
+    lambda _, ct: (moved(ct, layout.inverse, axis, explicit, stages, home),),
+  )
   return move(v)
 
 
-def moved(v, order, axis: str, explicit: bool):
-  """``v`` (layer axis first) with its layers in ``order``, the layer axis still sharded
-  over the stages (``axis``): each layer moves to its stage once, instead of every
-  stage's layers landing on each device (or, under an Explicit axis, a gather whose
-  sharding JAX cannot tell)."""
+def home_spec(v, explicit: bool):
+  """``v``'s spec where Explicit axes show it (the layout to move back into), else None."""
+  return jax.typeof(v).sharding.spec if explicit else None
+
+
+def moved(v, order, axis: str, explicit: bool, stages: int, spec=None):
+  """``v`` (layer axis first) with its layers in ``order``, the layer axis sharded over
+  the stages (``axis``) where its length divides among them: each layer moves to its
+  stage once, instead of every stage's layers landing on each device (or, under an
+  Explicit axis, a gather whose sharding JAX cannot tell). A length that does not
+  divide (N layers, N not a multiple of S, on the way back) is never split unevenly:
+  it goes to ``spec`` (the stack's own sharding, on Explicit axes), else the layer axis
+  replicated, as the stack's is."""
+  lead = axis if len(order) % stages == 0 else None
   if explicit:
-    rest = tuple(jax.typeof(v).sharding.spec)[1:]
-    rest += (None,) * (jnp.ndim(v) - 1 - len(rest))
-    return v.at[order].get(out_sharding=PartitionSpec(axis, *rest))
+    if spec is None:
+      rest = tuple(jax.typeof(v).sharding.spec)[1:]
+      rest += (None,) * (jnp.ndim(v) - 1 - len(rest))
+      spec = PartitionSpec(lead, *rest)
+    return v.at[order].get(out_sharding=spec)
   free = (PartitionSpec.UNCONSTRAINED,) * (jnp.ndim(v) - 1)
-  return lax.with_sharding_constraint(jnp.take(v, order, axis=0), PartitionSpec(axis, *free))
+  return lax.with_sharding_constraint(jnp.take(v, order, axis=0), PartitionSpec(lead, *free))
 
 
 def _avals(tree):
