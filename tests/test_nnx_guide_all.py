@@ -13,6 +13,10 @@ Guide pattern -> tests
     -> test_01_vmap_applies_a_function_to_a_module_and_data
  2. Basic example: nnx.vmap of create_weights returns a stack of Weights
     -> test_02_vmap_of_a_constructor_function_returns_a_stack
+       test_02_the_guides_spelling_with_in_axes_and_out_axes_equals_the_loop
+       test_02_a_class_form_maps_its_seeds_with_init_in_axes
+       test_02_a_class_form_refuses_seeds_broadcast_to_every_layer
+       test_02_a_constructor_failing_for_another_reason_keeps_its_own_error
        test_vmap_returning_a_module_is_a_stack
  3. Transforming methods: @nnx.vmap on __init__ and on __call__
     -> test_03_vmap_decorates_init_and_call
@@ -175,6 +179,88 @@ def test_02_vmap_of_a_constructor_function_returns_a_stack():
   close(
     sr.vmap(vector_dot, out_axes=1)(ours, X), nnx.vmap(vector_dot, in_axes=0, out_axes=1)(theirs, X)
   )
+
+
+def test_02_the_guides_spelling_with_in_axes_and_out_axes_equals_the_loop():
+  """nnx.vmap(create_weights, in_axes=0, out_axes=1)(seeds) as written: one seed per
+  layer, the layer axis of every Variable at 1."""
+
+  def create_weights(cls):
+    return lambda seed: cls(kernel=random.uniform(random.key(seed), (2, 3)), bias=jnp.zeros((3,)))
+
+  seeds = jnp.arange(10)
+  theirs = nnx.vmap(create_weights(NnxWeights), in_axes=0, out_axes=1)(seeds)
+  ours = sr.vmap(create_weights(Weights), in_axes=0, out_axes=1)(seeds)
+  loop = [create_weights(Weights)(seed) for seed in range(10)]
+  assert ours.kernel.shape == val(theirs.kernel).shape == (2, 10, 3) and len(ours) == 10
+  close(ours.kernel.value, jnp.stack([w.kernel.value for w in loop], axis=1))
+  close(ours.kernel.value, val(theirs.kernel))
+  for i in (0, 7):
+    close(ours.layer(i).kernel.value, loop[i].kernel.value)
+
+
+class SeedWeights(sr.Module):
+  """The guide's Weights built from a seed in the constructor, as a class form's layer."""
+
+  def __init__(self, seed):
+    self.kernel = sr.Param(random.uniform(random.key(seed), (2, 3)))
+    self.bias = sr.Param(jnp.zeros((3,)))
+
+  def __call__(self, x):
+    return x @ self.kernel + self.bias
+
+
+def test_02_a_class_form_maps_its_seeds_with_init_in_axes():
+  seeds = jnp.arange(10)
+  ours = sr.vmap(SeedWeights, in_axes=0, out_axes=1, init_in_axes=0)(seeds)
+  loop = [SeedWeights(seed) for seed in range(10)]
+  assert len(ours) == 10 and ours.kernel.shape == (10, 2, 3)  # axis_size read off seeds
+  close(ours.kernel.value, jnp.stack([w.kernel.value for w in loop]))
+  close(ours(X), jnp.stack([w(x) for w, x in zip(loop, X)], axis=1))  # the call's axes
+
+
+def test_02_a_class_form_refuses_seeds_broadcast_to_every_layer():
+  """Constructor arguments pass whole to every layer (DESIGN's class forms): a seed
+  array that only a slice per layer suits is refused, naming it and init_in_axes."""
+  with pytest.raises(sr.TransformError, match=r"`seed` \(int\d+\[10\]\) was broadcast") as e:
+    sr.vmap(SeedWeights, in_axes=0, out_axes=1)(jnp.arange(10))
+  assert "`init_in_axes=0`" in str(e.value) and "unmapped" in str(e.value)
+
+  class Seeded(sr.Module):
+    def __init__(self, scale, seed, *, rngs):
+      self.linear = sr.nn.Linear(2, 3, rngs=rngs)
+      self.kernel = sr.Param(scale * random.uniform(random.key(seed), (2, 3)))
+
+  rngs = sr.Rngs(0)
+  for make in (
+    lambda: sr.vmap(Seeded, axis_size=4)(2.0, jnp.arange(4), rngs=rngs),
+    lambda: sr.scan(Seeded, length=4, variable_axes={True: 0})(2.0, jnp.arange(4), rngs=rngs),
+  ):
+    with pytest.raises(
+      sr.TransformError, match=r"`seed` .* every one of the 4 layers.*init_in_axes=\(None, 0\)"
+    ):
+      make()
+  assert int(rngs.default.count.value) == 0  # nothing drawn: nothing half-made
+  stack = sr.vmap(Seeded, axis_size=4, init_in_axes=(None, 0))(2.0, jnp.arange(4), rngs=rngs)
+  close(stack.kernel.value[3], 2.0 * random.uniform(random.key(3), (2, 3)))
+
+
+def test_02_a_constructor_failing_for_another_reason_keeps_its_own_error():
+  """The argument is blamed only where one slice of it lets the layer build."""
+
+  class Table(sr.Module):
+    def __init__(self, table):
+      self.w = sr.Param(table @ jnp.ones((5,)))  # (4, 3) whole or (3,) sliced: both fail
+
+  with pytest.raises(TypeError, match=r"dot_general requires contracting dimensions"):
+    sr.vmap(Table, axis_size=4)(jnp.ones((4, 3)))
+
+  class Keyword(sr.Module):
+    def __init__(self, *, seed):
+      self.w = sr.Param(random.uniform(random.key(seed), (3,)))
+
+  with pytest.raises(sr.TransformError, match=r"`seed`.*pass `seed` positionally"):
+    sr.vmap(Keyword, axis_size=4)(seed=jnp.arange(4))
 
 
 def test_03_vmap_decorates_init_and_call():

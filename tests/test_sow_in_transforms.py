@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import statefulremat as sr
 
@@ -141,3 +143,105 @@ def test_a_sown_tuple_is_sliced_per_layer_by_stack_layer():
     for k in range(2):
       close(layer.features.value[k], stack.features.value[k][i])
   assert [len(layer.features.value) for layer in sr.unstack(stack)] == [2] * 4
+
+
+# -- sr.stack / sr.unstack / stack.layer(i) of layers holding sown tuples -----------------
+
+
+class ScanBlock(Block):
+  def __call__(self, x):
+    return super().__call__(x), None
+
+
+def output(out):
+  """A stack's or a layer's output: sr.scan's body returns ``(carry, ys)``."""
+  return out[0] if isinstance(out, tuple) else out
+
+
+def assert_same_layer(a, b):
+  """Same class, paths, kinds and values, sown tuples included."""
+  assert type(a) is type(b)
+  va, vb = sr.state(a).flat_variables(), sr.state(b).flat_variables()
+  assert list(va) == list(vb)
+  for path in va:
+    assert type(va[path]) is type(vb[path]), path
+    x, y = va[path].value, vb[path].value
+    assert jax.tree.structure(x) == jax.tree.structure(y), path
+    for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+      np.testing.assert_array_equal(np.asarray(p), np.asarray(q), err_msg=str(path))
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: sr.remat_scan(Block, lengths=(2,), length=2),
+    lambda: sr.scan(ScanBlock, length=2, variable_axes={True: 0}, split_rngs={True: True}),
+  ],
+  ids=["remat_scan", "scan"],
+)
+def test_stack_of_two_models_layers_holding_a_sown_tuple(make):
+  """Issue 44 item 3: the sown tuple is stacked leaf by leaf, as the loop holds it."""
+  Stack = make()
+  a, b = Stack(rngs=sr.Rngs(0)), Stack(rngs=sr.Rngs(1))
+  x = jax.random.normal(jax.random.key(1), (2, D))
+  a(x)
+  b(x)
+  layers = [a.layer(0), b.layer(1)]
+  mixed = sr.stack(layers)
+  assert type(mixed) is Stack and len(mixed) == 2
+  (features,) = mixed.features.value
+  assert features.shape == (2, 2, D)
+  for i, layer in enumerate(layers):
+    assert_same_layer(mixed.layer(i), layer)
+  for got, layer in zip(sr.unstack(mixed), layers):
+    assert_same_layer(got, layer)
+  # It runs as the loop over its layers, and sows its second entry as they do.
+  h = x
+  for layer in layers:
+    h = output(layer(h))
+  close(output(mixed(x)), h)
+  assert len(mixed.features.value) == 2
+  for i, layer in enumerate(layers):
+    for k in range(2):
+      close(mixed.layer(i).features.value[k], layer.features.value[k])
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 3), calls=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_sown_tuples_round_trip_through_stack_and_unstack(n, calls, seed):
+  layers = [Block(rngs=sr.Rngs(seed + i)) for i in range(n)]
+  x = jax.random.normal(jax.random.key(seed), (2, D))
+  for layer in layers:
+    for _ in range(calls):
+      layer(x)
+  stacked = sr.stack(layers, like=sr.vmap(Block, axis_size=n))
+  assert len(stacked.features.value) == calls
+  assert all(leaf.shape == (n, 2, D) for leaf in stacked.features.value)
+  back = sr.unstack(stacked)
+  for i, (layer, original) in enumerate(zip(back, layers)):
+    assert_same_layer(layer, original)
+    assert_same_layer(stacked.layer(i), original)
+  again = sr.stack(back)
+  assert_same_layer(again, stacked)
+
+
+def test_stack_of_layers_sown_a_different_number_of_times_names_the_variable():
+  stack = sr.remat_scan(Block, lengths=(2,))(rngs=sr.Rngs(0))
+  x = jnp.ones((2, D))
+  stack(x)
+  first, second = sr.unstack(stack)
+  second(x)
+  with pytest.raises(
+    sr.TransformError,
+    match=r"`features` \(Intermediate\) holds a tuple of 1 value in layer 0 but of 2 "
+    r"values in layer 1.*sr\.pop\(layer, sr\.Intermediate\)",
+  ):
+    sr.stack([first, second])
+  assert [len(layer.features.value) for layer in (first, second)] == [1, 2]  # unchanged
+  sr.pop(second, sr.Intermediate)
+  with pytest.raises(
+    sr.TransformError, match=r"attribute `features` was deleted.*sr\.pop\(layer, sr\.Intermediate\)"
+  ):
+    sr.stack([first, second])
+  sr.pop(first, sr.Intermediate)
+  assert not hasattr(sr.stack([first, second]), "features")

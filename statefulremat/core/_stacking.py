@@ -19,6 +19,7 @@ from ._errors import TransformError, format_path
 from ._graph import flatten, rewrite
 from ._graph_build import unflatten
 from ._graph_diff import first_difference
+from ._kinds import Intermediate
 from ._module import Module
 from ._pattern_stack import from_positions
 from ._split_merge import type_change
@@ -43,7 +44,9 @@ def stack(layers: Sequence[Module], *, like: Any = None):
   origin, ``like``'s stacked Variables, or ``like``'s rules; a Variable the layers
   got after ``sr.unstack`` is stacked or not as the class's rules say, as at init.
   A Variable left unstacked is held once for all layers, so it must be equal in
-  every layer: a ``TransformError`` names it otherwise (never layer 0's kept).
+  every layer: a ``TransformError`` names it otherwise (never layer 0's kept). A
+  Variable holding a pytree (the tuple ``Module.sow`` appends to) is stacked leaf by
+  leaf, so each layer must hold the same structure (sown as many times).
 
   Args:
     layers: the layers, in order: modules built alike (the same class, arguments and
@@ -60,7 +63,8 @@ def stack(layers: Sequence[Module], *, like: Any = None):
     TypeError: ``like`` is not a stacked module or class, or it is None and the layers
       did not all come out of the same stack.
     sr.TransformError: the layers are not structured alike (another structure, shape
-      or dtype), or a Variable held once for all layers differs between them.
+      or dtype, a sown tuple of another length), or a Variable held once for all
+      layers differs between them.
 
   >>> import statefulremat as sr
   >>> stack = sr.vmap(sr.nn.Linear, axis_size=4)(2, 3, rngs=sr.Rngs(0))
@@ -137,7 +141,8 @@ def _stack(layers: list, like: Any, cls: type | None, numbers: _Numbers):
     if axis is None:
       values.append(origins.get(graphdef.var_paths[j], column[0]))
     else:
-      values.append(jnp.stack(column, axis=axis[0]))
+      # A pytree value (a sown tuple) is stacked leaf by leaf, as the stack slices it.
+      values.append(jax.tree.map(lambda *xs, a=axis[0]: jnp.stack(xs, axis=a), *column))
   graphdef = rewrite(
     graphdef,
     root_classes={0: cls},
@@ -246,12 +251,18 @@ def _check_alike(layers, flats, numbers: _Numbers) -> None:
   for i, (g, layer_vars) in enumerate(flats[1:], 1):
     if g != graphdef:
       difference = _layer_difference(layers[0], layers[i], graphdef, g, numbers[0])
+      fix = (
+        "a sown Intermediate exists only in a layer that was called since its last "
+        "`sr.pop`: call every layer as often, or `sr.pop(layer, sr.Intermediate)` each"
+        if _sown_differs(layers[0], layers[i], graphdef, g)
+        else "build them with the same arguments (and the same mode, `.train()` / `.eval()`)"
+      )
       raise TransformError(
         f"sr.stack: layer {numbers[i]} is not structured like {numbers.first()}: "
-        f"{difference}. Only identical layers can be stacked: build them with the same "
-        "arguments (and the same mode, `.train()` / `.eval()`)."
+        f"{difference}. Only identical layers can be stacked: {fix}."
       )
     for path, v0, v in zip(graphdef.var_paths, variables, layer_vars):
+      _check_tree(path, v0, v, numbers, i)
       why = type_change(v0._value, v._value)
       if why is not None:
         a, b = numbers[0], numbers[i]
@@ -261,6 +272,37 @@ def _check_alike(layers, flats, numbers: _Numbers) -> None:
           f"dtype of {numbers.first(possessive=True)}: {both} (layer {b}). Only identical "
           "layers can be stacked: build them with the same sizes (and dtypes)."
         )
+
+
+def _values(n: int) -> str:
+  return f"{n} value" + "s" * (n != 1)
+
+
+def _check_tree(path, v0: Variable, v: Variable, numbers: _Numbers, i: int) -> None:
+  """Raises unless a Variable holds a value of one tree structure in both layers: a
+  pytree value (a sown tuple) is stacked leaf by leaf, so its leaves must pair up."""
+  t0, t1 = jax.tree.structure(v0._value), jax.tree.structure(v._value)
+  if t0 == t1:
+    return
+  a, b = numbers[0], numbers[i]
+  sown = isinstance(v0._value, tuple) and isinstance(v._value, tuple)
+  held = (
+    f"a tuple of {_values(len(v0._value))} in layer {a} but of {_values(len(v._value))} in "
+    f"layer {b}"
+    if sown
+    else f"{t0} in layer {a} but {t1} in layer {b}"
+  )
+  fix = (
+    "a sown Variable gains an entry per call, so the layers were called a different "
+    "number of times. Fix: call every layer as often, or clear what they sowed first, "
+    "`sr.pop(layer, sr.Intermediate)` for each layer"
+    if sown
+    else "Fix: give the Variable the same structure in every layer"
+  )
+  raise TransformError(
+    f"sr.stack: `{format_path(path)}` ({type(v0).__name__}) holds {held}; its leaves "
+    f"are stacked one by one, so they must pair up: {fix}."
+  )
 
 
 def _layer_difference(first, other, g0, g1, number: int = 0) -> str:
@@ -277,6 +319,21 @@ def _layer_difference(first, other, g0, g1, number: int = 0) -> str:
     if not isinstance(was, (Module, Variable)) and not isinstance(now, (Module, Variable)):
       return f"`{format_path(path)}` is {was!r} in layer {number} but {now!r} here"
   return f"attribute `{format_path(path)}` {verb}"
+
+
+def _sown_differs(first, other, g0, g1) -> bool:
+  """Whether the first structural difference of two layers is a sown ``Intermediate``
+  that one of them holds and the other does not."""
+  found = first_difference(g0.nodes[0], g1.nodes[0], ())
+  if found is None:
+    return False
+  for root in (first, other):
+    try:
+      if isinstance(_value_at(root, found[0]), Intermediate):
+        return True
+    except (AttributeError, KeyError, IndexError, TypeError):
+      pass
+  return False
 
 
 def _value_at(root, path: tuple):

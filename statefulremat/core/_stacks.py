@@ -458,10 +458,17 @@ def init_axes(what: str, init_in_axes, args: tuple) -> tuple:
   return axes
 
 
-def check_init_leaf(what: str, j: int, axis: int, shape: tuple, length: int) -> None:
+def check_init_leaf(what: str, j: int, axis: int, shape: tuple, length: int | None) -> None:
   """Raises unless constructor argument ``j`` (a leaf of it, of ``shape``) has one entry
-  per layer along the ``axis`` that ``init_in_axes`` maps."""
-  if not -len(shape) <= axis < len(shape) or shape[axis] != length:
+  per layer along the ``axis`` that ``init_in_axes`` maps (``length`` None: any number,
+  the axis must exist)."""
+  if length is None and not -len(shape) <= axis < len(shape):
+    raise TransformError(
+      f"{what}: init_in_axes maps constructor argument {j} along axis {axis}, one "
+      f"slice per layer, but it has shape {shape}, no axis {axis}. Fix: give it a "
+      "layer axis there, or None in init_in_axes to pass it whole to every layer."
+    )
+  if length is not None and (not -len(shape) <= axis < len(shape) or shape[axis] != length):
     raise TransformError(
       f"{what}: init_in_axes maps constructor argument {j} along axis {axis}, one "
       f"slice per layer, so it needs {length} entries there; it has shape {shape}. Fix: "

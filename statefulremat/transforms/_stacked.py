@@ -10,20 +10,28 @@ move between it and ordinary single-layer modules.
 Constructor arguments pass unmapped to every layer's ``__init__`` (only RNG streams
 are split, per ``split_rngs``), except positional ones that ``init_in_axes`` maps:
 layer ``i`` gets slice ``i`` of each, along that axis (nnx's ``nnx.vmap(create,
-in_axes=...)`` over the init arguments). Inside a transformed method the module is one layer: an
-instance of the plain layer class, the layer axis (and its partition name) removed.
+in_axes=...)`` over the init arguments), and without ``length`` / ``axis_size`` their
+size is the number of layers. Nothing is mapped unasked: an array meant for every
+layer may have as many entries as there are layers. Where the constructor fails on an
+array argument passed whole and traces with one slice of it (the nnx guide's
+``jnp.arange(10)`` seeds), the error says so and names ``init_in_axes``. Inside a
+transformed method the module is one layer: an instance of the plain layer class, the
+layer axis (and its partition name) removed.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..core._bookkeeping import LAYER_KEYS, SPLITS
-from ..core._errors import TransformError, format_path
+from ..core._errors import StatefulRematError, TransformError, format_path
 from ..core._graph import flatten, rewrite
 from ..core._graph_build import unflatten
 from ..core._module import Module, iter_graph
@@ -45,6 +53,7 @@ from ..core._state import freeze, thaw_metadata
 from ..core._variables import Variable
 from ._class_form import subclass, transform_name
 from ._lift import lift, write_back
+from ._outputs import is_node
 from ._rules import STACKED, Rules, Treatment
 
 
@@ -137,7 +146,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   info = stack_info(cls)
   assert info is not None and isinstance(info.rules, LayerRules)
   rules, length, what = info.rules.rules, info.length, info.what
-  mapped = _mapped_leaves(what, info.init_in_axes, args, length)
+  mapped, length = _mapped_leaves(what, info.init_in_axes, args, length)
   lifted, in_vars, leaves, nodes = lift(args, kwargs)
   in_graphdef = lifted.graphdef
   in_treatment = Treatment(rules.for_init(), in_graphdef, in_vars, nodes)
@@ -145,9 +154,9 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   n_in = len(in_vars)
   record: dict[str, Any] = {}
 
-  def init_one(index, slices=()):
+  def init_one(index, slices=(), which=mapped):
     mine = list(leaves)
-    for (k, _), value in zip(mapped, slices):
+    for (k, _), value in zip(which, slices):
       mine[k] = value
     layer, changes = lifted.run(
       info.layer_maker(), list(in_values), mine, what, seed=(in_treatment, index)
@@ -184,7 +193,15 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     return [v._value for v in new_vars]
 
   firsts = [jnp.take(leaves[k], 0, axis=axis) for k, axis in mapped]
-  jax.eval_shape(init_one, jnp.uint32(0), firsts)
+  try:
+    jax.eval_shape(init_one, jnp.uint32(0), firsts)
+  except StatefulRematError:
+    raise
+  except Exception as e:
+    # Nothing was written yet (the streams advance at the end): refusing leaves the
+    # caller's objects as they were.
+    _refuse_broadcast_argument(info, args, kwargs, leaves, mapped, length, init_one, e)
+    raise
   in_treatment.check_stream_names()
   treatment: Treatment = record["treatment"]
   stacked = [k == STACKED for k in treatment.kinds[n_in:]]
@@ -240,17 +257,16 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   return roots[-1]
 
 
-def _mapped_leaves(what: str, init_in_axes, args: tuple, length) -> list[tuple[int, int]]:
+def _mapped_leaves(
+  what: str, init_in_axes, args: tuple, length: int | None
+) -> tuple[list[tuple[int, int]], int | None]:
   """``(leaf number, axis)`` of each constructor-argument leaf ``init_in_axes`` maps
   (numbered as ``split_call`` numbers the non-module leaves; keyword arguments come
-  after the positional ones and are never mapped)."""
+  after the positional ones and are never mapped), and the number of layers: ``length``,
+  or where it is None the size of the first mapped leaf along its axis (as ``jax.vmap``
+  reads its axis size off the mapped arguments)."""
   if init_in_axes is None:
-    return []
-  if length is None:
-    raise TransformError(
-      f"{what}: init_in_axes maps constructor arguments per layer, so the number of "
-      "layers must be known at init: pass `length=` (or `axis_size=`) to the transform."
-    )
+    return [], length
   out, k = [], 0
   for j, (arg, axis) in enumerate(zip(args, init_axes(what, init_in_axes, args))):
     for leaf in jax.tree.leaves(arg, is_leaf=lambda x: isinstance(x, (Module, Variable))):
@@ -263,10 +279,117 @@ def _mapped_leaves(what: str, init_in_axes, args: tuple, length) -> list[tuple[i
           )
         continue
       if axis is not None:
-        check_init_leaf(what, j, axis, tuple(jnp.shape(leaf)), length)
+        shape = tuple(jnp.shape(leaf))
+        if length is None and -len(shape) <= axis < len(shape):
+          length = shape[axis]
+        check_init_leaf(what, j, axis, shape, length)
         out.append((k, axis))
       k += 1
-  return out
+  if length is None:
+    raise TransformError(
+      f"{what}: init_in_axes maps constructor arguments per layer, but maps no array "
+      "here, so the number of layers is unknown: pass `length=` (or `axis_size=`) to "
+      "the transform."
+    )
+  return out, length
+
+
+def _refuse_broadcast_argument(
+  info: StackInfo, args, kwargs, leaves, mapped, length, init_one, error: Exception
+) -> None:
+  """Raises a ``TransformError`` when the layer constructor failed because an array
+  argument was passed whole to every layer (class forms pass constructor arguments
+  unmapped) and builds once given one slice of it: the nnx guide's ``seed``, a
+  ``jnp.arange(10)`` meant as one seed per layer. Returns otherwise (the caller
+  re-raises ``error``).
+
+  The argument is blamed only where a slice of it along axis 0 (of ``length`` entries,
+  where the number of layers is known) lets the constructor trace: never a guess.
+  """
+  taken = {k for k, _ in mapped}
+  paths = [
+    path
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_node)[0]
+    if not isinstance(leaf, (Module, Variable))
+  ]
+  candidates: dict[tuple, list[int]] = {}  # (positional?, index or name) -> leaf numbers
+  for k, (leaf, path) in enumerate(zip(leaves, paths)):
+    shape = jnp.shape(leaf) if isinstance(leaf, (jax.Array, np.ndarray)) else ()
+    if k in taken or not shape or (length is not None and shape[0] != length):
+      continue
+    where = path[1]
+    key = (True, where.idx) if path[0].idx == 0 else (False, getattr(where, "key", where))
+    candidates.setdefault(key, []).append(k)
+  firsts = [jnp.take(leaves[k], 0, axis=axis) for k, axis in mapped]
+  culprits = []
+  for key, ks in list(candidates.items())[:8]:
+    try:
+      jax.eval_shape(
+        functools.partial(init_one, which=mapped + [(k, 0) for k in ks]),
+        jnp.uint32(0),
+        firsts + [jnp.take(leaves[k], 0, axis=0) for k in ks],
+      )
+    except Exception:
+      continue
+    culprits.append(key)
+  if not culprits:
+    return
+  names = _parameter_names(info.layer_maker(), len(args))
+  positional = [key[1] for key in culprits if key[0]]
+  keywords = [key[1] for key in culprits if not key[0]]
+  named = " and ".join([f"`{names[i]}`" for i in positional] + [f"`{k}`" for k in keywords])
+  first = leaves[candidates[culprits[0]][0]]
+  shape, dtype = tuple(jnp.shape(first)), jnp.result_type(first)
+  count = f"every one of the {length} layers" if length is not None else "every layer"
+  transform = transform_name(info.label)
+  layer = getattr(info.layer_class, "__name__", "Block")
+  said = str(error).splitlines()[0] if str(error) else ""
+  if positional:
+    axes = (
+      "0"
+      if len(positional) == len(args)
+      else "(" + ", ".join("0" if j in positional else "None" for j in range(len(args))) + ")"
+    )
+    fix = (
+      f"pass `init_in_axes={axes}` to {transform}, so layer i gets slice i of {named}"
+      + (" (the number of layers is read from it)" if length is None else "")
+      + f": `{transform}({layer}, ..., init_in_axes={axes})`"
+    )
+  else:
+    fix = (
+      f"init_in_axes maps positional constructor arguments only, so pass {named} "
+      f"positionally (made positional in {layer}.__init__ if it is keyword-only), with 0 "
+      "at its place in `init_in_axes` and None elsewhere"
+    )
+  # sr.remat_scan has no in_axes; the others' map the calls, and a user may have
+  # meant them for the constructor (nnx's `nnx.vmap(create, in_axes=0)(seeds)`).
+  calls = (
+    "" if info.label == "RematScan" else "; in_axes maps the stack's calls, not its constructor"
+  )
+  if info.label == "Vmap" and positional and not keywords:
+    fix += (
+      f", or map a function that builds one layer, as nnx does: `sr.vmap(lambda *a: {layer}(*a))`"
+    )
+  raise TransformError(
+    f"{transform}({layer}): constructor argument {named} ({dtype}{list(shape)}) was "
+    f"broadcast to {count}, and {layer}.__init__ failed with it ({type(error).__name__}: "
+    f"{said}). A class form passes constructor arguments unmapped (only RNG streams "
+    f"are split{calls}); with one slice of it each, the layers build. Fix: {fix}."
+  ) from error
+
+
+def _parameter_names(maker, n: int) -> list[str]:
+  """The names of the first ``n`` positional parameters of the layer constructor
+  (``argument j`` where its signature does not tell)."""
+  try:
+    params = [
+      p.name
+      for p in inspect.signature(maker).parameters.values()
+      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+  except (TypeError, ValueError):
+    params = []
+  return [params[j] if j < len(params) else f"argument {j}" for j in range(n)]
 
 
 class LayerRules:
