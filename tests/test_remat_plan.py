@@ -125,6 +125,74 @@ def test_the_class_form_plans_at_call_time():
     sr.remat_scan(sr.nn.Linear, lengths="auto")
 
 
+class SowingEncoderBlock(sr.Module):
+  """big_vision's ViT encoder block, small: it sows its `+mlp` output every call."""
+
+  def __init__(self, width, *, rngs):
+    self.norm1 = sr.nn.LayerNorm(width, rngs=rngs)
+    self.attn = sr.nn.MultiHeadAttention(2, width, decode=False, rngs=rngs)
+    self.norm2 = sr.nn.LayerNorm(width, rngs=rngs)
+    self.mlp = sr.nn.MLP(width, 2 * width, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.norm1(x))
+    x = x + self.mlp(self.norm2(x))
+    self.sow(sr.Intermediate, "+mlp", x)
+    return x
+
+
+@pytest.fixture(scope="module")
+def sowing_runs():
+  """6 sowing blocks trained one step under lengths="auto" (the class form), and a clone
+  trained under the nesting sr.plan_remat picks, given by hand (the function form)."""
+  import optax
+
+  x = jax.random.normal(jax.random.key(1), (2, 3, 4))
+  stack = sr.remat_scan(SowingEncoderBlock, lengths="auto", length=6)(4, rngs=sr.Rngs(0))
+  plan = sr.plan_remat(stack, x)  # plans a stack that sows; nothing is sown by it
+  assert not sr.state(stack, sr.Intermediate).flat()
+  fixed = sr.remat_scan(lambda layer, h: layer(h), lengths=plan.lengths)
+  runs = {}
+  for name, model, call in (("fixed", sr.clone(stack), fixed), ("auto", stack, None)):
+    opt = sr.Optimizer(model, optax.sgd(0.1))
+    loss_fn = lambda m, x, call=call: jnp.mean((m(x) if call is None else call(m, x)) ** 2)
+
+    @sr.jit
+    def step(model, opt, x, loss_fn=loss_fn):
+      loss, grads = sr.value_and_grad(loss_fn)(model, x)
+      opt.update(grads)
+      return loss
+
+    loss = step(model, opt, x)
+    runs[name] = dict(stack=model, loss=loss, sown=sr.pop(model, sr.Intermediate))
+  return runs, x, plan
+
+
+def test_auto_plans_and_trains_a_block_that_sows_as_a_fixed_plan_does(sowing_runs):
+  runs, x, plan = sowing_runs
+  auto, fixed = runs["auto"], runs["fixed"]
+  assert np.prod(plan.lengths) >= 6
+  np.testing.assert_array_equal(auto["loss"], fixed["loss"])
+  params = [sr.state(run["stack"], sr.Param) for run in (auto, fixed)]
+  jax.tree.map(np.testing.assert_array_equal, *params)
+  (sown,) = auto["sown"]["+mlp"]  # one call, one value, stacked per layer
+  assert sown.shape == (6, *x.shape)
+  np.testing.assert_array_equal(sown, fixed["sown"]["+mlp"][0])
+
+
+def test_a_sowing_stack_sows_what_the_loop_over_its_layers_sows(sowing_runs):
+  runs, x, _ = sowing_runs
+  stack = runs["auto"]["stack"]
+  y = sr.jit(lambda m, x: m(x))(stack, x)
+  h, per_layer = x, []
+  for layer in sr.unstack(stack):
+    h = layer(h)
+    per_layer.append(sr.pop(layer, sr.Intermediate)["+mlp"][0])
+  np.testing.assert_allclose(y, h, rtol=1e-5, atol=1e-6)
+  (sown,) = sr.pop(stack, sr.Intermediate)["+mlp"]
+  np.testing.assert_allclose(sown, jnp.stack(per_layer), rtol=1e-5, atol=1e-6)
+
+
 def test_a_checkpoint_of_one_nesting_restores_into_auto(tmp_path):
   saved = sr.remat_scan(sr.nn.Linear, lengths=(3, 4))(4, 4, rngs=sr.Rngs(0))
   sr.save(tmp_path / "ckpt", saved)

@@ -300,31 +300,51 @@ STRUCTURE_CHANGES = [
 ]
 
 
-# sr.jit (and sr.scan / sr.vmap / sr.remat) carry structure changes out:
-# tests/test_nnx_guide.py. sr.grad still refuses them.
-@pytest.mark.parametrize("transform", ["grad"])
-@pytest.mark.parametrize(
-  "change, where", STRUCTURE_CHANGES, ids=[c.__name__.strip("_") for c, _ in STRUCTURE_CHANGES]
-)
-def test_changing_structure_inside_a_transform_is_an_error(change, where, transform):
-  model = Outer()
-  snap = snapshot(model)
-  attrs = dict(vars(model))
+# sr.jit, sr.grad, sr.remat, sr.scan and sr.vmap carry structure changes out, as nnx's
+# transforms do (tests/test_nnx_guide.py); sr.accumulate, whose microbatches would each
+# change it, refuses them.
+IDS = [c.__name__.strip("_") for c, _ in STRUCTURE_CHANGES]
 
+
+def _bump_then(change):
   def fn(m, x):
     m.block.linear.bias.value = m.block.linear.bias.value + 1.0
     loss = m.block.linear.bias.value.sum()
     change(m, x)
     return loss
 
-  wrapped = sr.jit(fn) if transform == "jit" else sr.grad(fn)
-  what = r"sr\.jit\(fn\)" if transform == "jit" else r"sr\.grad\(fn\)"
+  return fn
+
+
+@pytest.mark.parametrize("change, where", STRUCTURE_CHANGES, ids=IDS)
+def test_grad_carries_a_structure_change_out_as_jit_does(change, where):
+  model, twin = Outer(), Outer()
+  grads = sr.grad(_bump_then(change))(model, X)
+  sr.jit(_bump_then(change))(twin, X)
+  assert sr.graphdef(model) == sr.graphdef(twin)
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6)  # two compilations
+  jax.tree.map(close, _plain(sr.state(model)), _plain(sr.state(twin)))
+  np.testing.assert_array_equal(grads["block"]["linear"]["bias"], np.ones(2))
+
+
+def _plain(state):
+  """``state`` with its RNG keys as their key data, to compare as arrays."""
+  is_key = lambda x: jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+  return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, state)
+
+
+@pytest.mark.parametrize("change, where", STRUCTURE_CHANGES, ids=IDS)
+def test_changing_structure_inside_accumulate_is_an_error(change, where):
+  model = Outer()
+  snap = snapshot(model)
+  attrs = dict(vars(model))
+  step = sr.accumulate(sr.value_and_grad(_bump_then(change)), microbatches=3)
   with pytest.raises(
     sr.GraphError,
-    match=what + r": the function changed the structure "
+    match=r"sr\.accumulate.*: the function changed the structure "
     r"of its modules \(" + where + r"\)\..*" + FIX,
   ):
-    wrapped(model, X)
+    step(model, X)
   assert_unchanged(model, snap)
   assert vars(model) == attrs and model.block.deterministic is False
   assert len(model.layers) == 2
@@ -333,12 +353,14 @@ def test_changing_structure_inside_a_transform_is_an_error(change, where, transf
 def test_structure_change_names_which_module_argument():
   a, b = Scale(), Scale()
 
-  def fn(a, b):
+  def fn(modules, x):
+    a, b = modules
     b.flag = True
-    return a.w.value.sum()
+    return (x @ a.w.value).sum()
 
+  step = sr.accumulate(sr.value_and_grad(fn), microbatches=3)
   with pytest.raises(sr.GraphError, match=r"attribute `flag` of a Scale argument changed"):
-    sr.grad(fn)(a, b)
+    step((a, b), X)
   assert b.flag is False
 
 

@@ -16,6 +16,7 @@ from ..core._kinds import Param
 from ..core._module import Module
 from ..core._state import State, freeze
 from ._lift import Lifted, check_no_nodes, held, split_call, write_back
+from ._outputs import Restructured
 from ._rules import TransformError
 
 M = TypeVar("M", bound=Module)
@@ -54,7 +55,8 @@ def value_and_grad(
   """Like ``jax.value_and_grad``; a module argument's gradient is a State.
 
   Changes the function makes to other variables (batch stats, RNG counts) are written
-  back to the caller's modules; if it raises, nothing is.
+  back to the caller's modules, and so are changes of structure (a Variable made by
+  ``self.sow``, a new sub-module), as ``sr.jit`` carries them; if it raises, nothing is.
 
   Args:
     fn: the function to differentiate; it returns a scalar loss, or ``(loss, aux)``
@@ -81,8 +83,7 @@ def value_and_grad(
       matches a variable that is not a float array; ``fn`` returns a tuple, list or dict
       without ``has_aux=True``, or not a pair with it.
     sr.TransformError: ``wrt`` matches no variable of a module at ``argnums``.
-    sr.GraphError: ``fn`` returns a module or a Variable, or changes the structure of its
-      modules (adds or removes sub-modules or Variables).
+    sr.GraphError: ``fn`` returns a module or a Variable.
     sr.TraceContextError: the call runs inside a plain JAX transform that closes over the
       module, so its new values would leak that transform's tracers.
 
@@ -163,7 +164,7 @@ def value_and_grad(
             call_args[t] = value
           return fn(*call_args, **call_kwargs)
 
-        out, changes = lifted.run(call, flat, leaves, what)
+        out, changes = lifted.run(call, flat, leaves, what, restructure=True)
         if has_aux:
           if not (isinstance(out, (tuple, list)) and len(out) == 2):
             got = (
@@ -189,6 +190,8 @@ def value_and_grad(
         else:
           loss, aux = out, None
         check_no_nodes(aux, what)
+        if changes.structure is not None:  # a sow, a new sub-module: carried out after
+          aux = Restructured(aux, changes.made, changes.structure)
         return loss, (aux, changes.values)
 
       diff_values = {t: [values[i] for i, _ in diff_index[t]] for t in module_targets}
@@ -197,6 +200,9 @@ def value_and_grad(
         pure, argnums=(0, 1), has_aux=True
       )(diff_values, array_args, others)
       write_back(variables, changed, what)
+      if type(aux) is Restructured:
+        aux.structure.apply(nodes, variables, aux.made)
+        aux = aux.out
 
     grads = []
     for t in targets:
@@ -347,8 +353,7 @@ def grad(
       matches a variable that is not a float array; ``fn`` returns a tuple, list or dict
       without ``has_aux=True``, or not a pair with it.
     sr.TransformError: ``wrt`` matches no variable of a module at ``argnums``.
-    sr.GraphError: ``fn`` returns a module or a Variable, or changes the structure of its
-      modules (adds or removes sub-modules or Variables).
+    sr.GraphError: ``fn`` returns a module or a Variable.
     sr.TraceContextError: the call runs inside a plain JAX transform that closes over the
       module, so its new values would leak that transform's tracers.
 
