@@ -30,8 +30,10 @@ import os
 import shutil
 import sys
 import tempfile
+import typing
 from pathlib import Path
 
+from sphinx.ext.autosummary import Autosummary, import_by_name, mangle_signature
 from sphinx.util.inspect import safe_getattr
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +60,6 @@ extensions = [
 
 # "*.py": this folder's own scripts (conf.py, helpers), not notebooks; tutorials/*.py are.
 exclude_patterns = ["_build", "*.py", "**/__pycache__", "**/.ipynb_checkpoints"]
-REPOSITORY = "https://github.com/statefulremat/statefulremat"
 
 # -- Links to the ecosystem's docs ---------------------------------------------------
 # Off unless asked for: fetching an inventory offline is a warning, and -W fails on it.
@@ -151,15 +152,10 @@ os.environ["IPYTHONDIR"] = str(_ipython_dir)
 # -- HTML ----------------------------------------------------------------------------
 html_theme = "sphinx_book_theme"
 html_title = f"statefulremat {release}"
-html_theme_options = {
-  "show_toc_level": 2,
-  "repository_url": REPOSITORY,
-  "repository_branch": "main",
-  "path_to_docs": "docs",
-  "use_repository_button": True,
-  "use_issues_button": True,
-  "use_source_button": True,
-}
+# No repository, issues or source buttons: the project has no public home yet, and a
+# button to a host that does not exist leads nowhere. The download button gives each
+# page's source.
+html_theme_options = {"show_toc_level": 2}
 
 
 # A public class names its public module (``sr.State.__module__ == "statefulremat"``, for
@@ -220,6 +216,46 @@ def _readable_overload_defaults(app, doctree):
           default.children = [nodes.Text(shown)]
 
 
+def _overloaded(obj) -> bool:
+  fn = obj.__init__ if isinstance(obj, type) else obj
+  try:
+    return bool(typing.get_overloads(inspect.unwrap(fn)))
+  except (AttributeError, TypeError):
+    return False
+
+
+def _table_signature(obj, display_name: str) -> str:
+  """The implementation's signature (the one users call), compacted as autosummary
+  compacts every row: names only, optional ones in brackets."""
+  sig = inspect.signature(obj)
+  bare = [
+    p.replace(annotation=p.empty, default=p.empty if p.default is p.empty else None)
+    for p in sig.parameters.values()
+  ]
+  text = str(sig.replace(parameters=bare, return_annotation=sig.empty))
+  return mangle_signature(text, max_chars=max(10, 50 - len(display_name)))
+
+
+class _OneSignatureAutosummary(Autosummary):
+  """autosummary, a row per name with the signature users call. For a function with
+  @overload stubs Sphinx joins every stub's signature into one row, and its compaction
+  garbles the join (``jit(, static_argnames, ...)``); such a row shows the
+  implementation's signature instead, once."""
+
+  def get_items(self, names):
+    items = []
+    for display_name, sig, summary, real_name in super().get_items(names):
+      if sig:
+        try:
+          obj = import_by_name(real_name)[1]
+        except ImportError:
+          obj = None
+        if obj is not None and _overloaded(obj):
+          sig = _table_signature(obj, display_name)
+      items.append((display_name, sig, summary, real_name))
+    return items
+
+
 def _one_signature(app, doctree):
   # A transform's @overload signatures are for type checkers (a class in, its class
   # out); the page shows the first, as flax's do one, and the Args say the rest.
@@ -239,3 +275,4 @@ def setup(app):
   app.connect("doctree-read", _readable_overload_defaults)
   app.add_autodoc_attrgetter(type, _class_attribute)
   app.connect("viewcode-follow-imported", _source_module)
+  app.add_directive("autosummary", _OneSignatureAutosummary, override=True)

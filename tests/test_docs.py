@@ -186,8 +186,10 @@ def test_the_site_opens_with_install_a_first_model_and_the_way_in(site):
   glossary = (site / "glossary.html").read_text(encoding="utf-8")
   for term in ("remat", "activation checkpointing", "layer axis", "carry", "broadcast"):
     assert f'id="term-{term.replace(" ", "-")}"' in glossary, term
-  # The source: sphinx-book-theme's repository button, on every page.
-  assert "github.com/statefulremat/statefulremat" in (site / "index.html").read_text()
+  # No button or link to a home the project does not have (a repository, a hosted site).
+  index = (site / "index.html").read_text(encoding="utf-8")
+  assert "github.com/" + "statefulremat" not in index, "a link to a repository that does not exist"
+  assert "statefulremat" + ".readthedocs.io" not in index
   # The guides link the API pages of the names they use.
   deep_stacks = (site / "guide" / "deep_stacks.html").read_text(encoding="utf-8")
   assert "_autosummary/statefulremat.remat_scan.html" in deep_stacks
@@ -247,6 +249,63 @@ def test_api_pages_show_no_raw_markup(site):
       at = text.index("``")
       broken[page.stem] = text[max(0, at - 60) : at + 40]
   assert not broken, f"docstrings whose ``literals`` do not render: {broken}"
+
+
+def autosummary_rows(page: Path) -> list[tuple[str, str]]:
+  """``(full name, signature shown)`` for each row of the page's autosummary tables."""
+  rows = []
+  source = page.read_text(encoding="utf-8")
+  for table in re.findall(r'<table class="autosummary.*?</table>', source, re.S):
+    for cell in re.findall(r"<tr[^>]*>\s*<td>(.*?)</td>", table, re.S):
+      link = re.search(r'title="([^"]+)"[^>]*>(.*?)</a>(.*)', cell, re.S)
+      assert link, f"{page.name}: a row without a link: {cell[:200]}"
+      shown = html.unescape(" ".join(re.sub(r"<[^>]+>", "", link.group(3)).split()))
+      rows.append((link.group(1), shown))
+  return rows
+
+
+def resolve(full_name: str) -> object:
+  """The object a documented full name (``statefulremat.nn.Linear``) names."""
+  parts = full_name.split(".")
+  for cut in range(len(parts), 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:cut]))
+    except ImportError:
+      continue
+    for part in parts[cut:]:
+      obj = getattr(obj, part)
+    return obj
+  raise ImportError(full_name)
+
+
+def test_api_tables_show_the_signature_users_call_once(site):
+  # A function with @overload stubs once showed them joined and garbled
+  # (`jit(, static_argnames, donate_state, ...)`): each row is one signature, compacted
+  # as autosummary does (optional names in brackets, `...` past the width), whose names
+  # are the real parameters, in order, each once.
+  checked, broken = 0, {}
+  for page in sorted((site / "api").glob("*.html")):
+    for full_name, shown in autosummary_rows(page):
+      if not shown:
+        continue  # no signature to show (an alias of a jax function, a module)
+      names = re.findall(r"[A-Za-z_]\w*", shown)
+      try:
+        real = list(inspect.signature(resolve(full_name)).parameters)
+      except (TypeError, ValueError):
+        real = None
+      it = iter(real or ())
+      problem = None
+      if re.match(r"\(\s*,", shown):
+        problem = "starts with `(,`"
+      elif len(set(names)) != len(names):
+        problem = "a parameter shown twice"
+      elif real is not None and not all(name in it for name in names):
+        problem = f"not the parameters {real}, in order"
+      if problem:
+        broken[full_name] = f"{shown}: {problem}"
+      checked += 1
+  assert checked > 100, f"only {checked} rows with a signature: are the tables still read?"
+  assert not broken, f"API tables show signatures users do not call: {broken}"
 
 
 # Runs a tutorial under the suite's warning policy (pyproject.toml's filterwarnings:

@@ -2,21 +2,22 @@
 (``Args:``, ``Returns:``, ``Raises:``), the way jax, flax and optax do, so the API pages
 list each argument: ``Args`` names every parameter of the signature (a class's are its
 constructor's), ``Returns`` says what comes back unless the signature returns ``None``,
-and no default shows a private sentinel (``_ALL``, ``MappingProxyType({})``): a user
-reads the default as they would write it."""
+and no default shows a private sentinel (``_ALL``, ``mappingproxy({})``), on the API pages
+or in ``help()``: a user reads the default as they would write it."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import pickle
 import re
 import textwrap
-import types
 
 import pytest
 
 import statefulremat as sr
 from docs._signatures import public_path, readable_default
+from statefulremat.core._frozen import FrozenMapping
 
 SECTION = re.compile(
   r"^( *)(Args|Arguments|Returns|Yields|Raises|Attributes|Example|Examples):\s*$"
@@ -126,7 +127,7 @@ def test_functions_say_what_they_return(name):
   assert "Returns" in found or "Yields" in found, f"{name}: no `Returns:` section"
 
 
-PRIVATE = re.compile(r"\b_[A-Za-z]\w*|MappingProxyType|object at 0x|<function ")
+PRIVATE = re.compile(r"\b_[A-Za-z]\w*|MappingProxyType|mappingproxy|object at 0x|<function ")
 
 
 def source_defaults(obj) -> dict[str, str]:
@@ -163,8 +164,71 @@ def test_return_annotations_name_public_paths():
   assert public_path("statefulremat.core._graph.GraphDef | None", public) == (
     "statefulremat.GraphDef | None"
   )
-  assert readable_default("_ALL", {"_ALL": types.MappingProxyType({True: 0})}) == "{True: 0}"
-  assert readable_default("MappingProxyType({})", {}) == "{}"
+  assert readable_default("_ALL", {"_ALL": FrozenMapping({True: 0})}) == "{True: 0}"
+  assert readable_default("_EMPTY", {"_EMPTY": FrozenMapping()}) == "{}"
+  assert readable_default("_MISSING", {"_MISSING": object()}) == "_MISSING"  # no readable repr
+
+
+def public_callables() -> dict[str, object]:
+  """Every public function and class (its constructor) and each class's public methods,
+  inherited ones included: what ``help()`` and IPython's ``?`` show a signature of."""
+  found = dict(PUBLIC)
+  for name, obj in PUBLIC.items():
+    if not inspect.isclass(obj):
+      continue
+    for attr in dir(obj):
+      if attr.startswith("_"):
+        continue
+      try:
+        member = getattr(obj, attr)
+      except AttributeError:
+        continue
+      if inspect.isfunction(member) or inspect.ismethod(member):
+        found[f"{name}.{attr}"] = member
+  return found
+
+
+def named_function(value) -> bool:
+  """Whether a function default reads as its name (``<function zeros at 0x…>``), as
+  flax.nnx's initializer and ``promote_dtype`` defaults do: JAX's and flax's functions,
+  and ours defined by name; never a lambda or a nested function of ours."""
+  fn = getattr(value, "__wrapped__", value)  # jax.nn.tanh is a PjitFunction
+  if not (getattr(fn, "__module__", "") or "").startswith("statefulremat"):
+    return True
+  return "<" not in getattr(fn, "__qualname__", "<")
+
+
+CALLABLES = public_callables()
+
+
+@pytest.mark.parametrize("name", sorted(CALLABLES))
+def test_help_shows_defaults_as_users_write_them(name):
+  # help(), IPython's `?` and inspect.signature show a default's repr, not its source
+  # (what the API pages show): a mapping reads as its dict literal, no private name.
+  sig = signature_of(CALLABLES[name])
+  if sig is None:
+    return
+  assert "mappingproxy" not in str(sig), f"{name}{sig}"
+  unreadable = {}
+  for parameter in sig.parameters.values():
+    if parameter.default is inspect.Parameter.empty:
+      continue
+    shown = repr(parameter.default)
+    private = shown.startswith("_") or "._" in shown or re.search(r"\b_[A-Z]\w*", shown)
+    anonymous = " at 0x" in shown and not named_function(parameter.default)
+    if private or anonymous or "mappingproxy" in shown:
+      unreadable[parameter.name] = shown
+  assert not unreadable, f"{name}: help() shows defaults users cannot read: {unreadable}"
+
+
+def test_mapping_defaults_are_immutable_and_equal_their_literals():
+  sig = inspect.signature(sr.vmap)
+  axes = sig.parameters["variable_axes"].default
+  assert axes == {True: 0} and repr(axes) == "{True: 0}" and hash(axes) == hash(axes)
+  with pytest.raises(TypeError):
+    axes[True] = 1  # type: ignore[index]
+  assert axes == {True: 0} and pickle.loads(pickle.dumps(axes)) == axes
+  assert str(inspect.signature(sr.scan)).count("variable_axes: 'Mapping[Any, Any]' = {}") == 1
 
 
 def test_the_sections_are_read_as_written():

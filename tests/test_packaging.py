@@ -101,3 +101,34 @@ def test_the_trace_identity_comes_from_jax_extend_without_deprecation_warnings()
   subprocess.run(
     [sys.executable, "-W", "error", "-c", "import statefulremat"], cwd=ROOT, check=True
   )
+
+
+# Homes the project does not have (yet): a link to one leads nowhere. Spelled in two parts
+# so that this file does not name them.
+NOWHERE = ("statefulremat" + ".readthedocs.io", "github.com/" + "statefulremat")
+TEXT_SUFFIXES = {".md", ".rst", ".py", ".toml", ".txt", ".cfg", ".yml", ".yaml", ".json", ".html"}
+
+
+def _shipped_text_files() -> list[pathlib.Path]:
+  """The README, the docs sources, pyproject.toml, the package, tutorials, examples and
+  benchmarks: what a reader of a clone reads (not the built site, not the tests)."""
+  files = [ROOT / name for name in ("README.md", "CHANGELOG.md", "CONTRIBUTING.md")]
+  files.append(ROOT / "pyproject.toml")
+  for folder in ("docs", "statefulremat", "tutorials", "examples", "benchmarks", ".ci"):
+    for path in sorted((ROOT / folder).rglob("*")):
+      skipped = {"_build", "_autosummary", "__pycache__"} & set(path.parts)
+      if path.is_file() and not skipped and (path.suffix in TEXT_SUFFIXES or folder == ".ci"):
+        files.append(path)
+  return [path for path in files if path.is_file()]
+
+
+def test_no_file_links_a_home_the_project_does_not_have():
+  found = {}
+  for path in _shipped_text_files():
+    text = path.read_text(encoding="utf-8", errors="replace")
+    hosts = [host for host in NOWHERE if host in text]
+    if hosts:
+      found[str(path.relative_to(ROOT))] = hosts
+  assert not found, f"links to sites that do not exist (link the files by path): {found}"
+  urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("urls", {})
+  assert all(url.startswith("https://") for url in urls.values()), urls

@@ -59,6 +59,9 @@ class _OfType(_Predicate):
   def _args(self):
     return (self.kind,)
 
+  def __repr__(self):  # as users write the filter (help() shows `Not(Param)`)
+    return self.kind.__name__
+
   def __call__(self, path, variable):
     return isinstance(variable, self.kind)
 
@@ -72,6 +75,9 @@ class _InCollection(_Predicate):
   def _args(self):
     return (self.name,)
 
+  def __repr__(self):
+    return repr(self.name)
+
   def __call__(self, path, variable):
     return variable.collection == self.name
 
@@ -82,6 +88,9 @@ class _Everything(_Predicate):
   def _args(self):
     return ()
 
+  def __repr__(self):
+    return "True"
+
   def __call__(self, path, variable):
     return True
 
@@ -91,6 +100,9 @@ class _Nothing(_Predicate):
 
   def _args(self):
     return ()
+
+  def __repr__(self):
+    return "False"
 
   def __call__(self, path, variable):
     return False

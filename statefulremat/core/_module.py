@@ -67,6 +67,11 @@ def _record_owners(parent, value, key_path: tuple) -> None:
 _MISSING = object()
 
 
+def _append(values: tuple, value: Any) -> tuple:
+  # Module.sow's default reduce_fn, as flax.nnx's: each sown value joins the tuple.
+  return (*values, value)
+
+
 def _kind_named(variable_type, module, name: str) -> type:
   """The Variable kind ``sow`` was given: a Variable subclass, or a collection name
   resolved to the most basic kind of that collection (``"intermediates"`` ->
@@ -219,7 +224,7 @@ class Module:
     variable_type: type[Variable] | str,
     name: str,
     value: Any,
-    reduce_fn: Callable[[Any, Any], Any] = lambda values, value: (*values, value),
+    reduce_fn: Callable[[Any, Any], Any] | None = None,
     init_fn: Callable[[], Any] = tuple,
   ) -> bool:
     """Keeps ``value`` in the Variable ``self.<name>`` of kind ``variable_type``, as
@@ -227,7 +232,8 @@ class Module:
     twice keeps both values. Returns True.
 
     The first sow creates the Variable (``variable_type(reduce_fn(init_fn(), value))``);
-    later ones replace its value with ``reduce_fn(old, value)``. ``variable_type`` is a
+    later ones replace its value with ``reduce_fn(old, value)``; ``reduce_fn=None`` (the
+    default) appends, ``(*old, value)``. ``variable_type`` is a
     Variable kind (usually ``sr.Intermediate``) or its collection name
     (``"intermediates"``). Take the values out with ``sr.pop(model, sr.Intermediate)``,
     which also removes the Variables, so the next call starts afresh.
@@ -250,6 +256,8 @@ class Module:
     ([('features',), ('total',)], False)
     """
     kind = _kind_named(variable_type, self, name)
+    if reduce_fn is None:
+      reduce_fn = _append
     old = vars(self).get(name, _MISSING)
     if old is _MISSING:
       if hasattr(type(self), name):

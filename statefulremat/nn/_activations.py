@@ -12,7 +12,6 @@ copies: ``sr.nn.relu is jax.nn.relu``, so ported nnx code computes the same thin
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -45,6 +44,7 @@ from jax.nn import (
 )
 from jax.numpy import tanh
 
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Param
 from ..core._module import Module
 from ._dtypes import promote_dtype as default_promote_dtype
@@ -106,7 +106,7 @@ class PReLU(Module):
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     promote_dtype: Callable = default_promote_dtype,
-    negative_slope_metadata: Mapping[str, Any] = MappingProxyType({}),
+    negative_slope_metadata: Mapping[str, Any] = _EMPTY,
   ):
     self.negative_slope = Param(
       jnp.asarray(negative_slope_init, dtype=param_dtype), **(negative_slope_metadata or {})

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from ..core._errors import format_path
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import BatchStat, Param
 from ..core._module import Module
 from ..core._rngs import Rngs
@@ -102,10 +102,10 @@ class BatchNorm(Module):
     use_fast_variance: bool = True,
     promote_dtype: Callable = default_promote_dtype,
     rngs: Rngs,
-    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-    scale_metadata: Mapping[str, Any] = MappingProxyType({}),
-    mean_metadata: Mapping[str, Any] = MappingProxyType({}),
-    var_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = _EMPTY,
+    scale_metadata: Mapping[str, Any] = _EMPTY,
+    mean_metadata: Mapping[str, Any] = _EMPTY,
+    var_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("BatchNorm", rngs)
     shape = (num_features,)

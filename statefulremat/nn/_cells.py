@@ -11,12 +11,12 @@ of an nnx cell into ours with no rename.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._rngs import Rngs
 from ._cell_base import RNNCellBase
 from ._dtypes import promote_dtype as default_promote_dtype
@@ -38,9 +38,6 @@ def modified_orthogonal(key: jax.Array, shape: tuple, dtype: Any = jnp.float32) 
   (dtype(bfloat16), True)
   """
   return default_recurrent_kernel_init(key, shape).astype(dtype)
-
-
-_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 def _linear(

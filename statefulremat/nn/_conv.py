@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
@@ -228,8 +228,8 @@ class Conv(Module):
     promote_dtype: Callable = default_promote_dtype,
     preferred_element_type: Any = None,
     rngs: Rngs,
-    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    kernel_metadata: Mapping[str, Any] = _EMPTY,
+    bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("Conv", rngs)
     kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)

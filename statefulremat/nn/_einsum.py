@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import string
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
@@ -102,8 +102,8 @@ class Einsum(Module):
     einsum_op: Callable = jnp.einsum,
     preferred_element_type: Any = None,
     rngs: Rngs,
-    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    kernel_metadata: Mapping[str, Any] = _EMPTY,
+    bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("Einsum", rngs)
     einsum_str = _check_einsum_str(einsum_str)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
@@ -53,7 +53,7 @@ class Embed(Module):
     embedding_init: Initializer = default_embed_init,
     promote_dtype: Callable = default_promote_dtype,
     rngs: Rngs,
-    embedding_metadata: Mapping[str, Any] = MappingProxyType({}),
+    embedding_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("Embed", rngs)
     self.embedding = Param(

@@ -7,12 +7,12 @@ float32, ``normalize`` as LayerNorm's); the feature axis is the last for GroupNo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
@@ -124,8 +124,8 @@ class GroupNorm(Module):
     use_fast_variance: bool = True,
     promote_dtype: Callable = default_promote_dtype,
     rngs: Rngs,
-    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-    scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = _EMPTY,
+    scale_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("GroupNorm", rngs)
     if (num_groups is None) == (group_size is None):
@@ -275,8 +275,8 @@ class InstanceNorm(Module):
     use_fast_variance: bool = True,
     promote_dtype: Callable = default_promote_dtype,
     rngs: Rngs,
-    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-    scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = _EMPTY,
+    scale_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("InstanceNorm", rngs)
     _scale_bias(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -13,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from ..core._errors import format_path
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
@@ -131,8 +131,8 @@ class Linear(Module):
     promote_dtype: Callable = default_promote_dtype,
     preferred_element_type: Any = None,
     rngs: Rngs,
-    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    kernel_metadata: Mapping[str, Any] = _EMPTY,
+    bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("Linear", rngs)
     self.kernel = Param(

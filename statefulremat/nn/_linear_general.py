@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
@@ -78,7 +78,7 @@ class LinearGeneral(Module):
     out_features: int | Sequence[int],
     *,
     axis: int | Sequence[int] = -1,
-    batch_axis: Mapping[int, int] = MappingProxyType({}),
+    batch_axis: Mapping[int, int] = _EMPTY,
     use_bias: bool = True,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
@@ -89,8 +89,8 @@ class LinearGeneral(Module):
     dot_general: Callable | None = None,
     preferred_element_type: Any = None,
     rngs: Rngs,
-    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    kernel_metadata: Mapping[str, Any] = _EMPTY,
+    bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("LinearGeneral", rngs)
     self.in_features = _as_tuple(in_features)

@@ -8,12 +8,12 @@ picks them alone: train only the adapters with ``sr.grad(loss, wrt=sr.nn.LoRAPar
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
@@ -92,8 +92,8 @@ class LoRA(Module):
     lora_param_type: type = LoRAParam,
     promote_dtype: Callable = default_promote_dtype,
     rngs: Rngs,
-    a_metadata: Mapping[str, Any] = MappingProxyType({}),
-    b_metadata: Mapping[str, Any] = MappingProxyType({}),
+    a_metadata: Mapping[str, Any] = _EMPTY,
+    b_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("LoRA", rngs)
     if base_module is not None and not callable(base_module):
@@ -176,8 +176,8 @@ class LoRALinear(Linear):
     lora_param_type: type = LoRAParam,
     lora_promote_dtype: Callable = default_promote_dtype,
     rngs: Rngs,
-    a_metadata: Mapping[str, Any] = MappingProxyType({}),
-    b_metadata: Mapping[str, Any] = MappingProxyType({}),
+    a_metadata: Mapping[str, Any] = _EMPTY,
+    b_metadata: Mapping[str, Any] = _EMPTY,
     **kwargs: Any,
   ):
     super().__init__(in_features, out_features, rngs=rngs, **kwargs)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
 from ._dropout import Dropout
@@ -87,10 +87,10 @@ class MLP(Module):
     kernel_init: Initializer = default_kernel_init,
     bias_init: Initializer = default_bias_init,
     rngs: Rngs,
-    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-    out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-    out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    kernel_metadata: Mapping[str, Any] = _EMPTY,
+    bias_metadata: Mapping[str, Any] = _EMPTY,
+    out_kernel_metadata: Mapping[str, Any] = _EMPTY,
+    out_bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("MLP", rngs)
     out_features = in_features if out_features is None else out_features

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import numbers
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ..core._errors import format_path
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Cache
 from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
@@ -202,12 +202,12 @@ class MultiHeadAttention(Module):
     ln_promote_dtype: Callable = default_promote_dtype,
     rngs: Rngs,
     keep_rngs: bool = True,
-    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-    out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-    out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-    query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
-    key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    kernel_metadata: Mapping[str, Any] = _EMPTY,
+    out_kernel_metadata: Mapping[str, Any] = _EMPTY,
+    bias_metadata: Mapping[str, Any] = _EMPTY,
+    out_bias_metadata: Mapping[str, Any] = _EMPTY,
+    query_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+    key_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("MultiHeadAttention", rngs)
     self.num_heads = num_heads

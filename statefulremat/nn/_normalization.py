@@ -8,13 +8,13 @@ zero by default, and ``(x - mean) * rsqrt(var + epsilon) * scale + bias``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
@@ -181,8 +181,8 @@ class LayerNorm(Module):
     use_fast_variance: bool = True,
     promote_dtype: Callable = default_promote_dtype,
     rngs: Rngs,
-    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-    scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = _EMPTY,
+    scale_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("LayerNorm", rngs)
     shape = (num_features,)
@@ -296,7 +296,7 @@ class RMSNorm(Module):
     use_fast_variance: bool = True,
     promote_dtype: Callable = default_promote_dtype,
     rngs: Rngs,
-    scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    scale_metadata: Mapping[str, Any] = _EMPTY,
     add_unit_offset: bool = False,
   ):
     check_rngs("RMSNorm", rngs)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any, cast, overload
 
 import jax
 import jax.numpy as jnp
 
+from ..core._frozen import ALL_SPLIT as _SPLIT_ALL
+from ..core._frozen import ALL_STACKED as _ALL
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._module import Module
 from ..core._stacks import cycle, is_stacked, update_stack_info
 from ._autodiff import grad
@@ -47,9 +49,6 @@ from .memory._remat_plan import (
   unit_inputs,
 )
 
-_ALL = MappingProxyType({True: 0})
-_SPLIT_ALL = MappingProxyType({True: True})
-
 
 @overload
 def remat_scan(
@@ -66,7 +65,7 @@ def remat_scan(
   split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   prevent_cse: bool = False,
   data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
   pipeline: Any = None,
@@ -86,7 +85,7 @@ def remat_scan(
   split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   prevent_cse: bool = False,
   data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
   pipeline: Any = None,
@@ -106,7 +105,7 @@ def remat_scan(
   split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   prevent_cse: bool = False,
   data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
   pipeline: Any = None,
@@ -126,7 +125,7 @@ def remat_scan(
   split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   prevent_cse: bool = False,
   data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
   pipeline: Any = None,
@@ -146,7 +145,7 @@ def remat_scan(
   split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   prevent_cse: bool = False,
   data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
   pipeline: Any = None,

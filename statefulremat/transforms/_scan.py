@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
 
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._module import Module
 from ._class_form import (
   M,
@@ -35,8 +35,6 @@ from ._rules import Rules, TransformError
 from ._scan_axes import broadcast as broadcast  # pickled sr.broadcast named this module
 from ._scan_axes import check_axes, in_axes_per_leaf, leaf_path, stack_ys
 from .memory._carries import check_carries, warn_if_kept
-
-_EMPTY = MappingProxyType({})
 
 
 @overload

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
 
 from ...core._bookkeeping import is_bookkeeping
+from ...core._frozen import ALL_SPLIT as _SPLIT_ALL
+from ...core._frozen import ALL_STACKED as _ALL
+from ...core._frozen import EMPTY as _EMPTY
 from ...core._module import Module
 from ...core._stacks import cycle, is_stacked
 from ...core._variables import release_owner
@@ -39,8 +41,6 @@ from ._checks import refuse_mapping_plain, refuse_shared_write
 from ._outputs import check_returned_inputs, stacked_outputs, vmap_creating
 from ._pattern import vmap_pattern
 
-_ALL = MappingProxyType({True: 0})
-
 
 class _DefaultAxis(int):
   """``in_axes``'s default, 0: an axis for the arguments, as an explicit 0 is, but not
@@ -49,7 +49,6 @@ class _DefaultAxis(int):
 
 _DEFAULT_IN_AXES = _DefaultAxis(0)
 _UNSAID = object()
-_SPLIT_ALL = MappingProxyType({True: True})
 
 
 @overload
@@ -63,7 +62,7 @@ def vmap(
   variable_axes: Mapping[Any, Any] = _ALL,
   split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
 ) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
@@ -78,7 +77,7 @@ def vmap(
   variable_axes: Mapping[Any, Any] = _ALL,
   split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
 ) -> type: ...  # a pattern stack, whose positions differ
@@ -93,7 +92,7 @@ def vmap(
   variable_axes: Mapping[Any, Any] = _ALL,
   split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
 ) -> Callable[P, R]: ...  # the function form: the same signature
@@ -108,7 +107,7 @@ def vmap(
   variable_axes: Mapping[Any, Any] = _ALL,
   split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
 ) -> Transform: ...  # keywords only: a decorator of a class or a function
@@ -123,7 +122,7 @@ def vmap(
   variable_axes: Mapping[Any, Any] = _ALL,
   split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
   variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = MappingProxyType({}),
+  metadata_params: Mapping[Any, Any] = _EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
 ):
@@ -136,7 +135,16 @@ def vmap(
 
   Class form: ``sr.vmap(Block, axis_size=8)(*args, rngs=...)`` builds 8 independently
   initialised layers (an ensemble) in one traced init; calling it maps ``methods``
-  over the layers, the call's arguments by ``in_axes``.
+  over the layers, the call's arguments by ``in_axes``. The constructor's arguments
+  pass unmapped to every layer (only RNG streams are split, per ``split_rngs``):
+  ``in_axes`` is the calls', never the constructor's. To give layer ``i`` slice ``i``
+  of an argument (nnx's guide builds ten weights from ``jnp.arange(10)`` seeds), say
+  so with ``init_in_axes=0``, which also tells the number of layers:
+  ``sr.vmap(Weights, init_in_axes=0)(seeds)``, or map a function that builds one
+  layer, as nnx does: ``sr.vmap(lambda seed: Weights(seed))(seeds)``. An array
+  argument passed whole that makes the constructor fail, where one slice of it would
+  not, is refused with that fix (mapping it unasked would silently split an array
+  meant for every layer).
 
   A function that takes no module (``sr.vmap(lambda key: Block(rngs=sr.Rngs(key)))(
   keys)``) is ``jax.vmap`` over its arguments (with none, ``sr.vmap(f, axis_size=n)()``
@@ -185,7 +193,10 @@ def vmap(
       ``{}``.
     methods: for a class target, the methods to map (default ``None``: ``__call__``).
     init_in_axes: for a class target, the positional constructor arguments that differ
-      per member, as ``sr.scan``'s (default ``None``: every argument whole).
+      per member, as ``sr.scan``'s: an axis (every positional argument) or one entry
+      per positional argument, ``None`` to pass it whole (default ``None``: every
+      argument whole). Member ``i`` gets slice ``i`` along that axis; without
+      ``axis_size``, its size is the number of members. Keyword arguments pass whole.
 
   Returns:
     For a function, a function of the same arguments that maps it and writes its
@@ -195,10 +206,11 @@ def vmap(
 
   Raises:
     sr.TransformError: ``in_axes`` / ``out_axes`` that do not fit the arguments or the
-      output; no way to tell the mapped size (pass ``axis_size``); the default
-      ``variable_axes`` meeting a plain module's Variables; a write to a variable that
-      is not mapped, with a value that depends on the mapped axis; a variable matched
-      by two rules.
+      output; no way to tell the mapped size (pass ``axis_size``); a class form's
+      constructor failing on an array argument passed whole that one slice would suit
+      (pass ``init_in_axes``); the default ``variable_axes`` meeting a plain module's
+      Variables; a write to a variable that is not mapped, with a value that depends
+      on the mapped axis; a variable matched by two rules.
     TypeError: a ``target`` that is not callable; ``methods`` / ``init_in_axes`` with a
       function; ``variable_axes`` that is not ``{filter: int}``.
     sr.GraphError: a module in an argument after argument 0 or in a keyword argument.
