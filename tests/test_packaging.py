@@ -69,13 +69,19 @@ def _listed(name: str) -> list[str]:
 
 
 def test_the_lanes_test_lists_name_test_files_that_exist():
-  for name in ("smoke-tests", "remat3-tests"):
-    assert _listed(name), name
-    for path in _listed(name):
-      assert (ROOT / path).is_file(), f".ci/{name} names {path}, which does not exist"
+  assert _listed("smoke-tests")
+  for path in _listed("smoke-tests"):
+    assert (ROOT / path).is_file(), f".ci/smoke-tests names {path}, which does not exist"
   newest = (ROOT / ".ci" / "newest").read_text()
   assert "JAX_REMAT3=1" in newest and "remat3-tests" in newest
   assert "--ignore=tests/test_docs.py --ignore=tests/test_browser.py" in newest
+
+
+def test_the_remat3_lane_selects_by_name_so_new_tests_join():
+  arguments = _listed("remat3-tests")
+  assert {"tests", "statefulremat/transforms", "-k"} <= set(arguments)
+  words = set(re.split(r"\s+or\s+", arguments[arguments.index("-k") + 1]))
+  assert {"remat", "polic", "plan", "residual", "offload"} <= words
 
 
 def test_the_classifiers_name_each_python_a_lane_tests():

@@ -329,3 +329,17 @@ def test_a_budget_the_model_is_exact_for_takes_one_compile(monkeypatch):
   plan = sr.plan_remat(stack, carry, fn=body, memory_budget=budget)
   assert plan.evals == 3 * 61 and plan.measured_bytes <= budget
   assert compiled == [plan.lengths]
+
+
+def test_a_nesting_keeps_its_innermost_policy_only_where_jax_remat_does():
+  # jax_remat3 recomputes a nesting's inner level whole in the outer one's backward
+  # pass, so a nesting under dots_saveable is the nothing-saveable plan: listed once.
+  from statefulremat.transforms.memory import _remat_plan as model
+
+  assert model.nesting_keeps_policy() is not bool(getattr(jax.config, "jax_remat3", False))
+  residuals = {model.NOTHING: 100, model.DOTS: 300}
+  kept = model.choose(24, 64, 32, residuals, None)[1]
+  dropped = model.choose(24, 64, 32, residuals, None, nested_keeps=False)[1]
+  assert any(c.policy == model.DOTS and len(c.lengths) > 1 for c in kept)
+  assert {c.lengths for c in dropped if c.policy == model.DOTS} == {(24,)}
+  assert {c.lengths for c in dropped} == {c.lengths for c in kept}

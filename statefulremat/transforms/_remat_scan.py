@@ -43,6 +43,7 @@ from .memory._remat_plan import (
   POLICIES,
   RematPlan,
   choose,
+  nesting_keeps_policy,
   parse_bytes,
   residual_bytes,
   tree_bytes,
@@ -559,6 +560,7 @@ def plan_remat(
       "Fix: bytes per second, e.g. 25e9, or a string such as '25GB/s'."
     ) from None
   moves = moves_to_host()
+  nested_keeps = policy is not None or nesting_keeps_policy()
   n, inputs = unit_inputs(stack, fn)
   carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), carry)
   carry_bytes = tree_bytes(carry)
@@ -603,6 +605,7 @@ def plan_remat(
       working_sets,
       placements,
       moves,
+      nested_keeps,
     )
     return RematPlan(
       n,

@@ -32,6 +32,7 @@ dropout, MLP, conv, a pattern's cycles, Dense + tanh) the calibrated model is wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import re
@@ -46,6 +47,7 @@ from jax.extend.core import Literal
 from ...core._errors import TransformError
 from ...core._split_merge import merge, split
 from ...core._stacks import cycle, num_layers, stacked_variables
+from ._jaxpr_reading import remat_flavour
 
 # A plan fits a budget when the model puts it at most this fraction of it: on Dense +
 # tanh the model is within 0.1 % of XLA's figure (1 % at 64 x 256 activations), other
@@ -353,6 +355,7 @@ def choose(
   working_sets: dict[str, int] | None = None,
   carries: Sequence[str] = ("device",),
   moves: bool = True,
+  nested_keeps: bool = True,
 ) -> tuple[Candidate, list]:
   """The best candidate and all of them, best first.
 
@@ -365,13 +368,17 @@ def choose(
   depth (a correction from compiling a pick); ``carries`` the placements to consider
   (``"device"``, ``"offload"``); ``moves``: whether the backend moves offloaded values
   to host memory (on one that does not, offloading saves nothing). ``unit`` is what
-  ``n`` counts, for messages.
+  ``n`` counts, for messages. ``nested_keeps``: whether a nesting's innermost policy
+  keeps what it saves (``nesting_keeps_policy``); where it does not, a nesting under a
+  saving policy is the nothing-saveable plan, listed once, as that.
   """
   candidates = []
   for lengths in nestings(n, max_depth):
     evals = (len(lengths) + 1) * n
     scale = (scales or {}).get(len(lengths), 1.0)
     for policy, residual in residuals.items():
+      if not nested_keeps and len(lengths) > 1 and policy == DOTS and NOTHING in residuals:
+        continue
       temp = predict_temp(n, lengths, carry, residual, layer) + (working_sets or {}).get(policy, 0)
       for placement in carries:
         host = offloaded_bytes(n, lengths, carry) if placement == "offload" else 0
@@ -413,6 +420,42 @@ def choose(
 
 
 # -- measuring a block ----------------------------------------------------------------
+
+
+def nesting_keeps_policy() -> bool:
+  """Whether the innermost policy of a nesting keeps what it saves while the outer
+  levels are differentiated: JAX's remat does; its next one (``jax_remat3``) recomputes
+  the inner level whole inside the outer one's backward pass, so a nesting under
+  ``dots_saveable`` needs what it needs under nothing saveable (XLA's temp bytes,
+  equal to the byte, on every block of ``benchmarks/planner.py``)."""
+  return _nesting_keeps_policy(remat_flavour())
+
+
+@functools.cache
+def _nesting_keeps_policy(_flavour: bool) -> bool:
+  """Asks XLA once per remat implementation: two levels of four units whose dots are
+  wide, compiled under each innermost policy; equal temp bytes mean nothing was kept."""
+
+  def unit(h, w):
+    return jnp.tanh(h @ w)
+
+  def loss(ws, h, policy):
+    def inner(h, ws):
+      step = lambda h, w: (jax.checkpoint(unit, policy=policy)(h, w), None)
+      return jax.lax.scan(step, h, ws)[0]
+
+    outer = lambda h, ws: (jax.checkpoint(inner)(h, ws), None)
+    return jnp.sum(jax.lax.scan(outer, h, ws.reshape(2, 4, *ws.shape[1:]))[0])
+
+  ws = jax.ShapeDtypeStruct((8, 32, 32), jnp.float32)
+  h = jax.ShapeDtypeStruct((512, 32), jnp.float32)
+
+  def temp(policy) -> int:
+    lowered = jax.jit(jax.grad(loss), static_argnums=2).lower(ws, h, policy)
+    analysis: Any = lowered.compile().memory_analysis()
+    return int(analysis.temp_size_in_bytes)
+
+  return temp(None) != temp(jax.checkpoint_policies.dots_saveable)
 
 
 def residual_bytes(layer_fn: Callable, params: Any, carry: Any, policy) -> int:
