@@ -255,25 +255,6 @@ def test_an_error_inside_changes_nothing():
     assert a is b
 
 
-def test_plan_remat_plans_cycles():
-  stack = sr.remat_scan(PATTERNS["3"], length=30, lengths="auto")(rngs=sr.Rngs(0))
-  plan = sr.plan_remat(stack, X)
-  assert plan.n == 10
-  expected = loop(sr.unstack(stack), X)
-  close(sr.remat_scan(lambda layer, x: layer(x), lengths=plan)(stack, X), expected)
-
-
-def test_a_budget_no_plan_fits_is_counted_in_cycles():
-  # lengths count a pattern stack's cycles: the message says so, not "layers".
-  stack = sr.remat_scan(PATTERNS["3"], length=30, lengths="auto")(rngs=sr.Rngs(0))
-  with pytest.raises(
-    sr.TransformError,
-    match=r"no remat plan for 10 cycles \(a cycle is one pass over the pattern\) fits "
-    r"memory_budget=1.00 KiB",
-  ):
-    sr.plan_remat(stack, X, memory_budget="1KiB")
-
-
 def test_scan_pattern_carries_batch_statistics_through_every_layer():
   # variable_carry: one BatchNorm's statistics threaded through the layers of one
   # position (linen's carried batch stats), the params stacked per layer.

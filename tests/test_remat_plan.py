@@ -343,3 +343,20 @@ def test_a_nesting_keeps_its_innermost_policy_only_where_jax_remat_does():
   assert any(c.policy == model.DOTS and len(c.lengths) > 1 for c in kept)
   assert {c.lengths for c in dropped if c.policy == model.DOTS} == {(24,)}
   assert {c.lengths for c in dropped} == {c.lengths for c in kept}
+
+
+def test_a_plan_of_a_pattern_stack_counts_cycles_and_runs_as_the_loop():
+  import functools
+
+  from tests._pattern_blocks import D, Gate, Mix
+
+  pattern = (Mix, functools.partial(Mix, scale=0.5), Gate)
+  stack = sr.remat_scan(pattern, length=30, lengths="auto")(rngs=sr.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (3, D))
+  plan = sr.plan_remat(stack, x)
+  assert plan.n == 10 and plan.unit == "cycle"
+  h = x
+  for layer in sr.unstack(stack):
+    h = layer(h)
+  y = sr.remat_scan(lambda layer, x: layer(x), lengths=plan)(stack, x)
+  np.testing.assert_allclose(y, h, rtol=1e-5, atol=1e-5)

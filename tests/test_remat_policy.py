@@ -539,3 +539,30 @@ def test_what_is_not_a_policy_is_refused_when_the_transform_is_made(policy, matc
   }[form]
   with pytest.raises(TypeError, match=r"^sr\.remat(_scan)?\(.*\): " + match):
     make()
+
+
+def test_sow_under_a_checked_named_policy_comes_out_as_arrays():
+  """A named policy is checked on a jaxpr of the loop before it runs: the sown values
+  and the written state come out of that run, never as its tracers."""
+
+  class Named(sr.Module):
+    def __init__(self, *, rngs):
+      self.linear = sr.nn.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+      h = checkpoint_name(self.linear(x), "proj")
+      self.sow(sr.Intermediate, "features", h)
+      return jnp.tanh(h)
+
+  stack = sr.remat_scan(Named, lengths=(2, 2), policy=P.save_only_these_names("proj"))(
+    rngs=sr.Rngs(0)
+  )
+  layers = sr.unstack(stack)
+  h = X
+  for layer in layers:
+    h = layer(h)
+  np.testing.assert_allclose(stack(X), h, rtol=1e-5, atol=1e-5)
+  (sown,) = stack.features.value
+  assert isinstance(sown, jax.Array) and not isinstance(sown, jax.core.Tracer)
+  expected = jnp.stack([layer.features.value[0] for layer in layers])
+  np.testing.assert_allclose(sown, expected, rtol=1e-5, atol=1e-5)

@@ -109,29 +109,6 @@ def test_sow_at_any_remat_scan_depth_equals_the_loop(lengths, n):
   assert not hasattr(stack, "features") and len(sown["features"]) == 2
 
 
-def test_sow_under_a_checked_named_policy_comes_out_as_arrays():
-  """A named policy is checked on a jaxpr of the loop before it runs: the sown values
-  and the written state come out of that run, never as its tracers."""
-
-  class Named(Block):
-    def __call__(self, x):
-      h = jax.ad_checkpoint.checkpoint_name(self.linear(x), "proj")
-      self.sow(sr.Intermediate, "features", h)
-      return jnp.tanh(h)
-
-  policy = jax.checkpoint_policies.save_only_these_names("proj")
-  stack = sr.remat_scan(Named, lengths=(2, 2), policy=policy)(rngs=sr.Rngs(0))
-  layers = sr.unstack(stack)
-  x = jax.random.normal(jax.random.key(1), (2, D))
-  h = x
-  for layer in layers:
-    h = layer(h)
-  close(stack(x), h)
-  (sown,) = stack.features.value
-  assert isinstance(sown, jax.Array) and not isinstance(sown, jax.core.Tracer)
-  close(sown, jnp.stack([layer.features.value[0] for layer in layers]))
-
-
 def test_a_sown_tuple_is_sliced_per_layer_by_stack_layer():
   stack = sr.remat_scan(Block, lengths=(2, 2))(rngs=sr.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (2, D))
