@@ -13,10 +13,17 @@ in turn, with raw JAX lowered from a roomy frame as well (what it costs without 
 chunk toll); the figure is the median of the paired ratios, against the target of 1.1x.
 sr.jit traces from a frame with room of its own (``statefulremat/transforms/_jit.py``),
 so its figures should not move with the caller's depth; raw JAX's do.
+
+Seconds on a shared machine are noisy, so each (construction, N) also counts the Python
+function calls one lowering makes (``cProfile``: the same count on every run and every
+machine, for one jax): statefulremat's over raw JAX's is its own trace work, whatever
+the load.
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import sys
 
 from .compiling import measure as lower_and_compile
@@ -51,6 +58,17 @@ def _lower_s(case) -> float:
   return lower_and_compile(fn, case.args, compile=False)[0]
 
 
+def python_calls(case) -> int:
+  """The Python function calls one lowering of ``case`` makes (after a first one has
+  filled the caches): a count, not a time, so it repeats exactly."""
+  _lower_s(case)
+  profile = cProfile.Profile()
+  profile.enable()
+  _lower_s(case)
+  profile.disable()
+  return pstats.Stats(profile).total_calls  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def measure(quick: bool = False, log=None) -> dict:
   """Paired trace+lower seconds of statefulremat and raw JAX at every caller depth.
 
@@ -72,6 +90,7 @@ def measure(quick: bool = False, log=None) -> dict:
       }
       for case in cases.values():  # imports and first-use caches out of the way
         _lower_s(case)
+      calls = {lib: python_calls(case) for lib, case in cases.items()}
       for caller in config["callers"]:
         samples = {name: [] for name in _RUNS}
         for rep in range(config["reps"]):
@@ -94,6 +113,8 @@ def measure(quick: bool = False, log=None) -> dict:
           "ratio_min": min(ratios),
           "ratio_max": max(ratios),
           "ratio_to_roomy_raw": paired_ratio(samples["sr"], samples["raw_roomy"]),
+          "python_calls": calls,
+          "calls_ratio": calls["sr"] / calls["raw"],
         }
         entry["met"] = entry["ratio"] <= TARGET
         entries.append(entry)
@@ -123,7 +144,8 @@ def _row(e: dict) -> str:
     f"| {_NAMES[e['construction']]} | {e['n']} | {e['caller_depth']} | "
     f"{ms(e['sr'])} | {ms(e['raw'])} | {e['ratio_min']:.3f} / {e['ratio']:.3f} / "
     f"{e['ratio_max']:.3f} | {'yes' if e['met'] else 'no'} | "
-    f"{ms(e['raw_roomy'])} | {e['ratio_to_roomy_raw']:.3f} |"
+    f"{ms(e['raw_roomy'])} | {e['ratio_to_roomy_raw']:.3f} | "
+    f"{e['python_calls']['sr']} / {e['python_calls']['raw']} = {e['calls_ratio']:.3f} |"
   )
 
 
@@ -140,11 +162,12 @@ def markdown(result: dict) -> str:
     f"{w['ratio']:.3f}x, {_NAMES[w['construction']]} N={w['n']} at caller depth "
     f"{w['caller_depth']}). The last two columns: raw JAX lowered from a roomy frame "
     "(benchmarks/roomy_stack.py, no frame-stack chunk mapped), and statefulremat's "
-    "paired ratio to it.",
+    "paired ratio to it. The last: the Python function calls of one lowering, "
+    "statefulremat / raw JAX (a count: the same on every run, whatever the load).",
     "",
     "| construction | N | caller depth | sr ms | raw ms | ratio | <= target | "
-    "raw, roomy ms | sr / roomy raw |",
-    "|---|---:|---:|---|---|---|---|---|---:|",
+    "raw, roomy ms | sr / roomy raw | Python calls, sr / raw |",
+    "|---|---:|---:|---|---|---|---|---|---:|---:|",
   ]
   lines += [_row(e) for e in result["entries"]]
   return "\n".join(lines) + "\n"

@@ -226,6 +226,8 @@ def test_trace_depths_quick_runs_and_returns_the_keys():
       assert len(e[run]["samples"]) == trace_depths.QUICK["reps"] and e[run]["min"] > 0
     assert e["ratio_min"] <= e["ratio"] <= e["ratio_max"] and e["ratio_to_roomy_raw"] > 0
     assert e["met"] == (e["ratio"] <= result["target"])
+    calls = e["python_calls"]
+    assert calls["raw"] > 0 and e["calls_ratio"] == calls["sr"] / calls["raw"]
   assert result["met"] == all(e["met"] for e in result["entries"])
   text = trace_depths.markdown(result)
   assert text.count("\n| remat_scan d=3 |") == len(trace_depths.QUICK["callers"])
