@@ -426,8 +426,9 @@ def nesting_keeps_policy() -> bool:
   """Whether the innermost policy of a nesting keeps what it saves while the outer
   levels are differentiated: JAX's remat does; its next one (``jax_remat3``) recomputes
   the inner level whole inside the outer one's backward pass, so a nesting under
-  ``dots_saveable`` needs what it needs under nothing saveable (XLA's temp bytes,
-  equal to the byte, on every block of ``benchmarks/planner.py``)."""
+  ``dots_saveable`` needs what it needs under nothing saveable (XLA's temp bytes are
+  equal to the byte on jax 0.12's remat3, for the MHA and conv blocks of
+  tests/test_remat_plan_blocks.py)."""
   return _nesting_keeps_policy(remat_flavour())
 
 
