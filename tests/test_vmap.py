@@ -422,8 +422,12 @@ def test_jit_and_grad_of_vmap_write_back_batch_stats():
   value, grads = step(ens, xs)
   want_value, want = sr.value_and_grad(lambda m, xs: (m(xs) ** 2).mean())(reference, xs)
   np.testing.assert_allclose(value, want_value, rtol=1e-6)
+  # A BatchNorm over 3 rows magnifies rounding, and two compilations (jit, eager) round
+  # apart: on jax 0.12 the bias before it (whose gradient is zero but for rounding)
+  # differs by 1e-6 and one kernel column by 4e-4 relative; a wrong statistic or
+  # mapping would be off by O(1).
   for path, g in grads.flat().items():
-    np.testing.assert_allclose(g, want.flat()[path], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g, want.flat()[path], rtol=1e-3, atol=1e-5)
   np.testing.assert_allclose(ens.norm.mean.value, reference.norm.mean.value, rtol=1e-6)
   assert not np.allclose(ens.norm.mean.value, 0.0)
 
