@@ -1,9 +1,20 @@
-"""Doctests run with rank promotion raising, like the tests, and find each public class
+"""The whole suite (tests and doctests) compiles with XLA:CPU's backend optimisation off,
+and doctests run with rank promotion raising, like the tests, and find each public class
 in the file that defines it."""
 
 import doctest
+import os
 
-import jax
+# The suite checks results and XLA's memory figures, never speed, and most of its time is
+# XLA:CPU compiling: LLVM's optimisation off halves that. Buffer assignment, hence
+# memory_analysis(), is decided before LLVM and does not change. Set before jax starts its
+# backend; subprocesses (the docs build's kernels, the multi-process tests) inherit it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+  ).strip()
+
+import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -4,7 +4,7 @@ The package's folders are its floors (../shared/DESIGN.md, "The pieces"), bottom
 
   core/                 Variables, filters, State, the graph walk, Module, Rngs, stacks
   transforms/ display/ checkpoint/ distributed/ optim/   each built on the core alone
-  nn/ policies/         layers, on the core and (read at call time) sr's public names;
+  nn/ policies/         layers, on the core and the transforms' public names;
                         sr.policies' presets, on the transforms
   interop/              weights from flax, on the core
   the package itself    ``__init__``
@@ -118,12 +118,25 @@ def test_imports_run_down_the_floors():
     if here == there or FLOOR_OF[here] == FLOOR_OF[there] == TOP:
       continue  # the package itself: its files among themselves (no cycle, below)
     if target == "" and FLOOR_OF[here] != TOP:
-      if here == "nn" and function:
-        continue  # sr's public names, read at call time (test_nn_builds_on_the_core_...)
       wrong.append(f"{file}{where} imports the whole package")
     elif FLOOR_OF[there] >= FLOOR_OF[here]:
       wrong.append(f"{file}{where} imports {target} (floor {FLOOR_OF[there]} >= {FLOOR_OF[here]})")
   assert not wrong, "imports that do not run down the floors:\n  " + "\n  ".join(wrong)
+
+
+def test_other_floors_are_reached_through_their_packages():
+  """Above the core (whose files keep an order of their own, below), a file reaches
+  another folder through that folder's package: the names its ``__init__`` gives."""
+  wrong = []
+  for file, module, target, function in imports():
+    here, there = folder(module), folder(target)
+    if here == there or there == "core" or FLOOR_OF[here] == TOP:
+      continue
+    private = [part for part in target.split(".") if part.startswith("_")]
+    if private:
+      where = f" (in {function})" if function else ""
+      wrong.append(f"{file}{where} imports {target}: {private[0]} is private to {there}/")
+  assert not wrong, "import the folder's package instead:\n  " + "\n  ".join(wrong)
 
 
 def test_the_core_keeps_its_order_and_never_reaches_up():
@@ -354,10 +367,10 @@ def test_pickles_name_public_paths_and_round_trip(kind):
 
 def test_nn_builds_on_the_core_and_the_public_names_only():
   """nn/ is built on the public API (DESIGN, "The pieces"): it imports its own files, the
-  core (any of it) and, from the package, only its public names (``from statefulremat
-  import scan``, inside the function that needs it: the package imports nn before it
-  binds them), never a file of transforms/, distributed/, display/, checkpoint/, optim/
-  or interop/."""
+  core (any of it) and, from the transforms' package, only names that are sr's public
+  ones (``from ..transforms import scan``, the object ``sr.scan`` is); never a file of
+  transforms/, distributed/, display/, checkpoint/, optim/ or interop/, nor the package
+  above it."""
   public = {
     name
     for name, value in vars(sr).items()
@@ -384,10 +397,12 @@ def test_nn_builds_on_the_core_and_the_public_names_only():
       else:
         module = node.module
       names = [a.name for a in node.names]
-      if module is None:
-        private = [n for n in names if n not in public]
+      if module in (None, "transforms"):
+        given = vars(sr) if module is None else vars(sr.transforms)
+        private = [n for n in names if n not in public or given.get(n) is not vars(sr)[n]]
         if private:
-          wrong.append(f"{where} imports {', '.join(private)} from the package: not public")
+          source = module or "the package"
+          wrong.append(f"{where} imports {', '.join(private)} from {source}: not public")
       elif module.split(".")[0] != "core":
         wrong.append(f"{where} from ..{module} import {', '.join(names)}")
   assert not wrong, "nn/ reaches past the public API:\n  " + "\n  ".join(wrong)

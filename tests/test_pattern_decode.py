@@ -97,8 +97,16 @@ def _init_caches(stack, max_length=T):
     position.attn.init_cache((B, max_length, D))
 
 
+# The same call compiled once: an eager stack call traces and compiles its loop anew,
+# which for a whole sequence token by token is most of this file's time.
+_step = sr.jit(lambda stack, x_t: stack(x_t))
+
+
 def _decode(stack, x):
-  return jnp.concatenate([_out(stack(x[:, t : t + 1])) for t in range(x.shape[1])], axis=1)
+  """Token by token: the first call eager, the others through one compiled step."""
+  first = _out(stack(x[:, :1]))
+  rest = [_out(_step(stack, x[:, t : t + 1])) for t in range(1, x.shape[1])]
+  return jnp.concatenate([first, *rest], axis=1)
 
 
 def _leaves(model):

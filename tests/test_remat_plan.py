@@ -99,7 +99,7 @@ def test_auto_equals_the_loop_and_plans_once_per_shape():
   h = x
   for layer in sr.unstack(stack):
     h = body(layer, h)
-  np.testing.assert_allclose(run(stack, x), h, rtol=1e-5)
+  np.testing.assert_allclose(run(stack, x), h, rtol=1e-5, atol=1e-6)  # outputs ~0.3
   g_auto = sr.grad(lambda m, x: jnp.sum(run(m, x)))(stack, x)
   g_loop = sr.grad(lambda m, x: jnp.sum(sr.remat_scan(body, lengths=(13,))(m, x)))(stack, x)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), g_auto, g_loop)
@@ -225,7 +225,7 @@ def test_auto_plans_the_nesting_for_the_policy_given():
   h = x
   for layer in sr.unstack(stack):
     h = named(layer, h)
-  np.testing.assert_allclose(run(stack, x), h, rtol=1e-5)
+  np.testing.assert_allclose(run(stack, x), h, rtol=1e-5, atol=1e-6)  # outputs ~0.3
   g_auto = sr.grad(lambda m, x: jnp.sum(run(m, x)))(stack, x)
   g_plan = sr.grad(lambda m, x: jnp.sum(sr.remat_scan(named, lengths=plan)(m, x)))(stack, x)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), g_auto, g_plan)

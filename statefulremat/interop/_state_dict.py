@@ -22,11 +22,7 @@ import numpy as np
 from ..core._split_merge import update
 from ..core._stacks import stack_info
 from ..core._state import State
-from ..nn._batchnorm import BatchNorm
-from ..nn._conv import Conv
-from ..nn._embed import Embed
-from ..nn._linear import Linear
-from ..nn._normalization import LayerNorm, RMSNorm
+from ..nn import BatchNorm, Conv, Embed, LayerNorm, Linear, RMSNorm
 from ._hints import report_unmatched
 from ._names import Source, made_names, match
 from ._paths import Entry, entries, placed_like, select_collections

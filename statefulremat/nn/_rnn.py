@@ -21,6 +21,7 @@ from ..core._filters import Not
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
+from ..transforms import scan
 from ._cell_base import RNNCellBase, where
 
 
@@ -85,9 +86,6 @@ def _scanner(
   time_axis: int, unroll, keep_last: bool, broadcast_rngs, variable_broadcast, variable_carry
 ) -> Callable:
   """One ``sr.scan`` per configuration, built once: its compiled eager call is reused."""
-  # The public sr.scan, imported at the first call: the package imports nn first.
-  from statefulremat import scan
-
   split = {True: True} if broadcast_rngs is None else {broadcast_rngs: False, True: True}
   body, in_axes = (_step_keeping_last, (time_axis, 0, None)) if keep_last else (_step, time_axis)
   return scan(

@@ -32,7 +32,7 @@ names and saves every value; ``save_any_names_but_these`` is the one that works.
 import jax as _jax
 
 from ..core._bookkeeping import DEFINED_IN as _DEFINED_IN
-from ..transforms.memory._named_policies import Policy as Policy
+from ..transforms.memory import Policy as Policy
 from ._presets import custom as custom
 from ._presets import full as full
 from ._presets import minimal as minimal

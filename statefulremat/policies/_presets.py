@@ -11,7 +11,7 @@ import difflib
 from collections.abc import Mapping
 
 from ..core._errors import TransformError
-from ..transforms.memory._named_policies import Policy
+from ..transforms.memory import Policy
 
 _QKV = ("query_proj", "value_proj", "key_proj", "qkv_proj")
 _MINIMAL = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")

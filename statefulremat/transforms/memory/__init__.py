@@ -1,1 +1,3 @@
 """What a rematerialised computation keeps in memory: see README.md."""
+
+from ._named_policies import Policy as Policy
