@@ -382,7 +382,7 @@ def test_nn_builds_on_the_core_and_the_public_names_only():
       where = f"nn/{path.name}:{getattr(node, 'lineno', '?')}"
       if isinstance(node, ast.Import):
         wrong += [
-          f"{where} import {a.name} (import the public names: `from statefulremat import x`)"
+          f"{where} import {a.name} (import sr's transforms: `from ..transforms import x`)"
           for a in node.names
           if a.name.split(".")[0] == "statefulremat"
         ]
@@ -397,14 +397,13 @@ def test_nn_builds_on_the_core_and_the_public_names_only():
       else:
         module = node.module
       names = [a.name for a in node.names]
-      if module in (None, "transforms"):
-        given = vars(sr) if module is None else vars(sr.transforms)
-        private = [n for n in names if n not in public or given.get(n) is not vars(sr)[n]]
+      if module == "transforms":
+        given = vars(sr.transforms)
+        private = [n for n in names if n not in public or given[n] is not vars(sr)[n]]
         if private:
-          source = module or "the package"
-          wrong.append(f"{where} imports {', '.join(private)} from {source}: not public")
-      elif module.split(".")[0] != "core":
-        wrong.append(f"{where} from ..{module} import {', '.join(names)}")
+          wrong.append(f"{where} imports {', '.join(private)} from transforms: not sr's")
+      elif module is None or module.split(".")[0] != "core":
+        wrong.append(f"{where} from ..{module or ''} import {', '.join(names)}")
   assert not wrong, "nn/ reaches past the public API:\n  " + "\n  ".join(wrong)
 
 
