@@ -54,17 +54,22 @@ def _run(make, loss, carries):
   return value, jax.tree.leaves(grads), jax.tree.leaves(sr.state(model))
 
 
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # float32, values up to ~20
+
+
 def _check_equal(make, loss=_loss):
   expected = _run(make, loss, "device")
   with _offloaded() as record:
     got = _run(make, loss, "offload")
   if HOST:
     assert len([w for w in record if NOTHING in str(w.message)]) == 1
-  np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
+  # The two programs differ (a named, offloading policy or none), so XLA may order a sum
+  # differently: float32 rounding, a few ulps; a wrong or stale carry is off by O(1).
+  np.testing.assert_allclose(got[0], expected[0], rtol=TOLERANCE["rtol"])
   for a, b in zip(got[1] + got[2], expected[1] + expected[2], strict=True):
     if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
       a, b = jax.random.key_data(a), jax.random.key_data(b)
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(a, b, **TOLERANCE)
 
 
 # -- sr.remat_scan -------------------------------------------------------------------
@@ -92,7 +97,7 @@ def test_remat_scan_function_form_offload_equals_device():
   with _offloaded():
     got = grads("offload")
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-6)
+    np.testing.assert_allclose(a, b, **TOLERANCE)
 
 
 def test_remat_scan_decorator_and_policy_keep_their_meaning():
@@ -324,4 +329,4 @@ def test_a_pipeline_passes_carries_to_each_stage():
   if HOST:
     assert len(record) == 1
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-6)
+    np.testing.assert_allclose(a, b, **TOLERANCE)
