@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 import statefulremat as sr
+from tests._decoding import decode as _decode
+from tests._decoding import out as _out
 
 D, HEADS, KV_HEADS, W, T, B = 16, 4, 2, 3, 10, 2
 HEAD_DIM = D // HEADS
@@ -84,10 +86,6 @@ STACKS = {  # 7 layers: two full cycles and a short third one (positions 0 only)
 }
 
 
-def _out(y):
-  return y[0] if isinstance(y, tuple) else y
-
-
 def _tokens(seed=1):
   return jax.random.normal(jax.random.key(seed), (B, T, D))
 
@@ -95,18 +93,6 @@ def _tokens(seed=1):
 def _init_caches(stack, max_length=T):
   for position in stack.pattern:
     position.attn.init_cache((B, max_length, D))
-
-
-# The same call compiled once: an eager stack call traces and compiles its loop anew,
-# which for a whole sequence token by token is most of this file's time.
-_step = sr.jit(lambda stack, x_t: stack(x_t))
-
-
-def _decode(stack, x):
-  """Token by token: the first call eager, the others through one compiled step."""
-  first = _out(stack(x[:, :1]))
-  rest = [_out(_step(stack, x[:, t : t + 1])) for t in range(1, x.shape[1])]
-  return jnp.concatenate([first, *rest], axis=1)
 
 
 def _leaves(model):

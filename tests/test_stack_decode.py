@@ -26,6 +26,8 @@ import numpy as np
 import pytest
 
 import statefulremat as sr
+from tests._decoding import decode as _decode
+from tests._decoding import out as _out
 
 D, HEADS, N, T, B = 16, 4, 4, 20, 2
 
@@ -71,10 +73,6 @@ STACKS = {
 HOST_CHECKED = (ValueError, jax.errors.JaxRuntimeError)
 
 
-def _out(y):
-  return y[0] if isinstance(y, tuple) else y
-
-
 def _tokens(seed=1):
   return jax.random.normal(jax.random.key(seed), (B, T, D))
 
@@ -91,18 +89,6 @@ def _unchanged(model, before):
   return len(after) == len(before) and all(
     a.shape == b.shape and (a == b).all() for a, b in zip(after, before)
   )
-
-
-# The same call compiled once: an eager stack call traces and compiles its loop anew,
-# which for a whole sequence token by token is most of this file's time.
-_step = sr.jit(lambda stack, x_t: stack(x_t))
-
-
-def _decode(stack, x):
-  """Token by token: the first call eager, the others through one compiled step."""
-  first = _out(stack(x[:, :1]))
-  rest = [_out(_step(stack, x[:, t : t + 1])) for t in range(1, x.shape[1])]
-  return jnp.concatenate([first, *rest], axis=1)
 
 
 @pytest.mark.parametrize("kind", sorted(STACKS))
