@@ -290,12 +290,16 @@ def program(
     fixed = [values[i] for i in others]
     # out_specs P(axis) is a prefix of the written values' list, whatever its length
     # (the body's writes are known only once traced).
-    program = jax.shard_map(
-      stage_program,
-      mesh=mesh,
-      in_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec(), PartitionSpec()),
-      out_specs=(PartitionSpec(), PartitionSpec(axis)),
-      axis_names={axis},
+    # Under jit even when called eagerly: an eager shard_map runs its body one primitive
+    # at a time, compiling each (about 70 small programs per call of a 4-stage stack).
+    program = jax.jit(
+      jax.shard_map(
+        stage_program,
+        mesh=mesh,
+        in_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        out_specs=(PartitionSpec(), PartitionSpec(axis)),
+        axis_names={axis},
+      )
     )
     outs, local_w = program(laid, fixed, xs, [extras[j] for j in dynamic])
     written, used = found["written"], found["counts"]
