@@ -15,7 +15,7 @@ from ..core._graph import flatten
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._state import State, freeze
-from ._lift import Lifted, check_no_nodes, held, split_call, write_back
+from ._lift import Lifted, check_no_nodes, commit, held, split_call
 from ._outputs import Restructured
 from ._rules import TransformError
 
@@ -199,10 +199,7 @@ def value_and_grad(
       (loss, (aux, changed)), (g_mod, g_arr) = jax.value_and_grad(
         pure, argnums=(0, 1), has_aux=True
       )(diff_values, array_args, others)
-      write_back(variables, changed, what)
-      if type(aux) is Restructured:
-        aux.structure.apply(nodes, variables, aux.made)
-        aux = aux.out
+      aux = commit(variables, changed, what, aux, nodes=nodes)
 
     grads = []
     for t in targets:

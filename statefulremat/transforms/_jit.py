@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from ..core._graph_lock import hold, let_go
 from ..core._module import Module
 from ..core._variables import Variable
-from ._lift import FlattenCache, raise_if_deleted, split_call, write_back
+from ._lift import FlattenCache, commit, raise_if_deleted, split_call
 from ._outputs import ModulesOut, Restructured
 
 _PASSED_THROUGH = {"keep_unused", "inline", "compiler_options", "backend", "device"}
@@ -180,10 +180,8 @@ def jit(
       if donate_state:
         values = _unaliased(values, leaves)
       out, changed = compiled.get(lifted, statics)(values, leaves)
-      write_back(variables, changed, what)
-      if type(out) is Restructured:
-        out.structure.apply(split_call(args, kwargs)[0], variables, out.made)
-        out = out.out
+      nodes = split_call(args, kwargs)[0] if type(out) is Restructured else ()
+      out = commit(variables, changed, what, out, nodes=nodes)
     except RuntimeError:
       raise_if_deleted(variables)
       raise

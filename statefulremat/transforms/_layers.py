@@ -23,8 +23,9 @@ from jax import lax
 
 from ..core._errors import format_path
 from ..core._state import State
-from ._lift import Changes, Lifted, check_no_nodes, split_call, write_back
+from ._lift import Changes, Lifted, check_no_nodes, commit, split_call
 from ._module_arg import stacked_sources
+from ._outputs import Restructured
 from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, TransformError, Treatment
 from .memory._carries import offloaded
 
@@ -294,9 +295,21 @@ class LayerLoop:
 
   def finish(self) -> None:
     """Writes what the loop changed into the caller's modules (after the whole call
-    succeeded): the values, then the attributes the body added or deleted."""
-    write_back(self.variables, self.changed, self.what)
-    carry_out_structure(self)
+    succeeded): the values and the streams it drew from, then the attributes the body
+    added or deleted (a Variable made inside comes out stacked, layer axis 0, marked as
+    a stack's)."""
+    made = None if self.structure is None else Restructured(None, self.made, self.structure)
+    commit(
+      self.variables,
+      self.changed,
+      self.what,
+      made,
+      nodes=split_call((self.module,), {})[0] if made else (),
+      streams=self.used,
+      stacked_axis=0,
+      partition_name=(self.metadata_params or {}).get("partition_name"),
+      keep_metadata=True,
+    )
 
   def sources(self) -> list[tuple[str, int]]:
     """``(description, layer count)`` of each stacked Variable, for error messages."""
@@ -382,8 +395,6 @@ class LayerLoop:
     for i, value in zip(self.carried, carry_values):
       if i in self.carry_written:
         changed[i] = value
-    for i in self.used:
-      changed[i] = self.values[i] + jnp.uint32(1)
     return changed
 
   def segments(
@@ -481,19 +492,3 @@ def _move_axis(x, source: int, destination: int):
   if source == destination:
     return x
   return jax.tree.map(lambda leaf: jnp.moveaxis(leaf, source, destination), x)
-
-
-def carry_out_structure(loop: LayerLoop) -> None:
-  """After the loop's write-back: the attributes its body added or deleted, carried
-  out to the caller's module; a Variable made inside comes out stacked (layer axis 0,
-  marked as a stack's)."""
-  if loop.structure is None:
-    return
-  loop.structure.apply(
-    split_call((loop.module,), {})[0],
-    loop.variables,
-    loop.made,
-    stacked_axis=0,
-    partition_name=(loop.metadata_params or {}).get("partition_name"),
-    keep_metadata=True,
-  )

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.core
+import jax.numpy as jnp
 import numpy as np
 
 from ..core._errors import GraphError, TraceContextError, TransformError
@@ -39,7 +40,7 @@ from ..core._stacks import is_stacked
 from ..core._tracing import contains_tracer as _contains_tracer
 from ..core._tracing import current_trace, structure_epoch, tracing_user_code
 from ..core._variables import Variable
-from ._outputs import is_node, lift_outputs
+from ._outputs import Restructured, is_node, lift_outputs
 from ._restructure import NewStructure, split_new
 
 
@@ -350,6 +351,39 @@ def write_back(
     _check_traces(variables, changed, what)
   for i, value in changed.items():
     variables[i]._value = value
+
+
+def advance(count, draws: int = 1):
+  """An RNG stream's count after a transform served its function keys of its own: one
+  draw for the whole call (the layers' keys are folded from one), ``draws`` when the
+  function ran that many times in a row (a pipeline's microbatches). The one place a
+  transform moves a stream on."""
+  return count + jnp.asarray(draws, jnp.result_type(count))
+
+
+def commit(
+  variables: Sequence[Variable],
+  changed: dict[int, Any],
+  what: str,
+  out: Any = None,
+  *,
+  nodes: Sequence[Any] = (),
+  streams: Any = (),
+  draws: int = 1,
+  **placement: Any,
+) -> Any:
+  """The one write of a transform's result into the caller's objects, once the whole
+  call succeeded: the values it changed, each RNG stream count in ``streams`` moved on
+  (``advance``), then, when ``out`` is ``Restructured``, the new structure of ``nodes``
+  (the modules as they sit in the arguments; ``placement``: where a stack's new
+  Variables put their layer axis). Returns the user's result."""
+  if streams:
+    changed = {**changed, **{i: advance(variables[i]._value, draws) for i in streams}}
+  write_back(variables, changed, what)
+  if type(out) is not Restructured:
+    return out
+  out.structure.apply(nodes, variables, out.made, **placement)
+  return out.out
 
 
 def _check_traces(variables, changed, what):

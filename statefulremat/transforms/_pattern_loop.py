@@ -35,6 +35,7 @@ from ..core._pattern_stack import PatternStack
 from ..core._stacks import cycle
 from ..core._tracing import tracing_user_code
 from ._layers import LayerLoop, _move_axis, check_same_type
+from ._lift import advance
 from ._module_arg import class_length, lift_module_arg, resolve_length, stacked_sources
 from ._pattern import check_positions, position_names
 from ._rules import TransformError
@@ -99,7 +100,7 @@ class CycleLoop(LayerLoop):
     # changed exactly when some layer drew.
     for j, s in enumerate(streams):
       variables[s.key]._value = flat[s.key]
-      variables[s.count]._value = flat[s.count] + jnp.uint32(1) if drew[j] else flat[s.count]
+      variables[s.count]._value = advance(flat[s.count]) if drew[j] else flat[s.count]
     changes = self.lifted.changes(roots, variables, flat, self.what, restructure=True)
     return self._read_back(changes, flat, user_carry, carry, tuple(ys))
 

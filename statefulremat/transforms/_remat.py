@@ -24,7 +24,7 @@ from ._class_form import (
   is_module_class,
   transformed_class,
 )
-from ._lift import check_no_nodes, is_node, lift, serialised, write_back
+from ._lift import check_no_nodes, commit, is_node, lift, serialised
 from ._outputs import Restructured
 from ._rules import Rules
 from .memory._carries import report_remat
@@ -242,11 +242,7 @@ def _remat_function(
       out, changed = checkpointed(inputs, leaves)
     else:
       out, changed = check.run(checkpointed, inputs, leaves)
-    write_back(variables_, changed, what)
-    if type(out) is Restructured:
-      out.structure.apply(nodes, variables_, out.made)
-      out = out.out
-    return out
+    return commit(variables_, changed, what, out, nodes=nodes)
 
   return serialised(wrapper)  # threads on one model take turns; names deleted arrays
 

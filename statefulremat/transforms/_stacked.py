@@ -52,7 +52,7 @@ from ..core._stacks import (
 from ..core._state import freeze, thaw_metadata
 from ..core._variables import Variable
 from ._class_form import subclass, transform_name
-from ._lift import lift, write_back
+from ._lift import commit, lift
 from ._outputs import is_node
 from ._rules import STACKED, Rules, Treatment
 
@@ -253,7 +253,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   objects: list = []
   flatten(nodes, objects=objects)
   roots, _ = unflatten(graphdef, [None] * n_in + list(values), substitute=objects)
-  write_back(in_vars, {i: in_values[i] + jnp.uint32(1) for i in record["used"]}, what)
+  commit(in_vars, {}, what, streams=record["used"])
   return roots[-1]
 
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from ...core._errors import TransformError, format_path
 from .._class_form import display_name
-from .._lift import Lifted, check_no_nodes, held, is_node, lift, serialised, write_back
+from .._lift import Lifted, check_no_nodes, commit, held, is_node, lift, serialised
 from .._module_arg import check_no_modules
 from ._microbatches import split_rows
 
@@ -127,7 +127,7 @@ def _accumulate(fn, k: int, what: str, model, batch: tuple, kwargs: dict):
   with held(variables):
     values = [v._value for v in variables]
     out, changed = _scan(fn, k, what, lifted, values, others, split, batch_tree, kwargs)
-    write_back(variables, changed, what)
+    commit(variables, changed, what)
   return out
 
 

@@ -39,7 +39,7 @@ from ...core._kinds import RngCount, RngKey
 from ...core._split_merge import merge
 from ...core._stacks import axis_size
 from ...core._state import State
-from .._lift import write_back
+from .._lift import commit
 from .._remat_scan import plan_remat, remat_scan
 from .._rules import TransformError, layer_index_map
 from ..accumulate._microbatches import join, split_rows
@@ -304,9 +304,7 @@ def program(
     outs, local_w = program(laid, fixed, xs, [extras[j] for j in dynamic])
     written, used = found["written"], found["counts"]
     changed = {stacked[j]: from_layout(v, stacked[j]) for j, v in zip(written, local_w)}
-    for i in used:
-      changed[i] = values[i] + jnp.asarray(k, values[i].dtype)
-    write_back(variables, changed, what)
+    commit(variables, changed, what, streams=used, draws=k)  # each microbatch drew once
     return jax.tree.map(join, outs, x)
 
   return run

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core._stacks import cycle
-from .._lift import write_back
+from .._lift import commit
 from .._module_arg import lift_module_arg
 from .._pattern import check_positions, position_names
 from .._rules import STACKED, TransformError
@@ -120,9 +120,7 @@ def vmap_pattern(
     changed.update({i: jnp.moveaxis(v, 0, treatment.stacked_axis(i)) for i, v in written.items()})
   treatment.check_stream_names()
   out = _member_order(what, outs, out_axes, n, period, names)
-  for i in used:
-    changed[i] = values[i] + jnp.uint32(1)
-  write_back(variables, changed, what)
+  commit(variables, changed, what, streams=used)
   return out
 
 

@@ -26,7 +26,7 @@ from .._class_form import (
   fresh,
   function_target,
 )
-from .._lift import is_node, serialised, split_call, write_back
+from .._lift import commit, is_node, serialised, split_call
 from .._module_arg import (
   check_no_modules,
   class_length,
@@ -34,7 +34,7 @@ from .._module_arg import (
   resolve_length,
   stacked_sources,
 )
-from .._outputs import ModulesOut
+from .._outputs import ModulesOut, Restructured
 from .._pattern import class_form, target_repr
 from .._rules import STACKED, Rules, TransformError
 from ._checks import refuse_mapping_plain, refuse_shared_write
@@ -439,21 +439,21 @@ def _vmap_function(
     treatment.check_stream_names()
     changed = {i: jnp.moveaxis(v, 0, treatment.stacked_axis(i)) for i, v in written.items()}
     changed.update(shared)
-    for i in used:
-      changed[i] = values[i] + jnp.uint32(1)
-    write_back(variables, changed, what)
+    structure = record.get("structure")
+    commit(
+      variables,
+      changed,
+      what,
+      None if structure is None else Restructured(None, made, structure),
+      nodes=split_call((module,), {})[0] if structure else (),
+      streams=used,
+      stacked_axis=0,  # a Variable made inside comes out stacked
+      partition_name=(metadata_params or {}).get("partition_name"),
+      keep_metadata=True,
+    )
     if type(out) is ModulesOut:
       out = stacked_outputs(what, out, n, _stack_class, metadata_params, out_axes).rebuild(
         split_call((module,), {})[0]
-      )
-    if "structure" in record:
-      record["structure"].apply(
-        split_call((module,), {})[0],
-        variables,
-        made,
-        stacked_axis=0,
-        partition_name=(metadata_params or {}).get("partition_name"),
-        keep_metadata=True,
       )
     return out
 
