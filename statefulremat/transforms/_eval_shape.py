@@ -8,9 +8,8 @@ from typing import Any
 import jax
 
 from ..core._module import Module
-from ..core._tracing import tracing_user_code
 from ._lift import lift
-from ._outputs import ModulesOut, lift_outputs
+from ._outputs import ModulesOut
 
 
 def eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -65,12 +64,10 @@ def eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
   lifted, variables, leaves, _ = lift(args, kwargs)
 
   def pure(values, leaves):
-    with tracing_user_code(what):
-      (args, kwargs), _, _ = lifted.rebuild(values, leaves)
-      out = fn(*args, **kwargs)
-      # Every output object is new: an argument returned comes back as an abstract
-      # copy, never as the caller's object (whose values stay concrete).
-      return lift_outputs(out)
+    # What the function changed is dropped. Every output object is new: an argument
+    # returned comes back as an abstract copy, never as the caller's object (whose
+    # values stay concrete).
+    return lifted.run(fn, values, leaves, what, restructure=True, copies=True)[0]
 
   out = jax.eval_shape(pure, [v._value for v in variables], leaves)
   return out.rebuild() if isinstance(out, ModulesOut) else out

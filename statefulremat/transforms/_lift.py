@@ -120,6 +120,7 @@ class Lifted:
     seed: tuple | None = None,
     restructure: bool = False,
     outputs: bool = False,
+    copies: bool = False,
   ) -> tuple[Any, Changes]:
     """Inside a trace: ``fn(*args, **kwargs)`` on fresh objects holding ``values``
     (the call's arguments, its modules rebuilt); returns ``(out, Changes)``.
@@ -128,7 +129,8 @@ class Lifted:
     iteration ``index`` (in ``values``, which it rewrites) and a fresh count.
     ``restructure``: the transform carries changes of structure out (``Changes.made``
     and ``.structure``); otherwise such a change raises. ``outputs``: modules in
-    ``out`` cross the boundary as a ``ModulesOut`` (``lift_outputs``).
+    ``out`` cross the boundary as a ``ModulesOut`` (``lift_outputs``); with ``copies``
+    every one of them comes back a new object, an argument returned too.
     """
     if seed is not None:
       treatment, index = seed
@@ -139,7 +141,9 @@ class Lifted:
         treatment.serve_names(served, variables)
       out = fn(*args, **kwargs)
       changes = self.changes(roots, variables, values, what, restructure)
-      if outputs:  # read inside the guard: a module reached by closure raises
+      if copies:
+        out = lift_outputs(out)
+      elif outputs:  # read inside the guard: a module reached by closure raises
         known = len(values) if changes.structure is None else len(changes.structure.origin)
         out = lift_outputs(out, roots, known)
     return out, changes
