@@ -34,12 +34,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
-from ...core._graph import flatten
 from ...core._kinds import RngCount, RngKey
 from ...core._split_merge import merge
 from ...core._stacks import axis_size
 from ...core._state import State
-from .._lift import commit
+from .._lift import Lifted, advance, commit
 from .._remat_scan import plan_remat, remat_scan
 from .._rules import TransformError, layer_index_map
 from ..accumulate._microbatches import join, split_rows
@@ -122,12 +121,16 @@ def program(
         leaves[j] = v
       return jax.tree.unflatten(extras_tree, leaves)
 
-    def stage_module(flat):
-      """The stage's chunk as a module: the layer axis back where the stack has it."""
+    # The stage's chunk is the stack's own structure with fewer layers: lifted as one
+    # argument, so each step runs it through the kernel (Lifted.run).
+    lifted = Lifted(graphdef, jax.tree.structure(((0,), {})), (0,))
+
+    def in_stack_layout(flat):
+      """The chunk's values with the layer axis back where the stack has it."""
       flat = list(flat)
       for i in stacked:
         flat[i] = jnp.moveaxis(flat[i], 0, layer_axis[i]) if layer_axis[i] else flat[i]
-      return merge(graphdef, like.with_values(flat))
+      return flat
 
     if auto:
 
@@ -215,18 +218,20 @@ def program(
           )
         for j, i in enumerate(others):
           flat[i] = fixed[j]
-        for i in counts:
-          flat[i] = flat[i] + m.astype(flat[i].dtype)
-        module = stage_module(flat)
-        before = [v._value for v in flatten([module])[1]]
+        for i in counts:  # microbatch m draws as the sequential run's m-th call
+          flat[i] = advance(flat[i], m)
         carry = (inp, jnp.zeros((), jnp.int32), layout.size(q)) if layout.padded else inp
-        with layer_index_map(module, 1, layout.offset(q)):
-          out = inner(module, carry, *call_args, **call_kwargs)
+
+        def run_chunk(module):
+          with layer_index_map(module, 1, layout.offset(q)):
+            return inner(module, carry, *call_args, **call_kwargs)
+
+        out, changes = lifted.run(run_chunk, in_stack_layout(flat), [], what)
         out = out[0] if layout.padded else out
-        after = [v._value for v in flatten([module])[1]]
-        found["written"] = [j for j, i in enumerate(stacked) if after[i] is not before[i]]
-        found["counts"] = [i for i in counts if after[i] is not before[i]]
-        new = [after[stacked[j]] for j in found["written"]]
+        wrote = changes.values
+        found["written"] = [j for j, i in enumerate(stacked) if i in wrote]
+        found["counts"] = [i for i in counts if i in wrote]
+        new = [wrote[stacked[j]] for j in found["written"]]
         new = [
           jnp.moveaxis(v, layer_axis[stacked[j]], 0) if layer_axis[stacked[j]] else v
           for j, v in zip(found["written"], new)
