@@ -526,3 +526,23 @@ def test_the_class_form_of_a_pattern_stack_with_a_pipeline_spec():
     got = stack(x)
   assert_close(got, want, rtol=1e-4, atol=1e-5)
   assert_same_state(ref, stack, rtol=1e-4, atol=1e-5)
+
+
+def test_a_layer_that_sows_is_refused_by_name_and_changes_nothing():
+  # A stage cannot carry new Variables out of the pipeline: the kernel refuses the
+  # change of structure rather than drop the sown values.
+  mesh = make_mesh("stage8")
+  stack = build(Block, 8, mesh)
+  before = leaves(stack)
+
+  def sowing(layer, x):
+    y = layer(x)
+    layer.sow(sr.Intermediate, "h", y)
+    return y
+
+  with (
+    jax.set_mesh(mesh),
+    pytest.raises(sr.GraphError, match=r"sr.pipeline.*changed the structure of its modules"),
+  ):
+    sr.pipeline(sowing, microbatches=4)(stack, data())
+  assert_same_state_dict(before, leaves(stack))
