@@ -357,11 +357,11 @@ def write_back(
     variables[i]._value = value
 
 
-def advance(count, draws: int = 1):
+def advance(count, draws: int | jax.Array = 1):
   """An RNG stream's count after a transform served its function keys of its own: one
   draw for the whole call (the layers' keys are folded from one), ``draws`` when the
-  function ran that many times in a row (a pipeline's microbatches). The one place a
-  transform moves a stream on."""
+  function ran that many times in a row (a pipeline's microbatches; inside a stage, the
+  traced index of the microbatch it runs). The one place a transform moves a stream on."""
   return count + jnp.asarray(draws, jnp.result_type(count))
 
 
