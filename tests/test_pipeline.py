@@ -546,3 +546,29 @@ def test_a_layer_that_sows_is_refused_by_name_and_changes_nothing():
   ):
     sr.pipeline(sowing, microbatches=4)(stack, data())
   assert_same_state_dict(before, leaves(stack))
+
+
+# XLA compiles in this process, counted through jax.monitoring (a listener stays for
+# the process; it only counts).
+_COMPILES = [0]
+
+
+def _count_compile(event: str, duration: float, **kwargs) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def test_an_eager_call_compiles_its_stage_program_as_one():
+  # Called eagerly, a pipeline compiles its stage program once per call, as one program,
+  # not the shard_map's body one primitive at a time (about 70 programs per call).
+  mesh = make_mesh("stage4_data2")
+  stack, x = build(Block, 8, mesh), data(mesh)
+  piped = sr.pipeline(apply, microbatches=4)
+  with jax.set_mesh(mesh):
+    piped(stack, x)  # the eager ops around the program compile once per shape
+    before = _COMPILES[0]
+    piped(stack, x)
+  assert _COMPILES[0] - before <= 3, f"{_COMPILES[0] - before} compiles for one call"
