@@ -295,3 +295,18 @@ def test_scan_pattern_carries_batch_statistics_through_every_layer():
   close(c, ref)
   close(stack.pattern[1].bn.mean.value, mean)
   close(stack.pattern[1].bn.var.value, var)
+
+
+def test_a_reverse_scan_gives_each_layer_of_a_cycle_its_own_keys():
+  stack = sr.scan((Mix, Mix), length=4, variable_axes={True: 0}, split_rngs={True: True})(
+    rngs=sr.Rngs(0)
+  )
+  for position in stack.pattern:  # large activations: dropout's zeros show the mask
+    position.lin.kernel.value = jnp.broadcast_to(jnp.eye(D) * 10.0, (2, D, D))
+  back = sr.scan(lambda m, c: (m(c), None), split_rngs={True: True}, reverse=True)
+  layers = sr.unstack(stack)
+  got, _ = back(stack, jnp.ones((8, D)))
+  want = jnp.ones((8, D))
+  for i in reversed(range(4)):
+    want = layers[i](want)
+  close(got, want)

@@ -62,14 +62,16 @@ class Changes:
   ``values``: ``{flat index: new value}`` of each Variable the function wrote;
   ``made``: the values of the Variables it made, in the new graph's order, and
   ``structure``: the ``NewStructure`` (None when the structure stayed); ``roots`` and
-  ``variables``: the rebuilt objects, for reading the results.
+  ``variables``: the rebuilt objects, for reading the results; ``isolated``: for a
+  cycle run with ``isolate``, each unit's writes to those Variables.
   """
 
-  __slots__ = ("values", "made", "structure", "roots", "variables")
+  __slots__ = ("values", "made", "structure", "roots", "variables", "isolated")
 
   def __init__(self, values: dict, made: list, structure, roots, variables):
     self.values, self.made, self.structure = values, made, structure
     self.roots, self.variables = roots, variables
+    self.isolated: list[dict] = []  # per unit of a cycle, see ``Lifted.run``
 
 
 class Lifted:
@@ -118,6 +120,8 @@ class Lifted:
     what: str,
     *,
     seed: tuple | None = None,
+    units: Sequence[int] | None = None,
+    isolate: Sequence[int] = (),
     restructure: bool = False,
     outputs: bool = False,
     copies: bool = False,
@@ -127,25 +131,44 @@ class Lifted:
 
     ``seed=(treatment, index)`` first gives each RNG stream of ``treatment`` the key of
     iteration ``index`` (in ``values``, which it rewrites) and a fresh count.
+    ``units``: the call is one cycle of a pattern, ``fn(k, *args, **kwargs)`` for each
+    position ``k`` in that order on the one rebuild, each seeded as a call of its own
+    (iteration ``index + k``); ``out`` is then the list of outputs by position (None
+    where not run), and a stream counts as drawn when any unit drew. ``isolate``:
+    Variables each unit sees at their value before the call, whose writes come back
+    per unit in ``Changes.isolated`` (a vmap's members run side by side, not in turn).
     ``restructure``: the transform carries changes of structure out (``Changes.made``
     and ``.structure``); otherwise such a change raises. ``outputs``: modules in
     ``out`` cross the boundary as a ``ModulesOut`` (``lift_outputs``); with ``copies``
     every one of them comes back a new object, an argument returned too.
     """
+    before = list(values)
     if seed is not None:
       treatment, index = seed
+      if units and index is not None:  # the first unit run (the last, in reverse)
+        index = index + jnp.uint32(units[0])
       served = treatment.seed_layer(values, values, index)
     with tracing_user_code(what):
       (args, kwargs), variables, roots = self.rebuild(values, leaves)
       if seed is not None:
         treatment.serve_names(served, variables)
-      out = fn(*args, **kwargs)
+      if units is None:
+        out, isolated = fn(*args, **kwargs), []
+      else:
+        out, isolated = _run_units(
+          fn, args, kwargs, variables, values, before, seed, units, isolate
+        )
       changes = self.changes(roots, variables, values, what, restructure)
+      changes.isolated = isolated
       if copies:
         out = lift_outputs(out)
       elif outputs:  # read inside the guard: a module reached by closure raises
         known = len(values) if changes.structure is None else len(changes.structure.origin)
-        out = lift_outputs(out, roots, known)
+        out = (
+          [lift_outputs(o, roots, known) for o in out]
+          if units is not None
+          else (lift_outputs(out, roots, known))
+        )
     return out, changes
 
   def changes(self, roots, variables, values, what: str, restructure: bool = False) -> Changes:
@@ -195,6 +218,34 @@ class Lifted:
         "(`model.eval()` before calling it)."
       )
     return {i: v._value for i, (v, old) in enumerate(zip(variables, values)) if v._value is not old}
+
+
+def _run_units(fn, args, kwargs, variables, values, before, seed, order, isolate):
+  """The units of one cycle on one rebuild (``Lifted.run`` with ``units``)."""
+  treatment, first = seed
+  streams = treatment.streams
+  counts = [values[s.count] for s in streams]
+  drew = [False] * len(streams)
+  outs: list = [None] * (max(order, default=-1) + 1)
+  isolated = []
+  for n, k in enumerate(order):
+    if n:
+      counts = treatment.reseed(variables, before, None if first is None else first + jnp.uint32(k))
+    outs[k] = fn(k, *args, **kwargs)
+    for j, s in enumerate(streams):
+      drew[j] = drew[j] or variables[s.count]._value is not counts[j]
+    if isolate:
+      isolated.append(
+        {i: variables[i]._value for i in isolate if variables[i]._value is not values[i]}
+      )
+      for i in isolate:
+        variables[i]._value = values[i]
+  # What the read-back compares against: the first unit's keys, and a count that
+  # changed exactly when some unit drew.
+  for j, s in enumerate(streams):
+    variables[s.key]._value = values[s.key]
+    variables[s.count]._value = advance(values[s.count]) if drew[j] else values[s.count]
+  return outs, isolated
 
 
 # Types whose values are pytree leaves holding no tracer. Arguments and results of these

@@ -33,9 +33,7 @@ from jax import lax
 from ..core._module import Module
 from ..core._pattern_stack import PatternStack
 from ..core._stacks import cycle
-from ..core._tracing import tracing_user_code
 from ._layers import LayerLoop, _move_axis, check_same_type
-from ._lift import advance
 from ._module_arg import class_length, lift_module_arg, resolve_length, stacked_sources
 from ._pattern import check_positions, position_names
 from ._rules import TransformError
@@ -75,33 +73,26 @@ class CycleLoop(LayerLoop):
     carry_values, user_carry = state
     slices, xs, cycle = x
     flat = self._substitute(slices, carry_values)
+    carry = user_carry
+
+    def unit(k, positions):
+      nonlocal carry
+      before = carry
+      carry, ys = body(positions[k], carry, take(xs, k))
+      self._check_carry(k, before, carry)
+      return ys
+
     # No RNG stream: the loop passes no cycle index (None), and nothing is seeded.
     first = None if cycle is None else cycle * jnp.uint32(self.period)
-    streams = self.treatment.streams
-    served = self.treatment.seed_layer(flat, self.values, first)
-    counts = [flat[s.count] for s in streams]
-    drew = [False] * len(streams)
-    order = range(active)[::-1] if self.reverse else range(active)
-    carry, ys = user_carry, [None] * active
-    with tracing_user_code(self.what):
-      tree, variables, roots = self.lifted.rebuild(flat, self.leaves)
-      self.treatment.serve_names(served, variables)
-      for n, k in enumerate(order):
-        if n:
-          counts = self.treatment.reseed(
-            variables, self.values, None if first is None else first + jnp.uint32(k)
-          )
-        before = carry
-        carry, ys[k] = body(tree[0][0][k], carry, take(xs, k))
-        self._check_carry(k, before, carry)
-        for j, s in enumerate(streams):
-          drew[j] = drew[j] or variables[s.count]._value is not counts[j]
-    # What the read-back compares against: the first layer's keys, and a count that
-    # changed exactly when some layer drew.
-    for j, s in enumerate(streams):
-      variables[s.key]._value = flat[s.key]
-      variables[s.count]._value = advance(flat[s.count]) if drew[j] else flat[s.count]
-    changes = self.lifted.changes(roots, variables, flat, self.what, restructure=True)
+    ys, changes = self.lifted.run(
+      unit,
+      flat,
+      self.leaves,
+      self.what,
+      seed=(self.treatment, first),
+      units=range(active)[::-1] if self.reverse else range(active),
+      restructure=True,
+    )
     return self._read_back(changes, flat, user_carry, carry, tuple(ys))
 
   def _check_carry(self, k: int, before, after) -> None:

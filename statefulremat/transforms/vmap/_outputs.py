@@ -35,7 +35,7 @@ def vmap_creating(
     with tracing_user_code(what):
       out = fn(*call_args, **kwargs)
     leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_node)
-    placed = [(path, axis) for path, leaf, axis in _leaf_axes(out_axes, out, what) if is_node(leaf)]
+    placed = [(path, axis) for path, leaf, axis in leaf_axes(out_axes, out, what) if is_node(leaf)]
     nodes = [leaf for leaf in leaves if is_node(leaf)]
     graphdef, variables = flatten(nodes)
     record["info"] = (
@@ -95,7 +95,7 @@ def vmap_creating(
   return jax.tree.unflatten(treedef, merged)
 
 
-def _leaf_axes(out_axes, out, what: str | None = None) -> list:
+def leaf_axes(out_axes, out, what: str | None = None) -> list:
   """``(path, leaf, axis)`` for each leaf of ``out`` (modules and Variables as leaves),
   ``axis`` the entry of the ``out_axes`` prefix above it, as ``jax.vmap`` reads it.
   An ``out_axes`` that does not fit raises: a TransformError naming ``what`` if given,
@@ -153,7 +153,7 @@ def check_returned_inputs(what, out, out_axes, module, treatment, values) -> Non
     return
   rebuilt = flatten(split_call((module,), {})[0])[1]
   try:
-    found = _leaf_axes(out_axes, out)
+    found = leaf_axes(out_axes, out)
   except ValueError:
     return  # out_axes does not fit the output: jax.vmap says so
   index = {id(v): i for i, v in enumerate(rebuilt)}

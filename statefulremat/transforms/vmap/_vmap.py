@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ from ...core._frozen import ALL_SPLIT as _SPLIT_ALL
 from ...core._frozen import ALL_STACKED as _ALL
 from ...core._frozen import EMPTY as _EMPTY
 from ...core._module import Module
+from ...core._pattern_stack import PatternStack
 from ...core._stacks import cycle, is_stacked
 from ...core._variables import release_owner
 from .._class_form import (
@@ -35,11 +36,24 @@ from .._module_arg import (
   stacked_sources,
 )
 from .._outputs import ModulesOut, Restructured
-from .._pattern import class_form, target_repr
+from .._pattern import check_positions, class_form, position_names, target_repr
 from .._rules import STACKED, Rules, TransformError
 from ._checks import refuse_mapping_plain, refuse_shared_write
-from ._outputs import check_returned_inputs, stacked_outputs, vmap_creating
-from ._pattern import vmap_pattern
+from ._cycles import (
+  agree,
+  cycle_axes,
+  member_order,
+  padded,
+  position_args,
+  refuse_ragged_made,
+  stack_units,
+)
+from ._outputs import check_returned_inputs, leaf_axes, stacked_outputs, vmap_creating
+
+if TYPE_CHECKING:
+  from typing_extensions import Unpack
+
+  from .._options import VmapOptions
 
 
 class _DefaultAxis(int):
@@ -53,63 +67,19 @@ _UNSAID = object()
 
 @overload
 def vmap(
-  target: type[M],
-  *,
-  in_axes: Any = _DEFAULT_IN_AXES,
-  out_axes: Any = 0,
-  axis_size: int | None = None,
-  axis_name: str | None = None,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
+  target: type[M], **options: Unpack[VmapOptions]
 ) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
 @overload
 def vmap(
-  target: Sequence[type[Module] | functools.partial[Any]],
-  *,
-  in_axes: Any = _DEFAULT_IN_AXES,
-  out_axes: Any = 0,
-  axis_size: int | None = None,
-  axis_name: str | None = None,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
+  target: Sequence[type[Module] | functools.partial[Any]], **options: Unpack[VmapOptions]
 ) -> type: ...  # a pattern stack, whose positions differ
 @overload
 def vmap(
-  target: Callable[P, R],
-  *,
-  in_axes: Any = _DEFAULT_IN_AXES,
-  out_axes: Any = 0,
-  axis_size: int | None = None,
-  axis_name: str | None = None,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
+  target: Callable[P, R], **options: Unpack[VmapOptions]
 ) -> Callable[P, R]: ...  # the function form: the same signature
 @overload
 def vmap(
-  target: None = None,
-  *,
-  in_axes: Any = _DEFAULT_IN_AXES,
-  out_axes: Any = 0,
-  axis_size: int | None = None,
-  axis_name: str | None = None,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
+  target: None = None, **options: Unpack[VmapOptions]
 ) -> Transform: ...  # keywords only: a decorator of a class or a function
 @cached_class_form
 def vmap(
@@ -339,22 +309,12 @@ def _vmap_function(
       module_axis, call_axes = _module_entry(in_axes, len(args), _holds_stack(module))
       if module_axis is not _UNSAID:
         call_rules, by_default = rules_for(module_axis), False
-    if isinstance(module, Module) and len(cycle(module)) > 1:  # members of P classes
-      return vmap_pattern(
-        module,
-        fn,
-        args,
-        kwargs,
-        what=what,
-        rules=call_rules,
-        in_axes=call_axes,
-        out_axes=out_axes,
-        axis_size=axis_size,
-        axis_name=axis_name,
-        metadata_params=metadata_params,
-      )
+    # A pattern stack's unit is one cycle of its P classes (``_cycles``).
+    positions = cycle(module) if isinstance(module, Module) else (module,)
+    period = len(positions)
+    target = positions if period > 1 else module
     lifted, variables, treatment, leaves = lift_module_arg(
-      module, what, call_rules, metadata_params, "f(module, *args)"
+      target, what, call_rules, metadata_params, "f(module, *args)", pattern=period > 1
     )
     values = [v._value for v in variables]
     stacked = treatment.indices(STACKED)
@@ -368,7 +328,13 @@ def _vmap_function(
       )
     if by_default:
       refuse_mapping_plain(what, lifted, treatment, variables, stacked)
-    sources = stacked_sources(treatment, lifted, variables)
+    names: list[str] = []
+    if period > 1:
+      names = position_names(cast(PatternStack, module))
+      members = sum(check_positions(cast(PatternStack, module), what))
+      sources = [("the pattern stack's members", members)]
+    else:
+      sources = stacked_sources(treatment, lifted, variables)
     for j, (a, ax) in enumerate(zip(args, arg_axes)):
       if isinstance(ax, int):
         for leaf in jax.tree.leaves(a):
@@ -389,6 +355,10 @@ def _vmap_function(
         "(in_axes is None for all) and no variable is stacked. Pass `axis_size=`."
       )
     n = resolve_length(what, None, sources)
+    cycles = -(-n // period)
+    streams = {i for s in treatment.streams for i in (s.key, s.count)}
+    counts = {s.count for s in treatment.streams}
+    isolate = [i for i, k in enumerate(treatment.kinds) if k != STACKED and i not in streams]
     used: set[int] = set()
 
     def one(stacked_values, index, call_args):
@@ -396,65 +366,96 @@ def _vmap_function(
       for i, value in zip(stacked, stacked_values):
         flat[i] = value
 
-      def call(module):
+      def call(module, call_args=call_args):
         out = fn(module, *call_args, **kwargs)
         check_returned_inputs(what, out, out_axes, module, treatment, values)
         return out
 
       # Modules made inside and returned come out stacked (after the call).
-      out, changes = lifted.run(
-        call, flat, leaves, what, seed=(treatment, index), restructure=True, outputs=True
-      )
+      if period == 1:
+        out, changes = lifted.run(
+          call, flat, leaves, what, seed=(treatment, index), restructure=True, outputs=True
+        )
+      else:
+        outs, changes = lifted.run(
+          lambda k, positions: call(positions[k], call_args[k]),
+          flat,
+          leaves,
+          what,
+          seed=(treatment, index * jnp.uint32(period)),
+          units=range(period),
+          isolate=isolate,
+          restructure=True,
+          outputs=True,
+        )
+        out = stack_units(what, outs, names)
       if changes.structure is not None:
         record["structure"] = changes.structure
       changed, made = changes.values, changes.made
-      counts = {s.count for s in treatment.streams}
-      shared = {}
-      for i in changed:
-        if i in counts:
-          used.add(i)
-        elif treatment.kinds[i] != STACKED:
-          shared[i] = changed[i]
+      used.update(i for i in changed if i in counts)
+      shared = {i: changed[i] for i in changed if i not in counts and i not in stacked}
+      for i in sorted({i for unit in changes.isolated for i in unit}):
+        shared[i] = jnp.stack([unit.get(i, values[i]) for unit in changes.isolated])
       record["shared"] = sorted(shared)
       return out, {i: changed[i] for i in stacked if i in changed}, shared, made
 
     record: dict = {}
-    stacked_in = [values[i] for i in stacked]
+    if period == 1:
+      stacked_in = [values[i] for i in stacked]
+      mapped_args, args_axes, outs_axes = args, tuple(arg_axes), out_axes
+    else:
+      stacked_in = [padded(values[i], treatment.stacked_axis(i), cycles) for i in stacked]
+      mapped_args = position_args(args, arg_axes, period, cycles)
+      args_axes, outs_axes = (tuple(arg_axes),) * period, cycle_axes(out_axes)
     # A write to a Variable that is not mapped is kept when its value does not depend
     # on the mapped axis (the same for every index, as nnx's guide's `count += 1`):
     # out_axes=None, which JAX refuses for a value that varies along the axis.
     mapped = jax.vmap(
       one,
-      in_axes=([treatment.axes[i] for i in stacked], 0, tuple(arg_axes)),
-      out_axes=(out_axes, 0, None, 0),
-      axis_size=n,
+      in_axes=([treatment.axes[i] for i in stacked], 0, args_axes),
+      out_axes=(outs_axes, 0, None, 0),
+      axis_size=cycles,
       axis_name=axis_name,
     )
     try:
-      out, written, shared, made = mapped(stacked_in, jnp.arange(n, dtype=jnp.uint32), args)
+      out, written, shared, made = mapped(
+        stacked_in, jnp.arange(cycles, dtype=jnp.uint32), mapped_args
+      )
     except ValueError as e:
       if not record.get("shared") or "out_axes" not in str(e):
         raise
       refuse_shared_write(what, lifted, variables, record["shared"])
     treatment.check_stream_names()
+    structure = record.get("structure")
+    if period > 1:
+      refuse = functools.partial(refuse_shared_write, what, lifted, variables)
+      for i in isolate:
+        if i in shared:
+          agree(shared[i], functools.partial(refuse, [i]))
+          shared[i] = shared[i][0]
+      out = member_order(out, out_axes, n, leaf_axes)
+      # The padded members of the short last cycle are dropped.
+      written = {
+        i: v[: jnp.shape(values[i])[treatment.stacked_axis(i)]] for i, v in written.items()
+      }
+      if made and n % period:
+        refuse_ragged_made(what, n, period)
     changed = {i: jnp.moveaxis(v, 0, treatment.stacked_axis(i)) for i, v in written.items()}
     changed.update(shared)
-    structure = record.get("structure")
+    nodes = split_call((target,), {})[0]
     commit(
       variables,
       changed,
       what,
       None if structure is None else Restructured(None, made, structure),
-      nodes=split_call((module,), {})[0] if structure else (),
+      nodes=nodes if structure else (),
       streams=used,
       stacked_axis=0,  # a Variable made inside comes out stacked
       partition_name=(metadata_params or {}).get("partition_name"),
       keep_metadata=True,
     )
     if type(out) is ModulesOut:
-      out = stacked_outputs(what, out, n, _stack_class, metadata_params, out_axes).rebuild(
-        split_call((module,), {})[0]
-      )
+      out = stacked_outputs(what, out, n, _stack_class, metadata_params, out_axes).rebuild(nodes)
     return out
 
   compiled = serialised(wrapper)
