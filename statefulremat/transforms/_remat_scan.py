@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -38,86 +38,35 @@ from .memory._policy_check import policy_check
 from .memory._remat_plan import RematPlan
 from .memory._remat_search import search_plans
 
+if TYPE_CHECKING:
+  from typing_extensions import Unpack
+
+  from ._options import RematScanOptions
+
 
 @overload
 def remat_scan(
   target: type[M],
   lengths: Sequence[int] | str | RematPlan = (),
-  *,
-  length: int | None = None,
-  memory_budget: int | str | None = None,
-  policy: Callable[..., Any] | None = None,
-  carries: str | None = None,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  prevent_cse: bool = False,
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-  pipeline: Any = None,
+  **options: Unpack[RematScanOptions],
 ) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
 @overload
 def remat_scan(
   target: Sequence[type[Module] | functools.partial[Any]],
   lengths: Sequence[int] | str | RematPlan = (),
-  *,
-  length: int | None = None,
-  memory_budget: int | str | None = None,
-  policy: Callable[..., Any] | None = None,
-  carries: str | None = None,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  prevent_cse: bool = False,
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-  pipeline: Any = None,
+  **options: Unpack[RematScanOptions],
 ) -> type: ...  # a pattern stack, whose positions differ
 @overload
 def remat_scan(
   target: Callable[P, R],
   lengths: Sequence[int] | str | RematPlan = (),
-  *,
-  length: int | None = None,
-  memory_budget: int | str | None = None,
-  policy: Callable[..., Any] | None = None,
-  carries: str | None = None,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  prevent_cse: bool = False,
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-  pipeline: Any = None,
+  **options: Unpack[RematScanOptions],
 ) -> Callable[P, R]: ...  # the function form: the same signature
 @overload
 def remat_scan(
   target: None = None,
   lengths: Sequence[int] | str | RematPlan = (),
-  *,
-  length: int | None = None,
-  memory_budget: int | str | None = None,
-  policy: Callable[..., Any] | None = None,
-  carries: str | None = None,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  prevent_cse: bool = False,
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-  pipeline: Any = None,
+  **options: Unpack[RematScanOptions],
 ) -> Transform: ...  # keywords only: a decorator of a class or a function
 @cached_class_form
 def remat_scan(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -36,82 +36,27 @@ from ._scan_axes import broadcast as broadcast  # pickled sr.broadcast named thi
 from ._scan_axes import check_axes, in_axes_per_leaf, leaf_path, stack_ys
 from .memory._carries import check_carries, warn_if_kept
 
+if TYPE_CHECKING:
+  from typing_extensions import Unpack
+
+  from ._options import ScanOptions
+
 
 @overload
 def scan(
-  target: type[M],
-  *,
-  variable_axes: Mapping[Any, Any] = _EMPTY,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  split_rngs: Mapping[Any, Any] = _EMPTY,
-  in_axes: Any = 0,
-  out_axes: Any = 0,
-  length: int | None = None,
-  reverse: bool = False,
-  unroll: int | bool = 1,
-  carries: str = "device",
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
+  target: type[M], **options: Unpack[ScanOptions]
 ) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
 @overload
 def scan(
-  target: Sequence[type[Module] | functools.partial[Any]],
-  *,
-  variable_axes: Mapping[Any, Any] = _EMPTY,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  split_rngs: Mapping[Any, Any] = _EMPTY,
-  in_axes: Any = 0,
-  out_axes: Any = 0,
-  length: int | None = None,
-  reverse: bool = False,
-  unroll: int | bool = 1,
-  carries: str = "device",
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
+  target: Sequence[type[Module] | functools.partial[Any]], **options: Unpack[ScanOptions]
 ) -> type: ...  # a pattern stack, whose positions differ
 @overload
 def scan(
-  target: Callable[P, R],
-  *,
-  variable_axes: Mapping[Any, Any] = _EMPTY,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  split_rngs: Mapping[Any, Any] = _EMPTY,
-  in_axes: Any = 0,
-  out_axes: Any = 0,
-  length: int | None = None,
-  reverse: bool = False,
-  unroll: int | bool = 1,
-  carries: str = "device",
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
+  target: Callable[P, R], **options: Unpack[ScanOptions]
 ) -> Callable[P, R]: ...  # the function form: the same signature
 @overload
 def scan(
-  target: None = None,
-  *,
-  variable_axes: Mapping[Any, Any] = _EMPTY,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  split_rngs: Mapping[Any, Any] = _EMPTY,
-  in_axes: Any = 0,
-  out_axes: Any = 0,
-  length: int | None = None,
-  reverse: bool = False,
-  unroll: int | bool = 1,
-  carries: str = "device",
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
+  target: None = None, **options: Unpack[ScanOptions]
 ) -> Transform: ...  # keywords only: a decorator of a class or a function
 @cached_class_form
 def scan(
