@@ -303,7 +303,9 @@ def test_a_reverse_scan_gives_each_layer_of_a_cycle_its_own_keys():
   )
   for position in stack.pattern:  # large activations: dropout's zeros show the mask
     position.lin.kernel.value = jnp.broadcast_to(jnp.eye(D) * 10.0, (2, D, D))
-  back = sr.scan(lambda m, c: (m(c), None), split_rngs={True: True}, reverse=True)
+  back = sr.scan(
+    lambda m, c: (m(c), None), variable_axes={True: 0}, split_rngs={True: True}, reverse=True
+  )
   layers = sr.unstack(stack)
   got, _ = back(stack, jnp.ones((8, D)))
   want = jnp.ones((8, D))

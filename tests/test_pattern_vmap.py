@@ -70,9 +70,7 @@ def test_pytree_out_axes_put_the_members_where_each_leaf_asks(length):
     y = m(x)
     return {"y": y, "norm": jnp.sum(y**2), "none": jnp.ones(2)}
 
-  got = sr.vmap(fn, variable_broadcast=Count, out_axes={"y": 1, "norm": 0, "none": None})(
-    stack, xs
-  )
+  got = sr.vmap(fn, variable_broadcast=Count, out_axes={"y": 1, "norm": 0, "none": None})(stack, xs)
   want = [fn(stack.layer(i), xs[i]) for i in range(length)]
   close(got["y"], jnp.stack([w["y"] for w in want], axis=1))
   close(got["norm"], jnp.stack([w["norm"] for w in want]))
