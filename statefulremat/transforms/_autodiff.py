@@ -16,7 +16,7 @@ from ..core._kinds import Param
 from ..core._module import Module
 from ..core._state import State, freeze
 from ._lift import Lifted, check_no_nodes, commit, held, split_call
-from ._outputs import Restructured
+from ._outputs import Restructured, describe_returned
 from ._rules import TransformError
 
 M = TypeVar("M", bound=Module)
@@ -24,9 +24,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 Aux = TypeVar("Aux")
 
-# The types say what the default (argnums=0) with a module there gives: its gradient is a
-# State. Other argnums (arrays, several arguments, a list of modules) give what
-# jax.grad gives for them, typed Any.
+# The types: argnums=0 with a module there gives a State; other argnums are typed Any.
 
 
 @overload
@@ -54,22 +52,18 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``; a module argument's gradient is a State.
 
-  Changes the function makes to other variables (batch stats, RNG counts) are written
-  back to the caller's modules, and so are changes of structure (a Variable made by
-  ``self.sow``, a new sub-module), as ``sr.jit`` carries them; if it raises, nothing is.
+  Changes to other variables and to the modules' structure are written back, as
+  ``sr.jit`` writes them (nothing if the function raises).
 
   Args:
     fn: the function to differentiate; it returns a scalar loss, or ``(loss, aux)``
       with ``has_aux=True``.
     argnums: the position, or a sequence of positions, of the arguments to
-      differentiate (default ``0``). For a module there the gradient is taken with
-      respect to its variables matched by ``wrt`` and is a ``State`` with the paths of
-      ``sr.state(module, wrt)``; a list, tuple or dict of modules there (a list of
-      layers) gets the same structure with a State per module, as ``nnx.grad`` gives;
-      other arguments get ordinary gradients.
+      differentiate (default ``0``). A module there gets a ``State`` with the paths of
+      ``sr.state(module, wrt)``; a list, tuple or dict of modules the same structure
+      with a State per module; other arguments ordinary gradients.
     wrt: a filter choosing the variables of the modules at ``argnums`` to differentiate
-      (default ``sr.Param``; ``'params'`` or another filter selects others). It must
-      match at least one variable, and only float arrays.
+      (default ``sr.Param``). It must match at least one variable, and only float arrays.
     has_aux: whether ``fn`` returns a pair ``(loss, aux)``, of which only ``loss`` is
       differentiated (default ``False``).
 
@@ -167,23 +161,15 @@ def value_and_grad(
         out, changes = lifted.run(call, flat, leaves, what, restructure=True)
         if has_aux:
           if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            got = (
-              "a single array"
-              if isinstance(out, jax.Array)
-              else f"a {type(out).__name__} of length {len(out)}"
-              if isinstance(out, (tuple, list))
-              else f"a {type(out).__name__}"
-            )
             raise TypeError(
               f"{what}: has_aux=True needs the function to return a pair "
-              f"(loss, aux), got {got}. Return `loss, aux`, or drop "
+              f"(loss, aux), got {describe_returned(out)}. Return `loss, aux`, or drop "
               "has_aux=True if there is no aux."
             )
           loss, aux = out
         elif isinstance(out, (tuple, list, dict)):
           raise TypeError(
-            f"{what}: the function returned a {type(out).__name__}"
-            f"{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}, "
+            f"{what}: the function returned {describe_returned(out)}, "
             "not a scalar loss. If it returns `(loss, aux)`, pass `has_aux=True`: "
             f"`sr.value_and_grad(fn, has_aux=True)` gives `(loss, aux), grads`."
           )
@@ -230,9 +216,8 @@ def _module_container(arg) -> bool:
 
 
 def _through_containers(fn, args, kwargs, targets, single, wrt, has_aux):
-  """``value_and_grad`` where a differentiated argument is a container of modules (a
-  list of layers): each module becomes an argument of its own, and the gradient comes
-  back in the container's structure, a State per module (as nnx's ``nnx.grad``)."""
+  """``value_and_grad`` where a differentiated argument is a container of modules: each
+  module an argument of its own, the gradient back in the container's structure."""
   flat_args, spans, treedefs = [], {}, {}
   for p, arg in enumerate(args):
     if p in targets and _module_container(arg):
@@ -325,34 +310,15 @@ def grad(
 ) -> Callable[..., Any]:
   """Like ``jax.grad``; a module argument's gradient is a State (see ``value_and_grad``).
 
-  Changes the function makes to other variables (batch stats, RNG counts) are written
-  back to the caller's modules; if it raises, nothing is.
-
   Args:
-    fn: the function to differentiate; it returns a scalar loss, or ``(loss, aux)``
-      with ``has_aux=True``.
-    argnums: the position, or a sequence of positions, of the arguments to
-      differentiate (default ``0``). A module there gets a ``State`` with the paths of
-      ``sr.state(module, wrt)``; a list, tuple or dict of modules the same structure
-      with a State per module; other arguments ordinary gradients.
-    wrt: a filter choosing the variables of the modules at ``argnums`` to differentiate
-      (default ``sr.Param``). It must match at least one variable, and only float arrays.
-    has_aux: whether ``fn`` returns a pair ``(loss, aux)``, of which only ``loss`` is
-      differentiated (default ``False``).
+    fn: the function to differentiate, returning a scalar loss (or ``(loss, aux)``).
+    argnums: the position(s) of the arguments to differentiate (default ``0``).
+    wrt: a filter choosing the modules' variables to differentiate (default ``sr.Param``).
+    has_aux: whether ``fn`` returns ``(loss, aux)`` (default ``False``).
 
   Returns:
-    A function taking ``fn``'s arguments and returning ``grads``, the gradient of the
-    argument at ``argnums`` (a tuple of them for a sequence), or ``(grads, aux)`` with
-    ``has_aux=True``.
-
-  Raises:
-    TypeError: at call, ``argnums`` names a position the call does not have; ``wrt``
-      matches a variable that is not a float array; ``fn`` returns a tuple, list or dict
-      without ``has_aux=True``, or not a pair with it.
-    sr.TransformError: ``wrt`` matches no variable of a module at ``argnums``.
-    sr.GraphError: ``fn`` returns a module or a Variable.
-    sr.TraceContextError: the call runs inside a plain JAX transform that closes over the
-      module, so its new values would leak that transform's tracers.
+    A function taking ``fn``'s arguments and returning ``grads`` (``(grads, aux)`` with
+    ``has_aux=True``); it raises as ``sr.value_and_grad``'s does.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> model = sr.nn.Linear(2, 1, rngs=sr.Rngs(0))

@@ -16,16 +16,8 @@ def eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
   """What ``fn(*args, **kwargs)`` would return, with ``jax.ShapeDtypeStruct`` values,
   computing nothing.
 
-  Modules and Variables may sit in the arguments and in the result. The result's
-  modules are new objects of the same classes and metadata whose Variables hold
-  ``ShapeDtypeStruct`` s (each with the sharding JAX infers, where it knows one); a
-  stacked module stays a stack, its Variables naming the layer axis, so
-  ``sr.get_partition_spec`` of it includes the layer axis. The arguments are left
-  exactly as they were, whatever ``fn`` does to them. ``sr.eval_shape(model, x)``
-  is ``sr.eval_shape(lambda model, x: model(x), model, x)``.
-
-  The usual use: the shapes, bytes and partition specs of a model too big to build,
-  before building it sharded with ``sr.jit`` (see ``sr.shard``).
+  The result's modules are new objects whose Variables hold ``ShapeDtypeStruct`` s (a
+  stack stays a stack); the arguments are left exactly as they were.
 
   Args:
     fn: the function to evaluate (modules may sit anywhere in its arguments), or a

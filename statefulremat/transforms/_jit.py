@@ -58,34 +58,12 @@ def jit(
 ) -> Any:
   """Compiles ``fn`` with ``jax.jit``; modules in its arguments are updated in place.
 
-  Every Variable the function changes (params, batch stats, RNG counts, optimizer
-  state) is written back to the caller's objects after the call; if the call raises,
-  nothing is written. Repeated calls on the same objects skip the graph walk: the
-  flattening is cached until a module's structure changes.
-
-  Calls on one model from several threads run one at a time, so no update is lost:
-  from reading the model's values to writing the new ones back, a call holds the lock
-  of the model's graph (the Variables it reaches), and another thread's call on that
-  graph waits its turn. Models that share no Variable have separate locks; transforms
-  nested in the function take none. (``sr.grad``, the other transforms,
-  ``Optimizer.update``, ``sr.update`` and ``sr.clone`` called outside ``sr.jit`` hold
-  it too.)
-
-  The function may add or delete attributes of the modules it gets (a new sub-module
-  or Variable, an ``sr.Intermediate`` from ``sow``, ``del m.cache``, a new static
-  flag): after the call the change is carried out to the caller's objects, as nnx
-  does (not if the call raises).
-
-  The function may return modules and Variables: one passed in comes back as the
-  caller's own object (updated), one made inside as a new object whose Variables hold
-  the jitted outputs. So ``sr.jit(create)()`` builds a model on device in one
-  compiled call, and with ``sr.shard`` inside, each array directly in its sharding.
-
-  ``sr.jit(fn).lower(*args)`` returns JAX's ``jax.stages.Lowered`` without running
-  anything: ``.as_text()`` is the StableHLO, ``.compile().memory_analysis()`` XLA's
-  exact temp, argument and output bytes. Tracing (``.lower`` and each new function's
-  first call) runs where CPython's frame stack has room, so its time does not depend
-  on how deep the caller stands.
+  Every Variable the function changes, and every attribute it adds or deletes, is
+  written back to the caller's objects after the call (nothing if it raises); a call
+  holds the lock of the model's graph, so calls from several threads take turns. The
+  function may return modules: one passed in comes back as the caller's own object,
+  one made inside as a new object (``sr.jit(create)()`` builds a model on device).
+  Tracing runs where CPython's frame stack has room (``with_room``).
 
   Args:
     fn: the function; modules may sit anywhere in its arguments. ``None`` (only
@@ -191,25 +169,25 @@ def jit(
       out = out.rebuild(split_call(args, kwargs)[0])
     return out
 
-  wrapper.lower = lambda *a, **k: with_room(  # pyright: ignore[reportAttributeAccessIssue]  # a function attribute, as on jax.jit's result
-    _lower, compiled, cache, static, names, what, *a, **k
-  )
+  def lower(*args, **kwargs):
+    statics, args, kwargs = _split_statics(static, names, args, kwargs, what)
+    lifted, variables, leaves = cache.lift_call(args, kwargs)
+    return compiled.lower(lifted, statics, [v._value for v in variables], leaves)
+
+  wrapper.lower = functools.partial(with_room, lower)  # pyright: ignore[reportAttributeAccessIssue]  # a function attribute, as on jax.jit's result
   return wrapper
 
 
 class _JitPerStructure:
   """One ``jax.jit`` of ``pure`` per (graph structure, static arguments), LRU-bounded.
+  The structure is bound in, not static: jax.jit would hash it on every call."""
 
-  The structure is bound into the function rather than passed as a static argument:
-  jax.jit hashes and compares static arguments in Python on every call, which cost
-  about 15 µs a step on the tiny model, a third of the whole dispatch.
-  """
+  SIZE = 64
 
-  def __init__(self, pure: Callable, donate_state: bool, jit_kwargs: dict, size: int = 64):
+  def __init__(self, pure: Callable, donate_state: bool, jit_kwargs: dict):
     self._pure = pure
     self._options: dict[str, Any] = dict(jit_kwargs, donate_argnums=(0,) if donate_state else ())
     self._jitted: OrderedDict = OrderedDict()
-    self._size = size
 
   def get(self, lifted, statics) -> Callable:
     """The jitted function; a new one's first call (its trace) runs ``with_room``."""
@@ -222,10 +200,8 @@ class _JitPerStructure:
     return lambda values, leaves: with_room(jitted, values, leaves)
 
   def lower(self, lifted, statics, values, leaves):
-    jitted = self._jitted.get((lifted, statics))
-    if jitted is None:
-      jitted = self._make((lifted, statics))
-    return jitted.lower(values, leaves)
+    key = (lifted, statics)
+    return (self._jitted.get(key) or self._make(key)).lower(values, leaves)
 
   def _make(self, key) -> Callable:
     lifted, statics = key
@@ -236,7 +212,7 @@ class _JitPerStructure:
 
     jitted = jax.jit(bound, **self._options)
     self._jitted[key] = jitted
-    if len(self._jitted) > self._size:
+    if len(self._jitted) > self.SIZE:
       self._jitted.popitem(last=False)
     return jitted
 
@@ -244,11 +220,7 @@ class _JitPerStructure:
 def _split_statics(
   static: tuple, names: tuple, args: tuple, kwargs: dict, what: str
 ) -> tuple[tuple, tuple, dict]:
-  """Takes out the static arguments: ``((positional, named), other args, other kwargs)``.
-
-  ``positional`` is ``((index, value), ...)`` in ascending order, ``named`` is
-  ``((name, value), ...)`` in the order of ``static_argnames``; both are hashable.
-  """
+  """Takes out the static arguments: ``((positional, named), other args, other kwargs)``."""
   n = len(args)
   indices = sorted({i + n if i < 0 else i for i in static})
   if indices and (indices[0] < 0 or indices[-1] >= n):
@@ -280,11 +252,8 @@ def _split_statics(
 
 
 def _unaliased(values: list, leaves: list) -> list:
-  """``values`` with a copy of each array that would be donated twice or also passed.
-
-  XLA refuses to donate one buffer twice in a call (two Variables holding the same
-  array, as after ``sr.clone``) or to donate a buffer also passed as a plain argument.
-  """
+  """``values`` with a copy of each array XLA would refuse to donate (twice, or also
+  passed as a plain argument)."""
   seen = {id(x) for x in jax.tree.leaves(leaves) if isinstance(x, jax.Array)}
 
   def fresh(x):
@@ -304,24 +273,10 @@ def _insert(args: tuple, statics: tuple) -> tuple:
   return tuple(merged)
 
 
-def _lower(compiled, cache, static, names, what, *args, **kwargs):
-  statics, args, kwargs = _split_statics(static, names, args, kwargs, what)
-  lifted, variables, leaves = cache.lift_call(args, kwargs)
-  return compiled.lower(lifted, statics, [v._value for v in variables], leaves)
-
-
-# Tracing and lowering recurse thousands of Python calls deep. CPython 3.11 and 3.12
-# (and 3.13 before the fix of gh-142183) keep frames in 16 KiB chunks and unmap a chunk
-# as soon as its last frame returns, so every call of that recursion that crosses a
-# chunk boundary maps and unmaps one: a handful to hundreds of times per lowering, set
-# only by how deep the caller happens to stand. That moved a lowering's time by up to a
-# third between two stack depths of one script (benchmarks/trace_depths.py), raw JAX's
-# as much as ours. A frame that reserves 512 KiB is given a fresh chunk of its own
-# (1 MiB), so the trace above it runs in the room left and crosses no boundary,
-# wherever it was called from. The room is reserved as value-stack slots of the code
-# object, which CPython never initialises (unlike locals): entering it maps one chunk,
-# about 9 µs against the milliseconds of a trace. Only the tracing paths (`.lower` and
-# the first call of each new jitted function) take it, never a cached call.
+# CPython 3.11-3.13 unmap a 16 KiB frame chunk as its last frame returns, so a deep trace
+# pays per chunk boundary crossed, set by how deep the caller stands (docs/guide/
+# performance.md). A frame reserving 512 KiB of value-stack slots (never initialised)
+# gets a fresh chunk, and the trace above it crosses no boundary.
 _ROOM_SLOTS = 1 << 16  # 8 bytes each: 512 KiB; the deepest trace measured used 40 KiB
 
 

@@ -1,8 +1,5 @@
-"""Argument 0 of scan, remat_scan and vmap: the modules the layers come from.
-
-Shared by the three: lifting the module argument (with the one-layer view of stacked
-modules), refusing modules anywhere else, and agreeing on the layer count.
-"""
+"""Argument 0 of scan, remat_scan and vmap: lifting the modules the layers come from,
+refusing modules anywhere else, and agreeing on the layer count."""
 
 from __future__ import annotations
 
@@ -22,11 +19,7 @@ def lift_module_arg(
   module, what: str, rules: Rules, metadata_params, call_form: str, *, pattern: bool = False
 ):
   """Lifts argument 0: ``(lifted, variables, treatment, leaves)``; inside, one layer.
-
-  ``pattern``: ``module`` is ``cycle(stack)``, the position stacks of a pattern stack,
-  and messages name a Variable as the user reaches it, ``pattern[1].bn.mean``
-  (``pattern_path``); the rules still see the path from the tuple, ``(1, "bn", "mean")``.
-  """
+  ``pattern``: ``module`` is ``cycle(stack)``, and messages say ``pattern[1].bn.mean``."""
   nodes, leaves, treedef, positions = split_call((module,), {})
   if not nodes:
     raise TypeError(
@@ -34,7 +27,6 @@ def lift_module_arg(
       f"{type(module).__name__}. The function is called as {call_form}."
     )
   graphdef, variables = flatten(nodes)
-  # A pattern's rules see the path from the tuple, as before messages named it.
   treatment = Treatment(
     rules,
     graphdef,
@@ -49,21 +41,15 @@ def lift_module_arg(
 
 
 def pattern_path(path: tuple) -> tuple:
-  """A flat path of a pattern stack's positions, ``(1, "bn", "mean")``, as the user
-  reaches it from the stack: ``("pattern", 1, "bn", "mean")``, ``pattern[1].bn.mean``."""
+  """A path among a pattern's positions as the user reaches it: ``pattern[1].bn.mean``."""
   return ("pattern",) + tuple(path)
 
 
 def check_stacks_sliced(
   nodes, graphdef, variables, treatment: Treatment, what: str, *, pattern: bool = False
 ) -> None:
-  """Raises if a stacked module's layer axis is not sliced per iteration by ``treatment``.
-
-  Otherwise every iteration would compute with the whole stack where one layer was
-  meant (a ``(3, 4, 4)`` kernel broadcasting against one layer's input). Only the
-  stacks passed in are checked (a stack nested inside is its own transform's business);
-  their Variables' metadata says which axis is the layer axis.
-  """
+  """Raises if a stacked module's layer axis is not sliced per iteration by ``treatment``
+  (every iteration would compute with the whole stack)."""
   if not any(map(is_stacked, nodes)):
     return
   multi = len(nodes) > 1
@@ -97,9 +83,7 @@ def check_stacks_sliced(
 
 
 def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
-  """When the stack's own class form does not slice ``var`` either (e.g. a KV cache
-  made after building ``sr.scan(Block, variable_axes={sr.Param: 0})``), calling the
-  stack cannot work: the fix is a class built with the rule."""
+  """Where the stack's own class form does not slice ``var`` either: build it with the rule."""
   info = stack_info(stack_cls)
   rules = getattr(info, "rules", None)
   if not isinstance(rules, LayerRules) or rules.rules.classify(path, var)[0] == STACKED:
@@ -114,14 +98,8 @@ def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
 
 
 def check_no_modules(tree, what: str, label: str, *, first: int | None = None) -> None:
-  """Raises ``GraphError`` (a ``TypeError``: a module where only arrays go) if ``tree``
-  holds a module or Variable anywhere.
-
-  ``label`` names ``tree`` in the message (``"the carry"``); with ``first``, ``tree``
-  is a tuple of positional arguments, the first of them argument ``first`` of the
-  transformed function, and the message names the argument by that number and the
-  path inside it (``argument 1 at `[0][0]```), as the user counts.
-  """
+  """Raises ``GraphError`` if ``tree`` (named ``label``; with ``first``, positional
+  arguments from number ``first`` on) holds a module or Variable anywhere."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_node):
     if not is_node(leaf):
       continue
@@ -150,10 +128,8 @@ def class_length(module) -> int | None:
 def resolve_length(
   what: str, length, sources: list[tuple[str, int]], fallback: int | None = None
 ) -> int:
-  """The iteration count all sources agree on (each ``(description, size)``).
-
-  ``fallback`` (a stack's class length) counts only when nothing else tells.
-  """
+  """The iteration count all sources agree on (each ``(description, size)``); ``fallback``
+  only when nothing else tells."""
   if length is not None:
     sources = [("length", int(length))] + sources
   if not sources and fallback is not None:

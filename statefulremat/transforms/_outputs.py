@@ -1,14 +1,6 @@
-"""Modules in a traced function's results: how ``sr.jit`` and ``sr.eval_shape`` return them.
-
-Inside the trace, the modules and Variables in the results are walked after the
-inputs' graph (``flatten(input roots + output nodes)``), so an output that is, or
-refers into, an input object is recognised by its place in that walk. Only the values
-of the Variables made inside leave the trace, as ordinary outputs; the GraphDef that
-ties them together leaves as static aux data of ``ModulesOut``, a pytree JAX caches
-with the compiled function. Outside, ``unflatten(..., substitute=caller's objects)``
-builds the new objects pointing at the caller's own: a module passed in and returned
-comes back as the same Python object, updated in place.
-"""
+"""Modules in a traced function's results: how ``sr.jit`` and ``sr.eval_shape`` return
+them. Only the values of the Variables made inside leave the trace; the GraphDef leaves
+as static aux data, and outside the objects are rebuilt around the caller's own."""
 
 from __future__ import annotations
 
@@ -28,13 +20,16 @@ def is_node(x) -> bool:
   return isinstance(x, (Module, Variable))
 
 
-class ModulesOut:
-  """A result holding modules, while it crosses the trace boundary (a pytree).
+def describe_returned(out) -> str:
+  """What a function returned, as a message names it: ``a tuple of length 3``."""
+  if isinstance(out, (tuple, list)):
+    return f"a {type(out).__name__} of length {len(out)}"
+  return "a single array" if isinstance(out, jax.Array) else f"a {type(out).__name__}"
 
-  ``leaves``: the result's non-module leaves; ``values``: the values of the Variables
-  made inside; ``info``: ``(graphdef, treedef, node positions, number of input roots,
-  number of input Variables)``, static.
-  """
+
+class ModulesOut:
+  """A result holding modules while it crosses the trace boundary (a pytree): its other
+  leaves, the values of the Variables made inside, and static ``info``."""
 
   __slots__ = ("leaves", "values", "info")
 
@@ -42,11 +37,8 @@ class ModulesOut:
     self.leaves, self.values, self.info = leaves, values, info
 
   def rebuild(self, input_nodes: Sequence[Any] = ()) -> Any:
-    """The result with its modules, outside the trace.
-
-    ``input_nodes`` are the caller's modules and Variables the traced function got
-    (in lifting order); outputs that were inputs come back as these very objects.
-    """
+    """The result with its modules, outside the trace; outputs that were inputs come back
+    as the caller's ``input_nodes`` themselves."""
     graphdef, treedef, positions, n_roots, n_variables = self.info
     objects: list = []
     if n_roots:
@@ -68,14 +60,8 @@ jax.tree_util.register_pytree_node(
 
 
 def lift_outputs(out: Any, input_roots: Sequence[Any] = (), n_variables: int = 0) -> Any:
-  """Inside a trace, after the user's function: ``out`` itself if it holds no module or
-  Variable (the common case, no cost after this walk), else a ``ModulesOut``.
-
-  ``input_roots`` are the objects the transform rebuilt from its inputs and
-  ``n_variables`` their number of Variables; with none, every output object is new.
-  Values are read through ``Variable.value``, so a module reached by closure and
-  returned raises as reading it inside the function does.
-  """
+  """Inside a trace: ``out`` itself if it holds no module or Variable, else a
+  ``ModulesOut`` (objects among ``input_roots``' graph recognised as inputs)."""
   leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_node)
   positions = tuple(i for i, leaf in enumerate(leaves) if is_node(leaf))
   if not positions:
@@ -90,9 +76,8 @@ def lift_outputs(out: Any, input_roots: Sequence[Any] = (), n_variables: int = 0
 
 
 class Restructured:
-  """A result whose function changed its modules' structure, crossing the trace
-  boundary (a pytree): ``out``, the values of the Variables made inside (``made``)
-  and the ``NewStructure`` (static) that ``apply`` carries out."""
+  """A result whose function changed its modules' structure, crossing the trace boundary
+  (a pytree): ``out``, the new Variables' values and the static ``NewStructure``."""
 
   __slots__ = ("out", "made", "structure")
 

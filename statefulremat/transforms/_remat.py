@@ -81,20 +81,15 @@ def remat(
 ):
   """Rematerialises ``target`` in the backward pass (``jax.checkpoint``), modules included.
 
-  Equivalent to calling ``target`` directly — same outputs, same gradients, same
-  mutations written back to the modules (attributes added or deleted included) — but
-  the forward intermediates are recomputed during differentiation instead of stored,
-  except those ``policy`` saves.
+  Computes what ``target`` does, mutations included, but recomputes the forward
+  intermediates during differentiation instead of storing them, except those ``policy``
+  saves.
 
   Args:
     target: a function whose arguments may contain modules (or a method: works as a
       decorator), or a Module class (returns a subclass whose ``methods`` are rematted).
-    policy: a ``jax.checkpoint_policies`` entry; names come from
-      ``jax.ad_checkpoint.checkpoint_name``. ``None`` saves nothing. Checked when
-      traced: a name no ``checkpoint_name`` in the body gives raises (listing the
-      body's names), as does ``save_anything_except_these_names`` where it saves what
-      it should exclude; an offload policy on a backend that offloads nothing (CPU)
-      warns. ``sr.saved_residuals`` shows what a policy saves.
+    policy: a ``jax.checkpoint_policies`` entry (``None`` saves nothing), checked
+      against the body's ``checkpoint_name`` s when traced.
     prevent_cse: as in ``jax.checkpoint``; may be ``False`` under ``scan``.
     static_argnums: argument positions (the module or ``self`` is 0) of Python values
       the computation branches on; a position holding a module is an error.
@@ -182,8 +177,7 @@ def _remat_function(
         "argument 0; keyword arguments are not counted). Fix static_argnums, or pass "
         "that value positionally."
       )
-    statics = {i % len(args): None for i in static}
-    statics = {i: args[i] for i in sorted(statics)}
+    statics = {i: args[i] for i in sorted({i % len(args) for i in static})}
     for i, arg in statics.items():
       if any(is_node(leaf) for leaf in jax.tree.leaves(arg, is_leaf=is_node)):
         raise GraphError(
@@ -248,11 +242,8 @@ def _remat_function(
 
 
 def _lifted_streams(nodes, rules: Rules) -> dict[int, bool]:
-  """``{id(key or count Variable): lifted}`` of the RNG streams reachable from ``nodes``.
-
-  An Rngs's ``default`` stream is lifted as itself or for a name it serves (one the
-  Rngs has no stream of its own for); a bare RngStream by its tag.
-  """
+  """``{id(key or count Variable): lifted}`` of the RNG streams reachable from ``nodes``
+  (an Rngs's ``default`` stream also for a name it serves)."""
   graph = [obj for node in nodes for _, obj in iter_graph(node)]
   out: dict[int, bool] = {}
   for obj in graph:

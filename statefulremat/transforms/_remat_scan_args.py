@@ -1,6 +1,5 @@
-"""What ``sr.remat_scan``'s ``lengths``, ``length``, ``policy`` and ``memory_budget``
-mean together, checked before anything is built or traced: a ``RematPlan``, ``"auto"``
-or a nesting; ``lengths`` counting layers, or cycles of a pattern."""
+"""``sr.remat_scan``'s ``lengths``, ``length``, ``policy`` and ``memory_budget`` checked
+together before anything is built or traced."""
 
 from __future__ import annotations
 
@@ -14,9 +13,7 @@ AUTO = "auto"
 
 
 def resolve_plan(what, lengths, length, policy, memory_budget, carries=None):
-  """``(lengths, length, policy, budget, carries)`` from a RematPlan, ``"auto"`` or a
-  tuple (``carries``: where the outer levels' carries live; None: planned, else on the
-  device)."""
+  """``(lengths, length, policy, budget, carries)`` from a RematPlan, ``"auto"`` or a tuple."""
   if isinstance(lengths, RematPlan):
     plan = lengths
     if carries is not None and carries != plan.carries:
@@ -106,8 +103,7 @@ def check_cycles(what: str, lengths: tuple, length: int, period: int) -> None:
 
 
 def check_units(what: str, label: str, n: int, lengths: tuple | str, loop) -> None:
-  """The given count against the loop's: a count of layers equals the stack's; for a
-  loop over cycles, given ``lengths`` cover them (the last cycle may be short)."""
+  """The given count against the loop's (layers, or for a pattern, cycles)."""
   if loop.period > 1:
     if isinstance(lengths, tuple):
       check_cycles(what, lengths, loop.length, loop.period)

@@ -1,13 +1,6 @@
-"""``sr.scan``'s ``in_axes`` / ``out_axes``: prefix trees of axes, and ``sr.broadcast``.
-
-``in_axes`` says where each ``xs`` leaf is scanned (or, ``None`` / ``sr.broadcast``,
-that it is given whole to every iteration), ``out_axes`` where the iterations are
-stacked in each ``ys`` leaf; each is an int for every leaf, or a prefix tree following
-the structure down to an int per subtree, as in ``flax.linen.scan``. A tree is checked
-in two steps: the tree itself when the transform is built (before anything is traced),
-then its fit against ``xs`` / ``ys`` at call time. An int (the common case) fits
-anything and is never walked.
-"""
+"""``sr.scan``'s ``in_axes`` / ``out_axes`` (prefix trees of axes, as in flax.linen.scan),
+checked when the transform is built and fitted to ``xs`` / ``ys`` at call time; and
+``sr.broadcast``."""
 
 from __future__ import annotations
 
@@ -23,11 +16,8 @@ from ._rules import TransformError
 
 
 class _Broadcast:
-  """``sr.broadcast``: in ``sr.scan``'s ``in_axes``, the value is not scanned.
-
-  Gives the whole value to every iteration: the same as ``None`` there, and as
-  flax.linen's ``nn.broadcast``. Not allowed in ``out_axes`` (ys differ per
-  iteration; return a value computed once through the carry).
+  """``sr.broadcast``: in ``sr.scan``'s ``in_axes``, the value is given whole to every
+  iteration, as ``None`` (and flax.linen's ``nn.broadcast``); not in ``out_axes``.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> sr.broadcast
@@ -97,22 +87,13 @@ def _axes_leaves(axes, path):
 
 
 def _fit(prefix, tree, path: tuple, mismatch: Callable) -> list:
-  """One axis (an int, or None to broadcast) per leaf of ``tree``, in its leaf order.
-
-  ``prefix`` follows ``tree`` through tuples/lists (either for either) and dicts (the
-  same keys) down to an axis, which then covers the whole subtree below it.
-  """
+  """One axis (an int, or None to broadcast) per leaf of ``tree``, from the prefix tree."""
   if not isinstance(prefix, (tuple, list, dict)):
     axis = None if prefix is None or prefix is broadcast else operator.index(prefix)
     return [axis] * len(jax.tree.leaves(tree))
   # One level of ``tree``, in jax's own order (dict keys sorted, namedtuple fields).
-  children = [
-    (keys[0], child)
-    for keys, child in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda n: n is not tree)[
-      0
-    ]
-    if len(keys) == 1
-  ]
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda n: n is not tree)[0]
+  children = [(keys[0], child) for keys, child in flat if len(keys) == 1]
   if isinstance(prefix, dict):
     fits = isinstance(tree, dict) and set(prefix) == {k.key for k, _ in children}
     entries = [prefix[k.key] for k, _ in children] if fits else []

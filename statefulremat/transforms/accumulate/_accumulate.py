@@ -15,47 +15,17 @@ from ...core._errors import TransformError, format_path
 from .._class_form import display_name
 from .._lift import Lifted, check_no_nodes, commit, held, is_node, lift, serialised
 from .._module_arg import check_no_modules
+from .._outputs import describe_returned
 from ._microbatches import split_rows
 
 
 def accumulate(fn: Callable, *, microbatches: int) -> Callable:
   """Gradient accumulation: ``fn`` run on ``microbatches`` slices of the batch, averaged.
 
-  ``accumulate(fn, microbatches=k)(model, *batch)`` splits every array of ``batch``
-  along axis 0 into ``k`` equal contiguous microbatches (microbatch ``m`` is rows
-  ``m·B/k … (m+1)·B/k − 1``) and runs ``fn(model, *microbatch)`` on each in turn,
-  in one ``jax.lax.scan``. It equals this Python loop, traced once::
-
-      losses, grads = [], []
-      for m in range(k):
-        loss_m, grads_m = fn(model, *(x[m * B // k:(m + 1) * B // k] for x in batch))
-        losses.append(loss_m); grads.append(grads_m)
-      return sum(losses) / k, jax.tree.map(lambda *g: sum(g) / k, *grads)
-
-  Every change ``fn`` makes to the model is carried from one microbatch to the next
-  and written back: BatchNorm statistics are updated ``k`` times, RNG streams advance
-  per microbatch (each microbatch draws other dropout masks, the loop's ones). The
-  gradients are summed in the scan's carry (in float32 at least, so bfloat16 grads do
-  not lose the small ones) and divided by ``k``: memory holds one set of gradients,
-  not ``k``. ``accumulate`` computes the loss and gradients only; apply them with
-  ``opt.update(grads)``. If ``fn`` raises, nothing is written.
-
-  ``fn`` returns ``(loss, grads)`` as ``sr.value_and_grad(loss_fn)`` does; with
-  ``has_aux=True`` there, ``((loss, aux), grads)``: ``aux`` comes back stacked per
-  microbatch (each leaf with a leading axis of size ``k``), not averaged. Keyword
-  arguments pass unchanged to every microbatch. Called outside ``sr.jit`` it is
-  compiled once per model structure and reused.
-
-  With a batch sharded along a data axis, the contiguous split cannot stay where the
-  rows are: microbatch ``m``'s rows lie on a ``1/k`` slice of the devices. Under
-  explicit mesh axes (``jax.make_mesh``'s default) the batch is laid out again once
-  per call, one all-to-all before the scan, so that every microbatch is spread over
-  the same axes (replicated where its ``B/k`` rows do not divide among them); each
-  step is then data parallel, as the whole batch was. Under ``AxisType.Auto`` axes the
-  type does not say which axis splits the batch, and XLA's partitioner gathers the
-  microbatches instead (measured on 8 devices, ``k=4``: each device holds half of
-  every microbatch, so each step runs 2-way parallel and 4 times over): use explicit
-  axes, or put the rows of microbatch ``m`` where the devices can take them.
+  Equals a Python loop over ``k`` contiguous slices of every batch array's axis 0,
+  traced once as one ``jax.lax.scan``: every change ``fn`` makes to the model is
+  carried from one microbatch to the next and written back (nothing if ``fn``
+  raises), and the gradients are summed in float32 at least.
 
   Args:
     fn: ``fn(model, *batch, **kwargs) -> (loss, grads)`` (or ``((loss, aux), grads)``);
@@ -64,8 +34,8 @@ def accumulate(fn: Callable, *, microbatches: int) -> Callable:
 
   Returns:
     ``accumulate(fn, microbatches=k)(model, *batch, **kwargs) -> (loss, grads)``
-    (``((loss, aux), grads)`` with aux): the mean loss and the mean of each gradient
-    leaf over the microbatches, in ``fn``'s structure (a State for ``sr.grad``'s).
+    (``((loss, aux), grads)`` with aux, stacked per microbatch): the mean loss and the
+    mean of each gradient leaf over the microbatches, in ``fn``'s structure.
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> model = sr.nn.Linear(3, 1, rngs=sr.Rngs(0))
@@ -279,16 +249,9 @@ def _scan(
 def _parse(out, what: str):
   """``(loss, aux, grads)`` from fn's ``(loss, grads)`` or ``((loss, aux), grads)``."""
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    got = (
-      f"a {type(out).__name__} of length {len(out)}"
-      if isinstance(out, (tuple, list))
-      else "a single array"
-      if isinstance(out, jax.Array)
-      else f"a {type(out).__name__}"
-    )
     raise TransformError(
       f"{what}: fn must return a pair (loss, grads), as sr.value_and_grad(loss_fn) "
-      f"does, but it returned {got}. Fix: wrap the loss function, "
+      f"does, but it returned {describe_returned(out)}. Fix: wrap the loss function, "
       "`sr.accumulate(sr.value_and_grad(loss_fn), microbatches=k)`."
     )
   first, grads = out
@@ -335,12 +298,9 @@ def _check_grads(grads, what: str) -> None:
 
 
 def _zeros(like, dtype):
-  """Zeros of ``like``'s shape, in its sharding where explicit mesh axes show it (a
-  carry must keep its type, sharding included)."""
+  """Zeros of ``like``'s shape, in its sharding where explicit mesh axes show it."""
   spec = _spec(like)
-  if spec:
-    return jnp.zeros(like.shape, dtype, out_sharding=P(*spec))
-  return jnp.zeros(like.shape, dtype)
+  return jnp.zeros(like.shape, dtype, out_sharding=P(*spec) if spec else None)
 
 
 def _is_array_tree(value) -> bool:

@@ -1,29 +1,5 @@
-"""Where a stack's carries live: ``carries="device"`` (the default) or ``"offload"``.
-
-The backward pass of a scan needs each step's input carry. ``sr.remat_scan`` keeps one
-per outer step, and those live through the whole backward pass; ``sr.scan`` keeps one
-per layer. With ``carries="offload"`` they are kept in host memory (``pinned_host``)
-instead of on the device, as haliax's ``ScanCheckpointPolicy(save_carries="offload")``
-does, by JAX's documented offload pattern: at the start of each step of a level whose
-carries are offloaded, the loop state (the carried variables' values and the user's
-carry) is named ``STACK_CARRY`` with ``checkpoint_name``, and that level's
-``jax.checkpoint`` gets a policy that offloads the name. The body only ever reads the
-named copy, so the copy (in host memory) is all the backward pass keeps of the step's
-input. Everything else the level saves is what it saved before: nothing on an outer
-``remat_scan`` level, the user's ``policy`` on a single one; on ``sr.scan``'s step,
-everything, as a plain scan does, unless the body is rematerialised.
-
-That exception is JAX's nesting rule: under an outer ``jax.checkpoint`` the outer
-policy decides for every value inside, an inner checkpoint's included, so saving
-everything would override ``sr.scan(sr.remat(Block, policy=p))``'s ``p`` and keep all of
-the block's intermediates. So while the step is traced, each ``sr.remat`` in it reports
-its policy (``report_remat``), and the step's policy answers as that one policy does
-(several different ones: as the first; a raw ``jax.checkpoint`` is not seen).
-
-The name is ours alone: the policy checks leave it out of the names a body gives, and
-``sr.saved_residuals`` lists the offloaded carries under it. On a backend that offloads
-nothing (CPU) the carries stay on the device, so each trace warns once.
-"""
+"""Where a stack's carries live: ``carries="device"`` (the default) or ``"offload"``, kept
+in host memory by naming them ``STACK_CARRY`` under an offloading policy (README.md)."""
 
 from __future__ import annotations
 
@@ -46,8 +22,7 @@ _HOST = "pinned_host"
 
 
 def check_carries(what: str, carries, *, planned: bool = False) -> bool:
-  """Whether ``carries`` asks for the offload; raises for a value that is not a choice.
-  ``planned``: ``None`` is a choice too (``sr.remat_scan``'s: the plan's, else device)."""
+  """Whether ``carries`` asks for the offload (``planned``: None is a choice too)."""
   if (isinstance(carries, str) and carries in CHOICES) or (planned and carries is None):
     return carries == "offload"
   default = " (the default: None, where lengths='auto' decides)" if planned else ""
@@ -69,9 +44,8 @@ def tag(state):
 
 
 class OffloadCarries:
-  """A remat policy: the values named ``STACK_CARRY`` offloaded to host memory,
-  every other value as ``inner`` answers (``None``: recomputed; ``True``: saved).
-  ``__wrapped__`` lets the policy check find the user's policy inside."""
+  """A remat policy offloading ``STACK_CARRY``, every other value as ``inner`` answers
+  (None: recomputed; True: saved), or as the first ``sr.remat`` in the step reports."""
 
   __slots__ = ("__wrapped__", "_name_primitive", "remats", "__weakref__")  # jax: weakrefs
 
@@ -95,18 +69,16 @@ _TRACING: contextvars.ContextVar[OffloadCarries | None] = contextvars.ContextVar
 
 
 @contextlib.contextmanager
-def tracing_step(policy: OffloadCarries):
-  """While ``sr.scan``'s step is traced: the ``sr.remat`` calls in it report to ``policy``."""
-  token = _TRACING.set(policy)
+def _setting(var: contextvars.ContextVar, value):
+  token = var.set(value)
   try:
     yield
   finally:
-    _TRACING.reset(token)
+    var.reset(token)
 
 
 def report_remat(policy) -> None:
-  """Called by ``sr.remat`` as it checkpoints its body: its ``policy`` (None: nothing
-  saveable) is what the enclosing offloading scan step saves (see module docstring)."""
+  """Called by ``sr.remat``: its ``policy`` is what an enclosing offloading step saves."""
   step = _TRACING.get()
   if step is not None and (not step.remats or step.remats[0] is not policy):
     step.remats.append(policy)
@@ -114,7 +86,7 @@ def report_remat(policy) -> None:
 
 @functools.cache  # one policy object per inner policy: jax caches traces by policy
 def offload_policy(inner=None) -> OffloadCarries:
-  """The policy of a level whose carries are offloaded (see ``OffloadCarries``)."""
+  """The policy of a level whose carries are offloaded."""
   return OffloadCarries(inner)
 
 
@@ -122,8 +94,7 @@ _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("sr_carries_quiet"
 
 
 def warn_if_kept(what: str) -> None:
-  """Warns (once per trace: the transforms call it once per call) where the default
-  backend moves nothing to host memory; not inside ``warning_once``'s call."""
+  """Warns where the default backend moves nothing to host memory (unless quiet)."""
   platform = jax.default_backend()
   if _QUIET.get() or _offloads(platform, _HOST):
     return
@@ -137,36 +108,26 @@ def warn_if_kept(what: str) -> None:
   )
 
 
-@contextlib.contextmanager
 def quiet():
   """No warning from the stacks traced inside (the planner compiling its candidates)."""
-  token = _QUIET.set(True)
-  try:
-    yield
-  finally:
-    _QUIET.reset(token)
+  return _setting(_QUIET, True)
 
 
 def warning_once(fn: Callable, what: str) -> Callable:
-  """``fn`` (a pipeline, which traces each stage's ``sr.remat_scan`` more than once)
-  warning once per call, for ``what``, and its stacks inside silent."""
+  """``fn`` (a pipeline) warning once per call for ``what``, its stacks inside silent."""
 
   @functools.wraps(fn)
   def call(*args, **kwargs):
     warn_if_kept(what)
-    token = _QUIET.set(True)
-    try:
+    with quiet():
       return fn(*args, **kwargs)
-    finally:
-      _QUIET.reset(token)
 
   return call
 
 
 def offloaded(step: Callable, policy: Callable | None, remat: bool, prevent_cse: bool):
-  """``step(state, *x)`` under a ``jax.checkpoint`` that keeps its input ``state`` in host
-  memory; every other value as ``policy`` says (``remat``), or saved as a plain scan
-  saves it (not ``remat``: ``sr.scan``'s step)."""
+  """``step(state, *x)`` under a ``jax.checkpoint`` keeping ``state`` in host memory, every
+  other value as ``policy`` says (``remat``) or saved (``sr.scan``'s step)."""
 
   if remat:
     tagged = lambda state, *x: step(tag(state), *x)
@@ -174,7 +135,7 @@ def offloaded(step: Callable, policy: Callable | None, remat: bool, prevent_cse:
   saving = OffloadCarries(True)  # its own: the sr.remat calls in the body report to it
 
   def reporting(state, *x):
-    with tracing_step(saving):
+    with _setting(_TRACING, saving):
       return step(tag(state), *x)
 
   return jax.checkpoint(reporting, policy=saving, prevent_cse=prevent_cse)

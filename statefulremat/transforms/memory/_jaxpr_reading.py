@@ -1,16 +1,5 @@
-"""Reading a traced program as the installed jax writes it.
-
-The policy checks and ``sr.saved_residuals`` read three things off a jaxpr: where
-``jax.ad_checkpoint.checkpoint_name`` named a value, which ``jax.checkpoint`` carries a
-given policy, and the bodies an equation calls (jit, scan, cond, custom derivatives,
-remat). JAX writes these differently across versions and remat implementations: under
-``jax_remat3`` both ``jax.checkpoint`` and ``checkpoint_name`` bind one generic
-primitive whose single parameter is a rule object with parameters of its own. So
-nothing here names a primitive or a JAX class. How this jax writes a named value, or a
-checkpoint's policy, is learnt once per remat implementation by tracing the public
-call with a probe (a probe name, a probe policy) and finding where the probe sits among
-the equation's parameters, or among the parameters of a rule object there.
-"""
+"""Reading a traced program as the installed jax writes it: how it writes a
+``checkpoint_name`` or a checkpoint's policy is learnt by tracing a probe (README.md)."""
 
 from __future__ import annotations
 
@@ -24,8 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Jaxpr
 
 PROBE_NAME = "<statefulremat probe>"  # a name no user gives a value
-# The name the stacks give the carries they offload (``carries="offload"``, ``_carries``):
-# the library's, never a name of the user's body.
+# The name the stacks give the carries they offload (``carries="offload"``).
 STACK_CARRY = "sr_stack_carry"
 
 
@@ -34,8 +22,7 @@ def _probe_policy(*_, **__) -> bool:
 
 
 def _params(eqn) -> Iterator[tuple[tuple[str, ...], Any]]:
-  """``(path, value)`` for each parameter of ``eqn``, and for each parameter of a rule
-  object among them (an object with a ``params`` mapping, as jax_remat3 binds)."""
+  """``(path, value)`` for each parameter of ``eqn`` and of a rule object among them."""
   for key, value in eqn.params.items():
     yield (key,), value
     inner = getattr(value, "params", None)
@@ -45,8 +32,7 @@ def _params(eqn) -> Iterator[tuple[tuple[str, ...], Any]]:
 
 
 class _Layout(NamedTuple):
-  """Where a traced call puts a parameter: the primitive it binds, the path to the
-  parameter, and the type of the rule object on that path (None: a direct parameter)."""
+  """Where a traced call puts a parameter: its primitive, path and rule object's type."""
 
   primitive: Any
   path: tuple[str, ...]
@@ -109,8 +95,7 @@ def remat_policy_of(eqn) -> Any:
 
 
 def sub_jaxprs(eqn) -> Iterator[Jaxpr]:
-  """Every jaxpr ``eqn`` calls (a jit's, a scan's body, cond's branches, a
-  checkpoint's body, custom derivatives' primal)."""
+  """Every jaxpr ``eqn`` calls."""
   for _, value in _params(eqn):
     for v in value if isinstance(value, (tuple, list)) else (value,):
       if isinstance(v, Jaxpr):
@@ -120,8 +105,7 @@ def sub_jaxprs(eqn) -> Iterator[Jaxpr]:
 
 
 def called_body(eqn) -> Jaxpr | None:
-  """The one body whose outputs are ``eqn``'s outputs, one to one (jit, scan, remat,
-  custom derivatives); None where there is none or several (cond, while)."""
+  """The one body whose outputs are ``eqn``'s, one to one; None for none or several."""
   bodies = [j for j in sub_jaxprs(eqn) if len(j.outvars) == len(eqn.outvars)]
   return bodies[0] if len(bodies) == 1 else None
 
@@ -139,10 +123,8 @@ def checkpoint_names(jaxpr: Jaxpr) -> set[str]:
 
 
 def names_under(jaxpr: Jaxpr, policy) -> set[str] | None:
-  """The names the body gives inside every ``jax.checkpoint`` with ``policy`` (or with
-  a policy wrapping it, as ``_carries.OffloadCarries`` does) in ``jaxpr``, the stacks'
-  own ``STACK_CARRY`` left out; None where there is no such checkpoint (then there is
-  nothing to compare)."""
+  """The names given inside every ``jax.checkpoint`` with ``policy`` (or wrapping it) in
+  ``jaxpr``, ``STACK_CARRY`` aside; None where there is no such checkpoint."""
   found: set[str] | None = None
   for eqn in jaxpr.eqns:
     used = remat_policy_of(eqn)
@@ -159,16 +141,13 @@ def names_under(jaxpr: Jaxpr, policy) -> set[str] | None:
 
 @functools.cache
 def reduce_precision_primitive() -> Any:
-  """The primitive ``lax.reduce_precision`` binds (remat puts it on saved values),
-  learnt by tracing it rather than named."""
+  """The primitive ``lax.reduce_precision`` binds, learnt by tracing it."""
   x = jnp.zeros((), jnp.float32)
   return jax.make_jaxpr(lambda: jax.lax.reduce_precision(x, 8, 23))().jaxpr.eqns[0].primitive
 
 
 def is_offload_copy(eqn) -> bool:
-  """Whether ``eqn`` copies one value from device into host memory, as the residuals
-  an offload policy offloads are copied (on every backend, CPU included): read off
-  the values' memory spaces, whatever primitive this jax copies with."""
+  """Whether ``eqn`` copies one value from device into host memory."""
   if len(eqn.invars) != 1 or len(eqn.outvars) != 1:
     return False
   host = jax.memory.Space.Host

@@ -1,20 +1,5 @@
-"""Remat policies by checkpoint name, with a name of their own (``sr.policies``).
-
-A ``Policy`` says which values named by ``jax.ad_checkpoint.checkpoint_name`` a remat
-keeps on the device and which it offloads to host memory; every other value is
-recomputed. It is a thin, named wrapper of the public ``jax.checkpoint_policies``
-(``save_only_these_names``, or ``save_and_offload_only_these_names`` when it offloads),
-so it acts by names and holds under either remat implementation (``jax_remat3``
-included). What it adds: a name in messages and reprs (``sr.policies.minimal``), value
-equality (one class form per equal policy), pickling by value, and a check that suits
-presets: the policy check (``_policy_check``) refuses a ``Policy`` only when *none* of
-its names is in the traced body, since a preset names the tensors of a whole
-transformer and one block may hold only some of them (an MLP-only block under
-``minimal``).
-
-The presets themselves and ``custom`` are in ``statefulremat/policies``, the public
-front; this file sits on the transforms' floor because the policy check reads it.
-"""
+"""``sr.policies.Policy``: a remat policy by checkpoint names, with a name of its own.
+The presets and ``custom`` are in ``statefulremat/policies``."""
 
 from __future__ import annotations
 
@@ -28,24 +13,15 @@ _POLICIES = jax.checkpoint_policies
 class Policy:
   """A remat policy that saves or offloads values by their ``checkpoint_name``.
 
-  ``sr.policies``' presets (``sr.policies.minimal``) and ``sr.policies.custom`` make
-  them; give one as ``policy=`` to ``sr.remat``, ``sr.scan`` or ``sr.remat_scan``. The
-  values named in ``saved`` stay in device memory for the backward pass, those in
-  ``offloaded`` go to ``offload_dst`` memory (``"pinned_host"``) and come back for it,
-  and every other value is recomputed (``recomputed`` lists names the policy was told
-  to recompute, for its description only). It calls
-  ``jax.checkpoint_policies.save_only_these_names`` (or
-  ``save_and_offload_only_these_names`` when it offloads).
-
-  Checked when traced, more leniently than a bare names policy: a block must name at
-  least one of the policy's values (a preset names a whole transformer's tensors; a
-  block may have only some of them), else the remat raises, listing the block's names.
+  Made by ``sr.policies``' presets and ``sr.policies.custom``; every value it does not
+  keep is recomputed. A block must name at least one of its values, else the remat
+  raises.
 
   Args:
     name: how reprs and messages show it (``"sr.policies.minimal"``).
     saved: names kept in device memory.
     offloaded: names offloaded to ``offload_dst`` memory.
-    recomputed: names recomputed (what the policy does with any name it does not list).
+    recomputed: names recomputed (for its description only).
     offload_dst: the memory kind offloaded values go to.
 
   >>> import statefulremat as sr

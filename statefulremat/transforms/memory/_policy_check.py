@@ -1,42 +1,6 @@
-"""What is saved is what was asked: remat policies checked against the traced body.
-
-A policy of ``jax.checkpoint_policies`` can do something other than what it says
-without any error from JAX:
-
-* a names policy (``save_only_these_names("atn")``) whose names match no
-  ``jax.ad_checkpoint.checkpoint_name`` in the body is a silent no-op;
-* a policy that claims to exclude names but keeps them (jax's
-  ``save_anything_except_these_names`` ignores its names and saves every value);
-* an offload policy on a backend that offloads nothing (CPU: the residuals stay where
-  they are).
-
-Everything here rests on public JAX, so it holds under either remat implementation
-(``jax_remat3`` included). The body's names are read off the jaxpr that
-``jax.checkpoint`` traces anyway (``_jaxpr_reading``), and a policy is judged by what it
-answers when asked about them, in the calling convention JAX itself uses:
-``policy(name_primitive, aval, name=...)``, answered with a bool or
-``jax.ad_checkpoint.Saveable`` / ``Recompute`` / ``Offloadable(src, dst)``. A policy is
-never opened up. Where it publishes the names it was given (jax 0.10 and 0.11 make
-their names policies frozen dataclasses, whose fields are their public description),
-every one of them is compared with the body's, each missing name listed with a
-suggestion. Where it does not (jax 0.12 makes them closures; ``save_from_both_policies``
-always does), the check judges what it can see: a policy from an allow-list factory
-that keeps none of the body's named values, or a ``save_anything_except_these_names``
-that keeps all of them, is refused. A misspelt name beside a correct one, a
-``save_any_names_but_these`` whose names match nothing (keeping every named value is
-also what it means with no names) and the parts of a combination cannot be seen there
-(``sr.saved_residuals`` shows what they keep).
-
-An ``sr.policies`` policy (``_named_policies.Policy``) publishes its names, but is held
-to a looser rule: a preset names the tensors of a whole transformer, and a block may
-give only some of them, so it is refused only when it keeps none of the body's names.
-
-``policy_check(policy, what)`` returns None where there is nothing to check, so a
-policy-free transform pays nothing. Otherwise ``check.run(f, *args)`` runs ``f`` (a
-function whose trace contains the ``jax.checkpoint`` with ``policy``) once per trace:
-it traces ``f`` to a jaxpr, checks the policy against the names found under that
-checkpoint, then evaluates the same jaxpr, so the user's function is traced once.
-"""
+"""Remat policies checked against the traced body: names that match nothing, exclusions
+ignored, offload that offloads nothing (README.md). ``policy_check(policy, what).run(f,
+*args)`` traces ``f`` once, checks, then evaluates the same jaxpr."""
 
 from __future__ import annotations
 
@@ -69,8 +33,7 @@ _OFFLOADING = ("save_and_offload_only_these_names", "offload_dot_with_no_batch_d
 
 @functools.cache
 def _asked_primitive(_flavour: bool):
-  """The primitive JAX passes a policy when it asks about a named value: learnt by
-  asking, with a policy that records its questions."""
+  """The primitive JAX passes a policy when it asks about a named value, learnt by asking."""
   asked = []
 
   def recorder(prim, *_, **params):
@@ -89,8 +52,7 @@ def _asked_primitive(_flavour: bool):
 
 
 def _answer(policy, name: str) -> tuple[bool, str | None]:
-  """``(keeps, offload_dst)``: whether ``policy`` keeps the value named ``name`` (saved
-  or offloaded), and the memory kind it offloads it to."""
+  """``(keeps, offload_dst)``: what ``policy`` does with the value named ``name``."""
   aval = jax.core.ShapedArray((), jnp.float32)
   decision = policy(_asked_primitive(remat_flavour()), aval, name=name)
   if isinstance(decision, bool):
@@ -101,9 +63,7 @@ def _answer(policy, name: str) -> tuple[bool, str | None]:
 
 
 def _made_by(policy) -> str | None:
-  """The ``jax.checkpoint_policies`` factory that made ``policy`` (None: not one): the
-  class it returns, in the jax versions where it returns instances, or the function
-  it defines."""
+  """The ``jax.checkpoint_policies`` factory that made ``policy`` (None: not one)."""
   for factory, made in _factory_types().items():
     if type(policy) is made:
       return factory
@@ -133,8 +93,7 @@ def _factory_types() -> dict[str, type]:
 
 
 def _published_names(policy) -> tuple[str, ...] | None:
-  """The names a policy publishes: the string-set fields of a dataclass policy (None
-  where it publishes none, as a closure does)."""
+  """The string-set fields of a dataclass policy (None where it publishes none)."""
   if not dataclasses.is_dataclass(policy) or isinstance(policy, type):
     return None
   fields = [getattr(policy, field.name) for field in dataclasses.fields(policy)]
@@ -161,7 +120,7 @@ def _describe(policy) -> str:
 
 
 class PolicyCheck:
-  """The trace-time checks of one transform's policy (see the module docstring)."""
+  """The trace-time checks of one transform's policy."""
 
   __slots__ = ("policy", "what", "factory", "names")
 
@@ -175,8 +134,7 @@ class PolicyCheck:
     found = names_under(closed.jaxpr, self.policy)
     if found is not None:
       self._check(found)
-    # Bound where we stand, not where make_jaxpr stood: its tracebacks stop at its
-    # own frame, and the equations' source lines would lose the user's code.
+    # Evaluated here, so the equations' source lines keep the user's code.
     out = jax.core.eval_jaxpr(
       closed.jaxpr, closed.consts, *jax.tree.leaves(args), propagate_source_info=False
     )
@@ -296,8 +254,7 @@ def _user_stacklevel() -> int:
 @functools.cache
 def _offloads(platform: str, kind: str) -> bool:
   """Whether the default backend, ``platform``, moves an offloaded residual to ``kind``
-  memory: it has that memory kind, and a tiny offloading remat, compiled, keeps bytes
-  there (or its lowered program places a value there)."""
+  memory, judged by compiling a tiny offloading remat."""
   del platform  # the cache key: the answer is the default backend's
   device = jax.devices()[0]
   if kind not in {m.kind for m in device.addressable_memories()}:
@@ -372,8 +329,8 @@ def _check_argument(policy, what: str) -> None:
 
 
 def policy_check(policy, what: str) -> PolicyCheck | None:
-  """The trace-time check of ``policy`` (None: nothing to check). Raises a TypeError
-  at once for what is not a policy (a name, a factory not called)."""
+  """The trace-time check of ``policy`` (None: nothing to check); raises a TypeError for
+  what is not a policy."""
   if policy is None:
     return None
   _check_argument(policy, what)

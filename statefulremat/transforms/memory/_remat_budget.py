@@ -1,17 +1,4 @@
-"""How ``sr.plan_remat`` stays true to XLA: it compiles, a few times at most.
-
-The memory model (``_remat_plan``) ranks every nesting and policy. What one unit's
-backward pass needs besides the terms that change between nestings (its working set
-``W``) is XLA's to decide, so ``calibrate`` compiles the model's best plan for each
-innermost policy once and takes ``W`` from the difference.
-
-With a budget the model picks the plan with the fewest block evaluations that it puts
-inside the budget (less 3 % headroom). A budget is a promise, and the model is an
-estimate, so ``fit_budget`` compiles the pick to check it; where the model was off it
-rescales the model by XLA's figure and picks again; and it tries the plans with fewer
-evaluations that the model put just over the budget (within its error), a few
-compiles at most. When none fits, the error names the smallest plan and its need.
-"""
+"""Fitting a plan to ``memory_budget``, checked by compiling a few picks (README.md)."""
 
 from __future__ import annotations
 
@@ -26,9 +13,7 @@ NEAR_MISS = 1.05  # the model's error band, above the budget
 MODEL_SLACK = 0.01  # what the band adds to the model's error measured on the pick
 PROBES = 8  # compiles at most, to find a plan with fewer evaluations
 
-#: ``make(scales, budget)``: the model's pick, its figures for a nesting of depth ``d``
-#: scaled by ``scales[d]``, under ``budget`` (None: the least memory at <= 3N
-#: evaluations); raises ``TransformError`` when the model puts every plan over it.
+#: ``make(scales, budget)``: the model's pick, depth ``d``'s figures scaled by ``scales[d]``.
 MakePlan = Callable[[dict[int, float] | None, int | None], RematPlan]
 
 
@@ -38,13 +23,7 @@ def calibrate(
   residuals: dict[str, int],
   policy: str | None = None,
 ) -> dict[str, int]:
-  """``W`` per innermost policy. For ``policy`` (default: that of ``model``'s best
-  candidate) it is XLA's temp bytes for the best candidate of that policy
-  (``measure(plan)``: one compile), less the model's figure for it (``model`` is made
-  without ``W``); negative where the model's constant terms overcount a small block.
-  The others are derived: a policy that saves ``R_p`` bytes per unit reads them from
-  the saved stack where the other recomputes them, so ``W_p = W - (R_p - R)`` (within
-  3 % of a compile on the planner benchmark's blocks)."""
+  """``W`` per innermost policy: ``policy``'s measured by one compile, the others derived."""
   policy = model.candidates[0].policy if policy is None else policy
   best = next(c for c in model.candidates if c.policy == policy)  # best first
   working_set = measure(_picking(model, best)) - best.temp_bytes
@@ -59,13 +38,8 @@ def fit_budget(
   host_bandwidth: float = 25e9,
   note: str = "",
 ) -> RematPlan:
-  """The plan with the fewest evaluations that fits ``budget`` once compiled
-  (``measure(plan)``: XLA's temp bytes, each plan compiled once), with its
-  ``measured_bytes``; raises ``TransformError`` naming the smallest plan when none of
-  those tried fits (``note`` ends its message). Where none keeping the carries on the
-  device fits and ``offload`` makes plans that may offload them, those are tried next;
-  the plan then says why it offloads, and what that costs at ``host_bandwidth`` bytes
-  per second."""
+  """The plan with the fewest evaluations that fits ``budget`` once compiled, offloading
+  the carries (``offload``) only where no plan keeping them on the device fits."""
   try:
     plan = _fit(make, budget, measure, note)
     return dataclasses.replace(plan, reason=_why(plan, budget))
@@ -95,7 +69,7 @@ def fit_budget(
 
 
 def _why(plan: RematPlan, budget: int) -> str:
-  """Where the plan keeps its carries, and why, for a plan that fits ``budget``."""
+  """Where the plan keeps its carries, and why."""
   pick = (
     f"lengths={plan.lengths} ({plan.policy_name}, {plan.evals // plan.n}N evaluations) "
     f"needs {format_bytes(plan.measured_bytes or 0)} on the device once compiled"
@@ -111,24 +85,19 @@ def _fit(make: MakePlan, budget: int, measure: Callable[[RematPlan], int], note:
   try:
     plan = make(None, budget)
   except TransformError:
-    # The model puts every plan over the budget; those within its error of it may
-    # still fit once compiled.
+    # Every plan is over the budget; those within the model's error may still fit.
     unbudgeted = dataclasses.replace(make(None, None), memory_budget=budget)
     fitting = _smallest_that_fits(unbudgeted, budget, measure)
     if fitting is None:
       _no_plan_fits(unbudgeted, budget, measure, note)
     return fitting
-  # Where the model is exact (Dense + tanh: to 0.1 % of XLA's figure), a plan with fewer
-  # evaluations that it puts under the budget itself, inside the headroom kept for
-  # other blocks, is compiled first: where it fits, that one compile is all.
+  # A plan with fewer evaluations that the model puts inside the headroom is tried first.
   bold = _bolder(plan, budget)
   if bold is not None:
     measured = measure(bold)
     if measured <= budget:
       return _fewer_evaluations(bold, measured, budget, measure)
-  # A budget is a promise: compile the pick, and where the model was off for this
-  # block (small shapes, other backends, deep nestings), scale its figures for nestings
-  # of that depth by what XLA said and choose again.
+  # Where the model was off for this block, scale its figures for that depth and rechoose.
   scales: dict[int, float] = {}
   for _ in range(4):
     measured = measure(plan)
@@ -160,8 +129,7 @@ def _no_plan_fits(
 
 
 def _smallest(plan: RematPlan, measure: Callable[[RematPlan], int]) -> RematPlan:
-  """Of the model's smallest candidate (compiled now) and ``plan`` (compiled), the one
-  that needs less once compiled, with its ``measured_bytes``."""
+  """Of the model's smallest candidate and ``plan``, the one smaller once compiled."""
   smallest = _picking(plan, min(plan.candidates, key=lambda c: c.temp_bytes))
   best = min(smallest, plan, key=measure)
   return dataclasses.replace(best, measured_bytes=measure(best))
@@ -183,8 +151,7 @@ def _picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
 
 
 def _bolder(plan: RematPlan, budget: int) -> RematPlan | None:
-  """The plan with the fewest evaluations, fewer than ``plan``'s, that the model puts
-  at most at the budget (no headroom); or None."""
+  """The plan with the fewest evaluations the model puts within the budget, or None."""
   bolder = [c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= budget]
   if not bolder:
     return None
@@ -196,12 +163,8 @@ def _bolder(plan: RematPlan, budget: int) -> RematPlan | None:
 def _fewer_evaluations(
   plan: RematPlan, measured: int, budget: int, verify: Callable[[RematPlan], int]
 ) -> RematPlan:
-  """``plan`` (that fits, ``measured`` bytes once compiled) with its measure, or one
-  with fewer evaluations that fits once compiled though the model put it over the
-  budget's headroom by up to its error on this block (read from the compile of
-  ``plan``: ``measured`` against ``temp_bytes``, plus 1 %, at most 5 %): where the
-  model is exact only plans it puts under the budget itself are compiled, where it was
-  off a few per cent a tight budget sits within that of several nestings."""
+  """``plan`` (which fits), or one with fewer evaluations that fits once compiled though
+  the model put it over the headroom by up to its error on this block."""
   error = abs(measured / plan.temp_bytes - 1) if plan.temp_bytes else 1.0
   band = min(NEAR_MISS, 1 + error + MODEL_SLACK)
   near = sorted(
@@ -218,8 +181,7 @@ def _fewer_evaluations(
 def _smallest_that_fits(
   plan: RematPlan, budget: int, verify: Callable[[RematPlan], int]
 ) -> RematPlan | None:
-  """The plan with the fewest evaluations among those the model puts just over the
-  budget (within its error) that fit once compiled, the smallest tried first; or None."""
+  """Of the plans the model puts just over the budget, the best that fits; or None."""
   near = sorted(
     (c for c in plan.candidates if c.temp_bytes <= NEAR_MISS * budget), key=lambda c: c.temp_bytes
   )

@@ -1,33 +1,5 @@
-"""Remat planning: which ``lengths`` and innermost policy a ``remat_scan`` should use.
-
-A memory model ranks every candidate in microseconds. With ``C`` the carry's bytes,
-``P`` one layer's stacked bytes, ``R`` one layer's residual bytes under the innermost
-policy (read from the block's own VJP), ``s_i`` the steps a segment of level ``i`` runs
-and ``n_i`` the layers in one step of level ``i`` (levels ``0 … d-1``, the innermost
-last)::
-
-    temp ~ C * sum(s_i, i < d-1) + R * s_{d-1} + 2P * sum(n_i, i < d-1) + (3 + [d >= 2]) C
-           + P * sum(r_i) - C * [N ragged] + W
-
-The backward pass holds every outer level's saved carries, the innermost segment's
-residuals, one step's parameter slice and its gradient per outer level, and the
-working set ``W`` of one unit's recomputation and VJP. Where the depth is ragged,
-``r_i`` counts the layers of level ``i``'s short step where it follows full ones (they
-are sliced out of the stack statically: a copy of their parameters), and the short
-step, run outside the scan, holds one carry fewer. ``d`` levels cost ``(d + 1) N``
-block evaluations (the forward pass, and one recomputation per level; XLA may skip
-part of a short last segment's, so it is an upper bound there).
-
-``W`` is what a block's attention scores, MLP hidden and normalisation statistics
-need while one unit is differentiated: on a Dense + tanh block it is nothing the other
-terms miss, on an attention block it is most of the total (Gemma-3-like cycles: 300 of
-310 MiB). It depends on XLA's fusion and scheduling, so it is not modelled: it is
-measured, per innermost policy, by compiling the stack once at the model's best
-nesting for that policy (``calibrate``) — the remaining terms are what change between
-nestings. On every block of ``benchmarks/planner.py`` (MHA and GQA with and without
-dropout, MLP, conv, a pattern's cycles, Dense + tanh) the calibrated model is within
-10 % of XLA's temp bytes on the pick and the candidates after it.
-"""
+"""The planner's memory model (see README.md) and ``sr.RematPlan``: which ``lengths``
+and innermost policy a ``remat_scan`` should use."""
 
 from __future__ import annotations
 
@@ -49,9 +21,7 @@ from ...core._split_merge import merge, split
 from ...core._stacks import cycle, num_layers, stacked_variables
 from ._jaxpr_reading import remat_flavour
 
-# A plan fits a budget when the model puts it at most this fraction of it: on Dense +
-# tanh the model is within 0.1 % of XLA's figure (1 % at 64 x 256 activations), other
-# blocks and backends may be off by more; plan_remat compiles to check.
+# A plan fits a budget when the model puts it at most this fraction of it.
 HEADROOM = 0.97
 NOTHING = "nothing_saveable"
 DOTS = "dots_saveable"
@@ -61,9 +31,7 @@ GIVEN = "given policy"  # the one policy a plan was asked to use (plan_remat(pol
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-  """One way to run N layers: ``lengths``, the innermost ``policy``, its evaluations
-  per gradient step and its predicted temp bytes (device memory); ``carries`` where
-  the saved carries live, ``host_bytes`` what goes to host memory for them."""
+  """One way to run N layers, with its evaluations and predicted temp (and host) bytes."""
 
   lengths: tuple
   policy: str
@@ -75,16 +43,10 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class RematPlan:
-  """A planned ``remat_scan``: run it with ``sr.remat_scan(f, lengths=plan)``.
+  """A planned ``remat_scan``, made by ``sr.plan_remat``: ``sr.remat_scan(f, lengths=plan)``.
 
-  ``lengths`` and ``policy`` (None: nothing saveable; ``dots_saveable``; or the
-  policy planning was given, ``policy_name`` then ``"given policy"``) are what it
-  runs; ``evals`` the block evaluations per gradient step; ``temp_bytes`` the
-  predicted temp memory of the gradient; ``candidates`` every plan considered, best
-  first; ``str(plan)`` a table of the first few; ``measured_bytes`` XLA's figure where
-  planning compiled it (it compiles the pick, to measure the block), else None.
-
-  ``sr.plan_remat`` makes it; there is no need to build one.
+  ``plan.policy`` is the innermost policy it runs; ``str(plan)`` a table of the best
+  candidates.
 
   Args:
     n: the number of layers (cycles, for a pattern stack) the plan runs.
@@ -124,7 +86,7 @@ class RematPlan:
   layer_bytes: int
   _verify: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
   measured_bytes: int | None = None
-  unit: str = "layer"  # what N counts: "cycle" for a pattern stack
+  unit: str = "layer"
   _policy: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
   carries: str = "device"
   reason: str = ""
@@ -155,8 +117,9 @@ class RematPlan:
     offloading = any(c.carries != "device" for c in self.candidates)
     if offloading:
       lines[-1] += f"{'carries':>10}"
+    chosen = (self.lengths, self.policy_name, self.carries)
     for c in self.candidates[:8]:
-      mark = "->" if _key(c) == (self.lengths, self.policy_name, self.carries) else ""
+      mark = "->" if (c.lengths, c.policy, c.carries) == chosen else ""
       lines.append(
         f"{mark:2}{str(c.lengths):<18}{c.policy:<18}"
         f"{f'{c.evals // self.n}N':>8}{format_bytes(c.temp_bytes):>18}"
@@ -169,16 +132,11 @@ class RematPlan:
     return "\n".join(lines)
 
 
-def _key(c: Candidate) -> tuple:
-  return (c.lengths, c.policy, c.carries)
-
-
 # -- the model ------------------------------------------------------------------------
 
 
 def structure(n: int, lengths: Sequence[int]) -> tuple[list[int], list[int]]:
-  """``(steps, per_step)``: per level, the most steps a segment runs and the layers in
-  one step, for ``n`` layers in ``lengths`` (the last segment of a level may be short).
+  """``(steps, per_step)``: per level, the most steps a segment runs and the layers in one.
 
   >>> structure(97, (10, 10))
   ([10, 10], [10, 1])
@@ -194,9 +152,7 @@ def structure(n: int, lengths: Sequence[int]) -> tuple[list[int], list[int]]:
 
 
 def runs_in_order(n: int, lengths: Sequence[int]) -> bool:
-  """False if some level would run two single steps in a row (one full step, then a
-  short one): outside a scan XLA recomputes both at once, and the model's memory
-  figure would not hold.
+  """False if some level would run two single steps in a row (the model would not hold).
 
   >>> runs_in_order(97, (10, 10)), runs_in_order(97, (2, 49))
   (True, False)
@@ -215,8 +171,7 @@ def runs_in_order(n: int, lengths: Sequence[int]) -> bool:
 
 
 def predict_temp(n: int, lengths: Sequence[int], carry: int, residual: int, layer: int) -> int:
-  """The model's temp bytes for the gradient of ``n`` layers nested as ``lengths``, for a
-  policy that keeps ``residual`` bytes per layer (before ``choose``'s calibration)."""
+  """The model's temp bytes for ``n`` layers nested as ``lengths``, uncalibrated."""
   steps, per_step = structure(n, lengths)
   d = len(lengths)
   return int(
@@ -229,10 +184,7 @@ def predict_temp(n: int, lengths: Sequence[int], carry: int, residual: int, laye
 
 
 def ragged_bytes(n: int, lengths: Sequence[int], carry: int, layer: int) -> int:
-  """What short last segments add to the model's temp bytes: per level that runs
-  full steps and then a short one, the short step's layers' parameters (sliced out of
-  the stack statically: a copy), less one carry where the depth is ragged at all (the
-  short step runs outside the scan). 0 where ``lengths`` divide ``n``.
+  """What short last segments add to the model's temp bytes (0 where ``lengths`` divide ``n``).
 
   >>> ragged_bytes(1000, (20, 10, 5), 16, 1), ragged_bytes(1000, (16, 9, 7), 16, 1)
   (0, 45)
@@ -251,9 +203,7 @@ def ragged_bytes(n: int, lengths: Sequence[int], carry: int, layer: int) -> int:
 
 
 def offloaded_bytes(n: int, lengths: Sequence[int], carry: int) -> int:
-  """The bytes ``carries="offload"`` keeps in host memory: the carries the outer levels
-  save (one per step of each, across the whole backward pass), or a single level's
-  (one per unit).
+  """The bytes ``carries="offload"`` keeps in host memory.
 
   >>> offloaded_bytes(100, (10, 10), 4), offloaded_bytes(100, (100,), 4)
   (40, 400)
@@ -263,10 +213,7 @@ def offloaded_bytes(n: int, lengths: Sequence[int], carry: int) -> int:
 
 
 def nestings(n: int, max_depth: int = 3):
-  """Every ``lengths`` of 1 to ``max_depth`` levels covering ``n`` layers: the outer
-  lengths free, the innermost the smallest that covers; no level of length 1, none
-  running two single steps in a row (``runs_in_order``), and nestings with the same
-  steps per level once.
+  """Every ``lengths`` of 1 to ``max_depth`` levels covering ``n`` layers, each once.
 
   >>> sorted(nestings(7, 2))
   [(3, 3), (4, 2), (7,)]
@@ -288,9 +235,13 @@ def nestings(n: int, max_depth: int = 3):
   yield from extend((), 1)
 
 
+_UNITS = {"": 1, "b": 1}
+_UNITS.update({p + "b": 10 ** (3 * i) for i, p in enumerate("kmgt", start=1)})
+_UNITS.update({p + "ib": 2 ** (10 * i) for i, p in enumerate("kmgt", start=1)})
+
+
 def parse_bytes(budget: float | str | None, what: str = "memory_budget") -> int | None:
-  """Bytes from a whole number (``1024``, ``1e9``, a numpy integer) or a string such as
-  ``"512MiB"``, ``"2GiB"``, ``"1.5 GB"``.
+  """Bytes from a whole number or a string such as ``"512MiB"`` or ``"1.5 GB"``.
 
   >>> parse_bytes("512MiB"), parse_bytes("2 GB"), parse_bytes(1024), parse_bytes(1e9)
   (536870912, 2000000000, 1024, 1000000000)
@@ -306,29 +257,15 @@ def parse_bytes(budget: float | str | None, what: str = "memory_budget") -> int 
       "Fix: a positive whole number of bytes (1e9 and 2**30 are), or a string such as "
       "'512MiB', '2GiB' or '1.5GB'."
     )
-  units = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-  }
-  match = (
-    re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
-    if isinstance(budget, str)
-    else None
+  match = re.fullmatch(
+    r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget if isinstance(budget, str) else ""
   )
-  if match is None or match.group(2).lower() not in units or float(match.group(1)) <= 0:
+  if match is None or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
     raise TransformError(
       f"{what}={budget!r} is not an amount of memory. Fix: a positive number of bytes "
       "or a string such as '512MiB', '2GiB' or '1.5GB'."
     )
-  return int(float(match.group(1)) * units[match.group(2).lower()])
+  return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def format_bytes(n: int) -> str:
@@ -357,21 +294,7 @@ def choose(
   moves: bool = True,
   nested_keeps: bool = True,
 ) -> tuple[Candidate, list]:
-  """The best candidate and all of them, best first.
-
-  With a budget: the fewest evaluations whose predicted temp fits (with 3 %
-  headroom for the model's error), at equal evaluations the one that recomputes less
-  (dots saved) and then the smaller; a plan keeping its carries on the device before
-  any that offloads them, and of those, the least host traffic. Without: the least
-  memory at no more than 3N evaluations. ``working_sets`` is ``W`` per policy
-  (``calibrate``; none: 0); ``scales`` multiplies the predictions of nestings of each
-  depth (a correction from compiling a pick); ``carries`` the placements to consider
-  (``"device"``, ``"offload"``); ``moves``: whether the backend moves offloaded values
-  to host memory (on one that does not, offloading saves nothing). ``unit`` is what
-  ``n`` counts, for messages. ``nested_keeps``: whether a nesting's innermost policy
-  keeps what it saves (``nesting_keeps_policy``); where it does not, a nesting under a
-  saving policy is the nothing-saveable plan, listed once, as that.
-  """
+  """The best candidate and all of them, best first (README.md says how they rank)."""
   candidates = []
   for lengths in nestings(n, max_depth):
     evals = (len(lengths) + 1) * n
@@ -423,19 +346,13 @@ def choose(
 
 
 def nesting_keeps_policy() -> bool:
-  """Whether the innermost policy of a nesting keeps what it saves while the outer
-  levels are differentiated: JAX's remat does; its next one (``jax_remat3``) recomputes
-  the inner level whole inside the outer one's backward pass, so a nesting under
-  ``dots_saveable`` needs what it needs under nothing saveable (XLA's temp bytes are
-  equal to the byte on jax 0.12's remat3, for the MHA and conv blocks of
-  tests/test_remat_plan_blocks.py)."""
+  """Whether a nesting's innermost policy keeps what it saves (not under ``jax_remat3``)."""
   return _nesting_keeps_policy(remat_flavour())
 
 
 @functools.cache
 def _nesting_keeps_policy(_flavour: bool) -> bool:
-  """Asks XLA once per remat implementation: two levels of four units whose dots are
-  wide, compiled under each innermost policy; equal temp bytes mean nothing was kept."""
+  """Asks XLA once per remat implementation: equal temp bytes mean nothing was kept."""
 
   def unit(h, w):
     return jnp.tanh(h @ w)
@@ -460,23 +377,12 @@ def _nesting_keeps_policy(_flavour: bool) -> bool:
 
 
 def residual_bytes(layer_fn: Callable, params: Any, carry: Any, policy) -> int:
-  """Bytes one layer saves for its backward pass under ``policy``, its parameters
-  aside (they are read from the stack again, not saved per layer)."""
-  param_leaves, param_tree = jax.tree.flatten(params)
-  carry_leaves, carry_tree = jax.tree.flatten(carry)
-  k = len(param_leaves)
-
-  def f(*leaves):
-    p = jax.tree.unflatten(param_tree, leaves[:k])
-    c = jax.tree.unflatten(carry_tree, leaves[k:])
-    return layer_fn(p, c)
-
-  checkpointed = jax.checkpoint(f, policy=policy)
-  closed = jax.make_jaxpr(lambda *leaves: jax.tree.leaves(jax.vjp(checkpointed, *leaves)[1]))(
-    *param_leaves, *carry_leaves
-  )
+  """Bytes one layer saves for its backward pass under ``policy``, its parameters aside."""
+  leaves, tree = jax.tree.flatten((params, carry))
+  checkpointed = jax.checkpoint(lambda *x: layer_fn(*jax.tree.unflatten(tree, x)), policy=policy)
+  closed = jax.make_jaxpr(lambda *x: jax.tree.leaves(jax.vjp(checkpointed, *x)[1]))(*leaves)
   jaxpr = closed.jaxpr
-  param_vars = set(jaxpr.invars[:k])
+  param_vars = set(jaxpr.invars[: len(jax.tree.leaves(params))])
   total, seen = 0, set()
   for v in jaxpr.outvars:
     if isinstance(v, Literal) or v in param_vars or v in seen:
@@ -505,9 +411,7 @@ class _BlockInputs:
 
 
 def unit_inputs(stack, fn: Callable) -> tuple[int, _BlockInputs]:
-  """``(units, inputs)``: the number of units of the loop over ``stack`` and one unit
-  (its first layer at each position of ``cycle(stack)``, run in order) as a function
-  of its state, abstractly; nothing is sliced."""
+  """``(units, inputs)``: the loop's unit count and one unit as a function of its state."""
   positions = cycle(stack)
   graphdefs = []
 

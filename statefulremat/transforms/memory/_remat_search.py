@@ -1,9 +1,5 @@
-"""The planner's search for ``sr.plan_remat`` and ``lengths="auto"``: candidates ranked
-by the memory model (``_remat_plan.choose``), calibrated against XLA and fitted to a
-budget (``_remat_budget``) by compiling picks.
-
-It compiles candidates with a builder it is given, ``scan(fn, plan)`` (the caller's
-``sr.remat_scan``), so the planner never imports the transform that calls it."""
+"""The planner's search (``sr.plan_remat``, ``lengths="auto"``): it compiles candidates
+with the ``scan(fn, plan)`` it is given, never importing the transform that calls it."""
 
 from __future__ import annotations
 
@@ -45,8 +41,7 @@ def search_plans(
   carries: str | None = None,
   host_bandwidth: float | str = "25GB/s",
 ) -> RematPlan:
-  """``sr.plan_remat``'s plan (its docstring says how it is chosen); ``scan(fn, plan)``
-  builds the candidate that planning compiles."""
+  """``sr.plan_remat``'s plan; ``scan(fn, plan)`` builds the candidates it compiles."""
   positions = cycle(stack) if isinstance(stack, Module) else ()
   if not positions or not all(map(is_stacked, positions)):
     raise TypeError(

@@ -1,17 +1,5 @@
-"""sr.saved_residuals: what reverse-mode autodiff of a function of modules keeps.
-
-The same construction as ``jax.ad_checkpoint.print_saved_residuals``: trace
-``jax.vjp`` of the function to a jaxpr and read the residuals (the arrays the
-backward pass closes over) off its outputs, each classified as JAX classifies it (a
-literal, a constant, an input, or the output of an equation, looking through the
-``reduce_precision`` that remat puts on saved values). Modules are lifted as in
-``sr.grad``: their Variables become the traced inputs, so an input residual is named
-by its variable path. Two additions make the records useful for policies: a
-residual that a call (``jit``, ``scan``, a nested remat, custom derivatives) returns
-is traced back into that call's body, so the values an ``sr.scan`` or a one-level
-``sr.remat_scan`` saves per layer show their ``checkpoint_name`` and stacked shape;
-and the source line skips the library's own frames, so it points at the user's code.
-"""
+"""sr.saved_residuals: what reverse-mode autodiff of a function of modules keeps, traced
+into calls' bodies and named by variable path and the user's source line (README.md)."""
 
 from __future__ import annotations
 
@@ -45,14 +33,9 @@ _PACKAGE = str(pathlib.Path(__file__).resolve().parent.parent) + os.sep
 
 
 class Residual(NamedTuple):
-  """One array that reverse-mode autodiff keeps from the forward pass.
-
-  ``name`` is its ``jax.ad_checkpoint.checkpoint_name`` (None if unnamed); ``op`` the
-  JAX primitive that computed it (None for an input or a constant); ``source`` where
-  it comes from: ``file:line (function)`` of the user's code that computed it, or the
-  input it is (``Param `model.linear.kernel```, ``argument `x```); ``offloaded``
-  whether an offload policy keeps it in host memory rather than on the device.
-  """
+  """One array that reverse-mode autodiff keeps: its ``checkpoint_name`` (or None), shape,
+  dtype, ``source`` (the user's ``file:line (function)``, or the input it is), ``op``
+  (None for an input) and whether it is ``offloaded`` to host memory."""
 
   name: str | None
   shape: tuple[int, ...]
@@ -74,10 +57,8 @@ class Residual(NamedTuple):
 def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[Residual]:
   """What reverse-mode autodiff of ``fn(*args, **kwargs)`` saves for the backward pass.
 
-  The gradient is taken as ``jax.ad_checkpoint.print_saved_residuals`` takes it for
-  arrays. Nothing is computed (the function is only traced) and the modules are left
-  unchanged. ``sr.remat`` / ``sr.scan`` / ``sr.remat_scan`` inside ``fn`` show their
-  policies' effect; a value that a scan saves per layer has the layer axis in front.
+  As ``jax.ad_checkpoint.print_saved_residuals``, for functions of modules; nothing is
+  computed and the modules are left unchanged.
 
   Args:
     fn: a function taking modules like ``sr.grad``'s functions (anywhere in its
@@ -135,9 +116,7 @@ def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[
   for i in traced_leaves:
     inputs.append((f"argument `{leaf_names[i]}`", leaves[i], _is_float(leaves[i])))
   n_vars = len(variables)
-  order = [k for k, (_, _, d) in enumerate(inputs) if d] + [
-    k for k, (_, _, d) in enumerate(inputs) if not d
-  ]
+  order = sorted(range(len(inputs)), key=lambda k: not inputs[k][2])  # differentiated first
   diff_count = sum(d for _, _, d in inputs)
 
   def pure(diff_values, other_values):
@@ -170,8 +149,7 @@ def _is_float(value) -> bool:
 
 
 def _argument_names(fn, args: tuple, kwargs: dict) -> list[str]:
-  """How each leaf of ``(args, kwargs)`` (modules as leaves) is called: the parameter's
-  name where the signature tells it, with the path inside the argument."""
+  """How each leaf of ``(args, kwargs)`` (modules as leaves) is called: ``x[0]``."""
   try:
     params = list(inspect.signature(fn).parameters.values())
   except (TypeError, ValueError):
@@ -194,8 +172,7 @@ def _argument_names(fn, args: tuple, kwargs: dict) -> list[str]:
 
 
 def _classify(jaxpr: Jaxpr, residuals: list, input_names: list[str]) -> list[Residual]:
-  """One record per distinct residual, in JAX's order: literals, constants, inputs, then
-  computed values in the order they are computed."""
+  """One record per distinct residual, in JAX's order."""
   rounding_p = reduce_precision_primitive()
   rounding = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive is rounding_p}
   # An offloaded residual is the host copy of a value: described as that value.
@@ -234,9 +211,8 @@ def _record(aval, name, source, op=None, offloaded=False) -> Residual:
 
 
 def _origin(eqn, k: int, depth: int = 0) -> tuple[str | None, str | None, str, bool]:
-  """``(name, op, source, offloaded)`` of output ``k`` of ``eqn``, traced into the
-  bodies of calls (jit, scan, remat, custom derivatives) whose outputs are the body's
-  outputs, and through the copy an offload policy makes (``offloaded``)."""
+  """``(name, op, source, offloaded)`` of output ``k`` of ``eqn``, traced into called
+  bodies and through offload copies."""
   name = checkpoint_name_of(eqn)
   if name == STACK_CARRY:  # named by the library, where no line of the user's is
     return name, None, "each step's input carry (carries='offload')", False
@@ -264,7 +240,6 @@ def _origin(eqn, k: int, depth: int = 0) -> tuple[str | None, str | None, str, b
 
 def _where(eqn) -> str:
   """``file:line (function)`` of the innermost frame outside JAX and statefulremat."""
-  # JAX's summary, outermost frame first, one line each.
   lines = source_info_util.summarize(eqn.source_info, num_frames=64).splitlines()
   return next(
     (line for line in reversed(lines) if not line.startswith(_PACKAGE)),

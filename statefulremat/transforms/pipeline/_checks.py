@@ -69,9 +69,7 @@ def check_batch(x, k: int, what: str) -> None:
 
 
 def check_layer_sharding(stack, mesh, spec, what: str, layers: int | None = None) -> None:
-  """With N divisible by S the layer axis must be sharded over ``axis`` where that can
-  be seen (placed arrays; traced ones under an Explicit axis): otherwise every device
-  would hold the whole stack, and the pipeline saves nothing."""
+  """With N divisible by S the layer axis must be sharded over ``axis`` where that shows."""
   _, variables, axes = stacked_axes(stack)
   sizes = {axis_size(v._value, a) for v, a in zip(variables, axes) if a is not None}
   if not sizes:
@@ -119,9 +117,7 @@ def check_layer_sharding(stack, mesh, spec, what: str, layers: int | None = None
 
 
 def check_whole_cycles(stack, chunks: int, what: str) -> None:
-  """A pattern stack is pipelined by whole cycles, in equal chunks: its length must be
-  a multiple of the pattern's, and its cycles of the stage count (times ``repeats``).
-  A stack whose unit is one layer is split by ``check_layer_sharding``."""
+  """A pattern stack is pipelined by whole cycles, in ``chunks`` equal chunks."""
   positions = cycle(stack) if isinstance(stack, Module) else ()
   if len(positions) < 2:
     return

@@ -46,8 +46,7 @@ def is_array(leaf) -> bool:
 
 
 def per_device(mb, whole):
-  """One microbatch's shape per device, where the batch's sharding is known in the
-  trace (an ``Explicit`` axis); else the whole microbatch."""
+  """One microbatch's shape per device where Explicit axes show it, else the whole one."""
   shape = jnp.shape(mb)
   sharding = getattr(jax.typeof(whole), "sharding", None)
   if sharding is not None and not sharding.mesh.empty and any(sharding.spec):

@@ -1,9 +1,5 @@
-"""sr.pipeline: a stack's layers spread over a mesh axis, microbatches flowing through.
-
-Here: ``sr.PipelineSpec`` and its checks, and the front (``pipeline`` / ``pipelined``)
-that checks a call (``_checks``) and runs the traced program
-(``_program``, which says how the schedule runs) under the stack's mesh.
-"""
+"""sr.pipeline and sr.PipelineSpec: the front that checks a call and runs the traced
+program (``_program``) under the stack's mesh."""
 
 from __future__ import annotations
 
@@ -117,48 +113,25 @@ def pipeline(
   over the mesh axis ``axis`` (S stages), the carry's batch split into
   ``microbatches`` (k) flowing through them.
 
-  ``sr.pipeline(fn, ...)(stack, x)`` equals running
-  ``sr.remat_scan(fn, lengths=(N,))(stack, mb)`` on each microbatch ``mb`` of ``x``
-  (rows ``m·B/k`` to ``(m+1)·B/k − 1``) in turn and concatenating: per layer, state
-  (BatchNorm statistics) sees the microbatches in order, dropout draws that run's keys,
-  and every RNG stream advances once per microbatch. It is one ``shard_map`` over
-  ``axis`` with ``ppermute`` between
-  stages (other mesh axes, e.g. a ``"data"`` axis the batch is sharded over or a
-  ``"model"`` axis a kernel is sharded over, stay as they are), so it works under
-  ``sr.jit``, ``sr.grad`` and ``sr.Optimizer``. It runs under ``jax.set_mesh(mesh)``
-  (or, called eagerly, on the mesh the stack's arrays are placed on); with N divisible
-  by S the stack's layer axis must be sharded over ``axis`` (name it with
-  ``metadata_params={"partition_name": "layers"}`` and shard with the rule
-  ``("layers", axis)``).
-
-  Arguments after the carry (``(stack, x, mask, train=True)``) are broadcast, as
-  ``remat_scan`` broadcasts them: every layer and every microbatch gets them whole
-  (what differs per example, such as a padding mask per row, belongs in the carry,
-  which is split). Each stage runs its layers as ``sr.remat_scan`` (see ``lengths``).
-  The class form is ``sr.remat_scan(Block, lengths=..., pipeline=spec)``
-  (``sr.PipelineSpec``).
+  Equals ``sr.remat_scan(fn, lengths=(N,))(stack, mb)`` on each microbatch ``mb`` in
+  turn, concatenated, state and RNG streams included. It runs under
+  ``jax.set_mesh(mesh)`` (or, called eagerly, on the mesh the stack's arrays are placed
+  on); with N divisible by S the stack's layer axis must be sharded over ``axis``.
+  Arguments after the carry are given whole to every layer and microbatch.
 
   Args:
     fn: the body ``fn(layer, carry, *args, **kwargs) -> carry``, as ``sr.remat_scan``'s.
-    axis: the mesh axis the S stages lie along (default ``"stage"``); the stack's layer
-      axis is sharded over it.
-    microbatches: k, the number of microbatches the carry's batch (its leading axis) is
-      split into; required, and it must divide the batch.
-    schedule: ``"gpipe"`` (the default): stage s holds layers ``s·N/S …``;
-      ``"circular"``: the layers in S·R chunks, stage s holding chunks s, s+S, …, a
-      microbatch going round the stages R times (bubble (S−1)/(R·k+S−1)).
-    repeats: R, the rounds of ``schedule="circular"`` (default ``1``, the only value
-      ``"gpipe"`` takes).
-    policy: what each stage's ``sr.remat_scan`` level saves, a
-      ``jax.checkpoint_policies`` entry (default ``None``: nothing, or with
-      ``lengths="auto"`` the plan's choice).
-    lengths: ``None`` (the default): each stage runs its layers as one level with
-      ``policy``; ``"auto"``: the nesting (and the policy, unless given) that
-      ``sr.plan_remat`` chooses for one stage's layers and one microbatch under
-      ``memory_budget``. A nesting of the whole stack (a tuple) is refused.
-    memory_budget: with ``lengths="auto"``, bytes, or a string such as ``"512MiB"``: per
-      device; the microbatch is counted per device where its sharding is known while
-      tracing, under ``Explicit`` axes, else whole. Default ``None``.
+    axis: the mesh axis the S stages lie along (default ``"stage"``).
+    microbatches: k, the number of microbatches the carry's batch is split into.
+    schedule: ``"gpipe"`` (the default: stage s holds layers ``s·N/S …``) or
+      ``"circular"`` (S·R chunks, stage s holding chunks s, s+S, …).
+    repeats: R, the rounds of ``schedule="circular"`` (default ``1``).
+    policy: what each stage's ``sr.remat_scan`` level saves (default ``None``: nothing,
+      or with ``lengths="auto"`` the plan's choice).
+    lengths: ``None`` (the default: one level per stage) or ``"auto"`` (planned for one
+      stage's layers and one microbatch under ``memory_budget``).
+    memory_budget: with ``lengths="auto"``, bytes per device, or a string such as
+      ``"512MiB"``. Default ``None``.
 
   Returns:
     ``run(stack, x, *args, **kwargs)``, which returns the carry after every layer (the
@@ -166,11 +139,9 @@ def pipeline(
     ``stack``.
 
   Raises:
-    sr.TransformError: ``axis`` not a str; ``microbatches`` or ``repeats`` not a
-      positive int; an unknown ``schedule``, or ``repeats`` with ``"gpipe"``; a tuple of
-      ``lengths``; at call, no mesh or no ``axis`` in it; ``microbatches`` not dividing
-      the carry's batch; a stack without stacked variables, whose layer axis is not
-      sharded over ``axis``, or whose layers do not split into the stages.
+    sr.TransformError: an option out of range (as ``sr.PipelineSpec``), or a tuple of
+      ``lengths``; at call, no mesh or no ``axis`` in it, a batch ``microbatches`` does
+      not divide, or a stack that does not split into the stages.
     sr.GraphError: a module in the carry or the arguments after it.
 
   >>> import jax, jax.numpy as jnp, numpy as np, statefulremat as sr
@@ -182,9 +153,7 @@ def pipeline(
   >>> bool(np.allclose(y, stack(jnp.ones((4, 3))), atol=1e-5))
   True
   """
-  spec = PipelineSpec(
-    axis=axis, microbatches=microbatches, schedule=schedule, repeats=repeats, policy=policy
-  )
+  spec = PipelineSpec(axis=axis, microbatches=microbatches, schedule=schedule, repeats=repeats)
   what = f"sr.pipeline({display_name(fn)})"
   if lengths is not None and not isinstance(lengths, str):
     raise TransformError(
@@ -197,7 +166,7 @@ def pipeline(
   )
   return pipelined(
     fn,
-    dataclasses.replace(spec, policy=None),
+    spec,
     what=what,
     lengths=nesting if nesting == AUTO else None,
     layers=None,
@@ -209,9 +178,8 @@ def pipeline(
 def pipelined(
   fn: Callable, spec: PipelineSpec, *, what: str, lengths, layers, memory_budget, **options
 ) -> Callable:
-  """``sr.pipeline``, and ``sr.remat_scan(..., pipeline=spec)``'s function form:
-  ``options`` are ``remat_scan``'s, for each stage's scan; ``layers`` the N that
-  ``remat_scan``'s ``lengths`` / ``length`` gave (None: any)."""
+  """``sr.pipeline`` and ``sr.remat_scan(..., pipeline=spec)``: ``options`` are each
+  stage's ``remat_scan``'s; ``layers`` the N that ``lengths`` / ``length`` gave."""
   if not isinstance(spec, PipelineSpec):
     raise TransformError(
       f"{what}: pipeline={spec!r}; it takes sr.PipelineSpec(axis=..., "

@@ -1,27 +1,5 @@
-"""The traced program of ``sr.pipeline``: one SPMD program over the stages.
-
-``jax.shard_map`` over the mesh axis ``axis`` (S stages; the other mesh axes stay
-automatic, so a batch sharded over ``"data"`` stays so), inside it one ``lax.scan``
-over the schedule's time steps. At step ``t`` stage ``s`` works on ``u = t - s``: pass
-``r = u // P`` of microbatch ``m = u % P`` (``P = max(k, S)``), a bubble when that is
-outside ``k`` microbatches and ``R`` passes. Each step runs the stage's chunk of layers
-through the library's own ``sr.remat_scan`` (one level with ``policy``, or the nesting
-``lengths="auto"`` plans for the chunk under a per-device ``memory_budget``) on a
-module rebuilt from the chunk's values (per-layer rules, RNG seeding and state
-read-back are ``remat_scan``'s), with each RNG stream's count set to ``c0 + m`` and the
-layers seeded by their global index; a bubble's state writes are dropped (the old
-values selected). Activations move with ``jax.lax.ppermute`` (stage ``s`` to ``s +
-1``; circular wraps ``S - 1`` to stage 0, which keeps them until the microbatch's next
-pass).
-
-The Q = S·R chunks are the stack's layers in order, ``N // Q`` or one more each (the
-first ``N % Q``); chunk ``q = r·S + s`` is stage ``s``'s pass ``r``. Where that layout
-differs from the stack's (circular, or N not divisible by Q) the stacked values are
-gathered into it inside the trace (``_layout``), each chunk padded to the
-longest with layers the stage skips (the carry passes them unchanged); written
-state and the gradients go back into the stack's own layout, so that N layers, N not
-a multiple of S, are never split unevenly over the stages (which Explicit axes refuse).
-"""
+"""The traced program of ``sr.pipeline``: a ``jax.shard_map`` over the stages, one
+``lax.scan`` over the schedule's time steps inside (README.md says how it runs)."""
 
 from __future__ import annotations
 
@@ -45,13 +23,6 @@ from ..accumulate._microbatches import join, split_rows
 from ._checks import stacked_axes
 from ._layout import Layout, is_array, per_device
 
-# Circular (R passes): a step slices its pass's chunk from the stage's layers, and
-# the chunk's remat_scan keeps its inputs for the backward pass, so the step scan
-# would keep one chunk of weights per step (steps ~ (R - 1)·max(k, S) + k + S, the
-# stage holding R chunks). The step runs under jax.checkpoint instead, keeping only
-# what enters it: one more forward of the chunk per step (D=256, N=16, S=4, R=2, k=4
-# on CPU: temp 10.6 -> 4.6 MB, unpipelined 9.3; FLOPs +19 %).
-
 
 def schedule_steps(k: int, stages: int, repeats: int) -> int:
   """The schedule's time steps: stage 0 starts pass r of microbatch m at r·P + m."""
@@ -69,10 +40,7 @@ def program(
   budget: int | None,
   options: dict,
 ) -> Callable:
-  """The traced pipeline ``run(stack, x, *args, **kwargs) -> y`` (under a mesh with
-  ``axis``): ``fn`` over the stack's layers, spread over ``axis``, ``microbatches``
-  flowing through, each stage's chunk run by ``remat_scan`` with ``options`` (or, with
-  ``auto``, as ``plan_remat`` plans it under ``budget``)."""
+  """The traced pipeline ``run(stack, x, *args, **kwargs) -> y``, under a mesh with ``axis``."""
   k = microbatches
   plans: dict = {}  # lengths="auto": one plan per (stage structure, shapes)
 
@@ -129,22 +97,17 @@ def program(
       """The chunk's values with the layer axis back where the stack has it."""
       flat = list(flat)
       for i in stacked:
-        flat[i] = jnp.moveaxis(flat[i], 0, layer_axis[i]) if layer_axis[i] else flat[i]
+        flat[i] = _move_axis(flat[i], 0, layer_axis[i])
       return flat
 
     if auto:
 
       def chunk_shape(i):
         shape = list(jnp.shape(values[i]))
-        shape[layer_axis[i]] = chunk
+        if i in layer_axis:
+          shape[layer_axis[i]] = chunk
         return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(values[i]))
 
-      abstract = [
-        chunk_shape(i)
-        if i in layer_axis
-        else jax.ShapeDtypeStruct(jnp.shape(values[i]), jnp.result_type(values[i]))
-        for i in range(len(values))
-      ]
       carry = jax.tree.map(per_device, jax.tree.map(lambda v: v[0], xs), x)
       if layout.padded:
         carry = (carry, jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
@@ -157,7 +120,7 @@ def program(
       )
       plan = plans.get(key)
       if plan is None:
-        module = merge(graphdef, like.with_values(abstract))
+        module = merge(graphdef, like.with_values([chunk_shape(i) for i in range(len(values))]))
 
         def planned(layer, c):  # the extra arrays as zeros: the plan needs only shapes
           a, kw = with_extras(
@@ -184,7 +147,7 @@ def program(
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
 
     def to_layout(v, a):
-      v = jnp.moveaxis(v, a, 0) if a else v
+      v = _move_axis(v, a, 0)
       return v if layout.identity else relaid(v, layout, axis, explicit)
 
     def from_layout(v, i):
@@ -192,9 +155,9 @@ def program(
       sharding: with N not divisible by S that is not split over the stages)."""
       a = layer_axis[i]
       if not layout.identity:
-        home = jnp.moveaxis(values[i], a, 0) if a else values[i]
-        v = moved(v, layout.inverse, axis, explicit, stages, home_spec(home, explicit))
-      return jnp.moveaxis(v, 0, a) if a else v
+        home = home_spec(_move_axis(values[i], a, 0), explicit)
+        v = moved(v, layout.inverse, axis, explicit, stages, home)
+      return _move_axis(v, 0, a)
 
     laid = [to_layout(values[i], layer_axis[i]) for i in stacked]
     found: dict = {}  # what the stage's body wrote, learnt while tracing it
@@ -231,11 +194,7 @@ def program(
         wrote = changes.values
         found["written"] = [j for j, i in enumerate(stacked) if i in wrote]
         found["counts"] = [i for i in counts if i in wrote]
-        new = [wrote[stacked[j]] for j in found["written"]]
-        new = [
-          jnp.moveaxis(v, layer_axis[stacked[j]], 0) if layer_axis[stacked[j]] else v
-          for j, v in zip(found["written"], new)
-        ]
+        new = [_move_axis(wrote[stacked[j]], layer_axis[stacked[j]], 0) for j in found["written"]]
         found["dtypes"] = [jnp.result_type(v) for v in new]
         return out, new, valid, m, r
 
@@ -262,6 +221,7 @@ def program(
         local = list(laid)
         for j, v in zip(written, local_w):
           local[j] = v
+        # Circular: under jax.checkpoint, so the step scan keeps no chunk of weights per step.
         out, new, valid, m, r = (jax.checkpoint(one_step) if repeats > 1 else one_step)(
           t, local, inp
         )
@@ -293,10 +253,7 @@ def program(
       return outs, local_w
 
     fixed = [values[i] for i in others]
-    # out_specs P(axis) is a prefix of the written values' list, whatever its length
-    # (the body's writes are known only once traced).
-    # Under jit even when called eagerly: an eager shard_map runs its body one primitive
-    # at a time, compiling each (about 70 small programs per call of a 4-stage stack).
+    # Under jit even when called eagerly: an eager shard_map compiles each primitive.
     program = jax.jit(
       jax.shard_map(
         stage_program,
@@ -316,10 +273,7 @@ def program(
 
 
 def relaid(v, layout: Layout, axis: str, explicit: bool):
-  """``v`` (layer axis first) moved into the pipeline's layout, whose gradient is moved
-  back by ``layout.inverse`` (a layer's slot; a padding slot repeats a layer and gets no
-  gradient, as its stage skips it) into ``v``'s own layout, rather than scattered into
-  a whole stack on every device."""
+  """``v`` (layer axis first) moved into the pipeline's layout; its gradient moves back."""
   stages, home = layout.stages, home_spec(v, explicit)
 
   @jax.custom_vjp
@@ -339,13 +293,8 @@ def home_spec(v, explicit: bool):
 
 
 def moved(v, order, axis: str, explicit: bool, stages: int, spec=None):
-  """``v`` (layer axis first) with its layers in ``order``, the layer axis sharded over
-  the stages (``axis``) where its length divides among them: each layer moves to its
-  stage once, instead of every stage's layers landing on each device (or, under an
-  Explicit axis, a gather whose sharding JAX cannot tell). A length that does not
-  divide (N layers, N not a multiple of S, on the way back) is never split unevenly:
-  it goes to ``spec`` (the stack's own sharding, on Explicit axes), else the layer axis
-  replicated, as the stack's is."""
+  """``v`` (layer axis first) with its layers in ``order``, sharded over the stages where
+  its length divides among them, else as ``spec`` (or replicated)."""
   lead = axis if len(order) % stages == 0 else None
   if explicit:
     if spec is None:
@@ -355,6 +304,10 @@ def moved(v, order, axis: str, explicit: bool, stages: int, spec=None):
     return v.at[order].get(out_sharding=spec)
   free = (PartitionSpec.UNCONSTRAINED,) * (jnp.ndim(v) - 1)
   return lax.with_sharding_constraint(jnp.take(v, order, axis=0), PartitionSpec(lead, *free))
+
+
+def _move_axis(v, source: int, destination: int):
+  return v if source == destination else jnp.moveaxis(v, source, destination)
 
 
 def _avals(tree):
