@@ -225,34 +225,27 @@ def check_files(version: str, sizes: dict[str, int]) -> None:
 # -- locks: saves of a path one after the other, no version deleted under a restore ------
 
 
-# What flock raises where the filesystem has no such locks (Lustre without -o flock,
-# some FUSE and network filesystems): saving goes on with the threads' locks alone.
 @contextlib.contextmanager
 def reading(root: str):
   """The directory of the version ``root``'s pointer names (raising as ``current``
   does), which no save deletes before the block ends: a shared lock on it."""
-  version = current(root)
-  assert version is not None  # fn="restore": raises rather than returning None
   threads = _locks.threads_of(root)
   while True:
+    version = current(root)
+    assert version is not None  # fn="restore": raises rather than returning None
     with threads.reading():
       try:
         fd = _locks.flock(version, shared=True)
       except FileNotFoundError:  # superseded and deleted since the pointer was read
-        fd = None
-        still = False
-      else:
+        continue
+      try:
         # The lock keeps the version only if it was not superseded before: a save
         # deletes a version only after pointing away from it.
-        still = current(root) == version
-      try:
-        if still:
+        if current(root) == version:
           yield version
           return
       finally:
         _locks.unlock(fd)
-    version = current(root)
-    assert version is not None  # as above
 
 
 def begin(root: str) -> tuple[str, _locks.SaveLock]:
@@ -339,11 +332,9 @@ def _delete_unread(path: str) -> None:
 
 def abandon(root: str, version: str) -> None:
   """Deletes a failed save's ``version``, unless the pointer already names it."""
-  try:
+  with contextlib.suppress(CheckpointError):
     if current(root, "save") == version:
       return
-  except CheckpointError:
-    pass
   _remove(version)
 
 
@@ -351,7 +342,5 @@ def _remove(path: str) -> None:
   if os.path.isdir(path) and not os.path.islink(path):
     shutil.rmtree(path, ignore_errors=True)
   else:
-    try:
+    with contextlib.suppress(OSError):
       os.remove(path)
-    except OSError:
-      pass

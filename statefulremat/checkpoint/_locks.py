@@ -22,6 +22,8 @@ try:
 except ImportError:  # Windows: the threads of one process are still ordered
   fcntl = None
 
+# What flock raises where the filesystem has no such locks (Lustre without -o flock,
+# some FUSE and network filesystems): saving goes on with the threads' locks alone.
 _NO_FLOCK = {
   errno.ENOLCK,
   errno.EOPNOTSUPP,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 from ..core._errors import StateMismatchError, format_path
 from ..core._stacks import LAYER_AXIS
@@ -16,22 +17,14 @@ from ._files import FORMAT, CheckpointError, read_json
 _LISTED = 5
 
 
+@dataclass(frozen=True, slots=True)
 class _Key:
   """A path key other than str/int, known by its repr (JSON cannot hold it)."""
 
-  __slots__ = ("text",)
-
-  def __init__(self, text: str):
-    self.text = text
+  text: str
 
   def __repr__(self):
     return self.text
-
-  def __eq__(self, other):
-    return isinstance(other, _Key) and self.text == other.text
-
-  def __hash__(self):
-    return hash(self.text)
 
 
 def path_to_json(path: tuple) -> list:
@@ -95,11 +88,8 @@ def read_meta(version: str) -> tuple[list[tuple[tuple, str, str]], dict[str, int
     layer_axes = {
       path_from_json(e["path"]): e["layer_axis"] for e in meta["variables"] if "layer_axis" in e
     }
-    return (
-      [(path_from_json(e["path"]), e["kind"], e["spec"]) for e in meta["variables"]],
-      files,
-      layer_axes,
-    )
+    saved = [(path_from_json(e["path"]), e["kind"], e["spec"]) for e in meta["variables"]]
+    return saved, files, layer_axes
   except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
     raise CheckpointError(
       f"sr.restore: the checkpoint in {version!r} is damaged: its variables.json "

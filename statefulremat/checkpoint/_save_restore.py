@@ -57,12 +57,10 @@ def _describe(value) -> tuple[str, str | None]:
   """``(spec, how)``: the spec compared on restore (``float32[8,4]``) and how the value
   is stored (``None``: it cannot be)."""
   if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-    dims = ",".join(map(str, np.shape(value)))
-    if isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
-      return f"{value.dtype}[{dims}]", "key"
+    spec = f"{value.dtype}[{','.join(map(str, np.shape(value)))}]"
     if isinstance(value, jax.Array):
-      return f"{value.dtype}[{dims}]", "array"
-    return f"{value.dtype}[{dims}]", None if value.dtype == object else "numpy"
+      return spec, "key" if jnp.issubdtype(value.dtype, jax.dtypes.prng_key) else "array"
+    return spec, None if value.dtype == object else "numpy"
   if type(value) in _PYTHON:
     return f"{jnp.result_type(value)}[]", "python"
   return f"{type(value).__name__} (not an array)", None
@@ -362,12 +360,8 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
     order = [where[key] for key in keys]
     # Orbax reads the arrays named here; the rest of the checkpoint stays on disk.
     targets: dict[str, object] = {str(j): ocp.PLACEHOLDER for j in range(len(saved))}
-    targets.update(
-      {
-        str(j): _target(var._value, how)
-        for j, ((_, var), (_, how)) in zip(order, zip(variables, specs))
-      }
-    )
+    for j, (_, var), (_, how) in zip(order, variables, specs):
+      targets[str(j)] = _target(var._value, how)
     restored = {}
     if variables:
       try:

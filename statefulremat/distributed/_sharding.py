@@ -20,6 +20,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core._errors import StateMismatchError, TransformError, describe_mesh, format_path
+from ..core._module import Module
+from ..core._split_merge import state as state_of
+from ..core._split_merge import update
 from ..core._stacks import LAYER_AXIS
 from ..core._state import State, thaw_metadata
 
@@ -132,9 +135,6 @@ def shard(model: M, mesh: jax.sharding.Mesh, rules: Rules = ()) -> M:
   >>> layer.kernel.value.sharding.spec
   P(None, 'model')
   """
-  from ..core._module import Module
-  from ..core._split_merge import update
-
   if not isinstance(model, Module):
     raise TypeError(
       f"sr.shard places a module's arrays; got {type(model).__name__}. Fix: pass the "
@@ -161,9 +161,6 @@ def shard(model: M, mesh: jax.sharding.Mesh, rules: Rules = ()) -> M:
 
 
 def _as_state(obj, fn: str) -> State:
-  from ..core._module import Module
-  from ..core._split_merge import state as state_of
-
   if isinstance(obj, State):
     return obj
   if isinstance(obj, Module):
@@ -213,9 +210,13 @@ def _check_rules(rules) -> list[tuple[str, tuple]]:
         "Fix: e.g. rules=[('batch', 'data'), ('mlp', 'model'), ('embed', None)]."
       )
     name, axes = rule
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    checked.append((name, axes))
+    checked.append((name, _names(axes)))
   return checked
+
+
+def _names(entry) -> tuple:
+  """A spec entry, or a rule's mesh axes, as a tuple of names (None: no name)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _to_mesh(spec, rules) -> PartitionSpec:
@@ -224,9 +225,8 @@ def _to_mesh(spec, rules) -> PartitionSpec:
   used: set[str] = set()
   out = []
   for entry in spec:
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     axes: list[str] = []
-    for name in names:
+    for name in _names(entry):
       for logical, mesh_axes in rules:
         if logical == name and not used.intersection(mesh_axes):
           axes.extend(mesh_axes)
@@ -239,7 +239,7 @@ def _to_mesh(spec, rules) -> PartitionSpec:
 def _check_fits(path: tuple, value, spec: PartitionSpec, mesh) -> None:
   shape = np.shape(value)
   for dim, entry in enumerate(spec):
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    axes = _names(entry)
     size = 1
     for axis in axes:
       if axis not in mesh.shape:
@@ -296,8 +296,5 @@ def _needs_reshard(sharding: NamedSharding) -> bool:
   if jax.sharding.AxisType.Explicit not in kinds.values():
     return False
   return all(
-    kinds[axis] != jax.sharding.AxisType.Auto
-    for entry in sharding.spec
-    if entry is not None
-    for axis in ((entry,) if isinstance(entry, str) else entry)
+    kinds[axis] != jax.sharding.AxisType.Auto for entry in sharding.spec for axis in _names(entry)
   )

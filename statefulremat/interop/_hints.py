@@ -17,7 +17,6 @@ from typing import Any
 
 from ._names import Match, Source
 from ._paths import Entry
-from ._report import Problems
 
 _DETAIL = 6  # up to this many unmatched variables are listed one by one
 _EXAMPLES = 4  # otherwise, this many of each side
@@ -26,23 +25,21 @@ _INDEX = re.compile(r"(?:^|(?<=[._]))(\d+)(?=\.|$)")
 
 def report_unmatched(
   found: Match,
-  problems: Problems,
   missing: Callable[[Entry], str],
   describe: Callable[[Any], str],
   fixes: tuple[str, str],
-  side: str,
-  rename,
 ) -> None:
-  """Adds to ``problems`` the variables of ours ``found`` left unfilled (worded by
+  """Adds to ``found``'s problems the variables of ours it left unfilled (worded by
   ``missing``) and the sources it left unused (their values worded by ``describe``),
   with ``fixes`` (for each kind) or the rename that would map them."""
+  problems, side = found.problems, found.side
 
   def unused(s: Source) -> str:
     renamed = f", renamed `{s.target}`," if s.target != s.name else ""
     return f"{s.shown} ({describe(s.leaf)}){renamed} matches no variable of ours."
 
   left = [s for s in found.unused if not s.extra]
-  hint = suggest(found, left, side, rename)
+  hint = suggest(found, left)
   fix_names, fix_unused = (hint, hint) if hint else fixes
   if len(found.missing) + len(left) <= _DETAIL:
     for e in found.missing:
@@ -78,7 +75,7 @@ def _more(n: int) -> str:
   return f" … and {n} more." if n > 0 else "."
 
 
-def suggest(found: Match, left: list[Source], side: str, rename) -> str | None:
+def suggest(found: Match, left: list[Source]) -> str | None:
   """The rename that maps the most of ``left`` onto names of ours still unfilled, as
   a sentence for the message; None when no one rule maps any."""
   if not left or not found.missing:
@@ -132,12 +129,12 @@ def suggest(found: Match, left: list[Source], side: str, rename) -> str | None:
   rule = f'{{r"{pattern}": r"{repl}"}}'
   where = (
     f"rename={rule}"
-    if rename is None
+    if found.rename is None
     else f"add {rule} at the end of your rename="
-    if isinstance(rename, Mapping)
+    if isinstance(found.rename, Mapping)
     else f"apply {rule} to what your rename= returns"
   )
-  entries = _count(len(left), f"{side} entry", f"{side} entries")
+  entries = _count(len(left), f"{found.side} entry", f"{found.side} entries")
   return (
     f"{where} maps {len(mapped)} of the {entries} left over onto ours (`{example}` -> "
     f"`{re.sub(pattern, repl, example)}`); layers are numbered as `stack.layer(i)` "
@@ -160,11 +157,7 @@ def _unfilled_names(found: Match) -> list[str]:
   for e in found.missing:
     whole = found.names(e, None)
     out += whole + [name for name, _, _ in e.stacked_names(whole)]
-    if e.pattern is not None:
-      assert e.layers is not None  # a pattern position's variables are stacked
-      for i in range(e.layers):
-        out += e.global_names(found.names(e, i), i)
-    else:
-      for i in range(e.layers or 0):
-        out += found.names(e, i)
+    for i in range(e.layers or 0):
+      local = found.names(e, i)
+      out += local if e.pattern is None else e.global_names(local, i)
   return out

@@ -12,11 +12,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ..core._split_merge import update
-from ..core._state import State
 from ._hints import report_unmatched
-from ._names import Source, made_names, match
-from ._paths import Entry, entries, flat_tree, nearest, placed_like, select_collections
+from ._names import Source, answers, load, made_names, match
+from ._paths import Entry, chosen_entries, dotted, flat_tree, nearest, select_collections
 from ._report import Problems, array_str, keys_str, shape_str, where_str
 
 _FIX_NAMES = (
@@ -46,27 +44,20 @@ _FIX_DTYPE = (
 )
 
 
-def _is_leaf(node) -> bool:
-  return not isinstance(node, Mapping)
-
-
 def _linen_str(collection: str, path: tuple) -> str:
   return "/".join((collection,) + tuple(str(k) for k in path))
 
 
-def _linen_entries(model, collections, what: str, problems: Problems) -> list[Entry]:
-  """Our non-RNG variables in the chosen collections; linen name clashes reported."""
+def _linen_entries(model, collections, what: str, problems: Problems):
+  """The collections chosen (None: all) and our variables in them, RNG state left out;
+  linen name clashes reported."""
   want = select_collections(collections, what)
   if want is not None and "rngs" in want:
     raise ValueError(
       f"{what}: collections= names 'rngs', but RNG state is not part of linen "
       "variables (linen takes keys in `init`/`apply(..., rngs=...)`). Leave it out."
     )
-  chosen = [
-    e
-    for e in entries(model, what)
-    if e.collection != "rngs" and (want is None or e.collection in want)
-  ]
+  chosen = chosen_entries(model, want, what)
   seen: dict[tuple, Entry] = {}
   for e in chosen:
     key = (e.collection,) + e.linen
@@ -89,7 +80,7 @@ def _linen_entries(model, collections, what: str, problems: Problems) -> list[En
         "another of our variables needs a submodule of that name.",
         "rename one of the two attributes.",
       )
-  return chosen
+  return want, chosen
 
 
 def _check_variables(variables, what: str) -> None:
@@ -196,8 +187,7 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
   what = "sr.interop.from_linen"
   _check_variables(variables, what)
   problems = Problems(what, "the model is unchanged")
-  ours = _linen_entries(model, collections, what, problems)
-  want = select_collections(collections, what)
+  want, ours = _linen_entries(model, collections, what, problems)
   if want is None:
     want = {e.collection for e in ours} | set(variables)
   absent = set()
@@ -212,28 +202,14 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
         "pass the whole variables dict (every collection `init` returned), or load "
         "only some with collections=('params',).",
       )
-  flats = {c: flat_tree(tree, _is_leaf) for c, tree in variables.items()}
-  sources = [
-    Source(
-      (c, path),
-      ".".join(str(k) for k in path),
-      f"linen `{_linen_str(c, path)}`",
-      value,
-      c,
-      extra=c not in want,
-    )
+  flats = {c: flat_tree(tree) for c, tree in variables.items()}
+  sources = [  # entries of collections not transferred are `extra`: never unused
+    Source((c, path), dotted(path), f"linen `{_linen_str(c, path)}`", value, c, c not in want)
     for c, flat in flats.items()
     for path, value in flat.items()
   ]
-  found = match(
-    [e for e in ours if e.collection not in absent],
-    sources,
-    _names,
-    rename,
-    what,
-    problems,
-    "linen",
-  )
+  ours = [e for e in ours if e.collection not in absent]
+  found = match(ours, sources, _names, rename, problems, "linen")
 
   def missing(e: Entry) -> str:
     c = e.collection
@@ -243,17 +219,10 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
         f"linen has no `{_linen_str(c, e.linen)}` "
         f"(`{_linen_str(c, prefix)}` has: {keys_str(below)})."
       )
-    return f"no linen `{c}` entry is renamed to {_answers(e)}."
+    return f"no linen `{c}` entry is renamed to {answers(e, _names)}."
 
-  report_unmatched(
-    found,
-    problems,
-    missing,
-    lambda leaf: array_str(_unboxed(leaf)),
-    (_FIX_NAMES, _FIX_UNUSED),
-    "linen",
-    rename,
-  )
+  describe = lambda leaf: array_str(_unboxed(leaf))
+  report_unmatched(found, missing, describe, (_FIX_NAMES, _FIX_UNUSED))
   for e, s in found.wrong:
     problems.add(
       f"{e.where()} belongs to collection `{e.collection}`, but linen has it as "
@@ -261,23 +230,7 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
       "keep each variable in its kind's collection (sr.Param <-> params, "
       "sr.BatchStat <-> batch_stats); in linen, `self.variable('batch_stats', ...)`.",
     )
-  new: dict[tuple, Any] = {}
-  for fill in found.fills:
-    e = fill.entry
-    if fill.whole is not None:
-      value = _from_linen_value(e, fill.whole, problems)
-    else:
-      assert fill.layers is not None and e.axis is not None  # a stack, filled per layer
-      values = [_from_linen_value(e, s, problems, layer=i) for i, s in enumerate(fill.layers)]
-      present = [v for v in values if v is not None]
-      value = (
-        None if len(present) < len(values) else placed_like(e.var, jnp.stack(present, axis=e.axis))
-      )
-    if value is not None:
-      new[e.path] = value
-  problems.raise_if_any()
-  update(model, State(new))
-  return model
+  return load(model, found, _from_linen_value)
 
 
 def _names(e: Entry, layer: int | None) -> list[str]:
@@ -286,25 +239,15 @@ def _names(e: Entry, layer: int | None) -> list[str]:
   return [linen] if linen == ours else [linen, ours]
 
 
-def _answers(e: Entry) -> str:
-  words = " or ".join(f"`{n}`" for n in _names(e, None))
-  layer0 = e.global_names(_names(e, 0), 0) or _names(e, 0)
-  if e.layers:
-    words += (
-      f" (or, layer by layer, {' or '.join(f'`{n}`' for n in layer0)} … for its {e.layers} layers)"
-    )
-  return words
-
-
 def _unboxed(value):
   unbox = getattr(value, "unbox", None)  # linen's nn.Partitioned & co. box arrays
   return unbox() if callable(unbox) else value
 
 
-def _from_linen_value(e: Entry, s: Source, problems: Problems, layer: int | None = None):
+def _from_linen_value(e: Entry, s: Source, layer: int | None, problems: Problems):
   """The value of ``s`` in our layout (layer axes flattened), or None after adding a
-  problem; with ``layer``, one layer's slice, kept as it is for stacking."""
-  where = e.where() if layer is None else f"{e.where()} layer {layer}"
+  problem; with ``layer``, one layer's slice."""
+  where = e.where(layer)
   value = s.layer_of(_unboxed(s.leaf), e.where(), problems)
   if value is None:
     return None
@@ -332,9 +275,7 @@ def _from_linen_value(e: Entry, s: Source, problems: Problems, layer: int | None
     problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.", _FIX_DTYPE)
     return None
   value = jnp.asarray(value)
-  if layer is not None:
-    return value
-  return placed_like(e.var, value if shape == ours else value.reshape(ours))
+  return value if shape == ours else value.reshape(ours)
 
 
 def _nested_layout(e: Entry, shape: tuple) -> bool:
@@ -397,18 +338,11 @@ def to_linen(
   """
   what = "sr.interop.to_linen"
   problems = Problems(what, "no variables were returned")
-  ours = _linen_entries(model, collections, what, problems)
+  _, ours = _linen_entries(model, collections, what, problems)
   problems.raise_if_any()
+  linen_name = lambda e, layer: ".".join(e.linen_name(layer))
   names = made_names(
-    ours,
-    unstack,
-    Entry.dotted,
-    lambda e, layer: ".".join(e.linen_name(layer)),
-    rename,
-    what,
-    problems,
-    "linen",
-    nested=True,
+    ours, unstack, Entry.dotted, linen_name, rename, problems, "linen", nested=True
   )
   problems.raise_if_any()
   out: dict[str, dict] = {}

@@ -17,12 +17,17 @@ is written; the callers check values and word what is missing or unused for thei
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._paths import Entry
+import jax.numpy as jnp
+
+from ..core._split_merge import update
+from ..core._state import State
+from ._paths import Entry, placed_like
 from ._report import Problems
 
 _FIX_TWICE = (
@@ -91,10 +96,20 @@ class Fill:
   whole: Source | None = None
   layers: list[Source] | None = None
 
+  def given(self) -> list[tuple[Source, int | None]]:
+    """``(source, layer or None)``: the whole source, or one per layer."""
+    if self.whole is not None:
+      return [(self.whole, None)]
+    assert self.layers is not None  # a Fill holds either `whole` or `layers`
+    return [(s, i) for i, s in enumerate(self.layers)]
+
 
 @dataclass
 class Match:
   names: Callable[[Entry, int | None], list[str]]
+  problems: Problems
+  side: str  # how messages name the other side: "linen", "nnx", "state dict"
+  rename: Any
   fills: list[Fill] = field(default_factory=list)
   missing: list[Entry] = field(default_factory=list)
   wrong: list[tuple[Entry, Source]] = field(default_factory=list)  # other collection
@@ -194,7 +209,6 @@ def match(
   sources: list[Source],
   names: Callable[[Entry, int | None], list[str]],
   rename,
-  what: str,
   problems: Problems,
   side: str,
 ) -> Match:
@@ -204,7 +218,7 @@ def match(
   variable given both whole and per layer, a list of layers with gaps. The rest
   (missing, unused, wrong collection) is returned for the caller to word.
   """
-  apply = renamer(rename, what)
+  apply = renamer(rename, problems.what)
   table: dict[str, tuple[int, int | None]] = {}
   for n, e in enumerate(ours):
     for name in names(e, None):
@@ -220,7 +234,7 @@ def match(
     for name, index, layer in e.stacked_names(names(e, None)):
       if name not in table:
         stacked.setdefault(name, {}).setdefault(index, (n, layer))
-  result = Match(names=names, known=set(table) | set(stacked))
+  result = Match(names, problems, side, rename, known=set(table) | set(stacked))
   by_slot: dict[tuple[int, int | None], list[Source]] = {}
   for s in sources:
     s.target = apply(s.name)
@@ -279,10 +293,7 @@ def match(
       continue
     count = e.layers
     assert count is not None  # per_layer is non-empty only for a stacked variable
-    layers = [
-      pick(e, per_layer[i], f"{e.where()} layer {i}") if i in per_layer else None
-      for i in range(count)
-    ]
+    layers = [pick(e, per_layer[i], e.where(i)) if i in per_layer else None for i in range(count)]
     picked = [s for s in layers if s is not None]
     gaps = [i for i in range(count) if i not in per_layer]
     if gaps:
@@ -298,16 +309,48 @@ def match(
   return result
 
 
+def load(model, found: Match, value_of: Callable[[Entry, Source, int | None, Problems], Any]):
+  """Writes ``found``'s fills into ``model`` once no problem is left; returns ``model``.
+
+  A fill's value is ``value_of(entry, source, layer or None, problems)`` (None after
+  adding a problem); the layers of a stack filled per layer are stacked on its layer
+  axis.
+  """
+  new = {}
+  for fill in found.fills:
+    e = fill.entry
+    values = [value_of(e, s, layer, found.problems) for s, layer in fill.given()]
+    if any(v is None for v in values):
+      continue
+    if fill.whole is not None:
+      new[e.path] = placed_like(e.var, values[0])
+    else:
+      assert e.axis is not None  # filled per layer: a stack
+      new[e.path] = placed_like(e.var, jnp.stack(values, axis=e.axis))
+  found.problems.raise_if_any()
+  update(model, State(new))
+  return model
+
+
 def _ranges(numbers: list[int]) -> str:
   """``0-3, 5`` for [0, 1, 2, 3, 5]."""
-  out, start = [], None
-  for k, n in enumerate(numbers):
-    if start is None:
-      start = n
-    if k + 1 == len(numbers) or numbers[k + 1] != n + 1:
-      out.append(str(start) if start == n else f"{start}-{n}")
-      start = None
+  out = []
+  # Consecutive numbers keep the same difference to their position in the list.
+  for _, pairs in itertools.groupby(enumerate(numbers), lambda pair: pair[1] - pair[0]):
+    run = [n for _, n in pairs]
+    out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
   return ", ".join(out)
+
+
+def answers(e: Entry, names: Callable[[Entry, int | None], list[str]]) -> str:
+  """The names ``e`` answers to, and for a stack those of its layer 0, for a message."""
+  words = " or ".join(f"`{n}`" for n in names(e, None))
+  if e.layers:
+    layer0 = e.global_names(names(e, 0), 0) or names(e, 0)
+    words += (
+      f" (or, layer by layer, {' or '.join(f'`{n}`' for n in layer0)} … for its {e.layers} layers)"
+    )
+  return words
 
 
 def _global(e: Entry, name: str, layer: int | None) -> str:
@@ -323,7 +366,6 @@ def made_names(
   given: Callable[[Entry, int | None], str],
   default: Callable[[Entry, int | None], str],
   rename,
-  what: str,
   problems: Problems,
   side: str,
   nested: bool,
@@ -335,7 +377,7 @@ def made_names(
   Two of ours written to one name, or (``nested``) to a name and a name below it,
   are reported: an output must not lose a variable.
   """
-  apply = None if rename is None else renamer(rename, what)
+  apply = None if rename is None else renamer(rename, problems.what)
   out, seen = [], {}
   for e in ours:
     for layer in range(e.layers) if unstack and e.layers else [None]:
@@ -344,7 +386,7 @@ def made_names(
         continue
       if apply is None:
         name = _global(e, name, layer)
-      where = e.where() if layer is None else f"{e.where()} layer {layer}"
+      where = e.where(layer)
       if name in seen:
         problems.add(
           f"{seen[name]} and {where} both become {side} `{name}`.",

@@ -14,11 +14,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from ..core._errors import format_path
-from ..core._split_merge import update
-from ..core._state import State
 from ._hints import report_unmatched
-from ._names import Source, match
-from ._paths import Entry, dotted, entries, flat_tree, nearest, placed_like, select_collections
+from ._names import Match, Source, answers, load, match
+from ._paths import Entry, dotted, entries, flat_tree, nearest, select_collections
 from ._report import Problems, array_str, keys_str, shape_str, where_str
 
 _FIX_NAMES = (
@@ -66,24 +64,18 @@ def _flat_nnx(source, what: str) -> tuple[dict, bool]:
   """``({path: nnx Variable or array}, is_module)`` of an nnx Module or State."""
   nnx = _nnx()
   if isinstance(source, nnx.Module):
-    return flat_tree(nnx.state(source), _is_leaf), True
+    return flat_tree(nnx.state(source)), True
   if isinstance(source, Mapping):
-    return flat_tree(source, _is_leaf), False
+    return flat_tree(source), False
   raise TypeError(
     f"{what} takes an nnx Module or an nnx State (`nnx.state(module)`), got "
     f"{type(source).__name__}."
   )
 
 
-def _is_leaf(node) -> bool:
-  return not isinstance(node, Mapping)
-
-
-def _match(model, flat: dict, collections, rename, what: str, problems: Problems):
-  """``[(entry, [(nnx path, nnx leaf, layer or None, index or None)])]`` for our
-  variables in the chosen collections: one pair for a whole variable, one per layer
-  for a stack filled from a list of layers; ``index`` is the layer of a stacked nnx
-  array that fills it."""
+def _match(model, flat: dict, collections, rename, what: str, problems: Problems) -> Match:
+  """Our variables in the chosen collections matched with ``flat``'s, problems added;
+  only the fills whose shapes and dtypes fit are kept."""
   want = select_collections(collections, what)
   ours = entries(model, what)
   if want is None:
@@ -117,25 +109,16 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
     )
     for path, leaf in flat.items()
   ]
-  found = match(
-    [e for e in ours if e.collection not in absent], sources, _names, rename, what, problems, "nnx"
-  )
+  ours = [e for e in ours if e.collection not in absent]
+  found = match(ours, sources, _names, rename, problems, "nnx")
 
   def missing(e: Entry) -> str:
     if rename is None:
       prefix, below = nearest(flat, e.path)
       return f"nnx has no `{format_path(e.path)}` (`{format_path(prefix)}` has: {keys_str(below)})."
-    return (
-      f"no nnx variable is renamed to `{e.dotted()}`"
-      + (
-        f" (or, layer by layer, `{e.layer_name(0)}` … for its {e.layers} layers)"
-        if e.layers
-        else ""
-      )
-      + "."
-    )
+    return f"no nnx variable is renamed to {answers(e, _names)}."
 
-  report_unmatched(found, problems, missing, _describe, (_FIX_NAMES, _FIX_UNUSED), "nnx", rename)
+  report_unmatched(found, missing, _describe, (_FIX_NAMES, _FIX_UNUSED))
   for e, s in found.wrong:
     problems.add(
       f"{e.where()} belongs to collection `{e.collection}`, but nnx has a "
@@ -143,18 +126,12 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
       "use the same variable kinds on both sides (sr.Param <-> nnx.Param, "
       "sr.BatchStat <-> nnx.BatchStat).",
     )
-  pairs = []
-  for fill in found.fills:
-    e = fill.entry
-    given: list[tuple[Source, int | None]]
-    if fill.whole is not None:
-      given = [(fill.whole, None)]
-    else:
-      assert fill.layers is not None  # a Fill holds either `whole` or `layers`
-      given = [(s, i) for i, s in enumerate(fill.layers)]
-    if all(_fits(e, s, layer, problems) for s, layer in given):
-      pairs.append((e, [(s.key, s.leaf, layer, s.index) for s, layer in given]))
-  return pairs
+  found.fills = [
+    fill
+    for fill in found.fills
+    if all(_fits(fill.entry, s, layer, problems) for s, layer in fill.given())
+  ]
+  return found
 
 
 def _names(e: Entry, layer: int | None) -> list[str]:
@@ -163,7 +140,7 @@ def _names(e: Entry, layer: int | None) -> list[str]:
 
 def _fits(e: Entry, s: Source, layer: int | None, problems: Problems) -> bool:
   """Whether ``s`` has ``e``'s shape (one layer's, with ``layer``) and dtype."""
-  where = e.where() if layer is None else f"{e.where()} layer {layer}"
+  where = e.where(layer)
   value = s.layer_of(_value(s.leaf), e.where(), problems)
   if value is None:
     return False
@@ -245,17 +222,12 @@ def from_nnx(model, source, *, collections: Any = None, rename: Any = None):
   what = "sr.interop.from_nnx"
   flat, _ = _flat_nnx(source, what)
   problems = Problems(what, "the model is unchanged")
-  pairs = _match(model, flat, collections, rename, what, problems)
-  problems.raise_if_any()
-  new = {}
-  for e, given in pairs:
-    values = [_value(leaf) if index is None else _value(leaf)[index] for _, leaf, _, index in given]
-    if given[0][2] is None:
-      new[e.path] = placed_like(e.var, values[0])
-    else:
-      new[e.path] = placed_like(e.var, jnp.stack(values, axis=e.axis))
-  update(model, State(new))
-  return model
+  found = _match(model, flat, collections, rename, what, problems)
+
+  def value(e: Entry, s: Source, layer: int | None, problems: Problems):
+    return s.layer_of(_value(s.leaf), e.where(), problems)  # fits: checked by _match
+
+  return load(model, found, value)
 
 
 def to_nnx(model, target, *, collections: Any = None, rename: Any = None):
@@ -292,32 +264,27 @@ def to_nnx(model, target, *, collections: Any = None, rename: Any = None):
   nnx = _nnx()
   flat, is_module = _flat_nnx(target, what)
   problems = Problems(what, "the nnx target is unchanged")
-  pairs = _match(model, flat, collections, rename, what, problems)
+  found = _match(model, flat, collections, rename, what, problems)
   problems.raise_if_any()
   values: dict = {}
   layers: dict = {}  # a stacked nnx array written from layers of ours: {path: {index: value}}
-  for e, given in pairs:
-    for path, _, layer, index in given:
+  for fill in found.fills:
+    e = fill.entry
+    for s, layer in fill.given():
       value = e.var.value if layer is None else jnp.take(e.var.value, layer, e.axis)
-      if index is None:
-        values[path] = value
+      if s.index is None:
+        values[s.key] = value
       else:
-        layers.setdefault(path, {})[index] = value
+        layers.setdefault(s.key, {})[s.index] = value
   for path, parts in layers.items():
     values[path] = jnp.stack([parts[i] for i in range(len(parts))])
   if is_module:
     nnx.update(target, nnx.from_flat_state(list(values.items())))
     return nnx.state(target)
-  return nnx.from_flat_state(
-    [
-      (
-        path,
-        leaf
-        if path not in values
-        else leaf.replace(values[path])
-        if isinstance(leaf, nnx.Variable)
-        else values[path],
-      )
-      for path, leaf in flat.items()
-    ]
-  )
+
+  def replaced(path, leaf):
+    if path not in values:
+      return leaf
+    return leaf.replace(values[path]) if isinstance(leaf, nnx.Variable) else values[path]
+
+  return nnx.from_flat_state([(path, replaced(path, leaf)) for path, leaf in flat.items()])

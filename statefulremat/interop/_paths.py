@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,8 +70,10 @@ class Entry:
   def dtype(self) -> Any:
     return self.var.dtype
 
-  def where(self) -> str:
-    return f"`{format_path(self.path)}` ({type(self.var).__name__})"
+  def where(self, layer: int | None = None) -> str:
+    """How a message names the variable (with ``layer``, that layer of it)."""
+    at = "" if layer is None else f" layer {layer}"
+    return f"`{format_path(self.path)}` ({type(self.var).__name__}){at}"
 
   @property
   def layers(self) -> int | None:
@@ -106,12 +109,6 @@ class Entry:
       return layer
     _, period, position = self.pattern
     return layer * period + position
-
-  def layer_name(self, layer: int) -> str:
-    """The dotted name of ``layer`` in a list of layers, by the index ``stack.layer``
-    takes (a pattern position's layer by its global index)."""
-    name = self.dotted(layer)
-    return (self.global_names([name], layer) or [name])[0]
 
   def _prefixes(self, path: tuple, items: tuple) -> list[str]:
     return [dotted(path), linen_join(path, items)]
@@ -183,8 +180,7 @@ def entries(model, what: str) -> list[Entry]:
     if axis is None:
       depth = linen_depth = 0
       pattern = None
-    e = Entry(path, var, linen, axis, lengths, owner, depth, linen_depth, items, pattern)
-    out.append(e)
+    out.append(Entry(path, var, linen, axis, lengths, owner, depth, linen_depth, items, pattern))
   return out
 
 
@@ -248,13 +244,9 @@ def dotted(path: tuple) -> str:
 
 
 def _stack_axes(stack) -> tuple[dict, tuple | None]:
+  """Each stacked variable's layer axis (by id), and a ``sr.remat_scan``'s ``lengths``."""
   axes = {id(v): axis for _, v, axis, _ in stacked_variables(stack)}
-  return axes, remat_scan_lengths(type(stack))
-
-
-def remat_scan_lengths(cls: type) -> tuple | None:
-  """The ``lengths`` a ``sr.remat_scan`` class form was built with; None for others."""
-  return getattr(stack_info(cls), "lengths", None)
+  return axes, getattr(stack_info(type(stack)), "lengths", None)
 
 
 def placed_like(var: Variable, value):
@@ -263,6 +255,15 @@ def placed_like(var: Variable, value):
   if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
     return jax.device_put(value, old.sharding)
   return value
+
+
+def chosen_entries(model, want: set[str] | None, what: str) -> list[Entry]:
+  """``model``'s entries in the collections ``want`` names (None: all but RNG state)."""
+  return [
+    e
+    for e in entries(model, what)
+    if (e.collection != "rngs" if want is None else e.collection in want)
+  ]
 
 
 def select_collections(collections, what: str) -> set[str] | None:
@@ -284,16 +285,16 @@ def select_collections(collections, what: str) -> set[str] | None:
   return names
 
 
-def flat_tree(tree, is_leaf) -> dict[tuple, Any]:
-  """``{key path: leaf}`` of nested mappings (``is_leaf`` stops the descent)."""
+def flat_tree(tree) -> dict[tuple, Any]:
+  """``{key path: leaf}`` of nested mappings (anything but a mapping is a leaf)."""
   flat: dict[tuple, Any] = {}
 
   def walk(prefix, node):
-    if is_leaf(node):
-      flat[prefix] = node
-    else:
+    if isinstance(node, Mapping):
       for k, v in node.items():
         walk(prefix + (k,), v)
+    else:
+      flat[prefix] = node
 
   walk((), tree)
   return flat

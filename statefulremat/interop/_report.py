@@ -24,9 +24,6 @@ class Problems:
     if fix and fix not in self.fixes:
       self.fixes.append(fix)
 
-  def __bool__(self) -> bool:
-    return bool(self.lines)
-
   def raise_if_any(self) -> None:
     if not self.lines:
       return

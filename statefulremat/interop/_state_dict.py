@@ -19,13 +19,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ..core._split_merge import update
 from ..core._stacks import stack_info
-from ..core._state import State
 from ..nn import BatchNorm, Conv, Embed, LayerNorm, Linear, RMSNorm
 from ._hints import report_unmatched
-from ._names import Source, made_names, match
-from ._paths import Entry, entries, placed_like, select_collections
+from ._names import Source, answers, load, made_names, match
+from ._paths import Entry, chosen_entries, select_collections
 from ._report import Problems, array_str, shape_str
 
 _LAYOUTS = ("jax", "torch")
@@ -80,6 +78,12 @@ def _torch_rule(e: Entry) -> tuple[str, tuple | None] | None:
   return None
 
 
+def _torch_name(e: Entry, layer: int | None) -> str:
+  """``e.dotted(layer)`` with PyTorch's name for the variable where it has its own."""
+  name, rule = e.dotted(layer), _torch_rule(e)
+  return name if rule is None else name[: len(name) - len(str(e.path[-1]))] + rule[0]
+
+
 def _full_axes(axes: tuple, e: Entry) -> tuple:
   """``axes`` of one layer's transposition, for the whole stacked array."""
   if e.axis is None:
@@ -105,15 +109,6 @@ def _check(layout, flat, what: str) -> None:
       + (" with keys that are not strings" if isinstance(flat, Mapping) else "")
       + ". Flatten nested dicts first; for nnx or linen, use from_nnx / from_linen."
     )
-
-
-def _entries(model, collections, what: str) -> list[Entry]:
-  want = select_collections(collections, what)
-  return [
-    e
-    for e in entries(model, what)
-    if (e.collection != "rngs" if want is None else e.collection in want)
-  ]
 
 
 def from_state_dict(
@@ -161,60 +156,34 @@ def from_state_dict(
   what = "sr.interop.from_state_dict"
   _check(layout, flat, what)
   problems = Problems(what, "the model is unchanged")
-  ours = _entries(model, collections, what)
+  ours = chosen_entries(model, select_collections(collections, what), what)
   torch = layout == "torch"
 
   def names(e: Entry, layer: int | None) -> list[str]:
     out = [e.dotted(layer)]
-    rule = _torch_rule(e) if torch else None
-    if rule is not None and rule[0] != e.path[-1]:
-      out.append(out[0][: len(out[0]) - len(str(e.path[-1]))] + rule[0])
+    if torch and _torch_name(e, layer) != out[0]:
+      out.append(_torch_name(e, layer))
     return out
 
   sources = [Source(name, name, f"state dict `{name}`", value) for name, value in flat.items()]
-  found = match(ours, sources, names, rename, what, problems, "state dict")
+  found = match(ours, sources, names, rename, problems, "state dict")
 
   def missing(e: Entry) -> str:
-    answers = " or ".join(f"`{n}`" for n in names(e, None))
-    if e.layers:
-      answers += (
-        f" (or, layer by layer, {' or '.join(f'`{n}`' for n in _layer_names(e, names))}"
-        f" … for its {e.layers} layers)"
-      )
-    return f"the state dict has no {'entry renamed to ' if rename is not None else ''}{answers}."
+    renamed = "entry renamed to " if rename is not None else ""
+    return f"the state dict has no {renamed}{answers(e, names)}."
 
-  report_unmatched(
-    found, problems, missing, array_str, (_FIX_NAMES, _FIX_UNUSED), "state dict", rename
-  )
-  new: dict[tuple, Any] = {}
-  for fill in found.fills:
-    e = fill.entry
+  def value(e: Entry, s: Source, layer: int | None, problems: Problems):
     rule = _torch_rule(e) if torch else None
-    axes = rule[1] if rule is not None else None
-    if fill.whole is not None:
-      value = _value(e, fill.whole, None, axes, problems)
-      if value is not None:
-        new[e.path] = placed_like(e.var, value)
-    else:
-      assert fill.layers is not None and e.axis is not None  # a stack, filled per layer
-      values = [_value(e, s, i, axes, problems) for i, s in enumerate(fill.layers)]
-      present = [v for v in values if v is not None]
-      if len(present) == len(values):
-        new[e.path] = placed_like(e.var, jnp.stack(present, axis=e.axis))
-  problems.raise_if_any()
-  update(model, State(new))
-  return model
+    return _value(e, s, layer, None if rule is None else rule[1], problems)
 
-
-def _layer_names(e: Entry, names) -> list[str]:
-  """The names layer 0 of ``e`` answers to, a pattern position's by its global index."""
-  return e.global_names(names(e, 0), 0) or names(e, 0)
+  report_unmatched(found, missing, array_str, (_FIX_NAMES, _FIX_UNUSED))
+  return load(model, found, value)
 
 
 def _value(e: Entry, s: Source, layer: int | None, axes: tuple | None, problems: Problems):
   """``s``'s array in our layout (one layer's with ``layer``), or None after adding a
   problem."""
-  where = e.where() if layer is None else f"{e.where()} layer {layer}"
+  where = e.where(layer)
   value = s.layer_of(s.leaf, e.where(), problems)
   if value is None:
     return None
@@ -290,19 +259,13 @@ def to_state_dict(
   what = "sr.interop.to_state_dict"
   _check(layout, None, what)
   problems = Problems(what, "no state dict was returned")
-  ours = _entries(model, collections, what)
+  ours = chosen_entries(model, select_collections(collections, what), what)
   torch = layout == "torch"
   unstack = torch if unstack is None else unstack
 
-  def given(e: Entry, layer: int | None) -> str:
-    name = e.dotted(layer)
-    rule = _torch_rule(e) if torch else None
-    if rule is None:
-      return name
-    return name[: len(name) - len(str(e.path[-1]))] + rule[0]
-
+  given = _torch_name if torch else Entry.dotted
   names = made_names(
-    ours, unstack, given, given, rename, what, problems, "state dict entry", nested=False
+    ours, unstack, given, given, rename, problems, "state dict entry", nested=False
   )
   problems.raise_if_any()
   out = {}

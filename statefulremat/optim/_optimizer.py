@@ -142,10 +142,7 @@ class Optimizer(Module):
       let_go(lock)
 
   def _update(self, args: tuple) -> None:
-    if len(args) == 1:
-      grads = args[0]
-    else:
-      grads = self._nnx_grads(args)
+    grads = args[0] if len(args) == 1 else self._nnx_grads(args)
     params = state(self.model, self.wrt)
     if not isinstance(grads, State):
       raise TypeError(

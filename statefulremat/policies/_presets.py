@@ -17,8 +17,12 @@ _QKV = ("query_proj", "value_proj", "key_proj", "qkv_proj")
 _MINIMAL = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
 
 
+PRESETS: dict[str, Policy] = {}  # by name, in the order of `preset`'s table
+
+
 def _preset(name: str, saved: tuple[str, ...] = (), offloaded: tuple[str, ...] = ()) -> Policy:
-  return Policy(f"sr.policies.{name}", saved, offloaded)
+  PRESETS[name] = Policy(f"sr.policies.{name}", saved, offloaded)
+  return PRESETS[name]
 
 
 full = _preset("full")
@@ -34,22 +38,6 @@ save_out_proj = _preset("save_out_proj", ("out_proj",))
 # MaxText offloads the three projections here, not a fused qkv_proj.
 qkv_proj_offloaded = _preset("qkv_proj_offloaded", (), ("query_proj", "value_proj", "key_proj"))
 minimal_offloaded = _preset("minimal_offloaded", (), _MINIMAL)
-
-PRESETS: dict[str, Policy] = {
-  p.name.rpartition(".")[2]: p
-  for p in (
-    full,
-    minimal,
-    minimal_with_context,
-    save_dot_with_context_except_mlp,
-    save_dot_except_mlpwi,
-    save_dot_except_mlp,
-    save_qkv_proj,
-    save_out_proj,
-    qkv_proj_offloaded,
-    minimal_offloaded,
-  )
-}
 
 _CHOICES = ("remat", "device", "offload")
 
