@@ -8,22 +8,9 @@ flattening of the graph notices ``self.layers.append(...)``.
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 import jax
 
 from ._tracing import structure_epoch
-
-
-def _bumping(method_name, base):
-  method = getattr(base, method_name)
-
-  def mutate(self, *args, **kwargs):
-    structure_epoch.bump()
-    return method(self, *args, **kwargs)
-
-  mutate.__name__ = method_name
-  return mutate
 
 
 class ModuleList(list):
@@ -46,6 +33,109 @@ class ModuleList(list):
 
   __slots__ = ()
 
+  def append(self, *args, **kwargs):
+    """``list.append``, and bumps the structure epoch so cached flattenings
+    of the graph (``sr.jit``'s fast path) see the new item. Unlike attribute
+    assignment, it does not adopt the item (a list in it stays plain) or record its
+    owner.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1])
+    >>> xs.append([2])
+    >>> xs, type(xs[1]).__name__
+    ([1, [2]], 'list')
+    """
+    structure_epoch.bump()
+    return super().append(*args, **kwargs)
+
+  def extend(self, *args, **kwargs):
+    """``list.extend``, and bumps the structure epoch. Like ``append``, the
+    items are not adopted and get no owner recorded.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1])
+    >>> xs.extend([2, 3])
+    >>> xs
+    [1, 2, 3]
+    """
+    structure_epoch.bump()
+    return super().extend(*args, **kwargs)
+
+  def insert(self, *args, **kwargs):
+    """``list.insert``, and bumps the structure epoch (later items move to new
+    paths). Like ``append``, the item is not adopted and gets no owner recorded.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1, 3])
+    >>> xs.insert(1, 2)
+    >>> xs
+    [1, 2, 3]
+    """
+    structure_epoch.bump()
+    return super().insert(*args, **kwargs)
+
+  def pop(self, *args, **kwargs):
+    """``list.pop`` (returns the item), and bumps the structure epoch.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1, 2, 3])
+    >>> xs.pop(0), xs
+    (1, [2, 3])
+    """
+    structure_epoch.bump()
+    return super().pop(*args, **kwargs)
+
+  def remove(self, *args, **kwargs):
+    """``list.remove`` (the first item equal to ``value``), and bumps the
+    structure epoch.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1, 2, 1])
+    >>> xs.remove(1)
+    >>> xs
+    [2, 1]
+    """
+    structure_epoch.bump()
+    return super().remove(*args, **kwargs)
+
+  def clear(self, *args, **kwargs):
+    """``list.clear``, and bumps the structure epoch.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1, 2])
+    >>> xs.clear()
+    >>> xs, type(xs).__name__
+    ([], 'ModuleList')
+    """
+    structure_epoch.bump()
+    return super().clear(*args, **kwargs)
+
+  def sort(self, *args, **kwargs):
+    """``list.sort`` in place (same ``key`` and ``reverse``), and bumps the
+    structure epoch: items change paths.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList(["b", "c", "a"])
+    >>> xs.sort(reverse=True)
+    >>> xs
+    ['c', 'b', 'a']
+    """
+    structure_epoch.bump()
+    return super().sort(*args, **kwargs)
+
+  def reverse(self, *args, **kwargs):
+    """``list.reverse`` in place, and bumps the structure epoch: items
+    change paths.
+
+    >>> import statefulremat as sr
+    >>> xs = sr.ModuleList([1, 2, 3])
+    >>> xs.reverse()
+    >>> xs
+    [3, 2, 1]
+    """
+    structure_epoch.bump()
+    return super().reverse(*args, **kwargs)
+
 
 class ModuleDict(dict):
   """A ``dict`` held by a module; its mutations are tracked.
@@ -60,134 +150,44 @@ class ModuleDict(dict):
 
   __slots__ = ()
 
-
-for _name in [
-  "append",
-  "extend",
-  "insert",
-  "pop",
-  "remove",
-  "clear",
-  "sort",
-  "reverse",
-  "__setitem__",
-  "__delitem__",
-  "__iadd__",
-  "__imul__",
-]:
-  setattr(ModuleList, _name, _bumping(_name, list))
-for _name in [
-  "__setitem__",
-  "__delitem__",
-  "pop",
-  "popitem",
-  "clear",
-  "update",
-  "setdefault",
-  "__ior__",
-]:
-  setattr(ModuleDict, _name, _bumping(_name, dict))
-
-# The mutators above are generated, so their docstrings are attached here.
-_LIST_DOCS = {
-  "append": """``list.append``, and bumps the structure epoch so cached flattenings
-    of the graph (``sr.jit``'s fast path) see the new item. Unlike attribute
-    assignment, it does not adopt the item (a list in it stays plain) or record its
-    owner.
-
-    >>> import statefulremat as sr
-    >>> xs = sr.ModuleList([1])
-    >>> xs.append([2])
-    >>> xs, type(xs[1]).__name__
-    ([1, [2]], 'list')
-    """,
-  "extend": """``list.extend``, and bumps the structure epoch. Like ``append``, the
-    items are not adopted and get no owner recorded.
-
-    >>> import statefulremat as sr
-    >>> xs = sr.ModuleList([1])
-    >>> xs.extend([2, 3])
-    >>> xs
-    [1, 2, 3]
-    """,
-  "insert": """``list.insert``, and bumps the structure epoch (later items move to new
-    paths). Like ``append``, the item is not adopted and gets no owner recorded.
-
-    >>> import statefulremat as sr
-    >>> xs = sr.ModuleList([1, 3])
-    >>> xs.insert(1, 2)
-    >>> xs
-    [1, 2, 3]
-    """,
-  "pop": """``list.pop`` (returns the item), and bumps the structure epoch.
-
-    >>> import statefulremat as sr
-    >>> xs = sr.ModuleList([1, 2, 3])
-    >>> xs.pop(0), xs
-    (1, [2, 3])
-    """,
-  "remove": """``list.remove`` (the first item equal to ``value``), and bumps the
-    structure epoch.
-
-    >>> import statefulremat as sr
-    >>> xs = sr.ModuleList([1, 2, 1])
-    >>> xs.remove(1)
-    >>> xs
-    [2, 1]
-    """,
-  "clear": """``list.clear``, and bumps the structure epoch.
-
-    >>> import statefulremat as sr
-    >>> xs = sr.ModuleList([1, 2])
-    >>> xs.clear()
-    >>> xs, type(xs).__name__
-    ([], 'ModuleList')
-    """,
-  "sort": """``list.sort`` in place (same ``key`` and ``reverse``), and bumps the
-    structure epoch: items change paths.
-
-    >>> import statefulremat as sr
-    >>> xs = sr.ModuleList(["b", "c", "a"])
-    >>> xs.sort(reverse=True)
-    >>> xs
-    ['c', 'b', 'a']
-    """,
-  "reverse": """``list.reverse`` in place, and bumps the structure epoch: items
-    change paths.
-
-    >>> import statefulremat as sr
-    >>> xs = sr.ModuleList([1, 2, 3])
-    >>> xs.reverse()
-    >>> xs
-    [3, 2, 1]
-    """,
-}
-_DICT_DOCS = {
-  "pop": """``dict.pop`` (the value, or ``default`` for a missing key), and bumps
+  def pop(self, *args, **kwargs):
+    """``dict.pop`` (the value, or ``default`` for a missing key), and bumps
     the structure epoch.
 
     >>> import statefulremat as sr
     >>> d = sr.ModuleDict(a=1, b=2)
     >>> d.pop("a"), d.pop("z", None), d
     (1, None, {'b': 2})
-    """,
-  "popitem": """``dict.popitem`` (the last inserted ``(key, value)``), and bumps the
+    """
+    structure_epoch.bump()
+    return super().pop(*args, **kwargs)
+
+  def popitem(self, *args, **kwargs):
+    """``dict.popitem`` (the last inserted ``(key, value)``), and bumps the
     structure epoch.
 
     >>> import statefulremat as sr
     >>> d = sr.ModuleDict(a=1, b=2)
     >>> d.popitem(), d
     (('b', 2), {'a': 1})
-    """,
-  "clear": """``dict.clear``, and bumps the structure epoch.
+    """
+    structure_epoch.bump()
+    return super().popitem(*args, **kwargs)
+
+  def clear(self, *args, **kwargs):
+    """``dict.clear``, and bumps the structure epoch.
 
     >>> import statefulremat as sr
     >>> d = sr.ModuleDict(a=1)
     >>> d.clear()
     >>> d, type(d).__name__
     ({}, 'ModuleDict')
-    """,
-  "update": """``dict.update``, and bumps the structure epoch. Unlike attribute
+    """
+    structure_epoch.bump()
+    return super().clear(*args, **kwargs)
+
+  def update(self, *args, **kwargs):
+    """``dict.update``, and bumps the structure epoch. Unlike attribute
     assignment, it does not adopt the values (a dict in them stays plain) or record
     their owner.
 
@@ -196,8 +196,12 @@ _DICT_DOCS = {
     >>> d.update({"b": {"c": 2}})
     >>> d, type(d["b"]).__name__
     ({'a': 1, 'b': {'c': 2}}, 'dict')
-    """,
-  "setdefault": """``dict.setdefault``, and bumps the structure epoch on every call,
+    """
+    structure_epoch.bump()
+    return super().update(*args, **kwargs)
+
+  def setdefault(self, *args, **kwargs):
+    """``dict.setdefault``, and bumps the structure epoch on every call,
     even when the key is already there. A new value is not adopted and gets no owner
     recorded.
 
@@ -205,12 +209,27 @@ _DICT_DOCS = {
     >>> d = sr.ModuleDict(a=1)
     >>> d.setdefault("a", 5), d.setdefault("b", 2), d
     (1, 2, {'a': 1, 'b': 2})
-    """,
-}
-for _name, _doc in _LIST_DOCS.items():
-  getattr(ModuleList, _name).__doc__ = _doc
-for _name, _doc in _DICT_DOCS.items():
-  getattr(ModuleDict, _name).__doc__ = _doc
+    """
+    structure_epoch.bump()
+    return super().setdefault(*args, **kwargs)
+
+
+def _bumping(base, method_name):
+  method = getattr(base, method_name)
+
+  def mutate(self, *args, **kwargs):
+    structure_epoch.bump()
+    return method(self, *args, **kwargs)
+
+  mutate.__name__ = method_name
+  return mutate
+
+
+# The mutating operators, which need no docs of their own.
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__"):
+  setattr(ModuleList, _name, _bumping(list, _name))
+for _name in ("__setitem__", "__delitem__", "__ior__"):
+  setattr(ModuleDict, _name, _bumping(dict, _name))
 
 jax.tree_util.register_pytree_with_keys(
   ModuleList,
@@ -226,6 +245,12 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
+def maker(cls):
+  """How to make a list or tuple of class ``cls`` from a list of its items (a namedtuple
+  takes them spread, through ``_make``)."""
+  return cls._make if hasattr(cls, "_fields") else cls
+
+
 def adopt(value):
   """Copies lists and dicts (at any depth inside tuples, lists and dicts) into tracked ones."""
   if type(value) is list or type(value) is ModuleList:
@@ -233,8 +258,5 @@ def adopt(value):
   if type(value) is dict or type(value) is ModuleDict:
     return ModuleDict((k, adopt(v)) for k, v in value.items())
   if isinstance(value, tuple) and any(isinstance(v, (list, dict, tuple)) for v in value):
-    items = [adopt(v) for v in value]
-    if hasattr(value, "_fields"):  # a namedtuple: rebuilt from its items by `_make`
-      return cast(Any, type(value))._make(items)
-    return type(value)(items)
+    return maker(type(value))([adopt(v) for v in value])
   return value

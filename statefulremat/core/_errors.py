@@ -152,11 +152,5 @@ def format_path(path: tuple) -> str:
 def describe_mesh(mesh) -> str:
   """Names a JAX mesh in a message, each axis with its size and type:
   ``{'data': 2 Explicit, 'model': 4 Explicit}``."""
-  return (
-    "{"
-    + ", ".join(
-      f"{name!r}: {size} {kind.name}"
-      for (name, size), kind in zip(mesh.shape.items(), mesh.axis_types)
-    )
-    + "}"
-  )
+  axes = zip(mesh.shape.items(), mesh.axis_types)
+  return "{" + ", ".join(f"{name!r}: {size} {kind.name}" for (name, size), kind in axes) + "}"

@@ -15,6 +15,7 @@ are hashable and compare equal when built from equal filters, so they can key ca
 
 from __future__ import annotations
 
+import collections
 import difflib
 from collections.abc import Callable
 from typing import Any as _AnyType
@@ -30,7 +31,8 @@ class _Predicate:
   __slots__ = ()
 
   def _args(self) -> tuple:
-    raise NotImplementedError
+    # What it was built from, as its slots hold it (Any and All: their predicates).
+    return tuple(getattr(self, name) for name in self.__slots__)
 
   def __call__(self, path: tuple, variable: Variable) -> bool:
     raise NotImplementedError
@@ -56,9 +58,6 @@ class _OfType(_Predicate):
   def __init__(self, kind):
     self.kind = kind
 
-  def _args(self):
-    return (self.kind,)
-
   def __repr__(self):  # as users write the filter (help() shows `Not(Param)`)
     return self.kind.__name__
 
@@ -72,9 +71,6 @@ class _InCollection(_Predicate):
   def __init__(self, name):
     self.name = name
 
-  def _args(self):
-    return (self.name,)
-
   def __repr__(self):
     return repr(self.name)
 
@@ -82,30 +78,19 @@ class _InCollection(_Predicate):
     return variable.collection == self.name
 
 
-class _Everything(_Predicate):
-  __slots__ = ()
+class _Constant(_Predicate):
+  """Matches everything (``answer`` True) or nothing (False)."""
 
-  def _args(self):
-    return ()
+  __slots__ = ("answer",)
 
-  def __repr__(self):
-    return "True"
-
-  def __call__(self, path, variable):
-    return True
-
-
-class _Nothing(_Predicate):
-  __slots__ = ()
-
-  def _args(self):
-    return ()
+  def __init__(self, answer: bool):
+    self.answer = answer
 
   def __repr__(self):
-    return "False"
+    return repr(self.answer)
 
   def __call__(self, path, variable):
-    return False
+    return self.answer
 
 
 class PathContains(_Predicate):
@@ -124,9 +109,6 @@ class PathContains(_Predicate):
 
   def __init__(self, key):
     self.key = key
-
-  def _args(self):
-    return (self.key,)
 
   def __call__(self, path, variable):
     return self.key in path
@@ -151,9 +133,6 @@ class Not(_Predicate):
 
   def __init__(self, filter: Filter):
     self.predicate = to_predicate(filter)
-
-  def _args(self):
-    return (self.predicate,)
 
   def __call__(self, path, variable):
     return not self.predicate(path, variable)
@@ -215,14 +194,8 @@ class All(_Predicate):
 
 def _as_filter(predicate):
   """The filter that ``to_predicate`` turns into ``predicate``."""
-  if isinstance(predicate, _OfType):
-    return predicate.kind
-  if isinstance(predicate, _InCollection):
-    return predicate.name
-  if isinstance(predicate, _Everything):
-    return True
-  if isinstance(predicate, _Nothing):
-    return False
+  if isinstance(predicate, (_OfType, _InCollection, _Constant)):
+    return predicate._args()[0]  # the kind, the collection name, True or False
   return predicate
 
 
@@ -244,9 +217,9 @@ def to_predicate(filter: Filter) -> Predicate:
   if isinstance(filter, str):
     return _InCollection(filter)
   if filter is Ellipsis or filter is True:
-    return _Everything()
+    return _Constant(True)
   if filter is False or filter is None:
-    return _Nothing()
+    return _Constant(False)
   if isinstance(filter, (tuple, list)):
     return Any(*filter)
   if callable(filter):
@@ -259,7 +232,8 @@ def to_predicate(filter: Filter) -> Predicate:
 
 
 def is_everything(filter: Filter) -> bool:
-  return isinstance(to_predicate(filter), _Everything)
+  predicate = to_predicate(filter)
+  return isinstance(predicate, _Constant) and predicate.answer
 
 
 def filter_repr(filter: Filter) -> str:
@@ -282,9 +256,7 @@ def collections_and_guess(filters: tuple, variables) -> tuple[str, str | None]:
   >>> collections_and_guess(("param",), model.iter_variables())
   ("'params' (2), 'batch_stats' (2)", 'params')
   """
-  counts: dict[str, int] = {}
-  for _, var in variables:
-    counts[var.collection] = counts.get(var.collection, 0) + 1
+  counts = collections.Counter(var.collection for _, var in variables)
   have = ", ".join(f"{name!r} ({n})" for name, n in counts.items()) or "none"
   close = [
     m

@@ -19,6 +19,7 @@ fresh objects, and fills in the values; it notes what it rebuilt in the graph ca
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -28,7 +29,7 @@ import numpy as np
 from . import _display_hooks
 from ._bookkeeping import is_bookkeeping
 from ._errors import GraphError, format_path
-from ._graph_cache import per_structure, walk_of
+from ._graph_cache import derived, walk_of
 from ._module import Module
 from ._state import freeze, thaw
 from ._variables import Variable
@@ -72,13 +73,10 @@ def _typed(d) -> GraphNode:
   tag = d[0]
   if tag == _REF:
     return GraphNode("ref", None, (), d[1])
-  if tag == _VAR:
-    return GraphNode("variable", d[1], (), d[2])
-  if tag == _STATIC:
-    return GraphNode("static", d[1], (), d[2])
-  if tag == _NODE or tag == _DICT:
-    return GraphNode(_KINDS[tag], d[1], tuple((k, _typed(sub)) for k, sub in d[2]), None)
-  return GraphNode(_KINDS[tag], d[1], tuple((i, _typed(sub)) for i, sub in enumerate(d[2])), None)
+  if tag == _VAR or tag == _STATIC:
+    return GraphNode(_KINDS[tag], d[1], (), d[2])
+  items = d[2] if tag == _NODE or tag == _DICT else enumerate(d[2])
+  return GraphNode(_KINDS[tag], d[1], tuple((k, _typed(sub)) for k, sub in items), None)
 
 
 @jax.tree_util.register_static
@@ -124,11 +122,7 @@ class GraphDef:
     >>> root.kind, root.type.__name__, [(k, n.kind) for k, n in root.items][:2]
     ('module', 'Linear', [('bias', 'variable'), ('dot_general', 'static')])
     """
-    derived = self._derived or per_structure(self)
-    nodes = derived.get("nodes")
-    if nodes is None:
-      nodes = derived["nodes"] = tuple(_typed(d) for d in self.tree)
-    return nodes
+    return derived(self, "nodes", lambda graphdef: tuple(map(_typed, graphdef.tree)))
 
   @property
   def variables(self) -> tuple[VariableEntry, ...]:
@@ -139,23 +133,7 @@ class GraphDef:
     ...     rngs=sr.Rngs(0))).variables]
     [(('bias',), 'Param'), (('kernel',), 'Param')]
     """
-    derived = self._derived or per_structure(self)
-    entries = derived.get("variables")
-    if entries is None:
-      found: list[GraphNode] = []
-
-      def walk(node: GraphNode) -> None:
-        if node.kind == "variable":
-          found.append(node)
-        for _, sub in node.items:
-          walk(sub)
-
-      for root in self.nodes:
-        walk(root)
-      entries = derived["variables"] = tuple(
-        VariableEntry(path, n.type, n.value) for path, n in zip(self.var_paths, found)
-      )
-    return entries
+    return derived(self, "variables", _variable_entries)
 
   def __getstate__(self):
     # Metadata thawed to plain dicts and lists: a pickle names sr.GraphDef and the graph's
@@ -167,9 +145,9 @@ class GraphDef:
     GraphDef.__init__(self, freeze(tree), var_paths)
 
   def __eq__(self, other):
-    if self is other:
-      return True
-    return isinstance(other, GraphDef) and (self._hash == other._hash and self.tree == other.tree)
+    return self is other or (
+      isinstance(other, GraphDef) and self._hash == other._hash and self.tree == other.tree
+    )
 
   def __hash__(self):
     return self._hash
@@ -179,6 +157,20 @@ class GraphDef:
 
   def __treescope_repr__(self, path, subtree_renderer):
     return _display_hooks.treescope(self, path, subtree_renderer)
+
+
+def _variable_entries(graphdef: GraphDef) -> tuple[VariableEntry, ...]:
+  found: list[GraphNode] = []
+
+  def walk(node: GraphNode) -> None:
+    if node.kind == "variable":
+      found.append(node)
+    for _, sub in node.items:
+      walk(sub)
+
+  for root in graphdef.nodes:
+    walk(root)
+  return tuple(VariableEntry(p, n.type, n.value) for p, n in zip(graphdef.var_paths, found))
 
 
 # -- flattening -----------------------------------------------------------------
@@ -227,12 +219,13 @@ def flatten(
   paths: list[tuple] = []
 
   def walk(obj, path):
-    if isinstance(obj, Variable):
+    if isinstance(obj, (Variable, Module)):
       seen = index.get(id(obj))
       if seen is not None:
         return (_REF, seen)
       index[id(obj)] = len(index)
       objects.append(obj)
+    if isinstance(obj, Variable):
       variables.append(obj)
       paths.append(path)
       try:
@@ -244,11 +237,6 @@ def flatten(
         ) from None
       return (_VAR, type(obj), meta)
     if isinstance(obj, Module):
-      seen = index.get(id(obj))
-      if seen is not None:
-        return (_REF, seen)
-      index[id(obj)] = len(index)
-      objects.append(obj)
       attrs = vars(obj)
       names = [k for k in attrs if not is_bookkeeping(k)]
       node = (_NODE, type(obj), tuple((k, walk(attrs[k], path + (k,))) for k in sorted(names)))
@@ -256,10 +244,9 @@ def flatten(
       # order attributes were set), but a rebuilt module keeps its definition order, as
       # `repr` and `vars` show it: noted only where it differs.
       return node if names == sorted(names) else (*node, tuple(names))
-    if isinstance(obj, list):
-      return (_LIST, type(obj), tuple(walk(x, path + (i,)) for i, x in enumerate(obj)))
-    if isinstance(obj, tuple):
-      return (_TUPLE, type(obj), tuple(walk(x, path + (i,)) for i, x in enumerate(obj)))
+    if isinstance(obj, (list, tuple)):
+      tag = _LIST if isinstance(obj, list) else _TUPLE
+      return (tag, type(obj), tuple(walk(x, path + (i,)) for i, x in enumerate(obj)))
     if isinstance(obj, dict):
       return (_DICT, type(obj), tuple((k, walk(v, path + (k,))) for k, v in obj.items()))
     return _static(obj, path)
@@ -277,13 +264,12 @@ def rewrite(
 
   ``metadata(i, meta) -> meta`` maps the frozen metadata of the i-th Variable.
   """
-  count = [0]
+  numbers = itertools.count()  # the i-th Variable, in walk order
 
   def walk(d):
     tag = d[0]
     if tag == _VAR:
-      i = count[0]
-      count[0] += 1
+      i = next(numbers)
       return d if metadata is None else (_VAR, d[1], metadata(i, d[2]))
     if tag == _NODE or tag == _DICT:
       return (tag, d[1], tuple((k, walk(sub)) for k, sub in d[2]), *d[3:])

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._bookkeeping import OWNER
+from ._containers import maker
 from ._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR, GraphDef
-from ._graph_cache import per_structure, remember
+from ._graph_cache import derived, remember
 from ._module import Module, _record_owners
 from ._state import thaw_metadata
 from ._tracing import current_trace, serials, structure_epoch
@@ -42,8 +43,7 @@ def unflatten(
   trace = current_trace() if trace is None else trace
   if kinds is None and metas is None and not substitute:
     epoch = structure_epoch.value
-    derived = graphdef._derived or per_structure(graphdef)
-    plan = derived.get("build") or derived.setdefault("build", _Plan(graphdef))
+    plan = derived(graphdef, "build", _Plan)
     roots, variables = plan.build(values, trace)
     if all(isinstance(r, Module) for r in roots):
       remember(roots, epoch, graphdef, variables)
@@ -55,17 +55,15 @@ def unflatten(
     tag = d[0]
     if tag == _REF:
       return objects[d[1]]
-    if tag == _VAR and len(objects) < len(substitute):
-      var = substitute[len(objects)]
-      objects.append(var)
-      variables.append(var)
-      return var
-    if tag == _NODE and len(objects) < len(substitute):
-      node = substitute[len(objects)]
-      objects.append(node)
-      for _, sub in d[2]:
-        build(sub)  # consumes the numbering of the existing node's contents
-      return node
+    if (tag == _VAR or tag == _NODE) and len(objects) < len(substitute):
+      existing = substitute[len(objects)]
+      objects.append(existing)
+      if tag == _VAR:
+        variables.append(existing)
+      else:
+        for _, sub in d[2]:
+          build(sub)  # consumes the numbering of the existing node's contents
+      return existing
     if tag == _VAR:
       i = len(variables)
       kind = d[1] if kinds is None or kinds[i] is None else kinds[i]
@@ -88,11 +86,8 @@ def unflatten(
         _record_owners(node, v, (k,))
       node.__dict__.update(attrs)
       return node
-    if tag == _LIST:
-      return d[1](build(x) for x in d[2])
-    if tag == _TUPLE:
-      items = [build(x) for x in d[2]]
-      return d[1]._make(items) if hasattr(d[1], "_fields") else d[1](items)
+    if tag == _LIST or tag == _TUPLE:
+      return maker(d[1])([build(x) for x in d[2]])
     if tag == _DICT:
       return d[1]((k, build(v)) for k, v in d[2])
     return d[2]
@@ -162,7 +157,7 @@ class _Plan:
           record(k, spec, (name,))
         return (_OBJ, k)
       if tag == _LIST or tag == _TUPLE:
-        make = d[1]._make if hasattr(d[1], "_fields") else d[1]
+        make = maker(d[1])
         items = [compile(x) for x in d[2]]
         if tag == _TUPLE and all(s[0] == _CONST for s in items):
           return (_CONST, make([s[1] for s in items]))  # immutable: made once, here
@@ -186,11 +181,9 @@ class _Plan:
         return (_MAP, spec[1], [(k, final(s)) for k, s in spec[2]])
       return spec
 
-    def link(k):
-      if k not in owner:
-        return None
-      parent, key_path = owner[k]
-      return number[parent], key_path
+    def link(k):  # an object's owner: (build number of its parent, key path), or None
+      parent, key_path = owner.get(k, (None, None))
+      return None if parent is None else (number[parent], key_path)
 
     self.classes = tuple(order[k][1] for k in modules)
     self.kinds = tuple(order[k][1] for k in variables)

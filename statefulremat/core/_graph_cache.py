@@ -21,7 +21,7 @@ Two things are expensive to redo and depend only on a graph's structure:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._tracing import structure_epoch
@@ -48,6 +48,16 @@ def per_structure(graphdef) -> dict:
   return cache
 
 
+def derived(graphdef, name: str, make: Callable[[Any], Any]) -> Any:
+  """``make(graphdef)``, worked out once for every GraphDef equal to ``graphdef`` and kept
+  under ``name`` (``"nodes"``, ``"build"``, ...)."""
+  cache = graphdef._derived or per_structure(graphdef)
+  found = cache.get(name)
+  if found is None:
+    found = cache[name] = make(graphdef)
+  return found
+
+
 # -- per graph ----------------------------------------------------------------------
 
 
@@ -70,6 +80,10 @@ def _forget(ref: weakref.ref, key=None, walks=walks) -> None:
     walks.pop(key, None)
 
 
+def _key(roots: Sequence[Any]):
+  return id(roots[0]) if len(roots) == 1 else tuple(map(id, roots))
+
+
 def remember(roots: Sequence[Any], epoch: int, graphdef, variables: list) -> Walk | None:
   """Notes that ``roots`` walk to ``graphdef`` and ``variables`` while ``epoch`` holds.
 
@@ -77,35 +91,27 @@ def remember(roots: Sequence[Any], epoch: int, graphdef, variables: list) -> Wal
   """
   if not roots:
     return None
+  key = _key(roots)
   try:
     walk = Walk(roots[0], _forget)
-    if len(roots) == 1:
-      walk.key, walk.others = id(roots[0]), ()
-    else:
-      walk.key = key = tuple(map(id, roots))
-      walk.others = tuple(weakref.ref(r, lambda ref, k=key: _forget(ref, k)) for r in roots[1:])
+    walk.others = tuple(weakref.ref(r, lambda ref, k=key: _forget(ref, k)) for r in roots[1:])
   except TypeError:
     return None
-  walk.epoch, walk.graphdef, walk.variables = epoch, graphdef, variables
-  walks[walk.key] = walk
+  walk.key, walk.epoch, walk.graphdef, walk.variables = key, epoch, graphdef, variables
+  walks[key] = walk
   return walk
 
 
 def walk_of(roots: Sequence[Any]) -> Walk | None:
   """The entry of ``roots`` if it still holds (no structure changed since), else None."""
-  if len(roots) == 1:
-    walk = walks.get(id(roots[0]))
-    others = ()
-  elif not roots:
+  if not roots:
     return None
-  else:
-    walk = walks.get(tuple(map(id, roots)))
-    others = roots[1:]
+  walk = walks.get(_key(roots))
   if (
     walk is None
     or walk.epoch != structure_epoch.value
     or walk() is not roots[0]
-    or any(ref() is not r for ref, r in zip(walk.others, others))
+    or (len(roots) > 1 and any(ref() is not r for ref, r in zip(walk.others, roots[1:])))
   ):
     return None
   return walk

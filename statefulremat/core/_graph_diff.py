@@ -38,8 +38,7 @@ def first_difference(a: GraphNode, b: GraphNode, path):
   containers = ("module", "list", "tuple", "dict")
   if a.kind != b.kind or a.kind not in containers or a.type != b.type:
     return path, "changed"
-  keyed = a.kind in ("module", "dict")
-  if keyed:
+  if a.kind in ("module", "dict"):
     keys_a, keys_b = [k for k, _ in a.items], [k for k, _ in b.items]
     new = [k for k in keys_b if k not in keys_a]
     if new:

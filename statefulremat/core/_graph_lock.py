@@ -106,23 +106,13 @@ def holding() -> bool:
 def hold(variables: Sequence):
   """Locks the graph of ``variables`` for this thread's outermost call; ``None`` when
   the thread already holds one. Give the result to ``let_go`` in a ``finally``."""
-  thread = _thread
-  if thread.holding:
+  if _thread.holding:
     return None
   group = variables.group if type(variables) is Reached else None
-  if group is not None and group.into is None:  # the common call: one cached group
-    group.lock.acquire()
-    if group.into is None:
-      thread.holding = True
-      return group
-    group.lock.release()
-  return _hold(variables, group)
-
-
-def _hold(variables: Sequence, group: _Group | None) -> _Group:
-  group = _current(group if group is not None else _group_of(variables))
-  if type(variables) is Reached:
-    variables.group = group
+  if group is None or group.into is not None:  # the common call skips this: one cached group
+    group = _current(group if group is not None else _group_of(variables))
+    if type(variables) is Reached:
+      variables.group = group
   while True:
     group.lock.acquire()
     if group.into is None:

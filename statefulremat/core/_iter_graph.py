@@ -49,16 +49,13 @@ def iter_graph(node) -> Iterator[tuple[tuple, Any]]:
     elif isinstance(obj, (list, tuple)):
       children = list(enumerate(obj))
     elif isinstance(obj, Variable):
-      children = None
+      children = []  # a leaf: its value is not entered
     else:
       yield path, obj  # a static leaf: yielded wherever it appears
       continue
     if id(obj) in seen:
       continue
     seen.add(id(obj))
-    if children is None:
-      yield path, obj
-      continue
     todo.append((path, obj, True))
     todo.extend((path + (k,), v, False) for k, v in reversed(children))
 

@@ -28,7 +28,7 @@ from ._bookkeeping import OWNER, is_bookkeeping
 from ._containers import adopt
 from ._errors import GraphError, format_path, refuse_hash
 from ._tracing import structure_epoch
-from ._variables import Variable, path_of, set_owner
+from ._variables import Variable, entries, path_of, set_owner
 
 
 def _is_array_like(value) -> bool:
@@ -56,11 +56,8 @@ def _refuse_array_over_variable(module, name: str, value) -> None:
 def _record_owners(parent, value, key_path: tuple) -> None:
   if isinstance(value, (Variable, Module)):
     set_owner(value, parent, key_path)
-  elif isinstance(value, (list, tuple)):
-    for i, item in enumerate(value):
-      _record_owners(parent, item, key_path + (i,))
-  elif isinstance(value, dict):
-    for key, item in value.items():
+  elif isinstance(value, (list, tuple, dict)):
+    for key, item in entries(value):
       _record_owners(parent, item, key_path + (key,))
 
 
@@ -79,15 +76,12 @@ def _kind_named(variable_type, module, name: str) -> type:
   if isinstance(variable_type, type) and issubclass(variable_type, Variable):
     return variable_type
   if isinstance(variable_type, str):
-    todo, found = [Variable], []
+    todo = [Variable]  # breadth first: a subclass of a match is a refinement of it
     while todo:
       cls = todo.pop(0)
       if cls.collection == variable_type:
-        found.append(cls)
-        continue  # a subclass of a match is a refinement of it
+        return cls
       todo.extend(cls.__subclasses__())
-    if found:
-      return found[0]
     where = format_path(path_of(module) + (name,))
     raise GraphError(
       f"sow({variable_type!r}, {name!r}, ...) at `{where}`: no Variable kind has the "
@@ -385,11 +379,8 @@ def arrivals(root, *, sort: bool = False) -> Iterator[tuple[tuple, Any, bool]]:
         for k in sorted(attrs) if sort else attrs:
           if not is_bookkeeping(k):
             yield from walk(attrs[k], path + (k,))
-    elif isinstance(obj, (list, tuple)):
-      for i, x in enumerate(obj):
-        yield from walk(x, path + (i,))
-    elif isinstance(obj, dict):
-      for k, v in obj.items():
-        yield from walk(v, path + (k,))
+    elif isinstance(obj, (list, tuple, dict)):
+      for k, x in entries(obj):
+        yield from walk(x, path + (k,))
 
   yield from walk(root, ())

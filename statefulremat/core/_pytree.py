@@ -154,29 +154,25 @@ def _flatten(module):
 
 def _keys(graphdef: _graph.GraphDef) -> list[ModulePathKey]:
   """The key of each Variable, in order: its first path, read off the GraphDef."""
-  derived = _graph_cache.per_structure(graphdef)
-  keys = derived.get("keys")
-  if keys is None:
-    keys = []
+  keys = []
+  key_of = {"module": _GetAttrKey, "list": _SequenceKey, "tuple": _SequenceKey, "dict": _DictKey}
 
-    key_of = {"module": _GetAttrKey, "list": _SequenceKey, "tuple": _SequenceKey, "dict": _DictKey}
+  def walk(node, path):
+    if node.kind == "variable":
+      keys.append(ModulePathKey(path))
+    elif node.kind in key_of:
+      key = key_of[node.kind]
+      for k, sub in node.items:
+        walk(sub, path + (key(k),))
 
-    def walk(node, path):
-      if node.kind == "variable":
-        keys.append(ModulePathKey(path))
-      elif node.kind in key_of:
-        key = key_of[node.kind]
-        for k, sub in node.items:
-          walk(sub, path + (key(k),))
-
-    walk(graphdef.nodes[0], ())
-    derived["keys"] = keys
+  walk(graphdef.nodes[0], ())
   return keys
 
 
 def _flatten_with_keys(module):
   walk = _walk(module)
-  return list(zip(_keys(walk.graphdef), _values(walk.variables))), walk.graphdef
+  keys = _graph_cache.derived(walk.graphdef, "keys", _keys)
+  return list(zip(keys, _values(walk.variables))), walk.graphdef
 
 
 def _unflatten(graphdef, leaves):

@@ -16,7 +16,7 @@ import jax.core
 import numpy as np
 
 from ._errors import GraphError, StateMismatchError, TransformError, format_path
-from ._filters import Filter, filter_repr, to_predicate
+from ._filters import Filter, filter_repr
 from ._graph import GraphDef, flatten
 from ._graph_build import unflatten
 from ._graph_lock import hold, let_go
@@ -27,11 +27,13 @@ from ._variables import Variable, _dtype_of
 T = TypeVar("T")
 
 
-def _check_node(node, fn: str):
+def _flatten(node, fn: str) -> tuple[GraphDef, list[Variable]]:
+  """The GraphDef and Variables of ``node``, the graph that ``sr.<fn>`` was given."""
   if not isinstance(node, (Module, Variable, list, tuple, dict)):
     raise TypeError(
       f"sr.{fn} takes a Module (or a list/tuple/dict of them), got {type(node).__name__}."
     )
+  return flatten([node])
 
 
 def _states(graphdef: GraphDef, variables: list[Variable], filters) -> list[State]:
@@ -88,8 +90,7 @@ def split(node: Any, *filters: Filter) -> tuple[GraphDef, *tuple[State, ...]]:
   >>> sr.merge(graphdef, params, rest).scale.shape
   (3,)
   """
-  _check_node(node, "split")
-  graphdef, variables = flatten([node])
+  graphdef, variables = _flatten(node, "split")
   return (graphdef, *_states(graphdef, variables, filters))
 
 
@@ -135,7 +136,7 @@ def merge(graphdef: GraphDef, *states: State) -> Any:
     )
   extra = set(where) - set(graphdef.var_paths)
   if extra:
-    first = sorted(extra, key=str)[0]
+    first = min(extra, key=str)
     raise StateMismatchError(
       f"sr.merge: the State has an entry `{format_path(first)}` that the GraphDef "
       "has no variable for. The State and GraphDef come from different graphs; split "
@@ -185,13 +186,9 @@ def state(node: Any, *filters: Filter) -> State | tuple[State, ...]:
   >>> sorted(sr.state(model, sr.Param).flat())
   [('bias',), ('kernel',)]
   """
-  _check_node(node, "state")
-  graphdef, variables = flatten([node])
-  items = list(zip(graphdef.var_paths, variables))
-  if not filters:
-    return State.from_variables(items)
-  whole = State.from_variables(items)
-  return whole.filter(*filters)
+  graphdef, variables = _flatten(node, "state")
+  whole = State.from_variables(zip(graphdef.var_paths, variables))
+  return whole.filter(*filters) if filters else whole
 
 
 def graphdef(node: Any) -> GraphDef:
@@ -212,8 +209,7 @@ def graphdef(node: Any) -> GraphDef:
   >>> sr.graphdef(sr.nn.Linear(2, 3, rngs=sr.Rngs(0))).var_paths
   (('bias',), ('kernel',))
   """
-  _check_node(node, "graphdef")
-  return flatten([node])[0]
+  return _flatten(node, "graphdef")[0]
 
 
 def update(node: Any, *states: State) -> None:
@@ -240,8 +236,7 @@ def update(node: Any, *states: State) -> None:
   >>> float(abs(model.kernel.value).sum())
   0.0
   """
-  _check_node(node, "update")
-  graphdef, variables = flatten([node])
+  graphdef, variables = _flatten(node, "update")
   lock = hold(variables)  # another thread's step on this graph writes before or after
   try:
     _update(graphdef, variables, states)
@@ -279,10 +274,9 @@ def _update(graphdef: GraphDef, variables: list[Variable], states) -> None:
       "`jax.tree.map(lambda x: x.astype(jnp.float32), state)`), or, to change a "
       "variable's shape, assign it directly (`model.w.value = new`)."
     )
-  pending = [(var, value) for _, var, value in pending]
   written = []
   try:
-    for var, value in pending:
+    for _, var, value in pending:
       old = var._value
       var.value = value
       written.append((var, old))
@@ -339,8 +333,7 @@ def clone(node: T) -> T:
   >>> bool((copy.kernel.value == model.kernel.value).all())
   True
   """
-  _check_node(node, "clone")
-  graphdef, variables = flatten([node])
+  graphdef, variables = _flatten(node, "clone")
   lock = hold(variables)  # the values of one step, not half of another thread's
   try:
     whole = State.from_variables(zip(graphdef.var_paths, variables))
@@ -358,11 +351,7 @@ def clone(node: T) -> T:
 def _copies(values) -> list:
   """``values`` with each JAX and numpy array copied; JAX's in one batched call."""
   leaves, treedef = jax.tree.flatten(list(values))
-  at = [
-    i
-    for i, x in enumerate(leaves)
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-  ]
+  at = [i for i, x in enumerate(leaves) if _concrete_array(x)]
   # may_alias=False makes device_put copy even where the placement is unchanged.
   copied = jax.device_put([leaves[i] for i in at], may_alias=False) if at else []
   leaves = [np.copy(x) if isinstance(x, np.ndarray) else x for x in leaves]
@@ -371,19 +360,18 @@ def _copies(values) -> list:
   return jax.tree.unflatten(treedef, leaves)
 
 
+def _concrete_array(x) -> bool:
+  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
 def deleted_error(variables, what: str, kind: type, after: str = "") -> Exception | None:
   """The error naming the Variable that holds a deleted (donated or freed) array, or
   None if none does. Asked after JAX refused an array, not on every call."""
   found = []
   for var in variables:
-    for leaf in jax.tree.leaves(var._value):
-      if (
-        isinstance(leaf, jax.Array)
-        and not isinstance(leaf, jax.core.Tracer)
-        and (leaf.is_deleted())
-      ):
-        found.append((var, leaf))
-        break
+    leaves = [x for x in jax.tree.leaves(var._value) if _concrete_array(x) and x.is_deleted()]
+    if leaves:
+      found.append((var, leaves[0]))
   if not found:
     return None
   var, leaf = found[0]
@@ -455,18 +443,11 @@ def pop(node: Any, *filters: Filter) -> State | tuple[State, ...]:
     raise TypeError(
       "sr.pop takes at least one filter: what to take out, e.g. `sr.pop(model, sr.Intermediate)`."
     )
-  _check_node(node, "pop")
-  graphdef, variables = flatten([node])
-  predicates = [to_predicate(f) for f in filters]
-  groups: list[list] = [[] for _ in filters]
-  popped: dict[int, Variable] = {}
-  for path, var in zip(graphdef.var_paths, variables):
-    for group, predicate in zip(groups, predicates):
-      if predicate(path, var):
-        group.append((path, var))
-        popped[id(var)] = var
-        break
-  states = [State.from_variables(group) for group in groups]
+  graphdef, variables = _flatten(node, "pop")
+  items = list(zip(graphdef.var_paths, variables))
+  *groups, _ = partition(items, (*filters, ...))  # each in the first filter matching it
+  states = [State.from_variables(items[i] for i in group) for group in groups]
+  popped = {id(items[i][1]) for group in groups for i in group}
   holders = []
   for path, obj, _ in arrivals(node):
     if id(obj) not in popped or not isinstance(obj, Variable):

@@ -9,6 +9,7 @@ keys: ``("layers", 0, "kernel")``. Indexing walks them: ``state["layers"][0]["ke
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any, overload
 
@@ -78,25 +79,17 @@ def thaw_metadata(frozen) -> dict:
   return {k: thaw(v) for k, v in frozen}
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _PathKey:
   """A pytree key entry for one State entry; prints as ``.layers[0].kernel``."""
 
-  __slots__ = ("path",)
-
-  def __init__(self, path: tuple):
-    self.path = path
+  path: tuple
 
   def __str__(self):
     text = format_path(self.path)
     return text if text.startswith("[") else "." + text
 
   __repr__ = __str__
-
-  def __eq__(self, other):
-    return isinstance(other, _PathKey) and self.path == other.path
-
-  def __hash__(self):
-    return hash(self.path)
 
 
 class _Spec:
@@ -156,11 +149,8 @@ class State(Mapping[Any, Any]):
     """
     flat = {} if entries is None else _flatten_entries(entries)
     kinds = kinds or {}
-    paths = tuple(flat)
     self._values = tuple(flat.values())
-    self._spec = _Spec(
-      paths, tuple(kinds.get(p, Variable) for p in paths), tuple(() for _ in paths)
-    )
+    self._spec = _Spec(tuple(flat), tuple(kinds.get(p, Variable) for p in flat), ((),) * len(flat))
 
   @classmethod
   def _make(cls, spec: _Spec, values) -> State:
@@ -215,9 +205,8 @@ class State(Mapping[Any, Any]):
     >>> type(kernel).__name__, kernel.sharding, kernel is layer.kernel
     ('Param', ('embed', 'mlp'), False)
     """
-    trace = None
     return {
-      p: bare_variable(k, v, thaw_metadata(m), trace)
+      p: bare_variable(k, v, thaw_metadata(m), None)
       for p, k, v, m in zip(self._spec.paths, self._spec.kinds, self._values, self._spec.metas)
     }
 
@@ -241,19 +230,14 @@ class State(Mapping[Any, Any]):
 
   def _select(self, indices, strip: int = 0) -> State:
     s = self._spec
-    return State._make(
-      _Spec(
-        tuple(s.paths[i][strip:] for i in indices),
-        tuple(s.kinds[i] for i in indices),
-        tuple(s.metas[i] for i in indices),
-      ),
+    return State.from_parts(
+      [s.paths[i][strip:] for i in indices],
+      [s.kinds[i] for i in indices],
+      [s.metas[i] for i in indices],
       [self._values[i] for i in indices],
     )
 
   # -- filtering and merging -------------------------------------------------
-
-  def _matches(self, predicate) -> list[bool]:
-    return [predicate(path, var) for path, var in self.flat_variables().items()]
 
   @overload
   def filter(self, filter: Filter, /) -> State: ...
@@ -305,23 +289,15 @@ class State(Mapping[Any, Any]):
     >>> len(sr.State.merge(params, stats).flat())
     4
     """
-    index: dict[tuple, int] = {}
-    paths, kinds, metas, values = [], [], [], []
+    entries: dict[tuple, tuple] = {}  # a path keeps its first place, takes its last entry
     for state in states:
       if not isinstance(state, State):
         raise TypeError(f"State.merge takes States, got {type(state).__name__}")
       s = state._spec
       for p, k, m, v in zip(s.paths, s.kinds, s.metas, state._values):
-        if p in index:
-          i = index[p]
-          kinds[i], metas[i], values[i] = k, m, v
-        else:
-          index[p] = len(paths)
-          paths.append(p)
-          kinds.append(k)
-          metas.append(m)
-          values.append(v)
-    return State._make(_Spec(tuple(paths), tuple(kinds), tuple(metas)), values)
+        entries[p] = (k, m, v)
+    kinds, metas, values = zip(*entries.values()) if entries else ((), (), ())
+    return State._make(_Spec(tuple(entries), kinds, metas), values)
 
   def __repr__(self) -> str:
     return _display_hooks.text(self)

@@ -75,8 +75,7 @@ def tracing_user_code(what: str):
 
   Used only while tracing, so it costs nothing on a compiled call.
   """
-  outermost = guard.depth == 0
-  if outermost:
+  if guard.depth == 0:  # the outermost trace
     guard.start, guard.what = next(serials), what
   guard.depth += 1
   try:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import operator
 import re
 import weakref
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 import jax
 import numpy as np
@@ -78,6 +79,29 @@ def _dtype_of(value):
   return jax.numpy.result_type(value) if dtype is None else dtype
 
 
+_Operator = Callable[[Any, Any], Any]
+
+
+def _operators(op) -> tuple[_Operator, _Operator, _Operator]:
+  """A Variable's forward, reflected and in-place methods of binary operator ``op``."""
+
+  def forward(self, other):
+    return op(self.value, other.value if isinstance(other, Variable) else other)
+
+  def backward(self, other):
+    return op(other, self.value)
+
+  def inplace(self, other):
+    self.value = forward(self, other)
+    return self
+
+  return forward, backward, inplace
+
+
+def _unary(op) -> Callable[[Any], Any]:
+  return lambda self: op(self.value)
+
+
 class Variable(Generic[A]):
   """A mutable box holding one array (or pytree) of a module's state.
 
@@ -117,49 +141,27 @@ class Variable(Generic[A]):
   _value: Any
   _owner: tuple[weakref.ref, tuple] | None  # (parent, key path): see set_owner
 
-  if TYPE_CHECKING:
-    # The arithmetic below the class (`_binary`), as a type checker should see it: the
-    # operators act on `.value` (an array), so `w * 2` and `w += 1` type-check.
-    def __add__(self, other: Any) -> Any: ...
-    def __radd__(self, other: Any) -> Any: ...
-    def __iadd__(self, other: Any) -> Any: ...
-    def __sub__(self, other: Any) -> Any: ...
-    def __rsub__(self, other: Any) -> Any: ...
-    def __isub__(self, other: Any) -> Any: ...
-    def __mul__(self, other: Any) -> Any: ...
-    def __rmul__(self, other: Any) -> Any: ...
-    def __imul__(self, other: Any) -> Any: ...
-    def __truediv__(self, other: Any) -> Any: ...
-    def __rtruediv__(self, other: Any) -> Any: ...
-    def __itruediv__(self, other: Any) -> Any: ...
-    def __floordiv__(self, other: Any) -> Any: ...
-    def __rfloordiv__(self, other: Any) -> Any: ...
-    def __ifloordiv__(self, other: Any) -> Any: ...
-    def __mod__(self, other: Any) -> Any: ...
-    def __rmod__(self, other: Any) -> Any: ...
-    def __imod__(self, other: Any) -> Any: ...
-    def __pow__(self, other: Any) -> Any: ...
-    def __rpow__(self, other: Any) -> Any: ...
-    def __ipow__(self, other: Any) -> Any: ...
-    def __matmul__(self, other: Any) -> Any: ...
-    def __rmatmul__(self, other: Any) -> Any: ...
-    def __imatmul__(self, other: Any) -> Any: ...
-    def __and__(self, other: Any) -> Any: ...
-    def __rand__(self, other: Any) -> Any: ...
-    def __iand__(self, other: Any) -> Any: ...
-    def __or__(self, other: Any) -> Any: ...
-    def __ror__(self, other: Any) -> Any: ...
-    def __ior__(self, other: Any) -> Any: ...
-    def __xor__(self, other: Any) -> Any: ...
-    def __rxor__(self, other: Any) -> Any: ...
-    def __ixor__(self, other: Any) -> Any: ...
-    def __lt__(self, other: Any) -> Any: ...
-    def __le__(self, other: Any) -> Any: ...
-    def __gt__(self, other: Any) -> Any: ...
-    def __ge__(self, other: Any) -> Any: ...
-    def __neg__(self) -> Any: ...
-    def __pos__(self) -> Any: ...
-    def __abs__(self) -> Any: ...
+  # Arithmetic and comparisons act on `.value` (an array): `w * 2` is an array, and
+  # `w += 1` updates the Variable in place (as flax.nnx does) instead of replacing the
+  # module's attribute with a plain array.
+  __add__, __radd__, __iadd__ = _operators(operator.add)
+  __sub__, __rsub__, __isub__ = _operators(operator.sub)
+  __mul__, __rmul__, __imul__ = _operators(operator.mul)
+  __truediv__, __rtruediv__, __itruediv__ = _operators(operator.truediv)
+  __floordiv__, __rfloordiv__, __ifloordiv__ = _operators(operator.floordiv)
+  __mod__, __rmod__, __imod__ = _operators(operator.mod)
+  __pow__, __rpow__, __ipow__ = _operators(operator.pow)
+  __matmul__, __rmatmul__, __imatmul__ = _operators(operator.matmul)
+  __and__, __rand__, __iand__ = _operators(operator.and_)
+  __or__, __ror__, __ior__ = _operators(operator.or_)
+  __xor__, __rxor__, __ixor__ = _operators(operator.xor)
+  __lt__ = _operators(operator.lt)[0]
+  __le__ = _operators(operator.le)[0]
+  __gt__ = _operators(operator.gt)[0]
+  __ge__ = _operators(operator.ge)[0]
+  __neg__ = _unary(operator.neg)
+  __pos__ = _unary(operator.pos)
+  __abs__ = _unary(operator.abs)
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -347,20 +349,11 @@ class Variable(Generic[A]):
       updated: Any = jax.numpy.asarray(old).at[index].set(new)
       self.value = updated
 
-  def __len__(self):
-    return len(self._read())
-
-  def __iter__(self):
-    return iter(self._read())
-
-  def __bool__(self):
-    return bool(self._read())
-
-  def __float__(self):
-    return float(self._read())
-
-  def __int__(self):
-    return int(self._read())
+  __len__ = _unary(len)
+  __iter__ = _unary(iter)
+  __bool__ = _unary(bool)
+  __float__ = _unary(float)
+  __int__ = _unary(int)
 
   # -- pickling ----------------------------------------------------------------
 
@@ -382,46 +375,10 @@ class Variable(Generic[A]):
     return _display_hooks.treescope(self, path, subtree_renderer)
 
 
-def _binary(op):
-  def forward(self, other):
-    return op(self.value, other.value if isinstance(other, Variable) else other)
-
-  def backward(self, other):
-    return op(other, self.value)
-
-  def inplace(self, other):
-    # `model.w += 1` updates the Variable (as flax.nnx does) instead of replacing the
-    # module's attribute with a plain array.
-    self.value = forward(self, other)
-    return self
-
-  return forward, backward, inplace
-
-
-# The names of Python's binary operators in `operator` ("and_" is `&`).
-for _op_name in "add sub mul truediv floordiv mod pow matmul and_ or_ xor".split():
-  _name = _op_name.rstrip("_")
-  _fwd, _bwd, _inplace = _binary(getattr(operator, _op_name))
-  setattr(Variable, f"__{_name}__", _fwd)
-  setattr(Variable, f"__r{_name}__", _bwd)
-  setattr(Variable, f"__i{_name}__", _inplace)
-for _name in ("lt", "le", "gt", "ge"):
-  setattr(Variable, f"__{_name}__", _binary(getattr(operator, _name))[0])
-Variable.__neg__ = lambda self: -self.value
-Variable.__pos__ = lambda self: +self.value
-Variable.__abs__ = lambda self: abs(self.value)
-
-
 # -- pytree registration ---------------------------------------------------------
 
 
-class _DetachedTrace:
-  """The trace of a Variable rebuilt from its pytree leaf: equal to no real trace."""
-
-  __slots__ = ()
-
-
-_DETACHED = _DetachedTrace()
+_DETACHED = object()  # the trace of a Variable rebuilt from its pytree leaf: no real one
 
 
 class _MetadataAux:
@@ -461,6 +418,11 @@ _register_pytree(Variable)
 # -- owners: where a variable or module sits, for error messages ---------------
 
 
+def entries(container):
+  """The ``(key, item)`` pairs of a list, tuple or dict (keys: indices or dict keys)."""
+  return container.items() if isinstance(container, dict) else enumerate(container)
+
+
 def set_owner(obj, parent, key_path: tuple) -> None:
   """Records that ``obj`` hangs off ``parent`` at ``key_path`` (first owner wins)."""
   if isinstance(obj, Variable):
@@ -476,16 +438,13 @@ def release_owner(value, parent) -> None:
   if isinstance(value, Variable):
     if value._owner is not None and value._owner[0]() is parent:
       value._owner = None
-  elif isinstance(value, (list, tuple)):
-    for v in value:
-      release_owner(v, parent)
-  elif isinstance(value, dict):
-    for v in value.values():
+  elif isinstance(value, (list, tuple, dict)):
+    for _, v in entries(value):
       release_owner(v, parent)
   else:
-    attrs = getattr(value, "__dict__", None)
-    link = None if attrs is None else attrs.get(OWNER)
-    if attrs is not None and link is not None and link[0]() is parent:
+    attrs = getattr(value, "__dict__", {})
+    link = attrs.get(OWNER)
+    if link is not None and link[0]() is parent:
       attrs[OWNER] = None
 
 
