@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from ...core._errors import TransformError
-from ...core._split_merge import merge, split
 from ...core._stacks import cycle, num_layers, stacked_variables
+from .._lift import lift
 from ._jaxpr_reading import remat_flavour
 
 # A plan fits a budget when the model puts it at most this fraction of it.
@@ -413,15 +413,12 @@ class _BlockInputs:
 def unit_inputs(stack, fn: Callable) -> tuple[int, _BlockInputs]:
   """``(units, inputs)``: the loop's unit count and one unit as a function of its state."""
   positions = cycle(stack)
-  graphdefs = []
+  found = {}
 
   def one_unit(stack):
-    states = []
-    for position in cycle(stack):
-      graphdef, state = split(position.layer(0))
-      graphdefs.append(graphdef)
-      states.append(state)
-    return states
+    lifted, variables, _, _ = lift((tuple(p.layer(0) for p in cycle(stack)),), {})
+    found["lifted"] = lifted
+    return [v._value for v in variables]
 
   states = jax.eval_shape(one_unit, stack)
   units = -(-sum(map(num_layers, positions)) // len(positions))
@@ -430,8 +427,12 @@ def unit_inputs(stack, fn: Callable) -> tuple[int, _BlockInputs]:
   )
 
   def unit_fn(states, carry):
-    for graphdef, state in zip(graphdefs, states):
-      carry = fn(merge(graphdef, state), carry)
-    return carry
+    def chain(layers):
+      out = carry
+      for layer in layers:
+        out = fn(layer, out)
+      return out
+
+    return found["lifted"].run(chain, list(states), [], "the planner", restructure=True)[0]
 
   return units, _BlockInputs(unit_fn, states, stacked // units)
