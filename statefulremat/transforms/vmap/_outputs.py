@@ -12,10 +12,12 @@ from ...core._filters import filter_repr
 from ...core._graph import flatten, rewrite
 from ...core._graph_build import unflatten
 from ...core._stacks import mark_frozen
-from ...core._tracing import tracing_user_code
-from .._lift import is_node, split_call
+from .._lift import is_node, lift, split_call
 from .._outputs import ModulesOut
 from .._rules import STACKED, TransformError
+
+_NO_ARGUMENTS = lift((), {})[0]  # the kernel's step for a function of no module
+_MODULE = object()  # where a module sits in a result, while out_axes are read
 
 
 def vmap_creating(
@@ -32,22 +34,22 @@ def vmap_creating(
   record: dict = {}
 
   def one(*call_args):
-    with tracing_user_code(what):
-      out = fn(*call_args, **kwargs)
-    leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_node)
-    placed = [(path, axis) for path, leaf, axis in leaf_axes(out_axes, out, what) if is_node(leaf)]
-    nodes = [leaf for leaf in leaves if is_node(leaf)]
-    graphdef, variables = flatten(nodes)
-    record["info"] = (
-      graphdef,
-      treedef,
-      placed,
-      {i for i, leaf in enumerate(leaves) if is_node(leaf)},
+    out, _ = _NO_ARGUMENTS.run(lambda: fn(*call_args, **kwargs), [], [], what, copies=True)
+    if type(out) is not ModulesOut:
+      record["info"] = (None, jax.tree.structure(out), [], set())
+      return [], out
+    graphdef, treedef, positions, _, _ = out.info
+    leaves = iter(out.leaves)
+    marked = jax.tree.unflatten(
+      treedef, [_MODULE if i in positions else next(leaves) for i in range(treedef.num_leaves)]
     )
+    placed = [
+      (path, axis) for path, leaf, axis in leaf_axes(out_axes, marked, what) if leaf is _MODULE
+    ]
+    record["info"] = (graphdef, treedef, placed, set(positions))
     # The modules leave as their Variables' values (mapped axis in front, moved after);
     # the rest keeps its structure, modules left out, so out_axes fits it as jax's.
-    rest = jax.tree.map(lambda x: None if is_node(x) else x, out, is_leaf=is_node)
-    return [v.value for v in variables], rest
+    return out.values, jax.tree.map(lambda x: None if x is _MODULE else x, marked)
 
   ins = tuple(in_axes) if isinstance(in_axes, list) else in_axes
   try:
