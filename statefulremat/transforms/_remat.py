@@ -26,7 +26,7 @@ from ._class_form import (
 )
 from ._lift import check_no_nodes, commit, is_node, lift, serialised
 from ._outputs import Restructured
-from ._rules import Rules
+from ._rules import Collections, Rules
 from .memory._carries import report_remat
 from .memory._policy_check import policy_check
 
@@ -162,9 +162,7 @@ def _remat_function(
   check = policy_check(policy, what)  # None for most policies: nothing to do per trace
   # The stream rules of scan's split_rngs, so a name served by a default stream counts
   # under the name asked for (`rngs="dropout"` lifts `sr.Rngs(0)`'s default stream).
-  stream_rules = Rules(
-    what, variable_axes={}, variable_broadcast=False, variable_carry=False, split_rngs=rngs
-  )
+  stream_rules = Rules(what, Collections(split_rngs=rngs))
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast, overload
+from typing import Any, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -32,41 +32,92 @@ from ._module_arg import check_no_modules
 from ._pattern import class_form, target_repr
 from ._pattern_loop import lift_loop
 from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units, resolve_plan
-from ._rules import Rules, TransformError
+from ._rules import Collections, Rules, TransformError, public
 from .memory._carries import check_carries, warn_if_kept, warning_once
 from .memory._policy_check import policy_check
 from .memory._remat_plan import RematPlan
 from .memory._remat_search import search_plans
-
-if TYPE_CHECKING:
-  from typing_extensions import Unpack
-
-  from ._options import RematScanOptions
 
 
 @overload
 def remat_scan(
   target: type[M],
   lengths: Sequence[int] | str | RematPlan = (),
-  **options: Unpack[RematScanOptions],
+  *,
+  length: int | None = None,
+  memory_budget: int | str | None = None,
+  policy: Callable[..., Any] | None = None,
+  carries: str | None = None,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  prevent_cse: bool = False,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+  pipeline: Any = None,
 ) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
 @overload
 def remat_scan(
   target: Sequence[type[Module] | functools.partial[Any]],
   lengths: Sequence[int] | str | RematPlan = (),
-  **options: Unpack[RematScanOptions],
+  *,
+  length: int | None = None,
+  memory_budget: int | str | None = None,
+  policy: Callable[..., Any] | None = None,
+  carries: str | None = None,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  prevent_cse: bool = False,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+  pipeline: Any = None,
 ) -> type: ...  # a pattern stack, whose positions differ
 @overload
 def remat_scan(
   target: Callable[P, R],
   lengths: Sequence[int] | str | RematPlan = (),
-  **options: Unpack[RematScanOptions],
+  *,
+  length: int | None = None,
+  memory_budget: int | str | None = None,
+  policy: Callable[..., Any] | None = None,
+  carries: str | None = None,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  prevent_cse: bool = False,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+  pipeline: Any = None,
 ) -> Callable[P, R]: ...  # the function form: the same signature
 @overload
 def remat_scan(
   target: None = None,
   lengths: Sequence[int] | str | RematPlan = (),
-  **options: Unpack[RematScanOptions],
+  *,
+  length: int | None = None,
+  memory_budget: int | str | None = None,
+  policy: Callable[..., Any] | None = None,
+  carries: str | None = None,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  prevent_cse: bool = False,
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
+  pipeline: Any = None,
 ) -> Transform: ...  # keywords only: a decorator of a class or a function
 @cached_class_form
 def remat_scan(
@@ -197,13 +248,11 @@ def remat_scan(
   >>> bool(jnp.allclose(x, y, rtol=1e-4))
   True
   """
+  collections = Collections(variable_axes, variable_broadcast, variable_carry, split_rngs)
   options: dict[str, Any] = dict(
     policy=policy,
     carries=carries,
-    variable_broadcast=variable_broadcast,
-    variable_carry=variable_carry,
-    variable_axes=variable_axes,
-    split_rngs=split_rngs,
+    collections=collections,
     prevent_cse=prevent_cse,
     data_transform=data_transform,
     metadata_params=metadata_params,
@@ -217,7 +266,7 @@ def remat_scan(
       methods=methods,
       init_in_axes=init_in_axes,
       pipeline=pipeline,
-      **options,
+      **public(options),
     )
   what = f"sr.remat_scan({target_repr(target)})"
   check_carries(what, carries, planned=True)
@@ -238,7 +287,7 @@ def remat_scan(
     what = f"sr.remat_scan({display_name(fn)})"
     if pipeline is not None:  # sr.PipelineSpec runs each stage through remat_scan
       run = pipeline._pipelined(
-        fn, what=what, lengths=lengths, layers=layers, memory_budget=budget, **options
+        fn, what=what, lengths=lengths, layers=layers, memory_budget=budget, **public(options)
       )
       return warning_once(run, what) if carries == "offload" else run
     return _remat_scan_function(fn, lengths, layers, budget, what=what, **options)
@@ -265,20 +314,14 @@ def remat_scan(
     target,
     "RematScan",
     what=what,
-    rules=lambda: Rules(
-      what,
-      variable_axes=variable_axes,
-      variable_broadcast=variable_broadcast,
-      variable_carry=variable_carry,
-      split_rngs=split_rngs,
-    ),
+    rules=lambda: Rules(what, collections),
     count=count,
     # A pattern's lengths count its cycles, and so does the count its calls check.
     run=lambda fn, period: function_form(
       fn, count(1) if period == 1 else None if auto else int(math.prod(lengths))
     ),
     position_class=lambda cls, n: fresh(remat_scan)(
-      cls, (n,), methods=methods, init_in_axes=init_in_axes, **options
+      cls, (n,), methods=methods, init_in_axes=init_in_axes, **public(options)
     ),
     methods=methods,
     metadata_params=metadata_params,
@@ -308,21 +351,12 @@ def _remat_scan_function(
   what,
   policy,
   carries,
-  variable_broadcast,
-  variable_carry,
-  variable_axes,
-  split_rngs,
   prevent_cse,
   data_transform,
   metadata_params,
+  collections,
 ) -> Callable:
-  rules = Rules(
-    what,
-    variable_axes=variable_axes,
-    variable_broadcast=variable_broadcast,
-    variable_carry=variable_carry,
-    split_rngs=split_rngs,
-  )
+  rules = Rules(what, collections)
   auto = lengths == AUTO
   offload = check_carries(what, carries, planned=True)
   check = policy_check(policy, what)  # the innermost level's policy, once per trace

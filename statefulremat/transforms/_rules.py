@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import dataclasses
 import difflib
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 from ..core._bookkeeping import LAYER_KEYS
 from ..core._errors import TransformError, format_path
 from ..core._filters import filter_repr, is_everything, to_predicate
+from ..core._frozen import EMPTY
 from ..core._module import iter_graph
 from ..core._rngs import LayerKeys, Rngs, RngStream
 from ..core._stacks import cycle, stack_info
@@ -74,18 +76,39 @@ def _explicit_names(filter) -> list[str]:
   return []
 
 
+@dataclasses.dataclass(frozen=True)
+class Collections:
+  """A transform's four collection keywords (linen's vocabulary, the users' API) as
+  one frozen value: made once where the user gave them, read by ``Rules``."""
+
+  variable_axes: Mapping[Any, Any] = EMPTY
+  variable_broadcast: Any = False
+  variable_carry: Any = False
+  split_rngs: Any = EMPTY
+
+  def keywords(self) -> dict[str, Any]:
+    """The keywords again, for a call of the public transform (``variable_carry`` only
+    when it carries something: ``sr.vmap`` takes none)."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    if out["variable_carry"] is False:
+      del out["variable_carry"]
+    return out
+
+
+def public(options: dict) -> dict:
+  """A transform's ``options`` as the keywords of its public form: ``collections``
+  spelled out again (a class form re-calls it for each position of a pattern)."""
+  out = dict(options)
+  out.update(out.pop("collections").keywords())
+  return out
+
+
 class Rules:
   """The collection rules of one transform (see the module docstring)."""
 
-  def __init__(
-    self,
-    what: str,
-    *,
-    variable_axes: Mapping,
-    variable_broadcast: Any,
-    variable_carry: Any,
-    split_rngs: Any,
-  ):
+  def __init__(self, what: str, collections: Collections):
+    variable_axes, variable_broadcast = collections.variable_axes, collections.variable_broadcast
+    variable_carry, split_rngs = collections.variable_carry, collections.split_rngs
     self.what = what
     if not isinstance(variable_axes, Mapping):
       raise TypeError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -31,32 +31,87 @@ from ._lift import refuse_layer_list, serialised
 from ._module_arg import check_no_modules
 from ._pattern import class_form, target_repr
 from ._pattern_loop import lift_loop
-from ._rules import Rules, TransformError
+from ._rules import Collections, Rules, TransformError, public
 from ._scan_axes import broadcast as broadcast  # pickled sr.broadcast named this module
 from ._scan_axes import check_axes, in_axes_per_leaf, leaf_path, stack_ys
 from .memory._carries import check_carries, warn_if_kept
 
-if TYPE_CHECKING:
-  from typing_extensions import Unpack
-
-  from ._options import ScanOptions
-
 
 @overload
 def scan(
-  target: type[M], **options: Unpack[ScanOptions]
+  target: type[M],
+  *,
+  variable_axes: Mapping[Any, Any] = _EMPTY,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  split_rngs: Mapping[Any, Any] = _EMPTY,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  length: int | None = None,
+  reverse: bool = False,
+  unroll: int | bool = 1,
+  carries: str = "device",
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
 ) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
 @overload
 def scan(
-  target: Sequence[type[Module] | functools.partial[Any]], **options: Unpack[ScanOptions]
+  target: Sequence[type[Module] | functools.partial[Any]],
+  *,
+  variable_axes: Mapping[Any, Any] = _EMPTY,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  split_rngs: Mapping[Any, Any] = _EMPTY,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  length: int | None = None,
+  reverse: bool = False,
+  unroll: int | bool = 1,
+  carries: str = "device",
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
 ) -> type: ...  # a pattern stack, whose positions differ
 @overload
 def scan(
-  target: Callable[P, R], **options: Unpack[ScanOptions]
+  target: Callable[P, R],
+  *,
+  variable_axes: Mapping[Any, Any] = _EMPTY,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  split_rngs: Mapping[Any, Any] = _EMPTY,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  length: int | None = None,
+  reverse: bool = False,
+  unroll: int | bool = 1,
+  carries: str = "device",
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
 ) -> Callable[P, R]: ...  # the function form: the same signature
 @overload
 def scan(
-  target: None = None, **options: Unpack[ScanOptions]
+  target: None = None,
+  *,
+  variable_axes: Mapping[Any, Any] = _EMPTY,
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  split_rngs: Mapping[Any, Any] = _EMPTY,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  length: int | None = None,
+  reverse: bool = False,
+  unroll: int | bool = 1,
+  carries: str = "device",
+  data_transform: Callable[..., Any] | None = None,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
 ) -> Transform: ...  # keywords only: a decorator of a class or a function
 @cached_class_form
 def scan(
@@ -203,11 +258,9 @@ def scan(
   >>> cs.shape, sums.shape
   ((4, 2, 3), (2, 4))
   """
+  collections = Collections(variable_axes, variable_broadcast, variable_carry, split_rngs)
   options: dict[str, Any] = dict(
-    variable_axes=variable_axes,
-    variable_broadcast=variable_broadcast,
-    variable_carry=variable_carry,
-    split_rngs=split_rngs,
+    collections=collections,
     in_axes=in_axes,
     out_axes=out_axes,
     length=length,
@@ -218,7 +271,7 @@ def scan(
     metadata_params=metadata_params,
   )
   if target is None:
-    return functools.partial(scan, methods=methods, init_in_axes=init_in_axes, **options)
+    return functools.partial(scan, methods=methods, init_in_axes=init_in_axes, **public(options))
   what = f"sr.scan({target_repr(target)})"
   check_axes(what, in_axes, out_axes)
   check_carries(what, carries)
@@ -226,19 +279,13 @@ def scan(
     target,
     "Scan",
     what=what,
-    rules=lambda: Rules(
-      what,
-      variable_axes=variable_axes,
-      variable_broadcast=variable_broadcast,
-      variable_carry=variable_carry,
-      split_rngs=split_rngs,
-    ),
+    rules=lambda: Rules(what, collections),
     count=lambda _: length,
     # At call time the layer count comes from the stacked variables (a stack rebuilt
     # by sr.stack may have another).
     run=lambda fn, _: _scan_function(fn, **{**options, "length": None}, from_class_form=True),
     position_class=lambda cls, n: fresh(scan)(
-      cls, **{**options, "length": n}, methods=methods, init_in_axes=init_in_axes
+      cls, **{**public(options), "length": n}, methods=methods, init_in_axes=init_in_axes
     ),
     methods=methods,
     metadata_params=metadata_params,
@@ -260,10 +307,7 @@ def scan(
 def _scan_function(
   fn: Callable,
   *,
-  variable_axes,
-  variable_broadcast,
-  variable_carry,
-  split_rngs,
+  collections,
   in_axes,
   out_axes,
   length,
@@ -277,13 +321,7 @@ def _scan_function(
   what = f"sr.scan({display_name(fn)})"
   check_axes(what, in_axes, out_axes)
   offload = check_carries(what, carries)
-  rules = Rules(
-    what,
-    variable_axes=variable_axes,
-    variable_broadcast=variable_broadcast,
-    variable_carry=variable_carry,
-    split_rngs=split_rngs,
-  )
+  rules = Rules(what, collections)
 
   @functools.wraps(fn)
   def wrapper(module, carry, *xs, **kwargs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast, overload
+from typing import Any, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from .._module_arg import (
 )
 from .._outputs import ModulesOut, Restructured
 from .._pattern import check_positions, class_form, position_names, target_repr
-from .._rules import STACKED, Rules, TransformError
+from .._rules import STACKED, Collections, Rules, TransformError, public
 from ._checks import refuse_mapping_plain, refuse_shared_write
 from ._cycles import (
   agree,
@@ -49,11 +49,6 @@ from ._cycles import (
   stack_units,
 )
 from ._outputs import check_returned_inputs, leaf_axes, stacked_outputs, vmap_creating
-
-if TYPE_CHECKING:
-  from typing_extensions import Unpack
-
-  from .._options import VmapOptions
 
 
 class _DefaultAxis(int):
@@ -67,19 +62,63 @@ _UNSAID = object()
 
 @overload
 def vmap(
-  target: type[M], **options: Unpack[VmapOptions]
+  target: type[M],
+  *,
+  in_axes: Any = _DEFAULT_IN_AXES,
+  out_axes: Any = 0,
+  axis_size: int | None = None,
+  axis_name: str | None = None,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  variable_broadcast: Any = False,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
 ) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
 @overload
 def vmap(
-  target: Sequence[type[Module] | functools.partial[Any]], **options: Unpack[VmapOptions]
+  target: Sequence[type[Module] | functools.partial[Any]],
+  *,
+  in_axes: Any = _DEFAULT_IN_AXES,
+  out_axes: Any = 0,
+  axis_size: int | None = None,
+  axis_name: str | None = None,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  variable_broadcast: Any = False,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
 ) -> type: ...  # a pattern stack, whose positions differ
 @overload
 def vmap(
-  target: Callable[P, R], **options: Unpack[VmapOptions]
+  target: Callable[P, R],
+  *,
+  in_axes: Any = _DEFAULT_IN_AXES,
+  out_axes: Any = 0,
+  axis_size: int | None = None,
+  axis_name: str | None = None,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  variable_broadcast: Any = False,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
 ) -> Callable[P, R]: ...  # the function form: the same signature
 @overload
 def vmap(
-  target: None = None, **options: Unpack[VmapOptions]
+  target: None = None,
+  *,
+  in_axes: Any = _DEFAULT_IN_AXES,
+  out_axes: Any = 0,
+  axis_size: int | None = None,
+  axis_name: str | None = None,
+  variable_axes: Mapping[Any, Any] = _ALL,
+  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  variable_broadcast: Any = False,
+  metadata_params: Mapping[Any, Any] = _EMPTY,
+  methods: Sequence[str] | None = None,
+  init_in_axes: Any = None,
 ) -> Transform: ...  # keywords only: a decorator of a class or a function
 @cached_class_form
 def vmap(
@@ -195,28 +234,21 @@ def vmap(
   (4, 2)
   """
   explicit_axes = type(in_axes) is not _DefaultAxis
+  collections = Collections(variable_axes, variable_broadcast, split_rngs=split_rngs)
   options: dict[str, Any] = dict(
     in_axes=in_axes if explicit_axes else 0,
     out_axes=out_axes,
     axis_size=axis_size,
     axis_name=axis_name,
-    variable_axes=variable_axes,
-    split_rngs=split_rngs,
-    variable_broadcast=variable_broadcast,
+    collections=collections,
     metadata_params=metadata_params,
   )
   if target is None:
-    given = {**options, "in_axes": in_axes}  # the default stays the default
+    given = {**public(options), "in_axes": in_axes}  # the default stays the default
     return functools.partial(vmap, methods=methods, init_in_axes=init_in_axes, **given)
 
   def rules(what: str) -> Rules:
-    return Rules(
-      what,
-      variable_axes=variable_axes,
-      variable_broadcast=variable_broadcast,
-      variable_carry=False,
-      split_rngs=split_rngs,
-    )
+    return Rules(what, collections)
 
   def function_form(fn: Callable, covers_module: bool, **given) -> Callable:
     """The function form over ``fn``; a class form's methods run it directly, their
@@ -234,7 +266,7 @@ def vmap(
     count=lambda _: axis_size,
     run=lambda fn, _: function_form(fn, False, axis_size=None),
     position_class=lambda cls, n: fresh(vmap)(
-      cls, **{**options, "axis_size": n}, methods=methods, init_in_axes=init_in_axes
+      cls, **{**public(options), "axis_size": n}, methods=methods, init_in_axes=init_in_axes
     ),
     methods=methods,
     metadata_params=metadata_params,
@@ -250,7 +282,7 @@ def vmap(
     init_in_axes=init_in_axes,
   )
   if getattr(fn, "__name__", None) == "__init__":
-    return _vmapped_init(fn, options)
+    return _vmapped_init(fn, public(options))
   # nnx's in_axes cover the module argument: an explicit one says how its Variables map.
   covers = variable_axes is _ALL and variable_broadcast is False
   return function_form(fn, covers and explicit_axes)
@@ -265,9 +297,7 @@ def _vmap_function(
   out_axes,
   axis_size,
   axis_name,
-  variable_axes,
-  split_rngs,
-  variable_broadcast,
+  collections,
   metadata_params,
   covers_module: bool = False,
 ):
@@ -278,12 +308,9 @@ def _vmap_function(
     Variables mapped along that axis, or (None) broadcast, as nnx's vmap does."""
     found = module_rules.get(module_axis)
     if found is None:
+      axes = {} if module_axis is None else {True: module_axis}
       found = module_rules[module_axis] = Rules(
-        what,
-        variable_axes={} if module_axis is None else {True: module_axis},
-        variable_broadcast=module_axis is None,
-        variable_carry=False,
-        split_rngs=split_rngs,
+        what, Collections(axes, module_axis is None, split_rngs=collections.split_rngs)
       )
     return found
 
@@ -304,7 +331,8 @@ def _vmap_function(
       )
     check_no_modules(args, what, "argument", first=1)
     check_no_modules(kwargs, what, "the keyword argument")
-    call_rules, call_axes, by_default = rules, in_axes, variable_axes is _ALL
+    call_rules, call_axes = rules, in_axes
+    by_default = collections.variable_axes is _ALL
     if covers_module:
       module_axis, call_axes = _module_entry(in_axes, len(args), _holds_stack(module))
       if module_axis is not _UNSAID:
