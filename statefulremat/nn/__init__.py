@@ -5,35 +5,36 @@
 (1, 2)
 """
 
+from jax.nn import celu as celu
+from jax.nn import elu as elu
+from jax.nn import gelu as gelu
+from jax.nn import glu as glu
+from jax.nn import hard_sigmoid as hard_sigmoid
+from jax.nn import hard_silu as hard_silu
+from jax.nn import hard_swish as hard_swish
+from jax.nn import hard_tanh as hard_tanh
+from jax.nn import identity as identity
+from jax.nn import leaky_relu as leaky_relu
+from jax.nn import log_sigmoid as log_sigmoid
+from jax.nn import log_softmax as log_softmax
+from jax.nn import logsumexp as logsumexp
+from jax.nn import one_hot as one_hot
+from jax.nn import relu as relu
+from jax.nn import relu6 as relu6
+from jax.nn import selu as selu
+from jax.nn import sigmoid as sigmoid
+from jax.nn import silu as silu
+from jax.nn import soft_sign as soft_sign
+from jax.nn import softmax as softmax
+from jax.nn import softplus as softplus
+from jax.nn import standardize as standardize
+from jax.nn import swish as swish
+from jax.numpy import tanh as tanh
+
 from ..core._bookkeeping import name_public_classes as _name_public_classes
 from . import _nnx_names
 from . import initializers as initializers
 from ._activations import PReLU as PReLU
-from ._activations import celu as celu
-from ._activations import elu as elu
-from ._activations import gelu as gelu
-from ._activations import glu as glu
-from ._activations import hard_sigmoid as hard_sigmoid
-from ._activations import hard_silu as hard_silu
-from ._activations import hard_swish as hard_swish
-from ._activations import hard_tanh as hard_tanh
-from ._activations import identity as identity
-from ._activations import leaky_relu as leaky_relu
-from ._activations import log_sigmoid as log_sigmoid
-from ._activations import log_softmax as log_softmax
-from ._activations import logsumexp as logsumexp
-from ._activations import one_hot as one_hot
-from ._activations import relu as relu
-from ._activations import relu6 as relu6
-from ._activations import selu as selu
-from ._activations import sigmoid as sigmoid
-from ._activations import silu as silu
-from ._activations import soft_sign as soft_sign
-from ._activations import softmax as softmax
-from ._activations import softplus as softplus
-from ._activations import standardize as standardize
-from ._activations import swish as swish
-from ._activations import tanh as tanh
 from ._attention import combine_masks as combine_masks
 from ._attention import dot_product_attention as dot_product_attention
 from ._attention import dot_product_attention_weights as dot_product_attention_weights

@@ -1,8 +1,9 @@
-"""Activation functions under ``sr.nn``, the ones ``flax.nnx`` exports, by its names.
+"""``PReLU``, the activation layer with a learned ``negative_slope``.
 
-They are ``jax.nn``'s own functions (``tanh`` is ``jax.numpy.tanh``), re-exported, not
-copies: ``sr.nn.relu is jax.nn.relu``, so ported nnx code computes the same thing.
-``PReLU`` is a layer with a learned ``negative_slope``.
+The activation functions ``sr.nn`` exports, the ones ``flax.nnx`` exports by its names,
+are ``jax.nn``'s own functions (``tanh`` is ``jax.numpy.tanh``), re-exported by
+``sr.nn``'s ``__init__``, not copies: ``sr.nn.relu is jax.nn.relu``, so ported nnx code
+computes the same thing.
 
 >>> import jax, jax.numpy as jnp, statefulremat as sr
 >>> sr.nn.relu is jax.nn.relu, sr.nn.relu(jnp.array([-1.0, 2.0])).tolist()
@@ -16,67 +17,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.nn import (
-  celu,
-  elu,
-  gelu,
-  glu,
-  hard_sigmoid,
-  hard_silu,
-  hard_swish,
-  hard_tanh,
-  identity,
-  leaky_relu,
-  log_sigmoid,
-  log_softmax,
-  logsumexp,
-  one_hot,
-  relu,
-  relu6,
-  selu,
-  sigmoid,
-  silu,
-  soft_sign,
-  softmax,
-  softplus,
-  standardize,
-  swish,
-)
-from jax.numpy import tanh
 
 from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Param
 from ..core._module import Module
 from ._dtypes import promote_dtype as default_promote_dtype
-
-__all__ = [
-  "celu",
-  "elu",
-  "gelu",
-  "glu",
-  "hard_sigmoid",
-  "hard_silu",
-  "hard_swish",
-  "hard_tanh",
-  "identity",
-  "leaky_relu",
-  "log_sigmoid",
-  "log_softmax",
-  "logsumexp",
-  "one_hot",
-  "relu",
-  "relu6",
-  "selu",
-  "sigmoid",
-  "silu",
-  "soft_sign",
-  "softmax",
-  "softplus",
-  "standardize",
-  "swish",
-  "tanh",
-  "PReLU",
-]
 
 
 class PReLU(Module):

@@ -220,10 +220,7 @@ def dot_product_attention_weights(
     keep_prob = 1.0 - dropout_rate
     # The rank of the (unexpanded) key is the rank of the weights.
     ndim = key.ndim - 1 if is_gqa else key.ndim
-    if broadcast_dropout:
-      shape = (1,) * (ndim - 2) + weights.shape[-2:]
-    else:
-      shape = weights.shape
+    shape = (1,) * (ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
     kwargs = {}
     if specs := explicit_specs("dot_product_attention", weights=weights):
       # Explicit mesh axes: the mask lives where the weights do (but broadcast axes).

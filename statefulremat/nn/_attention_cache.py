@@ -35,17 +35,10 @@ from ._explicit import explicit_specs
 class Decoding(Protocol):
   """What the cache reads of its layer (``MultiHeadAttention`` has it)."""
 
-  @property
-  def in_features(self) -> int: ...
-
-  @property
-  def cached_key(self) -> Variable | None: ...
-
-  @property
-  def cached_value(self) -> Variable | None: ...
-
-  @property
-  def cache_index(self) -> Variable | None: ...
+  in_features: int
+  cached_key: Variable | None
+  cached_value: Variable | None
+  cache_index: Variable | None
 
   def _where(self) -> str: ...
 

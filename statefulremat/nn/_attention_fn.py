@@ -23,28 +23,13 @@ import jax.numpy as jnp
 
 from ._attention import combine_masks
 
-# The options the layer passes; query, key and value go first, by position.
-OPTIONS = frozenset(
-  (
-    "mask",
-    "dropout_rng",
-    "dropout_rate",
-    "broadcast_dropout",
-    "deterministic",
-    "dtype",
-    "precision",
-    "is_causal",
-  )
-)
 DROPOUT_OPTIONS = ("dropout_rng", "dropout_rate", "deterministic", "broadcast_dropout")
+# The options the layer passes; query, key and value go first, by position.
+OPTIONS = frozenset(("mask", *DROPOUT_OPTIONS, "dtype", "precision", "is_causal"))
 FITS_EVERY_OPTION = "sr.nn.dot_product_attention or flax.nnx.dot_product_attention"
 
 
 @functools.lru_cache(maxsize=128)
-def _keywords_cached(fn: Callable) -> frozenset[str]:
-  return _keywords(fn)
-
-
 def _keywords(fn: Callable) -> frozenset[str]:
   try:
     parameters = inspect.signature(fn).parameters.values()
@@ -61,9 +46,9 @@ def attention_fn_keywords(fn: Callable) -> frozenset[str]:
   """The options of ``MultiHeadAttention``'s call that ``fn`` takes as keywords (all of
   them for a function with ``**kwargs`` or without a readable signature)."""
   try:
-    return _keywords_cached(fn)
-  except TypeError:  # an unhashable callable: read it each time (at trace time only)
     return _keywords(fn)
+  except TypeError:  # an unhashable callable: read it each time (at trace time only)
+    return _keywords.__wrapped__(fn)
 
 
 def describe(fn: Callable) -> str:

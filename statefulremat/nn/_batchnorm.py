@@ -9,19 +9,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..core._errors import format_path
 from ..core._frozen import EMPTY as _EMPTY
-from ..core._kinds import BatchStat, Param
+from ..core._kinds import BatchStat
 from ..core._module import Module
 from ..core._rngs import Rngs
-from ..core._variables import path_of
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer
+from ._linear import Initializer, named, param_maker, promoted
 from ._normalization import (
   canonicalize_axes,
   check_feature_axes,
-  compute_stats,
   freeze_axes,
+  layer_stats,
   normalize,
 )
 from ._rngs_arg import check_rngs
@@ -111,16 +109,9 @@ class BatchNorm(Module):
     shape = (num_features,)
     self.mean = BatchStat(jnp.zeros(shape, jnp.float32), **(mean_metadata or {}))
     self.var = BatchStat(jnp.ones(shape, jnp.float32), **(var_metadata or {}))
-    self.scale = (
-      Param(scale_init(rngs.params(), shape, param_dtype), **(scale_metadata or {}))
-      if use_scale
-      else None
-    )
-    self.bias = (
-      Param(bias_init(rngs.params(), shape, param_dtype), **(bias_metadata or {}))
-      if use_bias
-      else None
-    )
+    param = param_maker(rngs, param_dtype)
+    self.scale = param(scale_init, shape, scale_metadata) if use_scale else None
+    self.bias = param(bias_init, shape, bias_metadata) if use_bias else None
     self.num_features = num_features
     self.use_running_average = use_running_average
     self.axis = freeze_axes(axis)
@@ -155,23 +146,11 @@ class BatchNorm(Module):
     check_feature_axes("BatchNorm", x, self.axis, self.num_features, self, "axis")
     feature_axes = canonicalize_axes(x.ndim, self.axis)
     reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
-    scale = self.scale.value if self.scale is not None else None
-    bias = self.bias.value if self.bias is not None else None
-    x, mean, var, scale, bias = self.promote_dtype(
-      (x, self.mean.value, self.var.value, scale, bias), dtype=self.dtype
-    )
+    x, mean, var, scale, bias = promoted(self, x, self.mean, self.var, self.scale, self.bias)
     if not use_running_average:
       if not math.prod(x.shape[a] for a in reduction_axes):
         self._refuse_empty(x.shape, reduction_axes)
-      mean, var = compute_stats(
-        x,
-        reduction_axes,
-        self.dtype,
-        self.axis_name,
-        self.axis_index_groups,
-        use_fast_variance=self.use_fast_variance,
-        mask=mask,
-      )
+      mean, var = layer_stats(self, x, reduction_axes, mask)
       # Batch statistics are a flat (features,) vector whatever the feature axes.
       mean, var = mean.reshape(-1), var.reshape(-1)
       m = self.momentum
@@ -183,10 +162,8 @@ class BatchNorm(Module):
 
   def _refuse_empty(self, shape: tuple, reduction_axes: tuple) -> None:
     # Shapes are static, so this raises while tracing too: before anything is written.
-    path = path_of(self)
-    where = f"BatchNorm at `{format_path(path)}`" if path else "BatchNorm"
     raise ValueError(
-      f"{where}: training on an empty batch (input shape {tuple(shape)}, no entries "
+      f"{named('BatchNorm', self)}: training on an empty batch (input shape {tuple(shape)}, no entries "
       f"along the axes {reduction_axes} it averages over). Its batch statistics would "
       "be NaN, and so, for good, would the running averages `mean` and `var`; nothing "
       "was changed. Fix: skip the step when the batch is empty (e.g. `if "

@@ -13,19 +13,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..core._errors import format_path
+from ..core._frozen import EMPTY as _EMPTY
 from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
-from ..core._variables import path_of
-from ._linear import Initializer
+from ._linear import Initializer, Linear, default_bias_init, named
 from ._rngs_arg import check_rngs
 
 
 def where(module) -> str:
   """``"LSTMCell at `path`"`` (the module's path in its model), or the class name."""
-  path = path_of(module)
-  name = type(module).__name__
-  return f"{name} at `{format_path(path)}`" if path else name
+  return named(type(module).__name__, module)
 
 
 class RNNCellBase(Module):
@@ -61,7 +58,11 @@ class RNNCellBase(Module):
     promote_dtype: Callable,
     keep_rngs: bool,
     rngs: Rngs,
-  ) -> None:
+  ) -> Callable[..., Linear]:
+    """Checks and keeps the arguments every cell takes; returns ``dense(in_features,
+    out_features, kernel_init, kernel_metadata, bias=None)``, which makes a ``Linear``
+    sub-layer in the cell's dtypes from ``rngs`` (``bias``: its ``(init, metadata)``,
+    or None for none)."""
     check_rngs(name, rngs)
     for arg, value in (("in_features", in_features), ("hidden_features", hidden_features)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -92,6 +93,24 @@ class RNNCellBase(Module):
       )
     self.carry_init = carry_init
 
+    def dense(in_features, out_features, kernel_init, kernel_metadata, bias=None) -> Linear:
+      bias_init, bias_metadata = bias or (default_bias_init, _EMPTY)
+      return Linear(
+        in_features,
+        out_features,
+        use_bias=bias is not None,
+        kernel_init=kernel_init,
+        bias_init=bias_init,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        promote_dtype=promote_dtype,
+        rngs=rngs,
+        kernel_metadata=kernel_metadata,
+        bias_metadata=bias_metadata,
+      )
+
+    return dense
+
   @property
   def num_feature_axes(self) -> int:
     """How many trailing axes of the input are features (1 for these cells)."""
@@ -121,8 +140,7 @@ class RNNCellBase(Module):
     if init is None:
       zeros = jnp.zeros(shape, self.param_dtype)
       return (zeros, zeros) if self._carry_arity == 2 else zeros
-    if rngs is None:
-      rngs = self.rngs
+    rngs = self.rngs if rngs is None else rngs
     if isinstance(rngs, Rngs):
       rngs = rngs.carry
     if rngs is None:

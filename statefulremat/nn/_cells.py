@@ -20,7 +20,7 @@ from ..core._frozen import EMPTY as _EMPTY
 from ..core._rngs import Rngs
 from ._cell_base import RNNCellBase
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, Linear, default_bias_init, default_kernel_init
+from ._linear import Initializer, default_bias_init, default_kernel_init
 
 default_recurrent_kernel_init = jax.nn.initializers.orthogonal()
 
@@ -38,35 +38,6 @@ def modified_orthogonal(key: jax.Array, shape: tuple, dtype: Any = jnp.float32) 
   (dtype(bfloat16), True)
   """
   return default_recurrent_kernel_init(key, shape).astype(dtype)
-
-
-def _linear(
-  in_features: int,
-  out_features: int,
-  *,
-  use_bias: bool,
-  kernel_init: Initializer,
-  bias_init: Initializer = default_bias_init,
-  dtype: Any,
-  param_dtype: Any,
-  promote_dtype: Callable,
-  rngs: Rngs,
-  kernel_metadata: Mapping[str, Any],
-  bias_metadata: Mapping[str, Any] = _EMPTY,
-) -> Linear:
-  return Linear(
-    in_features,
-    out_features,
-    use_bias=use_bias,
-    kernel_init=kernel_init,
-    bias_init=bias_init,
-    dtype=dtype,
-    param_dtype=param_dtype,
-    promote_dtype=promote_dtype,
-    rngs=rngs,
-    kernel_metadata=kernel_metadata,
-    bias_metadata=bias_metadata if use_bias else _EMPTY,
-  )
 
 
 class LSTMCell(RNNCellBase):
@@ -141,7 +112,7 @@ class LSTMCell(RNNCellBase):
     recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
     bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
-    self._setup(
+    dense = self._setup(
       "LSTMCell",
       in_features,
       hidden_features,
@@ -154,28 +125,14 @@ class LSTMCell(RNNCellBase):
     )
     self.gate_fn = gate_fn
     self.activation_fn = activation_fn
-    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype, rngs=rngs)
+    bias = (bias_init, bias_metadata)
 
     def dense_i():  # input and recurrent terms are summed: one bias is enough
-      return _linear(
-        in_features,
-        hidden_features,
-        use_bias=False,
-        kernel_init=kernel_init,
-        kernel_metadata=kernel_metadata,
-        **common,
-      )
+      return dense(in_features, hidden_features, kernel_init, kernel_metadata)
 
     def dense_h():
-      return _linear(
-        hidden_features,
-        hidden_features,
-        use_bias=True,
-        kernel_init=recurrent_kernel_init,
-        bias_init=bias_init,
-        kernel_metadata=recurrent_kernel_metadata,
-        bias_metadata=bias_metadata,
-        **common,
+      return dense(
+        hidden_features, hidden_features, recurrent_kernel_init, recurrent_kernel_metadata, bias
       )
 
     self.ii, self.if_, self.ig, self.io = dense_i(), dense_i(), dense_i(), dense_i()
@@ -262,7 +219,7 @@ class OptimizedLSTMCell(RNNCellBase):
     recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
     bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
-    self._setup(
+    dense = self._setup(
       "OptimizedLSTMCell",
       in_features,
       hidden_features,
@@ -275,24 +232,11 @@ class OptimizedLSTMCell(RNNCellBase):
     )
     self.gate_fn = gate_fn
     self.activation_fn = activation_fn
-    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype, rngs=rngs)
-    self.dense_i = _linear(
-      in_features,
-      4 * hidden_features,
-      use_bias=False,
-      kernel_init=kernel_init,
-      kernel_metadata=kernel_metadata,
-      **common,
-    )
-    self.dense_h = _linear(
-      hidden_features,
-      4 * hidden_features,
-      use_bias=True,
-      kernel_init=recurrent_kernel_init,
-      bias_init=bias_init,
-      kernel_metadata=recurrent_kernel_metadata,
-      bias_metadata=bias_metadata,
-      **common,
+    gates = 4 * hidden_features
+    self.dense_i = dense(in_features, gates, kernel_init, kernel_metadata)
+    bias = (bias_init, bias_metadata)
+    self.dense_h = dense(
+      hidden_features, gates, recurrent_kernel_init, recurrent_kernel_metadata, bias
     )
 
   def __call__(self, carry, inputs: jax.Array):
@@ -372,7 +316,7 @@ class SimpleCell(RNNCellBase):
     recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
     bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
-    self._setup(
+    dense = self._setup(
       "SimpleCell",
       in_features,
       hidden_features,
@@ -385,26 +329,12 @@ class SimpleCell(RNNCellBase):
     )
     self.residual = residual
     self.activation_fn = activation_fn
-    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype, rngs=rngs)
     # nnx builds the recurrent layer first: the same draws from rngs.params.
-    self.dense_h = _linear(
-      hidden_features,
-      hidden_features,
-      use_bias=False,
-      kernel_init=recurrent_kernel_init,
-      kernel_metadata=recurrent_kernel_metadata,
-      **common,
+    self.dense_h = dense(
+      hidden_features, hidden_features, recurrent_kernel_init, recurrent_kernel_metadata
     )
-    self.dense_i = _linear(
-      in_features,
-      hidden_features,
-      use_bias=True,
-      kernel_init=kernel_init,
-      bias_init=bias_init,
-      kernel_metadata=kernel_metadata,
-      bias_metadata=bias_metadata,
-      **common,
-    )
+    bias = (bias_init, bias_metadata)
+    self.dense_i = dense(in_features, hidden_features, kernel_init, kernel_metadata, bias)
 
   def __call__(self, carry: jax.Array, inputs: jax.Array):
     """One step: ``(h, x) -> (h', h')``."""
@@ -486,7 +416,7 @@ class GRUCell(RNNCellBase):
     recurrent_kernel_metadata: Mapping[str, Any] = _EMPTY,
     bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
-    self._setup(
+    dense = self._setup(
       "GRUCell",
       in_features,
       hidden_features,
@@ -499,25 +429,10 @@ class GRUCell(RNNCellBase):
     )
     self.gate_fn = gate_fn
     self.activation_fn = activation_fn
-    common = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype, rngs=rngs)
-    self.dense_i = _linear(
-      in_features,
-      3 * hidden_features,
-      use_bias=True,
-      kernel_init=kernel_init,
-      bias_init=bias_init,
-      kernel_metadata=kernel_metadata,
-      bias_metadata=bias_metadata,
-      **common,
-    )
-    self.dense_h = _linear(
-      hidden_features,
-      3 * hidden_features,
-      use_bias=False,
-      kernel_init=recurrent_kernel_init,
-      kernel_metadata=recurrent_kernel_metadata,
-      **common,
-    )
+    gates = 3 * hidden_features
+    bias = (bias_init, bias_metadata)
+    self.dense_i = dense(in_features, gates, kernel_init, kernel_metadata, bias)
+    self.dense_h = dense(hidden_features, gates, recurrent_kernel_init, recurrent_kernel_metadata)
 
   def __call__(self, carry: jax.Array, inputs: jax.Array):
     """One step: ``(h, x) -> (h', h')``."""

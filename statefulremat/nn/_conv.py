@@ -11,12 +11,19 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from ..core._frozen import EMPTY as _EMPTY
-from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
-from ._linear import Initializer, default_bias_init, default_kernel_init, located
+from ._linear import (
+  Initializer,
+  default_bias_init,
+  default_kernel_init,
+  located,
+  not_none,
+  param_maker,
+  promoted,
+)
 from ._rngs_arg import check_rngs
 
 
@@ -31,28 +38,6 @@ def per_axis(x, rank: int) -> tuple[int, ...]:
   """A stride or dilation as one int per spatial axis (``None`` is 1)."""
   x = 1 if x is None else x
   return (x,) * rank if isinstance(x, int) else tuple(x)
-
-
-def kernel_and_bias(
-  kernel_shape: tuple,
-  out_features: int,
-  use_bias: bool,
-  kernel_init,
-  bias_init,
-  param_dtype,
-  kernel_metadata,
-  bias_metadata,
-  rngs,
-):
-  """The ``kernel`` and ``bias`` Params of Conv and ConvTranspose (bias None if unused),
-  drawn in that order from ``rngs.params``, as nnx draws them."""
-  kernel = Param(kernel_init(rngs.params(), kernel_shape, param_dtype), **(kernel_metadata or {}))
-  bias = (
-    Param(bias_init(rngs.params(), (out_features,), param_dtype), **(bias_metadata or {}))
-    if use_bias
-    else None
-  )
-  return kernel, bias
 
 
 def canonicalize_padding(padding: Any, rank: int) -> Any:
@@ -240,17 +225,9 @@ class Conv(Module):
       )
     canonicalize_padding(padding, len(kernel_size))  # fail early on a bad padding
     self.kernel_shape = kernel_size + (in_features // feature_group_count, out_features)
-    self.kernel, self.bias = kernel_and_bias(
-      self.kernel_shape,
-      out_features,
-      use_bias,
-      kernel_init,
-      bias_init,
-      param_dtype,
-      kernel_metadata,
-      bias_metadata,
-      rngs,
-    )
+    param = param_maker(rngs, param_dtype)
+    self.kernel = param(kernel_init, self.kernel_shape, kernel_metadata)
+    self.bias = param(bias_init, (out_features,), bias_metadata) if use_bias else None
     self.in_features = in_features
     self.out_features = out_features
     self.kernel_size = kernel_size
@@ -267,9 +244,6 @@ class Conv(Module):
     self.promote_dtype = promote_dtype
     self.preferred_element_type = preferred_element_type
 
-  def _per_axis(self, x) -> tuple[int, ...]:
-    return per_axis(x, len(self.kernel_size))
-
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
     """Convolves ``inputs`` of shape ``(*batch, *spatial, in_features)``.
 
@@ -284,9 +258,9 @@ class Conv(Module):
     if n_batch != 1:
       batch_shape = inputs.shape[:n_batch]
       inputs = jnp.reshape(inputs, (-1,) + inputs.shape[n_batch:])
-    strides = self._per_axis(self.strides)
-    input_dilation = self._per_axis(self.input_dilation)
-    kernel_dilation = self._per_axis(self.kernel_dilation)
+    strides = per_axis(self.strides, n_spatial)
+    input_dilation = per_axis(self.input_dilation, n_spatial)
+    kernel_dilation = per_axis(self.kernel_dilation, n_spatial)
 
     padding = canonicalize_padding(self.padding, n_spatial)
     if padding in ("CIRCULAR", "REFLECT"):
@@ -307,15 +281,12 @@ class Conv(Module):
     rhs_spec = (ndim - 1, ndim - 2) + tuple(range(0, ndim - 2))
     dimension_numbers = lax.ConvDimensionNumbers(lhs_spec, rhs_spec, lhs_spec)
 
-    bias = self.bias.value if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias), dtype=self.dtype)
+    inputs, kernel, bias = promoted(self, inputs, self.kernel, self.bias)
     if out_sharding is None and (specs := explicit_specs("Conv", inputs=inputs, kernel=kernel)):
       # Explicit mesh axes: the input's batch (and spatial) axes, the kernel's output
       # channels.
       out_sharding = sharding_like(specs[0][:-1] + specs[1][-1:], specs)
-    kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
-    if self.preferred_element_type is not None:
-      kwargs["preferred_element_type"] = self.preferred_element_type
+    kwargs = not_none(out_sharding=out_sharding, preferred_element_type=self.preferred_element_type)
     y = self.conv_general_dilated(
       inputs,
       kernel,

@@ -13,9 +13,9 @@ from jax.ad_checkpoint import checkpoint_name
 from ..core._frozen import EMPTY as _EMPTY
 from ..core._module import Module
 from ..core._rngs import Rngs
-from ._conv import _freeze, canonicalize_padding, check_conv_input, kernel_and_bias, per_axis
+from ._conv import _freeze, canonicalize_padding, check_conv_input, per_axis
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, default_bias_init, default_kernel_init
+from ._linear import Initializer, default_bias_init, default_kernel_init, param_maker, promoted
 from ._rngs_arg import check_rngs
 
 
@@ -103,17 +103,9 @@ class ConvTranspose(Module):
     canonicalize_padding(padding, len(kernel_size))  # fail early on a bad padding
     channels = (out_features, in_features) if transpose_kernel else (in_features, out_features)
     self.kernel_shape = kernel_size + channels
-    self.kernel, self.bias = kernel_and_bias(
-      self.kernel_shape,
-      out_features,
-      use_bias,
-      kernel_init,
-      bias_init,
-      param_dtype,
-      kernel_metadata,
-      bias_metadata,
-      rngs,
-    )
+    param = param_maker(rngs, param_dtype)
+    self.kernel = param(kernel_init, self.kernel_shape, kernel_metadata)
+    self.bias = param(bias_init, (out_features,), bias_metadata) if use_bias else None
     self.in_features = in_features
     self.out_features = out_features
     self.kernel_size = kernel_size
@@ -128,9 +120,6 @@ class ConvTranspose(Module):
     self.promote_dtype = promote_dtype
     self.preferred_element_type = preferred_element_type
 
-  def _per_axis(self, x) -> tuple[int, ...]:
-    return per_axis(x, len(self.kernel_size))
-
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """Applies the transposed convolution to ``inputs`` ``(*batch, *spatial, in_features)``."""
     check_conv_input("ConvTranspose", inputs, self.kernel_size, self.in_features, self)
@@ -139,16 +128,15 @@ class ConvTranspose(Module):
     batch_shape = inputs.shape[:n_batch]
     if n_batch != 1:
       inputs = jnp.reshape(inputs, (-1,) + inputs.shape[n_batch:])
-    strides = self._per_axis(self.strides)
+    strides = per_axis(self.strides, n_spatial)
     padding = canonicalize_padding(self.padding, n_spatial)
-    bias = self.bias.value if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias), dtype=self.dtype)
+    inputs, kernel, bias = promoted(self, inputs, self.kernel, self.bias)
     y = lax.conv_transpose(
       inputs,
       kernel,
       strides,
       "VALID" if padding == "CIRCULAR" else padding,
-      rhs_dilation=self._per_axis(self.kernel_dilation),
+      rhs_dilation=per_axis(self.kernel_dilation, n_spatial),
       transpose_kernel=self.transpose_kernel,
       precision=self.precision,
       preferred_element_type=self.preferred_element_type,

@@ -95,8 +95,7 @@ class Dropout(Module):
 
     Under explicit mesh axes the mask is drawn with the input's sharding.
     """
-    if deterministic is None:
-      deterministic = self.deterministic
+    deterministic = self.deterministic if deterministic is None else deterministic
     if deterministic is None:
       raise ValueError(
         "Dropout does not know whether it is training: its deterministic is None. "

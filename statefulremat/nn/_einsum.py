@@ -10,11 +10,18 @@ import jax
 import jax.numpy as jnp
 
 from ..core._frozen import EMPTY as _EMPTY
-from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, default_bias_init, default_kernel_init, located
+from ._linear import (
+  Initializer,
+  default_bias_init,
+  default_kernel_init,
+  located,
+  not_none,
+  param_maker,
+  promoted,
+)
 from ._rngs_arg import check_rngs
 
 
@@ -116,14 +123,9 @@ class Einsum(Module):
         "Fix: one kernel_shape entry per letter of the second operand."
       )
     bias_shape = None if bias_shape is None else tuple(bias_shape)
-    self.kernel = Param(
-      kernel_init(rngs.params(), kernel_shape, param_dtype), **(kernel_metadata or {})
-    )
-    self.bias = (
-      None
-      if bias_shape is None
-      else Param(bias_init(rngs.params(), bias_shape, param_dtype), **(bias_metadata or {}))
-    )
+    param = param_maker(rngs, param_dtype)
+    self.kernel = param(kernel_init, kernel_shape, kernel_metadata)
+    self.bias = None if bias_shape is None else param(bias_init, bias_shape, bias_metadata)
     self.einsum_str = einsum_str
     self.kernel_shape = kernel_shape
     self.bias_shape = bias_shape
@@ -141,12 +143,8 @@ class Einsum(Module):
     einsum_str = _check_einsum_str(self.einsum_str if einsum_str is None else einsum_str)
     lhs, rhs, out = self._terms(einsum_str, jnp.ndim(inputs))
     self._check_input(einsum_str, lhs, rhs, inputs)
-    bias = self.bias.value if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias), dtype=self.dtype)
-    # Only pass what is set, so a user's einsum_op without these keywords works.
-    kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
-    if self.preferred_element_type is not None:
-      kwargs["preferred_element_type"] = self.preferred_element_type
+    inputs, kernel, bias = promoted(self, inputs, self.kernel, self.bias)
+    kwargs = not_none(out_sharding=out_sharding, preferred_element_type=self.preferred_element_type)
     y = self.einsum_op(einsum_str, inputs, kernel, precision=self.precision, **kwargs)
     if bias is not None:
       # The bias covers the output's axes that come from the kernel, in their order.

@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 
 from ..core._frozen import EMPTY as _EMPTY
-from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
-from ._linear import Initializer, check_features, located
+from ._linear import Initializer, check_features, located, param_maker
 from ._rngs_arg import check_rngs
 
 default_embed_init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
@@ -56,10 +55,8 @@ class Embed(Module):
     embedding_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("Embed", rngs)
-    self.embedding = Param(
-      embedding_init(rngs.params(), (num_embeddings, features), param_dtype),
-      **(embedding_metadata or {}),
-    )
+    param = param_maker(rngs, param_dtype)
+    self.embedding = param(embedding_init, (num_embeddings, features), embedding_metadata)
     self.num_embeddings = num_embeddings
     self.features = features
     self.dtype = dtype or self.embedding.dtype

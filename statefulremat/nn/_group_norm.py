@@ -13,45 +13,18 @@ import jax
 import jax.numpy as jnp
 
 from ..core._frozen import EMPTY as _EMPTY
-from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, located
+from ._linear import Initializer, located, param_maker, promoted
 from ._normalization import (
   canonicalize_axes,
   check_feature_axes,
-  compute_stats,
   freeze_axes,
+  layer_stats,
   normalize,
 )
 from ._rngs_arg import check_rngs
-
-
-def _scale_bias(
-  layer,
-  num_features,
-  use_scale,
-  use_bias,
-  scale_init,
-  bias_init,
-  param_dtype,
-  rngs,
-  scale_metadata,
-  bias_metadata,
-):
-  """Sets ``layer.scale`` then ``layer.bias`` (that order of keys, as nnx)."""
-  shape = (num_features,)
-  layer.scale = (
-    Param(scale_init(rngs.params(), shape, param_dtype), **(scale_metadata or {}))
-    if use_scale
-    else None
-  )
-  layer.bias = (
-    Param(bias_init(rngs.params(), shape, param_dtype), **(bias_metadata or {}))
-    if use_bias
-    else None
-  )
 
 
 class GroupNorm(Module):
@@ -102,9 +75,6 @@ class GroupNorm(Module):
   ((2, 5, 6), (6,), 1.0)
   """
 
-  scale: Param | None  # set by _init_scale_bias
-  bias: Param | None
-
   def __init__(
     self,
     num_features: int,
@@ -147,18 +117,9 @@ class GroupNorm(Module):
         f"{num_features}. Fix: a num_groups among the divisors of {num_features} "
         "(the default is 32)."
       )
-    _scale_bias(
-      self,
-      num_features,
-      use_scale,
-      use_bias,
-      scale_init,
-      bias_init,
-      param_dtype,
-      rngs,
-      scale_metadata,
-      bias_metadata,
-    )
+    param = param_maker(rngs, param_dtype)
+    self.scale = param(scale_init, (num_features,), scale_metadata) if use_scale else None
+    self.bias = param(bias_init, (num_features,), bias_metadata) if use_bias else None
     self.feature_axis = -1
     self.num_features = num_features
     self.num_groups = num_groups
@@ -187,26 +148,15 @@ class GroupNorm(Module):
         )
       )
     check_feature_axes("GroupNorm", x, -1, self.num_features, self)
-    if self.reduction_axes is not None:
-      reduction_axes = self.reduction_axes
-    else:
+    reduction_axes = self.reduction_axes
+    if reduction_axes is None:
       reduction_axes = list(range(1, x.ndim - 1)) + [-1]
     reduction_axes = canonicalize_axes(x.ndim, reduction_axes)
     groups = x.shape[:-1] + (self.num_groups, self.group_size)
     if mask is not None:
       mask = mask.reshape(mask.shape[:-1] + (self.num_groups, self.group_size))
-    scale = self.scale.value if self.scale is not None else None
-    bias = self.bias.value if self.bias is not None else None
-    x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-    mean, var = compute_stats(
-      x.reshape(groups),
-      list(reduction_axes[:-1]) + [-1],
-      self.dtype,
-      self.axis_name,
-      self.axis_index_groups,
-      use_fast_variance=self.use_fast_variance,
-      mask=mask,
-    )
+    x, scale, bias = promoted(self, x, self.scale, self.bias)
+    mean, var = layer_stats(self, x.reshape(groups), list(reduction_axes[:-1]) + [-1], mask)
     # The groups axis is the statistics' last; nnx repeats along axis 1, the same
     # for the default reduction axes and wrong (silently) for others.
     mean = jnp.repeat(mean, self.group_size, axis=-1)
@@ -255,9 +205,6 @@ class InstanceNorm(Module):
   ((2, 8, 3), True)
   """
 
-  scale: Param | None  # set by _init_scale_bias
-  bias: Param | None
-
   def __init__(
     self,
     num_features: int,
@@ -279,18 +226,9 @@ class InstanceNorm(Module):
     scale_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("InstanceNorm", rngs)
-    _scale_bias(
-      self,
-      num_features,
-      use_scale,
-      use_bias,
-      scale_init,
-      bias_init,
-      param_dtype,
-      rngs,
-      scale_metadata,
-      bias_metadata,
-    )
+    param = param_maker(rngs, param_dtype)
+    self.scale = param(scale_init, (num_features,), scale_metadata) if use_scale else None
+    self.bias = param(bias_init, (num_features,), bias_metadata) if use_bias else None
     self.num_features = num_features
     self.epsilon = epsilon
     self.dtype = dtype
@@ -318,18 +256,8 @@ class InstanceNorm(Module):
         )
       )
     reduction_axes = [i for i in range(1, x.ndim) if i not in feature_axes]
-    scale = self.scale.value if self.scale is not None else None
-    bias = self.bias.value if self.bias is not None else None
-    x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-    mean, var = compute_stats(
-      x,
-      reduction_axes,
-      self.dtype,
-      self.axis_name,
-      self.axis_index_groups,
-      use_fast_variance=self.use_fast_variance,
-      mask=mask,
-    )
+    x, scale, bias = promoted(self, x, self.scale, self.bias)
+    mean, var = layer_stats(self, x, reduction_axes, mask)
     return normalize(
       x, mean, var, scale, bias, reduction_axes, feature_axes, self.dtype, self.epsilon
     )

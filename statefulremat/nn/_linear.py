@@ -16,7 +16,7 @@ from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
-from ..core._variables import path_of
+from ..core._variables import Variable, path_of
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
 from ._rngs_arg import check_rngs
@@ -26,6 +26,38 @@ Initializer = Callable[..., jax.Array]
 
 default_kernel_init = jax.nn.initializers.lecun_normal()
 default_bias_init = jax.nn.initializers.zeros
+
+
+def param_maker(rngs: Rngs, dtype: Any, kind: type = Param) -> Callable[..., Param[jax.Array]]:
+  """``param(init, shape, metadata={})``: the ``kind`` Variable (a ``Param``) of
+  ``init(rngs.params(), shape, dtype)`` with ``metadata``, as every layer makes its
+  parameters (a key per call)."""
+
+  def param(
+    init: Initializer, shape: tuple, metadata: Mapping[str, Any] = _EMPTY
+  ) -> Param[jax.Array]:
+    return kind(init(rngs.params(), shape, dtype), **(metadata or {}))
+
+  return param
+
+
+def promoted(layer: Any, x: Any, *variables: Variable | None) -> tuple:
+  """``x`` and the values of ``variables`` (``None`` kept) through ``layer.promote_dtype``
+  to ``layer.dtype``."""
+  values = (None if v is None else v.value for v in variables)
+  return layer.promote_dtype((x, *values), dtype=layer.dtype)
+
+
+def not_none(**options: Any) -> dict[str, Any]:
+  """The ``options`` that are not None: only what is set is passed, so a user's
+  contraction (``dot_general``, ``einsum_op``, ...) without these keywords works."""
+  return {name: value for name, value in options.items() if value is not None}
+
+
+def named(name: str, module: Any) -> str:
+  """``name at `path``` where ``module`` sits in its model, or ``name`` if it is alone."""
+  path = path_of(module)
+  return f"{name} at `{format_path(path)}`" if path else name
 
 
 def located(message: str, module: Any = None) -> str:
@@ -135,15 +167,9 @@ class Linear(Module):
     bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("Linear", rngs)
-    self.kernel = Param(
-      kernel_init(rngs.params(), (in_features, out_features), param_dtype),
-      **(kernel_metadata or {}),
-    )
-    self.bias = (
-      Param(bias_init(rngs.params(), (out_features,), param_dtype), **(bias_metadata or {}))
-      if use_bias
-      else None
-    )
+    param = param_maker(rngs, param_dtype)
+    self.kernel = param(kernel_init, (in_features, out_features), kernel_metadata)
+    self.bias = param(bias_init, (out_features,), bias_metadata) if use_bias else None
     self.in_features = in_features
     self.out_features = out_features
     self.use_bias = use_bias
@@ -162,8 +188,7 @@ class Linear(Module):
     ``out_sharding`` is given; elsewhere ``out_sharding`` is passed to ``dot_general``.
     """
     check_features(type(self).__name__, inputs, -1, self.in_features, module=self)
-    bias = self.bias.value if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias), dtype=self.dtype)
+    inputs, kernel, bias = promoted(self, inputs, self.kernel, self.bias)
     if out_sharding is None and (specs := explicit_specs("Linear", inputs=inputs, kernel=kernel)):
       # Explicit mesh axes: the input's batch axes, then the kernel's output axis.
       out_sharding = sharding_like(specs[0][:-1] + specs[1][1:], specs)
@@ -175,10 +200,7 @@ class Linear(Module):
         precision=self.precision,
         preferred_element_type=self.preferred_element_type,
       )
-    # Only pass what is set, so a user's dot_general without these keywords works.
-    kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
-    if self.preferred_element_type is not None:
-      kwargs["preferred_element_type"] = self.preferred_element_type
+    kwargs = not_none(out_sharding=out_sharding, preferred_element_type=self.preferred_element_type)
     return _add_bias(
       self.dot_general(inputs, kernel, _last_axis(inputs), precision=self.precision, **kwargs), bias
     )

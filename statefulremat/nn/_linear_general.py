@@ -16,7 +16,7 @@ from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
-from ._linear import Initializer, default_bias_init, default_kernel_init
+from ._linear import Initializer, default_bias_init, default_kernel_init, not_none, promoted
 from ._rngs_arg import check_rngs
 
 
@@ -150,8 +150,7 @@ class LinearGeneral(Module):
     expanded_batch_shape = tuple(
       inputs.shape[ax] if ax in batch_axis else 1 for ax in range(ndim) if ax not in axis
     )
-    bias = self.bias.value if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, self.kernel.value, bias), dtype=self.dtype)
+    inputs, kernel, bias = promoted(self, inputs, self.kernel, self.bias)
     if out_sharding is None and (
       specs := explicit_specs("LinearGeneral", inputs=inputs, kernel=kernel)
     ):
@@ -163,9 +162,7 @@ class LinearGeneral(Module):
         [xs[ax] for ax in batch_axis] + free + list(ks[n_batch + len(axis) :]), specs
       )
     dot_general = self.dot_general or lax.dot_general
-    kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
-    if self.preferred_element_type is not None:
-      kwargs["preferred_element_type"] = self.preferred_element_type
+    kwargs = not_none(out_sharding=out_sharding, preferred_element_type=self.preferred_element_type)
     contract = tuple(range(n_batch, n_batch + len(axis)))
     out = dot_general(
       inputs,

@@ -19,7 +19,7 @@ from ..core._module import Module
 from ..core._rngs import Rngs
 from ..core._variables import A
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Linear, check_features
+from ._linear import Linear, check_features, param_maker
 from ._rngs_arg import check_rngs
 
 default_a_initializer = jax.nn.initializers.he_uniform()
@@ -109,12 +109,9 @@ class LoRA(Module):
     self.lora_param_type = lora_param_type
     self.base_module = base_module
     self.promote_dtype = promote_dtype
-    self.lora_a = lora_param_type(
-      a_initializer(rngs.params(), (in_features, lora_rank), param_dtype), **(a_metadata or {})
-    )
-    self.lora_b = lora_param_type(
-      b_initializer(rngs.params(), (lora_rank, out_features), param_dtype), **(b_metadata or {})
-    )
+    param = param_maker(rngs, param_dtype, lora_param_type)
+    self.lora_a = param(a_initializer, (in_features, lora_rank), a_metadata)
+    self.lora_b = param(b_initializer, (lora_rank, out_features), b_metadata)
 
   def __call__(self, x: jax.Array, **kwargs: Any) -> jax.Array:
     """``x @ lora_a @ lora_b`` (+ ``base_module(x, **kwargs)``) over ``x``'s last axis."""

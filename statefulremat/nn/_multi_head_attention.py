@@ -7,7 +7,6 @@ The key/value cache it decodes with (the step's checks and writes) is in
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,23 +14,22 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..core._errors import format_path
 from ..core._frozen import EMPTY as _EMPTY
 from ..core._kinds import Cache
 from ..core._module import Module
 from ..core._rngs import Rngs, RngStream
 from ..core._stacks import per_layer
-from ..core._variables import Variable, path_of
+from ..core._variables import Variable
 from ._attention import dot_product_attention
 from ._attention_cache import cache_slot, cache_write
 from ._attention_fn import call_attention_fn, check_attention_fn
 from ._dropout import draw_key
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, default_kernel_init
+from ._linear import Initializer, default_kernel_init, named
 from ._linear_general import LinearGeneral
 from ._normalization import LayerNorm
 from ._rngs_arg import check_rngs
-from ._rope import check_positions, rope
+from ._rope import check_positions, is_real, rope
 
 
 class MultiHeadAttention(Module):
@@ -232,11 +230,7 @@ class MultiHeadAttention(Module):
       )
     self.head_dim = self.qkv_features // self.num_heads
     if rope_base is not None:
-      if (
-        not isinstance(rope_base, numbers.Real)
-        or isinstance(rope_base, bool)
-        or not (rope_base > 0)
-      ):
+      if not is_real(rope_base) or not rope_base > 0:
         raise ValueError(
           f"MultiHeadAttention: rope_base={rope_base!r} must be a positive number, the "
           "base of the rotary embeddings' wavelengths. Fix: rope_base=10000.0 (Llama "
@@ -298,20 +292,14 @@ class MultiHeadAttention(Module):
       self.query_ln = norm(scale_metadata=query_ln_scale_metadata)
       self.key_ln = norm(scale_metadata=key_ln_scale_metadata)
     else:
-      self.query_ln = None
-      self.key_ln = None
-    self.out = LinearGeneral(
+      self.query_ln = self.key_ln = None
+    self.out = linear(
       (self.num_heads, self.head_dim),
       self.out_features,
       axis=(-2, -1),
       kernel_init=out_kernel_init or kernel_init,
       bias_init=out_bias_init or bias_init,
-      use_bias=use_bias,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      precision=precision,
       promote_dtype=out_promote_dtype,
-      rngs=rngs,
       kernel_metadata=out_kernel_metadata or kernel_metadata,
       bias_metadata=out_bias_metadata or bias_metadata,
     )
@@ -354,8 +342,7 @@ class MultiHeadAttention(Module):
           "use one array for both, pass it as inputs_k and leave inputs_v None."
         )
       inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
+    inputs_v = inputs_k if inputs_v is None else inputs_v
     self._check_inputs(inputs_q, inputs_k, inputs_v)
     if positions is not None and self.rope_base is None:
       raise ValueError(
@@ -386,8 +373,7 @@ class MultiHeadAttention(Module):
 
     dropout_rng = None
     if self.dropout_rate > 0.0:
-      if deterministic is None:
-        deterministic = self.deterministic
+      deterministic = self.deterministic if deterministic is None else deterministic
       if deterministic is None:
         raise ValueError(
           "MultiHeadAttention has dropout_rate > 0 but its deterministic is None. Set "
@@ -464,8 +450,7 @@ class MultiHeadAttention(Module):
     return rope(query, positions, base=base), rope(key, positions, base=base)
 
   def _where(self) -> str:
-    path = path_of(self)
-    return f"MultiHeadAttention at `{format_path(path)}`" if path else "MultiHeadAttention"
+    return named("MultiHeadAttention", self)
 
   def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
     """Creates the ``Cache`` Variables for decoding inputs ``(batch..., max_length, features)``.

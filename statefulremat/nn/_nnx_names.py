@@ -25,35 +25,9 @@ from __future__ import annotations
 # The package's names an nnx or linen user may look for in sr.nn (nnx keeps them beside
 # its layers).
 AT_TOP = frozenset(
-  (
-    "Module",
-    "Variable",
-    "Param",
-    "BatchStat",
-    "Cache",
-    "Intermediate",
-    "Rngs",
-    "RngStream",
-    "State",
-    "Optimizer",
-    "jit",
-    "grad",
-    "value_and_grad",
-    "remat",
-    "scan",
-    "vmap",
-    "split",
-    "merge",
-    "state",
-    "update",
-    "graphdef",
-    "clone",
-    "pop",
-    "iter_graph",
-    "summary",
-    "display",
-    "eval_shape",
-  )
+  "Module Variable Param BatchStat Cache Intermediate Rngs RngStream State Optimizer jit grad "
+  "value_and_grad remat scan vmap split merge state update graphdef clone pop iter_graph "
+  "summary display eval_shape".split()
 )
 
 _SUMMARY = "use sr.summary(model, *inputs) (or sr.display(model) for the tree)"
@@ -75,15 +49,10 @@ SPELLED_DIFFERENTLY: dict[str, str] = {
   "List": "use sr.ModuleList, or simply assign a list to a Module attribute",
   "Object": "use sr.Module",
   "Pytree": f"use sr.Module ({_NO_ANNOTATION})",
-  "data": _NO_ANNOTATION,
-  "static": _NO_ANNOTATION,
-  "Data": _NO_ANNOTATION,
-  "Static": _NO_ANNOTATION,
-  "dataclass": _NO_ANNOTATION,
-  "is_data": _NO_ANNOTATION,
-  "has_data": _NO_ANNOTATION,
-  "register_data_type": _NO_ANNOTATION,
-  "check_pytree": _NO_ANNOTATION,
+  **dict.fromkeys(
+    "data static Data Static dataclass is_data has_data register_data_type check_pytree".split(),
+    _NO_ANNOTATION,
+  ),
   "graph": (
     "use the top-level functions: sr.split, sr.merge, sr.update, sr.state, "
     "sr.graphdef, sr.clone, sr.pop, sr.iter_graph"
@@ -207,9 +176,10 @@ SPELLED_DIFFERENTLY: dict[str, str] = {
   "optimizer": "use sr.Optimizer(model, tx)",
   "bridge": "use sr.interop (from_linen / to_linen / from_nnx / to_nnx)",
   "compat": "use sr.interop (from_linen / to_linen / from_nnx / to_nnx)",
-  "Metric": "statefulremat has no metrics: keep running sums in a plain Python loop",
-  "MultiMetric": "statefulremat has no metrics: keep running sums in a plain Python loop",
-  "metrics": "statefulremat has no metrics: keep running sums in a plain Python loop",
+  **dict.fromkeys(
+    ("Metric", "MultiMetric", "metrics"),
+    "statefulremat has no metrics: keep running sums in a plain Python loop",
+  ),
   "EMA": "use optax.ema (or keep an sr.clone(model) and blend its State)",
   "Initializer": "use jax.nn.initializers.Initializer (the type of sr.nn.initializers)",
 }

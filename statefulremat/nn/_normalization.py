@@ -7,6 +7,7 @@ zero by default, and ``(x - mean) * rsqrt(var + epsilon) * scale + bias``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -15,12 +16,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core._frozen import EMPTY as _EMPTY
-from ..core._kinds import Param
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import canonicalize_dtype
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, located
+from ._linear import Initializer, located, param_maker, promoted
 from ._rngs_arg import check_rngs
 
 
@@ -88,6 +88,21 @@ def compute_stats(
   (mu,) = means(x)
   (var,) = means(_abs_sq(x - jnp.expand_dims(mu, axes)))
   return mu, var
+
+
+def layer_stats(layer: Any, x: jax.Array, axes, mask, use_mean: bool = True):
+  """``compute_stats`` with ``layer``'s ``dtype``, ``axis_name``, ``axis_index_groups``
+  and ``use_fast_variance``."""
+  return compute_stats(
+    x,
+    axes,
+    layer.dtype,
+    layer.axis_name,
+    layer.axis_index_groups,
+    use_mean=use_mean,
+    use_fast_variance=layer.use_fast_variance,
+    mask=mask,
+  )
 
 
 def normalize(
@@ -185,17 +200,9 @@ class LayerNorm(Module):
     scale_metadata: Mapping[str, Any] = _EMPTY,
   ):
     check_rngs("LayerNorm", rngs)
-    shape = (num_features,)
-    self.scale = (
-      Param(scale_init(rngs.params(), shape, param_dtype), **(scale_metadata or {}))
-      if use_scale
-      else None
-    )
-    self.bias = (
-      Param(bias_init(rngs.params(), shape, param_dtype), **(bias_metadata or {}))
-      if use_bias
-      else None
-    )
+    param = param_maker(rngs, param_dtype)
+    self.scale = param(scale_init, (num_features,), scale_metadata) if use_scale else None
+    self.bias = param(bias_init, (num_features,), bias_metadata) if use_bias else None
     self.num_features = num_features
     self.epsilon = epsilon
     self.dtype = dtype
@@ -212,18 +219,8 @@ class LayerNorm(Module):
   def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
     """Normalises ``x``; ``mask`` (same rank) restricts the statistics to its entries."""
     check_feature_axes("LayerNorm", x, self.feature_axes, self.num_features, self)
-    scale = self.scale.value if self.scale is not None else None
-    bias = self.bias.value if self.bias is not None else None
-    x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-    mean, var = compute_stats(
-      x,
-      self.reduction_axes,
-      self.dtype,
-      self.axis_name,
-      self.axis_index_groups,
-      use_fast_variance=self.use_fast_variance,
-      mask=mask,
-    )
+    x, scale, bias = promoted(self, x, self.scale, self.bias)
+    mean, var = layer_stats(self, x, self.reduction_axes, mask)
     return normalize(
       x, mean, var, scale, bias, self.reduction_axes, self.feature_axes, self.dtype, self.epsilon
     )
@@ -309,11 +306,8 @@ class RMSNorm(Module):
     if scale_init is None:
       zeros, ones = jax.nn.initializers.zeros, jax.nn.initializers.ones
       scale_init = zeros if add_unit_offset else ones
-    self.scale = (
-      Param(scale_init(rngs.params(), (num_features,), param_dtype), **(scale_metadata or {}))
-      if use_scale
-      else None
-    )
+    param = param_maker(rngs, param_dtype)
+    self.scale = param(scale_init, (num_features,), scale_metadata) if use_scale else None
     self.num_features = num_features
     self.epsilon = epsilon
     self.dtype = dtype
@@ -330,20 +324,10 @@ class RMSNorm(Module):
   def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Normalises ``x``; ``mask`` (same rank) restricts the statistics to its entries."""
     check_feature_axes("RMSNorm", x, self.feature_axes, self.num_features, self)
-    scale = self.scale.value if self.scale is not None else None
-    x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+    x, scale = promoted(self, x, self.scale)
     if scale is not None and self.add_unit_offset:
       scale = 1 + scale
-    mean, var = compute_stats(
-      x,
-      self.reduction_axes,
-      self.dtype,
-      self.axis_name,
-      self.axis_index_groups,
-      use_mean=False,
-      use_fast_variance=self.use_fast_variance,
-      mask=mask,
-    )
+    mean, var = layer_stats(self, x, self.reduction_axes, mask, use_mean=False)
     return normalize(
       x, mean, var, scale, None, self.reduction_axes, self.feature_axes, self.dtype, self.epsilon
     )
@@ -370,9 +354,7 @@ def check_feature_axes(
       )
     )
   axes = canonicalize_axes(x.ndim, axes)
-  size = 1
-  for a in axes:
-    size *= x.shape[a]
+  size = math.prod(x.shape[a] for a in axes)
   if size != num_features:
     expected = ""
     if len(axes) == 1:

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._conv import per_axis
+
 
 def _window(name: str, window_shape: Any, strides: Any, padding: Any, inputs: jax.Array) -> tuple:
   """``window_shape``, ``strides`` and ``padding`` checked against ``inputs``."""
@@ -38,11 +40,7 @@ def _window(name: str, window_shape: Any, strides: Any, padding: Any, inputs: ja
       f"{tuple(inputs.shape)}. Fix: `x.astype(jnp.float32)`."
     )
   n = len(window_shape)
-  strides = (
-    (1,) * n
-    if strides is None
-    else ((strides,) * n if isinstance(strides, int) else tuple(strides))
-  )
+  strides = per_axis(strides, n)
   if len(strides) != n:
     raise ValueError(
       f"{name}: strides={strides} has {len(strides)} entries but window_shape="

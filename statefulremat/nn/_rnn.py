@@ -258,8 +258,7 @@ class RNN(Module):
         f"inputs of shape {shape} have batch shape {batch}: one length per sequence. "
         f"Fix: pass an int array of shape {batch}."
       )
-    if rngs is None:
-      rngs = self.rngs
+    rngs = self.rngs if rngs is None else rngs
     carry = cell.initialize_carry(step_shape, rngs) if initial_carry is None else initial_carry
     if isinstance(cell, RNNCellBase):
       # Here, with the cell's path, not as a tracer-shape error deep in the scan.
@@ -363,8 +362,7 @@ class Bidirectional(Module):
     del reverse, keep_order  # the two directions are this layer's own
     time_major = self.time_major if time_major is None else time_major
     return_carry = self.return_carry if return_carry is None else return_carry
-    if rngs is None:
-      rngs = self.rngs
+    rngs = self.rngs if rngs is None else rngs
     if isinstance(rngs, Rngs):
       rngs = rngs.carry
     forward, backward = (None, None) if initial_carry is None else initial_carry

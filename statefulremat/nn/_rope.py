@@ -18,6 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def is_real(x) -> bool:
+  """Whether ``x`` is a real number (a ``bool`` is not)."""
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def check_rope_input(where: str, x: jax.Array, fix: str) -> None:
   """Raises a ValueError, prefixed by ``where``, unless ``x`` is a float
   ``[..., length, heads, head_dim]`` with an even ``head_dim``."""
@@ -107,11 +112,7 @@ def rope(
   x = jnp.asarray(x)
   check_rope_input("sr.nn.rope", x, "give the heads an even size.")
   check_positions("sr.nn.rope", positions, x.shape)
-  if (
-    not isinstance(scale_factor, numbers.Real)
-    or isinstance(scale_factor, bool)
-    or not scale_factor >= 1.0
-  ):
+  if not is_real(scale_factor) or not scale_factor >= 1.0:
     raise ValueError(
       f"sr.nn.rope: scale_factor={scale_factor!r} must be a number >= 1.0: it divides "
       "the angles (positions / scale_factor), stretching the context it was trained "

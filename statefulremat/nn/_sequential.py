@@ -62,11 +62,7 @@ class Sequential(Module):
 
   def __call__(self, *args, rngs=None, **kwargs) -> Any:
     if not self.layers:
-      if len(args) == 1:
-        return args[0]
-      if args:
-        return args
-      return kwargs if kwargs else None
+      return args[0] if len(args) == 1 else (args or kwargs or None)
     output = None
     for i, layer in enumerate(self.layers):
       if i > 0:

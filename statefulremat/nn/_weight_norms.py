@@ -15,6 +15,7 @@ same). A first call computes what nnx's first call computes, gradients included.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -30,7 +31,7 @@ from ..core._rngs import Rngs
 from ..core._variables import Variable, path_of
 from ._dtypes import canonicalize_dtype
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer
+from ._linear import Initializer, named
 from ._normalization import canonicalize_axes, freeze_axes
 from ._rngs_arg import check_rngs
 
@@ -38,12 +39,6 @@ from ._rngs_arg import check_rngs
 def _l2_normalize(x: jax.Array, axis: Any = None, eps: float = 1e-12) -> jax.Array:
   """``x`` divided by its L2 norm over ``axis`` (all axes for None), nnx's formula."""
   return x * lax.rsqrt((x * x).sum(axis=axis, keepdims=True) + eps)
-
-
-def _where(wrapper: str, module: Any) -> str:
-  """``SpectralNorm at `blocks[0]``` where the wrapper ``module`` sits in a model."""
-  path = path_of(module)
-  return f"{wrapper} at `{format_path(path)}`" if path else wrapper
 
 
 def _around(wrapper: str, layer: Module) -> str:
@@ -177,10 +172,8 @@ class SpectralNorm(Module):
         if var.ndim <= 1:
           continue
         columns = self._matrix_shape(path, var.shape, where)[1]
-        key = rngs.params()
-        batch_stats[path + ("u",)] = BatchStat(
-          jax.nn.initializers.normal()(key, (1, columns), param_dtype)
-        )
+        u = jax.nn.initializers.normal()(rngs.params(), (1, columns), param_dtype)
+        batch_stats[path + ("u",)] = BatchStat(u)
         batch_stats[path + ("sigma",)] = BatchStat(jnp.ones((), param_dtype))
       if not batch_stats:
         raise ValueError(
@@ -194,10 +187,7 @@ class SpectralNorm(Module):
 
   def _matrix_shape(self, path: tuple, shape: tuple, where: str) -> tuple[int, int]:
     """The (rows, columns) a Param of ``shape`` (2 or more dims) is normalised as."""
-    columns = shape[-1]
-    rows = 1
-    for n in shape[:-1]:
-      rows *= n
+    rows, columns = math.prod(shape[:-1]), shape[-1]
     if len(shape) > 2 and self.error_on_non_matrix:
       raise ValueError(
         f"{where}: `layer_instance.{format_path(path)}` has shape {tuple(shape)} "
@@ -217,7 +207,7 @@ class SpectralNorm(Module):
     if update_stats is None:
       if self.use_running_average is None:
         raise ValueError(
-          f"{_where('SpectralNorm', self)} does not know whether to update `u` and "
+          f"{named('SpectralNorm', self)} does not know whether to update `u` and "
           "`sigma`: its use_running_average is None. Fix: set the mode "
           "(`model.train()` / `model.eval()`), or call `layer(x, "
           "update_stats=True)`."
@@ -241,11 +231,11 @@ class SpectralNorm(Module):
 
   def _normalise(self, path: tuple, w: jax.Array):
     """``(w / sigma in the result dtype, new u, sigma)`` for the Param at ``path``."""
-    rows, columns = self._matrix_shape(path, jnp.shape(w), _where("SpectralNorm", self))
+    rows, columns = self._matrix_shape(path, jnp.shape(w), named("SpectralNorm", self))
     u_stat = self.batch_stats.get(path + ("u",))
     if u_stat is None or path + ("sigma",) not in self.batch_stats:
       raise StateMismatchError(
-        f"{_where('SpectralNorm', self)}: `layer_instance.{format_path(path)}` "
+        f"{named('SpectralNorm', self)}: `layer_instance.{format_path(path)}` "
         f"{tuple(jnp.shape(w))} has no `u` / `sigma` in `batch_stats` (they are made "
         f"for the Params the layer had when it was wrapped: "
         f"{_stat_params(self.batch_stats)}). Fix: wrap the layer after its Params "
@@ -253,7 +243,7 @@ class SpectralNorm(Module):
       )
     if u_stat.shape != (1, columns):
       raise StateMismatchError(
-        f"{_where('SpectralNorm', self)}: `batch_stats[{path + ('u',)!r}]` has shape "
+        f"{named('SpectralNorm', self)}: `batch_stats[{path + ('u',)!r}]` has shape "
         f"{tuple(u_stat.shape)}, but `layer_instance.{format_path(path)}` of shape "
         f"{tuple(jnp.shape(w))} needs (1, {columns}). Fix: wrap the layer after its "
         "Params have their final shapes (build a new SpectralNorm around it)."
@@ -385,7 +375,7 @@ class WeightNorm(Module):
 
   def _normalise(self, path: tuple, w: jax.Array) -> jax.Array:
     ndim = jnp.ndim(w)
-    feature, reduction = self._axes(path, ndim, _where("WeightNorm", self))
+    feature, reduction = self._axes(path, ndim, named("WeightNorm", self))
     value = _l2_normalize(w, axis=reduction, eps=self.epsilon)
     scale = None
     if self.use_scale:
@@ -396,7 +386,7 @@ class WeightNorm(Module):
           "there is none" if stat is None else f"`scales[{path!r}]` has shape {tuple(stat.shape)}"
         )
         raise StateMismatchError(
-          f"{_where('WeightNorm', self)}: `layer_instance.{format_path(path)}` "
+          f"{named('WeightNorm', self)}: `layer_instance.{format_path(path)}` "
           f"{tuple(jnp.shape(w))} needs a scale of shape {want}, but {have} (scales "
           "are made for the Params the layer had when it was wrapped). Fix: wrap the "
           "layer after its Params are in place (build a new WeightNorm around it)."
