@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import weakref
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 # id(array) -> its statistics' text, dropped when the array goes.
 _SUMMARIES: dict[int, str] = {}
@@ -21,9 +24,6 @@ def data_summary(array) -> str:
   >>> data_summary(jnp.zeros((1000, 1000)))  # past treescope's threshold
   '≈0.0 ±0.0 [≥0.0, ≤0.0] zero:1_000_000'
   """
-  import jax
-  from jax.core import Tracer
-
   if isinstance(array, Tracer) or (isinstance(array, jax.Array) and array.is_deleted()):
     return ""
   if not isinstance(array, jax.Array):  # a numpy array may change in place: not kept
@@ -42,13 +42,28 @@ def data_summary(array) -> str:
 
 
 def _summarize(array) -> str:
-  import jax
   from treescope.external import jax_support
 
   if isinstance(array, np.ndarray):
-    array = jax.numpy.asarray(array)
+    array = jnp.asarray(array)
   try:
     with jax_support.summarization_threshold.set_scoped({"default": None}):
       return jax_support.summarize_array_data(array).strip()
   except Exception:  # a deleted buffer, an array spread over processes: the shape suffices
     return ""
+
+
+def is_concrete(value) -> bool:
+  """Whether ``value`` is an array with values: numpy's, or a JAX array neither traced
+  nor deleted."""
+  if isinstance(value, Tracer) or not isinstance(value, (jax.Array, np.ndarray)):
+    return False
+  return not (isinstance(value, jax.Array) and value.is_deleted())
+
+
+def squares(x, layer_axis):
+  """The sum of squares of ``x``: one per layer along ``layer_axis``, else a scalar."""
+  x = jnp.asarray(x)
+  x = jnp.abs(x) if jnp.iscomplexobj(x) else x.astype(jnp.float32)
+  axes = tuple(a for a in range(x.ndim) if a != layer_axis)
+  return jnp.sum(jnp.square(x), axis=axes)

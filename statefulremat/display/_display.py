@@ -9,7 +9,10 @@ import os
 import pathlib
 from typing import Any
 
+from ..core._module import Module
 from ._figures import autovisualizer
+from ._repr import module_text
+from ._treescope import compact_text
 
 
 def display(
@@ -55,18 +58,16 @@ def display(
   Param(value=<jax.Array([0., 0.], dtype=float32)>)
   """
   visualizer = autovisualizer(arrays)
-  import treescope
-  from treescope.external import jax_support
-
   if path is not None:
     text = page(obj, arrays=arrays, title=title, description=description)
     pathlib.Path(path).write_text(text, encoding="utf-8")
     return
-  from ._treescope import compact_text
-
   if not _in_notebook():
     print(compact_text(obj))
     return
+  import treescope
+  from treescope.external import jax_support
+
   # The statistics of every array, the big ones too, also where treescope draws
   # arrays after the tree (its deferred rendering in a notebook).
   with jax_support.summarization_threshold.set_scoped({"default": None}):
@@ -93,8 +94,6 @@ def page(
   import treescope
   from treescope.external import jax_support
 
-  from ._treescope import compact_text
-
   visualizer = autovisualizer(arrays)
   with (
     jax_support.summarization_threshold.set_scoped({"default": None}),
@@ -105,7 +104,9 @@ def page(
   ):
     body = treescope.render_to_html(obj, compressed=False)
   text = html.escape(compact_text(obj))
-  heading = html.escape(title if title is not None else _name(obj))
+  if title is None:  # obj named as its tree names it: `RematScan[Block] × 100`, `Param`
+    title = module_text(obj) if isinstance(obj, Module) else type(obj).__name__
+  heading = html.escape(title)
   intro = f"<h1>{heading}</h1>\n"
   if description:
     intro += f"<p>{html.escape(description)}</p>\n"
@@ -121,14 +122,6 @@ _STYLE = (
   "<style>body > h1, body > p {font-family: system-ui, sans-serif; max-width: 50em}"
   " body > h1 {font-size: 1.5em; margin-bottom: 0.3em}</style>"
 )
-
-
-def _name(obj: Any) -> str:
-  """``obj`` named as its tree names it: ``RematScan[Block] × 100``, ``Param``."""
-  from ..core._module import Module
-  from ._repr import module_text
-
-  return module_text(obj) if isinstance(obj, Module) else type(obj).__name__
 
 
 def _in_notebook() -> bool:

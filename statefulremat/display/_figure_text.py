@@ -17,22 +17,23 @@ import contextlib
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
+import treescope
+from jax.core import Tracer
 from treescope import rendering_parts as rp
 
-from ._array_stats import data_summary
 from ._treescope_arrays import ArraySummary, LayeredArray
 
 
-def drawing_scope(active, *, stacks_first: bool = False):
+def drawing_scope(*, stacks_first: bool = False):
   """A scope in which the active autovisualizer's figures of arrays read as their
   folded line in text (``with_text``); with ``stacks_first``, a stacked array is drawn
   as ours (``_figures.stacked_arrays``: the layers at a glance), the rest as the
-  active autovisualizer draws them. Nothing changes where none is active.
-
-  ``active`` is ``treescope.active_autovisualizer``."""
+  active autovisualizer draws them. Nothing changes where none is active."""
   from ._figures import stacked_arrays
 
+  active = treescope.active_autovisualizer
   current = active.get()
   if current is None:
     return contextlib.nullcontext()
@@ -52,8 +53,6 @@ def drawing_scope(active, *, stacks_first: bool = False):
 def with_text(value, result):
   """An autovisualizer's ``result`` for ``value``, its figure read in text as the
   line it folds to when ``value`` is an array (``folded_line``); else ``result``."""
-  import treescope
-
   if not isinstance(result, treescope.VisualizationFromTreescopePart):
     return result
   if isinstance(result.rendering.renderable, HtmlOrText) or folded_line(value) is None:
@@ -78,11 +77,8 @@ def folded_line(value) -> str | None:
   >>> folded_line("text") is None
   True
   """
-  import jax
-  from jax.core import Tracer
-
   if isinstance(value, LayeredArray):
-    return f"<{value.axes_text()} {data_summary(value.array)}".rstrip() + ">"
+    return f"<{value.summary_text()}>"
   if isinstance(value, (np.ndarray, jax.Array)) and not isinstance(value, Tracer):
     return ArraySummary(value).text()
   return None

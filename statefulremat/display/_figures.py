@@ -4,7 +4,12 @@ draw them inside treescope's views."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from ._array_stats import squares
+from ._treescope_arrays import LayeredArray
 
 _ARRAYS = ("stacked", "all", "none")
 
@@ -28,8 +33,6 @@ def stacked_arrays(value, path):
   axes are cut to their first and last entries (the figure's axis labels say so
   and its tooltips give the original indices), never the layer axis.
   """
-  from ._treescope_arrays import LayeredArray
-
   if not isinstance(value, LayeredArray):
     return None
   import treescope
@@ -42,10 +45,7 @@ def stacked_arrays(value, path):
     return None
   from treescope import rendering_parts as rp
 
-  from ._array_stats import data_summary
-
-  summary = f"{value.axes_text()} {data_summary(value.array)}".strip()
-  label = rp.abbreviation_color(rp.text(f"<{summary}"))
+  label = rp.abbreviation_color(rp.text(f"<{value.summary_text()}"))
   node = rp.build_custom_foldable_tree_node(
     label=label,
     contents=rp.siblings(
@@ -63,8 +63,6 @@ def stack_figure(value) -> list | None:
   """The treescope parts that draw a ``LayeredArray``: ``layers_image`` for a 0-d or
   1-d layer, else ``layer_slider_figure`` and ``layer_norms_parts``; None for what
   cannot be drawn (key arrays, one element)."""
-  if not _drawable(value.array):
-    return None
   if np.ndim(value.array) <= 2:
     image = layers_image(value)
     return None if image is None else [image.treescope_part]
@@ -73,10 +71,9 @@ def stack_figure(value) -> list | None:
 
 
 def _drawable(array) -> bool:
-  import jax
   from treescope import dtype_util
 
-  if jax.numpy.issubdtype(array.dtype, jax.dtypes.prng_key):
+  if jnp.issubdtype(array.dtype, jax.dtypes.prng_key):
     return False
   dtype = np.dtype(array.dtype)
   numeric = (
@@ -103,16 +100,15 @@ def layers_image(value):
 
   if not _drawable(value.array):
     return None
-  layers = np.shape(value.array)[value.axis]
-  cut, labels, item_labels = _cut(value, min(_CELLS_PER_LAYER, _CELLS // max(layers, 1)))
+  cut, labels, item_labels = _cut(value)
   # The layers run across, as depth reads on a page: a column per layer.
   return treescope.render_array(
     cut,
     columns=[value.axis],
     rows=[1 - value.axis] if np.ndim(value.array) == 2 else [],
-    axis_labels=labels or None,
-    axis_item_labels=item_labels or None,
-    pixels_per_cell=_pixels_per_layer(layers),
+    axis_labels=labels,
+    axis_item_labels=item_labels,
+    pixels_per_cell=_pixels_per_layer(np.shape(value.array)[value.axis]),
   )
 
 
@@ -135,11 +131,9 @@ def layer_slider_figure(value):
 
   if not _drawable(value.array):
     return None
-  layers = np.shape(value.array)[value.axis]
-  budget = min(_CELLS_PER_LAYER, _CELLS // max(layers, 1))
-  cut, labels, item_labels = _cut(value, budget)
+  cut, labels, item_labels = _cut(value)
   return treescope.render_array(
-    cut, sliders=[value.axis], axis_labels=labels or None, axis_item_labels=item_labels or None
+    cut, sliders=[value.axis], axis_labels=labels, axis_item_labels=item_labels
   )
 
 
@@ -153,12 +147,7 @@ def layer_norms(value) -> np.ndarray:
   ...                          0, "layers")).tolist()
   [0.0, 2.0, 4.0]
   """
-  import jax.numpy as jnp
-
-  x = jnp.asarray(value.array)
-  x = jnp.abs(x) if jnp.iscomplexobj(x) else x.astype(jnp.float32)
-  others = tuple(a for a in range(x.ndim) if a != value.axis)
-  return np.asarray(jnp.sqrt(jnp.sum(jnp.square(x), axis=others)))
+  return np.asarray(jnp.sqrt(squares(value.array, value.axis)))
 
 
 def layer_norms_parts(value) -> list:
@@ -185,13 +174,12 @@ def layer_norms_parts(value) -> list:
   return [caption, strip.treescope_part]
 
 
-def _cut(value, budget: int):
-  """``value`` with its axes other than the layer axis cut to fit ``budget`` cells
-  per layer (first and last entries kept), as a host ``LayeredArray``; with the axis
-  labels and item labels that say what was cut."""
-  from ._treescope_arrays import LayeredArray
-
+def _cut(value):
+  """``value`` with its axes other than the layer axis cut to fit the cell budget of
+  one layer (first and last entries kept), as a host ``LayeredArray``; with the axis
+  labels and item labels that say what was cut (None where nothing was)."""
   shape = np.shape(value.array)
+  budget = min(_CELLS_PER_LAYER, _CELLS // max(shape[value.axis], 1))
   kept = _kept_per_axis(shape, value.axis, budget)
   data = value.array  # cut where it lives: only what is drawn comes to the host
   labels, item_labels = {}, {}
@@ -206,7 +194,7 @@ def _cut(value, budget: int):
     item_labels[key] = [str(i) for i in index]
   cut = LayeredArray(np.asarray(data), value.axis, value.name)
   cut.names = value.names
-  return cut, labels, item_labels
+  return cut, labels or None, item_labels or None
 
 
 def _kept_per_axis(shape, layer_axis: int, budget: int) -> list[int]:

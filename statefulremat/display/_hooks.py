@@ -20,28 +20,23 @@ def _graphdef_text(graphdef) -> str:
   return f"GraphDef(<{len(graphdef.var_paths)} variables>)"
 
 
-# Without treescope's output (a value that refuses to print), each kind's plain text.
-_PLAIN = (
-  (Module, module_repr),
-  (Variable, variable_repr),
-  (State, State._plain_repr),
-  (GraphDef, _graphdef_text),
-)
-_RENDER = (
-  (Module, render_module),
-  (Variable, render_variable),
-  (State, render_state),
-  (GraphDef, render_graphdef),
+# Each kind's renderer, and its plain text without treescope's output (a value that
+# refuses to print).
+_KINDS = (
+  (Module, render_module, module_repr),
+  (Variable, render_variable, variable_repr),
+  (State, render_state, State._plain_repr),
+  (GraphDef, render_graphdef, _graphdef_text),
 )
 
 
 def _text(obj) -> str:
-  plain = next(fn for cls, fn in _PLAIN if isinstance(obj, cls))
+  plain = next(fn for cls, _, fn in _KINDS if isinstance(obj, cls))
   return text_repr(obj, plain)
 
 
 def _treescope(obj, path, subtree_renderer):
-  render = next(fn for cls, fn in _RENDER if isinstance(obj, cls))
+  render = next(fn for cls, fn, _ in _KINDS if isinstance(obj, cls))
   return render(obj, path, subtree_renderer)
 
 

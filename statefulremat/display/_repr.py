@@ -24,9 +24,8 @@ from ._static_repr import static_repr
 
 
 def value_summary(value) -> str:
-  if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval"):
-    dtype = str(value.dtype)
-    return f"{dtype}[{','.join(map(str, value.shape))}]"
+  if _is_array(value):
+    return f"{value.dtype}[{','.join(map(str, value.shape))}]"
   return repr(value)
 
 
@@ -99,13 +98,8 @@ def module_text(module) -> str:
   >>> module_text(sr.vmap(sr.nn.Linear, axis_size=3)(2, 2, rngs=sr.Rngs(0)))
   'Vmap[Linear] × 3'
   """
-  name = class_text(type(module))
-  if not is_stacked(module):
-    return name
-  try:
-    return f"{name} × {len(module)}"
-  except Exception:  # a display never raises: a stack with no stacked Variable
-    return name
+  name, n = class_text(type(module)), _layer_count(module)
+  return name if n is None else f"{name} × {n}"
 
 
 def position_text(position) -> str | None:
@@ -135,7 +129,7 @@ def _layer_count(position) -> int | None:
     return None
   try:
     return len(position)
-  except Exception:  # a display never raises: e.g. a stack with deleted arrays
+  except Exception:  # a display never raises: a stack with no stacked Variable, deleted arrays
     return None
 
 
@@ -150,6 +144,11 @@ def variable_repr(var) -> str:
   parts = [value_summary(var._value)]
   parts += [f"{k}={static_repr(v)}" for k, v in var._metadata.items()]
   return f"{type(var).__name__}({', '.join(parts)})"
+
+
+def own_attributes(module) -> dict[str, Any]:
+  """``module``'s own attributes (its bookkeeping left out), in definition order."""
+  return {k: v for k, v in vars(module).items() if not is_bookkeeping(k)}
 
 
 _NO_DEFAULT = inspect.Parameter.empty
@@ -208,10 +207,8 @@ def settings_at_defaults(module, attributes: dict[str, Any] | None = None) -> li
   ['broadcast_dims', 'rng_collection', 'rngs']
   """
   defaults = constructor_defaults(type(module))
-  if attributes is None:
-    attributes = {k: v for k, v in vars(module).items() if not is_bookkeeping(k)}
   hidden = []
-  for name, value in attributes.items():
+  for name, value in (own_attributes(module) if attributes is None else attributes).items():
     if isinstance(value, (Module, Variable)):
       continue
     default = defaults.get(name, None)
@@ -334,10 +331,10 @@ def module_repr(module, indent: int = 0, seen=None) -> str:
       return f"{{\n{inner}\n{'  ' * (depth + 1)}}}"
     return static_repr(value)
 
-  attrs = [(k, v) for k, v in vars(module).items() if not is_bookkeeping(k)]
-  hidden = set(settings_at_defaults(module, dict(attrs)))
-  attrs = [(k, v) for k, v in attrs if k not in hidden]
-  if not attrs:
+  own = own_attributes(module)
+  hidden = set(settings_at_defaults(module, own))
+  shown = [(k, v) for k, v in own.items() if k not in hidden]
+  if not shown:
     return f"{type(module).__name__}()"
-  body = ",\n".join(f"{pad}{k}={show(v, indent)}" for k, v in attrs)
+  body = ",\n".join(f"{pad}{k}={show(v, indent)}" for k, v in shown)
   return f"{type(module).__name__}(\n{body}\n{'  ' * indent})"

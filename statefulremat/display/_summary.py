@@ -220,9 +220,6 @@ class Summary(str):
     """
     return self.splitlines()
 
-  def __str__(self) -> str:
-    return str.__str__(self)
-
   def __repr__(self) -> str:  # at a prompt, the table itself, not a quoted string
     return str.__str__(self)
 
@@ -250,38 +247,16 @@ def _lines(
 ) -> list[str]:
   """The lines of ``Summary``'s text (see ``Summary.lines``)."""
   with_norms = any(r.grad_norm is not None for r in rows)
-  norm_header = ["params norm", "grads norm"] if with_norms else []
-  header = [
-    "path",
-    "class",
-    "params",
-    *(f"{c} bytes" for c in collections),
-    *norm_header,
-    "output",
-  ]
-  body = [
-    [
-      r.path_text,
-      r.class_name,
-      r.params_text(),
-      *(_bytes_text(r.bytes.get(c, 0)) or "-" for c in collections),
-      *([norm_text(r.param_norm), norm_text(r.grad_norm)] if with_norms else []),
-      r.outputs_text(),
-    ]
-    for r in rows
-  ]
-  total = [
-    "Total",
-    "",
-    f"{total_params:,}",
-    *(_bytes_text(total_bytes.get(c, 0)) for c in collections),
-    *(
-      [norm_text(norms.get("params/norm/total")), norm_text(norms.get("grad/norm/total"))]
-      if with_norms
-      else []
-    ),
-    "",
-  ]
+  header = ["path", "class", "params", *(f"{c} bytes" for c in collections)]
+  header += ["params norm", "grads norm"] * with_norms + ["output"]
+  body = []
+  for r in rows:
+    sizes = [_bytes_text(r.bytes.get(c, 0)) or "-" for c in collections]
+    norm_cells = [norm_text(r.param_norm), norm_text(r.grad_norm)] * with_norms
+    body.append([r.path_text, r.class_name, r.params_text(), *sizes, *norm_cells, r.outputs_text()])
+  totals = [norms.get("params/norm/total"), norms.get("grad/norm/total")] * with_norms
+  total_sizes = [_bytes_text(total_bytes.get(c, 0)) for c in collections]
+  total = ["Total", "", f"{total_params:,}", *total_sizes, *map(norm_text, totals), ""]
   numeric = set(range(2, len(header) - 1))
   lines = columns([header, *body, total], numeric)
   rule = "-" * max(map(len, lines))
@@ -400,45 +375,33 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None, **kwar
       f"sr.summary takes a module, got {type(model).__name__}. Fix: pass the model "
       "first, then example inputs: `sr.summary(model, x)`."
     )
-  if example_inputs or kwargs:
-    if not callable(getattr(model, method, None)):
-      raise AttributeError(
-        f"sr.summary(..., method={method!r}): {type(model).__name__} has no method "
-        f"{method!r}. Fix: name a method the class defines (default `__call__`)."
-      )
+  called = example_inputs or kwargs
+  if called and not callable(getattr(model, method, None)):
+    raise AttributeError(
+      f"sr.summary(..., method={method!r}): {type(model).__name__} has no method "
+      f"{method!r}. Fix: name a method the class defines (default `__call__`)."
+    )
   description = describe(model)
-  modules = {m.path: _at(model, m.path) for m in description.modules}
-  outputs = (
-    trace_outputs(model, description, example_inputs, method, kwargs)
-    if (example_inputs or kwargs)
-    else {}
-  )
+  outputs = trace_outputs(model, description, example_inputs, method, kwargs) if called else {}
   norms = Norms(description, grads)
 
   variables = description.variables
-  collections = list(
-    dict.fromkeys(
-      ["params"] * any(e.is_param for e in variables) + [e.collection for e in variables]
-    )
-  )
+  params_first = ["params"] * any(e.is_param for e in variables)
+  collections = list(dict.fromkeys(params_first + [e.collection for e in variables]))
   rows = [
-    _row(module, variables, outputs.get(module.path, ()), norms, modules[module.path])
-    for module in description.modules
+    _row(m, variables, outputs.get(m.path, ()), norms, _at(model, m.path))
+    for m in description.modules
   ]
-  total_bytes: dict[str, int] = {}
-  for entry in variables:
-    total_bytes[entry.collection] = total_bytes.get(entry.collection, 0) + entry.nbytes
   total_params = sum(e.size for e in variables if e.is_param)
+  total_bytes = _bytes_by_collection(variables)
   return Summary(rows, collections, total_params, total_bytes, norms.layer_norms(), norms.flat())
 
 
 def _row(module: ModuleEntry, variables, outputs, norms: Norms, obj) -> SummaryRow:
-  sizes: dict[str, int] = {}
+  entries = [variables[i] for i in module.variables]
   params = per_layer = unstacked = 0
   counts = set()
-  for i in module.variables:
-    entry = variables[i]
-    sizes[entry.collection] = sizes.get(entry.collection, 0) + entry.nbytes
+  for entry in entries:
     if not entry.is_param:
       continue
     params += entry.size
@@ -456,7 +419,7 @@ def _row(module: ModuleEntry, variables, outputs, norms: Norms, obj) -> SummaryR
     module.path,
     class_text(module.cls),
     params,
-    sizes,
+    _bytes_by_collection(entries),
     n,
     per_layer if n > 1 else 0,
     unstacked if n > 1 else 0,
@@ -467,6 +430,13 @@ def _row(module: ModuleEntry, variables, outputs, norms: Norms, obj) -> SummaryR
     position,
     pattern_names(obj).legend if pattern is not None else (),
   )
+
+
+def _bytes_by_collection(entries) -> dict[str, int]:
+  out: dict[str, int] = {}
+  for entry in entries:
+    out[entry.collection] = out.get(entry.collection, 0) + entry.nbytes
+  return out
 
 
 def _bytes_text(n: int) -> str:

@@ -12,12 +12,11 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 
 from ..core._errors import format_path
 from ..core._stacks import stack_info
+from ._array_stats import is_concrete, squares
 from ._repr import class_text, layer_numbers
 from ._summary_walk import Description
 
@@ -50,40 +49,31 @@ class LayerNorms:
   def lines(self, show: int = 32) -> list[str]:
     """A title and one line per layer; past ``show`` layers, the first and last 8,
     and the layers with the largest norms, ``…`` between them."""
-    layers = len(self.params)
-    grads = self.grads
-    has_grads = grads is not None
+    layers, grads = len(self.params), self.grads
     numbers = self.stack_layers if self.stack_layers is not None else range(layers)
-    of_stack = (
-      f" ({layer_numbers(self.stack_layers)} of the pattern stack)"
-      if self.stack_layers is not None
-      else ""
-    )
-    plural = "s" * (layers != 1)
+    of_stack = ""
+    if self.stack_layers is not None:
+      of_stack = f" ({layer_numbers(self.stack_layers)} of the pattern stack)"
     title = (
-      f"{self.path_text}: {self.class_name}, {layers} layer{plural}{of_stack}, L2 norm "
-      f"of each layer's Params{' and gradients' if has_grads else ''}"
+      f"{self.path_text}: {self.class_name}, {layers} layer{'s' * (layers != 1)}{of_stack}, "
+      f"L2 norm of each layer's Params{' and gradients' if grads is not None else ''}"
     )
     keep = set(range(layers))
     if layers > show:
       keep = {*range(8), *range(layers - 8, layers), int(np.nanargmax(self.params))}
       if grads is not None:
         keep.add(int(np.nanargmax(grads)))
-    header = ["layer", "params", *(["grads"] * has_grads)]
+    header = ["layer", "params", *(["grads"] * (grads is not None))]
+    gap = ["…"] + [""] * (len(header) - 1)
     body, last = [], -1
     for i in sorted(keep):
       if i > last + 1:
-        body.append(["…", "", *([""] * has_grads)])
-      body.append(
-        [
-          str(numbers[i]),
-          norm_text(self.params[i]),
-          *([norm_text(grads[i])] if grads is not None else []),
-        ]
-      )
+        body.append(gap)
+      norms = [self.params[i]] if grads is None else [self.params[i], grads[i]]
+      body.append([str(numbers[i]), *map(norm_text, norms)])
       last = i
     if last < layers - 1:
-      body.append(["…", "", *([""] * has_grads)])
+      body.append(gap)
     return [title, *columns([header, *body], numeric=set(range(len(header))))]
 
 
@@ -97,11 +87,11 @@ class Norms:
     params = [(i, e) for i, e in enumerate(description.variables) if e.is_param]
     by_path = _grads_by_path(grads, params) if grads is not None else None
     sums = {}
-    if all(_is_concrete(e.variable._value) for _, e in params):
-      sums["p"] = {i: _squares(e.variable._value, e.layer_axis) for i, e in params}
+    if all(is_concrete(e.variable._value) for _, e in params):
+      sums["p"] = {i: squares(e.variable._value, e.layer_axis) for i, e in params}
     if by_path is not None and "p" in sums:
       sums["g"] = {
-        i: _squares(by_path[e.path], e.layer_axis) for i, e in params if e.path in by_path
+        i: squares(by_path[e.path], e.layer_axis) for i, e in params if e.path in by_path
       }
     sums = jax.device_get(sums)
     self.params, self.grads = sums.get("p"), sums.get("g")
@@ -138,15 +128,8 @@ class Norms:
       params = per_layer(self.params)
       # One position of a pattern stack: its layer i is layer k + i * P of the stack.
       p, k = getattr(stack_info(module.cls), "index_map", (1, 0))
-      out.append(
-        LayerNorms(
-          module.path,
-          class_text(module.cls),
-          params,
-          grads,
-          range(k, k + p * len(params), p) if p > 1 else None,
-        )
-      )
+      numbers = range(k, k + p * len(params), p) if p > 1 else None
+      out.append(LayerNorms(module.path, class_text(module.cls), params, grads, numbers))
     return out
 
   def flat(self) -> dict[str, float]:
@@ -179,7 +162,6 @@ def _grads_by_path(grads, params) -> dict[tuple, Any]:
       "`sr.summary(model, grads=grads)`."
     )
   shapes = {e.path: np.shape(e.variable._value) for _, e in params}
-  out = {}
   flat_grads = flat()
   if not isinstance(flat_grads, dict):
     raise TypeError(
@@ -199,22 +181,7 @@ def _grads_by_path(grads, params) -> dict[tuple, Any]:
         f"{np.shape(g)}, the Param {shapes[path]}. Fix: pass the gradients of this "
         "model, taken at its current structure."
       )
-    out[path] = g
-  return out
-
-
-def _squares(x, layer_axis):
-  """The sum of squares of ``x``: one per layer along ``layer_axis``, else a scalar."""
-  x = jnp.asarray(x)
-  x = jnp.abs(x) if jnp.iscomplexobj(x) else x.astype(jnp.float32)
-  axes = tuple(a for a in range(x.ndim) if a != layer_axis)
-  return jnp.sum(jnp.square(x), axis=axes)
-
-
-def _is_concrete(value) -> bool:
-  if isinstance(value, Tracer) or not isinstance(value, (jax.Array, np.ndarray)):
-    return False
-  return not (isinstance(value, jax.Array) and value.is_deleted())
+  return flat_grads
 
 
 def _dotted(path: tuple) -> str:

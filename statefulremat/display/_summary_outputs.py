@@ -92,17 +92,12 @@ def _patch_calls(classes, record) -> list[tuple[type, Any]]:
   """Wraps ``__call__`` where each class (or the base it inherits it from) defines it."""
   owners = {}
   for cls in classes:
-    for base in cls.__mro__:
-      if "__call__" in base.__dict__:
-        owners[base] = base.__dict__["__call__"]
-        break
-  patched = []
-  for cls, original in owners.items():
-    if cls is object:
-      continue
-    cls.__call__ = record(original)
-    patched.append((cls, original))
-  return patched
+    owner = next((base for base in cls.__mro__ if "__call__" in base.__dict__), object)
+    if owner is not object:
+      owners[owner] = owner.__dict__["__call__"]
+  for owner, original in owners.items():
+    owner.__call__ = record(original)
+  return list(owners.items())
 
 
 def _root_of(obj):

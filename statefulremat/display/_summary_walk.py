@@ -42,7 +42,6 @@ class VariableEntry:
   nbytes: int
   layer_axis: int | None
   layers: int | None
-  shared: bool
 
   @property
   def collection(self) -> str:
@@ -65,7 +64,6 @@ class ModuleEntry:
   is_stack: bool
   variables: tuple[int, ...]
   stacked: tuple[int, ...]
-  shared: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +111,10 @@ def describe(model) -> Description:
     VariableEntry(
       graph.paths[i],
       objects[i],
-      _size(objects[i]._value),
+      int(np.size(objects[i]._value)),
       _nbytes(objects[i]._value),
       (axes[i] or (None,))[0],
       layers[i],
-      graph.arrivals[i] > 1,
     )
     for i in in_order
   )
@@ -128,7 +125,6 @@ def describe(model) -> Description:
       is_stacked(objects[i]),
       tuple(sorted(position[j] for j in reach[i] if j in position)),
       tuple(position[j] for j in sorted(reach[i]) if j in position and axes[j] is not None),
-      graph.arrivals[i] > 1,
     )
     for i in order
     if i in reach
@@ -137,15 +133,14 @@ def describe(model) -> Description:
 
 
 class _Graph:
-  """The GraphDef read back onto the objects ``flatten`` numbered: each one's path,
-  owning module and arrivals; each module's last descendant and the references met
+  """The GraphDef read back onto the objects ``flatten`` numbered: each one's path
+  and owning module; each module's last descendant and the references met
   below it."""
 
   def __init__(self, objects: list):
     self.objects = objects
     self.paths: list[tuple] = [()] * len(objects)
     self.owner: list[int | None] = [None] * len(objects)
-    self.arrivals = [1] * len(objects)
     self.last: dict[int, int] = {}  # module -> its last descendant, numbered in order
     self.refs: dict[int, list[int]] = {}  # module -> references met directly in it
     self.modules: list[int] = []
@@ -154,7 +149,6 @@ class _Graph:
 
   def read(self, node: GraphNode, path: tuple, owner: int | None) -> None:
     if node.kind == "ref":
-      self.arrivals[node.value] += 1
       if owner is not None:
         self.refs[owner].append(node.value)
     elif node.kind in ("variable", "module"):
@@ -205,12 +199,8 @@ class _Graph:
     return sorted(range(len(self.objects)), key=key.__getitem__)
 
 
-def _size(value) -> int:
-  return int(np.size(value)) if not hasattr(value, "size") else int(value.size)
-
-
 def _nbytes(value) -> int:
   dtype = getattr(value, "dtype", None)
   if dtype is None:
     return int(np.asarray(value).nbytes)
-  return _size(value) * dtype.itemsize
+  return int(np.size(value)) * dtype.itemsize

@@ -35,12 +35,26 @@ treescope is imported on first render, so ``import statefulremat`` stays light.
 from __future__ import annotations
 
 import contextvars
-from typing import Any
 
-import numpy as np
+from jax.core import Tracer
+from jax.sharding import PartitionSpec
 
-from ..core._bookkeeping import is_bookkeeping
 from ..core._errors import format_path
+from ..core._module import Module, arrivals
+from ..core._rngs import Rngs, RngStream
+from ..core._stacks import LAYER_AXIS, _pattern_of, axis_name, layer_axis
+from ..core._variables import Variable
+from ._array_stats import is_concrete
+from ._pattern_names import pattern_names
+from ._repr import (
+  class_text,
+  module_text,
+  own_attributes,
+  pattern_text,
+  position_text,
+  settings_at_defaults,
+)
+from ._static_repr import static_repr
 from ._treescope_arrays import ArraySummary, LayeredArray
 
 # id(module or variable) -> every path where one top-level render reaches it, the
@@ -82,19 +96,9 @@ def text_repr(obj, fallback) -> str:
     return fallback(obj)
 
 
-def _is_tracer(value) -> bool:
-  from jax.core import Tracer
-
-  return isinstance(value, Tracer)
-
-
 def _is_long(value) -> bool:
   """Whether numpy would print ``value`` on several lines or elide part of it."""
-  import jax
-
-  if not isinstance(value, (np.ndarray, jax.Array)) or _is_tracer(value):
-    return False
-  if isinstance(value, jax.Array) and value.is_deleted():
+  if not is_concrete(value):
     return False
   text = repr(value) if value.size < 1000 else "..."
   return "\n" in text or "..." in text
@@ -106,14 +110,8 @@ def collection_color(kind: type) -> str:
   return formatting_util.color_from_string(kind.collection)
 
 
-def _attributes(module) -> dict[str, Any]:
-  return {k: v for k, v in vars(module).items() if not is_bookkeeping(k)}
-
-
 def _first_paths(root) -> dict[int, list[tuple]]:
   """Every path reaching each module and Variable under ``root``, in drawing order."""
-  from ..core._module import arrivals
-
   places: dict[int, list[tuple]] = {}
   for path, obj, _ in arrivals(root):
     places.setdefault(id(obj), []).append(path)
@@ -122,18 +120,13 @@ def _first_paths(root) -> dict[int, list[tuple]]:
 
 def _mark_shared(value, path: tuple, first: dict):
   """``value`` with every module or Variable drawn elsewhere first replaced by a mark."""
-  from ..core._module import Module
-  from ..core._variables import Variable
-
   if isinstance(value, (Module, Variable)):
     where = first.get(id(value), [path])[0]
-    return value if where == path else SharedMark(value, where)
+    return value if where == path else SharedMark(type(value), where)
   if isinstance(value, (list, tuple, dict)):
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    marked = {k: _mark_shared(v, path + (k,), first) for k, v in items}
-    if all(
-      marked[k] is v for k, v in (value.items() if isinstance(value, dict) else enumerate(value))
-    ):
+    items = dict(value.items() if isinstance(value, dict) else enumerate(value))
+    marked = {k: _mark_shared(v, path + (k,), first) for k, v in items.items()}
+    if all(marked[k] is v for k, v in items.items()):
       return value  # nothing shared below: draw the user's own object
     if isinstance(value, dict):
       return type(value)(marked)
@@ -145,8 +138,6 @@ def _mark_shared(value, path: tuple, first: dict):
 
 def _without_address(value):
   """``value``, or its name when treescope would print a memory address for it."""
-  from jax.sharding import PartitionSpec
-
   if isinstance(value, PartitionSpec):  # treescope's fallback adds `# <jax.P at 0x…>`
     return _Text(repr(value))
   if (
@@ -157,8 +148,6 @@ def _without_address(value):
     return value
   if isinstance(value, type) or "<" not in getattr(value, "__qualname__", "<"):
     return value  # treescope names importable functions and classes by qualified name
-  from ._static_repr import static_repr
-
   return _Text(static_repr(value))
 
 
@@ -175,30 +164,25 @@ class _Text:
 
 
 def render_module(module, path, subtree_renderer):
-  import treescope
-
   from ._figure_text import drawing_scope
 
   first = _FIRST.get()
-  tokens = []
+  token = None
   if first is None:  # drawn from here: stacks above it still name their layer axis
     first = _first_paths(module)
-    tokens.append((_FIRST, _FIRST.set(first)))
+    token = _FIRST.set(first)
   try:
     # An array attribute's figure, if any, reads as its folded line in text.
-    with drawing_scope(treescope.active_autovisualizer):
+    with drawing_scope():
       return _render_module(module, path, subtree_renderer, first)
   finally:
-    for var, token in reversed(tokens):
-      var.reset(token)
+    if token is not None:
+      _FIRST.reset(token)
 
 
 def _render_module(module, path, subtree_renderer, first: dict):
-  from ._pattern_names import pattern_names
-  from ._repr import module_text, pattern_text, position_text, settings_at_defaults
-
   here = first.get(id(module), [()])[0]
-  own = _attributes(module)
+  own = own_attributes(module)
   at_defaults = set(settings_at_defaults(module, own))
   attributes = {k: _mark_shared(v, here + (k,), first) for k, v in own.items()}
   shown = {k: v for k, v in attributes.items() if k not in at_defaults}
@@ -211,37 +195,19 @@ def _render_module(module, path, subtree_renderer, first: dict):
   positions = shown.get("pattern")
   if comment and isinstance(positions, tuple):
     shown["pattern"] = tuple(positions)  # drawn as the tuple it is
-  if _COMPACT.get():  # a repr: what differs from the defaults, laid out as it fits
-    rendering = _constructor(
-      type(module),
-      shown,
-      {},
-      path,
-      subtree_renderer,
-      comment=comment,
-      title=module_text(module),
-      legend=legend,
-    )
-  else:
-    folded = {k: v for k, v in attributes.items() if k in at_defaults}
-    rendering = _constructor(
-      type(module),
-      shown,
-      folded,
-      path,
-      subtree_renderer,
-      plumbing=_is_rng_plumbing(module),
-      comment=comment,
-      title=module_text(module),
-      legend=legend,
-    )
+  compact = _COMPACT.get()  # a repr: what differs from the defaults, laid out as it fits
+  rendering = _constructor(
+    type(module),
+    shown,
+    {} if compact else {k: v for k, v in attributes.items() if k in at_defaults},
+    path,
+    subtree_renderer,
+    plumbing=None if compact else isinstance(module, (Rngs, RngStream)),
+    comment=comment,
+    title=module_text(module),
+    legend=legend,
+  )
   return _with_other_places(rendering, first.get(id(module), ()))
-
-
-def _is_rng_plumbing(module) -> bool:
-  from ..core._rngs import Rngs, RngStream
-
-  return isinstance(module, (Rngs, RngStream))
 
 
 def _constructor(
@@ -271,11 +237,6 @@ def _constructor(
   """
   from treescope import rendering_parts as rp
 
-  from ..core._module import Module
-  from ..core._stacks import _pattern_of
-  from ..core._variables import Variable
-  from ._pattern_names import pattern_names
-
   children = [
     rp.fold_condition(
       expanded=rp.build_full_line_with_annotations(rp.comment_color(rp.text(f"# {line}")))
@@ -288,11 +249,12 @@ def _constructor(
       drawn = rp.RenderableAndLineAnnotations(
         rp.fold_condition(collapsed=rp.text("…"), expanded=drawn.renderable), drawn.annotations
       )
-    children.append(
-      rp.build_full_line_with_annotations(
-        rp.siblings_with_annotations(f"{name}=", drawn), _comma(last=i == len(shown) - 1)
-      )
-    )
+    # As repr_lib's: a comma after all but the last (a space after it when folded).
+    comma = rp.siblings(",", rp.fold_condition(collapsed=rp.text(" ")))
+    if i == len(shown) - 1:
+      comma = rp.fold_condition(expanded=rp.text(","))
+    field = rp.siblings_with_annotations(f"{name}=", drawn)
+    children.append(rp.build_full_line_with_annotations(field, comma))
   if folded:
     # Only in the open module: folded to one line, the module shows what differs.
     children.append(
@@ -309,22 +271,12 @@ def _constructor(
       prefix, rp.fold_condition(expanded=rp.comment_color(rp.text(f"  # {comment}")))
     )
   suffix = rp.siblings(")", rp.roundtrip_condition(roundtrip=rp.text(">")))
-  state = {
-    None: rp.ExpandState.WEAKLY_COLLAPSED,
-    False: rp.ExpandState.EXPANDED,
-    True: rp.ExpandState.COLLAPSED,
-  }[plumbing]
+  state = rp.ExpandState.WEAKLY_COLLAPSED  # a repr: laid out as it fits
+  if plumbing is not None:
+    state = rp.ExpandState.COLLAPSED if plumbing else rp.ExpandState.EXPANDED
   return rp.build_foldable_tree_node_from_children(
     prefix=prefix, children=children, suffix=suffix, path=path, expand_state=state
   )
-
-
-def _comma(last: bool):
-  from treescope import rendering_parts as rp
-
-  if last:
-    return rp.fold_condition(expanded=rp.text(","))
-  return rp.siblings(",", rp.fold_condition(collapsed=rp.text(" ")))
 
 
 def _defaults_group(folded: dict, path, subtree_renderer):
@@ -362,8 +314,6 @@ _NAMES_WIDTH = 60  # characters of names a folded defaults line lists
 def render_variable(var, path, subtree_renderer):
   from treescope import repr_lib
 
-  from ..core._stacks import LAYER_AXIS, axis_name, layer_axis
-
   value = var._value
   layer = layer_axis(var)
   if layer is not None and hasattr(value, "shape"):
@@ -372,13 +322,12 @@ def render_variable(var, path, subtree_renderer):
     value = LayeredArray(value, layer[0], axis_name(layer[1]), sharding, inner)
   elif _COMPACT.get() and _is_long(value):
     value = ArraySummary(value)
-  elif _is_tracer(value):  # treescope would add the tracer's default repr, an address
+  elif isinstance(value, Tracer):  # treescope would add the tracer's default repr, an address
     value = _Text(repr(value))
   # The layer axis is drawn in the array's shape: not repeated as metadata.
   attributes = {
     k: _without_address(v) for k, v in {"value": value, **var._metadata}.items() if k != LAYER_AXIS
   }
-  import treescope
   from treescope.external import jax_support
 
   from ._figure_text import drawing_scope
@@ -390,7 +339,7 @@ def render_variable(var, path, subtree_renderer):
   # text.
   with (
     jax_support.summarization_threshold.set_scoped({"default": None}),
-    drawing_scope(treescope.active_autovisualizer, stacks_first=isinstance(value, LayeredArray)),
+    drawing_scope(stacks_first=isinstance(value, LayeredArray)),
   ):
     rendering = repr_lib.render_object_constructor(
       type(var), attributes, path, subtree_renderer, color=collection_color(type(var))
@@ -425,16 +374,10 @@ def render_state(state, path, subtree_renderer):
   return repr_lib.render_dictionary_wrapper(type(state), nested, path, subtree_renderer)
 
 
-class SharedMark:
-  """A module or Variable drawn earlier: ``Param(<shared: also at a.kernel>)``."""
+class SharedMark(_Text):
+  """A module or Variable (of class ``kind``) drawn earlier:
+  ``Param(<shared: drawn at a.kernel>)``."""
 
-  def __init__(self, obj, where: tuple, is_type: bool = False):
-    self.kind, self.where = (obj if is_type else type(obj)), where
-
-  def __treescope_repr__(self, path, subtree_renderer):
-    from treescope import rendering_parts
-
-    from ._repr import class_text
-
-    where = format_path(self.where) if self.where else "the root"
-    return rendering_parts.text(f"{class_text(self.kind)}(<shared: drawn at {where}>)")
+  def __init__(self, kind: type, where: tuple):
+    place = format_path(where) if where else "the root"
+    super().__init__(f"{class_text(kind)}(<shared: drawn at {place}>)")

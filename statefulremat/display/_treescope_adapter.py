@@ -35,10 +35,7 @@ class LayeredArrayAdapter(ndarray_adapters.NDArrayAdapter):
     )
 
   def get_array_summary(self, array, fast):
-    from ._array_stats import data_summary
-
-    stats = "" if fast else data_summary(array.array)
-    return f"{array.axes_text()} {stats}".rstrip()
+    return array.axes_text() if fast else array.summary_text()
 
   def get_numpy_dtype(self, array):
     return self._inner(array).get_numpy_dtype(array.array)

@@ -12,6 +12,8 @@ kept while the array lives: a page draws the same summary in several places.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ._array_stats import data_summary
@@ -38,11 +40,14 @@ class ArraySummary:
     axes = [str(n) if label is None else f"{label}:{n}" for n, label in zip(shape, self.names)]
     return f"{self.array.dtype}({', '.join(axes)})"
 
+  def summary_text(self) -> str:
+    """Its axes and statistics: ``float32(2, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:6``."""
+    return f"{self.axes_text()} {data_summary(self.array)}".rstrip()
+
   def text(self) -> str:
     """The line: ``<jax.Array float32(2, 3) ≈0.0 ±0.0 [≥0.0, ≤0.0] zero:6>``."""
     kind = "np.ndarray" if isinstance(self.array, np.ndarray) else "jax.Array"
-    stats = data_summary(self.array)
-    return f"<{kind} {self.axes_text()}{' ' + stats if stats else ''}>"
+    return f"<{kind} {self.summary_text()}>"
 
   def __treescope_repr__(self, path, subtree_renderer):
     from treescope import rendering_parts
@@ -90,17 +95,11 @@ def _axis_names(ndim: int, levels: list, sharding) -> list:
   return names
 
 
-_ADAPTER_REGISTERED = False
-
-
+@functools.cache
 def _register_adapter() -> None:
-  """Lets treescope's array visualiser draw a LayeredArray with its axis names."""
-  global _ADAPTER_REGISTERED
-  if _ADAPTER_REGISTERED:
-    return
+  """Lets treescope's array visualiser draw a LayeredArray with its axis names (once)."""
   from treescope import type_registries
 
   from ._treescope_adapter import LayeredArrayAdapter
 
   type_registries.NDARRAY_ADAPTER_REGISTRY[LayeredArray] = LayeredArrayAdapter()
-  _ADAPTER_REGISTERED = True

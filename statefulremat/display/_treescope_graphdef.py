@@ -19,7 +19,7 @@ def render_graphdef(graphdef, path, subtree_renderer):
     kind, cls = node.kind, node.type
     if kind == "ref":
       first_kind, first = drawn[node.value]
-      return SharedMark(first_kind, first, is_type=True)
+      return SharedMark(first_kind, first)
     if kind == "variable":
       drawn.append((cls, where))
       return _Skeleton(cls, dict(thaw_metadata(node.value)), collection_color(cls))
@@ -27,9 +27,9 @@ def render_graphdef(graphdef, path, subtree_renderer):
       drawn.append((cls, where))
       return _Skeleton(cls, {k: skeleton(sub, where + (k,)) for k, sub in node.items})
     if kind in ("list", "tuple"):
-      return _Sequence(cls, [skeleton(sub, where + (i,)) for i, sub in node.items])
+      return _Container(cls, [skeleton(sub, where + (i,)) for i, sub in node.items])
     if kind == "dict":
-      return _Mapping(cls, {k: skeleton(sub, where + (k,)) for k, sub in node.items})
+      return _Container(cls, {k: skeleton(sub, where + (k,)) for k, sub in node.items})
     return node.value
 
   multi = len(graphdef.nodes) > 1
@@ -66,31 +66,18 @@ class _Skeleton:
     )
 
 
-class _Sequence:
-  """A list or tuple of a GraphDef (a ``ModuleList`` shows its class)."""
+class _Container:
+  """A list, tuple or dict of a GraphDef (a ``ModuleList`` or ``ModuleDict`` shows its
+  class)."""
 
-  def __init__(self, kind: type, items: list):
+  def __init__(self, kind: type, items: list | dict):
     self.kind, self.items = kind, items
 
   def __treescope_repr__(self, path, subtree_renderer):
     from treescope import repr_lib
 
-    if self.kind is list:
-      return subtree_renderer(self.items)
-    if self.kind is tuple:
-      return subtree_renderer(tuple(self.items))
+    if self.kind in (list, tuple, dict):
+      return subtree_renderer(self.kind(self.items))
+    if isinstance(self.items, dict):
+      return repr_lib.render_dictionary_wrapper(self.kind, self.items, None, subtree_renderer)
     return repr_lib.render_list_wrapper(self.kind, self.items, None, subtree_renderer)
-
-
-class _Mapping:
-  """A dict of a GraphDef (a ``ModuleDict`` shows its class)."""
-
-  def __init__(self, kind: type, items: dict):
-    self.kind, self.items = kind, items
-
-  def __treescope_repr__(self, path, subtree_renderer):
-    from treescope import repr_lib
-
-    if self.kind is dict:
-      return subtree_renderer(self.items)
-    return repr_lib.render_dictionary_wrapper(self.kind, self.items, None, subtree_renderer)
