@@ -9,6 +9,9 @@ a GraphDef, a State or a repr. They are named here, once, and read through these
   objects by it. Rebuilt on load, never pickled.
 * ``LAYER_KEYS`` on an ``Rngs`` rebuilt inside a layer loop: the keys each stream
   name draws for this layer (``_rules.LayerKeys``).
+* ``LAYER_INDEX`` on a stack rebuilt inside a pipeline stage (a slice of the whole
+  stack): ``(1, first)``, its layer ``j`` is layer ``first + j`` of the whole (``first``
+  may be traced), so the layer loop seeds the keys of the global indices.
 * ``SPLITS`` on a stacked class: a classmethod, ``name -> bool``, whether the class's
   rules split RNG stream ``name``; the ``LayerKeys`` of a layer taken out of a stack
   asks it, so that a pickle of the layer names the class, not the rules' lambdas.
@@ -31,6 +34,7 @@ from __future__ import annotations
 _PREFIX = "_sr_"
 OWNER = _PREFIX + "owner"
 LAYER_KEYS = _PREFIX + "layer_keys"
+LAYER_INDEX = _PREFIX + "layer_index"
 SPLITS = _PREFIX + "splits"
 TRANSFORMED = _PREFIX + "transformed"
 MADE_BY = _PREFIX + "made_by"

@@ -1,33 +1,8 @@
-"""Collection rules: how scan, remat_scan and vmap treat each variable.
-
-Every variable of the lifted modules gets exactly one treatment:
-
-* ``broadcast`` (``variable_broadcast``) — the same value in every iteration, read-only;
-* ``carry`` (``variable_carry``) — threaded from one iteration to the next and out;
-* ``stacked`` (``variable_axes={filter: axis}``) — sliced along ``axis`` per iteration
-  and stacked back;
-* ``rng`` — the key and count of an (unstacked) RNG stream, handled by ``split_rngs``:
-  a split stream gives each iteration its own key, a non-split one the same key to
-  every iteration; either way the stream advances once per call;
-* ``read-only`` — matched by nothing: readable, and writing it is an error.
-
-Broadcast and carry take precedence over ``variable_axes``; a variable matched by both
-is an error. RNG state that is already stacked (from a vmapped init) is ``stacked``.
-
-A *stream filter* (the keys of ``split_rngs``, the ``rngs`` of remat) is
-``True``/``...`` (every stream), ``False``/``None`` (none), a stream name
-(``"dropout"``), a ``name -> bool`` callable, or a tuple of these. Names served by a
-``default`` stream count under the name asked for: with ``sr.Rngs(0)`` and
-``split_rngs={"params": True, "dropout": False}``, ``rngs.params()`` gives each
-iteration its own key and ``rngs.dropout()`` the same key to all (``Treatment.serve_names``).
-The class forms initialise their layers with ``params`` split unless ``split_rngs``
-names it (``Rules.for_init``), so the layers differ.
-"""
+"""Collection rules: how scan, remat_scan and vmap treat each variable (one of
+stacked, broadcast, carry, rng, read-only; transforms/README.md), and the RNG streams."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import copy
 import dataclasses
 import difflib
@@ -37,7 +12,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
-from ..core._bookkeeping import LAYER_KEYS
+from ..core._bookkeeping import LAYER_INDEX, LAYER_KEYS
 from ..core._errors import TransformError, format_path
 from ..core._filters import filter_repr, is_everything, to_predicate
 from ..core._frozen import EMPTY
@@ -78,8 +53,7 @@ def _explicit_names(filter) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Collections:
-  """A transform's four collection keywords (linen's vocabulary, the users' API) as
-  one frozen value: made once where the user gave them, read by ``Rules``."""
+  """A transform's four collection keywords as one frozen value, read by ``Rules``."""
 
   variable_axes: Mapping[Any, Any] = EMPTY
   variable_broadcast: Any = False
@@ -87,8 +61,7 @@ class Collections:
   split_rngs: Any = EMPTY
 
   def keywords(self) -> dict[str, Any]:
-    """The keywords again, for a call of the public transform (``variable_carry`` only
-    when it carries something: ``sr.vmap`` takes none)."""
+    """The keywords again (``variable_carry`` only when set: ``sr.vmap`` takes none)."""
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     if out["variable_carry"] is False:
       del out["variable_carry"]
@@ -96,8 +69,8 @@ class Collections:
 
 
 def public(options: dict) -> dict:
-  """A transform's ``options`` as the keywords of its public form: ``collections``
-  spelled out again (a class form re-calls it for each position of a pattern)."""
+  """A transform's ``options`` as the keywords of its public form (``collections``
+  spelled out), for a class form that calls it again."""
   out = dict(options)
   out.update(out.pop("collections").keywords())
   return out
@@ -140,8 +113,8 @@ class Rules:
     ]
 
   def for_init(self) -> Rules:
-    """The rules a stacked class form initialises its layers with: ``params`` split
-    unless ``split_rngs`` says otherwise, so the layers are not all the same."""
+    """The rules a class form initialises its layers with: ``params`` split unless
+    ``split_rngs`` says otherwise, so the layers differ."""
     if any(pred("params") for pred, _, _ in self.split_entries):
       return self
     rules = copy.copy(self)
@@ -205,9 +178,8 @@ def _known_collections() -> set[str]:
 
 
 def _check_collection_names(rules: Rules, variables) -> None:
-  """Raises for a collection name in a rule that no Variable kind has: a misspelling
-  (``variable_broadcast="param"``) would otherwise leave the variables meant to the
-  other rules. A real collection absent from these modules passes (generic code)."""
+  """Raises for a collection name in a rule that no Variable kind has (a misspelling);
+  a real collection absent from these modules passes."""
   present = {v.collection for v in variables}
   known = None
   for label, name in rules.typed_collections:
@@ -228,11 +200,8 @@ def _check_collection_names(rules: Rules, variables) -> None:
 
 
 class Stream:
-  """An unstacked RNG stream found in the lifted graph: flat indices and whether split.
-
-  ``serves``: it is an Rngs's ``default`` stream, so the names it serves are split or
-  not by their own rule (see ``Treatment.serve_names``).
-  """
+  """An unstacked RNG stream found in the lifted graph: flat indices and whether split
+  (``serves``: a ``default`` stream, whose names follow their own rules)."""
 
   __slots__ = ("key", "count", "name", "split", "serves")
 
@@ -241,34 +210,24 @@ class Stream:
     self.serves = serves
 
 
-_INDEX_MAP: contextvars.ContextVar = contextvars.ContextVar("sr_index_map", default=None)
-
-
-@contextlib.contextmanager
-def layer_index_map(node, period, position):
-  """Inside: a Treatment over the lone ``node`` seeds its layer ``j`` as layer
-  ``j * period + position`` (``position`` may be traced): a pipeline stage's slice of
-  a stack draws the keys of its layers' global indices."""
-  token = _INDEX_MAP.set((node, (period, position)))
-  try:
-    yield
-  finally:
-    _INDEX_MAP.reset(token)
+def mark_layer_index(stack, first) -> None:
+  """On a slice of a stack rebuilt inside a pipeline stage: its layer ``j`` is layer
+  ``first + j`` of the whole stack (``first`` may be traced), so the Treatment of a
+  loop over it seeds the keys of the global indices; a slice of a pattern stack holds
+  whole cycles, ``first`` counting them, and its positions are marked together."""
+  positions = cycle(stack)
+  mark = (1, first * len(positions) if len(positions) > 1 else first)
+  for position in positions:
+    position.__dict__[LAYER_INDEX] = mark
 
 
 def _index_map(nodes) -> tuple[int, int] | None:
-  """``(period, position)`` of a lone stack that is one position of a pattern, or of
-  a slice of a stack (``layer_index_map``); for the positions of a slice of a pattern
-  stack (whole cycles), the slice's first cycle in layers, as the cycle loop counts."""
-  given = _INDEX_MAP.get()
-  if given is not None:
-    node, (period, position) = given
-    if len(nodes) == 1 and node is nodes[0]:
-      return period, position
-    positions = cycle(node)
-    if len(positions) == len(nodes) and all(a is b for a, b in zip(positions, nodes)):
-      assert period == 1, "a slice of whole cycles"
-      return 1, position * len(nodes)
+  """``(period, position)``: layer ``j`` of the lifted stack is layer ``j * period +
+  position`` of what its keys are drawn for — a slice inside a pipeline stage
+  (``mark_layer_index``), or one position of a pattern stack."""
+  marks = [getattr(node, "__dict__", {}).get(LAYER_INDEX) for node in nodes]
+  if marks and marks[0] is not None and all(m is marks[0] for m in marks):
+    return marks[0]
   if len(nodes) != 1:
     return None
   info = stack_info(nodes[0])
@@ -291,11 +250,10 @@ class Treatment:
     rank_offset: int = 0,
     skip: int = 0,
   ):
-    """``display_path`` turns a flat path into the one messages name (as the user
-    reaches the Variable), ``rules_path`` into the one the rules' filters see (default
-    ``display_path``); ``rng_streams=False`` classifies RNG state by the rules like any
-    variable; ``rank_offset=1`` checks axes for values that do not have the layer axis
-    yet; the first ``skip`` variables are not classified (read-only)."""
+    """``display_path``: a flat path as messages name it; ``rules_path``: as the
+    filters see it (default ``display_path``); ``rng_streams=False``: RNG state follows
+    the rules like any variable; ``rank_offset=1``: values lack the layer axis yet; the
+    first ``skip`` variables are read-only."""
     self.rules = rules
     self.display_path = display_path or (lambda p: p)
     rules_path = rules_path or self.display_path
@@ -386,9 +344,8 @@ class Treatment:
     return axis
 
   def seed_layer(self, flat: list, values, index) -> tuple:
-    """Puts one iteration's RNG state into ``flat``: each stream's key for this call,
-    folded with ``index`` when split (else shared by every iteration), and a fresh
-    count. Returns what ``serve_names`` needs after the rebuild."""
+    """Puts one iteration's RNG state into ``flat``: each stream's key, folded with
+    ``index`` when split, and a fresh count. Returns what ``serve_names`` needs."""
     served = []
     if self.index_map is not None and index is not None:  # the pattern's layer index
       period, position = self.index_map
@@ -406,9 +363,8 @@ class Treatment:
     return index, served
 
   def reseed(self, variables, values, index) -> list:
-    """``seed_layer`` on rebuilt Variables: the next layer of a cycle that one rebuild
-    serves gets the streams a rebuild of its own would have (the key of ``index``, a
-    fresh count). Returns the fresh counts, to tell which streams the layer drew."""
+    """``seed_layer`` on rebuilt Variables (the next layer of a cycle); returns the
+    fresh counts, to tell which streams the layer drew."""
     flat = [None] * len(variables)
     served = self.seed_layer(flat, values, index)
     counts = []
@@ -430,15 +386,10 @@ class Treatment:
         rngs_owner.__dict__[LAYER_KEYS] = LayerKeys(base, index, self.rules.splits, self.asked)
 
   def check_stream_names(self) -> None:
-    """Raises if ``split_rngs`` names a stream that matches nothing while a stream of
-    the modules is left to no named rule: the misspelling case (``"dropuot"``), where
-    every layer would silently get the same key of the stream meant.
-
-    Called once the body is traced, so names drawn from a ``default`` stream count.
-    A name that matches nothing while every stream has its rule changes nothing and
-    passes: linen's habit of ``split_rngs={"params": True, "dropout": True}`` on any
-    stack, and a stack called in evaluation mode (no dropout drawn), stay valid.
-    """
+    """Raises if ``split_rngs`` names a stream that matches nothing while a stream is
+    left to no named rule (a misspelling). Called once the body is traced, so names
+    drawn from a ``default`` stream count; linen's ``{"params": True, "dropout":
+    True}`` on any stack passes."""
     named = {n for _, _, names in self.rules.split_entries for n in names}
     if not named:
       return

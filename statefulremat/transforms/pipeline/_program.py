@@ -18,7 +18,7 @@ from ...core._stacks import axis_size
 from ...core._state import State
 from .._lift import Lifted, advance, commit
 from .._remat_scan import plan_remat, remat_scan
-from .._rules import TransformError, layer_index_map
+from .._rules import TransformError, mark_layer_index
 from ..accumulate._microbatches import join, split_rows
 from ._checks import stacked_axes
 from ._layout import Layout, is_array, per_device
@@ -186,8 +186,8 @@ def program(
         carry = (inp, jnp.zeros((), jnp.int32), layout.size(q)) if layout.padded else inp
 
         def run_chunk(module):
-          with layer_index_map(module, 1, layout.offset(q)):
-            return inner(module, carry, *call_args, **call_kwargs)
+          mark_layer_index(module, layout.offset(q))
+          return inner(module, carry, *call_args, **call_kwargs)
 
         out, changes = lifted.run(run_chunk, in_stack_layout(flat), [], what)
         out = out[0] if layout.padded else out
