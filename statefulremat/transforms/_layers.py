@@ -1,15 +1,4 @@
-"""The layer loop shared by scan and remat_scan.
-
-One iteration rebuilds the modules from a per-iteration set of values — stacked
-variables sliced, carried ones from the carry, broadcast and read-only ones closed
-over, each unstacked RNG stream replaced by the key of this iteration and a fresh
-count — runs the body, and reads back what it changed. The iterations run under
-``jax.lax.scan``; for ``remat_scan`` the layer axis of size ``prod(lengths)`` is folded
-into ``len(lengths)`` nested scans, each level wrapped in ``jax.checkpoint``.
-
-Only what the body changed leaves the loop: stacked variables that were written come
-out as stacked outputs, parameters that were only read do not (no extra copy).
-"""
+"""The layer loop shared by scan and remat_scan (transforms/README.md, "The loop")."""
 
 from __future__ import annotations
 
@@ -86,7 +75,7 @@ def _structure_difference(a, b, path: tuple) -> tuple[tuple, str, str]:
 
 
 class LayerLoop:
-  """Runs a body once per layer over the lifted modules (see module docstring)."""
+  """Runs a body once per layer over the lifted modules."""
 
   period = 1  # layers per unit of the loop (a cycle loop runs a pattern's cycles)
 
@@ -118,8 +107,6 @@ class LayerLoop:
     self.carry_written: set[int] = set()
     self.structure = None  # a NewStructure, if the body added or deleted attributes
     self.made: list = []  # then the values of the Variables made inside, stacked
-
-  # -- one iteration ---------------------------------------------------------------
 
   def _layer(self, body, state, x):
     carry_values, user_carry = state
@@ -213,13 +200,6 @@ class LayerLoop:
         f"slice with `variable_axes={{{var_kind.collection!r}: 0}}`."
       )
 
-  # -- the loop --------------------------------------------------------------------
-
-  @property
-  def units(self) -> int:
-    """The number of units the loop runs (what ``lengths`` counts)."""
-    return -(-self.length // self.period)
-
   def loop(
     self,
     body: Callable,
@@ -233,15 +213,10 @@ class LayerLoop:
     unroll: int | bool = 1,
     offload: bool = False,
   ):
-    """Runs every layer, ``body(layer, carry, x) -> (carry, ys)``: ``(carry, ys)``.
-
-    ``xs`` and ``ys`` leaves have the layer axis first. ``lengths`` nests the units
-    (``remat``: each level under ``jax.checkpoint``; a product above the unit count
-    makes the last segments short); a cycle loop runs the layers of a short last
-    cycle once, after the scan (before it, reversed). ``offload``: the carries the
-    outer levels save (a single level's: each unit's input) are kept in host memory
-    (``memory._carries``). Nothing is written until ``finish()``.
-    """
+    """Runs every layer, ``body(layer, carry, x) -> (carry, ys)``: ``(carry, ys)``,
+    layer axis first. ``lengths`` nests the units (``remat``: each level under
+    ``jax.checkpoint``); ``offload``: the outer levels' carries go to host memory.
+    Nothing is written until ``finish()``."""
     full, rest = divmod(self.length, self.period)
     carried, tail = self._carried_values(None), None
     if rest and self.reverse:
@@ -294,10 +269,8 @@ class LayerLoop:
     return ys
 
   def finish(self) -> None:
-    """Writes what the loop changed into the caller's modules (after the whole call
-    succeeded): the values and the streams it drew from, then the attributes the body
-    added or deleted (a Variable made inside comes out stacked, layer axis 0, marked as
-    a stack's)."""
+    """Writes what the loop changed into the caller's modules (a Variable made inside
+    comes out stacked, layer axis 0)."""
     made = None if self.structure is None else Restructured(None, self.made, self.structure)
     commit(
       self.variables,
@@ -337,9 +310,8 @@ class LayerLoop:
     carried: list | None = None,
     offload: bool = False,
   ):
-    """``loop`` before the write-back is worked out: ``(carry values, carry, written,
-    ys)``, ``written`` by flat index with the layer axis first. ``carried``: the
-    carried variables' values to start from (default: their values now)."""
+    """``loop``'s scans: ``(carry values, carry, written, ys)``, ``written`` by flat
+    index, layer axis first; ``carried``: the carried values to start from."""
     lengths = tuple(lengths)
     n = math.prod(lengths)
     # lax, and nothing for a single level or axis 0: each jnp call is a nested jit,
@@ -409,17 +381,10 @@ class LayerLoop:
     carried: list | None = None,
     offload: bool = False,
   ):
-    """``loop(body, carry, None, lengths=lengths, remat=True)`` for ``n < prod(lengths)`` layers.
-
-    Level ``d`` runs ``n_d // m`` full steps of ``m = prod(lengths[d+1:])`` layers as a
-    scan, then, if some are left, one short step; every step under
-    ``jax.checkpoint``, as in ``levels``. A step takes its layers' stacked values as one
-    ``dynamic_slice`` of its level's values and hands that slice down: a prefix
-    sliced statically (or reshaped, which needs ``m`` to divide it) would copy nearly
-    every layer's parameters (20 % more temp memory at N=97), and slicing the whole
-    stack at every level would give every level a gradient accumulator of the whole
-    stack. Returns ``(carry values, carry, written)``.
-    """
+    """``loop(body, carry, None, lengths=lengths, remat=True)`` for ``n < prod(lengths)``
+    layers: ``(carry values, carry, written)``. Level ``d`` scans its full steps of
+    ``m = prod(lengths[d+1:])`` layers, then one short step, each under
+    ``jax.checkpoint``."""
     lengths = tuple(lengths)
     depth = len(lengths)
     streams = bool(self.treatment.streams)
@@ -459,11 +424,9 @@ class LayerLoop:
         state, written = lax.scan(step, state, lax.iota(jnp.int32, full))
         merge = lambda v: lax.reshape(v, (full * m,) + v.shape[2:])
         parts.append({i: jax.tree.map(merge, v) for i, v in written.items()})
-      # A single step (a short last one, or a lone full one) runs outside any scan,
-      # where XLA would merge its recomputation with the forward pass (common
-      # subexpressions) and keep the residuals after all: prevent_cse=True stops it.
-      # (Two single steps in a row still hold both their residuals at once: XLA
-      # schedules the recomputations together. sr.plan_remat never proposes that.)
+      # A single step runs outside any scan, where XLA would merge its recomputation
+      # with the forward pass and keep the residuals: prevent_cse=True stops it. (Two
+      # in a row still hold both residuals at once; sr.plan_remat never proposes that.)
       singles = ([(0, m)] if full == 1 else []) + ([(full * m, rest)] if rest else [])
       for begin, size in singles:
         sub = [jax.tree.map(lambda v: lax.slice_in_dim(v, begin, begin + size), v) for v in values]

@@ -1,20 +1,5 @@
-"""Lifting: how every transform moves modules through a pure JAX function.
-
-Outside the trace, the call's arguments are split into
-
-* the *nodes* (modules and Variables, wherever they sit in the arguments), walked
-  jointly into one GraphDef and a flat list of their Variables (shared objects once);
-* the remaining pytree leaves (arrays and the like);
-* a treedef of the arguments with the nodes as leaves.
-
-Inside the trace, ``Lifted.rebuild`` merges fresh objects from the GraphDef and the
-traced values, the user's function runs on them, and ``Lifted.collect`` reads back
-which Variables it changed, and (for jit, remat, scan and vmap) how it changed the
-modules' structure (``_restructure``). The caller's objects are written only after
-the whole transform succeeded, by direct assignment — so an exception anywhere leaves them
-exactly as they were. From the read to the write-back the outermost call on a thread
-holds its graph's lock (``_graph_lock``), so two threads stepping one model take turns.
-"""
+"""Lifting: how every transform moves modules through a pure JAX function (the
+kernel; transforms/README.md describes it)."""
 
 from __future__ import annotations
 
@@ -46,8 +31,7 @@ from ._restructure import NewStructure, split_new
 
 class Roots(list):
   """The objects ``Lifted.rebuild`` made, with their Variables and the structure epoch
-  then. Every change to a graph's structure bumps the epoch, so while it stands,
-  ``collect`` reads the Variables directly instead of walking the graph again."""
+  then: while it stands, ``collect`` reads the Variables without walking the graph."""
 
   __slots__ = ("variables", "epoch")
 
@@ -57,14 +41,10 @@ class Roots(list):
 
 
 class Changes:
-  """What a lifted call did to its modules (``Lifted.run``), read inside the trace.
-
-  ``values``: ``{flat index: new value}`` of each Variable the function wrote;
-  ``made``: the values of the Variables it made, in the new graph's order, and
-  ``structure``: the ``NewStructure`` (None when the structure stayed); ``roots`` and
-  ``variables``: the rebuilt objects, for reading the results; ``isolated``: for a
-  cycle run with ``isolate``, each unit's writes to those Variables.
-  """
+  """What a lifted call did to its modules (``Lifted.run``), read inside the trace:
+  ``values`` ``{flat index: new value}`` written, ``made`` the values of new Variables,
+  ``structure`` the ``NewStructure`` or None, ``roots`` / ``variables`` the rebuilt
+  objects, ``isolated`` each unit's writes to the isolated Variables."""
 
   __slots__ = ("values", "made", "structure", "roots", "variables", "isolated")
 
@@ -126,21 +106,16 @@ class Lifted:
     outputs: bool = False,
     copies: bool = False,
   ) -> tuple[Any, Changes]:
-    """Inside a trace: ``fn(*args, **kwargs)`` on fresh objects holding ``values``
-    (the call's arguments, its modules rebuilt); returns ``(out, Changes)``.
+    """Inside a trace: ``fn(*args, **kwargs)`` on fresh objects holding ``values``;
+    returns ``(out, Changes)``.
 
-    ``seed=(treatment, index)`` first gives each RNG stream of ``treatment`` the key of
-    iteration ``index`` (in ``values``, which it rewrites) and a fresh count.
-    ``units``: the call is one cycle of a pattern, ``fn(k, *args, **kwargs)`` for each
-    position ``k`` in that order on the one rebuild, each seeded as a call of its own
-    (iteration ``index + k``); ``out`` is then the list of outputs by position (None
-    where not run), and a stream counts as drawn when any unit drew. ``isolate``:
-    Variables each unit sees at their value before the call, whose writes come back
-    per unit in ``Changes.isolated`` (a vmap's members run side by side, not in turn).
-    ``restructure``: the transform carries changes of structure out (``Changes.made``
-    and ``.structure``); otherwise such a change raises. ``outputs``: modules in
-    ``out`` cross the boundary as a ``ModulesOut`` (``lift_outputs``); with ``copies``
-    every one of them comes back a new object, an argument returned too.
+    ``seed=(treatment, index)``: seed the RNG streams as iteration ``index``.
+    ``units``: run ``fn(k, *args, **kwargs)`` for each position ``k`` of one cycle on
+    the one rebuild, each seeded as iteration ``index + k``; ``out`` is then a list by
+    position. ``isolate``: Variables each unit sees unchanged, their writes returned
+    per unit (a vmap's members run side by side). ``restructure``: carry changes of
+    structure out, else raise. ``outputs``: modules in ``out`` leave as a
+    ``ModulesOut``; with ``copies`` all as new objects.
     """
     before = list(values)
     if seed is not None:
@@ -184,12 +159,8 @@ class Lifted:
     self, roots, values: Sequence[Any], what: str, structure: list | None = None
   ) -> dict[int, Any]:
     """After the user's function: ``{index: new value}`` of each Variable it changed.
-
-    If the function changed the graph's structure: with a ``structure`` list, appends
-    the ``NewStructure`` to it and adds the values of the Variables made inside under
-    the keys -1, -2, ... (in the new graph's order; ``split_new`` separates them);
-    without one (a transform that cannot carry it out), raises.
-    """
+    A changed structure is appended to ``structure`` (new Variables under keys -1, -2,
+    ...), or raises when ``structure`` is None."""
     if roots.epoch == structure_epoch.value:  # no structure changed anywhere since
       return {
         i: v._value
@@ -248,9 +219,8 @@ def _run_units(fn, args, kwargs, variables, values, before, seed, order, isolate
   return outs, isolated
 
 
-# Types whose values are pytree leaves holding no tracer. Arguments and results of these
-# types skip tree_flatten (whose `is_leaf` runs Python per node) and the trace check.
-# JAX's concrete array class is private, so it is learnt from the first one seen.
+# Leaf types that hold no tracer: they skip tree_flatten and the trace check. JAX's
+# concrete array class is private, so it is learnt from the first one seen.
 _PLAIN = {np.ndarray, int, float, bool, complex}
 
 
@@ -278,9 +248,8 @@ def split_call(args: tuple, kwargs: dict):
 
 
 def lift(args: tuple, kwargs: dict) -> tuple[Lifted, list[Variable], list[Any], list[Any]]:
-  """A call's arguments split for tracing: ``(lifted, variables, leaves, nodes)`` (its
-  ``Lifted``, the Variables of its modules in flat order, the other pytree leaves, and
-  the modules and Variables as they sit in the arguments)."""
+  """A call's arguments split for tracing: ``(lifted, variables, leaves, nodes)``, the
+  Variables in flat order, ``nodes`` the modules and Variables as they sit."""
   nodes, leaves, treedef, positions = split_call(args, kwargs)
   graphdef, variables = flatten(nodes)
   return Lifted(graphdef, treedef, positions), variables, leaves, nodes
@@ -300,9 +269,8 @@ def _split_flat(args: tuple):
   return nodes, leaves, tuple(positions)
 
 
-# Equal Lifted objects are made one object, so a compilation cache keyed on them finds
-# its entry by identity. Otherwise, after any structure change anywhere (which starts
-# new cache entries), each call would compare two equal GraphDefs in Python.
+# Equal Lifted objects are made one, so a cache keyed on them finds its entry by
+# identity instead of comparing two equal GraphDefs in Python.
 _INTERNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -336,14 +304,9 @@ class FlattenCache:
     return lifted, variables
 
   def lift_call(self, args: tuple, kwargs: dict) -> tuple[Lifted, list[Variable], list[Any]]:
-    """``(lifted, variables, other leaves)`` of a call's arguments.
-
-    The common call, ``step(model, opt, x, y)`` (only modules, Variables and arrays, no
-    keyword arguments), skips ``tree_flatten``: its treedef depends only on the number
-    of arguments, and both paths give the same treedef, so they share cache entries.
-    A repeat of the last such call (the same nodes, no structure change since) is
-    recognised by identity alone.
-    """
+    """``(lifted, variables, other leaves)`` of a call's arguments. A flat call
+    (nodes and plain leaves, no keywords) skips ``tree_flatten``, and a repeat of the
+    last one is recognised by identity alone."""
     last = self._last
     if (
       not kwargs
@@ -396,12 +359,8 @@ def check_no_nodes(out, what: str) -> None:
 def write_back(
   variables: Sequence[Variable], changed: dict[int, Any], what: str = "the transform"
 ) -> None:
-  """Writes the changed values into the caller's Variables: all of them or none.
-
-  The transform may itself run inside a plain JAX transform (``jax.vmap(lambda x:
-  step(model, x))`` closing over ``model``); its results are then that trace's tracers,
-  and writing them into a Variable created outside would leak them, so it raises.
-  """
+  """Writes the changed values into the caller's Variables: all of them, or none when
+  a value is a tracer of a trace that does not own the Variable."""
   if not _PLAIN.issuperset(map(type, changed.values())):
     _check_traces(variables, changed, what)
   for i, value in changed.items():
@@ -409,10 +368,8 @@ def write_back(
 
 
 def advance(count, draws: int | jax.Array = 1):
-  """An RNG stream's count after a transform served its function keys of its own: one
-  draw for the whole call (the layers' keys are folded from one), ``draws`` when the
-  function ran that many times in a row (a pipeline's microbatches; inside a stage, the
-  traced index of the microbatch it runs). The one place a transform moves a stream on."""
+  """An RNG stream's count moved on by ``draws`` (one per call, or one per microbatch
+  of a pipeline): the one place a transform moves a stream on."""
   return count + jnp.asarray(draws, jnp.result_type(count))
 
 
@@ -427,11 +384,9 @@ def commit(
   draws: int = 1,
   **placement: Any,
 ) -> Any:
-  """The one write of a transform's result into the caller's objects, once the whole
-  call succeeded: the values it changed, each RNG stream count in ``streams`` moved on
-  (``advance``), then, when ``out`` is ``Restructured``, the new structure of ``nodes``
-  (the modules as they sit in the arguments; ``placement``: where a stack's new
-  Variables put their layer axis). Returns the user's result."""
+  """The one write of a transform's result into the caller's objects: the changed
+  values, the ``streams`` advanced, and a ``Restructured`` result's new structure of
+  ``nodes`` (``placement``: the new Variables' layer axis). Returns the user's result."""
   if streams:
     changed = {**changed, **{i: advance(variables[i]._value, draws) for i in streams}}
   write_back(variables, changed, what)
@@ -461,14 +416,8 @@ def _check_traces(variables, changed, what):
 
 
 def serialised(wrapper: Callable) -> Callable:
-  """``wrapper`` holding its modules' graph lock when it is a thread's outermost call.
-
-  For the transforms that do not cache their graph walk (``sr.jit`` holds the lock
-  itself, on the Variables it cached). The Variables come from a per-transform
-  ``FlattenCache``, so a repeated call finds them by identity instead of walking the
-  graph a second time. A failure on a deleted array is named by the Variable that
-  holds it (``raise_if_deleted``).
-  """
+  """``wrapper`` run under ``held`` on its arguments' Variables (from a per-transform
+  ``FlattenCache``). ``sr.jit`` holds the lock itself."""
   cache = FlattenCache()
 
   @functools.wraps(wrapper)
@@ -486,11 +435,8 @@ def serialised(wrapper: Callable) -> Callable:
 
 
 class held:
-  """``with held(variables):`` a call's read-to-write-back: the graph's lock when it is
-  the thread's outermost call (nested calls take none), and a failure on a deleted
-  array named by the Variable that holds it. Writes happen only at its end, after
-  everything succeeded, so any exception (a KeyboardInterrupt too) leaves the objects
-  as they were."""
+  """``with held(variables):`` a call's read-to-write-back: the graph's lock for a
+  thread's outermost call, and a deleted array named by its Variable on failure."""
 
   __slots__ = ("variables", "lock")
 
@@ -510,17 +456,15 @@ class held:
 
 
 def raise_if_deleted(variables: Sequence[Variable]) -> None:
-  """After a call failed: raises naming the Variable that holds a deleted array, if
-  any. Asked only once JAX has refused an array (``Array has been deleted``), so a
-  call that succeeds never asks each array whether it was deleted."""
+  """After a call failed: raises naming the Variable that holds a deleted array, if any
+  (asked only then, so a call that succeeds never checks each array)."""
   error = deleted_error(variables, "", TransformError)
   if error is not None:
     raise error from None
 
 
 def refuse_layer_list(module, what: str, call: str) -> None:
-  """Raises if argument 0 is a list (or tuple) of two or more unstacked modules of one
-  class: layers not yet stacked, where the transform runs over one stacked module."""
+  """Raises if argument 0 is a list (or tuple) of unstacked modules of one class."""
   if not (isinstance(module, (list, tuple)) and len(module) > 1):
     return
   if (

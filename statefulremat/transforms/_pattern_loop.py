@@ -1,25 +1,5 @@
-"""The loop's unit: scan and remat_scan run a layer, or a cycle of a repeating pattern.
-
-``lift_loop`` lifts argument 0 and returns the loop over its units: a ``LayerLoop``
-(``_layers``) for a stack of one class, a ``CycleLoop`` for a pattern stack. Both run
-``body(layer, carry, x)`` through ``loop(...)`` and write back with ``finish()``, so
-the transforms never ask which they have.
-
-A pattern stack (``_pattern``) holds one ordinary stack per position of its pattern
-of P blocks; layer ``i`` is layer ``i // P`` of position ``i % P``. The loop lifts the
-P position stacks together (a Variable they share, such as an RNG stream, is one) and
-scans over whole *cycles*: one iteration rebuilds the P layers of cycle ``c`` from one
-set of values and runs them in order, so the traced body is one cycle whatever the
-length. Before each layer the RNG streams are put where a layer of its own would
-find them (the key of layer ``c * P + k``, a fresh count), so the loop equals
-``for i in range(length): x = stack.layer(i)(x)``, dropout included.
-
-With ``length = F * P + r``, the ``F`` full cycles run as the scan (nested and
-rematerialised for remat_scan, exactly as a plain stack's layers); the ``r`` layers of
-the last, short cycle run once after it. Positions ``k < r`` then hold ``F + 1``
-layers, so the scan takes their first ``F`` (a slice; a length that is a multiple of
-P slices nothing).
-"""
+"""The loop's unit: scan and remat_scan run a layer, or a cycle of a repeating pattern
+(``CycleLoop``; transforms/README.md, "The loop")."""
 
 from __future__ import annotations
 
@@ -46,7 +26,7 @@ def take(tree, k: int):
 
 
 class CycleLoop(LayerLoop):
-  """``LayerLoop`` whose iteration is one cycle of a pattern (see module docstring)."""
+  """``LayerLoop`` whose iteration is one cycle of a pattern."""
 
   def __init__(self, *args, period: int, names: Sequence[str], **kwargs):
     super().__init__(*args, **kwargs)
@@ -201,9 +181,6 @@ def _shapes(tree) -> str:
   return ", ".join(f"{jnp.dtype(d).name}{list(s)}" for s, d in leaves)
 
 
-# -- the loop over a module's units ---------------------------------------------------
-
-
 def lift_loop(
   module,
   what: str,
@@ -216,13 +193,9 @@ def lift_loop(
   data_transform: Callable | None = None,
   reverse: bool = False,
 ) -> LayerLoop:
-  """The loop scan and remat_scan run over argument 0: its unit one layer, or one cycle
-  of a pattern stack (``cycle(module)`` holds several position stacks).
-
-  ``sizes``: ``(description, n)`` of what else counts the layers (scanned xs,
-  ``length=``), which must agree with the stack; ``fallback``: the count when nothing
-  tells it (no stacked Variable).
-  """
+  """The loop over argument 0's units: a ``LayerLoop``, or a ``CycleLoop`` for a pattern
+  stack. ``sizes``: ``(description, n)`` of what else counts the layers, which must
+  agree; ``fallback``: the count when nothing tells it."""
   positions = cycle(module) if isinstance(module, Module) else (module,)
   if len(positions) == 1:
     lifted, variables, treatment, leaves = lift_module_arg(

@@ -139,102 +139,72 @@ def remat_scan(
   init_in_axes: Any = None,
   pipeline: Any = None,
 ):
-  """Applies N layers (``length``, default prod(lengths)) with memory ~ N^(1/d) and
-  flat compile time.
+  """Applies N layers in nested, rematerialised scans: memory ~ N^(1/d), flat compile time.
 
-  ``remat_scan(f, lengths)(module, carry) -> carry`` is equivalent to::
+  ``remat_scan(f, lengths)(module, carry, *args, **kwargs) -> carry`` is equivalent to::
 
       for layer in sr.unstack(module):     # N layers
-        carry = f(layer, carry)
+        carry = f(layer, carry, *args, **kwargs)
 
-  but runs as ``d = len(lengths)`` nested ``jax.lax.scan`` loops, every level (the innermost
-  included) under ``jax.checkpoint``: the backward pass keeps only each level's
-  carries and recomputes the rest.
-  Stacked variables keep ONE flat layer axis of size N — the nested shape exists only
-  inside the trace, so changing ``lengths`` never changes the state. Any N works,
-  primes included (see ``length``). Arguments after the carry
-  (``remat_scan(f, lengths)(module, carry, position_ids, flag=True)``,
-  ``f(layer, carry, position_ids, flag=True)``: an attention mask, Llama's position
-  ids) are broadcast: every layer gets them whole, keyword ones unchanged.
+  but runs as ``d = len(lengths)`` nested ``jax.lax.scan`` loops, each level under
+  ``jax.checkpoint``: the backward pass keeps each level's carries and recomputes the
+  rest. Stacked variables keep ONE flat layer axis of size N whatever the ``lengths``.
+  The arguments after the carry go whole to every layer.
 
   Args:
-    target: ``f(layer, carry, *args, **kwargs) -> carry`` (also a method); or a Module
-      class: the class form ``sr.remat_scan(Block, lengths=(10, 10))(*args, rngs=...)``
-      builds the N layers in one vmapped init, and calling it runs
-      ``Block.__call__(carry, *args) -> carry``, the extra arguments broadcast to every
-      layer; or a tuple of classes (a pattern, whose ``lengths`` count cycles).
-      ``None`` (only keywords given) makes a decorator.
-    lengths: the layers per level of nesting, outermost first, e.g. ``(10, 10)`` for
-      100 layers: a non-empty tuple of positive ints (the default ``()`` is refused);
-      ``"auto"`` plans the nesting at trace time for ``policy`` (without ``policy``,
-      the plan chooses it too: ``sr.plan_remat``); or an ``sr.RematPlan`` from
-      ``sr.plan_remat``, which brings its own length and policy.
-    length: N, the number of layers (default ``None``: ``prod(lengths)``). With
-      ``length=N < prod(lengths)`` the last segment is short (``lengths=(10, 10),
-      length=97`` runs 9 full outer steps of 10 and one of 7), with no padding and no
-      copies of parameter slices. The class form with ``lengths="auto"`` needs it.
-    memory_budget: with ``lengths="auto"``, the memory the plan must fit: bytes or a
-      string such as ``"512MiB"`` (per device under ``pipeline``). Default ``None``:
-      the least memory at no more than 3N evaluations.
-    policy: the ``jax.checkpoint_policies`` entry of the innermost level only (default
-      ``None``: save nothing); outer levels save nothing but their carries (a saving
-      policy there would keep every layer's residuals alive). It is checked as
-      ``sr.remat`` checks it: names that no ``checkpoint_name`` in the body gives
-      raise, an offload that the backend drops warns.
-    carries: where the carries the outer levels save for the backward pass live (one
-      per outer step, alive through the whole backward pass): ``"device"`` or
-      ``"offload"``, kept in host memory (``pinned_host``). With one level
-      (``lengths=(N,)``) that is each layer's input; the innermost level of a deeper
-      nesting keeps its carries on the device (they live only while one segment is
-      recomputed), and ``policy`` still says what it saves. Where the backend
-      offloads nothing (CPU) the carries stay on the device and each trace warns once.
-      Default ``None``: on the device, unless ``lengths="auto"`` plans under a
-      ``memory_budget`` that only offloading them meets (``sr.plan_remat``); a plan
-      brings its own.
+    target: ``f(layer, carry, *args, **kwargs) -> carry`` (also a method); a Module
+      class (the class form: N layers built in one vmapped init, calling
+      ``Block.__call__(carry, *args) -> carry``); a tuple of classes (a pattern, whose
+      ``lengths`` count cycles); ``None`` makes a decorator.
+    lengths: the layers per level, outermost first, e.g. ``(10, 10)`` for 100 layers
+      (the default ``()`` is refused); ``"auto"`` plans them at trace time
+      (``sr.plan_remat``); or an ``sr.RematPlan``, which brings its length and policy.
+    length: N (default ``None``: ``prod(lengths)``); a smaller N makes the last segment
+      short (``lengths=(10, 10), length=97``), with no padding. Needed by the class form
+      with ``"auto"``.
+    memory_budget: with ``lengths="auto"``, the memory the plan must fit: bytes or e.g.
+      ``"512MiB"`` (per device under ``pipeline``). Default ``None``: the least memory
+      at no more than 3N evaluations.
+    policy: the ``jax.checkpoint_policies`` entry of the innermost level (default
+      ``None``: save nothing), checked as ``sr.remat`` checks it; outer levels save only
+      their carries.
+    carries: where the outer levels' saved carries live: ``"device"`` or ``"offload"``
+      (host memory; see the "Memory names" guide). Default ``None``: the device, unless
+      an ``"auto"`` plan under ``memory_budget`` needs to offload.
     variable_broadcast: filter of variables read-only in every layer (default
-      ``False``: none).
+      ``False``).
     variable_carry: filter of variables threaded from layer to layer (default
-      ``False``: none).
-    variable_axes: ``{filter: axis}`` — the stacked variables and their layer axis
+      ``False``).
+    variable_axes: ``{filter: axis}``, the stacked variables and their layer axis
       (default ``{True: 0}``: every variable, at axis 0).
-    split_rngs: ``{stream filter: bool}`` — the RNG streams that give each layer its
-      key (default ``{True: True}``: every stream is split).
-    prevent_cse: as in ``jax.checkpoint`` (default ``False``, as suits a checkpoint
-      under a scan).
-    data_transform: ``sr.scan``'s: a ``State -> State`` map of each layer's stacked
-      values (e.g. a ``jax.lax.with_sharding_constraint``). Default ``None``: none.
-    metadata_params: ``sr.scan``'s: ``{"partition_name": name}`` for the layer axis's
-      name in ``sharding`` metadata. Default ``{}``.
+    split_rngs: ``{stream filter: bool}``, the RNG streams that give each layer its key
+      (default ``{True: True}``: every stream).
+    prevent_cse: as in ``jax.checkpoint`` (default ``False``, as suits a scan).
+    data_transform: as ``sr.scan``'s, a ``State -> State`` map of each layer's stacked
+      values. Default ``None``.
+    metadata_params: as ``sr.scan``'s, ``{"partition_name": name}``. Default ``{}``.
     methods: for a class target, the methods to run (default ``None``: ``__call__``).
-    init_in_axes: for a class target, the positional constructor arguments that differ
-      per layer, as ``sr.scan``'s (default ``None``: every argument whole).
-    pipeline: ``sr.PipelineSpec(axis=..., microbatches=...)`` runs it as
-      ``sr.pipeline`` (the class form's ``stack(x)`` and the function form alike),
-      under a mesh whose ``axis`` the layer axis is sharded over: ``lengths`` /
-      ``length`` still count the stack's layers, each stage runs its own as one level
-      with ``policy`` and ``carries``, or as ``lengths="auto"`` plans them under ``memory_budget`` per
-      device. Default ``None``: no pipeline.
+    init_in_axes: for a class target, the constructor arguments that differ per layer,
+      as ``sr.scan``'s (default ``None``: every argument whole).
+    pipeline: an ``sr.PipelineSpec(axis=..., microbatches=...)`` runs it as
+      ``sr.pipeline`` over the mesh axis the layer axis is sharded over, each stage's
+      layers as one level (or as ``"auto"`` plans them). Default ``None``.
 
   Returns:
     For a function, ``run(module, carry, *args, **kwargs) -> carry``, which writes the
-    body's changes back to ``module``; for a Module class (or a pattern), the stack
-    class ``RematScan{Name}``, whose instances hold the N layers (the same class for
-    equal arguments); with no ``target``, a decorator that takes it.
+    body's changes back to ``module``; for a class (or a pattern), the stack class
+    ``RematScan{Name}`` (one per equal arguments); with no ``target``, a decorator.
 
   Raises:
-    sr.TransformError: ``lengths`` that are not a non-empty tuple of positive ints,
-      ``"auto"`` or a plan; ``carries`` neither ``"device"`` nor ``"offload"``;
-      ``length`` not covered by ``lengths`` (or leaving a whole outer step empty), or
-      not the plan's; ``policy`` or ``memory_budget`` with a plan,
-      ``memory_budget`` without ``"auto"``; the class form with ``"auto"`` and no
-      ``length``; a ``pipeline`` that is not an ``sr.PipelineSpec``; at call, the body
-      returning ``(carry, ys)`` or changing the carry's structure, shape or dtype, a
-      variable matched by two rules, a ``policy`` naming values the body does not
+    sr.TransformError: bad ``lengths``, ``carries`` or ``pipeline``; a ``length`` that
+      ``lengths`` do not cover, or not the plan's; ``policy`` or ``memory_budget`` with
+      a plan, ``memory_budget`` without ``"auto"``; the class form with ``"auto"`` and
+      no ``length``; at call, the body returning ``(carry, ys)`` or changing the carry,
+      a variable matched by two rules, a ``policy`` naming values the body does not
       name, or no plan fitting ``memory_budget``.
     TypeError: a ``target`` that is not callable; ``methods`` / ``init_in_axes`` with a
       function; a ``policy`` that is not one; at call, argument 0 not a module.
-    sr.GraphError: a module in the carry or the arguments after it (modules go in
-      argument 0).
+    sr.GraphError: a module in the carry or the arguments after it.
 
   >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> Deep = sr.remat_scan(sr.nn.Linear, lengths=(4, 5))
@@ -446,34 +416,11 @@ def plan_remat(
 ) -> RematPlan:
   """Plans ``sr.remat_scan`` over ``stack`` for a ``carry`` of these shapes.
 
-  Every nesting of up to ``max_depth`` levels (short last segments included) and both
-  innermost policies (nothing saveable, dots saveable; or only the ``policy`` given)
-  are ranked by a memory model (see ``sr.RematPlan``): with ``memory_budget`` (bytes,
-  or ``"512MiB"``) the fewest block evaluations whose temp memory fits, else the least
-  memory at no more than 3N evaluations.
-
-  The model's terms for what changes between nestings (saved carries, residuals,
-  parameter slices) are exact; what one unit's backward pass needs besides (attention
-  scores, an MLP's hidden activations) depends on XLA, so planning compiles the
-  stack's gradient at the model's best plan and reads that from XLA's temp bytes
-  (and once more where the pick has the other policy): after that every candidate's
-  figure is within 10 % of XLA's (``benchmarks/planner.py``).
-
-  With a budget, the pick is compiled to check it fits (a plan the model puts inside
-  the budget's 3 % headroom, or, tried first, one with fewer evaluations that it puts
-  under the budget itself), and where the model was still off, it is rescaled by
-  XLA's figure and the choice made again; plans with fewer evaluations that the model
-  put just over the budget (within its error on the pick plus 1 %, at most 5 %) are
-  compiled too, up to 8, and the first that fits is taken. ``plan.measured_bytes`` is
-  XLA's figure for the plan returned where planning compiled it. When no plan fits,
-  the error names the smallest and what it needs, once compiled.
-
-  Where no plan keeping the carries on the device fits a budget, recompute alone
-  cannot meet it: on a backend that moves offloaded values to host memory (GPU, TPU)
-  the plans that keep the outer levels' carries there (``carries="offload"``) are
-  planned next, the fewest evaluations first and then the least host traffic, and the
-  plan's ``reason`` says why it offloads and what the traffic costs at
-  ``host_bandwidth``. On one that moves nothing (CPU) the error says so.
+  Ranks every nesting of up to ``max_depth`` levels and innermost policy by a memory
+  model (see ``sr.RematPlan``) calibrated by compiling the best plan: with
+  ``memory_budget``, the fewest block evaluations that fit (the pick compiled to check
+  it; carries offloaded where only that fits), else the least memory at no more than 3N
+  evaluations. How it plans: the "Which remat?" guide.
 
   Args:
     stack: a stacked module (N layers), or its ``sr.eval_shape``.
@@ -481,21 +428,17 @@ def plan_remat(
     fn: the body ``(layer, carry) -> carry``; default ``layer(carry)``.
     memory_budget: bytes or a string; None for the least memory at <= 3N evaluations.
     max_depth: the most levels of nesting a plan may have (default ``4``).
-    policy: the innermost level's policy to plan with (e.g. one saving the names
-      ``save_only_these_names`` lists), in place of choosing between nothing saveable
-      and dots saveable; the nesting is then planned for the bytes it keeps.
-    carries: where the outer levels' carries may live: ``"device"``, ``"offload"``
-      (host memory: planned for the device bytes that leaves), or ``None`` (the
-      default): on the device, unless only offloading them meets ``memory_budget``.
-    host_bandwidth: bytes per second between device and host memory, for the cost an
-      offloading plan reports: a number, or a string such as ``"25GB/s"`` (the
-      default, PCIe 4.0 x16 in practice; PCIe 5.0 gives about 50, a GH200's
-      NVLink-C2C about 450).
+    policy: the innermost policy to plan with, in place of choosing between nothing
+      saveable and dots saveable.
+    carries: where the outer levels' carries may live: ``"device"``, ``"offload"``, or
+      ``None`` (the default): the device unless only offloading meets the budget.
+    host_bandwidth: device-host bytes per second, for the cost an offloading plan
+      reports: a number or e.g. ``"25GB/s"`` (the default, PCIe 4.0 x16).
 
   Returns:
     An ``sr.RematPlan``: its ``lengths``, innermost ``policy``, block evaluations and
-    modelled temp bytes (``measured_bytes`` too where planning compiled the plan); pass
-    it as ``sr.remat_scan(fn, lengths=plan)``.
+    modelled temp bytes (``measured_bytes`` where planning compiled it); pass it as
+    ``sr.remat_scan(fn, lengths=plan)``.
 
   Raises:
     TypeError: ``stack`` is not a stacked module.

@@ -1,16 +1,5 @@
-"""Structure changes made inside a transform, carried out to the caller's objects.
-
-A traced function may add or delete attributes of the modules it was given (a new
-sub-module, an ``sr.Intermediate`` made by ``sow``, ``del self.cache``, a new static
-flag). Inside the trace, ``Lifted.collect`` walks the changed graph and records a
-``NewStructure``: its GraphDef, and for each of its Variables the flat index of the
-input Variable it is (or -1 for one made inside). The values of the new Variables
-leave the trace as ordinary outputs. After the whole transform succeeded,
-``NewStructure.apply`` rebuilds the caller's graph in the new shape: a module found at
-the same path (of the class, or a subclass of it) is the caller's own object, updated
-attribute by attribute; an input Variable is the caller's own; the rest is made fresh.
-Nothing is touched before that point, so a call that raises changes nothing.
-"""
+"""Structure changes made inside a transform (attributes added or deleted), carried out
+to the caller's objects after the call succeeded (transforms/README.md)."""
 
 from __future__ import annotations
 
@@ -43,10 +32,6 @@ class NewStructure:
   def __hash__(self):
     return hash((self.graphdef, self.origin))
 
-  def new_indices(self) -> list[int]:
-    """Positions (in the new graph's Variable order) of the Variables made inside."""
-    return [k for k, j in enumerate(self.origin) if j < 0]
-
   def apply(
     self,
     nodes: Sequence[Any],
@@ -57,13 +42,9 @@ class NewStructure:
     partition_name: str | None = None,
     keep_metadata: bool = False,
   ) -> None:
-    """Reshapes the caller's graph (``nodes``, whose Variables are ``variables`` in
-    flat order) into ``graphdef``; the Variables made inside get ``new_values``.
-
-    ``stacked_axis``: the Variables made inside carry a layer axis there (made once per
-    layer of a scan or vmap) and are marked as a stack's are. ``keep_metadata``: the
-    input Variables keep their metadata (a layer view's differs from the caller's).
-    """
+    """Reshapes the caller's graph (``nodes``, whose Variables are ``variables``) into
+    ``graphdef``; the Variables made inside get ``new_values``, marked as stacked at
+    ``stacked_axis`` if given. ``keep_metadata``: the input Variables keep theirs."""
     at_path = _objects_by_path(nodes)
     fresh = iter(new_values)
     trace = current_trace()

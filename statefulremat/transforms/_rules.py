@@ -77,7 +77,7 @@ def public(options: dict) -> dict:
 
 
 class Rules:
-  """The collection rules of one transform (see the module docstring)."""
+  """The collection rules of one transform (transforms/README.md)."""
 
   def __init__(self, what: str, collections: Collections):
     variable_axes, variable_broadcast = collections.variable_axes, collections.variable_broadcast
@@ -257,8 +257,6 @@ class Treatment:
     self.rules = rules
     self.display_path = display_path or (lambda p: p)
     rules_path = rules_path or self.display_path
-    # Layer ``j`` of a stack that holds one position of a pattern is layer
-    # ``j * period + position`` of the pattern: its streams are split by that index.
     self.index_map = _index_map(nodes)
     index = {id(v): i for i, v in enumerate(variables)}
     self.streams: list[Stream] = []

@@ -1,10 +1,6 @@
-"""sr.scan: ``jax.lax.scan`` over modules, with per-collection rules.
-
-The class form builds a stack of layers (``_stacked``) whose call is the function
-form; the function form lifts the module and runs the loop over its units
-(``_pattern_loop.lift_loop``: one layer, or one cycle of a pattern stack). Its
-``in_axes`` / ``out_axes`` trees and ``sr.broadcast`` are in ``_scan_axes``.
-"""
+"""sr.scan: ``jax.lax.scan`` over modules, with per-collection rules. The loop itself is
+``_pattern_loop.lift_loop``; ``in_axes`` / ``out_axes`` and ``sr.broadcast`` are in
+``_scan_axes``."""
 
 from __future__ import annotations
 
@@ -140,90 +136,58 @@ def scan(
         carry, y_i = f(layer_i, carry, *(x[i] for x in xs))
       ys = stack(y_i)
 
-  where ``layer_i`` holds slice ``i`` of each variable matched by ``variable_axes``,
-  the same value of each ``variable_broadcast`` (and unmatched, read-only) variable,
-  and the running value of each ``variable_carry`` variable; ``x[i]`` is slice ``i`` of
-  each ``xs`` leaf along its ``in_axes`` axis (the whole leaf where that is ``None``),
-  and ``stack`` puts the iterations at each ys leaf's ``out_axes`` axis. RNG streams
-  give every iteration its own key when split (``split_rngs``), else the same key.
-  Attributes the body adds to or deletes from its module are carried out to the
-  caller's; a Variable made in the body (once per iteration) comes out stacked along
-  the layer axis, as nnx's ``sow`` inside ``nnx.scan``.
-  Keyword arguments pass unchanged to every iteration (Python flags such as
-  ``deterministic=True`` stay Python values). Called outside any trace, the scan is
-  compiled once per module structure and reused, as under ``sr.jit``: Python values the
-  body closes over are read when it is first traced.
+  where ``layer_i`` holds slice ``i`` of each ``variable_axes`` variable, the running
+  value of each ``variable_carry`` one and the same value of the others (read-only);
+  ``x[i]`` is slice ``i`` of each ``xs`` leaf along its ``in_axes`` axis, and keyword
+  arguments pass unchanged. The rules, ``sow`` and attribute changes in the body: the
+  "Deep stacks" guide.
 
   Args:
-    target: ``f(module, carry, *xs) -> (carry, ys)`` (also a method), or a Module
-      class: the class form builds ``length`` independently initialised layers in one
-      traced init (the ``params`` stream split per layer unless ``split_rngs`` names
-      it) and scans its ``methods`` (default ``__call__``); or a tuple of classes (a
-      pattern). ``None`` (only keywords given) makes a decorator.
-    variable_axes: ``{filter: axis}`` — variables sliced along ``axis`` per iteration
-      (default ``{}``: none; a variable no rule matches is read-only).
+    target: ``f(module, carry, *xs) -> (carry, ys)`` (also a method); a Module class
+      (the class form: ``length`` layers built in one traced init, its ``methods``
+      scanned); a tuple of classes (a pattern); ``None`` makes a decorator.
+    variable_axes: ``{filter: axis}``, the variables sliced per iteration (default
+      ``{}``: none; a variable no rule matches is read-only).
     variable_broadcast: filter of variables read-only in every iteration (default
-      ``False``: none).
-    variable_carry: filter of variables threaded from iteration to iteration (default
-      ``False``: none).
-    split_rngs: ``{stream filter: bool}`` — streams that give each iteration its key
-      (default ``{}``: every iteration gets the same key).
-    in_axes: where each ``xs`` leaf is sliced, as a prefix tree of ``xs`` (as in
-      flax.linen.scan): an int is the scanned axis of every leaf below it (negative
-      counts from the end); ``None`` or ``sr.broadcast`` gives the whole value to every
-      iteration; at the top a tuple/list has one entry per ``xs`` argument, and each
-      entry may itself be a tuple/list/dict following that argument's structure down
-      to any depth. Default ``0``.
-    out_axes: where the iterations are stacked in each ``ys`` leaf: an int for every
-      leaf, or a prefix tree of ``ys`` (tuple/list/dict) with an int per subtree;
-      negative axes count against the stacked output's rank. ``None`` is an error, as
-      ys differ per iteration (return a value computed once through the carry).
-      Default ``0``.
-    length: the number of iterations; required when nothing else tells it (no ``xs``,
-      no stacked variables), and for a class target. Default ``None``.
-    reverse: run the iterations from last to first, as in ``jax.lax.scan`` (default
       ``False``).
+    variable_carry: filter of variables threaded through the iterations (default
+      ``False``).
+    split_rngs: ``{stream filter: bool}``, the streams that give each iteration its
+      own key (default ``{}``: one key for all).
+    in_axes: where each ``xs`` leaf is sliced: an int (negative counts from the end),
+      ``None`` / ``sr.broadcast`` (whole to every iteration), or a prefix tree of
+      ``xs``, one entry per argument at the top. Default ``0``.
+    out_axes: where the iterations are stacked in each ``ys`` leaf: an int or a prefix
+      tree of ``ys``; never ``None``. Default ``0``.
+    length: the number of iterations; needed for a class target and when nothing else
+      tells it. Default ``None``.
+    reverse: run from the last iteration to the first (default ``False``).
     unroll: iterations per loop step, as in ``jax.lax.scan`` (default ``1``).
-    carries: where each iteration's input carry, which the scan saves for the
-      backward pass, lives: ``"device"`` (the default) or ``"offload"``, kept in host
-      memory (``pinned_host``). Everything else the body saves is saved as before (a
-      body under ``sr.remat`` keeps its policy). Where the backend offloads nothing
-      (CPU) the carries stay on the device and each trace warns once.
-    data_transform: ``State -> State`` applied to each iteration's stacked values
-      (e.g. ``jax.lax.with_sharding_constraint``); its entries keep their Variable
-      kinds and the layer's metadata, so it can filter and read ``sharding``. Default
-      ``None``: none.
-    metadata_params: ``{"partition_name": name}`` puts ``name`` into the ``sharding``
-      metadata of stacked variables at the layer axis (removed inside the body).
-      Default ``{}``.
+    carries: where the input carries saved for the backward pass live: ``"device"``
+      (default) or ``"offload"`` (host memory; see the "Memory names" guide).
+    data_transform: ``State -> State`` applied to each iteration's stacked values, e.g.
+      a ``jax.lax.with_sharding_constraint`` (default ``None``).
+    metadata_params: ``{"partition_name": name}``, the layer axis's name in the
+      ``sharding`` metadata of stacked variables (default ``{}``).
     methods: for a class target, the methods to scan (default ``None``: ``__call__``).
     init_in_axes: for a class target, the positional constructor arguments that differ
-      per layer: an axis (every positional argument) or a tuple with one entry per
-      positional argument, ``None`` for one passed whole to every layer (the default
-      for all). Layer ``i`` is built with slice ``i`` along that axis, as nnx's
-      ``nnx.vmap(create, in_axes=(0, ...))`` over the init arguments; e.g.
-      ``sr.scan(Block, length=4, init_in_axes=(0,))(jnp.arange(4.0), rngs=...)``.
-      Keyword arguments always pass whole.
+      per layer: an axis, or one entry per argument, ``None`` passing it whole (the
+      default); e.g. ``sr.scan(Block, length=4, init_in_axes=(0,))(jnp.arange(4.0))``.
 
   Returns:
     For a function, ``scanned(module, carry, *xs, **kwargs) -> (carry, ys)``, which
-    writes the body's changes back to ``module``; for a Module class (or a pattern),
-    the stack class ``Scan{Name}``, whose instances hold ``length`` layers and scan its
-    ``methods`` (the same class for equal arguments); with no ``target``, a decorator
-    that takes it.
+    writes the body's changes back to ``module``; for a class (or a pattern), the stack
+    class ``Scan{Name}`` (one per equal arguments); with no ``target``, a decorator.
 
   Raises:
-    TypeError: a ``target`` that is not callable, or ``methods`` / ``init_in_axes`` with
-      a function; ``variable_axes`` that is not ``{filter: int}``; at call, argument 0
-      is not a module, or the body does not return a pair ``(carry, ys)``.
-    sr.TransformError: ``in_axes`` / ``out_axes`` that are not axes, not a prefix of
-      ``xs`` / ``ys``, or out of range; ``carries`` neither ``"device"`` nor
-      ``"offload"``; a variable matched by two rules; the iteration
-      count unknown (no ``length``) or disagreeing between inputs; the carry changing
-      structure, shape or dtype; the body writing a read-only variable; a ``split_rngs``
-      or collection name that matches nothing; a list of unstacked layers as argument 0.
-    sr.GraphError: a module in the carry, ``xs`` or keyword arguments (modules go in
-      argument 0), or the body returning one.
+    TypeError: a ``target`` that is not callable; ``methods`` / ``init_in_axes`` with a
+      function; ``variable_axes`` that is not ``{filter: int}``; at call, argument 0
+      not a module, or the body not returning a pair.
+    sr.TransformError: bad ``in_axes`` / ``out_axes`` or ``carries``; a variable matched
+      by two rules; an unknown or disagreeing iteration count; the carry changing
+      structure, shape or dtype; a write to a read-only variable; a name in a rule
+      that matches nothing; a list of unstacked layers as argument 0.
+    sr.GraphError: a module in the carry, ``xs`` or keyword arguments, or returned.
 
   >>> import jax.numpy as jnp, statefulremat as sr
   >>> class Layer(sr.Module):

@@ -12,10 +12,8 @@ from .._rules import TransformError
 
 
 def refuse_mapping_plain(what, lifted, treatment, variables, stacked) -> None:
-  """Under the default ``variable_axes``, mapping a Variable that carries no layer axis
-  would hand each example one row of a parameter: the per-example case
-  (``sr.vmap(lambda m, x: m(x))(linear, xs)``) computes wrong numbers of the right
-  shape. Only Variables of a stack (layer axis in their metadata) map by default."""
+  """Raises if the default ``variable_axes`` would map a Variable with no layer axis,
+  handing each example one row of a parameter (wrong numbers of the right shape)."""
   for i in stacked:
     var = variables[i]
     if layer_axis(var) is not None:

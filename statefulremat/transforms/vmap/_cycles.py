@@ -1,13 +1,5 @@
-"""sr.vmap's unit over a pattern stack: one cycle, member ``i`` at position ``i % P``.
-
-A pattern stack of ``n`` members holds one stack per position of its pattern of ``P``
-classes, member ``i`` at layer ``i // P`` of position ``i % P``. ``sr.vmap`` maps over
-*cycles*: one ``jax.vmap`` of ``ceil(n / P)`` cycles, each running its ``P`` members in
-turn on one rebuild (``Lifted.run`` with ``units``), member ``c * P + k`` fed input
-slice ``c * P + k``. When ``P`` does not divide ``n``, the positions past the short last
-cycle are padded with a copy of their first layer and their results dropped. These
-helpers move between the two layouts: members (the user's) and cycles (the map's).
-"""
+"""sr.vmap over a pattern stack: moving between members (the user's layout) and cycles
+(the map's; see README.md)."""
 
 from __future__ import annotations
 
@@ -31,8 +23,8 @@ def padded(value, axis: int, size: int):
 
 
 def position_args(args, arg_axes, period: int, cycles: int) -> tuple:
-  """Per position ``k``, the arguments its members get: slices ``k, k + P, ...`` along
-  each mapped axis (one per cycle), the broadcast ones whole."""
+  """Per position ``k``, its members' arguments: slices ``k, k + P, ...`` of each mapped
+  one, the broadcast ones whole."""
 
   def slices(k: int):
     take = jnp.arange(k, cycles * period, period)
@@ -60,15 +52,13 @@ def stack_units(what: str, outs: list, names) -> Any:
 
 
 def cycle_axes(out_axes) -> Any:
-  """``out_axes`` of the map over cycles: the cycle axis in front of every mapped
-  output (``member_order`` moves the members where ``out_axes`` puts them)."""
+  """``out_axes`` of the map over cycles: the cycle axis in front of every mapped output."""
   return jax.tree.map(lambda a: None if a is None else 0, out_axes, is_leaf=lambda a: a is None)
 
 
 def member_order(out, out_axes, n: int, leaf_axes) -> Any:
-  """The map's outputs, ``(cycles, P, ...)`` per mapped leaf, as the members' ``n``
-  along the axis ``out_axes`` gives each leaf; a leaf not mapped, the positions' one
-  value (``agree`` checks that they are one)."""
+  """The map's outputs, ``(cycles, P, ...)`` per mapped leaf, as ``n`` members along
+  each leaf's ``out_axes``; an unmapped leaf, the positions' one value."""
   leaves, treedef = jax.tree.flatten(out)
   axes = [axis for _, _, axis in leaf_axes(out_axes, out)]
   result = []
@@ -83,9 +73,8 @@ def member_order(out, out_axes, n: int, leaf_axes) -> Any:
 
 
 def agree(per_position, refuse) -> None:
-  """Calls ``refuse()`` unless the positions' values (stacked in front) are one. Under
-  an outer trace the values are not known yet, so the check runs with the computation
-  (an error of the compiled call) instead."""
+  """Calls ``refuse()`` unless the positions' values (stacked in front) are one; under
+  an outer trace, when the computation runs."""
 
   def check(stacked):
     if not bool(jnp.all(stacked == stacked[:1])):

@@ -23,14 +23,9 @@ _MODULE = object()  # where a module sits in a result, while out_axes are read
 def vmap_creating(
   fn, args, kwargs, stack_class, *, what, in_axes, out_axes, axis_size, axis_name, metadata_params
 ):
-  """``sr.vmap(f)(*args)`` where no argument holds a module, or ``sr.vmap(f,
-  axis_size=n)()`` with no argument at all: ``jax.vmap(f)``, and the modules ``f``
-  returns come out as stacks, as nnx's ``nnx.vmap(lambda key: Block(nnx.Rngs(key)))(
-  keys)`` does: each Variable with the mapped axis where ``out_axes`` puts its module
-  (default in front), marked as the layer axis there (and, with ``metadata_params=
-  {"partition_name": ...}``, that name inserted into its ``sharding`` at that
-  position), each returned module of the stacked class ``sr.vmap(Block, axis_size=n,
-  in_axes=None)`` (mapping that axis), which ``stack_class(Block, n, axis)`` gives."""
+  """``sr.vmap(f)(*args)`` where no argument holds a module: ``jax.vmap(f)``, the modules
+  ``f`` returns coming out as stacks of ``stack_class(Block, n, axis)``, the mapped axis
+  where ``out_axes`` puts it (the "Deep stacks" guide)."""
   record: dict = {}
 
   def one(*call_args):
@@ -99,9 +94,8 @@ def vmap_creating(
 
 def leaf_axes(out_axes, out, what: str | None = None) -> list:
   """``(path, leaf, axis)`` for each leaf of ``out`` (modules and Variables as leaves),
-  ``axis`` the entry of the ``out_axes`` prefix above it, as ``jax.vmap`` reads it.
-  An ``out_axes`` that does not fit raises: a TransformError naming ``what`` if given,
-  else the ValueError of ``jax.tree``."""
+  ``axis`` its ``out_axes`` entry. A misfit raises a TransformError naming ``what``, or
+  without it the ValueError of ``jax.tree``."""
   found: list = []
 
   def add(path, axis, sub):
@@ -122,9 +116,8 @@ def leaf_axes(out_axes, out, what: str | None = None) -> list:
 
 
 def _placed_axis(what, placed, var_path, value) -> int:
-  """Where the mapped axis of a Variable made inside goes: the ``out_axes`` entry of
-  its module (``placed``: its output path and axis), as a non-negative axis of
-  ``value`` (the Variable's value, mapped axis included)."""
+  """The non-negative axis of ``value`` where ``placed`` (output path, axis) puts the
+  mapped axis of a Variable made inside."""
   path, axis = placed
   where = f"the output `{jax.tree_util.keystr(path)}`" if path else "the output"
   ndim = jnp.ndim(value)
@@ -146,11 +139,8 @@ def _placed_axis(what, placed, var_path, value) -> int:
 
 
 def check_returned_inputs(what, out, out_axes, module, treatment, values) -> None:
-  """nnx's consistent aliasing between inputs and outputs: a module (or Variable) of
-  the module argument that the function returns comes back as the caller's own
-  object, laid out as ``variable_axes`` maps it, so an ``out_axes`` that puts a mapped
-  Variable's axis elsewhere cannot be honoured: refused, not ignored. (``module``: the
-  rebuilt argument 0, whose Variables are in the order of ``values``, the caller's.)"""
+  """Raises where ``out_axes`` would move the mapped axis of a returned Variable of the
+  module argument (nnx's consistent aliasing). ``module``: the rebuilt argument 0."""
   if not any(map(is_node, jax.tree.leaves(out, is_leaf=is_node))):
     return
   rebuilt = flatten(split_call((module,), {})[0])[1]
@@ -195,9 +185,8 @@ def check_returned_inputs(what, out, out_axes, module, treatment, values) -> Non
 def stacked_outputs(
   what, out: ModulesOut, n: int, stack_class, metadata_params, out_axes
 ) -> ModulesOut:
-  """``out`` with the Variables made inside marked as stacked (layer axis where the
-  int ``out_axes`` put them) and each module made inside and returned of its stacked
-  class; as it is for ``out_axes=None`` (nothing mapped: not a stack)."""
+  """``out`` with the Variables made inside marked as stacked at ``out_axes`` and each
+  module made inside of its stacked class (unchanged for ``out_axes=None``)."""
   if out_axes is None:
     return out
   graphdef, treedef, positions, n_roots, n_variables = out.info

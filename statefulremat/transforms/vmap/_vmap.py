@@ -52,8 +52,7 @@ from ._outputs import check_returned_inputs, leaf_axes, stacked_outputs, vmap_cr
 
 
 class _DefaultAxis(int):
-  """``in_axes``'s default, 0: an axis for the arguments, as an explicit 0 is, but not
-  the user saying how the module argument maps (nnx's ``in_axes`` cover it)."""
+  """``in_axes``'s default 0, told apart from an explicit 0, which maps the module too."""
 
 
 _DEFAULT_IN_AXES = _DefaultAxis(0)
@@ -137,89 +136,51 @@ def vmap(
 ):
   """``jax.vmap`` over a module: ``vmap(f)(module, *args)``; or a stacked init.
 
-  Function form: equivalent to ``stack([f(layer_i, *args_i) for i ...])`` where
-  ``layer_i`` holds slice ``i`` of each variable matched by ``variable_axes``, and the
-  same value of each broadcast one; keyword arguments pass unmapped to every layer
-  (e.g. Python flags).
-
-  Class form: ``sr.vmap(Block, axis_size=8)(*args, rngs=...)`` builds 8 independently
-  initialised layers (an ensemble) in one traced init; calling it maps ``methods``
-  over the layers, the call's arguments by ``in_axes``. The constructor's arguments
-  pass unmapped to every layer (only RNG streams are split, per ``split_rngs``):
-  ``in_axes`` is the calls', never the constructor's. To give layer ``i`` slice ``i``
-  of an argument (nnx's guide builds ten weights from ``jnp.arange(10)`` seeds), say
-  so with ``init_in_axes=0``, which also tells the number of layers:
-  ``sr.vmap(Weights, init_in_axes=0)(seeds)``, or map a function that builds one
-  layer, as nnx does: ``sr.vmap(lambda seed: Weights(seed))(seeds)``. An array
-  argument passed whole that makes the constructor fail, where one slice of it would
-  not, is refused with that fix (mapping it unasked would silently split an array
-  meant for every layer).
-
-  A function that takes no module (``sr.vmap(lambda key: Block(rngs=sr.Rngs(key)))(
-  keys)``) is ``jax.vmap`` over its arguments (with none, ``sr.vmap(f, axis_size=n)()``
-  builds ``n``), and the modules it returns come out as stacks: each Variable with the
-  mapped axis where ``out_axes`` puts it (default in front), marked as the layer axis,
-  each returned module of the stacked class ``sr.vmap(Block, axis_size=n,
-  in_axes=None)``, so ``stack.layer(i)``, ``sr.unstack`` and scanning over it work.
-  A module of argument 0 that the function returns comes back as the caller's own
-  object: an ``out_axes`` other than its ``variable_axes`` there raises. Decorating
-  ``__init__`` (``@sr.vmap(in_axes=(None, 0))``, nnx's guide) builds such a stack
-  from the mapped constructor arguments (``self`` is argument 0, never mapped).
-
-  Attributes the function adds to its module argument come out stacked (one per
-  layer), as do modules made inside. A write to a Variable that is not mapped is
-  kept when its value does not depend on the mapped axis (a step counter), else
-  raises.
+  The function form is equivalent to ``stack([f(layer_i, *args_i) for i ...])``, where
+  ``layer_i`` holds slice ``i`` of each variable matched by ``variable_axes`` and the
+  same value of each broadcast one; keyword arguments pass unmapped to every layer.
+  The class form ``sr.vmap(Block, axis_size=8)(*args, rngs=...)`` builds 8
+  independently initialised layers (an ensemble) in one traced init, its constructor's
+  arguments passed whole unless ``init_in_axes`` maps them; calling it maps ``methods``
+  over the layers. A function that takes no module, a decorated ``__init__``, and
+  writes or attributes the function adds: the "Deep stacks" guide.
 
   Args:
     target: a function ``f(module, *args, **kwargs)`` (also a method, or ``__init__``),
-      a Module class (the class form), or a tuple of classes (a pattern). ``None``
-      (only keywords given) makes a decorator.
+      a Module class (the class form), or a tuple of classes (a pattern); ``None``
+      makes a decorator.
     in_axes: where each non-module positional argument is mapped, as in ``jax.vmap``
-      (default ``0``; ``None`` broadcasts). An explicit ``in_axes`` covers the module
-      argument as nnx's does: ``in_axes=0`` maps a plain module's Variables along axis
-      0 with the inputs (a stack's map along their layer axis), and a tuple with one
-      entry more than the arguments gives the module the first (an axis, or ``None``
-      to broadcast it): ``sr.vmap(f, in_axes=(None, 0))(model, xs)``.
-    out_axes: where the mapped axis goes in each output, as in ``jax.vmap`` (default
-      ``0``, in front); for a returned module, where its Variables' layer axis goes.
-    axis_size: the size of the mapped axis, needed where no mapped argument or stacked
-      variable tells it; for the class form, the number of layers to build. Default
-      ``None``.
-    axis_name: a name for the mapped axis, for collectives inside (as ``jax.vmap``'s).
-      Default ``None``.
-    variable_axes: ``{filter: axis}`` — the variables mapped and their axis (default
-      ``{True: 0}``: every variable not broadcast). Under the default only a stack's
-      Variables (those carrying a layer axis) are mapped: a plain module's parameters
-      raise rather than hand each example one slice of them. Explicit
-      ``variable_axes`` map what they name.
-    split_rngs: ``{stream filter: bool}`` — the RNG streams that give each layer its
-      key (default ``{True: True}``: every stream is split).
+      (default ``0``; ``None`` broadcasts). An explicit one covers the module argument
+      as nnx's does: ``sr.vmap(f, in_axes=(None, 0))(model, xs)``.
+    out_axes: where the mapped axis goes in each output (default ``0``); for a returned
+      module, its Variables' layer axis.
+    axis_size: the size of the mapped axis where nothing else tells it; for the class
+      form, the number of layers. Default ``None``.
+    axis_name: a name for the mapped axis, for collectives inside (default ``None``).
+    variable_axes: ``{filter: axis}``, the variables mapped and their axis (default
+      ``{True: 0}``: a stack's Variables; a plain module's raise).
+    split_rngs: ``{stream filter: bool}``, the RNG streams that give each layer its key
+      (default ``{True: True}``: every stream).
     variable_broadcast: filter of the variables every layer sees whole (default
-      ``False``: none). Per-example use of one module is ``variable_broadcast=True``.
-    metadata_params: ``{"partition_name": name}`` puts ``name`` into the ``sharding``
-      metadata of the mapped variables at the layer axis, as ``sr.scan``'s. Default
-      ``{}``.
+      ``False``); ``True`` applies one module per example.
+    metadata_params: ``{"partition_name": name}``, the layer axis's name in the
+      ``sharding`` metadata of the mapped variables, as ``sr.scan``'s. Default ``{}``.
     methods: for a class target, the methods to map (default ``None``: ``__call__``).
-    init_in_axes: for a class target, the positional constructor arguments that differ
-      per member, as ``sr.scan``'s: an axis (every positional argument) or one entry
-      per positional argument, ``None`` to pass it whole (default ``None``: every
-      argument whole). Member ``i`` gets slice ``i`` along that axis; without
-      ``axis_size``, its size is the number of members. Keyword arguments pass whole.
+    init_in_axes: for a class target, the constructor arguments that differ per member,
+      as ``sr.scan``'s (default ``None``: every argument whole); without
+      ``axis_size``, it tells the number of members.
 
   Returns:
     For a function, a function of the same arguments that maps it and writes its
-    changes back to the module passed in; for a Module class (or a pattern), the stack
-    class ``Vmap{Name}``, whose instances hold ``axis_size`` layers (the same class for
-    equal arguments); with no ``target``, a decorator that takes it.
+    changes back to the module passed in; for a class (or a pattern), the stack class
+    ``Vmap{Name}`` (one per equal arguments); with no ``target``, a decorator.
 
   Raises:
-    sr.TransformError: ``in_axes`` / ``out_axes`` that do not fit the arguments or the
-      output; no way to tell the mapped size (pass ``axis_size``); a class form's
-      constructor failing on an array argument passed whole that one slice would suit
-      (pass ``init_in_axes``); the default ``variable_axes`` meeting a plain module's
-      Variables; a write to a variable that is not mapped, with a value that depends
-      on the mapped axis; a variable matched by two rules.
+    sr.TransformError: ``in_axes`` / ``out_axes`` that do not fit; no way to tell the
+      mapped size; a constructor failing on an array passed whole that one slice would
+      suit; the default ``variable_axes`` meeting a plain module's Variables; a write
+      to an unmapped variable that depends on the mapped axis; a variable matched by
+      two rules.
     TypeError: a ``target`` that is not callable; ``methods`` / ``init_in_axes`` with a
       function; ``variable_axes`` that is not ``{filter: int}``.
     sr.GraphError: a module in an argument after argument 0 or in a keyword argument.
@@ -251,8 +212,8 @@ def vmap(
     return Rules(what, collections)
 
   def function_form(fn: Callable, covers_module: bool, **given) -> Callable:
-    """The function form over ``fn``; a class form's methods run it directly, their
-    module argument (the stack) mapped by the class's rules, never by ``in_axes``."""
+    """The function form over ``fn`` (a class form's methods map their stack by its
+    rules, never by ``in_axes``)."""
     what = f"sr.vmap({display_name(fn)})"
     return _vmap_function(
       fn, what=what, rules=rules(what), covers_module=covers_module, **{**options, **given}
@@ -304,8 +265,8 @@ def _vmap_function(
   module_rules: dict = {}  # the module argument's axis -> its Rules (covers_module)
 
   def rules_for(module_axis) -> Rules:
-    """The Rules an explicit ``in_axes`` entry gives the module argument: its
-    Variables mapped along that axis, or (None) broadcast, as nnx's vmap does."""
+    """The Rules an explicit ``in_axes`` entry gives the module argument: mapped along
+    that axis, or broadcast for None."""
     found = module_rules.get(module_axis)
     if found is None:
       axes = {} if module_axis is None else {True: module_axis}
@@ -399,7 +360,6 @@ def _vmap_function(
         check_returned_inputs(what, out, out_axes, module, treatment, values)
         return out
 
-      # Modules made inside and returned come out stacked (after the call).
       if period == 1:
         out, changes = lifted.run(
           call, flat, leaves, what, seed=(treatment, index), restructure=True, outputs=True
@@ -510,14 +470,9 @@ def _vmap_function(
 
 
 def _vmapped_init(init: Callable, options: dict) -> Callable:
-  """``@sr.vmap(in_axes=(None, 0))`` on ``__init__``: the constructor builds a stack.
-
-  Each member is built by the undecorated ``__init__`` on a fresh instance, under
-  ``sr.vmap`` of a function that returns it (so its Variables come out with the mapped
-  axis in front); then ``self`` takes the stacked attributes. ``in_axes`` counts
-  ``self`` as argument 0, as nnx's does, and ignores its entry. Arguments holding
-  modules (an ``sr.Rngs`` of pre-split keys) are mapped by ``variable_axes``.
-  """
+  """``@sr.vmap(in_axes=(None, 0))`` on ``__init__``: the constructor builds a stack,
+  each member by the undecorated ``__init__`` under ``sr.vmap``; ``self`` then takes
+  the stacked attributes (``in_axes``'s entry for ``self`` is ignored)."""
   in_axes = options["in_axes"]
 
   @functools.wraps(init)
@@ -562,9 +517,8 @@ def _vmapped_init(init: Callable, options: dict) -> Callable:
 
 
 def _stack_class(cls: type, n: int, axis: int = 0) -> type:
-  """The stacked class a module built under ``sr.vmap`` comes out as (one per layer
-  class, size and layer axis): ``sr.vmap(cls, axis_size=n, in_axes=None)``, mapping
-  ``axis`` (``variable_axes={True: axis}``) where out_axes put it elsewhere."""
+  """The stacked class a module built under ``sr.vmap`` comes out as:
+  ``sr.vmap(cls, axis_size=n, in_axes=None)``, mapping ``axis``."""
   if is_stacked(cls):  # a stack made per member: stays as it is
     return cls
   rules: dict[str, Any] = {} if axis == 0 else {"variable_axes": {True: axis}}
@@ -573,10 +527,7 @@ def _stack_class(cls: type, n: int, axis: int = 0) -> type:
 
 def _module_entry(in_axes, n_args: int, stacked: bool) -> tuple[Any, Any]:
   """``(the module argument's axis, or _UNSAID; the other arguments' in_axes)`` of an
-  explicit ``in_axes``: the first entry of a tuple with one entry more than the
-  arguments after the module is the module's, as nnx writes it; an int covers a plain
-  module too (nnx's ``in_axes=0``), but not a stack, whose Variables map along their
-  layer axis whatever axis the data is mapped along (``in_axes=1`` for a batch)."""
+  explicit ``in_axes``, as nnx reads it; an int covers a plain module, not a stack."""
   if isinstance(in_axes, (tuple, list)):
     if len(in_axes) == n_args + 1:
       return in_axes[0], type(in_axes)(in_axes[1:])
