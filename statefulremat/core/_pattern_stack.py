@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from ._graph import flatten
 from ._module import Module
-from ._stacks import check_init_leaf, init_axes, not_subscriptable, stack_info
+from ._stacks import check_init_leaf, cycle_unit, init_axes, not_subscriptable, stack_info
 
 
 def _as_index(k) -> int | None:
@@ -44,7 +44,7 @@ class Pattern(tuple):
     if not isinstance(k, slice):
       n, index = len(self), _as_index(k)
       if index is None or not -n <= index < n:
-        names = ", ".join(str(getattr(stack_info(s), "name", "?")) for s in self)
+        names = ", ".join(_place_name(s) for s in self)
         raise IndexError(
           f"stack.pattern[{k!r}]: the pattern has {n} positions ({names}); use 0..{n - 1} "
           f"(or -{n}..-1). Layer i of the stack is `stack.layer(i)`, at position i % {n}."
@@ -76,12 +76,13 @@ class PatternStack(Module):
 
   def __init__(self, *args, **kwargs):
     info = stack_info(self)
-    if info is None or not info.is_pattern:
+    unit = cycle_unit(self)
+    if info is None or unit is None:
       raise TypeError(
         f"{type(self).__name__} is a PatternStack without a pattern. Build pattern "
         "stacks with a class form, e.g. `sr.scan((A, B), length=n, ...)`."
       )
-    positions, axes = info.positions, info.init_in_axes
+    positions, axes = unit.positions, info.init_in_axes
     # Each position's build advances the RNG streams it draws from: a failure at a
     # later position puts back what the earlier ones drew, so nothing has changed.
     modules = jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, Module))
@@ -97,7 +98,7 @@ class PatternStack(Module):
       if isinstance(e, Exception):
         e.add_note(
           f"(while {info.what} built position {k} of its pattern, "
-          f"{info.names[k]}; nothing was built)"
+          f"{unit.names[k]}; nothing was built)"
         )
       raise
     self.pattern = Pattern(built)
@@ -150,14 +151,19 @@ class PatternStack(Module):
     return self.pattern[i % p].layer(i // p)
 
 
+def _place_name(position) -> str:
+  info = stack_info(position)
+  return "?" if info is None or info.place is None else info.place.name
+
+
 def _position_args(stack, k: int, args: tuple, axes) -> tuple:
   """The constructor arguments of position ``k``: those ``init_in_axes`` maps cut to
   the layers ``k, k + P, ...`` along their axis."""
   if axes is None:
     return args
-  info = stack_info(stack)
-  assert info is not None and info.length is not None
-  n, p, what = info.length, len(info.positions), info.what
+  info, unit = stack_info(stack), cycle_unit(stack)
+  assert info is not None and info.length is not None and unit is not None
+  n, p, what = info.length, len(unit.positions), info.what
   out = []
   for j, (arg, axis) in enumerate(zip(args, init_axes(what, axes, args))):
     if axis is None:

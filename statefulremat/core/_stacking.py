@@ -25,8 +25,10 @@ from ._pattern_stack import from_positions
 from ._split_merge import type_change
 from ._stacks import (
   _pattern_of,
+  cycle_unit,
   layer_axis,
   layer_origin,
+  layer_unit,
   mark_frozen,
   partition_name,
   stack_info,
@@ -116,8 +118,8 @@ def _stack(layers: list, like: Any, cls: type | None, numbers: _Numbers):
         "(e.g. the class `sr.scan(Block, ...)` returned)."
       )
     cls = origins.pop()
-  info = stack_info(cls) if isinstance(cls, type) else None
-  if info is None or info.layer_class is None or not isinstance(cls, type):
+  unit = layer_unit(cls) if isinstance(cls, type) else None
+  if unit is None or not isinstance(cls, type):
     raise TypeError(f"sr.stack(like=...) takes a stacked module or class, got {cls!r}.")
   flats = [flatten([layer]) for layer in layers]
   graphdef, variables = flats[0]
@@ -133,7 +135,7 @@ def _stack(layers: list, like: Any, cls: type | None, numbers: _Numbers):
       variables[j],
       columns[j],
       why,
-      numbers.pattern or getattr(info.layer_class, "__name__", "Block"),
+      numbers.pattern or unit.cls.__name__,
       numbers,
     )
   values = []
@@ -345,8 +347,10 @@ def _value_at(root, path: tuple):
 def _pattern_origin(layers) -> type | None:
   """The pattern class the layers came out of (``stack.layer`` / ``sr.unstack``)."""
   parents = {
-    getattr(stack_info(origin.stack_class), "parent", None)
+    place.pattern()
     if (origin := layer_origin(layer)) is not None
+    and (info := stack_info(origin.stack_class)) is not None
+    and (place := info.place) is not None
     else None
     for layer in layers
   }
@@ -354,9 +358,9 @@ def _pattern_origin(layers) -> type | None:
 
 
 def _layer_class(stacked_class: type) -> type:
-  info = stack_info(stacked_class)
-  assert info is not None and info.layer_class is not None, stacked_class
-  return info.layer_class
+  unit = layer_unit(stacked_class)
+  assert unit is not None, stacked_class
+  return unit.cls
 
 
 def _position(stack: Module, k: int) -> Module:
@@ -366,9 +370,9 @@ def _position(stack: Module, k: int) -> Module:
 
 def _stack_pattern(layers: list, like, cls: type):
   """``sr.stack`` for a pattern: layer ``i`` goes to position ``i % P``."""
-  info = stack_info(cls)
-  assert info is not None
-  positions = info.positions
+  unit = cycle_unit(cls)
+  assert unit is not None
+  positions = unit.positions
   p = len(positions)
   if len(layers) < p:
     raise TransformError(
@@ -386,7 +390,7 @@ def _stack_pattern(layers: list, like, cls: type):
       )
   # Each position's layers are stacked as one plain stack; messages number them as
   # the user did, layer i of the list (not its index among the position's layers).
-  n, block = len(layers), f"({', '.join(info.names)})"
+  n, block = len(layers), f"({', '.join(unit.names)})"
   stacks = []
   for k in range(p):
     mine = layers[k::p]

@@ -28,6 +28,7 @@ it came from in one ``LayerOrigin`` record, so ``sr.stack`` can put it back.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -60,41 +61,74 @@ class StackRules(Protocol):
     ...
 
 
+class Form(enum.Enum):
+  """The class form that made a stacked class; its value is the class names' label."""
+
+  SCAN = "Scan"
+  REMAT_SCAN = "RematScan"
+  VMAP = "Vmap"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+  """The unit of a stack of one class: a layer of ``cls``, built by ``factory`` (a
+  ``functools.partial`` of ``cls``, a pattern's element) or else by ``cls``."""
+
+  cls: type
+  factory: Callable | None = None
+
+  def maker(self) -> Callable:
+    return self.factory or self.cls
+
+
+@dataclasses.dataclass(frozen=True)
+class Cycle:
+  """The unit of a pattern stack: one layer of each position, in order — the stacked
+  class of each position and its name in the pattern (``partial(Block, w=2)``)."""
+
+  positions: tuple[type, ...]
+  names: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+  """Where the stack of one position of a pattern sits: its layer ``i`` is the
+  pattern's layer ``i * period + position``. ``pattern()`` is the pattern stack class,
+  which is made after its positions (so the record reaches it through a function;
+  None while it is being made)."""
+
+  period: int
+  position: int
+  name: str
+  pattern: Callable[[], type | None]
+
+
 @dataclasses.dataclass(frozen=True)
 class StackInfo:
-  """What a stacked class is (see the module docstring).
+  """What a stacked class is (see the module docstring): made whole, with its class,
+  by the class form that made it, and never changed after.
 
-  ``layer_class`` is the class of one layer (for a pattern stack, None and
-  ``positions`` holds the stacked class of each position, named by ``names``). A
-  position of a pattern knows its place: ``index_map = (period, position)`` (its layer
-  ``i`` is the pattern's layer ``i * period + position``), its ``parent`` pattern
-  class and the ``factory`` (a ``functools.partial``) that builds one of its layers.
-  ``lengths`` is ``sr.remat_scan``'s nested layout (for ``sr.interop.to_linen``).
+  ``unit`` is what one step of a loop over the stack runs: a ``Layer``, or for a
+  pattern stack a ``Cycle``; ``place`` is set on the stack of one position of a
+  pattern; ``lengths`` is ``sr.remat_scan``'s nested layout (for
+  ``sr.interop.to_linen``).
   """
 
-  label: str  # the transform's class-form label: "Scan", "RematScan", "Vmap"
+  form: Form
   length: int | None
   what: str  # how errors name the class form
-  layer_class: type | None = None
+  unit: Layer | Cycle
   rules: StackRules | None = None
   partition_name: str | None = None
   init_in_axes: Any = None
-  positions: tuple[type, ...] = ()
-  names: tuple[str, ...] = ()
-  factory: Callable | None = None
-  index_map: tuple[int, int] = (1, 0)
-  name: str | None = None  # a position's name in its pattern, e.g. "partial(Block, w=2)"
-  parent: type | None = None
+  place: Place | None = None
   lengths: tuple[int, ...] | None = None
 
   @property
-  def is_pattern(self) -> bool:
-    return bool(self.positions)
-
-  def layer_maker(self) -> Callable:
-    """What builds one layer: the position's factory, else the layer class."""
-    assert self.layer_class is not None
-    return self.factory or self.layer_class
+  def index_map(self) -> tuple[int, int]:
+    """``(period, position)``: layer ``i`` is layer ``i * period + position`` of the
+    pattern it belongs to (``(1, 0)``: none)."""
+    return (1, 0) if self.place is None else (self.place.period, self.place.position)
 
 
 _INFO = STACK_INFO
@@ -107,17 +141,22 @@ def stack_info(obj) -> StackInfo | None:
 
 
 def set_stack_info(cls: type, info: StackInfo) -> type:
-  """Records ``info`` as what ``cls`` is (by the class form that made it)."""
+  """Records ``info`` as what ``cls`` is (once, by the class form that made it)."""
+  assert _INFO not in cls.__dict__, cls
   setattr(cls, _INFO, info)
   return cls
 
 
-def update_stack_info(cls: type, **changes) -> StackInfo:
-  """Replaces fields of ``cls``'s record (a pattern's positions learn their place)."""
-  info = stack_info(cls)
-  assert info is not None, cls
-  set_stack_info(cls, info := dataclasses.replace(info, **changes))
-  return info
+def layer_unit(obj) -> Layer | None:
+  """The ``Layer`` unit of a stack of one class (a class or an instance), else None."""
+  info = stack_info(obj)
+  return info.unit if info is not None and isinstance(info.unit, Layer) else None
+
+
+def cycle_unit(obj) -> Cycle | None:
+  """The ``Cycle`` unit of a pattern stack (a class or an instance), else None."""
+  info = stack_info(obj)
+  return info.unit if info is not None and isinstance(info.unit, Cycle) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,8 +347,7 @@ def is_stacked(module) -> bool:
   made by a transform's class form; a pattern stack holds such stacks)."""
   if not (isinstance(module, Module) or isinstance(module, type) and issubclass(module, Module)):
     return False
-  info = stack_info(module)
-  return info is not None and not info.is_pattern
+  return layer_unit(module) is not None
 
 
 def partition_name(cls: type) -> str | None:
@@ -353,11 +391,9 @@ def layer_graphdef(graphdef, metadata=unmark_frozen):
   """The GraphDef of one layer: each stacked root its layer class, each Variable's
   metadata mapped by ``metadata(i, frozen)`` (default: its layer axis removed)."""
   classes = {
-    j: info.layer_class
+    j: unit.cls
     for j, root in enumerate(graphdef.nodes)
-    if isinstance(root.type, type)
-    and (info := stack_info(root.type)) is not None
-    and info.layer_class is not None
+    if isinstance(root.type, type) and (unit := layer_unit(root.type)) is not None
   }
   return rewrite(graphdef, root_classes=classes, metadata=metadata)
 
@@ -486,5 +522,4 @@ def cycle(stack) -> tuple:
 def _pattern_of(obj) -> type | None:
   """The pattern stack class of ``obj`` (an instance or a class), else None."""
   cls = obj if isinstance(obj, type) else type(obj)
-  info = stack_info(cls)
-  return cls if info is not None and info.is_pattern else None
+  return cls if cycle_unit(cls) is not None else None

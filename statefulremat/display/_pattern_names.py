@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..core._stacks import stack_info
+from ..core._stacks import cycle_unit, layer_unit, stack_info
 from ._static_repr import static_repr
 
 WIDTH = 60  # characters the elements of a pattern may take in full before labels do
@@ -66,9 +66,9 @@ def runs(names) -> str:
 
 def pattern_names(cls) -> PatternNames:
   """The ``PatternNames`` of a pattern stack class (or instance)."""
-  info = stack_info(cls)
-  assert info is not None and info.is_pattern
-  made = [_element(position) for position in info.positions]
+  unit = cycle_unit(cls)
+  assert unit is not None
+  made = [_element(position) for position in unit.positions]
   names = [name for name, _ in made]
   if len(runs(names)) <= WIDTH:
     return PatternNames(tuple(names))
@@ -89,9 +89,9 @@ def _element(position) -> tuple[str, str]:
   """``(full name, class name)`` of the element that builds a position's layers:
   ``partial(Block, window=512)``, its arguments as written (``static_repr``: a
   function by its name, never its address)."""
-  info = stack_info(position)
-  assert info is not None and info.layer_class is not None
-  layer, factory = info.layer_class, info.factory
+  unit = layer_unit(position)
+  assert unit is not None
+  layer, factory = unit.cls, unit.factory
   if factory is None:
     return layer.__name__, layer.__name__
   given = [static_repr(a) for a in factory.args]
@@ -103,8 +103,8 @@ def position_label(position_cls) -> str | None:
   """The on-screen name of a position's stack class in its pattern; None where it is
   no position."""
   info = stack_info(position_cls)
-  if info is None or info.name is None:
+  place = None if info is None else info.place
+  if place is None:
     return None
-  if info.parent is None:
-    return info.name
-  return pattern_names(info.parent).labels[info.index_map[1]]
+  pattern = place.pattern()
+  return place.name if pattern is None else pattern_names(pattern).labels[place.position]

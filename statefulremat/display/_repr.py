@@ -17,7 +17,7 @@ from jax.core import Tracer
 
 from ..core._bookkeeping import is_bookkeeping
 from ..core._module import Module
-from ..core._stacks import _pattern_of, is_stacked, stack_info
+from ..core._stacks import Cycle, _pattern_of, is_stacked, stack_info
 from ..core._variables import Variable
 from ._pattern_names import pattern_names, position_label
 from ._static_repr import static_repr
@@ -79,14 +79,13 @@ def class_text(cls: type) -> str:
   info = stack_info(cls)
   if info is None:
     return cls.__name__
-  if info.is_pattern:  # a pattern stack: the transform over its classes
-    return f"{info.label}[{pattern_names(cls).cycle()}]"
-  assert info.layer_class is not None
-  of = class_text(info.layer_class)
-  inner = stack_info(info.layer_class)
+  if isinstance(info.unit, Cycle):  # a pattern stack: the transform over its classes
+    return f"{info.form.value}[{pattern_names(cls).cycle()}]"
+  of = class_text(info.unit.cls)
+  inner = stack_info(info.unit.cls)
   if inner is not None and inner.length is not None:  # a stack of stacks
     of = f"{of} × {inner.length}"
-  return f"{info.label}[{of}]"
+  return f"{info.form.value}[{of}]"
 
 
 def module_text(module) -> str:

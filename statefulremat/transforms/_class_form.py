@@ -19,7 +19,7 @@ from typing import Any, ParamSpec, Protocol, TypeGuard, TypeVar, overload
 
 from ..core._bookkeeping import MADE_BY, STACK_INFO, TRANSFORMED
 from ..core._module import Module
-from ..core._stacks import is_stacked, stack_info, update_stack_info
+from ..core._stacks import cycle_unit, stack_info
 
 M = TypeVar("M", bound=Module)
 P = ParamSpec("P")
@@ -177,8 +177,7 @@ def cached_class_form(transform: F) -> F:
         _record(made, transform, target, args, kwargs)
       return made
     if made is None:
-      made = _stack_of_partial(transform, target, args, kwargs) if partial else None
-      made = transform(target, *args, **kwargs) if made is None else made
+      made = transform(target, *args, **kwargs)
       if isinstance(made, type):
         _MADE[key] = made
         _record(made, transform, target, args, kwargs)
@@ -206,9 +205,9 @@ def made_class(recipe: tuple, position: int | None = None) -> type:
   cls = _FORMS[form](target, *args, **kwargs)
   if position is None:
     return cls
-  info = stack_info(cls)
-  assert info is not None and info.is_pattern, cls
-  return info.positions[position]
+  unit = cycle_unit(cls)
+  assert unit is not None, cls
+  return unit.positions[position]
 
 
 class _Refused(pickle.PicklingError):
@@ -221,10 +220,10 @@ def _reduce_class(cls: type):
   info = stack_info(cls)
   if MADE_BY in cls.__dict__:
     recipe, position = cls.__dict__[MADE_BY], None
-  elif info is not None and info.parent is not None:
-    parent = stack_info(info.parent)
-    assert parent is not None
-    recipe, position = info.parent.__dict__.get(MADE_BY), parent.positions.index(cls)
+  elif info is not None and info.place is not None:
+    pattern = info.place.pattern()
+    assert pattern is not None
+    recipe, position = pattern.__dict__.get(MADE_BY), info.place.position
   elif TRANSFORMED in cls.__dict__ or STACK_INFO in cls.__dict__:
     recipe, position = None, None
   else:
@@ -290,17 +289,6 @@ copyreg.pickle(MadeClass, _reduce_class)
 def is_class_partial(target) -> bool:
   """Whether ``target`` is a ``functools.partial`` of a Module class."""
   return isinstance(target, functools.partial) and is_module_class(target.func)
-
-
-def _stack_of_partial(transform: Callable, target, args: tuple, kwargs: dict) -> type | None:
-  """The stacked class of ``partial(Block, ...)``, as the patterns take one: the class
-  form of ``Block`` whose layers are built by the partial (its arguments first). None
-  where the transform's class form makes no stack (``sr.remat``)."""
-  made = transform(target.func, *args, **kwargs)
-  if not is_stacked(made):
-    return None
-  update_stack_info(made, factory=target)
-  return made
 
 
 def fresh(transform: Callable) -> Callable:

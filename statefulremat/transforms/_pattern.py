@@ -15,6 +15,7 @@ stack is built with.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -22,24 +23,49 @@ from typing import Any
 from ..core._errors import TransformError
 from ..core._module import Module
 from ..core._pattern_stack import Pattern, PatternStack
-from ..core._stacks import StackInfo, is_stacked, set_stack_info, stack_info, update_stack_info
-from ._class_form import display_name, is_module_class, made_type, transform_name
+from ..core._stacks import (
+  Cycle,
+  Form,
+  Layer,
+  Place,
+  StackInfo,
+  cycle_unit,
+  is_stacked,
+  set_stack_info,
+)
+from ._class_form import (
+  display_name,
+  is_class_partial,
+  is_module_class,
+  made_type,
+  transform_name,
+)
 from ._rules import Rules
 from ._stacked import stacked_class
 
 
+@dataclasses.dataclass(frozen=True)
+class Position:
+  """One position of a pattern as a class form's target (``pattern_class`` passes it
+  to ``position_class``): the stacked class of ``unit`` is made with its ``place``."""
+
+  unit: Layer
+  place: Place
+
+
 def class_form(
   target,
-  label: str,
+  form: Form,
   *,
   what: str,
   rules: Callable[[], Rules],
   count: Callable[[int], int | None],
   run: Callable[[Callable, int], Callable],
-  position_class: Callable[[type, int], type],
+  position_class: Callable[[Position, int], type],
   methods: Sequence[str] | None,
   metadata_params: Mapping,
   init_in_axes: Any = None,
+  lengths: tuple[int, ...] | None = None,
 ) -> type | None:
   """The class form of scan, remat_scan or vmap over ``target``; None for a function.
 
@@ -47,33 +73,40 @@ def class_form(
   is the number of layers to build, checked as the transform counts
   them (period 1 for a class, the pattern's length for a pattern); ``run(fn, period)``
   the transform's function form over ``fn`` (a layer's method, or the same method of
-  each layer of a cycle); ``position_class(cls, n)`` the stacked class of a pattern's
-  position (``n`` layers).
+  each layer of a cycle); ``position_class(position, n)`` the stacked class of a
+  pattern's position (``n`` layers); ``lengths``: remat_scan's nesting of a class.
   """
   if is_pattern(target):
     n = count(len(target))
     return pattern_class(
       target,
-      label,
+      form,
       length=n,
       what=what,
       methods=methods,
       init_in_axes=init_in_axes,
       position_class=position_class,
-      run=lambda name: run(call_method(name, f"{label}Pattern"), len(target)),
+      run=lambda name: run(call_method(name, f"{form.value}Pattern"), len(target)),
     )
-  if not is_module_class(target):
+  if isinstance(target, Position):
+    unit, place = target.unit, target.place
+  elif is_class_partial(target):  # a pattern's element given alone
+    unit, place = Layer(target.func, target), None
+  elif is_module_class(target):
+    unit, place = Layer(target), None
+  else:
     return None
-  n = count(1)
   return stacked_class(
-    target,
-    label,
+    unit,
+    form,
     rules=rules(),
-    length=n,
+    length=count(1),
     wrap=lambda method: run(method, 1),
     methods=methods,
     metadata_params=dict(metadata_params),
     init_in_axes=init_in_axes,
+    place=place,
+    lengths=lengths,
   )
 
 
@@ -85,6 +118,10 @@ def is_pattern(target) -> bool:
 def target_repr(pattern) -> str:
   """How errors name a transform's target: ``f``, ``Block``, or a pattern ``(Local,
   Local, Global)``."""
+  if isinstance(pattern, Position):
+    return display_name(pattern.unit.cls)
+  if is_class_partial(pattern):
+    return display_name(pattern.func)
   if not is_pattern(pattern):
     return display_name(pattern)
   names = [
@@ -140,18 +177,20 @@ def _name(cls: type, factory) -> str:
 
 def pattern_class(
   pattern,
-  label: str,
+  form: Form,
   *,
   length: int | None,
   what: str,
-  position_class: Callable[[type, int], type],
+  position_class: Callable[[Position, int], type],
   run: Callable[[str], Callable],
   methods: Sequence[str] | None,
   init_in_axes: Any = None,
 ) -> type:
-  """The class form over a pattern: ``{label}Pattern`` of the given classes.
+  """The class form over a pattern: ``{form}Pattern`` of the given classes.
 
-  ``position_class(cls, n)`` makes the stacked class of one position (``n`` layers);
+  ``position_class(position, n)`` makes the stacked class of one position (``n``
+  layers), its record complete when it is made (the pattern class, made after, is
+  reached through ``Place.pattern``);
   ``run(name)`` the function that runs method ``name`` of every layer in order (the
   transform's function form, given ``lambda layer, *a: getattr(layer, name)(*a)``).
   """
@@ -169,20 +208,23 @@ def pattern_class(
       "may be short), or a shorter pattern."
     )
   names = [_name(cls, factory) for cls, factory in found]
-  positions = []
-  for k, (cls, factory) in enumerate(found):
-    position = position_class(cls, len(range(k, length, p)))
-    update_stack_info(position, factory=factory, index_map=(p, k), name=names[k])
-    position.__qualname__ = f"{position.__qualname__}[{k}]"
-    positions.append(position)
+  made: list[type] = []  # the pattern class, once made
+  positions = [
+    position_class(
+      Position(Layer(cls, factory), Place(p, k, names[k], lambda: made[0] if made else None)),
+      len(range(k, length, p)),
+    )
+    for k, (cls, factory) in enumerate(found)
+  ]
   methods = (
     ["__call__"] if methods is None else [methods] if isinstance(methods, str) else list(methods)
   )
   namespace: dict[str, Any] = {
     "__module__": found[0][0].__module__,
-    "__qualname__": f"{label}Pattern[{', '.join(names)}]",
+    "__qualname__": f"{form.value}Pattern[{', '.join(names)}]",
     "__doc__": (
-      f"A stack of {length} layers repeating ({', '.join(names)}) under {transform_name(label)}."
+      f"A stack of {length} layers repeating ({', '.join(names)}) under "
+      f"{transform_name(form.value)}."
     ),
   }
   for name in methods:
@@ -193,13 +235,10 @@ def pattern_class(
           "class of the pattern defines."
         )
     namespace[name] = _method(run(name), name)
-  cls = made_type(f"{label}Pattern", PatternStack, namespace)
-  info = StackInfo(
-    label, length, what, positions=tuple(positions), names=tuple(names), init_in_axes=init_in_axes
-  )
-  set_stack_info(cls, info)
-  for position in positions:
-    update_stack_info(position, parent=cls)
+  cls = made_type(f"{form.value}Pattern", PatternStack, namespace)
+  unit = Cycle(tuple(positions), tuple(names))
+  set_stack_info(cls, StackInfo(form, length, what, unit, init_in_axes=init_in_axes))
+  made.append(cls)
   return cls
 
 
@@ -224,9 +263,9 @@ def call_method(name: str, owner: str) -> Callable:
 
 
 def position_names(stack: PatternStack) -> list[str]:
-  info = stack_info(stack)
-  assert info is not None
-  return list(info.names)
+  unit = cycle_unit(stack)
+  assert unit is not None
+  return list(unit.names)
 
 
 def check_positions(stack: PatternStack, what: str) -> list[int]:

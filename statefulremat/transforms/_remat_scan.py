@@ -14,7 +14,7 @@ from ..core._frozen import ALL_SPLIT as _SPLIT_ALL
 from ..core._frozen import ALL_STACKED as _ALL
 from ..core._frozen import EMPTY as _EMPTY
 from ..core._module import Module
-from ..core._stacks import update_stack_info
+from ..core._stacks import Form
 from ._class_form import (
   M,
   P,
@@ -282,7 +282,7 @@ def remat_scan(
 
   made = class_form(
     target,
-    "RematScan",
+    Form.REMAT_SCAN,
     what=what,
     rules=lambda: Rules(what, collections),
     count=count,
@@ -296,10 +296,10 @@ def remat_scan(
     methods=methods,
     metadata_params=metadata_params,
     init_in_axes=init_in_axes,
+    # The nested layout, for to_linen.
+    lengths=tuple(lengths) if not auto and is_module_class(target) else None,
   )
   if made is not None:
-    if not auto and is_module_class(target):  # the nested layout, for to_linen
-      update_stack_info(made, lengths=tuple(lengths))
     return made
   n = length if auto else check_lengths(what, lengths, length)
   fn = function_target(

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from ..core._frozen import EMPTY as _EMPTY
 from ..core._module import Module
+from ..core._stacks import Form
 from ._class_form import (
   M,
   P,
@@ -241,7 +242,7 @@ def scan(
   check_carries(what, carries)
   made = class_form(
     target,
-    "Scan",
+    Form.SCAN,
     what=what,
     rules=lambda: Rules(what, collections),
     count=lambda _: length,

@@ -37,6 +37,9 @@ from ..core._graph_build import unflatten
 from ..core._module import Module, iter_graph
 from ..core._stacks import (
   LAYER_AXIS,
+  Form,
+  Layer,
+  Place,
   StackInfo,
   check_init_leaf,
   init_axes,
@@ -81,8 +84,8 @@ def layer_view(graphdef, treatment: Treatment, metadata_params: dict | None = No
 
 
 def stacked_class(
-  layer_cls: type,
-  label: str,
+  unit: Layer,
+  form: Form,
   *,
   rules: Rules,
   length: int | None,
@@ -90,8 +93,12 @@ def stacked_class(
   methods: Sequence[str] | None,
   metadata_params: Mapping,
   init_in_axes: Any = None,
+  place: Place | None = None,
+  lengths: tuple[int, ...] | None = None,
 ) -> type:
-  """The class form: ``{label}{layer_cls}`` building and running a stack of layers."""
+  """The class form: ``{form}{layer class}`` building and running a stack of layers
+  (``place``: one position of a pattern; ``lengths``: remat_scan's nesting)."""
+  layer_cls, label = unit.cls, form.value
 
   def splits(cls, name: str) -> bool:
     return rules.splits(name)
@@ -116,14 +123,18 @@ def stacked_class(
     f"A stack of {layer_cls.__name__} layers under {transform_name(label)}.",
   )
   info = StackInfo(
-    label,
+    form,
     length,
     f"sr.{cls.__name__}(...)",
-    layer_class=layer_cls,
+    unit,
     rules=LayerRules(rules, getattr(cls, SPLITS)),
     partition_name=(metadata_params or {}).get("partition_name"),
     init_in_axes=init_in_axes,
+    place=place,
+    lengths=lengths,
   )
+  if place is not None:
+    cls.__qualname__ = f"{cls.__qualname__}[{place.position}]"
   return set_stack_info(cls, info)
 
 
@@ -144,8 +155,8 @@ def _new_stack(cls, *args, **kwargs):
 def build_stack(cls: type, args: tuple, kwargs: dict):
   """Builds the ``length`` layers of the class's ``StackInfo`` in one vmapped init."""
   info = stack_info(cls)
-  assert info is not None and isinstance(info.rules, LayerRules)
-  rules, length, what = info.rules.rules, info.length, info.what
+  assert info is not None and isinstance(info.rules, LayerRules) and isinstance(info.unit, Layer)
+  rules, length, what, make = info.rules.rules, info.length, info.what, info.unit.maker()
   mapped, length = _mapped_leaves(what, info.init_in_axes, args, length)
   lifted, in_vars, leaves, nodes = lift(args, kwargs)
   in_graphdef = lifted.graphdef
@@ -158,9 +169,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     mine = list(leaves)
     for (k, _), value in zip(which, slices):
       mine[k] = value
-    layer, changes = lifted.run(
-      info.layer_maker(), list(in_values), mine, what, seed=(in_treatment, index)
-    )
+    layer, changes = lifted.run(make, list(in_values), mine, what, seed=(in_treatment, index))
     roots, changed = changes.roots, changes.values
     counts = {s.count for s in in_treatment.streams}
     for i in changed:
@@ -233,7 +242,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
         " sr.scan's class form stacks only what variable_axes names (by default "
         "nothing, as flax.linen's nn.scan); `variable_axes={True: 0}` stacks every "
         "Variable, as sr.remat_scan's and sr.vmap's defaults do."
-        if info.label == "Scan" and not rules.axes
+        if info.form is Form.SCAN and not rules.axes
         else ""
       )
       raise TransformError(
@@ -334,15 +343,17 @@ def _refuse_broadcast_argument(
     culprits.append(key)
   if not culprits:
     return
-  names = _parameter_names(info.layer_maker(), len(args))
+  unit = info.unit
+  assert isinstance(unit, Layer)
+  names = _parameter_names(unit.maker(), len(args))
   positional = [key[1] for key in culprits if key[0]]
   keywords = [key[1] for key in culprits if not key[0]]
   named = " and ".join([f"`{names[i]}`" for i in positional] + [f"`{k}`" for k in keywords])
   first = leaves[candidates[culprits[0]][0]]
   shape, dtype = tuple(jnp.shape(first)), jnp.result_type(first)
   count = f"every one of the {length} layers" if length is not None else "every layer"
-  transform = transform_name(info.label)
-  layer = getattr(info.layer_class, "__name__", "Block")
+  transform = transform_name(info.form.value)
+  layer = unit.cls.__name__
   said = str(error).splitlines()[0] if str(error) else ""
   if positional:
     axes = (
@@ -364,9 +375,9 @@ def _refuse_broadcast_argument(
   # sr.remat_scan has no in_axes; the others' map the calls, and a user may have
   # meant them for the constructor (nnx's `nnx.vmap(create, in_axes=0)(seeds)`).
   calls = (
-    "" if info.label == "RematScan" else "; in_axes maps the stack's calls, not its constructor"
+    "" if info.form is Form.REMAT_SCAN else "; in_axes maps the stack's calls, not its constructor"
   )
-  if info.label == "Vmap" and positional and not keywords:
+  if info.form is Form.VMAP and positional and not keywords:
     fix += (
       f", or map a function that builds one layer, as nnx does: `sr.vmap(lambda *a: {layer}(*a))`"
     )

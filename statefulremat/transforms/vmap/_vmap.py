@@ -15,7 +15,7 @@ from ...core._frozen import ALL_STACKED as _ALL
 from ...core._frozen import EMPTY as _EMPTY
 from ...core._module import Module
 from ...core._pattern_stack import PatternStack
-from ...core._stacks import cycle, is_stacked
+from ...core._stacks import Form, cycle, is_stacked
 from ...core._variables import release_owner
 from .._class_form import (
   M,
@@ -221,7 +221,7 @@ def vmap(
 
   made = class_form(
     target,
-    "Vmap",
+    Form.VMAP,
     what=f"sr.vmap({target_repr(target)})",
     rules=lambda: rules(f"sr.vmap({target_repr(target)})"),
     count=lambda _: axis_size,
