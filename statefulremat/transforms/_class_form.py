@@ -1,11 +1,5 @@
-"""The class form shared by the transforms: a subclass whose methods are transformed.
-
-A class a class form makes cannot be found by name, as pickle finds a class, so it has
-a metaclass of its own, ``MadeClass``, that pickles it by the call that made it
-(``MADE_BY``): on load, ``sr.scan(Block, length=3)`` is called again, and gives the
-same class while the cache below holds it (an equal one otherwise). A pattern's
-position is its pattern's class and its place in it.
-"""
+"""The class form shared by the transforms: a subclass whose methods are transformed,
+cached per equal arguments and pickled by the call that made it (README.md)."""
 
 from __future__ import annotations
 
@@ -62,14 +56,9 @@ def subclass(
   namespace: dict[str, Any],
   doc: str,
 ) -> type:
-  """``class {label}{cls}(cls)`` with ``namespace`` and ``methods`` replaced by ``wrap(m)``.
-
-  Each method is wrapped as a function whose argument 0 is ``self``, so it goes through
-  the transform's function form like any module argument.
-  """
-  methods = (
-    ["__call__"] if methods is None else [methods] if isinstance(methods, str) else list(methods)
-  )
+  """``class {label}{cls}(cls)`` with ``namespace`` and ``methods`` replaced by ``wrap(m)``
+  (``self`` is argument 0 of the transform's function form)."""
+  methods = method_names(methods)
   namespace = {
     **namespace,
     "__module__": cls.__module__,
@@ -112,11 +101,16 @@ def made_type(name: str, base: type, namespace: dict[str, Any]) -> type:
   return meta(name, (base,), namespace)
 
 
+def method_names(methods: Sequence[str] | str | None) -> list[str]:
+  """A class form's ``methods`` as a list (default ``["__call__"]``)."""
+  return (
+    ["__call__"] if methods is None else [methods] if isinstance(methods, str) else list(methods)
+  )
+
+
 def transformed_class(cls: type, wrap: Callable, methods: Sequence[str] | None, label: str) -> type:
   """``class {label}{cls}(cls)`` whose ``methods`` (default ``__call__``) are transformed."""
-  names = ", ".join(
-    ["__call__"] if methods is None else [methods] if isinstance(methods, str) else methods
-  )
+  names = ", ".join(method_names(methods))
   return subclass(
     cls, label, wrap, methods, {}, f"{cls.__name__} with {names} under {transform_name(label)}."
   )
@@ -125,10 +119,8 @@ def transformed_class(cls: type, wrap: Callable, methods: Sequence[str] | None, 
 def function_target(
   transform: str, target, *, takes: str, methods=None, init_in_axes=None
 ) -> Callable[..., Any]:
-  """``target``, checked as the target of a function form: a callable, without the
-  options that only a class form takes (``methods`` names a class's methods,
-  ``init_in_axes`` maps its constructor's arguments). ``takes`` says what the transform
-  takes, for the message."""
+  """``target``, checked as a function form's: a callable, without the class-form-only
+  ``methods`` and ``init_in_axes`` (``takes``: what the transform takes, for the message)."""
   if methods is not None:
     raise TypeError(f"{transform}(methods=...) applies to a Module class, not a function.")
   if not callable(target):
@@ -153,15 +145,8 @@ _MADE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def cached_class_form(transform: F) -> F:
-  """``transform`` whose class form returns one class per equal arguments.
-
-  ``sr.remat(Block) is sr.remat(Block)``: a model that builds its stack in
-  ``__init__`` gets the same class for every instance of one config, so ``sr.jit``
-  compiles once for them and ``sr.stack`` takes their layers together. Arguments that
-  cannot be compared by value (an array) make a new class each time, as before.
-  ``fresh(transform)`` is the uncached form (a class that is then edited: a
-  pattern's positions).
-  """
+  """``transform`` whose class form returns one class per equal arguments
+  (``sr.remat(Block) is sr.remat(Block)``; README.md)."""
 
   @functools.wraps(transform)
   def call(target=None, *args, **kwargs):
@@ -171,15 +156,13 @@ def cached_class_form(transform: F) -> F:
     try:
       key = _frozen((transform.__name__, target, args, kwargs))
       made = _MADE.get(key)
-    except TypeError:  # an argument not hashable by value
-      made = transform(target, *args, **kwargs)
-      if isinstance(made, type):
-        _record(made, transform, target, args, kwargs)
-      return made
+    except TypeError:  # an argument not hashable by value: a new class each time
+      key = made = None
     if made is None:
       made = transform(target, *args, **kwargs)
       if isinstance(made, type):
-        _MADE[key] = made
+        if key is not None:
+          _MADE[key] = made
         _record(made, transform, target, args, kwargs)
     return made
 
@@ -197,10 +180,8 @@ def _record(made: type, transform: Callable, target, args: tuple, kwargs: dict) 
 
 
 def made_class(recipe: tuple, position: int | None = None) -> type:
-  """The class the class-form call ``recipe`` (a class's ``MADE_BY``) makes: the same
-  class while the class form's cache holds it, else an equal one; for a pattern, the
-  class of its position ``position``. Pickles of made classes call it, by its public
-  name ``statefulremat._made_class``."""
+  """The class the class-form call ``recipe`` (a class's ``MADE_BY``) makes, or its
+  pattern position ``position``: what pickles of made classes call."""
   form, target, args, kwargs = recipe
   cls = _FORMS[form](target, *args, **kwargs)
   if position is None:
@@ -297,8 +278,8 @@ def fresh(transform: Callable) -> Callable:
 
 
 def _frozen(value) -> Any:
-  """``value`` as a hashable key equal for equal arguments (types kept: ``1`` is not
-  ``True``); raises ``TypeError`` for what has no value equality (an array)."""
+  """``value`` as a hashable key equal for equal arguments (``1`` is not ``True``); raises
+  ``TypeError`` for what has no value equality (an array)."""
   if isinstance(value, Mapping):
     return ("mapping", tuple((_frozen(k), _frozen(v)) for k, v in value.items()))
   if isinstance(value, (list, tuple)):

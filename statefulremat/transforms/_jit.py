@@ -59,11 +59,8 @@ def jit(
   """Compiles ``fn`` with ``jax.jit``; modules in its arguments are updated in place.
 
   Every Variable the function changes, and every attribute it adds or deletes, is
-  written back to the caller's objects after the call (nothing if it raises); a call
-  holds the lock of the model's graph, so calls from several threads take turns. The
-  function may return modules: one passed in comes back as the caller's own object,
-  one made inside as a new object (``sr.jit(create)()`` builds a model on device).
-  Tracing runs where CPython's frame stack has room (``with_room``).
+  written back after the call (nothing if it raises). A returned module passed in comes
+  back as the caller's own object, one made inside as a new object.
 
   Args:
     fn: the function; modules may sit anywhere in its arguments. ``None`` (only
@@ -179,8 +176,8 @@ def jit(
 
 
 class _JitPerStructure:
-  """One ``jax.jit`` of ``pure`` per (graph structure, static arguments), LRU-bounded.
-  The structure is bound in, not static: jax.jit would hash it on every call."""
+  """One ``jax.jit`` of ``pure`` per (graph structure, static arguments), LRU-bounded (the
+  structure bound in, not static: jax.jit would hash it on every call)."""
 
   SIZE = 64
 

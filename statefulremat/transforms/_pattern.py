@@ -1,17 +1,5 @@
-"""The class forms of the stacking transforms: a class, or a pattern of classes.
-
-``class_form`` is where scan, remat_scan and vmap tell the two apart: a Module class
-becomes its stacked class (``_stacked``), a tuple of classes a pattern stack.
-
-``sr.scan((Local, Local, Global), length=26, ...)`` (likewise ``sr.remat_scan`` and
-``sr.vmap``) returns a pattern stack class (``core/_pattern_stack``): one stacked class
-per position, the layers ``k, k + P, ...`` of ``pattern[k]``. Calling the stack runs
-the function form of its transform over it, whose loop's unit is then one cycle.
-
-A pattern element may be a ``functools.partial`` of a class (``partial(Block,
-window=512)``): its arguments go to that position's constructor, before the ones the
-stack is built with.
-"""
+"""The class forms of the stacking transforms: a Module class becomes its stacked class,
+a tuple of classes (or partials of them) a pattern stack (README.md)."""
 
 from __future__ import annotations
 
@@ -38,6 +26,7 @@ from ._class_form import (
   is_class_partial,
   is_module_class,
   made_type,
+  method_names,
   transform_name,
 )
 from ._rules import Rules
@@ -69,12 +58,9 @@ def class_form(
 ) -> type | None:
   """The class form of scan, remat_scan or vmap over ``target``; None for a function.
 
-  ``rules()`` makes the collection rules (only a class needs them); ``count(period)``
-  is the number of layers to build, checked as the transform counts
-  them (period 1 for a class, the pattern's length for a pattern); ``run(fn, period)``
-  the transform's function form over ``fn`` (a layer's method, or the same method of
-  each layer of a cycle); ``position_class(position, n)`` the stacked class of a
-  pattern's position (``n`` layers); ``lengths``: remat_scan's nesting of a class.
+  ``rules()``: the collection rules; ``count(period)``: the checked number of layers
+  (period 1 for a class, the pattern's length for a pattern); ``run(fn, period)``: the
+  function form over ``fn``; ``position_class(position, n)``: a position's stacked class.
   """
   if is_pattern(target):
     n = count(len(target))
@@ -186,14 +172,9 @@ def pattern_class(
   methods: Sequence[str] | None,
   init_in_axes: Any = None,
 ) -> type:
-  """The class form over a pattern: ``{form}Pattern`` of the given classes.
-
-  ``position_class(position, n)`` makes the stacked class of one position (``n``
-  layers), its record complete when it is made (the pattern class, made after, is
-  reached through ``Place.pattern``);
-  ``run(name)`` the function that runs method ``name`` of every layer in order (the
-  transform's function form, given ``lambda layer, *a: getattr(layer, name)(*a)``).
-  """
+  """The class form over a pattern: ``{form}Pattern`` of the given classes (``run(name)``
+  runs method ``name`` of every layer in order; the positions reach the pattern class,
+  made after them, through ``Place.pattern``)."""
   found = elements(what, pattern)
   p = len(found)
   if length is None:
@@ -216,9 +197,6 @@ def pattern_class(
     )
     for k, (cls, factory) in enumerate(found)
   ]
-  methods = (
-    ["__call__"] if methods is None else [methods] if isinstance(methods, str) else list(methods)
-  )
   namespace: dict[str, Any] = {
     "__module__": found[0][0].__module__,
     "__qualname__": f"{form.value}Pattern[{', '.join(names)}]",
@@ -227,7 +205,7 @@ def pattern_class(
       f"{transform_name(form.value)}."
     ),
   }
-  for name in methods:
+  for name in method_names(methods):
     for cls, _ in found:
       if not callable(getattr(cls, name, None)):
         raise AttributeError(

@@ -1,23 +1,5 @@
-"""Stacked modules: the class forms of scan, remat_scan and vmap.
-
-``sr.scan(Block, length=12, ...)`` returns ``ScanBlock``, a subclass of ``Block``
-whose constructor builds all 12 layers in ONE traced init (``jax.vmap`` over the layer
-index, each layer drawing its own keys from the split RNG streams) and whose methods
-run under the transform. The result is an instance of the layer class whose stacked
-variables carry the layer axis; ``stack.layer(i)``, ``sr.unstack`` and ``sr.stack``
-move between it and ordinary single-layer modules.
-
-Constructor arguments pass unmapped to every layer's ``__init__`` (only RNG streams
-are split, per ``split_rngs``), except positional ones that ``init_in_axes`` maps:
-layer ``i`` gets slice ``i`` of each, along that axis (nnx's ``nnx.vmap(create,
-in_axes=...)`` over the init arguments), and without ``length`` / ``axis_size`` their
-size is the number of layers. Nothing is mapped unasked: an array meant for every
-layer may have as many entries as there are layers. Where the constructor fails on an
-array argument passed whole and traces with one slice of it (the nnx guide's
-``jnp.arange(10)`` seeds), the error says so and names ``init_in_axes``. Inside a
-transformed method the module is one layer: an instance of the plain layer class, the
-layer axis (and its partition name) removed.
-"""
+"""Stacked modules: the class forms of scan, remat_scan and vmap, a subclass of the layer
+class whose constructor builds every layer in one vmapped init (README.md)."""
 
 from __future__ import annotations
 
@@ -61,13 +43,8 @@ from ._rules import STACKED, Rules, Treatment
 
 
 def layer_view(graphdef, treatment: Treatment, metadata_params: dict | None = None):
-  """The GraphDef of one layer of the lifted modules: each stacked root its layer
-  class, each variable the treatment slices without its layer axis in the metadata.
-
-  A variable sliced by the treatment that records no layer axis (a function-form scan over
-  a module whose arrays were stacked by hand) loses the ``partition_name`` of
-  ``metadata_params`` from its ``sharding``, if there.
-  """
+  """The GraphDef of one layer of the lifted modules: each stacked root its layer class,
+  each sliced variable without its layer axis (or ``partition_name``) in the metadata."""
   name = (metadata_params or {}).get("partition_name")
 
   def edit(i, frozen):
@@ -269,11 +246,8 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
 def _mapped_leaves(
   what: str, init_in_axes, args: tuple, length: int | None
 ) -> tuple[list[tuple[int, int]], int | None]:
-  """``(leaf number, axis)`` of each constructor-argument leaf ``init_in_axes`` maps
-  (numbered as ``split_call`` numbers the non-module leaves; keyword arguments come
-  after the positional ones and are never mapped), and the number of layers: ``length``,
-  or where it is None the size of the first mapped leaf along its axis (as ``jax.vmap``
-  reads its axis size off the mapped arguments)."""
+  """``(leaf number, axis)`` of each constructor-argument leaf ``init_in_axes`` maps, and
+  the number of layers (``length``, else the first mapped leaf's size along its axis)."""
   if init_in_axes is None:
     return [], length
   out, k = [], 0
@@ -306,15 +280,8 @@ def _mapped_leaves(
 def _refuse_broadcast_argument(
   info: StackInfo, args, kwargs, leaves, mapped, length, init_one, error: Exception
 ) -> None:
-  """Raises a ``TransformError`` when the layer constructor failed because an array
-  argument was passed whole to every layer (class forms pass constructor arguments
-  unmapped) and builds once given one slice of it: the nnx guide's ``seed``, a
-  ``jnp.arange(10)`` meant as one seed per layer. Returns otherwise (the caller
-  re-raises ``error``).
-
-  The argument is blamed only where a slice of it along axis 0 (of ``length`` entries,
-  where the number of layers is known) lets the constructor trace: never a guess.
-  """
+  """Raises a ``TransformError`` naming the array argument passed whole to every layer
+  whose one slice along axis 0 lets the constructor trace; returns where none does."""
   taken = {k for k, _ in mapped}
   paths = [
     path
@@ -410,25 +377,15 @@ class LayerRules:
     self.rules, self.splits = rules, splits
 
   def classify(self, graphdef, variables, layer) -> dict[int, int]:
-    """How ``sr.stack(layers, like=StackedClass)`` learns which variables to stack:
-    the class's rules, as at its init (``{flat index: layer axis}``)."""
+    """``{flat index: layer axis}`` of the variables the class's rules stack."""
     treatment = Treatment(self.rules, graphdef, variables, [layer], rank_offset=1)
     return {
       i: treatment.stacked_axis(i) for i, kind in enumerate(treatment.kinds) if kind == STACKED
     }
 
   def seed_layer(self, layer, index, shared: set[int]) -> dict[int, Any]:
-    """How ``stack.layer(i)`` gives layer ``i`` the keys it draws inside the stack.
-
-    A stream the layers share (not stacked; flat indices ``shared``) is split at call
-    time: in the transform, layer ``i`` draws from ``fold_in(fold_in(key, count), i)``
-    (without the last fold when ``split_rngs`` does not split it) with a count from 0,
-    and a ``default`` stream serves each name by that name's rule. This puts exactly
-    that into layer ``i``'s copy of the stream, so ``stack.layer(i)(x)`` and the loop
-    over ``sr.unstack(stack)`` draw what the stack's next call draws. Returns ``{flat
-    index: value before}`` of the Variables it rewrote, so ``sr.stack`` can put the
-    stack's own stream back.
-    """
+    """Puts into layer ``i``'s copy of each shared stream (flat indices ``shared``) the
+    key it draws inside the stack (README.md); returns ``{flat index: value before}``."""
     graphdef, variables = flatten([layer])
     treatment = Treatment(self.rules, graphdef, variables, [layer], rank_offset=1)
     # A stream with one key per layer (stacked by the init) is the layer's own already.

@@ -51,28 +51,19 @@ class RematPlan:
   Args:
     n: the number of layers (cycles, for a pattern stack) the plan runs.
     lengths: the ``remat_scan`` nesting, outermost first (``(10, 10)``).
-    policy_name: the innermost level's policy: ``"nothing_saveable"``,
-      ``"dots_saveable"`` or ``"given policy"``.
+    policy_name: ``"nothing_saveable"``, ``"dots_saveable"`` or ``"given policy"``.
     evals: the block evaluations per gradient step.
     temp_bytes: the gradient's temp memory, as the model predicts it.
     memory_budget: the budget planning was given, in bytes; None for none.
-    candidates: every plan considered (``lengths``, policy, evals, temp bytes), best
-      first.
+    candidates: every plan considered, best first.
     carry_bytes: the bytes of the carry.
     layer_bytes: the bytes of one layer's (or cycle's) stacked variables.
-    _verify: internal: compiles the plan's gradient and returns XLA's temp bytes; None
-      (the default) where the plan has no stack and carry to compile.
-    measured_bytes: XLA's temp bytes where planning compiled the plan; None (the
-      default) otherwise.
-    unit: what ``n`` counts: ``"layer"`` (the default), or ``"cycle"`` for a pattern
-      stack.
-    _policy: internal: the policy planning was given; None (the default) to run the
-      one ``policy_name`` names.
-    carries: where the carries the outer levels save live: ``"device"`` (the default)
-      or ``"offload"`` (host memory), as ``sr.remat_scan``'s ``carries``.
-    reason: with a budget, where planning put the carries and why (on the device:
-      recompute alone meets the budget; offloaded: none on the device does, with the
-      host traffic it costs); ``""`` (the default) without one.
+    _verify: internal: compiles the plan's gradient, returns XLA's temp bytes (or None).
+    measured_bytes: XLA's temp bytes where planning compiled the plan; else None.
+    unit: what ``n`` counts: ``"layer"`` (the default), or ``"cycle"``.
+    _policy: internal: the policy planning was given; None runs ``policy_name``'s.
+    carries: where the outer levels' saved carries live: ``"device"`` or ``"offload"``.
+    reason: with a budget, where planning put the carries and why; else ``""``.
   """
 
   n: int
