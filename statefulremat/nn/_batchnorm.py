@@ -14,11 +14,11 @@ from ..core._kinds import BatchStat
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, named, param_maker, promoted
+from ._linear import Initializer, freeze, named, param_maker, promoted
 from ._normalization import (
   canonicalize_axes,
   check_feature_axes,
-  freeze_axes,
+  keep_stats_options,
   layer_stats,
   normalize,
 )
@@ -114,17 +114,14 @@ class BatchNorm(Module):
     self.bias = param(bias_init, shape, bias_metadata) if use_bias else None
     self.num_features = num_features
     self.use_running_average = use_running_average
-    self.axis = freeze_axes(axis)
+    self.axis = freeze(axis)
     self.momentum = momentum
     self.epsilon = epsilon
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.use_bias = use_bias
     self.use_scale = use_scale
-    self.axis_name = axis_name
-    self.axis_index_groups = freeze_axes(axis_index_groups)
-    self.use_fast_variance = use_fast_variance
-    self.promote_dtype = promote_dtype
+    keep_stats_options(self, axis_name, axis_index_groups, use_fast_variance, promote_dtype)
 
   def __call__(
     self, x: jax.Array, use_running_average: bool | None = None, *, mask: jax.Array | None = None

@@ -17,8 +17,10 @@ from ._dtypes import promote_dtype as default_promote_dtype
 from ._explicit import explicit_specs, sharding_like
 from ._linear import (
   Initializer,
+  add_bias,
   default_bias_init,
   default_kernel_init,
+  freeze,
   located,
   not_none,
   param_maker,
@@ -27,17 +29,28 @@ from ._linear import (
 from ._rngs_arg import check_rngs
 
 
-def _freeze(x):
-  """Lists (at any depth) as tuples, so configuration stays hashable."""
-  if isinstance(x, (list, tuple)):
-    return tuple(_freeze(v) for v in x)
-  return x
-
-
 def per_axis(x, rank: int) -> tuple[int, ...]:
   """A stride or dilation as one int per spatial axis (``None`` is 1)."""
   x = 1 if x is None else x
   return (x,) * rank if isinstance(x, int) else tuple(x)
+
+
+def flatten_batch(inputs: jax.Array, n_spatial: int) -> tuple[jax.Array, tuple]:
+  """``inputs`` ``(*batch, *spatial, features)`` with its batch axes combined into one
+  leading axis, and the shape of those batch axes (none, one or several)."""
+  batch_shape = inputs.shape[: inputs.ndim - n_spatial - 1]
+  if len(batch_shape) != 1:
+    inputs = jnp.reshape(inputs, (-1,) + inputs.shape[len(batch_shape) :])
+  return inputs, batch_shape
+
+
+def conv_output(y: jax.Array, bias: jax.Array | None, batch_shape: tuple) -> jax.Array:
+  """A convolution's output plus ``bias``, its batch axes restored to ``batch_shape``,
+  named ``conv_out`` (a convolution is no dot: ``dots_saveable`` skips it)."""
+  y = add_bias(y, bias)
+  if len(batch_shape) != 1:
+    y = jnp.reshape(y, batch_shape + y.shape[1:])
+  return checkpoint_name(y, "conv_out")
 
 
 def canonicalize_padding(padding: Any, rank: int) -> Any:
@@ -231,10 +244,10 @@ class Conv(Module):
     self.in_features = in_features
     self.out_features = out_features
     self.kernel_size = kernel_size
-    self.strides = _freeze(strides)
-    self.padding = _freeze(padding)
-    self.input_dilation = _freeze(input_dilation)
-    self.kernel_dilation = _freeze(kernel_dilation)
+    self.strides = freeze(strides)
+    self.padding = freeze(padding)
+    self.input_dilation = freeze(input_dilation)
+    self.kernel_dilation = freeze(kernel_dilation)
     self.feature_group_count = feature_group_count
     self.use_bias = use_bias
     self.dtype = dtype
@@ -253,11 +266,7 @@ class Conv(Module):
     """
     n_spatial = len(self.kernel_size)
     check_conv_input("Conv", inputs, self.kernel_size, self.in_features, self)
-    # Combine all input batch dimensions into a single leading batch axis.
-    n_batch = inputs.ndim - (n_spatial + 1)
-    if n_batch != 1:
-      batch_shape = inputs.shape[:n_batch]
-      inputs = jnp.reshape(inputs, (-1,) + inputs.shape[n_batch:])
+    inputs, batch_shape = flatten_batch(inputs, n_spatial)
     strides = per_axis(self.strides, n_spatial)
     input_dilation = per_axis(self.input_dilation, n_spatial)
     kernel_dilation = per_axis(self.kernel_dilation, n_spatial)
@@ -299,8 +308,4 @@ class Conv(Module):
       precision=self.precision,
       **kwargs,
     )
-    if bias is not None:
-      y += lax.expand_dims(bias, tuple(range(y.ndim - 1)))  # lax: cheap to trace
-    if n_batch != 1:
-      y = jnp.reshape(y, batch_shape + y.shape[1:])
-    return checkpoint_name(y, "conv_out")  # a convolution is no dot: dots_saveable skips it
+    return conv_output(y, bias, batch_shape)

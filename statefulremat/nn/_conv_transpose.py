@@ -8,14 +8,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from ..core._frozen import EMPTY as _EMPTY
 from ..core._module import Module
 from ..core._rngs import Rngs
-from ._conv import _freeze, canonicalize_padding, check_conv_input, per_axis
+from ._conv import canonicalize_padding, check_conv_input, conv_output, flatten_batch, per_axis
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, default_bias_init, default_kernel_init, param_maker, promoted
+from ._linear import (
+  Initializer,
+  default_bias_init,
+  default_kernel_init,
+  freeze,
+  param_maker,
+  promoted,
+)
 from ._rngs_arg import check_rngs
 
 
@@ -109,9 +115,9 @@ class ConvTranspose(Module):
     self.in_features = in_features
     self.out_features = out_features
     self.kernel_size = kernel_size
-    self.strides = _freeze(strides)
-    self.padding = _freeze(padding)
-    self.kernel_dilation = _freeze(kernel_dilation)
+    self.strides = freeze(strides)
+    self.padding = freeze(padding)
+    self.kernel_dilation = freeze(kernel_dilation)
     self.use_bias = use_bias
     self.dtype = dtype
     self.param_dtype = param_dtype
@@ -124,10 +130,7 @@ class ConvTranspose(Module):
     """Applies the transposed convolution to ``inputs`` ``(*batch, *spatial, in_features)``."""
     check_conv_input("ConvTranspose", inputs, self.kernel_size, self.in_features, self)
     n_spatial = len(self.kernel_size)
-    n_batch = inputs.ndim - (n_spatial + 1)
-    batch_shape = inputs.shape[:n_batch]
-    if n_batch != 1:
-      inputs = jnp.reshape(inputs, (-1,) + inputs.shape[n_batch:])
+    inputs, batch_shape = flatten_batch(inputs, n_spatial)
     strides = per_axis(self.strides, n_spatial)
     padding = canonicalize_padding(self.padding, n_spatial)
     inputs, kernel, bias = promoted(self, inputs, self.kernel, self.bias)
@@ -143,11 +146,7 @@ class ConvTranspose(Module):
     )
     if padding == "CIRCULAR":
       y = self._wrap(y, [n * s for n, s in zip(inputs.shape[1:-1], strides)])
-    if bias is not None:
-      y += lax.expand_dims(bias, tuple(range(y.ndim - 1)))
-    if n_batch != 1:
-      y = jnp.reshape(y, batch_shape + y.shape[1:])
-    return checkpoint_name(y, "conv_out")
+    return conv_output(y, bias, batch_shape)
 
   def _wrap(self, y: jax.Array, periods: list[int]) -> jax.Array:
     """Folds the full transposed convolution onto ``periods`` (input size x stride)

@@ -16,11 +16,11 @@ from ..core._frozen import EMPTY as _EMPTY
 from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, located, param_maker, promoted
+from ._linear import Initializer, freeze, located, param_maker, promoted
 from ._normalization import (
   canonicalize_axes,
   check_feature_axes,
-  freeze_axes,
+  keep_stats_options,
   layer_stats,
   normalize,
 )
@@ -129,11 +129,8 @@ class GroupNorm(Module):
     self.param_dtype = param_dtype
     self.use_bias = use_bias
     self.use_scale = use_scale
-    self.reduction_axes = freeze_axes(reduction_axes)
-    self.axis_name = axis_name
-    self.axis_index_groups = freeze_axes(axis_index_groups)
-    self.use_fast_variance = use_fast_variance
-    self.promote_dtype = promote_dtype
+    self.reduction_axes = freeze(reduction_axes)
+    keep_stats_options(self, axis_name, axis_index_groups, use_fast_variance, promote_dtype)
 
   def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
     """Normalises ``x`` of shape ``(batch, ..., num_features)``; ``mask`` (same shape)
@@ -235,11 +232,8 @@ class InstanceNorm(Module):
     self.param_dtype = param_dtype
     self.use_bias = use_bias
     self.use_scale = use_scale
-    self.feature_axes = freeze_axes(feature_axes)
-    self.axis_name = axis_name
-    self.axis_index_groups = freeze_axes(axis_index_groups)
-    self.use_fast_variance = use_fast_variance
-    self.promote_dtype = promote_dtype
+    self.feature_axes = freeze(feature_axes)
+    keep_stats_options(self, axis_name, axis_index_groups, use_fast_variance, promote_dtype)
 
   def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
     """Normalises ``x`` of shape ``(batch, ...)``; ``mask`` (same shape) restricts

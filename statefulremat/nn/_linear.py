@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -52,6 +52,13 @@ def not_none(**options: Any) -> dict[str, Any]:
   """The ``options`` that are not None: only what is set is passed, so a user's
   contraction (``dot_general``, ``einsum_op``, ...) without these keywords works."""
   return {name: value for name, value in options.items() if value is not None}
+
+
+def freeze(x: Any) -> Any:
+  """Any sequence but a string (nested too) as a tuple: hashable configuration."""
+  if isinstance(x, Sequence) and not isinstance(x, str):
+    return tuple(freeze(v) for v in x)
+  return x
 
 
 def named(name: str, module: Any) -> str:
@@ -201,7 +208,7 @@ class Linear(Module):
         preferred_element_type=self.preferred_element_type,
       )
     kwargs = not_none(out_sharding=out_sharding, preferred_element_type=self.preferred_element_type)
-    return _add_bias(
+    return add_bias(
       self.dot_general(inputs, kernel, _last_axis(inputs), precision=self.precision, **kwargs), bias
     )
 
@@ -211,7 +218,7 @@ def _last_axis(inputs: jax.Array) -> tuple:
   return (((inputs.ndim - 1,), (0,)), ((), ()))
 
 
-def _add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
+def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
   # lax, not jnp.reshape: a jnp call is a nested jit, several times the tracing cost
   return y if bias is None else y + lax.expand_dims(bias, tuple(range(y.ndim - 1)))
 
@@ -221,7 +228,7 @@ def _add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
 # It is inlined into the caller's jaxpr, so the program is the same.
 @functools.partial(jax.jit, inline=True, static_argnames=("precision", "preferred_element_type"))
 def _dense(inputs, kernel, bias, *, precision, preferred_element_type):
-  return _add_bias(
+  return add_bias(
     lax.dot_general(
       inputs,
       kernel,

@@ -20,15 +20,8 @@ from ..core._module import Module
 from ..core._rngs import Rngs
 from ._dtypes import canonicalize_dtype
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, located, param_maker, promoted
+from ._linear import Initializer, freeze, located, param_maker, promoted
 from ._rngs_arg import check_rngs
-
-
-def freeze_axes(axes: Any) -> Any:
-  """An int as is, any sequence (nested too) as a tuple: hashable configuration."""
-  if isinstance(axes, Sequence):
-    return tuple(freeze_axes(a) for a in axes)
-  return axes
 
 
 def canonicalize_axes(rank: int, axes: int | Sequence[int]) -> tuple[int, ...]:
@@ -103,6 +96,14 @@ def layer_stats(layer: Any, x: jax.Array, axes, mask, use_mean: bool = True):
     use_fast_variance=layer.use_fast_variance,
     mask=mask,
   )
+
+
+def keep_stats_options(layer, axis_name, axis_index_groups, use_fast_variance, promote_dtype):
+  """Keeps on ``layer`` the options ``layer_stats`` and ``promoted`` read."""
+  layer.axis_name = axis_name
+  layer.axis_index_groups = freeze(axis_index_groups)
+  layer.use_fast_variance = use_fast_variance
+  layer.promote_dtype = promote_dtype
 
 
 def normalize(
@@ -209,12 +210,9 @@ class LayerNorm(Module):
     self.param_dtype = param_dtype
     self.use_bias = use_bias
     self.use_scale = use_scale
-    self.reduction_axes = freeze_axes(reduction_axes)
-    self.feature_axes = freeze_axes(feature_axes)
-    self.axis_name = axis_name
-    self.axis_index_groups = freeze_axes(axis_index_groups)
-    self.use_fast_variance = use_fast_variance
-    self.promote_dtype = promote_dtype
+    self.reduction_axes = freeze(reduction_axes)
+    self.feature_axes = freeze(feature_axes)
+    keep_stats_options(self, axis_name, axis_index_groups, use_fast_variance, promote_dtype)
 
   def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
     """Normalises ``x``; ``mask`` (same rank) restricts the statistics to its entries."""
@@ -314,12 +312,9 @@ class RMSNorm(Module):
     self.param_dtype = param_dtype
     self.use_scale = use_scale
     self.add_unit_offset = add_unit_offset
-    self.reduction_axes = freeze_axes(reduction_axes)
-    self.feature_axes = freeze_axes(feature_axes)
-    self.axis_name = axis_name
-    self.axis_index_groups = freeze_axes(axis_index_groups)
-    self.use_fast_variance = use_fast_variance
-    self.promote_dtype = promote_dtype
+    self.reduction_axes = freeze(reduction_axes)
+    self.feature_axes = freeze(feature_axes)
+    keep_stats_options(self, axis_name, axis_index_groups, use_fast_variance, promote_dtype)
 
   def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Normalises ``x``; ``mask`` (same rank) restricts the statistics to its entries."""

@@ -31,8 +31,8 @@ from ..core._rngs import Rngs
 from ..core._variables import Variable, path_of
 from ._dtypes import canonicalize_dtype
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, named
-from ._normalization import canonicalize_axes, freeze_axes
+from ._linear import Initializer, freeze, named
+from ._normalization import canonicalize_axes
 from ._rngs_arg import check_rngs
 
 
@@ -323,7 +323,7 @@ class WeightNorm(Module):
     check_rngs("WeightNorm", rngs)
     where = _around("WeightNorm", layer_instance)
     self.layer_instance = layer_instance
-    self.feature_axes = () if feature_axes is None else freeze_axes(feature_axes)
+    self.feature_axes = () if feature_axes is None else freeze(feature_axes)
     self.use_scale = use_scale
     self.scale_init = scale_init
     self.epsilon = epsilon
