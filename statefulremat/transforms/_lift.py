@@ -117,7 +117,7 @@ class Lifted:
     structure out, else raise. ``outputs``: modules in ``out`` leave as a
     ``ModulesOut``; with ``copies`` all as new objects.
     """
-    before = list(values)
+    before = None if units is None else list(values)  # the keys the units fold from
     if seed is not None:
       treatment, index = seed
       if units and index is not None:  # the first unit run (the last, in reverse)
