@@ -347,7 +347,11 @@ def _vmap_function(
     cycles = -(-n // period)
     streams = {i for s in treatment.streams for i in (s.key, s.count)}
     counts = {s.count for s in treatment.streams}
-    isolate = [i for i, k in enumerate(treatment.kinds) if k != STACKED and i not in streams]
+    isolate = (
+      [i for i, k in enumerate(treatment.kinds) if k != STACKED and i not in streams]
+      if period > 1
+      else []
+    )
     used: set[int] = set()
 
     def one(stacked_values, index, call_args):
@@ -430,13 +434,14 @@ def _vmap_function(
         refuse_ragged_made(what, n, period)
     changed = {i: jnp.moveaxis(v, 0, treatment.stacked_axis(i)) for i, v in written.items()}
     changed.update(shared)
-    nodes = split_call((target,), {})[0]
+    with_modules = structure is not None or type(out) is ModulesOut
+    nodes = split_call((target,), {})[0] if with_modules else ()
     commit(
       variables,
       changed,
       what,
       None if structure is None else Restructured(None, made, structure),
-      nodes=nodes if structure else (),
+      nodes=nodes,
       streams=used,
       stacked_axis=0,  # a Variable made inside comes out stacked
       partition_name=(metadata_params or {}).get("partition_name"),
