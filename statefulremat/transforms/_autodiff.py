@@ -122,29 +122,14 @@ def value_and_grad(
     target_roots = {root_of[id(args[t])]: t for t in module_targets}
     multi = len(nodes) > 1
 
-    # Which flat variables each module target differentiates, with their local paths.
-    diff_index = {t: [] for t in module_targets}
-    for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
-      root, local = (path[0], path[1:]) if multi else (0, path)
-      t = target_roots.get(root)
-      if t is not None and predicate(local, var):
-        diff_index[t].append((i, local))
+    diff_index = _differentiated(graphdef, variables, target_roots, multi, predicate)
     for t in module_targets:
-      if not diff_index[t]:
+      if not diff_index.get(t):
         _nothing_to_differentiate(what, wrt, t, args[t])
     diffed = {i for entries in diff_index.values() for i, _ in entries}
     with held(variables):
       values = [v._value for v in variables]
-      for t in module_targets:
-        for i, local in diff_index[t]:
-          dtype = _non_float_dtype(values[i])
-          if dtype is not None:
-            raise TypeError(
-              f"{what}: the `wrt` filter matches `{format_path(local)}` "
-              f"({type(variables[i]).__name__}, {dtype}), which is not a float array "
-              "and has no gradient. Narrow the filter to the variables to "
-              "differentiate, e.g. `wrt=sr.Param`."
-            )
+      _refuse_non_float(what, diff_index, variables, values)
 
       def pure(diff_values, array_values, other_values):
         flat = list(other_values)
@@ -159,23 +144,7 @@ def value_and_grad(
           return fn(*call_args, **call_kwargs)
 
         out, changes = lifted.run(call, flat, leaves, what, restructure=True)
-        if has_aux:
-          if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise TypeError(
-              f"{what}: has_aux=True needs the function to return a pair "
-              f"(loss, aux), got {describe_returned(out)}. Return `loss, aux`, or drop "
-              "has_aux=True if there is no aux."
-            )
-          loss, aux = out
-        elif isinstance(out, (tuple, list, dict)):
-          raise TypeError(
-            f"{what}: the function returned {describe_returned(out)}, "
-            "not a scalar loss. If it returns `(loss, aux)`, pass `has_aux=True`: "
-            f"`sr.value_and_grad(fn, has_aux=True)` gives `(loss, aux), grads`."
-          )
-        else:
-          loss, aux = out, None
-        check_no_nodes(aux, what)
+        loss, aux = _loss_and_aux(out, has_aux, what)
         if changes.structure is not None:  # a sow, a new sub-module: carried out after
           aux = Restructured(aux, changes.made, changes.structure)
         return loss, (aux, changes.values)
@@ -187,24 +156,74 @@ def value_and_grad(
       )(diff_values, array_args, others)
       aux = commit(variables, changed, what, aux, nodes=nodes)
 
-    grads = []
-    for t in targets:
-      if t in module_targets:
-        entries = diff_index[t]
-        grads.append(
-          State.from_parts(
-            [p for _, p in entries],
-            [type(variables[i]) for i, _ in entries],
-            [freeze(variables[i]._metadata) for i, _ in entries],
-            g_mod[t],
-          )
-        )
-      else:
-        grads.append(g_arr[array_targets.index(t)])
+    grads = [
+      _as_state(diff_index[t], variables, g_mod[t])
+      if t in module_targets
+      else g_arr[array_targets.index(t)]
+      for t in targets
+    ]
     grads = grads[0] if single else tuple(grads)
     return ((loss, aux) if has_aux else loss), grads
 
   return wrapper
+
+
+def _differentiated(graphdef, variables, target_roots: dict, multi: bool, predicate) -> dict:
+  """``{argument: [(flat index, local path), ...]}``: the Variables each differentiated
+  module argument (``target_roots``: its root in the walk -> its position) gives."""
+  found: dict = {t: [] for t in target_roots.values()}
+  for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
+    root, local = (path[0], path[1:]) if multi else (0, path)
+    t = target_roots.get(root)
+    if t is not None and predicate(local, var):
+      found[t].append((i, local))
+  return found
+
+
+def _loss_and_aux(out, has_aux: bool, what: str) -> tuple:
+  """``(loss, aux)`` of what the differentiated function returned; raises for a
+  result that does not fit ``has_aux``."""
+  if has_aux:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(
+        f"{what}: has_aux=True needs the function to return a pair "
+        f"(loss, aux), got {describe_returned(out)}. Return `loss, aux`, or drop "
+        "has_aux=True if there is no aux."
+      )
+    loss, aux = out
+  elif isinstance(out, (tuple, list, dict)):
+    raise TypeError(
+      f"{what}: the function returned {describe_returned(out)}, "
+      "not a scalar loss. If it returns `(loss, aux)`, pass `has_aux=True`: "
+      f"`sr.value_and_grad(fn, has_aux=True)` gives `(loss, aux), grads`."
+    )
+  else:
+    loss, aux = out, None
+  check_no_nodes(aux, what)
+  return loss, aux
+
+
+def _refuse_non_float(what: str, diff_index: dict, variables, values) -> None:
+  for entries in diff_index.values():
+    for i, local in entries:
+      dtype = _non_float_dtype(values[i])
+      if dtype is not None:
+        raise TypeError(
+          f"{what}: the `wrt` filter matches `{format_path(local)}` "
+          f"({type(variables[i]).__name__}, {dtype}), which is not a float array "
+          "and has no gradient. Narrow the filter to the variables to "
+          "differentiate, e.g. `wrt=sr.Param`."
+        )
+
+
+def _as_state(entries: list, variables, grads: list) -> State:
+  """The gradients of one module argument as a State of its local paths."""
+  return State.from_parts(
+    [p for _, p in entries],
+    [type(variables[i]) for i, _ in entries],
+    [freeze(variables[i]._metadata) for i, _ in entries],
+    grads,
+  )
 
 
 def _module_container(arg) -> bool:
