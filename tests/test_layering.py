@@ -43,6 +43,7 @@ FLOOR_OF = {name: i for i, names in enumerate(FLOORS) for name in names}
 TOP = len(FLOORS) - 1
 
 CORE_ORDER = [
+  {"_caches"},
   {"_errors", "_display_hooks", "_bookkeeping", "_frozen"},
   {"_tracing"},
   {"_variables", "_graph_cache"},

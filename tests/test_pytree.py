@@ -440,6 +440,54 @@ def test_cached_flatten_sees_eval_and_metadata_changes():
   assert jax.tree.map(lambda x: x, model).norm.mean.sharding == ("batch",)
 
 
+def test_a_graphs_walk_holds_while_its_own_structure_does():
+  """A graph's structure version is its own: a change to another graph costs it no walk,
+  and a change anywhere inside it, however deep, is seen."""
+  from statefulremat.core._graph_cache import walk_of
+
+  class Deep(sr.Module):
+    def __init__(self):
+      self.heads = {"a": [sr.nn.Linear(2, 2, rngs=sr.Rngs(0))]}
+
+  model, other = Deep(), Net(rngs=sr.Rngs(1))
+  jax.tree.leaves(model)
+  walk = walk_of((model,))
+  assert walk is not None
+  other.extra = 1.0  # another graph's structure
+  sr.nn.Linear(2, 2, rngs=sr.Rngs(2))  # a new module, in no graph
+  assert walk_of((model,)) is walk
+  model.heads["a"][0].use_bias = False  # deep inside: a static attribute
+  assert walk_of((model,)) is None
+  assert (
+    jax.tree.unflatten(jax.tree.structure(model), jax.tree.leaves(model)).heads["a"][0].use_bias
+    is False
+  )
+  jax.tree.leaves(model)
+  model.heads["b"] = sr.nn.Linear(2, 3, rngs=sr.Rngs(3))  # a tracked dict's new item
+  assert len(jax.tree.leaves(model)) == 4
+  model.heads["a"][0].kernel.set_metadata(sharding=("x", None))  # a Variable's metadata
+  assert jax.tree.map(lambda x: x, model).heads["a"][0].kernel.sharding == ("x", None)
+
+
+def test_sr_jit_walks_a_model_again_only_when_its_own_structure_changes(monkeypatch):
+  from statefulremat.transforms import _lift
+
+  walks = []
+  real = _lift.flatten
+  monkeypatch.setattr(_lift, "flatten", lambda *a, **k: walks.append(1) or real(*a, **k))
+  model, other = Net(rngs=sr.Rngs(0)), Net(rngs=sr.Rngs(1))
+  step = sr.jit(lambda m: m.layers[0].kernel.value.sum())
+  step(model)
+  first = len(walks)
+  other.extra = 1.0
+  step(model)
+  assert len(walks) == first  # another graph changed: no walk
+  model.layers[0].kernel.value = jnp.ones((2, 2))
+  model.layers[0] = sr.nn.Linear(2, 2, rngs=sr.Rngs(2))
+  assert float(step(model)) == float(model.layers[0].kernel.value.sum())
+  assert len(walks) > first
+
+
 def test_cached_flatten_sees_values_changed_in_place():
   model = Net(rngs=sr.Rngs(0))
   jax.tree.leaves(model)

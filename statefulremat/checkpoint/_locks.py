@@ -17,6 +17,8 @@ import errno
 import os
 import threading
 
+from ..core._caches import checkpoint_threads, checkpoint_threads_lock
+
 try:
   import fcntl
 except ImportError:  # Windows: the threads of one process are still ordered
@@ -81,8 +83,7 @@ class _Threads:
   @contextlib.contextmanager
   def reading(self):
     with self._changed:
-      while self._deleters:
-        self._changed.wait()
+      self._changed.wait_for(lambda: not self._deleters)
       self._readers += 1
     try:
       yield
@@ -94,15 +95,10 @@ class _Threads:
   @contextlib.contextmanager
   def deleting(self):
     with self._changed:
-      self._deleters += 1
-      try:
-        while self._readers:
-          self._changed.wait()
-      except BaseException:
-        self._deleters -= 1
-        self._changed.notify_all()
-        raise
+      self._deleters += 1  # from now on no restore starts reading
     try:
+      with self._changed:
+        self._changed.wait_for(lambda: not self._readers)
       yield
     finally:
       with self._changed:
@@ -110,14 +106,10 @@ class _Threads:
         self._changed.notify_all()
 
 
-_by_path: dict[str, _Threads] = {}
-_by_path_lock = threading.Lock()
-
-
 def threads_of(root: str) -> _Threads:
   key = os.path.normcase(os.path.realpath(root))
-  with _by_path_lock:
-    return _by_path.setdefault(key, _Threads())
+  with checkpoint_threads_lock:
+    return checkpoint_threads.setdefault(key, _Threads())
 
 
 class SaveLock:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import jax
 
+from ..core._caches import pending_saves, pending_saves_lock
 from ._files import CheckpointError, abandon, begin, current, newest
 
 
@@ -55,7 +56,7 @@ class Saves:
   def __init__(self, root: str):
     self.root = root
     self._lock = None  # the path's SaveLock, in the primary process from begin()
-    with _lock:
+    with pending_saves_lock:
       self.seq = Saves._count[root] = Saves._count.get(root, 0) + 1
 
   def barrier(self, stage: str) -> None:
@@ -119,8 +120,8 @@ class SaveHandle:
       target=self._run, args=(finish,), daemon=False, name=f"sr.save({path!r})"
     )
     self._thread.start()
-    with _lock:
-      _pending.setdefault(path, []).append(self)
+    with pending_saves_lock:
+      pending_saves.setdefault(path, []).append(self)
 
   def _run(self, finish) -> None:
     try:
@@ -149,23 +150,19 @@ class SaveHandle:
     return f"SaveHandle({self.path!r}, {state})"
 
 
-_pending: dict[str, list[SaveHandle]] = {}  # per path, its background saves
-_lock = threading.Lock()
-
-
 def wait_previous(root: str, fn: str) -> None:
   """Waits for ``root``'s background saves, if any; raises the error of one that
   failed unseen (the others' are raised by the next calls)."""
-  with _lock:
-    handles = _pending.pop(root, [])
+  with pending_saves_lock:
+    handles = pending_saves.pop(root, [])
   for handle in handles:
     handle._thread.join()
   failed = [h for h in handles if h._error is not None and not h._seen]
   if failed:
     handle = failed[0]
     if failed[1:]:
-      with _lock:
-        _pending[root] = failed[1:] + _pending.get(root, [])
+      with pending_saves_lock:
+        pending_saves[root] = failed[1:] + pending_saves.get(root, [])
     handle._seen = True
     raise CheckpointError(
       f"sr.{fn}: the earlier sr.save({root!r}, ..., blocking=False) failed "
@@ -179,7 +176,7 @@ def wait_previous(root: str, fn: str) -> None:
 @atexit.register
 def _report_unseen_failures() -> None:
   # Threads are joined before atexit runs: every background save has ended by now.
-  for handle in [h for handles in list(_pending.values()) for h in handles]:
+  for handle in [h for handles in list(pending_saves.values()) for h in handles]:
     if handle._error is not None and not handle._seen:
       print(
         f"statefulremat: sr.save({handle.path!r}, ..., blocking=False) failed and "

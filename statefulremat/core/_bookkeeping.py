@@ -25,6 +25,9 @@ a GraphDef, a State or a repr. They are named here, once, and read through these
 * ``MADE_BY`` on a class a class form returned: ``(form, target, args, kwargs)``, the
   call that made it (``sr.scan(Block, length=3)``: ``("scan", Block, (), {"length":
   3})``), the class's own (``transforms/_class_form``).
+* ``VERSION`` on a module or a tracked container: how many times its structure
+  changed (``_tracing.structure_changed``); a cached walk of its graph holds while it
+  stays (``_graph_cache.Stamp``). Copied with the object, as it only counts.
 * ``DEFINED_IN`` on a public class: the private module that defines it, now that its
   ``__module__`` is the public one (``name_public_classes``), the class's own.
 """
@@ -41,6 +44,7 @@ MADE_BY = _PREFIX + "made_by"
 STACK_INFO = _PREFIX + "stack"
 LAYER_ORIGIN = _PREFIX + "origin"
 DEFINED_IN = _PREFIX + "defined_in"
+VERSION = _PREFIX + "version"
 
 
 def is_bookkeeping(name: str) -> bool:

@@ -2,7 +2,7 @@
 
 Like PyTorch's ``nn.ModuleList``, a list or dict assigned to a module attribute is
 adopted: it is copied into a ``ModuleList`` / ``ModuleDict`` (still a ``list`` /
-``dict``, and the same pytree) whose mutations bump the structure epoch, so a cached
+``dict``, and the same pytree) whose mutations note a change of structure, so a cached
 flattening of the graph notices ``self.layers.append(...)``.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import jax
 
-from ._tracing import structure_epoch
+from ._bookkeeping import VERSION
+from ._tracing import structure_changed
 
 
 class ModuleList(list):
@@ -31,10 +32,10 @@ class ModuleList(list):
   ('ModuleList', True)
   """
 
-  __slots__ = ()
+  __slots__ = (VERSION, "__weakref__")
 
   def append(self, *args, **kwargs):
-    """``list.append``, and bumps the structure epoch so cached flattenings
+    """``list.append``, and notes a change of structure so cached flattenings
     of the graph (``sr.jit``'s fast path) see the new item. Unlike attribute
     assignment, it does not adopt the item (a list in it stays plain) or record its
     owner.
@@ -45,11 +46,11 @@ class ModuleList(list):
     >>> xs, type(xs[1]).__name__
     ([1, [2]], 'list')
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().append(*args, **kwargs)
 
   def extend(self, *args, **kwargs):
-    """``list.extend``, and bumps the structure epoch. Like ``append``, the
+    """``list.extend``, and notes a change of structure. Like ``append``, the
     items are not adopted and get no owner recorded.
 
     >>> import statefulremat as sr
@@ -58,11 +59,11 @@ class ModuleList(list):
     >>> xs
     [1, 2, 3]
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().extend(*args, **kwargs)
 
   def insert(self, *args, **kwargs):
-    """``list.insert``, and bumps the structure epoch (later items move to new
+    """``list.insert``, and notes a change of structure (later items move to new
     paths). Like ``append``, the item is not adopted and gets no owner recorded.
 
     >>> import statefulremat as sr
@@ -71,23 +72,22 @@ class ModuleList(list):
     >>> xs
     [1, 2, 3]
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().insert(*args, **kwargs)
 
   def pop(self, *args, **kwargs):
-    """``list.pop`` (returns the item), and bumps the structure epoch.
+    """``list.pop`` (returns the item), and notes a change of structure.
 
     >>> import statefulremat as sr
     >>> xs = sr.ModuleList([1, 2, 3])
     >>> xs.pop(0), xs
     (1, [2, 3])
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().pop(*args, **kwargs)
 
   def remove(self, *args, **kwargs):
-    """``list.remove`` (the first item equal to ``value``), and bumps the
-    structure epoch.
+    """``list.remove`` (the first item equal to ``value``), and notes a change of structure.
 
     >>> import statefulremat as sr
     >>> xs = sr.ModuleList([1, 2, 1])
@@ -95,11 +95,11 @@ class ModuleList(list):
     >>> xs
     [2, 1]
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().remove(*args, **kwargs)
 
   def clear(self, *args, **kwargs):
-    """``list.clear``, and bumps the structure epoch.
+    """``list.clear``, and notes a change of structure.
 
     >>> import statefulremat as sr
     >>> xs = sr.ModuleList([1, 2])
@@ -107,12 +107,11 @@ class ModuleList(list):
     >>> xs, type(xs).__name__
     ([], 'ModuleList')
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().clear(*args, **kwargs)
 
   def sort(self, *args, **kwargs):
-    """``list.sort`` in place (same ``key`` and ``reverse``), and bumps the
-    structure epoch: items change paths.
+    """``list.sort`` in place (same ``key`` and ``reverse``), and notes a change of structure: items change paths.
 
     >>> import statefulremat as sr
     >>> xs = sr.ModuleList(["b", "c", "a"])
@@ -120,11 +119,11 @@ class ModuleList(list):
     >>> xs
     ['c', 'b', 'a']
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().sort(*args, **kwargs)
 
   def reverse(self, *args, **kwargs):
-    """``list.reverse`` in place, and bumps the structure epoch: items
+    """``list.reverse`` in place, and notes a change of structure: items
     change paths.
 
     >>> import statefulremat as sr
@@ -133,7 +132,7 @@ class ModuleList(list):
     >>> xs
     [3, 2, 1]
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().reverse(*args, **kwargs)
 
 
@@ -148,34 +147,32 @@ class ModuleDict(dict):
   'ModuleDict'
   """
 
-  __slots__ = ()
+  __slots__ = (VERSION, "__weakref__")
 
   def pop(self, *args, **kwargs):
-    """``dict.pop`` (the value, or ``default`` for a missing key), and bumps
-    the structure epoch.
+    """``dict.pop`` (the value, or ``default`` for a missing key), and notes a change of structure.
 
     >>> import statefulremat as sr
     >>> d = sr.ModuleDict(a=1, b=2)
     >>> d.pop("a"), d.pop("z", None), d
     (1, None, {'b': 2})
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().pop(*args, **kwargs)
 
   def popitem(self, *args, **kwargs):
-    """``dict.popitem`` (the last inserted ``(key, value)``), and bumps the
-    structure epoch.
+    """``dict.popitem`` (the last inserted ``(key, value)``), and notes a change of structure.
 
     >>> import statefulremat as sr
     >>> d = sr.ModuleDict(a=1, b=2)
     >>> d.popitem(), d
     (('b', 2), {'a': 1})
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().popitem(*args, **kwargs)
 
   def clear(self, *args, **kwargs):
-    """``dict.clear``, and bumps the structure epoch.
+    """``dict.clear``, and notes a change of structure.
 
     >>> import statefulremat as sr
     >>> d = sr.ModuleDict(a=1)
@@ -183,11 +180,11 @@ class ModuleDict(dict):
     >>> d, type(d).__name__
     ({}, 'ModuleDict')
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().clear(*args, **kwargs)
 
   def update(self, *args, **kwargs):
-    """``dict.update``, and bumps the structure epoch. Unlike attribute
+    """``dict.update``, and notes a change of structure. Unlike attribute
     assignment, it does not adopt the values (a dict in them stays plain) or record
     their owner.
 
@@ -197,11 +194,11 @@ class ModuleDict(dict):
     >>> d, type(d["b"]).__name__
     ({'a': 1, 'b': {'c': 2}}, 'dict')
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().update(*args, **kwargs)
 
   def setdefault(self, *args, **kwargs):
-    """``dict.setdefault``, and bumps the structure epoch on every call,
+    """``dict.setdefault``, and notes a change of structure on every call,
     even when the key is already there. A new value is not adopted and gets no owner
     recorded.
 
@@ -210,7 +207,7 @@ class ModuleDict(dict):
     >>> d.setdefault("a", 5), d.setdefault("b", 2), d
     (1, 2, {'a': 1, 'b': 2})
     """
-    structure_epoch.bump()
+    structure_changed(self)
     return super().setdefault(*args, **kwargs)
 
 
@@ -218,7 +215,7 @@ def _bumping(base, method_name):
   method = getattr(base, method_name)
 
   def mutate(self, *args, **kwargs):
-    structure_epoch.bump()
+    structure_changed(self)
     return method(self, *args, **kwargs)
 
   mutate.__name__ = method_name

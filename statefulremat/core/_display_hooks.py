@@ -17,22 +17,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-_hooks: dict[str, Callable[..., Any]] = {}
+from ._caches import display_hooks
 
 
 def register(**hooks: Callable[..., Any]) -> None:
   """Called by the display floor: ``text(obj)``, ``treescope(obj, path,
   subtree_renderer)`` and ``value_summary(value)``."""
-  _hooks.update(hooks)
+  display_hooks.update(hooks)
 
 
 def registered() -> list[str]:
-  return list(_hooks)
+  return list(display_hooks)
 
 
 def _hook(name: str) -> Callable[..., Any]:
   try:
-    return _hooks[name]
+    return display_hooks[name]
   except KeyError:
     raise RuntimeError(
       f"statefulremat's display floor registered no {name!r} renderer: "

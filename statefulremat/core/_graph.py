@@ -20,16 +20,17 @@ fresh objects, and fills in the values; it notes what it rebuilt in the graph ca
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from . import _display_hooks
-from ._bookkeeping import is_bookkeeping
+from ._bookkeeping import VERSION, is_bookkeeping
+from ._containers import ModuleDict, ModuleList
 from ._errors import GraphError, format_path
-from ._graph_cache import derived, walk_of
+from ._graph_cache import Stamp, derived, walk_of
 from ._module import Module
 from ._state import freeze, thaw
 from ._variables import Variable
@@ -159,17 +160,15 @@ class GraphDef:
     return _display_hooks.treescope(self, path, subtree_renderer)
 
 
+def _variable_nodes(node: GraphNode) -> Iterator[GraphNode]:
+  if node.kind == "variable":
+    yield node
+  for _, sub in node.items:
+    yield from _variable_nodes(sub)
+
+
 def _variable_entries(graphdef: GraphDef) -> tuple[VariableEntry, ...]:
-  found: list[GraphNode] = []
-
-  def walk(node: GraphNode) -> None:
-    if node.kind == "variable":
-      found.append(node)
-    for _, sub in node.items:
-      walk(sub)
-
-  for root in graphdef.nodes:
-    walk(root)
+  found = [n for root in graphdef.nodes for n in _variable_nodes(root)]
   return tuple(VariableEntry(p, n.type, n.value) for p, n in zip(graphdef.var_paths, found))
 
 
@@ -202,14 +201,15 @@ def _static(obj, path):
 
 
 def flatten(
-  roots: Sequence[Any], *, objects: list | None = None
+  roots: Sequence[Any], *, objects: list | None = None, stamp: Stamp | None = None
 ) -> tuple[GraphDef, list[Variable]]:
   """Walks ``roots`` jointly: their GraphDef and their Variables in walk order.
 
   If ``objects`` is given, every module and Variable is appended to it in the order
-  the GraphDef numbers them (what ``unflatten(..., substitute=objects)`` takes).
+  the GraphDef numbers them (what ``unflatten(..., substitute=objects)`` takes). A
+  ``stamp`` (made just before) notes the version of each node as the walk reaches it.
   """
-  if objects is None:
+  if objects is None and stamp is None:
     known = walk_of(roots)
     if known is not None:
       return known.graphdef, list(known.variables)
@@ -228,6 +228,8 @@ def flatten(
     if isinstance(obj, Variable):
       variables.append(obj)
       paths.append(path)
+      if stamp is not None:
+        stamp.saw_variable(obj)
       try:
         meta = freeze(obj._metadata)
       except TypeError:
@@ -238,12 +240,16 @@ def flatten(
       return (_VAR, type(obj), meta)
     if isinstance(obj, Module):
       attrs = vars(obj)
+      if stamp is not None:
+        stamp.saw(obj, attrs.get(VERSION, 0))
       names = [k for k in attrs if not is_bookkeeping(k)]
       node = (_NODE, type(obj), tuple((k, walk(attrs[k], path + (k,))) for k in sorted(names)))
       # The walk goes in sorted order (the Variables' numbering must not depend on the
       # order attributes were set), but a rebuilt module keeps its definition order, as
       # `repr` and `vars` show it: noted only where it differs.
       return node if names == sorted(names) else (*node, tuple(names))
+    if stamp is not None and isinstance(obj, (ModuleList, ModuleDict)):
+      stamp.saw(obj, getattr(obj, VERSION, 0))
     if isinstance(obj, (list, tuple)):
       tag = _LIST if isinstance(obj, list) else _TUPLE
       return (tag, type(obj), tuple(walk(x, path + (i,)) for i, x in enumerate(obj)))

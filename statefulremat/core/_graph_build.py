@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._bookkeeping import OWNER
+from ._caches import serials
 from ._containers import maker
 from ._graph import _DICT, _LIST, _NODE, _REF, _TUPLE, _VAR, GraphDef
-from ._graph_cache import derived, remember
+from ._graph_cache import Stamp, derived, remember
 from ._module import Module, _record_owners
 from ._state import thaw_metadata
-from ._tracing import current_trace, serials, structure_epoch
+from ._tracing import current_trace
 from ._variables import Variable, bare_variable
 
 
@@ -42,11 +43,11 @@ def unflatten(
   """
   trace = current_trace() if trace is None else trace
   if kinds is None and metas is None and not substitute:
-    epoch = structure_epoch.value
+    stamp = Stamp()  # its nodes not noted: held while nothing changes anywhere
     plan = derived(graphdef, "build", _Plan)
     roots, variables = plan.build(values, trace)
     if all(isinstance(r, Module) for r in roots):
-      remember(roots, epoch, graphdef, variables)
+      remember(roots, stamp, graphdef, variables)
     return roots, variables
   objects: list[Any] = []
   variables: list[Variable] = []

@@ -11,11 +11,11 @@ Two things are expensive to redo and depend only on a graph's structure:
 * **per graph** (``walk_of`` / ``remember``): for live roots, their GraphDef and their
   Variables in walk order. A raw JAX call flattens its modules each time, and a
   transform inside another receives exactly the roots the outer one rebuilt; walking
-  the graph again costs microseconds per Variable. An entry holds while no structure
-  changed anywhere (``structure_epoch``: every change to a module's attributes, a
-  tracked container or a Variable's metadata bumps it) and goes with its roots:
+  the graph again costs microseconds per Variable. An entry holds while the graph's
+  structure is as walked (``Stamp``: no module or tracked container of it changed, no
+  Variable's metadata) and goes with its roots:
   modules refuse hashing, so entries are keyed by ``id`` and guarded by weak
-  references; nothing is stored on the modules.
+  references; a module holds only its version.
 """
 
 from __future__ import annotations
@@ -24,16 +24,15 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._tracing import structure_epoch
+from ._bookkeeping import VERSION
+from ._caches import graphdefs, structure_epoch, walks
 
 # -- per structure ------------------------------------------------------------------
-
-_canonical: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def canonical(graphdef):
   """The one object of all GraphDefs equal to ``graphdef`` (``graphdef`` if first)."""
-  return _canonical.setdefault(graphdef, graphdef)
+  return graphdefs.setdefault(graphdef, graphdef)
 
 
 def per_structure(graphdef) -> dict:
@@ -61,15 +60,52 @@ def derived(graphdef, name: str, make: Callable[[Any], Any]) -> Any:
 # -- per graph ----------------------------------------------------------------------
 
 
+class Stamp:
+  """A graph's structure version when it was walked: the versions of its modules and
+  tracked containers (``VERSION``, read as the walk reached each) and its Variables'
+  metadata objects (``set_metadata`` makes a new one). It holds while none of them
+  changed. ``structure_epoch`` only spares the look while nothing changed anywhere; a
+  change to another graph costs this one a look, never a walk. ``nodes`` None: not
+  known (a graph rebuilt inside a trace), held only while nothing changed anywhere."""
+
+  __slots__ = ("epoch", "nodes", "versions", "variables", "metas")
+
+  def __init__(self, nodes: list | None = None):
+    self.epoch = structure_epoch.value  # read first: a change during the walk is a miss
+    self.nodes, self.versions, self.variables, self.metas = nodes, [], [], []
+
+  def saw(self, node, version: int) -> None:
+    # Weakly: an entry must not keep its graph alive (the entry goes with its roots).
+    self.nodes.append(weakref.ref(node))  # pyright: ignore[reportOptionalMemberAccess]
+    self.versions.append(version)
+
+  def saw_variable(self, variable) -> None:
+    self.variables.append(variable)
+    self.metas.append(variable._metadata)
+
+  def holds(self) -> bool:
+    now = structure_epoch.value
+    if self.epoch == now:
+      return True
+    if (
+      self.nodes is None
+      or any(_version(r()) != v for r, v in zip(self.nodes, self.versions))
+      or any(var._metadata is not m for var, m in zip(self.variables, self.metas))
+    ):
+      return False
+    self.epoch = now
+    return True
+
+
+def _version(node) -> int:
+  return -1 if node is None else getattr(node, VERSION, 0)  # gone: changed
+
+
 class Walk(weakref.ref):
   """A graph's entry: a weak reference to its first root (the entry goes when any root
-  does) with the GraphDef and the Variables, valid while the structure epoch is
-  ``epoch``."""
+  does) with the GraphDef and the Variables, valid while ``stamp`` holds."""
 
-  __slots__ = ("epoch", "graphdef", "variables", "key", "others")
-
-
-walks: dict[Any, Walk] = {}  # id(root), or the ids of several roots walked together
+  __slots__ = ("stamp", "graphdef", "variables", "key", "others")
 
 
 def _forget(ref: weakref.ref, key=None, walks=walks) -> None:
@@ -84,8 +120,8 @@ def _key(roots: Sequence[Any]):
   return id(roots[0]) if len(roots) == 1 else tuple(map(id, roots))
 
 
-def remember(roots: Sequence[Any], epoch: int, graphdef, variables: list) -> Walk | None:
-  """Notes that ``roots`` walk to ``graphdef`` and ``variables`` while ``epoch`` holds.
+def remember(roots: Sequence[Any], stamp: Stamp, graphdef, variables: list) -> Walk | None:
+  """Notes that ``roots`` walk to ``graphdef`` and ``variables`` while ``stamp`` holds.
 
   Only graphs of modules are kept (a list or dict root cannot be referred to weakly).
   """
@@ -97,21 +133,21 @@ def remember(roots: Sequence[Any], epoch: int, graphdef, variables: list) -> Wal
     walk.others = tuple(weakref.ref(r, lambda ref, k=key: _forget(ref, k)) for r in roots[1:])
   except TypeError:
     return None
-  walk.key, walk.epoch, walk.graphdef, walk.variables = key, epoch, graphdef, variables
+  walk.key, walk.stamp, walk.graphdef, walk.variables = key, stamp, graphdef, variables
   walks[key] = walk
   return walk
 
 
 def walk_of(roots: Sequence[Any]) -> Walk | None:
-  """The entry of ``roots`` if it still holds (no structure changed since), else None."""
+  """The entry of ``roots`` if it still holds (their structure is as walked), else None."""
   if not roots:
     return None
   walk = walks.get(_key(roots))
   if (
     walk is None
-    or walk.epoch != structure_epoch.value
     or walk() is not roots[0]
     or (len(roots) > 1 and any(ref() is not r for ref, r in zip(walk.others, roots[1:])))
+    or not walk.stamp.holds()
   ):
     return None
   return walk

@@ -18,12 +18,11 @@ separate locks, so two threads working on two models do not wait for each other.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from collections.abc import Sequence
 
-_ranks = itertools.count()
+from ._caches import lock_groups, lock_ranks, lock_registry
 
 
 class _Group:
@@ -34,7 +33,7 @@ class _Group:
   def __init__(self):
     self.lock = threading.Lock()
     self.into: _Group | None = None
-    self.rank = next(_ranks)  # locks of several groups are taken in this order
+    self.rank = next(lock_ranks)  # locks of several groups are taken in this order
 
 
 def _current(group: _Group) -> _Group:
@@ -46,14 +45,12 @@ def _current(group: _Group) -> _Group:
 # id(Variable) -> (weak reference, group). Keyed by id: Variables are unhashable. The
 # reference's callback drops the entry when the Variable goes; it runs before the id
 # can be reused, and takes no lock (it may run on a thread inside `_group_of`).
-_groups: dict[int, tuple] = {}
-_registry = threading.Lock()  # merges and new entries, one call at a time
 
 
 def _forget(key: int, ref) -> None:
-  entry = _groups.get(key)
+  entry = lock_groups.get(key)
   if entry is not None and entry[0] is ref:
-    _groups.pop(key, None)
+    lock_groups.pop(key, None)
 
 
 class _Thread(threading.local):
@@ -75,11 +72,11 @@ class Reached(list):
 
 def _group_of(variables: Sequence) -> _Group:
   """The group of ``variables``: theirs, a new one, or theirs merged into one."""
-  with _registry:
+  with lock_registry:
     found: dict[int, _Group] = {}
     new = []
     for var in variables:
-      entry = _groups.get(id(var))
+      entry = lock_groups.get(id(var))
       if entry is None or entry[0]() is not var:
         new.append(var)
       else:
@@ -94,7 +91,7 @@ def _group_of(variables: Sequence) -> _Group:
         other.into = group
     for var in new:
       key = id(var)
-      _groups[key] = (weakref.ref(var, lambda ref, key=key: _forget(key, ref)), group)
+      lock_groups[key] = (weakref.ref(var, lambda ref, key=key: _forget(key, ref)), group)
     return group
 
 

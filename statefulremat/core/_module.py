@@ -25,9 +25,10 @@ import numpy as np
 
 from . import _display_hooks
 from ._bookkeeping import OWNER, is_bookkeeping
+from ._caches import class_hooks
 from ._containers import adopt
 from ._errors import GraphError, format_path, refuse_hash
-from ._tracing import structure_epoch
+from ._tracing import structure_changed
 from ._variables import Variable, entries, path_of, set_owner
 
 
@@ -148,7 +149,7 @@ class Module:
     # Every Module class is a pytree (raw jax.jit / jax.grad / jax.tree.map take
     # modules, see _pytree.py); JAX registers exact types, so each subclass once here.
     super().__init_subclass__(**kwargs)
-    for hook in _class_hooks:
+    for hook in class_hooks:
       hook(cls)
 
   def __hash__(self):
@@ -161,11 +162,11 @@ class Module:
     if not is_bookkeeping(name):
       _record_owners(self, value, (name,))
     object.__setattr__(self, name, value)
-    structure_epoch.bump()
+    structure_changed(self)
 
   def __delattr__(self, name: str) -> None:
     object.__delattr__(self, name)
-    structure_epoch.bump()
+    structure_changed(self)
 
   # -- modes -----------------------------------------------------------------
 
@@ -337,15 +338,10 @@ class Module:
     return _display_hooks.treescope(self, path, subtree_renderer)
 
 
-# Functions called with every Module class as it is defined (the pytree registration
-# in _pytree.py): a hook list, so that this file imports nothing above itself.
-_class_hooks: list = []
-
-
 def on_new_class(hook) -> None:
   """Calls ``hook(cls)`` for every Module class: those defined already, and each new
   one as it is defined."""
-  _class_hooks.append(hook)
+  class_hooks.append(hook)
   todo = [Module]
   while todo:
     cls = todo.pop()

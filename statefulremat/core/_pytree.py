@@ -10,8 +10,8 @@ pytree node whose
 * keys name each Variable's path: ``jax.tree_util.keystr`` gives ``.layers[0].kernel``
   (one ``ModulePathKey`` per leaf).
 
-The walk that finds a module's Variables is kept per module while no module's
-structure changes (``structure_epoch``), so a flatten reads the Variables' current
+The walk that finds a module's Variables is kept per module while its graph's
+structure stays as walked (``_graph_cache.Stamp``), so a flatten reads the Variables' current
 values and no more; a module that raw JAX rebuilt comes with its walk. A new or
 deleted attribute, a replaced sub-module, ``.eval()`` or ``set_metadata`` is seen by
 the next flatten.
@@ -58,8 +58,8 @@ from typing import Any
 import jax
 
 from . import _graph, _graph_build, _graph_cache, _module
+from ._caches import structure_epoch
 from ._tracing import guard as _guard
-from ._tracing import structure_epoch
 from ._variables import _closure_read
 
 _GetAttrKey = jax.tree_util.GetAttrKey
@@ -123,10 +123,10 @@ def _walk(module) -> _graph_cache.Walk:
   walk = _graph_cache.walk_of((module,))
   if walk is not None:
     return walk
-  epoch = structure_epoch.value  # read first: a change during the walk is a miss later
-  graphdef, variables = _graph.flatten([module])
+  stamp = _graph_cache.Stamp([])
+  graphdef, variables = _graph.flatten([module], stamp=stamp)
   graphdef = _graph_cache.canonical(graphdef)
-  walk = _graph_cache.remember((module,), epoch, graphdef, variables)
+  walk = _graph_cache.remember((module,), stamp, graphdef, variables)
   assert walk is not None  # a module can be referred to weakly
   return walk
 
@@ -145,7 +145,7 @@ def _values(variables) -> list:
 def _flatten(module):
   # `_walk` and `_values` inlined for the cache hit: this runs on every raw JAX call.
   walk = _walks.get(id(module))
-  if walk is None or walk.epoch != structure_epoch.value or walk() is not module:
+  if walk is None or walk.stamp.epoch != structure_epoch.value or walk() is not module:
     walk = _walk(module)
   if _guard.depth:
     return _values(walk.variables), walk.graphdef

@@ -6,19 +6,21 @@ number (``next(serials)``). While statefulremat traces a user's function (``sr.j
 outermost such trace began cannot be one the transform lifted (those are rebuilt
 inside): it was reached by closure, and its concrete value would be baked into the
 compiled function as a constant, stale after the next update. ``guard`` says what is
-being traced, so reading such a Variable can raise. ``structure_epoch`` counts changes
-to any graph's structure, so cached flattenings know when to look again.
+being traced, so reading such a Variable can raise. ``structure_changed`` notes a
+change to a graph's structure, so cached flattenings know when to look again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 
 import jax
 import jax.core
 import numpy as np
+
+from ._bookkeeping import VERSION
+from ._caches import serials, structure_epoch
 
 try:
   # No public API but this one says which trace is current; jax.extend.core has it from
@@ -34,26 +36,20 @@ except ImportError as e:
 _Tracer = jax.core.Tracer
 
 
-class _Epoch:
-  """A counter bumped by every structural change to any module graph."""
+def structure_changed(node) -> None:
+  """Notes that ``node`` (a module or a tracked container) changed its structure.
 
-  __slots__ = ("value",)
-
-  def __init__(self):
-    self.value = 0
-
-  def bump(self):
-    self.value += 1
-
-
-structure_epoch = _Epoch()
+  The node's own version moves on (its ``VERSION`` note): a graph's structure version
+  is its nodes' versions and its Variables' metadata (``_graph_cache.Stamp``). The
+  process-wide ``structure_epoch`` moves on too; it only says whether anything changed
+  anywhere, so that while nothing did, a cached walk is trusted without a look.
+  """
+  object.__setattr__(node, VERSION, getattr(node, VERSION, 0) + 1)
+  structure_epoch.value += 1
 
 
 def current_trace():
   return get_opaque_trace_state(convention="statefulremat")
-
-
-serials = itertools.count()  # every Variable gets the next one when it is made
 
 
 class _ClosureGuard(threading.local):

@@ -15,8 +15,8 @@ jitted). A Variable rebuilt from its leaf (``jax.tree.map``, or the argument of 
 JAX transform raises instead of being dropped; use ``sr.jit`` & co. to mutate modules.
 
 Everything a transform needs to know about the graph's *shape* changes only through
-``Module.__setattr__`` and ``Variable.set_metadata``; both bump ``structure_epoch`` so
-cached flattenings (``sr.jit``'s fast path) know when to look again.
+``Module.__setattr__`` and ``Variable.set_metadata``; both note it, so cached
+flattenings (``sr.jit``'s fast path) know when to look again.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ import numpy as np
 
 from . import _display_hooks
 from ._bookkeeping import OWNER
+from ._caches import serials, structure_epoch
 from ._errors import TraceContextError, format_path, refuse_hash
 from ._tracing import contains_tracer as _contains_tracer
-from ._tracing import current_trace, serials, structure_epoch
+from ._tracing import current_trace
 from ._tracing import guard as _guard
 
 
@@ -272,8 +273,8 @@ class Variable(Generic[A]):
   def set_metadata(self, **metadata: Any) -> None:
     """Adds or replaces metadata entries (e.g. ``sharding=("embed", None)``).
 
-    Other entries are kept. Metadata is part of the graph's structure, so this bumps
-    the structure epoch (``sr.jit`` traces again).
+    Other entries are kept. Metadata is part of the graph's structure, so ``sr.jit``
+    traces again.
 
     >>> import jax.numpy as jnp, statefulremat as sr
     >>> w = sr.Param(jnp.ones((2, 3)), sharding=("embed", "mlp"), tied=False)
@@ -281,8 +282,8 @@ class Variable(Generic[A]):
     >>> w.metadata
     {'sharding': ('embed', None), 'tied': False}
     """
-    self._metadata = {**self._metadata, **metadata}
-    structure_epoch.bump()
+    self._metadata = {**self._metadata, **metadata}  # a new object: a walk's Stamp sees it
+    structure_epoch.value += 1
 
   def __getattr__(self, name: str) -> Any:
     # Only reached when normal lookup fails: metadata entries read as attributes.

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-# id(array) -> its statistics' text, dropped when the array goes.
-_SUMMARIES: dict[int, str] = {}
+from ..core._caches import array_summaries
 
 
 def data_summary(array) -> str:
@@ -29,15 +28,15 @@ def data_summary(array) -> str:
   if not isinstance(array, jax.Array):  # a numpy array may change in place: not kept
     return _summarize(array)
   key = id(array)
-  cached = _SUMMARIES.get(key)
+  cached = array_summaries.get(key)
   if cached is not None:
     return cached
   text = _summarize(array)
   try:
-    weakref.finalize(array, _SUMMARIES.pop, key, None)
+    weakref.finalize(array, array_summaries.pop, key, None)
   except TypeError:  # not weak-referenceable: not cached, as its id may be reused
     return text
-  _SUMMARIES[key] = text
+  array_summaries[key] = text
   return text
 
 

@@ -8,7 +8,6 @@ import collections.abc
 import functools
 import inspect
 import types
-import weakref
 from typing import Any
 
 import jax
@@ -16,6 +15,7 @@ import numpy as np
 from jax.core import Tracer
 
 from ..core._bookkeeping import is_bookkeeping
+from ..core._caches import init_defaults
 from ..core._module import Module
 from ..core._stacks import Cycle, _pattern_of, is_stacked, stack_info
 from ..core._variables import Variable
@@ -46,19 +46,22 @@ def pattern_text(stack) -> str | None:
   >>> position_text(stack.pattern[1])
   'position 1 of 2: partial(Linear, use_bias=False), 2 layers (1, 3)'
   """
-  cls = _pattern_of(stack)
-  counts = _position_counts(stack) if cls is not None else None
-  if cls is None or counts is None:
+  cls, positions = _pattern_of(stack), getattr(stack, "pattern", None)
+  if cls is None or not isinstance(positions, tuple) or not positions:
+    return None
+  counts = [n for n in map(_layer_count, positions) if n is not None]
+  if len(counts) != len(positions):
     return None
   names, n, p = pattern_names(cls), sum(counts), len(counts)
   full, rest = divmod(n, p)
   if counts != [len(range(k, n, p)) for k in range(p)]:
-    return f"{_layers(n)}, not one pattern: its positions hold {counts}"
-  text = f"{_layers(n)}: ({names.cycle()}) × {full}"
+    return f"{layers_text(n)}, not one pattern: its positions hold {counts}"
+  text = f"{layers_text(n)}: ({names.cycle()}) × {full}"
   return text + (f" + ({names.cycle(rest)})" if rest else "")
 
 
-def _layers(n: int) -> str:
+def layers_text(n: int) -> str:
+  """``1 layer``, ``3 layers``."""
   return f"{n} layer{'s' * (n != 1)}"
 
 
@@ -111,16 +114,7 @@ def position_text(position) -> str | None:
   if info is None or name is None or n is None:
     return None
   p, k = info.index_map
-  return f"position {k} of {p}: {name}, {_layers(n)} ({layer_numbers(range(k, k + p * n, p))})"
-
-
-def _position_counts(stack) -> list[int] | None:
-  positions = getattr(stack, "pattern", None)
-  if not isinstance(positions, tuple) or not positions:
-    return None
-  counts = [_layer_count(position) for position in positions]
-  known = [n for n in counts if n is not None]
-  return known if len(known) == len(counts) else None
+  return f"position {k} of {p}: {name}, {layers_text(n)} ({layer_numbers(range(k, k + p * n, p))})"
 
 
 def _layer_count(position) -> int | None:
@@ -151,7 +145,6 @@ def own_attributes(module) -> dict[str, Any]:
 
 
 _NO_DEFAULT = inspect.Parameter.empty
-_DEFAULTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def constructor_defaults(cls: type) -> dict[str, Any]:
@@ -167,7 +160,7 @@ def constructor_defaults(cls: type) -> dict[str, Any]:
   >>> d["deterministic"], d["rng_collection"], "rate" in d
   (False, 'dropout', False)
   """
-  cached = _DEFAULTS.get(cls)
+  cached = init_defaults.get(cls)
   if cached is not None:
     return cached
   defaults: dict[str, Any] = {}
@@ -184,7 +177,7 @@ def constructor_defaults(cls: type) -> dict[str, Any]:
         defaults.setdefault(p.name, p.default)
     if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
       break  # this __init__ takes no more: the bases' defaults are not its own
-  _DEFAULTS[cls] = defaults
+  init_defaults[cls] = defaults
   return defaults
 
 
@@ -291,9 +284,7 @@ def _same_array(a, b) -> bool:
 
 
 def _is_dtype(x) -> bool:
-  if isinstance(x, np.dtype):
-    return True
-  if isinstance(x, type) and issubclass(x, np.generic):
+  if isinstance(x, np.dtype) or (isinstance(x, type) and issubclass(x, np.generic)):
     return True
   # jnp.float32 & co.: scalar types that carry a dtype, with no shape of their own.
   return isinstance(getattr(x, "dtype", None), np.dtype) and not hasattr(x, "shape")
@@ -319,15 +310,14 @@ def module_repr(module, indent: int = 0, seen=None) -> str:
       return module_repr(value, depth + 1, seen)
     if isinstance(value, Variable):
       return variable_repr(value)
-    if isinstance(value, (list, tuple)) and value:
-      inner = ",\n".join("  " * (depth + 2) + show(v, depth + 1) for v in value)
-      open_, close = ("[", "]") if isinstance(value, list) else ("(", ")")
-      return f"{open_}\n{inner}\n{'  ' * (depth + 1)}{close}"
-    if isinstance(value, dict) and value:
-      inner = ",\n".join(
-        f"{'  ' * (depth + 2)}{k!r}: {show(v, depth + 1)}" for k, v in value.items()
-      )
-      return f"{{\n{inner}\n{'  ' * (depth + 1)}}}"
+    if isinstance(value, (list, tuple, dict)) and value:
+      if isinstance(value, dict):
+        items = [f"{k!r}: {show(v, depth + 1)}" for k, v in value.items()]
+      else:
+        items = [show(v, depth + 1) for v in value]
+      inner = ",\n".join("  " * (depth + 2) + item for item in items)
+      brackets = "{}" if isinstance(value, dict) else "[]" if isinstance(value, list) else "()"
+      return f"{brackets[0]}\n{inner}\n{'  ' * (depth + 1)}{brackets[1]}"
     return static_repr(value)
 
   own = own_attributes(module)

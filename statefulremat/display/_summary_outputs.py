@@ -12,19 +12,17 @@ stack's sub-layers get rows like ``blocks.linear``.
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any
 
 import jax
 import numpy as np
 
+from ..core._caches import summary_patch_lock
 from ..core._module import Module
-from ..core._split_merge import merge
+from ..core._split_merge import merge, node_at
 from ..core._state import State
 from ..core._variables import owner_chain, path_of
 from ._summary_walk import Description
-
-_PATCH_LOCK = threading.Lock()  # one summary at a time wraps the classes' __call__
 
 
 def trace_outputs(
@@ -44,9 +42,8 @@ def trace_outputs(
     # A module rebuilt inside a transform's body (a layer of a stack): below the path
     # of the call that first reached its root.
     root = _root_of(module)
-    if id(root) not in roots:
-      roots[id(root)] = (root, running[-1] if running else ())
-    return roots[id(root)][1] + path_of(module)
+    _, stack_path = roots.setdefault(id(root), (root, running[-1] if running else ()))
+    return stack_path + path_of(module)
 
   def record(call):
     def recording(self, *args, **kw):
@@ -64,10 +61,10 @@ def trace_outputs(
   def run(state, *inputs):
     copy = merge(description.graphdef, state)
     # The copy has the model's structure: each row's module sits at the row's path.
-    row_paths.update((id(_at(copy, m.path)), m.path) for m in description.modules)
+    row_paths.update((id(node_at(copy, m.path)), m.path) for m in description.modules)
     return getattr(copy, method)(*inputs, **kwargs)
 
-  with _PATCH_LOCK:
+  with summary_patch_lock:  # one summary at a time wraps the classes' __call__
     patched = _patch_calls({m.cls for m in description.modules}, record)
     try:
       jax.eval_shape(run, state, *inputs)
@@ -79,13 +76,6 @@ def trace_outputs(
       for cls, original in patched:
         cls.__call__ = original
   return outputs
-
-
-def _at(root, path: tuple):
-  """The object at ``path`` below ``root``: attributes of modules, items of the rest."""
-  for key in path:
-    root = vars(root)[key] if isinstance(root, Module) else root[key]
-  return root
 
 
 def _patch_calls(classes, record) -> list[tuple[type, Any]]:
@@ -152,19 +142,22 @@ def shorten(text: str, width: int = OUTPUT_WIDTH) -> str:
   text = _SHORT_DTYPE.sub(lambda m: f"{_SHORT_KIND[m[1]]}{m[2]}[", text)
   if len(text) <= width:
     return text
-  closes = _matching_closes(text)
-  stack: list[tuple[str, int]] = []  # (closing bracket, where it closes) per open one
-  best = None
+  closes: dict[int, int] = {}  # where each opening bracket closes
+  opened: list[int] = []  # the brackets open at this point
+  cuts: list[tuple[int, tuple[int, ...]]] = []  # where it may be cut, the brackets open there
   for i, c in _structure(text):
     if c in _OPEN:
-      stack.append((_CLOSE[c], closes.get(i, len(text))))
+      opened.append(i)
       if c != "[" or not (i and text[i - 1].isalnum()):  # a container's items start
-        best = _cut(text, i + 1, stack, width, best)
-    elif c in ")]}" and stack:
-      stack.pop()
-    elif c == "," and text.startswith(", ", i) and stack:
-      best = _cut(text, i + 2, stack, width, best)
-  return best if best is not None else text
+        cuts.append((i + 1, tuple(opened)))
+    elif c in ")]}" and opened:
+      closes[opened.pop()] = i
+    elif c == "," and text.startswith(", ", i) and opened:
+      cuts.append((i + 2, tuple(opened)))
+  shortened = [_cut(text, at, still_open, closes) for at, still_open in cuts]
+  fitting = [cut for cut in shortened if len(cut) <= width]
+  # The last cut that fits (it keeps the most), else the first.
+  return fitting[-1] if fitting else shortened[0] if shortened else text
 
 
 def _structure(text: str):
@@ -185,26 +178,12 @@ def _structure(text: str):
       yield i, c
 
 
-def _matching_closes(text: str) -> dict[int, int]:
-  """Where each opening bracket of ``text`` closes: ``{index: index}``."""
-  closes, opened = {}, []
-  for i, c in _structure(text):
-    if c in _OPEN:
-      opened.append(i)
-    elif c in ")]}" and opened:
-      closes[opened.pop()] = i
-  return closes
-
-
-def _cut(text: str, at: int, stack, width: int, best: str | None) -> str | None:
-  """``text`` up to ``at``, then ``…``, and the brackets ``stack`` left open closed,
-  each followed by ``, …`` where its container has more items after it; kept over
-  ``best`` if it fits ``width`` (the first cut is kept if none fits)."""
+def _cut(text: str, at: int, opened: tuple[int, ...], closes: dict[int, int]) -> str:
+  """``text`` up to ``at``, then ``…``, and the ``opened`` brackets closed, each
+  followed by ``, …`` where its container has more items after it."""
   cut = text[:at] + "…"
-  for closer, close in reversed(stack):
-    cut += closer
-    if text.startswith(", ", close + 1):
+  for i in reversed(opened):
+    cut += _CLOSE[text[i]]
+    if text.startswith(", ", closes.get(i, len(text)) + 1):
       cut += ", …"
-  if best is None or len(cut) <= width:
-    return cut
-  return best
+  return cut

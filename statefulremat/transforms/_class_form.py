@@ -7,11 +7,11 @@ import copyreg
 import functools
 import pickle
 import reprlib
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, Protocol, TypeGuard, TypeVar, overload
 
 from ..core._bookkeeping import MADE_BY, STACK_INFO, TRANSFORMED
+from ..core._caches import class_forms, joined_metaclasses, made_classes
 from ..core._module import Module
 from ..core._stacks import cycle_unit, stack_info
 
@@ -83,9 +83,6 @@ class MadeClass(type):
   """The metaclass of the classes the class forms make (see the module docstring)."""
 
 
-_JOINED: dict[type, type] = {}  # a user's metaclass -> it joined with MadeClass
-
-
 def made_type(name: str, base: type, namespace: dict[str, Any]) -> type:
   """``type(name, (base,), namespace)`` under ``MadeClass`` (joined with ``base``'s
   own metaclass where it has one)."""
@@ -93,10 +90,10 @@ def made_type(name: str, base: type, namespace: dict[str, Any]) -> type:
   if not issubclass(meta, MadeClass):
     if meta is type:
       meta = MadeClass
-    elif (joined := _JOINED.get(meta)) is not None:
+    elif (joined := joined_metaclasses.get(meta)) is not None:
       meta = joined
     else:
-      meta = _JOINED[meta] = type(f"Made{meta.__name__}", (MadeClass, meta), {})
+      meta = joined_metaclasses[meta] = type(f"Made{meta.__name__}", (MadeClass, meta), {})
       copyreg.pickle(meta, _reduce_class)
   return meta(name, (base,), namespace)
 
@@ -141,7 +138,6 @@ F = TypeVar("F", bound=Callable)
 
 # Made classes by the frozen arguments that made them: an entry lives while its class
 # does (instances, a jit cache or the user hold it), and keeps the user's class alive.
-_MADE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def cached_class_form(transform: F) -> F:
@@ -155,23 +151,19 @@ def cached_class_form(transform: F) -> F:
       return transform(target, *args, **kwargs)
     try:
       key = _frozen((transform.__name__, target, args, kwargs))
-      made = _MADE.get(key)
+      made = made_classes.get(key)
     except TypeError:  # an argument not hashable by value: a new class each time
       key = made = None
     if made is None:
       made = transform(target, *args, **kwargs)
       if isinstance(made, type):
         if key is not None:
-          _MADE[key] = made
+          made_classes[key] = made
         _record(made, transform, target, args, kwargs)
     return made
 
-  _FORMS[transform.__name__] = call
+  class_forms[transform.__name__] = call
   return call  # pyright: ignore[reportReturnType]
-
-
-# The cached class forms by name ("scan"): what a class's MADE_BY calls again.
-_FORMS: dict[str, Callable] = {}
 
 
 def _record(made: type, transform: Callable, target, args: tuple, kwargs: dict) -> None:
@@ -183,7 +175,7 @@ def made_class(recipe: tuple, position: int | None = None) -> type:
   """The class the class-form call ``recipe`` (a class's ``MADE_BY``) makes, or its
   pattern position ``position``: what pickles of made classes call."""
   form, target, args, kwargs = recipe
-  cls = _FORMS[form](target, *args, **kwargs)
+  cls = class_forms[form](target, *args, **kwargs)
   if position is None:
     return cls
   unit = cycle_unit(cls)

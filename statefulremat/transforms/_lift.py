@@ -4,7 +4,6 @@ kernel; transforms/README.md describes it)."""
 from __future__ import annotations
 
 import functools
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,16 +13,18 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
+from ..core._caches import lifted_steps, structure_epoch
 from ..core._errors import GraphError, TraceContextError, TransformError
 from ..core._graph import GraphDef, flatten
 from ..core._graph_build import unflatten
+from ..core._graph_cache import Stamp
 from ..core._graph_diff import describe_change
 from ..core._graph_lock import Reached, hold, holding, let_go
 from ..core._module import Module
 from ..core._split_merge import deleted_error
 from ..core._stacks import is_stacked
 from ..core._tracing import contains_tracer as _contains_tracer
-from ..core._tracing import current_trace, structure_epoch, tracing_user_code
+from ..core._tracing import current_trace, tracing_user_code
 from ..core._variables import Variable
 from ._outputs import Restructured, is_node, lift_outputs
 from ._restructure import NewStructure, split_new
@@ -271,34 +272,36 @@ def _split_flat(args: tuple):
 
 # Equal Lifted objects are made one, so a cache keyed on them finds its entry by
 # identity instead of comparing two equal GraphDefs in Python.
-_INTERNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _intern(lifted: Lifted) -> Lifted:
-  return _INTERNED.setdefault(lifted, lifted)
+  return lifted_steps.setdefault(lifted, lifted)
 
 
 class FlattenCache:
-  """Per-transform cache of graph walks, valid while no module structure changed."""
+  """Per-transform cache of graph walks, each valid while its graph's structure stays
+  as walked (``Stamp``)."""
 
   def __init__(self, size: int = 16):
     self._entries: OrderedDict = OrderedDict()
     self._size = size
     self._flat_treedefs: dict[int, Any] = {}  # len(args) -> treedef of ((*,) * n, {})
-    # The last flat call: (epoch, per argument its node or None, lifted, variables).
+    # The last flat call: (stamp, per argument its node or None, lifted, variables).
     self._last: tuple | None = None
 
   def lift(self, nodes, treedef, positions) -> tuple[Lifted, list[Variable]]:
     # `positions` belong in the key: f(model, x) and f(x, model) share treedef and ids.
-    key = (treedef, positions, tuple(map(id, nodes)), structure_epoch.value)
+    key = (treedef, positions, tuple(map(id, nodes)))
     hit = self._entries.get(key)
-    if hit is not None:
+    if hit is not None and hit[3].holds():
       return hit[0], hit[1]
-    graphdef, variables = flatten(nodes)
+    stamp = Stamp([])
+    graphdef, variables = flatten(nodes, stamp=stamp)
     variables = Reached(variables)  # keeps the graph's lock group with the entry
     lifted = _intern(Lifted(graphdef, treedef, positions))
     # Holding `nodes` keeps their ids from being reused while the entry lives.
-    self._entries[key] = (lifted, variables, nodes)
+    self._entries[key] = (lifted, variables, nodes, stamp)
+    self._entries.move_to_end(key)
     if len(self._entries) > self._size:
       self._entries.popitem(last=False)
     return lifted, variables
@@ -311,8 +314,8 @@ class FlattenCache:
     if (
       not kwargs
       and last is not None
-      and last[0] == structure_epoch.value
-      and (len(args) == len(last[1]))
+      and len(args) == len(last[1])
+      and (last[0].epoch == structure_epoch.value or last[0].holds())
     ):
       leaves = []
       for a, node in zip(args, last[1]):
@@ -337,7 +340,7 @@ class FlattenCache:
     lifted, variables = self.lift(nodes, treedef, positions)
     at = dict(zip(positions, nodes))
     self._last = (
-      structure_epoch.value,
+      self._entries[(treedef, positions, tuple(map(id, nodes)))][3],
       tuple(at.get(i) for i in range(len(args))),
       lifted,
       variables,

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..core._bookkeeping import is_bookkeeping
+from ..core._caches import structure_epoch
 from ..core._graph import GraphDef, GraphNode
 from ..core._module import Module, _record_owners
 from ..core._stacks import mark
 from ..core._state import thaw_metadata
-from ..core._tracing import current_trace, structure_epoch
+from ..core._tracing import current_trace, structure_changed
 from ..core._variables import Variable, bare_variable
 
 
@@ -97,7 +98,7 @@ class NewStructure:
     multi = len(self.graphdef.nodes) > 1
     for i, root in enumerate(self.graphdef.nodes):
       build(root, (i,) if multi else ())
-    structure_epoch.bump()
+    structure_epoch.value += 1  # Variables' metadata may have changed too
 
 
 def _update_attributes(module: Module, attrs: dict) -> None:
@@ -110,6 +111,7 @@ def _update_attributes(module: Module, attrs: dict) -> None:
       continue
     _record_owners(module, v, (k,))
     object.__setattr__(module, k, v)
+  structure_changed(module)
 
 
 def _same(a, b) -> bool:
