@@ -138,7 +138,23 @@ class Not(_Predicate):
     return not self.predicate(path, variable)
 
 
-class Any(_Predicate):
+class _Combined(_Predicate):
+  """``Any`` / ``All``: matches what ``combine`` (``any`` / ``all``) says of ``filters``."""
+
+  __slots__ = ("predicates",)
+  combine: Callable = any
+
+  def __init__(self, *filters: Filter):
+    self.predicates = tuple(to_predicate(f) for f in filters)
+
+  def _args(self):
+    return self.predicates
+
+  def __call__(self, path, variable):
+    return self.combine(p(path, variable) for p in self.predicates)
+
+
+class Any(_Combined):
   """Matches what at least one of ``filters`` matches.
 
   Args:
@@ -153,19 +169,10 @@ class Any(_Predicate):
   True
   """
 
-  __slots__ = ("predicates",)
-
-  def __init__(self, *filters: Filter):
-    self.predicates = tuple(to_predicate(f) for f in filters)
-
-  def _args(self):
-    return self.predicates
-
-  def __call__(self, path, variable):
-    return any(p(path, variable) for p in self.predicates)
+  __slots__ = ()
 
 
-class All(_Predicate):
+class All(_Combined):
   """Matches what every one of ``filters`` matches.
 
   Args:
@@ -180,16 +187,8 @@ class All(_Predicate):
   True
   """
 
-  __slots__ = ("predicates",)
-
-  def __init__(self, *filters: Filter):
-    self.predicates = tuple(to_predicate(f) for f in filters)
-
-  def _args(self):
-    return self.predicates
-
-  def __call__(self, path, variable):
-    return all(p(path, variable) for p in self.predicates)
+  __slots__ = ()
+  combine = all
 
 
 def _as_filter(predicate):

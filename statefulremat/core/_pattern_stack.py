@@ -82,7 +82,6 @@ class PatternStack(Module):
         f"{type(self).__name__} is a PatternStack without a pattern. Build pattern "
         "stacks with a class form, e.g. `sr.scan((A, B), length=n, ...)`."
       )
-    positions, axes = unit.positions, info.init_in_axes
     # Each position's build advances the RNG streams it draws from: a failure at a
     # later position puts back what the earlier ones drew, so nothing has changed.
     modules = jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, Module))
@@ -90,8 +89,8 @@ class PatternStack(Module):
     before = [v._value for v in given]
     built = []
     try:
-      for k, position in enumerate(positions):
-        built.append(position(*_position_args(self, k, args, axes), **kwargs))
+      for k, position in enumerate(unit.positions):
+        built.append(position(*_position_args(info, k, args), **kwargs))
     except BaseException as e:
       for var, value in zip(given, before):
         var._value = value
@@ -156,14 +155,13 @@ def _place_name(position) -> str:
   return "?" if info is None or info.place is None else info.place.name
 
 
-def _position_args(stack, k: int, args: tuple, axes) -> tuple:
-  """The constructor arguments of position ``k``: those ``init_in_axes`` maps cut to
-  the layers ``k, k + P, ...`` along their axis."""
+def _position_args(info, k: int, args: tuple) -> tuple:
+  """The constructor arguments of position ``k`` of the pattern stack class whose
+  ``StackInfo`` is ``info``: those ``init_in_axes`` maps cut to the layers ``k, k + P,
+  ...`` along their axis."""
+  axes, n, p, what = info.init_in_axes, info.length, len(info.unit.positions), info.what
   if axes is None:
     return args
-  info, unit = stack_info(stack), cycle_unit(stack)
-  assert info is not None and info.length is not None and unit is not None
-  n, p, what = info.length, len(unit.positions), info.what
   out = []
   for j, (arg, axis) in enumerate(zip(args, init_axes(what, axes, args))):
     if axis is None:

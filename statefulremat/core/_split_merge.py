@@ -36,12 +36,6 @@ def _flatten(node, fn: str) -> tuple[GraphDef, list[Variable]]:
   return flatten([node])
 
 
-def _states(graphdef: GraphDef, variables: list[Variable], filters) -> list[State]:
-  items = list(zip(graphdef.var_paths, variables))
-  groups = partition(items, filters)
-  return [State.from_variables(items[i] for i in group) for group in groups]
-
-
 # The overloads give `sr.split`, `sr.state` and `sr.pop` the shape of what they return
 # for the number of filters passed, so `graphdef, params, rest = sr.split(m, sr.Param, ...)`
 # and `sr.state(m, sr.Param).flat()` type-check in user code.
@@ -91,7 +85,9 @@ def split(node: Any, *filters: Filter) -> tuple[GraphDef, *tuple[State, ...]]:
   (3,)
   """
   graphdef, variables = _flatten(node, "split")
-  return (graphdef, *_states(graphdef, variables, filters))
+  items = list(zip(graphdef.var_paths, variables))
+  groups = partition(items, filters)
+  return (graphdef, *(State.from_variables(items[i] for i in group) for group in groups))
 
 
 def merge(graphdef: GraphDef, *states: State) -> Any:
@@ -274,14 +270,12 @@ def _update(graphdef: GraphDef, variables: list[Variable], states) -> None:
       "`jax.tree.map(lambda x: x.astype(jnp.float32), state)`), or, to change a "
       "variable's shape, assign it directly (`model.w.value = new`)."
     )
-  written = []
+  olds = [var._value for _, var, _ in pending]
   try:
     for _, var, value in pending:
-      old = var._value
       var.value = value
-      written.append((var, old))
   except BaseException:
-    for var, old in reversed(written):
+    for (_, var, _), old in zip(pending, olds):
       var._value = old
     raise
 
@@ -459,7 +453,7 @@ def pop(node: Any, *filters: Filter) -> State | tuple[State, ...]:
         "cannot be taken out of itself (nothing was removed). Pass the module "
         "holding it."
       )
-    parent = _node_at(node, path[:-1])
+    parent = node_at(node, path[:-1])
     if not isinstance(parent, (Module, dict)):
       raise GraphError(
         f"sr.pop: `{format_path(path)}` ({type(obj).__name__}) sits in a "
@@ -477,8 +471,8 @@ def pop(node: Any, *filters: Filter) -> State | tuple[State, ...]:
   return states[0] if len(states) == 1 else tuple(states)
 
 
-def _node_at(root, path: tuple):
-  obj = root
+def node_at(root, path: tuple):
+  """What ``root`` holds at ``path`` (attribute names, list indices, dict keys)."""
   for key in path:
-    obj = vars(obj)[key] if isinstance(obj, Module) else obj[key]
-  return obj
+    root = vars(root)[key] if isinstance(root, Module) else root[key]
+  return root

@@ -16,21 +16,21 @@ import jax.core
 import jax.numpy as jnp
 
 from ._errors import TransformError, format_path
+from ._filters import filter_repr
 from ._graph import flatten, rewrite
 from ._graph_build import unflatten
 from ._graph_diff import first_difference
 from ._kinds import Intermediate
 from ._module import Module
 from ._pattern_stack import from_positions
-from ._split_merge import type_change
+from ._split_merge import node_at, type_change
 from ._stacks import (
   _pattern_of,
+  cycle,
   cycle_unit,
-  layer_axis,
   layer_origin,
   layer_unit,
   mark_frozen,
-  partition_name,
   stack_info,
   stacked_variables,
 )
@@ -77,11 +77,10 @@ def stack(layers: Sequence[Module], *, like: Any = None):
   layers = list(layers)
   if not layers:
     raise ValueError("sr.stack needs at least one layer.")
-  cls = like if isinstance(like, type) else type(like) if like is not None else None
-  pattern = _pattern_of(cls) if cls is not None else _pattern_origin(layers)
+  pattern = _pattern_of(like) if like is not None else _pattern_origin(layers)
   if pattern is not None:
     return _stack_pattern(layers, like, pattern)
-  return _stack(layers, like, cls, _Numbers(range(len(layers))))
+  return _stack(layers, like, _Numbers(range(len(layers))))
 
 
 class _Numbers:
@@ -107,19 +106,20 @@ class _Numbers:
     return f"{text} (position {self.position} of the pattern stacks layers {together})"
 
 
-def _stack(layers: list, like: Any, cls: type | None, numbers: _Numbers):
+def _stack(layers: list, like: Any, numbers: _Numbers):
   """``sr.stack`` of one class of layers; ``numbers`` names them in messages."""
-  if cls is None:
-    origins = {getattr(layer_origin(layer), "stack_class", None) for layer in layers}
-    if len(origins) != 1 or None in origins:
+  if like is None:
+    classes = {getattr(layer_origin(layer), "stack_class", None) for layer in layers}
+    if len(classes) != 1 or None in classes:
       raise TypeError(
         "sr.stack cannot tell which stacked class to build: these layers did not all "
         "come from the same stack. Pass one: `sr.stack(layers, like=StackedClass)` "
         "(e.g. the class `sr.scan(Block, ...)` returned)."
       )
-    cls = origins.pop()
-  unit = layer_unit(cls) if isinstance(cls, type) else None
-  if unit is None or not isinstance(cls, type):
+    like = classes.pop()
+  cls = like if isinstance(like, type) else type(like)
+  unit = layer_unit(cls)
+  if unit is None:
     raise TypeError(f"sr.stack(like=...) takes a stacked module or class, got {cls!r}.")
   flats = [flatten([layer]) for layer in layers]
   graphdef, variables = flats[0]
@@ -129,15 +129,9 @@ def _stack(layers: list, like: Any, cls: type | None, numbers: _Numbers):
   origins = origin.stream_origins if origin is not None else {}
   axes, why_shared = _layer_axes_of(layers, like, cls, graphdef, variables, origins)
   columns = [[flat[1][j]._value for flat in flats] for j in range(len(axes))]
+  block = numbers.pattern or unit.cls.__name__
   for j, why in why_shared.items():
-    _check_shared(
-      graphdef.var_paths[j],
-      variables[j],
-      columns[j],
-      why,
-      numbers.pattern or unit.cls.__name__,
-      numbers,
-    )
+    _check_shared(graphdef.var_paths[j], variables[j], columns[j], why, block, numbers)
   values = []
   for j, (axis, column) in enumerate(zip(axes, columns)):
     if axis is None:
@@ -163,16 +157,15 @@ def _layer_axes_of(layers, like, cls, graphdef, variables, origins) -> tuple[lis
   says is kept; a Variable it does not cover (one the layers got after
   ``sr.unstack``) is decided by the class's rules, as at its init.
   """
-  known: dict | None
   held: set = set()  # paths `like` holds without a layer axis
   if isinstance(like, Module):
-    known = {p: layer_axis(v) for p, v, _, _ in stacked_variables(like)}
+    known = {p: (axis, name) for p, _, axis, name in stacked_variables(like)}
     held = set(flatten([like])[0].var_paths) - set(known)
   else:
-    marks = [getattr(layer_origin(layer), "stacked_paths", None) for layer in layers]
-    known = marks[0] if all(m == marks[0] for m in marks) else None
-  known = dict(known or {})
-  name = partition_name(cls)
+    marks = [getattr(layer_origin(layer), "stacked_paths", None) or {} for layer in layers]
+    known = marks[0] if all(m == marks[0] for m in marks) else {}
+  info = stack_info(cls)
+  assert info is not None and info.rules is not None
   rules = None
   axes: list = []
   why: dict[int, str] = {}
@@ -185,11 +178,9 @@ def _layer_axes_of(layers, like, cls, graphdef, variables, origins) -> tuple[lis
       why[i] = "`like` holds it without a layer axis"
     elif path not in origins:
       if rules is None:  # the class's rules decide, as at its init
-        info = stack_info(cls)
-        assert info is not None and info.rules is not None
         rules = info.rules.classify(graphdef, variables, layers[0])
       if i in rules:
-        axes[i] = (rules[i], name)
+        axes[i] = (rules[i], info.partition_name)
       else:
         why[i] = f"the rules of {cls.__name__} do not stack it"
   return axes, why
@@ -204,10 +195,6 @@ def _check_shared(
     same = _same_value(column[0], value)
     if same:
       continue
-    kind = type(var)
-    kind_name = (
-      f"sr.{kind.__name__}" if kind.__module__.startswith("statefulremat") else kind.__name__
-    )
     first = numbers.first(possessive=True)
     differs = (
       f"may differ from {first}: it is traced, so sr.stack cannot compare them"
@@ -215,31 +202,24 @@ def _check_shared(
       else f"differs from {first}"
     )
     raise TransformError(
-      f"sr.stack: `{format_path(path)}` ({kind.__name__}) is not stacked ({why}), so "
+      f"sr.stack: `{format_path(path)}` ({type(var).__name__}) is not stacked ({why}), so "
       f"the stack holds one value of it for every layer, but layer {numbers[i]}'s "
       f"{differs}; keeping layer {numbers[0]}'s would lose the others'. Fix: give every "
       "layer the same value, or stack it: build a stacked class whose rules stack it, e.g. "
-      f"`NewClass = sr.scan({block}, ..., variable_axes={{{kind_name}: 0}})`, and "
-      "pass it: `sr.stack(layers, like=NewClass)`."
+      f"`NewClass = sr.scan({block}, ..., variable_axes={{{filter_repr(type(var))}: 0}})`, "
+      "and pass it: `sr.stack(layers, like=NewClass)`."
     )
 
 
 def _same_value(a, b) -> bool | None:
   """Whether two layers' values of a Variable are equal (NaNs equal); None when a
-  traced value keeps it from being known."""
-  if a is b:
-    return True
-  leaves_a, tree_a = jax.tree.flatten(a)
-  leaves_b, tree_b = jax.tree.flatten(b)
-  if tree_a != tree_b:
-    return False
-  for x, y in zip(leaves_a, leaves_b):
+  traced value keeps it from being known. ``_check_alike`` saw they have one structure,
+  shape and dtype."""
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     if x is y:
       continue
     if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
       return None
-    if jnp.shape(x) != jnp.shape(y):
-      return False
     dtype = getattr(x, "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
       x, y = jax.random.key_data(x), jax.random.key_data(y)
@@ -252,11 +232,11 @@ def _check_alike(layers, flats, numbers: _Numbers) -> None:
   graphdef, variables = flats[0]
   for i, (g, layer_vars) in enumerate(flats[1:], 1):
     if g != graphdef:
-      difference = _layer_difference(layers[0], layers[i], graphdef, g, numbers[0])
+      difference, sown = _layer_difference(layers[0], layers[i], graphdef, g, numbers[0])
       fix = (
         "a sown Intermediate exists only in a layer that was called since its last "
         "`sr.pop`: call every layer as often, or `sr.pop(layer, sr.Intermediate)` each"
-        if _sown_differs(layers[0], layers[i], graphdef, g)
+        if sown
         else "build them with the same arguments (and the same mode, `.train()` / `.eval()`)"
       )
       raise TransformError(
@@ -307,41 +287,31 @@ def _check_tree(path, v0: Variable, v: Variable, numbers: _Numbers, i: int) -> N
   )
 
 
-def _layer_difference(first, other, g0, g1, number: int = 0) -> str:
-  """The first place two layers differ in structure, with both values if static."""
+def _layer_difference(first, other, g0, g1, number: int) -> tuple[str, bool]:
+  """The first place two layers differ in structure, in words (with both values if
+  static), and whether it is a sown ``Intermediate`` that only one of them holds."""
   found = first_difference(g0.nodes[0], g1.nodes[0], ())
   if found is None:
-    return "their structure differs"
+    return "their structure differs", False
   path, verb = found
+  was, now = _value_at(first, path), _value_at(other, path)
+  sown = isinstance(was, Intermediate) or isinstance(now, Intermediate)
   if verb == "changed":
-    try:
-      was, now = _value_at(first, path), _value_at(other, path)
-    except (AttributeError, KeyError, IndexError, TypeError):
-      return f"`{format_path(path)}` differs"
+    if was is _MISSING or now is _MISSING:
+      return f"`{format_path(path)}` differs", sown
     if not isinstance(was, (Module, Variable)) and not isinstance(now, (Module, Variable)):
-      return f"`{format_path(path)}` is {was!r} in layer {number} but {now!r} here"
-  return f"attribute `{format_path(path)}` {verb}"
+      return f"`{format_path(path)}` is {was!r} in layer {number} but {now!r} here", sown
+  return f"attribute `{format_path(path)}` {verb}", sown
 
 
-def _sown_differs(first, other, g0, g1) -> bool:
-  """Whether the first structural difference of two layers is a sown ``Intermediate``
-  that one of them holds and the other does not."""
-  found = first_difference(g0.nodes[0], g1.nodes[0], ())
-  if found is None:
-    return False
-  for root in (first, other):
-    try:
-      if isinstance(_value_at(root, found[0]), Intermediate):
-        return True
-    except (AttributeError, KeyError, IndexError, TypeError):
-      pass
-  return False
+_MISSING = object()  # what `_value_at` finds where a layer holds nothing
 
 
 def _value_at(root, path: tuple):
-  for key in path:
-    root = getattr(root, key) if isinstance(root, Module) else root[key]
-  return root
+  try:
+    return node_at(root, path)
+  except (KeyError, IndexError, TypeError):
+    return _MISSING
 
 
 def _pattern_origin(layers) -> type | None:
@@ -357,23 +327,11 @@ def _pattern_origin(layers) -> type | None:
   return parents.pop() if len(parents) == 1 else None
 
 
-def _layer_class(stacked_class: type) -> type:
-  unit = layer_unit(stacked_class)
-  assert unit is not None, stacked_class
-  return unit.cls
-
-
-def _position(stack: Module, k: int) -> Module:
-  """Position ``k`` of a pattern stack: ``stack.pattern[k]``."""
-  return vars(stack)["pattern"][k]
-
-
 def _stack_pattern(layers: list, like, cls: type):
   """``sr.stack`` for a pattern: layer ``i`` goes to position ``i % P``."""
   unit = cycle_unit(cls)
   assert unit is not None
-  positions = unit.positions
-  p = len(positions)
+  p = len(unit.positions)
   if len(layers) < p:
     raise TransformError(
       f"sr.stack: {len(layers)} layers for a pattern of {p} blocks; every position "
@@ -381,20 +339,17 @@ def _stack_pattern(layers: list, like, cls: type):
       f"i % {p})."
     )
   for i, layer in enumerate(layers):
-    want = _layer_class(positions[i % p])
-    if not isinstance(layer, want):
+    want = layer_unit(unit.positions[i % p])
+    assert want is not None
+    if not isinstance(layer, want.cls):
       raise TransformError(
         f"sr.stack: layer {i} is a {type(layer).__name__}, but layer {i} of this "
-        f"pattern (position {i % p}) is a {want.__name__}. Fix: put the layers in "
+        f"pattern (position {i % p}) is a {want.cls.__name__}. Fix: put the layers in "
         "pattern order (as `sr.unstack` gives them)."
       )
   # Each position's layers are stacked as one plain stack; messages number them as
   # the user did, layer i of the list (not its index among the position's layers).
   n, block = len(layers), f"({', '.join(unit.names)})"
-  stacks = []
-  for k in range(p):
-    mine = layers[k::p]
-    position = _position(like, k) if isinstance(like, Module) else positions[k]
-    kind = position if isinstance(position, type) else type(position)
-    stacks.append(_stack(mine, position, kind, _Numbers(range(k, n, p), k, block)))
+  likes = cycle(like) if isinstance(like, Module) else unit.positions
+  stacks = [_stack(layers[k::p], likes[k], _Numbers(range(k, n, p), k, block)) for k in range(p)]
   return from_positions(cls, stacks)

@@ -131,19 +131,16 @@ class StackInfo:
     return (1, 0) if self.place is None else (self.place.period, self.place.position)
 
 
-_INFO = STACK_INFO
-
-
 def stack_info(obj) -> StackInfo | None:
   """The ``StackInfo`` of a stacked class or of a stack (an instance), else None."""
   cls = obj if isinstance(obj, type) else type(obj)
-  return cls.__dict__.get(_INFO)
+  return cls.__dict__.get(STACK_INFO)
 
 
 def set_stack_info(cls: type, info: StackInfo) -> type:
   """Records ``info`` as what ``cls`` is (once, by the class form that made it)."""
-  assert _INFO not in cls.__dict__, cls
-  setattr(cls, _INFO, info)
+  assert STACK_INFO not in cls.__dict__, cls
+  setattr(cls, STACK_INFO, info)
   return cls
 
 
@@ -170,13 +167,10 @@ class LayerOrigin:
   stream_origins: dict
 
 
-_ORIGIN = LAYER_ORIGIN
-
-
 def layer_origin(module) -> LayerOrigin | None:
   """The ``LayerOrigin`` of a layer copied out of a stack, else None."""
   # Kept on the layer as a plain tuple, so that a pickled layer names no private class.
-  kept = vars(module).get(_ORIGIN) if isinstance(module, Module) else None
+  kept = vars(module).get(LAYER_ORIGIN) if isinstance(module, Module) else None
   return None if kept is None else LayerOrigin(*kept)
 
 
@@ -197,11 +191,9 @@ def mark(metadata: dict, axis: int, name: str | None) -> dict:
   named axis, the name inserted into ``sharding`` at that position."""
   inner = tuple((a + (a >= axis), n) for a, n in metadata.get(LAYER_AXIS, ()))
   out = {**metadata, LAYER_AXIS: ((axis, name),) + inner}
-  sharding = out.get("sharding")
-  if name is not None and sharding is not None:
-    sharding = list(sharding)
-    sharding.insert(axis, name)
-    out["sharding"] = tuple(sharding)
+  if name is not None and out.get("sharding") is not None:
+    sharding = tuple(out["sharding"])
+    out["sharding"] = sharding[:axis] + (name,) + sharding[axis:]
   return out
 
 
@@ -213,10 +205,8 @@ def unmark(metadata: dict) -> dict:
   (axis, name), *inner = out.pop(LAYER_AXIS)
   if inner:
     out[LAYER_AXIS] = tuple((a - (a > axis), n) for a, n in inner)
-  sharding = out.get("sharding")
-  if (
-    name is not None and sharding is not None and axis < len(sharding) and (sharding[axis] == name)
-  ):
+  sharding = out.get("sharding") or ()
+  if name is not None and axis < len(sharding) and sharding[axis] == name:
     out["sharding"] = tuple(s for i, s in enumerate(sharding) if i != axis)
   return out
 
@@ -345,14 +335,7 @@ def per_layer(module: Module, variable: Variable) -> Variable:
 def is_stacked(module) -> bool:
   """Whether ``module`` (or a class) is a stack of layers of one class (its class was
   made by a transform's class form; a pattern stack holds such stacks)."""
-  if not (isinstance(module, Module) or isinstance(module, type) and issubclass(module, Module)):
-    return False
   return layer_unit(module) is not None
-
-
-def partition_name(cls: type) -> str | None:
-  info = stack_info(cls)
-  return None if info is None else info.partition_name
 
 
 def stacked_variables(stack) -> list[tuple[tuple, Variable, int, str | None]]:
@@ -367,24 +350,19 @@ def stacked_variables(stack) -> list[tuple[tuple, Variable, int, str | None]]:
 
 def num_layers(stack) -> int:
   """The number of layers: ``len(stack)``."""
-  _, variables = flatten([stack])
-  return _count(stack, variables, [layer_axis(v) for v in variables])
+  for var in flatten([stack])[1]:
+    if (axis := layer_axis(var)) is not None:
+      return axis_size(var._value, axis[0])
+  info = stack_info(stack)
+  if info is not None and info.length is not None:
+    return info.length
+  raise TypeError(f"{type(stack).__name__} has no stacked variables, so no layer count.")
 
 
 def axis_size(value, axis: int) -> int:
   """The size of a Variable value's ``axis``: a pytree value (a sown tuple) is stacked
   leaf by leaf, each leaf with the axis."""
   return jnp.shape(jax.tree.leaves(value)[0])[axis]
-
-
-def _count(stack, variables, axes) -> int:
-  for var, axis in zip(variables, axes):
-    if axis is not None:
-      return axis_size(var._value, axis[0])
-  info = stack_info(stack)
-  if info is not None and info.length is not None:
-    return info.length
-  raise TypeError(f"{type(stack).__name__} has no stacked variables, so no layer count.")
 
 
 def layer_graphdef(graphdef, metadata=unmark_frozen):
@@ -409,7 +387,7 @@ def layer(stack, i: int):
   """
   graphdef, variables = flatten([stack])
   axes = [layer_axis(v) for v in variables]
-  n = _count(stack, variables, axes)
+  n = num_layers(stack)
   if not -n <= i < n:
     raise IndexError(f"layer {i} of a stack of {n} layers: use 0..{n - 1} (or -{n}..-1).")
   i %= n
@@ -427,7 +405,7 @@ def layer(stack, i: int):
     # One position of a pattern: its layer i is layer i * period + position there.
     period, position = info.index_map
     before = info.rules.seed_layer(roots[0], i * period + position, shared)
-  roots[0].__dict__[_ORIGIN] = (  # a LayerOrigin's fields (see layer_origin)
+  roots[0].__dict__[LAYER_ORIGIN] = (  # a LayerOrigin's fields (see layer_origin)
     type(stack),
     {p: a for p, a in zip(graphdef.var_paths, axes) if a is not None},
     {graphdef.var_paths[j]: value for j, value in before.items()},
@@ -481,10 +459,9 @@ def not_subscriptable(stack, i):
 
 def init_axes(what: str, init_in_axes, args: tuple) -> tuple:
   """``init_in_axes`` as one entry per positional constructor argument."""
-  if isinstance(init_in_axes, (tuple, list)):
-    axes = tuple(init_in_axes)
-  else:
-    axes = (init_in_axes,) * len(args)
+  axes = (
+    tuple(init_in_axes) if isinstance(init_in_axes, (tuple, list)) else (init_in_axes,) * len(args)
+  )
   if len(axes) != len(args):
     raise TransformError(
       f"{what}: init_in_axes={init_in_axes!r} has {len(axes)} entries for {len(args)} "

@@ -47,18 +47,18 @@ class _FrozenDict(_Frozen):
   __slots__ = ()
 
 
-def freeze(value, where: str = "metadata"):
+def freeze(value):
   """A hashable copy of a metadata value; ``thaw`` undoes it.
 
   Dicts keep their order (as Python dicts compare regardless of order, two dicts equal
   as dicts but in another order freeze unequal: a harmless cache miss at worst).
   """
   if isinstance(value, dict):
-    return _FrozenDict((k, freeze(v, where)) for k, v in value.items())
+    return _FrozenDict((k, freeze(v)) for k, v in value.items())
   if isinstance(value, list):
-    return _FrozenList(freeze(v, where) for v in value)
+    return _FrozenList(freeze(v) for v in value)
   if type(value) is tuple:
-    return tuple(freeze(v, where) for v in value)
+    return tuple(freeze(v) for v in value)
   hash(value)
   return value
 
