@@ -200,14 +200,12 @@ def dot_product_attention_weights(
 
   if bias is not None:
     weights = weights + bias
-  if mask is not None or is_causal:
-    masks = [] if mask is None else [mask]
-    if is_causal:
-      causal = jnp.tril(jnp.ones(weights.shape[-2:], dtype=dtype))
-      masks.append(jnp.broadcast_to(causal, mask.shape if mask is not None else weights.shape))
-    combined = combine_masks(*masks, dtype=dtype)
-    assert combined is not None  # `masks` holds the mask, the causal one, or both
-    weights = jnp.where(combined, weights, jnp.finfo(dtype).min)
+  if is_causal:
+    causal = jnp.tril(jnp.ones(weights.shape[-2:], dtype=dtype))
+    causal = jnp.broadcast_to(causal, weights.shape if mask is None else mask.shape)
+    mask = combine_masks(mask, causal, dtype=dtype)
+  if mask is not None:
+    weights = jnp.where(mask, weights, jnp.finfo(dtype).min)
   weights = jax.nn.softmax(weights).astype(dtype)
 
   if not deterministic and dropout_rate > 0.0:

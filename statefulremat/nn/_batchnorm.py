@@ -146,7 +146,15 @@ class BatchNorm(Module):
     x, mean, var, scale, bias = promoted(self, x, self.mean, self.var, self.scale, self.bias)
     if not use_running_average:
       if not math.prod(x.shape[a] for a in reduction_axes):
-        self._refuse_empty(x.shape, reduction_axes)
+        # Shapes are static, so this raises while tracing too: before anything is written.
+        raise ValueError(
+          f"{named('BatchNorm', self)}: training on an empty batch (input shape "
+          f"{tuple(x.shape)}, no entries along the axes {reduction_axes} it averages "
+          "over). Its batch statistics would be NaN, and so, for good, would the running "
+          "averages `mean` and `var`; nothing was changed. Fix: skip the step when the "
+          "batch is empty (e.g. `if x.shape[0]:`), or normalise with the running "
+          "averages: `bn(x, use_running_average=True)` or `model.eval()`."
+        )
       mean, var = layer_stats(self, x, reduction_axes, mask)
       # Batch statistics are a flat (features,) vector whatever the feature axes.
       mean, var = mean.reshape(-1), var.reshape(-1)
@@ -155,15 +163,4 @@ class BatchNorm(Module):
       self.var.value = m * self.var.value + (1 - m) * var
     return normalize(
       x, mean, var, scale, bias, reduction_axes, feature_axes, self.dtype, self.epsilon
-    )
-
-  def _refuse_empty(self, shape: tuple, reduction_axes: tuple) -> None:
-    # Shapes are static, so this raises while tracing too: before anything is written.
-    raise ValueError(
-      f"{named('BatchNorm', self)}: training on an empty batch (input shape {tuple(shape)}, no entries "
-      f"along the axes {reduction_axes} it averages over). Its batch statistics would "
-      "be NaN, and so, for good, would the running averages `mean` and `var`; nothing "
-      "was changed. Fix: skip the step when the batch is empty (e.g. `if "
-      "x.shape[0]:`), or normalise with the running averages: "
-      "`bn(x, use_running_average=True)` or `model.eval()`."
     )

@@ -51,18 +51,15 @@ class RNNCellBase(Module):
     name: str,
     in_features: int,
     hidden_features: int,
-    *,
     dtype: Any,
     param_dtype: Any,
-    carry_init: Initializer | None,
     promote_dtype: Callable,
-    keep_rngs: bool,
     rngs: Rngs,
   ) -> Callable[..., Linear]:
-    """Checks and keeps the arguments every cell takes; returns ``dense(in_features,
-    out_features, kernel_init, kernel_metadata, bias=None)``, which makes a ``Linear``
-    sub-layer in the cell's dtypes from ``rngs`` (``bias``: its ``(init, metadata)``,
-    or None for none)."""
+    """Checks and keeps the arguments every cell takes but the carry's (``_keep_carry``);
+    returns ``dense(in_features, out_features, kernel_init, kernel_metadata, bias=None)``,
+    which makes a ``Linear`` sub-layer in the cell's dtypes from ``rngs`` (``bias``: its
+    ``(init, metadata)``, or None for none)."""
     check_rngs(name, rngs)
     for arg, value in (("in_features", in_features), ("hidden_features", hidden_features)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -72,6 +69,31 @@ class RNNCellBase(Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.promote_dtype = promote_dtype
+
+    def dense(in_features, out_features, kernel_init, kernel_metadata, bias=None) -> Linear:
+      bias_init, bias_metadata = bias or (default_bias_init, _EMPTY)
+      return Linear(
+        in_features,
+        out_features,
+        use_bias=bias is not None,
+        kernel_init=kernel_init,
+        bias_init=bias_init,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        promote_dtype=promote_dtype,
+        rngs=rngs,
+        kernel_metadata=kernel_metadata,
+        bias_metadata=bias_metadata,
+      )
+
+    return dense
+
+  def _keep_carry(
+    self, name: str, keep_rngs: bool, carry_init: Initializer | None, rngs: Rngs
+  ) -> None:
+    """Keeps the carry's options, warning about those nnx deprecates or warns about.
+    Call it right after ``_setup``, from the cell's ``__init__`` (the warnings'
+    ``stacklevel`` names the code building the cell)."""
     if keep_rngs:
       warnings.warn(
         f"{name}(keep_rngs=True) is deprecated, as in flax.nnx: pass the rngs to "
@@ -92,24 +114,6 @@ class RNNCellBase(Module):
         stacklevel=3,
       )
     self.carry_init = carry_init
-
-    def dense(in_features, out_features, kernel_init, kernel_metadata, bias=None) -> Linear:
-      bias_init, bias_metadata = bias or (default_bias_init, _EMPTY)
-      return Linear(
-        in_features,
-        out_features,
-        use_bias=bias is not None,
-        kernel_init=kernel_init,
-        bias_init=bias_init,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        promote_dtype=promote_dtype,
-        rngs=rngs,
-        kernel_metadata=kernel_metadata,
-        bias_metadata=bias_metadata,
-      )
-
-    return dense
 
   @property
   def num_feature_axes(self) -> int:

@@ -113,16 +113,9 @@ class LSTMCell(RNNCellBase):
     bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
     dense = self._setup(
-      "LSTMCell",
-      in_features,
-      hidden_features,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      carry_init=carry_init,
-      promote_dtype=promote_dtype,
-      keep_rngs=keep_rngs,
-      rngs=rngs,
+      "LSTMCell", in_features, hidden_features, dtype, param_dtype, promote_dtype, rngs
     )
+    self._keep_carry("LSTMCell", keep_rngs, carry_init, rngs)
     self.gate_fn = gate_fn
     self.activation_fn = activation_fn
     bias = (bias_init, bias_metadata)
@@ -220,16 +213,9 @@ class OptimizedLSTMCell(RNNCellBase):
     bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
     dense = self._setup(
-      "OptimizedLSTMCell",
-      in_features,
-      hidden_features,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      carry_init=carry_init,
-      promote_dtype=promote_dtype,
-      keep_rngs=keep_rngs,
-      rngs=rngs,
+      "OptimizedLSTMCell", in_features, hidden_features, dtype, param_dtype, promote_dtype, rngs
     )
+    self._keep_carry("OptimizedLSTMCell", keep_rngs, carry_init, rngs)
     self.gate_fn = gate_fn
     self.activation_fn = activation_fn
     gates = 4 * hidden_features
@@ -317,16 +303,9 @@ class SimpleCell(RNNCellBase):
     bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
     dense = self._setup(
-      "SimpleCell",
-      in_features,
-      hidden_features,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      carry_init=carry_init,
-      promote_dtype=promote_dtype,
-      keep_rngs=keep_rngs,
-      rngs=rngs,
+      "SimpleCell", in_features, hidden_features, dtype, param_dtype, promote_dtype, rngs
     )
+    self._keep_carry("SimpleCell", keep_rngs, carry_init, rngs)
     self.residual = residual
     self.activation_fn = activation_fn
     # nnx builds the recurrent layer first: the same draws from rngs.params.
@@ -417,16 +396,9 @@ class GRUCell(RNNCellBase):
     bias_metadata: Mapping[str, Any] = _EMPTY,
   ):
     dense = self._setup(
-      "GRUCell",
-      in_features,
-      hidden_features,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      carry_init=carry_init,
-      promote_dtype=promote_dtype,
-      keep_rngs=keep_rngs,
-      rngs=rngs,
+      "GRUCell", in_features, hidden_features, dtype, param_dtype, promote_dtype, rngs
     )
+    self._keep_carry("GRUCell", keep_rngs, carry_init, rngs)
     self.gate_fn = gate_fn
     self.activation_fn = activation_fn
     gates = 3 * hidden_features

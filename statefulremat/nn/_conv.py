@@ -65,16 +65,8 @@ def canonicalize_padding(padding: Any, rank: int) -> Any:
   if isinstance(padding, int):
     return ((padding, padding),) * rank
   if isinstance(padding, Sequence) and len(padding) == rank:
-    pairs = []
-    for p in padding:
-      if isinstance(p, int):
-        pairs.append((p, p))
-      elif isinstance(p, Sequence) and len(p) == 2:
-        pairs.append(tuple(p))
-      else:
-        break
-    if len(pairs) == rank:
-      return tuple(pairs)
+    if all(isinstance(p, int) or (isinstance(p, Sequence) and len(p) == 2) for p in padding):
+      return tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
   raise ValueError(
     f"invalid Conv padding {padding!r}: use 'SAME', 'VALID', 'CIRCULAR', 'REFLECT', "
     f"'CAUSAL', an int, or a sequence of {rank} ints or (low, high) pairs."

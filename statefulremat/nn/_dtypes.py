@@ -73,17 +73,12 @@ def promote_dtype(args: tuple, /, *, dtype: Any = None, inexact: bool = True) ->
 def _one_float_dtype(args: tuple) -> bool:
   """Whether every array of ``args`` is a jax array of one float dtype, none weakly
   typed (``jnp.asarray`` would make it strong)."""
-  dtype = None
+  dtypes = set()
   for x in args:
     if x is None:
       continue
     aval = getattr(x, "aval", None)
     if not isinstance(x, jax.Array) or aval is None or aval.weak_type:
       return False
-    if dtype is None:
-      dtype = x.dtype
-      if not jnp.issubdtype(dtype, jnp.inexact):
-        return False
-    elif x.dtype != dtype:
-      return False
-  return True
+    dtypes.add(x.dtype)
+  return len(dtypes) <= 1 and all(jnp.issubdtype(dtype, jnp.inexact) for dtype in dtypes)

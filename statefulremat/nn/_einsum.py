@@ -21,6 +21,7 @@ from ._linear import (
   not_none,
   param_maker,
   promoted,
+  shape_str,
 )
 from ._rngs_arg import check_rngs
 
@@ -169,19 +170,18 @@ class Einsum(Module):
     not fit ``lhs`` (rank, or a size shared with the kernel)."""
     shape = tuple(jnp.shape(inputs))
     kernel_size = dict(zip(rhs, self.kernel_shape))
-    if len(lhs) == len(shape) and all(kernel_size.get(c, n) == n for c, n in zip(lhs, shape)):
-      return
     if len(lhs) == len(shape):
       want = [kernel_size.get(c, n) for c, n in zip(lhs, shape)]
+      if tuple(want) == shape:
+        return
     else:
       want = [kernel_size.get(c, c) for c in lhs]
     raise ValueError(
       located(
         f"Einsum {einsum_str!r} with a kernel of shape {self.kernel_shape} got an "
-        f"input of shape {shape}; expected shape ({', '.join(map(str, want))}"
-        f"{',' if len(want) == 1 else ''}) (input axes '{lhs}': the sizes of the "
-        "letters it shares with the kernel must match the kernel's). Fix the input, "
-        "or the einsum_str / kernel_shape the layer was built with.",
+        f"input of shape {shape}; expected shape {shape_str(want)} (input axes '{lhs}': "
+        "the sizes of the letters it shares with the kernel must match the kernel's). "
+        "Fix the input, or the einsum_str / kernel_shape the layer was built with.",
         self,
       )
     )

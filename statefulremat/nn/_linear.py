@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -104,7 +103,7 @@ def check_features(
     raise ValueError(
       located(
         f"{layer} was built with {name}={expected} but got an input of shape "
-        f"{tuple(x.shape)}; expected shape {_shape_str(want)} (axis {axis} must have "
+        f"{tuple(x.shape)}; expected shape {shape_str(want)} (axis {axis} must have "
         f"size {expected}). Fix the input, or build the layer with "
         f"{name}={x.shape[axis] if x.ndim else '?'}.",
         module,
@@ -112,7 +111,8 @@ def check_features(
     )
 
 
-def _shape_str(dims: list) -> str:
+def shape_str(dims: list) -> str:
+  """``dims`` written as a tuple, strings unquoted: ``(..., 3)``, ``(8,)``."""
   return "(" + ", ".join(map(str, dims)) + ("," if len(dims) == 1 else "") + ")"
 
 
@@ -208,14 +208,7 @@ class Linear(Module):
         preferred_element_type=self.preferred_element_type,
       )
     kwargs = not_none(out_sharding=out_sharding, preferred_element_type=self.preferred_element_type)
-    return add_bias(
-      self.dot_general(inputs, kernel, _last_axis(inputs), precision=self.precision, **kwargs), bias
-    )
-
-
-def _last_axis(inputs: jax.Array) -> tuple:
-  """``dot_general`` dimension numbers contracting ``inputs``' last axis with axis 0."""
-  return (((inputs.ndim - 1,), (0,)), ((), ()))
+    return _contract(inputs, kernel, bias, self.dot_general, precision=self.precision, **kwargs)
 
 
 def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
@@ -223,18 +216,13 @@ def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
   return y if bias is None else y + lax.expand_dims(bias, tuple(range(y.ndim - 1)))
 
 
+def _contract(inputs, kernel, bias, dot_general: Callable = lax.dot_general, **options):
+  """``dot_general`` of ``inputs``' last axis with ``kernel``'s first, plus ``bias``."""
+  dims = (((inputs.ndim - 1,), (0,)), ((), ()))
+  return add_bias(dot_general(inputs, kernel, dims, **options), bias)
+
+
 # An inline jit, like jnp's own functions: identical layers (a 100-layer unrolled stack)
 # share one trace and one linearisation instead of tracing the same ops again each time.
 # It is inlined into the caller's jaxpr, so the program is the same.
-@functools.partial(jax.jit, inline=True, static_argnames=("precision", "preferred_element_type"))
-def _dense(inputs, kernel, bias, *, precision, preferred_element_type):
-  return add_bias(
-    lax.dot_general(
-      inputs,
-      kernel,
-      _last_axis(inputs),
-      precision=precision,
-      preferred_element_type=preferred_element_type,
-    ),
-    bias,
-  )
+_dense = jax.jit(_contract, inline=True, static_argnames=("precision", "preferred_element_type"))

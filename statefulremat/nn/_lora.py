@@ -19,7 +19,7 @@ from ..core._module import Module
 from ..core._rngs import Rngs
 from ..core._variables import A
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Linear, check_features, param_maker
+from ._linear import Linear, check_features, param_maker, promoted
 from ._rngs_arg import check_rngs
 
 default_a_initializer = jax.nn.initializers.he_uniform()
@@ -116,9 +116,7 @@ class LoRA(Module):
   def __call__(self, x: jax.Array, **kwargs: Any) -> jax.Array:
     """``x @ lora_a @ lora_b`` (+ ``base_module(x, **kwargs)``) over ``x``'s last axis."""
     check_features("LoRA", x, -1, self.in_features, module=self)
-    x, lora_a, lora_b = self.promote_dtype(
-      (x, self.lora_a.value, self.lora_b.value), dtype=self.dtype
-    )
+    x, lora_a, lora_b = promoted(self, x, self.lora_a, self.lora_b)
     out = x @ lora_a @ lora_b
     if self.base_module is not None:
       out += self.base_module(x, **kwargs)

@@ -66,10 +66,8 @@ def compute_stats(
     if axis_name is None:
       return mus
     # One collective for both statistics: stack them.
-    if len(xs) > 1:
-      reduced = lax.pmean(jnp.stack(mus, axis=0), axis_name, axis_index_groups=axis_index_groups)
-      return tuple(reduced[i] for i in range(len(xs)))
-    return (lax.pmean(mus[0], axis_name, axis_index_groups=axis_index_groups),)
+    reduced = lax.pmean(jnp.stack(mus), axis_name, axis_index_groups=axis_index_groups)
+    return tuple(reduced)
 
   if not use_mean:
     (var,) = means(_abs_sq(x))
@@ -124,17 +122,14 @@ def normalize(
   feature_shape = tuple(n if i in feature_axes else 1 for i, n in enumerate(x.shape))
   y = x - mean.reshape(stats_shape)
   mul = lax.rsqrt(var.reshape(stats_shape) + epsilon)
-  args = [x]
   if scale is not None:
     scale = scale.reshape(feature_shape)
     mul *= scale
-    args.append(scale)
   y *= mul
   if bias is not None:
     bias = bias.reshape(feature_shape)
     y += bias
-    args.append(bias)
-  return jnp.asarray(y, canonicalize_dtype(*args, dtype=dtype))
+  return jnp.asarray(y, canonicalize_dtype(x, scale, bias, dtype=dtype))
 
 
 class LayerNorm(Module):

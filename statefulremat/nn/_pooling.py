@@ -96,11 +96,12 @@ def pool(
   >>> sr.nn.pool(jnp.ones((4, 1)), 0.0, lax.add, (2,), None, "VALID")[:, 0].tolist()
   [2.0, 2.0, 2.0]
   """
-  window_shape, strides, padding = _window("pool", window_shape, strides, padding, inputs)
-  return _pool(inputs, init, reduce_fn, window_shape, strides, padding)
+  return _pool("pool", inputs, init, reduce_fn, window_shape, strides, padding)
 
 
-def _pool(inputs, init, reduce_fn, window_shape, strides, padding):
+def _pool(name, inputs, init, reduce_fn, window_shape, strides, padding) -> jax.Array:
+  """``pool``, its arguments checked by ``_window`` (``name`` leads its errors)."""
+  window_shape, strides, padding = _window(name, window_shape, strides, padding, inputs)
   n_batch = inputs.ndim - len(window_shape) - 1
   dims = (1,) * n_batch + window_shape + (1,)
   strides = (1,) * n_batch + strides + (1,)
@@ -141,14 +142,13 @@ def avg_pool(
   >>> sr.nn.avg_pool(x, (2,), padding="SAME", count_include_pad=False)[:, 0].tolist()
   [1.5, 2.5, 3.0]
   """
-  window_shape, strides, padding = _window("avg_pool", window_shape, strides, padding, inputs)
-  y = _pool(inputs, 0.0, lax.add, window_shape, strides, padding)
+  y = _pool("avg_pool", inputs, 0.0, lax.add, window_shape, strides, padding)
   if count_include_pad:
     return y / math.prod(window_shape)
   # The count of real entries per window depends only on the window axes.
   n = len(window_shape)
   ones = jnp.ones((1,) * (inputs.ndim - n - 1) + inputs.shape[-n - 1 : -1] + (1,))
-  return y / _pool(ones, 0.0, lax.add, window_shape, strides, padding)
+  return y / _pool("avg_pool", ones, 0.0, lax.add, window_shape, strides, padding)
 
 
 def max_pool(
@@ -177,8 +177,7 @@ def max_pool(
   >>> sr.nn.max_pool(jnp.array([[1.0], [3.0], [2.0]]), (2,))[:, 0].tolist()
   [3.0, 3.0]
   """
-  window_shape, strides, padding = _window("max_pool", window_shape, strides, padding, inputs)
-  return _pool(inputs, -jnp.inf, lax.max, window_shape, strides, padding)
+  return _pool("max_pool", inputs, -jnp.inf, lax.max, window_shape, strides, padding)
 
 
 def min_pool(
@@ -207,5 +206,4 @@ def min_pool(
   >>> sr.nn.min_pool(jnp.array([[1.0], [3.0], [2.0]]), (2,))[:, 0].tolist()
   [1.0, 2.0]
   """
-  window_shape, strides, padding = _window("min_pool", window_shape, strides, padding, inputs)
-  return _pool(inputs, jnp.inf, lax.min, window_shape, strides, padding)
+  return _pool("min_pool", inputs, jnp.inf, lax.min, window_shape, strides, padding)

@@ -129,10 +129,6 @@ def dot_product_attention_with_rope(
   >>> attention(jnp.ones((1, 5, 16))).shape
   (1, 5, 16)
   """
-  if input_positions is None:
-    apply = jax.vmap(rope, in_axes=-2, out_axes=-2)  # each head: [..., length, head_dim]
-    query, key = apply(query), apply(key)
-  else:
-    apply = jax.vmap(rope, in_axes=(-2, None), out_axes=-2)
-    query, key = apply(query, input_positions), apply(key, input_positions)
+  apply = jax.vmap(rope, in_axes=(-2, None), out_axes=-2)  # each head: [..., length, head_dim]
+  query, key = apply(query, input_positions), apply(key, input_positions)
   return dot_product_attention(query, key, value, **kwargs)

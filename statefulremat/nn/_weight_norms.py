@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,21 +53,17 @@ def _check_layer(wrapper: str, layer: Any) -> None:
   if isinstance(layer, Module):
     return
   kind = type(layer)
+  fix = f"pass a layer instance, e.g. sr.nn.{wrapper}(sr.nn.Linear(4, 8, rngs=rngs), rngs=rngs)"
   if kind.__module__.startswith("flax"):
     got = f"a flax {kind.__qualname__}"
     fix = (
       "build the layer with sr.nn (e.g. sr.nn.Linear) and wrap that; copy nnx "
       "weights in afterwards with sr.interop.from_nnx(ours, theirs)"
     )
+  elif isinstance(layer, type):
+    got = f"the class {layer.__qualname__} (not an instance)"
   else:
-    got = (
-      "a function"
-      if callable(layer) and not isinstance(layer, type)
-      else f"a {kind.__qualname__}"
-      if not isinstance(layer, type)
-      else f"the class {layer.__qualname__} (not an instance)"
-    )
-    fix = f"pass a layer instance, e.g. sr.nn.{wrapper}(sr.nn.Linear(4, 8, rngs=rngs), rngs=rngs)"
+    got = "a function" if callable(layer) else f"a {kind.__qualname__}"
   raise GraphError(
     f"{wrapper} wraps a layer whose Params it normalises (an sr.Module such as "
     f"sr.nn.Linear or sr.nn.Conv), got {got}. Fix: {fix}."
@@ -221,7 +217,7 @@ class SpectralNorm(Module):
           normalised.append((var, w))
           stats.append((path, u, sigma))
     with _substituted(normalised):
-      y = _callable(self.layer_instance)(x)
+      y = self.layer_instance(x)
     if update_stats:
       for path, u, sigma in stats:
         for name, value in (("u", u), ("sigma", sigma)):
@@ -371,7 +367,7 @@ class WeightNorm(Module):
       if self.variable_filter(path, var):
         normalised.append((var, self._normalise(path, var.value)))
     with _substituted(normalised):
-      return _callable(self.layer_instance)(x, *args, **kwargs)
+      return self.layer_instance(x, *args, **kwargs)
 
   def _normalise(self, path: tuple, w: jax.Array) -> jax.Array:
     ndim = jnp.ndim(w)
@@ -396,8 +392,3 @@ class WeightNorm(Module):
         scale = jnp.reshape(scale, [jnp.shape(w)[a] if a in feature else 1 for a in range(ndim)])
       value = value * scale
     return self.promote_dtype((value, w, scale), dtype=self.dtype)[0]
-
-
-def _callable(layer: Module) -> Callable[..., Any]:
-  """The wrapped layer, to call: a Module subclass defines ``__call__``, Module does not."""
-  return cast(Callable[..., Any], layer)
