@@ -251,8 +251,7 @@ def reading(root: str):
 def begin(root: str) -> tuple[str, _locks.SaveLock]:
   """Takes ``root``'s save lock and creates the directory of a new, not yet visible
   version; the caller releases the lock once it has committed or abandoned it."""
-  current(root, "save")  # refuses files and foreign directories before writing any
-  os.makedirs(root, exist_ok=True)
+  os.makedirs(root, exist_ok=True)  # Saves.begin refused files and foreign directories
   lock = _locks.SaveLock(root)
   try:
     current(root, "save")  # again: the directory may have changed before the lock
@@ -291,9 +290,7 @@ def commit(root: str, version: str) -> None:
   The caller holds the save lock, so no other save is under way.
   """
   name = os.path.basename(version)
-  named = _VERSION.fullmatch(name)
-  assert named is not None  # `version` is a directory begin() made, sr-<number>
-  number = int(named.group(1))
+  number = int(name.removeprefix("sr-"))  # `version` is a directory begin() made
   # A name of this writer's own: another writer's temporary is never replaced.
   temporary = os.path.join(
     root, f"{POINTER}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"

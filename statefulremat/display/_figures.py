@@ -4,6 +4,8 @@ draw them inside treescope's views."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,18 +98,11 @@ def layers_image(value):
   >>> type(layers_image(LayeredArray(jnp.zeros((3, 2)), 0, "layers"))).__name__
   'TreescopeFigure'
   """
-  import treescope
-
-  if not _drawable(value.array):
-    return None
-  cut, labels, item_labels = _cut(value)
   # The layers run across, as depth reads on a page: a column per layer.
-  return treescope.render_array(
-    cut,
+  return _render_cut(
+    value,
     columns=[value.axis],
     rows=[1 - value.axis] if np.ndim(value.array) == 2 else [],
-    axis_labels=labels,
-    axis_item_labels=item_labels,
     pixels_per_cell=_pixels_per_layer(np.shape(value.array)[value.axis]),
   )
 
@@ -127,14 +122,18 @@ def layer_slider_figure(value):
   >>> type(layer_slider_figure(LayeredArray(jnp.zeros((3, 2, 2)), 0, "layers"))).__name__
   'TreescopeFigure'
   """
+  return _render_cut(value, sliders=[value.axis])
+
+
+def _render_cut(value, **layout):
+  """treescope's ``render_array`` of ``value`` cut to the cell budget (``_cut``), laid
+  out as ``layout`` says; None for what it cannot draw (key arrays, one element)."""
   import treescope
 
   if not _drawable(value.array):
     return None
   cut, labels, item_labels = _cut(value)
-  return treescope.render_array(
-    cut, sliders=[value.axis], axis_labels=labels, axis_item_labels=item_labels
-  )
+  return treescope.render_array(cut, axis_labels=labels, axis_item_labels=item_labels, **layout)
 
 
 def layer_norms(value) -> np.ndarray:
@@ -208,11 +207,7 @@ def _kept_per_axis(shape, layer_axis: int, budget: int) -> list[int]:
   """
   kept = list(shape)
   others = [a for a in range(len(shape)) if a != layer_axis]
-
-  def cells():
-    return int(np.prod([kept[a] for a in others]))
-
-  while others and cells() > budget:
+  while others and math.prod(kept[a] for a in others) > budget:
     axis = max(others, key=lambda a: kept[a])
     if kept[axis] <= 2 * _EDGE:
       break

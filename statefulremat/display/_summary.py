@@ -19,11 +19,12 @@ import dataclasses
 
 from ..core._errors import format_path
 from ..core._module import Module
+from ..core._split_merge import node_at
 from ._pattern_names import pattern_names
-from ._repr import class_text, pattern_text, position_text
+from ._repr import class_text, layers_text, pattern_text, position_text
 from ._summary_norms import LayerNorms as LayerNorms
 from ._summary_norms import Norms, columns, norm_text
-from ._summary_outputs import OUTPUT_WIDTH, _at, shorten, trace_outputs
+from ._summary_outputs import OUTPUT_WIDTH, shorten, trace_outputs
 from ._summary_walk import ModuleEntry, describe
 
 
@@ -100,7 +101,7 @@ class SummaryRow:
     '12,100 (3 × 4,000 + 100)'
     """
     if self.pattern is not None:
-      return f"{self.params:,} ({self.layers} layer{'s' * (self.layers != 1)})"
+      return f"{self.params:,} ({layers_text(self.layers)})"
     if self.layers == 1:
       return f"{self.params:,}"
     extra = f" + {self.params_unstacked:,}" if self.params_unstacked else ""
@@ -224,15 +225,13 @@ class Summary(str):
     return str.__str__(self)
 
   def __treescope_repr__(self, path, subtree_renderer):
-    from treescope import rendering_parts
+    from treescope import rendering_parts as rp
 
-    lines, n = self.lines(), len(self.rows)
-    return rendering_parts.build_foldable_tree_node_from_children(
-      prefix=rendering_parts.text(
-        f"Summary(  # {self.total_params:,} params, {n} module{'s' * (n != 1)}"
-      ),
-      children=[rendering_parts.text(line) for line in lines],
-      suffix=rendering_parts.text(")"),
+    n = len(self.rows)
+    return rp.build_foldable_tree_node_from_children(
+      prefix=rp.text(f"Summary(  # {self.total_params:,} params, {n} module{'s' * (n != 1)}"),
+      children=[rp.text(line) for line in self.lines()],
+      suffix=rp.text(")"),
       path=path,
     )
 
@@ -389,7 +388,7 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None, **kwar
   params_first = ["params"] * any(e.is_param for e in variables)
   collections = list(dict.fromkeys(params_first + [e.collection for e in variables]))
   rows = [
-    _row(m, variables, outputs.get(m.path, ()), norms, _at(model, m.path))
+    _row(m, variables, outputs.get(m.path, ()), norms, node_at(model, m.path))
     for m in description.modules
   ]
   total_params = sum(e.size for e in variables if e.is_param)
@@ -399,18 +398,12 @@ def summary(model, *example_inputs, method: str = "__call__", grads=None, **kwar
 
 def _row(module: ModuleEntry, variables, outputs, norms: Norms, obj) -> SummaryRow:
   entries = [variables[i] for i in module.variables]
-  params = per_layer = unstacked = 0
-  counts = set()
-  for entry in entries:
-    if not entry.is_param:
-      continue
-    params += entry.size
-    if entry.layers is None:
-      unstacked += entry.size
-    else:
-      counts.add(entry.layers)
-      per_layer += entry.size // entry.layers
+  params = [e for e in entries if e.is_param]
+  stacked = [(e.size, e.layers) for e in params if e.layers is not None]
+  per_layer = sum(size // layers for size, layers in stacked)
+  unstacked = sum(e.size for e in params if e.layers is None)
   # The breakdown only reads right when the row's stacked variables agree on a count.
+  counts = {layers for _, layers in stacked}
   n = counts.pop() if len(counts) == 1 else 1
   pattern, position = pattern_text(obj), position_text(obj)
   if pattern is not None:
@@ -418,7 +411,7 @@ def _row(module: ModuleEntry, variables, outputs, norms: Norms, obj) -> SummaryR
   return SummaryRow(
     module.path,
     class_text(module.cls),
-    params,
+    sum(e.size for e in params),
     _bytes_by_collection(entries),
     n,
     per_layer if n > 1 else 0,

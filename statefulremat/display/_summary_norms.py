@@ -17,7 +17,7 @@ import numpy as np
 from ..core._errors import format_path
 from ..core._stacks import stack_info
 from ._array_stats import is_concrete, squares
-from ._repr import class_text, layer_numbers
+from ._repr import class_text, layer_numbers, layers_text
 from ._summary_walk import Description
 
 
@@ -55,7 +55,7 @@ class LayerNorms:
     if self.stack_layers is not None:
       of_stack = f" ({layer_numbers(self.stack_layers)} of the pattern stack)"
     title = (
-      f"{self.path_text}: {self.class_name}, {layers} layer{'s' * (layers != 1)}{of_stack}, "
+      f"{self.path_text}: {self.class_name}, {layers_text(layers)}{of_stack}, "
       f"L2 norm of each layer's Params{' and gradients' if grads is not None else ''}"
     )
     keep = set(range(layers))
@@ -137,10 +137,8 @@ class Norms:
     for prefix, sums in (("params", self.params), ("grad", self.grads)):
       if sums is None:
         continue
-      for i, entry in enumerate(self.description.variables):
-        if i not in sums:
-          continue
-        value, path = sums[i], entry.path
+      for i, value in sums.items():  # in the order of `description.variables`
+        path = self.description.variables[i].path
         stack = self.stack_of(path) if np.ndim(value) else None
         if stack is None:
           out[f"{prefix}/norm/{_dotted(path)}"] = float(np.sqrt(np.sum(value)))

@@ -89,9 +89,8 @@ def describe(model) -> Description:
   """``model`` described by one walk (see the module's docstring)."""
   objects: list[Any] = []
   graphdef, graph_variables = flatten([model], objects=objects)
-  graph = _Graph(objects)
   (root,) = graphdef.nodes
-  graph.read(root, (), None)
+  graph = _Graph(objects, root)
   reach = {i: graph.reach(i) for i in graph.modules}
 
   # Layers: a stacked Variable reached by a stack holds one copy per layer of every
@@ -137,7 +136,7 @@ class _Graph:
   and owning module; each module's last descendant and the references met
   below it."""
 
-  def __init__(self, objects: list):
+  def __init__(self, objects: list, root: GraphNode):
     self.objects = objects
     self.paths: list[tuple] = [()] * len(objects)
     self.owner: list[int | None] = [None] * len(objects)
@@ -146,6 +145,7 @@ class _Graph:
     self.modules: list[int] = []
     self.variables: list[int] = []
     self._count = 0
+    self.read(root, (), None)
 
   def read(self, node: GraphNode, path: tuple, owner: int | None) -> None:
     if node.kind == "ref":

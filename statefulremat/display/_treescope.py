@@ -43,7 +43,7 @@ from ..core._errors import format_path
 from ..core._module import Module, arrivals
 from ..core._rngs import Rngs, RngStream
 from ..core._stacks import LAYER_AXIS, _pattern_of, axis_name, layer_axis
-from ..core._variables import Variable
+from ..core._variables import Variable, entries
 from ._array_stats import is_concrete
 from ._pattern_names import pattern_names
 from ._repr import (
@@ -110,21 +110,13 @@ def collection_color(kind: type) -> str:
   return formatting_util.color_from_string(kind.collection)
 
 
-def _first_paths(root) -> dict[int, list[tuple]]:
-  """Every path reaching each module and Variable under ``root``, in drawing order."""
-  places: dict[int, list[tuple]] = {}
-  for path, obj, _ in arrivals(root):
-    places.setdefault(id(obj), []).append(path)
-  return places
-
-
 def _mark_shared(value, path: tuple, first: dict):
   """``value`` with every module or Variable drawn elsewhere first replaced by a mark."""
   if isinstance(value, (Module, Variable)):
     where = first.get(id(value), [path])[0]
     return value if where == path else SharedMark(type(value), where)
   if isinstance(value, (list, tuple, dict)):
-    items = dict(value.items() if isinstance(value, dict) else enumerate(value))
+    items = dict(entries(value))
     marked = {k: _mark_shared(v, path + (k,), first) for k, v in items.items()}
     if all(marked[k] is v for k, v in items.items()):
       return value  # nothing shared below: draw the user's own object
@@ -169,74 +161,49 @@ def render_module(module, path, subtree_renderer):
   first = _FIRST.get()
   token = None
   if first is None:  # drawn from here: stacks above it still name their layer axis
-    first = _first_paths(module)
+    first = {}  # every path reaching each module and Variable, in drawing order
+    for place, obj, _ in arrivals(module):
+      first.setdefault(id(obj), []).append(place)
     token = _FIRST.set(first)
   try:
     # An array attribute's figure, if any, reads as its folded line in text.
     with drawing_scope():
-      return _render_module(module, path, subtree_renderer, first)
+      rendering = _constructor(module, path, subtree_renderer, first)
+    return _with_other_places(rendering, first.get(id(module), ()))
   finally:
     if token is not None:
       _FIRST.reset(token)
 
 
-def _render_module(module, path, subtree_renderer, first: dict):
+def _constructor(module, path, subtree_renderer, first: dict):
+  """``Kind(name=value, ...)`` as ``repr_lib.render_object_constructor`` draws it, and
+  in treescope's foldable view (not a repr) how it first shows:
+
+  * a module opens; its settings at their defaults sit in one line of their own that
+    starts folded: ``# 7 at defaults: dtype, ...``;
+  * RNG plumbing (an Rngs, a stream) starts folded, its modules and Variables as
+    ``…``: ``Rngs(params=…, dropout=…)``.
+
+  A user can click any of them open or shut. A stack of a repeating pattern draws its
+  cycle once, as its positions, and says which layers each holds in a comment after
+  the opening bracket (``_opening``); each line of the legend of its short labels is
+  a comment line of its own before the attributes (``# Block#1 = partial(Block, ...)``).
+  """
+  from treescope import rendering_parts as rp
+
   here = first.get(id(module), [()])[0]
   own = own_attributes(module)
   at_defaults = set(settings_at_defaults(module, own))
   attributes = {k: _mark_shared(v, here + (k,), first) for k, v in own.items()}
   shown = {k: v for k, v in attributes.items() if k not in at_defaults}
-  # A stack of a repeating pattern draws its cycle once, as its positions: each
-  # says which layers of the whole stack it holds.
+  compact = _COMPACT.get()  # a repr: what differs from the defaults, laid out as it fits
+  plumbing = not compact and isinstance(module, (Rngs, RngStream))
   pattern = pattern_text(module)
   comment = pattern or position_text(module)
-  # What the short labels of a long pattern stand for, a line each.
-  legend = pattern_names(module).legend if pattern else ()
   positions = shown.get("pattern")
   if comment and isinstance(positions, tuple):
     shown["pattern"] = tuple(positions)  # drawn as the tuple it is
-  compact = _COMPACT.get()  # a repr: what differs from the defaults, laid out as it fits
-  rendering = _constructor(
-    type(module),
-    shown,
-    {} if compact else {k: v for k, v in attributes.items() if k in at_defaults},
-    path,
-    subtree_renderer,
-    plumbing=None if compact else isinstance(module, (Rngs, RngStream)),
-    comment=comment,
-    title=module_text(module),
-    legend=legend,
-  )
-  return _with_other_places(rendering, first.get(id(module), ()))
-
-
-def _constructor(
-  kind: type,
-  shown: dict,
-  folded: dict,
-  path,
-  subtree_renderer,
-  plumbing: bool | None = None,
-  comment: str | None = None,
-  title: str | None = None,
-  legend: tuple[str, ...] = (),
-):
-  """``Kind(name=value, ...)`` as ``repr_lib.render_object_constructor`` draws it, and
-  in treescope's foldable view (``plumbing`` not None) how it first shows:
-
-  * a module opens; the ``folded`` attributes (its settings at their defaults) sit in
-    one line of their own that starts folded: ``# 7 at defaults: dtype, ...``;
-  * RNG plumbing (``plumbing``: an Rngs, a stream) starts folded, its modules and
-    Variables as ``…``: ``Rngs(params=…, dropout=…)``.
-
-  A user can click any of them open or shut. ``comment`` follows the opening
-  bracket while the node is open: ``RematScan[Local, Global](  # 26 layers: ...``,
-  and each line of ``legend`` is a comment line of its own before the attributes
-  (``# Block#1 = partial(Block, window=512)``). ``title`` replaces the class's name
-  outside roundtrip mode (``RematScan[Block] × 100``).
-  """
-  from treescope import rendering_parts as rp
-
+  legend = pattern_names(module).legend if pattern else ()
   children = [
     rp.fold_condition(
       expanded=rp.build_full_line_with_annotations(rp.comment_color(rp.text(f"# {line}")))
@@ -244,7 +211,7 @@ def _constructor(
     for line in legend
   ]
   for i, (name, value) in enumerate(shown.items()):
-    drawn = subtree_renderer(value, path=None if path is None else f"{path}.{name}")
+    drawn = subtree_renderer(value, path=_attribute_path(path, name))
     if plumbing and isinstance(value, (Module, Variable)):
       drawn = rp.RenderableAndLineAnnotations(
         rp.fold_condition(collapsed=rp.text("…"), expanded=drawn.renderable), drawn.annotations
@@ -255,28 +222,45 @@ def _constructor(
       comma = rp.fold_condition(expanded=rp.text(","))
     field = rp.siblings_with_annotations(f"{name}=", drawn)
     children.append(rp.build_full_line_with_annotations(field, comma))
-  if folded:
+  folded = {k: v for k, v in attributes.items() if k in at_defaults}
+  if folded and not compact:
     # Only in the open module: folded to one line, the module shows what differs.
     children.append(
       rp.fold_condition(expanded=_defaults_group(folded, path, subtree_renderer).renderable)
     )
+  state = rp.ExpandState.COLLAPSED if plumbing else rp.ExpandState.EXPANDED
+  return rp.build_foldable_tree_node_from_children(
+    prefix=_opening(module, comment),
+    children=children,
+    suffix=rp.siblings(")", rp.roundtrip_condition(roundtrip=rp.text(">"))),
+    path=path,
+    expand_state=rp.ExpandState.WEAKLY_COLLAPSED if compact else state,
+  )
+
+
+def _opening(module, comment: str | None):
+  """``RematScan[Block] × 100(``: the module's name as its tree names it outside
+  roundtrip mode (the class's in it), then ``comment`` while the node is open:
+  ``RematScan[Local, Global](  # 26 layers: ...``."""
+  from treescope import rendering_parts as rp
+
+  kind = type(module)
   kind_name = rp.maybe_qualified_type_name(kind)
   if _pattern_of(kind) is not None:  # its __qualname__ spells every element in full
     kind_name = rp.text(f"{kind.__module__}.{kind.__name__}[{pattern_names(kind).cycle()}]")
-  if title is not None and title != kind.__name__:
+  title = module_text(module)
+  if title != kind.__name__:
     kind_name = rp.roundtrip_condition(roundtrip=kind_name, not_roundtrip=rp.text(title))
   prefix = rp.siblings(rp.roundtrip_condition(roundtrip=rp.text("<")), kind_name, "(")
   if comment:
     prefix = rp.siblings(
       prefix, rp.fold_condition(expanded=rp.comment_color(rp.text(f"  # {comment}")))
     )
-  suffix = rp.siblings(")", rp.roundtrip_condition(roundtrip=rp.text(">")))
-  state = rp.ExpandState.WEAKLY_COLLAPSED  # a repr: laid out as it fits
-  if plumbing is not None:
-    state = rp.ExpandState.COLLAPSED if plumbing else rp.ExpandState.EXPANDED
-  return rp.build_foldable_tree_node_from_children(
-    prefix=prefix, children=children, suffix=suffix, path=path, expand_state=state
-  )
+  return prefix
+
+
+def _attribute_path(path, name: str):
+  return None if path is None else f"{path}.{name}"
 
 
 def _defaults_group(folded: dict, path, subtree_renderer):
@@ -295,7 +279,7 @@ def _defaults_group(folded: dict, path, subtree_renderer):
   lines = [
     rp.build_full_line_with_annotations(
       rp.siblings_with_annotations(
-        f"{name}=", subtree_renderer(value, path=None if path is None else f"{path}.{name}")
+        f"{name}=", subtree_renderer(value, path=_attribute_path(path, name))
       ),
       rp.text(","),
     )
@@ -313,6 +297,9 @@ _NAMES_WIDTH = 60  # characters of names a folded defaults line lists
 
 def render_variable(var, path, subtree_renderer):
   from treescope import repr_lib
+  from treescope.external import jax_support
+
+  from ._figure_text import drawing_scope
 
   value = var._value
   layer = layer_axis(var)
@@ -328,10 +315,6 @@ def render_variable(var, path, subtree_renderer):
   attributes = {
     k: _without_address(v) for k, v in {"value": value, **var._metadata}.items() if k != LAYER_AXIS
   }
-  from treescope.external import jax_support
-
-  from ._figure_text import drawing_scope
-
   # An unstacked array past treescope's size threshold gets its statistics too.
   # Where arrays are drawn as figures (an autovisualizer is active, as
   # `treescope.basic_interactive_setup()` makes it in a notebook), a stacked array is
@@ -351,13 +334,12 @@ def _with_other_places(rendering, paths):
   """``rendering`` with a ``# shared: also at ...`` comment if it has other places."""
   if len(paths) < 2:
     return rendering
-  from treescope import rendering_parts
+  from treescope import rendering_parts as rp
 
   others = ", ".join(format_path(p) if p else "the root" for p in paths[1:])
-  comment = rendering_parts.comment_color(rendering_parts.text(f"  # shared: also at {others}"))
-  return rendering_parts.RenderableAndLineAnnotations(
-    renderable=rendering.renderable,
-    annotations=rendering_parts.siblings(comment, rendering.annotations),
+  comment = rp.comment_color(rp.text(f"  # shared: also at {others}"))
+  return rp.RenderableAndLineAnnotations(
+    rendering.renderable, rp.siblings(comment, rendering.annotations)
   )
 
 

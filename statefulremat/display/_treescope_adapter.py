@@ -21,13 +21,12 @@ class LayeredArrayAdapter(ndarray_adapters.NDArrayAdapter):
   # treescope calls these with keywords: the parameter names are its own.
 
   def get_axis_info_for_array_data(self, array):
-    infos = []
-    for i, (size, name) in enumerate(zip(np.shape(array.array), array.names)):
-      if name is None:
-        infos.append(ndarray_adapters.PositionalAxisInfo(i, size))
-      else:
-        infos.append(ndarray_adapters.NamedPositionalAxisInfo(i, name, size))
-    return tuple(infos)
+    return tuple(
+      ndarray_adapters.PositionalAxisInfo(i, size)
+      if name is None
+      else ndarray_adapters.NamedPositionalAxisInfo(i, name, size)
+      for i, (size, name) in enumerate(zip(np.shape(array.array), array.names))
+    )
 
   def get_array_data_with_truncation(self, array, mask, edge_items_per_axis):
     return self._inner(array).get_array_data_with_truncation(

@@ -9,7 +9,7 @@ from ._treescope import SharedMark, collection_color
 def render_graphdef(graphdef, path, subtree_renderer):
   """A GraphDef as the module tree it describes: classes, static attributes and each
   Variable's kind and metadata, with no values; references say where they point."""
-  from treescope import rendering_parts
+  from treescope import rendering_parts as rp
 
   from ..core._state import thaw_metadata
 
@@ -18,36 +18,33 @@ def render_graphdef(graphdef, path, subtree_renderer):
   def skeleton(node, where):
     kind, cls = node.kind, node.type
     if kind == "ref":
-      first_kind, first = drawn[node.value]
-      return SharedMark(first_kind, first)
+      return SharedMark(*drawn[node.value])
     if kind == "variable":
       drawn.append((cls, where))
       return _Skeleton(cls, dict(thaw_metadata(node.value)), collection_color(cls))
     if kind == "module":
       drawn.append((cls, where))
       return _Skeleton(cls, {k: skeleton(sub, where + (k,)) for k, sub in node.items})
-    if kind in ("list", "tuple"):
-      return _Container(cls, [skeleton(sub, where + (i,)) for i, sub in node.items])
-    if kind == "dict":
-      return _Container(cls, {k: skeleton(sub, where + (k,)) for k, sub in node.items})
+    if kind in ("list", "tuple", "dict"):
+      items = {k: skeleton(sub, where + (k,)) for k, sub in node.items}
+      return _Container(cls, items if kind == "dict" else list(items.values()))
     return node.value
 
   multi = len(graphdef.nodes) > 1
   roots = [skeleton(root, (i,) if multi else ()) for i, root in enumerate(graphdef.nodes)]
   children = [
-    rendering_parts.build_full_line_with_annotations(
+    rp.build_full_line_with_annotations(
       subtree_renderer(root),
-      rendering_parts.fold_condition(
-        expanded=rendering_parts.text(","),
-        collapsed=rendering_parts.text(", " if i < len(roots) - 1 else ""),
+      rp.fold_condition(
+        expanded=rp.text(","), collapsed=rp.text(", " if i < len(roots) - 1 else "")
       ),
     )
     for i, root in enumerate(roots)
   ]
-  return rendering_parts.build_foldable_tree_node_from_children(
-    prefix=rendering_parts.text(f"{type(graphdef).__name__}("),
+  return rp.build_foldable_tree_node_from_children(
+    prefix=rp.text(f"{type(graphdef).__name__}("),
     children=children,
-    suffix=rendering_parts.text(")"),
+    suffix=rp.text(")"),
     path=path,
   )
 
