@@ -58,7 +58,13 @@ def get_partition_spec(state) -> State:
   >>> specs["kernel"], specs["bias"]
   (P('embed', 'mlp'), P())
   """
-  state = _as_state(state, "sr.get_partition_spec")
+  if isinstance(state, Module):
+    state = state_of(state)
+  elif not isinstance(state, State):
+    raise TypeError(
+      f"sr.get_partition_spec takes a State or a module, got {type(state).__name__}. "
+      "Fix: pass `model` or `sr.state(model)`."
+    )
   specs = [
     _spec_of(path, value, thaw_metadata(meta))
     for path, value, meta in zip(state._spec.paths, state._values, state._spec.metas)
@@ -145,30 +151,17 @@ def shard(model: M, mesh: jax.sharding.Mesh, rules: Rules = ()) -> M:
       f"sr.shard(model, mesh, rules): mesh must be a jax.sharding.Mesh, got "
       f"{type(mesh).__name__}. Fix: e.g. jax.make_mesh((2, 4), ('data', 'model'))."
     )
-  state = _as_state(model, "sr.shard")
-  specs = logical_to_mesh(get_partition_spec(state), rules)
-  shardings = []
-  for path, value, spec in zip(state._spec.paths, state._values, specs._values):
+  state = state_of(model)
+  specs = logical_to_mesh(get_partition_spec(state), rules)._values
+  for path, value, spec in zip(state._spec.paths, state._values, specs):
     _check_fits(path, value, spec, mesh)
-    shardings.append(NamedSharding(mesh, spec))
   _check_trace_mesh(state, mesh)
-  placed = [_place(v, s) for v, s in zip(state._values, shardings)]
+  placed = [_place(v, NamedSharding(mesh, spec)) for v, spec in zip(state._values, specs)]
   update(model, State._make(state._spec, placed))
   return model
 
 
 # -- helpers ----------------------------------------------------------------------
-
-
-def _as_state(obj, fn: str) -> State:
-  if isinstance(obj, State):
-    return obj
-  if isinstance(obj, Module):
-    return state_of(obj)
-  raise TypeError(
-    f"{fn} takes a State or a module, got {type(obj).__name__}. Fix: pass "
-    "`model` or `sr.state(model)`."
-  )
 
 
 def _spec_of(path: tuple, value, metadata: dict) -> PartitionSpec:
@@ -182,13 +175,14 @@ def _spec_of(path: tuple, value, metadata: dict) -> PartitionSpec:
       if name is not None and 0 <= axis < ndim:
         entries[axis] = name
     return PartitionSpec(*entries) if any(entries) else PartitionSpec()
-  layer = metadata.get(LAYER_AXIS, ((None, ""),))[0]
-  if layer[1] is None and isinstance(sharding, (tuple, list)) and (len(sharding) == ndim - 1):
+  one_short = isinstance(sharding, (tuple, list)) and len(sharding) == ndim - 1
+  axis, name = metadata.get(LAYER_AXIS, ((None, ""),))[0]
+  if one_short and name is None:
     # A stack whose layer axis has no partition name: that axis is replicated.
-    sharding = (*sharding[: layer[0]], None, *sharding[layer[0] :])
-  if not isinstance(sharding, (tuple, list)) or len(sharding) != ndim:
+    sharding = (*sharding[:axis], None, *sharding[axis:])
+  elif one_short or not isinstance(sharding, (tuple, list)) or len(sharding) != ndim:
     hint = ""
-    if isinstance(sharding, (tuple, list)) and len(sharding) == ndim - 1:
+    if one_short:
       hint = (
         " It is one short: if this is a stacked variable, name the layer axis with "
         "metadata_params={'partition_name': 'layers'} on its scan/remat_scan/vmap "

@@ -10,6 +10,7 @@ that ``rename=``, checked against our names.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -21,6 +22,10 @@ from ._paths import Entry
 _DETAIL = 6  # up to this many unmatched variables are listed one by one
 _EXAMPLES = 4  # otherwise, this many of each side
 _INDEX = re.compile(r"(?:^|(?<=[._]))(\d+)(?=\.|$)")
+# What follows the head a rule renames, as a pattern and its replacement:
+_INDEXED = (r"(\d+)\.", r"\1.")  # a layer index, then more of the name
+_LAST = (r"(\d+)$", r"\1")  # a layer index ending the name
+_SUFFIX = ("", "")  # nothing: the rest is a suffix both names share
 
 
 def report_unmatched(
@@ -42,10 +47,17 @@ def report_unmatched(
   hint = suggest(found, left)
   fix_names, fix_unused = (hint, hint) if hint else fixes
   if len(found.missing) + len(left) <= _DETAIL:
+    sources = {s.target: s.label() for s in left if s.target is not None}
+    ours: dict[str, str] = {}
     for e in found.missing:
-      problems.add(f"{e.where()}: {missing(e)}{found.nearest_sources(e)}", fix_names)
+      for layer in [None, *range(e.layers or 0)]:
+        ours.update((name, f"`{name}`") for name in found.names(e, layer))
+    for e in found.missing:
+      near = _nearest("Nearest unused", found.names(e, None), sources)
+      problems.add(f"{e.where()}: {missing(e)}{near}", fix_names)
     for s in left:
-      problems.add(f"{unused(s)}{found.nearest_ours(s)}", fix_unused)
+      near = _nearest("Nearest of ours still unfilled", [s.target or ""], ours)
+      problems.add(f"{unused(s)}{near}", fix_unused)
     return
   if found.missing:
     first, rest = found.missing[0], found.missing[1:_EXAMPLES]
@@ -65,6 +77,14 @@ def report_unmatched(
       fix_unused,
       count=len(left),
     )
+
+
+def _nearest(heading: str, names: list[str], shown: dict[str, str]) -> str:
+  """`` {heading}: …`` with the (up to three) keys of ``shown`` closest to ``names``."""
+  close: list[str] = []
+  for name in names:
+    close += [c for c in difflib.get_close_matches(name, list(shown), n=3) if c not in close]
+  return f" {heading}: " + ", ".join(shown[c] for c in close[:3]) + "." if close else ""
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:
@@ -100,23 +120,18 @@ def suggest(found: Match, left: list[Source]) -> str | None:
       head, index, tail = parts
       for ours_head in indexed.get((index, tail), ()):
         if ours_head != head:
-          votes[(head, ours_head, tail.startswith("."))] += 1
+          votes[(head, ours_head, _INDEXED if tail.startswith(".") else _LAST)] += 1
       continue
     words = s.target.split(".")
     for k in range(1, len(words)):
       heads = suffixes.get(".".join(words[k:]))
       if heads:
         head = ".".join(words[:k]) + "."
-        votes.update((head, h, None) for h in heads if h != head)
+        votes.update((head, h, _SUFFIX) for h in heads if h != head)
         break
   best = None
-  for (head, ours_head, dotted), _ in votes.most_common(5):
-    if dotted is None:
-      pattern, repl = "^" + re.escape(head), ours_head
-    elif dotted:
-      pattern, repl = "^" + re.escape(head) + r"(\d+)\.", ours_head + r"\1."
-    else:
-      pattern, repl = "^" + re.escape(head) + r"(\d+)$", ours_head + r"\1"
+  for (head, ours_head, (index, index_repl)), _ in votes.most_common(5):
+    pattern, repl = "^" + re.escape(head) + index, ours_head + index_repl
     regex = re.compile(pattern)
     mapped = [s for s in left if regex.sub(repl, s.target or "") in found.known]
     rank = (len(mapped), repl.endswith("."))  # on a tie, our dotted path

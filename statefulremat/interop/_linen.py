@@ -13,9 +13,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from ._hints import report_unmatched
-from ._names import Source, answers, load, made_names, match
+from ._names import Source, answers, array_of, fits, layer_note, load, made_names, match
 from ._paths import Entry, chosen_entries, dotted, flat_tree, nearest, select_collections
-from ._report import Problems, array_str, keys_str, shape_str, where_str
+from ._report import Problems, array_str, keys_str, where_str
 
 _FIX_NAMES = (
   "name the linen submodules after our attributes (in a compact method "
@@ -190,11 +190,9 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
   want, ours = _linen_entries(model, collections, what, problems)
   if want is None:
     want = {e.collection for e in ours} | set(variables)
-  absent = set()
   for c in sorted(want - set(variables)):
     mine = [e for e in ours if e.collection == c]
     if mine:
-      absent.add(c)
       problems.add(
         f"linen variables have no `{c}` collection (they have: "
         f"{keys_str(variables)}), but ours has {len(mine)} variable(s) in it: "
@@ -208,7 +206,7 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
     for c, flat in flats.items()
     for path, value in flat.items()
   ]
-  ours = [e for e in ours if e.collection not in absent]
+  ours = [e for e in ours if e.collection in variables]  # the rest is reported above
   found = match(ours, sources, _names, rename, problems, "linen")
 
   def missing(e: Entry) -> str:
@@ -247,32 +245,14 @@ def _unboxed(value):
 def _from_linen_value(e: Entry, s: Source, layer: int | None, problems: Problems):
   """The value of ``s`` in our layout (layer axes flattened), or None after adding a
   problem; with ``layer``, one layer's slice."""
-  where = e.where(layer)
-  value = s.layer_of(_unboxed(s.leaf), e.where(), problems)
+  value = array_of(e, s, layer, _unboxed(s.leaf), problems)
   if value is None:
     return None
-  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-  if shape is None or dtype is None:
-    problems.add(f"{where}: {s.label()} is a {type(value).__name__}, not an array.")
-    return None
-  shape = tuple(shape)
-  ours = e.shape if layer is None else e.layer_shape()
-  if shape != ours and (layer is not None or not _nested_layout(e, shape)):
-    layers = (
-      f" ({ours[e.axis]} layers on axis {e.axis})"
-      if e.axis is not None and layer is None
-      else " per layer"
-      if layer is not None
-      else ""
-    )
-    problems.add(
-      f"{where}: shape mismatch: ours is {shape_str(ours)}{layers}, "
-      f"{s.label()} is {shape_str(shape)}.",
-      _FIX_STACK if e.axis is not None and layer is None else _FIX_SHAPE,
-    )
-    return None
-  if dtype != e.dtype:
-    problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.", _FIX_DTYPE)
+  shape, ours = tuple(value.shape), e.shape if layer is None else e.layer_shape()
+  # linen's nn.remat_scan nests the layer axes: any split of ours fits.
+  expected = shape if layer is None and _nested_layout(e, shape) else None
+  fix = _FIX_STACK if e.axis is not None and layer is None else _FIX_SHAPE
+  if not fits(e, s, layer, value, problems, (fix, _FIX_DTYPE), layer_note(e, layer), expected):
     return None
   value = jnp.asarray(value)
   return value if shape == ours else value.reshape(ours)

@@ -16,7 +16,6 @@ is written; the callers check values and word what is missing or unused for thei
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import re
 from collections.abc import Callable, Mapping
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 from ..core._split_merge import update
 from ..core._state import State
 from ._paths import Entry, placed_like
-from ._report import Problems
+from ._report import Problems, shape_str
 
 _FIX_TWICE = (
   "make `rename` map each source name onto a different variable of ours "
@@ -44,7 +43,6 @@ _FIX_COUNT = (
   "a stacked array fills a list of layers (or a pattern stack) by its first axis, "
   "one index per layer: build both with the same number of layers."
 )
-_NEAREST = 24  # problems that get their nearest names (the message shows 12)
 _FIX_BOTH = (
   "give a stacked variable either whole or as a list of layers, not both: "
   "drop one of them (a callable rename may return None to leave it out)."
@@ -90,18 +88,11 @@ class Source:
 
 @dataclass
 class Fill:
-  """What fills one of our variables: a whole source entry, or one per layer."""
+  """What fills one of our variables: ``(source, layer or None)`` pairs, one whole
+  source (layer None) or one per layer."""
 
   entry: Entry
-  whole: Source | None = None
-  layers: list[Source] | None = None
-
-  def given(self) -> list[tuple[Source, int | None]]:
-    """``(source, layer or None)``: the whole source, or one per layer."""
-    if self.whole is not None:
-      return [(self.whole, None)]
-    assert self.layers is not None  # a Fill holds either `whole` or `layers`
-    return [(s, i) for i, s in enumerate(self.layers)]
+  given: list[tuple[Source, int | None]]
 
 
 @dataclass
@@ -115,44 +106,6 @@ class Match:
   wrong: list[tuple[Entry, Source]] = field(default_factory=list)  # other collection
   unused: list[Source] = field(default_factory=list)
   known: set = field(default_factory=set)  # every name one of ours answers to
-  # difflib is slow on thousands of names, and a message shows a dozen problems
-  asked: int = 0
-
-  def _ask(self) -> bool:
-    self.asked += 1
-    return self.asked <= _NEAREST
-
-  def nearest_sources(self, e: Entry) -> str:
-    """`` Nearest unused: …`` with the unused source names closest to ``e``'s."""
-    if not self._ask():
-      return ""
-    # Unused sources were all renamed to a name (a None target is left out earlier).
-    targets = {s.target: s for s in self.unused if not s.extra and s.target is not None}
-    close: list[str] = []
-    for name in self.names(e, None):
-      close += [t for t in difflib.get_close_matches(name, list(targets), n=3) if t not in close]
-    return (
-      " Nearest unused: " + ", ".join(targets[t].label() for t in close[:3]) + "." if close else ""
-    )
-
-  def nearest_ours(self, s: Source) -> str:
-    """`` Nearest of ours still unfilled: …`` for an unused source."""
-    if not self._ask():
-      return ""
-    names: dict[str, Entry] = {}
-    for e in self.missing:
-      for name in self.names(e, None):
-        names.setdefault(name, e)
-      for i in range(e.layers or 0):
-        for name in self.names(e, i):
-          names.setdefault(name, e)
-    assert s.target is not None  # an unused source was renamed to a name
-    close = difflib.get_close_matches(s.target, list(names), n=3)
-    return (
-      " Nearest of ours still unfilled: " + ", ".join(f"`{name}`" for name in close) + "."
-      if close
-      else ""
-    )
 
 
 def renamer(rename, what: str) -> Callable[[str], str | None]:
@@ -253,12 +206,8 @@ def match(
   def pick(e: Entry, cands: list[Source], where: str) -> Source | None:
     right = [s for s in cands if s.collection is None or s.collection == e.collection]
     if len(right) > 1:
-      problems.add(
-        f"{where}: {len(right)} {side} entries map onto it: "
-        + ", ".join(s.label() for s in right)
-        + ".",
-        _FIX_TWICE,
-      )
+      labels = ", ".join(s.label() for s in right)
+      problems.add(f"{where}: {len(right)} {side} entries map onto it: {labels}.", _FIX_TWICE)
       return None
     if not right:  # one layer only in another collection: worded by the caller
       result.wrong.append((e, cands[0]))
@@ -286,26 +235,19 @@ def match(
         _FIX_BOTH,
       )
       continue
-    if cands:
-      whole = pick(e, cands, e.where())
-      if whole is not None:
-        result.fills.append(Fill(e, whole=whole))
-      continue
-    count = e.layers
-    assert count is not None  # per_layer is non-empty only for a stacked variable
-    layers = [pick(e, per_layer[i], e.where(i)) if i in per_layer else None for i in range(count)]
-    picked = [s for s in layers if s is not None]
-    gaps = [i for i in range(count) if i not in per_layer]
+    given = {None: cands} if cands else per_layer  # layer (None: whole) -> candidates
+    picked = {i: pick(e, some, e.where(i)) for i, some in given.items()}
+    gaps = [] if cands else [i for i in range(e.layers or 0) if i not in per_layer]
     if gaps:
-      have = [i for i in range(count) if i in per_layer]
+      have = list(per_layer)
       problems.add(
         f"{e.where()} ({e.layers} layers on axis {e.axis}) is given as a list of "
         f"layers with gaps: layer(s) {_ranges(have)} given, not {_ranges(gaps)} "
         f"(layer {have[0]}: {per_layer[have[0]][0].label()}).",
         _FIX_LAYERS,
       )
-    elif len(picked) == len(layers):
-      result.fills.append(Fill(e, layers=picked))
+    elif None not in picked.values():
+      result.fills.append(Fill(e, [(s, i) for i, s in picked.items() if s is not None]))
   return result
 
 
@@ -319,10 +261,10 @@ def load(model, found: Match, value_of: Callable[[Entry, Source, int | None, Pro
   new = {}
   for fill in found.fills:
     e = fill.entry
-    values = [value_of(e, s, layer, found.problems) for s, layer in fill.given()]
+    values = [value_of(e, s, layer, found.problems) for s, layer in fill.given]
     if any(v is None for v in values):
       continue
-    if fill.whole is not None:
+    if fill.given[0][1] is None:  # one whole source
       new[e.path] = placed_like(e.var, values[0])
     else:
       assert e.axis is not None  # filled per layer: a stack
@@ -330,6 +272,55 @@ def load(model, found: Match, value_of: Callable[[Entry, Source, int | None, Pro
   found.problems.raise_if_any()
   update(model, State(new))
   return model
+
+
+def array_of(e: Entry, s: Source, layer: int | None, leaf, problems: Problems):
+  """``leaf`` (its layer, for a slice of a stacked source) if it is an array; None
+  after adding a problem."""
+  value = s.layer_of(leaf, e.where(), problems)
+  if value is not None and (
+    getattr(value, "shape", None) is None or getattr(value, "dtype", None) is None
+  ):
+    problems.add(f"{e.where(layer)}: {s.label()} is a {type(value).__name__}, not an array.")
+    return None
+  return value
+
+
+def fits(
+  e: Entry,
+  s: Source,
+  layer: int | None,
+  value,
+  problems: Problems,
+  fixes: tuple[str, str],
+  note: str = "",
+  expected: tuple | None = None,
+) -> bool:
+  """Whether ``value`` has our shape (one layer's, with ``layer``; ``expected``: the
+  shape it must have in the other side's layout) and our dtype. If not, adds the
+  problem, ``note`` after our shape, with ``fixes``' fix for a shape or a dtype."""
+  where = e.where(layer)
+  ours = e.shape if layer is None else e.layer_shape()
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  if shape is None or tuple(shape) != (ours if expected is None else expected):
+    theirs = type(value).__name__ if shape is None else shape_str(tuple(shape))
+    problems.add(
+      f"{where}: shape mismatch: ours is {shape_str(ours)}{note}, {s.label()} is {theirs}.",
+      fixes[0],
+    )
+    return False
+  if dtype != e.dtype:
+    problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.", fixes[1])
+    return False
+  return True
+
+
+def layer_note(e: Entry, layer: int | None) -> str:
+  """What a shape mismatch says after our shape: `` per layer`` for one layer's, the
+  layer count for a whole stack's."""
+  if layer is not None:
+    return " per layer"
+  return "" if e.axis is None else f" ({e.layers} layers on axis {e.axis})"
 
 
 def _ranges(numbers: list[int]) -> str:
@@ -353,13 +344,6 @@ def answers(e: Entry, names: Callable[[Entry, int | None], list[str]]) -> str:
   return words
 
 
-def _global(e: Entry, name: str, layer: int | None) -> str:
-  """A pattern position's layer named by its global index (``blocks.5.…``)."""
-  if layer is None or e.pattern is None:
-    return name
-  return (e.global_names([name], layer) or [name])[0]
-
-
 def made_names(
   ours: list[Entry],
   unstack: bool,
@@ -377,15 +361,17 @@ def made_names(
   Two of ours written to one name, or (``nested``) to a name and a name below it,
   are reported: an output must not lose a variable.
   """
-  apply = None if rename is None else renamer(rename, problems.what)
+  apply = renamer(rename, problems.what)
+  named = default if rename is None else given
   out, seen = [], {}
   for e in ours:
     for layer in range(e.layers) if unstack and e.layers else [None]:
-      name = default(e, layer) if apply is None else apply(_global(e, given(e, layer), layer))
+      name = named(e, layer)
+      if layer is not None:  # a pattern position's layer: by its global index
+        name = (e.global_names([name], layer) or [name])[0]
+      name = apply(name)
       if name is None:
         continue
-      if apply is None:
-        name = _global(e, name, layer)
       where = e.where(layer)
       if name in seen:
         problems.add(

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from ..core._errors import format_path
 from ._hints import report_unmatched
-from ._names import Match, Source, answers, load, match
+from ._names import Match, Source, answers, fits, load, match
 from ._paths import Entry, dotted, entries, flat_tree, nearest, select_collections
-from ._report import Problems, array_str, keys_str, shape_str, where_str
+from ._report import Problems, array_str, keys_str, where_str
 
 _FIX_NAMES = (
   "give the nnx module the same attribute names and nesting as ours "
@@ -27,6 +27,10 @@ _FIX_NAMES = (
 _FIX_UNUSED = (
   "every nnx variable needs one of ours at the same path: add the layer "
   "to our model, or transfer fewer collections with collections=(...)."
+)
+_FIXES = (  # a shape, a dtype that differs
+  "build both with the same sizes (a stack's layer axis must sit where the nnx module keeps it).",
+  "dtypes must match exactly (no silent casts): build both with the same param_dtype.",
 )
 
 
@@ -78,38 +82,28 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
   only the fills whose shapes and dtypes fit are kept."""
   want = select_collections(collections, what)
   ours = entries(model, what)
+  kinds = {path: _collection(leaf) for path, leaf in flat.items()}
   if want is None:
-    seen = {e.collection for e in ours} | {_collection(leaf) for leaf in flat.values()}
-    want = {c for c in seen if c is not None} - {"rngs"}
+    seen = {e.collection for e in ours} | {c for c in kinds.values() if c is not None}
+    want = seen - {"rngs"}
   ours = [e for e in ours if e.collection in want]
-  theirs = {
-    p: leaf for p, leaf in flat.items() if _collection(leaf) is None or _collection(leaf) in want
-  }
-  present = {_collection(leaf) for leaf in theirs.values()}
-  absent = set()
-  if None not in present:
+  theirs = {path for path, c in kinds.items() if c is None or c in want}
+  present = {kinds[path] for path in theirs}
+  if None not in present:  # raw arrays (a State of them) may be of any collection
     for c in sorted(want - present):
       mine = [e for e in ours if e.collection == c]
       if mine:
-        absent.add(c)
         problems.add(
           f"the nnx side has no variables of collection `{c}`, but ours has "
           f"{len(mine)}: {where_str(mine)}.",
           "pass the whole nnx module or state, or transfer only some collections "
           "with collections=('params',).",
         )
+    ours = [e for e in ours if e.collection in present]  # the rest is reported above
   sources = [
-    Source(
-      path,
-      dotted(path),
-      f"nnx `{format_path(path)}`",
-      leaf,
-      _collection(leaf),
-      extra=path not in theirs,
-    )
+    Source(path, dotted(path), f"nnx `{format_path(path)}`", leaf, kinds[path], path not in theirs)
     for path, leaf in flat.items()
   ]
-  ours = [e for e in ours if e.collection not in absent]
   found = match(ours, sources, _names, rename, problems, "nnx")
 
   def missing(e: Entry) -> str:
@@ -129,7 +123,7 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
   found.fills = [
     fill
     for fill in found.fills
-    if all(_fits(fill.entry, s, layer, problems) for s, layer in fill.given())
+    if all(_fits(fill.entry, s, layer, problems) for s, layer in fill.given)
   ]
   return found
 
@@ -140,28 +134,9 @@ def _names(e: Entry, layer: int | None) -> list[str]:
 
 def _fits(e: Entry, s: Source, layer: int | None, problems: Problems) -> bool:
   """Whether ``s`` has ``e``'s shape (one layer's, with ``layer``) and dtype."""
-  where = e.where(layer)
   value = s.layer_of(_value(s.leaf), e.where(), problems)
-  if value is None:
-    return False
-  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-  ours = e.shape if layer is None else e.layer_shape()
-  if shape is None or tuple(shape) != ours:
-    problems.add(
-      f"{where}: shape mismatch: ours is {shape_str(ours)}"
-      f"{' per layer' if layer is not None else ''}, {s.label()} is "
-      f"{shape_str(shape) if shape is not None else type(value).__name__}.",
-      "build both with the same sizes (a stack's layer axis must sit "
-      "where the nnx module keeps it).",
-    )
-    return False
-  if dtype != e.dtype:
-    problems.add(
-      f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.",
-      "dtypes must match exactly (no silent casts): build both with the same param_dtype.",
-    )
-    return False
-  return True
+  note = "" if layer is None else " per layer"
+  return value is not None and fits(e, s, layer, value, problems, _FIXES, note)
 
 
 def from_nnx(model, source, *, collections: Any = None, rename: Any = None):
@@ -270,7 +245,7 @@ def to_nnx(model, target, *, collections: Any = None, rename: Any = None):
   layers: dict = {}  # a stacked nnx array written from layers of ours: {path: {index: value}}
   for fill in found.fills:
     e = fill.entry
-    for s, layer in fill.given():
+    for s, layer in fill.given:
       value = e.var.value if layer is None else jnp.take(e.var.value, layer, e.axis)
       if s.index is None:
         values[s.key] = value

@@ -13,9 +13,9 @@
   ``nn.remat_scan`` nests the layer axes: ``(a, b, ...)`` in place of our ``a * b``).
   Stacks inside a stacked layer keep their axes as they are (a linen ``nn.scan``
   inside an ``nn.scan`` stores the layer axes the same way);
-* ``depth`` / ``linen_depth``: where the stack sits on the path and the linen name, so
-  that layer ``i`` also answers to the list-of-layers names ``blocks.i.linear.kernel``
-  and linen's ``blocks_i`` (``Entry.dotted(i)``, ``Entry.linen_name(i)``);
+* ``depth``: where the stack sits on the path, so that layer ``i`` also answers to the
+  list-of-layers names ``blocks.i.linear.kernel`` and linen's ``blocks_i``
+  (``Entry.dotted(i)``, ``Entry.linen_name(i)``);
 * ``owner``: the module holding the variable (its class decides PyTorch's layout);
 * ``items``: which keys of ``path`` are items of a list, tuple or dict (the rest are
   attributes), so that a name can be rewritten with a layer index put in or taken out;
@@ -54,7 +54,6 @@ class Entry:
   lengths: tuple | None = None
   owner: Any = None  # the module whose attribute (or list, dict) holds the variable
   depth: int = 0  # for a stacked variable: how many keys of ``path`` reach the stack
-  linen_depth: int = 0  # ... and of ``linen``
   items: tuple = ()  # per key of ``path``: True for a list, tuple or dict item
   pattern: tuple | None = None  # (depth, period, position) in a pattern stack
 
@@ -85,23 +84,20 @@ class Entry:
     shape = self.shape
     return shape if self.axis is None else shape[: self.axis] + shape[self.axis + 1 :]
 
+  def _listed(self, layer: int) -> tuple[tuple, tuple]:
+    """``path`` and ``items`` of ``layer`` in a list of layers at the stack's path."""
+    d = self.depth
+    return self.path[:d] + (layer,) + self.path[d:], self.items[:d] + (True,) + self.items[d:]
+
   def dotted(self, layer: int | None = None) -> str:
     """Our path dot-joined, ``layers.0.kernel``; with ``layer``, that layer's place in
     a list of layers at the stack's path (``blocks.3.linear.kernel``)."""
-    path = self.path
-    if layer is not None:
-      path = path[: self.depth] + (layer,) + path[self.depth :]
-    return dotted(path)
+    return dotted(self.path if layer is None else self._listed(layer)[0])
 
   def linen_name(self, layer: int | None = None) -> tuple:
     """The linen name; with ``layer``, that layer's as linen's ``setup`` names a list
     of submodules at the stack's name (``blocks_3``)."""
-    if layer is None:
-      return self.linen
-    d = self.linen_depth
-    if d == 0:
-      return (str(layer),) + self.linen
-    return self.linen[: d - 1] + (f"{self.linen[d - 1]}_{layer}",) + self.linen[d:]
+    return self.linen if layer is None else linen_names(*self._listed(layer))
 
   def global_index(self, layer: int) -> int:
     """The index of local ``layer`` in the stack the user sees (a pattern stack's)."""
@@ -111,7 +107,7 @@ class Entry:
     return layer * period + position
 
   def _prefixes(self, path: tuple, items: tuple) -> list[str]:
-    return [dotted(path), linen_join(path, items)]
+    return [dotted(path), ".".join(linen_names(path, items))]
 
   def global_names(self, names: list[str], layer: int) -> list[str]:
     """``names`` of local ``layer`` of a pattern position, with the position's place
@@ -164,11 +160,12 @@ def entries(model, what: str) -> list[Entry]:
   stacks: dict[int, tuple[dict, tuple | None]] = {}
   out = []
   for path, var in zip(graphdef.var_paths, variables):
-    linen, stack, owner, depth, linen_depth, items, pattern = _walk(model, path)
+    stack, owner, depth, items, pattern = _walk(model, path)
     axis = lengths = None
     if stack is not None:
       if id(stack) not in stacks:
-        stacks[id(stack)] = _stack_axes(stack)
+        axes = {id(v): layer_axis for _, v, layer_axis, _ in stacked_variables(stack)}
+        stacks[id(stack)] = axes, getattr(stack_info(type(stack)), "lengths", None)
       axes, stack_lengths = stacks[id(stack)]
       axis = axes.get(id(var))
       if (
@@ -178,50 +175,46 @@ def entries(model, what: str) -> list[Entry]:
       ):
         lengths = stack_lengths
     if axis is None:
-      depth = linen_depth = 0
+      depth = 0
       pattern = None
-    out.append(Entry(path, var, linen, axis, lengths, owner, depth, linen_depth, items, pattern))
+    linen = linen_names(path, items)
+    out.append(Entry(path, var, linen, axis, lengths, owner, depth, items, pattern))
   return out
 
 
 def _walk(root, path: tuple):
-  """The linen name of ``path``, the outermost stacked module on the way, the module
-  holding the variable, how many keys of the path and of the name reach the stack,
-  which keys are container items, and the pattern stack around the stack if any."""
-  scope: list[str] = []
-  name, obj, stack, owner = None, root, None, root
-  depth = linen_depth = 0
+  """The outermost stacked module along ``path``, the module holding the variable,
+  how many keys of the path reach the stack, which keys are container items, and the
+  pattern stack around the stack if any."""
+  obj, owner, stack, pattern = root, root, None, None
+  depth = 0
   items: list[bool] = []
   patterns: dict[int, int] = {}  # where a pattern stack sits -> its period
-  pattern = None
   for n, key in enumerate(path):
-    if isinstance(obj, Module):
-      if stack is None and is_stacked(obj):
-        stack, depth, linen_depth = obj, n, len(scope) + (name is not None)
-        if n >= 2 and n - 2 in patterns and path[n - 2] == "pattern":
-          pattern = (n - 2, patterns[n - 2], path[n - 1])
-      if stack is None and _pattern_of(obj) is not None:
-        patterns[n] = len(vars(obj)["pattern"])
-      if name is not None:
-        scope.append(name)
-      owner = obj
-      name, obj = str(key), vars(obj)[key]
-      items.append(False)
-    else:
-      name, obj = f"{name}_{key}", obj[key]
-      items.append(True)
-  return tuple(scope) + (name,), stack, owner, depth, linen_depth, tuple(items), pattern
+    items.append(not isinstance(obj, Module))
+    if items[-1]:
+      obj = obj[key]
+      continue
+    if stack is None and is_stacked(obj):
+      stack, depth = obj, n
+      if n >= 2 and n - 2 in patterns and path[n - 2] == "pattern":
+        pattern = (n - 2, patterns[n - 2], path[n - 1])
+    if stack is None and _pattern_of(obj) is not None:
+      patterns[n] = len(vars(obj)["pattern"])
+    owner, obj = obj, vars(obj)[key]
+  return stack, owner, depth, tuple(items), pattern
 
 
-def linen_join(path: tuple, items: tuple) -> str:
-  """The dot-joined linen name of ``path``: items joined to their attribute by ``_``."""
+def linen_names(path: tuple, items: tuple) -> tuple:
+  """linen's module and variable names along ``path``: items joined to their
+  attribute by ``_`` (``layers_0``), as linen's ``setup`` names them."""
   names: list[str] = []
   for key, item in zip(path, items):
     if item and names:
       names[-1] += f"_{key}"
     else:
       names.append(str(key))
-  return ".".join(names)
+  return tuple(names)
 
 
 def _swap(names: list[str], old: list[str], new: list[str]) -> list[str]:
@@ -241,12 +234,6 @@ def _swap(names: list[str], old: list[str], new: list[str]) -> list[str]:
 def dotted(path: tuple) -> str:
   """A path as a PyTorch state dict names it: keys joined by dots, ``layers.0.kernel``."""
   return ".".join(str(k) for k in path)
-
-
-def _stack_axes(stack) -> tuple[dict, tuple | None]:
-  """Each stacked variable's layer axis (by id), and a ``sr.remat_scan``'s ``lengths``."""
-  axes = {id(v): axis for _, v, axis, _ in stacked_variables(stack)}
-  return axes, getattr(stack_info(type(stack)), "lengths", None)
 
 
 def placed_like(var: Variable, value):
@@ -285,19 +272,11 @@ def select_collections(collections, what: str) -> set[str] | None:
   return names
 
 
-def flat_tree(tree) -> dict[tuple, Any]:
+def flat_tree(tree, prefix: tuple = ()) -> dict[tuple, Any]:
   """``{key path: leaf}`` of nested mappings (anything but a mapping is a leaf)."""
-  flat: dict[tuple, Any] = {}
-
-  def walk(prefix, node):
-    if isinstance(node, Mapping):
-      for k, v in node.items():
-        walk(prefix + (k,), v)
-    else:
-      flat[prefix] = node
-
-  walk((), tree)
-  return flat
+  if not isinstance(tree, Mapping):
+    return {prefix: tree}
+  return {path: leaf for k, v in tree.items() for path, leaf in flat_tree(v, prefix + (k,)).items()}
 
 
 def nearest(flat: dict[tuple, Any], path: tuple) -> tuple[tuple, list]:

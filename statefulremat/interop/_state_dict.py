@@ -22,7 +22,7 @@ import numpy as np
 from ..core._stacks import stack_info
 from ..nn import BatchNorm, Conv, Embed, LayerNorm, Linear, RMSNorm
 from ._hints import report_unmatched
-from ._names import Source, answers, load, made_names, match
+from ._names import Source, answers, array_of, fits, layer_note, load, made_names, match
 from ._paths import Entry, chosen_entries, select_collections
 from ._report import Problems, array_str, shape_str
 
@@ -57,41 +57,36 @@ _FIX_DTYPE = (
 )
 
 
-def _torch_rule(e: Entry) -> tuple[str, tuple | None] | None:
-  """``(PyTorch's name, axes)`` for a variable of a layer PyTorch lays out otherwise:
-  our layer's array is ``np.transpose(torch's, axes)`` (None: the same); None for
-  variables that keep our name and layout."""
+def _torch_word(e: Entry) -> str | None:
+  """PyTorch's name for the variable where its layer names it otherwise (``weight``
+  for a Linear's ``kernel``); None where it keeps ours."""
   for cls in type(e.owner).__mro__:
     if stack_info(cls) is not None:  # a stack's class: look at its layer class
       continue
-    names = _TORCH_NAMES.get(cls)
-    if names is not None:
-      name = e.path[-1]
-      if name not in names:
-        return None
-      if name != "kernel":
-        return names[name], None
-      n = len(e.layer_shape())  # (out, in, *window) -> (*window, in, out)
-      return names[name], tuple(range(2, n)) + (1, 0)
+    if cls in _TORCH_NAMES:
+      return _TORCH_NAMES[cls].get(e.path[-1])
     if cls.__module__.split(".")[0] == "statefulremat":
-      return None  # one of our other layers (ConvTranspose & co.): our layout
+      return None  # one of our other layers (ConvTranspose & co.): our names
   return None
 
 
 def _torch_name(e: Entry, layer: int | None) -> str:
   """``e.dotted(layer)`` with PyTorch's name for the variable where it has its own."""
-  name, rule = e.dotted(layer), _torch_rule(e)
-  return name if rule is None else name[: len(name) - len(str(e.path[-1]))] + rule[0]
+  name, word = e.dotted(layer), _torch_word(e)
+  return name if word is None else name[: len(name) - len(str(e.path[-1]))] + word
 
 
-def _full_axes(axes: tuple, e: Entry) -> tuple:
-  """``axes`` of one layer's transposition, for the whole stacked array."""
-  if e.axis is None:
-    return axes
-  a = e.axis
-  up = [j if j < a else j + 1 for j in range(len(axes))]
-  full = [up[k] for k in axes]
-  return tuple(full[:a]) + (a,) + tuple(full[a:])
+def _torch_axes(e: Entry, layer: int | None) -> tuple | None:
+  """``axes`` such that our array (one layer's, with ``layer``) is
+  ``np.transpose(torch's, axes)``: for a Linear or Conv kernel, ``(out, in,
+  *window)`` -> ``(*window, in, out)``; None for the variables PyTorch lays out as we do."""
+  if e.path[-1] != "kernel" or _torch_word(e) is None:
+    return None
+  axes = (*range(2, len(e.layer_shape())), 1, 0)
+  if e.axis is not None and layer is None:  # the whole stack: its layer axis stays
+    shifted = [k if k < e.axis else k + 1 for k in axes]
+    axes = (*shifted[: e.axis], e.axis, *shifted[e.axis :])
+  return axes
 
 
 def _check(layout, flat, what: str) -> None:
@@ -173,47 +168,24 @@ def from_state_dict(
     return f"the state dict has no {renamed}{answers(e, names)}."
 
   def value(e: Entry, s: Source, layer: int | None, problems: Problems):
-    rule = _torch_rule(e) if torch else None
-    return _value(e, s, layer, None if rule is None else rule[1], problems)
+    """``s``'s array in our layout (one layer's with ``layer``), or None after adding
+    a problem."""
+    value = array_of(e, s, layer, s.leaf, problems)
+    if value is None:
+      return None
+    axes = _torch_axes(e, layer) if torch else None
+    note, expected = layer_note(e, layer), None
+    if axes is not None:
+      ours = e.shape if layer is None else e.layer_shape()
+      expected = tuple(ours[k] for k in np.argsort(axes))
+      note += f", in PyTorch's layout {shape_str(expected)}"
+    if not fits(e, s, layer, value, problems, (_FIX_SHAPE, _FIX_DTYPE), note, expected):
+      return None
+    value = jnp.asarray(value)
+    return value if axes is None else jnp.transpose(value, axes)
 
   report_unmatched(found, missing, array_str, (_FIX_NAMES, _FIX_UNUSED))
   return load(model, found, value)
-
-
-def _value(e: Entry, s: Source, layer: int | None, axes: tuple | None, problems: Problems):
-  """``s``'s array in our layout (one layer's with ``layer``), or None after adding a
-  problem."""
-  where = e.where(layer)
-  value = s.layer_of(s.leaf, e.where(), problems)
-  if value is None:
-    return None
-  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-  if shape is None or dtype is None:
-    problems.add(f"{where}: {s.label()} is a {type(value).__name__}, not an array.")
-    return None
-  ours = e.shape if layer is None else e.layer_shape()
-  full = None if axes is None else axes if layer is not None else _full_axes(axes, e)
-  expected = ours if full is None else tuple(ours[k] for k in np.argsort(full))
-  if tuple(shape) != expected:
-    per_layer = (
-      " per layer"
-      if layer is not None
-      else f" ({e.layers} layers on axis {e.axis})"
-      if e.layers
-      else ""
-    )
-    torch = "" if full is None else f", in PyTorch's layout {shape_str(expected)}"
-    problems.add(
-      f"{where}: shape mismatch: ours is {shape_str(ours)}{per_layer}{torch}, "
-      f"{s.label()} is {shape_str(tuple(shape))}.",
-      _FIX_SHAPE,
-    )
-    return None
-  if np.dtype(dtype) != np.dtype(e.dtype):
-    problems.add(f"{where}: dtype mismatch: ours is {e.dtype}, {s.label()} is {dtype}.", _FIX_DTYPE)
-    return None
-  value = jnp.asarray(value)
-  return value if full is None else jnp.transpose(value, full)
 
 
 def to_state_dict(
@@ -271,11 +243,10 @@ def to_state_dict(
   out = {}
   for e, layer, name in names:
     value = np.asarray(e.var.value)
-    rule = _torch_rule(e) if torch else None
+    axes = _torch_axes(e, layer) if torch else None
     if layer is not None:
       value = np.take(value, layer, axis=e.axis)
-    if rule is not None and rule[1] is not None:
-      axes = rule[1] if layer is not None else _full_axes(rule[1], e)
+    if axes is not None:
       value = np.ascontiguousarray(np.transpose(value, np.argsort(axes)))
     out[name] = value
   return out
