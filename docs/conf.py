@@ -195,27 +195,6 @@ def _readable_signature(app, what, name, obj, options, signature, return_annotat
   return signature, return_annotation
 
 
-def _readable_overload_defaults(app, doctree):
-  # autodoc sends only a function's first signature through the event above: the
-  # defaults of its other @overload signatures are rewritten here, on the page.
-  from docutils import nodes
-  from sphinx import addnodes
-
-  for signature in doctree.findall(addnodes.desc_signature):
-    module, fullname = signature.get("module"), signature.get("fullname")
-    if not module or not fullname or "." in fullname:
-      continue
-    obj = getattr(importlib.import_module(module), fullname, None)
-    fn = obj.__init__ if isinstance(obj, type) else obj
-    namespace = getattr(inspect.unwrap(fn), "__globals__", {}) if fn is not None else {}
-    for default in signature.findall(nodes.inline):
-      if "default_value" in default.get("classes", ()):
-        text = default.astext()
-        shown = readable_default(text, namespace)
-        if shown != text:
-          default.children = [nodes.Text(shown)]
-
-
 def _overloaded(obj) -> bool:
   fn = obj.__init__ if isinstance(obj, type) else obj
   try:
@@ -256,23 +235,25 @@ class _OneSignatureAutosummary(Autosummary):
     return items
 
 
-def _one_signature(app, doctree):
-  # A transform's @overload signatures are for type checkers (a class in, its class
-  # out); the page shows the first, as flax's do one, and the Args say the rest.
-  from sphinx import addnodes
+def _implementation_signatures(app, config):
+  # A transform's @overload stubs are for type checkers (a class in, its class out; they
+  # spell the keywords once, as a TypedDict): its page shows the signature users call,
+  # the implementation's, as its table row does, and the Args say the rest.
+  from sphinx.pycode import ModuleAnalyzer
 
-  for desc in doctree.findall(addnodes.desc):
-    signatures = [c for c in desc.children if isinstance(c, addnodes.desc_signature)]
-    if len({s.get("fullname") for s in signatures}) == 1:
-      for extra in signatures[1:]:
-        desc.remove(extra)
+  analyze = ModuleAnalyzer.analyze
+
+  def without_overloads(self):
+    analyze(self)
+    self.overloads = {}
+
+  ModuleAnalyzer.analyze = without_overloads
 
 
 def setup(app):
   app.connect("builder-inited", _write_benchmarks_page)
-  app.connect("doctree-read", _one_signature)
+  app.connect("config-inited", _implementation_signatures)
   app.connect("autodoc-process-signature", _readable_signature)
-  app.connect("doctree-read", _readable_overload_defaults)
   app.add_autodoc_attrgetter(type, _class_attribute)
   app.connect("viewcode-follow-imported", _source_module)
   app.add_directive("autosummary", _OneSignatureAutosummary, override=True)

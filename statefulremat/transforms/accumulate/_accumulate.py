@@ -22,11 +22,6 @@ from ._microbatches import split_rows
 def accumulate(fn: Callable, *, microbatches: int) -> Callable:
   """Gradient accumulation: ``fn`` run on ``microbatches`` slices of the batch, averaged.
 
-  Equals a Python loop over ``k`` contiguous slices of every batch array's axis 0,
-  traced once as one ``jax.lax.scan``: every change ``fn`` makes to the model is
-  carried from one microbatch to the next and written back (nothing if ``fn``
-  raises), and the gradients are summed in float32 at least.
-
   Args:
     fn: ``fn(model, *batch, **kwargs) -> (loss, grads)`` (or ``((loss, aux), grads)``);
       ``model`` is a module or a pytree of modules (modules go there only).
@@ -69,36 +64,32 @@ def accumulate(fn: Callable, *, microbatches: int) -> Callable:
 
   @functools.wraps(fn)
   def wrapper(model, *batch, **kwargs):
-    return _accumulate(fn, k, what, model, batch, kwargs)
+    lifted, variables, others, nodes = lift((model,), {})
+    if not nodes or not all(is_node(n) for n in jax.tree.leaves(model, is_leaf=is_node)):
+      raise TransformError(
+        f"{what}: argument 0 must be the model (a module, or a tuple/dict of modules), "
+        f"got {type(model).__name__}. It is called as `fn(model, *batch)`, with the "
+        "batch arrays after the model. Fix: `sr.accumulate(fn, microbatches=k)(model, "
+        "x, y)`."
+      )
+    check_no_modules(batch, what, "argument", first=1)
+    check_no_modules(kwargs, what, "the keyword argument")
+    leaves, batch_tree = jax.tree.flatten(batch)
+    if not leaves:
+      raise TransformError(
+        f"{what}: there is no batch to split: the arguments after the model hold no "
+        "array. Fix: pass the batch positionally after the model, `step(model, x, y)`."
+      )
+    _check_one_batch_size(leaves, batch, what)
+    split = [_microbatched(x, j, batch, k, what) for j, x in enumerate(leaves)]
+
+    with held(variables):
+      values = [v._value for v in variables]
+      out, changed = _scan(fn, k, what, lifted, values, others, split, batch_tree, kwargs)
+      commit(variables, changed, what)
+    return out
 
   return serialised(wrapper)
-
-
-def _accumulate(fn, k: int, what: str, model, batch: tuple, kwargs: dict):
-  lifted, variables, others, nodes = lift((model,), {})
-  if not nodes or not all(is_node(n) for n in jax.tree.leaves(model, is_leaf=is_node)):
-    raise TransformError(
-      f"{what}: argument 0 must be the model (a module, or a tuple/dict of modules), "
-      f"got {type(model).__name__}. It is called as `fn(model, *batch)`, with the "
-      "batch arrays after the model. Fix: `sr.accumulate(fn, microbatches=k)(model, "
-      "x, y)`."
-    )
-  check_no_modules(batch, what, "argument", first=1)
-  check_no_modules(kwargs, what, "the keyword argument")
-  leaves, batch_tree = jax.tree.flatten(batch)
-  if not leaves:
-    raise TransformError(
-      f"{what}: there is no batch to split: the arguments after the model hold no "
-      "array. Fix: pass the batch positionally after the model, `step(model, x, y)`."
-    )
-  _check_one_batch_size(leaves, batch, what)
-  split = [_microbatched(x, j, batch, k, what) for j, x in enumerate(leaves)]
-
-  with held(variables):
-    values = [v._value for v in variables]
-    out, changed = _scan(fn, k, what, lifted, values, others, split, batch_tree, kwargs)
-    commit(variables, changed, what)
-  return out
 
 
 def _microbatched(x, j: int, batch: tuple, k: int, what: str):
@@ -201,7 +192,8 @@ def _scan(
   paths = lifted.graphdef.var_paths
   init = []
   for i, new in zip(carried, written):
-    if not _is_array_tree(values[i]):
+    leaves = jax.tree.leaves(values[i])
+    if not leaves or not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
       raise TransformError(
         f"{what}: fn writes `{format_path(paths[i])}`, whose value "
         f"({type(values[i]).__name__}) is not an array, so it cannot be carried from "
@@ -213,8 +205,11 @@ def _scan(
     # first microbatch.
     init.append(jax.tree.map(_like, values[i], new))
   _check_grads(grads0, what)
-  acc_dtype = lambda a: jnp.promote_types(a.dtype, jnp.float32)  # noqa: E731
-  zeros = jax.tree.map(lambda a: _zeros(a, acc_dtype(a)), (loss0, grads0))
+
+  def zeros(like):  # summed in float32 at least, sharded as explicit mesh axes show
+    spec = _spec(like)
+    dtype = jnp.promote_types(like.dtype, jnp.float32)
+    return jnp.zeros(like.shape, dtype, out_sharding=P(*spec) if spec else None)
 
   def body(carry, mb):
     state, total = carry
@@ -239,7 +234,7 @@ def _scan(
     total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, (loss, grads))
     return (new_state, total), aux
 
-  init = (init, zeros)
+  init = (init, jax.tree.map(zeros, (loss0, grads0)))
   (state, total), auxs = jax.lax.scan(body, init, split)
   loss, grads = jax.tree.map(lambda t, like: (t / k).astype(like.dtype), total, (loss0, grads0))
   out = ((loss, auxs), grads) if found["has_aux"] else (loss, grads)
@@ -295,17 +290,6 @@ def _check_grads(grads, what: str) -> None:
         f"{g.dtype}, which cannot be averaged over microbatches. fn must return float "
         "gradients. Fix: differentiate only float variables (`wrt=sr.Param`)."
       )
-
-
-def _zeros(like, dtype):
-  """Zeros of ``like``'s shape, in its sharding where explicit mesh axes show it."""
-  spec = _spec(like)
-  return jnp.zeros(like.shape, dtype, out_sharding=P(*spec) if spec else None)
-
-
-def _is_array_tree(value) -> bool:
-  leaves = jax.tree.leaves(value)
-  return bool(leaves) and all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves)
 
 
 def _describe(x) -> str:

@@ -1,6 +1,4 @@
-"""A batch as microbatches and back, for ``sr.accumulate`` and ``sr.pipeline``: rows
-split into ``(k, B // k, ...)`` and joined again, kept spread over the Explicit mesh
-axes that shard the batch."""
+"""A batch as microbatches and back, for ``sr.accumulate`` and ``sr.pipeline`` (README.md)."""
 
 from __future__ import annotations
 

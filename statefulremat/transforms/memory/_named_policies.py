@@ -13,10 +13,6 @@ _POLICIES = jax.checkpoint_policies
 class Policy:
   """A remat policy that saves or offloads values by their ``checkpoint_name``.
 
-  Made by ``sr.policies``' presets and ``sr.policies.custom``; every value it does not
-  keep is recomputed. A block must name at least one of its values, else the remat
-  raises.
-
   Args:
     name: how reprs and messages show it (``"sr.policies.minimal"``).
     saved: names kept in device memory.

@@ -1,6 +1,5 @@
-"""Remat policies checked against the traced body: names that match nothing, exclusions
-ignored, offload that offloads nothing (README.md). ``policy_check(policy, what).run(f,
-*args)`` traces ``f`` once, checks, then evaluates the same jaxpr."""
+"""Remat policies checked against the traced body (README.md): ``policy_check(policy,
+what).run(f, *args)`` traces ``f`` once, checks, then evaluates the same jaxpr."""
 
 from __future__ import annotations
 
@@ -105,17 +104,6 @@ def _published_names(policy) -> tuple[str, ...] | None:
   return tuple(dict.fromkeys(n for names in sets for n in names)) if sets else None
 
 
-def _describe(policy) -> str:
-  factory = _made_by(policy)
-  names = _published_names(policy)
-  listing = ("save_only_these_names", "save_any_names_but_these")  # names are all they take
-  if factory in listing and names is not None:
-    return f"jax.checkpoint_policies.{factory}({', '.join(map(repr, names))})"
-  if factory is not None:
-    return f"jax.checkpoint_policies.{factory}(...)"
-  return getattr(policy, "__name__", None) or repr(policy)
-
-
 # -- the check -----------------------------------------------------------------------
 
 
@@ -127,6 +115,14 @@ class PolicyCheck:
   def __init__(self, policy, what: str, factory: str | None, names: tuple[str, ...] | None):
     self.policy, self.what = policy, what
     self.factory, self.names = factory, names
+
+  def _describe(self) -> str:
+    listing = ("save_only_these_names", "save_any_names_but_these")  # names are all they take
+    if self.factory in listing and self.names is not None:
+      return f"jax.checkpoint_policies.{self.factory}({', '.join(map(repr, self.names))})"
+    if self.factory is not None:
+      return f"jax.checkpoint_policies.{self.factory}(...)"
+    return getattr(self.policy, "__name__", None) or repr(self.policy)
 
   def run(self, f: Callable, *args):
     """``f(*args)``, after checking the policy against the body ``f`` traces."""
@@ -148,27 +144,51 @@ class PolicyCheck:
     for kind in sorted(offload_to):
       self._warn_offload(kind)
     kept = [name for name, (keeps, _) in answers.items() if keeps]
+    body_names = (
+      f"The body names: {', '.join(map(repr, sorted(found)))}."
+      if found
+      else "The body names nothing: it has no checkpoint_name at all."
+    )
     if isinstance(self.policy, Policy):
       if not kept:
-        self._refuse_names_nothing(found)
+        raise TransformError(
+          f"{self.what}: policy={self.policy!r} keeps the values named "
+          f"{', '.join(map(repr, self.policy.names))}, and no "
+          "`jax.ad_checkpoint.checkpoint_name` in the traced body gives any of them, so "
+          "it would save nothing and remat would recompute everything. (An sr.policies "
+          "policy needs only one of its names in the body: a block may hold only some of "
+          f"a preset's tensors.) {body_names} Fix: a policy naming the "
+          "body's values (`sr.policies.custom({name: 'device'})`), names in the body "
+          "(`checkpoint_name(x, name)`), or `sr.policies.full` to save nothing."
+        )
     elif self.names is not None:
-      self._check_published(found)
+      self._check_published(found, body_names)
     elif self.factory in _ALLOW_LISTS and not kept:
-      self._refuse_keeps_nothing(found)
+      raise TransformError(
+        f"{self.what}: policy={self._describe()} keeps none of the values the "
+        "traced body names, so it saves nothing and remat recomputes everything: the "
+        "names it was given match no `jax.ad_checkpoint.checkpoint_name` in the body "
+        "(this jax keeps a policy's names to itself, so they cannot be listed). "
+        f"{body_names} Fix: spell the policy's names as the body does, or "
+        "name the value in the body: `checkpoint_name(x, name)`."
+      )
     elif self.factory == "save_anything_except_these_names" and len(kept) == len(found):
       # Keeping every name means its exclusions are ignored or name nothing here. (An
       # unpublished save_any_names_but_these that keeps every name may have been given
       # none, which is meant: it is not judged.)
-      self._refuse_excludes_nothing(found)
+      raise TransformError(
+        f"{self.what}: policy={self._describe()} is meant to save every value "
+        f"except the names it was given, but it keeps every value the traced body names "
+        f"({', '.join(map(repr, sorted(found))) or 'nothing'}), so remat would save what "
+        "you asked it not to: this jax's save_anything_except_these_names ignores its "
+        f"names (or none of them is in the body). {body_names} Fix: "
+        "`jax.checkpoint_policies.save_any_names_but_these(*names)` saves the named "
+        "values except those names and recomputes the rest; "
+        "`jax.checkpoint_policies.everything_saveable` if saving everything is meant."
+      )
 
-  def _body_names(self, found: set[str]) -> str:
-    if found:
-      return f"The body names: {', '.join(map(repr, sorted(found)))}."
-    return "The body names nothing: it has no checkpoint_name at all."
-
-  def _check_published(self, found: set[str]) -> None:
-    assert self.names is not None
-    missing = [n for n in self.names if n not in found]
+  def _check_published(self, found: set[str], body_names: str) -> None:
+    missing = [n for n in self.names or () if n not in found]
     if not missing:
       return
     listed = []
@@ -177,47 +197,11 @@ class PolicyCheck:
       listed.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     plural, them = ("s", "them") if len(missing) > 1 else ("", "it")
     raise TransformError(
-      f"{self.what}: policy={_describe(self.policy)} refers to the name{plural} "
+      f"{self.what}: policy={self._describe()} refers to the name{plural} "
       f"{', '.join(listed)}, which no `jax.ad_checkpoint.checkpoint_name` in the "
       f"traced body gives, so the policy would silently ignore {them}. "
-      f"{self._body_names(found)} Fix: spell the policy's names as the body does, or "
+      f"{body_names} Fix: spell the policy's names as the body does, or "
       f"name the value in the body: `checkpoint_name(x, {missing[0]!r})`."
-    )
-
-  def _refuse_names_nothing(self, found: set[str]) -> None:
-    assert isinstance(self.policy, Policy)
-    raise TransformError(
-      f"{self.what}: policy={self.policy!r} keeps the values named "
-      f"{', '.join(map(repr, self.policy.names))}, and no "
-      "`jax.ad_checkpoint.checkpoint_name` in the traced body gives any of them, so "
-      "it would save nothing and remat would recompute everything. (An sr.policies "
-      "policy needs only one of its names in the body: a block may hold only some of "
-      f"a preset's tensors.) {self._body_names(found)} Fix: a policy naming the "
-      "body's values (`sr.policies.custom({name: 'device'})`), names in the body "
-      "(`checkpoint_name(x, name)`), or `sr.policies.full` to save nothing."
-    )
-
-  def _refuse_keeps_nothing(self, found: set[str]) -> None:
-    raise TransformError(
-      f"{self.what}: policy={_describe(self.policy)} keeps none of the values the "
-      "traced body names, so it saves nothing and remat recomputes everything: the "
-      "names it was given match no `jax.ad_checkpoint.checkpoint_name` in the body "
-      "(this jax keeps a policy's names to itself, so they cannot be listed). "
-      f"{self._body_names(found)} Fix: spell the policy's names as the body does, or "
-      "name the value in the body: `checkpoint_name(x, name)`."
-    )
-
-  def _refuse_excludes_nothing(self, found: set[str]) -> None:
-    listed = ", ".join(map(repr, sorted(found))) or "nothing"
-    raise TransformError(
-      f"{self.what}: policy={_describe(self.policy)} is meant to save every value "
-      f"except the names it was given, but it keeps every value the traced body names "
-      f"({listed}), so remat would save what you asked it not to: this jax's "
-      "save_anything_except_these_names ignores its names (or none of them is in the "
-      f"body). {self._body_names(found)} Fix: "
-      "`jax.checkpoint_policies.save_any_names_but_these(*names)` saves the named "
-      "values except those names and recomputes the rest; "
-      "`jax.checkpoint_policies.everything_saveable` if saving everything is meant."
     )
 
   def _warn_offload(self, kind: str) -> None:
@@ -225,7 +209,7 @@ class PolicyCheck:
     if _offloads(platform, kind):
       return
     warnings.warn(
-      f"{self.what}: policy={_describe(self.policy)} offloads residuals to "
+      f"{self.what}: policy={self._describe()} offloads residuals to "
       f"{kind!r} memory, but on this backend ({platform}) nothing is offloaded: the "
       "compiled program keeps no bytes in host memory, so the values the policy "
       "offloads stay in device memory, as if it saved them. Offloading needs a "

@@ -394,15 +394,10 @@ def tree_bytes(tree: Any) -> int:
 # -- one unit of a stack: a layer, or a cycle of a pattern -------------------------------
 
 
-@dataclasses.dataclass
-class _BlockInputs:
-  layer_fn: Callable  # (one unit's state values, carry) -> carry
-  params: Any  # one unit's state values, abstract
-  layer_bytes: int  # one unit's stacked bytes
-
-
-def unit_inputs(stack, fn: Callable) -> tuple[int, _BlockInputs]:
-  """``(units, inputs)``: the loop's unit count and one unit as a function of its state."""
+def unit_inputs(stack, fn: Callable) -> tuple[int, Callable, Any, int]:
+  """``(units, unit_fn, states, unit_bytes)``: the loop's unit count, one unit as a function
+  ``unit_fn(states, carry) -> carry`` of its state values (abstract: ``states``), and its
+  stacked bytes."""
   positions = cycle(stack)
   found = {}
 
@@ -426,4 +421,4 @@ def unit_inputs(stack, fn: Callable) -> tuple[int, _BlockInputs]:
 
     return found["lifted"].run(chain, list(states), [], "the planner", restructure=True)[0]
 
-  return units, _BlockInputs(unit_fn, states, stacked // units)
+  return units, unit_fn, states, stacked // units

@@ -62,12 +62,12 @@ def search_plans(
     ) from None
   moves = moves_to_host()
   nested_keeps = policy is not None or nesting_keeps_policy()
-  n, inputs = unit_inputs(stack, fn)
+  n, unit_fn, unit_states, unit_bytes = unit_inputs(stack, fn)
   carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), carry)
   carry_bytes = tree_bytes(carry)
   given = {GIVEN: policy} if policy is not None else POLICIES
   residuals = {
-    name: residual_bytes(inputs.layer_fn, inputs.params, carry, innermost)
+    name: residual_bytes(unit_fn, unit_states, carry, innermost)
     for name, innermost in given.items()
   }
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), stack)
@@ -97,7 +97,7 @@ def search_plans(
     best, ranked = choose(
       n,
       carry_bytes,
-      inputs.layer_bytes,
+      unit_bytes,
       residuals,
       budget,
       max_depth,
@@ -117,7 +117,7 @@ def search_plans(
       budget,
       tuple(ranked),
       carry_bytes,
-      inputs.layer_bytes,
+      unit_bytes,
       verify,
       measured_bytes=measured.get((best.lengths, best.policy, best.carries)),
       unit=unit,

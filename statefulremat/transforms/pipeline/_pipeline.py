@@ -22,10 +22,7 @@ SCHEDULES = ("gpipe", "circular")
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSpec:
-  """How ``sr.pipeline`` runs a stack: the mesh axis of the stages, the number of
-  microbatches, the schedule (``"gpipe"`` or ``"circular"``) and its repeats.
-
-  ``spec.apply(fn)`` is ``sr.pipeline(fn, **fields)``.
+  """How ``sr.pipeline`` runs a stack (``spec.apply(fn)`` is ``sr.pipeline(fn, **fields)``).
 
   Args:
     axis: the name of the mesh axis the stages are spread over; ``"stage"`` by default.
@@ -56,7 +53,23 @@ class PipelineSpec:
   policy: Callable | None = None
 
   def __post_init__(self):
-    _check_options(self)
+    what = "sr.pipeline"
+    if not isinstance(self.axis, str):
+      raise TransformError(
+        f"{what}: axis={self.axis!r} must be a mesh axis name (a str), e.g. axis='stage'."
+      )
+    for name in ("microbatches", "repeats"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise TransformError(f"{what}: {name}={value!r} must be a positive int.")
+    if self.schedule not in SCHEDULES:
+      raise TransformError(f"{what}: schedule={self.schedule!r}; it is one of {SCHEDULES}.")
+    if self.schedule == "gpipe" and self.repeats != 1:
+      raise TransformError(
+        f"{what}: repeats={self.repeats} is for schedule='circular' (each stage holds "
+        "R chunks, a microbatch goes round the stages R times); gpipe passes once. Fix: "
+        "schedule='circular', or drop repeats."
+      )
 
   def bubble_fraction(self, stages: int) -> float:
     """The share of stage steps that are bubbles: (S−1)/(R·k+S−1) for k ≥ S."""
@@ -64,38 +77,11 @@ class PipelineSpec:
     return (steps - self.repeats * self.microbatches) / steps
 
   def apply(self, fn: Callable) -> Callable:
-    return pipeline(
-      fn,
-      axis=self.axis,
-      microbatches=self.microbatches,
-      schedule=self.schedule,
-      repeats=self.repeats,
-      policy=self.policy,
-    )
+    return pipeline(fn, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
   def _pipelined(self, fn: Callable, **how) -> Callable:
     """``sr.remat_scan(fn, ..., pipeline=self)``: ``how`` is ``pipelined``'s."""
     return pipelined(fn, self, **how)
-
-
-def _check_options(spec) -> None:
-  what = "sr.pipeline"
-  if not isinstance(spec.axis, str):
-    raise TransformError(
-      f"{what}: axis={spec.axis!r} must be a mesh axis name (a str), e.g. axis='stage'."
-    )
-  for name in ("microbatches", "repeats"):
-    value = getattr(spec, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise TransformError(f"{what}: {name}={value!r} must be a positive int.")
-  if spec.schedule not in SCHEDULES:
-    raise TransformError(f"{what}: schedule={spec.schedule!r}; it is one of {SCHEDULES}.")
-  if spec.schedule == "gpipe" and spec.repeats != 1:
-    raise TransformError(
-      f"{what}: repeats={spec.repeats} is for schedule='circular' (each stage holds "
-      "R chunks, a microbatch goes round the stages R times); gpipe passes once. Fix: "
-      "schedule='circular', or drop repeats."
-    )
 
 
 def pipeline(
@@ -109,15 +95,8 @@ def pipeline(
   lengths: str | None = None,
   memory_budget: int | str | None = None,
 ) -> Callable:
-  """Runs ``fn(layer, carry, *args, **kwargs) -> carry`` over a stack's layers spread
-  over the mesh axis ``axis`` (S stages), the carry's batch split into
-  ``microbatches`` (k) flowing through them.
-
-  Equals ``sr.remat_scan(fn, lengths=(N,))(stack, mb)`` on each microbatch ``mb`` in
-  turn, concatenated, state and RNG streams included. It runs under
-  ``jax.set_mesh(mesh)`` (or, called eagerly, on the mesh the stack's arrays are placed
-  on); with N divisible by S the stack's layer axis must be sharded over ``axis``.
-  Arguments after the carry are given whole to every layer and microbatch.
+  """Runs ``fn`` over a stack's layers spread over the stages of mesh axis ``axis``, the
+  carry's batch split into ``microbatches`` flowing through them.
 
   Args:
     fn: the body ``fn(layer, carry, *args, **kwargs) -> carry``, as ``sr.remat_scan``'s.

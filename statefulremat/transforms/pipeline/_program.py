@@ -65,10 +65,8 @@ def program(
     like = State.from_variables(zip(graphdef.var_paths, variables))
     layer_axis = {i: a for i, a in enumerate(axes) if a is not None}
     stacked = list(layer_axis)
-    counts = [
-      i for i, (v, a) in enumerate(zip(variables, axes)) if a is None and isinstance(v, RngCount)
-    ]
     others = [i for i, a in enumerate(axes) if a is None]
+    counts = [i for i in others if isinstance(variables[i], RngCount)]
     bad = [i for i in others if not isinstance(variables[i], (RngCount, RngKey))]
     if bad:
       var = variables[bad[0]]
@@ -84,21 +82,12 @@ def program(
     dynamic = [j for j, leaf in enumerate(extras) if is_array(leaf)]
 
     def with_extras(given):
-      leaves = list(extras)
-      for j, v in zip(dynamic, given):
-        leaves[j] = v
-      return jax.tree.unflatten(extras_tree, leaves)
+      given = dict(zip(dynamic, given))
+      return jax.tree.unflatten(extras_tree, [given.get(j, v) for j, v in enumerate(extras)])
 
     # The stage's chunk is the stack's own structure with fewer layers: lifted as one
     # argument, so each step runs it through the kernel (Lifted.run).
     lifted = Lifted(graphdef, jax.tree.structure(((0,), {})), (0,))
-
-    def in_stack_layout(flat):
-      """The chunk's values with the layer axis back where the stack has it."""
-      flat = list(flat)
-      for i in stacked:
-        flat[i] = _move_axis(flat[i], 0, layer_axis[i])
-      return flat
 
     if auto:
 
@@ -175,10 +164,9 @@ def program(
         m, r = jnp.clip(m, 0, k - 1), jnp.clip(r, 0, repeats - 1)
         q = r * stages + s
         flat: list[Any] = [None] * len(values)
-        for j, i in enumerate(stacked):
-          flat[i] = (
-            lax.dynamic_slice_in_dim(local[j], r * chunk, chunk) if repeats > 1 else local[j]
-          )
+        for j, i in enumerate(stacked):  # the layer axis back where the stack has it
+          v = lax.dynamic_slice_in_dim(local[j], r * chunk, chunk) if repeats > 1 else local[j]
+          flat[i] = _move_axis(v, 0, layer_axis[i])
         for j, i in enumerate(others):
           flat[i] = fixed[j]
         for i in counts:  # microbatch m draws as the sequential run's m-th call
@@ -189,7 +177,7 @@ def program(
           mark_layer_index(module, layout.offset(q))
           return inner(module, carry, *call_args, **call_kwargs)
 
-        out, changes = lifted.run(run_chunk, in_stack_layout(flat), [], what)
+        out, changes = lifted.run(run_chunk, flat, [], what)
         out = out[0] if layout.padded else out
         wrote = changes.values
         found["written"] = [j for j, i in enumerate(stacked) if i in wrote]

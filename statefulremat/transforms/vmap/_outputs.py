@@ -1,6 +1,4 @@
-"""The modules that come out of ``sr.vmap``: made inside and returned (stacked along
-the mapped axis, where ``out_axes`` puts it), returned module arguments (whose axes must
-agree with the rules'), and a function with no module argument that builds them."""
+"""The modules that come out of ``sr.vmap`` (README.md)."""
 
 from __future__ import annotations
 
@@ -86,9 +84,8 @@ def vmap_creating(
     graphdef, root_classes=classes, metadata=lambda i, m: mark_frozen(m, axes[i], name)
   )
   roots, _ = unflatten(graphdef, values)
-  merged, nodes, rest = [], iter(roots), iter(others)
-  for i in range(len(positions) + len(others)):
-    merged.append(next(nodes) if i in positions else next(rest))
+  nodes, rest = iter(roots), iter(others)
+  merged = [next(nodes) if i in positions else next(rest) for i in range(treedef.num_leaves)]
   return jax.tree.unflatten(treedef, merged)
 
 

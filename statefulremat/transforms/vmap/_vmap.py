@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast, overload
+from typing import Any, TypedDict, Unpack, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -59,66 +59,32 @@ _DEFAULT_IN_AXES = _DefaultAxis(0)
 _UNSAID = object()
 
 
+class _Options(TypedDict, total=False):
+  """The keywords of ``vmap``, for its overloads (the implementation gives the defaults)."""
+
+  in_axes: Any
+  out_axes: Any
+  axis_size: int | None
+  axis_name: str | None
+  variable_axes: Mapping[Any, Any]
+  split_rngs: Mapping[Any, Any]
+  variable_broadcast: Any
+  metadata_params: Mapping[Any, Any]
+  methods: Sequence[str] | None
+  init_in_axes: Any
+
+
+# The class form: a stack of M, typed as M (`stack.layer(i)` is an M).
 @overload
+def vmap(target: type[M], **options: Unpack[_Options]) -> type[M]: ...
+@overload  # a pattern stack, whose positions differ
 def vmap(
-  target: type[M],
-  *,
-  in_axes: Any = _DEFAULT_IN_AXES,
-  out_axes: Any = 0,
-  axis_size: int | None = None,
-  axis_name: str | None = None,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
-@overload
-def vmap(
-  target: Sequence[type[Module] | functools.partial[Any]],
-  *,
-  in_axes: Any = _DEFAULT_IN_AXES,
-  out_axes: Any = 0,
-  axis_size: int | None = None,
-  axis_name: str | None = None,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-) -> type: ...  # a pattern stack, whose positions differ
-@overload
-def vmap(
-  target: Callable[P, R],
-  *,
-  in_axes: Any = _DEFAULT_IN_AXES,
-  out_axes: Any = 0,
-  axis_size: int | None = None,
-  axis_name: str | None = None,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-) -> Callable[P, R]: ...  # the function form: the same signature
-@overload
-def vmap(
-  target: None = None,
-  *,
-  in_axes: Any = _DEFAULT_IN_AXES,
-  out_axes: Any = 0,
-  axis_size: int | None = None,
-  axis_name: str | None = None,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  variable_broadcast: Any = False,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-) -> Transform: ...  # keywords only: a decorator of a class or a function
+  target: Sequence[type[Module] | functools.partial[Any]], **options: Unpack[_Options]
+) -> type: ...
+@overload  # the function form: the same signature
+def vmap(target: Callable[P, R], **options: Unpack[_Options]) -> Callable[P, R]: ...
+@overload  # keywords only: a decorator of a class or a function
+def vmap(target: None = None, **options: Unpack[_Options]) -> Transform: ...
 @cached_class_form
 def vmap(
   target: Callable | type | Sequence[Callable] | None = None,
@@ -135,15 +101,6 @@ def vmap(
   init_in_axes: Any = None,
 ):
   """``jax.vmap`` over a module: ``vmap(f)(module, *args)``; or a stacked init.
-
-  The function form is equivalent to ``stack([f(layer_i, *args_i) for i ...])``, where
-  ``layer_i`` holds slice ``i`` of each variable matched by ``variable_axes`` and the
-  same value of each broadcast one; keyword arguments pass unmapped to every layer.
-  The class form ``sr.vmap(Block, axis_size=8)(*args, rngs=...)`` builds 8
-  independently initialised layers (an ensemble) in one traced init, its constructor's
-  arguments passed whole unless ``init_in_axes`` maps them; calling it maps ``methods``
-  over the layers. A function that takes no module, a decorated ``__init__``, and
-  writes or attributes the function adds: the "Deep stacks" guide.
 
   Args:
     target: a function ``f(module, *args, **kwargs)`` (also a method, or ``__init__``),
@@ -208,22 +165,16 @@ def vmap(
     given = {**public(options), "in_axes": in_axes}  # the default stays the default
     return functools.partial(vmap, methods=methods, init_in_axes=init_in_axes, **given)
 
-  def rules(what: str) -> Rules:
-    return Rules(what, collections)
-
   def function_form(fn: Callable, covers_module: bool, **given) -> Callable:
     """The function form over ``fn`` (a class form's methods map their stack by its
     rules, never by ``in_axes``)."""
-    what = f"sr.vmap({display_name(fn)})"
-    return _vmap_function(
-      fn, what=what, rules=rules(what), covers_module=covers_module, **{**options, **given}
-    )
+    return _vmap_function(fn, {**options, **given}, covers_module)
 
   made = class_form(
     target,
     Form.VMAP,
     what=f"sr.vmap({target_repr(target)})",
-    rules=lambda: rules(f"sr.vmap({target_repr(target)})"),
+    rules=lambda: Rules(f"sr.vmap({target_repr(target)})", collections),
     count=lambda _: axis_size,
     run=lambda fn, _: function_form(fn, False, axis_size=None),
     position_class=lambda cls, n: fresh(vmap)(
@@ -249,47 +200,29 @@ def vmap(
   return function_form(fn, covers and explicit_axes)
 
 
-def _vmap_function(
-  fn: Callable,
-  *,
-  what,
-  rules,
-  in_axes,
-  out_axes,
-  axis_size,
-  axis_name,
-  collections,
-  metadata_params,
-  covers_module: bool = False,
-):
-  module_rules: dict = {}  # the module argument's axis -> its Rules (covers_module)
+def _vmap_function(fn: Callable, options: dict, covers_module: bool):
+  """The function form over ``fn``; ``options``: ``vmap``'s, with its ``collections``."""
+  in_axes, out_axes, axis_size = options["in_axes"], options["out_axes"], options["axis_size"]
+  axis_name, metadata_params = options["axis_name"], options["metadata_params"]
+  collections = options["collections"]
+  what = f"sr.vmap({display_name(fn)})"
+  rules = Rules(what, collections)
 
+  @functools.cache
   def rules_for(module_axis) -> Rules:
     """The Rules an explicit ``in_axes`` entry gives the module argument: mapped along
     that axis, or broadcast for None."""
-    found = module_rules.get(module_axis)
-    if found is None:
-      axes = {} if module_axis is None else {True: module_axis}
-      found = module_rules[module_axis] = Rules(
-        what, Collections(axes, module_axis is None, split_rngs=collections.split_rngs)
-      )
-    return found
+    axes = {} if module_axis is None else {True: module_axis}
+    return Rules(what, Collections(axes, module_axis is None, split_rngs=collections.split_rngs))
+
+  # A function no argument of which holds a module (``_outputs``).
+  mapping = {k: v for k, v in options.items() if k != "collections"}
+  creating = functools.partial(vmap_creating, fn, stack_class=_stack_class, what=what, **mapping)
 
   @functools.wraps(fn)
   def wrapper(module, *args, **kwargs):
-    if not any(map(is_node, jax.tree.leaves((module, args, kwargs), is_leaf=is_node))):
-      return vmap_creating(
-        fn,
-        (module,) + args,
-        kwargs,
-        _stack_class,
-        what=what,
-        in_axes=in_axes,
-        out_axes=out_axes,
-        axis_size=axis_size,
-        axis_name=axis_name,
-        metadata_params=metadata_params,
-      )
+    if not _holds_node((module, args, kwargs)):
+      return creating((module,) + args, kwargs)
     check_no_modules(args, what, "argument", first=1)
     check_no_modules(kwargs, what, "the keyword argument")
     call_rules, call_axes = rules, in_axes
@@ -364,23 +297,19 @@ def _vmap_function(
         check_returned_inputs(what, out, out_axes, module, treatment, values)
         return out
 
-      if period == 1:
-        out, changes = lifted.run(
-          call, flat, leaves, what, seed=(treatment, index), restructure=True, outputs=True
-        )
-      else:
-        outs, changes = lifted.run(
-          lambda k, positions: call(positions[k], call_args[k]),
-          flat,
-          leaves,
-          what,
-          seed=(treatment, index * jnp.uint32(period)),
-          units=range(period),
-          isolate=isolate,
-          restructure=True,
-          outputs=True,
-        )
-        out = stack_units(what, outs, names)
+      out, changes = lifted.run(
+        call if period == 1 else lambda k, positions: call(positions[k], call_args[k]),
+        flat,
+        leaves,
+        what,
+        seed=(treatment, index if period == 1 else index * jnp.uint32(period)),
+        units=range(period) if period > 1 else None,
+        isolate=isolate,
+        restructure=True,
+        outputs=True,
+      )
+      if period > 1:
+        out = stack_units(what, out, names)
       if changes.structure is not None:
         record["structure"] = changes.structure
       changed, made = changes.values, changes.made
@@ -420,10 +349,9 @@ def _vmap_function(
     treatment.check_stream_names()
     structure = record.get("structure")
     if period > 1:
-      refuse = functools.partial(refuse_shared_write, what, lifted, variables)
       for i in isolate:
         if i in shared:
-          agree(shared[i], functools.partial(refuse, [i]))
+          agree(shared[i], functools.partial(refuse_shared_write, what, lifted, variables, [i]))
           shared[i] = shared[i][0]
       out = member_order(out, out_axes, n, leaf_axes)
       # The padded members of the short last cycle are dropped.
@@ -455,20 +383,9 @@ def _vmap_function(
 
   @functools.wraps(fn)
   def call(*args, **kwargs):
-    if not args and not any(map(is_node, jax.tree.leaves(kwargs, is_leaf=is_node))):
+    if not args and not _holds_node(kwargs):
       # nnx's `init_vmap()`: nothing to map, `axis_size=` says how many to build
-      return vmap_creating(
-        fn,
-        (),
-        kwargs,
-        _stack_class,
-        what=what,
-        in_axes=in_axes,
-        out_axes=out_axes,
-        axis_size=axis_size,
-        axis_name=axis_name,
-        metadata_params=metadata_params,
-      )
+      return creating((), kwargs)
     return compiled(*args, **kwargs)
 
   return call
@@ -484,35 +401,27 @@ def _vmapped_init(init: Callable, options: dict) -> Callable:
   def wrapper(self, *args, **kwargs):
     cls = type(self)
     axes = list(in_axes[1:]) if isinstance(in_axes, (tuple, list)) else [in_axes] * len(args)
-    holds = [any(map(is_node, jax.tree.leaves(a, is_leaf=is_node))) for a in args]
     nodes = {
-      "args": {j: a for j, (a, h) in enumerate(zip(args, holds)) if h},
-      "kwargs": {
-        k: v for k, v in kwargs.items() if any(map(is_node, jax.tree.leaves(v, is_leaf=is_node)))
-      },
+      "args": {j: a for j, a in enumerate(args) if _holds_node(a)},
+      "kwargs": {k: v for k, v in kwargs.items() if _holds_node(v)},
     }
+    has_nodes = bool(nodes["args"] or nodes["kwargs"])
     plain_kwargs = {k: v for k, v in kwargs.items() if k not in nodes["kwargs"]}
-    rest = [j for j, h in enumerate(holds) if not h]
+    rest = [j for j in range(len(args)) if j not in nodes["args"]]
 
     def build(*call):
-      node_tree = call[0] if nodes["args"] or nodes["kwargs"] else {"args": {}, "kwargs": {}}
-      plain = call[1:] if nodes["args"] or nodes["kwargs"] else call
+      node_tree, plain = (call[0], call[1:]) if has_nodes else ({"args": {}, "kwargs": {}}, call)
       full = [None] * len(args)
-      for j, a in node_tree["args"].items():
-        full[j] = a
-      for j, a in zip(rest, plain):
+      for j, a in [*node_tree["args"].items(), *zip(rest, plain)]:
         full[j] = a
       member = object.__new__(cls)
       init(member, *full, **plain_kwargs, **node_tree["kwargs"])
       return member
 
     mapped_axes = tuple(axes[j] for j in rest) if len(axes) == len(args) else in_axes
-    plain_args = [args[j] for j in rest]
-    call_options = {**options, "in_axes": mapped_axes}
-    if nodes["args"] or nodes["kwargs"]:
-      stack = vmap(build, **call_options)(nodes, *plain_args)
-    else:
-      stack = vmap(build, **call_options)(*plain_args)
+    node_arg = (nodes,) if has_nodes else ()
+    call_options: dict[str, Any] = {**options, "in_axes": mapped_axes}
+    stack = vmap(build, **call_options)(*node_arg, *[args[j] for j in rest])
     for k, v in list(vars(stack).items()):
       if not is_bookkeeping(k):
         release_owner(v, stack)
@@ -533,10 +442,8 @@ def _stack_class(cls: type, n: int, axis: int = 0) -> type:
 def _module_entry(in_axes, n_args: int, stacked: bool) -> tuple[Any, Any]:
   """``(the module argument's axis, or _UNSAID; the other arguments' in_axes)`` of an
   explicit ``in_axes``, as nnx reads it; an int covers a plain module, not a stack."""
-  if isinstance(in_axes, (tuple, list)):
-    if len(in_axes) == n_args + 1:
-      return in_axes[0], type(in_axes)(in_axes[1:])
-    return _UNSAID, in_axes
+  if isinstance(in_axes, (tuple, list)) and len(in_axes) == n_args + 1:
+    return in_axes[0], type(in_axes)(in_axes[1:])
   if isinstance(in_axes, int) and not stacked:
     return in_axes, in_axes
   return _UNSAID, in_axes
@@ -547,3 +454,7 @@ def _holds_stack(module) -> bool:
     isinstance(node, Module) and is_stacked(node)
     for node in jax.tree.leaves(module, is_leaf=is_node)
   )
+
+
+def _holds_node(tree) -> bool:
+  return any(map(is_node, jax.tree.leaves(tree, is_leaf=is_node)))
