@@ -52,25 +52,21 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``; a module argument's gradient is a State.
 
-  Changes to other variables and to the modules' structure are written back, as
-  ``sr.jit`` writes them (nothing if the function raises).
-
   Args:
-    fn: the function to differentiate; it returns a scalar loss, or ``(loss, aux)``
-      with ``has_aux=True``.
-    argnums: the position, or a sequence of positions, of the arguments to
-      differentiate (default ``0``). A module there gets a ``State`` with the paths of
-      ``sr.state(module, wrt)``; a list, tuple or dict of modules the same structure
-      with a State per module; other arguments ordinary gradients.
+    fn: the function to differentiate, returning a scalar loss (``(loss, aux)`` with
+      ``has_aux=True``).
+    argnums: the position(s) of the arguments to differentiate (default ``0``). A module
+      there gets a ``State`` with the paths of ``sr.state(module, wrt)``, a list, tuple
+      or dict of modules a State per module, other arguments ordinary gradients.
     wrt: a filter choosing the variables of the modules at ``argnums`` to differentiate
-      (default ``sr.Param``). It must match at least one variable, and only float arrays.
-    has_aux: whether ``fn`` returns a pair ``(loss, aux)``, of which only ``loss`` is
-      differentiated (default ``False``).
+      (default ``sr.Param``): at least one, only float arrays.
+    has_aux: whether ``fn`` returns ``(loss, aux)``, only ``loss`` differentiated
+      (default ``False``).
 
   Returns:
-    A function taking ``fn``'s arguments and returning ``(value, grads)``, where
-    ``value`` is ``fn``'s result (``(loss, aux)`` with ``has_aux=True``) and ``grads``
-    is the gradient of the argument at ``argnums`` (a tuple of them for a sequence).
+    A function taking ``fn``'s arguments and returning ``(value, grads)``: ``fn``'s
+    result and the gradient of the argument at ``argnums`` (a tuple of them for a
+    sequence). Other changes to the modules are written back as ``sr.jit`` writes them.
 
   Raises:
     TypeError: at call, ``argnums`` names a position the call does not have; ``wrt``
@@ -96,11 +92,10 @@ def value_and_grad(
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
-    for t in targets:
-      if t >= len(args):
-        raise TypeError(
-          f"{what}: argnums={argnums} but only {len(args)} positional arguments were given."
-        )
+    if any(t >= len(args) for t in targets):
+      raise TypeError(
+        f"{what}: argnums={argnums} but only {len(args)} positional arguments were given."
+      )
     if any(_module_container(args[t]) for t in targets):
       return _through_containers(fn, args, kwargs, targets, single, wrt, has_aux)
     module_targets = {t for t in targets if isinstance(args[t], Module)}
@@ -116,10 +111,8 @@ def value_and_grad(
     positions = tuple(positions[i] for i in order)
     graphdef, variables = flatten(nodes)
     lifted = Lifted(graphdef, treedef, positions)
-    root_of = {}
-    for i, n in enumerate(nodes):
-      root_of.setdefault(id(n), i)
-    target_roots = {root_of[id(args[t])]: t for t in module_targets}
+    ids = [id(n) for n in nodes]
+    target_roots = {ids.index(id(args[t])): t for t in module_targets}
     multi = len(nodes) > 1
 
     diff_index = _differentiated(graphdef, variables, target_roots, multi, predicate)
@@ -204,16 +197,19 @@ def _loss_and_aux(out, has_aux: bool, what: str) -> tuple:
 
 
 def _refuse_non_float(what: str, diff_index: dict, variables, values) -> None:
+  """Raises if a differentiated Variable holds a leaf that is not a float array."""
   for entries in diff_index.values():
     for i, local in entries:
-      dtype = _non_float_dtype(values[i])
-      if dtype is not None:
-        raise TypeError(
-          f"{what}: the `wrt` filter matches `{format_path(local)}` "
-          f"({type(variables[i]).__name__}, {dtype}), which is not a float array "
-          "and has no gradient. Narrow the filter to the variables to "
-          "differentiate, e.g. `wrt=sr.Param`."
-        )
+      value = values[i]
+      for leaf in (value,) if hasattr(value, "dtype") else jax.tree.leaves(value):
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+          raise TypeError(
+            f"{what}: the `wrt` filter matches `{format_path(local)}` "
+            f"({type(variables[i]).__name__}, {dtype}), which is not a float array "
+            "and has no gradient. Narrow the filter to the variables to "
+            "differentiate, e.g. `wrt=sr.Param`."
+          )
 
 
 def _as_state(entries: list, variables, grads: list) -> State:
@@ -237,40 +233,27 @@ def _module_container(arg) -> bool:
 def _through_containers(fn, args, kwargs, targets, single, wrt, has_aux):
   """``value_and_grad`` where a differentiated argument is a container of modules: each
   module an argument of its own, the gradient back in the container's structure."""
-  flat_args, spans, treedefs = [], {}, {}
+  flat_args, spans, treedefs = [], [], []
   for p, arg in enumerate(args):
-    if p in targets and _module_container(arg):
-      modules, treedefs[p] = jax.tree.flatten(arg, is_leaf=lambda x: isinstance(x, Module))
-      spans[p] = range(len(flat_args), len(flat_args) + len(modules))
-      flat_args.extend(modules)
-    else:
-      spans[p] = len(flat_args)
-      flat_args.append(arg)
+    container = p in targets and _module_container(arg)
+    parts, treedef = jax.tree.flatten(arg, is_leaf=lambda x: not container or isinstance(x, Module))
+    spans.append(range(len(flat_args), len(flat_args) + len(parts)))
+    treedefs.append(treedef)
+    flat_args.extend(parts)
 
-  def regroup(flat):
-    return [
-      jax.tree.unflatten(treedefs[p], [flat[i] for i in spans[p]])
-      if p in treedefs
-      else flat[spans[p]]
-      for p in range(len(args))
-    ]
+  def regroup(flat, positions) -> list:
+    return [jax.tree.unflatten(treedefs[p], [flat[i] for i in spans[p]]) for p in positions]
 
   def flat_fn(*flat, **kw):
-    return fn(*regroup(flat), **kw)
+    return fn(*regroup(flat, range(len(args))), **kw)
 
   functools.update_wrapper(flat_fn, fn)
-  flat_targets = tuple(i for t in targets for i in (spans[t] if t in treedefs else (spans[t],)))
+  flat_targets = tuple(i for t in targets for i in spans[t])
   value, grads = value_and_grad(flat_fn, flat_targets, wrt=wrt, has_aux=has_aux)(
     *flat_args, **kwargs
   )
-  by_index = dict(zip(flat_targets, grads))
-  out = tuple(
-    jax.tree.unflatten(treedefs[t], [by_index[i] for i in spans[t]])
-    if t in treedefs
-    else by_index[spans[t]]
-    for t in targets
-  )
-  return value, out[0] if single else out
+  out = regroup(dict(zip(flat_targets, grads)), targets)
+  return value, out[0] if single else tuple(out)
 
 
 def _nothing_to_differentiate(what: str, wrt, position: int, module) -> None:
@@ -283,17 +266,6 @@ def _nothing_to_differentiate(what: str, wrt, position: int, module) -> None:
     "Fix: pass a filter that matches the variables to differentiate, e.g. "
     "`wrt=sr.Param` (the default) or `wrt='params'`."
   )
-
-
-def _non_float_dtype(value):
-  """The dtype of a leaf of ``value`` that cannot be differentiated, or None."""
-  for leaf in (value,) if hasattr(value, "dtype") else jax.tree.leaves(value):
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None:
-      dtype = jnp.result_type(leaf)
-    if not jnp.issubdtype(dtype, jnp.inexact):
-      return dtype
-  return None
 
 
 @overload

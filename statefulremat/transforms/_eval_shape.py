@@ -14,10 +14,7 @@ from ._outputs import ModulesOut
 
 def eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
   """What ``fn(*args, **kwargs)`` would return, with ``jax.ShapeDtypeStruct`` values,
-  computing nothing.
-
-  The result's modules are new objects whose Variables hold ``ShapeDtypeStruct`` s (a
-  stack stays a stack); the arguments are left exactly as they were.
+  computing nothing; the arguments are left as they were.
 
   Args:
     fn: the function to evaluate (modules may sit anywhere in its arguments), or a
@@ -27,7 +24,8 @@ def eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
 
   Returns:
     ``fn``'s result with each array as a ``jax.ShapeDtypeStruct``, and each module in
-    it a new, abstract one (its Variables holding ``ShapeDtypeStruct`` s).
+    it a new, abstract one (its Variables holding ``ShapeDtypeStruct`` s; a stack stays
+    a stack).
 
   Raises:
     TypeError: ``fn`` is neither callable nor a module.

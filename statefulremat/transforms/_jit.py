@@ -58,25 +58,22 @@ def jit(
 ) -> Any:
   """Compiles ``fn`` with ``jax.jit``; modules in its arguments are updated in place.
 
-  Every Variable the function changes, and every attribute it adds or deletes, is
-  written back after the call (nothing if it raises). A returned module passed in comes
-  back as the caller's own object, one made inside as a new object.
-
   Args:
     fn: the function; modules may sit anywhere in its arguments. ``None`` (only
-      keywords given, ``@sr.jit(static_argnums=1)``) makes a decorator.
+      keywords given) makes a decorator.
     static_argnums: positions of hashable, non-array arguments to compile for (default
-      ``()``: none).
+      ``()``).
     static_argnames: names of hashable, non-array keyword arguments to compile for
-      (default ``()``: none).
-    donate_state: donate the modules' current buffers to the computation (saves memory;
-      every Variable is then written back, changed or not). Default ``False``.
+      (default ``()``).
+    donate_state: donate the modules' current buffers to the computation (every
+      Variable is then written back, changed or not). Default ``False``.
     **jit_kwargs: ``keep_unused``, ``inline``, ``compiler_options``, ``backend``, ``device``.
 
   Returns:
-    A function of ``fn``'s signature that runs it compiled, writes the changes back to
-    the modules passed in and returns ``fn``'s result, with a ``lower(*args)`` method as
-    on ``jax.jit``'s; with no ``fn``, a decorator that takes it.
+    A function of ``fn``'s signature that runs it compiled, writes every change (values,
+    added or deleted attributes; nothing if it raises) back to the modules passed in and
+    returns ``fn``'s result (a module passed in as the caller's own object), with a
+    ``lower(*args)`` method as on ``jax.jit``'s; with no ``fn``, a decorator.
 
   Raises:
     TypeError: a keyword in ``**jit_kwargs`` other than those five; at call,
@@ -127,7 +124,10 @@ def jit(
     positional, named = statics
 
     def call(*args, **kwargs):
-      return fn(*_insert(args, positional), **kwargs, **dict(named))
+      merged = list(args)
+      for i, value in positional:  # ascending, so each lands at its original position
+        merged.insert(i, value)
+      return fn(*merged, **kwargs, **dict(named))
 
     out, changes = lifted.run(call, values, leaves, what, restructure=True, outputs=True)
     changed = changes.values
@@ -261,13 +261,6 @@ def _unaliased(values: list, leaves: list) -> list:
     return x
 
   return jax.tree.map(fresh, values)
-
-
-def _insert(args: tuple, statics: tuple) -> tuple:
-  merged = list(args)
-  for i, value in statics:  # ascending, so each lands at its original position
-    merged.insert(i, value)
-  return tuple(merged)
 
 
 # CPython 3.11-3.13 unmap a 16 KiB frame chunk as its last frame returns, so a deep trace

@@ -32,17 +32,12 @@ def lift_module_arg(
     graphdef,
     variables,
     nodes,
-    display_path=pattern_path if pattern else None,
+    display_path=(lambda p: ("pattern", *p)) if pattern else None,
     rules_path=(lambda p: p) if pattern else None,
   )
   check_stacks_sliced(nodes, graphdef, variables, treatment, what, pattern=pattern)
   inner = layer_view(graphdef, treatment, metadata_params)
   return Lifted(inner, treedef, positions), variables, treatment, leaves
-
-
-def pattern_path(path: tuple) -> tuple:
-  """A path among a pattern's positions as the user reaches it: ``pattern[1].bn.mean``."""
-  return ("pattern",) + tuple(path)
 
 
 def check_stacks_sliced(

@@ -4,6 +4,7 @@ as static aux data, and outside the objects are rebuilt around the caller's own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,14 +28,15 @@ def describe_returned(out) -> str:
   return "a single array" if isinstance(out, jax.Array) else f"a {type(out).__name__}"
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(slots=True, eq=False)
 class ModulesOut:
   """A result holding modules while it crosses the trace boundary (a pytree): its other
   leaves, the values of the Variables made inside, and static ``info``."""
 
-  __slots__ = ("leaves", "values", "info")
-
-  def __init__(self, leaves: list, values: list, info: tuple):
-    self.leaves, self.values, self.info = leaves, values, info
+  leaves: list
+  values: list
+  info: tuple = dataclasses.field(metadata={"static": True})
 
   def rebuild(self, input_nodes: Sequence[Any] = ()) -> Any:
     """The result with its modules, outside the trace; outputs that were inputs come back
@@ -52,13 +54,6 @@ class ModulesOut:
     return jax.tree_util.tree_unflatten(treedef, merged)
 
 
-jax.tree_util.register_pytree_node(
-  ModulesOut,
-  lambda out: ((out.leaves, out.values), out.info),
-  lambda info, children: ModulesOut(children[0], children[1], info),
-)
-
-
 def lift_outputs(out: Any, input_roots: Sequence[Any] = (), n_variables: int = 0) -> Any:
   """Inside a trace: ``out`` itself if it holds no module or Variable, else a
   ``ModulesOut`` (objects among ``input_roots``' graph recognised as inputs)."""
@@ -69,24 +64,17 @@ def lift_outputs(out: Any, input_roots: Sequence[Any] = (), n_variables: int = 0
   nodes = [leaves[i] for i in positions]
   graphdef, variables = flatten(list(input_roots) + nodes)
   values = [v.value for v in variables[n_variables:]]
-  at = set(positions)
-  others = [leaf for i, leaf in enumerate(leaves) if i not in at]
+  others = [leaf for leaf in leaves if not is_node(leaf)]
   info = (graphdef, treedef, positions, len(input_roots), n_variables)
   return ModulesOut(others, values, info)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(slots=True, eq=False)
 class Restructured:
   """A result whose function changed its modules' structure, crossing the trace boundary
   (a pytree): ``out``, the new Variables' values and the static ``NewStructure``."""
 
-  __slots__ = ("out", "made", "structure")
-
-  def __init__(self, out: Any, made: list, structure):
-    self.out, self.made, self.structure = out, made, structure
-
-
-jax.tree_util.register_pytree_node(
-  Restructured,
-  lambda r: ((r.out, r.made), r.structure),
-  lambda structure, children: Restructured(children[0], children[1], structure),
-)
+  out: Any
+  made: list
+  structure: Any = dataclasses.field(metadata={"static": True})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, overload
+from typing import Any, TypedDict, Unpack, overload
 
 import jax
 
@@ -31,42 +31,24 @@ from .memory._carries import report_remat
 from .memory._policy_check import policy_check
 
 
-@overload
-def remat(
-  target: type[M],
-  *,
-  policy: Callable[..., Any] | None = None,
-  prevent_cse: bool = True,
-  static_argnums: int | Sequence[int] = (),
-  variables: Filter = True,
-  rngs: Filter = True,
-  methods: Sequence[str] | None = None,
-  concrete: bool = False,
-) -> type[M]: ...  # the class form: a subclass whose methods are rematted
-@overload
-def remat(
-  target: Callable[P, R],
-  *,
-  policy: Callable[..., Any] | None = None,
-  prevent_cse: bool = True,
-  static_argnums: int | Sequence[int] = (),
-  variables: Filter = True,
-  rngs: Filter = True,
-  methods: Sequence[str] | None = None,
-  concrete: bool = False,
-) -> Callable[P, R]: ...  # the function form: the same signature
-@overload
-def remat(
-  target: None = None,
-  *,
-  policy: Callable[..., Any] | None = None,
-  prevent_cse: bool = True,
-  static_argnums: int | Sequence[int] = (),
-  variables: Filter = True,
-  rngs: Filter = True,
-  methods: Sequence[str] | None = None,
-  concrete: bool = False,
-) -> Transform: ...  # keywords only: a decorator of a class or a function
+class _Options(TypedDict, total=False):
+  """The keywords of ``remat``, for its overloads (the implementation gives the defaults)."""
+
+  policy: Callable[..., Any] | None
+  prevent_cse: bool
+  static_argnums: int | Sequence[int]
+  variables: Filter
+  rngs: Filter
+  methods: Sequence[str] | None
+  concrete: bool
+
+
+@overload  # the class form: a subclass whose methods are rematted
+def remat(target: type[M], **options: Unpack[_Options]) -> type[M]: ...
+@overload  # the function form: the same signature
+def remat(target: Callable[P, R], **options: Unpack[_Options]) -> Callable[P, R]: ...
+@overload  # keywords only: a decorator of a class or a function
+def remat(target: None = None, **options: Unpack[_Options]) -> Transform: ...
 @cached_class_form
 def remat(
   target: Callable | type | None = None,
@@ -81,31 +63,25 @@ def remat(
 ):
   """Rematerialises ``target`` in the backward pass (``jax.checkpoint``), modules included.
 
-  Computes what ``target`` does, mutations included, but recomputes the forward
-  intermediates during differentiation instead of storing them, except those ``policy``
-  saves.
-
   Args:
-    target: a function whose arguments may contain modules (or a method: works as a
-      decorator), or a Module class (returns a subclass whose ``methods`` are rematted).
+    target: a function whose arguments may contain modules (or a method), or a Module
+      class (returns a subclass whose ``methods`` are rematted).
     policy: a ``jax.checkpoint_policies`` entry (``None`` saves nothing), checked
       against the body's ``checkpoint_name`` s when traced.
     prevent_cse: as in ``jax.checkpoint``; may be ``False`` under ``scan``.
     static_argnums: argument positions (the module or ``self`` is 0) of Python values
-      the computation branches on; a position holding a module is an error.
-    variables: the Variables passed into the checkpoint as traced inputs (a filter);
-      the rest are closed over as constants of the checkpointed function.
-    rngs: the RNG streams that may be drawn from inside (a stream filter: ``True``, a
-      name, a tuple of names, a ``name -> bool`` callable); drawing from another
-      raises. A name served by a ``default`` stream (``sr.Rngs(0)``) lifts that stream.
+      the computation branches on.
+    variables: a filter of the Variables traced into the checkpoint; the rest are
+      closed over as constants.
+    rngs: a stream filter of the RNG streams that may be drawn from inside (a name
+      served by a ``default`` stream lifts that stream); drawing from another raises.
     methods: for a class target, the methods to remat (default ``["__call__"]``).
     concrete: removed from JAX; ``True`` raises an error pointing at ``static_argnums``.
 
   Returns:
     For a function, a function of the same signature that runs ``target`` under
     ``jax.checkpoint`` and writes its mutations back to the modules passed in; for a
-    Module class, the subclass ``Remat{Name}`` whose ``methods`` are rematted (the same
-    class for equal arguments); with no ``target``, a decorator that takes it.
+    Module class, the subclass ``Remat{Name}``; with no ``target``, a decorator.
 
   Raises:
     TypeError: ``concrete=True``; a ``target`` that is not callable; ``methods`` with a
@@ -186,11 +162,10 @@ def _remat_function(
         )
     dynamic = tuple(a for i, a in enumerate(args) if i not in statics)
     lifted, variables_, leaves, nodes = lift(dynamic, kwargs)
-    graphdef = lifted.graphdef
     values = [v._value for v in variables_]
     lifted_streams = _lifted_streams(nodes, stream_rules)
     traced, frozen_rngs = [], set()
-    for i, (path, var) in enumerate(zip(graphdef.var_paths, variables_)):
+    for i, (path, var) in enumerate(zip(lifted.graphdef.var_paths, variables_)):
       if isinstance(var, RngState):
         split = lifted_streams.get(id(var))
         if split is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, overload
+from typing import Any, TypedDict, Unpack, overload
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ from ._class_form import (
 )
 from ._lift import refuse_layer_list, serialised
 from ._module_arg import check_no_modules
+from ._outputs import describe_returned
 from ._pattern import class_form, target_repr
 from ._pattern_loop import lift_loop
 from ._rules import Collections, Rules, TransformError, public
@@ -34,82 +35,36 @@ from ._scan_axes import check_axes, in_axes_per_leaf, leaf_path, stack_ys
 from .memory._carries import check_carries, warn_if_kept
 
 
+class _Options(TypedDict, total=False):
+  """The keywords of ``scan``, for its overloads (the implementation gives the defaults)."""
+
+  variable_axes: Mapping[Any, Any]
+  variable_broadcast: Any
+  variable_carry: Any
+  split_rngs: Mapping[Any, Any]
+  in_axes: Any
+  out_axes: Any
+  length: int | None
+  reverse: bool
+  unroll: int | bool
+  carries: str
+  data_transform: Callable[..., Any] | None
+  metadata_params: Mapping[Any, Any]
+  methods: Sequence[str] | None
+  init_in_axes: Any
+
+
+# The class form: a stack of M, typed as M (`stack.layer(i)` is an M).
 @overload
+def scan(target: type[M], **options: Unpack[_Options]) -> type[M]: ...
+@overload  # a pattern stack, whose positions differ
 def scan(
-  target: type[M],
-  *,
-  variable_axes: Mapping[Any, Any] = _EMPTY,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  split_rngs: Mapping[Any, Any] = _EMPTY,
-  in_axes: Any = 0,
-  out_axes: Any = 0,
-  length: int | None = None,
-  reverse: bool = False,
-  unroll: int | bool = 1,
-  carries: str = "device",
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
-@overload
-def scan(
-  target: Sequence[type[Module] | functools.partial[Any]],
-  *,
-  variable_axes: Mapping[Any, Any] = _EMPTY,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  split_rngs: Mapping[Any, Any] = _EMPTY,
-  in_axes: Any = 0,
-  out_axes: Any = 0,
-  length: int | None = None,
-  reverse: bool = False,
-  unroll: int | bool = 1,
-  carries: str = "device",
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-) -> type: ...  # a pattern stack, whose positions differ
-@overload
-def scan(
-  target: Callable[P, R],
-  *,
-  variable_axes: Mapping[Any, Any] = _EMPTY,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  split_rngs: Mapping[Any, Any] = _EMPTY,
-  in_axes: Any = 0,
-  out_axes: Any = 0,
-  length: int | None = None,
-  reverse: bool = False,
-  unroll: int | bool = 1,
-  carries: str = "device",
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-) -> Callable[P, R]: ...  # the function form: the same signature
-@overload
-def scan(
-  target: None = None,
-  *,
-  variable_axes: Mapping[Any, Any] = _EMPTY,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  split_rngs: Mapping[Any, Any] = _EMPTY,
-  in_axes: Any = 0,
-  out_axes: Any = 0,
-  length: int | None = None,
-  reverse: bool = False,
-  unroll: int | bool = 1,
-  carries: str = "device",
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-) -> Transform: ...  # keywords only: a decorator of a class or a function
+  target: Sequence[type[Module] | functools.partial[Any]], **options: Unpack[_Options]
+) -> type: ...
+@overload  # the function form: the same signature
+def scan(target: Callable[P, R], **options: Unpack[_Options]) -> Callable[P, R]: ...
+@overload  # keywords only: a decorator of a class or a function
+def scan(target: None = None, **options: Unpack[_Options]) -> Transform: ...
 @cached_class_form
 def scan(
   target: Callable | type | Sequence[Callable] | None = None,
@@ -131,54 +86,42 @@ def scan(
 ):
   """``jax.lax.scan`` over a module: ``scan(f)(module, carry, *xs) -> (carry, ys)``.
 
-  Equivalent to this Python loop over the layers (``sr.unstack``), but traced once::
-
-      for i in range(length):                      # reversed if reverse=True
-        carry, y_i = f(layer_i, carry, *(x[i] for x in xs))
-      ys = stack(y_i)
-
-  where ``layer_i`` holds slice ``i`` of each ``variable_axes`` variable, the running
-  value of each ``variable_carry`` one and the same value of the others (read-only);
-  ``x[i]`` is slice ``i`` of each ``xs`` leaf along its ``in_axes`` axis, and keyword
-  arguments pass unchanged. The rules, ``sow`` and attribute changes in the body: the
-  "Deep stacks" guide.
+  Runs ``f(layer_i, carry, *xs_i)`` for each layer, as the loop over ``sr.unstack(module)``
+  would, traced once (the "Deep stacks" guide).
 
   Args:
     target: ``f(module, carry, *xs) -> (carry, ys)`` (also a method); a Module class
       (the class form: ``length`` layers built in one traced init, its ``methods``
       scanned); a tuple of classes (a pattern); ``None`` makes a decorator.
     variable_axes: ``{filter: axis}``, the variables sliced per iteration (default
-      ``{}``: none; a variable no rule matches is read-only).
-    variable_broadcast: filter of variables read-only in every iteration (default
-      ``False``).
-    variable_carry: filter of variables threaded through the iterations (default
-      ``False``).
+      ``{}``; a variable no rule matches is read-only).
+    variable_broadcast: filter of variables read-only in every iteration (default ``False``).
+    variable_carry: filter of variables threaded through the iterations (default ``False``).
     split_rngs: ``{stream filter: bool}``, the streams that give each iteration its
       own key (default ``{}``: one key for all).
-    in_axes: where each ``xs`` leaf is sliced: an int (negative counts from the end),
-      ``None`` / ``sr.broadcast`` (whole to every iteration), or a prefix tree of
-      ``xs``, one entry per argument at the top. Default ``0``.
+    in_axes: where each ``xs`` leaf is sliced: an int, ``None`` / ``sr.broadcast``
+      (whole to every iteration), or a prefix tree of ``xs``, one entry per argument at
+      the top. Default ``0``.
     out_axes: where the iterations are stacked in each ``ys`` leaf: an int or a prefix
       tree of ``ys``; never ``None``. Default ``0``.
     length: the number of iterations; needed for a class target and when nothing else
       tells it. Default ``None``.
     reverse: run from the last iteration to the first (default ``False``).
     unroll: iterations per loop step, as in ``jax.lax.scan`` (default ``1``).
-    carries: where the input carries saved for the backward pass live: ``"device"``
-      (default) or ``"offload"`` (host memory; see the "Memory names" guide).
+    carries: where the carries saved for the backward pass live: ``"device"`` (default)
+      or ``"offload"`` (host memory).
     data_transform: ``State -> State`` applied to each iteration's stacked values, e.g.
       a ``jax.lax.with_sharding_constraint`` (default ``None``).
     metadata_params: ``{"partition_name": name}``, the layer axis's name in the
       ``sharding`` metadata of stacked variables (default ``{}``).
     methods: for a class target, the methods to scan (default ``None``: ``__call__``).
     init_in_axes: for a class target, the positional constructor arguments that differ
-      per layer: an axis, or one entry per argument, ``None`` passing it whole (the
-      default); e.g. ``sr.scan(Block, length=4, init_in_axes=(0,))(jnp.arange(4.0))``.
+      per layer: an axis, or one entry per argument (default ``None``: all whole).
 
   Returns:
     For a function, ``scanned(module, carry, *xs, **kwargs) -> (carry, ys)``, which
     writes the body's changes back to ``module``; for a class (or a pattern), the stack
-    class ``Scan{Name}`` (one per equal arguments); with no ``target``, a decorator.
+    class ``Scan{Name}``; with no ``target``, a decorator.
 
   Raises:
     TypeError: a ``target`` that is not callable; ``methods`` / ``init_in_axes`` with a
@@ -190,13 +133,12 @@ def scan(
       that matches nothing; a list of unstacked layers as argument 0.
     sr.GraphError: a module in the carry, ``xs`` or keyword arguments, or returned.
 
-  >>> import jax.numpy as jnp, statefulremat as sr
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
   >>> class Layer(sr.Module):
   ...   def __init__(self, *, rngs):
   ...     self.w = sr.Param(jax.random.normal(rngs.params(), (3, 3)))
   ...   def __call__(self, x):
   ...     return jnp.tanh(x @ self.w.value), None
-  >>> import jax
   >>> Stack = sr.scan(Layer, length=4, variable_axes={sr.Param: 0},
   ...                 split_rngs={"params": True})
   >>> stack = Stack(rngs=sr.Rngs(0))
@@ -209,9 +151,7 @@ def scan(
   >>> bool(jnp.allclose(x, y, atol=1e-6))
   True
 
-  A prefix tree gives each leaf its own axis: below, ``xs["a"]`` is scanned along its
-  axis 1, ``xs["b"]`` is given whole to every iteration, and the two ys are stacked at
-  axis 0 and at the last axis:
+  A prefix tree gives each leaf its own axis (``xs["b"]`` whole to every iteration):
 
   >>> def body(layer, c, x):
   ...   c, _ = layer(c + x["a"] + x["b"])
@@ -284,7 +224,6 @@ def _scan_function(
   from_class_form: bool = False,
 ) -> Callable:
   what = f"sr.scan({display_name(fn)})"
-  check_axes(what, in_axes, out_axes)
   offload = check_carries(what, carries)
   rules = Rules(what, collections)
 
@@ -299,7 +238,7 @@ def _scan_function(
     x_leaves, x_tree = jax.tree.flatten(xs)
     # Checked before the module is lifted or anything traced.
     axes = in_axes_per_leaf(what, in_axes, xs, len(x_leaves))
-    scanned, sources = [], []
+    scanned, moved, sources = [], [], []
     for j, (x, axis) in enumerate(zip(x_leaves, axes)):
       if axis is None:
         continue
@@ -313,6 +252,8 @@ def _scan_function(
         )
       scanned.append(j)
       sources.append((f"xs leaf {j} (axis {axis})", jnp.shape(x)[axis]))
+      # Each jnp call is a nested jit; leaves already scanned along axis 0 skip it.
+      moved.append(x if axis % ndim == 0 else jnp.moveaxis(x, axis, 0))
 
     def call(layer, c, x_scanned):
       full = list(x_leaves)
@@ -320,16 +261,8 @@ def _scan_function(
         full[j] = x
       out = fn(layer, c, *jax.tree.unflatten(x_tree, full), **kwargs)
       if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        # Name what came back in user terms: a tracer's class name means nothing here.
-        got = (
-          "a single array"
-          if isinstance(out, jax.Array)
-          else f"a {type(out).__name__} of length {len(out)}"
-          if isinstance(out, (tuple, list))
-          else f"a {type(out).__name__}"
-        )
         raise TypeError(
-          f"{what}: the body must return a pair (carry, ys), got {got}. "
+          f"{what}: the body must return a pair (carry, ys), got {describe_returned(out)}. "
           "Return `carry, None` if there are no ys."
           + (
             " A block written for sr.remat_scan returns the carry alone: the same "
@@ -342,11 +275,6 @@ def _scan_function(
         )
       return tuple(out)
 
-    # Each jnp call is a nested jit; leaves already scanned along axis 0 skip it.
-    moved = [
-      x_leaves[j] if axes[j] % jnp.ndim(x_leaves[j]) == 0 else jnp.moveaxis(x_leaves[j], axes[j], 0)
-      for j in scanned
-    ]
     if length is not None:
       sources.insert(0, ("length", int(length)))
     loop = lift_loop(

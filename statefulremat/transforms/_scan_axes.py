@@ -46,15 +46,9 @@ class _Broadcast:
 broadcast = _Broadcast()
 
 
-def _is_axis(a) -> bool:
-  return isinstance(a, numbers.Integral) and not isinstance(a, bool)
-
-
 def check_axes(what: str, in_axes, out_axes) -> None:
   """Raises unless both are prefix trees of ints / None / sr.broadcast (none in out)."""
   for name, axes in (("in_axes", in_axes), ("out_axes", out_axes)):
-    if isinstance(axes, int) and not isinstance(axes, bool):
-      continue
     for path, a in _axes_leaves(axes, ()):
       where = f"{name}={axes!r}" + (
         f" has {a!r} at `{name}{jax.tree_util.keystr(path)}`" if path else ""
@@ -66,7 +60,7 @@ def check_axes(what: str, in_axes, out_axes) -> None:
             "axis that stacks them. Fix: give an int there (e.g. 0); return a value "
             "computed once through the carry."
           )
-      elif not _is_axis(a):
+      elif not isinstance(a, numbers.Integral) or isinstance(a, bool):
         whole = ", None or sr.broadcast (the whole value)" if name == "in_axes" else ""
         which = ", which" if path else ""
         raise TransformError(
@@ -140,21 +134,18 @@ def leaf_path(tree, j: int) -> str:
 
 def stack_ys(what: str, out_axes, ys):
   """Moves the iteration axis of each ``ys`` leaf (first, from lax.scan) to out_axes."""
+
+  def mismatch(path, sub, node):
+    where = f"ys{jax.tree_util.keystr(path)}"
+    raise TransformError(
+      f"{what}: out_axes={out_axes!r} is not a prefix of the body's ys: at `{where}` "
+      f"it has {describe_node(sub)} where ys has {describe_node(node)} (stacked over the "
+      "iterations). Fix: follow the structure of ys there, or give one int for all "
+      f"of `{where}`."
+    )
+
   leaves, treedef = jax.tree.flatten(ys)
-  if isinstance(out_axes, int):
-    axes = [out_axes] * len(leaves)
-  else:
-
-    def mismatch(path, sub, node):
-      where = f"ys{jax.tree_util.keystr(path)}"
-      raise TransformError(
-        f"{what}: out_axes={out_axes!r} is not a prefix of the body's ys: at `{where}` "
-        f"it has {describe_node(sub)} where ys has {describe_node(node)} (stacked over the "
-        "iterations). Fix: follow the structure of ys there, or give one int for all "
-        f"of `{where}`."
-      )
-
-    axes = _fit(out_axes, ys, (), mismatch)
+  axes = _fit(out_axes, ys, (), mismatch)
   moved = []
   for j, (y, axis) in enumerate(zip(leaves, axes)):
     rank = jnp.ndim(y)
