@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast, overload
-
-import jax
-import jax.numpy as jnp
+from typing import Any, TypedDict, Unpack, overload
 
 from ..core._frozen import ALL_SPLIT as _SPLIT_ALL
 from ..core._frozen import ALL_STACKED as _ALL
@@ -21,104 +17,59 @@ from ._class_form import (
   R,
   Transform,
   cached_class_form,
-  display_name,
   fresh,
   function_target,
   is_module_class,
 )
-from ._layers import describe_node
-from ._lift import refuse_layer_list, serialised
-from ._module_arg import check_no_modules
 from ._pattern import class_form, target_repr
-from ._pattern_loop import lift_loop
-from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units, resolve_plan
-from ._rules import Collections, Rules, TransformError, public
-from .memory._carries import check_carries, warn_if_kept, warning_once
-from .memory._policy_check import policy_check
+from ._remat_scan_args import AUTO, check_lengths, resolve_plan
+from ._remat_scan_loop import RematScanForm, candidate
+from ._rules import Collections, Rules, public
+from .memory._carries import check_carries
 from .memory._remat_plan import RematPlan
 from .memory._remat_search import search_plans
 
 
+class _Options(TypedDict, total=False):
+  """The keywords of ``remat_scan``, for its overloads (the implementation gives the
+  defaults)."""
+
+  length: int | None
+  memory_budget: int | str | None
+  policy: Callable[..., Any] | None
+  carries: str | None
+  variable_broadcast: Any
+  variable_carry: Any
+  variable_axes: Mapping[Any, Any]
+  split_rngs: Mapping[Any, Any]
+  prevent_cse: bool
+  data_transform: Callable[..., Any] | None
+  metadata_params: Mapping[Any, Any]
+  methods: Sequence[str] | None
+  init_in_axes: Any
+  pipeline: Any
+
+
+_Lengths = Sequence[int] | str | RematPlan
+
+
+# The class form: a stack of M, typed as M (`stack.layer(i)` is an M).
 @overload
-def remat_scan(
-  target: type[M],
-  lengths: Sequence[int] | str | RematPlan = (),
-  *,
-  length: int | None = None,
-  memory_budget: int | str | None = None,
-  policy: Callable[..., Any] | None = None,
-  carries: str | None = None,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  prevent_cse: bool = False,
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-  pipeline: Any = None,
-) -> type[M]: ...  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
-@overload
+def remat_scan(target: type[M], lengths: _Lengths = (), **options: Unpack[_Options]) -> type[M]: ...
+@overload  # a pattern stack, whose positions differ
 def remat_scan(
   target: Sequence[type[Module] | functools.partial[Any]],
-  lengths: Sequence[int] | str | RematPlan = (),
-  *,
-  length: int | None = None,
-  memory_budget: int | str | None = None,
-  policy: Callable[..., Any] | None = None,
-  carries: str | None = None,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  prevent_cse: bool = False,
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-  pipeline: Any = None,
-) -> type: ...  # a pattern stack, whose positions differ
-@overload
+  lengths: _Lengths = (),
+  **options: Unpack[_Options],
+) -> type: ...
+@overload  # the function form: the same signature
 def remat_scan(
-  target: Callable[P, R],
-  lengths: Sequence[int] | str | RematPlan = (),
-  *,
-  length: int | None = None,
-  memory_budget: int | str | None = None,
-  policy: Callable[..., Any] | None = None,
-  carries: str | None = None,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  prevent_cse: bool = False,
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-  pipeline: Any = None,
-) -> Callable[P, R]: ...  # the function form: the same signature
-@overload
+  target: Callable[P, R], lengths: _Lengths = (), **options: Unpack[_Options]
+) -> Callable[P, R]: ...
+@overload  # keywords only: a decorator of a class or a function
 def remat_scan(
-  target: None = None,
-  lengths: Sequence[int] | str | RematPlan = (),
-  *,
-  length: int | None = None,
-  memory_budget: int | str | None = None,
-  policy: Callable[..., Any] | None = None,
-  carries: str | None = None,
-  variable_broadcast: Any = False,
-  variable_carry: Any = False,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
-  prevent_cse: bool = False,
-  data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
-  methods: Sequence[str] | None = None,
-  init_in_axes: Any = None,
-  pipeline: Any = None,
-) -> Transform: ...  # keywords only: a decorator of a class or a function
+  target: None = None, lengths: _Lengths = (), **options: Unpack[_Options]
+) -> Transform: ...
 @cached_class_form
 def remat_scan(
   target: Callable | type | Sequence[Callable] | None = None,
@@ -245,51 +196,14 @@ def remat_scan(
   )
   options["policy"], options["carries"] = policy, carries
   auto = lengths == AUTO
-  if pipeline is not None and not hasattr(pipeline, "_pipelined"):
-    raise TransformError(
-      f"{what}: pipeline={pipeline!r}; it takes sr.PipelineSpec(axis=..., "
-      "microbatches=..., schedule=..., repeats=...)."
-    )
-
-  def function_form(fn: Callable, layers: int | None) -> Callable:
-    """The function form over ``fn``, its arguments checked once, above: the class
-    forms' methods run it too."""
-    what = f"sr.remat_scan({display_name(fn)})"
-    if pipeline is not None:  # sr.PipelineSpec runs each stage through remat_scan
-      run = pipeline._pipelined(
-        fn, what=what, lengths=lengths, layers=layers, memory_budget=budget, **public(options)
-      )
-      return warning_once(run, what) if carries == "offload" else run
-    return _remat_scan_function(fn, lengths, layers, budget, what=what, **options)
-
-  @functools.cache  # checked once, for the class and for each method's function form
-  def count(period: int) -> int | None:
-    """The layers a class form builds; a pattern's ``lengths`` count its cycles."""
-    if auto:
-      if length is None and period == 1:  # a pattern's class form says it for a pattern
-        raise TransformError(
-          f"{what}: the class form with lengths='auto' needs `length=N`, the number of "
-          "layers to build (the plan is made at call time, from the carry's shapes)."
-        )
-      return length
-    nesting = cast(tuple, lengths)  # not "auto"
-    if period == 1:
-      return check_lengths(what, nesting, length)
-    if length is not None:  # without length, the pattern's class form says so
-      check_lengths(what, nesting, None)
-      check_cycles(what, nesting, length, period)
-    return length
-
+  form = RematScanForm(what, lengths, length, budget, pipeline, options)
   made = class_form(
     target,
     Form.REMAT_SCAN,
     what=what,
     rules=lambda: Rules(what, collections),
-    count=count,
-    # A pattern's lengths count its cycles, and so does the count its calls check.
-    run=lambda fn, period: function_form(
-      fn, count(1) if period == 1 else None if auto else int(math.prod(lengths))
-    ),
+    count=form.count,
+    run=form.run,
     position_class=lambda cls, n: fresh(remat_scan)(
       cls, (n,), methods=methods, init_in_axes=init_in_axes, **public(options)
     ),
@@ -309,98 +223,7 @@ def remat_scan(
     methods=methods,
     init_in_axes=init_in_axes,
   )
-  return function_form(fn, n)
-
-
-def _remat_scan_function(
-  fn: Callable,
-  lengths: tuple | str,
-  n: int | None,
-  budget: int | None,
-  *,
-  what,
-  policy,
-  carries,
-  prevent_cse,
-  data_transform,
-  metadata_params,
-  collections,
-) -> Callable:
-  rules = Rules(what, collections)
-  auto = lengths == AUTO
-  offload = check_carries(what, carries, planned=True)
-  check = policy_check(policy, what)  # the innermost level's policy, once per trace
-  if auto:
-    label = None if n is None else f"length={n}"
-    plans: dict = {}  # one plan per (module structure, N, carry and keyword shapes)
-  else:
-    label = f"length={n}" if n != math.prod(lengths) else f"lengths={lengths} (product)"
-
-  def planned(module, lifted, count, carry, args, kwargs) -> tuple:
-    """``(lengths, innermost policy, offload)``: as given, or planned once per
-    structure, layer count and shapes (lengths="auto")."""
-    if not auto:
-      return lengths, policy, offload
-    key = (lifted, count, _avals(carry), _avals(args), _avals(kwargs))
-    chosen = plans.get(key)
-    if chosen is None:
-      chosen = plans[key] = plan_remat(
-        module,
-        carry,
-        fn=lambda layer, c: fn(layer, c, *args, **kwargs),
-        memory_budget=budget,
-        policy=policy,
-        carries=carries,
-      )
-    return chosen.lengths, chosen.policy, chosen.carries == "offload"
-
-  @functools.wraps(fn)
-  def wrapper(module, carry, *args, **kwargs):
-    refuse_layer_list(module, what, "sr.remat_scan(f, lengths=...)(stack, carry)")
-    check_no_modules(carry, what, "the carry")
-    check_no_modules(args, what, "the extra argument")
-    check_no_modules(kwargs, what, "the keyword argument")
-    loop = lift_loop(
-      module,
-      what,
-      rules,
-      metadata_params,
-      "f(module, carry) -> carry",
-      fallback=n,
-      data_transform=data_transform,
-    )
-    if n is not None and label is not None:
-      check_units(what, label, n, lengths, loop)
-    nesting, innermost, offloading = planned(module, loop.lifted, loop.length, carry, args, kwargs)
-
-    def body(layer, c, _):
-      out = fn(layer, c, *args, **kwargs)
-      refuse_carry_and_more(what, c, out)
-      return out, None
-
-    def run(carry):
-      carry, _ = loop.loop(
-        body,
-        carry,
-        None,
-        lengths=nesting,
-        remat=True,
-        policy=innermost,
-        prevent_cse=prevent_cse,
-        offload=offloading,
-      )
-      return carry, loop.changed, loop.made
-
-    if offloading:
-      warn_if_kept(what)
-
-    # Under a policy check the loop runs in a jaxpr first: its results come out
-    # through the returned values, never as that trace's tracers left on `loop`.
-    carry, loop.changed, loop.made = run(carry) if check is None else check.run(run, carry)
-    loop.finish()
-    return carry
-
-  return serialised(wrapper)
+  return form.function_form(fn, n)
 
 
 def plan_remat(
@@ -457,37 +280,11 @@ def plan_remat(
   return search_plans(
     stack,
     carry,
-    fn=_call if fn is None else fn,
-    scan=lambda body, plan: remat_scan(body, lengths=plan),
+    fn=(lambda layer, carry: layer(carry)) if fn is None else fn,
+    scan=candidate,
     memory_budget=memory_budget,
     max_depth=max_depth,
     policy=policy,
     carries=carries,
     host_bandwidth=host_bandwidth,
   )
-
-
-def refuse_carry_and_more(what: str, carry, out) -> None:
-  """Raises if the body returned ``(carry, something)`` where remat_scan takes the carry
-  alone (a block written for ``sr.scan``, or returning an auxiliary output)."""
-  if jax.tree.structure(out) == jax.tree.structure(carry):
-    return
-  if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    return  # another change of structure: the loop's carry check says where
-  if jax.tree.structure(out[0]) != jax.tree.structure(carry):
-    return
-  raise TransformError(
-    f"{what}: the body returned a pair (carry, {describe_node(out[1])}) where "
-    "sr.remat_scan's body returns the carry alone: each layer's output is the next "
-    "layer's input. Fix: return only the carry; keep an auxiliary output with "
-    "`self.sow(sr.Intermediate, 'name', value)` (it comes out stacked per layer), or "
-    "use sr.scan (wrapped in sr.remat for the memory), whose body returns (carry, ys)."
-  )
-
-
-def _avals(tree):
-  return tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree))
-
-
-def _call(layer, carry):
-  return layer(carry)

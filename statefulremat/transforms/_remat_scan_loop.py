@@ -1,0 +1,225 @@
+"""What ``sr.remat_scan`` runs: its checked arguments (``RematScanForm``) and the function
+form over a body, nested rematerialised levels of the layer loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+
+from ..core._frozen import ALL_SPLIT, ALL_STACKED, EMPTY
+from ._class_form import display_name
+from ._layers import describe_node
+from ._lift import refuse_layer_list, serialised
+from ._module_arg import check_no_modules
+from ._pattern_loop import lift_loop
+from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units
+from ._rules import Collections, Rules, TransformError, public
+from .memory._carries import check_carries, warn_if_kept, warning_once
+from .memory._policy_check import policy_check
+from .memory._remat_search import search_plans
+
+
+@dataclasses.dataclass(frozen=True)
+class RematScanForm:
+  """``sr.remat_scan``'s arguments, checked (``lengths`` resolved from a plan):
+  ``function_form(fn, layers)`` is the transform over ``fn``; a class form asks
+  ``count(period)`` for the layers it builds and ``run(fn, period)`` for its methods."""
+
+  what: str
+  lengths: tuple | str
+  length: int | None
+  budget: int | None
+  pipeline: Any
+  options: dict  # policy, carries, collections, prevent_cse, data_transform, metadata_params
+  _counts: dict = dataclasses.field(default_factory=dict, compare=False)
+
+  def __post_init__(self):
+    if self.pipeline is not None and not hasattr(self.pipeline, "_pipelined"):
+      raise TransformError(
+        f"{self.what}: pipeline={self.pipeline!r}; it takes sr.PipelineSpec(axis=..., "
+        "microbatches=..., schedule=..., repeats=...)."
+      )
+
+  def count(self, period: int) -> int | None:
+    """The layers a class form builds (checked once per period); a pattern's ``lengths``
+    count its cycles."""
+    if period not in self._counts:
+      self._counts[period] = self._count(period)
+    return self._counts[period]
+
+  def _count(self, period: int) -> int | None:
+    if self.lengths == AUTO:
+      if self.length is None and period == 1:  # a pattern's class form says it for a pattern
+        raise TransformError(
+          f"{self.what}: the class form with lengths='auto' needs `length=N`, the number "
+          "of layers to build (the plan is made at call time, from the carry's shapes)."
+        )
+      return self.length
+    nesting = cast(tuple, self.lengths)
+    if period == 1:
+      return check_lengths(self.what, nesting, self.length)
+    if self.length is not None:  # without length, the pattern's class form says so
+      check_lengths(self.what, nesting, None)
+      check_cycles(self.what, nesting, self.length, period)
+    return self.length
+
+  def run(self, fn: Callable, period: int) -> Callable:
+    """A class form's method ``fn`` as a function form: a pattern's lengths count its
+    cycles, and so does the count its calls check."""
+    if period == 1:
+      return self.function_form(fn, self.count(1))
+    if self.lengths == AUTO:
+      return self.function_form(fn, None)
+    return self.function_form(fn, math.prod(cast(tuple, self.lengths)))
+
+  def function_form(self, fn: Callable, layers: int | None) -> Callable:
+    """The function form over ``fn``, its arguments checked once, above."""
+    what = f"sr.remat_scan({display_name(fn)})"
+    if self.pipeline is not None:  # sr.PipelineSpec runs each stage through remat_scan
+      options = public(self.options)
+      run = self.pipeline._pipelined(
+        fn, what=what, lengths=self.lengths, layers=layers, memory_budget=self.budget, **options
+      )
+      return warning_once(run, what) if options["carries"] == "offload" else run
+    return remat_scan_function(fn, self.lengths, layers, self.budget, what=what, **self.options)
+
+
+def remat_scan_function(
+  fn: Callable,
+  lengths: tuple | str,
+  n: int | None,
+  budget: int | None,
+  *,
+  what,
+  policy,
+  carries,
+  prevent_cse,
+  data_transform,
+  metadata_params,
+  collections,
+) -> Callable:
+  rules = Rules(what, collections)
+  auto = lengths == AUTO
+  offload = check_carries(what, carries, planned=True)
+  check = policy_check(policy, what)  # the innermost level's policy, once per trace
+  if auto:
+    label = None if n is None else f"length={n}"
+    plans: dict = {}  # one plan per (module structure, N, carry and keyword shapes)
+  else:
+    label = f"length={n}" if n != math.prod(lengths) else f"lengths={lengths} (product)"
+
+  def planned(module, lifted, count, carry, args, kwargs) -> tuple:
+    """``(lengths, innermost policy, offload)``: as given, or planned once per
+    structure, layer count and shapes (lengths="auto")."""
+    if not auto:
+      return lengths, policy, offload
+    key = (lifted, count, _avals(carry), _avals(args), _avals(kwargs))
+    chosen = plans.get(key)
+    if chosen is None:
+      chosen = plans[key] = search_plans(
+        module,
+        carry,
+        fn=lambda layer, c: fn(layer, c, *args, **kwargs),
+        scan=candidate,
+        memory_budget=budget,
+        policy=policy,
+        carries=carries,
+      )
+    return chosen.lengths, chosen.policy, chosen.carries == "offload"
+
+  @functools.wraps(fn)
+  def wrapper(module, carry, *args, **kwargs):
+    refuse_layer_list(module, what, "sr.remat_scan(f, lengths=...)(stack, carry)")
+    check_no_modules(carry, what, "the carry")
+    check_no_modules(args, what, "the extra argument")
+    check_no_modules(kwargs, what, "the keyword argument")
+    loop = lift_loop(
+      module,
+      what,
+      rules,
+      metadata_params,
+      "f(module, carry) -> carry",
+      fallback=n,
+      data_transform=data_transform,
+    )
+    if n is not None and label is not None:
+      check_units(what, label, n, lengths, loop)
+    nesting, innermost, offloading = planned(module, loop.lifted, loop.length, carry, args, kwargs)
+
+    def body(layer, c, _):
+      out = fn(layer, c, *args, **kwargs)
+      refuse_carry_and_more(what, c, out)
+      return out, None
+
+    def run(carry):
+      carry, _ = loop.loop(
+        body,
+        carry,
+        None,
+        lengths=nesting,
+        remat=True,
+        policy=innermost,
+        prevent_cse=prevent_cse,
+        offload=offloading,
+      )
+      return carry, loop.changed, loop.made
+
+    if offloading:
+      warn_if_kept(what)
+
+    # Under a policy check the loop runs in a jaxpr first: its results come out
+    # through the returned values, never as that trace's tracers left on `loop`.
+    carry, loop.changed, loop.made = run(carry) if check is None else check.run(run, carry)
+    loop.finish()
+    return carry
+
+  return serialised(wrapper)
+
+
+def candidate(fn: Callable, plan) -> Callable:
+  """What ``sr.remat_scan(fn, lengths=plan)`` runs, for the planner to compile."""
+  return remat_scan_function(
+    fn,
+    plan.lengths,
+    plan.n,
+    None,
+    what=f"sr.remat_scan({display_name(fn)})",
+    policy=plan.policy,
+    carries=plan.carries,
+    prevent_cse=False,
+    data_transform=None,
+    metadata_params=EMPTY,
+    collections=Collections(ALL_STACKED, False, False, ALL_SPLIT),
+  )
+
+
+def refuse_carry_and_more(what: str, carry, out) -> None:
+  """Raises if the body returned ``(carry, something)`` where remat_scan takes the carry
+  alone (a block written for ``sr.scan``, or returning an auxiliary output)."""
+  if jax.tree.structure(out) == jax.tree.structure(carry):
+    return
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    return  # another change of structure: the loop's carry check says where
+  if jax.tree.structure(out[0]) != jax.tree.structure(carry):
+    return
+  raise TransformError(
+    f"{what}: the body returned a pair (carry, {describe_node(out[1])}) where "
+    "sr.remat_scan's body returns the carry alone: each layer's output is the next "
+    "layer's input. Fix: return only the carry; keep an auxiliary output with "
+    "`self.sow(sr.Intermediate, 'name', value)` (it comes out stacked per layer), or "
+    "use sr.scan (wrapped in sr.remat for the memory), whose body returns (carry, ys)."
+  )
+
+
+def _avals(tree):
+  return tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree))
+
+
+def _call(layer, carry):
+  return layer(carry)
