@@ -67,12 +67,12 @@ from .transforms._class_form import made_class as _made_class
 from .transforms._eval_shape import eval_shape as eval_shape
 from .transforms._jit import jit as jit
 from .transforms._remat import remat as remat
-from .transforms._remat_scan import plan_remat as plan_remat
 from .transforms._remat_scan import remat_scan as remat_scan
 from .transforms._scan import scan as scan
 from .transforms._scan_axes import broadcast as broadcast
 from .transforms.accumulate._accumulate import accumulate as accumulate
 from .transforms.memory._remat_plan import RematPlan as RematPlan
+from .transforms.memory._remat_search import plan_remat as plan_remat
 from .transforms.memory._saved_residuals import saved_residuals as saved_residuals
 from .transforms.pipeline._pipeline import PipelineSpec as PipelineSpec
 from .transforms.pipeline._pipeline import pipeline as pipeline

@@ -311,7 +311,7 @@ def test_a_budget_the_model_is_exact_for_takes_one_compile(monkeypatch):
   # A budget between a 3N plan's prediction and that over the 3 % headroom: the 3N
   # plan is compiled first and fits; the 4N pick the headroom alone gives is never
   # compiled.
-  from statefulremat.transforms import _remat_scan, _remat_scan_loop
+  from statefulremat.transforms.memory import _remat_search
 
   stack, carry = _stack(61), jax.ShapeDtypeStruct((1024, W), jnp.float32)
   least = sr.plan_remat(stack, carry, fn=body)
@@ -319,13 +319,13 @@ def test_a_budget_the_model_is_exact_for_takes_one_compile(monkeypatch):
   budget = int(three.temp_bytes / 0.985)  # inside the headroom, above the prediction
   assert min(c.temp_bytes for c in least.candidates if c.evals == 4 * 61) < 0.97 * budget
   compiled = []
-  original = _remat_scan_loop.candidate
+  original = _remat_search._candidate
 
   def counting(fn, plan):
     compiled.append(plan.lengths)
     return original(fn, plan)
 
-  monkeypatch.setattr(_remat_scan, "candidate", counting)  # sr.plan_remat's candidates
+  monkeypatch.setattr(_remat_search, "_candidate", counting)  # what the planner compiles
   plan = sr.plan_remat(stack, carry, fn=body, memory_budget=budget)
   assert plan.evals == 3 * 61 and plan.measured_bytes <= budget
   assert compiled == [plan.lengths]

@@ -10,24 +10,20 @@ from ..core._frozen import ALL_SPLIT as _SPLIT_ALL
 from ..core._frozen import ALL_STACKED as _ALL
 from ..core._frozen import EMPTY as _EMPTY
 from ..core._module import Module
-from ..core._stacks import Form
 from ._class_form import (
   M,
   P,
   R,
   Transform,
   cached_class_form,
-  fresh,
   function_target,
-  is_module_class,
 )
-from ._pattern import class_form, target_repr
+from ._pattern import target_repr
 from ._remat_scan_args import AUTO, check_lengths, resolve_plan
-from ._remat_scan_loop import RematScanForm, candidate
-from ._rules import Collections, Rules, public
+from ._remat_scan_loop import RematScanForm
+from ._rules import Collections, public
 from .memory._carries import check_carries
 from .memory._remat_plan import RematPlan
-from .memory._remat_search import search_plans
 
 
 class _Options(TypedDict, total=False):
@@ -195,27 +191,11 @@ def remat_scan(
     what, lengths, length, policy, memory_budget, carries
   )
   options["policy"], options["carries"] = policy, carries
-  auto = lengths == AUTO
-  form = RematScanForm(what, lengths, length, budget, pipeline, options)
-  made = class_form(
-    target,
-    Form.REMAT_SCAN,
-    what=what,
-    rules=lambda: Rules(what, collections),
-    count=form.count,
-    run=form.run,
-    position_class=lambda cls, n: fresh(remat_scan)(
-      cls, (n,), methods=methods, init_in_axes=init_in_axes, **public(options)
-    ),
-    methods=methods,
-    metadata_params=metadata_params,
-    init_in_axes=init_in_axes,
-    # The nested layout, for to_linen.
-    lengths=tuple(lengths) if not auto and is_module_class(target) else None,
-  )
+  form = RematScanForm(what, lengths, length, budget, pipeline, options, methods, init_in_axes)
+  made = form.class_form(target)
   if made is not None:
     return made
-  n = length if auto else check_lengths(what, lengths, length)
+  n = length if lengths == AUTO else check_lengths(what, lengths, length)
   fn = function_target(
     "sr.remat_scan",
     target,
@@ -224,67 +204,3 @@ def remat_scan(
     init_in_axes=init_in_axes,
   )
   return form.function_form(fn, n)
-
-
-def plan_remat(
-  stack,
-  carry,
-  *,
-  fn: Callable[..., Any] | None = None,
-  memory_budget: int | str | None = None,
-  max_depth: int = 4,
-  policy: Callable[..., Any] | None = None,
-  carries: str | None = None,
-  host_bandwidth: float | str = "25GB/s",
-) -> RematPlan:
-  """Plans ``sr.remat_scan`` over ``stack`` for a ``carry`` of these shapes.
-
-  Ranks every nesting of up to ``max_depth`` levels and innermost policy by a memory
-  model (see ``sr.RematPlan``) calibrated by compiling the best plan: with
-  ``memory_budget``, the fewest block evaluations that fit (the pick compiled to check
-  it; carries offloaded where only that fits), else the least memory at no more than 3N
-  evaluations. How it plans: the "Which remat?" guide.
-
-  Args:
-    stack: a stacked module (N layers), or its ``sr.eval_shape``.
-    carry: the carry, or ``jax.ShapeDtypeStruct`` s of it.
-    fn: the body ``(layer, carry) -> carry``; default ``layer(carry)``.
-    memory_budget: bytes or a string; None for the least memory at <= 3N evaluations.
-    max_depth: the most levels of nesting a plan may have (default ``4``).
-    policy: the innermost policy to plan with, in place of choosing between nothing
-      saveable and dots saveable.
-    carries: where the outer levels' carries may live: ``"device"``, ``"offload"``, or
-      ``None`` (the default): the device unless only offloading meets the budget.
-    host_bandwidth: device-host bytes per second, for the cost an offloading plan
-      reports: a number or e.g. ``"25GB/s"`` (the default, PCIe 4.0 x16).
-
-  Returns:
-    An ``sr.RematPlan``: its ``lengths``, innermost ``policy``, block evaluations and
-    modelled temp bytes (``measured_bytes`` where planning compiled it); pass it as
-    ``sr.remat_scan(fn, lengths=plan)``.
-
-  Raises:
-    TypeError: ``stack`` is not a stacked module.
-    sr.TransformError: ``memory_budget`` or ``host_bandwidth`` is not an amount, no plan
-      fits the budget once compiled, or ``carries`` is not a choice.
-
-  >>> import jax, jax.numpy as jnp, statefulremat as sr
-  >>> stack = sr.vmap(sr.nn.Linear, axis_size=97)(256, 256, rngs=sr.Rngs(0))
-  >>> carry = jax.ShapeDtypeStruct((4096, 256), jnp.float32)
-  >>> plan = sr.plan_remat(stack, carry, fn=lambda layer, h: jnp.tanh(layer(h)))
-  >>> plan.lengths, plan.policy_name, plan.evals == 3 * 97
-  ((11, 9), 'nothing_saveable', True)
-  >>> y = sr.remat_scan(lambda layer, h: jnp.tanh(layer(h)), lengths=plan)(
-  ...     stack, jnp.ones((8, 256)))
-  """
-  return search_plans(
-    stack,
-    carry,
-    fn=(lambda layer, carry: layer(carry)) if fn is None else fn,
-    scan=candidate,
-    memory_budget=memory_budget,
-    max_depth=max_depth,
-    policy=policy,
-    carries=carries,
-    host_bandwidth=host_bandwidth,
-  )

@@ -6,23 +6,35 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 
 from ..core._frozen import ALL_SPLIT, ALL_STACKED, EMPTY
-from ._class_form import display_name
+from ..core._stacks import Form
+from ._class_form import display_name, is_module_class
 from ._layers import describe_node
 from ._lift import refuse_layer_list, serialised
 from ._module_arg import check_no_modules
+from ._pattern import class_form, target_repr
 from ._pattern_loop import lift_loop
 from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units
-from ._rules import Collections, Rules, TransformError, public
+from ._rules import Collections, Rules, TransformError
 from .memory._carries import check_carries, warn_if_kept, warning_once
 from .memory._policy_check import policy_check
-from .memory._remat_search import search_plans
+from .memory._remat_search import plan_remat
+
+# sr.remat_scan's defaults, as options: what sr.pipeline's stages run with.
+STAGE_DEFAULTS = dict(
+  policy=None,
+  carries=None,
+  collections=Collections(ALL_STACKED, False, False, ALL_SPLIT),
+  prevent_cse=False,
+  data_transform=None,
+  metadata_params=EMPTY,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +49,8 @@ class RematScanForm:
   budget: int | None
   pipeline: Any
   options: dict  # policy, carries, collections, prevent_cse, data_transform, metadata_params
+  methods: Sequence[str] | None = None  # a class form's
+  init_in_axes: Any = None  # a class form's
   _counts: dict = dataclasses.field(default_factory=dict, compare=False)
 
   def __post_init__(self):
@@ -45,6 +59,38 @@ class RematScanForm:
         f"{self.what}: pipeline={self.pipeline!r}; it takes sr.PipelineSpec(axis=..., "
         "microbatches=..., schedule=..., repeats=...)."
       )
+
+  def class_form(self, target) -> type | None:
+    """The class form over ``target`` (a class, a pattern, a pattern's position); None
+    for a function."""
+    return class_form(
+      target,
+      Form.REMAT_SCAN,
+      what=self.what,
+      rules=lambda: Rules(self.what, self.options["collections"]),
+      count=self.count,
+      run=self.run,
+      position_class=self.position_class,
+      methods=self.methods,
+      metadata_params=self.options["metadata_params"],
+      init_in_axes=self.init_in_axes,
+      # The nested layout, for to_linen.
+      lengths=self.nesting() if is_module_class(target) else None,
+    )
+
+  def position_class(self, position, n: int) -> type:
+    """A pattern position's stacked class: its ``n`` layers in one level."""
+    what = f"sr.remat_scan({target_repr(position)})"
+    form = RematScanForm(
+      what, (n,), None, None, None, self.options, self.methods, self.init_in_axes
+    )
+    made = form.class_form(position)
+    assert made is not None  # a position is a class
+    return made
+
+  def nesting(self) -> tuple[int, ...] | None:
+    """The layers per level, outermost first; None for lengths="auto"."""
+    return None if self.lengths == AUTO else tuple(cast(tuple, self.lengths))
 
   def count(self, period: int) -> int | None:
     """The layers a class form builds (checked once per period); a pattern's ``lengths``
@@ -74,19 +120,22 @@ class RematScanForm:
     cycles, and so does the count its calls check."""
     if period == 1:
       return self.function_form(fn, self.count(1))
-    if self.lengths == AUTO:
-      return self.function_form(fn, None)
-    return self.function_form(fn, math.prod(cast(tuple, self.lengths)))
+    nesting = self.nesting()
+    return self.function_form(fn, None if nesting is None else math.prod(nesting))
 
   def function_form(self, fn: Callable, layers: int | None) -> Callable:
     """The function form over ``fn``, its arguments checked once, above."""
     what = f"sr.remat_scan({display_name(fn)})"
     if self.pipeline is not None:  # sr.PipelineSpec runs each stage through remat_scan
-      options = public(self.options)
       run = self.pipeline._pipelined(
-        fn, what=what, lengths=self.lengths, layers=layers, memory_budget=self.budget, **options
+        fn,
+        what=what,
+        lengths=self.lengths,
+        layers=layers,
+        memory_budget=self.budget,
+        options=self.options,
       )
-      return warning_once(run, what) if options["carries"] == "offload" else run
+      return warning_once(run, what) if self.options["carries"] == "offload" else run
     return remat_scan_function(fn, self.lengths, layers, self.budget, what=what, **self.options)
 
 
@@ -122,11 +171,10 @@ def remat_scan_function(
     key = (lifted, count, _avals(carry), _avals(args), _avals(kwargs))
     chosen = plans.get(key)
     if chosen is None:
-      chosen = plans[key] = search_plans(
+      chosen = plans[key] = plan_remat(
         module,
         carry,
         fn=lambda layer, c: fn(layer, c, *args, **kwargs),
-        scan=candidate,
         memory_budget=budget,
         policy=policy,
         carries=carries,
@@ -180,23 +228,6 @@ def remat_scan_function(
     return carry
 
   return serialised(wrapper)
-
-
-def candidate(fn: Callable, plan) -> Callable:
-  """What ``sr.remat_scan(fn, lengths=plan)`` runs, for the planner to compile."""
-  return remat_scan_function(
-    fn,
-    plan.lengths,
-    plan.n,
-    None,
-    what=f"sr.remat_scan({display_name(fn)})",
-    policy=plan.policy,
-    carries=plan.carries,
-    prevent_cse=False,
-    data_transform=None,
-    metadata_params=EMPTY,
-    collections=Collections(ALL_STACKED, False, False, ALL_SPLIT),
-  )
 
 
 def refuse_carry_and_more(what: str, carry, out) -> None:

@@ -1,5 +1,6 @@
-"""The planner's search (``sr.plan_remat``, ``lengths="auto"``): it compiles candidates
-with the ``scan(fn, plan)`` it is given, never importing the transform that calls it."""
+"""The planner's search (``sr.plan_remat``, ``lengths="auto"``). It compiles its candidates
+on the layer loop itself (``_candidate``): nested rematerialised levels, as
+``sr.remat_scan`` runs them, without calling the transform that calls it."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ...core._frozen import ALL_SPLIT, ALL_STACKED, EMPTY
 from ...core._module import Module
 from ...core._stacks import cycle, is_stacked
 from .._autodiff import grad
 from .._jit import jit
-from .._rules import TransformError
+from .._pattern_loop import lift_loop
+from .._rules import Collections, Rules, TransformError
 from ._carries import check_carries, moves_to_host, quiet
 from ._remat_budget import calibrate, fit_budget
 from ._remat_plan import (
@@ -29,19 +32,58 @@ from ._remat_plan import (
 )
 
 
-def search_plans(
+def plan_remat(
   stack,
   carry,
   *,
-  fn: Callable[..., Any],
-  scan: Callable[[Callable, RematPlan], Callable],
+  fn: Callable[..., Any] | None = None,
   memory_budget: int | str | None = None,
   max_depth: int = 4,
   policy: Callable[..., Any] | None = None,
   carries: str | None = None,
   host_bandwidth: float | str = "25GB/s",
 ) -> RematPlan:
-  """``sr.plan_remat``'s plan; ``scan(fn, plan)`` builds the candidates it compiles."""
+  """Plans ``sr.remat_scan`` over ``stack`` for a ``carry`` of these shapes.
+
+  Ranks every nesting of up to ``max_depth`` levels and innermost policy by a memory
+  model (see ``sr.RematPlan``) calibrated by compiling the best plan: with
+  ``memory_budget``, the fewest block evaluations that fit (the pick compiled to check
+  it; carries offloaded where only that fits), else the least memory at no more than 3N
+  evaluations. How it plans: the "Which remat?" guide.
+
+  Args:
+    stack: a stacked module (N layers), or its ``sr.eval_shape``.
+    carry: the carry, or ``jax.ShapeDtypeStruct`` s of it.
+    fn: the body ``(layer, carry) -> carry``; default ``layer(carry)``.
+    memory_budget: bytes or a string; None for the least memory at <= 3N evaluations.
+    max_depth: the most levels of nesting a plan may have (default ``4``).
+    policy: the innermost policy to plan with, in place of choosing between nothing
+      saveable and dots saveable.
+    carries: where the outer levels' carries may live: ``"device"``, ``"offload"``, or
+      ``None`` (the default): the device unless only offloading meets the budget.
+    host_bandwidth: device-host bytes per second, for the cost an offloading plan
+      reports: a number or e.g. ``"25GB/s"`` (the default, PCIe 4.0 x16).
+
+  Returns:
+    An ``sr.RematPlan``: its ``lengths``, innermost ``policy``, block evaluations and
+    modelled temp bytes (``measured_bytes`` where planning compiled it); pass it as
+    ``sr.remat_scan(fn, lengths=plan)``.
+
+  Raises:
+    TypeError: ``stack`` is not a stacked module.
+    sr.TransformError: ``memory_budget`` or ``host_bandwidth`` is not an amount, no plan
+      fits the budget once compiled, or ``carries`` is not a choice.
+
+  >>> import jax, jax.numpy as jnp, statefulremat as sr
+  >>> stack = sr.vmap(sr.nn.Linear, axis_size=97)(256, 256, rngs=sr.Rngs(0))
+  >>> carry = jax.ShapeDtypeStruct((4096, 256), jnp.float32)
+  >>> plan = sr.plan_remat(stack, carry, fn=lambda layer, h: jnp.tanh(layer(h)))
+  >>> plan.lengths, plan.policy_name, plan.evals == 3 * 97
+  ((11, 9), 'nothing_saveable', True)
+  >>> y = sr.remat_scan(lambda layer, h: jnp.tanh(layer(h)), lengths=plan)(
+  ...     stack, jnp.ones((8, 256)))
+  """
+  fn = _call if fn is None else fn
   positions = cycle(stack) if isinstance(stack, Module) else ()
   if not positions or not all(map(is_stacked, positions)):
     raise TypeError(
@@ -73,7 +115,7 @@ def search_plans(
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), stack)
 
   def verify(plan: RematPlan) -> int:
-    run = scan(fn, plan)
+    run = _candidate(fn, plan)
     loss = lambda m, c: sum(jnp.sum(x) for x in jax.tree.leaves(run(m, c)))
     with quiet():  # planning's compiles: the plan warns once, where it is run
       lowered = jit(grad(loss)).lower(abstract, carry)
@@ -147,3 +189,34 @@ def search_plans(
     return fit_budget(make, budget, measure, note=note)
   offloading = lambda scales, budget: make(scales, budget, ("offload",))
   return fit_budget(make, budget, measure, offloading, bandwidth or 25e9)
+
+
+_WHAT = "sr.plan_remat"
+
+
+def _call(layer, carry):
+  return layer(carry)
+
+
+def _candidate(fn: Callable, plan: RematPlan) -> Callable:
+  """``run(stack, carry)``: the loop ``sr.remat_scan(fn, lengths=plan)`` runs, for the
+  planner to compile: the layer loop's nested levels (the transform's checks of its
+  arguments are not what is measured)."""
+  rules = Rules(_WHAT, Collections(ALL_STACKED, False, False, ALL_SPLIT))
+
+  def run(module, carry):
+    loop = lift_loop(module, _WHAT, rules, EMPTY, "f(module, carry) -> carry", fallback=plan.n)
+    carry, _ = loop.loop(
+      lambda layer, c, _: (fn(layer, c), None),
+      carry,
+      None,
+      lengths=plan.lengths,
+      remat=True,
+      policy=plan.policy,
+      prevent_cse=False,
+      offload=plan.carries == "offload",
+    )
+    loop.finish()
+    return carry
+
+  return run

@@ -13,6 +13,7 @@ from .._class_form import display_name
 from .._lift import refuse_layer_list, serialised
 from .._module_arg import check_no_modules
 from .._remat_scan_args import AUTO, resolve_plan
+from .._remat_scan_loop import STAGE_DEFAULTS
 from .._rules import TransformError
 from ._checks import check_batch, check_layer_sharding, check_whole_cycles, find_mesh
 from ._program import program, schedule_steps
@@ -150,15 +151,16 @@ def pipeline(
     lengths=nesting if nesting == AUTO else None,
     layers=None,
     memory_budget=budget,
-    policy=policy,
+    options={**STAGE_DEFAULTS, "policy": policy},
   )
 
 
 def pipelined(
-  fn: Callable, spec: PipelineSpec, *, what: str, lengths, layers, memory_budget, **options
+  fn: Callable, spec: PipelineSpec, *, what: str, lengths, layers, memory_budget, options: dict
 ) -> Callable:
   """``sr.pipeline`` and ``sr.remat_scan(..., pipeline=spec)``: ``options`` are each
-  stage's ``remat_scan``'s; ``layers`` the N that ``lengths`` / ``length`` gave."""
+  stage's remat_scan options (``RematScanForm.options``); ``layers`` the N that
+  ``lengths`` / ``length`` gave."""
   if not isinstance(spec, PipelineSpec):
     raise TransformError(
       f"{what}: pipeline={spec!r}; it takes sr.PipelineSpec(axis=..., "
@@ -169,7 +171,7 @@ def pipelined(
       raise TransformError(
         f"{what}: the policy is given twice, as policy= and in the PipelineSpec. Fix: give it once."
       )
-    options["policy"] = spec.policy
+    options = {**options, "policy": spec.policy}
   traced = serialised(
     program(
       fn,

@@ -16,10 +16,12 @@ from ...core._kinds import RngCount, RngKey
 from ...core._split_merge import merge
 from ...core._stacks import axis_size
 from ...core._state import State
+from .._class_form import display_name
 from .._lift import Lifted, advance, commit
-from .._remat_scan import plan_remat, remat_scan
+from .._remat_scan_loop import remat_scan_function
 from .._rules import TransformError, mark_layer_index
 from ..accumulate._microbatches import join, split_rows
+from ..memory._remat_search import plan_remat
 from ._checks import stacked_axes
 from ._layout import Layout, is_array, per_device
 
@@ -76,6 +78,7 @@ def program(
         "give it the layer axis (one value per layer), or keep it out of the stack."
       )
     stage_fn = skipping if layout.padded else body
+    stage_what = f"sr.remat_scan({display_name(stage_fn)})"
     values = [v._value for v in variables]
     xs = jax.tree.map(lambda v: split_rows(v, k), x)
     extras, extras_tree = jax.tree.flatten((args, kwargs))
@@ -122,16 +125,15 @@ def program(
           carry,
           fn=planned,
           memory_budget=budget,
-          policy=options.get("policy"),
-          carries=options.get("carries"),
+          policy=options["policy"],
+          carries=options["carries"],
         )
-      inner = remat_scan(
-        stage_fn,
-        lengths=plan,
-        **{o: v for o, v in options.items() if o not in ("policy", "carries")},
+      planned_options = {**options, "policy": plan.policy, "carries": plan.carries}
+      inner = remat_scan_function(
+        stage_fn, plan.lengths, plan.n, None, what=stage_what, **planned_options
       )
     else:
-      inner = remat_scan(stage_fn, lengths=(chunk,), **options)
+      inner = remat_scan_function(stage_fn, (chunk,), chunk, None, what=stage_what, **options)
 
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
 
