@@ -8,10 +8,36 @@ flattening of the graph notices ``self.layers.append(...)``.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import jax
 
 from ._bookkeeping import VERSION
 from ._tracing import structure_changed
+
+
+def _noting_change(base: type, name: str) -> Callable[..., Any]:
+  """``base``'s method ``name`` (``list.append``), noting a change of structure first."""
+  method = getattr(base, name)
+
+  def mutate(self, *args, **kwargs):
+    structure_changed(self)
+    return method(self, *args, **kwargs)
+
+  mutate.__name__ = name
+  return mutate
+
+
+def _noting(base: type) -> Callable[[Callable], Callable[..., Any]]:
+  """Makes the decorated method, whose body is only its doc, ``base``'s method of the
+  same name, noting a change of structure first."""
+
+  def decorate(declared: Callable) -> Callable[..., Any]:
+    return functools.wraps(declared)(_noting_change(base, declared.__name__))
+
+  return decorate
 
 
 class ModuleList(list):
@@ -34,6 +60,7 @@ class ModuleList(list):
 
   __slots__ = (VERSION, "__weakref__")
 
+  @_noting(list)
   def append(self, *args, **kwargs):
     """``list.append``, and notes a change of structure so cached flattenings
     of the graph (``sr.jit``'s fast path) see the new item. Unlike attribute
@@ -46,9 +73,8 @@ class ModuleList(list):
     >>> xs, type(xs[1]).__name__
     ([1, [2]], 'list')
     """
-    structure_changed(self)
-    return super().append(*args, **kwargs)
 
+  @_noting(list)
   def extend(self, *args, **kwargs):
     """``list.extend``, and notes a change of structure. Like ``append``, the
     items are not adopted and get no owner recorded.
@@ -59,9 +85,8 @@ class ModuleList(list):
     >>> xs
     [1, 2, 3]
     """
-    structure_changed(self)
-    return super().extend(*args, **kwargs)
 
+  @_noting(list)
   def insert(self, *args, **kwargs):
     """``list.insert``, and notes a change of structure (later items move to new
     paths). Like ``append``, the item is not adopted and gets no owner recorded.
@@ -72,9 +97,8 @@ class ModuleList(list):
     >>> xs
     [1, 2, 3]
     """
-    structure_changed(self)
-    return super().insert(*args, **kwargs)
 
+  @_noting(list)
   def pop(self, *args, **kwargs):
     """``list.pop`` (returns the item), and notes a change of structure.
 
@@ -83,9 +107,8 @@ class ModuleList(list):
     >>> xs.pop(0), xs
     (1, [2, 3])
     """
-    structure_changed(self)
-    return super().pop(*args, **kwargs)
 
+  @_noting(list)
   def remove(self, *args, **kwargs):
     """``list.remove`` (the first item equal to ``value``), and notes a change of structure.
 
@@ -95,9 +118,8 @@ class ModuleList(list):
     >>> xs
     [2, 1]
     """
-    structure_changed(self)
-    return super().remove(*args, **kwargs)
 
+  @_noting(list)
   def clear(self, *args, **kwargs):
     """``list.clear``, and notes a change of structure.
 
@@ -107,9 +129,8 @@ class ModuleList(list):
     >>> xs, type(xs).__name__
     ([], 'ModuleList')
     """
-    structure_changed(self)
-    return super().clear(*args, **kwargs)
 
+  @_noting(list)
   def sort(self, *args, **kwargs):
     """``list.sort`` in place (same ``key`` and ``reverse``), and notes a change of structure: items change paths.
 
@@ -119,9 +140,8 @@ class ModuleList(list):
     >>> xs
     ['c', 'b', 'a']
     """
-    structure_changed(self)
-    return super().sort(*args, **kwargs)
 
+  @_noting(list)
   def reverse(self, *args, **kwargs):
     """``list.reverse`` in place, and notes a change of structure: items
     change paths.
@@ -132,8 +152,6 @@ class ModuleList(list):
     >>> xs
     [3, 2, 1]
     """
-    structure_changed(self)
-    return super().reverse(*args, **kwargs)
 
 
 class ModuleDict(dict):
@@ -149,6 +167,7 @@ class ModuleDict(dict):
 
   __slots__ = (VERSION, "__weakref__")
 
+  @_noting(dict)
   def pop(self, *args, **kwargs):
     """``dict.pop`` (the value, or ``default`` for a missing key), and notes a change of structure.
 
@@ -157,9 +176,8 @@ class ModuleDict(dict):
     >>> d.pop("a"), d.pop("z", None), d
     (1, None, {'b': 2})
     """
-    structure_changed(self)
-    return super().pop(*args, **kwargs)
 
+  @_noting(dict)
   def popitem(self, *args, **kwargs):
     """``dict.popitem`` (the last inserted ``(key, value)``), and notes a change of structure.
 
@@ -168,9 +186,8 @@ class ModuleDict(dict):
     >>> d.popitem(), d
     (('b', 2), {'a': 1})
     """
-    structure_changed(self)
-    return super().popitem(*args, **kwargs)
 
+  @_noting(dict)
   def clear(self, *args, **kwargs):
     """``dict.clear``, and notes a change of structure.
 
@@ -180,9 +197,8 @@ class ModuleDict(dict):
     >>> d, type(d).__name__
     ({}, 'ModuleDict')
     """
-    structure_changed(self)
-    return super().clear(*args, **kwargs)
 
+  @_noting(dict)
   def update(self, *args, **kwargs):
     """``dict.update``, and notes a change of structure. Unlike attribute
     assignment, it does not adopt the values (a dict in them stays plain) or record
@@ -194,9 +210,8 @@ class ModuleDict(dict):
     >>> d, type(d["b"]).__name__
     ({'a': 1, 'b': {'c': 2}}, 'dict')
     """
-    structure_changed(self)
-    return super().update(*args, **kwargs)
 
+  @_noting(dict)
   def setdefault(self, *args, **kwargs):
     """``dict.setdefault``, and notes a change of structure on every call,
     even when the key is already there. A new value is not adopted and gets no owner
@@ -207,26 +222,13 @@ class ModuleDict(dict):
     >>> d.setdefault("a", 5), d.setdefault("b", 2), d
     (1, 2, {'a': 1, 'b': 2})
     """
-    structure_changed(self)
-    return super().setdefault(*args, **kwargs)
-
-
-def _bumping(base, method_name):
-  method = getattr(base, method_name)
-
-  def mutate(self, *args, **kwargs):
-    structure_changed(self)
-    return method(self, *args, **kwargs)
-
-  mutate.__name__ = method_name
-  return mutate
 
 
 # The mutating operators, which need no docs of their own.
 for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__"):
-  setattr(ModuleList, _name, _bumping(list, _name))
+  setattr(ModuleList, _name, _noting_change(list, _name))
 for _name in ("__setitem__", "__delitem__", "__ior__"):
-  setattr(ModuleDict, _name, _bumping(dict, _name))
+  setattr(ModuleDict, _name, _noting_change(dict, _name))
 
 jax.tree_util.register_pytree_with_keys(
   ModuleList,

@@ -2,8 +2,8 @@
 
 ``unflatten`` replays the walk of ``_graph.flatten`` from a GraphDef, making fresh
 modules and Variables (or taking existing ones in their place) and filling in the
-values. Its plain case, the one raw JAX runs on every call that returns a module,
-follows a plan worked out once per GraphDef (``_Plan``).
+values. It follows a plan worked out once per GraphDef (``_Plan``): raw JAX runs it
+on every call that returns a module.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ._graph_cache import Stamp, derived, remember
 from ._module import Module, _record_owners
 from ._state import thaw_metadata
 from ._tracing import current_trace
-from ._variables import Variable, bare_variable
+from ._variables import Variable
 
 
 def unflatten(
@@ -28,7 +28,6 @@ def unflatten(
   values: Sequence[Any],
   kinds=None,
   metas=None,
-  trace=None,
   substitute: Sequence[Any] = (),
 ) -> tuple[list[Any], list[Variable]]:
   """Builds fresh objects from ``graphdef``; the i-th Variable gets ``values[i]``.
@@ -41,69 +40,23 @@ def unflatten(
   those very roots, by a transform inside another or by raw JAX, is a look-up.
   Returns the roots and the new Variables in walk order.
   """
-  trace = current_trace() if trace is None else trace
-  if kinds is None and metas is None and not substitute:
-    stamp = Stamp()  # its nodes not noted: held while nothing changes anywhere
-    plan = derived(graphdef, "build", _Plan)
-    roots, variables = plan.build(values, trace)
-    if all(isinstance(r, Module) for r in roots):
-      remember(roots, stamp, graphdef, variables)
-    return roots, variables
-  objects: list[Any] = []
-  variables: list[Variable] = []
-
-  def build(d):
-    tag = d[0]
-    if tag == _REF:
-      return objects[d[1]]
-    if (tag == _VAR or tag == _NODE) and len(objects) < len(substitute):
-      existing = substitute[len(objects)]
-      objects.append(existing)
-      if tag == _VAR:
-        variables.append(existing)
-      else:
-        for _, sub in d[2]:
-          build(sub)  # consumes the numbering of the existing node's contents
-      return existing
-    if tag == _VAR:
-      i = len(variables)
-      kind = d[1] if kinds is None or kinds[i] is None else kinds[i]
-      var = bare_variable(
-        kind,
-        values[i],
-        thaw_metadata(d[2] if metas is None or metas[i] is None else metas[i]),
-        trace,
-      )
-      objects.append(var)
-      variables.append(var)
-      return var
-    if tag == _NODE:
-      node = object.__new__(d[1])
-      objects.append(node)
-      attrs = {k: build(sub) for k, sub in d[2]}
-      if len(d) > 3:  # built in the walk's order, kept in the definition order
-        attrs = {k: attrs[k] for k in d[3]}
-      for k, v in attrs.items():
-        _record_owners(node, v, (k,))
-      node.__dict__.update(attrs)
-      return node
-    if tag == _LIST or tag == _TUPLE:
-      return maker(d[1])([build(x) for x in d[2]])
-    if tag == _DICT:
-      return d[1]((k, build(v)) for k, v in d[2])
-    return d[2]
-
-  return [build(d) for d in graphdef.tree], variables
+  plain = kinds is None and metas is None and not substitute
+  stamp = Stamp() if plain else None  # its nodes not noted: held while nothing changes anywhere
+  plan = derived(graphdef, "build", _Plan)
+  roots, variables = plan.build(values, current_trace(), kinds, metas, substitute)
+  if stamp is not None and all(isinstance(r, Module) for r in roots):
+    remember(roots, stamp, graphdef, variables)
+  return roots, variables
 
 
 # -- building from a plan ---------------------------------------------------------
 #
 # Raw JAX unflattens a module on every call that returns one (`jax.tree.map`, a
-# `jax.jit` step returning the model), so the plain case of `unflatten` runs a plan
-# worked out once per GraphDef: make every module, then every Variable (its owner
-# link included), then fill each module's attributes from a template holding its
-# static ones. It builds what `build` above builds: the same classes, attribute
-# order, containers, sharing and owners (first owner wins, in the walk's order).
+# `jax.jit` step returning the model), so `unflatten` runs a plan worked out once per
+# GraphDef: make every module, then every Variable (its owner link included), then fill
+# each module's attributes from a template holding its static ones. The classes,
+# attribute order, containers and sharing are the walk's, and so are the owners: the
+# first owner wins, modules recording their attributes' after their contents'.
 
 _OBJ, _CONST, _SEQ, _MAP = range(4)
 _new = object.__new__
@@ -122,16 +75,21 @@ def _item(spec, objects: list):
 
 
 class _Plan:
-  """How to build a GraphDef's objects: modules first (``classes``), then Variables
-  (``kinds``, ``metas``, ``owners``), so an object's number in ``build`` is its
-  module number, or the module count plus its Variable number."""
+  """How to build a GraphDef's objects: Variables first (``kinds``, ``metas``,
+  ``owners``), then modules (``classes``), so an object's number in ``build`` is its
+  Variable number, or the Variable count plus its module number. ``number`` turns the
+  walk's numbers (what ``substitute`` counts) into these; ``post`` lists the modules in
+  the order they record their attributes' owners, each after its contents."""
 
-  __slots__ = ("classes", "kinds", "metas", "owners", "fills", "roots", "root")
+  __slots__ = ("classes", "kinds", "metas", "owners", "fills", "roots", "root", "number", "post")
 
   def __init__(self, graphdef: GraphDef):
-    order: list[tuple] = []  # _NODE / _VAR entries, in the walk's numbering
-    attrs: dict[int, list] = {}  # walk number of a module -> [(name, spec)]
-    owner: dict[int, tuple] = {}  # walk number -> (walk number of parent, key path)
+    n_variables = len(graphdef.var_paths)
+    number: list[int] = []  # walk number -> build number
+    kinds, metas, nodes = [], [], []  # the Variables' kinds and metadata; the modules
+    attrs: dict[int, list] = {}  # module number -> [(name, spec)]
+    owner: dict[int, tuple] = {}  # build number -> (module number of its parent, key path)
+    post: list[int] = []
 
     def record(parent, spec, key_path):
       if spec[0] == _OBJ:
@@ -146,17 +104,21 @@ class _Plan:
     def compile(d):
       tag = d[0]
       if tag == _REF:
-        return (_OBJ, d[1])
+        return (_OBJ, number[d[1]])
       if tag == _VAR:
-        order.append(d)
-        return (_OBJ, len(order) - 1)
+        number.append(len(kinds))
+        kinds.append(d[1])
+        metas.append(thaw_metadata(d[2]))
+        return (_OBJ, number[-1])
       if tag == _NODE:
-        k = len(order)
-        order.append(d)
-        attrs[k] = [(name, compile(sub)) for name, sub in d[2]]
-        for name, spec in attrs[k]:  # as the walk does once the module is built
-          record(k, spec, (name,))
-        return (_OBJ, k)
+        m = len(nodes)
+        number.append(n_variables + m)
+        nodes.append(d)
+        attrs[m] = [(name, compile(sub)) for name, sub in d[2]]
+        for name, spec in attrs[m]:  # as the walk does once the module is built
+          record(m, spec, (name,))
+        post.append(m)
+        return (_OBJ, n_variables + m)
       if tag == _LIST or tag == _TUPLE:
         make = maker(d[1])
         items = [compile(x) for x in d[2]]
@@ -167,58 +129,48 @@ class _Plan:
         return (_MAP, d[1], [(k, compile(v)) for k, v in d[2]])
       return (_CONST, d[2])
 
-    roots = [compile(d) for d in graphdef.tree]
-    modules = [k for k, d in enumerate(order) if d[0] == _NODE]
-    variables = [k for k, d in enumerate(order) if d[0] == _VAR]
-    number = {k: i for i, k in enumerate(modules + variables)}
-
-    def final(spec):  # walk numbers -> build numbers
-      tag = spec[0]
-      if tag == _OBJ:
-        return (_OBJ, number[spec[1]])
-      if tag == _SEQ:
-        return (_SEQ, spec[1], [final(s) for s in spec[2]])
-      if tag == _MAP:
-        return (_MAP, spec[1], [(k, final(s)) for k, s in spec[2]])
-      return spec
-
-    def link(k):  # an object's owner: (build number of its parent, key path), or None
-      parent, key_path = owner.get(k, (None, None))
-      return None if parent is None else (number[parent], key_path)
-
-    self.classes = tuple(order[k][1] for k in modules)
-    self.kinds = tuple(order[k][1] for k in variables)
-    self.metas = tuple(thaw_metadata(order[k][2]) for k in variables)
-    self.owners = tuple(link(k) for k in variables)
+    self.roots = tuple(compile(d) for d in graphdef.tree)
+    self.root = self.roots[0][1] if len(self.roots) == 1 and self.roots[0][0] == _OBJ else None
+    self.kinds, self.metas = tuple(kinds), tuple(metas)
+    self.number, self.post = tuple(number), tuple(post)
+    self.owners = tuple(owner.get(i) for i in range(n_variables))
+    self.classes = tuple(d[1] for d in nodes)
     fills = []
-    for k in modules:
+    for m, d in enumerate(nodes):
       template, direct, built = {}, [], []
-      for name, spec in attrs[k]:
-        spec = final(spec)
+      for name, spec in attrs[m]:
         template[name] = spec[1] if spec[0] == _CONST else None
         if spec[0] == _OBJ:
           direct.append((name, spec[1]))
         elif spec[0] != _CONST:
           built.append((name, spec))
-      if len(order[k]) > 3:  # the module's definition order (see `_graph.flatten`)
-        template = {name: template[name] for name in order[k][3]}
-      if link(k) is not None:
+      if len(d) > 3:  # the module's definition order (see `_graph.flatten`)
+        template = {name: template[name] for name in d[3]}
+      link = owner.get(n_variables + m)
+      if link is not None:
         template[OWNER] = None
-      fills.append((template, tuple(direct), tuple(built), link(k)))
+      fills.append((template, tuple(direct), tuple(built), link))
     self.fills = tuple(fills)
-    self.roots = tuple(final(spec) for spec in roots)
-    self.root = self.roots[0][1] if len(roots) == 1 and self.roots[0][0] == _OBJ else None
 
-  def build(self, values: Sequence[Any], trace) -> tuple[list[Any], list[Variable]]:
-    """The roots and the Variables (holding ``values``) of a fresh object graph."""
+  def build(
+    self, values: Sequence[Any], trace, kinds=None, metas=None, substitute: Sequence[Any] = ()
+  ) -> tuple[list[Any], list[Variable]]:
+    """The roots and the Variables (holding ``values``) of a fresh object graph;
+    ``unflatten`` says what ``kinds``, ``metas`` and ``substitute`` change."""
     if len(values) < len(self.kinds):
       raise IndexError(f"{len(self.kinds)} values needed, {len(values)} given")
+    if kinds is not None:
+      kinds = [mine if kind is None else kind for mine, kind in zip(self.kinds, kinds)]
+    if metas is not None:
+      metas = [mine if m is None else thaw_metadata(m) for mine, m in zip(self.metas, metas)]
     modules = list(map(_new, self.classes))
     refs = list(map(weakref.ref, modules))
     variables = []
     append = variables.append
     # What `bare_variable` does, inlined: this loop runs once per Variable per call.
-    for kind, value, meta, owner in zip(self.kinds, values, self.metas, self.owners):
+    for kind, value, meta, owner in zip(
+      kinds or self.kinds, values, metas or self.metas, self.owners
+    ):
       var = _new(kind)
       var._value = value
       var._metadata = meta  # shared: metadata is replaced (set_metadata), never edited
@@ -226,8 +178,15 @@ class _Plan:
       var._owner = None if owner is None else (refs[owner[0]], owner[1])
       var._serial = next(serials)
       append(var)
-    objects = modules + variables
-    for module, (template, direct, built, owner) in zip(modules, self.fills):
+    objects = variables + modules
+    n = len(variables)
+    fills = zip(modules, self.fills)
+    if substitute:  # existing objects in place of the first ones the walk numbers
+      for k, existing in enumerate(substitute):
+        objects[self.number[k]] = existing
+      variables = objects[:n]
+      fills = [(new, fill) for m, (new, fill) in enumerate(fills) if objects[n + m] is new]
+    for module, (template, direct, built, owner) in fills:
       attrs = template.copy()
       for name, i in direct:
         attrs[name] = objects[i]
@@ -236,6 +195,12 @@ class _Plan:
       if owner is not None:
         attrs[OWNER] = (refs[owner[0]], owner[1])
       _set(module, "__dict__", attrs)  # not Module.__setattr__: nothing to adopt
+    if substitute:  # an existing object with no owner yet takes its first new holder
+      for m in self.post:
+        if objects[n + m] is modules[m]:
+          for name, value in vars(modules[m]).items():
+            if name != OWNER:
+              _record_owners(modules[m], value, (name,))
     if self.root is not None:  # one module or Variable, the usual case
       return [objects[self.root]], variables
     return [_item(spec, objects) for spec in self.roots], variables

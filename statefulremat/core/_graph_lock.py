@@ -124,3 +124,21 @@ def let_go(held: _Group | None) -> None:
   if held is not None:
     _thread.holding = False
     held.lock.release()
+
+
+class locked:
+  """``with locked(variables):`` a call's read-to-write-back under the lock of their
+  graph, for this thread's outermost call (a nested one takes none). The one way the
+  package takes a graph lock; ``sr.jit``'s dispatch spells the same two calls out."""
+
+  __slots__ = ("variables", "group")
+
+  def __init__(self, variables: Sequence):
+    self.variables = variables
+
+  def __enter__(self):
+    self.group = hold(self.variables)
+
+  def __exit__(self, kind, error, traceback):
+    let_go(self.group)
+    return False

@@ -62,9 +62,6 @@ def _record_owners(parent, value, key_path: tuple) -> None:
       _record_owners(parent, item, key_path + (key,))
 
 
-_MISSING = object()
-
-
 def _append(values: tuple, value: Any) -> tuple:
   # Module.sow's default reduce_fn, as flax.nnx's: each sown value joins the tuple.
   return (*values, value)
@@ -253,8 +250,7 @@ class Module:
     kind = _kind_named(variable_type, self, name)
     if reduce_fn is None:
       reduce_fn = _append
-    old = vars(self).get(name, _MISSING)
-    if old is _MISSING:
+    if name not in vars(self):
       if hasattr(type(self), name):
         raise GraphError(
           f"sow: `{format_path(path_of(self) + (name,))}` names a "
@@ -264,6 +260,7 @@ class Module:
         )
       setattr(self, name, kind(reduce_fn(init_fn(), value)))
       return True
+    old = vars(self)[name]
     if type(old) is not kind:
       path = format_path(path_of(self) + (name,))
       if isinstance(old, Variable):

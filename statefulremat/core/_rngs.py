@@ -23,20 +23,19 @@ def _as_key(seed) -> jax.Array:
   if isinstance(seed, int):
     return jax.random.key(seed)
   try:
-    seed = jnp.asarray(seed)
+    array = jnp.asarray(seed)
   except (TypeError, ValueError):
-    raise TypeError(
-      f"an RNG seed must be an int, a typed key (jax.random.key) or a raw uint32 key, got {seed!r}."
-    ) from None
-  if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
-    return seed
-  if seed.dtype == jnp.uint32 and seed.shape[-1:] == (2,):
-    return jax.random.wrap_key_data(seed)
-  if seed.ndim == 0 and jnp.issubdtype(seed.dtype, jnp.integer):
-    return jax.random.key(seed)
+    got = repr(seed)
+  else:
+    if jnp.issubdtype(array.dtype, jax.dtypes.prng_key):
+      return array
+    if array.dtype == jnp.uint32 and array.shape[-1:] == (2,):
+      return jax.random.wrap_key_data(array)
+    if array.ndim == 0 and jnp.issubdtype(array.dtype, jnp.integer):
+      return jax.random.key(array)
+    got = f"{array.dtype}{list(array.shape)}"
   raise TypeError(
-    f"an RNG seed must be an int, a typed key (jax.random.key) or a raw uint32 key, "
-    f"got {seed.dtype}{list(seed.shape)}."
+    f"an RNG seed must be an int, a typed key (jax.random.key) or a raw uint32 key, got {got}."
   )
 
 

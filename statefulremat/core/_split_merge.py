@@ -19,7 +19,7 @@ from ._errors import GraphError, StateMismatchError, TransformError, format_path
 from ._filters import Filter, filter_repr
 from ._graph import GraphDef, flatten
 from ._graph_build import unflatten
-from ._graph_lock import hold, let_go
+from ._graph_lock import locked
 from ._module import Module, arrivals
 from ._state import State, partition
 from ._variables import Variable, _dtype_of
@@ -233,11 +233,8 @@ def update(node: Any, *states: State) -> None:
   0.0
   """
   graphdef, variables = _flatten(node, "update")
-  lock = hold(variables)  # another thread's step on this graph writes before or after
-  try:
+  with locked(variables):  # another thread's step on this graph writes before or after
     _update(graphdef, variables, states)
-  finally:
-    let_go(lock)
 
 
 def _update(graphdef: GraphDef, variables: list[Variable], states) -> None:
@@ -328,17 +325,15 @@ def clone(node: T) -> T:
   True
   """
   graphdef, variables = _flatten(node, "clone")
-  lock = hold(variables)  # the values of one step, not half of another thread's
   try:
-    whole = State.from_variables(zip(graphdef.var_paths, variables))
-    values = _copies(whole._values)
+    with locked(variables):  # the values of one step, not half of another thread's
+      whole = State.from_variables(zip(graphdef.var_paths, variables))
+      values = _copies(whole._values)
   except RuntimeError:
     error = deleted_error(variables, "sr.clone: ", TransformError)
     if error is None:
       raise
     raise error from None
-  finally:
-    let_go(lock)
   return merge(graphdef, State._make(whole._spec, values))
 
 

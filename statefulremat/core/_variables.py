@@ -71,19 +71,12 @@ def bare_variable(kind: type, value: Any, metadata: dict, trace) -> Variable:
 A = TypeVar("A")  # what a Variable holds: an array, or any pytree
 
 
-def _snake_case(name: str) -> str:
-  return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
 def _dtype_of(value):
   dtype = getattr(value, "dtype", None)
   return jax.numpy.result_type(value) if dtype is None else dtype
 
 
-_Operator = Callable[[Any, Any], Any]
-
-
-def _operators(op) -> tuple[_Operator, _Operator, _Operator]:
+def _operators(op) -> tuple[Callable, Callable, Callable]:
   """A Variable's forward, reflected and in-place methods of binary operator ``op``."""
 
   def forward(self, other):
@@ -167,7 +160,7 @@ class Variable(Generic[A]):
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
     if "collection" not in cls.__dict__ and Variable in cls.__bases__:
-      cls.collection = _snake_case(cls.__name__)
+      cls.collection = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()  # snake case
     _register_pytree(cls)
 
   def __hash__(self):
@@ -329,7 +322,7 @@ class Variable(Generic[A]):
   def __getitem__(self, index):
     return self._read()[index]
 
-  def __setitem__(self, index, new):
+  def __setitem__(self, index, new: Any):
     """``var[index] = x`` writes into the value (``var[...] = x`` replaces it whole).
 
     A new array is made (``.at[index].set``); the Variable keeps its identity.
@@ -344,11 +337,9 @@ class Variable(Generic[A]):
     old = self._read()
     if isinstance(new, Variable):
       new = new.value
-    if index is Ellipsis and jax.numpy.shape(new) == jax.numpy.shape(old):
-      self.value = new
-    else:
-      updated: Any = jax.numpy.asarray(old).at[index].set(new)
-      self.value = updated
+    if not (index is Ellipsis and jax.numpy.shape(new) == jax.numpy.shape(old)):
+      new = jax.numpy.asarray(old).at[index].set(new)
+    self.value = new
 
   __len__ = _unary(len)
   __iter__ = _unary(iter)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -225,4 +226,10 @@ def _contract(inputs, kernel, bias, dot_general: Callable = lax.dot_general, **o
 # An inline jit, like jnp's own functions: identical layers (a 100-layer unrolled stack)
 # share one trace and one linearisation instead of tracing the same ops again each time.
 # It is inlined into the caller's jaxpr, so the program is the same.
-_dense = jax.jit(_contract, inline=True, static_argnames=("precision", "preferred_element_type"))
+@functools.partial(jax.jit, inline=True, static_argnames=("precision", "preferred_element_type"))
+def _dense(inputs, kernel, bias, *, precision, preferred_element_type):
+  # Its own name: jax names what a residual is the output of by it ("jitted function
+  # '_dense'"), which sr.saved_residuals prints.
+  return _contract(
+    inputs, kernel, bias, precision=precision, preferred_element_type=preferred_element_type
+  )

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from ..core._errors import StateMismatchError, format_path
 from ..core._filters import Filter, filter_repr
 from ..core._graph import flatten
-from ..core._graph_lock import hold, holding, let_go
+from ..core._graph_lock import holding, locked
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._split_merge import state, update
@@ -135,11 +135,8 @@ class Optimizer(Module):
     """
     # Called outside sr.jit, it reads, computes and writes like a transform: threads
     # updating one model take turns (inside a transform the outer call holds the lock).
-    lock = None if holding() else hold(flatten([self])[1])
-    try:
+    with locked(() if holding() else flatten([self])[1]):
       self._update(args)
-    finally:
-      let_go(lock)
 
   def _update(self, args: tuple) -> None:
     grads = args[0] if len(args) == 1 else self._nnx_grads(args)

@@ -18,6 +18,7 @@ from ..core._stacks import cycle_unit, stack_info
 M = TypeVar("M", bound=Module)
 P = ParamSpec("P")
 R = TypeVar("R")
+F = TypeVar("F", bound=Callable)
 
 
 class Transform(Protocol):
@@ -134,20 +135,13 @@ def function_target(
   return target
 
 
-F = TypeVar("F", bound=Callable)
-
-# Made classes by the frozen arguments that made them: an entry lives while its class
-# does (instances, a jit cache or the user hold it), and keeps the user's class alive.
-
-
 def cached_class_form(transform: F) -> F:
   """``transform`` whose class form returns one class per equal arguments
   (``sr.remat(Block) is sr.remat(Block)``; README.md)."""
 
   @functools.wraps(transform)
   def call(target=None, *args, **kwargs):
-    partial = is_class_partial(target)
-    if not (isinstance(target, type) or isinstance(target, (tuple, list)) or partial):
+    if not (isinstance(target, (type, tuple, list)) or is_class_partial(target)):
       return transform(target, *args, **kwargs)
     try:
       key = _frozen((transform.__name__, target, args, kwargs))
@@ -156,19 +150,14 @@ def cached_class_form(transform: F) -> F:
       key = made = None
     if made is None:
       made = transform(target, *args, **kwargs)
-      if isinstance(made, type):
-        if key is not None:
-          made_classes[key] = made
-        _record(made, transform, target, args, kwargs)
+      if isinstance(made, type) and key is not None:
+        made_classes[key] = made
+      if isinstance(made, MadeClass) and MADE_BY not in made.__dict__:
+        setattr(made, MADE_BY, (transform.__name__, target, args, dict(kwargs)))
     return made
 
   class_forms[transform.__name__] = call
   return call  # pyright: ignore[reportReturnType]
-
-
-def _record(made: type, transform: Callable, target, args: tuple, kwargs: dict) -> None:
-  if isinstance(made, MadeClass) and MADE_BY not in made.__dict__:
-    setattr(made, MADE_BY, (transform.__name__, target, args, dict(kwargs)))
 
 
 def made_class(recipe: tuple, position: int | None = None) -> type:

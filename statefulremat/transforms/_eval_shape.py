@@ -23,9 +23,8 @@ def eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     **kwargs: ``fn``'s keyword arguments.
 
   Returns:
-    ``fn``'s result with each array as a ``jax.ShapeDtypeStruct``, and each module in
-    it a new, abstract one (its Variables holding ``ShapeDtypeStruct`` s; a stack stays
-    a stack).
+    ``fn``'s result with each array as a ``jax.ShapeDtypeStruct``, and each module in it a new,
+    abstract one (its Variables holding ``ShapeDtypeStruct`` s; a stack stays a stack).
 
   Raises:
     TypeError: ``fn`` is neither callable nor a module.
@@ -54,9 +53,8 @@ def eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
   lifted, variables, leaves, _ = lift(args, kwargs)
 
   def pure(values, leaves):
-    # What the function changed is dropped. Every output object is new: an argument
-    # returned comes back as an abstract copy, never as the caller's object (whose
-    # values stay concrete).
+    # What the function changed is dropped. Every output object is new: an argument returned comes
+    # back as an abstract copy, never as the caller's object (whose values stay concrete).
     return lifted.run(fn, values, leaves, what, restructure=True, copies=True)[0]
 
   out = jax.eval_shape(pure, [v._value for v in variables], leaves)

@@ -61,10 +61,8 @@ def jit(
   Args:
     fn: the function; modules may sit anywhere in its arguments. ``None`` (only
       keywords given) makes a decorator.
-    static_argnums: positions of hashable, non-array arguments to compile for (default
-      ``()``).
-    static_argnames: names of hashable, non-array keyword arguments to compile for
-      (default ``()``).
+    static_argnums: positions of hashable, non-array arguments to compile for (default ``()``).
+    static_argnames: names of hashable, non-array keyword arguments to compile for (default ``()``).
     donate_state: donate the modules' current buffers to the computation (every
       Variable is then written back, changed or not). Default ``False``.
     **jit_kwargs: ``keep_unused``, ``inline``, ``compiler_options``, ``backend``, ``device``.
@@ -271,8 +269,7 @@ _ROOM_SLOTS = 1 << 16  # 8 bytes each: 512 KiB; the deepest trace measured used 
 
 
 def with_room(fn: Callable, *args, **kwargs):
-  """``fn(*args, **kwargs)``, called where CPython's frame stack has 512 KiB free in
-  one chunk.
+  """``fn(*args, **kwargs)``, called where CPython's frame stack has 512 KiB free in one chunk.
 
   >>> with_room(max, 2, 3, key=abs)
   3

@@ -19,10 +19,6 @@ from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, TransformError, Tr
 from .memory._carries import offloaded
 
 
-def _aval(x):
-  return (tuple(jnp.shape(x)), jnp.result_type(x))
-
-
 def check_same_type(before, after, what: str, label: str) -> None:
   """Raises if ``after`` does not have the structure, shapes and dtypes of ``before``."""
   tb, ta = jax.tree.structure(before), jax.tree.structure(after)
@@ -35,8 +31,8 @@ def check_same_type(before, after, what: str, label: str) -> None:
       "dtypes; return it in the same form (e.g. `tuple(...)` around a list)."
     )
   for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after)):
-    if _aval(b) != _aval(a):
-      (sb, db), (sa, da) = _aval(b), _aval(a)
+    (sb, db), (sa, da) = (jnp.shape(b), jnp.result_type(b)), (jnp.shape(a), jnp.result_type(a))
+    if (sb, db) != (sa, da):
       raise TransformError(
         f"{what}: the {label} leaf `{jax.tree_util.keystr(path) or '<carry>'}` went in "
         f"as {db}{list(sb)} and came out as {da}{list(sa)}. A carry must keep its "
@@ -59,18 +55,12 @@ def describe_node(node) -> str:
 def _structure_difference(a, b, path: tuple) -> tuple[tuple, str, str]:
   """``(key path, was, now)`` of the first node where two pytrees' structures differ,
   in Python terms (``tuple of 2`` -> ``list of 2``)."""
-  containers = (tuple, list, dict)
-  if type(a) is not type(b) or not isinstance(a, containers) or len(a) != len(b):
-    return path, describe_node(a), describe_node(b)
-  if isinstance(a, dict):
-    if set(a) != set(b):
-      return path, describe_node(a), describe_node(b)
-    pairs = [(jax.tree_util.DictKey(k), a[k], b[k]) for k in a]
-  else:
-    pairs = [(jax.tree_util.SequenceKey(i), x, y) for i, (x, y) in enumerate(zip(a, b))]
-  for key, x, y in pairs:
-    if jax.tree.structure(x) != jax.tree.structure(y):
-      return _structure_difference(x, y, path + (key,))
+  alike = type(a) is type(b) and isinstance(a, (tuple, list, dict)) and len(a) == len(b)
+  if alike and not (isinstance(a, dict) and set(a) != set(b)):
+    for k in list(a) if isinstance(a, dict) else range(len(a)):
+      if jax.tree.structure(a[k]) != jax.tree.structure(b[k]):
+        key = jax.tree_util.DictKey(k) if isinstance(a, dict) else jax.tree_util.SequenceKey(k)
+        return _structure_difference(a[k], b[k], path + (key,))
   return path, describe_node(a), describe_node(b)
 
 
@@ -93,16 +83,15 @@ class LayerLoop:
     metadata_params: Mapping | None = None,
     reverse: bool = False,
   ):
-    self.lifted, self.treatment, self.leaves = lifted, treatment, leaves
-    self.variables = variables
+    self.lifted, self.treatment, self.variables, self.leaves = lifted, treatment, variables, leaves
     self.values = [v._value for v in variables]
     self.what, self.data_transform = what, data_transform
     self.module, self.length, self.reverse = module, length, reverse
-    self.metadata_params = metadata_params
+    self.partition_name = (metadata_params or {}).get("partition_name")
     self.changed: dict[int, Any] = {}
     self.stacked = treatment.indices(STACKED)
     self.carried = treatment.indices(CARRY)
-    self.count_of = {s.count: s for s in treatment.streams}
+    self.counts = {s.count for s in treatment.streams}
     self.used: set[int] = set()
     self.carry_written: set[int] = set()
     self.structure = None  # a NewStructure, if the body added or deleted attributes
@@ -126,14 +115,14 @@ class LayerLoop:
     """The flat values of one iteration: stacked slices and carried values put in."""
     flat = list(self.values)
     if self.data_transform is not None and self.stacked:
-      slices = self._transform_data(slices)
+      slices = self._transform_data(self.data_transform, slices)
     for i, value in zip(self.stacked, slices):
       flat[i] = value
     for i, value in zip(self.carried, carry_values):
       flat[i] = value
     return flat
 
-  def _read_back(self, changes: Changes, flat, user_carry, new_carry, ys, carry_label="carry"):
+  def _read_back(self, changes: Changes, flat, user_carry, new_carry, ys):
     """After the body: ``((carry values, carry), (written, ys))`` of one iteration."""
     check_no_nodes((new_carry, ys), self.what)
     changed = changes.values
@@ -141,20 +130,19 @@ class LayerLoop:
       self.structure = changes.structure
     for i in changed:
       self._check_writable(i)
-    check_same_type(user_carry, new_carry, self.what, carry_label)
-    new_carry_values = []
+    check_same_type(user_carry, new_carry, self.what, "carry")
     for i in self.carried:
-      value = changed.get(i, flat[i])
       if i in changed:
         self.carry_written.add(i)
-        check_same_type(flat[i], value, self.what, f"carried variable `{self._name(i)}`: its value")
-      new_carry_values.append(value)
+        label = f"carried variable `{self._name(i)}`: its value"
+        check_same_type(flat[i], changed[i], self.what, label)
+    new_carry_values = [changed.get(i, flat[i]) for i in self.carried]
     written = {i: changed[i] for i in self.stacked if i in changed}
     # Variables made inside (keys -1, -2, ...): one per layer, stacked like the ys.
     written.update({-1 - k: v for k, v in enumerate(changes.made)})
     return (new_carry_values, new_carry), (written, ys)
 
-  def _transform_data(self, slices):
+  def _transform_data(self, transform: Callable, slices):
     graphdef = self.lifted.graphdef
     paths = tuple(graphdef.var_paths[i] for i in self.stacked)
     # Each entry keeps its kind and the layer's metadata (the partition name removed),
@@ -166,8 +154,7 @@ class LayerLoop:
       [entries[i].metadata for i in self.stacked],
       slices,
     )
-    assert self.data_transform is not None  # _substitute calls this only when it is set
-    out = self.data_transform(state)
+    out = transform(state)
     if not isinstance(out, State) or tuple(out.flat()) != paths:
       raise TransformError(
         f"{self.what}: data_transform must return a State with the same entries it "
@@ -180,12 +167,9 @@ class LayerLoop:
 
   def _check_writable(self, i: int) -> None:
     kind = self.treatment.kinds[i]
-    if kind == RNG:
-      if i in self.count_of:
-        self.used.add(i)
-        return
-      kind = READONLY
-    if kind in (BROADCAST, READONLY):
+    if kind == RNG and i in self.counts:  # a stream drawn from: it advances once per call
+      self.used.add(i)
+    elif kind in (BROADCAST, READONLY, RNG):
       var_kind = type(self.variables[i])
       how = (
         "is broadcast (variable_broadcast), so it is read-only in every iteration"
@@ -218,48 +202,31 @@ class LayerLoop:
     ``jax.checkpoint``); ``offload``: the outer levels' carries go to host memory.
     Nothing is written until ``finish()``."""
     full, rest = divmod(self.length, self.period)
-    carried, tail = self._carried_values(None), None
+    # The state of every iteration: the carried variables' values and the user's carry.
+    state, tail = ([self.values[i] for i in self.carried], carry), None
     if rest and self.reverse:
-      (carried, carry), tail = self._tail(body, carried, carry, xs, remat, offload)
+      state, tail = self._tail(body, state, xs, remat, offload)
     lengths = (full,) if lengths is None else tuple(lengths)
     if remat and math.prod(lengths) != full:
-      carried, carry, written = self.segments(
-        body,
-        carry,
-        full,
-        lengths,
-        policy=policy,
-        prevent_cse=prevent_cse,
-        carried=carried,
-        offload=offload,
-      )
+      state, written = self.segments(body, state, full, lengths, policy, prevent_cse, offload)
       ys = None
     else:
-      carried, carry, written, ys = self.levels(
-        body,
-        carry,
-        self._unit_xs(xs),
-        lengths,
-        reverse=self.reverse,
-        unroll=unroll,
-        remat=remat,
-        policy=policy,
-        prevent_cse=prevent_cse,
-        carried=carried,
-        offload=offload,
+      units_xs = self._unit_xs(xs)
+      state, written, ys = self.levels(
+        body, state, units_xs, lengths, unroll, remat, policy, prevent_cse, offload
       )
     if rest and not self.reverse:
-      (carried, carry), tail = self._tail(body, carried, carry, xs, remat, offload)
+      state, tail = self._tail(body, state, xs, remat, offload)
     if tail is not None:
       written = self._join(written, tail[0])
-    self.changed = self._changed(written, carried)
-    return carry, self._layer_order(ys, None if tail is None else tail[1])
+    self.changed = self._changed(written, state[0])
+    return state[1], self._layer_order(ys, None if tail is None else tail[1])
 
   # A cycle loop's hooks: its xs by cycle, the short last cycle, its ys in layer order.
   def _unit_xs(self, xs):
     return xs
 
-  def _tail(self, body, carried, carry, xs, remat: bool, offload: bool) -> tuple[tuple, tuple]:
+  def _tail(self, body, state, xs, remat: bool, offload: bool) -> tuple[tuple, tuple]:
     raise AssertionError("a loop over layers has no short last unit")
 
   def _join(self, written: dict, tail: dict) -> dict:
@@ -280,7 +247,7 @@ class LayerLoop:
       nodes=split_call((self.module,), {})[0] if made else (),
       streams=self.used,
       stacked_axis=0,
-      partition_name=(self.metadata_params or {}).get("partition_name"),
+      partition_name=self.partition_name,
       keep_metadata=True,
     )
 
@@ -288,31 +255,17 @@ class LayerLoop:
     """``(description, layer count)`` of each stacked Variable, for error messages."""
     return stacked_sources(self.treatment, self.lifted, self.variables)
 
-  def _carried_values(self, carried: list | None) -> list:
-    return [self.values[i] for i in self.carried] if carried is None else carried
+  def _layer_first(self, i: int):
+    """The value of stacked variable ``i``, layer axis first."""
+    return _move_axis(self.values[i], self.treatment.stacked_axis(i), 0)
 
   def _stacked_inputs(self) -> list:
     """The stacked values the loop runs over, layer axis first."""
-    return [_move_axis(self.values[i], self.treatment.stacked_axis(i), 0) for i in self.stacked]
+    return [self._layer_first(i) for i in self.stacked]
 
-  def levels(
-    self,
-    body: Callable,
-    carry: Any,
-    xs: Any,
-    lengths: Sequence[int],
-    *,
-    reverse: bool = False,
-    unroll: int | bool = 1,
-    remat: bool = False,
-    policy: Callable | None = None,
-    prevent_cse: bool = True,
-    carried: list | None = None,
-    offload: bool = False,
-  ):
-    """``loop``'s scans: ``(carry values, carry, written, ys)``, ``written`` by flat
-    index, layer axis first; ``carried``: the carried values to start from."""
-    lengths = tuple(lengths)
+  def levels(self, body, state, xs, lengths: tuple, unroll, remat, policy, prevent_cse, offload):
+    """``loop``'s scans from ``state``: ``(state, written, ys)``, ``written`` by flat
+    index, layer axis first."""
     n = math.prod(lengths)
     # lax, and nothing for a single level or axis 0: each jnp call is a nested jit,
     # which under grad costs about a millisecond of tracing.
@@ -325,7 +278,6 @@ class LayerLoop:
     stacked_in = [jax.tree.map(fold, v) for v in self._stacked_inputs()]
     # The layer index only feeds the RNG streams' per-layer keys.
     index = lax.reshape(lax.iota(jnp.uint32, n), lengths) if self.treatment.streams else None
-    state = (self._carried_values(carried), carry)
     depth = len(lengths)
 
     # Closures rather than functools.partial: jax inspects a partial's signature at
@@ -337,76 +289,52 @@ class LayerLoop:
       def step(state, x):
         return level(d + 1, state, x)
 
-      if offload and (d < depth - 1 or depth == 1):
-        # Without remat (sr.scan) the step saves what a plain scan saves, prevent_cse
-        # being needless under a scan.
-        step = offloaded(
-          step, policy if d == depth - 1 else None, remat, prevent_cse if remat else False
-        )
-      elif remat:
-        step = jax.checkpoint(
-          step, policy=policy if d == depth - 1 else None, prevent_cse=prevent_cse
-        )
-      return jax.lax.scan(
-        step, state, x, length=lengths[d], reverse=reverse, unroll=unroll if d == depth - 1 else 1
+      # The innermost level's carry stays on the device and its step follows the policy;
+      # without remat (sr.scan) a step saves what a plain scan saves.
+      innermost = d == depth - 1
+      step = _guard(
+        step,
+        remat=remat,
+        policy=policy if innermost else None,
+        prevent_cse=prevent_cse and remat,
+        offload=offload and (not innermost or depth == 1),
+      )
+      return lax.scan(
+        step, state, x, length=lengths[d], reverse=self.reverse, unroll=unroll if innermost else 1
       )
 
-    (carry_values, carry), (written, ys) = level(
-      0, state, (stacked_in, jax.tree.map(fold, xs), index)
-    )
+    state, (written, ys) = level(0, state, (stacked_in, jax.tree.map(fold, xs), index))
     written = {i: jax.tree.map(unfold, v) for i, v in written.items()}
-    return carry_values, carry, written, jax.tree.map(unfold, ys)
+    return state, written, jax.tree.map(unfold, ys)
 
   def _changed(self, written: dict, carry_values: list) -> dict:
     self.treatment.check_stream_names()  # the body is traced: the names drawn are known
-    changed = {}
     self.made = [written[i] for i in sorted((i for i in written if i < 0), reverse=True)]
-    for i, value in written.items():
-      if i >= 0:
-        changed[i] = _move_axis(value, 0, self.treatment.axes[i])
-    for i, value in zip(self.carried, carry_values):
-      if i in self.carry_written:
-        changed[i] = value
+    changed = {i: _move_axis(v, 0, self.treatment.axes[i]) for i, v in written.items() if i >= 0}
+    changed.update({i: v for i, v in zip(self.carried, carry_values) if i in self.carry_written})
     return changed
 
-  def segments(
-    self,
-    body: Callable,
-    carry: Any,
-    n: int,
-    lengths: Sequence[int],
-    *,
-    policy: Callable | None = None,
-    prevent_cse: bool = False,
-    carried: list | None = None,
-    offload: bool = False,
-  ):
+  def segments(self, body, state, n: int, lengths: tuple, policy, prevent_cse, offload):
     """``loop(body, carry, None, lengths=lengths, remat=True)`` for ``n < prod(lengths)``
-    layers: ``(carry values, carry, written)``. Level ``d`` scans its full steps of
+    layers, from ``state``: ``(state, written)``. Level ``d`` scans its full steps of
     ``m = prod(lengths[d+1:])`` layers, then one short step, each under
     ``jax.checkpoint``."""
-    lengths = tuple(lengths)
     depth = len(lengths)
-    streams = bool(self.treatment.streams)
-
-    def layers(state, values, count, offset):  # the innermost level: single layers
-      index = (
-        lax.iota(jnp.uint32, count) + lax.convert_element_type(offset, jnp.uint32)
-        if streams
-        else None
-      )
-      step = lambda state, x: self._layer(body, state, x)
-      if offload and depth == 1:
-        step = offloaded(step, policy, True, prevent_cse)
-      else:
-        step = jax.checkpoint(step, policy=policy, prevent_cse=prevent_cse)
-      state, (written, _) = lax.scan(step, state, (values, None, index), length=count)
-      return state, written
 
     def segment(d, state, values, count, offset):
       """Layers ``[offset, offset + count)``, whose stacked values are ``values``."""
-      if d == depth - 1:
-        return layers(state, values, count, offset)
+      if d == depth - 1:  # the innermost level: single layers
+        index = None
+        if self.treatment.streams:
+          index = lax.iota(jnp.uint32, count) + lax.convert_element_type(offset, jnp.uint32)
+        step = _guard(
+          lambda state, x: self._layer(body, state, x),
+          policy=policy,
+          prevent_cse=prevent_cse,
+          offload=offload and depth == 1,
+        )
+        state, (written, _) = lax.scan(step, state, (values, None, index), length=count)
+        return state, written
       m = math.prod(lengths[d + 1 :])
       full, rest = divmod(count, m)
       parts = []
@@ -416,11 +344,7 @@ class LayerLoop:
           sub = [jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, i * m, m), v) for v in values]
           return segment(d + 1, state, sub, m, offset + i * m)
 
-        step = (
-          offloaded(step, None, True, prevent_cse)
-          if offload
-          else jax.checkpoint(step, prevent_cse=prevent_cse)
-        )
+        step = _guard(step, prevent_cse=prevent_cse, offload=offload)
         state, written = lax.scan(step, state, lax.iota(jnp.int32, full))
         merge = lambda v: lax.reshape(v, (full * m,) + v.shape[2:])
         parts.append({i: jax.tree.map(merge, v) for i, v in written.items()})
@@ -434,21 +358,22 @@ class LayerLoop:
         def single(state, sub, begin=begin, size=size):
           return segment(d + 1, state, sub, size, offset + begin)
 
-        single = (
-          offloaded(single, None, True, True)
-          if offload
-          else jax.checkpoint(single, prevent_cse=True)
-        )
-        state, written = single(state, sub)
+        state, written = _guard(single, offload=offload)(state, sub)
         parts.append(written)
       if len(parts) == 1:
         return state, parts[0]
       join = lambda *vs: lax.concatenate(vs, 0)
       return state, {i: jax.tree.map(join, *[p[i] for p in parts]) for i in parts[0]}
 
-    state = (self._carried_values(carried), carry)
-    (carry_values, carry), written = segment(0, state, self._stacked_inputs(), n, 0)
-    return carry_values, carry, written
+    return segment(0, state, self._stacked_inputs(), n, 0)
+
+
+def _guard(step, *, remat=True, policy=None, prevent_cse=True, offload=False) -> Callable:
+  """``step`` under ``jax.checkpoint`` (``offload``: its input carry in host memory; without
+  ``remat``, what a plain scan saves), or as it is."""
+  if offload:
+    return offloaded(step, policy, remat, prevent_cse)
+  return jax.checkpoint(step, policy=policy, prevent_cse=prevent_cse) if remat else step
 
 
 def _move_axis(x, source: int, destination: int):

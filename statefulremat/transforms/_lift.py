@@ -19,7 +19,7 @@ from ..core._graph import GraphDef, flatten
 from ..core._graph_build import unflatten
 from ..core._graph_cache import Stamp
 from ..core._graph_diff import describe_change
-from ..core._graph_lock import Reached, hold, holding, let_go
+from ..core._graph_lock import Reached, holding, let_go, locked
 from ..core._module import Module
 from ..core._split_merge import deleted_error
 from ..core._stacks import is_stacked
@@ -72,11 +72,9 @@ class Lifted:
     return (
       isinstance(other, Lifted)
       and self._hash == other._hash
-      and (
-        self.graphdef == other.graphdef
-        and self.treedef == other.treedef
-        and self.node_positions == other.node_positions
-      )
+      and self.graphdef == other.graphdef
+      and self.treedef == other.treedef
+      and self.node_positions == other.node_positions
     )
 
   def __hash__(self):
@@ -110,13 +108,12 @@ class Lifted:
     """Inside a trace: ``fn(*args, **kwargs)`` on fresh objects holding ``values``;
     returns ``(out, Changes)``.
 
-    ``seed=(treatment, index)``: seed the RNG streams as iteration ``index``.
-    ``units``: run ``fn(k, *args, **kwargs)`` for each position ``k`` of one cycle on
-    the one rebuild, each seeded as iteration ``index + k``; ``out`` is then a list by
-    position. ``isolate``: Variables each unit sees unchanged, their writes returned
-    per unit (a vmap's members run side by side). ``restructure``: carry changes of
-    structure out, else raise. ``outputs``: modules in ``out`` leave as a
-    ``ModulesOut``; with ``copies`` all as new objects.
+    ``seed=(treatment, index)``: seed the RNG streams as iteration ``index``. ``units``: run
+    ``fn(k, *args, **kwargs)`` for each position ``k`` of one cycle on the one rebuild, each seeded
+    as iteration ``index + k``; ``out`` is then a list by position. ``isolate``: Variables each unit
+    sees unchanged, their writes returned per unit (a vmap's members run side by side).
+    ``restructure``: carry changes of structure out, else raise. ``outputs``: modules in ``out``
+    leave as a ``ModulesOut``; with ``copies`` all as new objects.
     """
     before = None if units is None else list(values)  # the keys the units fold from
     if seed is not None:
@@ -270,14 +267,6 @@ def _split_flat(args: tuple):
   return nodes, leaves, tuple(positions)
 
 
-# Equal Lifted objects are made one, so a cache keyed on them finds its entry by
-# identity instead of comparing two equal GraphDefs in Python.
-
-
-def _intern(lifted: Lifted) -> Lifted:
-  return lifted_steps.setdefault(lifted, lifted)
-
-
 class FlattenCache:
   """Per-transform cache of graph walks, each valid while its graph's structure stays
   as walked (``Stamp``)."""
@@ -298,7 +287,10 @@ class FlattenCache:
     stamp = Stamp([])
     graphdef, variables = flatten(nodes, stamp=stamp)
     variables = Reached(variables)  # keeps the graph's lock group with the entry
-    lifted = _intern(Lifted(graphdef, treedef, positions))
+    # Equal Lifted objects are made one, so a cache keyed on them finds its entry by
+    # identity instead of comparing two equal GraphDefs in Python.
+    lifted = Lifted(graphdef, treedef, positions)
+    lifted = lifted_steps.setdefault(lifted, lifted)
     # Holding `nodes` keeps their ids from being reused while the entry lives.
     self._entries[key] = (lifted, variables, nodes, stamp)
     self._entries.move_to_end(key)
@@ -437,24 +429,17 @@ def serialised(wrapper: Callable) -> Callable:
   return call
 
 
-class held:
-  """``with held(variables):`` a call's read-to-write-back: the graph's lock for a
-  thread's outermost call, and a deleted array named by its Variable on failure."""
+class held(locked):
+  """``with held(variables):`` ``locked``, and on failure a deleted array named by its Variable."""
 
-  __slots__ = ("variables", "lock")
-
-  def __init__(self, variables: Sequence[Variable]):
-    self.variables = variables
-
-  def __enter__(self):
-    self.lock = hold(self.variables)  # None when nested in a call that holds it
+  __slots__ = ()
 
   def __exit__(self, kind, error, traceback):
     try:
       if kind is not None and issubclass(kind, RuntimeError):
         raise_if_deleted(self.variables)
     finally:
-      let_go(self.lock)
+      let_go(self.group)
     return False
 
 

@@ -10,7 +10,7 @@ from ..core._errors import GraphError, format_path
 from ..core._filters import filter_repr
 from ..core._graph import flatten
 from ..core._stacks import axis_size, is_stacked, layer_axis, stack_info
-from ._lift import Lifted, is_node, split_call
+from ._lift import Lifted, is_node, refuse_layer_list, split_call
 from ._rules import STACKED, Rules, TransformError, Treatment
 from ._stacked import LayerRules, layer_view
 
@@ -90,6 +90,16 @@ def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
     f"{axis}` to its variable_axes, or use `{{True: {axis}}}`) and move the "
     "values over with `stack = sr.stack(sr.unstack(stack), like=NewClass)`."
   )
+
+
+def check_loop_call(what: str, call: str, module, carry, args, kwargs, xs: str = "extra") -> None:
+  """A loop transform's call (scan, remat_scan, pipeline): argument 0 a stack, not a list
+  of layers (``call`` shows the right one), and no module in the carry or the
+  arguments after it (``the {xs} argument``)."""
+  refuse_layer_list(module, what, call)
+  check_no_modules(carry, what, "the carry")
+  check_no_modules(args, what, f"the {xs} argument")
+  check_no_modules(kwargs, what, "the keyword argument")
 
 
 def check_no_modules(tree, what: str, label: str, *, first: int | None = None) -> None:

@@ -212,20 +212,12 @@ def pattern_class(
           f"{what}: {cls.__name__} has no method {name!r}. Name methods that every "
           "class of the pattern defines."
         )
-    namespace[name] = _method(run(name), name)
+    namespace[name] = run(name)
   cls = made_type(f"{form.value}Pattern", PatternStack, namespace)
   unit = Cycle(tuple(positions), tuple(names))
   set_stack_info(cls, StackInfo(form, length, what, unit, init_in_axes=init_in_axes))
   made.append(cls)
   return cls
-
-
-def _method(run: Callable, name: str) -> Callable:
-  def method(self, *args, **kwargs):
-    return run(self, *args, **kwargs)
-
-  method.__name__ = name
-  return method
 
 
 def call_method(name: str, owner: str) -> Callable:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -13,16 +14,10 @@ from jax import lax
 from ..core._module import Module
 from ..core._pattern_stack import PatternStack
 from ..core._stacks import cycle
-from ._layers import LayerLoop, _move_axis, check_same_type
+from ._layers import LayerLoop, _guard, check_same_type
 from ._module_arg import class_length, lift_module_arg, resolve_length, stacked_sources
 from ._pattern import check_positions, position_names
 from ._rules import TransformError
-from .memory._carries import offloaded
-
-
-def take(tree, k: int):
-  """Entry ``k`` of the leading axis of every leaf (``None`` stays ``None``)."""
-  return jax.tree.map(lambda x: lax.index_in_dim(x, k, keepdims=False), tree)
 
 
 class CycleLoop(LayerLoop):
@@ -36,13 +31,12 @@ class CycleLoop(LayerLoop):
     self.position = [paths[i][0] for i in self.stacked]
 
   def _stacked_inputs(self) -> list:
-    out = []
-    for i in self.stacked:
-      value = _move_axis(self.values[i], self.treatment.stacked_axis(i), 0)
-      out.append(
-        value if jnp.shape(value)[0] == self.full else lax.slice_in_dim(value, 0, self.full)
-      )
-    return out
+    """The full cycles' layers of each position (a short last cycle's left out)."""
+    full = self.full
+    return [
+      v if jnp.shape(v)[0] == full else lax.slice_in_dim(v, 0, full)
+      for v in super()._stacked_inputs()
+    ]
 
   def _layer(self, body, state, x):
     return self.cycle(body, state, x, self.period)
@@ -58,8 +52,16 @@ class CycleLoop(LayerLoop):
     def unit(k, positions):
       nonlocal carry
       before = carry
-      carry, ys = body(positions[k], carry, take(xs, k))
-      self._check_carry(k, before, carry)
+      xs_k = jax.tree.map(lambda x: lax.index_in_dim(x, k, keepdims=False), xs)
+      carry, ys = body(positions[k], carry, xs_k)
+      what = f"{self.what}: position {k} of the pattern ({self.names[k]})"
+      try:
+        check_same_type(before, carry, what, "carry")
+      except TransformError as e:
+        raise TransformError(
+          f"{e} Every block of a pattern takes and returns the same carry: the blocks' "
+          "carries must agree in structure, shape and dtype."
+        ) from None
       return ys
 
     # No RNG stream: the loop passes no cycle index (None), and nothing is seeded.
@@ -75,16 +77,6 @@ class CycleLoop(LayerLoop):
     )
     return self._read_back(changes, flat, user_carry, carry, tuple(ys))
 
-  def _check_carry(self, k: int, before, after) -> None:
-    what = f"{self.what}: position {k} of the pattern ({self.names[k]})"
-    try:
-      check_same_type(before, after, what, "carry")
-    except TransformError as e:
-      raise TransformError(
-        f"{e} Every block of a pattern takes and returns the same carry: the blocks' "
-        "carries must agree in structure, shape and dtype."
-      ) from None
-
   def _unit_xs(self, xs):
     """xs by cycle: ``(full, P, ...)``, the short last cycle's layers left out."""
     p, full = self.period, self.full
@@ -92,29 +84,22 @@ class CycleLoop(LayerLoop):
       lambda x: lax.reshape(lax.slice_in_dim(x, 0, full * p), (full, p) + jnp.shape(x)[1:]), xs
     )
 
-  def _tail(self, body, carried, carry, xs, remat: bool, offload: bool):
+  def _tail(self, body, state, xs, remat: bool, offload: bool):
     """The short last cycle: positions ``0 .. rest - 1``, layer ``full`` of each."""
     full, p = self.full, self.period
-    slices = []
-    for i, k in zip(self.stacked, self.position):
-      value = _move_axis(self.values[i], self.treatment.stacked_axis(i), 0)
-      slices.append(lax.index_in_dim(value, full if k < self.rest else 0, keepdims=False))
-    x = (
-      slices,
-      jax.tree.map(lambda v: lax.slice_in_dim(v, full * p, self.length), xs),
-      jnp.uint32(full),
-    )
+    slices = [
+      lax.index_in_dim(self._layer_first(i), full if k < self.rest else 0, keepdims=False)
+      for i, k in zip(self.stacked, self.position)
+    ]
+    xs = jax.tree.map(lambda v: lax.slice_in_dim(v, full * p, self.length), xs)
 
     def step(state, x):
       return self.cycle(body, state, x, self.rest)
 
     # Run alone, outside any scan: without prevent_cse XLA would merge the
-    # recomputation with the forward pass and keep the residuals after all.
-    if offload:  # its input carry is saved as an outer step's is
-      step = offloaded(step, None, remat, True)
-    elif remat:
-      step = jax.checkpoint(step, prevent_cse=True)
-    return step((carried, carry), x)
+    # recomputation with the forward pass and keep the residuals after all (offloaded,
+    # its input carry is saved as an outer step's is).
+    return _guard(step, remat=remat, offload=offload)(state, (slices, xs, jnp.uint32(full)))
 
   def _join(self, written: dict, tail: dict) -> dict:
     """The scan's writes (``full`` layers) and the short cycle's (one layer, for the
@@ -123,12 +108,11 @@ class CycleLoop(LayerLoop):
     for i, k in zip(self.stacked, self.position):
       if k >= self.rest or (i not in written and i not in tail):
         continue
-      value = _move_axis(self.values[i], self.treatment.stacked_axis(i), 0)
+      value = self._layer_first(i)
       head = written.get(i, lax.slice_in_dim(value, 0, self.full))
       last = tail.get(i, lax.index_in_dim(value, self.full, keepdims=False))
       out[i] = lax.concatenate([head, last[None]], 0)
-    made = sorted(i for i in set(written) | set(tail) if i < 0)
-    if made:
+    if any(i < 0 for i in (*written, *tail)):
       raise TransformError(
         f"{self.what}: a layer made a Variable (e.g. `self.sow(...)`) inside a pattern "
         f"stack of {self.length} layers, which is not a multiple of its pattern of "
@@ -140,45 +124,34 @@ class CycleLoop(LayerLoop):
 
   def _layer_order(self, ys, tail_ys):
     """ys of every layer in layer order, from per-position ys of the cycles."""
-    parts = []
-    if ys is not None:
-      self._check_ys_alike(ys)
-      if all(y is None for y in jax.tree.leaves(ys, is_leaf=lambda y: y is None)):
-        return None
-      parts.append(
-        jax.tree.map(
-          lambda *per: lax.reshape(
-            jnp.stack(per, axis=1), (self.full * self.period,) + jnp.shape(per[0])[1:]
-          ),
-          *ys,
-        )
-      )
-    if tail_ys is not None and ys is not None:
-      parts.append(jax.tree.map(lambda *per: jnp.stack(per), *tail_ys))
-    if not parts:
+    if ys is None:
       return None
-    return parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: lax.concatenate(a, 0), *parts)
+    self._check_ys_alike(ys)
+    if all(y is None for y in jax.tree.leaves(ys, is_leaf=lambda y: y is None)):
+      return None
+    n = self.full * self.period
+    out = jax.tree.map(
+      lambda *per: lax.reshape(jnp.stack(per, axis=1), (n,) + jnp.shape(per[0])[1:]), *ys
+    )
+    if tail_ys is None:
+      return out
+    tail = jax.tree.map(lambda *per: jnp.stack(per), *tail_ys)
+    return jax.tree.map(lambda a, b: lax.concatenate([a, b], 0), out, tail)
 
   def _check_ys_alike(self, ys) -> None:
-    first = jax.tree.map(lambda y: (jnp.shape(y)[1:], jnp.result_type(y)), ys[0])
+    def described(y):  # one cycle's ys of a position: (structure, "f32[4, 8], ...")
+      avals = [f"{jnp.result_type(v).name}{list(jnp.shape(v)[1:])}" for v in jax.tree.leaves(y)]
+      return jax.tree.structure(y), ", ".join(avals) or "no ys (None)"
+
+    first = described(ys[0])
     for k, y in enumerate(ys[1:], 1):
-      this = jax.tree.map(lambda y: (jnp.shape(y)[1:], jnp.result_type(y)), y)
-      if jax.tree.structure(this) != jax.tree.structure(first) or this != first:
+      if (this := described(y)) != first:
         raise TransformError(
           f"{self.what}: the blocks' ys differ: position 0 ({self.names[0]}) gives "
-          f"{_shapes(first)} and position {k} ({self.names[k]}) gives {_shapes(this)}. "
+          f"{first[1]} and position {k} ({self.names[k]}) gives {this[1]}. "
           "The ys of a pattern stack are stacked over its layers in order, so every "
           "block must return ys of one structure, shape and dtype (or None)."
         )
-
-
-def _shapes(tree) -> str:
-  leaves = jax.tree.leaves(
-    tree, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
-  )
-  if not leaves:
-    return "no ys (None)"
-  return ", ".join(f"{jnp.dtype(d).name}{list(s)}" for s, d in leaves)
 
 
 def lift_loop(
@@ -203,42 +176,32 @@ def lift_loop(
     )
     stacked = stacked_sources(treatment, lifted, variables)
     n = resolve_length(what, None, list(sizes) + stacked, fallback=class_length(module) or fallback)
-    return LayerLoop(
-      lifted,
-      treatment,
-      variables,
-      leaves,
-      what,
-      data_transform,
-      module=module,
-      length=n,
-      metadata_params=metadata_params,
-      reverse=reverse,
+    make = LayerLoop
+  else:
+    stack = cast(PatternStack, module)
+    counts = check_positions(stack, what)
+    n = sum(counts)
+    for label, size in sizes:
+      if size != n:
+        raise TransformError(
+          f"{what}: {label} has {size} entries along the scanned axis, but the pattern "
+          f"stack has {n} layers. Fix: one entry per layer ({n}), or None in in_axes to "
+          "give it whole to every layer."
+        )
+    lifted, variables, treatment, leaves = lift_module_arg(
+      positions, what, rules, metadata_params, call_form, pattern=True
     )
-  stack = cast(PatternStack, module)
-  counts = check_positions(stack, what)
-  n = sum(counts)
-  for label, size in sizes:
-    if size != n:
-      raise TransformError(
-        f"{what}: {label} has {size} entries along the scanned axis, but the pattern "
-        f"stack has {n} layers. Fix: one entry per layer ({n}), or None in in_axes to "
-        "give it whole to every layer."
-      )
-  lifted, variables, treatment, leaves = lift_module_arg(
-    positions, what, rules, metadata_params, call_form, pattern=True
-  )
-  return CycleLoop(
+    module = positions
+    make = functools.partial(CycleLoop, period=len(counts), names=position_names(stack))
+  return make(
     lifted,
     treatment,
     variables,
     leaves,
     what,
     data_transform,
-    module=positions,
+    module=module,
     length=n,
     metadata_params=metadata_params,
     reverse=reverse,
-    period=len(counts),
-    names=position_names(stack),
   )

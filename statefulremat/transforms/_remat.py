@@ -88,9 +88,8 @@ def remat(
       function; a ``policy`` that is not one (a string, a factory not called); at call,
       ``static_argnums`` naming a position the call does not have.
     AttributeError: ``methods`` names a method the class does not define.
-    sr.GraphError: at call, ``static_argnums`` marks an argument that holds a module;
-      the function draws from an RNG stream ``rngs`` does not lift, or returns a module
-      or a Variable.
+    sr.GraphError: at call, ``static_argnums`` marks an argument that holds a module; the function
+      draws from an RNG stream ``rngs`` does not lift, or returns a module or a Variable.
     sr.TransformError: when traced, ``policy`` names values no ``checkpoint_name`` in
       the body gives (or saves what it should exclude).
     sr.TraceContextError: the call runs inside a plain JAX transform that closes over the

@@ -27,8 +27,7 @@ from .memory._remat_plan import RematPlan
 
 
 class _Options(TypedDict, total=False):
-  """The keywords of ``remat_scan``, for its overloads (the implementation gives the
-  defaults)."""
+  """The keywords of ``remat_scan``, for its overloads (the implementation gives the defaults)."""
 
   length: int | None
   memory_budget: int | str | None
@@ -88,40 +87,28 @@ def remat_scan(
 ):
   """Applies N layers in nested, rematerialised scans: memory ~ N^(1/d), flat compile time.
 
-  ``remat_scan(f, lengths)(module, carry, *args, **kwargs) -> carry`` is equivalent to::
-
-      for layer in sr.unstack(module):     # N layers
-        carry = f(layer, carry, *args, **kwargs)
-
-  but runs as ``d = len(lengths)`` nested ``jax.lax.scan`` loops, each level under
-  ``jax.checkpoint``: the backward pass keeps each level's carries and recomputes the
-  rest. Stacked variables keep ONE flat layer axis of size N whatever the ``lengths``.
-  The arguments after the carry go whole to every layer.
+  ``remat_scan(f, lengths)(module, carry, *args)`` is the loop over ``sr.unstack(module)``
+  run as ``len(lengths)`` nested, rematerialised scans (the "Deep stacks" guide).
 
   Args:
-    target: ``f(layer, carry, *args, **kwargs) -> carry`` (also a method); a Module
-      class (the class form: N layers built in one vmapped init, calling
-      ``Block.__call__(carry, *args) -> carry``); a tuple of classes (a pattern, whose
-      ``lengths`` count cycles); ``None`` makes a decorator.
+    target: ``f(layer, carry, *args, **kwargs) -> carry`` (also a method); a Module class (the class
+      form: N layers built in one vmapped init, calling ``Block.__call__(carry, *args) -> carry``);
+      a tuple of classes (a pattern, whose ``lengths`` count cycles); ``None`` makes a decorator.
     lengths: the layers per level, outermost first, e.g. ``(10, 10)`` for 100 layers
       (the default ``()`` is refused); ``"auto"`` plans them at trace time
       (``sr.plan_remat``); or an ``sr.RematPlan``, which brings its length and policy.
-    length: N (default ``None``: ``prod(lengths)``); a smaller N makes the last segment
-      short (``lengths=(10, 10), length=97``), with no padding. Needed by the class form
-      with ``"auto"``.
+    length: N (default ``None``: ``prod(lengths)``); a smaller N makes the last segment short
+      (``lengths=(10, 10), length=97``), with no padding. Needed by the class form with ``"auto"``.
     memory_budget: with ``lengths="auto"``, the memory the plan must fit: bytes or e.g.
       ``"512MiB"`` (per device under ``pipeline``). Default ``None``: the least memory
       at no more than 3N evaluations.
-    policy: the ``jax.checkpoint_policies`` entry of the innermost level (default
-      ``None``: save nothing), checked as ``sr.remat`` checks it; outer levels save only
-      their carries.
+    policy: the ``jax.checkpoint_policies`` entry of the innermost level (default ``None``: save
+      nothing), checked as ``sr.remat`` checks it; outer levels save only their carries.
     carries: where the outer levels' saved carries live: ``"device"`` or ``"offload"``
       (host memory; see the "Memory names" guide). Default ``None``: the device, unless
       an ``"auto"`` plan under ``memory_budget`` needs to offload.
-    variable_broadcast: filter of variables read-only in every layer (default
-      ``False``).
-    variable_carry: filter of variables threaded from layer to layer (default
-      ``False``).
+    variable_broadcast: filter of variables read-only in every layer (default ``False``).
+    variable_carry: filter of variables threaded from layer to layer (default ``False``).
     variable_axes: ``{filter: axis}``, the stacked variables and their layer axis
       (default ``{True: 0}``: every variable, at axis 0).
     split_rngs: ``{stream filter: bool}``, the RNG streams that give each layer its key

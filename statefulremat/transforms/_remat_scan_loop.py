@@ -16,8 +16,8 @@ from ..core._frozen import ALL_SPLIT, ALL_STACKED, EMPTY
 from ..core._stacks import Form
 from ._class_form import display_name, is_module_class
 from ._layers import describe_node
-from ._lift import refuse_layer_list, serialised
-from ._module_arg import check_no_modules
+from ._lift import serialised
+from ._module_arg import check_loop_call
 from ._pattern import class_form, target_repr
 from ._pattern_loop import lift_loop
 from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units
@@ -168,7 +168,7 @@ def remat_scan_function(
     structure, layer count and shapes (lengths="auto")."""
     if not auto:
       return lengths, policy, offload
-    key = (lifted, count, _avals(carry), _avals(args), _avals(kwargs))
+    key = (lifted, count, avals(carry), avals(args), avals(kwargs))
     chosen = plans.get(key)
     if chosen is None:
       chosen = plans[key] = plan_remat(
@@ -183,10 +183,8 @@ def remat_scan_function(
 
   @functools.wraps(fn)
   def wrapper(module, carry, *args, **kwargs):
-    refuse_layer_list(module, what, "sr.remat_scan(f, lengths=...)(stack, carry)")
-    check_no_modules(carry, what, "the carry")
-    check_no_modules(args, what, "the extra argument")
-    check_no_modules(kwargs, what, "the keyword argument")
+    usage = "sr.remat_scan(f, lengths=...)(stack, carry)"
+    check_loop_call(what, usage, module, carry, args, kwargs)
     loop = lift_loop(
       module,
       what,
@@ -248,9 +246,6 @@ def refuse_carry_and_more(what: str, carry, out) -> None:
   )
 
 
-def _avals(tree):
+def avals(tree):
+  """The shapes and dtypes of ``tree``'s leaves: what a plan is keyed on."""
   return tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree))
-
-
-def _call(layer, carry):
-  return layer(carry)

@@ -60,19 +60,14 @@ class Collections:
   variable_carry: Any = False
   split_rngs: Any = EMPTY
 
-  def keywords(self) -> dict[str, Any]:
-    """The keywords again (``variable_carry`` only when set: ``sr.vmap`` takes none)."""
-    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    if out["variable_carry"] is False:
-      del out["variable_carry"]
-    return out
-
 
 def public(options: dict) -> dict:
   """A transform's ``options`` as the keywords of its public form (``collections``
-  spelled out), for a class form that calls it again."""
+  spelled out; ``variable_carry`` only when set: ``sr.vmap`` takes none)."""
   out = dict(options)
-  out.update(out.pop("collections").keywords())
+  out.update(vars(out.pop("collections")))
+  if out["variable_carry"] is False:
+    del out["variable_carry"]
   return out
 
 
@@ -101,16 +96,9 @@ class Rules:
     entries = split_rngs.items() if isinstance(split_rngs, Mapping) else [(split_rngs, True)]
     self.split_entries = [(stream_predicate(f), bool(v), _explicit_names(f)) for f, v in entries]
     # Collection names typed into a rule, checked against the modules (Treatment).
-    self.typed_collections = [
-      (label, name)
-      for label, filters in (
-        ("variable_axes", list(variable_axes)),
-        ("variable_broadcast", [variable_broadcast]),
-        ("variable_carry", [variable_carry]),
-      )
-      for f in filters
-      for name in _explicit_names(f)
-    ]
+    typed = [("variable_axes", f) for f in variable_axes]
+    typed += [("variable_broadcast", variable_broadcast), ("variable_carry", variable_carry)]
+    self.typed_collections = [(label, name) for label, f in typed for name in _explicit_names(f)]
 
   def for_init(self) -> Rules:
     """The rules a class form initialises its layers with: ``params`` split unless
@@ -122,10 +110,7 @@ class Rules:
     return rules
 
   def splits(self, name: str) -> bool:
-    for pred, value, _ in self.split_entries:
-      if pred(name):
-        return value
-    return False
+    return next((value for pred, value, _ in self.split_entries if pred(name)), False)
 
   def splits_default(self, own_names: list[str]) -> bool:
     """Whether a ``default`` stream is split: as itself, or for a name it serves."""
@@ -167,14 +152,9 @@ class Rules:
     return READONLY, None
 
 
-def _known_collections() -> set[str]:
+def _known_collections(kind: type[Variable] = Variable) -> set[str]:
   """The collection of every Variable kind defined so far (the user's included)."""
-  known, todo = set(), [Variable]
-  while todo:
-    cls = todo.pop()
-    known.add(cls.collection)
-    todo.extend(cls.__subclasses__())
-  return known
+  return {kind.collection}.union(*map(_known_collections, kind.__subclasses__()))
 
 
 def _check_collection_names(rules: Rules, variables) -> None:
@@ -205,9 +185,8 @@ class Stream:
 
   __slots__ = ("key", "count", "name", "split", "serves")
 
-  def __init__(self, key: int, count: int, name: str, split: bool, serves: bool = False):
-    self.key, self.count, self.name, self.split = key, count, name, split
-    self.serves = serves
+  def __init__(self, key: int, count: int, name: str, split: bool, serves: bool):
+    self.key, self.count, self.name, self.split, self.serves = key, count, name, split, serves
 
 
 def mark_layer_index(stack, first) -> None:
@@ -262,33 +241,28 @@ class Treatment:
     self.streams: list[Stream] = []
     self.own_streams: set[str] = set()  # the names of the streams found, for checks
     self.asked: set[str] = set()  # the names drawn from a default stream while traced
-    stream_vars: dict[int, Stream] = {}
+    found = []  # (stream, name, serves): a default stream of an Rngs serves names
     for node in nodes if rng_streams else ():
       for _, obj in iter_graph(node):
         if isinstance(obj, Rngs):
-          own = obj.stream_names()
-          self.own_streams.update(own)
-          for name in own:
-            self._add_stream(
-              vars(obj)[name],
-              index,
-              stream_vars,
-              name,
-              rules.splits(name),
-              serves=name == "default",
-            )
-        elif isinstance(obj, RngStream) and id(obj.key) not in stream_vars:
-          self.own_streams.add(obj.tag)
-          self._add_stream(obj, index, stream_vars, obj.tag, rules.splits(obj.tag))
+          found += [(vars(obj)[name], name, name == "default") for name in obj.stream_names()]
+        elif isinstance(obj, RngStream):
+          found.append((obj, obj.tag, False))
+    stream_vars: dict[int, Stream] = {}
+    for stream, name, serves in found:
+      self.own_streams.add(name)
+      key_i, count_i = index.get(id(stream.key)), index.get(id(stream.count))
+      # A stream whose key already carries a layer axis (vmapped init) is stacked state.
+      if key_i is None or count_i is None or key_i in stream_vars or jnp.ndim(stream.key._value):
+        continue
+      s = Stream(key_i, count_i, name, rules.splits(name), serves)
+      self.streams.append(s)
+      stream_vars[key_i] = stream_vars[count_i] = s
     self.kinds: list[str] = []
     self.axes: list[int | None] = []
     for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
-      if i < skip:
-        self.kinds.append(READONLY)
-        self.axes.append(None)
-        continue
-      if i in stream_vars:
-        self.kinds.append(RNG)
+      if i < skip or i in stream_vars:
+        self.kinds.append(READONLY if i < skip else RNG)
         self.axes.append(None)
         continue
       kind, axis = rules.classify(rules_path(path), var, self.display_path(path))
@@ -309,10 +283,11 @@ class Treatment:
             f"variable_axes (e.g. `variable_broadcast={filter_repr(type(var))}`)."
           )
         if not -ndim <= axis < ndim:
+          shapes = ", ".join(str(jnp.shape(leaf)) for leaf in jax.tree.leaves(var._value))
           raise TransformError(
             f"{rules.what}: variable_axes puts the layer axis of "
             f"`{format_path(self.display_path(path))}` at {axis}, but its value has "
-            f"shape {_shapes(var._value)} (rank {ndim}). Fix: choose an axis "
+            f"shape {shapes} (rank {ndim}). Fix: choose an axis "
             f"in [-{ndim}, {ndim}), or exclude this variable from variable_axes."
           )
         axis = axis % ndim
@@ -320,17 +295,6 @@ class Treatment:
       self.axes.append(axis)
     if rules.typed_collections:
       _check_collection_names(rules, variables[skip:])
-
-  def _add_stream(self, stream, index, stream_vars, name, split, serves=False):
-    key_i, count_i = index.get(id(stream.key)), index.get(id(stream.count))
-    if key_i is None or count_i is None or key_i in stream_vars:
-      return
-    # A stream whose key already carries a layer axis (vmapped init) is stacked state.
-    if jnp.ndim(stream.key._value) > 0:
-      return
-    s = Stream(key_i, count_i, name, split, serves)
-    self.streams.append(s)
-    stream_vars[key_i] = stream_vars[count_i] = s
 
   def indices(self, kind: str) -> list[int]:
     return [i for i, k in enumerate(self.kinds) if k == kind]
@@ -409,9 +373,3 @@ class Treatment:
       f"a default stream {sorted(self.asked) or 'none'}. Fix: spell the name as the "
       f"stream is named, e.g. `split_rngs={{{(guesses or unruled)[0]!r}: True}}`."
     )
-
-
-def _shapes(value) -> str:
-  """The shape of an array value, or of each leaf of a pytree value."""
-  shapes = [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(value)]
-  return str(shapes[0]) if len(shapes) == 1 else ", ".join(map(str, shapes))

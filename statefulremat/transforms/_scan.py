@@ -24,8 +24,8 @@ from ._class_form import (
   fresh,
   function_target,
 )
-from ._lift import refuse_layer_list, serialised
-from ._module_arg import check_no_modules
+from ._lift import serialised
+from ._module_arg import check_loop_call
 from ._outputs import describe_returned
 from ._pattern import class_form, target_repr
 from ._pattern_loop import lift_loop
@@ -99,9 +99,8 @@ def scan(
     variable_carry: filter of variables threaded through the iterations (default ``False``).
     split_rngs: ``{stream filter: bool}``, the streams that give each iteration its
       own key (default ``{}``: one key for all).
-    in_axes: where each ``xs`` leaf is sliced: an int, ``None`` / ``sr.broadcast``
-      (whole to every iteration), or a prefix tree of ``xs``, one entry per argument at
-      the top. Default ``0``.
+    in_axes: where each ``xs`` leaf is sliced: an int, ``None`` / ``sr.broadcast`` (whole to every
+      iteration), or a prefix tree of ``xs``, one entry per argument at the top. Default ``0``.
     out_axes: where the iterations are stacked in each ``ys`` leaf: an int or a prefix
       tree of ``ys``; never ``None``. Default ``0``.
     length: the number of iterations; needed for a class target and when nothing else
@@ -229,12 +228,8 @@ def _scan_function(
 
   @functools.wraps(fn)
   def wrapper(module, carry, *xs, **kwargs):
-    refuse_layer_list(
-      module, what, "sr.scan(f, variable_axes={sr.Param: 0}, ...)(stack, carry, *xs)"
-    )
-    check_no_modules(carry, what, "the carry")
-    check_no_modules(xs, what, "the xs argument")
-    check_no_modules(kwargs, what, "the keyword argument")
+    usage = "sr.scan(f, variable_axes={sr.Param: 0}, ...)(stack, carry, *xs)"
+    check_loop_call(what, usage, module, carry, xs, kwargs, xs="xs")
     x_leaves, x_tree = jax.tree.flatten(xs)
     # Checked before the module is lifted or anything traced.
     axes = in_axes_per_leaf(what, in_axes, xs, len(x_leaves))

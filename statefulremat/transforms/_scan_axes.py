@@ -1,6 +1,5 @@
-"""``sr.scan``'s ``in_axes`` / ``out_axes`` (prefix trees of axes, as in flax.linen.scan),
-checked when the transform is built and fitted to ``xs`` / ``ys`` at call time; and
-``sr.broadcast``."""
+"""``sr.scan``'s ``in_axes`` / ``out_axes`` (prefix trees of axes, as in flax.linen.scan), checked
+when the transform is built and fitted to ``xs`` / ``ys`` at call time; and ``sr.broadcast``."""
 
 from __future__ import annotations
 

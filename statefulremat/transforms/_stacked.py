@@ -82,7 +82,7 @@ def stacked_class(
 
   splits.__name__ = splits.__qualname__ = SPLITS  # pickled by name: getattr(cls, SPLITS)
   namespace: dict[str, Any] = {
-    "__new__": _new_stack,
+    "__new__": build_stack,
     "__init__": _init_nothing,
     "layer": layer,
     "__len__": num_layers,
@@ -125,19 +125,15 @@ def _init_nothing(self, *args, **kwargs):
   """The stack was built by ``__new__``."""
 
 
-def _new_stack(cls, *args, **kwargs):
-  return build_stack(cls, args, kwargs)
-
-
-def build_stack(cls: type, args: tuple, kwargs: dict):
-  """Builds the ``length`` layers of the class's ``StackInfo`` in one vmapped init."""
+def build_stack(cls: type, *args, **kwargs):
+  """``__new__`` of a stacked class: builds the ``length`` layers of its ``StackInfo`` in
+  one vmapped init."""
   info = stack_info(cls)
   assert info is not None and isinstance(info.rules, LayerRules) and isinstance(info.unit, Layer)
   rules, length, what, make = info.rules.rules, info.length, info.what, info.unit.maker()
   mapped, length = _mapped_leaves(what, info.init_in_axes, args, length)
   lifted, in_vars, leaves, nodes = lift(args, kwargs)
-  in_graphdef = lifted.graphdef
-  in_treatment = Treatment(rules.for_init(), in_graphdef, in_vars, nodes)
+  in_treatment = Treatment(rules.for_init(), lifted.graphdef, in_vars, nodes)
   in_values = [v._value for v in in_vars]
   n_in = len(in_vars)
   record: dict[str, Any] = {}
@@ -152,14 +148,13 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
     for i in changed:
       if i not in counts:
         raise TransformError(
-          f"{what}: the layer constructor wrote to `{format_path(in_graphdef.var_paths[i])}`"
+          f"{what}: the layer constructor wrote to `{format_path(lifted.graphdef.var_paths[i])}`"
           " of an argument. Constructor arguments are shared by every layer and "
           "read-only; only RNG streams may be drawn from."
         )
     record["used"] = [s.count for s in in_treatment.streams if s.count in changed]
     graphdef, variables = flatten(list(roots) + [layer])
     record["graphdef"] = graphdef
-    new_vars = variables[n_in:]
     prefix = len(roots)
     # RNG streams the layer creates itself become per-layer state: classified by the
     # rules like any variable, not split like the streams passed in.
@@ -176,7 +171,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
       display_path=lambda p: p[1:] if p and p[0] == prefix else p,
     )
     record["treatment"] = treatment
-    return [v._value for v in new_vars]
+    return [v._value for v in variables[n_in:]]
 
   firsts = [jnp.take(leaves[k], 0, axis=axis) for k, axis in mapped]
   try:
@@ -186,7 +181,7 @@ def build_stack(cls: type, args: tuple, kwargs: dict):
   except Exception as e:
     # Nothing was written yet (the streams advance at the end): refusing leaves the
     # caller's objects as they were.
-    _refuse_broadcast_argument(info, args, kwargs, leaves, mapped, length, init_one, e)
+    _refuse_broadcast_argument(info, args, kwargs, leaves, mapped, firsts, length, init_one, e)
     raise
   in_treatment.check_stream_names()
   treatment: Treatment = record["treatment"]
@@ -278,7 +273,7 @@ def _mapped_leaves(
 
 
 def _refuse_broadcast_argument(
-  info: StackInfo, args, kwargs, leaves, mapped, length, init_one, error: Exception
+  info: StackInfo, args, kwargs, leaves, mapped, firsts, length, init_one, error: Exception
 ) -> None:
   """Raises a ``TransformError`` naming the array argument passed whole to every layer
   whose one slice along axis 0 lets the constructor trace; returns where none does."""
@@ -296,7 +291,6 @@ def _refuse_broadcast_argument(
     where = path[1]
     key = (True, where.idx) if path[0].idx == 0 else (False, getattr(where, "key", where))
     candidates.setdefault(key, []).append(k)
-  firsts = [jnp.take(leaves[k], 0, axis=axis) for k, axis in mapped]
   culprits = []
   for key, ks in list(candidates.items())[:8]:
     try:
@@ -312,7 +306,15 @@ def _refuse_broadcast_argument(
     return
   unit = info.unit
   assert isinstance(unit, Layer)
-  names = _parameter_names(unit.maker(), len(args))
+  try:  # the constructor's positional parameters, named where its signature tells
+    params = [
+      p.name
+      for p in inspect.signature(unit.maker()).parameters.values()
+      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+  except (TypeError, ValueError):
+    params = []
+  names = [params[j] if j < len(params) else f"argument {j}" for j in range(len(args))]
   positional = [key[1] for key in culprits if key[0]]
   keywords = [key[1] for key in culprits if not key[0]]
   named = " and ".join([f"`{names[i]}`" for i in positional] + [f"`{k}`" for k in keywords])
@@ -356,20 +358,6 @@ def _refuse_broadcast_argument(
   ) from error
 
 
-def _parameter_names(maker, n: int) -> list[str]:
-  """The names of the first ``n`` positional parameters of the layer constructor
-  (``argument j`` where its signature does not tell)."""
-  try:
-    params = [
-      p.name
-      for p in inspect.signature(maker).parameters.values()
-      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-  except (TypeError, ValueError):
-    params = []
-  return [params[j] if j < len(params) else f"argument {j}" for j in range(n)]
-
-
 class LayerRules:
   """A stacked class's rules as the core reads them (``core._stacks.StackRules``)."""
 
@@ -393,17 +381,10 @@ class LayerRules:
     if not treatment.streams:
       return {}
     values = [v._value for v in variables]
-    flat = list(values)
-    served = treatment.seed_layer(flat, values, jnp.uint32(index))
-    treatment.serve_names(served, variables)
+    treatment.reseed(variables, values, jnp.uint32(index))
     # The copy asks its class whether a name splits (the same rules): it pickles.
     for _, node in iter_graph(layer):
       keys = vars(node).get(LAYER_KEYS) if isinstance(node, Module) else None
       if keys is not None:
         keys.splits = self.splits
-    before = {}
-    for s in treatment.streams:
-      for i in (s.key, s.count):
-        before[i] = values[i]
-        variables[i]._value = flat[i]
-    return before
+    return {i: values[i] for s in treatment.streams for i in (s.key, s.count)}

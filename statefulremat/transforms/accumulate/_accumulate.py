@@ -200,9 +200,8 @@ def _scan(
         "one microbatch to the next. Fix: hold arrays in Variables."
       )
     _check_same_shape(what, paths[i], values[i], new)
-    # The carry starts in the dtype and sharding fn writes (a BatchNorm statistic
-    # created replicated comes out sharded like the features), as after the loop's
-    # first microbatch.
+    # The carry starts in the dtype and sharding fn writes (a BatchNorm statistic created replicated
+    # comes out sharded like the features), as after the loop's first microbatch.
     init.append(jax.tree.map(_like, values[i], new))
   _check_grads(grads0, what)
 

@@ -45,8 +45,7 @@ class Candidate:
 class RematPlan:
   """A planned ``remat_scan``, made by ``sr.plan_remat``: ``sr.remat_scan(f, lengths=plan)``.
 
-  ``plan.policy`` is the innermost policy it runs; ``str(plan)`` a table of the best
-  candidates.
+  ``plan.policy`` is the innermost policy it runs; ``str(plan)`` a table of the best candidates.
 
   Args:
     n: the number of layers (cycles, for a pattern stack) the plan runs.

@@ -45,11 +45,8 @@ def plan_remat(
 ) -> RematPlan:
   """Plans ``sr.remat_scan`` over ``stack`` for a ``carry`` of these shapes.
 
-  Ranks every nesting of up to ``max_depth`` levels and innermost policy by a memory
-  model (see ``sr.RematPlan``) calibrated by compiling the best plan: with
-  ``memory_budget``, the fewest block evaluations that fit (the pick compiled to check
-  it; carries offloaded where only that fits), else the least memory at no more than 3N
-  evaluations. How it plans: the "Which remat?" guide.
+  With ``memory_budget``, the fewest block evaluations that fit, else the least memory at
+  no more than 3N evaluations (how it plans: the "Which remat?" guide).
 
   Args:
     stack: a stacked module (N layers), or its ``sr.eval_shape``.

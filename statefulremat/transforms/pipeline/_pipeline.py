@@ -10,8 +10,8 @@ from collections.abc import Callable
 import jax
 
 from .._class_form import display_name
-from .._lift import refuse_layer_list, serialised
-from .._module_arg import check_no_modules
+from .._lift import serialised
+from .._module_arg import check_loop_call
 from .._remat_scan_args import AUTO, resolve_plan
 from .._remat_scan_loop import STAGE_DEFAULTS
 from .._rules import TransformError
@@ -27,19 +27,16 @@ class PipelineSpec:
 
   Args:
     axis: the name of the mesh axis the stages are spread over; ``"stage"`` by default.
-    microbatches: the number of microbatches the carry's batch is split into; 1 by
-      default.
+    microbatches: the number of microbatches the carry's batch is split into; 1 by default.
     schedule: ``"gpipe"`` (the default: each stage holds one run of consecutive
       layers) or ``"circular"`` (each stage holds ``repeats`` chunks).
-    repeats: how many times a microbatch goes round the stages, for ``"circular"``;
-      1 by default.
+    repeats: how many times a microbatch goes round the stages, for ``"circular"``; 1 by default.
     policy: the ``jax.checkpoint`` policy of each stage's layers (what they save);
       None (the default) saves nothing.
 
   Raises:
-    sr.TransformError: ``axis`` is not a str, ``microbatches`` or ``repeats`` is not a
-      positive int, ``schedule`` is not one of the two, or ``repeats`` is not 1 with
-      ``"gpipe"``.
+    sr.TransformError: ``axis`` is not a str, ``microbatches`` or ``repeats`` is not a positive int,
+      ``schedule`` is not one of the two, or ``repeats`` is not 1 with ``"gpipe"``.
 
   >>> import statefulremat as sr
   >>> spec = sr.PipelineSpec(microbatches=4, schedule="circular", repeats=2)
@@ -114,9 +111,8 @@ def pipeline(
       ``"512MiB"``. Default ``None``.
 
   Returns:
-    ``run(stack, x, *args, **kwargs)``, which returns the carry after every layer (the
-    microbatches concatenated back) and writes the layers' state changes back to
-    ``stack``.
+    ``run(stack, x, *args, **kwargs)``, which returns the carry after every layer (the microbatches
+    concatenated back) and writes the layers' state changes back to ``stack``.
 
   Raises:
     sr.TransformError: an option out of range (as ``sr.PipelineSpec``), or a tuple of
@@ -187,10 +183,7 @@ def pipelined(
 
   @functools.wraps(fn)
   def wrapper(stack, x, *args, **kwargs):
-    refuse_layer_list(stack, what, "sr.pipeline(f, ...)(stack, x)")
-    check_no_modules(x, what, "the carry")
-    check_no_modules(args, what, "the extra argument")
-    check_no_modules(kwargs, what, "the keyword argument")
+    check_loop_call(what, "sr.pipeline(f, ...)(stack, x)", stack, x, args, kwargs)
     mesh = find_mesh(stack, spec.axis, what)
     check_whole_cycles(stack, mesh.shape[spec.axis] * spec.repeats, what)
     check_batch(x, spec.microbatches, what)

@@ -18,7 +18,7 @@ from ...core._stacks import axis_size
 from ...core._state import State
 from .._class_form import display_name
 from .._lift import Lifted, advance, commit
-from .._remat_scan_loop import remat_scan_function
+from .._remat_scan_loop import avals, remat_scan_function
 from .._rules import TransformError, mark_layer_index
 from ..accumulate._microbatches import join, split_rows
 from ..memory._remat_search import plan_remat
@@ -106,9 +106,9 @@ def program(
       key = (
         graphdef,
         chunk,
-        _avals(carry),
+        avals(carry),
         extras_tree,
-        tuple(_avals(v) if is_array(v) else v for v in extras),
+        tuple(avals(v) if is_array(v) else v for v in extras),
       )
       plan = plans.get(key)
       if plan is None:
@@ -298,7 +298,3 @@ def moved(v, order, axis: str, explicit: bool, stages: int, spec=None):
 
 def _move_axis(v, source: int, destination: int):
   return v if source == destination else jnp.moveaxis(v, source, destination)
-
-
-def _avals(tree):
-  return tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree))

@@ -103,9 +103,8 @@ def vmap(
   """``jax.vmap`` over a module: ``vmap(f)(module, *args)``; or a stacked init.
 
   Args:
-    target: a function ``f(module, *args, **kwargs)`` (also a method, or ``__init__``),
-      a Module class (the class form), or a tuple of classes (a pattern); ``None``
-      makes a decorator.
+    target: a function ``f(module, *args, **kwargs)`` (also a method, or ``__init__``), a Module
+      class (the class form), or a tuple of classes (a pattern); ``None`` makes a decorator.
     in_axes: where each non-module positional argument is mapped, as in ``jax.vmap``
       (default ``0``; ``None`` broadcasts). An explicit one covers the module argument
       as nnx's does: ``sr.vmap(f, in_axes=(None, 0))(model, xs)``.
@@ -133,11 +132,10 @@ def vmap(
     ``Vmap{Name}`` (one per equal arguments); with no ``target``, a decorator.
 
   Raises:
-    sr.TransformError: ``in_axes`` / ``out_axes`` that do not fit; no way to tell the
-      mapped size; a constructor failing on an array passed whole that one slice would
-      suit; the default ``variable_axes`` meeting a plain module's Variables; a write
-      to an unmapped variable that depends on the mapped axis; a variable matched by
-      two rules.
+    sr.TransformError: ``in_axes`` / ``out_axes`` that do not fit; no way to tell the mapped size; a
+      constructor failing on an array passed whole that one slice would suit; the default
+      ``variable_axes`` meeting a plain module's Variables; a write to an unmapped variable that
+      depends on the mapped axis; a variable matched by two rules.
     TypeError: a ``target`` that is not callable; ``methods`` / ``init_in_axes`` with a
       function; ``variable_axes`` that is not ``{filter: int}``.
     sr.GraphError: a module in an argument after argument 0 or in a keyword argument.
