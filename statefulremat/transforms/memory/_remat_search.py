@@ -99,6 +99,12 @@ def plan_remat(
       f"sr.plan_remat: host_bandwidth={host_bandwidth!r} is not an amount of bandwidth. "
       "Fix: bytes per second, e.g. 25e9, or a string such as '25GB/s'."
     ) from None
+  return _search(stack, carry, fn, budget, bandwidth, max_depth, policy, carries, positions)
+
+
+def _search(stack, carry, fn, budget, bandwidth, max_depth, policy, carries, positions):
+  """``plan_remat``'s search over nestings, policies and placements, its arguments
+  checked: the model's pick, calibrated and checked by compiling."""
   moves = moves_to_host()
   nested_keeps = policy is not None or nesting_keeps_policy()
   n, unit_fn, unit_states, unit_bytes = unit_inputs(stack, fn)
