@@ -27,7 +27,7 @@ from ..core._tracing import contains_tracer as _contains_tracer
 from ..core._tracing import current_trace, tracing_user_code
 from ..core._variables import Variable
 from ._outputs import Restructured, is_node, lift_outputs
-from ._restructure import NewStructure, split_new
+from ._restructure import NewStructure
 
 
 class Roots(list):
@@ -150,15 +150,15 @@ class Lifted:
     changed = self.collect(roots, values, what, found)
     if not found:
       return Changes(changed, [], None, roots, variables)
-    changed, made = split_new(changed)
-    return Changes(changed, made, found[0], roots, variables)
+    structure, made = found[0]
+    return Changes(changed, made, structure, roots, variables)
 
   def collect(
     self, roots, values: Sequence[Any], what: str, structure: list | None = None
   ) -> dict[int, Any]:
     """After the user's function: ``{index: new value}`` of each Variable it changed.
-    A changed structure is appended to ``structure`` (new Variables under keys -1, -2,
-    ...), or raises when ``structure`` is None."""
+    A changed structure is appended to ``structure`` with the values of the Variables
+    made inside, ``(NewStructure, [value, ...])``, or raises when ``structure`` is None."""
     if roots.epoch == structure_epoch.value:  # no structure changed anywhere since
       return {
         i: v._value
@@ -169,13 +169,11 @@ class Lifted:
     if graphdef != self.graphdef and structure is not None:
       index = {id(v): i for i, v in enumerate(roots.variables)}
       origin = tuple(index.get(id(v), -1) for v in variables)
-      structure.append(NewStructure(graphdef, origin))
-      changed = {
+      made = [v._value for v, j in zip(variables, origin) if j < 0]
+      structure.append((NewStructure(graphdef, origin), made))
+      return {
         j: v._value for v, j in zip(variables, origin) if j >= 0 and v._value is not values[j]
       }
-      made = [v for v, j in zip(variables, origin) if j < 0]
-      changed.update({-1 - k: v._value for k, v in enumerate(made)})
-      return changed
     if graphdef != self.graphdef:
       raise GraphError(
         f"{what}: the function changed the structure of its modules "

@@ -148,12 +148,3 @@ def _objects_by_path(nodes: Sequence[Any]) -> dict[tuple, Any]:
   for i, node in enumerate(nodes):
     walk(node, (i,) if multi else ())
   return out
-
-
-def split_new(changed: dict) -> tuple[dict, list]:
-  """``collect``'s result: (changes of input Variables, values of those made inside)."""
-  if not changed or min(changed) >= 0:
-    return changed, []
-  old = {i: v for i, v in changed.items() if i >= 0}
-  new = [changed[i] for i in sorted((i for i in changed if i < 0), reverse=True)]
-  return old, new
