@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from . import _display_hooks
-from ._bookkeeping import VERSION, is_bookkeeping
+from ._bookkeeping import is_bookkeeping
 from ._containers import ModuleDict, ModuleList
 from ._errors import GraphError, format_path
 from ._graph_cache import Stamp, derived, walk_of
@@ -241,7 +241,7 @@ def flatten(
     if isinstance(obj, Module):
       attrs = vars(obj)
       if stamp is not None:
-        stamp.saw(obj, attrs.get(VERSION, 0))
+        stamp.saw_module(attrs)
       names = [k for k in attrs if not is_bookkeeping(k)]
       node = (_NODE, type(obj), tuple((k, walk(attrs[k], path + (k,))) for k in sorted(names)))
       # The walk goes in sorted order (the Variables' numbering must not depend on the
@@ -249,7 +249,7 @@ def flatten(
       # `repr` and `vars` show it: noted only where it differs.
       return node if names == sorted(names) else (*node, tuple(names))
     if stamp is not None and isinstance(obj, (ModuleList, ModuleDict)):
-      stamp.saw(obj, getattr(obj, VERSION, 0))
+      stamp.saw_container(obj)
     if isinstance(obj, (list, tuple)):
       tag = _LIST if isinstance(obj, list) else _TUPLE
       return (tag, type(obj), tuple(walk(x, path + (i,)) for i, x in enumerate(obj)))

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import attrgetter, is_not, ne
 from typing import Any
 
 from ._bookkeeping import VERSION
@@ -65,19 +67,37 @@ class Stamp:
   tracked containers (``VERSION``, read as the walk reached each) and its Variables'
   metadata objects (``set_metadata`` makes a new one). It holds while none of them
   changed. ``structure_epoch`` only spares the look while nothing changed anywhere; a
-  change to another graph costs this one a look, never a walk. ``nodes`` None: not
-  known (a graph rebuilt inside a trace), held only while nothing changed anywhere."""
+  change to another graph costs this one a look, never a walk. ``walked`` False: not
+  known (a graph rebuilt inside a trace), held only while nothing changed anywhere.
 
-  __slots__ = ("epoch", "nodes", "versions", "variables", "metas")
+  A module is noted by its attribute dictionary, where its ``VERSION`` lives: the look
+  is then a few C loops (a never-changed module has no note), and the dictionary does
+  not keep the module alive. A tracked container is noted weakly."""
 
-  def __init__(self, nodes: list | None = None):
+  __slots__ = (
+    "epoch",
+    "walked",
+    "attributes",
+    "versions",
+    "containers",
+    "counts",
+    "variables",
+    "metas",
+  )
+
+  def __init__(self, walked: bool = False):
     self.epoch = structure_epoch.value  # read first: a change during the walk is a miss
-    self.nodes, self.versions, self.variables, self.metas = nodes, [], [], []
+    self.walked = walked
+    self.attributes, self.versions, self.containers, self.counts = [], [], [], []
+    self.variables, self.metas = [], []
 
-  def saw(self, node, version: int) -> None:
-    # Weakly: an entry must not keep its graph alive (the entry goes with its roots).
-    self.nodes.append(weakref.ref(node))  # pyright: ignore[reportOptionalMemberAccess]
-    self.versions.append(version)
+  def saw_module(self, attributes: dict) -> None:
+    self.attributes.append(attributes)
+    self.versions.append(attributes.get(VERSION, 0))
+
+  def saw_container(self, container) -> None:
+    self.containers.append(weakref.ref(container))
+    self.counts.append(getattr(container, VERSION, 0))
 
   def saw_variable(self, variable) -> None:
     self.variables.append(variable)
@@ -88,17 +108,21 @@ class Stamp:
     if self.epoch == now:
       return True
     if (
-      self.nodes is None
-      or any(_version(r()) != v for r, v in zip(self.nodes, self.versions))
-      or any(var._metadata is not m for var, m in zip(self.variables, self.metas))
+      not self.walked
+      or any(map(ne, map(dict.get, self.attributes, repeat(VERSION), repeat(0)), self.versions))
+      or any(_version(r()) != v for r, v in zip(self.containers, self.counts))
+      or any(map(is_not, map(_metadata, self.variables), self.metas))
     ):
       return False
     self.epoch = now
     return True
 
 
-def _version(node) -> int:
-  return -1 if node is None else getattr(node, VERSION, 0)  # gone: changed
+_metadata = attrgetter("_metadata")
+
+
+def _version(container) -> int:
+  return -1 if container is None else getattr(container, VERSION, 0)  # gone: changed
 
 
 class Walk(weakref.ref):

@@ -123,7 +123,7 @@ def _walk(module) -> _graph_cache.Walk:
   walk = _graph_cache.walk_of((module,))
   if walk is not None:
     return walk
-  stamp = _graph_cache.Stamp([])
+  stamp = _graph_cache.Stamp(walked=True)
   graphdef, variables = _graph.flatten([module], stamp=stamp)
   graphdef = _graph_cache.canonical(graphdef)
   walk = _graph_cache.remember((module,), stamp, graphdef, variables)

@@ -282,7 +282,7 @@ class FlattenCache:
     hit = self._entries.get(key)
     if hit is not None and hit[3].holds():
       return hit[0], hit[1]
-    stamp = Stamp([])
+    stamp = Stamp(walked=True)
     graphdef, variables = flatten(nodes, stamp=stamp)
     variables = Reached(variables)  # keeps the graph's lock group with the entry
     # Equal Lifted objects are made one, so a cache keyed on them finds its entry by
