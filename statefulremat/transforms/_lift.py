@@ -276,12 +276,13 @@ class FlattenCache:
     # The last flat call: (stamp, per argument its node or None, lifted, variables).
     self._last: tuple | None = None
 
-  def lift(self, nodes, treedef, positions) -> tuple[Lifted, list[Variable]]:
+  def lift(self, nodes, treedef, positions) -> tuple:
+    """The entry of these nodes: ``(lifted, variables, nodes, stamp)``."""
     # `positions` belong in the key: f(model, x) and f(x, model) share treedef and ids.
     key = (treedef, positions, tuple(map(id, nodes)))
     hit = self._entries.get(key)
     if hit is not None and hit[3].holds():
-      return hit[0], hit[1]
+      return hit
     stamp = Stamp(walked=True)
     graphdef, variables = flatten(nodes, stamp=stamp)
     variables = Reached(variables)  # keeps the graph's lock group with the entry
@@ -290,11 +291,11 @@ class FlattenCache:
     lifted = Lifted(graphdef, treedef, positions)
     lifted = lifted_steps.setdefault(lifted, lifted)
     # Holding `nodes` keeps their ids from being reused while the entry lives.
-    self._entries[key] = (lifted, variables, nodes, stamp)
+    entry = self._entries[key] = (lifted, variables, nodes, stamp)
     self._entries.move_to_end(key)
     if len(self._entries) > self._size:
       self._entries.popitem(last=False)
-    return lifted, variables
+    return entry
 
   def lift_call(self, args: tuple, kwargs: dict) -> tuple[Lifted, list[Variable], list[Any]]:
     """``(lifted, variables, other leaves)`` of a call's arguments. A flat call
@@ -320,17 +321,17 @@ class FlattenCache:
     split = None if kwargs else _split_flat(args)
     if split is None:
       nodes, leaves, treedef, positions = split_call(args, kwargs)
-      lifted, variables = self.lift(nodes, treedef, positions)
+      lifted, variables = self.lift(nodes, treedef, positions)[:2]
       return lifted, variables, leaves
     nodes, leaves, positions = split
     treedef = self._flat_treedefs.get(len(args))
     if treedef is None:
       treedef = jax.tree_util.tree_structure(((0,) * len(args), {}))
       self._flat_treedefs[len(args)] = treedef
-    lifted, variables = self.lift(nodes, treedef, positions)
+    lifted, variables, _, stamp = self.lift(nodes, treedef, positions)
     at = dict(zip(positions, nodes))
     self._last = (
-      self._entries[(treedef, positions, tuple(map(id, nodes)))][3],
+      stamp,
       tuple(at.get(i) for i in range(len(args))),
       lifted,
       variables,
