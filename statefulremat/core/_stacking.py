@@ -178,7 +178,7 @@ def _layer_axes_of(layers, like, cls, graphdef, variables, origins) -> tuple[lis
       why[i] = "`like` holds it without a layer axis"
     elif path not in origins:
       if rules is None:  # the class's rules decide, as at its init
-        rules = info.rules.classify(graphdef, variables, layers[0])
+        rules = info.rules.stacked_axes(graphdef, variables, layers[0])
       if i in rules:
         axes[i] = (rules[i], info.partition_name)
       else:

@@ -35,11 +35,11 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from ._bookkeeping import LAYER_ORIGIN, STACK_INFO
+from ._bookkeeping import LAYER_KEYS, LAYER_ORIGIN, SPLITS, STACK_INFO
 from ._errors import TransformError, format_path
 from ._graph import flatten, rewrite
 from ._graph_build import unflatten
-from ._module import Module
+from ._module import Module, iter_graph
 from ._state import freeze, thaw_metadata
 from ._variables import Variable, path_of
 
@@ -50,7 +50,7 @@ DEFAULT_NAME = "layers"  # how a layer axis without a partition name is shown
 class StackRules(Protocol):
   """What a stacked class's transform supplies: how its rules treat one layer."""
 
-  def classify(self, graphdef, variables, layer) -> dict[int, int]:
+  def stacked_axes(self, graphdef, variables, layer) -> dict[int, int]:
     """``{flat index: layer axis}`` of the Variables the rules stack, as at init."""
     ...
 
@@ -405,6 +405,11 @@ def layer(stack, i: int):
     # One position of a pattern: its layer i is layer i * period + position there.
     period, position = info.index_map
     before = info.rules.seed_layer(roots[0], i * period + position, shared)
+    # The copy asks its class whether a name splits (the same rules): that pickles.
+    for _, node in iter_graph(roots[0]):
+      keys = vars(node).get(LAYER_KEYS) if isinstance(node, Module) else None
+      if keys is not None:
+        keys.splits = getattr(type(stack), SPLITS)
   roots[0].__dict__[LAYER_ORIGIN] = (  # a LayerOrigin's fields (see layer_origin)
     type(stack),
     {p: a for p, a in zip(graphdef.var_paths, axes) if a is not None},

@@ -12,7 +12,7 @@ from ..core._graph import flatten
 from ..core._stacks import axis_size, is_stacked, layer_axis, stack_info
 from ._lift import Lifted, is_node, refuse_layer_list, split_call
 from ._rules import STACKED, Rules, TransformError, Treatment
-from ._stacked import LayerRules, layer_view
+from ._stacked import layer_view
 
 
 def lift_module_arg(
@@ -81,7 +81,7 @@ def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
   """Where the stack's own class form does not slice ``var`` either: build it with the rule."""
   info = stack_info(stack_cls)
   rules = getattr(info, "rules", None)
-  if not isinstance(rules, LayerRules) or rules.rules.classify(path, var)[0] == STACKED:
+  if not isinstance(rules, Rules) or rules.classify(path, var)[0] == STACKED:
     return ""
   kind = filter_repr(type(var))
   return (

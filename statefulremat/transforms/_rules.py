@@ -16,6 +16,7 @@ from ..core._bookkeeping import LAYER_INDEX, LAYER_KEYS
 from ..core._errors import TransformError, format_path
 from ..core._filters import filter_repr, is_everything, to_predicate
 from ..core._frozen import EMPTY
+from ..core._graph import flatten
 from ..core._module import iter_graph
 from ..core._rngs import LayerKeys, Rngs, RngStream
 from ..core._stacks import cycle, stack_info
@@ -108,6 +109,25 @@ class Rules:
     rules = copy.copy(self)
     rules.split_entries = self.split_entries + [(lambda name: name == "params", True, ["params"])]
     return rules
+
+  def stacked_axes(self, graphdef, variables, layer) -> dict[int, int]:
+    """``{flat index: layer axis}`` of the variables of one layer these rules stack, as
+    at a class form's init (``sr.stack(layers, like=StackedClass)`` asks)."""
+    treatment = Treatment(self, graphdef, variables, [layer], rank_offset=1)
+    return {i: treatment.stacked_axis(i) for i in treatment.indices(STACKED)}
+
+  def seed_layer(self, layer, index, shared: set[int]) -> dict[int, Any]:
+    """Puts into layer ``index``'s copy of each shared stream (flat indices ``shared``)
+    the key it draws inside the stack (README.md); returns ``{flat index: value before}``."""
+    graphdef, variables = flatten([layer])
+    treatment = Treatment(self, graphdef, variables, [layer], rank_offset=1)
+    # A stream with one key per layer (stacked by the init) is the layer's own already.
+    treatment.streams = [s for s in treatment.streams if s.key in shared]
+    if not treatment.streams:
+      return {}
+    values = [v._value for v in variables]
+    treatment.reseed(variables, values, jnp.uint32(index))
+    return {i: values[i] for s in treatment.streams for i in (s.key, s.count)}
 
   def splits(self, name: str) -> bool:
     return next((value for pred, value, _ in self.split_entries if pred(name)), False)

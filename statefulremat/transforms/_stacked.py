@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core._bookkeeping import LAYER_KEYS, SPLITS
+from ..core._bookkeeping import SPLITS
 from ..core._errors import StatefulRematError, TransformError, format_path
 from ..core._graph import flatten, rewrite
 from ..core._graph_build import unflatten
-from ..core._module import Module, iter_graph
+from ..core._module import Module
 from ..core._stacks import (
   LAYER_AXIS,
   Form,
@@ -104,7 +104,7 @@ def stacked_class(
     length,
     f"sr.{cls.__name__}(...)",
     unit,
-    rules=LayerRules(rules, getattr(cls, SPLITS)),
+    rules=rules,
     partition_name=(metadata_params or {}).get("partition_name"),
     init_in_axes=init_in_axes,
     place=place,
@@ -129,8 +129,8 @@ def build_stack(cls: type, *args, **kwargs):
   """``__new__`` of a stacked class: builds the ``length`` layers of its ``StackInfo`` in
   one vmapped init."""
   info = stack_info(cls)
-  assert info is not None and isinstance(info.rules, LayerRules) and isinstance(info.unit, Layer)
-  rules, length, what, make = info.rules.rules, info.length, info.what, info.unit.maker()
+  assert info is not None and isinstance(info.rules, Rules) and isinstance(info.unit, Layer)
+  rules, length, what, make = info.rules, info.length, info.what, info.unit.maker()
   mapped, length = _mapped_leaves(what, info.init_in_axes, args, length)
   lifted, in_vars, leaves, nodes = lift(args, kwargs)
   in_treatment = Treatment(rules.for_init(), lifted.graphdef, in_vars, nodes)
@@ -356,35 +356,3 @@ def _refuse_broadcast_argument(
     f"{said}). A class form passes constructor arguments unmapped (only RNG streams "
     f"are split{calls}); with one slice of it each, the layers build. Fix: {fix}."
   ) from error
-
-
-class LayerRules:
-  """A stacked class's rules as the core reads them (``core._stacks.StackRules``)."""
-
-  def __init__(self, rules: Rules, splits: Callable[[str], bool]):
-    self.rules, self.splits = rules, splits
-
-  def classify(self, graphdef, variables, layer) -> dict[int, int]:
-    """``{flat index: layer axis}`` of the variables the class's rules stack."""
-    treatment = Treatment(self.rules, graphdef, variables, [layer], rank_offset=1)
-    return {
-      i: treatment.stacked_axis(i) for i, kind in enumerate(treatment.kinds) if kind == STACKED
-    }
-
-  def seed_layer(self, layer, index, shared: set[int]) -> dict[int, Any]:
-    """Puts into layer ``i``'s copy of each shared stream (flat indices ``shared``) the
-    key it draws inside the stack (README.md); returns ``{flat index: value before}``."""
-    graphdef, variables = flatten([layer])
-    treatment = Treatment(self.rules, graphdef, variables, [layer], rank_offset=1)
-    # A stream with one key per layer (stacked by the init) is the layer's own already.
-    treatment.streams = [s for s in treatment.streams if s.key in shared]
-    if not treatment.streams:
-      return {}
-    values = [v._value for v in variables]
-    treatment.reseed(variables, values, jnp.uint32(index))
-    # The copy asks its class whether a name splits (the same rules): it pickles.
-    for _, node in iter_graph(layer):
-      keys = vars(node).get(LAYER_KEYS) if isinstance(node, Module) else None
-      if keys is not None:
-        keys.splits = self.splits
-    return {i: values[i] for s in treatment.streams for i in (s.key, s.count)}
