@@ -13,6 +13,8 @@ import types
 import weakref
 from typing import Any
 
+import numpy as np
+
 # -- the graph (core) ---------------------------------------------------------------
 
 structure_epoch = types.SimpleNamespace(value=0)  # moves on with any change to any graph
@@ -30,6 +32,9 @@ class_hooks: list = []  # called with each Module class as it is defined
 
 # -- the transforms -----------------------------------------------------------------
 
+# Leaf types that hold no tracer: a call's arguments of these skip tree_flatten and the
+# trace check. JAX's concrete array class is private, so it is learnt when first seen.
+plain_leaf_types: set[type] = {np.ndarray, int, float, bool, complex}
 lifted_steps: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the first of equals
 made_classes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # frozen call -> class
 class_forms: dict[str, Any] = {}  # "scan" -> the cached class form, for MADE_BY and pickles

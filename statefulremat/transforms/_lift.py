@@ -11,9 +11,8 @@ from typing import Any
 import jax
 import jax.core
 import jax.numpy as jnp
-import numpy as np
 
-from ..core._caches import lifted_steps, structure_epoch
+from ..core._caches import lifted_steps, plain_leaf_types, structure_epoch
 from ..core._errors import GraphError, TraceContextError, TransformError
 from ..core._graph import GraphDef, flatten
 from ..core._graph_build import unflatten
@@ -215,14 +214,9 @@ def _run_units(fn, args, kwargs, variables, values, before, seed, order, isolate
   return outs, isolated
 
 
-# Leaf types that hold no tracer: they skip tree_flatten and the trace check. JAX's
-# concrete array class is private, so it is learnt from the first one seen.
-_PLAIN = {np.ndarray, int, float, bool, complex}
-
-
 def _learn_plain(value) -> None:
   if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
-    _PLAIN.add(type(value))
+    plain_leaf_types.add(type(value))
 
 
 _NODE_TYPES = (Module, Variable)
@@ -238,7 +232,7 @@ def split_call(args: tuple, kwargs: dict):
       positions.append(i)
     else:
       others.append(leaf)
-      if type(leaf) not in _PLAIN:
+      if type(leaf) not in plain_leaf_types:
         _learn_plain(leaf)
   return nodes, others, treedef, tuple(positions)
 
@@ -255,7 +249,7 @@ def _split_flat(args: tuple):
   """``split_call(args, {})`` when every argument is a node or a known leaf, else None."""
   nodes, leaves, positions = [], [], []
   for i, a in enumerate(args):
-    if type(a) in _PLAIN:
+    if type(a) in plain_leaf_types:
       leaves.append(a)
     elif isinstance(a, _NODE_TYPES):
       nodes.append(a)
@@ -311,7 +305,7 @@ class FlattenCache:
       leaves = []
       for a, node in zip(args, last[1]):
         if node is None:
-          if type(a) not in _PLAIN:
+          if type(a) not in plain_leaf_types:
             break
           leaves.append(a)
         elif a is not node:
@@ -355,7 +349,7 @@ def write_back(
 ) -> None:
   """Writes the changed values into the caller's Variables: all of them, or none when
   a value is a tracer of a trace that does not own the Variable."""
-  if not _PLAIN.issuperset(map(type, changed.values())):
+  if not plain_leaf_types.issuperset(map(type, changed.values())):
     _check_traces(variables, changed, what)
   for i, value in changed.items():
     variables[i]._value = value
