@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import jax
 
-from ..core._caches import pending_saves, pending_saves_lock
+from ..core._caches import pending_saves, pending_saves_lock, save_numbers
 from ._files import CheckpointError, abandon, begin, current, newest
 
 
@@ -51,13 +51,11 @@ class Saves:
   """The saves of one path in this process: a sequence number (identical in every
   process, since each runs the same saves in the same order) names its barriers."""
 
-  _count: dict[str, int] = {}
-
   def __init__(self, root: str):
     self.root = root
     self._lock = None  # the path's SaveLock, in the primary process from begin()
     with pending_saves_lock:
-      self.seq = Saves._count[root] = Saves._count.get(root, 0) + 1
+      self.seq = save_numbers[root] = save_numbers.get(root, 0) + 1
 
   def barrier(self, stage: str) -> None:
     if jax.process_count() == 1:

@@ -49,3 +49,4 @@ checkpoint_threads: dict[str, Any] = {}  # a checkpoint directory -> its threads
 checkpoint_threads_lock = threading.Lock()
 pending_saves: dict[str, list] = {}  # a checkpoint directory -> its background saves
 pending_saves_lock = threading.Lock()
+save_numbers: dict[str, int] = {}  # a checkpoint directory -> the number of its last save
