@@ -102,8 +102,7 @@ def _element(position) -> tuple[str, str]:
 def position_label(position_cls) -> str | None:
   """The on-screen name of a position's stack class in its pattern; None where it is
   no position."""
-  info = stack_info(position_cls)
-  place = None if info is None else info.place
+  place = getattr(stack_info(position_cls), "place", None)
   if place is None:
     return None
   pattern = place.pattern()

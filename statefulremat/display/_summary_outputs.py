@@ -80,14 +80,11 @@ def trace_outputs(
 
 def _patch_calls(classes, record) -> list[tuple[type, Any]]:
   """Wraps ``__call__`` where each class (or the base it inherits it from) defines it."""
-  owners = {}
-  for cls in classes:
-    owner = next((base for base in cls.__mro__ if "__call__" in base.__dict__), object)
-    if owner is not object:
-      owners[owner] = owner.__dict__["__call__"]
-  for owner, original in owners.items():
+  owners = (next((b for b in cls.__mro__ if "__call__" in b.__dict__), None) for cls in classes)
+  patched = [(owner, owner.__dict__["__call__"]) for owner in set(owners) if owner is not None]
+  for owner, original in patched:
     owner.__call__ = record(original)
-  return list(owners.items())
+  return patched
 
 
 def _root_of(obj):
@@ -99,22 +96,22 @@ def _root_of(obj):
   return obj
 
 
+class _Unquoted(str):
+  """A text that a container's repr shows as it is, without quotes."""
+
+  __repr__ = str.__str__
+
+
 def _shapes_text(tree) -> str:
   """``float32[5,2]`` for an array; containers keep their brackets."""
 
-  class Shape:
-    def __init__(self, x):
-      self.text = (
-        f"{x.dtype}[{','.join(map(str, np.shape(x)))}]" if hasattr(x, "dtype") else type(x).__name__
-      )
+  def shape(x):
+    if hasattr(x, "dtype"):
+      return _Unquoted(f"{x.dtype}[{','.join(map(str, np.shape(x)))}]")
+    return _Unquoted(type(x).__name__)
 
-    def __repr__(self):
-      return self.text
-
-  if hasattr(tree, "dtype"):
-    return repr(Shape(tree))
   # Modules are pytrees too: a returned module shows as its class name, not its leaves.
-  return repr(jax.tree.map(Shape, tree, is_leaf=lambda x: isinstance(x, Module)))
+  return repr(jax.tree.map(shape, tree, is_leaf=lambda x: isinstance(x, Module)))
 
 
 OUTPUT_WIDTH = 72  # characters of one output's text in the summary's output column

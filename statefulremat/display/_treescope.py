@@ -220,8 +220,7 @@ def _constructor(module, path, subtree_renderer, first: dict):
     comma = rp.siblings(",", rp.fold_condition(collapsed=rp.text(" ")))
     if i == len(shown) - 1:
       comma = rp.fold_condition(expanded=rp.text(","))
-    field = rp.siblings_with_annotations(f"{name}=", drawn)
-    children.append(rp.build_full_line_with_annotations(field, comma))
+    children.append(_field(name, drawn, comma))
   folded = {k: v for k, v in attributes.items() if k in at_defaults}
   if folded and not compact:
     # Only in the open module: folded to one line, the module shows what differs.
@@ -263,6 +262,13 @@ def _attribute_path(path, name: str):
   return None if path is None else f"{path}.{name}"
 
 
+def _field(name: str, drawn, comma):
+  """A line of a constructor: ``name=`` and the attribute as ``drawn``, then ``comma``."""
+  from treescope import rendering_parts as rp
+
+  return rp.build_full_line_with_annotations(rp.siblings_with_annotations(f"{name}=", drawn), comma)
+
+
 def _defaults_group(folded: dict, path, subtree_renderer):
   """A folded line naming the attributes at their defaults; open, one per line."""
   from treescope import rendering_parts as rp
@@ -277,12 +283,7 @@ def _defaults_group(folded: dict, path, subtree_renderer):
     )
   )
   lines = [
-    rp.build_full_line_with_annotations(
-      rp.siblings_with_annotations(
-        f"{name}=", subtree_renderer(value, path=_attribute_path(path, name))
-      ),
-      rp.text(","),
-    )
+    _field(name, subtree_renderer(value, path=_attribute_path(path, name)), rp.text(","))
     for name, value in folded.items()
   ]
   return rp.build_custom_foldable_tree_node(

@@ -14,8 +14,7 @@ class LayeredArrayAdapter(ndarray_adapters.NDArrayAdapter):
   @staticmethod
   def _inner(layered) -> ndarray_adapters.NDArrayAdapter:
     adapter = type_registries.lookup_ndarray_adapter(layered.array)
-    if adapter is None:  # a LayeredArray is made only of arrays treescope draws
-      raise TypeError(f"treescope has no adapter for {type(layered.array).__name__}")
+    assert adapter is not None  # a LayeredArray is made only of arrays treescope draws
     return adapter
 
   # treescope calls these with keywords: the parameter names are its own.

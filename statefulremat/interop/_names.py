@@ -264,11 +264,8 @@ def load(model, found: Match, value_of: Callable[[Entry, Source, int | None, Pro
     values = [value_of(e, s, layer, found.problems) for s, layer in fill.given]
     if any(v is None for v in values):
       continue
-    if fill.given[0][1] is None:  # one whole source
-      new[e.path] = placed_like(e.var, values[0])
-    else:
-      assert e.axis is not None  # filled per layer: a stack
-      new[e.path] = placed_like(e.var, jnp.stack(values, axis=e.axis))
+    whole = fill.given[0][1] is None  # else filled per layer: a stack
+    new[e.path] = placed_like(e.var, values[0] if whole else jnp.stack(values, axis=e.axis or 0))
   found.problems.raise_if_any()
   update(model, State(new))
   return model
