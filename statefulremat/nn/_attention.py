@@ -9,6 +9,7 @@ Shapes follow nnx: ``query`` ``[batch..., q_length, num_heads, depth]``, ``key``
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -57,10 +58,7 @@ def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.float32) -> jax.Arr
     return None
   if not all(m.ndim == given[0].ndim for m in given):
     raise ValueError(f"masks must have the same rank, got {tuple(m.ndim for m in given)}.")
-  mask, *others = given
-  for other in others:
-    mask = jnp.logical_and(mask, other)
-  return mask.astype(dtype)
+  return functools.reduce(jnp.logical_and, given).astype(dtype)
 
 
 def make_attention_mask(

@@ -31,6 +31,8 @@ FITS_EVERY_OPTION = "sr.nn.dot_product_attention or flax.nnx.dot_product_attenti
 
 @functools.lru_cache(maxsize=128)
 def _keywords(fn: Callable) -> frozenset[str]:
+  """The options of ``MultiHeadAttention``'s call that ``fn`` takes as keywords (all of
+  them for a function with ``**kwargs`` or without a readable signature)."""
   try:
     parameters = inspect.signature(fn).parameters.values()
   except (TypeError, ValueError):
@@ -40,15 +42,6 @@ def _keywords(fn: Callable) -> frozenset[str]:
     return OPTIONS
   named = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
   return frozenset(p.name for p in parameters if p.kind in named) & OPTIONS
-
-
-def attention_fn_keywords(fn: Callable) -> frozenset[str]:
-  """The options of ``MultiHeadAttention``'s call that ``fn`` takes as keywords (all of
-  them for a function with ``**kwargs`` or without a readable signature)."""
-  try:
-    return _keywords(fn)
-  except TypeError:  # an unhashable callable: read it each time (at trace time only)
-    return _keywords.__wrapped__(fn)
 
 
 def describe(fn: Callable) -> str:
@@ -78,7 +71,10 @@ def check_attention_fn(
       f"{where}: attention_fn={fn!r} is not a function. Fix: pass a function with "
       f"dot_product_attention's signature, e.g. {FITS_EVERY_OPTION}, or leave the default."
     )
-  takes = attention_fn_keywords(fn)
+  try:
+    takes = _keywords(fn)
+  except TypeError:  # an unhashable callable: read it each time (at trace time only)
+    takes = _keywords.__wrapped__(fn)
   if dropout_rate > 0.0:
     missing = [k for k in DROPOUT_OPTIONS if k not in takes]
     if missing:

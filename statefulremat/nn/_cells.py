@@ -2,7 +2,7 @@
 ``OptimizedLSTMCell``, ``GRUCell``.
 
 A cell computes one time step, ``cell(carry, x) -> (carry, y)`` (the protocol and its
-checks are ``RNNCellBase``'s, in ``_cell_base``); ``sr.nn.RNN`` scans it over a
+checks are ``RNNCellBase``'s, in ``_rnn``); ``sr.nn.RNN`` scans it over a
 sequence. Names, constructor signatures, sub-layers (``Linear``s named as nnx
 names them) and numerics are nnx 0.12's, so ``sr.interop.from_nnx`` moves the weights
 of an nnx cell into ours with no rename.
@@ -18,9 +18,9 @@ import jax.numpy as jnp
 
 from ..core._frozen import EMPTY as _EMPTY
 from ..core._rngs import Rngs
-from ._cell_base import RNNCellBase
 from ._dtypes import promote_dtype as default_promote_dtype
 from ._linear import Initializer, default_bias_init, default_kernel_init
+from ._rnn import RNNCellBase
 
 default_recurrent_kernel_init = jax.nn.initializers.orthogonal()
 

@@ -158,9 +158,7 @@ class GroupNorm(Module):
     # for the default reduction axes and wrong (silently) for others.
     mean = jnp.repeat(mean, self.group_size, axis=-1)
     var = jnp.repeat(var, self.group_size, axis=-1)
-    return normalize(
-      x, mean, var, scale, bias, reduction_axes[:-1], (self.feature_axis,), self.dtype, self.epsilon
-    )
+    return normalize(self, x, mean, var, scale, bias, reduction_axes[:-1], (self.feature_axis,))
 
 
 class InstanceNorm(Module):
@@ -238,8 +236,7 @@ class InstanceNorm(Module):
   def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
     """Normalises ``x`` of shape ``(batch, ...)``; ``mask`` (same shape) restricts
     the statistics to its entries."""
-    check_feature_axes("InstanceNorm", x, self.feature_axes, self.num_features, self)
-    feature_axes = canonicalize_axes(x.ndim, self.feature_axes)
+    feature_axes = check_feature_axes("InstanceNorm", x, self.feature_axes, self.num_features, self)
     if 0 in feature_axes:
       raise ValueError(
         located(
@@ -252,6 +249,4 @@ class InstanceNorm(Module):
     reduction_axes = [i for i in range(1, x.ndim) if i not in feature_axes]
     x, scale, bias = promoted(self, x, self.scale, self.bias)
     mean, var = layer_stats(self, x, reduction_axes, mask)
-    return normalize(
-      x, mean, var, scale, bias, reduction_axes, feature_axes, self.dtype, self.epsilon
-    )
+    return normalize(self, x, mean, var, scale, bias, reduction_axes, feature_axes)

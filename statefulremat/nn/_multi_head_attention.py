@@ -25,8 +25,7 @@ from ._attention_cache import cache_slot, cache_write
 from ._attention_fn import call_attention_fn, check_attention_fn
 from ._dropout import draw_key
 from ._dtypes import promote_dtype as default_promote_dtype
-from ._linear import Initializer, default_kernel_init, named
-from ._linear_general import LinearGeneral
+from ._linear import Initializer, LinearGeneral, default_kernel_init, named
 from ._normalization import LayerNorm
 from ._rngs_arg import check_rngs
 from ._rope import check_positions, is_real, rope

@@ -11,8 +11,8 @@ go. Every public name of ``flax.nnx`` 0.12 falls in one of four groups:
 * a layer, activation or initializer, which lives in ``sr.nn`` (``nnx.Linear`` is
   ``sr.nn.Linear``): the package's ``__getattr__`` looks it up there, so the message
   never names a layer that is not there;
-* another spelling or no equivalent: ``SPELLED_DIFFERENTLY`` (and ``jax.nn`` for an
-  activation ``sr.nn`` lacks); linen's layer names that nnx renamed, ``LINEN``;
+* another spelling or no equivalent: ``SPELLED_DIFFERENTLY``; linen's layer names that
+  nnx renamed, ``LINEN``;
 * nnx's type variables, submodules of its implementation and internal contexts
   (``A``, ``M``, ``graphlib``, ``pytreelib``, ``SplitContext``, ...), which ported
   model code does not name: Python's plain ``AttributeError``.
@@ -190,13 +190,6 @@ LINEN = {
   "DenseGeneral": "use sr.nn.LinearGeneral (flax.linen's DenseGeneral)",
 }
 
-# nnx's activations are jax.nn's functions: where sr.nn lacks one, jax.nn has it.
-ACTIVATIONS = frozenset(
-  "celu elu gelu glu hard_sigmoid hard_silu hard_swish hard_tanh identity leaky_relu "
-  "log_sigmoid log_softmax logsumexp one_hot relu relu6 selu sigmoid silu soft_sign "
-  "softmax softplus standardize swish tanh".split()
-)
-
 
 def message(package: str, name: str, found_in_nn: bool) -> str | None:
   """The AttributeError's text for ``sr.<name>`` (``package``: the package's name), or
@@ -210,8 +203,6 @@ def message(package: str, name: str, found_in_nn: bool) -> str | None:
     origin, hint = f"nnx.{name}", SPELLED_DIFFERENTLY[name]
   elif name in LINEN:
     origin, hint = f"flax.linen.{name}", LINEN[name]
-  elif name in ACTIVATIONS:
-    origin, hint = f"nnx.{name}", f"use jax.nn.{name} (nnx's activations are jax.nn's functions)"
   else:
     return None
   return f"module {package!r} has no attribute {name!r} ({origin}): {hint}"
