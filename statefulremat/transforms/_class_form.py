@@ -177,8 +177,7 @@ class _Refused(pickle.PicklingError):
 
 
 def _reduce_class(cls: type):
-  """How pickle saves a class under ``MadeClass``: by the call that made it; a user's
-  subclass of a made class by name, as any class."""
+  """How pickle saves a made class: by the call that made it (a user's subclass: by name)."""
   info = stack_info(cls)
   if MADE_BY in cls.__dict__:
     recipe, position = cls.__dict__[MADE_BY], None
@@ -207,8 +206,7 @@ _SAVE_STATE = (
 
 
 def _check_picklable(cls: type, recipe: tuple) -> None:
-  """Raises, naming the argument, unless every part of the call ``recipe`` pickles (so
-  that the error comes now and says why, not as pickle's lookup failure)."""
+  """Raises, naming the argument, unless every part of the call ``recipe`` pickles."""
   form, target, args, kwargs = recipe
   call = f"sr.{form}({_target_words(target)}, ...)"
   parts = [("class" if isinstance(target, type) else "target", target)]

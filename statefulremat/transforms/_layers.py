@@ -19,8 +19,9 @@ from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, TransformError, Tr
 from .memory._carries import offloaded
 
 
-def check_same_type(before, after, what: str, label: str) -> None:
-  """Raises if ``after`` does not have the structure, shapes and dtypes of ``before``."""
+def check_same_type(before, after, what: str, label: str, hint: str = "") -> None:
+  """Raises if ``after`` does not have the structure, shapes and dtypes of ``before``
+  (``hint``: a sentence the message ends with)."""
   tb, ta = jax.tree.structure(before), jax.tree.structure(after)
   if tb != ta:
     where, was, now = _structure_difference(before, after, ())
@@ -28,7 +29,7 @@ def check_same_type(before, after, what: str, label: str) -> None:
       f"{what}: the {label} changed structure between iterations: "
       f"`{jax.tree_util.keystr(where) or '<carry>'}` went in as {was} and came out as "
       f"{now} (as trees: {tb} -> {ta}). A carry must keep its structure, shapes and "
-      "dtypes; return it in the same form (e.g. `tuple(...)` around a list)."
+      f"dtypes; return it in the same form (e.g. `tuple(...)` around a list).{hint}"
     )
   for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after)):
     (sb, db), (sa, da) = (jnp.shape(b), jnp.result_type(b)), (jnp.shape(a), jnp.result_type(a))
@@ -37,7 +38,7 @@ def check_same_type(before, after, what: str, label: str) -> None:
         f"{what}: the {label} leaf `{jax.tree_util.keystr(path) or '<carry>'}` went in "
         f"as {db}{list(sb)} and came out as {da}{list(sa)}. A carry must keep its "
         "shape and dtype across iterations: cast or reshape it back "
-        f"(e.g. `.astype(jnp.{db})`), or make it part of the scanned outputs."
+        f"(e.g. `.astype(jnp.{db})`), or make it part of the scanned outputs.{hint}"
       )
 
 
@@ -53,8 +54,7 @@ def describe_node(node) -> str:
 
 
 def _structure_difference(a, b, path: tuple) -> tuple[tuple, str, str]:
-  """``(key path, was, now)`` of the first node where two pytrees' structures differ,
-  in Python terms (``tuple of 2`` -> ``list of 2``)."""
+  """``(key path, was, now)`` of the first node where two pytrees' structures differ."""
   alike = type(a) is type(b) and isinstance(a, (tuple, list, dict)) and len(a) == len(b)
   if alike and not (isinstance(a, dict) and set(a) != set(b)):
     for k in list(a) if isinstance(a, dict) else range(len(a)):
@@ -65,9 +65,8 @@ def _structure_difference(a, b, path: tuple) -> tuple[tuple, str, str]:
 
 
 class LayerLoop:
-  """Runs a body once per layer over the lifted modules."""
-
-  period = 1  # layers per unit of the loop (a cycle loop runs a pattern's cycles)
+  """Runs a body once per layer over the lifted modules (``period``: layers per unit,
+  a ``CycleLoop``'s pattern)."""
 
   def __init__(
     self,
@@ -82,11 +81,13 @@ class LayerLoop:
     length: int,
     metadata_params: Mapping | None = None,
     reverse: bool = False,
+    period: int = 1,
   ):
     self.lifted, self.treatment, self.variables, self.leaves = lifted, treatment, variables, leaves
     self.values = [v._value for v in variables]
     self.what, self.data_transform = what, data_transform
-    self.module, self.length, self.reverse = module, length, reverse
+    self.module, self.length, self.reverse, self.period = module, length, reverse, period
+    self.full, self.rest = divmod(length, period)  # full units, layers of a short last one
     self.partition_name = (metadata_params or {}).get("partition_name")
     self.changed: dict[int, Any] = {}
     self.stacked = treatment.indices(STACKED)
@@ -143,16 +144,12 @@ class LayerLoop:
     return (new_carry_values, new_carry), (written, ys)
 
   def _transform_data(self, transform: Callable, slices):
-    graphdef = self.lifted.graphdef
-    paths = tuple(graphdef.var_paths[i] for i in self.stacked)
+    paths = tuple(self.lifted.graphdef.var_paths[i] for i in self.stacked)
     # Each entry keeps its kind and the layer's metadata (the partition name removed),
     # so the hook can filter (`state.filter(sr.Param)`) and read `sharding`.
-    entries = graphdef.variables
+    entries = [self.lifted.graphdef.variables[i] for i in self.stacked]
     state = State.from_parts(
-      paths,
-      [entries[i].kind for i in self.stacked],
-      [entries[i].metadata for i in self.stacked],
-      slices,
+      paths, [e.kind for e in entries], [e.metadata for e in entries], slices
     )
     out = transform(state)
     if not isinstance(out, State) or tuple(out.flat()) != paths:
@@ -201,39 +198,20 @@ class LayerLoop:
     layer axis first. ``lengths`` nests the units (``remat``: each level under
     ``jax.checkpoint``); ``offload``: the outer levels' carries go to host memory.
     Nothing is written until ``finish()``."""
-    full, rest = divmod(self.length, self.period)
     # The state of every iteration: the carried variables' values and the user's carry.
-    state, tail = ([self.values[i] for i in self.carried], carry), None
-    if rest and self.reverse:
-      state, tail = self._tail(body, state, xs, remat, offload)
-    lengths = (full,) if lengths is None else tuple(lengths)
-    if remat and math.prod(lengths) != full:
-      state, written = self.segments(body, state, full, lengths, policy, prevent_cse, offload)
-      ys = None
-    else:
-      units_xs = self._unit_xs(xs)
-      state, written, ys = self.levels(
-        body, state, units_xs, lengths, unroll, remat, policy, prevent_cse, offload
-      )
-    if rest and not self.reverse:
-      state, tail = self._tail(body, state, xs, remat, offload)
-    if tail is not None:
-      written = self._join(written, tail[0])
+    state = ([self.values[i] for i in self.carried], carry)
+    options = (lengths, remat, policy, prevent_cse, unroll, offload)
+    state, written, ys = self._units(body, state, xs, *options)
     self.changed = self._changed(written, state[0])
-    return state[1], self._layer_order(ys, None if tail is None else tail[1])
+    return state[1], ys
 
-  # A cycle loop's hooks: its xs by cycle, the short last cycle, its ys in layer order.
-  def _unit_xs(self, xs):
-    return xs
-
-  def _tail(self, body, state, xs, remat: bool, offload: bool) -> tuple[tuple, tuple]:
-    raise AssertionError("a loop over layers has no short last unit")
-
-  def _join(self, written: dict, tail: dict) -> dict:
-    raise AssertionError("a loop over layers has no short last unit")
-
-  def _layer_order(self, ys, tail_ys):
-    return ys
+  def _units(self, body, state, xs, lengths, remat, policy, prevent_cse, unroll, offload):
+    """``loop``'s full units from ``state``: ``(state, written, ys)``."""
+    lengths = (self.full,) if lengths is None else tuple(lengths)
+    if remat and math.prod(lengths) != self.full:
+      state, written = self.segments(body, state, self.full, lengths, policy, prevent_cse, offload)
+      return state, written, None
+    return self.levels(body, state, xs, lengths, unroll, remat, policy, prevent_cse, offload)
 
   def finish(self) -> None:
     """Writes what the loop changed into the caller's modules (a Variable made inside

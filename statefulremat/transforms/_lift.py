@@ -3,6 +3,7 @@ kernel; transforms/README.md describes it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -40,18 +41,18 @@ class Roots(list):
     self.variables, self.epoch = variables, structure_epoch.value
 
 
+@dataclasses.dataclass(slots=True)
 class Changes:
   """What a lifted call did to its modules (``Lifted.run``), read inside the trace:
   ``values`` ``{flat index: new value}`` written, ``made`` the values of new Variables,
-  ``structure`` the ``NewStructure`` or None, ``roots`` / ``variables`` the rebuilt
-  objects, ``isolated`` each unit's writes to the isolated Variables."""
+  ``structure`` the ``NewStructure`` or None, ``roots`` the rebuilt objects,
+  ``isolated`` each unit's writes to the isolated Variables."""
 
-  __slots__ = ("values", "made", "structure", "roots", "variables", "isolated")
-
-  def __init__(self, values: dict, made: list, structure, roots, variables):
-    self.values, self.made, self.structure = values, made, structure
-    self.roots, self.variables = roots, variables
-    self.isolated: list[dict] = []  # per unit of a cycle, see ``Lifted.run``
+  values: dict
+  made: list
+  structure: NewStructure | None
+  roots: Roots
+  isolated: list[dict] = dataclasses.field(default_factory=list)
 
 
 class Lifted:
@@ -60,20 +61,15 @@ class Lifted:
   __slots__ = ("graphdef", "treedef", "node_positions", "_hash", "__weakref__")
 
   def __init__(self, graphdef: GraphDef, treedef, node_positions: tuple):
-    self.graphdef = graphdef
-    self.treedef = treedef
-    self.node_positions = node_positions
+    self.graphdef, self.treedef, self.node_positions = graphdef, treedef, node_positions
     self._hash = hash((graphdef, treedef, node_positions))
 
   def __eq__(self, other):
-    if self is other:
-      return True
-    return (
+    return self is other or (
       isinstance(other, Lifted)
       and self._hash == other._hash
-      and self.graphdef == other.graphdef
-      and self.treedef == other.treedef
-      and self.node_positions == other.node_positions
+      and (self.graphdef, self.treedef, self.node_positions)
+      == (other.graphdef, other.treedef, other.node_positions)
     )
 
   def __hash__(self):
@@ -130,50 +126,25 @@ class Lifted:
         out, isolated = _run_units(
           fn, args, kwargs, variables, values, before, seed, units, isolate
         )
-      changes = self.changes(roots, variables, values, what, restructure)
+      changes = self.collect(roots, values, what, restructure)
       changes.isolated = isolated
       if copies:
         out = lift_outputs(out)
       elif outputs:  # read inside the guard: a module reached by closure raises
         known = len(values) if changes.structure is None else len(changes.structure.origin)
-        out = (
-          [lift_outputs(o, roots, known) for o in out]
-          if units is not None
-          else (lift_outputs(out, roots, known))
-        )
+        lift_out = functools.partial(lift_outputs, input_roots=roots, n_variables=known)
+        out = lift_out(out) if units is None else [lift_out(o) for o in out]
     return out, changes
 
-  def changes(self, roots, variables, values, what: str, restructure: bool = False) -> Changes:
-    """After the user's function: what it did to the objects ``rebuild`` made."""
-    found: list | None = [] if restructure else None
-    changed = self.collect(roots, values, what, found)
-    if not found:
-      return Changes(changed, [], None, roots, variables)
-    structure, made = found[0]
-    return Changes(changed, made, structure, roots, variables)
-
-  def collect(
-    self, roots, values: Sequence[Any], what: str, structure: list | None = None
-  ) -> dict[int, Any]:
-    """After the user's function: ``{index: new value}`` of each Variable it changed.
-    A changed structure is appended to ``structure`` with the values of the Variables
-    made inside, ``(NewStructure, [value, ...])``, or raises when ``structure`` is None."""
+  def collect(self, roots, values, what: str, restructure: bool = False) -> Changes:
+    """After the user's function: what it did to the objects ``rebuild`` made; a changed
+    structure is carried out with ``restructure``, else raises."""
     if roots.epoch == structure_epoch.value:  # no structure changed anywhere since
-      return {
-        i: v._value
-        for i, (v, old) in enumerate(zip(roots.variables, values))
-        if v._value is not old
-      }
+      return Changes(_written(roots.variables, values), [], None, roots)
     graphdef, variables = flatten(roots)
-    if graphdef != self.graphdef and structure is not None:
-      index = {id(v): i for i, v in enumerate(roots.variables)}
-      origin = tuple(index.get(id(v), -1) for v in variables)
-      made = [v._value for v, j in zip(variables, origin) if j < 0]
-      structure.append((NewStructure(graphdef, origin), made))
-      return {
-        j: v._value for v, j in zip(variables, origin) if j >= 0 and v._value is not values[j]
-      }
-    if graphdef != self.graphdef:
+    if graphdef == self.graphdef:
+      return Changes(_written(variables, values), [], None, roots)
+    if not restructure:
       raise GraphError(
         f"{what}: the function changed the structure of its modules "
         f"({describe_change(self.graphdef, graphdef)}). Changes to structure (new "
@@ -183,7 +154,18 @@ class Lifted:
         ", and change static attributes outside the transformed function "
         "(`model.eval()` before calling it)."
       )
-    return {i: v._value for i, (v, old) in enumerate(zip(variables, values)) if v._value is not old}
+    index = {id(v): i for i, v in enumerate(roots.variables)}
+    origin = tuple(index.get(id(v), -1) for v in variables)
+    made = [v._value for v, j in zip(variables, origin) if j < 0]
+    changed = {
+      j: v._value for v, j in zip(variables, origin) if j >= 0 and v._value is not values[j]
+    }
+    return Changes(changed, made, NewStructure(graphdef, origin), roots)
+
+
+def _written(variables, values) -> dict[int, Any]:
+  """``{index: new value}`` of each Variable whose value is no longer ``values[index]``."""
+  return {i: v._value for i, (v, old) in enumerate(zip(variables, values)) if v._value is not old}
 
 
 def _run_units(fn, args, kwargs, variables, values, before, seed, order, isolate):
@@ -324,12 +306,7 @@ class FlattenCache:
       self._flat_treedefs[len(args)] = treedef
     lifted, variables, _, stamp = self.lift(nodes, treedef, positions)
     at = dict(zip(positions, nodes))
-    self._last = (
-      stamp,
-      tuple(at.get(i) for i in range(len(args))),
-      lifted,
-      variables,
-    )
+    self._last = (stamp, tuple(at.get(i) for i in range(len(args))), lifted, variables)
     return lifted, variables, leaves
 
 
@@ -350,7 +327,22 @@ def write_back(
   """Writes the changed values into the caller's Variables: all of them, or none when
   a value is a tracer of a trace that does not own the Variable."""
   if not plain_leaf_types.issuperset(map(type, changed.values())):
-    _check_traces(variables, changed, what)
+    trace = None
+    for i, value in changed.items():
+      if not _contains_tracer(value):
+        _learn_plain(value)
+        continue
+      var = variables[i]
+      trace = current_trace() if trace is None else trace
+      if var._trace != trace:
+        raise TraceContextError(
+          f"{what} ran inside a JAX transform (e.g. a plain `jax.jit`, `jax.vmap` or "
+          f"`jax.grad` whose function closes over the module) that does not own "
+          f"`{var.path_str()}` ({type(var).__name__}): its new value is a tracer of that "
+          "transform and would leak out of it, so nothing was written. Fix: pass the "
+          "module as an argument to the outer transform, using `sr.jit` / `sr.grad` / "
+          "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
+        )
   for i, value in changed.items():
     variables[i]._value = value
 
@@ -382,25 +374,6 @@ def commit(
     return out
   out.structure.apply(nodes, variables, out.made, **placement)
   return out.out
-
-
-def _check_traces(variables, changed, what):
-  trace = None
-  for i, value in changed.items():
-    if not _contains_tracer(value):
-      _learn_plain(value)
-      continue
-    var = variables[i]
-    trace = current_trace() if trace is None else trace
-    if var._trace != trace:
-      raise TraceContextError(
-        f"{what} ran inside a JAX transform (e.g. a plain `jax.jit`, `jax.vmap` or "
-        f"`jax.grad` whose function closes over the module) that does not own "
-        f"`{var.path_str()}` ({type(var).__name__}): its new value is a tracer of that "
-        "transform and would leak out of it, so nothing was written. Fix: pass the "
-        "module as an argument to the outer transform, using `sr.jit` / `sr.grad` / "
-        "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
-      )
 
 
 def serialised(wrapper: Callable) -> Callable:
@@ -446,12 +419,9 @@ def raise_if_deleted(variables: Sequence[Variable]) -> None:
 
 def refuse_layer_list(module, what: str, call: str) -> None:
   """Raises if argument 0 is a list (or tuple) of unstacked modules of one class."""
-  if not (isinstance(module, (list, tuple)) and len(module) > 1):
+  if not isinstance(module, (list, tuple)) or len({type(m) for m in module}) != 1:
     return
-  if (
-    not all(isinstance(m, Module) and not is_stacked(m) for m in module)
-    or len({type(m) for m in module}) != 1
-  ):
+  if len(module) < 2 or not isinstance(module[0], Module) or any(map(is_stacked, module)):
     return
   n, cls, kind = len(module), type(module[0]).__name__, type(module).__name__
   raise TransformError(

@@ -63,17 +63,7 @@ def class_form(
   function form over ``fn``; ``position_class(position, n)``: a position's stacked class.
   """
   if is_pattern(target):
-    n = count(len(target))
-    return pattern_class(
-      target,
-      form,
-      length=n,
-      what=what,
-      methods=methods,
-      init_in_axes=init_in_axes,
-      position_class=position_class,
-      run=lambda name: run(call_method(name, f"{form.value}Pattern"), len(target)),
-    )
+    return pattern_class(target, form, what, count, run, position_class, methods, init_in_axes)
   if isinstance(target, Position):
     unit, place = target.unit, target.place
   elif is_class_partial(target):  # a pattern's element given alone
@@ -161,20 +151,11 @@ def _name(cls: type, factory) -> str:
   return f"partial({cls.__name__}, {', '.join(given)})"
 
 
-def pattern_class(
-  pattern,
-  form: Form,
-  *,
-  length: int | None,
-  what: str,
-  position_class: Callable[[Position, int], type],
-  run: Callable[[str], Callable],
-  methods: Sequence[str] | None,
-  init_in_axes: Any = None,
-) -> type:
-  """The class form over a pattern: ``{form}Pattern`` of the given classes (``run(name)``
-  runs method ``name`` of every layer in order; the positions reach the pattern class,
-  made after them, through ``Place.pattern``)."""
+def pattern_class(pattern, form: Form, what, count, run, position_class, methods, init_in_axes):
+  """``class_form`` over a pattern: ``{form}Pattern`` of the given classes, whose methods
+  run each layer's own in order (the positions reach the pattern class, made after them,
+  through ``Place.pattern``)."""
+  length = count(len(pattern))
   found = elements(what, pattern)
   p = len(found)
   if length is None:
@@ -212,7 +193,7 @@ def pattern_class(
           f"{what}: {cls.__name__} has no method {name!r}. Name methods that every "
           "class of the pattern defines."
         )
-    namespace[name] = run(name)
+    namespace[name] = run(call_method(name, f"{form.value}Pattern"), p)
   cls = made_type(f"{form.value}Pattern", PatternStack, namespace)
   unit = Cycle(tuple(positions), tuple(names))
   set_stack_info(cls, StackInfo(form, length, what, unit, init_in_axes=init_in_axes))

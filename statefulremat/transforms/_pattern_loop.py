@@ -23,10 +23,9 @@ from ._rules import TransformError
 class CycleLoop(LayerLoop):
   """``LayerLoop`` whose iteration is one cycle of a pattern."""
 
-  def __init__(self, *args, period: int, names: Sequence[str], **kwargs):
+  def __init__(self, *args, names: Sequence[str], **kwargs):
     super().__init__(*args, **kwargs)
-    self.period, self.names = period, tuple(names)
-    self.full, self.rest = divmod(self.length, period)
+    self.names = tuple(names)
     paths = self.lifted.graphdef.var_paths
     self.position = [paths[i][0] for i in self.stacked]
 
@@ -38,12 +37,10 @@ class CycleLoop(LayerLoop):
       for v in super()._stacked_inputs()
     ]
 
-  def _layer(self, body, state, x):
-    return self.cycle(body, state, x, self.period)
-
-  def cycle(self, body: Callable, state, x, active: int):
-    """Layers ``0 .. active - 1`` of one cycle. ``body(layer, carry, xs_k) -> (carry,
-    ys)``; ``x`` is ``(slices, xs, cycle)``, xs with the positions in front."""
+  def _layer(self, body: Callable, state, x, active: int | None = None):
+    """Layers ``0 .. active - 1`` of one cycle (default all). ``body(layer, carry, xs_k) ->
+    (carry, ys)``; ``x`` is ``(slices, xs, cycle)``, xs with the positions in front."""
+    active = self.period if active is None else active
     carry_values, user_carry = state
     slices, xs, cycle = x
     flat = self._substitute(slices, carry_values)
@@ -55,13 +52,11 @@ class CycleLoop(LayerLoop):
       xs_k = jax.tree.map(lambda x: lax.index_in_dim(x, k, keepdims=False), xs)
       carry, ys = body(positions[k], carry, xs_k)
       what = f"{self.what}: position {k} of the pattern ({self.names[k]})"
-      try:
-        check_same_type(before, carry, what, "carry")
-      except TransformError as e:
-        raise TransformError(
-          f"{e} Every block of a pattern takes and returns the same carry: the blocks' "
-          "carries must agree in structure, shape and dtype."
-        ) from None
+      hint = (
+        " Every block of a pattern takes and returns the same carry: the blocks' carries "
+        "must agree in structure, shape and dtype."
+      )
+      check_same_type(before, carry, what, "carry", hint)
       return ys
 
     # No RNG stream: the loop passes no cycle index (None), and nothing is seeded.
@@ -77,7 +72,20 @@ class CycleLoop(LayerLoop):
     )
     return self._read_back(changes, flat, user_carry, carry, tuple(ys))
 
-  def _unit_xs(self, xs):
+  def _units(self, body, state, xs, lengths, remat, policy, prevent_cse, unroll, offload):
+    """The full cycles, and the short last one after them (before them, in reverse)."""
+    options = (lengths, remat, policy, prevent_cse, unroll, offload)
+    tail = None
+    if self.rest and self.reverse:
+      state, tail = self._tail(body, state, xs, remat, offload)
+    state, written, ys = super()._units(body, state, self._cycle_xs(xs), *options)
+    if self.rest and not self.reverse:
+      state, tail = self._tail(body, state, xs, remat, offload)
+    if tail is None:
+      return state, written, self._layer_order(ys, None)
+    return state, self._join(written, tail[0]), self._layer_order(ys, tail[1])
+
+  def _cycle_xs(self, xs):
     """xs by cycle: ``(full, P, ...)``, the short last cycle's layers left out."""
     p, full = self.period, self.full
     return jax.tree.map(
@@ -94,11 +102,9 @@ class CycleLoop(LayerLoop):
     xs = jax.tree.map(lambda v: lax.slice_in_dim(v, full * p, self.length), xs)
 
     def step(state, x):
-      return self.cycle(body, state, x, self.rest)
+      return self._layer(body, state, x, self.rest)
 
-    # Run alone, outside any scan: without prevent_cse XLA would merge the
-    # recomputation with the forward pass and keep the residuals after all (offloaded,
-    # its input carry is saved as an outer step's is).
+    # Run alone, outside any scan: prevent_cse, as a segment's single step (_layers.py).
     return _guard(step, remat=remat, offload=offload)(state, (slices, xs, jnp.uint32(full)))
 
   def _join(self, written: dict, tail: dict) -> dict:
@@ -170,17 +176,10 @@ def lift_loop(
   stack. ``sizes``: ``(description, n)`` of what else counts the layers, which must
   agree; ``fallback``: the count when nothing tells it."""
   positions = cycle(module) if isinstance(module, Module) else (module,)
-  if len(positions) == 1:
-    lifted, variables, treatment, leaves = lift_module_arg(
-      module, what, rules, metadata_params, call_form
-    )
-    stacked = stacked_sources(treatment, lifted, variables)
-    n = resolve_length(what, None, list(sizes) + stacked, fallback=class_length(module) or fallback)
-    make = LayerLoop
-  else:
+  period, names, n = len(positions), (), 0
+  if period > 1:
     stack = cast(PatternStack, module)
-    counts = check_positions(stack, what)
-    n = sum(counts)
+    n, names = sum(check_positions(stack, what)), position_names(stack)
     for label, size in sizes:
       if size != n:
         raise TransformError(
@@ -188,11 +187,14 @@ def lift_loop(
           f"stack has {n} layers. Fix: one entry per layer ({n}), or None in in_axes to "
           "give it whole to every layer."
         )
-    lifted, variables, treatment, leaves = lift_module_arg(
-      positions, what, rules, metadata_params, call_form, pattern=True
-    )
     module = positions
-    make = functools.partial(CycleLoop, period=len(counts), names=position_names(stack))
+  lifted, variables, treatment, leaves = lift_module_arg(
+    module, what, rules, metadata_params, call_form, pattern=period > 1
+  )
+  if period == 1:
+    stacked = stacked_sources(treatment, lifted, variables)
+    n = resolve_length(what, None, list(sizes) + stacked, fallback=class_length(module) or fallback)
+  make = LayerLoop if period == 1 else functools.partial(CycleLoop, names=names)
   return make(
     lifted,
     treatment,
@@ -204,4 +206,5 @@ def lift_loop(
     length=n,
     metadata_params=metadata_params,
     reverse=reverse,
+    period=period,
   )

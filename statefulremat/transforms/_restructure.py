@@ -9,7 +9,7 @@ from typing import Any
 from ..core._bookkeeping import is_bookkeeping
 from ..core._caches import structure_epoch
 from ..core._graph import GraphDef, GraphNode
-from ..core._module import Module, _record_owners
+from ..core._module import Module, _record_owners, iter_graph
 from ..core._stacks import mark
 from ..core._state import thaw_metadata
 from ..core._tracing import current_trace, structure_changed
@@ -50,23 +50,19 @@ class NewStructure:
     fresh = iter(new_values)
     trace = current_trace()
     objects: list = []
-    count = [0]
+    origin = iter(self.origin)
 
     def build(node: GraphNode, path):
       kind, cls = node.kind, node.type
       if kind == "ref":
         return objects[node.value]
       if kind == "variable":
-        j = self.origin[count[0]]
-        count[0] += 1
+        j, meta = next(origin), thaw_metadata(node.value)
         if j >= 0:
           var = variables[j]
-          if not keep_metadata:
-            meta = thaw_metadata(node.value)
-            if meta != var._metadata:
-              var._metadata = meta
+          if not keep_metadata and meta != var._metadata:
+            var._metadata = meta
         else:
-          meta = thaw_metadata(node.value)
           if stacked_axis is not None:
             meta = mark(meta, stacked_axis, partition_name)
           var = bare_variable(cls, next(fresh), meta, trace)
@@ -124,27 +120,5 @@ def _same(a, b) -> bool:
 
 def _objects_by_path(nodes: Sequence[Any]) -> dict[tuple, Any]:
   """Each module of the caller's graph by its first path, as ``flatten`` walks it."""
-  out: dict[tuple, Any] = {}
-  seen: set[int] = set()
-
-  def walk(obj, path):
-    if isinstance(obj, Module):
-      if id(obj) in seen:
-        return
-      seen.add(id(obj))
-      out[path] = obj
-      attrs = vars(obj)
-      for k in sorted(attrs):
-        if not is_bookkeeping(k):
-          walk(attrs[k], path + (k,))
-    elif isinstance(obj, (list, tuple)):
-      for i, x in enumerate(obj):
-        walk(x, path + (i,))
-    elif isinstance(obj, dict):
-      for k, v in obj.items():
-        walk(v, path + (k,))
-
-  multi = len(nodes) > 1
-  for i, node in enumerate(nodes):
-    walk(node, (i,) if multi else ())
-  return out
+  root = nodes[0] if len(nodes) == 1 else list(nodes)
+  return {path: obj for path, obj in iter_graph(root) if isinstance(obj, Module)}

@@ -7,7 +7,7 @@ import copy
 import dataclasses
 import difflib
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -178,8 +178,7 @@ def _known_collections(kind: type[Variable] = Variable) -> set[str]:
 
 
 def _check_collection_names(rules: Rules, variables) -> None:
-  """Raises for a collection name in a rule that no Variable kind has (a misspelling);
-  a real collection absent from these modules passes."""
+  """Raises for a collection name in a rule that no Variable kind has (a misspelling)."""
   present = {v.collection for v in variables}
   known = None
   for label, name in rules.typed_collections:
@@ -199,14 +198,15 @@ def _check_collection_names(rules: Rules, variables) -> None:
     )
 
 
-class Stream:
+class Stream(NamedTuple):
   """An unstacked RNG stream found in the lifted graph: flat indices and whether split
   (``serves``: a ``default`` stream, whose names follow their own rules)."""
 
-  __slots__ = ("key", "count", "name", "split", "serves")
-
-  def __init__(self, key: int, count: int, name: str, split: bool, serves: bool):
-    self.key, self.count, self.name, self.split, self.serves = key, count, name, split, serves
+  key: int
+  count: int
+  name: str
+  split: bool
+  serves: bool
 
 
 def mark_layer_index(stack, first) -> None:
@@ -282,10 +282,9 @@ class Treatment:
     self.axes: list[int | None] = []
     for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
       if i < skip or i in stream_vars:
-        self.kinds.append(READONLY if i < skip else RNG)
-        self.axes.append(None)
-        continue
-      kind, axis = rules.classify(rules_path(path), var, self.display_path(path))
+        kind, axis = (READONLY if i < skip else RNG), None
+      else:
+        kind, axis = rules.classify(rules_path(path), var, self.display_path(path))
       if kind == STACKED:
         assert axis is not None  # classify gives a stacked variable its axis
         # A pytree value (a sown tuple) is stacked leaf by leaf: each needs the axis.
@@ -369,9 +368,7 @@ class Treatment:
 
   def check_stream_names(self) -> None:
     """Raises if ``split_rngs`` names a stream that matches nothing while a stream is
-    left to no named rule (a misspelling). Called once the body is traced, so names
-    drawn from a ``default`` stream count; linen's ``{"params": True, "dropout":
-    True}`` on any stack passes."""
+    left to no named rule (a misspelling); called once the body is traced."""
     named = {n for _, _, names in self.rules.split_entries for n in names}
     if not named:
       return

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,6 @@ from ..core._bookkeeping import SPLITS
 from ..core._errors import StatefulRematError, TransformError, format_path
 from ..core._graph import flatten, rewrite
 from ..core._graph_build import unflatten
-from ..core._module import Module
 from ..core._stacks import (
   LAYER_AXIS,
   Form,
@@ -35,7 +34,6 @@ from ..core._stacks import (
   unmark,
 )
 from ..core._state import freeze, thaw_metadata
-from ..core._variables import Variable
 from ._class_form import subclass, transform_name
 from ._lift import commit, lift
 from ._outputs import is_node
@@ -116,8 +114,7 @@ def stacked_class(
 
 
 def _reduce_stack(self):
-  """Pickles and copies a stack as its class and state: loading makes the instance
-  with ``object.__new__``, not the class's ``__new__``, which would build layers."""
+  """Pickles and copies a stack as its class and state, not by the layer-building ``__new__``."""
   return object.__new__, (type(self),), self.__getstate__()
 
 
@@ -247,8 +244,8 @@ def _mapped_leaves(
     return [], length
   out, k = [], 0
   for j, (arg, axis) in enumerate(zip(args, init_axes(what, init_in_axes, args))):
-    for leaf in jax.tree.leaves(arg, is_leaf=lambda x: isinstance(x, (Module, Variable))):
-      if isinstance(leaf, (Module, Variable)):
+    for leaf in jax.tree.leaves(arg, is_leaf=is_node):
+      if is_node(leaf):
         if axis is not None:
           raise TransformError(
             f"{what}: init_in_axes maps constructor argument {j}, which holds a "
@@ -281,7 +278,7 @@ def _refuse_broadcast_argument(
   paths = [
     path
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_node)[0]
-    if not isinstance(leaf, (Module, Variable))
+    if not is_node(leaf)
   ]
   candidates: dict[tuple, list[int]] = {}  # (positional?, index or name) -> leaf numbers
   for k, (leaf, path) in enumerate(zip(leaves, paths)):
@@ -304,8 +301,7 @@ def _refuse_broadcast_argument(
     culprits.append(key)
   if not culprits:
     return
-  unit = info.unit
-  assert isinstance(unit, Layer)
+  unit = cast(Layer, info.unit)
   try:  # the constructor's positional parameters, named where its signature tells
     params = [
       p.name
