@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
+from typing import Any, Concatenate, Literal, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +15,11 @@ from ..core._graph import flatten
 from ..core._kinds import Param
 from ..core._module import Module
 from ..core._state import State, freeze
+from ._class_form import M, P, R
 from ._lift import Lifted, check_no_nodes, commit, held, split_call
 from ._outputs import Restructured, describe_returned
 from ._rules import TransformError
 
-M = TypeVar("M", bound=Module)
-P = ParamSpec("P")
-R = TypeVar("R")
 Aux = TypeVar("Aux")
 
 # The types: argnums=0 with a module there gives a State; other argnums are typed Any.
@@ -113,9 +111,7 @@ def value_and_grad(
     lifted = Lifted(graphdef, treedef, positions)
     ids = [id(n) for n in nodes]
     target_roots = {ids.index(id(args[t])): t for t in module_targets}
-    multi = len(nodes) > 1
-
-    diff_index = _differentiated(graphdef, variables, target_roots, multi, predicate)
+    diff_index = _differentiated(graphdef, variables, target_roots, len(nodes) > 1, predicate)
     for t in module_targets:
       if not diff_index.get(t):
         _nothing_to_differentiate(what, wrt, t, args[t])
@@ -162,8 +158,7 @@ def value_and_grad(
 
 
 def _differentiated(graphdef, variables, target_roots: dict, multi: bool, predicate) -> dict:
-  """``{argument: [(flat index, local path), ...]}``: the Variables each differentiated
-  module argument (``target_roots``: its root in the walk -> its position) gives."""
+  """``{argument: [(flat index, local path), ...]}``: each module argument's Variables."""
   found: dict = {t: [] for t in target_roots.values()}
   for i, (path, var) in enumerate(zip(graphdef.var_paths, variables)):
     root, local = (path[0], path[1:]) if multi else (0, path)
@@ -174,8 +169,7 @@ def _differentiated(graphdef, variables, target_roots: dict, multi: bool, predic
 
 
 def _loss_and_aux(out, has_aux: bool, what: str) -> tuple:
-  """``(loss, aux)`` of what the differentiated function returned; raises for a
-  result that does not fit ``has_aux``."""
+  """``(loss, aux)`` of what the function returned, which must fit ``has_aux``."""
   if has_aux:
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise TypeError(
@@ -231,8 +225,7 @@ def _module_container(arg) -> bool:
 
 
 def _through_containers(fn, args, kwargs, targets, single, wrt, has_aux):
-  """``value_and_grad`` where a differentiated argument is a container of modules: each
-  module an argument of its own, the gradient back in the container's structure."""
+  """``value_and_grad`` with each module of a container argument an argument of its own."""
   flat_args, spans, treedefs = [], [], []
   for p, arg in enumerate(args):
     container = p in targets and _module_container(arg)

@@ -136,14 +136,13 @@ def jit(
     return out, changed
 
   compiled = _JitPerStructure(pure, donate_state, jit_kwargs)
-  no_statics = ((), ())
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
     if static or names:
       statics, args, kwargs = _split_statics(static, names, args, kwargs, what)
     else:
-      statics = no_statics
+      statics = ((), ())
     lifted, variables, leaves = cache.lift_call(args, kwargs)
     # `with held(variables)`, spelt out: the context manager's three calls cost about
     # 0.5 µs, 5 % of a small step's dispatch.
@@ -174,8 +173,7 @@ def jit(
 
 
 class _JitPerStructure:
-  """One ``jax.jit`` of ``pure`` per (graph structure, static arguments), LRU-bounded (the
-  structure bound in, not static: jax.jit would hash it on every call)."""
+  """One ``jax.jit`` of ``pure`` per (graph structure, static arguments), LRU-bounded."""
 
   SIZE = 64
 
@@ -200,10 +198,11 @@ class _JitPerStructure:
 
   def _make(self, key) -> Callable:
     lifted, statics = key
-    pure = self._pure
 
-    def bound(values, leaves):  # a closure: jax inspects a partial's signature slowly
-      return pure(lifted, statics, values, leaves)
+    # The structure is bound in, not static (jax.jit would hash it on every call); and a
+    # closure, not a partial, whose signature jax inspects slowly.
+    def bound(values, leaves):
+      return self._pure(lifted, statics, values, leaves)
 
     jitted = jax.jit(bound, **self._options)
     self._jitted[key] = jitted
@@ -239,16 +238,13 @@ def _split_statics(
         "Static arguments key the compilation cache; pass a tuple or a frozen "
         "dataclass, or pass arrays as ordinary (non-static) arguments."
       ) from None
-  if indices:
-    args = tuple(a for i, a in enumerate(args) if i not in indices)
-  if named:
-    kwargs = {k: v for k, v in kwargs.items() if k not in names}
+  args = tuple(a for i, a in enumerate(args) if i not in indices)
+  kwargs = {k: v for k, v in kwargs.items() if k not in names}
   return (positional, named), args, kwargs
 
 
 def _unaliased(values: list, leaves: list) -> list:
-  """``values`` with a copy of each array XLA would refuse to donate (twice, or also
-  passed as a plain argument)."""
+  """``values`` with a copy of each array XLA would not donate (twice, or also an argument)."""
   seen = {id(x) for x in jax.tree.leaves(leaves) if isinstance(x, jax.Array)}
 
   def fresh(x):
@@ -261,19 +257,14 @@ def _unaliased(values: list, leaves: list) -> list:
   return jax.tree.map(fresh, values)
 
 
-# CPython 3.11-3.13 unmap a 16 KiB frame chunk as its last frame returns, so a deep trace
-# pays per chunk boundary crossed, set by how deep the caller stands (docs/guide/
-# performance.md). A frame reserving 512 KiB of value-stack slots (never initialised)
-# gets a fresh chunk, and the trace above it crosses no boundary.
+# CPython 3.11-3.13 unmap a 16 KiB frame chunk as its last frame returns, so a deep trace pays
+# per chunk boundary crossed; one above a frame reserving 512 KiB of value-stack slots (never
+# initialised) crosses none (docs/guide/performance.md).
 _ROOM_SLOTS = 1 << 16  # 8 bytes each: 512 KiB; the deepest trace measured used 40 KiB
 
 
 def with_room(fn: Callable, *args, **kwargs):
-  """``fn(*args, **kwargs)``, called where CPython's frame stack has 512 KiB free in one chunk.
-
-  >>> with_room(max, 2, 3, key=abs)
-  3
-  """
+  """``fn(*args, **kwargs)``, called where CPython's frame stack has 512 KiB free in one chunk."""
   return fn(*args, **kwargs)
 
 

@@ -1,5 +1,4 @@
-"""Argument 0 of scan, remat_scan and vmap: lifting the modules the layers come from,
-refusing modules anywhere else, and agreeing on the layer count."""
+"""Argument 0 of scan, remat_scan and vmap (modules nowhere else) and their layer count."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from ._stacked import layer_view
 def lift_module_arg(
   module, what: str, rules: Rules, metadata_params, call_form: str, *, pattern: bool = False
 ):
-  """Lifts argument 0: ``(lifted, variables, treatment, leaves)``; inside, one layer.
-  ``pattern``: ``module`` is ``cycle(stack)``, and messages say ``pattern[1].bn.mean``."""
+  """Lifts argument 0 (``pattern``: a cycle): ``(lifted, variables, treatment, leaves)``."""
   nodes, leaves, treedef, positions = split_call((module,), {})
   if not nodes:
     raise TypeError(
@@ -43,8 +41,7 @@ def lift_module_arg(
 def check_stacks_sliced(
   nodes, graphdef, variables, treatment: Treatment, what: str, *, pattern: bool = False
 ) -> None:
-  """Raises if a stacked module's layer axis is not sliced per iteration by ``treatment``
-  (every iteration would compute with the whole stack)."""
+  """Raises if a stacked module's layer axis is not sliced per iteration by ``treatment``."""
   if not any(map(is_stacked, nodes)):
     return
   multi = len(nodes) > 1
@@ -54,7 +51,6 @@ def check_stacks_sliced(
     if found is None or (treatment.kinds[i], treatment.axes[i]) == (STACKED, found[0]):
       continue
     axis, path, stack_cls = found[0], path[1:] if multi else path, type(root)
-    n = axis_size(var._value, axis)
     got = (
       f"slice it along axis {treatment.axes[i]}"
       if treatment.kinds[i] == STACKED
@@ -68,9 +64,9 @@ def check_stacks_sliced(
       else f"`{format_path(path)}` ({type(var).__name__}) of the stacked {stack_cls.__name__}"
     )
     raise TransformError(
-      f"{what}: {where} carries the layer axis (axis {axis}, {n} layers), but "
-      f"this transform's rules {got}, so every iteration would compute with the "
-      f"whole stack where one layer was meant. Fix: slice it per layer, e.g. "
+      f"{what}: {where} carries the layer axis (axis {axis}, {axis_size(var._value, axis)} "
+      f"layers), but this transform's rules {got}, so every iteration would compute with "
+      "the whole stack where one layer was meant. Fix: slice it per layer, e.g. "
       f"`variable_axes={{{filter_repr(type(var))}: {axis}}}` (collection "
       f"{var.collection!r}), or pass one layer (`stack.layer(i)`)."
       f"{_class_rules_hint(stack_cls, path, var, axis)}"
@@ -79,8 +75,7 @@ def check_stacks_sliced(
 
 def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
   """Where the stack's own class form does not slice ``var`` either: build it with the rule."""
-  info = stack_info(stack_cls)
-  rules = getattr(info, "rules", None)
+  rules = getattr(stack_info(stack_cls), "rules", None)
   if not isinstance(rules, Rules) or rules.classify(path, var)[0] == STACKED:
     return ""
   kind = filter_repr(type(var))
@@ -93,9 +88,7 @@ def _class_rules_hint(stack_cls: type, path: tuple, var, axis: int) -> str:
 
 
 def check_loop_call(what: str, call: str, module, carry, args, kwargs, xs: str = "extra") -> None:
-  """A loop transform's call (scan, remat_scan, pipeline): argument 0 a stack, not a list
-  of layers (``call`` shows the right one), and no module in the carry or the
-  arguments after it (``the {xs} argument``)."""
+  """Refuses a list of layers as argument 0 (``call``: the right call), modules after it."""
   refuse_layer_list(module, what, call)
   check_no_modules(carry, what, "the carry")
   check_no_modules(args, what, f"the {xs} argument")
@@ -103,8 +96,7 @@ def check_loop_call(what: str, call: str, module, carry, args, kwargs, xs: str =
 
 
 def check_no_modules(tree, what: str, label: str, *, first: int | None = None) -> None:
-  """Raises ``GraphError`` if ``tree`` (named ``label``; with ``first``, positional
-  arguments from number ``first`` on) holds a module or Variable anywhere."""
+  """Raises if ``tree`` (``first``: positional arguments from ``first`` on) holds a module."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_node):
     if not is_node(leaf):
       continue
@@ -133,8 +125,7 @@ def class_length(module) -> int | None:
 def resolve_length(
   what: str, length, sources: list[tuple[str, int]], fallback: int | None = None
 ) -> int:
-  """The iteration count all sources agree on (each ``(description, size)``); ``fallback``
-  only when nothing else tells."""
+  """The iteration count all ``(description, size)`` sources agree on, else ``fallback``."""
   if length is not None:
     sources = [("length", int(length))] + sources
   if not sources and fallback is not None:

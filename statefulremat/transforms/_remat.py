@@ -214,8 +214,7 @@ def _remat_function(
 
 
 def _lifted_streams(nodes, rules: Rules) -> dict[int, bool]:
-  """``{id(key or count Variable): lifted}`` of the RNG streams reachable from ``nodes``
-  (an Rngs's ``default`` stream also for a name it serves)."""
+  """``{id(key or count Variable): lifted}`` of the RNG streams reachable from ``nodes``."""
   graph = [obj for node in nodes for _, obj in iter_graph(node)]
   out: dict[int, bool] = {}
   for obj in graph:

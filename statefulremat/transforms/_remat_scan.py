@@ -6,18 +6,9 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack, overload
 
-from ..core._frozen import ALL_SPLIT as _SPLIT_ALL
-from ..core._frozen import ALL_STACKED as _ALL
-from ..core._frozen import EMPTY as _EMPTY
+from ..core._frozen import ALL_SPLIT, ALL_STACKED, EMPTY
 from ..core._module import Module
-from ._class_form import (
-  M,
-  P,
-  R,
-  Transform,
-  cached_class_form,
-  function_target,
-)
+from ._class_form import M, P, R, Transform, cached_class_form, function_target
 from ._pattern import target_repr
 from ._remat_scan_args import AUTO, check_lengths, resolve_plan
 from ._remat_scan_loop import RematScanForm
@@ -48,8 +39,7 @@ class _Options(TypedDict, total=False):
 _Lengths = Sequence[int] | str | RematPlan
 
 
-# The class form: a stack of M, typed as M (`stack.layer(i)` is an M).
-@overload
+@overload  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
 def remat_scan(target: type[M], lengths: _Lengths = (), **options: Unpack[_Options]) -> type[M]: ...
 @overload  # a pattern stack, whose positions differ
 def remat_scan(
@@ -76,19 +66,16 @@ def remat_scan(
   carries: str | None = None,
   variable_broadcast: Any = False,
   variable_carry: Any = False,
-  variable_axes: Mapping[Any, Any] = _ALL,
-  split_rngs: Mapping[Any, Any] = _SPLIT_ALL,
+  variable_axes: Mapping[Any, Any] = ALL_STACKED,
+  split_rngs: Mapping[Any, Any] = ALL_SPLIT,
   prevent_cse: bool = False,
   data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
+  metadata_params: Mapping[Any, Any] = EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
   pipeline: Any = None,
 ):
   """Applies N layers in nested, rematerialised scans: memory ~ N^(1/d), flat compile time.
-
-  ``remat_scan(f, lengths)(module, carry, *args)`` is the loop over ``sr.unstack(module)``
-  run as ``len(lengths)`` nested, rematerialised scans (the "Deep stacks" guide).
 
   Args:
     target: ``f(layer, carry, *args, **kwargs) -> carry`` (also a method); a Module class (the class

@@ -1,5 +1,4 @@
-"""``sr.remat_scan``'s ``lengths``, ``length``, ``policy`` and ``memory_budget`` checked
-together before anything is built or traced."""
+"""``sr.remat_scan``'s ``lengths``, ``length``, ``policy`` and ``memory_budget``, checked."""
 
 from __future__ import annotations
 
@@ -102,10 +101,12 @@ def check_cycles(what: str, lengths: tuple, length: int, period: int) -> None:
     )
 
 
-def check_units(what: str, label: str, n: int, lengths: tuple | str, loop) -> None:
+def check_units(what: str, n: int, lengths: tuple | str, loop) -> None:
   """The given count against the loop's (layers, or for a pattern, cycles)."""
   if loop.period > 1:
     if isinstance(lengths, tuple):
       check_cycles(what, lengths, loop.length, loop.period)
   else:
+    product = isinstance(lengths, tuple) and n == math.prod(lengths)
+    label = f"lengths={lengths} (product)" if product else f"length={n}"
     resolve_length(what, None, [(label, n)] + loop.sources())

@@ -1,5 +1,4 @@
-"""What ``sr.remat_scan`` runs: its checked arguments (``RematScanForm``) and the function
-form over a body, nested rematerialised levels of the layer loop."""
+"""What ``sr.remat_scan`` runs: its checked arguments and the nested, rematerialised loop."""
 
 from __future__ import annotations
 
@@ -39,9 +38,7 @@ STAGE_DEFAULTS = dict(
 
 @dataclasses.dataclass(frozen=True)
 class RematScanForm:
-  """``sr.remat_scan``'s arguments, checked (``lengths`` resolved from a plan):
-  ``function_form(fn, layers)`` is the transform over ``fn``; a class form asks
-  ``count(period)`` for the layers it builds and ``run(fn, period)`` for its methods."""
+  """``sr.remat_scan``'s arguments, checked (``lengths`` resolved from a plan)."""
 
   what: str
   lengths: tuple | str
@@ -51,7 +48,6 @@ class RematScanForm:
   options: dict  # policy, carries, collections, prevent_cse, data_transform, metadata_params
   methods: Sequence[str] | None = None  # a class form's
   init_in_axes: Any = None  # a class form's
-  _counts: dict = dataclasses.field(default_factory=dict, compare=False)
 
   def __post_init__(self):
     if self.pipeline is not None and not hasattr(self.pipeline, "_pipelined"):
@@ -61,8 +57,7 @@ class RematScanForm:
       )
 
   def class_form(self, target) -> type | None:
-    """The class form over ``target`` (a class, a pattern, a pattern's position); None
-    for a function."""
+    """The class form over ``target`` (a class, a pattern, a position); None for a function."""
     return class_form(
       target,
       Form.REMAT_SCAN,
@@ -84,22 +79,14 @@ class RematScanForm:
     form = RematScanForm(
       what, (n,), None, None, None, self.options, self.methods, self.init_in_axes
     )
-    made = form.class_form(position)
-    assert made is not None  # a position is a class
-    return made
+    return cast(type, form.class_form(position))  # a position is a class
 
   def nesting(self) -> tuple[int, ...] | None:
     """The layers per level, outermost first; None for lengths="auto"."""
     return None if self.lengths == AUTO else tuple(cast(tuple, self.lengths))
 
   def count(self, period: int) -> int | None:
-    """The layers a class form builds (checked once per period); a pattern's ``lengths``
-    count its cycles."""
-    if period not in self._counts:
-      self._counts[period] = self._count(period)
-    return self._counts[period]
-
-  def _count(self, period: int) -> int | None:
+    """The layers a class form builds, checked; a pattern's ``lengths`` count its cycles."""
     if self.lengths == AUTO:
       if self.length is None and period == 1:  # a pattern's class form says it for a pattern
         raise TransformError(
@@ -116,15 +103,14 @@ class RematScanForm:
     return self.length
 
   def run(self, fn: Callable, period: int) -> Callable:
-    """A class form's method ``fn`` as a function form: a pattern's lengths count its
-    cycles, and so does the count its calls check."""
+    """A class form's method ``fn`` as a function form (a pattern's lengths count cycles)."""
     if period == 1:
       return self.function_form(fn, self.count(1))
     nesting = self.nesting()
     return self.function_form(fn, None if nesting is None else math.prod(nesting))
 
   def function_form(self, fn: Callable, layers: int | None) -> Callable:
-    """The function form over ``fn``, its arguments checked once, above."""
+    """The function form over ``fn``."""
     what = f"sr.remat_scan({display_name(fn)})"
     if self.pipeline is not None:  # sr.PipelineSpec runs each stage through remat_scan
       run = self.pipeline._pipelined(
@@ -157,15 +143,10 @@ def remat_scan_function(
   auto = lengths == AUTO
   offload = check_carries(what, carries, planned=True)
   check = policy_check(policy, what)  # the innermost level's policy, once per trace
-  if auto:
-    label = None if n is None else f"length={n}"
-    plans: dict = {}  # one plan per (module structure, N, carry and keyword shapes)
-  else:
-    label = f"length={n}" if n != math.prod(lengths) else f"lengths={lengths} (product)"
+  plans: dict = {}  # lengths="auto": one plan per (module structure, N, argument shapes)
 
   def planned(module, lifted, count, carry, args, kwargs) -> tuple:
-    """``(lengths, innermost policy, offload)``: as given, or planned once per
-    structure, layer count and shapes (lengths="auto")."""
+    """``(lengths, innermost policy, offload)``, as given or planned (lengths="auto")."""
     if not auto:
       return lengths, policy, offload
     key = (lifted, count, avals(carry), avals(args), avals(kwargs))
@@ -194,8 +175,8 @@ def remat_scan_function(
       fallback=n,
       data_transform=data_transform,
     )
-    if n is not None and label is not None:
-      check_units(what, label, n, lengths, loop)
+    if n is not None:
+      check_units(what, n, lengths, loop)
     nesting, innermost, offloading = planned(module, loop.lifted, loop.length, carry, args, kwargs)
 
     def body(layer, c, _):
@@ -229,8 +210,7 @@ def remat_scan_function(
 
 
 def refuse_carry_and_more(what: str, carry, out) -> None:
-  """Raises if the body returned ``(carry, something)`` where remat_scan takes the carry
-  alone (a block written for ``sr.scan``, or returning an auxiliary output)."""
+  """Raises if the body returned ``(carry, something)`` where remat_scan takes the carry alone."""
   if jax.tree.structure(out) == jax.tree.structure(carry):
     return
   if not (isinstance(out, (tuple, list)) and len(out) == 2):

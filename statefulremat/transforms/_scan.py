@@ -1,6 +1,4 @@
-"""sr.scan: ``jax.lax.scan`` over modules, with per-collection rules. The loop itself is
-``_pattern_loop.lift_loop``; ``in_axes`` / ``out_axes`` and ``sr.broadcast`` are in
-``_scan_axes``."""
+"""sr.scan: ``jax.lax.scan`` over modules, with per-collection rules."""
 
 from __future__ import annotations
 
@@ -11,19 +9,10 @@ from typing import Any, TypedDict, Unpack, overload
 import jax
 import jax.numpy as jnp
 
-from ..core._frozen import EMPTY as _EMPTY
+from ..core._frozen import EMPTY
 from ..core._module import Module
 from ..core._stacks import Form
-from ._class_form import (
-  M,
-  P,
-  R,
-  Transform,
-  cached_class_form,
-  display_name,
-  fresh,
-  function_target,
-)
+from ._class_form import M, P, R, Transform, cached_class_form, display_name, fresh, function_target
 from ._lift import serialised
 from ._module_arg import check_loop_call
 from ._outputs import describe_returned
@@ -54,8 +43,7 @@ class _Options(TypedDict, total=False):
   init_in_axes: Any
 
 
-# The class form: a stack of M, typed as M (`stack.layer(i)` is an M).
-@overload
+@overload  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)
 def scan(target: type[M], **options: Unpack[_Options]) -> type[M]: ...
 @overload  # a pattern stack, whose positions differ
 def scan(
@@ -69,10 +57,10 @@ def scan(target: None = None, **options: Unpack[_Options]) -> Transform: ...
 def scan(
   target: Callable | type | Sequence[Callable] | None = None,
   *,
-  variable_axes: Mapping[Any, Any] = _EMPTY,
+  variable_axes: Mapping[Any, Any] = EMPTY,
   variable_broadcast: Any = False,
   variable_carry: Any = False,
-  split_rngs: Mapping[Any, Any] = _EMPTY,
+  split_rngs: Mapping[Any, Any] = EMPTY,
   in_axes: Any = 0,
   out_axes: Any = 0,
   length: int | None = None,
@@ -80,14 +68,11 @@ def scan(
   unroll: int | bool = 1,
   carries: str = "device",
   data_transform: Callable[..., Any] | None = None,
-  metadata_params: Mapping[Any, Any] = _EMPTY,
+  metadata_params: Mapping[Any, Any] = EMPTY,
   methods: Sequence[str] | None = None,
   init_in_axes: Any = None,
 ):
-  """``jax.lax.scan`` over a module: ``scan(f)(module, carry, *xs) -> (carry, ys)``.
-
-  Runs ``f(layer_i, carry, *xs_i)`` for each layer, as the loop over ``sr.unstack(module)``
-  would, traced once (the "Deep stacks" guide).
+  """``jax.lax.scan`` over a module's layers: ``scan(f)(module, carry, *xs) -> (carry, ys)``.
 
   Args:
     target: ``f(module, carry, *xs) -> (carry, ys)`` (also a method); a Module class
@@ -187,7 +172,7 @@ def scan(
     count=lambda _: length,
     # At call time the layer count comes from the stacked variables (a stack rebuilt
     # by sr.stack may have another).
-    run=lambda fn, _: _scan_function(fn, **{**options, "length": None}, from_class_form=True),
+    run=lambda fn, _: _scan_function(fn, {**options, "length": None}, from_class_form=True),
     position_class=lambda cls, n: fresh(scan)(
       cls, **{**public(options), "length": n}, methods=methods, init_in_axes=init_in_axes
     ),
@@ -205,26 +190,15 @@ def scan(
     methods=methods,
     init_in_axes=init_in_axes,
   )
-  return _scan_function(fn, **options)
+  return _scan_function(fn, options)
 
 
-def _scan_function(
-  fn: Callable,
-  *,
-  collections,
-  in_axes,
-  out_axes,
-  length,
-  reverse,
-  unroll,
-  carries,
-  data_transform,
-  metadata_params,
-  from_class_form: bool = False,
-) -> Callable:
+def _scan_function(fn: Callable, options: dict, from_class_form: bool = False) -> Callable:
+  """The function form over ``fn``; ``options``: ``scan``'s, with its ``collections``."""
+  in_axes, out_axes, length = options["in_axes"], options["out_axes"], options["length"]
   what = f"sr.scan({display_name(fn)})"
-  offload = check_carries(what, carries)
-  rules = Rules(what, collections)
+  offload = check_carries(what, options["carries"])
+  rules = Rules(what, options["collections"])
 
   @functools.wraps(fn)
   def wrapper(module, carry, *xs, **kwargs):
@@ -276,15 +250,15 @@ def _scan_function(
       module,
       what,
       rules,
-      metadata_params,
+      options["metadata_params"],
       "f(module, carry, *xs) -> (carry, ys)",
       sizes=sources,
-      data_transform=data_transform,
-      reverse=reverse,
+      data_transform=options["data_transform"],
+      reverse=options["reverse"],
     )
     if offload:
       warn_if_kept(what)
-    carry, ys = loop.loop(call, carry, moved, unroll=unroll, offload=offload)
+    carry, ys = loop.loop(call, carry, moved, unroll=options["unroll"], offload=offload)
     if ys is not None and not (isinstance(out_axes, int) and out_axes == 0):
       ys = stack_ys(what, out_axes, ys)  # may raise: before anything is written back
     loop.finish()

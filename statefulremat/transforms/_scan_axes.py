@@ -1,5 +1,4 @@
-"""``sr.scan``'s ``in_axes`` / ``out_axes`` (prefix trees of axes, as in flax.linen.scan), checked
-when the transform is built and fitted to ``xs`` / ``ys`` at call time; and ``sr.broadcast``."""
+"""``sr.scan``'s ``in_axes`` / ``out_axes`` (prefix trees of axes) and ``sr.broadcast``."""
 
 from __future__ import annotations
 
@@ -12,6 +11,8 @@ import jax.numpy as jnp
 
 from ._layers import describe_node
 from ._rules import TransformError
+
+_LEVELS = (tuple, list, dict)  # the nodes of a prefix tree of axes
 
 
 class _Broadcast:
@@ -47,8 +48,9 @@ broadcast = _Broadcast()
 
 def check_axes(what: str, in_axes, out_axes) -> None:
   """Raises unless both are prefix trees of ints / None / sr.broadcast (none in out)."""
+  is_axis = lambda a: not isinstance(a, _LEVELS)  # noqa: E731
   for name, axes in (("in_axes", in_axes), ("out_axes", out_axes)):
-    for path, a in _axes_leaves(axes, ()):
+    for path, a in jax.tree_util.tree_leaves_with_path(axes, is_leaf=is_axis):
       where = f"{name}={axes!r}" + (
         f" has {a!r} at `{name}{jax.tree_util.keystr(path)}`" if path else ""
       )
@@ -68,20 +70,9 @@ def check_axes(what: str, in_axes, out_axes) -> None:
         )
 
 
-def _axes_leaves(axes, path):
-  if isinstance(axes, (tuple, list)):
-    for i, a in enumerate(axes):
-      yield from _axes_leaves(a, path + (jax.tree_util.SequenceKey(i),))
-  elif isinstance(axes, dict):
-    for k, a in axes.items():
-      yield from _axes_leaves(a, path + (jax.tree_util.DictKey(k),))
-  else:
-    yield path, axes
-
-
 def _fit(prefix, tree, path: tuple, mismatch: Callable) -> list:
   """One axis (an int, or None to broadcast) per leaf of ``tree``, from the prefix tree."""
-  if not isinstance(prefix, (tuple, list, dict)):
+  if not isinstance(prefix, _LEVELS):
     axis = None if prefix is None or prefix is broadcast else operator.index(prefix)
     return [axis] * len(jax.tree.leaves(tree))
   # One level of ``tree``, in jax's own order (dict keys sorted, namedtuple fields).
@@ -102,7 +93,7 @@ def _fit(prefix, tree, path: tuple, mismatch: Callable) -> list:
 
 
 def in_axes_per_leaf(what: str, in_axes, xs: tuple, n_leaves: int) -> list:
-  if not isinstance(in_axes, (tuple, list, dict)):
+  if not isinstance(in_axes, _LEVELS):
     return [None if in_axes is broadcast else in_axes] * n_leaves
   if isinstance(in_axes, dict) or len(in_axes) != len(xs):
     raise TransformError(
@@ -110,21 +101,19 @@ def in_axes_per_leaf(what: str, in_axes, xs: tuple, n_leaves: int) -> list:
       "int, None (or sr.broadcast), or a tuple with one entry (an int, None, or a "
       "prefix tree of the argument) per argument."
     )
-  out = []
-  for i, (entry, x) in enumerate(zip(in_axes, xs)):
 
-    def mismatch(path, sub, node, entry=entry, i=i):
-      where = f"xs{jax.tree_util.keystr(path)}"
-      raise TransformError(
-        f"{what}: in_axes entry {entry!r} is not a prefix of xs argument {i}: at "
-        f"`{where}` it has {describe_node(sub)} where the argument has "
-        f"{describe_node(node)}. "
-        "Fix: follow the argument's structure there, or give one int (or None) for all "
-        f"of `{where}`."
-      )
+  def mismatch(path, sub, node):
+    i = path[0].idx  # the xs argument
+    where = f"xs{jax.tree_util.keystr(path)}"
+    raise TransformError(
+      f"{what}: in_axes entry {in_axes[i]!r} is not a prefix of xs argument {i}: at "
+      f"`{where}` it has {describe_node(sub)} where the argument has "
+      f"{describe_node(node)}. "
+      "Fix: follow the argument's structure there, or give one int (or None) for all "
+      f"of `{where}`."
+    )
 
-    out.extend(_fit(entry, x, (jax.tree_util.SequenceKey(i),), mismatch))
-  return out
+  return _fit(in_axes, xs, (), mismatch)
 
 
 def leaf_path(tree, j: int) -> str:
