@@ -18,24 +18,19 @@ from ._bookkeeping import VERSION
 from ._tracing import structure_changed
 
 
-def _noting_change(base: type, name: str) -> Callable[..., Any]:
-  """``base``'s method ``name`` (``list.append``), noting a change of structure first."""
-  method = getattr(base, name)
-
-  def mutate(self, *args, **kwargs):
-    structure_changed(self)
-    return method(self, *args, **kwargs)
-
-  mutate.__name__ = name
-  return mutate
-
-
 def _noting(base: type) -> Callable[[Callable], Callable[..., Any]]:
   """Makes the decorated method, whose body is only its doc, ``base``'s method of the
-  same name, noting a change of structure first."""
+  same name (``list.append``), noting a change of structure first."""
 
   def decorate(declared: Callable) -> Callable[..., Any]:
-    return functools.wraps(declared)(_noting_change(base, declared.__name__))
+    method = getattr(base, declared.__name__)
+
+    @functools.wraps(declared)
+    def mutate(self, *args, **kwargs):
+      structure_changed(self)
+      return method(self, *args, **kwargs)
+
+    return mutate
 
   return decorate
 
@@ -224,11 +219,11 @@ class ModuleDict(dict):
     """
 
 
-# The mutating operators, which need no docs of their own.
+# The mutating operators, which need no docs of their own (they keep list's and dict's).
 for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__"):
-  setattr(ModuleList, _name, _noting_change(list, _name))
+  setattr(ModuleList, _name, _noting(list)(getattr(list, _name)))
 for _name in ("__setitem__", "__delitem__", "__ior__"):
-  setattr(ModuleDict, _name, _noting_change(dict, _name))
+  setattr(ModuleDict, _name, _noting(dict)(getattr(dict, _name)))
 
 jax.tree_util.register_pytree_with_keys(
   ModuleList,

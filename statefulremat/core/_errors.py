@@ -127,9 +127,8 @@ def refuse_hash(obj) -> None:
   A hash would let ``jax.jit(f, static_argnums=0)(model, x)`` cache on the object and
   serve its old output after the values change.
   """
-  kind = type(obj).__name__
   raise TypeError(
-    f"unhashable type: {kind!r}. A module or Variable is mutable (its values change "
+    f"unhashable type: {type(obj).__name__!r}. A module or Variable is mutable (its values change "
     "in place), so a hash of it would go stale: as a static argument of jax.jit "
     "(static_argnums / static_argnames), the compiled result would be served again "
     "after its values changed. Fix: pass it as an ordinary argument (modules and "

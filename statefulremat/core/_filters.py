@@ -52,45 +52,23 @@ class _Predicate:
     return type(self), tuple(map(_as_filter, self._args()))
 
 
-class _OfType(_Predicate):
-  __slots__ = ("kind",)
+class _Plain(_Predicate):
+  """The predicate of a plain filter: a Variable kind, a collection name, True or False."""
 
-  def __init__(self, kind):
-    self.kind = kind
+  __slots__ = ("filter",)
+
+  def __init__(self, filter: Filter):
+    self.filter = filter
 
   def __repr__(self):  # as users write the filter (help() shows `Not(Param)`)
-    return self.kind.__name__
+    return self.filter.__name__ if isinstance(self.filter, type) else repr(self.filter)
 
   def __call__(self, path, variable):
-    return isinstance(variable, self.kind)
-
-
-class _InCollection(_Predicate):
-  __slots__ = ("name",)
-
-  def __init__(self, name):
-    self.name = name
-
-  def __repr__(self):
-    return repr(self.name)
-
-  def __call__(self, path, variable):
-    return variable.collection == self.name
-
-
-class _Constant(_Predicate):
-  """Matches everything (``answer`` True) or nothing (False)."""
-
-  __slots__ = ("answer",)
-
-  def __init__(self, answer: bool):
-    self.answer = answer
-
-  def __repr__(self):
-    return repr(self.answer)
-
-  def __call__(self, path, variable):
-    return self.answer
+    if isinstance(self.filter, type):
+      return isinstance(variable, self.filter)
+    if isinstance(self.filter, str):
+      return variable.collection == self.filter
+    return self.filter
 
 
 class PathContains(_Predicate):
@@ -193,9 +171,7 @@ class All(_Combined):
 
 def _as_filter(predicate):
   """The filter that ``to_predicate`` turns into ``predicate``."""
-  if isinstance(predicate, (_OfType, _InCollection, _Constant)):
-    return predicate._args()[0]  # the kind, the collection name, True or False
-  return predicate
+  return predicate.filter if isinstance(predicate, _Plain) else predicate
 
 
 def to_predicate(filter: Filter) -> Predicate:
@@ -204,7 +180,7 @@ def to_predicate(filter: Filter) -> Predicate:
     return filter
   if isinstance(filter, type):
     if issubclass(filter, Variable):
-      return _OfType(filter)
+      return _Plain(filter)
     # A class is callable, but calling it with (path, variable) would construct an
     # instance (or fail obscurely) instead of answering a question: refuse it here.
     raise TypeError(
@@ -214,11 +190,11 @@ def to_predicate(filter: Filter) -> Predicate:
       "`lambda path, v: isinstance(v.value, jax.Array)`."
     )
   if isinstance(filter, str):
-    return _InCollection(filter)
+    return _Plain(filter)
   if filter is Ellipsis or filter is True:
-    return _Constant(True)
+    return _Plain(True)
   if filter is False or filter is None:
-    return _Constant(False)
+    return _Plain(False)
   if isinstance(filter, (tuple, list)):
     return Any(*filter)
   if callable(filter):
@@ -232,7 +208,7 @@ def to_predicate(filter: Filter) -> Predicate:
 
 def is_everything(filter: Filter) -> bool:
   predicate = to_predicate(filter)
-  return isinstance(predicate, _Constant) and predicate.answer
+  return isinstance(predicate, _Plain) and predicate.filter is True
 
 
 def filter_repr(filter: Filter) -> str:
@@ -257,10 +233,6 @@ def collections_and_guess(filters: tuple, variables) -> tuple[str, str | None]:
   """
   counts = collections.Counter(var.collection for _, var in variables)
   have = ", ".join(f"{name!r} ({n})" for name, n in counts.items()) or "none"
-  close = [
-    m
-    for f in filters
-    if isinstance(f, str)
-    for m in difflib.get_close_matches(f, list(counts), n=1)
-  ]
+  names = [f for f in filters if isinstance(f, str)]
+  close = [m for f in names for m in difflib.get_close_matches(f, list(counts), n=1)]
   return have, (close[0] if close else None)

@@ -70,7 +70,7 @@ def _item(spec, objects: list):
   if tag == _CONST:
     return spec[1]
   if tag == _SEQ:
-    return spec[1]([_item(s, objects) for s in spec[2]])
+    return spec[1]([_item(s, objects) for _, s in spec[2]])
   return spec[1]((k, _item(s, objects)) for k, s in spec[2])
 
 
@@ -94,10 +94,7 @@ class _Plan:
     def record(parent, spec, key_path):
       if spec[0] == _OBJ:
         owner.setdefault(spec[1], (parent, key_path))
-      elif spec[0] == _SEQ:
-        for i, s in enumerate(spec[2]):
-          record(parent, s, key_path + (i,))
-      elif spec[0] == _MAP:
+      elif spec[0] == _SEQ or spec[0] == _MAP:  # (key, spec) pairs
         for k, s in spec[2]:
           record(parent, s, key_path + (k,))
 
@@ -121,9 +118,9 @@ class _Plan:
         return (_OBJ, n_variables + m)
       if tag == _LIST or tag == _TUPLE:
         make = maker(d[1])
-        items = [compile(x) for x in d[2]]
-        if tag == _TUPLE and all(s[0] == _CONST for s in items):
-          return (_CONST, make([s[1] for s in items]))  # immutable: made once, here
+        items = [(i, compile(x)) for i, x in enumerate(d[2])]
+        if tag == _TUPLE and all(s[0] == _CONST for _, s in items):
+          return (_CONST, make([s[1] for _, s in items]))  # immutable: made once, here
         return (_SEQ, make, items)
       if tag == _DICT:
         return (_MAP, d[1], [(k, compile(v)) for k, v in d[2]])

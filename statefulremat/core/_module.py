@@ -294,9 +294,7 @@ class Module:
     >>> [(path, type(m).__name__) for path, m in Net().iter_modules()]
     [((), 'Net'), (('layers', 0), 'Linear'), (('layers', 1), 'Linear')]
     """
-    for path, node in iter_graph(self):
-      if isinstance(node, Module):
-        yield path, node
+    return ((path, node) for path, node in iter_graph(self) if isinstance(node, Module))
 
   def iter_variables(self) -> Iterator[tuple[tuple, Variable]]:
     """Yields ``(path, variable)`` for every Variable of the graph once.
@@ -312,9 +310,7 @@ class Module:
     >>> [path for path, _ in Tied().iter_variables()]
     [('a', 'bias'), ('a', 'kernel'), ('b', 'bias')]
     """
-    for path, node in iter_graph(self):
-      if isinstance(node, Variable):
-        yield path, node
+    return ((path, node) for path, node in iter_graph(self) if isinstance(node, Variable))
 
   # -- pickling ----------------------------------------------------------------
 

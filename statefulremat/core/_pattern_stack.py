@@ -52,6 +52,11 @@ class Pattern(tuple):
       k = index
     return super().__getitem__(k)
 
+  def __reduce__(self):
+    # Pickled as a plain tuple, naming no private class; PatternStack.__setstate__
+    # makes it a Pattern again.
+    return tuple, (tuple(self),)
+
 
 class PatternStack(Module):
   """A stack of a repeating pattern of blocks (see the module docstring).
@@ -105,13 +110,6 @@ class PatternStack(Module):
   def __len__(self) -> int:
     return sum(len(s) for s in self.pattern)
 
-  # A pickle holds the positions as a plain tuple: it names no private class.
-  def __getstate__(self):
-    state = super().__getstate__()
-    if isinstance(state.get("pattern"), Pattern):
-      state["pattern"] = tuple(state["pattern"])
-    return state
-
   def __setstate__(self, state):
     if isinstance(state.get("pattern"), tuple):
       state = {**state, "pattern": Pattern(state["pattern"])}
@@ -164,11 +162,10 @@ def _position_args(info, k: int, args: tuple) -> tuple:
     return args
   out = []
   for j, (arg, axis) in enumerate(zip(args, init_axes(what, axes, args))):
-    if axis is None:
-      out.append(arg)
-      continue
-    check_init_leaf(what, j, axis, tuple(jnp.shape(arg)), n)
-    out.append(jnp.take(arg, jnp.arange(k, n, p), axis=axis))
+    if axis is not None:  # this position's layers only
+      check_init_leaf(what, j, axis, tuple(jnp.shape(arg)), n)
+      arg = jnp.take(arg, jnp.arange(k, n, p), axis=axis)
+    out.append(arg)
   return tuple(out)
 
 

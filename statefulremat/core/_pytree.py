@@ -53,6 +53,7 @@ flattening a module reached by closure raises, as reading its ``.value`` does.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -67,6 +68,7 @@ _SequenceKey = jax.tree_util.SequenceKey
 _DictKey = jax.tree_util.DictKey
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class ModulePathKey:
   """The key of one leaf of a module: the path of its Variable.
 
@@ -85,10 +87,7 @@ class ModulePathKey:
   (ModulePathKey('.layers[0].bias'), 'bias', SequenceKey(idx=0))
   """
 
-  __slots__ = ("keys",)
-
-  def __init__(self, keys: tuple):
-    self.keys = keys
+  keys: tuple
 
   @property
   def name(self) -> Any:
@@ -100,12 +99,6 @@ class ModulePathKey:
 
   def __repr__(self) -> str:
     return f"ModulePathKey({str(self)!r})"
-
-  def __eq__(self, other) -> bool:
-    return isinstance(other, ModulePathKey) and self.keys == other.keys
-
-  def __hash__(self) -> int:
-    return hash(self.keys)
 
 
 # -- the walk, cached per module -----------------------------------------------------

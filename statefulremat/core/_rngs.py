@@ -113,6 +113,11 @@ class LayerKeys:
     self.base, self.index, self.splits = base, index, splits
     self.asked = set() if asked is None else asked
 
+  def __reduce__(self):
+    # Pickled as a plain tuple, naming no private class; Rngs.__setstate__ makes it
+    # a LayerKeys again.
+    return tuple, ((self.base, self.index, self.splits, self.asked),)
+
 
 class _ServedStream:
   """The default stream as drawn for one name whose split rule differs from its own."""
@@ -227,14 +232,6 @@ class Rngs(Module):
         "a default seed: sr.Rngs(0)."
       )
     return stream
-
-  # A pickle keeps a layer's LayerKeys as a plain tuple: it names no private class.
-  def __getstate__(self):
-    state = super().__getstate__()
-    keys = state.get(LAYER_KEYS)
-    if isinstance(keys, LayerKeys):
-      state[LAYER_KEYS] = (keys.base, keys.index, keys.splits, keys.asked)
-    return state
 
   def __setstate__(self, state):
     if isinstance(state.get(LAYER_KEYS), tuple):

@@ -234,11 +234,11 @@ def update(node: Any, *states: State) -> None:
   """
   graphdef, variables = _flatten(node, "update")
   with locked(variables):  # another thread's step on this graph writes before or after
-    _update(graphdef, variables, states)
+    _write(dict(zip(graphdef.var_paths, variables)), states)
 
 
-def _update(graphdef: GraphDef, variables: list[Variable], states) -> None:
-  where = dict(zip(graphdef.var_paths, variables))
+def _write(where: dict[tuple, Variable], states) -> None:
+  """``update``'s work: checks every value of ``states``, then writes them all."""
   pending = []
   for st in states:
     if not isinstance(st, State):

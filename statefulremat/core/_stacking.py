@@ -125,8 +125,7 @@ def _stack(layers: list, like: Any, numbers: _Numbers):
   graphdef, variables = flats[0]
   _check_alike(layers, flats, numbers)
   # A shared RNG stream that `layer(i)` split per layer goes back as the stack held it.
-  origin = layer_origin(layers[0])
-  origins = origin.stream_origins if origin is not None else {}
+  origins = getattr(layer_origin(layers[0]), "stream_origins", None) or {}
   axes, why_shared = _layer_axes_of(layers, like, cls, graphdef, variables, origins)
   columns = [[flat[1][j]._value for flat in flats] for j in range(len(axes))]
   block = numbers.pattern or unit.cls.__name__
@@ -316,14 +315,11 @@ def _value_at(root, path: tuple):
 
 def _pattern_origin(layers) -> type | None:
   """The pattern class the layers came out of (``stack.layer`` / ``sr.unstack``)."""
-  parents = {
-    place.pattern()
-    if (origin := layer_origin(layer)) is not None
-    and (info := stack_info(origin.stack_class)) is not None
-    and (place := info.place) is not None
-    else None
-    for layer in layers
-  }
+  parents = set()
+  for layer in layers:
+    origin = layer_origin(layer)
+    info = None if origin is None else stack_info(origin.stack_class)
+    parents.add(None if info is None or info.place is None else info.place.pattern())
   return parents.pop() if len(parents) == 1 else None
 
 

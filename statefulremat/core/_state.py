@@ -253,11 +253,11 @@ class State(Mapping[Any, Any]):
     """
     if not filters:
       raise TypeError("State.filter needs at least one filter, e.g. state.filter(sr.Param)")
-    variables = self.flat_variables()
-    out = []
-    for f in filters:
-      pred = to_predicate(f)
-      out.append(self._select([i for i, (p, v) in enumerate(variables.items()) if pred(p, v)]))
+    items = list(self.flat_variables().items())
+    out = [
+      self._select([i for i, (p, v) in enumerate(items) if pred(p, v)])
+      for pred in map(to_predicate, filters)
+    ]
     return out[0] if len(out) == 1 else tuple(out)
 
   def split(self, *filters: Filter) -> tuple[State, ...]:

@@ -60,12 +60,17 @@ def _closure_read(var) -> None:
 def bare_variable(kind: type, value: Any, metadata: dict, trace) -> Variable:
   """Builds a Variable without running ``__init__`` (no checks, no owner)."""
   var = object.__new__(kind)
+  _fill(var, value, metadata, trace)
+  return var
+
+
+def _fill(var, value: Any, metadata: dict, trace) -> None:
+  """Sets every slot of ``var``, with no checks: a new Variable that no module holds."""
   var._value = value
   var._metadata = metadata
   var._trace = trace
   var._owner = None
   var._serial = next(serials)
-  return var
 
 
 A = TypeVar("A")  # what a Variable holds: an array, or any pytree
@@ -172,10 +177,7 @@ class Variable(Generic[A]):
         f"{type(self).__name__}(...) got a {type(value).__name__} as its value; a "
         "Variable holds arrays, not other Variables. Pass `other.value` instead."
       )
-    self._trace = current_trace()
-    self._owner = None
-    self._serial = next(serials)
-    self._metadata = metadata
+    _fill(self, None, metadata, current_trace())
     self.value = value
 
   # -- value -----------------------------------------------------------------
@@ -354,11 +356,7 @@ class Variable(Generic[A]):
     return {"value": self._value, "metadata": self._metadata}
 
   def __setstate__(self, state):
-    self._value = state["value"]
-    self._metadata = state["metadata"]
-    self._trace = current_trace()
-    self._owner = None
-    self._serial = next(serials)
+    _fill(self, state["value"], state["metadata"], current_trace())
 
   def __repr__(self) -> str:
     return _display_hooks.text(self)
