@@ -1,5 +1,4 @@
-"""Where a stack's carries live: ``carries="device"`` (the default) or ``"offload"``, kept
-in host memory by naming them ``STACK_CARRY`` under an offloading policy (README.md)."""
+"""Where a stack's carries live: ``carries="device"`` (the default) or ``"offload"`` (README.md)."""
 
 from __future__ import annotations
 
@@ -44,8 +43,8 @@ def tag(state):
 
 
 class OffloadCarries:
-  """A remat policy offloading ``STACK_CARRY``, every other value as ``inner`` answers
-  (None: recomputed; True: saved), or as the first ``sr.remat`` in the step reports."""
+  """A remat policy offloading ``STACK_CARRY``, every other value as the first ``sr.remat``
+  in the step reports, or as ``inner`` (None: recomputed; True: saved)."""
 
   __slots__ = ("__wrapped__", "_name_primitive", "remats", "__weakref__")  # jax: weakrefs
 
@@ -84,10 +83,8 @@ def report_remat(policy) -> None:
     step.remats.append(policy)
 
 
-@functools.cache  # one policy object per inner policy: jax caches traces by policy
-def offload_policy(inner=None) -> OffloadCarries:
-  """The policy of a level whose carries are offloaded."""
-  return OffloadCarries(inner)
+# A level's offloading policy, one object per inner policy: jax caches traces by policy.
+offload_policy = functools.cache(OffloadCarries)
 
 
 _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("sr_carries_quiet", default=False)
@@ -95,13 +92,12 @@ _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("sr_carries_quiet"
 
 def warn_if_kept(what: str) -> None:
   """Warns where the default backend moves nothing to host memory (unless quiet)."""
-  platform = jax.default_backend()
-  if _QUIET.get() or _offloads(platform, _HOST):
+  if _QUIET.get() or moves_to_host():
     return
   warnings.warn(
     f"{what}: carries='offload' keeps the carries the stack saves for the backward "
-    f"pass in host memory, but on this backend ({platform}) nothing is offloaded: they "
-    "stay in device memory, and the results are the same as carries='device'. "
+    f"pass in host memory, but on this backend ({jax.default_backend()}) nothing is offloaded: "
+    "they stay in device memory, and the results are the same as carries='device'. "
     "Offloading needs a GPU or TPU backend.",
     UserWarning,
     stacklevel=_user_stacklevel(),
@@ -126,8 +122,8 @@ def warning_once(fn: Callable, what: str) -> Callable:
 
 
 def offloaded(step: Callable, policy: Callable | None, remat: bool, prevent_cse: bool):
-  """``step(state, *x)`` under a ``jax.checkpoint`` keeping ``state`` in host memory, every
-  other value as ``policy`` says (``remat``) or saved (``sr.scan``'s step)."""
+  """``step(state, *x)`` checkpointed with ``state`` in host memory, every other value as
+  ``policy`` says (``remat``) or saved (``sr.scan``'s step)."""
 
   if remat:
     tagged = lambda state, *x: step(tag(state), *x)

@@ -1,5 +1,4 @@
-"""Reading a traced program as the installed jax writes it: how it writes a
-``checkpoint_name`` or a checkpoint's policy is learnt by tracing a probe (README.md)."""
+"""Reading a traced program as the installed jax writes it, learnt by tracing probes (README.md)."""
 
 from __future__ import annotations
 
@@ -50,11 +49,12 @@ class _Layout(NamedTuple):
     return value.params.get(self.path[1])
 
 
-def _learn(trace: Callable[[], Any], is_probe: Callable[[Any], bool]) -> _Layout:
-  closed = jax.make_jaxpr(trace)()
+def _learn(trace: Callable[[jax.Array], Any], probe) -> _Layout:
+  """Where the call ``trace`` makes puts ``probe`` among its parameters."""
+  closed = jax.make_jaxpr(trace)(jnp.zeros((), jnp.float32))
   for eqn in closed.jaxpr.eqns:
     for path, value in _params(eqn):
-      if is_probe(value):
+      if type(value) is type(probe) and value == probe:
         owner = type(eqn.params[path[0]]) if len(path) > 1 else None
         return _Layout(eqn.primitive, path, owner)
   raise RuntimeError(  # only a jax that drops its own parameters reaches this
@@ -69,18 +69,12 @@ def remat_flavour() -> bool:
 
 @functools.cache
 def _name_layout(_flavour: bool) -> _Layout:
-  x = jnp.zeros((), jnp.float32)
-  return _learn(
-    lambda: checkpoint_name(x, PROBE_NAME), lambda v: isinstance(v, str) and v == PROBE_NAME
-  )
+  return _learn(lambda x: checkpoint_name(x, PROBE_NAME), PROBE_NAME)
 
 
 @functools.cache
 def _policy_layout(_flavour: bool) -> _Layout:
-  x = jnp.zeros((), jnp.float32)
-  return _learn(
-    lambda: jax.checkpoint(jnp.sin, policy=_probe_policy)(x), lambda v: v is _probe_policy
-  )
+  return _learn(jax.checkpoint(jnp.sin, policy=_probe_policy), _probe_policy)
 
 
 def checkpoint_name_of(eqn) -> str | None:
@@ -128,12 +122,9 @@ def names_under(jaxpr: Jaxpr, policy) -> set[str] | None:
   found: set[str] | None = None
   for eqn in jaxpr.eqns:
     used = remat_policy_of(eqn)
-    if used is not None and (used is policy or getattr(used, "__wrapped__", None) is policy):
-      for sub in sub_jaxprs(eqn):
-        found = (found or set()) | (checkpoint_names(sub) - {STACK_CARRY})
-      continue
+    ours = used is not None and (used is policy or getattr(used, "__wrapped__", None) is policy)
     for sub in sub_jaxprs(eqn):
-      inner = names_under(sub, policy)
+      inner = checkpoint_names(sub) - {STACK_CARRY} if ours else names_under(sub, policy)
       if inner is not None:
         found = (found or set()) | inner
   return found
@@ -142,8 +133,8 @@ def names_under(jaxpr: Jaxpr, policy) -> set[str] | None:
 @functools.cache
 def reduce_precision_primitive() -> Any:
   """The primitive ``lax.reduce_precision`` binds, learnt by tracing it."""
-  x = jnp.zeros((), jnp.float32)
-  return jax.make_jaxpr(lambda: jax.lax.reduce_precision(x, 8, 23))().jaxpr.eqns[0].primitive
+  rounding = jax.make_jaxpr(lambda x: jax.lax.reduce_precision(x, 8, 23))(jnp.float32(0))
+  return rounding.jaxpr.eqns[0].primitive
 
 
 def is_offload_copy(eqn) -> bool:

@@ -1,5 +1,4 @@
-"""``sr.policies.Policy``: a remat policy by checkpoint names, with a name of its own.
-The presets and ``custom`` are in ``statefulremat/policies``."""
+"""``sr.policies.Policy``; the presets and ``custom`` are in ``statefulremat/policies``."""
 
 from __future__ import annotations
 

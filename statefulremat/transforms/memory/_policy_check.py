@@ -1,5 +1,4 @@
-"""Remat policies checked against the traced body (README.md): ``policy_check(policy,
-what).run(f, *args)`` traces ``f`` once, checks, then evaluates the same jaxpr."""
+"""Remat policies checked against the traced body they wrap (README.md)."""
 
 from __future__ import annotations
 
@@ -25,9 +24,6 @@ _POLICIES = jax.checkpoint_policies
 _ALLOW_LISTS = ("save_only_these_names", "save_and_offload_only_these_names")
 _EXCLUDING = ("save_any_names_but_these", "save_anything_except_these_names")
 _OFFLOADING = ("save_and_offload_only_these_names", "offload_dot_with_no_batch_dims")
-
-
-# -- asking a policy -----------------------------------------------------------------
 
 
 @functools.cache
@@ -63,18 +59,15 @@ def _answer(policy, name: str) -> tuple[bool, str | None]:
 
 def _made_by(policy) -> str | None:
   """The ``jax.checkpoint_policies`` factory that made ``policy`` (None: not one)."""
-  for factory, made in _factory_types().items():
-    if type(policy) is made:
-      return factory
-  qualname = getattr(policy, "__qualname__", "")
+  qualname = getattr(policy, "__qualname__", "")  # a factory's closure: factory.<locals>.…
   if (getattr(policy, "__module__", "") or "").startswith("jax") and "." in qualname:
     return qualname.split(".")[0]
-  return None
+  return _factory_types().get(type(policy))
 
 
 @functools.cache
-def _factory_types() -> dict[str, type]:
-  """The classes the factories' policies are instances of, where they are classes."""
+def _factory_types() -> dict[type, str]:
+  """The factory of each class the factories' policies are instances of."""
   samples = {
     "save_only_these_names": _POLICIES.save_only_these_names(),
     "save_any_names_but_these": _POLICIES.save_any_names_but_these(),
@@ -88,7 +81,7 @@ def _factory_types() -> dict[str, type]:
       "device", "pinned_host"
     ),
   }
-  return {k: type(v) for k, v in samples.items() if not isinstance(v, types.FunctionType)}
+  return {type(v): k for k, v in samples.items() if not isinstance(v, types.FunctionType)}
 
 
 def _published_names(policy) -> tuple[str, ...] | None:
@@ -102,9 +95,6 @@ def _published_names(policy) -> tuple[str, ...] | None:
     if isinstance(v, (set, frozenset, tuple, list)) and all(isinstance(n, str) for n in v)
   ]
   return tuple(dict.fromkeys(n for names in sets for n in names)) if sets else None
-
-
-# -- the check -----------------------------------------------------------------------
 
 
 class PolicyCheck:
@@ -237,18 +227,12 @@ def _user_stacklevel() -> int:
 
 @functools.cache
 def _offloads(platform: str, kind: str) -> bool:
-  """Whether the default backend, ``platform``, moves an offloaded residual to ``kind``
-  memory, judged by compiling a tiny offloading remat."""
+  """Whether the default backend, ``platform``, offloads to ``kind`` memory (compiled)."""
   del platform  # the cache key: the answer is the default backend's
   device = jax.devices()[0]
   if kind not in {m.kind for m in device.addressable_memories()}:
     return False
-  policy = _POLICIES.save_and_offload_only_these_names(
-    names_which_can_be_saved=(),
-    names_which_can_be_offloaded=("offloaded",),
-    offload_src="device",
-    offload_dst=kind,
-  )
+  policy = Policy("offloading probe", offloaded=("offloaded",), offload_dst=kind)
 
   def body(w, x):
     return jnp.sin(checkpoint_name(jnp.sin(x @ w), "offloaded") @ w)
@@ -313,8 +297,8 @@ def _check_argument(policy, what: str) -> None:
 
 
 def policy_check(policy, what: str) -> PolicyCheck | None:
-  """The trace-time check of ``policy`` (None: nothing to check); raises a TypeError for
-  what is not a policy."""
+  """``policy``'s check, whose ``run(f, *args)`` traces ``f`` once, checks, then evaluates
+  the same jaxpr (None: nothing to check); a TypeError for what is not a policy."""
   if policy is None:
     return None
   _check_argument(policy, what)

@@ -15,11 +15,13 @@ PROBES = 8  # compiles at most, to find a plan with fewer evaluations
 
 #: ``make(scales, budget)``: the model's pick, depth ``d``'s figures scaled by ``scales[d]``.
 MakePlan = Callable[[dict[int, float] | None, int | None], RematPlan]
+#: ``measure(plan)``: XLA's temp bytes for ``plan``, each plan compiled once however often asked.
+Measure = Callable[[RematPlan], int]
 
 
 def calibrate(
   model: RematPlan,
-  measure: Callable[[RematPlan], int],
+  measure: Measure,
   residuals: dict[str, int],
   policy: str | None = None,
 ) -> dict[str, int]:
@@ -33,7 +35,7 @@ def calibrate(
 def fit_budget(
   make: MakePlan,
   budget: int,
-  measure: Callable[[RematPlan], int],
+  measure: Measure,
   offload: MakePlan | None = None,
   host_bandwidth: float = 25e9,
   note: str = "",
@@ -74,35 +76,36 @@ def _why(plan: RematPlan, budget: int) -> str:
     f"lengths={plan.lengths} ({plan.policy_name}, {plan.evals // plan.n}N evaluations) "
     f"needs {format_bytes(plan.measured_bytes or 0)} on the device once compiled"
   )
-  if plan.carries == "device":
-    return (
-      f"Carries on the device: recompute alone meets memory_budget={format_bytes(budget)}; {pick}."
-    )
-  return f"Carries in host memory, as carries='offload' asks; {pick}."
+  meets = f"memory_budget={format_bytes(budget)}"
+  if plan.carries == "offload":
+    return f"Carries in host memory, as carries='offload' asks; {pick}."
+  return f"Carries on the device: recompute alone meets {meets}; {pick}."
 
 
-def _fit(make: MakePlan, budget: int, measure: Callable[[RematPlan], int], note: str) -> RematPlan:
+def _fit(make: MakePlan, budget: int, measure: Measure, note: str) -> RematPlan:
   try:
     plan = make(None, budget)
   except TransformError:
     # Every plan is over the budget; those within the model's error may still fit.
     unbudgeted = dataclasses.replace(make(None, None), memory_budget=budget)
-    fitting = _smallest_that_fits(unbudgeted, budget, measure)
+    near = [c for c in unbudgeted.candidates if c.temp_bytes <= NEAR_MISS * budget]
+    near.sort(key=lambda c: c.temp_bytes)
+    fitting = _first_fit(unbudgeted, near[:PROBES], budget, measure)
     if fitting is None:
       _no_plan_fits(unbudgeted, budget, measure, note)
-    return fitting
+    return _fewer_evaluations(fitting, budget, measure)
   # A plan with fewer evaluations that the model puts inside the headroom is tried first.
-  bold = _bolder(plan, budget)
-  if bold is not None:
-    measured = measure(bold)
-    if measured <= budget:
-      return _fewer_evaluations(bold, measured, budget, measure)
+  bolder = [c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= budget]
+  bolder.sort(key=lambda c: (c.evals, c.policy != DOTS, c.temp_bytes, len(c.lengths)))
+  fitting = _first_fit(plan, bolder[:1], budget, measure)
+  if fitting is not None:
+    return _fewer_evaluations(fitting, budget, measure)
   # Where the model was off for this block, scale its figures for that depth and rechoose.
   scales: dict[int, float] = {}
   for _ in range(4):
     measured = measure(plan)
     if measured <= budget:
-      return _fewer_evaluations(plan, measured, budget, measure)
+      return _fewer_evaluations(plan, budget, measure)
     depth = len(plan.lengths)
     scales[depth] = scales.get(depth, 1.0) * measured / plan.temp_bytes
     try:
@@ -112,9 +115,7 @@ def _fit(make: MakePlan, budget: int, measure: Callable[[RematPlan], int], note:
   _no_plan_fits(plan, budget, measure, note)
 
 
-def _no_plan_fits(
-  plan: RematPlan, budget: int, measure: Callable[[RematPlan], int], note: str
-) -> NoReturn:
+def _no_plan_fits(plan: RematPlan, budget: int, measure: Measure, note: str) -> NoReturn:
   smallest = _smallest(plan, measure)
   need = format_bytes(smallest.measured_bytes or 0)
   error = TransformError(
@@ -128,7 +129,7 @@ def _no_plan_fits(
   raise error
 
 
-def _smallest(plan: RematPlan, measure: Callable[[RematPlan], int]) -> RematPlan:
+def _smallest(plan: RematPlan, measure: Measure) -> RematPlan:
   """Of the model's smallest candidate and ``plan``, the one smaller once compiled."""
   smallest = _picking(plan, min(plan.candidates, key=lambda c: c.temp_bytes))
   best = min(smallest, plan, key=measure)
@@ -150,44 +151,24 @@ def _picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
   )
 
 
-def _bolder(plan: RematPlan, budget: int) -> RematPlan | None:
-  """The plan with the fewest evaluations the model puts within the budget, or None."""
-  bolder = [c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= budget]
-  if not bolder:
-    return None
-  return _picking(
-    plan, min(bolder, key=lambda c: (c.evals, c.policy != DOTS, c.temp_bytes, len(c.lengths)))
-  )
+def _first_fit(plan: RematPlan, picks: list, budget: int, measure: Measure) -> RematPlan | None:
+  """``plan`` picking the first of ``picks`` that fits ``budget`` once compiled; or None."""
+  for pick in picks:
+    measured = measure(_picking(plan, pick))
+    if measured <= budget:
+      return _picking(plan, pick, measured)
+  return None
 
 
-def _fewer_evaluations(
-  plan: RematPlan, measured: int, budget: int, verify: Callable[[RematPlan], int]
-) -> RematPlan:
+def _fewer_evaluations(plan: RematPlan, budget: int, measure: Measure) -> RematPlan:
   """``plan`` (which fits), or one with fewer evaluations that fits once compiled though
   the model put it over the headroom by up to its error on this block."""
+  measured = measure(plan)  # compiled already
   error = abs(measured / plan.temp_bytes - 1) if plan.temp_bytes else 1.0
   band = min(NEAR_MISS, 1 + error + MODEL_SLACK)
   near = sorted(
     (c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= band * budget),
     key=lambda c: (-c.evals, c.temp_bytes),
   )
-  for probe in near[:PROBES]:  # the next fewer evaluations first, likeliest first
-    probed = verify(_picking(plan, probe))
-    if probed <= budget:
-      return _picking(plan, probe, probed)
-  return dataclasses.replace(plan, measured_bytes=measured)
-
-
-def _smallest_that_fits(
-  plan: RematPlan, budget: int, verify: Callable[[RematPlan], int]
-) -> RematPlan | None:
-  """Of the plans the model puts just over the budget, the best that fits; or None."""
-  near = sorted(
-    (c for c in plan.candidates if c.temp_bytes <= NEAR_MISS * budget), key=lambda c: c.temp_bytes
-  )
-  for probe in near[:PROBES]:
-    candidate = _picking(plan, probe)
-    measured = verify(candidate)
-    if measured <= budget:
-      return _fewer_evaluations(candidate, measured, budget, verify)
-  return None
+  fewer = _first_fit(plan, near[:PROBES], budget, measure)  # the next fewer evaluations first
+  return fewer or dataclasses.replace(plan, measured_bytes=measured)

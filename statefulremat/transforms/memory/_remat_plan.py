@@ -1,5 +1,4 @@
-"""The planner's memory model (see README.md) and ``sr.RematPlan``: which ``lengths``
-and innermost policy a ``remat_scan`` should use."""
+"""The planner's memory model (README.md) and ``sr.RematPlan``, the ``lengths`` it picks."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.core
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
@@ -98,31 +96,28 @@ class RematPlan:
     budget = (
       "no budget" if self.memory_budget is None else f"budget {format_bytes(self.memory_budget)}"
     )
+    offloading = any(c.carries != "device" for c in self.candidates)
+
+    def row(mark, lengths, policy, evals, temp, carries) -> str:
+      carries = f"{carries:>10}" if offloading else ""
+      return f"{mark:2}{lengths:<18}{policy:<18}{evals:>8}{temp:>18}{carries}"
+
     lines = [
       f"RematPlan for N={self.n} {self.unit}s ({budget}; carry "
       f"{format_bytes(self.carry_bytes)}, one {self.unit} "
       f"{format_bytes(self.layer_bytes)})",
-      f"{'':2}{'lengths':<18}{'policy':<18}{'evals':>8}{'temp (predicted)':>18}",
+      row("", "lengths", "policy", "evals", "temp (predicted)", "carries"),
     ]
-    offloading = any(c.carries != "device" for c in self.candidates)
-    if offloading:
-      lines[-1] += f"{'carries':>10}"
     chosen = (self.lengths, self.policy_name, self.carries)
     for c in self.candidates[:8]:
       mark = "->" if (c.lengths, c.policy, c.carries) == chosen else ""
-      lines.append(
-        f"{mark:2}{str(c.lengths):<18}{c.policy:<18}"
-        f"{f'{c.evals // self.n}N':>8}{format_bytes(c.temp_bytes):>18}"
-        + (f"{c.carries:>10}" if offloading else "")
-      )
+      evals, temp = f"{c.evals // self.n}N", format_bytes(c.temp_bytes)
+      lines.append(row(mark, str(c.lengths), c.policy, evals, temp, c.carries))
     if len(self.candidates) > 8:
       lines.append(f"  … {len(self.candidates) - 8} more")
     if self.reason:
       lines.append(self.reason)
     return "\n".join(lines)
-
-
-# -- the model ------------------------------------------------------------------------
 
 
 def structure(n: int, lengths: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -300,19 +295,15 @@ def choose(
         candidates.append(
           Candidate(lengths, policy, evals, max(0, int(scale * device)), placement, host)
         )
-  rank = {DOTS: 0, NOTHING: 1, GIVEN: 0}
+  # At equal cost, the plan that recomputes less: dots saved (or the given policy).
   if memory_budget is None:
     pool = [c for c in candidates if c.evals <= 3 * n]
-    key = lambda c: (c.temp_bytes, c.evals, len(c.lengths), rank[c.policy], c.host_bytes)
+    key = lambda c: (c.temp_bytes, c.evals, len(c.lengths), c.policy == NOTHING, c.host_bytes)
   else:
     pool = [c for c in candidates if c.temp_bytes <= HEADROOM * memory_budget]
     key = lambda c: (
-      c.host_bytes > 0,
-      c.evals,
-      c.host_bytes,
-      rank[c.policy],
-      c.temp_bytes,
-      len(c.lengths),
+      (c.host_bytes > 0, c.evals, c.host_bytes),
+      (c.policy == NOTHING, c.temp_bytes, len(c.lengths)),
     )
     if not pool:
       smallest = min(candidates, key=lambda c: c.temp_bytes)
@@ -332,9 +323,6 @@ def choose(
   return ranked[0], ranked
 
 
-# -- measuring a block ----------------------------------------------------------------
-
-
 def nesting_keeps_policy() -> bool:
   """Whether a nesting's innermost policy keeps what it saves (not under ``jax_remat3``)."""
   return _nesting_keeps_policy(remat_flavour())
@@ -344,13 +332,11 @@ def nesting_keeps_policy() -> bool:
 def _nesting_keeps_policy(_flavour: bool) -> bool:
   """Asks XLA once per remat implementation: equal temp bytes mean nothing was kept."""
 
-  def unit(h, w):
-    return jnp.tanh(h @ w)
-
   def loss(ws, h, policy):
+    unit = jax.checkpoint(lambda h, w: jnp.tanh(h @ w), policy=policy)
+
     def inner(h, ws):
-      step = lambda h, w: (jax.checkpoint(unit, policy=policy)(h, w), None)
-      return jax.lax.scan(step, h, ws)[0]
+      return jax.lax.scan(lambda h, w: (unit(h, w), None), h, ws)[0]
 
     outer = lambda h, ws: (jax.checkpoint(inner)(h, ws), None)
     return jnp.sum(jax.lax.scan(outer, h, ws.reshape(2, 4, *ws.shape[1:]))[0])
@@ -373,15 +359,8 @@ def residual_bytes(layer_fn: Callable, params: Any, carry: Any, policy) -> int:
   closed = jax.make_jaxpr(lambda *x: jax.tree.leaves(jax.vjp(checkpointed, *x)[1]))(*leaves)
   jaxpr = closed.jaxpr
   param_vars = set(jaxpr.invars[: len(jax.tree.leaves(params))])
-  total, seen = 0, set()
-  for v in jaxpr.outvars:
-    if isinstance(v, Literal) or v in param_vars or v in seen:
-      continue
-    seen.add(v)
-    aval = v.aval
-    assert isinstance(aval, jax.core.ShapedArray)  # a residual is an array
-    total += math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
-  return total
+  saved = {v for v in jaxpr.outvars if not isinstance(v, Literal) and v not in param_vars}
+  return sum(v.aval.size * v.aval.dtype.itemsize for v in saved)
 
 
 def tree_bytes(tree: Any) -> int:
@@ -390,13 +369,8 @@ def tree_bytes(tree: Any) -> int:
   )
 
 
-# -- one unit of a stack: a layer, or a cycle of a pattern -------------------------------
-
-
 def unit_inputs(stack, fn: Callable) -> tuple[int, Callable, Any, int]:
-  """``(units, unit_fn, states, unit_bytes)``: the loop's unit count, one unit as a function
-  ``unit_fn(states, carry) -> carry`` of its state values (abstract: ``states``), and its
-  stacked bytes."""
+  """``(units, unit_fn(states, carry) -> carry, abstract states, stacked bytes of one unit)``."""
   positions = cycle(stack)
   found = {}
 
@@ -407,16 +381,11 @@ def unit_inputs(stack, fn: Callable) -> tuple[int, Callable, Any, int]:
 
   states = jax.eval_shape(one_unit, stack)
   units = -(-sum(map(num_layers, positions)) // len(positions))
-  stacked = sum(
-    tree_bytes(v._value) for position in positions for _, v, _, _ in stacked_variables(position)
-  )
+  stacked = tree_bytes([v._value for p in positions for _, v, _, _ in stacked_variables(p)])
 
   def unit_fn(states, carry):
     def chain(layers):
-      out = carry
-      for layer in layers:
-        out = fn(layer, out)
-      return out
+      return functools.reduce(lambda out, layer: fn(layer, out), layers, carry)
 
     return found["lifted"].run(chain, list(states), [], "the planner", restructure=True)[0]
 

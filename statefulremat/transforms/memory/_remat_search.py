@@ -1,6 +1,4 @@
-"""The planner's search (``sr.plan_remat``, ``lengths="auto"``). It compiles its candidates
-on the layer loop itself (``_candidate``): nested rematerialised levels, as
-``sr.remat_scan`` runs them, without calling the transform that calls it."""
+"""The planner's search: ``sr.plan_remat`` and ``lengths="auto"`` (README.md)."""
 
 from __future__ import annotations
 
@@ -62,9 +60,8 @@ def plan_remat(
       reports: a number or e.g. ``"25GB/s"`` (the default, PCIe 4.0 x16).
 
   Returns:
-    An ``sr.RematPlan``: its ``lengths``, innermost ``policy``, block evaluations and
-    modelled temp bytes (``measured_bytes`` where planning compiled it); pass it as
-    ``sr.remat_scan(fn, lengths=plan)``.
+    An ``sr.RematPlan`` (its ``lengths``, innermost ``policy``, evaluations and bytes), to
+    pass as ``sr.remat_scan(fn, lengths=plan)``.
 
   Raises:
     TypeError: ``stack`` is not a stacked module.
@@ -103,19 +100,18 @@ def plan_remat(
 
 
 def _search(stack, carry, fn, budget, bandwidth, max_depth, policy, carries, positions):
-  """``plan_remat``'s search over nestings, policies and placements, its arguments
-  checked: the model's pick, calibrated and checked by compiling."""
+  """``plan_remat`` on checked arguments: the model's pick, calibrated and compiled."""
   moves = moves_to_host()
   nested_keeps = policy is not None or nesting_keeps_policy()
   n, unit_fn, unit_states, unit_bytes = unit_inputs(stack, fn)
-  carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), carry)
+  as_shape = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+  carry, abstract = jax.tree.map(as_shape, (carry, stack))
   carry_bytes = tree_bytes(carry)
   given = {GIVEN: policy} if policy is not None else POLICIES
   residuals = {
     name: residual_bytes(unit_fn, unit_states, carry, innermost)
     for name, innermost in given.items()
   }
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), stack)
 
   def verify(plan: RematPlan) -> int:
     run = _candidate(fn, plan)
@@ -170,17 +166,13 @@ def _search(stack, carry, fn, budget, bandwidth, max_depth, policy, carries, pos
       carries=best.carries,
     )
 
-  def calibrated(policy: str | None = None) -> None:
-    nonlocal working_sets
-    working_sets = None
-    working_sets = calibrate(make(None, None), measure, residuals, policy)
-
-  calibrated()
+  working_sets = calibrate(make(None, None), measure, residuals)
   if budget is None:
     plan = make(None, None)
     if plan.measured_bytes is not None:
       return plan
-    calibrated(plan.policy_name)  # the pick's policy was derived: measure it
+    working_sets = None  # the pick's policy was derived: measure it
+    working_sets = calibrate(make(None, None), measure, residuals, plan.policy_name)
     return make(None, None)
   if carries is not None:
     return fit_budget(make, budget, measure)
@@ -202,9 +194,7 @@ def _call(layer, carry):
 
 
 def _candidate(fn: Callable, plan: RematPlan) -> Callable:
-  """``run(stack, carry)``: the loop ``sr.remat_scan(fn, lengths=plan)`` runs, for the
-  planner to compile: the layer loop's nested levels (the transform's checks of its
-  arguments are not what is measured)."""
+  """``run(stack, carry)``: the layer loop ``sr.remat_scan(fn, lengths=plan)`` runs."""
   rules = Rules(_WHAT, Collections(ALL_STACKED, False, False, ALL_SPLIT))
 
   def run(module, carry):

@@ -1,5 +1,4 @@
-"""sr.saved_residuals: what reverse-mode autodiff of a function of modules keeps, traced
-into calls' bodies and named by variable path and the user's source line (README.md)."""
+"""``sr.saved_residuals``: what reverse-mode autodiff of a function of modules keeps."""
 
 from __future__ import annotations
 
@@ -110,36 +109,36 @@ def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[
   for path, var in zip(graphdef.var_paths, variables):
     root, local = (path[0], path[1:]) if multi else (0, path)
     where = f"{node_names[root]}.{format_path(local)}" if local else node_names[root]
-    diff = predicate(local, var) and _is_float(var._value)
+    diff = bool(predicate(local, var)) and _is_float(var._value)
     inputs.append((f"{type(var).__name__} `{where}`", var._value, diff))
   traced_leaves = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
   for i in traced_leaves:
     inputs.append((f"argument `{leaf_names[i]}`", leaves[i], _is_float(leaves[i])))
   n_vars = len(variables)
-  order = sorted(range(len(inputs)), key=lambda k: not inputs[k][2])  # differentiated first
-  diff_count = sum(d for _, _, d in inputs)
 
   def pure(diff_values, other_values):
-    flat_inputs = dict(zip(order, list(diff_values) + list(other_values)))
-    values = [flat_inputs[k] for k in range(n_vars)]
+    given = {True: iter(diff_values), False: iter(other_values)}
+    flat = [next(given[diff]) for _, _, diff in inputs]
     call_leaves = list(leaves)
-    for j, i in enumerate(traced_leaves):
-      call_leaves[i] = flat_inputs[n_vars + j]
+    for i, value in zip(traced_leaves, flat[n_vars:]):
+      call_leaves[i] = value
     # What the function writes or adds is measured, never kept: the changes are dropped.
-    out, _ = lifted.run(fn, values, call_leaves, what, restructure=True)
+    out, _ = lifted.run(fn, flat[:n_vars], call_leaves, what, restructure=True)
     check_no_nodes(out, what)
     return out
 
-  diff_values = [inputs[k][1] for k in order[:diff_count]]
-  other_values = [inputs[k][1] for k in order[diff_count:]]
+  diff_values = [value for _, value, diff in inputs if diff]
+  other_values = [value for _, value, diff in inputs if not diff]
   closed, shapes = jax.make_jaxpr(lambda d, o: jax.vjp(lambda d: pure(d, o), d), return_shape=True)(
     diff_values, other_values
   )
   jaxpr = closed.jaxpr
   num_res = len(jax.tree.leaves(shapes[1]))
   residuals = jaxpr.outvars[len(jaxpr.outvars) - num_res :]
-  # A Variable may hold a pytree (a tuple of arrays): its leaves share its description.
-  names = [inputs[k][0] for k in order for _ in jax.tree.leaves(inputs[k][1])]
+  # The inputs as the jaxpr takes them, differentiated first; a Variable may hold a pytree
+  # (a tuple of arrays): its leaves share its description.
+  ordered = sorted(inputs, key=lambda entry: not entry[2])
+  names = [description for description, value, _ in ordered for _ in jax.tree.leaves(value)]
   return _classify(jaxpr, residuals, names)
 
 
@@ -154,11 +153,8 @@ def _argument_names(fn, args: tuple, kwargs: dict) -> list[str]:
     params = list(inspect.signature(fn).parameters.values())
   except (TypeError, ValueError):
     params = []
-  positional = [
-    p.name
-    for p in params
-    if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-  ]
+  kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  positional = [p.name for p in params if p.kind in kinds]
   names = []
   for path, _ in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_node)[0]:
     where, index, rest = path[0].idx, path[1], path[2:]
@@ -178,20 +174,16 @@ def _classify(jaxpr: Jaxpr, residuals: list, input_names: list[str]) -> list[Res
   # An offloaded residual is the host copy of a value: described as that value.
   moved: dict[Any, Any] = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if is_offload_copy(e)}
   offloaded = set()
-  wanted, seen = [], set()
+  wanted = {}  # each residual once, in order: literals by identity
   for v in residuals:
     if not isinstance(v, Literal):
-      copied = v in moved
-      v = moved.get(v, v)
+      copied, v = v in moved, moved.get(v, v)
       v = rounding.get(v, v)
       if copied:
         offloaded.add(v)
-    key = id(v) if isinstance(v, Literal) else v
-    if key not in seen:
-      seen.add(key)
-      wanted.append(v)
-  records = [_record(v.aval, None, "a literal") for v in wanted if isinstance(v, Literal)]
-  variables = {v for v in wanted if not isinstance(v, Literal)}
+    wanted.setdefault(id(v) if isinstance(v, Literal) else v, v)
+  records = [_record(v.aval, None, "a literal") for v in wanted.values() if isinstance(v, Literal)]
+  variables = {v for v in wanted.values() if not isinstance(v, Literal)}
   records += [_record(v.aval, None, "a constant") for v in jaxpr.constvars if v in variables]
   records += [
     _record(v.aval, None, input_names[i], offloaded=v in offloaded)
@@ -211,8 +203,7 @@ def _record(aval, name, source, op=None, offloaded=False) -> Residual:
 
 
 def _origin(eqn, k: int, depth: int = 0) -> tuple[str | None, str | None, str, bool]:
-  """``(name, op, source, offloaded)`` of output ``k`` of ``eqn``, traced into called
-  bodies and through offload copies."""
+  """``(name, op, source, offloaded)`` of output ``k`` of ``eqn``, traced into bodies."""
   name = checkpoint_name_of(eqn)
   if name == STACK_CARRY:  # named by the library, where no line of the user's is
     return name, None, "each step's input carry (carries='offload')", False
