@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..core._errors import StateMismatchError, format_path
 from ..core._stacks import LAYER_AXIS
 from ..core._variables import Variable
-from ._files import FORMAT, CheckpointError, read_json
+from ._files import FORMAT, CheckpointError, check_files, read_json
 
 # How many differences a StateMismatchError lists before "and N more".
 _LISTED = 5
@@ -74,9 +74,10 @@ def layer_axis_json(var: Variable):
   return [list(level) for level in levels] if levels else None
 
 
-def read_meta(version: str) -> tuple[list[tuple[tuple, str, str]], dict[str, int], dict]:
-  """``(path, kind, spec)`` per saved variable, in the order saved; the files' sizes;
-  ``{path: layer axes}`` for the variables whose layer axes were recorded.
+def read_meta(version: str) -> tuple[list[tuple[tuple, str, str]], dict]:
+  """``(path, kind, spec)`` per saved variable, in the order saved, and ``{path: layer
+  axes}`` for the variables whose layer axes were recorded, once the files listed are
+  found whole (``check_files``).
 
   A checkpoint saved before the sizes (or layer axes) were recorded has none to check.
   """
@@ -89,24 +90,27 @@ def read_meta(version: str) -> tuple[list[tuple[tuple, str, str]], dict[str, int
       path_from_json(e["path"]): e["layer_axis"] for e in meta["variables"] if "layer_axis" in e
     }
     saved = [(path_from_json(e["path"]), e["kind"], e["spec"]) for e in meta["variables"]]
-    return saved, files, layer_axes
   except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
     raise CheckpointError(
       f"sr.restore: the checkpoint in {version!r} is damaged: its variables.json "
       f"cannot be read ({type(e).__name__}: {e}). Fix: restore from another "
       "checkpoint."
     ) from None
+  check_files(version, files)
+  return saved, layer_axes
 
 
 def check_match(
-  saved, variables, keys, specs, root: str, layer_axes: dict, partial: bool = False
-) -> None:
-  """Raises ``StateMismatchError`` listing the first ``_LISTED`` variables that differ
-  (with ``partial``, the checkpoint may hold variables the model's selection lacks).
+  saved, variables, specs, root: str, layer_axes: dict, partial: bool = False
+) -> list[int]:
+  """The position in ``saved`` of each of ``variables``; raises ``StateMismatchError``
+  listing the first ``_LISTED`` variables that differ (with ``partial``, the checkpoint
+  may hold variables the model's selection lacks).
 
   A stacked variable whose layer axis moved (same shape, another axis stacks the
   layers) differs too: restoring it would silently mix layers with features.
   """
+  keys = [path_from_json(path_to_json(p)) for p, _ in variables]
   theirs = {p: (kind, spec) for p, kind, spec in saved}
   ours = {
     key: (type(var).__name__, spec, var) for key, (_, var), spec in zip(keys, variables, specs)
@@ -148,3 +152,5 @@ def check_match(
       "of a checkpoint, name it with filters: `sr.restore(path, model, sr.Param)` or "
       "`sr.restore(path, model, sr.PathContains('encoder'))`."
     )
+  where = {p: i for i, (p, _, _) in enumerate(saved)}
+  return [where[key] for key in keys]

@@ -40,14 +40,13 @@ from ._files import (
   FORMAT,
   CheckpointError,
   abandon,
-  check_files,
   commit,
   file_sizes,
   reading,
   resolve,
   write_json,
 )
-from ._meta import check_match, damaged, layer_axis_json, path_from_json, path_to_json, read_meta
+from ._meta import check_match, damaged, layer_axis_json, path_to_json, read_meta
 from ._sync import SaveHandle, Saves, is_primary, wait_previous
 
 _PYTHON = (bool, int, float)  # exactly these types: a numpy scalar is not one
@@ -66,7 +65,9 @@ def _describe(value) -> tuple[str, str | None]:
   return f"{type(value).__name__} (not an array)", None
 
 
-def _check_model(model, fn: str) -> None:
+def _model_variables(path, model, fn: str) -> tuple[str, list[tuple[tuple, Variable]]]:
+  """``path`` as an absolute path, and ``model``'s Variables by path (none traced)."""
+  root = resolve(path, fn)
   if isinstance(model, State):
     raise TypeError(
       f"sr.{fn} takes the model itself, got a State. A checkpoint holds all of a "
@@ -78,21 +79,15 @@ def _check_model(model, fn: str) -> None:
       f"sr.{fn} takes a path and a Module (or a list/tuple/dict of them), got "
       f"{type(model).__name__} as the model. Call it as sr.{fn}(path, model)."
     )
-
-
-def _variables(model) -> list[tuple[tuple, Variable]]:
   graphdef, variables = flatten([model])
-  return list(zip(graphdef.var_paths, variables))
-
-
-def _refuse_traced(variables, fn: str) -> None:
-  for var_path, var in variables:
+  for var_path, var in zip(graphdef.var_paths, variables):
     if isinstance(var._value, jax.core.Tracer):
       raise TypeError(
         f"sr.{fn}: `{format_path(var_path)}` ({type(var).__name__}) holds a traced "
         f"value: sr.{fn} was called inside a JAX transform. Fix: call it outside, "
         "before or after the jitted step."
       )
+  return root, list(zip(graphdef.var_paths, variables))
 
 
 @overload
@@ -140,11 +135,10 @@ def save(path: str | os.PathLike, model, *, blocking: bool = True) -> SaveHandle
   >>> bool((fresh.kernel.value == model.kernel.value).all())
   True
   """
-  root = resolve(path, "save")
-  _check_model(model, "save")
+  root, variables = _model_variables(path, model, "save")
   if not isinstance(blocking, bool):
     raise TypeError(f"sr.save: blocking must be True or False, got {blocking!r}.")
-  entries, arrays = _snapshot(model)
+  entries, arrays = _snapshot(variables)
   wait_previous(root, "save")
 
   import orbax.checkpoint as ocp
@@ -205,12 +199,10 @@ def save(path: str | os.PathLike, model, *, blocking: bool = True) -> SaveHandle
     raise
 
 
-def _snapshot(model) -> tuple[list[dict], dict[str, object]]:
+def _snapshot(variables) -> tuple[list[dict], dict[str, object]]:
   """What a save writes: per Variable its JSON entry and its value as stored (copied
   where it is mutable, so the model may change while a save is under way)."""
   entries, arrays = [], {}
-  variables = _variables(model)
-  _refuse_traced(variables, "save")
   # Checked before orbax sees the arrays: a background save would fail out of sight.
   deleted = deleted_error(
     [var for _, var in variables], "sr.save: ", CheckpointError, " Nothing was written."
@@ -339,25 +331,19 @@ def restore(path: str | os.PathLike, model, *filters) -> None:
   float32[4] (and 1 more difference)
     also `kernel`: the checkpoint has a Param float32[2,3], the model a Param float32[2,4]
   """
-  root = resolve(path, "restore")
-  _check_model(model, "restore")
-  variables = _selected(_variables(model), filters)
+  root, variables = _model_variables(path, model, "restore")
+  variables = _selected(variables, filters)
   wait_previous(root, "restore")
   # The version read stays on disk until the block ends, whatever saves do meanwhile.
   with reading(root) as version:
-    saved, files, layer_axes = read_meta(version)
-    check_files(version, files)
-    _refuse_traced(variables, "restore")
+    saved, layer_axes = read_meta(version)
     specs = [_describe(var._value) for _, var in variables]
-    keys = [path_from_json(path_to_json(p)) for p, _ in variables]
-    check_match(
-      saved, variables, keys, [s for s, _ in specs], root, layer_axes, partial=bool(filters)
+    order = check_match(
+      saved, variables, [s for s, _ in specs], root, layer_axes, partial=bool(filters)
     )
 
     import orbax.checkpoint as ocp
 
-    where = {p: i for i, (p, _, _) in enumerate(saved)}
-    order = [where[key] for key in keys]
     # Orbax reads the arrays named here; the rest of the checkpoint stays on disk.
     targets: dict[str, object] = {str(j): ocp.PLACEHOLDER for j in range(len(saved))}
     for j, (_, var), (_, how) in zip(order, variables, specs):

@@ -62,14 +62,30 @@ def stacked_arrays(value, path):
 
 
 def stack_figure(value) -> list | None:
-  """The treescope parts that draw a ``LayeredArray``: ``layers_image`` for a 0-d or
-  1-d layer, else ``layer_slider_figure`` and ``layer_norms_parts``; None for what
-  cannot be drawn (key arrays, one element)."""
-  if np.ndim(value.array) <= 2:
-    image = layers_image(value)
-    return None if image is None else [image.treescope_part]
-  figure = layer_slider_figure(value)
-  return None if figure is None else [figure.treescope_part, *layer_norms_parts(value)]
+  """The treescope parts that draw a ``LayeredArray``; None for what cannot be drawn
+  (key arrays, one element). A 0-d or 1-d layer is drawn whole, as one image with a
+  column per layer (a (100, 32) BatchNorm mean is 100 columns of 32), so how the
+  layers differ shows at a glance; a bigger one by ``layer_slider_figure`` and
+  ``layer_norms_parts``. Features past the cell budget are cut to their first and
+  last entries; the layers never are.
+
+  >>> import jax.numpy as jnp
+  >>> from statefulremat.display._treescope_arrays import LayeredArray
+  >>> from statefulremat.display._figures import stack_figure
+  >>> [type(part).__name__ for part in stack_figure(LayeredArray(jnp.zeros((3, 2)), 0, "l"))]
+  ['ArrayvizRendering']
+  """
+  if np.ndim(value.array) > 2:
+    figure = layer_slider_figure(value)
+    return None if figure is None else [figure.treescope_part, *layer_norms_parts(value)]
+  # The layers run across, as depth reads on a page: a column per layer.
+  image = _render_cut(
+    value,
+    columns=[value.axis],
+    rows=[1 - value.axis] if np.ndim(value.array) == 2 else [],
+    pixels_per_cell=_pixels_per_layer(np.shape(value.array)[value.axis]),
+  )
+  return None if image is None else [image.treescope_part]
 
 
 def _drawable(array) -> bool:
@@ -84,27 +100,6 @@ def _drawable(array) -> bool:
     or np.issubdtype(dtype, np.bool_)
   )
   return numeric and np.size(array) > 1
-
-
-def layers_image(value):
-  """treescope's ``render_array`` of a stacked array with a 0-d or 1-d layer, whole:
-  one image, a column per layer (a (100, 32) BatchNorm mean is 100 columns of 32), so how
-  the layers differ shows at a glance. Features past the cell budget are cut to
-  their first and last entries; the layers never are. None for what it cannot draw.
-
-  >>> import jax.numpy as jnp
-  >>> from statefulremat.display._treescope_arrays import LayeredArray
-  >>> from statefulremat.display._figures import layers_image
-  >>> type(layers_image(LayeredArray(jnp.zeros((3, 2)), 0, "layers"))).__name__
-  'TreescopeFigure'
-  """
-  # The layers run across, as depth reads on a page: a column per layer.
-  return _render_cut(
-    value,
-    columns=[value.axis],
-    rows=[1 - value.axis] if np.ndim(value.array) == 2 else [],
-    pixels_per_cell=_pixels_per_layer(np.shape(value.array)[value.axis]),
-  )
 
 
 def _pixels_per_layer(layers: int) -> int:

@@ -12,8 +12,7 @@ from ..core._module import Module
 from ..core._state import State
 from ..core._variables import Variable
 from ._repr import module_repr, value_summary, variable_repr
-from ._treescope import render_module, render_state, render_variable, text_repr
-from ._treescope_graphdef import render_graphdef
+from ._treescope import render_graphdef, render_module, render_state, render_variable, text_repr
 
 
 def _graphdef_text(graphdef) -> str:

@@ -139,9 +139,13 @@ def variable_repr(var) -> str:
   return f"{type(var).__name__}({', '.join(parts)})"
 
 
-def own_attributes(module) -> dict[str, Any]:
-  """``module``'s own attributes (its bookkeeping left out), in definition order."""
-  return {k: v for k, v in vars(module).items() if not is_bookkeeping(k)}
+def split_settings(module) -> tuple[dict[str, Any], dict[str, Any]]:
+  """``module``'s own attributes (its bookkeeping left out) in definition order, in
+  two parts: those a repr shows, and its settings at their defaults (the rest)."""
+  hidden = set(settings_at_defaults(module))
+  own = {k: v for k, v in vars(module).items() if not is_bookkeeping(k)}
+  shown = {k: v for k, v in own.items() if k not in hidden}
+  return shown, {k: v for k, v in own.items() if k in hidden}
 
 
 _NO_DEFAULT = inspect.Parameter.empty
@@ -181,7 +185,7 @@ def constructor_defaults(cls: type) -> dict[str, Any]:
   return defaults
 
 
-def settings_at_defaults(module, attributes: dict[str, Any] | None = None) -> list[str]:
+def settings_at_defaults(module) -> list[str]:
   """The names of ``module``'s attributes a repr leaves out: settings at their
   constructor defaults, and empty slots.
 
@@ -200,8 +204,8 @@ def settings_at_defaults(module, attributes: dict[str, Any] | None = None) -> li
   """
   defaults = constructor_defaults(type(module))
   hidden = []
-  for name, value in (own_attributes(module) if attributes is None else attributes).items():
-    if isinstance(value, (Module, Variable)):
+  for name, value in vars(module).items():
+    if is_bookkeeping(name) or isinstance(value, (Module, Variable)):
       continue
     default = defaults.get(name, None)
     if (value is None and default is None) or (name in defaults and same_setting(value, default)):
@@ -320,10 +324,8 @@ def module_repr(module, indent: int = 0, seen=None) -> str:
       return f"{brackets[0]}\n{inner}\n{'  ' * (depth + 1)}{brackets[1]}"
     return static_repr(value)
 
-  own = own_attributes(module)
-  hidden = set(settings_at_defaults(module, own))
-  shown = [(k, v) for k, v in own.items() if k not in hidden]
+  shown, _ = split_settings(module)
   if not shown:
     return f"{type(module).__name__}()"
-  body = ",\n".join(f"{pad}{k}={show(v, indent)}" for k, v in shown)
+  body = ",\n".join(f"{pad}{k}={show(v, indent)}" for k, v in shown.items())
   return f"{type(module).__name__}(\n{body}\n{'  ' * indent})"
