@@ -160,15 +160,17 @@ class GraphDef:
     return _display_hooks.treescope(self, path, subtree_renderer)
 
 
-def _variable_nodes(node: GraphNode) -> Iterator[GraphNode]:
+def variable_nodes(node: GraphNode, path: tuple = ()) -> Iterator[tuple[tuple, GraphNode]]:
+  """``(path, node)`` of each Variable in ``node``, in walk order; the path as
+  ``(kind of the container, key)`` pairs."""
   if node.kind == "variable":
-    yield node
-  for _, sub in node.items:
-    yield from _variable_nodes(sub)
+    yield path, node
+  for key, sub in node.items:
+    yield from variable_nodes(sub, path + ((node.kind, key),))
 
 
 def _variable_entries(graphdef: GraphDef) -> tuple[VariableEntry, ...]:
-  found = [n for root in graphdef.nodes for n in _variable_nodes(root)]
+  found = [n for root in graphdef.nodes for _, n in variable_nodes(root)]
   return tuple(VariableEntry(p, n.type, n.value) for p, n in zip(graphdef.var_paths, found))
 
 

@@ -74,12 +74,9 @@ def _kind_named(variable_type, module, name: str) -> type:
   if isinstance(variable_type, type) and issubclass(variable_type, Variable):
     return variable_type
   if isinstance(variable_type, str):
-    todo = [Variable]  # breadth first: a subclass of a match is a refinement of it
-    while todo:
-      cls = todo.pop(0)
+    for cls in _family(Variable):  # breadth first: a subclass of a match refines it
       if cls.collection == variable_type:
         return cls
-      todo.extend(cls.__subclasses__())
     where = format_path(path_of(module) + (name,))
     raise GraphError(
       f"sow({variable_type!r}, {name!r}, ...) at `{where}`: no Variable kind has the "
@@ -335,10 +332,15 @@ def on_new_class(hook) -> None:
   """Calls ``hook(cls)`` for every Module class: those defined already, and each new
   one as it is defined."""
   class_hooks.append(hook)
-  todo = [Module]
-  while todo:
-    cls = todo.pop()
+  for cls in _family(Module):
     hook(cls)
+
+
+def _family(root: type) -> Iterator[type]:
+  """``root`` and every subclass of it, breadth first."""
+  todo = [root]
+  for cls in todo:  # the list grows as the loop goes
+    yield cls
     todo.extend(cls.__subclasses__())
 
 

@@ -147,19 +147,11 @@ def _flatten(module):
 
 def _keys(graphdef: _graph.GraphDef) -> list[ModulePathKey]:
   """The key of each Variable, in order: its first path, read off the GraphDef."""
-  keys = []
   key_of = {"module": _GetAttrKey, "list": _SequenceKey, "tuple": _SequenceKey, "dict": _DictKey}
-
-  def walk(node, path):
-    if node.kind == "variable":
-      keys.append(ModulePathKey(path))
-    elif node.kind in key_of:
-      key = key_of[node.kind]
-      for k, sub in node.items:
-        walk(sub, path + (key(k),))
-
-  walk(graphdef.nodes[0], ())
-  return keys
+  return [
+    ModulePathKey(tuple(key_of[kind](key) for kind, key in path))
+    for path, _ in _graph.variable_nodes(graphdef.nodes[0])
+  ]
 
 
 def _flatten_with_keys(module):

@@ -277,20 +277,16 @@ def _write(where: dict[tuple, Variable], states) -> None:
     raise
 
 
-def _avals(value) -> tuple:
-  leaves, treedef = jax.tree.flatten(value)
-  return treedef, [
-    (tuple(np.shape(x)), jax.dtypes.canonicalize_dtype(_dtype_of(x), allow_extended_dtype=True))
-    for x in leaves
-  ]
+def _aval(x) -> tuple:
+  return tuple(np.shape(x)), jax.dtypes.canonicalize_dtype(_dtype_of(x), allow_extended_dtype=True)
 
 
 def type_change(old, new) -> str | None:
   """How ``new`` differs from ``old`` in structure, shape or dtype, in words; or None."""
-  (old_def, old_avals), (new_def, new_avals) = _avals(old), _avals(new)
+  (old_leaves, old_def), (new_leaves, new_def) = jax.tree.flatten(old), jax.tree.flatten(new)
   if old_def != new_def:
     return f"structure {old_def} -> {new_def}"
-  for (s0, d0), (s1, d1) in zip(old_avals, new_avals):
+  for (s0, d0), (s1, d1) in zip(map(_aval, old_leaves), map(_aval, new_leaves)):
     if (s0, d0) != (s1, d1):
       return f"{d0}{list(s0)} -> {d1}{list(s1)}"
   return None
@@ -327,19 +323,18 @@ def clone(node: T) -> T:
   graphdef, variables = _flatten(node, "clone")
   try:
     with locked(variables):  # the values of one step, not half of another thread's
-      whole = State.from_variables(zip(graphdef.var_paths, variables))
-      values = _copies(whole._values)
+      values = _copies([var._value for var in variables])
   except RuntimeError:
     error = deleted_error(variables, "sr.clone: ", TransformError)
     if error is None:
       raise
     raise error from None
-  return merge(graphdef, State._make(whole._spec, values))
+  return unflatten(graphdef, values)[0][0]
 
 
-def _copies(values) -> list:
+def _copies(values: list) -> list:
   """``values`` with each JAX and numpy array copied; JAX's in one batched call."""
-  leaves, treedef = jax.tree.flatten(list(values))
+  leaves, treedef = jax.tree.flatten(values)
   at = [i for i, x in enumerate(leaves) if _concrete_array(x)]
   # may_alias=False makes device_put copy even where the placement is unchanged.
   copied = jax.device_put([leaves[i] for i in at], may_alias=False) if at else []

@@ -146,14 +146,14 @@ def set_stack_info(cls: type, info: StackInfo) -> type:
 
 def layer_unit(obj) -> Layer | None:
   """The ``Layer`` unit of a stack of one class (a class or an instance), else None."""
-  info = stack_info(obj)
-  return info.unit if info is not None and isinstance(info.unit, Layer) else None
+  unit = getattr(stack_info(obj), "unit", None)
+  return unit if isinstance(unit, Layer) else None
 
 
 def cycle_unit(obj) -> Cycle | None:
   """The ``Cycle`` unit of a pattern stack (a class or an instance), else None."""
-  info = stack_info(obj)
-  return info.unit if info is not None and isinstance(info.unit, Cycle) else None
+  unit = getattr(stack_info(obj), "unit", None)
+  return unit if isinstance(unit, Cycle) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,9 +350,8 @@ def stacked_variables(stack) -> list[tuple[tuple, Variable, int, str | None]]:
 
 def num_layers(stack) -> int:
   """The number of layers: ``len(stack)``."""
-  for var in flatten([stack])[1]:
-    if (axis := layer_axis(var)) is not None:
-      return axis_size(var._value, axis[0])
+  for _, var, axis, _ in stacked_variables(stack):
+    return axis_size(var._value, axis)
   info = stack_info(stack)
   if info is not None and info.length is not None:
     return info.length
