@@ -50,8 +50,6 @@ from ._dropout import Dropout as Dropout
 from ._dtypes import canonicalize_dtype as canonicalize_dtype
 from ._dtypes import promote_dtype as promote_dtype
 from ._einsum import Einsum as Einsum
-from ._group_norm import GroupNorm as GroupNorm
-from ._group_norm import InstanceNorm as InstanceNorm
 from ._linear import Embed as Embed
 from ._linear import Linear as Linear
 from ._linear import LinearGeneral as LinearGeneral
@@ -61,6 +59,8 @@ from ._lora import LoRAParam as LoRAParam
 from ._mlp import MLP as MLP
 from ._multi_head_attention import MultiHeadAttention as MultiHeadAttention
 from ._normalization import BatchNorm as BatchNorm
+from ._normalization import GroupNorm as GroupNorm
+from ._normalization import InstanceNorm as InstanceNorm
 from ._normalization import LayerNorm as LayerNorm
 from ._normalization import RMSNorm as RMSNorm
 from ._pooling import avg_pool as avg_pool

@@ -74,23 +74,41 @@ def canonicalize_padding(padding: Any, rank: int) -> Any:
   )
 
 
-def _refuse_channels(
-  shape: tuple, n_spatial: int, in_features: int, module: Any = None, layer: str = "Conv"
+def check_conv_input(
+  layer: str, inputs: jax.Array, kernel_size: tuple, in_features: int, module: Any = None
 ) -> None:
-  """The error for an input whose last axis is not ``in_features`` channels.
+  """Raises a ValueError naming ``module``'s path and the expected shape unless
+  ``inputs`` is ``(*batch, *spatial, in_features)`` with one spatial axis per entry
+  of ``kernel_size``.
 
   An input laid out channels-first (PyTorch's NCHW), ``(*batch, in_features,
   *spatial)``, gets the transpose that fixes it instead of a misleading
-  ``in_features=<width>``. ``module``'s path, when known, leads the message.
+  ``in_features=<width>``.
 
-  >>> from statefulremat.nn._conv import _refuse_channels
+  >>> import jax.numpy as jnp
+  >>> from statefulremat.nn._conv import check_conv_input
   >>> try:
-  ...   _refuse_channels((8, 3, 32, 32), 2, 3)
+  ...   check_conv_input("Conv", jnp.zeros((8, 3, 32, 32)), (3, 3), 3)
   ... except ValueError as e:
   ...   print(str(e)[str(e).index("Fix"):])
   Fix: move the channel axis last, `jnp.moveaxis(x, 1, -1)` (the same as
   `x.transpose(0, 2, 3, 1)`), once on the data; outputs are channels-last too.
   """
+  n_spatial, shape = len(kernel_size), tuple(inputs.shape)
+  if inputs.ndim < n_spatial + 1:
+    spatial = ", ".join(f"s{i}" for i in range(n_spatial))
+    raise ValueError(
+      located(
+        f"{layer} with kernel_size={kernel_size} needs inputs of shape (*batch, "
+        f"{spatial}, {in_features}), channels-last, of rank at least {n_spatial + 1}, "
+        f"but got one of shape {shape}. Fix: add the "
+        f"missing spatial axes (a 1-D sequence of length n is (batch, n, "
+        f"{in_features})).",
+        module,
+      )
+    )
+  if shape[-1] == in_features:
+    return
   channel = len(shape) - n_spatial - 1  # where channels-first inputs hold them
   if shape[channel] == in_features:
     perm = tuple(i for i in range(len(shape)) if i != channel) + (channel,)
@@ -99,7 +117,7 @@ def _refuse_channels(
     raise ValueError(
       located(
         f"{layer} takes channels-last inputs{layout}: (*batch, *spatial, in_features="
-        f"{in_features}), but got an input of shape {tuple(shape)}, whose axis "
+        f"{in_features}), but got an input of shape {shape}, whose axis "
         f"{channel} has the {in_features} channels (channels-first). Fix: move the "
         f"channel axis last, `jnp.moveaxis(x, {channel}, -1)` (the same as "
         f"`x.transpose{perm}`), once on the data; outputs are channels-last too.",
@@ -109,36 +127,13 @@ def _refuse_channels(
   raise ValueError(
     located(
       f"{layer} was built with in_features={in_features} but got an input of shape "
-      f"{tuple(shape)}: inputs are channels-last, (*batch, *spatial, channels), so "
+      f"{shape}: inputs are channels-last, (*batch, *spatial, channels), so "
       f"the last axis must have size {in_features}. Expected shape: "
-      f"{tuple(shape[:-1]) + (in_features,)}. Fix the input, or build the layer with "
+      f"{shape[:-1] + (in_features,)}. Fix the input, or build the layer with "
       f"in_features={shape[-1]}.",
       module,
     )
   )
-
-
-def check_conv_input(
-  layer: str, inputs: jax.Array, kernel_size: tuple, in_features: int, module: Any = None
-) -> None:
-  """Raises a ValueError naming ``module``'s path and the expected shape unless
-  ``inputs`` is ``(*batch, *spatial, in_features)`` with one spatial axis per entry
-  of ``kernel_size``."""
-  n_spatial = len(kernel_size)
-  if inputs.ndim < n_spatial + 1:
-    spatial = ", ".join(f"s{i}" for i in range(n_spatial))
-    raise ValueError(
-      located(
-        f"{layer} with kernel_size={kernel_size} needs inputs of shape (*batch, "
-        f"{spatial}, {in_features}), channels-last, of rank at least {n_spatial + 1}, "
-        f"but got one of shape {tuple(inputs.shape)}. Fix: add the "
-        f"missing spatial axes (a 1-D sequence of length n is (batch, n, "
-        f"{in_features})).",
-        module,
-      )
-    )
-  if inputs.shape[-1] != in_features:
-    _refuse_channels(inputs.shape, n_spatial, in_features, module, layer)
 
 
 class Conv(Module):

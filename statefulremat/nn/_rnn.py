@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -216,15 +216,6 @@ class RNNCellBase(Module):
       )
 
 
-class _Cell(Protocol):
-  """What ``RNN`` asks of its cell: an ``RNNCellBase`` or any Module shaped like one."""
-
-  @property
-  def num_feature_axes(self) -> int: ...
-
-  def initialize_carry(self, input_shape: tuple, rngs: Any = None) -> Any: ...
-
-
 def flip_sequences(
   inputs: jax.Array, seq_lengths: jax.Array | None, num_batch_dims: int, time_major: bool
 ) -> jax.Array:
@@ -397,7 +388,7 @@ class RNN(Module):
         f"RNN: cell must be a recurrent cell module (e.g. "
         f"sr.nn.LSTMCell(...)), got {type(cell).__name__}."
       )
-    self.cell = cell
+    self.cell: Any = cell  # an RNNCellBase, or any Module shaped like one
     self.time_major = time_major
     self.return_carry = return_carry
     self.reverse = reverse
@@ -430,7 +421,7 @@ class RNN(Module):
     time_major = self.time_major if time_major is None else time_major
     reverse = self.reverse if reverse is None else reverse
     keep_order = self.keep_order if keep_order is None else keep_order
-    cell = cast(_Cell, self.cell)
+    cell = self.cell
     features = cell.num_feature_axes
     shape = tuple(jnp.shape(inputs))
     if len(shape) < features + 1:
