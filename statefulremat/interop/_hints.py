@@ -38,11 +38,6 @@ def report_unmatched(
   ``missing``) and the sources it left unused (their values worded by ``describe``),
   with ``fixes`` (for each kind) or the rename that would map them."""
   problems, side = found.problems, found.side
-
-  def unused(s: Source) -> str:
-    renamed = f", renamed `{s.target}`," if s.target != s.name else ""
-    return f"{s.shown} ({describe(s.leaf)}){renamed} matches no variable of ours."
-
   left = [s for s in found.unused if not s.extra]
   hint = suggest(found, left)
   fix_names, fix_unused = (hint, hint) if hint else fixes
@@ -56,8 +51,11 @@ def report_unmatched(
       near = _nearest("Nearest unused", found.names(e, None), sources)
       problems.add(f"{e.where()}: {missing(e)}{near}", fix_names)
     for s in left:
+      renamed = f", renamed `{s.target}`," if s.target != s.name else ""
       near = _nearest("Nearest of ours still unfilled", [s.target or ""], ours)
-      problems.add(f"{unused(s)}{near}", fix_unused)
+      problems.add(
+        f"{s.shown} ({describe(s.leaf)}){renamed} matches no variable of ours.{near}", fix_unused
+      )
     return
   if found.missing:
     first, rest = found.missing[0], found.missing[1:_EXAMPLES]
@@ -100,46 +98,26 @@ def suggest(found: Match, left: list[Source]) -> str | None:
   a sentence for the message; None when no one rule maps any."""
   if not left or not found.missing:
     return None
-  ours = _unfilled_names(found)
-  indexed: dict[tuple, set[str]] = {}  # (index, tail) -> heads
-  suffixes: dict[str, set[str]] = {}  # a dotted suffix of a name without index -> heads
-  for name in ours:
-    parts = _split(name)
-    if parts is not None:
-      head, index, tail = parts
-      indexed.setdefault((index, tail), set()).add(head)
-      continue
-    words = name.split(".")
-    for k in range(1, len(words)):
-      suffixes.setdefault(".".join(words[k:]), set()).add(".".join(words[:k]) + ".")
+  heads: dict[Any, set[str]] = {}  # what follows a head -> our heads before it
+  for name in _unfilled_names(found):
+    for key, head, _ in _heads(name):
+      heads.setdefault(key, set()).add(head)
   votes: Counter = Counter()
   for s in left:
     assert s.target is not None  # an unused source was renamed to a name
-    parts = _split(s.target)
-    if parts is not None:
-      head, index, tail = parts
-      for ours_head in indexed.get((index, tail), ()):
-        if ours_head != head:
-          votes[(head, ours_head, _INDEXED if tail.startswith(".") else _LAST)] += 1
-      continue
-    words = s.target.split(".")
-    for k in range(1, len(words)):
-      heads = suffixes.get(".".join(words[k:]))
-      if heads:
-        head = ".".join(words[:k]) + "."
-        votes.update((head, h, _SUFFIX) for h in heads if h != head)
+    for key, head, rest in _heads(s.target):
+      if key in heads:
+        votes.update((head, ours, rest) for ours in heads[key] if ours != head)
         break
-  best = None
+  rules = []
   for (head, ours_head, (index, index_repl)), _ in votes.most_common(5):
     pattern, repl = "^" + re.escape(head) + index, ours_head + index_repl
-    regex = re.compile(pattern)
-    mapped = [s for s in left if regex.sub(repl, s.target or "") in found.known]
-    rank = (len(mapped), repl.endswith("."))  # on a tie, our dotted path
-    if mapped and (best is None or rank > best[0]):
-      best = (rank, pattern, repl, mapped)
-  if best is None:
+    mapped = [s for s in left if re.sub(pattern, repl, s.target or "") in found.known]
+    if mapped:  # ranked by how many it maps, then (on a tie) our dotted path
+      rules.append(((len(mapped), repl.endswith(".")), pattern, repl, mapped))
+  if not rules:
     return None
-  _, pattern, repl, mapped = best
+  _, pattern, repl, mapped = max(rules, key=lambda rule: rule[0])
   example = mapped[0].target or ""
   rule = f'{{r"{pattern}": r"{repl}"}}'
   where = (
@@ -157,12 +135,17 @@ def suggest(found: Match, left: list[Source]) -> str | None:
   )
 
 
-def _split(name: str) -> tuple[str, int, str] | None:
-  """``("layers.", 3, ".mlp.kernel")`` for ``layers.3.mlp.kernel`` (and ``layers_3``)."""
+def _heads(name: str) -> list[tuple[Any, str, tuple[str, str]]]:
+  """``(key, head, rest)`` for each way a rule may rename the head of ``name``: the key
+  is what follows the head (with a layer index, ``(3, ".mlp.kernel")`` after
+  ``layers.`` in ``layers.3.mlp.kernel`` or ``layers_3``; else each dotted suffix),
+  ``rest`` the rule's pattern and replacement for it."""
   m = _INDEX.search(name)
-  if m is None:
-    return None
-  return name[: m.start(1)], int(m[1]), name[m.end(1) :]
+  if m is not None:
+    tail = name[m.end(1) :]
+    return [((int(m[1]), tail), name[: m.start(1)], _INDEXED if tail.startswith(".") else _LAST)]
+  words = name.split(".")
+  return [(".".join(words[k:]), ".".join(words[:k]) + ".", _SUFFIX) for k in range(1, len(words))]
 
 
 def _unfilled_names(found: Match) -> list[str]:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from ._hints import report_unmatched
 from ._names import Source, answers, array_of, fits, layer_note, load, made_names, match
-from ._paths import Entry, chosen_entries, dotted, flat_tree, nearest, select_collections
-from ._report import Problems, array_str, keys_str, where_str
+from ._paths import Entry, chosen_entries, dotted, flat_tree, select_collections
+from ._report import Problems, array_str, has_no, keys_str, where_str
 
 _FIX_NAMES = (
   "name the linen submodules after our attributes (in a compact method "
@@ -61,17 +61,15 @@ def _linen_entries(model, collections, what: str, problems: Problems):
   seen: dict[tuple, Entry] = {}
   for e in chosen:
     key = (e.collection,) + e.linen
-    for n in range(2, len(key) + 1):
-      other = seen.get(key[:n])
-      if other is not None:
-        problems.add(
-          f"{e.where()} and {other.where()} both map to linen `{_linen_str(key[0], key[1:n])}`.",
-          "rename one attribute: linen joins a list or dict attribute's name and "
-          "keys with `_`, so `layers[0]` and an attribute `layers_0` collide.",
-        )
-        break
-    else:
+    taken = next((key[:n] for n in range(2, len(key) + 1) if key[:n] in seen), None)
+    if taken is None:
       seen[key] = e
+    else:
+      problems.add(
+        f"{e.where()} and {seen[taken].where()} both map to linen `{_linen_str(taken[0], taken[1:])}`.",
+        "rename one attribute: linen joins a list or dict attribute's name and "
+        "keys with `_`, so `layers[0]` and an attribute `layers_0` collide.",
+      )
   prefixes = {k[:n] for k in seen for n in range(2, len(k))}
   for key, e in seen.items():
     if key in prefixes:
@@ -212,11 +210,7 @@ def from_linen(model, variables: Mapping, *, collections: Any = None, rename: An
   def missing(e: Entry) -> str:
     c = e.collection
     if rename is None:
-      prefix, below = nearest(flats[c], e.linen)
-      return (
-        f"linen has no `{_linen_str(c, e.linen)}` "
-        f"(`{_linen_str(c, prefix)}` has: {keys_str(below)})."
-      )
+      return "linen " + has_no(flats[c], e.linen, lambda path: _linen_str(c, path))
     return f"no linen `{c}` entry is renamed to {answers(e, _names)}."
 
   describe = lambda leaf: array_str(_unboxed(leaf))
@@ -320,10 +314,10 @@ def to_linen(
   problems = Problems(what, "no variables were returned")
   _, ours = _linen_entries(model, collections, what, problems)
   problems.raise_if_any()
+  # rename goes from our paths; without it, the names are linen's
   linen_name = lambda e, layer: ".".join(e.linen_name(layer))
-  names = made_names(
-    ours, unstack, Entry.dotted, linen_name, rename, problems, "linen", nested=True
-  )
+  named = Entry.dotted if rename is not None else linen_name
+  names = made_names(ours, unstack, named, rename, problems, "linen", nested=True)
   problems.raise_if_any()
   out: dict[str, dict] = {}
   for e, layer, name in names:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from ..core._split_merge import update
 from ..core._state import State
 from ._paths import Entry, placed_like
-from ._report import Problems, shape_str
+from ._report import Problems
 
 _FIX_TWICE = (
   "make `rename` map each source name onto a different variable of ours "
@@ -87,21 +87,13 @@ class Source:
 
 
 @dataclass
-class Fill:
-  """What fills one of our variables: ``(source, layer or None)`` pairs, one whole
-  source (layer None) or one per layer."""
-
-  entry: Entry
-  given: list[tuple[Source, int | None]]
-
-
-@dataclass
 class Match:
   names: Callable[[Entry, int | None], list[str]]
   problems: Problems
   side: str  # how messages name the other side: "linen", "nnx", "state dict"
   rename: Any
-  fills: list[Fill] = field(default_factory=list)
+  # (entry, its (source, layer or None) pairs): one whole source (layer None) or one per layer
+  fills: list[tuple[Entry, list[tuple[Source, int | None]]]] = field(default_factory=list)
   missing: list[Entry] = field(default_factory=list)
   wrong: list[tuple[Entry, Source]] = field(default_factory=list)  # other collection
   unused: list[Source] = field(default_factory=list)
@@ -203,51 +195,51 @@ def match(
     else:
       result.unused.append(s)
 
+  def right(e: Entry, s: Source) -> bool:  # in e's collection (or any, for raw arrays)
+    return s.collection is None or s.collection == e.collection
+
   def pick(e: Entry, cands: list[Source], where: str) -> Source | None:
-    right = [s for s in cands if s.collection is None or s.collection == e.collection]
-    if len(right) > 1:
-      labels = ", ".join(s.label() for s in right)
-      problems.add(f"{where}: {len(right)} {side} entries map onto it: {labels}.", _FIX_TWICE)
+    ok = [s for s in cands if right(e, s)]
+    if len(ok) > 1:
+      labels = ", ".join(s.label() for s in ok)
+      problems.add(f"{where}: {len(ok)} {side} entries map onto it: {labels}.", _FIX_TWICE)
       return None
-    if not right:  # one layer only in another collection: worded by the caller
+    if not ok:  # one layer only in another collection: worded by the caller
       result.wrong.append((e, cands[0]))
       result.unused.extend(cands[1:])
       return None
-    result.unused.extend(s for s in cands if s not in right)
-    return right[0]
+    result.unused.extend(s for s in cands if s not in ok)
+    return ok[0]
 
   for n, e in enumerate(ours):
-    cands = by_slot.get((n, None), [])
-    per_layer = {i: by_slot[(n, i)] for i in range(e.layers or 0) if (n, i) in by_slot}
-    if not cands and not per_layer:
+    # layer (None: whole) -> candidates
+    given = {i: by_slot[(n, i)] for i in [None, *range(e.layers or 0)] if (n, i) in by_slot}
+    every = [s for cands in given.values() for s in cands]
+    if not every:
       result.missing.append(e)
-      continue
-    every = cands + [s for layer in per_layer.values() for s in layer]
-    if not any(s.collection is None or s.collection == e.collection for s in every):
+    elif not any(right(e, s) for s in every):
       result.wrong.append((e, every[0]))
       result.unused.extend(every[1:])
-      continue
-    if cands and per_layer:
-      first = next(iter(per_layer.values()))[0]
+    elif None in given and len(given) > 1:
+      first = every[len(given[None])]  # the first of the list of layers
       problems.add(
-        f"{e.where()}: given both whole ({cands[0].label()}) and as a list "
+        f"{e.where()}: given both whole ({every[0].label()}) and as a list "
         f"of layers ({first.label()}, …).",
         _FIX_BOTH,
       )
-      continue
-    given = {None: cands} if cands else per_layer  # layer (None: whole) -> candidates
-    picked = {i: pick(e, some, e.where(i)) for i, some in given.items()}
-    gaps = [] if cands else [i for i in range(e.layers or 0) if i not in per_layer]
-    if gaps:
-      have = list(per_layer)
-      problems.add(
-        f"{e.where()} ({e.layers} layers on axis {e.axis}) is given as a list of "
-        f"layers with gaps: layer(s) {_ranges(have)} given, not {_ranges(gaps)} "
-        f"(layer {have[0]}: {per_layer[have[0]][0].label()}).",
-        _FIX_LAYERS,
-      )
-    elif None not in picked.values():
-      result.fills.append(Fill(e, [(s, i) for i, s in picked.items() if s is not None]))
+    else:
+      picked = {i: pick(e, cands, e.where(i)) for i, cands in given.items()}
+      gaps = [] if None in given else [i for i in range(e.layers or 0) if i not in given]
+      if gaps:
+        have = list(given)
+        problems.add(
+          f"{e.where()} ({e.layers} layers on axis {e.axis}) is given as a list of "
+          f"layers with gaps: layer(s) {_ranges(have)} given, not {_ranges(gaps)} "
+          f"(layer {have[0]}: {given[have[0]][0].label()}).",
+          _FIX_LAYERS,
+        )
+      elif None not in picked.values():
+        result.fills.append((e, [(s, i) for i, s in picked.items() if s is not None]))
   return result
 
 
@@ -259,12 +251,11 @@ def load(model, found: Match, value_of: Callable[[Entry, Source, int | None, Pro
   axis.
   """
   new = {}
-  for fill in found.fills:
-    e = fill.entry
-    values = [value_of(e, s, layer, found.problems) for s, layer in fill.given]
+  for e, given in found.fills:
+    values = [value_of(e, s, layer, found.problems) for s, layer in given]
     if any(v is None for v in values):
       continue
-    whole = fill.given[0][1] is None  # else filled per layer: a stack
+    whole = given[0][1] is None  # else filled per layer: a stack
     new[e.path] = placed_like(e.var, values[0] if whole else jnp.stack(values, axis=e.axis or 0))
   found.problems.raise_if_any()
   update(model, State(new))
@@ -300,9 +291,9 @@ def fits(
   ours = e.shape if layer is None else e.layer_shape()
   shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   if shape is None or tuple(shape) != (ours if expected is None else expected):
-    theirs = type(value).__name__ if shape is None else shape_str(tuple(shape))
+    theirs = type(value).__name__ if shape is None else tuple(shape)
     problems.add(
-      f"{where}: shape mismatch: ours is {shape_str(ours)}{note}, {s.label()} is {theirs}.",
+      f"{where}: shape mismatch: ours is {ours}{note}, {s.label()} is {theirs}.",
       fixes[0],
     )
     return False
@@ -344,22 +335,20 @@ def answers(e: Entry, names: Callable[[Entry, int | None], list[str]]) -> str:
 def made_names(
   ours: list[Entry],
   unstack: bool,
-  given: Callable[[Entry, int | None], str],
-  default: Callable[[Entry, int | None], str],
+  named: Callable[[Entry, int | None], str],
   rename,
   problems: Problems,
   side: str,
   nested: bool,
 ) -> list[tuple[Entry, int | None, str]]:
   """``(entry, layer or None, name)`` for each variable (each layer, with ``unstack``)
-  we write out: ``default(entry, layer)``, or ``rename(given(entry, layer))``; a
-  pattern stack's layers by their global index (``blocks.5.…``, linen ``blocks_5``).
+  we write out: ``rename(named(entry, layer))``, a pattern stack's layers by their
+  global index (``blocks.5.…``, linen ``blocks_5``).
 
   Two of ours written to one name, or (``nested``) to a name and a name below it,
   are reported: an output must not lose a variable.
   """
   apply = renamer(rename, problems.what)
-  named = default if rename is None else given
   out, seen = [], {}
   for e in ours:
     for layer in range(e.layers) if unstack and e.layers else [None]:

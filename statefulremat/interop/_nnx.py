@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from ..core._errors import format_path
 from ._hints import report_unmatched
 from ._names import Match, Source, answers, fits, load, match
-from ._paths import Entry, dotted, entries, flat_tree, nearest, select_collections
-from ._report import Problems, array_str, keys_str, where_str
+from ._paths import Entry, dotted, entries, flat_tree, select_collections
+from ._report import Problems, array_str, has_no, where_str
 
 _FIX_NAMES = (
   "give the nnx module the same attribute names and nesting as ours "
@@ -108,8 +108,7 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
 
   def missing(e: Entry) -> str:
     if rename is None:
-      prefix, below = nearest(flat, e.path)
-      return f"nnx has no `{format_path(e.path)}` (`{format_path(prefix)}` has: {keys_str(below)})."
+      return "nnx " + has_no(flat, e.path, format_path)
     return f"no nnx variable is renamed to {answers(e, _names)}."
 
   report_unmatched(found, missing, _describe, (_FIX_NAMES, _FIX_UNUSED))
@@ -120,11 +119,8 @@ def _match(model, flat: dict, collections, rename, what: str, problems: Problems
       "use the same variable kinds on both sides (sr.Param <-> nnx.Param, "
       "sr.BatchStat <-> nnx.BatchStat).",
     )
-  found.fills = [
-    fill
-    for fill in found.fills
-    if all(_fits(fill.entry, s, layer, problems) for s, layer in fill.given)
-  ]
+  fit = lambda e, given: all(_value_of(e, s, layer, problems) is not None for s, layer in given)
+  found.fills = [(e, given) for e, given in found.fills if fit(e, given)]
   return found
 
 
@@ -132,11 +128,12 @@ def _names(e: Entry, layer: int | None) -> list[str]:
   return [e.dotted(layer)]
 
 
-def _fits(e: Entry, s: Source, layer: int | None, problems: Problems) -> bool:
-  """Whether ``s`` has ``e``'s shape (one layer's, with ``layer``) and dtype."""
+def _value_of(e: Entry, s: Source, layer: int | None, problems: Problems):
+  """``s``'s value (one layer's, with ``layer``) if it has ``e``'s shape and dtype;
+  None after adding the problem."""
   value = s.layer_of(_value(s.leaf), e.where(), problems)
   note = "" if layer is None else " per layer"
-  return value is not None and fits(e, s, layer, value, problems, _FIXES, note)
+  return value if value is not None and fits(e, s, layer, value, problems, _FIXES, note) else None
 
 
 def from_nnx(model, source, *, collections: Any = None, rename: Any = None):
@@ -197,12 +194,7 @@ def from_nnx(model, source, *, collections: Any = None, rename: Any = None):
   what = "sr.interop.from_nnx"
   flat, _ = _flat_nnx(source, what)
   problems = Problems(what, "the model is unchanged")
-  found = _match(model, flat, collections, rename, what, problems)
-
-  def value(e: Entry, s: Source, layer: int | None, problems: Problems):
-    return s.layer_of(_value(s.leaf), e.where(), problems)  # fits: checked by _match
-
-  return load(model, found, value)
+  return load(model, _match(model, flat, collections, rename, what, problems), _value_of)
 
 
 def to_nnx(model, target, *, collections: Any = None, rename: Any = None):
@@ -243,9 +235,8 @@ def to_nnx(model, target, *, collections: Any = None, rename: Any = None):
   problems.raise_if_any()
   values: dict = {}
   layers: dict = {}  # a stacked nnx array written from layers of ours: {path: {index: value}}
-  for fill in found.fills:
-    e = fill.entry
-    for s, layer in fill.given:
+  for e, given in found.fills:
+    for s, layer in given:
       value = e.var.value if layer is None else jnp.take(e.var.value, layer, e.axis)
       if s.index is None:
         values[s.key] = value

@@ -99,48 +99,41 @@ class Entry:
     of submodules at the stack's name (``blocks_3``)."""
     return self.linen if layer is None else linen_names(*self._listed(layer))
 
-  def global_index(self, layer: int) -> int:
-    """The index of local ``layer`` in the stack the user sees (a pattern stack's)."""
-    if self.pattern is None:
-      return layer
-    _, period, position = self.pattern
-    return layer * period + position
-
-  def _prefixes(self, path: tuple, items: tuple) -> list[str]:
+  def _spelled(self, n: int, index: int | None = None) -> list[str]:
+    """Our first ``n`` keys (then ``index``, as a list item) dot-joined and as linen
+    names them: the prefixes ``_swap`` exchanges."""
+    path, items = self.path[:n], self.items[:n]
+    if index is not None:
+      path, items = path + (index,), items + (True,)
     return [dotted(path), ".".join(linen_names(path, items))]
 
   def global_names(self, names: list[str], layer: int) -> list[str]:
     """``names`` of local ``layer`` of a pattern position, with the position's place
     (``blocks.pattern.1.2.…``, linen ``blocks.pattern_1_2.…``) written as the global
-    index (``blocks.5.…``, ``blocks_5.…``); [] for other variables."""
+    index ``layer * period + position`` (``blocks.5.…``, ``blocks_5.…``), as
+    ``stack.layer`` takes it; [] for other variables."""
     if self.pattern is None:
       return []
-    top, d = self.pattern[0], self.depth
-    g = self.global_index(layer)
-    local = self._prefixes(self.path[:d] + (layer,), self.items[:d] + (True,))
-    glob = self._prefixes(self.path[:top] + (g,), self.items[:top] + (True,))
-    return _swap(names, local, glob)
+    top, period, position = self.pattern
+    glob = self._spelled(top, layer * period + position)
+    return _swap(names, self._spelled(self.depth, layer), glob)
 
   def stacked_names(self, names: list[str]) -> list[tuple[str, int, int | None]]:
     """``(name, index, local layer or None)``: where a stacked array of the other side
     (one layer axis in front) holds this variable, at which index. A pattern
-    position's layer ``i`` is index ``global_index(i)`` of ``blocks.…``; an item of a
-    list of layers (``layers.3.…``, not in a stack) is index 3 of ``layers.…``."""
+    position's layer ``i`` is index ``i * period + position`` of ``blocks.…``; an item
+    of a list of layers (``layers.3.…``, not in a stack) is index 3 of ``layers.…``."""
     if self.pattern is not None:
-      top, d = self.pattern[0], self.depth
-      local = self._prefixes(self.path[:d], self.items[:d])
-      whole = self._prefixes(self.path[:top], self.items[:top])
-      renamed = _swap(names, local, whole)
+      top, period, position = self.pattern
+      renamed = _swap(names, self._spelled(self.depth), self._spelled(top))
       assert self.layers is not None  # a pattern position's variables are stacked
-      return [(n, self.global_index(i), i) for i in range(self.layers) for n in renamed]
+      return [(n, i * period + position, i) for i in range(self.layers) for n in renamed]
     if self.axis is not None or True not in self.items:
       return []
     j = self.items.index(True)
     if not isinstance(self.path[j], int):
       return []
-    local = self._prefixes(self.path[: j + 1], self.items[: j + 1])
-    whole = self._prefixes(self.path[:j], self.items[:j])
-    return [(n, self.path[j], None) for n in _swap(names, local, whole)]
+    return [(n, self.path[j], None) for n in _swap(names, self._spelled(j + 1), self._spelled(j))]
 
   def linen_shape(self, flat: bool = False) -> tuple:
     """The shape linen keeps this variable in: nested layer axes for remat_scan."""
@@ -157,27 +150,20 @@ def entries(model, what: str) -> list[Entry]:
       f"{what} takes one of our modules (an sr.Module) first, got {type(model).__name__}."
     )
   graphdef, variables = flatten([model])
-  stacks: dict[int, tuple[dict, tuple | None]] = {}
+  axes_of: dict[int, dict[int, int]] = {}  # id(stack) -> {id(variable): its layer axis}
   out = []
   for path, var in zip(graphdef.var_paths, variables):
     stack, owner, depth, items, pattern = _walk(model, path)
-    axis = lengths = None
-    if stack is not None:
-      if id(stack) not in stacks:
-        axes = {id(v): layer_axis for _, v, layer_axis, _ in stacked_variables(stack)}
-        stacks[id(stack)] = axes, getattr(stack_info(type(stack)), "lengths", None)
-      axes, stack_lengths = stacks[id(stack)]
-      axis = axes.get(id(var))
-      if (
-        axis is not None
-        and stack_lengths is not None
-        and (math.prod(stack_lengths) == jnp.shape(var._value)[axis])
-      ):
-        lengths = stack_lengths
-    if axis is None:
-      depth = 0
-      pattern = None
+    if stack is not None and id(stack) not in axes_of:
+      axes_of[id(stack)] = {id(v): axis for _, v, axis, _ in stacked_variables(stack)}
+    axis = None if stack is None else axes_of[id(stack)].get(id(var))
     linen = linen_names(path, items)
+    if axis is None:
+      out.append(Entry(path, var, linen, owner=owner, items=items))
+      continue
+    lengths = getattr(stack_info(stack), "lengths", None)
+    if lengths is not None and math.prod(lengths) != jnp.shape(var._value)[axis]:
+      lengths = None
     out.append(Entry(path, var, linen, axis, lengths, owner, depth, items, pattern))
   return out
 
@@ -197,7 +183,7 @@ def _walk(root, path: tuple):
       continue
     if stack is None and is_stacked(obj):
       stack, depth = obj, n
-      if n >= 2 and n - 2 in patterns and path[n - 2] == "pattern":
+      if n - 2 in patterns and path[n - 2] == "pattern":
         pattern = (n - 2, patterns[n - 2], path[n - 1])
     if stack is None and _pattern_of(obj) is not None:
       patterns[n] = len(vars(obj)["pattern"])
@@ -277,13 +263,3 @@ def flat_tree(tree, prefix: tuple = ()) -> dict[tuple, Any]:
   if not isinstance(tree, Mapping):
     return {prefix: tree}
   return {path: leaf for k, v in tree.items() for path, leaf in flat_tree(v, prefix + (k,)).items()}
-
-
-def nearest(flat: dict[tuple, Any], path: tuple) -> tuple[tuple, list]:
-  """The longest prefix of ``path`` that has entries below it, and their next keys."""
-  for n in range(len(path) - 1, -1, -1):
-    prefix = path[:n]
-    below = {p[n] for p in flat if len(p) > n and p[:n] == prefix}
-    if below or n == 0:
-      return prefix, sorted(below, key=str)
-  return (), []

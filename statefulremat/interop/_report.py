@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..core._errors import StateMismatchError
 
 _SHOWN = 10
@@ -39,10 +41,6 @@ class Problems:
     raise StateMismatchError(f"{text}{fixes}\nNothing was written: {self.unchanged}.")
 
 
-def shape_str(shape) -> str:
-  return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
 def array_str(value) -> str:
   """``float32[4, 8]`` for an array, the type name for anything else."""
   shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
@@ -55,6 +53,16 @@ def where_str(entries, shown: int = 3) -> str:
   """The first few entries' places, ``a.kernel, a.bias, b.kernel, ...``."""
   more = ", ..." if len(entries) > shown else ""
   return ", ".join(e.where() for e in entries[:shown]) + more
+
+
+def has_no(flat: dict[tuple, object], path: tuple, show: Callable[[tuple], str]) -> str:
+  """``has no `a.b.c` (`a` has: x, y).``: ``path`` is missing from ``flat``; its longest
+  prefix with entries below it, and their next keys."""
+  n, below = len(path), set()
+  while n > 0 and not below:
+    n -= 1
+    below = {p[n] for p in flat if len(p) > n and p[:n] == path[:n]}
+  return f"has no `{show(path)}` (`{show(path[:n])}` has: {keys_str(below)})."
 
 
 def keys_str(keys) -> str:

@@ -24,7 +24,7 @@ from ..nn import BatchNorm, Conv, Embed, LayerNorm, Linear, RMSNorm
 from ._hints import report_unmatched
 from ._names import Source, answers, array_of, fits, layer_note, load, made_names, match
 from ._paths import Entry, chosen_entries, select_collections
-from ._report import Problems, array_str, shape_str
+from ._report import Problems, array_str
 
 _LAYOUTS = ("jax", "torch")
 # our layer class -> {our variable name: PyTorch's name}
@@ -178,7 +178,7 @@ def from_state_dict(
     if axes is not None:
       ours = e.shape if layer is None else e.layer_shape()
       expected = tuple(ours[k] for k in np.argsort(axes))
-      note += f", in PyTorch's layout {shape_str(expected)}"
+      note += f", in PyTorch's layout {expected}"
     if not fits(e, s, layer, value, problems, (_FIX_SHAPE, _FIX_DTYPE), note, expected):
       return None
     value = jnp.asarray(value)
@@ -235,10 +235,8 @@ def to_state_dict(
   torch = layout == "torch"
   unstack = torch if unstack is None else unstack
 
-  given = _torch_name if torch else Entry.dotted
-  names = made_names(
-    ours, unstack, given, given, rename, problems, "state dict entry", nested=False
-  )
+  named = _torch_name if torch else Entry.dotted
+  names = made_names(ours, unstack, named, rename, problems, "state dict entry", nested=False)
   problems.raise_if_any()
   out = {}
   for e, layer, name in names:
