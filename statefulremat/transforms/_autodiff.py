@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Concatenate, Literal, TypeVar, overload
+from typing import Any, Concatenate, Literal, TypedDict, TypeVar, Unpack, overload
 
 import jax
 import jax.numpy as jnp
@@ -22,24 +22,22 @@ from ._rules import TransformError
 
 Aux = TypeVar("Aux")
 
+
+class _Options(TypedDict, total=False):
+  """The keywords of ``value_and_grad`` and ``grad``, for their overloads."""
+
+  wrt: Filter
+  has_aux: bool
+
+
 # The types: argnums=0 with a module there gives a State; other argnums are typed Any.
-
-
 @overload
 def value_and_grad(
-  fn: Callable[Concatenate[M, P], R],
-  argnums: Literal[0] = 0,
-  *,
-  wrt: Filter = Param,
-  has_aux: bool = False,
+  fn: Callable[Concatenate[M, P], R], argnums: Literal[0] = 0, **options: Unpack[_Options]
 ) -> Callable[Concatenate[M, P], tuple[R, State]]: ...
 @overload
 def value_and_grad(
-  fn: Callable[P, R],
-  argnums: int | Sequence[int] = 0,
-  *,
-  wrt: Filter = Param,
-  has_aux: bool = False,
+  fn: Callable[P, R], argnums: int | Sequence[int] = 0, **options: Unpack[_Options]
 ) -> Callable[P, tuple[R, Any]]: ...
 def value_and_grad(
   fn: Callable[..., Any],
@@ -279,11 +277,7 @@ def grad(
 ) -> Callable[Concatenate[M, P], tuple[State, Aux]]: ...
 @overload
 def grad(
-  fn: Callable[P, Any],
-  argnums: int | Sequence[int] = 0,
-  *,
-  wrt: Filter = Param,
-  has_aux: bool = False,
+  fn: Callable[P, Any], argnums: int | Sequence[int] = 0, **options: Unpack[_Options]
 ) -> Callable[P, Any]: ...
 def grad(
   fn: Callable[..., Any],

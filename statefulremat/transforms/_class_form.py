@@ -106,14 +106,6 @@ def method_names(methods: Sequence[str] | str | None) -> list[str]:
   )
 
 
-def transformed_class(cls: type, wrap: Callable, methods: Sequence[str] | None, label: str) -> type:
-  """``class {label}{cls}(cls)`` whose ``methods`` (default ``__call__``) are transformed."""
-  names = ", ".join(method_names(methods))
-  return subclass(
-    cls, label, wrap, methods, {}, f"{cls.__name__} with {names} under {transform_name(label)}."
-  )
-
-
 def function_target(
   transform: str, target, *, takes: str, methods=None, init_in_axes=None
 ) -> Callable[..., Any]:

@@ -135,7 +135,7 @@ def jit(
       changed = {i: changed.get(i, v) for i, v in enumerate(values)}
     return out, changed
 
-  compiled = _JitPerStructure(pure, donate_state, jit_kwargs)
+  compiled = _per_structure(pure, dict(jit_kwargs, donate_argnums=(0,) if donate_state else ()))
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
@@ -151,7 +151,8 @@ def jit(
       values = [v._value for v in variables]
       if donate_state:
         values = _unaliased(values, leaves)
-      out, changed = compiled.get(lifted, statics)(values, leaves)
+      jitted, new = compiled(lifted, statics)
+      out, changed = with_room(jitted, values, leaves) if new else jitted(values, leaves)
       nodes = split_call(args, kwargs)[0] if type(out) is Restructured else ()
       out = commit(variables, changed, what, out, nodes=nodes)
     except RuntimeError:
@@ -166,49 +167,35 @@ def jit(
   def lower(*args, **kwargs):
     statics, args, kwargs = _split_statics(static, names, args, kwargs, what)
     lifted, variables, leaves = cache.lift_call(args, kwargs)
-    return compiled.lower(lifted, statics, [v._value for v in variables], leaves)
+    return compiled(lifted, statics)[0].lower([v._value for v in variables], leaves)
 
   wrapper.lower = functools.partial(with_room, lower)  # pyright: ignore[reportAttributeAccessIssue]  # a function attribute, as on jax.jit's result
   return wrapper
 
 
-class _JitPerStructure:
-  """One ``jax.jit`` of ``pure`` per (graph structure, static arguments), LRU-bounded."""
+def _per_structure(pure: Callable, options: dict) -> Callable:
+  """``compiled(lifted, statics) -> (jitted, new)``: one ``jax.jit`` of ``pure`` per (graph
+  structure, static arguments), LRU-bounded; ``new``: its first call is its trace."""
+  cache: OrderedDict = OrderedDict()
 
-  SIZE = 64
-
-  def __init__(self, pure: Callable, donate_state: bool, jit_kwargs: dict):
-    self._pure = pure
-    self._options: dict[str, Any] = dict(jit_kwargs, donate_argnums=(0,) if donate_state else ())
-    self._jitted: OrderedDict = OrderedDict()
-
-  def get(self, lifted, statics) -> Callable:
-    """The jitted function; a new one's first call (its trace) runs ``with_room``."""
+  def compiled(lifted, statics) -> tuple[Callable, bool]:
     key = (lifted, statics)
-    jitted = self._jitted.get(key)
+    jitted = cache.get(key)
     if jitted is not None:
-      self._jitted.move_to_end(key)
-      return jitted
-    jitted = self._make(key)
-    return lambda values, leaves: with_room(jitted, values, leaves)
-
-  def lower(self, lifted, statics, values, leaves):
-    key = (lifted, statics)
-    return (self._jitted.get(key) or self._make(key)).lower(values, leaves)
-
-  def _make(self, key) -> Callable:
-    lifted, statics = key
+      cache.move_to_end(key)
+      return jitted, False
 
     # The structure is bound in, not static (jax.jit would hash it on every call); and a
     # closure, not a partial, whose signature jax inspects slowly.
     def bound(values, leaves):
-      return self._pure(lifted, statics, values, leaves)
+      return pure(lifted, statics, values, leaves)
 
-    jitted = jax.jit(bound, **self._options)
-    self._jitted[key] = jitted
-    if len(self._jitted) > self.SIZE:
-      self._jitted.popitem(last=False)
-    return jitted
+    jitted = cache[key] = jax.jit(bound, **options)
+    if len(cache) > 64:
+      cache.popitem(last=False)
+    return jitted, True
+
+  return compiled
 
 
 def _split_statics(

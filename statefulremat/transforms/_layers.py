@@ -13,7 +13,6 @@ from jax import lax
 from ..core._errors import format_path
 from ..core._state import State
 from ._lift import Changes, Lifted, check_no_nodes, commit, split_call
-from ._module_arg import stacked_sources
 from ._outputs import Restructured
 from ._rules import BROADCAST, CARRY, READONLY, RNG, STACKED, TransformError, Treatment
 from .memory._carries import offloaded
@@ -228,10 +227,6 @@ class LayerLoop:
       partition_name=self.partition_name,
       keep_metadata=True,
     )
-
-  def sources(self) -> list[tuple[str, int]]:
-    """``(description, layer count)`` of each stacked Variable, for error messages."""
-    return stacked_sources(self.treatment, self.lifted, self.variables)
 
   def _layer_first(self, i: int):
     """The value of stacked variable ``i``, layer axis first."""

@@ -26,8 +26,7 @@ from ..core._stacks import is_stacked
 from ..core._tracing import contains_tracer as _contains_tracer
 from ..core._tracing import current_trace, tracing_user_code
 from ..core._variables import Variable
-from ._outputs import Restructured, is_node, lift_outputs
-from ._restructure import NewStructure
+from ._outputs import NewStructure, Restructured, is_node, lift_outputs, merge
 
 
 class Roots(list):
@@ -81,10 +80,7 @@ class Lifted:
     built, variables = unflatten(self.graphdef, values)
     roots = Roots(built, variables)
     # Positions need not be ascending: sr.grad puts the differentiated modules first.
-    at = dict(zip(self.node_positions, roots))
-    rest = iter(leaves)
-    merged = [at[i] if i in at else next(rest) for i in range(len(leaves) + len(roots))]
-    return jax.tree_util.tree_unflatten(self.treedef, merged), variables, roots
+    return merge(self.treedef, self.node_positions, roots, leaves), variables, roots
 
   def run(
     self,
@@ -100,16 +96,13 @@ class Lifted:
     outputs: bool = False,
     copies: bool = False,
   ) -> tuple[Any, Changes]:
-    """Inside a trace: ``fn(*args, **kwargs)`` on fresh objects holding ``values``;
-    returns ``(out, Changes)``.
-
-    ``seed=(treatment, index)``: seed the RNG streams as iteration ``index``. ``units``: run
-    ``fn(k, *args, **kwargs)`` for each position ``k`` of one cycle on the one rebuild, each seeded
-    as iteration ``index + k``; ``out`` is then a list by position. ``isolate``: Variables each unit
-    sees unchanged, their writes returned per unit (a vmap's members run side by side).
-    ``restructure``: carry changes of structure out, else raise. ``outputs``: modules in ``out``
-    leave as a ``ModulesOut``; with ``copies`` all as new objects.
-    """
+    """Inside a trace: ``fn(*args, **kwargs)`` on fresh objects holding ``values``; returns
+    ``(out, Changes)``. ``seed=(treatment, index)``: seed the RNG streams as iteration ``index``.
+    ``units``: run ``fn(k, *args, **kwargs)`` for each position ``k`` of one cycle on the one
+    rebuild, each seeded as iteration ``index + k``; ``out`` is then a list by position.
+    ``isolate``: Variables each unit sees unchanged, their writes returned per unit (a vmap's
+    members run side by side). ``restructure``: carry changes of structure out, else raise.
+    ``outputs``: modules in ``out`` leave as a ``ModulesOut``; ``copies``: all as new objects."""
     before = None if units is None else list(values)  # the keys the units fold from
     if seed is not None:
       treatment, index = seed
@@ -321,32 +314,6 @@ def check_no_nodes(out, what: str) -> None:
       )
 
 
-def write_back(
-  variables: Sequence[Variable], changed: dict[int, Any], what: str = "the transform"
-) -> None:
-  """Writes the changed values into the caller's Variables: all of them, or none when
-  a value is a tracer of a trace that does not own the Variable."""
-  if not plain_leaf_types.issuperset(map(type, changed.values())):
-    trace = None
-    for i, value in changed.items():
-      if not _contains_tracer(value):
-        _learn_plain(value)
-        continue
-      var = variables[i]
-      trace = current_trace() if trace is None else trace
-      if var._trace != trace:
-        raise TraceContextError(
-          f"{what} ran inside a JAX transform (e.g. a plain `jax.jit`, `jax.vmap` or "
-          f"`jax.grad` whose function closes over the module) that does not own "
-          f"`{var.path_str()}` ({type(var).__name__}): its new value is a tracer of that "
-          "transform and would leak out of it, so nothing was written. Fix: pass the "
-          "module as an argument to the outer transform, using `sr.jit` / `sr.grad` / "
-          "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
-        )
-  for i, value in changed.items():
-    variables[i]._value = value
-
-
 def advance(count, draws: int | jax.Array = 1):
   """An RNG stream's count moved on by ``draws`` (one per call, or one per microbatch
   of a pipeline): the one place a transform moves a stream on."""
@@ -366,10 +333,29 @@ def commit(
 ) -> Any:
   """The one write of a transform's result into the caller's objects: the changed
   values, the ``streams`` advanced, and a ``Restructured`` result's new structure of
-  ``nodes`` (``placement``: the new Variables' layer axis). Returns the user's result."""
+  ``nodes`` (``placement``: the new Variables' layer axis). Returns the user's result.
+  Writes nothing when a value is a tracer of a trace that does not own its Variable."""
   if streams:
     changed = {**changed, **{i: advance(variables[i]._value, draws) for i in streams}}
-  write_back(variables, changed, what)
+  if not plain_leaf_types.issuperset(map(type, changed.values())):
+    trace = None
+    for i, value in changed.items():
+      if not _contains_tracer(value):
+        _learn_plain(value)
+        continue
+      var = variables[i]
+      trace = current_trace() if trace is None else trace
+      if var._trace != trace:
+        raise TraceContextError(
+          f"{what} ran inside a JAX transform (e.g. a plain `jax.jit`, `jax.vmap` or "
+          f"`jax.grad` whose function closes over the module) that does not own "
+          f"`{var.path_str()}` ({type(var).__name__}): its new value is a tracer of that "
+          "transform and would leak out of it, so nothing was written. Fix: pass the "
+          "module as an argument to the outer transform, using `sr.jit` / `sr.grad` / "
+          "`sr.vmap` (or sr.scan/sr.remat) instead of closing over it."
+        )
+  for i, value in changed.items():
+    variables[i]._value = value
   if type(out) is not Restructured:
     return out
   out.structure.apply(nodes, variables, out.made, **placement)

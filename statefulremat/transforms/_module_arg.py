@@ -122,12 +122,8 @@ def class_length(module) -> int | None:
   return None if info is None else info.length
 
 
-def resolve_length(
-  what: str, length, sources: list[tuple[str, int]], fallback: int | None = None
-) -> int:
+def resolve_length(what: str, sources: list[tuple[str, int]], fallback: int | None = None) -> int:
   """The iteration count all ``(description, size)`` sources agree on, else ``fallback``."""
-  if length is not None:
-    sources = [("length", int(length))] + sources
   if not sources and fallback is not None:
     return fallback
   if not sources:

@@ -27,10 +27,11 @@ from ._class_form import (
   is_module_class,
   made_type,
   method_names,
+  subclass,
   transform_name,
 )
 from ._rules import Rules
-from ._stacked import stacked_class
+from ._stacked import stack_namespace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +58,9 @@ def class_form(
   lengths: tuple[int, ...] | None = None,
 ) -> type | None:
   """The class form of scan, remat_scan or vmap over ``target``; None for a function.
-
-  ``rules()``: the collection rules; ``count(period)``: the checked number of layers
-  (period 1 for a class, the pattern's length for a pattern); ``run(fn, period)``: the
-  function form over ``fn``; ``position_class(position, n)``: a position's stacked class.
-  """
+  ``rules()``: the collection rules; ``count(period)``: the checked number of layers (period
+  1 for a class, else the pattern's); ``run(fn, period)``: the function form over ``fn``;
+  ``position_class(position, n)``: a position's stacked class."""
   if is_pattern(target):
     return pattern_class(target, form, what, count, run, position_class, methods, init_in_axes)
   if isinstance(target, Position):
@@ -72,18 +71,30 @@ def class_form(
     unit, place = Layer(target), None
   else:
     return None
-  return stacked_class(
-    unit,
+  rules_ = rules()
+  length = count(1)  # checked before any method is wrapped
+  cls = subclass(
+    unit.cls,
+    form.value,
+    lambda method: run(method, 1),
+    methods,
+    stack_namespace(unit.cls, rules_),
+    f"A stack of {unit.cls.__name__} layers under {transform_name(form.value)}.",
+  )
+  if place is not None:
+    cls.__qualname__ = f"{cls.__qualname__}[{place.position}]"
+  info = StackInfo(
     form,
-    rules=rules(),
-    length=count(1),
-    wrap=lambda method: run(method, 1),
-    methods=methods,
-    metadata_params=dict(metadata_params),
+    length,
+    f"sr.{cls.__name__}(...)",
+    unit,
+    rules=rules_,
+    partition_name=dict(metadata_params).get("partition_name"),
     init_in_axes=init_in_axes,
     place=place,
     lengths=lengths,
   )
+  return set_stack_info(cls, info)
 
 
 def is_pattern(target) -> bool:

@@ -193,7 +193,7 @@ def lift_loop(
   )
   if period == 1:
     stacked = stacked_sources(treatment, lifted, variables)
-    n = resolve_length(what, None, list(sizes) + stacked, fallback=class_length(module) or fallback)
+    n = resolve_length(what, list(sizes) + stacked, fallback=class_length(module) or fallback)
   make = LayerLoop if period == 1 else functools.partial(CycleLoop, names=names)
   return make(
     lifted,

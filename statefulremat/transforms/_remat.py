@@ -22,7 +22,8 @@ from ._class_form import (
   display_name,
   function_target,
   is_module_class,
-  transformed_class,
+  method_names,
+  subclass,
 )
 from ._lift import check_no_nodes, commit, is_node, lift, serialised
 from ._outputs import Restructured
@@ -123,7 +124,8 @@ def remat(
   if target is None:
     return functools.partial(remat, methods=methods, **options)
   if is_module_class(target):
-    return transformed_class(target, lambda m: remat(m, **options), methods, "Remat")
+    doc = f"{target.__name__} with {', '.join(method_names(methods))} under sr.remat."
+    return subclass(target, "Remat", lambda m: remat(m, **options), methods, {}, doc)
   fn = function_target("sr.remat", target, takes="a function or a Module class", methods=methods)
   return _remat_function(fn, **options)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict, Unpack, overload
+from typing import Any, Unpack, overload
 
 from ..core._frozen import ALL_SPLIT, ALL_STACKED, EMPTY
 from ..core._module import Module
@@ -12,27 +12,21 @@ from ._class_form import M, P, R, Transform, cached_class_form, function_target
 from ._pattern import target_repr
 from ._remat_scan_args import AUTO, check_lengths, resolve_plan
 from ._remat_scan_loop import RematScanForm
-from ._rules import Collections, public
+from ._rules import Collections, StackOptions, public
 from .memory._carries import check_carries
 from .memory._remat_plan import RematPlan
 
 
-class _Options(TypedDict, total=False):
+class _Options(StackOptions, total=False):
   """The keywords of ``remat_scan``, for its overloads (the implementation gives the defaults)."""
 
   length: int | None
   memory_budget: int | str | None
   policy: Callable[..., Any] | None
   carries: str | None
-  variable_broadcast: Any
   variable_carry: Any
-  variable_axes: Mapping[Any, Any]
-  split_rngs: Mapping[Any, Any]
   prevent_cse: bool
   data_transform: Callable[..., Any] | None
-  metadata_params: Mapping[Any, Any]
-  methods: Sequence[str] | None
-  init_in_axes: Any
   pipeline: Any
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ._module_arg import resolve_length
+from ._module_arg import resolve_length, stacked_sources
 from ._rules import TransformError
 from .memory._remat_plan import RematPlan, parse_bytes
 
@@ -109,4 +109,5 @@ def check_units(what: str, n: int, lengths: tuple | str, loop) -> None:
   else:
     product = isinstance(lengths, tuple) and n == math.prod(lengths)
     label = f"lengths={lengths} (product)" if product else f"length={n}"
-    resolve_length(what, None, [(label, n)] + loop.sources())
+    sources = stacked_sources(loop.treatment, loop.lifted, loop.variables)
+    resolve_length(what, [(label, n)] + sources)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, TypedDict, cast
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,17 @@ class Collections:
   variable_broadcast: Any = False
   variable_carry: Any = False
   split_rngs: Any = EMPTY
+
+
+class StackOptions(TypedDict, total=False):
+  """The keywords scan, remat_scan and vmap share, for their overloads."""
+
+  variable_axes: Mapping[Any, Any]
+  variable_broadcast: Any
+  split_rngs: Mapping[Any, Any]
+  metadata_params: Mapping[Any, Any]
+  methods: Sequence[str] | None
+  init_in_axes: Any
 
 
 def public(options: dict) -> dict:

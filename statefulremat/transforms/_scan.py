@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict, Unpack, overload
+from typing import Any, Unpack, overload
 
 import jax
 import jax.numpy as jnp
@@ -18,19 +18,16 @@ from ._module_arg import check_loop_call
 from ._outputs import describe_returned
 from ._pattern import class_form, target_repr
 from ._pattern_loop import lift_loop
-from ._rules import Collections, Rules, TransformError, public
+from ._rules import Collections, Rules, StackOptions, TransformError, public
 from ._scan_axes import broadcast as broadcast  # pickled sr.broadcast named this module
 from ._scan_axes import check_axes, in_axes_per_leaf, leaf_path, stack_ys
 from .memory._carries import check_carries, warn_if_kept
 
 
-class _Options(TypedDict, total=False):
+class _Options(StackOptions, total=False):
   """The keywords of ``scan``, for its overloads (the implementation gives the defaults)."""
 
-  variable_axes: Mapping[Any, Any]
-  variable_broadcast: Any
   variable_carry: Any
-  split_rngs: Mapping[Any, Any]
   in_axes: Any
   out_axes: Any
   length: int | None
@@ -38,9 +35,6 @@ class _Options(TypedDict, total=False):
   unroll: int | bool
   carries: str
   data_transform: Callable[..., Any] | None
-  metadata_params: Mapping[Any, Any]
-  methods: Sequence[str] | None
-  init_in_axes: Any
 
 
 @overload  # the class form: a stack of M, typed as M (`stack.layer(i)` is an M)

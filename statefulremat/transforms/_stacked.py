@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -20,7 +19,6 @@ from ..core._stacks import (
   LAYER_AXIS,
   Form,
   Layer,
-  Place,
   StackInfo,
   check_init_leaf,
   init_axes,
@@ -29,12 +27,11 @@ from ..core._stacks import (
   mark_frozen,
   not_subscriptable,
   num_layers,
-  set_stack_info,
   stack_info,
   unmark,
 )
 from ..core._state import freeze, thaw_metadata
-from ._class_form import subclass, transform_name
+from ._class_form import transform_name
 from ._lift import commit, lift
 from ._outputs import is_node
 from ._rules import STACKED, Rules, Treatment
@@ -58,22 +55,9 @@ def layer_view(graphdef, treatment: Treatment, metadata_params: dict | None = No
   return layer_graphdef(graphdef, edit)
 
 
-def stacked_class(
-  unit: Layer,
-  form: Form,
-  *,
-  rules: Rules,
-  length: int | None,
-  wrap: Callable,
-  methods: Sequence[str] | None,
-  metadata_params: Mapping,
-  init_in_axes: Any = None,
-  place: Place | None = None,
-  lengths: tuple[int, ...] | None = None,
-) -> type:
-  """The class form: ``{form}{layer class}`` building and running a stack of layers
-  (``place``: one position of a pattern; ``lengths``: remat_scan's nesting)."""
-  layer_cls, label = unit.cls, form.value
+def stack_namespace(layer_cls: type, rules: Rules) -> dict[str, Any]:
+  """What a stacked class of ``layer_cls`` adds to it: the stack's construction, ``layer(i)``,
+  ``len``, pickling, and whether a stream is split (``rules``)."""
 
   def splits(cls, name: str) -> bool:
     return rules.splits(name)
@@ -89,28 +73,7 @@ def stacked_class(
   }
   if not hasattr(layer_cls, "__getitem__"):  # a layer class's own indexing stays
     namespace["__getitem__"] = not_subscriptable
-  cls = subclass(
-    layer_cls,
-    label,
-    wrap,
-    methods,
-    namespace,
-    f"A stack of {layer_cls.__name__} layers under {transform_name(label)}.",
-  )
-  info = StackInfo(
-    form,
-    length,
-    f"sr.{cls.__name__}(...)",
-    unit,
-    rules=rules,
-    partition_name=(metadata_params or {}).get("partition_name"),
-    init_in_axes=init_in_axes,
-    place=place,
-    lengths=lengths,
-  )
-  if place is not None:
-    cls.__qualname__ = f"{cls.__qualname__}[{place.position}]"
-  return set_stack_info(cls, info)
+  return namespace
 
 
 def _reduce_stack(self):

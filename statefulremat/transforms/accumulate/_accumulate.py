@@ -114,8 +114,7 @@ def _microbatched(x, j: int, batch: tuple, k: int, what: str):
 
 
 def _check_one_batch_size(leaves: list, batch: tuple, what: str) -> None:
-  """Every batch array has the same number of rows: split alike, arrays of different
-  lengths would pair each microbatch of one with the wrong rows of the other."""
+  """Every batch array has the same number of rows (one per example)."""
   sized = [(j, jnp.shape(x)[0]) for j, x in enumerate(leaves) if jnp.ndim(x)]
   for j, rows in sized[1:]:
     if rows != sized[0][1]:
@@ -136,8 +135,7 @@ def _leaf_where(batch: tuple, j: int) -> str:
 
 
 def _check_same_shape(what: str, path: tuple, old, new) -> None:
-  shapes = lambda v: jax.tree.map(lambda a: tuple(jnp.shape(a)), v)  # noqa: E731
-  if shapes(old) != shapes(new):
+  if jax.tree.map(jnp.shape, old) != jax.tree.map(jnp.shape, new):
     raise TransformError(
       f"{what}: fn changed `{format_path(path)}` from {_describe(old)} to "
       f"{_describe(new)}; a value carried from one microbatch to the next keeps its "
@@ -174,13 +172,11 @@ def _scan(
     """One microbatch: ``(loss, aux, grads, {index: new value})``."""
     call = lambda model: fn(model, *jax.tree.unflatten(batch_tree, mb), **kwargs)
     out, changes = lifted.run(call, list(vals), others, what)
-    loss, aux, grads = _parse(out, what)
-    return loss, aux, grads, changes.values
+    return (*_parse(out, what), changes.values)
 
   def probe(vals, mb):
-    loss, aux, grads, changed = step(vals, mb)
+    loss, _, grads, changed = step(vals, mb)
     found["changed"] = sorted(changed)
-    found["has_aux"] = aux is not None
     return loss, grads, [changed[i] for i in found["changed"]]
 
   # A first trace on microbatch 0's shapes tells which Variables fn writes (only
@@ -236,7 +232,7 @@ def _scan(
   init = (init, jax.tree.map(zeros, (loss0, grads0)))
   (state, total), auxs = jax.lax.scan(body, init, split)
   loss, grads = jax.tree.map(lambda t, like: (t / k).astype(like.dtype), total, (loss0, grads0))
-  out = ((loss, auxs), grads) if found["has_aux"] else (loss, grads)
+  out = (loss, grads) if auxs is None else ((loss, auxs), grads)
   return out, dict(zip(carried, state))
 
 
@@ -259,7 +255,7 @@ def _parse(out, what: str):
       )
     first, aux = first
     check_no_nodes(aux, what)
-  if is_node(grads) or any(map(is_node, jax.tree.leaves(grads, is_leaf=is_node))):
+  if any(map(is_node, jax.tree.leaves(grads, is_leaf=is_node))):
     kind = f"a module ({type(grads).__name__})" if is_node(grads) else "a pytree of modules"
     raise TransformError(
       f"{what}: fn returned its gradients as {kind}: raw `jax.grad` / "

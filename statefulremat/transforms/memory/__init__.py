@@ -1,3 +1,3 @@
 """What a rematerialised computation keeps in memory: see README.md."""
 
-from ._named_policies import Policy as Policy
+from ._policy_check import Policy as Policy

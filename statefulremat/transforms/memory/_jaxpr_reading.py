@@ -68,24 +68,23 @@ def remat_flavour() -> bool:
 
 
 @functools.cache
-def _name_layout(_flavour: bool) -> _Layout:
-  return _learn(lambda x: checkpoint_name(x, PROBE_NAME), PROBE_NAME)
-
-
-@functools.cache
-def _policy_layout(_flavour: bool) -> _Layout:
-  return _learn(jax.checkpoint(jnp.sin, policy=_probe_policy), _probe_policy)
+def _layouts(_flavour: bool) -> tuple[_Layout, _Layout]:
+  """Where this remat implementation puts a ``checkpoint_name``'s name, and a policy."""
+  return (
+    _learn(lambda x: checkpoint_name(x, PROBE_NAME), PROBE_NAME),
+    _learn(jax.checkpoint(jnp.sin, policy=_probe_policy), _probe_policy),
+  )
 
 
 def checkpoint_name_of(eqn) -> str | None:
   """The name ``eqn`` gives its value, if it is a ``checkpoint_name``."""
-  name = _name_layout(remat_flavour()).read(eqn)
+  name = _layouts(remat_flavour())[0].read(eqn)
   return name if isinstance(name, str) else None
 
 
 def remat_policy_of(eqn) -> Any:
   """The policy of ``eqn``, if it is a ``jax.checkpoint`` (None otherwise)."""
-  return _policy_layout(remat_flavour()).read(eqn)
+  return _layouts(remat_flavour())[1].read(eqn)
 
 
 def sub_jaxprs(eqn) -> Iterator[Jaxpr]:

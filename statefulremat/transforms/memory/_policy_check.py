@@ -1,4 +1,5 @@
-"""Remat policies checked against the traced body they wrap (README.md)."""
+"""``sr.policies.Policy``, and remat policies checked against the traced body they wrap
+(README.md); the presets and ``custom`` are in ``statefulremat/policies``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import jax
 import jax.core
@@ -18,12 +20,84 @@ from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
 
 from ...core._errors import TransformError
 from ._jaxpr_reading import PROBE_NAME, names_under, remat_flavour
-from ._named_policies import Policy
 
 _POLICIES = jax.checkpoint_policies
 _ALLOW_LISTS = ("save_only_these_names", "save_and_offload_only_these_names")
 _EXCLUDING = ("save_any_names_but_these", "save_anything_except_these_names")
 _OFFLOADING = ("save_and_offload_only_these_names", "offload_dot_with_no_batch_dims")
+
+
+class Policy:
+  """A remat policy that saves or offloads values by their ``checkpoint_name``.
+
+  Args:
+    name: how reprs and messages show it (``"sr.policies.minimal"``).
+    saved: names kept in device memory.
+    offloaded: names offloaded to ``offload_dst`` memory.
+    recomputed: names recomputed (for its description only).
+    offload_dst: the memory kind offloaded values go to.
+
+  >>> import statefulremat as sr
+  >>> sr.policies.minimal
+  sr.policies.minimal
+  >>> sr.policies.save_qkv_proj.saved
+  ('query_proj', 'value_proj', 'key_proj', 'qkv_proj')
+  >>> sr.policies.custom({"mlpwo": "offload"}).offloaded
+  ('mlpwo',)
+  """
+
+  # jax.checkpoint holds its policy by weak reference (its caches).
+  __slots__ = ("name", "saved", "offloaded", "recomputed", "offload_dst", "_jax_policy")
+  __slots__ += ("__weakref__",)
+
+  def __init__(
+    self,
+    name: str,
+    saved: Iterable[str] = (),
+    offloaded: Iterable[str] = (),
+    recomputed: Iterable[str] = (),
+    offload_dst: str = "pinned_host",
+  ):
+    self.name = name
+    self.saved = tuple(saved)
+    self.offloaded = tuple(offloaded)
+    self.recomputed = tuple(recomputed)
+    self.offload_dst = offload_dst
+    if self.offloaded:
+      self._jax_policy = _POLICIES.save_and_offload_only_these_names(
+        names_which_can_be_saved=self.saved,
+        names_which_can_be_offloaded=self.offloaded,
+        offload_src="device",
+        offload_dst=offload_dst,
+      )
+    elif self.saved:
+      self._jax_policy = _POLICIES.save_only_these_names(*self.saved)
+    else:
+      self._jax_policy = _POLICIES.nothing_saveable
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    """The names the policy keeps: saved, then offloaded."""
+    return self.saved + self.offloaded
+
+  def __call__(self, prim, *avals, **params):
+    return self._jax_policy(prim, *avals, **params)
+
+  def _key(self) -> tuple:
+    return (self.name, self.saved, self.offloaded, self.recomputed, self.offload_dst)
+
+  def __eq__(self, other: object) -> bool:
+    return type(other) is type(self) and other._key() == self._key()
+
+  def __hash__(self) -> int:
+    return hash(self._key())
+
+  def __repr__(self) -> str:
+    return self.name
+
+  def __reduce__(self):
+    # By value, through the public class: a preset unpickles equal to itself.
+    return (type(self), self._key())
 
 
 @functools.cache
@@ -97,14 +171,13 @@ def _published_names(policy) -> tuple[str, ...] | None:
   return tuple(dict.fromkeys(n for names in sets for n in names)) if sets else None
 
 
-class PolicyCheck:
+class PolicyCheck(NamedTuple):
   """The trace-time checks of one transform's policy."""
 
-  __slots__ = ("policy", "what", "factory", "names")
-
-  def __init__(self, policy, what: str, factory: str | None, names: tuple[str, ...] | None):
-    self.policy, self.what = policy, what
-    self.factory, self.names = factory, names
+  policy: Any
+  what: str
+  factory: str | None
+  names: tuple[str, ...] | None
 
   def _describe(self) -> str:
     listing = ("save_only_these_names", "save_any_names_but_these")  # names are all they take
@@ -303,7 +376,7 @@ def policy_check(policy, what: str) -> PolicyCheck | None:
     return None
   _check_argument(policy, what)
   if isinstance(policy, Policy):
-    # Lenient (see _named_policies): at least one of its names must be in the body.
+    # Lenient (see Policy above): at least one of its names must be in the body.
     return PolicyCheck(policy, what, None, None) if policy.names else None
   factory = _made_by(policy)
   names = _published_names(policy)

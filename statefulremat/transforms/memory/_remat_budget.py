@@ -28,7 +28,7 @@ def calibrate(
   """``W`` per innermost policy: ``policy``'s measured by one compile, the others derived."""
   policy = model.candidates[0].policy if policy is None else policy
   best = next(c for c in model.candidates if c.policy == policy)  # best first
-  working_set = measure(_picking(model, best)) - best.temp_bytes
+  working_set = measure(picking(model, best)) - best.temp_bytes
   return {p: working_set - (r - residuals[policy]) for p, r in residuals.items()}
 
 
@@ -53,7 +53,7 @@ def fit_budget(
     plan = _fit(offload, budget, measure, "")
   except TransformError as error:
     raise TransformError(f"{error} (Its carries in host memory: carries='offload'.)") from None
-  if plan.carries == "device" or on_device is None:
+  if on_device is None:
     return dataclasses.replace(plan, reason=_why(plan, budget))
   host = next(c.host_bytes for c in plan.candidates if c.carries == plan.carries)
   return dataclasses.replace(
@@ -87,32 +87,31 @@ def _fit(make: MakePlan, budget: int, measure: Measure, note: str) -> RematPlan:
     plan = make(None, budget)
   except TransformError:
     # Every plan is over the budget; those within the model's error may still fit.
-    unbudgeted = dataclasses.replace(make(None, None), memory_budget=budget)
-    near = [c for c in unbudgeted.candidates if c.temp_bytes <= NEAR_MISS * budget]
+    plan = dataclasses.replace(make(None, None), memory_budget=budget)
+    near = [c for c in plan.candidates if c.temp_bytes <= NEAR_MISS * budget]
     near.sort(key=lambda c: c.temp_bytes)
-    fitting = _first_fit(unbudgeted, near[:PROBES], budget, measure)
-    if fitting is None:
-      _no_plan_fits(unbudgeted, budget, measure, note)
-    return _fewer_evaluations(fitting, budget, measure)
-  # A plan with fewer evaluations that the model puts inside the headroom is tried first.
-  bolder = [c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= budget]
-  bolder.sort(key=lambda c: (c.evals, c.policy != DOTS, c.temp_bytes, len(c.lengths)))
-  fitting = _first_fit(plan, bolder[:1], budget, measure)
-  if fitting is not None:
-    return _fewer_evaluations(fitting, budget, measure)
-  # Where the model was off for this block, scale its figures for that depth and rechoose.
-  scales: dict[int, float] = {}
-  for _ in range(4):
-    measured = measure(plan)
-    if measured <= budget:
-      return _fewer_evaluations(plan, budget, measure)
-    depth = len(plan.lengths)
-    scales[depth] = scales.get(depth, 1.0) * measured / plan.temp_bytes
-    try:
-      plan = make(scales, budget)
-    except TransformError:
-      break
-  _no_plan_fits(plan, budget, measure, note)
+    fitting = _first_fit(plan, near[:PROBES], budget, measure)
+  else:
+    # A plan with fewer evaluations that the model puts inside the headroom is tried first.
+    bolder = [c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= budget]
+    bolder.sort(key=lambda c: (c.evals, c.policy != DOTS, c.temp_bytes, len(c.lengths)))
+    fitting = _first_fit(plan, bolder[:1], budget, measure)
+    # Where the model was off for this block, scale its figures for that depth and rechoose.
+    scales: dict[int, float] = {}
+    for _ in range(4 if fitting is None else 0):
+      measured = measure(plan)
+      if measured <= budget:
+        fitting = plan
+        break
+      depth = len(plan.lengths)
+      scales[depth] = scales.get(depth, 1.0) * measured / plan.temp_bytes
+      try:
+        plan = make(scales, budget)
+      except TransformError:
+        break
+  if fitting is None:
+    _no_plan_fits(plan, budget, measure, note)
+  return _fewer_evaluations(fitting, budget, measure)
 
 
 def _no_plan_fits(plan: RematPlan, budget: int, measure: Measure, note: str) -> NoReturn:
@@ -131,12 +130,12 @@ def _no_plan_fits(plan: RematPlan, budget: int, measure: Measure, note: str) -> 
 
 def _smallest(plan: RematPlan, measure: Measure) -> RematPlan:
   """Of the model's smallest candidate and ``plan``, the one smaller once compiled."""
-  smallest = _picking(plan, min(plan.candidates, key=lambda c: c.temp_bytes))
+  smallest = picking(plan, min(plan.candidates, key=lambda c: c.temp_bytes))
   best = min(smallest, plan, key=measure)
   return dataclasses.replace(best, measured_bytes=measure(best))
 
 
-def _picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
+def picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
   """``plan`` with the candidate ``pick`` chosen (first among its candidates)."""
   rest = tuple(c for c in plan.candidates if c is not pick)
   return dataclasses.replace(
@@ -154,9 +153,9 @@ def _picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
 def _first_fit(plan: RematPlan, picks: list, budget: int, measure: Measure) -> RematPlan | None:
   """``plan`` picking the first of ``picks`` that fits ``budget`` once compiled; or None."""
   for pick in picks:
-    measured = measure(_picking(plan, pick))
+    measured = measure(picking(plan, pick))
     if measured <= budget:
-      return _picking(plan, pick, measured)
+      return picking(plan, pick, measured)
   return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -16,9 +17,10 @@ from .._jit import jit
 from .._pattern_loop import lift_loop
 from .._rules import Collections, Rules, TransformError
 from ._carries import check_carries, moves_to_host, quiet
-from ._remat_budget import calibrate, fit_budget
+from ._remat_budget import calibrate, fit_budget, picking
 from ._remat_plan import (
   GIVEN,
+  NOTHING,
   POLICIES,
   RematPlan,
   choose,
@@ -131,6 +133,10 @@ def _search(stack, carry, fn, budget, bandwidth, max_depth, policy, carries, pos
     return measured[key]
 
   working_sets: dict[str, int] | None = None  # W per policy, once calibrated
+  # The plan before the model picks; each pick fills in its nesting and figures.
+  blank = RematPlan(
+    n, (), NOTHING, 0, 0, None, (), carry_bytes, unit_bytes, verify, unit=unit, _policy=policy
+  )
 
   placements = ("offload",) if carries == "offload" else ("device",)
 
@@ -149,22 +155,8 @@ def _search(stack, carry, fn, budget, bandwidth, max_depth, policy, carries, pos
       moves,
       nested_keeps,
     )
-    return RematPlan(
-      n,
-      best.lengths,
-      best.policy,
-      best.evals,
-      best.temp_bytes,
-      budget,
-      tuple(ranked),
-      carry_bytes,
-      unit_bytes,
-      verify,
-      measured_bytes=measured.get((best.lengths, best.policy, best.carries)),
-      unit=unit,
-      _policy=policy,
-      carries=best.carries,
-    )
+    unpicked = dataclasses.replace(blank, memory_budget=budget, candidates=tuple(ranked))
+    return picking(unpicked, best, measured.get((best.lengths, best.policy, best.carries)))
 
   working_sets = calibrate(make(None, None), measure, residuals)
   if budget is None:

@@ -129,17 +129,13 @@ def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[
 
   diff_values = [value for _, value, diff in inputs if diff]
   other_values = [value for _, value, diff in inputs if not diff]
-  closed, shapes = jax.make_jaxpr(lambda d, o: jax.vjp(lambda d: pure(d, o), d), return_shape=True)(
-    diff_values, other_values
-  )
-  jaxpr = closed.jaxpr
-  num_res = len(jax.tree.leaves(shapes[1]))
-  residuals = jaxpr.outvars[len(jaxpr.outvars) - num_res :]
+  residuals_of = lambda d, o: jax.tree.leaves(jax.vjp(lambda d: pure(d, o), d)[1])
+  jaxpr = jax.make_jaxpr(residuals_of)(diff_values, other_values).jaxpr
   # The inputs as the jaxpr takes them, differentiated first; a Variable may hold a pytree
   # (a tuple of arrays): its leaves share its description.
   ordered = sorted(inputs, key=lambda entry: not entry[2])
   names = [description for description, value, _ in ordered for _ in jax.tree.leaves(value)]
-  return _classify(jaxpr, residuals, names)
+  return _classify(jaxpr, names)
 
 
 def _is_float(value) -> bool:
@@ -167,20 +163,15 @@ def _argument_names(fn, args: tuple, kwargs: dict) -> list[str]:
   return names
 
 
-def _classify(jaxpr: Jaxpr, residuals: list, input_names: list[str]) -> list[Residual]:
-  """One record per distinct residual, in JAX's order."""
-  rounding_p = reduce_precision_primitive()
-  rounding = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive is rounding_p}
-  # An offloaded residual is the host copy of a value: described as that value.
-  moved: dict[Any, Any] = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if is_offload_copy(e)}
-  offloaded = set()
+def _classify(jaxpr: Jaxpr, input_names: list[str]) -> list[Residual]:
+  """One record per distinct residual (``jaxpr``'s outputs), in JAX's order."""
+  producers = _producers(jaxpr)
+  offloaded = set()  # an offloaded residual is the host copy of a value: described as it
   wanted = {}  # each residual once, in order: literals by identity
-  for v in residuals:
-    if not isinstance(v, Literal):
-      copied, v = v in moved, moved.get(v, v)
-      v = rounding.get(v, v)
-      if copied:
-        offloaded.add(v)
+  for v in jaxpr.outvars:
+    v, copied = _looked_through(v, producers)
+    if copied:
+      offloaded.add(v)
     wanted.setdefault(id(v) if isinstance(v, Literal) else v, v)
   records = [_record(v.aval, None, "a literal") for v in wanted.values() if isinstance(v, Literal)]
   variables = {v for v in wanted.values() if not isinstance(v, Literal)}
@@ -198,6 +189,25 @@ def _classify(jaxpr: Jaxpr, residuals: list, input_names: list[str]) -> list[Res
   return records
 
 
+def _producers(jaxpr: Jaxpr) -> dict[Any, tuple[Any, int]]:
+  """``{var: (eqn, k)}``: the equation whose output ``k`` each variable is."""
+  return {out: (e, k) for e in jaxpr.eqns for k, out in enumerate(e.outvars)}
+
+
+def _looked_through(v, producers: dict) -> tuple[Any, bool]:
+  """``v`` past remat's ``reduce_precision`` and offload copies; whether one was a copy."""
+  rounding_p = reduce_precision_primitive()
+  offloaded = False
+  while not isinstance(v, Literal) and v in producers:
+    eqn = producers[v][0]
+    copy = is_offload_copy(eqn)
+    if not copy and eqn.primitive is not rounding_p:
+      break
+    offloaded |= copy
+    v = eqn.invars[0]
+  return v, offloaded
+
+
 def _record(aval, name, source, op=None, offloaded=False) -> Residual:
   return Residual(name, tuple(aval.shape), aval.dtype, source, op, offloaded)
 
@@ -211,15 +221,8 @@ def _origin(eqn, k: int, depth: int = 0) -> tuple[str | None, str | None, str, b
     return name, None, _where(eqn), False
   body = called_body(eqn)
   if body is not None and depth < 16:
-    v = body.outvars[k]
-    producers = {out: (e, i) for e in body.eqns for i, out in enumerate(e.outvars)}
-    rounding_p = reduce_precision_primitive()
-    offloaded = False
-    while v in producers and (
-      producers[v][0].primitive is rounding_p or is_offload_copy(producers[v][0])
-    ):
-      offloaded |= is_offload_copy(producers[v][0])
-      v = producers[v][0].invars[0]
+    producers = _producers(body)
+    v, offloaded = _looked_through(body.outvars[k], producers)
     if not isinstance(v, Literal) and v in producers:
       name, op, source, inner = _origin(*producers[v], depth + 1)
       return name, op, source, offloaded or inner

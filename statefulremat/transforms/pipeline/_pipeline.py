@@ -1,5 +1,6 @@
-"""sr.pipeline and sr.PipelineSpec: the front that checks a call and runs the traced
-program (``_program``) under the stack's mesh."""
+"""sr.pipeline and sr.PipelineSpec: the front that checks a call (the mesh and its axis,
+the batch against the microbatches, the stack's layer axis sharded over the stages) and
+runs the traced program (``_program``) under the stack's mesh."""
 
 from __future__ import annotations
 
@@ -8,15 +9,19 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.core
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from ...core._module import Module
+from ...core._stacks import axis_size, cycle
 from .._class_form import display_name
 from .._lift import serialised
 from .._module_arg import check_loop_call
 from .._remat_scan_args import AUTO, resolve_plan
 from .._remat_scan_loop import STAGE_DEFAULTS
 from .._rules import TransformError
-from ._checks import check_batch, check_layer_sharding, check_whole_cycles, find_mesh
-from ._program import program, schedule_steps
+from ._program import program, schedule_steps, stacked_axes
 
 SCHEDULES = ("gpipe", "circular")
 
@@ -28,11 +33,9 @@ class PipelineSpec:
   Args:
     axis: the name of the mesh axis the stages are spread over; ``"stage"`` by default.
     microbatches: the number of microbatches the carry's batch is split into; 1 by default.
-    schedule: ``"gpipe"`` (the default: each stage holds one run of consecutive
-      layers) or ``"circular"`` (each stage holds ``repeats`` chunks).
+    schedule: ``"gpipe"`` (the default: a stage holds one run of layers) or ``"circular"``.
     repeats: how many times a microbatch goes round the stages, for ``"circular"``; 1 by default.
-    policy: the ``jax.checkpoint`` policy of each stage's layers (what they save);
-      None (the default) saves nothing.
+    policy: the ``jax.checkpoint`` policy of each stage's layers; None (the default) saves nothing.
 
   Raises:
     sr.TransformError: ``axis`` is not a str, ``microbatches`` or ``repeats`` is not a positive int,
@@ -77,9 +80,35 @@ class PipelineSpec:
   def apply(self, fn: Callable) -> Callable:
     return pipeline(fn, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
-  def _pipelined(self, fn: Callable, **how) -> Callable:
-    """``sr.remat_scan(fn, ..., pipeline=self)``: ``how`` is ``pipelined``'s."""
-    return pipelined(fn, self, **how)
+  def _pipelined(
+    self, fn: Callable, *, what: str, lengths, layers, memory_budget, options: dict
+  ) -> Callable:
+    """``sr.pipeline`` and ``sr.remat_scan(..., pipeline=self)``: ``options``, each stage's
+    remat_scan options; ``layers``, the N that ``lengths`` / ``length`` gave."""
+    if self.policy is not None:
+      if options.get("policy") is not None:
+        raise TransformError(
+          f"{what}: the policy is given twice, as policy= and in the PipelineSpec. Fix: give it once."
+        )
+      options = {**options, "policy": self.policy}
+    traced = serialised(
+      program(fn, self, what=what, auto=lengths == AUTO, budget=memory_budget, options=options)
+    )
+
+    @functools.wraps(fn)
+    def wrapper(stack, x, *args, **kwargs):
+      check_loop_call(what, "sr.pipeline(f, ...)(stack, x)", stack, x, args, kwargs)
+      mesh = find_mesh(stack, self.axis, what)
+      check_whole_cycles(stack, mesh.shape[self.axis] * self.repeats, what)
+      check_batch(x, self.microbatches, what)
+      check_layer_sharding(stack, mesh, self, what, layers)
+      if jax.sharding.get_abstract_mesh().empty and isinstance(mesh, jax.sharding.Mesh):
+        # No mesh set: find_mesh took the one the stack's arrays are placed on.
+        with jax.set_mesh(mesh):
+          return traced(stack, x, *args, **kwargs)
+      return traced(stack, x, *args, **kwargs)
+
+    return wrapper
 
 
 def pipeline(
@@ -140,9 +169,8 @@ def pipeline(
   nesting, _, policy, budget, _ = resolve_plan(
     what, () if lengths is None else lengths, None, policy, memory_budget
   )
-  return pipelined(
+  return spec._pipelined(
     fn,
-    spec,
     what=what,
     lengths=nesting if nesting == AUTO else None,
     layers=None,
@@ -151,47 +179,106 @@ def pipeline(
   )
 
 
-def pipelined(
-  fn: Callable, spec: PipelineSpec, *, what: str, lengths, layers, memory_budget, options: dict
-) -> Callable:
-  """``sr.pipeline`` and ``sr.remat_scan(..., pipeline=spec)``: ``options`` are each
-  stage's remat_scan options (``RematScanForm.options``); ``layers`` the N that
-  ``lengths`` / ``length`` gave."""
-  if not isinstance(spec, PipelineSpec):
+def find_mesh(stack, axis: str, what: str):
+  """The mesh set, else the one the stack's arrays are placed on."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    placed = [getattr(var._value, "sharding", None) for var in stacked_axes(stack)[1]]
+    mesh = next((s.mesh for s in placed if isinstance(s, NamedSharding)), None)
+  if mesh is None:
     raise TransformError(
-      f"{what}: pipeline={spec!r}; it takes sr.PipelineSpec(axis=..., "
-      "microbatches=..., schedule=..., repeats=...)."
+      f"{what}: no mesh: the stages are the mesh axis {axis!r}, and neither a mesh is "
+      "set nor are the stack's arrays placed on one. Fix: call it inside `with "
+      f"jax.set_mesh(mesh):` with a mesh that has an axis {axis!r} (e.g. "
+      f"jax.make_mesh((4, 2), ({axis!r}, 'data'))), its layer axis sharded over it."
     )
-  if spec.policy is not None:
-    if options.get("policy") is not None:
+  if axis not in mesh.axis_names:
+    raise TransformError(
+      f"{what}: axis={axis!r} is not an axis of the mesh, whose axes are "
+      f"{tuple(mesh.axis_names)}. Fix: pass axis= one of those (the axis the stack's "
+      f"layer axis is sharded over), or add a {axis!r} axis to the mesh."
+    )
+  return mesh
+
+
+def check_batch(x, k: int, what: str) -> None:
+  leaves = jax.tree_util.tree_leaves_with_path(x)
+  if not leaves:
+    raise TransformError(f"{what}: the carry has no arrays to split into {k} microbatches.")
+  for path, leaf in leaves:
+    shape = jnp.shape(leaf)
+    if not shape or shape[0] % k:
+      where = jax.tree_util.keystr(path) or "x"
+      size = "a scalar" if not shape else f"batch axis 0 of size {shape[0]}"
       raise TransformError(
-        f"{what}: the policy is given twice, as policy= and in the PipelineSpec. Fix: give it once."
+        f"{what}: microbatches={k} must divide the batch, but the carry `{where}` "
+        f"(shape {tuple(shape)}) has {size}. Fix: a microbatch count that divides "
+        f"{shape[0] if shape else 'the batch'}, or a batch that is a multiple of {k}."
       )
-    options = {**options, "policy": spec.policy}
-  traced = serialised(
-    program(
-      fn,
-      microbatches=spec.microbatches,
-      axis=spec.axis,
-      repeats=spec.repeats,
-      what=what,
-      auto=lengths == AUTO,
-      budget=memory_budget,
-      options=options,
+
+
+def check_layer_sharding(stack, mesh, spec, what: str, layers: int | None = None) -> None:
+  """With N divisible by S the layer axis must be sharded over ``axis`` where that shows."""
+  _, variables, axes = stacked_axes(stack)
+  sizes = {axis_size(v._value, a) for v, a in zip(variables, axes) if a is not None}
+  if not sizes:
+    raise TransformError(
+      f"{what}: the module has no stacked variables (no layer axis) to spread over "
+      f"the mesh axis {spec.axis!r}. Fix: pass a stack, e.g. built with "
+      "sr.remat_scan(Block, lengths=(N,), metadata_params={'partition_name': "
+      "'layers'})."
     )
-  )
+  if len(sizes) > 1:
+    raise TransformError(
+      f"{what}: the stacked variables disagree on the number of layers: {sorted(sizes)}."
+    )
+  n, stages = sizes.pop(), mesh.shape[spec.axis]
+  if layers is not None and n != layers:
+    raise TransformError(
+      f"{what}: lengths/length say {layers} layers, but the stack has {n}. Fix: "
+      f"lengths whose product is {n} (or length={n})."
+    )
+  if n % stages or stages == 1:
+    return  # the layer axis cannot be sharded over the stages: the pipeline lays it out
+  explicit = dict(zip(mesh.axis_names, mesh.axis_types))[spec.axis] == AxisType.Explicit
+  for var, a in zip(variables, axes):
+    traced = isinstance(var._value, jax.core.Tracer)
+    if a is None or (traced and not explicit):
+      continue  # traced on an Auto axis: the trace does not know, shard_map places it
+    if traced:
+      got = jax.typeof(var._value).sharding.spec
+    else:
+      sharding = getattr(var._value, "sharding", None)
+      got = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+    entry = got[a] if a < len(got) else None
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    if spec.axis not in names:
+      raise TransformError(
+        f"{what}: the layer axis (axis {a}, {n} layers) of `{var.path_str()}` is not "
+        f"sharded over the mesh axis {spec.axis!r} (its spec is {got}), so every stage "
+        f"would hold all {n} layers. Fix: name the layer axis "
+        "(metadata_params={'partition_name': 'layers'}) and shard it, e.g. "
+        f"sr.shard(stack, mesh, [('layers', {spec.axis!r}), ...]), or "
+        f"jax.device_put its arrays with PartitionSpec({spec.axis!r}) at that axis."
+      )
 
-  @functools.wraps(fn)
-  def wrapper(stack, x, *args, **kwargs):
-    check_loop_call(what, "sr.pipeline(f, ...)(stack, x)", stack, x, args, kwargs)
-    mesh = find_mesh(stack, spec.axis, what)
-    check_whole_cycles(stack, mesh.shape[spec.axis] * spec.repeats, what)
-    check_batch(x, spec.microbatches, what)
-    check_layer_sharding(stack, mesh, spec, what, layers)
-    if jax.sharding.get_abstract_mesh().empty and isinstance(mesh, jax.sharding.Mesh):
-      # No mesh set: find_mesh took the one the stack's arrays are placed on.
-      with jax.set_mesh(mesh):
-        return traced(stack, x, *args, **kwargs)
-    return traced(stack, x, *args, **kwargs)
 
-  return wrapper
+def check_whole_cycles(stack, chunks: int, what: str) -> None:
+  """A pattern stack is pipelined by whole cycles, in ``chunks`` equal chunks."""
+  positions = cycle(stack) if isinstance(stack, Module) else ()
+  if len(positions) < 2:
+    return
+  counts = [len(position) for position in positions]
+  p, n, cycles = len(counts), sum(counts), counts[0]
+  if n % p:
+    raise TransformError(
+      f"{what}: the pattern stack has {n} layers, not a whole number of cycles of "
+      f"{p}, and a pipeline stage holds whole cycles. Fix: a length that is a multiple "
+      f"of {p} (e.g. {n - n % p or p}), or run it with sr.remat_scan."
+    )
+  if cycles % chunks:
+    raise TransformError(
+      f"{what}: the pattern stack holds {cycles} cycles of {p} layers, which do not "
+      f"split into {chunks} equal chunks (stages x repeats). Fix: a number of cycles "
+      f"divisible by {chunks} (length a multiple of {p * chunks})."
+    )

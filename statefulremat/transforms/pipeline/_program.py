@@ -1,5 +1,6 @@
 """The traced program of ``sr.pipeline``: a ``jax.shard_map`` over the stages, one
-``lax.scan`` over the schedule's time steps inside (README.md says how it runs)."""
+``lax.scan`` over the schedule's time steps inside, and its layout of the layers
+(README.md says how it runs)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from ...core._graph import flatten
 from ...core._kinds import RngCount, RngKey
 from ...core._split_merge import merge
-from ...core._stacks import axis_size
+from ...core._stacks import axis_size, layer_axis
 from ...core._state import State
 from .._class_form import display_name
-from .._lift import Lifted, advance, commit
+from .._lift import Lifted, advance, commit, split_call
 from .._remat_scan_loop import avals, remat_scan_function
 from .._rules import TransformError, mark_layer_index
 from ..accumulate._microbatches import join, split_rows
 from ..memory._remat_search import plan_remat
-from ._checks import stacked_axes
-from ._layout import Layout, is_array, per_device
 
 
 def schedule_steps(k: int, stages: int, repeats: int) -> int:
@@ -31,19 +32,20 @@ def schedule_steps(k: int, stages: int, repeats: int) -> int:
   return (repeats - 1) * max(k, stages) + k + stages - 1
 
 
-def program(
-  fn: Callable,
-  *,
-  microbatches: int,
-  axis: str,
-  repeats: int,
-  what: str,
-  auto: bool,
-  budget: int | None,
-  options: dict,
-) -> Callable:
-  """The traced pipeline ``run(stack, x, *args, **kwargs) -> y``, under a mesh with ``axis``."""
-  k = microbatches
+def stacked_axes(stack) -> tuple[Any, list, list[int | None]]:
+  """``(graphdef, variables, layer axis of each or None)``."""
+  graphdef, variables = flatten(split_call((stack,), {})[0])
+  axes = []
+  for var in variables:
+    found = layer_axis(var)
+    axes.append(None if found is None else found[0])
+  return graphdef, variables, axes
+
+
+def program(fn: Callable, spec, *, what: str, auto: bool, budget: int | None, options: dict):
+  """The traced pipeline ``run(stack, x, *args, **kwargs) -> y`` of ``spec`` (a
+  ``PipelineSpec``), under a mesh with ``spec.axis``."""
+  k, axis, repeats = spec.microbatches, spec.axis, spec.repeats
   plans: dict = {}  # lengths="auto": one plan per (stage structure, shapes)
 
   def body(layer, carry, *args, **kwargs):
@@ -91,6 +93,7 @@ def program(
     # The stage's chunk is the stack's own structure with fewer layers: lifted as one
     # argument, so each step runs it through the kernel (Lifted.run).
     lifted = Lifted(graphdef, jax.tree.structure(((0,), {})), (0,))
+    lengths, layers, stage_options = (chunk,), chunk, options  # one level, unless planned
 
     if auto:
 
@@ -128,12 +131,9 @@ def program(
           policy=options["policy"],
           carries=options["carries"],
         )
-      planned_options = {**options, "policy": plan.policy, "carries": plan.carries}
-      inner = remat_scan_function(
-        stage_fn, plan.lengths, plan.n, None, what=stage_what, **planned_options
-      )
-    else:
-      inner = remat_scan_function(stage_fn, (chunk,), chunk, None, what=stage_what, **options)
+      lengths, layers = plan.lengths, plan.n
+      stage_options = {**options, "policy": plan.policy, "carries": plan.carries}
+    inner = remat_scan_function(stage_fn, lengths, layers, None, what=stage_what, **stage_options)
 
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
 
@@ -142,8 +142,7 @@ def program(
       return v if layout.identity else relaid(v, layout, axis, explicit)
 
     def from_layout(v, i):
-      """A written value back in the stack's own layout (and, on Explicit axes, its
-      sharding: with N not divisible by S that is not split over the stages)."""
+      """A written value back in the stack's own layout and (Explicit axes) sharding."""
       a = layer_axis[i]
       if not layout.identity:
         home = home_spec(_move_axis(values[i], a, 0), explicit)
@@ -158,12 +157,14 @@ def program(
       varying = lambda v: lax.pcast(v, (axis,), to="varying")
       call_args, call_kwargs = with_extras(given)
 
-      def one_step(t, local, inp):
-        """Stage s at step t: (output, the written chunk values, valid, m, r)."""
-        u = t - s
+      def at(u):
+        """Whether offset ``u`` (a step less a stage) is pass r of microbatch m: (valid, m, r)."""
         r, m = u // period, u % period
         valid = (u >= 0) & (m < k) & (r < repeats)
-        m, r = jnp.clip(m, 0, k - 1), jnp.clip(r, 0, repeats - 1)
+        return valid, jnp.clip(m, 0, k - 1), jnp.clip(r, 0, repeats - 1)
+
+      def one_step(m, r, local, inp):
+        """Stage s's pass r of microbatch m: (output, the written chunk values)."""
         q = r * stages + s
         flat: list[Any] = [None] * len(values)
         for j, i in enumerate(stacked):  # the layer axis back where the stack has it
@@ -186,35 +187,31 @@ def program(
         found["counts"] = [i for i in counts if i in wrote]
         new = [_move_axis(wrote[stacked[j]], layer_axis[stacked[j]], 0) for j in found["written"]]
         found["dtypes"] = [jnp.result_type(v) for v in new]
-        return out, new, valid, m, r
+        return out, new
 
-      one_step(jnp.int32(0), laid, jax.tree.map(lambda v: varying(v[0]), xs))  # learns `found`
+      one_step(*at(-s)[1:], laid, jax.tree.map(lambda v: varying(v[0]), xs))  # learns `found`
       written = found["written"]
       forward = [(i, (i + 1) % stages) for i in range(stages if repeats > 1 else stages - 1)]
 
       def step(state, t):
         recv, buf, outs, local_w = state
         if repeats > 1:  # stage 0 keeps what came round from stage S-1 for the next pass
-          u = t - stages
-          back = (u >= 0) & (u % period < k) & (u // period < repeats - 1) & (s == 0)
-          slot = jnp.clip(u % period, 0, k - 1)
+          came, slot, pass_ = at(t - stages)
+          back = came & (pass_ < repeats - 1) & (s == 0)
           buf = jax.tree.map(
             lambda b, v: jnp.where(back, lax.dynamic_update_index_in_dim(b, v, slot, 0), b),
             buf,
             recv,
           )
-        u = t - s
-        m0 = jnp.clip(u % period, 0, k - 1)
+        valid, m, r = at(t - s)
         inp = jax.tree.map(
-          lambda b, v: jnp.where(s == 0, lax.dynamic_index_in_dim(b, m0, 0, False), v), buf, recv
+          lambda b, v: jnp.where(s == 0, lax.dynamic_index_in_dim(b, m, 0, False), v), buf, recv
         )
         local = list(laid)
         for j, v in zip(written, local_w):
           local[j] = v
         # Circular: under jax.checkpoint, so the step scan keeps no chunk of weights per step.
-        out, new, valid, m, r = (jax.checkpoint(one_step) if repeats > 1 else one_step)(
-          t, local, inp
-        )
+        out, new = (jax.checkpoint(one_step) if repeats > 1 else one_step)(m, r, local, inp)
         updated = []
         for v, old in zip(new, local_w):
           if repeats > 1:
@@ -227,9 +224,8 @@ def program(
         recv = jax.tree.map(lambda v: lax.ppermute(v, axis, forward), out)
         return (recv, buf, outs, updated), None
 
-      zeros = jax.tree.map(lambda v: varying(jnp.zeros_like(v[0])), xs)
       init = (
-        zeros,
+        jax.tree.map(lambda v: varying(jnp.zeros_like(v[0])), xs),
         jax.tree.map(varying, xs),
         jax.tree.map(varying, xs),
         # In the dtype the body writes, as after the sequential run's first microbatch
@@ -260,6 +256,52 @@ def program(
     return jax.tree.map(join, outs, x)
 
   return run
+
+
+class Layout:
+  """Where each of the N layers sits in the pipeline's (S·R·C)-long layer axis: ``slots``
+  holds the stack's layer at each place (a short chunk repeats its last one), ``inverse``
+  each layer's place."""
+
+  def __init__(self, n: int, stages: int, repeats: int):
+    self.stages = stages
+    self.base, self.extra = divmod(n, stages * repeats)
+    self.chunk = self.base + (self.extra > 0)
+    self.padded = self.extra > 0
+    # Place (s, r, c) holds layer c of chunk q = r·S + s, stage s's pass r.
+    s, r, c = np.indices((stages, repeats, self.chunk))
+    q = r * stages + s
+    size = self.size(q)
+    slots = np.where(size > 0, self.offset(q) + np.minimum(c, size - 1), 0).ravel()
+    kept = (c < size).ravel()
+    self.slots = slots.astype(np.int32)
+    self.inverse = np.zeros(n, np.int32)
+    self.inverse[slots[kept]] = np.flatnonzero(kept)
+    self.identity = len(slots) == n and bool((slots == np.arange(n)).all())
+
+  def offset(self, q):
+    """The stack's index of chunk ``q``'s first layer (``q`` traced, or numpy's)."""
+    minimum = np.minimum if isinstance(q, np.ndarray) else jnp.minimum
+    return q * self.base + minimum(q, self.extra)
+
+  def size(self, q):
+    return self.base + (q < self.extra)
+
+
+def is_array(leaf) -> bool:
+  return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def per_device(mb, whole):
+  """One microbatch's shape per device where Explicit axes show it, else the whole one."""
+  shape = jnp.shape(mb)
+  sharding = getattr(jax.typeof(whole), "sharding", None)
+  if sharding is not None and not sharding.mesh.empty and any(sharding.spec):
+    try:
+      shape = NamedSharding(sharding.mesh, sharding.spec).shard_shape(shape)
+    except ValueError:
+      pass
+  return jax.ShapeDtypeStruct(shape, jnp.result_type(mb))
 
 
 def relaid(v, layout: Layout, axis: str, explicit: bool):

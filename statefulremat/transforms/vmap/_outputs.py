@@ -8,10 +8,9 @@ import jax.numpy as jnp
 from ...core._errors import format_path
 from ...core._filters import filter_repr
 from ...core._graph import flatten, rewrite
-from ...core._graph_build import unflatten
 from ...core._stacks import mark_frozen
 from .._lift import is_node, lift, split_call
-from .._outputs import ModulesOut
+from .._outputs import ModulesOut, merge
 from .._rules import STACKED, TransformError
 
 _NO_ARGUMENTS = lift((), {})[0]  # the kernel's step for a function of no module
@@ -29,17 +28,14 @@ def vmap_creating(
   def one(*call_args):
     out, _ = _NO_ARGUMENTS.run(lambda: fn(*call_args, **kwargs), [], [], what, copies=True)
     if type(out) is not ModulesOut:
-      record["info"] = (None, jax.tree.structure(out), [], set())
+      record["info"] = (None, jax.tree.structure(out), [], ())
       return [], out
     graphdef, treedef, positions, _, _ = out.info
-    leaves = iter(out.leaves)
-    marked = jax.tree.unflatten(
-      treedef, [_MODULE if i in positions else next(leaves) for i in range(treedef.num_leaves)]
-    )
+    marked = merge(treedef, positions, [_MODULE] * len(positions), out.leaves)
     placed = [
       (path, axis) for path, leaf, axis in leaf_axes(out_axes, marked, what) if leaf is _MODULE
     ]
-    record["info"] = (graphdef, treedef, placed, set(positions))
+    record["info"] = (graphdef, treedef, placed, positions)
     # The modules leave as their Variables' values (mapped axis in front, moved after);
     # the rest keeps its structure, modules left out, so out_axes fits it as jax's.
     return out.values, jax.tree.map(lambda x: None if x is _MODULE else x, marked)
@@ -74,19 +70,9 @@ def vmap_creating(
   for path, axis in zip(graphdef.var_paths, axes):
     root_axes.setdefault(path[0] if multi else 0, axis)
   values = [jnp.moveaxis(v, 0, axis) for v, axis in zip(values, axes)]
-  name = (metadata_params or {}).get("partition_name")
-  classes = {
-    j: stack_class(root.type, n, root_axes.get(j, 0))
-    for j, root in enumerate(graphdef.nodes)
-    if root.kind == "module" and n is not None
-  }
-  graphdef = rewrite(
-    graphdef, root_classes=classes, metadata=lambda i, m: mark_frozen(m, axes[i], name)
-  )
-  roots, _ = unflatten(graphdef, values)
-  nodes, rest = iter(roots), iter(others)
-  merged = [next(nodes) if i in positions else next(rest) for i in range(treedef.num_leaves)]
-  return jax.tree.unflatten(treedef, merged)
+  out = ModulesOut(others, values, (graphdef, treedef, positions, 0, 0))
+  root_axis = lambda j: root_axes.get(j, 0)  # noqa: E731
+  return _restacked(out, axes, root_axis, n, stack_class, metadata_params).rebuild()
 
 
 def leaf_axes(out_axes, out, what: str | None = None) -> list:
@@ -113,8 +99,7 @@ def leaf_axes(out_axes, out, what: str | None = None) -> list:
 
 
 def _placed_axis(what, placed, var_path, value) -> int:
-  """The non-negative axis of ``value`` where ``placed`` (output path, axis) puts the
-  mapped axis of a Variable made inside."""
+  """Where ``placed`` (output path, axis) puts a made Variable's mapped axis, non-negative."""
   path, axis = placed
   where = f"the output `{jax.tree_util.keystr(path)}`" if path else "the output"
   ndim = jnp.ndim(value)
@@ -136,8 +121,7 @@ def _placed_axis(what, placed, var_path, value) -> int:
 
 
 def check_returned_inputs(what, out, out_axes, module, treatment, values) -> None:
-  """Raises where ``out_axes`` would move the mapped axis of a returned Variable of the
-  module argument (nnx's consistent aliasing). ``module``: the rebuilt argument 0."""
+  """Raises where ``out_axes`` would move a returned module argument's mapped axis."""
   if not any(map(is_node, jax.tree.leaves(out, is_leaf=is_node))):
     return
   rebuilt = flatten(split_call((module,), {})[0])[1]
@@ -191,11 +175,19 @@ def stacked_outputs(
     _placed_axis(what, ((), out_axes), path, value)
     for path, value in zip(graphdef.var_paths[n_variables:], out.values)
   ]
+  root_axis = lambda _: axes[0] if axes else 0  # noqa: E731
+  return _restacked(out, axes, root_axis, n, stack_class, metadata_params)
+
+
+def _restacked(out: ModulesOut, axes, root_axis, n, stack_class, metadata_params) -> ModulesOut:
+  """``out`` with the Variables made inside marked as stacked at ``axes`` and each module
+  made inside (root ``j``) of ``stack_class``, its layer axis ``root_axis(j)``."""
+  graphdef, treedef, positions, n_roots, n_variables = out.info
   name = (metadata_params or {}).get("partition_name")
   classes = {
-    j: stack_class(root.type, n, axes[0] if axes else 0)
+    j: stack_class(root.type, n, root_axis(j))
     for j, root in enumerate(graphdef.nodes)
-    if j >= n_roots and root.kind == "module"
+    if j >= n_roots and root.kind == "module" and n is not None
   }
   graphdef = rewrite(
     graphdef,
