@@ -118,18 +118,12 @@ class LSTMCell(RNNCellBase):
     self._keep_carry("LSTMCell", keep_rngs, carry_init, rngs)
     self.gate_fn = gate_fn
     self.activation_fn = activation_fn
+    # Input and recurrent terms are summed: one bias is enough.
     bias = (bias_init, bias_metadata)
-
-    def dense_i():  # input and recurrent terms are summed: one bias is enough
-      return dense(in_features, hidden_features, kernel_init, kernel_metadata)
-
-    def dense_h():
-      return dense(
-        hidden_features, hidden_features, recurrent_kernel_init, recurrent_kernel_metadata, bias
-      )
-
-    self.ii, self.if_, self.ig, self.io = dense_i(), dense_i(), dense_i(), dense_i()
-    self.hi, self.hf, self.hg, self.ho = dense_h(), dense_h(), dense_h(), dense_h()
+    inputs = (in_features, hidden_features, kernel_init, kernel_metadata)
+    hidden = (hidden_features, hidden_features, recurrent_kernel_init, recurrent_kernel_metadata)
+    self.ii, self.if_, self.ig, self.io = (dense(*inputs) for _ in range(4))
+    self.hi, self.hf, self.hg, self.ho = (dense(*hidden, bias) for _ in range(4))
 
   def __call__(self, carry, inputs: jax.Array):
     """One step: ``((c, h), x) -> ((c', h'), h')``."""
