@@ -57,8 +57,7 @@ def subclass(
   namespace: dict[str, Any],
   doc: str,
 ) -> type:
-  """``class {label}{cls}(cls)`` with ``namespace`` and ``methods`` replaced by ``wrap(m)``
-  (``self`` is argument 0 of the transform's function form)."""
+  """``class {label}{cls}(cls)`` with ``namespace`` and ``methods`` replaced by ``wrap(m)``."""
   methods = method_names(methods)
   namespace = {
     **namespace,
@@ -85,8 +84,7 @@ class MadeClass(type):
 
 
 def made_type(name: str, base: type, namespace: dict[str, Any]) -> type:
-  """``type(name, (base,), namespace)`` under ``MadeClass`` (joined with ``base``'s
-  own metaclass where it has one)."""
+  """``type(name, (base,), namespace)`` under ``MadeClass`` and ``base``'s own metaclass."""
   meta = type(base)
   if not issubclass(meta, MadeClass):
     if meta is type:
@@ -109,8 +107,7 @@ def method_names(methods: Sequence[str] | str | None) -> list[str]:
 def function_target(
   transform: str, target, *, takes: str, methods=None, init_in_axes=None
 ) -> Callable[..., Any]:
-  """``target``, checked as a function form's: a callable, without the class-form-only
-  ``methods`` and ``init_in_axes`` (``takes``: what the transform takes, for the message)."""
+  """``target``, checked as a function form's (``takes``: what the transform takes)."""
   if methods is not None:
     raise TypeError(f"{transform}(methods=...) applies to a Module class, not a function.")
   if not callable(target):
@@ -128,8 +125,7 @@ def function_target(
 
 
 def cached_class_form(transform: F) -> F:
-  """``transform`` whose class form returns one class per equal arguments
-  (``sr.remat(Block) is sr.remat(Block)``; README.md)."""
+  """``transform`` whose class form returns one class per equal arguments."""
 
   @functools.wraps(transform)
   def call(target=None, *args, **kwargs):
@@ -153,8 +149,7 @@ def cached_class_form(transform: F) -> F:
 
 
 def made_class(recipe: tuple, position: int | None = None) -> type:
-  """The class the class-form call ``recipe`` (a class's ``MADE_BY``) makes, or its
-  pattern position ``position``: what pickles of made classes call."""
+  """The class ``recipe`` (a class's ``MADE_BY``) makes, or its ``position``: for pickles."""
   form, target, args, kwargs = recipe
   cls = class_forms[form](target, *args, **kwargs)
   if position is None:
@@ -249,8 +244,7 @@ def fresh(transform: Callable) -> Callable:
 
 
 def _frozen(value) -> Any:
-  """``value`` as a hashable key equal for equal arguments (``1`` is not ``True``); raises
-  ``TypeError`` for what has no value equality (an array)."""
+  """``value`` as a hashable key (``1`` is not ``True``); ``TypeError`` for an array."""
   if isinstance(value, Mapping):
     return ("mapping", tuple((_frozen(k), _frozen(v)) for k, v in value.items()))
   if isinstance(value, (list, tuple)):

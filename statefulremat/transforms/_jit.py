@@ -174,8 +174,7 @@ def jit(
 
 
 def _per_structure(pure: Callable, options: dict) -> Callable:
-  """``compiled(lifted, statics) -> (jitted, new)``: one ``jax.jit`` of ``pure`` per (graph
-  structure, static arguments), LRU-bounded; ``new``: its first call is its trace."""
+  """``compiled(lifted, statics) -> (jitted, new)``: one LRU-bounded ``jax.jit`` per key."""
   cache: OrderedDict = OrderedDict()
 
   def compiled(lifted, statics) -> tuple[Callable, bool]:

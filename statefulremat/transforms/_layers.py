@@ -19,8 +19,7 @@ from .memory._carries import offloaded
 
 
 def check_same_type(before, after, what: str, label: str, hint: str = "") -> None:
-  """Raises if ``after`` does not have the structure, shapes and dtypes of ``before``
-  (``hint``: a sentence the message ends with)."""
+  """Raises if ``after`` does not have the structure, shapes and dtypes of ``before``."""
   tb, ta = jax.tree.structure(before), jax.tree.structure(after)
   if tb != ta:
     where, was, now = _structure_difference(before, after, ())
@@ -64,8 +63,7 @@ def _structure_difference(a, b, path: tuple) -> tuple[tuple, str, str]:
 
 
 class LayerLoop:
-  """Runs a body once per layer over the lifted modules (``period``: layers per unit,
-  a ``CycleLoop``'s pattern)."""
+  """Runs a body once per layer over the lifted modules (``period``: layers per unit)."""
 
   def __init__(
     self,
@@ -213,8 +211,7 @@ class LayerLoop:
     return self.levels(body, state, xs, lengths, unroll, remat, policy, prevent_cse, offload)
 
   def finish(self) -> None:
-    """Writes what the loop changed into the caller's modules (a Variable made inside
-    comes out stacked, layer axis 0)."""
+    """Writes what the loop changed into the caller's modules."""
     made = None if self.structure is None else Restructured(None, self.made, self.structure)
     commit(
       self.variables,
@@ -237,8 +234,7 @@ class LayerLoop:
     return [self._layer_first(i) for i in self.stacked]
 
   def levels(self, body, state, xs, lengths: tuple, unroll, remat, policy, prevent_cse, offload):
-    """``loop``'s scans from ``state``: ``(state, written, ys)``, ``written`` by flat
-    index, layer axis first."""
+    """``loop``'s scans from ``state``: ``(state, written, ys)``, layer axis first."""
     n = math.prod(lengths)
     # lax, and nothing for a single level or axis 0: each jnp call is a nested jit,
     # which under grad costs about a millisecond of tracing.
@@ -342,8 +338,7 @@ class LayerLoop:
 
 
 def _guard(step, *, remat=True, policy=None, prevent_cse=True, offload=False) -> Callable:
-  """``step`` under ``jax.checkpoint`` (``offload``: its input carry in host memory; without
-  ``remat``, what a plain scan saves), or as it is."""
+  """``step`` under ``jax.checkpoint`` (``offload``: its carry in host memory), or as is."""
   if offload:
     return offloaded(step, policy, remat, prevent_cse)
   return jax.checkpoint(step, policy=policy, prevent_cse=prevent_cse) if remat else step

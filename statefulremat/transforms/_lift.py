@@ -30,8 +30,8 @@ from ._outputs import NewStructure, Restructured, is_node, lift_outputs, merge
 
 
 class Roots(list):
-  """The objects ``Lifted.rebuild`` made, with their Variables and the structure epoch
-  then: while it stands, ``collect`` reads the Variables without walking the graph."""
+  """The objects ``Lifted.rebuild`` made, their Variables and the structure epoch then:
+  while it stands, ``collect`` reads the Variables without walking the graph."""
 
   __slots__ = ("variables", "epoch")
 
@@ -42,10 +42,8 @@ class Roots(list):
 
 @dataclasses.dataclass(slots=True)
 class Changes:
-  """What a lifted call did to its modules (``Lifted.run``), read inside the trace:
-  ``values`` ``{flat index: new value}`` written, ``made`` the values of new Variables,
-  ``structure`` the ``NewStructure`` or None, ``roots`` the rebuilt objects,
-  ``isolated`` each unit's writes to the isolated Variables."""
+  """What a lifted call did to its modules: ``values`` ``{flat index: new value}``, ``made``
+  (new Variables' values), ``structure``, ``roots``, ``isolated`` (each unit's writes)."""
 
   values: dict
   made: list
@@ -75,8 +73,7 @@ class Lifted:
     return self._hash
 
   def rebuild(self, values: Sequence[Any], leaves: Sequence[Any]):
-    """Inside a trace: fresh objects holding ``values``; returns
-    ``(tree, variables, roots)``, ``roots`` for ``collect``."""
+    """Inside a trace: fresh objects holding ``values``, as ``(tree, variables, roots)``."""
     built, variables = unflatten(self.graphdef, values)
     roots = Roots(built, variables)
     # Positions need not be ascending: sr.grad puts the differentiated modules first.
@@ -130,8 +127,7 @@ class Lifted:
     return out, changes
 
   def collect(self, roots, values, what: str, restructure: bool = False) -> Changes:
-    """After the user's function: what it did to the objects ``rebuild`` made; a changed
-    structure is carried out with ``restructure``, else raises."""
+    """What the function did to ``roots``; a changed structure raises unless ``restructure``."""
     if roots.epoch == structure_epoch.value:  # no structure changed anywhere since
       return Changes(_written(roots.variables, values), [], None, roots)
     graphdef, variables = flatten(roots)
@@ -213,8 +209,7 @@ def split_call(args: tuple, kwargs: dict):
 
 
 def lift(args: tuple, kwargs: dict) -> tuple[Lifted, list[Variable], list[Any], list[Any]]:
-  """A call's arguments split for tracing: ``(lifted, variables, leaves, nodes)``, the
-  Variables in flat order, ``nodes`` the modules and Variables as they sit."""
+  """A call's arguments split for tracing: ``(lifted, variables, leaves, nodes)``."""
   nodes, leaves, treedef, positions = split_call(args, kwargs)
   graphdef, variables = flatten(nodes)
   return Lifted(graphdef, treedef, positions), variables, leaves, nodes
@@ -235,8 +230,7 @@ def _split_flat(args: tuple):
 
 
 class FlattenCache:
-  """Per-transform cache of graph walks, each valid while its graph's structure stays
-  as walked (``Stamp``)."""
+  """Per-transform cache of graph walks, each valid while its ``Stamp`` holds."""
 
   def __init__(self, size: int = 16):
     self._entries: OrderedDict = OrderedDict()
@@ -267,9 +261,8 @@ class FlattenCache:
     return entry
 
   def lift_call(self, args: tuple, kwargs: dict) -> tuple[Lifted, list[Variable], list[Any]]:
-    """``(lifted, variables, other leaves)`` of a call's arguments. A flat call
-    (nodes and plain leaves, no keywords) skips ``tree_flatten``, and a repeat of the
-    last one is recognised by identity alone."""
+    """``(lifted, variables, other leaves)`` of a call's arguments. A flat call (nodes and
+    plain leaves, no keywords) skips ``tree_flatten``; a repeat of the last is found by id."""
     last = self._last
     if (
       not kwargs
@@ -315,8 +308,7 @@ def check_no_nodes(out, what: str) -> None:
 
 
 def advance(count, draws: int | jax.Array = 1):
-  """An RNG stream's count moved on by ``draws`` (one per call, or one per microbatch
-  of a pipeline): the one place a transform moves a stream on."""
+  """An RNG stream's count moved on by ``draws`` (one per call, or per microbatch)."""
   return count + jnp.asarray(draws, jnp.result_type(count))
 
 
@@ -331,10 +323,9 @@ def commit(
   draws: int = 1,
   **placement: Any,
 ) -> Any:
-  """The one write of a transform's result into the caller's objects: the changed
-  values, the ``streams`` advanced, and a ``Restructured`` result's new structure of
-  ``nodes`` (``placement``: the new Variables' layer axis). Returns the user's result.
-  Writes nothing when a value is a tracer of a trace that does not own its Variable."""
+  """The one write of a transform's result into the caller's objects: ``changed`` values,
+  ``streams`` advanced, a ``Restructured`` result's structure of ``nodes``; nothing at all
+  when a value is a tracer of a trace that does not own its Variable. Returns the result."""
   if streams:
     changed = {**changed, **{i: advance(variables[i]._value, draws) for i in streams}}
   if not plain_leaf_types.issuperset(map(type, changed.values())):
@@ -363,8 +354,7 @@ def commit(
 
 
 def serialised(wrapper: Callable) -> Callable:
-  """``wrapper`` run under ``held`` on its arguments' Variables (from a per-transform
-  ``FlattenCache``). ``sr.jit`` holds the lock itself."""
+  """``wrapper`` run under ``held`` on its arguments' Variables (``sr.jit`` locks itself)."""
   cache = FlattenCache()
 
   @functools.wraps(wrapper)
@@ -396,8 +386,7 @@ class held(locked):
 
 
 def raise_if_deleted(variables: Sequence[Variable]) -> None:
-  """After a call failed: raises naming the Variable that holds a deleted array, if any
-  (asked only then, so a call that succeeds never checks each array)."""
+  """After a call failed: raises naming the Variable that holds a deleted array, if any."""
   error = deleted_error(variables, "", TransformError)
   if error is not None:
     raise error from None

@@ -38,16 +38,14 @@ def describe_returned(out) -> str:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(slots=True, eq=False)
 class ModulesOut:
-  """A result holding modules while it crosses the trace boundary (a pytree): its other
-  leaves, the values of the Variables made inside, and static ``info``."""
+  """A result holding modules while it crosses the trace boundary (a pytree)."""
 
   leaves: list
   values: list
   info: tuple = dataclasses.field(metadata={"static": True})
 
   def rebuild(self, input_nodes: Sequence[Any] = ()) -> Any:
-    """The result with its modules, outside the trace; outputs that were inputs come back
-    as the caller's ``input_nodes`` themselves."""
+    """The result with its modules, outside the trace (inputs come back as themselves)."""
     graphdef, treedef, positions, n_roots, n_variables = self.info
     objects: list = []
     if n_roots:
@@ -64,8 +62,7 @@ def merge(treedef, positions: Sequence[int], nodes: Sequence[Any], leaves: Seque
 
 
 def lift_outputs(out: Any, input_roots: Sequence[Any] = (), n_variables: int = 0) -> Any:
-  """Inside a trace: ``out`` itself if it holds no module or Variable, else a
-  ``ModulesOut`` (objects among ``input_roots``' graph recognised as inputs)."""
+  """Inside a trace: ``out``, or a ``ModulesOut`` if it holds a module or Variable."""
   leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_node)
   positions = tuple(i for i, leaf in enumerate(leaves) if is_node(leaf))
   if not positions:
@@ -81,8 +78,7 @@ def lift_outputs(out: Any, input_roots: Sequence[Any] = (), n_variables: int = 0
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(slots=True, eq=False)
 class Restructured:
-  """A result whose function changed its modules' structure, crossing the trace boundary
-  (a pytree): ``out``, the new Variables' values and the static ``NewStructure``."""
+  """A result whose function changed its modules' structure, crossing the trace boundary."""
 
   out: Any
   made: list
@@ -107,9 +103,8 @@ class NewStructure:
     partition_name: str | None = None,
     keep_metadata: bool = False,
   ) -> None:
-    """Reshapes the caller's graph (``nodes``, whose Variables are ``variables``) into
-    ``graphdef``; the Variables made inside get ``new_values``, marked as stacked at
-    ``stacked_axis`` if given. ``keep_metadata``: the input Variables keep theirs."""
+    """Reshapes the caller's graph (``nodes``, ``variables``) into ``graphdef``; the Variables
+    made inside get ``new_values``. ``keep_metadata``: the input Variables keep theirs."""
     at_path = _objects_by_path(nodes)
     fresh = iter(new_values)
     trace = current_trace()

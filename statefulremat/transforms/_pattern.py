@@ -36,8 +36,7 @@ from ._stacked import stack_namespace
 
 @dataclasses.dataclass(frozen=True)
 class Position:
-  """One position of a pattern as a class form's target (``pattern_class`` passes it
-  to ``position_class``): the stacked class of ``unit`` is made with its ``place``."""
+  """One position of a pattern as a class form's target: ``unit`` with its ``place``."""
 
   unit: Layer
   place: Place
@@ -103,8 +102,7 @@ def is_pattern(target) -> bool:
 
 
 def target_repr(pattern) -> str:
-  """How errors name a transform's target: ``f``, ``Block``, or a pattern ``(Local,
-  Local, Global)``."""
+  """How errors name a target: ``f``, ``Block``, or a pattern ``(Local, Local, Global)``."""
   if isinstance(pattern, Position):
     return display_name(pattern.unit.cls)
   if is_class_partial(pattern):
@@ -163,9 +161,7 @@ def _name(cls: type, factory) -> str:
 
 
 def pattern_class(pattern, form: Form, what, count, run, position_class, methods, init_in_axes):
-  """``class_form`` over a pattern: ``{form}Pattern`` of the given classes, whose methods
-  run each layer's own in order (the positions reach the pattern class, made after them,
-  through ``Place.pattern``)."""
+  """``class_form`` over a pattern: ``{form}Pattern``, whose methods run each layer's own."""
   length = count(len(pattern))
   found = elements(what, pattern)
   p = len(found)
@@ -213,8 +209,7 @@ def pattern_class(pattern, form: Form, what, count, run, position_class, methods
 
 
 def call_method(name: str, owner: str) -> Callable:
-  """``f(layer, *args)``: the layer's own method ``name`` (what a class form runs);
-  errors name it ``{owner}.{name}``."""
+  """``f(layer, *args)``: the layer's own method ``name``, named ``{owner}.{name}``."""
 
   def call(layer, *args, **kwargs):
     return getattr(layer, name)(*args, **kwargs)

@@ -38,8 +38,7 @@ class CycleLoop(LayerLoop):
     ]
 
   def _layer(self, body: Callable, state, x, active: int | None = None):
-    """Layers ``0 .. active - 1`` of one cycle (default all). ``body(layer, carry, xs_k) ->
-    (carry, ys)``; ``x`` is ``(slices, xs, cycle)``, xs with the positions in front."""
+    """Layers ``0 .. active - 1`` of one cycle; ``x`` is ``(slices, xs, cycle)``."""
     active = self.period if active is None else active
     carry_values, user_carry = state
     slices, xs, cycle = x
@@ -108,8 +107,7 @@ class CycleLoop(LayerLoop):
     return _guard(step, remat=remat, offload=offload)(state, (slices, xs, jnp.uint32(full)))
 
   def _join(self, written: dict, tail: dict) -> dict:
-    """The scan's writes (``full`` layers) and the short cycle's (one layer, for the
-    positions it ran), as one value per position: its layers in order."""
+    """The scan's writes and the short cycle's, as one value per position."""
     out = dict(written)
     for i, k in zip(self.stacked, self.position):
       if k >= self.rest or (i not in written and i not in tail):
@@ -172,9 +170,8 @@ def lift_loop(
   data_transform: Callable | None = None,
   reverse: bool = False,
 ) -> LayerLoop:
-  """The loop over argument 0's units: a ``LayerLoop``, or a ``CycleLoop`` for a pattern
-  stack. ``sizes``: ``(description, n)`` of what else counts the layers, which must
-  agree; ``fallback``: the count when nothing tells it."""
+  """The loop over argument 0's units (a ``CycleLoop`` for a pattern stack). ``sizes``:
+  ``(description, n)`` of what else counts the layers; ``fallback``: the count if none."""
   positions = cycle(module) if isinstance(module, Module) else (module,)
   period, names, n = len(positions), (), 0
   if period > 1:

@@ -74,8 +74,7 @@ class StackOptions(TypedDict, total=False):
 
 
 def public(options: dict) -> dict:
-  """A transform's ``options`` as the keywords of its public form (``collections``
-  spelled out; ``variable_carry`` only when set: ``sr.vmap`` takes none)."""
+  """A transform's ``options`` as its public keywords (``variable_carry`` only when set)."""
   out = dict(options)
   out.update(vars(out.pop("collections")))
   if out["variable_carry"] is False:
@@ -113,8 +112,7 @@ class Rules:
     self.typed_collections = [(label, name) for label, f in typed for name in _explicit_names(f)]
 
   def for_init(self) -> Rules:
-    """The rules a class form initialises its layers with: ``params`` split unless
-    ``split_rngs`` says otherwise, so the layers differ."""
+    """The rules of a class form's init: ``params`` split unless ``split_rngs`` says not."""
     if any(pred("params") for pred, _, _ in self.split_entries):
       return self
     rules = copy.copy(self)
@@ -122,14 +120,12 @@ class Rules:
     return rules
 
   def stacked_axes(self, graphdef, variables, layer) -> dict[int, int]:
-    """``{flat index: layer axis}`` of the variables of one layer these rules stack, as
-    at a class form's init (``sr.stack(layers, like=StackedClass)`` asks)."""
+    """``{flat index: layer axis}`` of the variables of one layer these rules stack."""
     treatment = Treatment(self, graphdef, variables, [layer], rank_offset=1)
     return {i: treatment.stacked_axis(i) for i in treatment.indices(STACKED)}
 
   def seed_layer(self, layer, index, shared: set[int]) -> dict[int, Any]:
-    """Puts into layer ``index``'s copy of each shared stream (flat indices ``shared``)
-    the key it draws inside the stack (README.md); returns ``{flat index: value before}``."""
+    """Seeds layer ``index``'s ``shared`` streams as in the stack: ``{flat index: before}``."""
     graphdef, variables = flatten([layer])
     treatment = Treatment(self, graphdef, variables, [layer], rank_offset=1)
     # A stream with one key per layer (stacked by the init) is the layer's own already.
@@ -152,8 +148,7 @@ class Rules:
     )
 
   def classify(self, path: tuple, var, shown: tuple | None = None) -> tuple[str, int | None]:
-    """``(kind, axis)`` of the Variable at ``path`` (the path the filters see);
-    ``shown``, the path messages name, if another (default ``path``)."""
+    """``(kind, axis)`` of the Variable at ``path``; ``shown``: the path messages name."""
     broadcast, carry = self.broadcast(path, var), self.carry(path, var)
     where = format_path(path if shown is None else shown)
     if broadcast and carry:
@@ -210,8 +205,7 @@ def _check_collection_names(rules: Rules, variables) -> None:
 
 
 class Stream(NamedTuple):
-  """An unstacked RNG stream found in the lifted graph: flat indices and whether split
-  (``serves``: a ``default`` stream, whose names follow their own rules)."""
+  """An unstacked RNG stream of the lifted graph (``serves``: a ``default`` stream)."""
 
   key: int
   count: int
@@ -221,10 +215,8 @@ class Stream(NamedTuple):
 
 
 def mark_layer_index(stack, first) -> None:
-  """On a slice of a stack rebuilt inside a pipeline stage: its layer ``j`` is layer
-  ``first + j`` of the whole stack (``first`` may be traced), so the Treatment of a
-  loop over it seeds the keys of the global indices; a slice of a pattern stack holds
-  whole cycles, ``first`` counting them, and its positions are marked together."""
+  """Marks a stack slice in a pipeline stage: its layer ``j`` is layer ``first + j`` of the
+  whole stack (for a pattern stack, ``first`` counts cycles)."""
   positions = cycle(stack)
   mark = (1, first * len(positions) if len(positions) > 1 else first)
   for position in positions:
@@ -232,9 +224,7 @@ def mark_layer_index(stack, first) -> None:
 
 
 def _index_map(nodes) -> tuple[int, int] | None:
-  """``(period, position)``: layer ``j`` of the lifted stack is layer ``j * period +
-  position`` of what its keys are drawn for — a slice inside a pipeline stage
-  (``mark_layer_index``), or one position of a pattern stack."""
+  """``(period, position)``: layer ``j`` draws the keys of layer ``j * period + position``."""
   marks = [getattr(node, "__dict__", {}).get(LAYER_INDEX) for node in nodes]
   if marks and marks[0] is not None and all(m is marks[0] for m in marks):
     return marks[0]
@@ -260,10 +250,8 @@ class Treatment:
     rank_offset: int = 0,
     skip: int = 0,
   ):
-    """``display_path``: a flat path as messages name it; ``rules_path``: as the
-    filters see it (default ``display_path``); ``rng_streams=False``: RNG state follows
-    the rules like any variable; ``rank_offset=1``: values lack the layer axis yet; the
-    first ``skip`` variables are read-only."""
+    """``display_path`` / ``rules_path``: a path as messages / filters see it;
+    ``rank_offset=1``: values lack the layer axis; the first ``skip`` are read-only."""
     self.rules = rules
     self.display_path = display_path or (lambda p: p)
     rules_path = rules_path or self.display_path
@@ -336,8 +324,7 @@ class Treatment:
     return axis
 
   def seed_layer(self, flat: list, values, index) -> tuple:
-    """Puts one iteration's RNG state into ``flat``: each stream's key, folded with
-    ``index`` when split, and a fresh count. Returns what ``serve_names`` needs."""
+    """Puts one iteration's RNG keys and fresh counts into ``flat``, for ``serve_names``."""
     served = []
     if self.index_map is not None and index is not None:  # the pattern's layer index
       period, position = self.index_map
@@ -355,8 +342,7 @@ class Treatment:
     return index, served
 
   def reseed(self, variables, values, index) -> list:
-    """``seed_layer`` on rebuilt Variables (the next layer of a cycle); returns the
-    fresh counts, to tell which streams the layer drew."""
+    """``seed_layer`` on rebuilt Variables; returns the fresh counts."""
     flat = [None] * len(variables)
     served = self.seed_layer(flat, values, index)
     counts = []
@@ -368,8 +354,7 @@ class Treatment:
     return counts
 
   def serve_names(self, served: tuple, variables) -> None:
-    """On the rebuilt Rngs of each default stream: keys per name asked (LayerKeys),
-    from what ``seed_layer`` returned."""
+    """Gives the rebuilt Rngs of each default stream its per-name keys (``LayerKeys``)."""
     index, streams = served
     for key_i, base in streams:
       stream_owner = next(owner_chain(variables[key_i]), (None,))[0]
@@ -378,8 +363,7 @@ class Treatment:
         rngs_owner.__dict__[LAYER_KEYS] = LayerKeys(base, index, self.rules.splits, self.asked)
 
   def check_stream_names(self) -> None:
-    """Raises if ``split_rngs`` names a stream that matches nothing while a stream is
-    left to no named rule (a misspelling); called once the body is traced."""
+    """Raises if ``split_rngs`` names no stream while a stream has no named rule."""
     named = {n for _, _, names in self.rules.split_entries for n in names}
     if not named:
       return

@@ -38,8 +38,7 @@ from ._rules import STACKED, Rules, Treatment
 
 
 def layer_view(graphdef, treatment: Treatment, metadata_params: dict | None = None):
-  """The GraphDef of one layer of the lifted modules: each stacked root its layer class,
-  each sliced variable without its layer axis (or ``partition_name``) in the metadata."""
+  """The GraphDef of one layer of the lifted modules (layer classes, no layer axes)."""
   name = (metadata_params or {}).get("partition_name")
 
   def edit(i, frozen):
@@ -56,8 +55,7 @@ def layer_view(graphdef, treatment: Treatment, metadata_params: dict | None = No
 
 
 def stack_namespace(layer_cls: type, rules: Rules) -> dict[str, Any]:
-  """What a stacked class of ``layer_cls`` adds to it: the stack's construction, ``layer(i)``,
-  ``len``, pickling, and whether a stream is split (``rules``)."""
+  """What a stacked class of ``layer_cls`` adds: construction, ``layer(i)``, ``len``, pickling."""
 
   def splits(cls, name: str) -> bool:
     return rules.splits(name)
@@ -86,8 +84,7 @@ def _init_nothing(self, *args, **kwargs):
 
 
 def build_stack(cls: type, *args, **kwargs):
-  """``__new__`` of a stacked class: builds the ``length`` layers of its ``StackInfo`` in
-  one vmapped init."""
+  """``__new__`` of a stacked class: builds its layers in one vmapped init."""
   info = stack_info(cls)
   assert info is not None and isinstance(info.rules, Rules) and isinstance(info.unit, Layer)
   rules, length, what, make = info.rules, info.length, info.what, info.unit.maker()
@@ -201,8 +198,7 @@ def build_stack(cls: type, *args, **kwargs):
 def _mapped_leaves(
   what: str, init_in_axes, args: tuple, length: int | None
 ) -> tuple[list[tuple[int, int]], int | None]:
-  """``(leaf number, axis)`` of each constructor-argument leaf ``init_in_axes`` maps, and
-  the number of layers (``length``, else the first mapped leaf's size along its axis)."""
+  """``(leaf number, axis)`` of each leaf ``init_in_axes`` maps, and the number of layers."""
   if init_in_axes is None:
     return [], length
   out, k = [], 0
@@ -235,8 +231,7 @@ def _mapped_leaves(
 def _refuse_broadcast_argument(
   info: StackInfo, args, kwargs, leaves, mapped, firsts, length, init_one, error: Exception
 ) -> None:
-  """Raises a ``TransformError`` naming the array argument passed whole to every layer
-  whose one slice along axis 0 lets the constructor trace; returns where none does."""
+  """Raises naming the array argument whose slice along axis 0 would let the init trace."""
   taken = {k for k, _ in mapped}
   paths = [
     path
