@@ -179,9 +179,8 @@ def _scan(
     found["changed"] = sorted(changed)
     return loss, grads, [changed[i] for i in found["changed"]]
 
-  # A first trace on microbatch 0's shapes tells which Variables fn writes (only
-  # those are carried: the read-only ones, the parameters, stay out of the carry and
-  # out of sr.jit's outputs) and the gradients' shapes (the accumulator's zeros).
+  # A first trace on microbatch 0's shapes tells the gradients' shapes and which Variables
+  # fn writes: only those are carried (the parameters stay out of sr.jit's outputs).
   mb0 = jax.eval_shape(lambda s: [x[0] for x in s], split)
   loss0, grads0, written = jax.eval_shape(probe, values, mb0)
   carried = found["changed"]

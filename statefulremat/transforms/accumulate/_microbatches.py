@@ -18,10 +18,9 @@ def split_rows(x, k: int):
   spec: tuple = tuple(getattr(sharding, "spec", ()))  # a PartitionSpec's entries
   if not spec or spec[0] is None:  # axis 0 replicated, or axes the type does not show
     return jnp.reshape(x, (k, rows) + shape[1:])
-  # Explicit mesh axes split axis 0: each microbatch is spread over the same axes (one
-  # all-to-all of the batch here), or, where its rows do not divide among them,
-  # replicated. The reshape cannot keep axis 0's sharding: microbatch m's rows lie on
-  # a 1/k slice of the devices, and stepping through them would gather each one.
+  # Each microbatch is spread over axis 0's mesh axes (one all-to-all here), or replicated
+  # where its rows do not divide among them: keeping axis 0's sharding would put microbatch
+  # m's rows on a 1/k slice of the devices, each gathered as the loop steps through them.
   assert sharding is not None  # it gave a non-empty spec
   names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
   size = math.prod(sharding.mesh.shape[n] for n in names)

@@ -1,5 +1,4 @@
-"""``sr.policies.Policy``, and remat policies checked against the traced body they wrap
-(README.md); the presets and ``custom`` are in ``statefulremat/policies``."""
+"""``sr.policies.Policy``, and remat policies checked against the body they wrap (README.md)."""
 
 from __future__ import annotations
 

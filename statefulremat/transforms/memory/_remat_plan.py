@@ -364,9 +364,7 @@ def residual_bytes(layer_fn: Callable, params: Any, carry: Any, policy) -> int:
 
 
 def tree_bytes(tree: Any) -> int:
-  return sum(
-    math.prod(jnp.shape(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree.leaves(tree)
-  )
+  return sum(math.prod(jnp.shape(x)) * jnp.result_type(x).itemsize for x in jax.tree.leaves(tree))
 
 
 def unit_inputs(stack, fn: Callable) -> tuple[int, Callable, Any, int]:

@@ -178,19 +178,17 @@ def _search(stack, carry, fn, budget, bandwidth, max_depth, policy, carries, pos
   return fit_budget(make, budget, measure, offloading, bandwidth or 25e9)
 
 
-_WHAT = "sr.plan_remat"
-
-
 def _call(layer, carry):
   return layer(carry)
 
 
 def _candidate(fn: Callable, plan: RematPlan) -> Callable:
   """``run(stack, carry)``: the layer loop ``sr.remat_scan(fn, lengths=plan)`` runs."""
-  rules = Rules(_WHAT, Collections(ALL_STACKED, False, False, ALL_SPLIT))
+  what = "sr.plan_remat"
+  rules = Rules(what, Collections(ALL_STACKED, False, False, ALL_SPLIT))
 
   def run(module, carry):
-    loop = lift_loop(module, _WHAT, rules, EMPTY, "f(module, carry) -> carry", fallback=plan.n)
+    loop = lift_loop(module, what, rules, EMPTY, "f(module, carry) -> carry", fallback=plan.n)
     carry, _ = loop.loop(
       lambda layer, c, _: (fn(layer, c), None),
       carry,

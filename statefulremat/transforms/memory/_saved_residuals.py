@@ -102,8 +102,7 @@ def saved_residuals(fn: Callable, *args, wrt: Filter = Param, **kwargs) -> list[
   at_nodes = set(positions)
   leaf_names = [d for i, d in enumerate(described) if i not in at_nodes]
 
-  # Inputs: every Variable's value and every array argument; the differentiated ones
-  # are the float Variables that `wrt` matches and the float arrays.
+  # Differentiated: the float Variables that `wrt` matches and the float arrays.
   multi = len(nodes) > 1
   inputs = []  # (description, value, differentiated)
   for path, var in zip(graphdef.var_paths, variables):

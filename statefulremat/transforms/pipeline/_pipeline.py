@@ -1,6 +1,4 @@
-"""sr.pipeline and sr.PipelineSpec: the front that checks a call (the mesh and its axis,
-the batch against the microbatches, the stack's layer axis sharded over the stages) and
-runs the traced program (``_program``) under the stack's mesh."""
+"""sr.pipeline and sr.PipelineSpec: the checks of a call, then ``_program`` under the mesh."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The traced program of ``sr.pipeline``: a ``jax.shard_map`` over the stages, one
-``lax.scan`` over the schedule's time steps inside, and its layout of the layers
-(README.md says how it runs)."""
+"""``sr.pipeline``'s program: a ``shard_map`` over the stages, a ``scan`` of steps (README.md)."""
 
 from __future__ import annotations
 

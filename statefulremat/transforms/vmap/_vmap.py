@@ -193,7 +193,6 @@ def _vmap_function(fn: Callable, options: dict, covers_module: bool):
     axes = {} if module_axis is None else {True: module_axis}
     return Rules(what, Collections(axes, module_axis is None, split_rngs=collections.split_rngs))
 
-  # A function no argument of which holds a module (``_outputs``).
   mapping = {k: v for k, v in options.items() if k != "collections"}
   creating = functools.partial(vmap_creating, fn, stack_class=_stack_class, what=what, **mapping)
 
