@@ -8,9 +8,10 @@ import math
 import numbers
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
@@ -360,7 +361,8 @@ def residual_bytes(layer_fn: Callable, params: Any, carry: Any, policy) -> int:
   jaxpr = closed.jaxpr
   param_vars = set(jaxpr.invars[: len(jax.tree.leaves(params))])
   saved = {v for v in jaxpr.outvars if not isinstance(v, Literal) and v not in param_vars}
-  return sum(v.aval.size * v.aval.dtype.itemsize for v in saved)
+  avals = [cast(jax.core.ShapedArray, v.aval) for v in saved]  # a residual is an array
+  return sum(a.size * a.dtype.itemsize for a in avals)
 
 
 def tree_bytes(tree: Any) -> int:
