@@ -121,7 +121,8 @@ class LayerLoop:
     return flat
 
   def _read_back(self, changes: Changes, flat, user_carry, new_carry, ys):
-    """After the body: ``((carry values, carry), (written, ys))`` of one iteration."""
+    """After the body: ``((carry values, carry), ((written, made), ys))`` of one iteration,
+    ``made`` the values of the Variables the layer made (stacked per layer, as the ys)."""
     check_no_nodes((new_carry, ys), self.what)
     changed = changes.values
     if changes.structure is not None:
@@ -136,9 +137,7 @@ class LayerLoop:
         check_same_type(flat[i], changed[i], self.what, label)
     new_carry_values = [changed.get(i, flat[i]) for i in self.carried]
     written = {i: changed[i] for i in self.stacked if i in changed}
-    # Variables made inside (keys -1, -2, ...): one per layer, stacked like the ys.
-    written.update({-1 - k: v for k, v in enumerate(changes.made)})
-    return (new_carry_values, new_carry), (written, ys)
+    return (new_carry_values, new_carry), ((written, changes.made), ys)
 
   def _transform_data(self, transform: Callable, slices):
     paths = tuple(self.lifted.graphdef.var_paths[i] for i in self.stacked)
@@ -273,13 +272,12 @@ class LayerLoop:
       )
 
     state, (written, ys) = level(0, state, (stacked_in, jax.tree.map(fold, xs), index))
-    written = {i: jax.tree.map(unfold, v) for i, v in written.items()}
-    return state, written, jax.tree.map(unfold, ys)
+    return state, jax.tree.map(unfold, written), jax.tree.map(unfold, ys)
 
-  def _changed(self, written: dict, carry_values: list) -> dict:
+  def _changed(self, written: tuple[dict, list], carry_values: list) -> dict:
     self.treatment.check_stream_names()  # the body is traced: the names drawn are known
-    self.made = [written[i] for i in sorted((i for i in written if i < 0), reverse=True)]
-    changed = {i: _move_axis(v, 0, self.treatment.axes[i]) for i, v in written.items() if i >= 0}
+    values, self.made = written
+    changed = {i: _move_axis(v, 0, self.treatment.axes[i]) for i, v in values.items()}
     changed.update({i: v for i, v in zip(self.carried, carry_values) if i in self.carry_written})
     return changed
 
@@ -316,7 +314,7 @@ class LayerLoop:
         step = _guard(step, prevent_cse=prevent_cse, offload=offload)
         state, written = lax.scan(step, state, lax.iota(jnp.int32, full))
         merge = lambda v: lax.reshape(v, (full * m,) + v.shape[2:])
-        parts.append({i: jax.tree.map(merge, v) for i, v in written.items()})
+        parts.append(jax.tree.map(merge, written))
       # A single step runs outside any scan, where XLA would merge its recomputation
       # with the forward pass and keep the residuals: prevent_cse=True stops it. (Two
       # in a row still hold both residuals at once; sr.plan_remat never proposes that.)
@@ -332,7 +330,7 @@ class LayerLoop:
       if len(parts) == 1:
         return state, parts[0]
       join = lambda *vs: lax.concatenate(vs, 0)
-      return state, {i: jax.tree.map(join, *[p[i] for p in parts]) for i in parts[0]}
+      return state, jax.tree.map(join, *parts)
 
     return segment(0, state, self._stacked_inputs(), n, 0)
 

@@ -106,17 +106,10 @@ class CycleLoop(LayerLoop):
     # Run alone, outside any scan: prevent_cse, as a segment's single step (_layers.py).
     return _guard(step, remat=remat, offload=offload)(state, (slices, xs, jnp.uint32(full)))
 
-  def _join(self, written: dict, tail: dict) -> dict:
+  def _join(self, written: tuple[dict, list], tail: tuple[dict, list]) -> tuple[dict, list]:
     """The scan's writes and the short cycle's, as one value per position."""
-    out = dict(written)
-    for i, k in zip(self.stacked, self.position):
-      if k >= self.rest or (i not in written and i not in tail):
-        continue
-      value = self._layer_first(i)
-      head = written.get(i, lax.slice_in_dim(value, 0, self.full))
-      last = tail.get(i, lax.index_in_dim(value, self.full, keepdims=False))
-      out[i] = lax.concatenate([head, last[None]], 0)
-    if any(i < 0 for i in (*written, *tail)):
+    (values, made), (last_values, last_made) = written, tail
+    if made or last_made:
       raise TransformError(
         f"{self.what}: a layer made a Variable (e.g. `self.sow(...)`) inside a pattern "
         f"stack of {self.length} layers, which is not a multiple of its pattern of "
@@ -124,7 +117,15 @@ class CycleLoop(LayerLoop):
         "than the full ones. Nothing was written. Fix: a length that is a multiple of "
         f"{self.period}, or create the Variable in `__init__`."
       )
-    return out
+    out = dict(values)
+    for i, k in zip(self.stacked, self.position):
+      if k >= self.rest or (i not in values and i not in last_values):
+        continue
+      value = self._layer_first(i)
+      head = values.get(i, lax.slice_in_dim(value, 0, self.full))
+      last = last_values.get(i, lax.index_in_dim(value, self.full, keepdims=False))
+      out[i] = lax.concatenate([head, last[None]], 0)
+    return out, made
 
   def _layer_order(self, ys, tail_ys):
     """ys of every layer in layer order, from per-position ys of the cycles."""
