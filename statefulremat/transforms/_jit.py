@@ -250,7 +250,11 @@ _ROOM_SLOTS = 1 << 16  # 8 bytes each: 512 KiB; the deepest trace measured used 
 
 
 def with_room(fn: Callable, *args, **kwargs):
-  """``fn(*args, **kwargs)``, called where CPython's frame stack has 512 KiB free in one chunk."""
+  """``fn(*args, **kwargs)``, called where CPython's frame stack has 512 KiB free in one chunk.
+
+  >>> with_room(max, 2, 3, key=abs)
+  3
+  """
   return fn(*args, **kwargs)
 
 
