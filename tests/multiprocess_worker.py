@@ -8,8 +8,12 @@ trains, saves and restores with ``sr.save`` / ``sr.restore``. It writes its loss
 JSON to ``--out`` and ends by itself (a timeout guards every wait).
 
     python tests/multiprocess_worker.py --port P --process-id I --num-processes N \\
-        --out FILE train --steps 3 --save DIR --save-in-background DIR2
-    python tests/multiprocess_worker.py ... resume --steps 2 DIR [DIR ...]
+        --out FILE --steps 3 --save DIR --save-in-background DIR2 --resume 2 DIR [DIR ...]
+
+It trains ``--steps`` steps and saves twice; then, for each checkpoint named after
+``--resume`` (its own two included), it builds the model afresh, restores the checkpoint
+and trains ``--resume``'s count of steps more. One start of the processes serves both:
+their start and the step's compile were most of the test's time.
 
 The model, batch and step live in ``build`` / ``batch`` / ``train_step``, which the
 test also imports to compute the one-process reference.
@@ -108,15 +112,10 @@ def main() -> None:
   parser.add_argument("--process-id", type=int, required=True)
   parser.add_argument("--num-processes", type=int, required=True)
   parser.add_argument("--out", required=True)
-  sub = parser.add_subparsers(dest="mode", required=True)
-  train = sub.add_parser("train")
-  train.add_argument("--steps", type=int, required=True)
-  train.add_argument("--save", required=True)
-  train.add_argument("--save-in-background", required=True)
-  resume = sub.add_parser("resume")
-  resume.add_argument("--steps", type=int, required=True)
-  resume.add_argument("--first", type=int, required=True)
-  resume.add_argument("checkpoints", nargs="+")
+  parser.add_argument("--steps", type=int, required=True)
+  parser.add_argument("--save", required=True)
+  parser.add_argument("--save-in-background", required=True)
+  parser.add_argument("--resume", nargs="+", required=True, metavar=("STEPS", "DIR"))
   args = parser.parse_args()
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -132,19 +131,18 @@ def main() -> None:
     "local_devices": jax.local_device_count(),
   }
   m = mesh()
+  resume_steps, checkpoints = int(args.resume[0]), args.resume[1:]
   with jax.set_mesh(m):
-    if args.mode == "train":
+    model, opt = build(m)
+    result["losses"] = run_steps(model, opt, m, 0, args.steps)
+    sr.save(args.save, opt)  # the optimizer holds the model: one checkpoint of both
+    handle = sr.save(args.save_in_background, opt, blocking=False)
+    handle.wait()
+    result["resumed"] = {}
+    for path in checkpoints:
       model, opt = build(m)
-      result["losses"] = run_steps(model, opt, m, 0, args.steps)
-      sr.save(args.save, opt)  # the optimizer holds the model: one checkpoint of both
-      handle = sr.save(args.save_in_background, opt, blocking=False)
-      handle.wait()
-    else:
-      result["losses"] = {}
-      for path in args.checkpoints:
-        model, opt = build(m)
-        sr.restore(path, opt)
-        result["losses"][path] = run_steps(model, opt, m, args.first, args.steps)
+      sr.restore(path, opt)
+      result["resumed"][path] = run_steps(model, opt, m, args.steps, resume_steps)
   with open(args.out, "w") as f:
     json.dump(result, f)
   jax.distributed.shutdown()

@@ -114,21 +114,28 @@ def test_two_processes_train_save_and_restore_in_two_and_in_one(tmp_path, refere
   with jax.set_mesh(mesh):
     sr.save(one, state_at_3)
 
-  trained = run_processes(
-    tmp_path, "train", "train", "--steps", "3", "--save", two, "--save-in-background", two_async
+  runs = run_processes(
+    tmp_path,
+    "train-and-resume",
+    "--steps",
+    "3",
+    "--save",
+    two,
+    "--save-in-background",
+    two_async,
+    "--resume",
+    "2",
+    two,
+    two_async,
+    one,
   )
-  assert [r["devices"] for r in trained] == [8, 8]
-  assert [r["local_devices"] for r in trained] == [4, 4]
-  for r in trained:  # every process sees the same (global) losses
+  assert [r["devices"] for r in runs] == [8, 8]
+  assert [r["local_devices"] for r in runs] == [4, 4]
+  for r in runs:  # every process sees the same (global) losses
     np.testing.assert_allclose(r["losses"], first, rtol=1e-5)
-
-  resumed = run_processes(
-    tmp_path, "resume", "resume", "--steps", "2", "--first", "3", two, two_async, one
-  )
-  for r in resumed:
-    np.testing.assert_allclose(r["losses"][two], rest, rtol=1e-5)  # written by 2
-    np.testing.assert_allclose(r["losses"][two_async], rest, rtol=1e-5)
-    np.testing.assert_allclose(r["losses"][one], rest, rtol=1e-5)  # written by 1
+    np.testing.assert_allclose(r["resumed"][two], rest, rtol=1e-5)  # written by 2
+    np.testing.assert_allclose(r["resumed"][two_async], rest, rtol=1e-5)
+    np.testing.assert_allclose(r["resumed"][one], rest, rtol=1e-5)  # written by 1
 
   # The 2-process checkpoint restores in this one process and continues the same.
   with jax.set_mesh(mesh):
