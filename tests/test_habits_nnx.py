@@ -539,7 +539,7 @@ def test_every_public_nnx_name_is_ours_or_answered_or_internal():
 
 # -- rotary embeddings as nnx spells them (flax >= 0.12.10: nnx.RoPE) -------------------
 
-ROPE_X = jax.random.normal(jax.random.key(0), (2, 5, 3, 8))  # [batch, length, heads, head_dim]
+ROPE_X = np.random.default_rng(0).standard_normal((2, 5, 3, 8), np.float32)  # [b, t, h, d]
 
 
 @pytest.mark.parametrize(

@@ -44,12 +44,14 @@ def leaves(model):
   }
 
 
+# numpy's draws: the tables below are built at import, in every pytest worker, and a JAX
+# draw compiles once per shape.
 def normal(shape, seed=1):
-  return jax.random.normal(jax.random.key(seed), shape)
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
 
 
 def ids(shape):
-  return jax.random.randint(jax.random.key(3), shape, 0, 32)
+  return jnp.asarray(np.random.default_rng(3).integers(0, 32, shape, np.int32))
 
 
 def mha(**kwargs):

@@ -404,38 +404,38 @@ def test_pooling_errors():
 
 
 @pytest.mark.parametrize(
-  "make,x",
+  "make,shape",
   [
     (
       lambda: sr.vmap(sr.nn.GroupNorm, axis_size=3, in_axes=None)(6, num_groups=2, rngs=sr.Rngs(0)),
-      _x(2, 5, 6),
+      (2, 5, 6),
     ),
     (
       lambda: sr.vmap(sr.nn.InstanceNorm, axis_size=3, in_axes=None)(4, rngs=sr.Rngs(0)),
-      _x(2, 5, 4),
+      (2, 5, 4),
     ),
     (
       lambda: sr.vmap(sr.nn.ConvTranspose, axis_size=3, in_axes=None)(
         3, 4, (3, 3), strides=2, padding="CIRCULAR", rngs=sr.Rngs(0)
       ),
-      _x(2, 4, 4, 3),
+      (2, 4, 4, 3),
     ),
     (
       lambda: sr.vmap(sr.nn.Einsum, axis_size=3, in_axes=None)(
         "btd,dnh->btnh", (8, 2, 4), (2, 4), rngs=sr.Rngs(0)
       ),
-      _x(2, 5, 8),
+      (2, 5, 8),
     ),
     (
       lambda: sr.vmap(sr.nn.LoRALinear, axis_size=3, in_axes=None)(
         3, 4, lora_rank=2, rngs=sr.Rngs(0)
       ),
-      _x(5, 3),
+      (5, 3),
     ),
   ],
 )
-def test_stacked_layers_compute_each_layer(make, x):
-  stack = make()
+def test_stacked_layers_compute_each_layer(make, shape):
+  stack, x = make(), _x(*shape)
   params = sr.state(stack, sr.Param)
   # Random values: zero adapters and unit scales would hide a mix-up of layers.
   keys = iter(jax.random.split(jax.random.key(7), 16))

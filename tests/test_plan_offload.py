@@ -101,42 +101,46 @@ def body(layer, h):
   return jnp.tanh(layer(h))
 
 
-STACK = sr.vmap(sr.nn.Linear, axis_size=12)(16, 16, rngs=sr.Rngs(0))
+@pytest.fixture(scope="module")
+def stack():
+  return sr.vmap(sr.nn.Linear, axis_size=12)(16, 16, rngs=sr.Rngs(0))
+
+
 X = jax.ShapeDtypeStruct((32, 16), jnp.float32)
 
 
-def test_on_cpu_a_budget_nothing_meets_says_offloading_would_not_help():
-  least = sr.plan_remat(STACK, X, fn=body)
+def test_on_cpu_a_budget_nothing_meets_says_offloading_would_not_help(stack):
+  least = sr.plan_remat(stack, X, fn=body)
   with pytest.raises(sr.TransformError) as error:
-    sr.plan_remat(STACK, X, fn=body, memory_budget=least.measured_bytes // 3)
+    sr.plan_remat(stack, X, fn=body, memory_budget=least.measured_bytes // 3)
   assert "would not help: this backend (cpu) moves nothing to host memory" in str(error.value)
   with pytest.raises(sr.TransformError) as error:  # the user chose: nothing to add
-    sr.plan_remat(STACK, X, fn=body, memory_budget=least.measured_bytes // 3, carries="device")
+    sr.plan_remat(stack, X, fn=body, memory_budget=least.measured_bytes // 3, carries="device")
   assert "would not help" not in str(error.value)
 
 
-def test_a_plan_for_offloaded_carries_runs_with_them_offloaded():
-  plan = sr.plan_remat(STACK, X, fn=body, carries="offload")
+def test_a_plan_for_offloaded_carries_runs_with_them_offloaded(stack):
+  plan = sr.plan_remat(stack, X, fn=body, carries="offload")
   assert plan.carries == "offload" and all(c.carries == "offload" for c in plan.candidates)
   # On CPU nothing moves: the prediction is the device's, true to XLA here.
   assert abs(plan.temp_bytes - plan.verify()) <= 0.1 * plan.verify()
   x = jnp.linspace(-1, 1, 32 * 16).reshape(32, 16)
   run = sr.remat_scan(body, lengths=plan)
   with pytest.warns(UserWarning, match="nothing is offloaded"):
-    y = run(STACK, x)
-  device = sr.remat_scan(body, lengths=plan.lengths, policy=plan.policy)(STACK, x)
+    y = run(stack, x)
+  device = sr.remat_scan(body, lengths=plan.lengths, policy=plan.policy)(stack, x)
   np.testing.assert_allclose(y, device, rtol=1e-6)
   with pytest.raises(sr.TransformError, match=r"the plan keeps its carries in 'offload'"):
     sr.remat_scan(body, lengths=plan, carries="device")
 
 
 @pytest.mark.parametrize("carries", ["host", True])
-def test_plan_remat_refuses_carries_that_are_not_a_choice(carries):
+def test_plan_remat_refuses_carries_that_are_not_a_choice(stack, carries):
   with pytest.raises(sr.TransformError, match=rf"carries={carries!r}; it takes 'device'"):
-    sr.plan_remat(STACK, X, fn=body, carries=carries)
+    sr.plan_remat(stack, X, fn=body, carries=carries)
 
 
 @pytest.mark.parametrize("bandwidth", ["fast", -1, "0GB/s"])
-def test_plan_remat_refuses_a_bandwidth_that_is_not_one(bandwidth):
+def test_plan_remat_refuses_a_bandwidth_that_is_not_one(stack, bandwidth):
   with pytest.raises(sr.TransformError, match="host_bandwidth=.* is not an amount"):
-    sr.plan_remat(STACK, X, fn=body, host_bandwidth=bandwidth)
+    sr.plan_remat(stack, X, fn=body, host_bandwidth=bandwidth)
