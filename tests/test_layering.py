@@ -16,6 +16,7 @@ floor registers (``core._display_hooks``): it imports nothing above it, not even
 """
 
 import ast
+import functools
 import pathlib
 import pickle
 import pickletools
@@ -66,9 +67,15 @@ def folder(module: str) -> str:
   return module.split(".")[0] or "__init__"
 
 
-def imports():
+@functools.cache
+def imports() -> tuple:
   """``(file, importer module, imported module, enclosing function or None)``; module
-  names are dotted inside the package, ``""`` for the package's ``__init__``."""
+  names are dotted inside the package, ``""`` for the package's ``__init__``. Read once:
+  every test here walks the same files."""
+  return tuple(_imports())
+
+
+def _imports():
   for path in sorted(PACKAGE.rglob("*.py")):
     parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
     is_init = parts[-1] == "__init__"
@@ -172,11 +179,16 @@ def test_no_import_cycle_inside_a_folder(unit):
     if unit_of(module) == unit_of(target) == unit and module != target:
       edges.setdefault(module, set()).add(target)
 
+  done: set = set()  # modules whose imports hold no cycle: each is walked once
+
   def visit(node, stack):
     if node in stack:
       raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(node) :] + [node])}")
+    if node in done:
+      return
     for nxt in edges.get(node, ()):
       visit(nxt, stack + [node])
+    done.add(node)
 
   for start in edges:
     visit(start, [])
