@@ -32,7 +32,8 @@ def _flat(tree):
 
 def _same(ours, theirs, *xs, call=lambda m, *xs: m(*xs), tol=1e-5):
   """Outputs, parameter gradients and input gradients of ``ours`` (weights copied
-  from ``theirs``) equal nnx's."""
+  from ``theirs``) equal nnx's. Each is compiled once: eagerly, every op of a gradient
+  compiles on its own, which was half this file's time."""
   _randomize(theirs)
   sr.interop.from_nnx(ours, theirs)
 
@@ -42,20 +43,20 @@ def _same(ours, theirs, *xs, call=lambda m, *xs: m(*xs), tol=1e-5):
   def loss_theirs(m, *xs):
     return jnp.sum(jnp.sin(call(m, *xs).astype(jnp.float32)))
 
-  y_ours, y_theirs = call(ours, *xs), call(theirs, *xs)
+  y_ours, y_theirs = sr.jit(call)(ours, *xs), nnx.jit(call)(theirs, *xs)
   assert y_ours.shape == y_theirs.shape and y_ours.dtype == y_theirs.dtype
   np.testing.assert_allclose(
     np.asarray(y_ours, np.float32), np.asarray(y_theirs, np.float32), rtol=tol, atol=tol
   )
-  g_ours = sr.grad(loss_ours)(ours, *xs)
-  g_theirs = nnx.grad(loss_theirs)(theirs, *xs)
+  g_ours = sr.jit(sr.grad(loss_ours))(ours, *xs)
+  g_theirs = nnx.jit(nnx.grad(loss_theirs))(theirs, *xs)
   flat_ours, flat_theirs = _flat(g_ours), _flat(g_theirs)
   assert flat_ours.keys() == flat_theirs.keys()
   for k in flat_ours:
     np.testing.assert_allclose(flat_ours[k], flat_theirs[k], rtol=tol, atol=tol, err_msg=str(k))
   if jnp.issubdtype(xs[0].dtype, jnp.floating):
-    gx_ours = jax.grad(lambda x: loss_ours(ours, x, *xs[1:]))(xs[0])
-    gx_theirs = jax.grad(lambda x: loss_theirs(theirs, x, *xs[1:]))(xs[0])
+    gx_ours = jax.jit(jax.grad(lambda x: loss_ours(ours, x, *xs[1:])))(xs[0])
+    gx_theirs = jax.jit(jax.grad(lambda x: loss_theirs(theirs, x, *xs[1:])))(xs[0])
     np.testing.assert_allclose(
       np.asarray(gx_ours, np.float32), np.asarray(gx_theirs, np.float32), rtol=tol, atol=tol
     )
