@@ -304,10 +304,12 @@ def test_sequential_matches_nnx_outputs_and_gradients():
     ("layers", 2, "kernel"),
   ]
   x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3)), jnp.float32)
-  close(ours(x), theirs(x))
+  # Compiled, one program each: eagerly every op of a gradient compiles on its own.
+  close(sr.jit(lambda m, x: m(x))(ours, x), nnx.jit(lambda m, x: m(x))(theirs, x))
 
-  grads = sr.grad(lambda m, x: (m(x) ** 2).sum())(ours, x)
-  want = nnx.grad(lambda m, x: (m(x) ** 2).sum())(theirs, x)
+  loss = lambda m, x: (m(x) ** 2).sum()  # noqa: E731
+  grads = sr.jit(sr.grad(loss))(ours, x)
+  want = nnx.jit(nnx.grad(loss))(theirs, x)
   for i in (0, 2):
     for name in ("kernel", "bias"):
       close(grads["layers"][i][name], want["layers"][i][name][...], tol=1e-5)
@@ -376,8 +378,9 @@ def test_sequential_is_a_module_under_jit_and_a_scanned_stack():
   h0 = jnp.ones((2, 4))
   out, _ = sr.scan(lambda block, h: (block(h), None), variable_axes={sr.Param: 0})(stack, h0)
   h = h0
+  call = sr.jit(lambda m, h: m(h))  # compiled once for the three layers
   for layer in sr.unstack(stack):
-    h = layer(h)
+    h = call(layer, h)
   close(out, h, tol=1e-5)
   assert stack.seq.layers[0].kernel.value.shape == (3, 4, 4)
 

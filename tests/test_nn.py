@@ -230,8 +230,9 @@ def test_grad_matches_nnx(name):
   def loss(model, *xs):
     return jnp.sum(model(*xs).astype(jnp.float32) ** 2)
 
-  ours_grads = sr.grad(loss)(ours, *inputs)
-  theirs_grads = nnx.grad(loss)(theirs, *inputs)
+  # Compiled, one program each: eagerly every op of a gradient compiles on its own.
+  ours_grads = sr.jit(sr.grad(loss))(ours, *inputs)
+  theirs_grads = nnx.jit(nnx.grad(loss))(theirs, *inputs)
   assert sorted(ours_grads.flat()) == sorted(sr.state(ours, sr.Param).flat())
   theirs_flat = {p: v[...] for p, v in nnx.to_flat_state(theirs_grads)}
   for path, g in ours_grads.flat().items():
@@ -418,13 +419,15 @@ def test_dot_product_attention_matches_nnx(batch, kv_heads, kwargs):
     kwargs["mask"] = jnp.broadcast_to(jnp.tril(jnp.ones((3, 3))), (*batch, 1, 3, 3))
   if kwargs.get("bias"):
     kwargs["bias"] = _x(*batch, 4, 3, 3, seed=3)
+  # Each compiled, one program instead of op by op.
   _close(
-    sr.nn.dot_product_attention(q, k, v, **kwargs), nnx.dot_product_attention(q, k, v, **kwargs)
+    jax.jit(lambda *a: sr.nn.dot_product_attention(*a, **kwargs))(q, k, v),
+    jax.jit(lambda *a: nnx.dot_product_attention(*a, **kwargs))(q, k, v),
   )
   if "bias" not in kwargs:
     _close(
-      sr.nn.dot_product_attention_weights(q, k, **kwargs),
-      nnx_attention.dot_product_attention_weights(q, k, **kwargs),
+      jax.jit(lambda *a: sr.nn.dot_product_attention_weights(*a, **kwargs))(q, k),
+      jax.jit(lambda *a: nnx_attention.dot_product_attention_weights(*a, **kwargs))(q, k),
     )
 
 

@@ -143,7 +143,7 @@ def test_rope_keeps_the_dtype_and_computes_the_angles_in_float32():
   assert y.dtype == jnp.bfloat16
   _close(y, sr.nn.rope(x.astype(jnp.float32), jnp.arange(1000, 1004)), atol=1e-2)
   # Gradients flow through the rotation (it is orthogonal: it preserves norms).
-  g = jax.grad(lambda x: (sr.nn.rope(x, jnp.arange(4)) ** 2).sum())(_x(1, 4, 2, 8))
+  g = jax.jit(jax.grad(lambda x: (sr.nn.rope(x, jnp.arange(4)) ** 2).sum()))(_x(1, 4, 2, 8))
   _close(g, 2 * _x(1, 4, 2, 8), atol=1e-5)
 
 
@@ -211,10 +211,14 @@ def test_gqa_equals_repeating_the_kv_heads(num_kv_heads, causal):
   assert attn.key.kernel.shape == attn.value.kernel.shape == (D, num_kv_heads, D // HEADS)
   assert attn.query.kernel.shape == (D, HEADS, D // HEADS)
   x = _x(B, T, D)
-  want = _reference(_params(attn), x, num_heads=HEADS, num_kv_heads=num_kv_heads, causal=causal)
-  _close(attn(x, is_causal=causal), want)
+  # Each side compiled, one program instead of op by op.
+  reference = jax.jit(
+    lambda p, x: _reference(p, x, num_heads=HEADS, num_kv_heads=num_kv_heads, causal=causal)
+  )
+  want = reference(_params(attn), x)
+  _close(sr.jit(lambda m, x: m(x, is_causal=causal))(attn, x), want)
   mask = sr.nn.make_causal_mask(x[..., 0]) if causal else None
-  _close(attn(x, mask=mask), want)
+  _close(sr.jit(lambda m, x, mask: m(x, mask=mask))(attn, x, mask), want)
 
 
 @pytest.mark.parametrize("num_kv_heads", [None, HEADS, KV])
@@ -224,13 +228,15 @@ def test_equals_nnx_with_copied_weights_outputs_and_gradients(num_kv_heads):
   theirs = nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(0), **kwargs)
   sr.interop.from_nnx(ours, theirs)  # same names and shapes: no rename
   x = _x(B, T, D)
-  _close(ours(x, is_causal=True), theirs(x, is_causal=True))
+  # Compiled, one program each: eagerly every op of a gradient compiles on its own.
+  call = lambda m, x: m(x, is_causal=True)  # noqa: E731
+  _close(sr.jit(call)(ours, x), nnx.jit(call)(theirs, x))
 
   def loss(model, x):
     return jnp.sum(jnp.tanh(model(x, is_causal=True)))
 
-  ours_grads, ours_dx = sr.grad(loss, argnums=(0, 1))(ours, x)
-  theirs_grads, theirs_dx = nnx.grad(loss, argnums=(0, 1))(theirs, x)
+  ours_grads, ours_dx = sr.jit(sr.grad(loss, argnums=(0, 1)))(ours, x)
+  theirs_grads, theirs_dx = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(theirs, x)
   theirs_flat = {p: v[...] for p, v in nnx.to_flat_state(theirs_grads)}
   assert sorted(ours_grads.flat()) == sorted(theirs_flat)
   for path, g in ours_grads.flat().items():
@@ -245,15 +251,17 @@ def test_gqa_rope_gradients_equal_the_reference_and_reach_every_parameter():
   def loss(model, x):
     return jnp.sum(model(x, is_causal=True) ** 2)
 
-  grads = sr.grad(loss)(attn, x)
-  want = jax.grad(
-    lambda p: jnp.sum(
+  def reference_loss(p):
+    return jnp.sum(
       _reference(
         p, x, num_heads=HEADS, num_kv_heads=KV, positions=jnp.arange(T), base=100.0, causal=True
       )
       ** 2
     )
-  )(_params(attn))
+
+  # Compiled, one program each: eagerly every op of a gradient compiles on its own.
+  grads = sr.jit(sr.grad(loss))(attn, x)
+  want = jax.jit(jax.grad(reference_loss))(_params(attn))
   for name, (gk, gb) in want.items():
     _close(grads[name]["kernel"], gk, atol=1e-4)
     _close(grads[name]["bias"], gb, atol=1e-4)
@@ -319,10 +327,11 @@ def test_decode_with_explicit_positions_rotates_by_them():
   attn = sr.nn.MultiHeadAttention(HEADS, D, num_kv_heads=KV, rope_base=10000.0, rngs=sr.Rngs(0))
   x = _x(B, T, D)
   positions = jnp.arange(T) + 40
-  full = attn(x, positions=positions, is_causal=True)
+  full = sr.jit(lambda m, x, p: m(x, positions=p, is_causal=True))(attn, x, positions)
   attn.init_cache((B, T, D))
+  step = sr.jit(lambda m, x, p: m(x, decode=True, positions=p))  # compiled once for every step
   decoded = jnp.concatenate(
-    [attn(x[:, t : t + 1], decode=True, positions=positions[t : t + 1]) for t in range(T)], axis=1
+    [step(attn, x[:, t : t + 1], positions[t : t + 1]) for t in range(T)], axis=1
   )
   _close(decoded, full)
 
@@ -360,23 +369,25 @@ def _out(y):
 def test_a_stack_decodes_token_by_token_as_its_causal_forward(kind):
   stack = STACKS[kind]()(rngs=sr.Rngs(0))
   x = _x(B, T, D)
-  full = _out(stack(x))
+  # Compiled once per structure (the stack, a layer, the decoding stack), not op by op.
+  call = sr.jit(lambda m, x: _out(m(x)))
+  full = call(stack, x)
   # The stack equals the Python loop over its layers (rope and GQA inside each).
   loop = x
   for layer in sr.unstack(stack):
-    loop = _out(layer(loop))
+    loop = call(layer, loop)
   _close(full, loop, atol=1e-4)
   stack.attn.init_cache((B, T, D))
   assert stack.attn.cached_key.shape == (3, B, T, KV, D // HEADS)
   stack.set_attributes(decode=True)
-  decoded = jnp.concatenate([_out(stack(x[:, t : t + 1])) for t in range(T)], axis=1)
+  decoded = jnp.concatenate([call(stack, x[:, t : t + 1]) for t in range(T)], axis=1)
   _close(decoded, full, atol=1e-4)
   assert stack.attn.cache_index.value.tolist() == [T] * 3
 
 
 def test_grads_flow_through_a_gqa_rope_stack():
   stack = STACKS["remat_scan"]()(rngs=sr.Rngs(0))
-  grads = sr.grad(lambda m, x: jnp.sum(m(x) ** 2))(stack, _x(B, T, D))
+  grads = sr.jit(sr.grad(lambda m, x: jnp.sum(m(x) ** 2)))(stack, _x(B, T, D))
   for name in ("query", "key", "value", "out"):
     g = grads["attn"][name]["kernel"]
     assert g.shape[0] == 3 and bool(jnp.isfinite(g).all())

@@ -54,16 +54,21 @@ def test_cell_step_values_and_grads_match_nnx(name):
   x = jax.random.normal(jax.random.key(0), (2, 3))
   carry = jax.tree.map(lambda c: c + 0.3, theirs.initialize_carry((2, 3), nnx.Rngs(0)))
   _close(ours.initialize_carry((2, 3)), theirs.initialize_carry((2, 3), nnx.Rngs(0)), atol=0)
-  _close(ours(carry, x), theirs(carry, x))
+  # Compiled, one program each: eagerly every op of a gradient compiles on its own.
+  step = lambda m, carry, x: m(carry, x)  # noqa: E731
+  _close(sr.jit(step)(ours, carry, x), nnx.jit(step)(theirs, carry, x))
 
   def loss(cell, carry, x):
     new, y = cell(carry, x)
     return (y**2).sum() + sum(jnp.sin(c).sum() for c in jax.tree.leaves(new))
 
-  grads = sr.grad(loss)(ours, carry, x)
-  their_grads = nnx.grad(loss)(theirs, carry, x)
+  grads = sr.jit(sr.grad(loss))(ours, carry, x)
+  their_grads = nnx.jit(nnx.grad(loss))(theirs, carry, x)
   _close(grads.flat(), _nnx_flat(their_grads))
-  _close(jax.grad(lambda x: loss(ours, carry, x))(x), jax.grad(lambda x: loss(theirs, carry, x))(x))
+  _close(
+    jax.jit(jax.grad(lambda x: loss(ours, carry, x)))(x),
+    jax.jit(jax.grad(lambda x: loss(theirs, carry, x)))(x),
+  )
 
 
 RAGGED = {"return_carry": True, "reverse": True, "keep_order": True, "seq_lengths": True}
@@ -93,21 +98,24 @@ def test_rnn_values_carries_and_grads_match_nnx(name, options):
   if options.pop("seq_lengths", False):
     options["seq_lengths"] = jnp.array([6, 3])
   rnn, their_rnn = sr.nn.RNN(ours), nnx.RNN(theirs)
-  _close(rnn(x, **options), their_rnn(x, **options))
+  # Compiled, one program each: eagerly every op of the scan and its gradient compiles.
+  call = lambda m, x: m(x, **options)  # noqa: E731
+  _close(sr.jit(call)(rnn, x), nnx.jit(call)(their_rnn, x))
 
   def loss(model, x):
     out = model(x, **{**options, "return_carry": True})
     return sum(jnp.sum(jnp.tanh(a) * (i + 1)) for i, a in enumerate(jax.tree.leaves(out)))
 
-  _close(sr.grad(loss)(rnn, x).flat(), _nnx_flat(nnx.grad(loss)(their_rnn, x)))
+  _close(sr.jit(sr.grad(loss))(rnn, x).flat(), _nnx_flat(nnx.jit(nnx.grad(loss))(their_rnn, x)))
 
 
 def test_rnn_initial_carry_unroll_and_dtypes_match_nnx():
   ours, theirs = _pair("LSTMCell", dtype=jnp.bfloat16)
   x = jax.random.normal(jax.random.key(2), (2, 5, 3))
   carry = (jnp.full((2, 4), 0.5, jnp.float32), jnp.full((2, 4), -0.5, jnp.float32))
-  got = sr.nn.RNN(ours, unroll=2)(x, initial_carry=carry, return_carry=True)
-  want = nnx.RNN(theirs, unroll=2)(x, initial_carry=carry, return_carry=True)
+  call = lambda m, x, carry: m(x, initial_carry=carry, return_carry=True)  # noqa: E731
+  got = sr.jit(call)(sr.nn.RNN(ours, unroll=2), x, carry)
+  want = nnx.jit(call)(nnx.RNN(theirs, unroll=2), x, carry)
   assert jax.tree.map(lambda a: a.dtype, got) == jax.tree.map(lambda a: a.dtype, want)
   _close(got, want, atol=1e-2)
   assert ours.ii.kernel.dtype == jnp.float32
@@ -120,7 +128,8 @@ def test_bidirectional_matches_nnx():
   theirs = nnx.Bidirectional(nnx.RNN(f_theirs), nnx.RNN(b_theirs), return_carry=True)
   x = jax.random.normal(jax.random.key(3), (2, 5, 3))
   lengths = jnp.array([5, 2])
-  got, want = ours(x, seq_lengths=lengths), theirs(x, seq_lengths=lengths)
+  call = lambda m, x, n: m(x, seq_lengths=n)  # noqa: E731
+  got, want = sr.jit(call)(ours, x, lengths), nnx.jit(call)(theirs, x, lengths)
   assert got[1].shape == (2, 5, 8)
   _close(got, want)
 
@@ -146,17 +155,20 @@ def test_rnn_under_jit_and_grad_equals_eager():
       ys.append(y)
     return jnp.sum(jnp.stack(ys, 1) ** 2)
 
-  want = jax.grad(loop_loss)(sr.state(rnn.cell, sr.Param), x)
+  want = jax.jit(jax.grad(loop_loss))(sr.state(rnn.cell, sr.Param), x)
   _close(grads["cell"].flat(), want.flat())
-  assert float(loss(rnn, x)) == pytest.approx(float(loop_loss(sr.state(rnn.cell), x)), rel=1e-5)
+  assert float(loss(rnn, x)) == pytest.approx(
+    float(jax.jit(loop_loss)(sr.state(rnn.cell), x)), rel=1e-5
+  )
 
 
 def test_carry_after_each_sequence_end_is_frozen():
   rnn = sr.nn.RNN(sr.nn.GRUCell(3, 4, rngs=sr.Rngs(0)), return_carry=True)
   x = jax.random.normal(jax.random.key(5), (3, 6, 3))
-  carry, _ = rnn(x, seq_lengths=jnp.array([6, 2, 0]))
-  _close(carry[0], rnn(x[:1])[1][0, -1])
-  _close(carry[1], rnn(x[1:2, :2])[1][0, -1])
+  run = sr.jit(lambda m, x, n=None: m(x, seq_lengths=n))
+  carry, _ = run(rnn, x, jnp.array([6, 2, 0]))
+  _close(carry[0], run(rnn, x[:1])[1][0, -1])
+  _close(carry[1], run(rnn, x[1:2, :2])[1][0, -1])
   np.testing.assert_array_equal(carry[2], jnp.zeros(4))  # no step: the initial carry
 
 
@@ -175,10 +187,11 @@ def test_a_scanned_stack_of_rnn_layers_equals_the_loop():
   stack = Stack(4, rngs=sr.Rngs(0))
   assert stack.rnn.cell.dense_h.kernel.shape == (3, 4, 16)
   x = jax.random.normal(jax.random.key(6), (2, 5, 4))
-  y, _ = stack(x)
+  call = sr.jit(lambda m, x: m(x))  # compiled once for the three layers
+  y, _ = call(stack, x)
   want = x
   for layer in sr.unstack(stack):
-    want, _ = layer(want)
+    want, _ = call(layer, want)
   _close(y, want)
   layers = sr.unstack(stack)
   assert not np.allclose(

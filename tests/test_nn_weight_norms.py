@@ -48,7 +48,8 @@ def _nnx_value_and_grads(theirs, x, **kwargs):
     y = nnx.merge(graphdef, state)(x, **kwargs)
     return jnp.sum(jnp.sin(y)), y
 
-  (_, y), (grads, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
+  # Compiled, one program: eagerly every op of a gradient compiles on its own.
+  (_, y), (grads, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(state, x)
   flat = {
     p: np.asarray(v[...] if isinstance(v, nnx.Variable) else v) for p, v in nnx.to_flat_state(grads)
   }
@@ -62,10 +63,11 @@ def _our_value_and_grads(ours, x, **kwargs):
   def loss(m, x):
     return jnp.sum(jnp.sin(m(x, **kwargs)))
 
-  grads = sr.grad(loss)(sr.clone(ours), x)
+  grads = sr.jit(sr.grad(loss))(sr.clone(ours), x)
   graphdef, state = sr.split(model)
-  gx = jax.grad(lambda x: loss(sr.merge(graphdef, state), x))(x)
-  return model(x, **kwargs), {k: np.asarray(v) for k, v in grads.flat().items()}, gx
+  gx = jax.jit(jax.grad(lambda x: loss(sr.merge(graphdef, state), x)))(x)
+  y = sr.jit(lambda m, x: m(x, **kwargs))(model, x)
+  return y, {k: np.asarray(v) for k, v in grads.flat().items()}, gx
 
 
 def _same(ours, theirs, x, **kwargs):
@@ -131,7 +133,8 @@ def test_spectral_norm_dtype_matches_nnx():
   ours = sr.nn.SpectralNorm(sr.nn.Linear(4, 5, rngs=sr.Rngs(0)), **make, rngs=sr.Rngs(1))
   _randomize(theirs)
   sr.interop.from_nnx(ours, theirs)
-  y_o, y_t = ours(_x(3, 4)), theirs(_x(3, 4))
+  call = lambda m, x: m(x)  # noqa: E731
+  y_o, y_t = sr.jit(call)(ours, _x(3, 4)), nnx.jit(call)(theirs, _x(3, 4))
   assert y_o.dtype == y_t.dtype == jnp.float32  # bf16 kernel, promoted by Linear
   np.testing.assert_allclose(y_o, y_t, **TOL)
   np.testing.assert_allclose(
@@ -201,10 +204,12 @@ def test_spectral_norm_state_over_calls_matches_nnx():
   nnx.update(plain, nnx.state(theirs))
   sr.interop.from_nnx(ours, theirs)
   kernel = ours.layer_instance.kernel.value
+  # Each side compiled once, outside the loops: one program instead of op by op.
+  call, their_call = sr.jit(lambda m, x: m(x)), nnx.jit(lambda m, x: m(x))
   for step in range(4):
     x = _x(3, 6, seed=step)
-    y_o, y_t = ours(x), theirs(x)
-    plain(x)
+    y_o, y_t = call(ours, x), their_call(theirs, x)
+    their_call(plain, x)
     theirs.layer_instance.kernel[...] = kernel  # undo nnx's write-back (#5576)
     np.testing.assert_allclose(y_o, y_t, **TOL)
     for name in ("u", "sigma"):
@@ -218,7 +223,7 @@ def test_spectral_norm_state_over_calls_matches_nnx():
   assert ours.layer_instance.kernel.value is kernel  # the trained weight stays
   # The estimate converges to the largest singular value of the stored kernel.
   for _ in range(30):
-    ours(x)
+    call(ours, x)
   np.testing.assert_allclose(
     ours.batch_stats["kernel", "sigma"].value, np.linalg.norm(np.asarray(kernel), 2), rtol=1e-4
   )
@@ -327,9 +332,10 @@ def test_scan_over_a_stack_equals_the_loop():
     return layer(x), None
 
   y, _ = sr.jit(run)(stack, x)
+  call = sr.jit(lambda m, x: m(x))  # compiled once for the three layers
   want = x
   for layer in layers:
-    want = layer(want)
+    want = call(layer, want)
   np.testing.assert_allclose(y, want, **TOL)
   # Each layer's u and sigma were updated in its own slice of the stack.
   expected = _state(sr.stack(layers))
@@ -345,9 +351,10 @@ def test_vmap_stack_computes_each_layer():
   _randomize_ours(stack)
   layers = sr.unstack(stack)
   x = _x(2, 5, 4)
-  y = stack(x)
+  call = sr.jit(lambda m, x: m(x))  # one program for the stack, one for all three layers
+  y = call(stack, x)
   for i, layer in enumerate(layers):
-    np.testing.assert_allclose(y[i], layer(x), **TOL)
+    np.testing.assert_allclose(y[i], call(layer, x), **TOL)
   expected, got = _state(sr.stack(layers)), _state(stack)
   for k in expected:
     np.testing.assert_allclose(got[k], expected[k], err_msg=str(k), **TOL)
@@ -370,7 +377,8 @@ def test_from_nnx_and_back_without_rename():
   theirs = Theirs(nnx.Rngs(0))
   _randomize(theirs.sn)
   _randomize(theirs.wn)
-  theirs.sn(_x(1, 5, 5, 2))  # u and sigma away from their initial values
+  # u and sigma away from their initial values
+  nnx.jit(lambda m, x: m(x))(theirs.sn, _x(1, 5, 5, 2))
   ours = sr.interop.from_nnx(Ours(sr.Rngs(1)), theirs)
   flat_t = {
     p: np.asarray(v[...] if isinstance(v, nnx.Variable) else v)
