@@ -39,6 +39,10 @@ def _loss(model, x):
   return jnp.mean(model(x) ** 2)
 
 
+# A stack's call compiled as one program: eagerly, its ops compile one by one.
+_call = sr.jit(lambda model, x: model(x))
+
+
 @pytest.mark.parametrize(
   "n, lengths", [(7, (3, 3)), (13, (4, 4)), (13, (2, 2, 4)), (11, (2, 2, 3))]
 )
@@ -59,7 +63,7 @@ def test_a_prime_depth_equals_the_python_loop_and_the_flat_scan(n, lengths):
 
   # The Python loop over the unstacked layers, in eval mode (no dropout keys involved).
   ragged.eval()
-  y = ragged(X)
+  y = _call(ragged, X)
   h = X
   for layer in sr.unstack(ragged):
     h = layer(h)
@@ -142,7 +146,7 @@ def test_a_checkpoint_moves_between_nestings(tmp_path):
     sr.restore(tmp_path / "ckpt", other)
     _assert_same_state(other, saved)
     other.eval(), saved.eval()
-    np.testing.assert_allclose(other(X), saved(X), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_call(other, X), _call(saved, X), rtol=1e-5, atol=1e-6)
 
 
 def test_lengths_that_do_not_cover_length_raise():

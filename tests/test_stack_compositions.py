@@ -43,6 +43,10 @@ def loop(stack, x):
   return x
 
 
+# The comparisons run compiled, one program each: eagerly, every op compiles on its own.
+call = sr.jit(lambda m, x: m(x))
+
+
 @pytest.mark.parametrize("inner", sorted(INNER))
 def test_an_ensemble_of_stacks_equals_each_member_run_alone(inner):
   ensemble = sr.vmap(INNER[inner](), axis_size=3)(rngs=sr.Rngs(0))
@@ -50,8 +54,8 @@ def test_an_ensemble_of_stacks_equals_each_member_run_alone(inner):
   xs = jnp.stack([X, X + 1.0, X - 1.0])
   members = [ensemble.layer(i) for i in range(3)]
   assert type(members[0]) is sr.unstack(ensemble)[0].__class__
-  expected = [members[i](xs[i]) for i in range(3)]
-  got = ensemble(xs)
+  expected = [call(members[i], xs[i]) for i in range(3)]
+  got = call(ensemble, xs)
   assert got.shape == (3,) + X.shape
   close(got, jnp.stack(expected))
   # The state the members wrote (batch statistics) is the ensemble's.
@@ -68,10 +72,11 @@ def test_the_gradient_of_an_ensemble_is_each_members(inner):
   def loss(m, xs):
     return jnp.sum(m(xs) ** 2)
 
-  grads = sr.grad(loss)(ensemble, xs)
+  grads = sr.jit(sr.grad(loss))(ensemble, xs)
+  member_grad = sr.jit(sr.grad(lambda m, x: jnp.sum(m(x) ** 2)))
   for i in range(2):
     member = ensemble.layer(i)
-    one = sr.grad(lambda m, x: jnp.sum(m(x) ** 2))(member, xs[i])
+    one = member_grad(member, xs[i])
     close(
       {k: v[i] for k, v in grads.flat().items()},
       one.flat(),
@@ -82,8 +87,8 @@ def test_the_gradient_of_an_ensemble_is_each_members(inner):
 def test_a_stack_of_stacks_equals_the_loop_over_its_layers(inner):
   stack = sr.remat_scan(INNER[inner](), lengths=(3,))(rngs=sr.Rngs(0))
   assert len(stack) == 3
-  expected = loop(stack, X)  # copies of the layers: the stack is as it was
-  close(stack(X), expected)
+  expected = sr.jit(loop)(stack, X)  # copies of the layers: the stack is as it was
+  close(call(stack, X), expected)
 
 
 @pytest.mark.parametrize("inner", sorted(INNER))
@@ -100,10 +105,11 @@ def test_a_stack_of_stacks_trains_as_the_loop(inner):
       x = layer(x)
     return jnp.sum(x**2)
 
+  loop_step, step = sr.jit(sr.grad(loop_loss)), sr.jit(sr.grad(loss))
   for _ in range(2):
     layers = sr.unstack(stack)
-    g_loop = sr.grad(loop_loss)(layers, X)
-    g = sr.grad(loss)(stack, X)
+    g_loop = loop_step(layers, X)
+    g = step(stack, X)
     for i in range(3):
       close({k: v[i] for k, v in g.flat().items()}, g_loop[i].flat(), tol=1e-4)
       close({k: v[i] for k, v in values(stack).items()}, values(layers[i]), tol=1e-5)

@@ -48,9 +48,10 @@ def _offloaded():
 
 
 def _run(make, loss, carries):
-  """Loss, gradients and the state after one value_and_grad of a fresh model."""
+  """Loss, gradients and the state after one value_and_grad of a fresh model, compiled as
+  one program (eagerly, every op of the gradient compiles on its own)."""
   model = make(carries)
-  value, grads = sr.value_and_grad(loss)(model, X)
+  value, grads = sr.jit(sr.value_and_grad(loss))(model, X)
   return value, jax.tree.leaves(grads), jax.tree.leaves(sr.state(model))
 
 
@@ -91,7 +92,7 @@ def test_remat_scan_function_form_offload_equals_device():
 
   def grads(carries):
     run = sr.remat_scan(lambda layer, c: layer(c), lengths=(3, 3), length=7, carries=carries)
-    return sr.value_and_grad(lambda m, x: jnp.sum(run(m, x) ** 2))(sr.clone(stack), X)
+    return sr.jit(sr.value_and_grad(lambda m, x: jnp.sum(run(m, x) ** 2)))(sr.clone(stack), X)
 
   expected = grads("device")
   with _offloaded():
@@ -321,7 +322,7 @@ def test_a_pipeline_passes_carries_to_each_stage():
   def grads(carries):
     run = sr.remat_scan(lambda layer, h: layer(h), lengths=(8,), carries=carries, pipeline=spec)
     with jax.set_mesh(mesh):
-      return sr.value_and_grad(lambda m, x: jnp.sum(run(m, x) ** 2))(stack, X)  # noqa: B023
+      return sr.jit(sr.value_and_grad(lambda m, x: jnp.sum(run(m, x) ** 2)))(stack, X)  # noqa: B023
 
   expected = grads("device")
   with _offloaded() as record:
