@@ -15,8 +15,13 @@ def out(y):
 _step = sr.jit(lambda stack, x_t: stack(x_t))
 
 
+def forward(stack, x):
+  """The stack's output on ``x``, through the compiled call (one program per shape)."""
+  return out(_step(stack, x))
+
+
 def decode(stack, x):
   """Token by token: the first call eager, the others through one compiled step."""
   first = out(stack(x[:, :1]))
-  rest = [out(_step(stack, x[:, t : t + 1])) for t in range(1, x.shape[1])]
+  rest = [forward(stack, x[:, t : t + 1]) for t in range(1, x.shape[1])]
   return jnp.concatenate([first, *rest], axis=1)

@@ -19,7 +19,7 @@ import pytest
 
 import statefulremat as sr
 from tests._decoding import decode as _decode
-from tests._decoding import out as _out
+from tests._decoding import forward as _forward
 
 D, HEADS, KV_HEADS, W, T, B = 16, 4, 2, 3, 10, 2
 HEAD_DIM = D // HEADS
@@ -114,7 +114,7 @@ def test_decoding_one_token_at_a_time_equals_the_causal_forward(kind):
   stack = STACKS[kind]()(rngs=sr.Rngs(0))
   n = len(stack)
   x = _tokens()
-  full = _out(stack(x))
+  full = _forward(stack, x)
   _init_caches(stack)
   stack.set_attributes(decode=True)
   decoded = _decode(stack, x)
@@ -138,10 +138,10 @@ def test_the_window_mask_is_a_sliding_window():
   windows = jnp.stack([x[:, t - W + 1 : t + 1] for t in range(W - 1, T)])
   alone = local(windows.reshape(-1, W, D))[:, -1].reshape(T - W + 1, B, D)
   np.testing.assert_allclose(full[:, W - 1 :], alone.transpose(1, 0, 2), atol=2e-5, rtol=2e-5)
-  windowed = stack(x)
+  windowed = _forward(stack, x)
   stack.set_attributes(window=None)
   assert [position.window for position in stack.pattern] == [None] * 3
-  unwindowed = stack(x)
+  unwindowed = _forward(stack, x)
   assert np.abs(unwindowed - windowed).max() > 1e-2
   # Before position W every window holds the whole past: nothing to cut.
   np.testing.assert_allclose(unwindowed[:, :W], windowed[:, :W], atol=2e-5, rtol=2e-5)
@@ -165,10 +165,8 @@ def test_each_layer_decodes_with_its_own_cache_slice(kind):
       h = Block.__call__(layer, h)
     return h
 
-  for t in range(x.shape[1]):
-    np.testing.assert_allclose(
-      _out(stack(x[:, t : t + 1])), loop(layers, x[:, t : t + 1]), atol=2e-5, rtol=2e-5
-    )
+  looped = jnp.concatenate([loop(layers, x[:, t : t + 1]) for t in range(x.shape[1])], axis=1)
+  np.testing.assert_allclose(_decode(stack, x), looped, atol=2e-5, rtol=2e-5)
   for i, layer in enumerate(layers):
     mine = stack.layer(i).attn
     assert mine.cached_key.shape == (B, T, KV_HEADS, HEAD_DIM)
@@ -271,7 +269,7 @@ def test_decoding_another_batch_than_the_caches_names_both_batches_and_init_cach
   assert _unchanged(stack, before)
   for position in stack.pattern:  # the fix the message gives
     position.attn.init_cache((3, T, D))
-  assert _out(stack(x)).shape == (3, 1, D)
+  assert _forward(stack, x).shape == (3, 1, D)
 
 
 def test_a_decode_step_of_several_positions_says_one_at_a_time():

@@ -27,7 +27,7 @@ import pytest
 
 import statefulremat as sr
 from tests._decoding import decode as _decode
-from tests._decoding import out as _out
+from tests._decoding import forward as _forward
 
 D, HEADS, N, T, B = 16, 4, 4, 20, 2
 
@@ -96,7 +96,7 @@ def test_decoding_one_token_at_a_time_equals_the_causal_forward(kind):
   stack = STACKS[kind]()(rngs=sr.Rngs(0))
   n = len(stack)
   x = _tokens()
-  full = _out(stack(x))
+  full = _forward(stack, x)
   stack.attn.init_cache((B, T, D))
   stack.set_attributes(decode=True)
   decoded = _decode(stack, x)
@@ -109,12 +109,15 @@ def test_the_causal_forward_is_not_the_non_causal_one():
   """The reference of the test above is causal: attending to the future differs."""
   stack = STACKS["remat_scan"]()(rngs=sr.Rngs(0))
   x = _tokens()
-  non_causal = x
-  for layer in sr.unstack(stack):
-    h = layer.attn(layer.ln1(non_causal))  # no mask
-    non_causal = non_causal + h
-    non_causal = non_causal + layer.mlp(layer.ln2(non_causal))
-  assert np.abs(stack(x) - non_causal).max() > 1e-2
+
+  @sr.jit
+  def non_causal(layers, h):
+    for layer in layers:
+      h = h + layer.attn(layer.ln1(h))  # no mask
+      h = h + layer.mlp(layer.ln2(h))
+    return h
+
+  assert np.abs(_forward(stack, x) - non_causal(sr.unstack(stack), x)).max() > 1e-2
 
 
 @pytest.mark.parametrize("kind", ["scan", "remat_scan"])
@@ -134,10 +137,8 @@ def test_each_layer_decodes_with_its_own_cache_slice(kind):
       h = Block.__call__(layer, h)
     return h
 
-  for t in range(x.shape[1]):
-    np.testing.assert_allclose(
-      _out(stack(x[:, t : t + 1])), loop(layers, x[:, t : t + 1]), atol=2e-5, rtol=2e-5
-    )
+  looped = jnp.concatenate([loop(layers, x[:, t : t + 1]) for t in range(x.shape[1])], axis=1)
+  np.testing.assert_allclose(_decode(stack, x), looped, atol=2e-5, rtol=2e-5)
   for i, layer in enumerate(layers):
     mine = stack.layer(i).attn
     np.testing.assert_allclose(
@@ -197,7 +198,7 @@ def test_a_named_layer_axis_and_a_stack_of_stacks():
   ensemble.set_attributes(decode=True)
   x = jnp.broadcast_to(_tokens()[None, :, :3], (2, B, 3, D))
   for t in range(3):
-    ensemble(x[:, :, t : t + 1])
+    _forward(ensemble, x[:, :, t : t + 1])
   assert ensemble.attn.cache_index.value.tolist() == [[3] * N, [3] * N]
 
 
@@ -284,7 +285,7 @@ def test_a_scan_whose_rules_do_not_slice_the_cache_says_how_to_build_it():
   fixed = sr.stack(sr.unstack(stack), like=Fixed)
   x = _tokens()[:, :3]
   np.testing.assert_allclose(
-    _decode(fixed, x), _out(fixed.set_attributes(decode=False)(x)), atol=2e-5, rtol=2e-5
+    _decode(fixed, x), _forward(fixed.set_attributes(decode=False), x), atol=2e-5, rtol=2e-5
   )
 
 
