@@ -11,7 +11,8 @@ import difflib
 from collections.abc import Mapping
 
 from ..core._errors import TransformError
-from ..transforms.memory import Policy
+from ..transforms.memory import CUSTOM_CHOICES as _CHOICES
+from ..transforms.memory import Policy, custom_policy
 
 _QKV = ("query_proj", "value_proj", "key_proj", "qkv_proj")
 _MINIMAL = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
@@ -38,8 +39,6 @@ save_out_proj = _preset("save_out_proj", ("out_proj",))
 # MaxText offloads the three projections here, not a fused qkv_proj.
 qkv_proj_offloaded = _preset("qkv_proj_offloaded", (), ("query_proj", "value_proj", "key_proj"))
 minimal_offloaded = _preset("minimal_offloaded", (), _MINIMAL)
-
-_CHOICES = ("remat", "device", "offload")
 
 
 def preset(name: str) -> Policy:
@@ -100,10 +99,6 @@ def preset(name: str) -> Policy:
   return PRESETS[name]
 
 
-#: Other names for the values ``sr.nn`` tags, as custom takes them.
-ALIASES = {"attention_out": "context"}
-
-
 def custom(tensors: Mapping[str, str]) -> Policy:
   """A remat policy that treats each named tensor as ``tensors`` says, as MaxText's custom.
 
@@ -141,7 +136,6 @@ def custom(tensors: Mapping[str, str]) -> Policy:
       f"'remat', 'device' or 'offload', got {type(tensors).__name__}. Fix: e.g. "
       "`sr.policies.custom({'query_proj': 'offload', 'mlpwo': 'device'})`."
     )
-  chosen: dict[str, list[str]] = {choice: [] for choice in _CHOICES}
   for name, choice in tensors.items():
     if not isinstance(name, str):
       raise TypeError(
@@ -158,10 +152,4 @@ def custom(tensors: Mapping[str, str]) -> Policy:
         "name maps to 'remat' (recompute it), 'device' (save it on the device) or "
         f"'offload' (save it in host memory). Fix: {{{name!r}: {fix!r}}}."
       )
-    chosen[choice].append(ALIASES.get(name, name))
-  return Policy(
-    f"sr.policies.custom({dict(tensors)!r})",
-    chosen["device"],
-    chosen["offload"],
-    chosen["remat"],
-  )
+  return custom_policy(tensors)

@@ -6,9 +6,8 @@ import math
 
 from ._module_arg import resolve_length, stacked_sources
 from ._rules import TransformError
+from .memory._remat_names import AUTO
 from .memory._remat_plan import RematPlan, parse_bytes
-
-AUTO = "auto"
 
 
 def resolve_plan(what, lengths, length, policy, memory_budget, carries=None):
@@ -41,12 +40,13 @@ def resolve_plan(what, lengths, length, policy, memory_budget, carries=None):
         "'auto' (plan the nesting at trace time)."
       )
     return AUTO, length, policy, parse_bytes(memory_budget), carries  # planned with them
-  if memory_budget is not None:
+  if memory_budget is not None and policy != AUTO:
     raise TransformError(
       f"{what}: memory_budget={memory_budget!r} is for planning; pass "
-      "lengths='auto' with it (or sr.plan_remat(...) to see the plan first)."
+      "lengths='auto' or policy='auto' with it (or sr.plan_remat(...) to see the plan "
+      "first)."
     )
-  return tuple(lengths), length, policy, None, carries
+  return tuple(lengths), length, policy, parse_bytes(memory_budget), carries
 
 
 def check_lengths(what: str, lengths: tuple, length: int | None) -> int:

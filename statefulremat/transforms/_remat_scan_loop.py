@@ -23,7 +23,7 @@ from ._remat_scan_args import AUTO, check_cycles, check_lengths, check_units
 from ._rules import Collections, Rules, TransformError
 from .memory._carries import check_carries, warn_if_kept, warning_once
 from .memory._policy_check import policy_check
-from .memory._remat_search import plan_remat
+from .memory._remat_search import search
 
 # sr.remat_scan's defaults, as options: what sr.pipeline's stages run with.
 STAGE_DEFAULTS = dict(
@@ -140,25 +140,27 @@ def remat_scan_function(
   collections,
 ) -> Callable:
   rules = Rules(what, collections)
-  auto = lengths == AUTO
+  auto = lengths == AUTO or policy == AUTO
   offload = check_carries(what, carries, planned=True)
-  check = policy_check(policy, what)  # the innermost level's policy, once per trace
-  plans: dict = {}  # lengths="auto": one plan per (module structure, N, argument shapes)
+  # The innermost level's policy, checked once per trace (an "auto" one is the block's names).
+  check = policy_check(None if policy == AUTO else policy, what)
+  plans: dict = {}  # planned: one plan per (module structure, N, argument shapes)
 
   def planned(module, lifted, count, carry, args, kwargs) -> tuple:
-    """``(lengths, innermost policy, offload)``, as given or planned (lengths="auto")."""
+    """``(lengths, innermost policy, offload)``, as given or planned ("auto")."""
     if not auto:
       return lengths, policy, offload
     key = (lifted, count, avals(carry), avals(args), avals(kwargs))
     chosen = plans.get(key)
     if chosen is None:
-      chosen = plans[key] = plan_remat(
+      chosen = plans[key] = search(
         module,
         carry,
-        fn=lambda layer, c: fn(layer, c, *args, **kwargs),
-        memory_budget=budget,
-        policy=policy,
-        carries=carries,
+        lambda layer, c: fn(layer, c, *args, **kwargs),
+        budget,
+        policy,
+        carries,
+        lengths=None if lengths == AUTO else lengths,
       )
     return chosen.lengths, chosen.policy, chosen.carries == "offload"
 

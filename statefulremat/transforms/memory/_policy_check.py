@@ -9,7 +9,7 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -24,6 +24,9 @@ _POLICIES = jax.checkpoint_policies
 _ALLOW_LISTS = ("save_only_these_names", "save_and_offload_only_these_names")
 _EXCLUDING = ("save_any_names_but_these", "save_anything_except_these_names")
 _OFFLOADING = ("save_and_offload_only_these_names", "offload_dot_with_no_batch_dims")
+CUSTOM_CHOICES = ("remat", "device", "offload")  # what sr.policies.custom does with a name
+#: Other names for the values ``sr.nn`` tags, as custom takes them.
+ALIASES = {"attention_out": "context"}
 
 
 class Policy:
@@ -97,6 +100,16 @@ class Policy:
   def __reduce__(self):
     # By value, through the public class: a preset unpickles equal to itself.
     return (type(self), self._key())
+
+
+def custom_policy(tensors: Mapping[str, str]) -> Policy:
+  """``sr.policies.custom(tensors)`` for choices already checked: the one place it is built."""
+  chosen = {choice: [] for choice in CUSTOM_CHOICES}
+  for name, choice in tensors.items():
+    chosen[choice].append(ALIASES.get(name, name))
+  return Policy(
+    f"sr.policies.custom({dict(tensors)!r})", chosen["device"], chosen["offload"], chosen["remat"]
+  )
 
 
 @functools.cache

@@ -7,11 +7,12 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from ...core._errors import TransformError
-from ._remat_plan import DOTS, RematPlan, counted, format_bytes
+from ._remat_plan import DOTS, RematPlan, counted, effort, format_bytes
 
 NEAR_MISS = 1.05  # the model's error band, above the budget
 MODEL_SLACK = 0.01  # what the band adds to the model's error measured on the pick
 PROBES = 8  # compiles at most, to find a plan with fewer evaluations
+FRONTIER = 5  # plans compiled at most for policy="auto"'s memory-cost frontier
 
 #: ``make(scales, budget)``: the model's pick, depth ``d``'s figures scaled by ``scales[d]``.
 MakePlan = Callable[[dict[int, float] | None, int | None], RematPlan]
@@ -30,6 +31,22 @@ def calibrate(
   best = next(c for c in model.candidates if c.policy == policy)  # best first
   working_set = measure(picking(model, best)) - best.temp_bytes
   return {p: working_set - (r - residuals[policy]) for p, r in residuals.items()}
+
+
+def calibrate_names(model: RematPlan, measure: Measure, residuals: dict[str, int]) -> dict:
+  """``policy="auto"``'s residual bytes scaled by what XLA keeps of them: one more compile,
+  of the policy saving most at the calibrated pick's nesting (README.md)."""
+  low = model.candidates[0]
+  most = max(residuals, key=residuals.__getitem__)
+  same = lambda c: (c.lengths, c.carries, c.policy) == (low.lengths, low.carries, most)
+  high = next((c for c in model.candidates if same(c)), None)
+  if high is None or high.temp_bytes <= low.temp_bytes:
+    return residuals
+  slope = (measure(picking(model, high)) - measure(picking(model, low))) / (
+    high.temp_bytes - low.temp_bytes
+  )
+  base = residuals[low.policy]
+  return {p: base + max(0, round(slope * (r - base))) for p, r in residuals.items()}
 
 
 def fit_budget(
@@ -93,9 +110,9 @@ def _fit(make: MakePlan, budget: int, measure: Measure, note: str) -> RematPlan:
     fitting = _first_fit(plan, near[:PROBES], budget, measure)
   else:
     # A plan with fewer evaluations that the model puts inside the headroom is tried first.
-    bolder = [c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= budget]
-    bolder.sort(key=lambda c: (c.evals, c.policy != DOTS, c.temp_bytes, len(c.lengths)))
-    fitting = _first_fit(plan, bolder[:1], budget, measure)
+    cheaper = [c for c in plan.candidates if effort(c) < effort(plan) and c.temp_bytes <= budget]
+    cheaper.sort(key=lambda c: (effort(c), c.policy != DOTS, c.temp_bytes, len(c.lengths)))
+    fitting = _first_fit(plan, cheaper[:1], budget, measure)
     # Where the model was off for this block, scale its figures for that depth and rechoose.
     scales: dict[int, float] = {}
     for _ in range(4 if fitting is None else 0):
@@ -145,6 +162,8 @@ def picking(plan: RematPlan, pick, measured: int | None = None) -> RematPlan:
     carries=pick.carries,
     evals=pick.evals,
     temp_bytes=pick.temp_bytes,
+    recomputed_flops=pick.flops,
+    cost=pick.cost,
     candidates=(pick,) + rest,
     measured_bytes=measured,
   )
@@ -166,8 +185,28 @@ def _fewer_evaluations(plan: RematPlan, budget: int, measure: Measure) -> RematP
   error = abs(measured / plan.temp_bytes - 1) if plan.temp_bytes else 1.0
   band = min(NEAR_MISS, 1 + error + MODEL_SLACK)
   near = sorted(
-    (c for c in plan.candidates if c.evals < plan.evals and c.temp_bytes <= band * budget),
-    key=lambda c: (-c.evals, c.temp_bytes),
+    (c for c in plan.candidates if effort(c) < effort(plan) and c.temp_bytes <= band * budget),
+    key=lambda c: (-effort(c), c.temp_bytes),
   )
   fewer = _first_fit(plan, near[:PROBES], budget, measure)  # the next fewer evaluations first
   return fewer or dataclasses.replace(plan, measured_bytes=measured)
+
+
+def frontier(plan: RematPlan, measure: Measure) -> tuple[RematPlan, ...]:
+  """The memory-cost frontier of ``plan``'s candidates: the model's Pareto set, at most
+  ``FRONTIER`` of it (its two ends and evenly between), compiled, and kept where the
+  measured bytes still trade against cost: less memory first, never cheaper."""
+  pareto, best = [], float("inf")
+  for c in sorted(plan.candidates, key=lambda c: (c.temp_bytes, effort(c))):
+    if effort(c) < best:
+      pareto.append(c)
+      best = effort(c)
+  last = len(pareto) - 1
+  picks = sorted({round(i * last / max(1, FRONTIER - 1)) for i in range(FRONTIER)})
+  measured = [picking(plan, pareto[i], measure(picking(plan, pareto[i]))) for i in picks]
+  kept, best = [], float("inf")
+  for p in sorted(measured, key=lambda p: (p.measured_bytes, effort(p))):
+    if effort(p) < best:
+      kept.append(p)
+      best = effort(p)
+  return tuple(kept)

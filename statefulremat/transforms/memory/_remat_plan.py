@@ -7,7 +7,7 @@ import functools
 import math
 import numbers
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -38,6 +38,14 @@ class Candidate:
   temp_bytes: int
   carries: str = "device"
   host_bytes: int = 0
+  flops: int | None = None  # recomputed FLOPs per step, where a policy was given or "auto"
+  cost: float | None = None  # the step's recompute and host traffic in seconds (auto)
+
+
+def effort(c) -> float:
+  """What a candidate or plan costs, for ranking: its seconds where planned by names
+  (``policy="auto"``), else its block evaluations."""
+  return c.evals if c.cost is None else c.cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +67,15 @@ class RematPlan:
     _verify: internal: compiles the plan's gradient, returns XLA's temp bytes (or None).
     measured_bytes: XLA's temp bytes where planning compiled the plan; else None.
     unit: what ``n`` counts: ``"layer"`` (the default), or ``"cycle"``.
-    _policy: internal: the policy planning was given; None runs ``policy_name``'s.
+    _policies: internal: the policies by ``policy_name`` (None: the two presets').
     carries: where the outer levels' saved carries live: ``"device"`` or ``"offload"``.
     reason: with a budget, where planning put the carries and why; else ``""``.
+    recomputed_flops: with a ``policy`` given or ``"auto"``, the FLOPs a step recomputes
+      beyond one forward pass (read from the block's jaxpr); else None.
+    cost: with ``policy="auto"``, the step's recompute and host traffic in seconds.
+    frontier: with ``policy="auto"`` and no budget, the memory-cost frontier: plans, each
+      compiled (``measured_bytes``), less memory first and never cheaper.
+    names: with ``policy="auto"``, ``(name, bytes saved, FLOPs recomputed)`` per name.
   """
 
   n: int
@@ -76,13 +90,19 @@ class RematPlan:
   _verify: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
   measured_bytes: int | None = None
   unit: str = "layer"
-  _policy: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
+  _policies: Mapping[str, Callable] | None = dataclasses.field(
+    default=None, repr=False, compare=False
+  )
   carries: str = "device"
   reason: str = ""
+  recomputed_flops: int | None = None
+  cost: float | None = None
+  frontier: tuple = ()
+  names: tuple = ()
 
   @property
   def policy(self):
-    return POLICIES[self.policy_name] if self._policy is None else self._policy
+    return (self._policies or POLICIES)[self.policy_name]
 
   def verify(self) -> int:
     """Compiles the gradient of this plan once; returns XLA's temp bytes."""
@@ -116,9 +136,30 @@ class RematPlan:
       lines.append(row(mark, str(c.lengths), c.policy, evals, temp, c.carries))
     if len(self.candidates) > 8:
       lines.append(f"  … {len(self.candidates) - 8} more")
+    lines += self._kept_by_name()
     if self.reason:
       lines.append(self.reason)
     return "\n".join(lines)
+
+  def _kept_by_name(self) -> list[str]:
+    """``policy="auto"``'s choice per checkpoint name, with what it saves and costs."""
+    if not self.names:
+      return []
+    policy, unit = self.policy, self.unit
+    row = lambda *cells: "  {:<16}{:<10}{:>18}{:>22}".format(*cells)
+    lines = [row("name", "kept", f"saved per {unit}", "recomputed if not")]
+    host = 0
+    for name, size, flops in self.names:
+      choice = "device" if name in policy.saved else "remat"
+      if name in policy.offloaded:
+        choice, host = "offload", host + size
+      lines.append(row(name, choice, format_bytes(size), format_flops(flops)))
+    traffic = 2 * (self.n * host + next((c.host_bytes for c in self.candidates[:1]), 0))
+    lines.append(
+      f"Per step: {format_flops(self.recomputed_flops or 0)} recomputed beyond one forward "
+      f"pass, {format_bytes(traffic)} of host traffic; ~{1e3 * (self.cost or 0):.3g} ms."
+    )
+    return lines
 
 
 def structure(n: int, lengths: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -261,6 +302,13 @@ def format_bytes(n: int) -> str:
   return f"{n} B"
 
 
+def format_flops(n: int) -> str:
+  for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+    if n >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n} FLOP"
+
+
 def counted(n: int, unit: str) -> str:
   """``n`` units as a message says them: ``"37 layers"``, or cycles said as such."""
   return f"{n} {unit}s" + (" (a cycle is one pass over the pattern)" if unit == "cycle" else "")
@@ -279,27 +327,41 @@ def choose(
   carries: Sequence[str] = ("device",),
   moves: bool = True,
   nested_keeps: bool = True,
+  costing: Callable[[tuple, str, int], tuple[int, float]] | None = None,
+  only: tuple | None = None,
 ) -> tuple[Candidate, list]:
-  """The best candidate and all of them, best first (README.md says how they rank)."""
+  """The best candidate and all of them, best first (README.md says how they rank).
+
+  ``costing(lengths, policy, host bytes) -> (recomputed FLOPs, seconds or None)`` counts
+  what each recomputes, and ranks by the seconds (``policy="auto"``); ``only`` plans that
+  one nesting."""
   candidates = []
-  for lengths in nestings(n, max_depth):
+  least = min(residuals.values())
+  for lengths in nestings(n, max_depth) if only is None else (only,):
     evals = (len(lengths) + 1) * n
     scale = (scales or {}).get(len(lengths), 1.0)
     for policy, residual in residuals.items():
-      if not nested_keeps and len(lengths) > 1 and policy == DOTS and NOTHING in residuals:
+      # Where nestings keep nothing of the innermost policy, the one saving least stands for all.
+      if not nested_keeps and len(lengths) > 1 and residual > least:
         continue
       temp = predict_temp(n, lengths, carry, residual, layer) + (working_sets or {}).get(policy, 0)
       for placement in carries:
         host = offloaded_bytes(n, lengths, carry) if placement == "offload" else 0
         # Offloaded, the saved carries leave the device but for one in transit.
         device = temp - (host - carry if moves and host else 0)
+        flops, cost = costing(lengths, policy, host) if costing else (None, None)
         candidates.append(
-          Candidate(lengths, policy, evals, max(0, int(scale * device)), placement, host)
+          Candidate(
+            lengths, policy, evals, max(0, int(scale * device)), placement, host, flops, cost
+          )
         )
   # At equal cost, the plan that recomputes less: dots saved (or the given policy).
   if memory_budget is None:
     pool = [c for c in candidates if c.evals <= 3 * n]
-    key = lambda c: (c.temp_bytes, c.evals, len(c.lengths), c.policy == NOTHING, c.host_bytes)
+    key = lambda c: (c.temp_bytes, effort(c), len(c.lengths), c.policy == NOTHING, c.host_bytes)
+  elif candidates[0].cost is not None:
+    pool = [c for c in candidates if c.temp_bytes <= HEADROOM * memory_budget]
+    key = lambda c: (c.cost, c.temp_bytes, len(c.lengths))
   else:
     pool = [c for c in candidates if c.temp_bytes <= HEADROOM * memory_budget]
     key = lambda c: (

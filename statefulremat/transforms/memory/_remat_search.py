@@ -17,7 +17,9 @@ from .._jit import jit
 from .._pattern_loop import lift_loop
 from .._rules import Collections, Rules, TransformError
 from ._carries import check_carries, moves_to_host, quiet
-from ._remat_budget import calibrate, fit_budget, picking
+from ._offload_check import offload_problem
+from ._remat_budget import calibrate, calibrate_names, fit_budget, frontier, picking
+from ._remat_names import AUTO, keepings, name_table, recomputed_flops
 from ._remat_plan import (
   GIVEN,
   NOTHING,
@@ -31,6 +33,8 @@ from ._remat_plan import (
   unit_inputs,
 )
 
+COSTS = (25e9, 1e14)  # plan_remat's defaults: host_bandwidth, device_flops
+
 
 def plan_remat(
   stack,
@@ -39,9 +43,10 @@ def plan_remat(
   fn: Callable[..., Any] | None = None,
   memory_budget: int | str | None = None,
   max_depth: int = 4,
-  policy: Callable[..., Any] | None = None,
+  policy: Callable[..., Any] | str | None = None,
   carries: str | None = None,
   host_bandwidth: float | str = "25GB/s",
+  device_flops: float = 1e14,
 ) -> RematPlan:
   """Plans ``sr.remat_scan`` over ``stack`` for a ``carry`` of these shapes.
 
@@ -55,11 +60,15 @@ def plan_remat(
     memory_budget: bytes or a string; None for the least memory at <= 3N evaluations.
     max_depth: the most levels of nesting a plan may have (default ``4``).
     policy: the innermost policy to plan with, in place of choosing between nothing
-      saveable and dots saveable.
+      saveable and dots saveable; ``"auto"`` chooses, for each ``checkpoint_name`` the
+      block gives, remat, device or offload (an ``sr.policies.custom``), with the nesting
+      and the carries, for the least recompute and host traffic that fits.
     carries: where the outer levels' carries may live: ``"device"``, ``"offload"``, or
       ``None`` (the default): the device unless only offloading meets the budget.
     host_bandwidth: device-host bytes per second, for the cost an offloading plan
       reports: a number or e.g. ``"25GB/s"`` (the default, PCIe 4.0 x16).
+    device_flops: with ``policy="auto"``, the FLOPs per second that price recomputation
+      against host traffic (default ``1e14``).
 
   Returns:
     An ``sr.RematPlan`` (its ``lengths``, innermost ``policy``, evaluations and bytes), to
@@ -79,7 +88,6 @@ def plan_remat(
   >>> y = sr.remat_scan(lambda layer, h: jnp.tanh(layer(h)), lengths=plan)(
   ...     stack, jnp.ones((8, 256)))
   """
-  fn = _call if fn is None else fn
   positions = cycle(stack) if isinstance(stack, Module) else ()
   if not positions or not all(map(is_stacked, positions)):
     raise TypeError(
@@ -98,45 +106,92 @@ def plan_remat(
       f"sr.plan_remat: host_bandwidth={host_bandwidth!r} is not an amount of bandwidth. "
       "Fix: bytes per second, e.g. 25e9, or a string such as '25GB/s'."
     ) from None
-  return _search(stack, carry, fn, budget, bandwidth, max_depth, policy, carries, positions)
+  if isinstance(policy, str) and policy != AUTO:
+    raise TransformError(
+      f"sr.plan_remat: policy={policy!r}; the only string it takes is 'auto' (the planner "
+      "chooses what to keep by name). Fix: policy='auto', or a policy such as "
+      f"`sr.policies.preset({policy!r})`."
+    )
+  costs = (bandwidth or 25e9, device_flops)
+  return search(
+    stack, carry, fn or _call, budget, policy, carries, max_depth=max_depth, costs=costs
+  )
 
 
-def _search(stack, carry, fn, budget, bandwidth, max_depth, policy, carries, positions):
-  """``plan_remat`` on checked arguments: the model's pick, calibrated and compiled."""
-  moves = moves_to_host()
-  nested_keeps = policy is not None or nesting_keeps_policy()
+def search(stack, carry, fn, budget, policy, carries, *, lengths=None, max_depth=4, costs=COSTS):
+  """``plan_remat`` on checked arguments: the model's pick, calibrated and compiled;
+  ``lengths`` plans that nesting only (``sr.remat_scan(lengths=..., policy="auto")``);
+  ``costs``: host bandwidth and device FLOPs, per second."""
+  args = (stack, carry, fn, budget, policy, carries, lengths, max_depth, costs)
+  plan, problem = _search(*args, moves_to_host())
+  notes = [] if plan.names or policy != AUTO else [_unnamed()]
+  if problem is not None:  # planned again, offloading nothing
+    plan, _ = _search(*args, False)
+    notes.append(problem)
+  return dataclasses.replace(plan, reason=" ".join([*notes, plan.reason]).strip())
+
+
+def _search(stack, carry, fn, budget, policy, carries, only, max_depth, costs, moves):
+  """``(plan, why its offload is refused or None)``; ``moves``: whether it may offload."""
+  positions = cycle(stack)
   n, unit_fn, unit_states, unit_bytes = unit_inputs(stack, fn)
   as_shape = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
   carry, abstract = jax.tree.map(as_shape, (carry, stack))
   carry_bytes = tree_bytes(carry)
-  given = {GIVEN: policy} if policy is not None else POLICIES
-  residuals = {
-    name: residual_bytes(unit_fn, unit_states, carry, innermost)
-    for name, innermost in given.items()
-  }
+  bandwidth, device_flops = costs
+  table = name_table(unit_fn, unit_states, carry) if policy == AUTO else None
+  names, keeps, unit_flops = None, {}, None
+  if table is not None and table.names:
+    keeps = dict(
+      (f"auto #{i}", k) for i, k in enumerate(keepings(table, moves, device_flops, bandwidth))
+    )
+    given: dict[str, Any] = {name: k.policy for name, k in keeps.items()}
+    residuals = {name: k.device for name, k in keeps.items()}
+    names = tuple((m, table.bytes[m], table.flops[m]) for m in table.names)
+    forward, unit_flops = table.forward_flops, {name: k.flops for name, k in keeps.items()}
+  else:
+    given = {GIVEN: policy} if policy not in (None, AUTO) else POLICIES
+    residuals = {
+      name: residual_bytes(unit_fn, unit_states, carry, innermost)
+      for name, innermost in given.items()
+    }
+    if policy not in (None, AUTO):
+      forward, recomputed = recomputed_flops(unit_fn, unit_states, carry, policy)
+      unit_flops = {GIVEN: recomputed}
 
-  def verify(plan: RematPlan) -> int:
+  def costing(lengths: tuple, name: str, host: int) -> tuple[int, float | None]:
+    flops = (len(lengths) - 1) * n * forward + n * unit_flops[name]
+    if names is None:
+      return flops, None  # counted, for the record; ranked by evaluations
+    traffic = 2 * (n * keeps[name].host + host)
+    return flops, flops / device_flops + traffic / bandwidth
+
+  nested_keeps = len(given) == 1 or nesting_keeps_policy()
+
+  def lower(plan: RematPlan) -> jax.stages.Lowered:
     run = _candidate(fn, plan)
     loss = lambda m, c: sum(jnp.sum(x) for x in jax.tree.leaves(run(m, c)))
     with quiet():  # planning's compiles: the plan warns once, where it is run
-      lowered = jit(grad(loss)).lower(abstract, carry)
-    analysis: Any = lowered.compile().memory_analysis()  # None only where XLA gives none
-    return int(analysis.temp_size_in_bytes)
+      return jit(grad(loss)).lower(abstract, carry)
+
+  def verify(plan: RematPlan) -> int:
+    return _temp_bytes(lower(plan).compile(_planning_options()))
 
   unit = "cycle" if len(positions) > 1 else "layer"
   measured: dict[tuple, int] = {}
+  key = lambda plan: (plan.lengths, plan.policy_name, plan.carries)
 
   def measure(plan: RematPlan) -> int:  # each plan compiled at most once while planning
-    key = (plan.lengths, plan.policy_name, plan.carries)
-    if key not in measured:
-      measured[key] = verify(plan)
-    return measured[key]
+    if key(plan) not in measured:
+      measured[key(plan)] = verify(plan)
+    return measured[key(plan)]
 
   working_sets: dict[str, int] | None = None  # W per policy, once calibrated
   # The plan before the model picks; each pick fills in its nesting and figures.
   blank = RematPlan(
-    n, (), NOTHING, 0, 0, None, (), carry_bytes, unit_bytes, verify, unit=unit, _policy=policy
+    n, (), NOTHING, 0, 0, None, (), carry_bytes, unit_bytes, verify, unit=unit, _policies=given
   )
+  blank = dataclasses.replace(blank, names=names or ())
 
   placements = ("offload",) if carries == "offload" else ("device",)
 
@@ -154,28 +209,57 @@ def _search(stack, carry, fn, budget, bandwidth, max_depth, policy, carries, pos
       placements,
       moves,
       nested_keeps,
+      costing if unit_flops is not None else None,
+      only,
     )
     unpicked = dataclasses.replace(blank, memory_budget=budget, candidates=tuple(ranked))
     return picking(unpicked, best, measured.get((best.lengths, best.policy, best.carries)))
 
-  working_sets = calibrate(make(None, None), measure, residuals)
-  if budget is None:
-    plan = make(None, None)
-    if plan.measured_bytes is not None:
-      return plan
-    working_sets = None  # the pick's policy was derived: measure it
-    working_sets = calibrate(make(None, None), measure, residuals, plan.policy_name)
-    return make(None, None)
-  if carries is not None:
-    return fit_budget(make, budget, measure)
-  if not moves:
-    note = (
-      f" Offloading the outer levels' carries (carries='offload') would not help: "
-      f"this backend ({jax.default_backend()}) moves nothing to host memory."
-    )
-    return fit_budget(make, budget, measure, note=note)
-  offloading = lambda scales, budget: make(scales, budget, ("offload",))
-  return fit_budget(make, budget, measure, offloading, bandwidth or 25e9)
+  def fitted() -> RematPlan:
+    nonlocal working_sets, residuals
+    working_sets = calibrate(make(None, None), measure, residuals)
+    if names is not None:
+      residuals = calibrate_names(make(None, None), measure, residuals)
+      working_sets = None  # again, on the scaled residuals
+      working_sets = calibrate(make(None, None), measure, residuals)
+    if budget is None:
+      plan = make(None, None)
+      if plan.measured_bytes is None:
+        working_sets = None  # the pick's policy was derived: measure it
+        working_sets = calibrate(make(None, None), measure, residuals, plan.policy_name)
+        plan = make(None, None)
+      return plan if names is None else dataclasses.replace(plan, frontier=frontier(plan, measure))
+    if carries is not None:
+      return fit_budget(make, budget, measure)
+    if not moves:
+      note = (
+        f" Offloading the outer levels' carries (carries='offload') would not help: "
+        f"this backend ({jax.default_backend()}) moves nothing to host memory."
+      )
+      return fit_budget(make, budget, measure, note=note)
+    offloading = lambda scales, budget: make(scales, budget, ("offload",))
+    return fit_budget(make, budget, measure, offloading, bandwidth or 25e9)
+
+  plan = fitted()
+  chose = (
+    plan.policy_name in keeps
+    and keeps[plan.policy_name].host
+    or (plan.carries == "offload" and carries is None)
+  )
+  if not chose:
+    return plan, None
+  return plan, offload_problem(plan, lower(plan).compile(), unit_fn, unit_states, carry)
+
+
+def _planning_options() -> dict:
+  """XLA's options for the planner's compiles: on CPU, LLVM's optimisations off. Temp bytes
+  come from buffer assignment, before LLVM runs, so they are the same; compiles take half."""
+  return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+
+
+def _temp_bytes(compiled: jax.stages.Compiled) -> int:
+  analysis: Any = compiled.memory_analysis()  # None only where XLA gives none
+  return int(analysis.temp_size_in_bytes)
 
 
 def _call(layer, carry):
@@ -203,3 +287,13 @@ def _candidate(fn: Callable, plan: RematPlan) -> Callable:
     return carry
 
   return run
+
+
+def _unnamed() -> str:
+  """Why ``policy="auto"`` planned with the two presets: the block names nothing."""
+  return (
+    "policy='auto': the block gives no `checkpoint_name`, so there is nothing to choose "
+    "by name; planned between nothing_saveable and dots_saveable. Name values in the "
+    "block (`jax.ad_checkpoint.checkpoint_name(x, name)`; sr.nn's layers name theirs) "
+    "to plan them."
+  )

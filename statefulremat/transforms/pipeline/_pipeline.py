@@ -90,7 +90,7 @@ class PipelineSpec:
         )
       options = {**options, "policy": self.policy}
     traced = serialised(
-      program(fn, self, what=what, auto=lengths == AUTO, budget=memory_budget, options=options)
+      program(fn, self, what=what, nesting=lengths, budget=memory_budget, options=options)
     )
 
     @functools.wraps(fn)

@@ -19,10 +19,11 @@ from ...core._stacks import axis_size, layer_axis
 from ...core._state import State
 from .._class_form import display_name
 from .._lift import Lifted, advance, commit, split_call
+from .._remat_scan_args import AUTO
 from .._remat_scan_loop import avals, remat_scan_function
 from .._rules import TransformError, mark_layer_index
 from ..accumulate._microbatches import join, split_rows
-from ..memory._remat_search import plan_remat
+from ..memory._remat_search import search
 
 
 def schedule_steps(k: int, stages: int, repeats: int) -> int:
@@ -40,11 +41,13 @@ def stacked_axes(stack) -> tuple[Any, list, list[int | None]]:
   return graphdef, variables, axes
 
 
-def program(fn: Callable, spec, *, what: str, auto: bool, budget: int | None, options: dict):
+def program(fn: Callable, spec, *, what: str, nesting, budget: int | None, options: dict):
   """The traced pipeline ``run(stack, x, *args, **kwargs) -> y`` of ``spec`` (a
-  ``PipelineSpec``), under a mesh with ``spec.axis``."""
+  ``PipelineSpec``), under a mesh with ``spec.axis``; each stage planned where ``nesting``
+  or the policy is ``"auto"``."""
   k, axis, repeats = spec.microbatches, spec.axis, spec.repeats
-  plans: dict = {}  # lengths="auto": one plan per (stage structure, shapes)
+  plans: dict = {}  # planned: one plan per (stage structure, shapes)
+  auto = AUTO in (nesting, options["policy"])
 
   def body(layer, carry, *args, **kwargs):
     return fn(layer, carry, *args, **kwargs)
@@ -121,14 +124,9 @@ def program(fn: Callable, spec, *, what: str, auto: bool, budget: int | None, op
           )
           return stage_fn(layer, c, *a, **kw)
 
-        plan = plans[key] = plan_remat(
-          module,
-          carry,
-          fn=planned,
-          memory_budget=budget,
-          policy=options["policy"],
-          carries=options["carries"],
-        )
+        given = None if nesting == AUTO else (chunk,)
+        policy, carries = options["policy"], options["carries"]
+        plan = search(module, carry, planned, budget, policy, carries, lengths=given)
       lengths, layers = plan.lengths, plan.n
       stage_options = {**options, "policy": plan.policy, "carries": plan.carries}
     inner = remat_scan_function(stage_fn, lengths, layers, None, what=stage_what, **stage_options)

@@ -1,0 +1,255 @@
+"""policy="auto": the planner chooses, per checkpoint name, remat / device / offload, with the
+nesting (issue 46). Every plan runs the same numbers as the loop without remat."""
+
+import functools
+import pickle
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import statefulremat as sr
+from benchmarks.planner import GPT, ConvBlock
+from statefulremat.transforms.memory._remat_budget import FRONTIER
+
+WIDTH, SEQ, BATCH, N = 16, 8, 2, 4
+
+
+class Local(GPT):
+  """Gemma 3's local layers: attention over a sliding window of 4 tokens."""
+
+  def __call__(self, x):
+    p = jnp.arange(x.shape[-2])
+    window = (p[:, None] - p[None, :] < 4)[None, None]
+    x = x + self.attn(self.attn_norm(x), mask=window, is_causal=True)
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class Plain(sr.Module):
+  """A block that names nothing: Linear and tanh."""
+
+  def __init__(self, width, *, rngs):
+    self.linear = sr.nn.Linear(width, width, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jnp.tanh(self.linear(x))
+
+
+def tokens(shape=(BATCH, SEQ, WIDTH)):
+  return jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
+
+
+BLOCKS = {
+  "GPT": (lambda: sr.vmap(GPT, axis_size=N)(WIDTH, 4, rngs=sr.Rngs(0)), tokens),
+  "GQA": (lambda: sr.vmap(GPT, axis_size=N)(WIDTH, 4, kv_heads=2, rngs=sr.Rngs(0)), tokens),
+  "pattern 5 local + 1 global": (
+    lambda: sr.remat_scan(
+      (*[functools.partial(Local, WIDTH, 4)] * 5, functools.partial(GPT, WIDTH, 4)),
+      length=12,
+      lengths=(2,),
+    )(rngs=sr.Rngs(0)),
+    tokens,
+  ),
+  "conv": (
+    lambda: sr.vmap(ConvBlock, axis_size=N)(8, rngs=sr.Rngs(0)),
+    lambda: tokens((2, 6, 6, 8)),
+  ),
+}
+
+
+# sr.policies' presets that keep values on the device (this CPU moves nothing to host memory).
+DEVICE_PRESETS = (
+  "full",
+  "minimal",
+  "minimal_with_context",
+  "save_dot_with_context_except_mlp",
+  "save_dot_except_mlpwi",
+  "save_dot_except_mlp",
+  "save_qkv_proj",
+  "save_out_proj",
+)
+
+
+def apply(layer, x):
+  return layer(x)
+
+
+def loss_of(forward):
+  return lambda stack, x: jnp.mean(jnp.sin(forward(stack, x)))
+
+
+def loop(stack, x):
+  """The reference: the Python loop over the layers, no remat."""
+  for layer in sr.unstack(stack):
+    x = layer(x)
+  return x
+
+
+@functools.cache
+def planned(name):
+  """The block's stack and carry, its loop's value and gradient, and its auto plan."""
+  make, carry = BLOCKS[name]
+  stack, x = make(), carry()
+  reference = sr.jit(sr.value_and_grad(loss_of(loop)))(stack, x)
+  return stack, x, reference, sr.plan_remat(stack, x, policy="auto")
+
+
+def assert_same(got, want):
+  (value, grads), (value_ref, grads_ref) = got, want
+  np.testing.assert_allclose(value, value_ref, rtol=1e-5, atol=1e-6)
+  for path, leaf in grads.flat().items():
+    np.testing.assert_allclose(leaf, grads_ref.flat()[path], rtol=2e-4, atol=1e-6, err_msg=path)
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_every_frontier_plan_and_a_budget_pick_equal_the_loop(name):
+  stack, x, reference, plan = planned(name)
+  plans = plan.frontier
+  if name.startswith("pattern"):
+    plans = (plans[0], plans[-1])  # its compiles are the slowest: the two ends
+  else:
+    budget = (plan.frontier[0].measured_bytes + plan.frontier[-1].measured_bytes) // 2
+    fitted = sr.plan_remat(stack, x, policy="auto", memory_budget=budget)
+    assert fitted.measured_bytes <= budget
+    plans += (fitted,)
+  for p in plans:
+    run = sr.remat_scan(apply, lengths=p)
+    assert_same(sr.jit(sr.value_and_grad(loss_of(run)))(stack, x), reference)
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_the_frontier_is_monotone_and_starts_at_the_pick(name):
+  *_, plan = planned(name)
+  assert len(plan.frontier) >= 2, plan
+  measured = [p.measured_bytes for p in plan.frontier]
+  costs = [p.cost for p in plan.frontier]
+  assert measured == sorted(measured) and len(set(measured)) == len(measured)
+  assert costs == sorted(costs, reverse=True) and len(set(costs)) == len(costs)
+  assert (plan.frontier[0].lengths, plan.frontier[0].policy) == (plan.lengths, plan.policy)
+  assert plan.measured_bytes == plan.frontier[0].measured_bytes
+  # Less memory costs recompute: the cheapest end recomputes fewer FLOPs than the smallest.
+  assert plan.frontier[-1].recomputed_flops < plan.frontier[0].recomputed_flops
+
+
+def test_the_policy_is_an_ordinary_custom_policy():
+  *_, plan = planned("GPT")
+  cheapest = plan.frontier[-1].policy
+  assert isinstance(cheapest, sr.policies.Policy)
+  assert eval(repr(cheapest), {"sr": sr}) == cheapest  # printed, it pastes back
+  assert pickle.loads(pickle.dumps(cheapest)) == cheapest
+  names = {"context", "key_proj", "mlpwi", "mlpwo", "out_proj", "query_proj", "value_proj"}
+  assert set(cheapest.saved) | set(cheapest.recomputed) == names
+  assert "mlpwi" in cheapest.saved and not plan.policy.saved  # the smallest keeps none
+  # What sr.remat_scan runs with it equals what it runs with the plan.
+  run = sr.remat_scan(apply, lengths=plan.frontier[-1].lengths, policy=cheapest)
+  stack, x, reference, _ = planned("GPT")
+  assert_same(sr.jit(sr.value_and_grad(loss_of(run)))(stack, x), reference)
+
+
+def test_str_says_per_name_what_was_chosen_and_why():
+  *_, plan = planned("GPT")
+  text = str(plan.frontier[-1])
+  for name, *_ in plan.names:
+    row = re.search(rf"^\s*{name}\s+(remat|device|offload)\s.*$", text, re.M)
+    assert row, f"{name} has no row in:\n{text}"
+  assert re.search(r"^\s*mlpwi\s+device\b", text, re.M), text
+  assert "recomputed" in text and "saved" in text
+  # mlpwo is the block's output: saving it keeps nothing more, recomputing it costs nothing.
+  assert ("mlpwo", 0, 0) in plan.names
+
+
+def test_auto_recomputes_no_more_than_the_best_preset_at_each_budget():
+  stack, x, _, plan = planned("GPT")
+  low, high = plan.frontier[0].measured_bytes, plan.frontier[-1].measured_bytes
+  for budget in ((low + high) // 2,):
+    auto = sr.plan_remat(stack, x, policy="auto", memory_budget=int(budget))
+    assert auto.measured_bytes <= budget
+    for preset in map(sr.policies.preset, DEVICE_PRESETS):
+      try:
+        other = sr.plan_remat(stack, x, policy=preset, memory_budget=int(budget))
+      except sr.TransformError:
+        continue  # the preset fits nowhere under this budget, or names nothing here
+      assert auto.recomputed_flops <= other.recomputed_flops, (budget, preset, str(auto))
+
+
+def test_a_budget_nothing_fits_names_the_smallest_plan():
+  stack, x, _, plan = planned("GPT")
+  with pytest.raises(sr.TransformError, match=r"no remat plan .* the smallest, lengths="):
+    sr.plan_remat(stack, x, policy="auto", memory_budget=plan.measured_bytes // 4)
+
+
+def test_a_block_that_names_nothing_plans_as_before_and_says_why():
+  stack = sr.vmap(Plain, axis_size=N)(4, rngs=sr.Rngs(0))
+  x = tokens((2, 4))
+  plan = sr.plan_remat(stack, x, policy="auto")
+  assert plan.policy_name in ("nothing_saveable", "dots_saveable") and not plan.names
+  assert "gives no `checkpoint_name`" in plan.reason
+  run = sr.remat_scan(apply, lengths="auto", policy="auto")
+  reference = sr.jit(sr.value_and_grad(loss_of(loop)))(stack, x)
+  assert_same(sr.jit(sr.value_and_grad(loss_of(run)))(stack, x), reference)
+
+
+@pytest.mark.parametrize("lengths", ["auto", (2, 2)])
+def test_remat_scan_plans_the_policy_with_or_without_its_nesting(lengths):
+  stack, x, reference, plan = planned("GPT")
+  # (2, 2) holds more than the frontier's single level: a budget it fits saving every name.
+  budget = plan.frontier[1].measured_bytes if lengths == "auto" else 10 * plan.measured_bytes
+  run = sr.remat_scan(apply, lengths=lengths, policy="auto", memory_budget=budget)
+  assert_same(sr.jit(sr.value_and_grad(loss_of(run)))(stack, x), reference)
+
+
+def test_the_pattern_plans_cycles_by_the_names_of_both_kinds_of_block():
+  *_, plan = planned("pattern 5 local + 1 global")
+  assert plan.unit == "cycle" and plan.n == 2
+  assert {"query_proj", "mlpwi", "context"} <= {name for name, *_ in plan.names}
+
+
+def test_misspelt_policy_strings_name_auto():
+  stack, x, *_ = planned("GPT")
+  with pytest.raises(sr.TransformError, match=r"policy='atuo'; the only string it takes is 'auto'"):
+    sr.plan_remat(stack, x, policy="atuo")
+  with pytest.raises(TypeError, match=r"policy='minimal' is a string"):
+    sr.remat_scan(apply, lengths=(2, 2), policy="minimal")(stack, x)
+
+
+def test_a_budget_with_given_lengths_needs_auto():
+  stack, x, *_ = planned("GPT")
+  with pytest.raises(sr.TransformError, match=r"lengths='auto' or policy='auto' with it"):
+    sr.remat_scan(apply, lengths=(2, 2), memory_budget="1GiB")(stack, x)
+
+
+def test_planning_compiles_a_bounded_number_of_programs(monkeypatch):
+  stack = sr.eval_shape(lambda: sr.vmap(GPT, axis_size=24)(WIDTH, 4, rngs=sr.Rngs(0)))
+  x = jax.ShapeDtypeStruct((BATCH, SEQ, WIDTH), jnp.float32)
+  sr.plan_remat(stack, x)  # the process's one-time probes of the backend, compiled here
+  compiles = []
+  original = jax.stages.Lowered.compile
+  monkeypatch.setattr(
+    jax.stages.Lowered, "compile", lambda self, *a, **k: compiles.append(1) or original(self, *a)
+  )
+  plan = sr.plan_remat(stack, x, policy="auto")
+  # Two to calibrate (the least and the most saving policy), the frontier's others.
+  assert len(compiles) <= 2 + FRONTIER, str(plan)
+  compiles.clear()
+  sr.plan_remat(stack, x, policy="auto", memory_budget=plan.frontier[1].measured_bytes)
+  assert len(compiles) <= 2 + 1 + 8  # calibrating, the pick, at most PROBES near misses
+
+
+def test_an_offload_the_compiled_program_does_not_make_is_refused():
+  # The check an offloading pick passes before the planner returns it (on a backend that
+  # moves values; this CPU does not, so the planner never offloads here): a program that
+  # keeps no host bytes (JAX issue #23869's symptom) is refused, and the message says so.
+  from statefulremat.transforms.memory import _offload_check, _remat_plan
+
+  stack, x, *_ = planned("GPT")
+  offloading = sr.policies.custom({"mlpwi": "offload", "query_proj": "device"})
+  plan = sr.plan_remat(stack, x, policy=offloading)
+  run = sr.remat_scan(apply, lengths=plan)
+  with pytest.warns(UserWarning, match="nothing is offloaded"):
+    compiled = sr.jit(sr.grad(loss_of(run))).lower(stack, x).compile()
+  _, unit_fn, states, _ = _remat_plan.unit_inputs(stack, apply)
+  problem = _offload_check.offload_problem(plan, compiled, unit_fn, states, x)
+  assert problem.startswith("Not offloaded: the plan offloading the names 'mlpwi' (lengths=")
+  assert "keeps no host bytes on this backend (cpu)" in problem
