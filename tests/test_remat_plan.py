@@ -326,8 +326,12 @@ def test_a_budget_the_model_is_exact_for_takes_one_compile(monkeypatch):
     return original(fn, plan)
 
   monkeypatch.setattr(_remat_search, "_candidate", counting)  # what the planner compiles
+  monkeypatch.setattr(_remat_search, "planned_bytes", {})  # nothing measured before
   plan = sr.plan_remat(stack, carry, fn=body, memory_budget=budget)
   assert plan.evals == 3 * 61 and plan.measured_bytes <= budget
+  assert compiled == [plan.lengths]
+  # Planned again (the same body and shapes), nothing is compiled again.
+  assert sr.plan_remat(stack, carry, fn=body, memory_budget=budget) == plan
   assert compiled == [plan.lengths]
 
 

@@ -39,6 +39,10 @@ lifted_steps: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the
 made_classes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # frozen call -> class
 class_forms: dict[str, Any] = {}  # "scan" -> the cached class form, for MADE_BY and pickles
 joined_metaclasses: dict[type, type] = {}  # a user's metaclass -> it joined with MadeClass
+# The planner's compiled temp bytes: (body, stack and carry shapes, remat, backend) ->
+# {(lengths, policy, carries): bytes}; the oldest stack's go past PLANNED_STACKS.
+planned_bytes: dict[tuple, dict] = {}
+PLANNED_STACKS = 32
 
 # -- the display and the checkpoints ------------------------------------------------
 

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ...core._caches import PLANNED_STACKS, planned_bytes
 from ...core._frozen import ALL_SPLIT, ALL_STACKED, EMPTY
 from ...core._module import Module
 from ...core._stacks import cycle, is_stacked
@@ -17,6 +18,7 @@ from .._jit import jit
 from .._pattern_loop import lift_loop
 from .._rules import Collections, Rules, TransformError
 from ._carries import check_carries, moves_to_host, quiet
+from ._jaxpr_reading import remat_flavour
 from ._offload_check import offload_problem
 from ._remat_budget import calibrate, calibrate_names, fit_budget, frontier, picking
 from ._remat_names import AUTO, keepings, name_table, recomputed_flops
@@ -178,8 +180,8 @@ def _search(stack, carry, fn, budget, policy, carries, only, max_depth, costs, m
     return _temp_bytes(lower(plan).compile(_planning_options()))
 
   unit = "cycle" if len(positions) > 1 else "layer"
-  measured: dict[tuple, int] = {}
-  key = lambda plan: (plan.lengths, plan.policy_name, plan.carries)
+  measured = _measurements(fn, abstract, carry)
+  key = lambda plan: (plan.lengths, plan.policy, plan.carries)  # kept across calls: no names
 
   def measure(plan: RematPlan) -> int:  # each plan compiled at most once while planning
     if key(plan) not in measured:
@@ -213,7 +215,7 @@ def _search(stack, carry, fn, budget, policy, carries, only, max_depth, costs, m
       only,
     )
     unpicked = dataclasses.replace(blank, memory_budget=budget, candidates=tuple(ranked))
-    return picking(unpicked, best, measured.get((best.lengths, best.policy, best.carries)))
+    return picking(unpicked, best, measured.get((best.lengths, given[best.policy], best.carries)))
 
   def fitted() -> RematPlan:
     nonlocal working_sets, residuals
@@ -249,6 +251,15 @@ def _search(stack, carry, fn, budget, policy, carries, only, max_depth, costs, m
   if not chose:
     return plan, None
   return plan, offload_problem(plan, lower(plan).compile(), unit_fn, unit_states, carry)
+
+
+def _measurements(fn: Callable, abstract: Any, carry: Any) -> dict[tuple, int]:
+  """The compiled temp bytes planning has measured for this body, stack and carry."""
+  shapes = lambda tree: (jax.tree.structure(tree), tuple(map(str, jax.tree.leaves(tree))))
+  key = (fn, shapes(abstract), shapes(carry), remat_flavour(), jax.default_backend())
+  if key not in planned_bytes and len(planned_bytes) >= PLANNED_STACKS:
+    del planned_bytes[next(iter(planned_bytes))]
+  return planned_bytes.setdefault(key, {})
 
 
 def _planning_options() -> dict:
