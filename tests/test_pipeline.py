@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -48,7 +49,8 @@ class NormDropBlock(sr.Module):
     self.drop = sr.nn.Dropout(0.3, rngs=rngs)
 
   def __call__(self, x):
-    return x + jnp.tanh(self.drop(self.norm(self.linear(x))))
+    # A name policy="auto" can choose to keep (or recompute).
+    return x + jnp.tanh(self.drop(checkpoint_name(self.norm(self.linear(x)), "normed")))
 
 
 def apply(layer, x):
@@ -358,6 +360,9 @@ def test_remat_inside_each_stage_by_policy_or_planned_under_a_budget():
     {"lengths": "auto", "memory_budget": "64KiB"},
     # planned for the policy given
     {"lengths": "auto", "memory_budget": "64KiB", "policy": jax.checkpoint_policies.dots_saveable},
+    # what to keep by name, for each stage's one level, or with its nesting, under a budget
+    {"policy": "auto", "memory_budget": "64KiB"},
+    {"lengths": "auto", "policy": "auto"},
   ):
     stack = build(NormDropBlock, 8, mesh)
     piped = sr.pipeline(apply, microbatches=4, **options)

@@ -80,11 +80,12 @@ def remat_scan(
       (``sr.plan_remat``); or an ``sr.RematPlan``, which brings its length and policy.
     length: N (default ``None``: ``prod(lengths)``); a smaller N makes the last segment short
       (``lengths=(10, 10), length=97``), with no padding. Needed by the class form with ``"auto"``.
-    memory_budget: with ``lengths="auto"``, the memory the plan must fit: bytes or e.g.
+    memory_budget: with ``lengths="auto"`` or ``policy="auto"``, the memory the plan must fit: bytes or e.g.
       ``"512MiB"`` (per device under ``pipeline``). Default ``None``: the least memory
       at no more than 3N evaluations.
     policy: the ``jax.checkpoint_policies`` entry of the innermost level (default ``None``: save
       nothing), checked as ``sr.remat`` checks it; outer levels save only their carries.
+      ``"auto"``: planned per ``checkpoint_name`` (``sr.plan_remat``'s ``policy="auto"``).
     carries: where the outer levels' saved carries live: ``"device"`` or ``"offload"``
       (host memory; see the "Memory names" guide). Default ``None``: the device, unless
       an ``"auto"`` plan under ``memory_budget`` needs to offload.

@@ -131,10 +131,10 @@ def pipeline(
       ``"circular"`` (S·R chunks, stage s holding chunks s, s+S, …).
     repeats: R, the rounds of ``schedule="circular"`` (default ``1``).
     policy: what each stage's ``sr.remat_scan`` level saves (default ``None``: nothing,
-      or with ``lengths="auto"`` the plan's choice).
+      or with ``lengths="auto"`` the plan's choice); ``"auto"`` plans it per checkpoint name.
     lengths: ``None`` (the default: one level per stage) or ``"auto"`` (planned for one
       stage's layers and one microbatch under ``memory_budget``).
-    memory_budget: with ``lengths="auto"``, bytes per device, or a string such as
+    memory_budget: with ``lengths="auto"`` or ``policy="auto"``, bytes per device, or a string such as
       ``"512MiB"``. Default ``None``.
 
   Returns:
