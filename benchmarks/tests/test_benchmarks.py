@@ -269,6 +269,20 @@ def test_planner_part_sets_each_candidate_against_xla(tmp_path):
   assert "| conv | 6 layers | 0 |" in text and "target |error| <= 10 %: met." in text
 
 
+def test_auto_policy_part_compares_every_method_at_every_budget(tmp_path):
+  # The conv block shows the plumbing; tests/test_auto_policy.py checks the planner.
+  from benchmarks import auto_policy
+
+  result = auto_policy.run(True, tmp_path, only=("conv",), log=lambda *a: None)
+  assert json.loads((tmp_path / "auto_policy.json").read_text()) == json.loads(json.dumps(result))
+  (block,) = result["blocks"]
+  assert len(block["rows"]) == auto_policy.QUICK["budgets"] and block["frontier"]
+  for row in block["rows"]:
+    assert row["auto"]["fits"] and row["exhaustive"]["fits"]  # else run raised
+  assert result["planning"]["compiles"] >= 2
+  assert "Targets: all met." in (tmp_path / "auto_policy.md").read_text()
+
+
 def test_offload_benchmark_runs_and_on_cpu_moves_nothing(tmp_path):
   # For a GPU session: on CPU it shows every construction runs with equal gradients.
   from benchmarks import offload

@@ -117,7 +117,7 @@ def plan_remat(
       "chooses what to keep by name). Fix: policy='auto', or a policy such as "
       f"`sr.policies.preset({policy!r})`."
     )
-  costs = (bandwidth or 25e9, device_flops)
+  costs = (bandwidth or COSTS[0], device_flops)
   return search(
     stack, carry, fn or _call, budget, policy, carries, max_depth=max_depth, costs=costs
   )
@@ -126,7 +126,7 @@ def plan_remat(
 def search(stack, carry, fn, budget, policy, carries, *, lengths=None, max_depth=4, costs=COSTS):
   """``plan_remat`` on checked arguments: the model's pick, calibrated and compiled;
   ``lengths`` plans that nesting only (``sr.remat_scan(lengths=..., policy="auto")``);
-  ``costs``: host bandwidth and device FLOPs, per second."""
+  ``costs``: host bandwidth and device FLOPs, per second (non-zero)."""
   args = (stack, carry, fn, budget, policy, carries, lengths, max_depth, costs)
   plan, problem = _search(*args, moves_to_host())
   notes = [] if plan.names or policy != AUTO else [_unnamed()]
@@ -143,34 +143,9 @@ def _search(stack, carry, fn, budget, policy, carries, only, max_depth, costs, m
   as_shape = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
   carry, abstract = jax.tree.map(as_shape, (carry, stack))
   carry_bytes = tree_bytes(carry)
-  bandwidth, device_flops = costs
-  table = name_table(unit_fn, unit_states, carry) if policy == AUTO else None
-  names, keeps, unit_flops = None, {}, None
-  if table is not None and table.names:
-    keeps = dict(
-      (f"auto #{i}", k) for i, k in enumerate(keepings(table, moves, device_flops, bandwidth))
-    )
-    given: dict[str, Any] = {name: k.policy for name, k in keeps.items()}
-    residuals = {name: k.device for name, k in keeps.items()}
-    names = tuple((m, table.bytes[m], table.flops[m]) for m in table.names)
-    forward, unit_flops = table.forward_flops, {name: k.flops for name, k in keeps.items()}
-  else:
-    given = {GIVEN: policy} if policy not in (None, AUTO) else POLICIES
-    residuals = {
-      name: residual_bytes(unit_fn, unit_states, carry, innermost)
-      for name, innermost in given.items()
-    }
-    if policy not in (None, AUTO):
-      forward, recomputed = recomputed_flops(unit_fn, unit_states, carry, policy)
-      unit_flops = {GIVEN: recomputed}
-
-  def costing(lengths: tuple, name: str, host: int) -> tuple[int, float | None]:
-    flops = (len(lengths) - 1) * n * forward + n * unit_flops[name]
-    if names is None:
-      return flops, None  # counted, for the record; ranked by evaluations
-    traffic = 2 * (n * keeps[name].host + host)
-    return flops, flops / device_flops + traffic / bandwidth
-
+  given, residuals, costing, offloaded, names = _innermost(
+    policy, unit_fn, unit_states, carry, n, moves, costs
+  )
   nested_keeps = len(given) == 1 or nesting_keeps_policy()
 
   def lower(plan: RematPlan) -> jax.stages.Lowered:
@@ -214,7 +189,7 @@ def _search(stack, carry, fn, budget, policy, carries, only, max_depth, costs, m
       placements,
       moves,
       nested_keeps,
-      costing if unit_flops is not None else None,
+      costing,
       only,
     )
     unpicked = dataclasses.replace(blank, memory_budget=budget, candidates=tuple(ranked))
@@ -243,17 +218,43 @@ def _search(stack, carry, fn, budget, policy, carries, only, max_depth, costs, m
       )
       return fit_budget(make, budget, measure, note=note)
     offloading = lambda scales, budget: make(scales, budget, ("offload",))
-    return fit_budget(make, budget, measure, offloading, bandwidth or 25e9)
+    return fit_budget(make, budget, measure, offloading, costs[0])
 
   plan = fitted()
-  chose = (
-    plan.policy_name in keeps
-    and keeps[plan.policy_name].host
-    or (plan.carries == "offload" and carries is None)
-  )
-  if not chose:
+  if not offloaded.get(plan.policy_name) and (plan.carries == "device" or carries is not None):
     return plan, None
   return plan, offload_problem(plan, lower(plan).compile(), unit_fn, unit_states, carry)
+
+
+def _innermost(policy, unit_fn, states, carry, n: int, moves: bool, costs: tuple) -> tuple:
+  """``(policies, residual bytes, costing, offloaded bytes, names)`` by policy name: the
+  innermost policies to plan with (``"auto"``: the block's names'), what one unit saves
+  under each, ``choose``'s costing (None: ranked by evaluations alone), the bytes each
+  offloads per unit, and ``plan.names``' rows (None: not planned by name)."""
+  bandwidth, device_flops = costs
+  table = name_table(unit_fn, states, carry) if policy == AUTO else None
+  if table is None or not table.names:
+    given = {GIVEN: policy} if policy not in (None, AUTO) else POLICIES
+    residuals = {name: residual_bytes(unit_fn, states, carry, p) for name, p in given.items()}
+    if policy in (None, AUTO):
+      return given, residuals, None, {}, None
+    forward, recomputed = recomputed_flops(unit_fn, states, carry, policy)
+    flops = lambda lengths: (len(lengths) - 1) * n * forward + n * recomputed
+    return given, residuals, lambda lengths, _, __: (flops(lengths), None), {}, None
+  keeps = {f"auto #{i}": k for i, k in enumerate(keepings(table, moves, device_flops, bandwidth))}
+
+  def costing(lengths: tuple, name: str, host: int) -> tuple[int, float]:
+    flops = (len(lengths) - 1) * n * table.forward_flops + n * keeps[name].flops
+    traffic = 2 * (n * keeps[name].host + host)
+    return flops, flops / device_flops + traffic / bandwidth
+
+  return (
+    {name: k.policy for name, k in keeps.items()},
+    {name: k.device for name, k in keeps.items()},
+    costing,
+    {name: k.host for name, k in keeps.items()},
+    tuple((m, table.bytes[m], table.flops[m]) for m in table.names),
+  )
 
 
 def _measurements(fn: Callable, abstract: Any, carry: Any) -> dict[tuple, int]:
