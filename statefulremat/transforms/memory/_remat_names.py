@@ -4,6 +4,7 @@ worth planning with (README.md)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from typing import Any
 import jax
 from jax.extend.core import Jaxpr, Literal
 
-from ._jaxpr_reading import STACK_CARRY, checkpoint_names, sub_jaxprs
+from ._jaxpr_reading import STACK_CARRY, checkpoint_name_of, checkpoint_names, sub_jaxprs
 from ._policy_check import Policy, custom_policy
 
 AUTO = "auto"
@@ -21,7 +22,7 @@ EXHAUSTIVE = 4096  # the most name assignments searched one by one; above, a gre
 _FREE = {
   "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "convert_element_type",
   "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "copy", "copy_p", "pad",
-  "select_n", "iota", "gather", "name", "optimization_barrier", "device_put", "stop_gradient",
+  "select_n", "iota", "gather", "optimization_barrier", "device_put", "stop_gradient",
 }  # fmt: skip
 
 
@@ -29,10 +30,14 @@ _FREE = {
 class Keeping:
   """One innermost policy's figures for one unit: its residual bytes and recomputed FLOPs."""
 
-  policy: Policy
+  choices: dict[str, str]  # every name of the unit: "remat", "device" or "offload"
   device: int  # residual bytes kept in device memory
   host: int  # residual bytes offloaded to host memory
   flops: int  # FLOPs the backward pass recomputes, beyond saving every value
+
+  @functools.cached_property
+  def policy(self) -> Policy:
+    return custom_policy(self.choices)
 
   def seconds(self, device_flops: float, host_bandwidth: float) -> float:
     """The unit's recompute and host traffic (out and back), in seconds."""
@@ -51,12 +56,14 @@ class NameTable:
   forward_flops: int  # one forward pass of the unit
 
   def keeping(self, choices: dict[str, str]) -> Keeping:
-    """The additive figures of ``choices`` (``{name: "remat" | "device" | "offload"}``)."""
+    """The additive figures of ``choices`` (``{name: "remat" | "device" | "offload"}``),
+    each name it leaves out recomputed."""
     kept = [n for n, c in choices.items() if c != "remat"]
     host = sum(self.bytes[n] for n, c in choices.items() if c == "offload")
     device = self.base_bytes + sum(self.bytes[n] for n in kept) - host
     flops = max(0, self.base_flops - sum(self.flops[n] for n in kept))
-    return Keeping(custom_policy(choices), device, host, flops)
+    every = {n: choices.get(n, "remat") for n in self.names}  # sorted: one repr per policy
+    return Keeping(every, device, host, flops)
 
 
 def flops(jaxpr: Jaxpr) -> int:
@@ -69,6 +76,8 @@ def flops(jaxpr: Jaxpr) -> int:
       branches = "branches" in eqn.params  # a cond runs one of them
       total += (max(inner) if branches else sum(inner)) * int(eqn.params.get("length", 1))
       continue
+    if not eqn.outvars or checkpoint_name_of(eqn) is not None:
+      continue  # a name gives its value a name, nothing more
     name, out = eqn.primitive.name, eqn.outvars[0].aval
     size = math.prod(getattr(out, "shape", ()))
     if name == "dot_general":
@@ -144,12 +153,6 @@ def keepings(table: NameTable, offload: bool, device_flops: float, bandwidth: fl
     found = [table.keeping(dict(zip(names, a))) for a in assignments]
   else:
     found = _chain(table, names, offload)
-  # Names that neither save nor cost are recomputed: they go in as "remat", for the record.
-  idle = {n: "remat" for n in table.names if n not in names}
-  found = [
-    dataclasses.replace(k, policy=custom_policy(dict(sorted({**_choices(k), **idle}.items()))))
-    for k in found
-  ]
   seconds = lambda k: k.seconds(device_flops, bandwidth)
   pareto, best = [], math.inf
   for k in sorted(found, key=lambda k: (k.device, seconds(k), k.host)):
@@ -157,15 +160,6 @@ def keepings(table: NameTable, offload: bool, device_flops: float, bandwidth: fl
       pareto.append(k)
       best = seconds(k)
   return pareto
-
-
-def _choices(keeping: Keeping) -> dict[str, str]:
-  policy = keeping.policy
-  return {
-    **{n: "device" for n in policy.saved},
-    **{n: "offload" for n in policy.offloaded},
-    **{n: "remat" for n in policy.recomputed},
-  }
 
 
 def _chain(table: NameTable, names: list[str], offload: bool) -> list[Keeping]:
