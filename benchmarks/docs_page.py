@@ -32,6 +32,7 @@ PARTS = (
   ("transformer", "python -m benchmarks.transformer"),
   ("pattern", "python -m benchmarks --part pattern"),
   ("planner", "python -m benchmarks --part planner"),
+  ("auto_policy", "python -m benchmarks.auto_policy"),
   ("pipeline", "python -m benchmarks --part pipeline"),
   ("sharded_init", "python -m benchmarks.sharded_init"),
   ("hotpaths", "python -m benchmarks --part hotpaths"),
