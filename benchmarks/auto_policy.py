@@ -287,7 +287,8 @@ def markdown(result) -> str:
   cfg = result["config"]
   cost = result["planning"]
   lines = [
-    '# `policy="auto"` against MaxText\'s estimator, the best preset and exhaustive search',
+    "# Choosing what to keep by name (policy auto) against the MaxText estimator, the best "
+    "preset and exhaustive search",
     "",
     f"`{cfg['command']}` on {cfg['machine'] or cfg['device']}, jax {cfg['jax']}, {cfg['date']}. "
     f"Batch {cfg['batch']}, sequence {cfg['seq']}, width {cfg['width']}, {cfg['layers']} "

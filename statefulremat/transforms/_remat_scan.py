@@ -22,7 +22,7 @@ class _Options(StackOptions, total=False):
 
   length: int | None
   memory_budget: int | str | None
-  policy: Callable[..., Any] | None
+  policy: Callable[..., Any] | str | None
   carries: str | None
   variable_carry: Any
   prevent_cse: bool
@@ -56,7 +56,7 @@ def remat_scan(
   *,
   length: int | None = None,
   memory_budget: int | str | None = None,
-  policy: Callable[..., Any] | None = None,
+  policy: Callable[..., Any] | str | None = None,
   carries: str | None = None,
   variable_broadcast: Any = False,
   variable_carry: Any = False,

@@ -78,19 +78,22 @@ def flops(jaxpr: Jaxpr) -> int:
       continue
     if not eqn.outvars or checkpoint_name_of(eqn) is not None:
       continue  # a name gives its value a name, nothing more
-    name, out = eqn.primitive.name, eqn.outvars[0].aval
-    size = math.prod(getattr(out, "shape", ()))
+    name, size = eqn.primitive.name, math.prod(_shape(eqn.outvars[0]))
     if name == "dot_general":
       (contract, _), _ = eqn.params["dimension_numbers"]
-      lhs = eqn.invars[0].aval.shape
+      lhs = _shape(eqn.invars[0])
       total += 2 * size * math.prod(lhs[i] for i in contract)
     elif name == "conv_general_dilated":
-      rhs = eqn.invars[1].aval.shape
+      rhs = _shape(eqn.invars[1])
       out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
       total += 2 * size * math.prod(rhs) // out_features
     elif name not in _FREE:
       total += size
   return total
+
+
+def _shape(var) -> tuple[int, ...]:
+  return getattr(var.aval, "shape", ())
 
 
 def name_table(unit_fn: Callable, states: Any, carry: Any) -> NameTable:

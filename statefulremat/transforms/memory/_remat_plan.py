@@ -73,9 +73,8 @@ class RematPlan:
     recomputed_flops: with a ``policy`` given or ``"auto"``, the FLOPs a step recomputes
       beyond one forward pass (read from the block's jaxpr); else None.
     cost: with ``policy="auto"``, the step's recompute and host traffic in seconds.
-    frontier: with ``policy="auto"`` and no budget, the memory-cost frontier: plans, each
-      compiled (``measured_bytes``), less memory first and never cheaper.
     names: with ``policy="auto"``, ``(name, bytes saved, FLOPs recomputed)`` per name.
+    _frontier: internal: compiles ``frontier``, where there is one.
   """
 
   n: int
@@ -97,8 +96,14 @@ class RematPlan:
   reason: str = ""
   recomputed_flops: int | None = None
   cost: float | None = None
-  frontier: tuple = ()
   names: tuple = ()
+  _frontier: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
+
+  @functools.cached_property
+  def frontier(self) -> tuple:
+    """With ``policy="auto"`` and no budget, the memory-cost frontier: plans, each compiled
+    (``measured_bytes``), less memory first and never cheaper; compiled when first read."""
+    return () if self._frontier is None else self._frontier()
 
   @property
   def policy(self):

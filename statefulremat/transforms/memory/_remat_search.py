@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -75,9 +76,10 @@ def plan_remat(
   Returns:
     An ``sr.RematPlan`` (its ``lengths``, innermost ``policy``, evaluations and bytes), to
     pass as ``sr.remat_scan(fn, lengths=plan)``. With ``policy="auto"`` and no budget,
-    ``plan.frontier`` holds the memory-cost frontier, each plan compiled. Planning
-    compiles the stack's gradient a few times (``"auto"``: 5 typically, 9 at most without
-    a budget), and keeps what it measured for the same body and shapes.
+    ``plan.frontier`` is the memory-cost frontier, compiled when first read. Planning
+    compiles the stack's gradient a few times (``"auto"``: 2 to 4, and the frontier's
+    other points, 3 typically, 5 at most), and keeps what it measured for the same body
+    and shapes.
 
   Raises:
     TypeError: ``stack`` is not a stacked module.
@@ -208,7 +210,9 @@ def _search(stack, carry, fn, budget, policy, carries, only, max_depth, costs, m
         working_sets = None  # the pick's policy was derived: measure it
         working_sets = calibrate(make(None, None), measure, residuals, plan.policy_name)
         plan = make(None, None)
-      return plan if names is None else dataclasses.replace(plan, frontier=frontier(plan, measure))
+      if names is None:
+        return plan
+      return dataclasses.replace(plan, _frontier=functools.partial(frontier, plan, measure))
     if carries is not None:
       return fit_budget(make, budget, measure)
     if not moves:

@@ -49,7 +49,7 @@ class PipelineSpec:
   microbatches: int = 1
   schedule: str = "gpipe"
   repeats: int = 1
-  policy: Callable | None = None
+  policy: Callable | str | None = None
 
   def __post_init__(self):
     what = "sr.pipeline"
@@ -116,7 +116,7 @@ def pipeline(
   microbatches: int,
   schedule: str = "gpipe",
   repeats: int = 1,
-  policy: Callable | None = None,
+  policy: Callable | str | None = None,
   lengths: str | None = None,
   memory_budget: int | str | None = None,
 ) -> Callable:
