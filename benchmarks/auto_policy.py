@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 import statefulremat as sr  # noqa: E402
 from benchmarks.planner import GPT, ConvBlock, GemmaBlock, _abstract  # noqa: E402
 from statefulremat.transforms.memory import _remat_names, _remat_plan, _remat_search  # noqa: E402
+from statefulremat.transforms.memory._carries import quiet  # noqa: E402
 from statefulremat.transforms.memory._remat_plan import format_bytes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -117,7 +118,7 @@ class Table:
       plan = dataclasses.replace(plan, _policies={"p": policy})
       run = _remat_search._candidate(apply, plan)
       loss = lambda m, c: jnp.sum(run(m, c))
-      with _quiet():
+      with quiet():  # the planner's own compiles are as quiet
         lowered = sr.jit(sr.grad(loss)).lower(self.stack, self.carry)
       compiled = lowered.compile(_remat_search._planning_options())
       self.bytes[key] = int(compiled.memory_analysis().temp_size_in_bytes)
@@ -133,12 +134,6 @@ class Table:
       if self.temp(lengths, p) <= budget
     ]
     return min(fitting, key=lambda f: (f[0], self.temp(f[1], f[2])), default=None)
-
-
-def _quiet():
-  from statefulremat.transforms.memory._carries import quiet
-
-  return quiet()
 
 
 def no_remat_bytes(stack, carry) -> int:
