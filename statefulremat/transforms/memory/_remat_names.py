@@ -15,6 +15,7 @@ from jax.extend.core import Jaxpr, Literal
 
 from ._jaxpr_reading import STACK_CARRY, checkpoint_name_of, checkpoint_names, sub_jaxprs
 from ._policy_check import Policy, custom_policy
+from ._remat_plan import saved_bytes
 
 AUTO = "auto"
 EXHAUSTIVE = 4096  # the most name assignments searched one by one; above, a greedy chain
@@ -142,8 +143,8 @@ def _traced(flat: Callable, leaves: list, params: int, policy) -> tuple[int, int
   closed = jax.make_jaxpr(step)(*leaves)
   saved, inputs = closed.jaxpr.outvars, set(closed.jaxpr.invars[:params])
   residuals = saved[: len(saved) - len(leaves)]
-  kept = {v for v in residuals if not isinstance(v, Literal) and v not in inputs}
-  return sum(v.aval.size * v.aval.dtype.itemsize for v in kept), flops(closed.jaxpr)
+  kept = (v for v in residuals if not isinstance(v, Literal) and v not in inputs)
+  return saved_bytes(kept), flops(closed.jaxpr)
 
 
 def keepings(table: NameTable, offload: bool, device_flops: float, bandwidth: float) -> list:

@@ -427,8 +427,12 @@ def residual_bytes(layer_fn: Callable, params: Any, carry: Any, policy) -> int:
   closed = jax.make_jaxpr(lambda *x: jax.tree.leaves(jax.vjp(checkpointed, *x)[1]))(*leaves)
   jaxpr = closed.jaxpr
   param_vars = set(jaxpr.invars[: len(jax.tree.leaves(params))])
-  saved = {v for v in jaxpr.outvars if not isinstance(v, Literal) and v not in param_vars}
-  avals = [cast(jax.core.ShapedArray, v.aval) for v in saved]  # a residual is an array
+  return saved_bytes(v for v in jaxpr.outvars if not isinstance(v, Literal) and v not in param_vars)
+
+
+def saved_bytes(residuals) -> int:
+  """Bytes of a pullback's residuals, given as jaxpr variables (each one once)."""
+  avals = [cast(jax.core.ShapedArray, v.aval) for v in set(residuals)]  # each an array
   return sum(a.size * a.dtype.itemsize for a in avals)
 
 
