@@ -34,13 +34,14 @@ def tokens(shape=(BATCH, SEQ, WIDTH)):
 BLOCKS = {
   "GPT": (lambda: sr.vmap(GPT, axis_size=N)(WIDTH, 4, rngs=sr.Rngs(0)), tokens),
   "GQA": (lambda: sr.vmap(GPT, axis_size=N)(WIDTH, 4, kv_heads=2, rngs=sr.Rngs(0)), tokens),
-  "pattern 5 local + 1 global": (
+  # Gemma's pattern at a small size: two local blocks and one global (the benchmark: 5 + 1).
+  "pattern 2 local + 1 global": (
     lambda: sr.remat_scan(
       (
-        *[functools.partial(GemmaBlock, WIDTH, window=4, rope_base=1e4)] * 5,
+        *[functools.partial(GemmaBlock, WIDTH, window=4, rope_base=1e4)] * 2,
         functools.partial(GemmaBlock, WIDTH, window=None, rope_base=1e6),
       ),
-      length=12,
+      length=6,
       lengths=(2,),
     )(rngs=sr.Rngs(0)),
     tokens,
@@ -157,25 +158,23 @@ def assert_says_per_name(plan):
 
 def assert_no_more_recompute_than_presets(stack, x, plan):
   """At a budget between the frontier's ends, auto recomputes no more than a preset."""
-  low, high = plan.frontier[0].measured_bytes, plan.frontier[-1].measured_bytes
-  for budget in ((low + high) // 2,):
-    auto = sr.plan_remat(stack, x, policy="auto", memory_budget=int(budget))
-    assert auto.measured_bytes <= budget
-    # Four presets that keep different names (benchmarks/auto_policy.py compares all eight).
-    for preset in map(
-      sr.policies.preset, ("minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj")
-    ):
-      try:
-        other = sr.plan_remat(stack, x, policy=preset, memory_budget=int(budget))
-      except sr.TransformError:
-        continue  # the preset fits nowhere under this budget, or names nothing here
-      assert auto.recomputed_flops <= other.recomputed_flops, (budget, preset, str(auto))
+  budget = (plan.frontier[0].measured_bytes + plan.frontier[-1].measured_bytes) // 2
+  auto = sr.plan_remat(stack, x, policy="auto", memory_budget=budget)
+  assert auto.measured_bytes <= budget
+  # Three presets that keep other names (the benchmark compares all eight at eight budgets).
+  for name in ("save_dot_except_mlp", "save_qkv_proj", "save_out_proj"):
+    preset = sr.policies.preset(name)
+    try:
+      other = sr.plan_remat(stack, x, policy=preset, memory_budget=budget)
+    except sr.TransformError:
+      continue  # the preset fits nowhere under this budget (on another jax, say)
+    assert auto.recomputed_flops <= other.recomputed_flops, (budget, name, str(auto))
 
 
 def test_a_budget_nothing_fits_names_the_smallest_plan():
-  stack, x, _, plan = planned("GPT")
+  stack, x = gpt()
   with pytest.raises(sr.TransformError, match=r"no remat plan .* the smallest, lengths="):
-    sr.plan_remat(stack, x, policy="auto", memory_budget=plan.measured_bytes // 4)
+    sr.plan_remat(stack, x, policy="auto", memory_budget="1KiB")
 
 
 def test_a_block_that_names_nothing_plans_as_before_and_says_why():
@@ -189,13 +188,13 @@ def test_a_block_that_names_nothing_plans_as_before_and_says_why():
   assert_same(sr.jit(sr.value_and_grad(loss_of(run)))(stack, x), reference)
 
 
-@pytest.mark.parametrize("lengths", ["auto", (2, 2)])
-def test_remat_scan_plans_the_policy_with_or_without_its_nesting(lengths):
+def test_remat_scan_plans_the_policy_with_or_without_its_nesting():
   stack, x, reference, plan = planned("GPT")
   # (2, 2) holds more than the frontier's single level: a budget it fits saving every name.
-  budget = plan.measured_bytes * 4 // 3 if lengths == "auto" else 10 * plan.measured_bytes
-  run = sr.remat_scan(apply, lengths=lengths, policy="auto", memory_budget=budget)
-  assert_same(sr.jit(sr.value_and_grad(loss_of(run)))(stack, x), reference)
+  budgets = {"auto": plan.measured_bytes * 4 // 3, (2, 2): 10 * plan.measured_bytes}
+  for lengths, budget in budgets.items():
+    run = sr.remat_scan(apply, lengths=lengths, policy="auto", memory_budget=budget)
+    assert_same(sr.jit(sr.value_and_grad(loss_of(run)))(stack, x), reference)
 
 
 def test_misspelt_policy_strings_name_auto():
