@@ -232,7 +232,7 @@ def test_planning_compiles_a_bounded_number_of_programs_and_reuses_them(monkeypa
   assert len(compiles) <= 1 + 4 + 8 and fitted.measured_bytes <= budget  # pick, rescales, PROBES
 
 
-def test_an_offload_the_compiled_program_does_not_make_is_refused():
+def test_an_offload_the_compiled_program_does_not_make_or_gets_wrong_is_refused(monkeypatch):
   # The check an offloading pick passes before the planner returns it (on a backend that
   # moves values; this CPU does not, so the planner never offloads here): a program that
   # keeps no host bytes (JAX issue #23869's symptom) is refused, and the message says so.
@@ -248,3 +248,41 @@ def test_an_offload_the_compiled_program_does_not_make_is_refused():
   problem = _offload_check.offload_problem(plan, compiled, unit_fn, states, x)
   assert problem.startswith("Not offloaded: the plan offloading the names 'mlpwi' (lengths=")
   assert "keeps no host bytes on this backend (cpu)" in problem
+
+  # A backend that moves bytes (simulated: the figure XLA would report) passes when one
+  # layer's gradient equals the device plan's, and is refused when it does not (a jaxlib
+  # that offloads wrongly, simulated: openxla PR #46231's bug).
+  class Moved:
+    def memory_analysis(self):
+      return type("Analysis", (), {"host_temp_size_in_bytes": 4096})()
+
+  assert _offload_check.offload_problem(plan, Moved(), unit_fn, states, x) is None
+  right = _offload_check._gradient
+
+  def wrong(unit_fn, states, carry, policy):
+    grads = right(unit_fn, states, carry, policy)
+    return [g + 1e-2 for g in grads] if policy.offloaded else grads
+
+  monkeypatch.setattr(_offload_check, "_gradient", wrong)
+  problem = _offload_check.offload_problem(plan, Moved(), unit_fn, states, x)
+  assert problem.startswith("Not offloaded: with the names 'mlpwi' offloaded, one layer's ")
+  assert "gradient differs from the plan saving them on the device (by up to 0.01)" in problem
+
+
+def test_where_no_offloading_plan_fits_the_planner_keeps_everything_on_the_device(
+  monkeypatch,
+):
+  # A backend that says it moves values but whose offload saves nothing (JAX issue
+  # #23869; simulated: this CPU, said to move values): every offloading plan's compiled
+  # temp is the device plan's, so under the least budget any plan needs none fits; the
+  # planner plans again on the device alone, and its reason says why.
+  from statefulremat.transforms.memory import _remat_search
+
+  stack, x = gpt()
+  least = sr.plan_remat(stack, x, policy="auto").measured_bytes
+  monkeypatch.setattr(_remat_search, "moves_to_host", lambda: True)
+  plan = sr.plan_remat(stack, x, policy="auto", memory_budget=least, host_bandwidth=1e18)
+  assert plan.measured_bytes <= least and not plan.policy.offloaded
+  assert plan.reason.startswith("Not offloaded: no plan that offloads fits memory_budget=")
+  with pytest.raises(sr.TransformError, match="no remat plan .* fits"):  # nothing does
+    sr.plan_remat(stack, x, policy="auto", memory_budget=least // 2, host_bandwidth=1e18)

@@ -29,6 +29,7 @@ from ._remat_plan import (
   POLICIES,
   RematPlan,
   choose,
+  format_bytes,
   nesting_keeps_policy,
   parse_bytes,
   residual_bytes,
@@ -130,10 +131,28 @@ def search(stack, carry, fn, budget, policy, carries, *, lengths=None, max_depth
   ``lengths`` plans that nesting only (``sr.remat_scan(lengths=..., policy="auto")``);
   ``costs``: host bandwidth and device FLOPs, per second (non-zero)."""
   args = (stack, carry, fn, budget, policy, carries, lengths, max_depth, costs)
-  plan, problem = _search(*args, moves_to_host())
+  moves = moves_to_host()
+  try:
+    plan, problem = _search(*args, moves)
+  except TransformError as error:
+    if not moves or budget is None:
+      raise
+    # Offloading only ever lowers the device's bytes, unless it moves nothing (JAX issue
+    # #23869): then a plan keeping everything on the device may still fit.
+    try:
+      plan, _ = _search(*args, False)
+    except TransformError:
+      raise error from None
+    problem = (
+      f"Not offloaded: no plan that offloads fits memory_budget={format_bytes(budget)} "
+      "once compiled, so this backend's offload saves no device memory here; planned "
+      "with nothing offloaded."
+    )
+  else:
+    if problem is not None:  # planned again, offloading nothing
+      plan, _ = _search(*args, False)
   notes = [] if plan.names or policy != AUTO else [_unnamed()]
-  if problem is not None:  # planned again, offloading nothing
-    plan, _ = _search(*args, False)
+  if problem is not None:
     notes.append(problem)
   return dataclasses.replace(plan, reason=" ".join([*notes, plan.reason]).strip())
 
