@@ -10,8 +10,8 @@ checkpoint names to remat or device is a policy (``sr.policies.custom``; this CP
 nothing to host memory, so nothing is offloaded). A table holds, per (policy, nesting),
 XLA's temp bytes for the stack's gradient (compiled) and the FLOPs the step recomputes
 beyond one forward pass, ``(levels - 1) * N * forward + N * recomputed(policy)``, counted
-from the block's jaxpr. At eight budgets, from the least any plan needs to what the stack
-needs with no remat at all:
+from the block's jaxpr. At eight budgets, spaced geometrically (the trade-off lives near
+the least) from the least any plan needs to what the stack needs with no remat at all:
 
 * (a) ``sr.plan_remat(stack, carry, policy="auto", memory_budget=budget)``;
 * (b) MaxText's estimator, written from its description (``maxtext/utils/estimator.py``):
@@ -186,7 +186,7 @@ def measure_block(name, stack, carry, exhaustive, cfg, log) -> dict:
   )
   most = no_remat_bytes(stack, carry)
   rows = []
-  for budget in np.linspace(least, most, cfg["budgets"]).astype(int).tolist():
+  for budget in np.geomspace(least, most, cfg["budgets"]).astype(int).tolist():
     t = time.perf_counter()
     try:
       auto = sr.plan_remat(stack, carry, policy="auto", memory_budget=budget)
