@@ -273,9 +273,10 @@ def test_where_no_offloading_plan_fits_the_planner_keeps_everything_on_the_devic
   monkeypatch,
 ):
   # A backend that says it moves values but whose offload saves nothing (JAX issue
-  # #23869; simulated: this CPU, said to move values): every offloading plan's compiled
-  # temp is the device plan's, so under the least budget any plan needs none fits; the
-  # planner plans again on the device alone, and its reason says why.
+  # #23869; simulated: this CPU, said to move values): a plan that offloads compiles to
+  # no less temp than the device plan, and the least-memory plans all offload, so under
+  # the least budget the device alone meets none fits; the planner plans again on the
+  # device alone, and its reason says why.
   from statefulremat.transforms.memory import _remat_search
 
   stack, x = gpt()

@@ -216,7 +216,8 @@ def test_eval_shape_and_partition_specs():
 def test_raw_jit_calls_the_model():
   model = MLP(3, 4, tie=True, rngs=sr.Rngs(0))
   out = jax.jit(lambda m, x: m(x))(model, X)
-  np.testing.assert_allclose(out, model(X), rtol=1e-6)
+  # Fused under jit, op by op eagerly: equal to float32 rounding (newer XLA differs in ulps).
+  np.testing.assert_allclose(out, model(X), rtol=1e-5, atol=1e-7)
 
 
 def test_raw_grad_is_a_module_of_gradients_equal_to_sr_grad():
