@@ -135,7 +135,8 @@ def search(stack, carry, fn, budget, policy, carries, *, lengths=None, max_depth
   try:
     plan, problem = _search(*args, moves)
   except TransformError as error:
-    if not moves or budget is None:
+    asked = carries is not None or bool(getattr(policy, "offloaded", ()))  # the user's
+    if not moves or budget is None or asked:
       raise
     # Offloading only ever lowers the device's bytes, unless it moves nothing (JAX issue
     # #23869): then a plan keeping everything on the device may still fit.
