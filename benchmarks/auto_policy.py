@@ -32,9 +32,7 @@ and compiles of a 24-layer GPT stack. Writes ``auto_policy.json`` / ``.md`` and
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
 import functools
 import itertools
 import json
@@ -51,6 +49,7 @@ import numpy as np  # noqa: E402
 
 import statefulremat as sr  # noqa: E402
 from benchmarks.planner import GPT, ConvBlock, GemmaBlock, _abstract  # noqa: E402
+from benchmarks.provenance import part_main, provenance  # noqa: E402
 from statefulremat.core import _caches  # noqa: E402
 from statefulremat.transforms.memory import _remat_names, _remat_plan, _remat_search  # noqa: E402
 from statefulremat.transforms.memory._carries import quiet  # noqa: E402
@@ -358,12 +357,7 @@ def run(quick=False, out=RESULTS, *, machine="", command="python -m benchmarks.a
   result = {
     "config": {
       **cfg,
-      "quick": quick,
-      "machine": machine,
-      "command": command,
-      "device": str(jax.devices()[0]),
-      "jax": jax.__version__,
-      "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+      **provenance(quick, machine, command),
     },
     "blocks": [
       measure_block(name, stack, carry, exhaustive, cfg, log)
@@ -383,14 +377,7 @@ def run(quick=False, out=RESULTS, *, machine="", command="python -m benchmarks.a
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small shapes, 6 layers, 3 budgets")
-  parser.add_argument("--out", default=str(RESULTS))
-  args = parser.parse_args(argv)
-  from benchmarks.run import machine
-
-  command = "python -m benchmarks.auto_policy" + (" --quick" if args.quick else "")
-  run(args.quick, args.out, machine=machine(), command=command)
+  part_main("auto_policy", __doc__, run, "small shapes, 6 layers, 3 budgets", argv)
 
 
 if __name__ == "__main__":

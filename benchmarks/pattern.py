@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import re
 import sys
@@ -58,6 +57,7 @@ import statefulremat as sr  # noqa: E402
 from benchmarks.compiling import measure as measure_compile  # noqa: E402
 from benchmarks.compiling import paired_ratio, stats  # noqa: E402
 from benchmarks.models import Case, lengths_for  # noqa: E402
+from benchmarks.provenance import machine, provenance  # noqa: E402
 from benchmarks.report import FLAT_EXPONENT, growth  # noqa: E402
 from benchmarks.roomy_stack import in_roomy_stack  # noqa: E402
 from benchmarks.timing import interleaved  # noqa: E402
@@ -422,12 +422,7 @@ def run(
     "config": {
       **{k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items() if k != "calls"},
       "calls": {str(k): v for k, v in config["calls"].items()},
-      "quick": quick,
-      "machine": machine,
-      "command": command,
-      "device": str(jax.devices()[0]),
-      "jax": jax.__version__,
-      "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+      **provenance(quick, machine, command),
       "seconds": time.perf_counter() - start,
     },
     "entries": entries,
@@ -529,8 +524,6 @@ def main(argv=None) -> None:
   parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
   parser.add_argument("--out", default=RESULTS, help=f"output folder (default {RESULTS})")
   args = parser.parse_args(argv)
-  from benchmarks.run import machine
-
   result = run(
     args.quick,
     args.out,

@@ -44,7 +44,6 @@ if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip()
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
@@ -60,6 +59,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import statefulremat as sr  # noqa: E402
 from benchmarks.compiling import paired_ratio, stats  # noqa: E402
+from benchmarks.provenance import machine, provenance  # noqa: E402
 from benchmarks.timing import interleaved  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -282,13 +282,8 @@ def run(
   result = {
     "config": {
       **{key: (list(v) if isinstance(v, tuple) else v) for key, v in cfg.items()},
-      "quick": quick,
-      "machine": machine,
-      "command": command,
+      **provenance(quick, machine, command),
       "devices": len(jax.devices()),
-      "device": str(jax.devices()[0]),
-      "jax": jax.__version__,
-      "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
       "seconds": time.perf_counter() - start,
     },
     "baseline": baseline,
@@ -401,7 +396,6 @@ def main(argv=None) -> None:
     help="how the run was started (recorded in the results)",
   )
   args = parser.parse_args(argv)
-  from benchmarks.run import machine
 
   result = run(args.quick, args.out, machine=machine(), command=args.command)
   print(markdown(result))

@@ -31,8 +31,6 @@ budget's pick fits (asserted after the files are written). Writes ``planner.json
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
 import json
 import sys
@@ -46,6 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import statefulremat as sr  # noqa: E402
+from benchmarks.provenance import part_main, provenance  # noqa: E402
 from statefulremat.transforms.memory._remat_plan import format_bytes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -266,12 +265,7 @@ def run(
   result = {
     "config": {
       **cfg,
-      "quick": quick,
-      "machine": machine,
-      "command": command,
-      "device": str(jax.devices()[0]),
-      "jax": jax.__version__,
-      "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+      **provenance(quick, machine, command),
     },
     "rows": rows,
     "budget_case": case,
@@ -287,14 +281,7 @@ def run(
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small shapes, fewer candidates")
-  parser.add_argument("--out", default=str(RESULTS))
-  args = parser.parse_args(argv)
-  from benchmarks.run import machine
-
-  command = "python -m benchmarks.planner" + (" --quick" if args.quick else "")
-  run(args.quick, args.out, machine=machine(), command=command)
+  part_main("planner", __doc__, run, "small shapes, fewer candidates", argv)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ from benchmarks import (  # noqa: E402
   transformer,
 )
 from benchmarks.models import lengths_for  # noqa: E402
+from benchmarks.provenance import machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("dispatch", "hotpaths", "pattern", "pipeline", "planner")  # the parts --part can run alone
@@ -149,18 +150,6 @@ def _fast_compiles(enabled: bool):
     yield
   finally:
     jax.config.update("jax_disable_most_optimizations", before)
-
-
-def machine() -> str:
-  cpu = platform.processor() or platform.machine()
-  try:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        cpu = line.split(":", 1)[1].strip()
-        break
-  except OSError:
-    pass
-  return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
 
 
 def run(

@@ -178,7 +178,8 @@ def targets(entries: list[dict]) -> list[dict]:
 
 def run(quick: bool = False, out: str | Path = RESULTS, log=print) -> dict:
   """Runs the family, writes ``transformer.json`` / ``.md`` to ``out``, returns them."""
-  from benchmarks.run import _fast_compiles, machine
+  from benchmarks.provenance import machine
+  from benchmarks.run import _fast_compiles
 
   cfg = QUICK if quick else FULL
   start = time.perf_counter()
